@@ -1,0 +1,91 @@
+"""Item types that travel between the DFlash stages.
+
+This module must stay importable without torch: `validate` and `graph` read the port types of every
+stage. Tensor fields are therefore typed ``Any``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+
+@attrs.define(eq=False)
+class Sample:
+    """One tokenized training sample."""
+
+    sample_id: int
+    input_ids: Any  # list[int] or 1-D integer array
+    loss_mask: Any  # same length as input_ids, 1 on supervised (assistant) tokens
+    source: str = ""  # "file:line" of the record it came from
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@attrs.define(eq=False)
+class BatchMeta:
+    """What a batch is, carried with it from the planner to the trainer."""
+
+    epoch: int
+    index: int  # position in the epoch's global batch plan
+    bucket: int
+    lengths: list[int]
+    real_tokens: int
+    padded_tokens: int
+    num_samples: int
+    sample_ids: list[int] = attrs.field(factory=list)
+    padded_len: int = 0
+
+    @property
+    def padding_efficiency(self) -> float:
+        return self.real_tokens / self.padded_tokens if self.padded_tokens else 1.0
+
+
+@attrs.define(eq=False)
+class PlannedBatch:
+    """A batch chosen by the planner: samples not yet padded."""
+
+    meta: BatchMeta
+    samples: list[Sample]
+
+
+@attrs.define(eq=False)
+class PaddedBatch:
+    """Right-padded tensors of one batch, shape [b, S]."""
+
+    meta: BatchMeta
+    input_ids: Any
+    attention_mask: Any
+    position_ids: Any
+    loss_mask: Any
+
+
+@attrs.define(eq=False)
+class TargetFeatures:
+    """Hidden states of the chosen target layers, aligned 1:1 with input_ids (no shift)."""
+
+    meta: BatchMeta
+    input_ids: Any
+    loss_mask: Any
+    attention_mask: Any
+    hidden_states: Any  # [b, S, n_layers * H]
+
+
+@attrs.define(eq=False)
+class StepReport:
+    """What one optimizer step of the drafter reports."""
+
+    step: int
+    epoch: int
+    meta: BatchMeta | None
+    metrics: dict[str, float] = attrs.field(factory=dict)
+
+
+@attrs.define(eq=False)
+class EvalReport:
+    """Result of a speculative-decoding evaluation."""
+
+    name: str
+    metrics: dict[str, float] = attrs.field(factory=dict)
