@@ -1,0 +1,55 @@
+"""The dataflow runtime. It knows nothing about DFlash, torch or MLflow."""
+
+from .channel import Channel, ChannelStats
+from .config import load_graph, load_graph_text, register_section
+from .errors import (
+    ConfigError,
+    DflashFlowError,
+    PipelineInterrupted,
+    PipelineStalled,
+    Problem,
+    ShutdownTimeout,
+    StageError,
+)
+from .graph import Graph, InputSpec, RuntimeOptions, StageSpec
+from .metrics import MetricSet
+from .registry import register_stage, resolve
+from .runtime import Pipeline, RunResult, RuntimeSnapshot
+from .seeding import derive_seed
+from .stage import Source, Stage, StageContext, cfg
+from .validate import validate, validated
+
+__all__ = sorted(
+    [
+        "Channel",
+        "ChannelStats",
+        "ConfigError",
+        "DflashFlowError",
+        "Graph",
+        "InputSpec",
+        "MetricSet",
+        "Pipeline",
+        "PipelineInterrupted",
+        "PipelineStalled",
+        "Problem",
+        "RunResult",
+        "RuntimeOptions",
+        "RuntimeSnapshot",
+        "ShutdownTimeout",
+        "Source",
+        "Stage",
+        "StageContext",
+        "StageError",
+        "StageSpec",
+        "cfg",
+        "derive_seed",
+        "load_graph",
+        "load_graph_text",
+        "register_section",
+        "register_stage",
+        "resolve",
+        "validate",
+        "validated",
+    ]
+)
+assert __all__ == sorted(__all__)

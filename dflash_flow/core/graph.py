@@ -1,0 +1,162 @@
+"""The pipeline graph: the one object both the Python API and YAML produce.
+
+A ``Graph`` is plain data (stage type names and config dicts), so it compares, serialises to YAML and
+validates without running anything. ``Graph.add`` also accepts Stage instances for programmatic use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+
+from .stage import Stage
+
+DEFAULT_CAPACITY = 8
+
+
+@attrs.define
+class InputSpec:
+    stage: str
+    policy: str = "round_robin"
+
+
+@attrs.define
+class StageSpec:
+    name: str
+    type: str
+    config: dict[str, Any] = attrs.field(factory=dict)
+    replicas: int = 1
+    devices: str | list[str] = "cpu"
+    inputs: list[InputSpec] = attrs.field(factory=list)
+    capacity: int | None = None
+    ordered: bool = False
+
+
+@attrs.define
+class RuntimeOptions:
+    """Runtime knobs, all in one place."""
+
+    capacity: int = DEFAULT_CAPACITY  # default input-queue capacity of every replica
+    stall_timeout_s: float = 600.0  # no-progress watchdog; 0 turns it off
+    drain_timeout_s: float = 30.0  # after Ctrl-C: time allowed to finish in-flight items
+    shutdown_grace_s: float = 10.0  # after cancel: time allowed for threads to exit
+    watchdog_interval_s: float = 1.0
+
+
+@attrs.define
+class Graph:
+    name: str = "pipeline"
+    seed: int = 0
+    output_dir: str | None = None
+    runtime: RuntimeOptions = attrs.field(factory=RuntimeOptions)
+    stages: list[StageSpec] = attrs.field(factory=list)
+    # Application sections (tracking, checkpoint, ...), structured by classes registered in config.py.
+    sections: dict[str, Any] = attrs.field(factory=dict)
+    # Where the graph came from (file name and line numbers); not part of equality.
+    locator: Any = attrs.field(default=None, eq=False, repr=False)
+    # Stage instances given through the Python API, used as replica 0's object.
+    instances: dict[str, Stage] = attrs.field(factory=dict, eq=False, repr=False)
+
+    # -- Python composition -------------------------------------------------------------------------
+    def add(
+        self,
+        name: str,
+        stage: Stage | type[Stage] | str,
+        *,
+        inputs: str | Iterable[str | InputSpec | tuple[str, str] | Mapping[str, str]] = (),
+        replicas: int = 1,
+        devices: str | list[str] = "cpu",
+        capacity: int | None = None,
+        ordered: bool = False,
+        policy: str | None = None,
+        config: Mapping[str, Any] | None = None,
+    ) -> Graph:
+        from .registry import type_name
+
+        conf = dict(config or {})
+        if isinstance(stage, Stage):
+            type_ = type_name(type(stage))
+            conf = {**stage.config(), **conf}
+            self.instances[name] = stage
+        elif isinstance(stage, type) and issubclass(stage, Stage):
+            type_ = type_name(stage)
+        else:
+            type_ = str(stage)
+        self.stages.append(
+            StageSpec(
+                name=name,
+                type=type_,
+                config=conf,
+                replicas=replicas,
+                devices=devices,
+                inputs=_inputs(inputs, policy),
+                capacity=capacity,
+                ordered=ordered,
+            )
+        )
+        return self
+
+    def stage(self, name: str) -> StageSpec:
+        for spec in self.stages:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+    def consumers(self, name: str) -> list[tuple[StageSpec, InputSpec]]:
+        return [(s, i) for s in self.stages for i in s.inputs if i.stage == name]
+
+    def to_dict(self) -> dict[str, Any]:
+        from .config import section_to_dict
+
+        out: dict[str, Any] = {"name": self.name, "seed": self.seed}
+        if self.output_dir is not None:
+            out["output_dir"] = self.output_dir
+        out["runtime"] = attrs.asdict(self.runtime)
+        for key, value in self.sections.items():
+            out[key] = section_to_dict(value)
+        stages = []
+        for s in self.stages:
+            d: dict[str, Any] = {"name": s.name, "type": s.type}
+            if s.inputs:
+                d["inputs"] = [
+                    i.stage if i.policy == "round_robin" else {"stage": i.stage, "policy": i.policy}
+                    for i in s.inputs
+                ]
+            if s.replicas != 1:
+                d["replicas"] = s.replicas
+            if s.devices != "cpu":
+                d["devices"] = s.devices
+            if s.capacity is not None:
+                d["capacity"] = s.capacity
+            if s.ordered:
+                d["ordered"] = True
+            if s.config:
+                d["config"] = s.config
+            stages.append(d)
+        out["stages"] = stages
+        return out
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=100)
+
+
+def _inputs(inputs: Any, policy: str | None) -> list[InputSpec]:
+    if isinstance(inputs, (str, InputSpec)):
+        inputs = [inputs]
+    out = []
+    for item in inputs:
+        if isinstance(item, InputSpec):
+            out.append(item)
+        elif isinstance(item, str):
+            out.append(InputSpec(item, policy or "round_robin"))
+        elif isinstance(item, tuple):
+            out.append(InputSpec(item[0], item[1]))
+        elif isinstance(item, Mapping):
+            out.append(InputSpec(item["stage"], item.get("policy", policy or "round_robin")))
+        else:
+            raise TypeError(f"cannot read input spec {item!r}")
+    return out

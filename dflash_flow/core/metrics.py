@@ -1,0 +1,154 @@
+"""Per-replica metrics: declared once (name, unit, description), written by one thread, read without locks.
+
+Each stage replica owns its metric objects, so the hot path is a plain attribute update under the GIL;
+readers (the Monitor, snapshots) copy values and aggregate across replicas.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+
+
+@attrs.define(eq=False)
+class Metric:
+    name: str
+    unit: str
+    description: str
+    kind = "metric"
+
+    def read(self) -> Any:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+@attrs.define(eq=False)
+class Counter(Metric):
+    kind = "counter"
+    value: float = 0
+
+    def inc(self, n: float = 1) -> None:
+        self.value += n
+
+    def read(self) -> float:
+        return self.value
+
+
+@attrs.define(eq=False)
+class Gauge(Metric):
+    kind = "gauge"
+    value: float = math.nan
+
+    def set(self, v: float) -> None:
+        self.value = v
+
+    def read(self) -> float:
+        return self.value
+
+
+@attrs.define(eq=False)
+class Summary(Metric):
+    """Count, total, min and max of observed values (enough for mean and max without storing samples)."""
+
+    kind = "summary"
+    count: int = 0
+    total: float = 0.0
+    min: float = math.inf
+    max: float = -math.inf
+
+    def observe(self, v: float) -> None:
+        self.count += 1
+        self.total += v
+        if v < self.min:
+            self.min = v
+        if v > self.max:
+            self.max = v
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else math.nan
+
+    def read(self) -> dict[str, float]:
+        return {"count": self.count, "total": self.total, "min": self.min, "max": self.max, "mean": self.mean}
+
+
+@attrs.define(eq=False)
+class Labeled(Metric):
+    """Counts per label (e.g. batches per bucket)."""
+
+    kind = "labeled"
+    values: dict[str, float] = attrs.field(factory=dict)
+
+    def inc(self, label: object, n: float = 1) -> None:
+        key = str(label)
+        self.values[key] = self.values.get(key, 0) + n
+
+    def read(self) -> dict[str, float]:
+        return self.values.copy()  # dict.copy is atomic under the GIL
+
+
+class MetricSet:
+    """The metrics of one stage replica."""
+
+    def __init__(self) -> None:
+        self._metrics: dict[str, Metric] = {}
+
+    def _declare(self, cls: type[Metric], name: str, unit: str, description: str) -> Any:
+        existing = self._metrics.get(name)
+        if existing is not None:
+            if type(existing) is not cls:
+                raise ValueError(f"metric '{name}' already declared as {existing.kind}")
+            return existing
+        metric = cls(name=name, unit=unit, description=description)
+        self._metrics[name] = metric
+        return metric
+
+    def counter(self, name: str, unit: str = "", description: str = "") -> Counter:
+        return self._declare(Counter, name, unit, description)
+
+    def gauge(self, name: str, unit: str = "", description: str = "") -> Gauge:
+        return self._declare(Gauge, name, unit, description)
+
+    def summary(self, name: str, unit: str = "", description: str = "") -> Summary:
+        return self._declare(Summary, name, unit, description)
+
+    def labeled(self, name: str, unit: str = "", description: str = "") -> Labeled:
+        return self._declare(Labeled, name, unit, description)
+
+    def __iter__(self):
+        return iter(list(self._metrics.values()))
+
+    def read(self) -> dict[str, Any]:
+        return {m.name: m.read() for m in list(self._metrics.values())}
+
+    def describe(self) -> dict[str, dict[str, str]]:
+        return {m.name: {"kind": m.kind, "unit": m.unit, "description": m.description} for m in self}
+
+
+def merge_values(kind: str, values: list[Any]) -> Any:
+    """Aggregate one metric across replicas."""
+    if not values:
+        return None
+    if kind == "counter":
+        return sum(values)
+    if kind == "gauge":
+        finite = [v for v in values if not (isinstance(v, float) and math.isnan(v))]
+        return finite[-1] if finite else math.nan
+    if kind == "summary":
+        count = sum(v["count"] for v in values)
+        total = sum(v["total"] for v in values)
+        return {
+            "count": count,
+            "total": total,
+            "min": min(v["min"] for v in values),
+            "max": max(v["max"] for v in values),
+            "mean": total / count if count else math.nan,
+        }
+    if kind == "labeled":
+        out: dict[str, float] = {}
+        for v in values:
+            for k, n in v.items():
+                out[k] = out.get(k, 0) + n
+        return out
+    raise ValueError(kind)

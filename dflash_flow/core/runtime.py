@@ -1,0 +1,721 @@
+"""The supervisor: one thread per stage replica, channels between them, and nothing left behind.
+
+Shutdown is explicit: end-of-stream closes channels; an error or a stop cancels every channel, which wakes
+every blocked put/get; every thread is joined. No daemon threads and no timeout polling on the data path.
+A supervisor thread watches for lack of progress and names the stalled stage.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import os
+import signal
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from .channel import END_OF_STREAM, Channel, ChannelCancelled, ChannelStats, ErrorItem
+from .devices import normalize_devices, place, visible_gpu_count
+from .errors import PipelineInterrupted, PipelineStalled, ShutdownTimeout, StageError
+from .graph import Graph
+from .metrics import MetricSet, merge_values
+from .routing import Router, make_router
+from .stage import Stage, StageContext
+from .validate import Validated, validated
+
+
+class _Tombstone:
+    """Stands for an input that produced no output, so an ordered consumer does not wait for it."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "TOMBSTONE"
+
+
+TOMBSTONE = _Tombstone()
+
+
+class _Terminate(KeyboardInterrupt):
+    """SIGTERM, delivered like Ctrl-C."""
+
+
+# -- snapshots --------------------------------------------------------------------------------------
+@attrs.define
+class ReplicaSnapshot:
+    replica: int
+    device: str
+    state: str
+    items_in: int
+    items_out: int
+    busy_s: float
+    blocked_in_s: float
+    blocked_out_s: float
+    alive_s: float
+    metrics: dict[str, Any]
+    channel: ChannelStats | None
+
+
+@attrs.define
+class StageSnapshot:
+    name: str
+    type: str
+    replicas: list[ReplicaSnapshot]
+    metric_kinds: dict[str, str]
+
+    def metric(self, name: str) -> Any:
+        values = [r.metrics[name] for r in self.replicas if name in r.metrics]
+        return merge_values(self.metric_kinds.get(name, "gauge"), values)
+
+    def fractions(self) -> dict[str, float]:
+        alive = sum(r.alive_s for r in self.replicas) or 1e-9
+        return {
+            "busy": sum(r.busy_s for r in self.replicas) / alive,
+            "blocked_in": sum(r.blocked_in_s for r in self.replicas) / alive,
+            "blocked_out": sum(r.blocked_out_s for r in self.replicas) / alive,
+        }
+
+
+@attrs.define
+class RuntimeSnapshot:
+    time: float
+    elapsed_s: float
+    stages: dict[str, StageSnapshot]
+
+    def flat(self) -> dict[str, float]:
+        """Every number, keyed ``stage/NAME/...`` (for logging)."""
+        out: dict[str, float] = {}
+        for name, st in self.stages.items():
+            p = f"stage/{name}"
+            for k, v in st.fractions().items():
+                out[f"{p}/{k}_frac"] = v
+            out[f"{p}/items_out"] = sum(r.items_out for r in st.replicas)
+            out[f"{p}/items_in"] = sum(r.items_in for r in st.replicas)
+            for r in st.replicas:
+                if r.channel is not None:
+                    out[f"queue/{name}/{r.replica}/depth"] = r.channel.depth
+            for mname in st.metric_kinds:
+                v = st.metric(mname)
+                _flatten_metric(out, f"{p}/{mname}", v)
+        return out
+
+
+def _flatten_metric(out: dict[str, float], key: str, value: Any) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flatten_metric(out, f"{key}/{k}", v)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        out[key] = float(value)
+
+
+class RuntimeView:
+    """What a stage may see of the runtime: snapshots (for the Monitor) and other stages' states."""
+
+    def __init__(self, pipeline: Pipeline):
+        self._p = pipeline
+
+    def snapshot(self) -> RuntimeSnapshot:
+        return self._p.snapshot()
+
+    @property
+    def graph(self) -> Graph:
+        return self._p.graph
+
+    def stage_states(self) -> dict[str, list[dict[str, Any]]]:
+        return self._p.state_dict()
+
+
+@attrs.define
+class RunResult:
+    status: str  # "finished"
+    elapsed_s: float
+    snapshot: RuntimeSnapshot
+    states: dict[str, list[dict[str, Any]]]
+
+
+# -- replicas ---------------------------------------------------------------------------------------
+class _Replica:
+    def __init__(self, spec_name: str, type_name: str, index: int, stage: Stage, ctx: StageContext):
+        self.name = spec_name
+        self.type_name = type_name
+        self.index = index
+        self.stage = stage
+        self.ctx = ctx
+        self.input: Channel | None = None
+        self.routers: list[Router] = []
+        self.ordered = False
+        self.send_tombstones = False
+        self.thread: threading.Thread | None = None
+        self.state = "pending"
+        self.state_since = time.monotonic()
+        self.started_at: float | None = None
+        self.ended_at: float | None = None
+        self.items_in = 0
+        self.items_out = 0
+        self.blocked_out_s = 0.0
+        self.setup_done = False
+        self.resume_state: dict[str, Any] | None = None
+        self.final_state: dict[str, Any] | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}[{self.index}]"
+
+    def set_state(self, state: str) -> None:
+        self.state = state
+        self.state_since = time.monotonic()
+
+    def blocked_in_s(self) -> float:
+        return self.input.blocked_get_s if self.input is not None else 0.0
+
+
+class Pipeline:
+    """Runs a validated graph. Use ``run()`` for pipelines that end in sinks, ``iterate(stage)`` to consume
+    a stage's output in the calling thread."""
+
+    def __init__(
+        self,
+        graph: Graph | Validated,
+        *,
+        services: dict[str, Any] | None = None,
+        resume_state: dict[str, list[dict[str, Any]]] | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        local_rank: int | None = None,
+        output_dir: str | Path | None = None,
+        check_devices: bool = True,
+        collect: list[str] | None = None,
+    ):
+        v = graph if isinstance(graph, Validated) else validated(graph, check_devices=check_devices)
+        self.validated = v
+        self.graph = v.graph
+        self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank
+        self.output_dir = Path(output_dir or self.graph.output_dir or f"runs/{self.graph.name}")
+        self.services = services if services is not None else {}
+        self.view = RuntimeView(self)
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._stop = threading.Event()
+        self._errors: list[StageError] = []
+        self._interrupted: str | None = None
+        self._cancelled = False
+        self._stall: PipelineStalled | None = None
+        self._running = 0
+        self._started = False
+        self._finished = False
+        self._start_time = 0.0
+        self._end_time: float | None = None
+        self._collect: dict[str, Channel] = {}
+        self._warnings: list[str] = []
+        self._watch_stop = threading.Event()
+        self._stuck: list[str] = []
+        self._build(resume_state or {}, collect or [])
+
+    # -- construction -----------------------------------------------------------------------------
+    def _build(self, resume_state: dict[str, list[dict[str, Any]]], collect: list[str]) -> None:
+        import copy
+
+        g = self.graph
+        gpus = visible_gpu_count()
+        self.replicas: dict[str, list[_Replica]] = {}
+        devices: dict[str, list[str]] = {}
+        for spec in g.stages:
+            placed, warning = place(normalize_devices(spec.devices), spec.replicas, gpus, self.local_rank)
+            if warning:
+                self._warnings.append(f"stage '{spec.name}': {warning}")
+                warnings.warn(f"stage '{spec.name}': {warning}", RuntimeWarning, stacklevel=3)
+            devices[spec.name] = placed
+        for spec in g.stages:
+            template = self.validated.configs[spec.name]
+            reps = []
+            for i in range(spec.replicas):
+                # Each replica owns its stage object; replica 0 reuses the validated (or user's) instance.
+                stage = template if i == 0 else copy.deepcopy(template)
+                downstream = sorted({d for c, _ in g.consumers(spec.name) for d in devices[c.name]})
+                ctx = StageContext(
+                    name=spec.name,
+                    replica=i,
+                    num_replicas=spec.replicas,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    local_rank=self.local_rank,
+                    device=devices[spec.name][i],
+                    downstream_devices=downstream,
+                    seed=g.seed,
+                    output_dir=self.output_dir,
+                    services=self.services,
+                    metrics=MetricSet(),
+                    stop_requested=self._stop,
+                    runtime=self.view,
+                )
+                rep = _Replica(spec.name, spec.type, i, stage, ctx)
+                states = resume_state.get(spec.name)
+                if states:
+                    rep.resume_state = states[i] if i < len(states) else states[-1]
+                reps.append(rep)
+            self.replicas[spec.name] = reps
+        # Channels: one per consumer replica, fed by every producer replica of every input edge.
+        for spec in g.stages:
+            if not spec.inputs:
+                continue
+            producers = sum(g.stage(i.stage).replicas for i in spec.inputs)
+            cap = spec.capacity or g.runtime.capacity
+            for rep in self.replicas[spec.name]:
+                rep.input = Channel(cap, name=rep.label, producers=producers)
+                rep.ordered = spec.ordered
+        for name in collect:
+            reps = self.replicas[name]
+            self._collect[name] = Channel(max(g.runtime.capacity, 1), name=f"collect:{name}", producers=len(reps))
+        # Routers: one per edge, shared by all producer replicas (one round-robin counter per edge).
+        for spec in g.stages:
+            for inp in spec.inputs:
+                router = make_router(inp.policy, [r.input for r in self.replicas[spec.name]])
+                for prod in self.replicas[inp.stage]:
+                    prod.routers.append(router)
+        for name, ch in self._collect.items():
+            router = make_router("round_robin", [ch])
+            for prod in self.replicas[name]:
+                prod.routers.append(router)
+        # Tombstones are only needed where an ordered consumer lies downstream through 1:1 stages.
+        for spec in g.stages:
+            if spec.ordered:
+                todo = [i.stage for i in spec.inputs]
+                seen = set()
+                while todo:
+                    n = todo.pop()
+                    if n in seen:
+                        continue
+                    seen.add(n)
+                    for rep in self.replicas[n]:
+                        rep.send_tombstones = True
+                    cls = self.validated.classes[n]
+                    if cls.cardinality == "1:1" and not cls.is_source():
+                        todo.extend(i.stage for i in g.stage(n).inputs)
+
+    # -- public API -------------------------------------------------------------------------------
+    @property
+    def warnings(self) -> list[str]:
+        return list(self._warnings)
+
+    def run(self) -> RunResult:
+        """Run to completion. Raises StageError, PipelineStalled or PipelineInterrupted."""
+        if self._collect:
+            raise RuntimeError("this pipeline collects outputs; use iterate()")
+        main = threading.current_thread() is threading.main_thread()
+        previous = None
+        if main:
+            previous = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, _raise_terminate)
+        try:
+            self._start()
+            interrupts = 0
+            while not self._done.is_set():
+                try:
+                    self._done.wait()
+                except KeyboardInterrupt as exc:
+                    interrupts += 1
+                    reason = "SIGTERM" if isinstance(exc, _Terminate) else "SIGINT"
+                    if interrupts == 1:
+                        self.stop(reason)
+                    else:
+                        self.cancel(reason)
+        finally:
+            try:
+                self._shutdown()
+            finally:
+                if main and previous is not None:
+                    signal.signal(signal.SIGTERM, previous)
+        return self._result()
+
+    def iterate(self, stage: str | None = None) -> Iterator[Any]:
+        """Yield the outputs of ``stage`` (declared in ``collect``) in the calling thread."""
+        if not self._collect:
+            raise RuntimeError("pass collect=[STAGE] to Pipeline to iterate over a stage's output")
+        name = stage or next(iter(self._collect))
+        ch = self._collect[name]
+        self._start()
+        try:
+            while True:
+                try:
+                    env = ch.get()
+                except ChannelCancelled:
+                    break
+                if env is END_OF_STREAM:
+                    break
+                if isinstance(env, ErrorItem):
+                    break
+                _, item = env
+                if item is TOMBSTONE:
+                    continue
+                yield item
+        except GeneratorExit:
+            self.cancel("consumer closed the iterator")
+            raise
+        except BaseException:
+            self.cancel("consumer raised")
+            raise
+        finally:
+            self._shutdown()
+        self._raise_if_failed()
+
+    def stop(self, reason: str = "stop requested") -> None:
+        """Graceful stop: sources stop producing, in-flight items drain, then everything ends.
+
+        If draining takes longer than ``runtime.drain_timeout_s``, the pipeline is cancelled.
+        """
+        with self._lock:
+            if self._interrupted is None:
+                self._interrupted = reason
+        self._stop.set()
+        if self._started and not self._done.is_set():
+            t = threading.Timer(self.graph.runtime.drain_timeout_s, self.cancel, args=(f"{reason}: drain timed out",))
+            t.name = "dflash-flow-drain-timer"
+            t.start()
+            self._drain_timer = t
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Immediate stop: every channel wakes its waiters with ChannelCancelled. Idempotent."""
+        with self._lock:
+            if self._cancelled:
+                return
+            self._cancelled = True
+            if self._interrupted is None and not self._errors and self._stall is None:
+                self._interrupted = reason
+        self._stop.set()
+        for reps in self.replicas.values():
+            for rep in reps:
+                if rep.input is not None:
+                    rep.input.cancel()
+        for ch in self._collect.values():
+            ch.cancel()
+
+    def snapshot(self) -> RuntimeSnapshot:
+        now = time.monotonic()
+        stages = {}
+        for spec in self.graph.stages:
+            reps = []
+            kinds: dict[str, str] = {}
+            for rep in self.replicas[spec.name]:
+                start = rep.started_at or now
+                end = rep.ended_at or now
+                alive = max(end - start, 0.0)
+                bin_ = rep.blocked_in_s()
+                bout = rep.blocked_out_s
+                for m in rep.ctx.metrics:
+                    kinds[m.name] = m.kind
+                reps.append(
+                    ReplicaSnapshot(
+                        replica=rep.index,
+                        device=rep.ctx.device,
+                        state=rep.state,
+                        items_in=rep.items_in,
+                        items_out=rep.items_out,
+                        busy_s=max(alive - bin_ - bout, 0.0),
+                        blocked_in_s=bin_,
+                        blocked_out_s=bout,
+                        alive_s=alive,
+                        metrics=rep.ctx.metrics.read(),
+                        channel=rep.input.stats() if rep.input is not None else None,
+                    )
+                )
+            stages[spec.name] = StageSnapshot(spec.name, spec.type, reps, kinds)
+        end = self._end_time or now
+        return RuntimeSnapshot(time=now, elapsed_s=(end - self._start_time) if self._started else 0.0, stages=stages)
+
+    def state_dict(self) -> dict[str, list[dict[str, Any]]]:
+        """Every replica's ``state_dict()``; after a run, the state captured when its thread ended."""
+        out = {}
+        for name, reps in self.replicas.items():
+            out[name] = [rep.final_state if rep.final_state is not None else rep.stage.state_dict() for rep in reps]
+        return out
+
+    # -- internals --------------------------------------------------------------------------------
+    def _start(self) -> None:
+        if self._started:
+            raise RuntimeError("a Pipeline runs once; build a new one to run again")
+        self._started = True
+        self._start_time = time.monotonic()
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        all_reps = [r for reps in self.replicas.values() for r in reps]
+        self._running = len(all_reps)
+        for rep in all_reps:
+            rep.thread = threading.Thread(
+                target=self._thread_main, args=(rep,), name=f"dflash-flow:{rep.label}", daemon=False
+            )
+        for rep in all_reps:
+            rep.thread.start()
+        self._watchdog = threading.Thread(target=self._watch, name="dflash-flow:supervisor", daemon=False)
+        self._watchdog.start()
+
+    def _thread_main(self, rep: _Replica) -> None:
+        phase = "setup"
+        rep.started_at = time.monotonic()
+        rep.set_state("setup")
+        try:
+            rep.setup_done = True
+            rep.stage.setup(rep.ctx)
+            if rep.resume_state is not None:
+                rep.stage.load_state_dict(rep.resume_state)
+            phase = "produce" if rep.input is None else "process"
+            if rep.input is None:
+                self._run_source(rep)
+            else:
+                self._run_transform(rep)
+            phase = "finish"
+            outs = rep.stage.finish()
+            if outs is not None:
+                for out in outs:
+                    self._emit(rep, None, out)
+            for router in rep.routers:
+                for ch in _router_channels(router):
+                    ch.close()
+            phase = "state_dict"
+            rep.final_state = rep.stage.state_dict()
+        except ChannelCancelled:
+            pass
+        except _UpstreamFailed:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the supervisor
+            self._fail(rep, phase, exc)
+        finally:
+            if rep.setup_done:
+                rep.set_state("teardown")
+                try:
+                    rep.stage.teardown()
+                except BaseException as exc:  # noqa: BLE001
+                    self._fail(rep, "teardown", exc)
+            if rep.final_state is None:
+                try:
+                    rep.final_state = rep.stage.state_dict()
+                except BaseException:  # noqa: BLE001 - a broken state_dict must not hide the real error
+                    rep.final_state = None
+            rep.ended_at = time.monotonic()
+            rep.set_state("failed" if any(e.stage == rep.name and e.replica == rep.index for e in self._errors) else "finished")
+            with self._lock:
+                self._running -= 1
+                last = self._running == 0
+            if last:
+                self._end_time = time.monotonic()
+                self._done.set()
+
+    def _run_source(self, rep: _Replica) -> None:
+        produce = getattr(rep.stage, "produce", None)
+        if produce is None:
+            raise TypeError(f"stage '{rep.name}' has no input and no produce()")
+        it = iter(produce())
+        seq = 0
+        stop = self._stop
+        while not stop.is_set():
+            rep.set_state("busy")
+            try:
+                item = next(it)
+            except StopIteration:
+                break
+            self._emit(rep, seq, item)
+            seq += 1
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+
+    def _run_transform(self, rep: _Replica) -> None:
+        ch = rep.input
+        stage = rep.stage
+        one_to_one = type(stage).cardinality == "1:1"
+        counter = itertools.count()
+        heap: list[tuple[int, int, Any]] = []
+        expected = 0
+        tie = itertools.count()
+        while True:
+            rep.set_state("waiting")
+            env = ch.get()
+            if env is END_OF_STREAM:
+                break
+            if isinstance(env, ErrorItem):
+                raise _UpstreamFailed()
+            seq, item = env
+            if rep.ordered and seq is not None:
+                heapq.heappush(heap, (seq, next(tie), item))
+                while heap and heap[0][0] <= expected:
+                    s, _, it = heapq.heappop(heap)
+                    expected = max(expected, s + 1)
+                    self._handle(rep, s, it, one_to_one, counter)
+                continue
+            self._handle(rep, seq, item, one_to_one, counter)
+        # Anything still held (gaps can only come from a cancelled upstream) goes out in order.
+        while heap:
+            s, _, it = heapq.heappop(heap)
+            self._handle(rep, s, it, one_to_one, counter)
+
+    def _handle(self, rep: _Replica, seq: Any, item: Any, one_to_one: bool, counter) -> None:
+        if item is TOMBSTONE:
+            if rep.send_tombstones:
+                self._emit(rep, seq, TOMBSTONE)
+            return
+        rep.set_state("busy")
+        rep.items_in += 1
+        outs = rep.stage.process(item)
+        n = 0
+        if outs is not None:
+            for out in outs:
+                n += 1
+                if one_to_one:
+                    if n > 1:
+                        raise RuntimeError(
+                            f"stage type '{rep.type_name}' is declared 1:1 but emitted more than one item "
+                            "for one input (declare cardinality = '1:n')"
+                        )
+                    self._emit(rep, seq, out)
+                else:
+                    self._emit(rep, next(counter), out)
+        if n == 0 and one_to_one and rep.send_tombstones:
+            self._emit(rep, seq, TOMBSTONE)
+
+    def _emit(self, rep: _Replica, seq: Any, item: Any) -> None:
+        env = (seq, item)
+        blocked = 0.0
+        for router in rep.routers:
+            target = router.targets()
+            if isinstance(target, list):
+                for ch in target:
+                    blocked += ch.put(env)
+            else:
+                blocked += target.put(env)
+        if item is not TOMBSTONE:
+            rep.items_out += 1
+        if blocked:
+            rep.blocked_out_s += blocked
+
+    def _fail(self, rep: _Replica, phase: str, exc: BaseException) -> None:
+        err = StageError(rep.name, rep.index, phase, exc)
+        err.__cause__ = exc
+        with self._lock:
+            self._errors.append(err)
+        # The error travels downstream as a value, then everything is cancelled.
+        for router in rep.routers:
+            for ch in _router_channels(router):
+                ch.put_error(ErrorItem(rep.name, rep.index, exc))
+        self.cancel(f"stage '{rep.name}' failed")
+
+    def _watch(self) -> None:
+        rt = self.graph.runtime
+        timeout = rt.stall_timeout_s
+        last_progress = None
+        last_change = time.monotonic()
+        while not self._done.wait(rt.watchdog_interval_s) and not self._watch_stop.is_set():
+            if timeout <= 0 or self._cancelled:
+                continue
+            progress = self._progress()
+            now = time.monotonic()
+            if progress != last_progress:
+                last_progress = progress
+                last_change = now
+                continue
+            if now - last_change >= timeout:
+                self._stall = self._stall_error(now - last_change)
+                self.cancel("stalled")
+                return
+
+    def _progress(self) -> tuple:
+        total = 0
+        for reps in self.replicas.values():
+            for rep in reps:
+                total += rep.items_in + rep.items_out + rep.ctx.heartbeats
+                if rep.input is not None:
+                    total += rep.input.items_in
+        return (total,)
+
+    def _stall_error(self, idle: float) -> PipelineStalled:
+        depths = {}
+        busy = []
+        blocked = []
+        for reps in self.replicas.values():
+            for rep in reps:
+                if rep.input is not None:
+                    depths[rep.label] = f"{rep.input.depth}/{rep.input.capacity}"
+                age = time.monotonic() - rep.state_since
+                if rep.state in ("busy", "setup"):
+                    busy.append((age, f"{rep.label} ({'in setup' if rep.state == 'setup' else 'in process'} for {age:.0f}s)"))
+                elif rep.state == "waiting":
+                    blocked.append(f"{rep.label} (waiting for input)")
+        if busy:
+            busy.sort(reverse=True)
+            stalled = [b[1] for b in busy]
+            head = f"no progress for {idle:.0f}s; stalled stage: {stalled[0]}"
+        else:
+            stalled = blocked
+            head = f"no progress for {idle:.0f}s and no stage is working (deadlock?): " + ", ".join(blocked)
+        depth_text = ", ".join(f"{k}={v}" for k, v in depths.items())
+        return PipelineStalled(f"{head}; queue depths: {depth_text}", stalled, depths)
+
+    def _shutdown(self) -> None:
+        if self._finished:
+            return
+        if not self._done.is_set():
+            self.cancel("shutdown")
+        grace = self.graph.runtime.shutdown_grace_s
+        self._done.wait(grace)
+        alive = []
+        deadline = time.monotonic() + grace
+        for reps in self.replicas.values():
+            for rep in reps:
+                if rep.thread is not None:
+                    rep.thread.join(max(deadline - time.monotonic(), 0.0))
+                    if rep.thread.is_alive():
+                        alive.append(rep.label)
+        timer = getattr(self, "_drain_timer", None)
+        if timer is not None:
+            timer.cancel()
+            timer.join()
+        self._watch_stop.set()
+        wd = getattr(self, "_watchdog", None)
+        if wd is not None:
+            wd.join()
+        self._finished = True
+        self._stuck = alive
+
+    def _raise_if_failed(self) -> None:
+        stuck = None
+        if self._stuck:
+            stuck = (
+                f"stage threads still running {self.graph.runtime.shutdown_grace_s:.0f}s after the stop: "
+                f"{', '.join(self._stuck)} (blocked outside the runtime's channels)"
+            )
+        if self._errors:
+            if stuck:
+                self._errors[0].add_note(stuck)
+            raise self._errors[0]
+        if stuck:
+            raise ShutdownTimeout(stuck)
+        if self._stall is not None:
+            raise self._stall
+        if self._interrupted is not None:
+            raise PipelineInterrupted(self._interrupted)
+
+    def _result(self) -> RunResult:
+        self._raise_if_failed()
+        snap = self.snapshot()
+        return RunResult("finished", snap.elapsed_s, snap, self.state_dict())
+
+    @property
+    def errors(self) -> list[StageError]:
+        return list(self._errors)
+
+
+class _UpstreamFailed(Exception):
+    pass
+
+
+def _router_channels(router: Router) -> list[Channel]:
+    return list(router.channels)
+
+
+def _raise_terminate(signum, frame):  # noqa: ARG001
+    raise _Terminate()

@@ -1,0 +1,168 @@
+"""The Stage contract: typed config fields (attrs), declared item types, a small lifecycle.
+
+Subclasses fill in hooks (`setup`, `process`/`produce`, `finish`, `teardown`, `state_dict`,
+`load_state_dict`); the runtime implements threading, routing, ordering and accounting once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import attrs
+
+from .metrics import MetricSet
+from .seeding import derive_seed
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .runtime import RuntimeView
+
+_MISSING = attrs.NOTHING
+
+
+def cfg(
+    default: Any = _MISSING,
+    *,
+    factory: Any = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    choices: Iterable[Any] | None = None,
+    doc: str = "",
+) -> Any:
+    """Declare a stage config field: default, bounds and a doc line (shown by `dflash-flow stages`)."""
+    validators = []
+    if ge is not None:
+        validators.append(attrs.validators.ge(ge))
+    if gt is not None:
+        validators.append(attrs.validators.gt(gt))
+    if le is not None:
+        validators.append(attrs.validators.le(le))
+    if choices is not None:
+        validators.append(attrs.validators.in_(tuple(choices)))
+    metadata = {"doc": doc, "config": True}
+    validator: Any = validators or None
+    if validators and default is None:
+        validator = attrs.validators.optional(validators)
+    if factory is not None:
+        return attrs.field(factory=factory, validator=validator, metadata=metadata, kw_only=True)
+    return attrs.field(default=default, validator=validator, metadata=metadata, kw_only=True)
+
+
+@attrs.define(eq=False)
+class StageContext:
+    """What a replica gets in ``setup``: where it runs, who it is, seeds, metrics and run services."""
+
+    name: str
+    replica: int = 0
+    num_replicas: int = 1
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: str = "cpu"
+    downstream_devices: list[str] = attrs.field(factory=list)
+    seed: int = 0
+    output_dir: Path = attrs.field(factory=lambda: Path("."), converter=Path)
+    services: dict[str, Any] = attrs.field(factory=dict)
+    metrics: MetricSet = attrs.field(factory=MetricSet)
+    stop_requested: threading.Event = attrs.field(factory=threading.Event)
+    runtime: RuntimeView | None = None
+    _heartbeats: int = 0
+
+    def seed_for(self, epoch: int = 0, *salt: object) -> int:
+        return derive_seed(self.seed, epoch, self.rank, self.name, *salt)
+
+    def rng(self, epoch: int = 0, *salt: object):
+        import numpy as np
+
+        return np.random.default_rng(self.seed_for(epoch, *salt))
+
+    def heartbeat(self) -> None:
+        """Tell the watchdog that a long computation inside one item is still making progress."""
+        self._heartbeats += 1
+
+    @property
+    def heartbeats(self) -> int:
+        return self._heartbeats
+
+
+# slots=False: replicas keep runtime handles (models, metrics) as plain attributes set in setup().
+@attrs.define(kw_only=True, eq=False, slots=False)
+class Stage:
+    """Base class of every stage. A subclass is an attrs class whose public fields are its config.
+
+    ``input_type`` / ``output_type`` declare the item classes of the ports (``object`` accepts anything,
+    ``None`` means no such port). ``cardinality`` is ``"1:1"`` when each input yields at most one output
+    (this keeps the source's ordering key, so an ordered consumer downstream can restore order), or
+    ``"1:n"`` when a stage may emit any number of items per input (it starts a new ordering).
+    """
+
+    input_type: ClassVar[type | None] = object
+    output_type: ClassVar[type | None] = object
+    cardinality: ClassVar[str] = "1:1"
+    #: True for stages that must run once per process (e.g. they own an MLflow run).
+    singleton: ClassVar[bool] = False
+
+    def setup(self, ctx: StageContext) -> None:
+        """Acquire resources. Runs on the replica's own thread before any item."""
+
+    def process(self, item: Any) -> Iterable[Any] | None:
+        """Handle one input item; return None, a list of outputs, or yield outputs."""
+        raise NotImplementedError(f"{type(self).__name__} must implement process()")
+
+    def finish(self) -> Iterable[Any] | None:
+        """End of input reached: emit anything held back."""
+        return None
+
+    def teardown(self) -> None:
+        """Release resources. Called once after setup started, also after a failure."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from ``state_dict``. Called after ``setup``."""
+
+    # -- helpers shared by every stage ------------------------------------------------------------
+    @classmethod
+    def config_fields(cls) -> list[attrs.Attribute]:
+        return [f for f in attrs.fields(cls) if f.init and not f.name.startswith("_")]
+
+    def config(self) -> dict[str, Any]:
+        return {f.name: _plain(getattr(self, f.name)) for f in self.config_fields()}
+
+    @classmethod
+    def is_source(cls) -> bool:
+        return cls.input_type is None
+
+    @classmethod
+    def is_sink(cls) -> bool:
+        return cls.output_type is None
+
+
+@attrs.define(kw_only=True, eq=False)
+class Source(Stage):
+    """A stage with no input: ``produce`` yields its items."""
+
+    input_type: ClassVar[type | None] = None
+    cardinality: ClassVar[str] = "1:n"
+
+    def produce(self) -> Iterator[Any]:
+        raise NotImplementedError(f"{type(self).__name__} must implement produce()")
+
+    def process(self, item: Any) -> Iterable[Any] | None:  # pragma: no cover - sources take no input
+        raise TypeError("a Source has no input")
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, Path):
+        return str(value)
+    return value

@@ -1,0 +1,542 @@
+"""The epoch batch plan: length buckets, token-budget packing, diversity-first interleaving.
+
+The plan for an epoch is a pure function of (sample lengths, `PlanConfig`, run seed, epoch). Every rank
+builds the same global plan and takes its share of it (`EpochPlan.batches_for_rank`); resuming means
+rebuilding the plan and skipping the batches already consumed. numpy only: no torch here.
+
+Three steps:
+
+1. Buckets. Lengths are grouped by upper boundaries (explicit, or quantiles of the data). The
+   boundaries depend on the data and the config only, never on the epoch, so bucket ids are stable.
+2. Packing (fairseq style). Inside each bucket the samples are ordered by a jittered length key (the
+   jitter is seeded by run seed and epoch, so batch composition changes every epoch while neighbours
+   stay close in length), then packed greedily: a batch is charged ``n * padded_max_len`` tokens
+   (padded, not real, tokens) and may not exceed ``max_tokens`` nor ``max_batch_size``.
+3. Interleaving. The sequence of bucket ids is drawn step by step, weighted towards the buckets that are
+   furthest behind their share of the epoch so far, with a penalty for repeating the last bucket.
+   Candidates are restricted to choices after which the rest of the epoch can still be ordered
+   without a run longer than ``max_run`` (an exact feasibility test, see `_run_cap_ok`), so the cap
+   holds to the very last batch instead of breaking when the small buckets run out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from collections.abc import Iterator, Sequence
+from typing import Literal
+
+import attrs
+import numpy as np
+
+from dflash_flow.items import BatchMeta
+
+__all__ = [
+    "BatchPlanner",
+    "EpochPlan",
+    "PlanConfig",
+    "assign_buckets",
+    "bucket_boundaries",
+    "epoch_rng",
+    "interleave_buckets",
+    "min_feasible_run",
+    "pack_bucket",
+    "padded_lengths",
+]
+
+log = logging.getLogger(__name__)
+
+# Salts that keep the generators of the plan's steps independent of each other.
+_SALT_PACK = 0x5041434B
+_SALT_SHUFFLE = 0x53485546
+_SALT_INTERLEAVE = 0x494E5452
+
+_warned: set[tuple] = set()
+
+
+def _warn_once(key: tuple, message: str) -> None:
+    # Plans are rebuilt every epoch (and on every rank); one warning per distinct situation is enough.
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message)
+
+
+def epoch_rng(seed: int, epoch: int, *salt: int) -> np.random.Generator:
+    """A generator determined by (run seed, epoch, salt), independent across salts."""
+    if seed < 0 or epoch < 0:
+        raise ValueError(f"seed and epoch must be >= 0, got seed={seed}, epoch={epoch}")
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), int(epoch), *map(int, salt)])))
+
+
+def _positive_int(_inst, attribute, value) -> None:
+    if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
+        raise ValueError(f"PlanConfig.{attribute.name} must be a positive integer, got {value!r}")
+
+
+def _boundaries_ok(_inst, _attr, value) -> None:
+    if value is None:
+        return
+    vals = list(value)
+    if any(int(v) != v or v < 1 for v in vals):
+        raise ValueError(f"PlanConfig.boundaries must be positive integers, got {vals}")
+    if any(b <= a for a, b in zip(vals, vals[1:])):
+        raise ValueError(f"PlanConfig.boundaries must be strictly increasing, got {vals}")
+
+
+@attrs.define(frozen=True, kw_only=True)
+class PlanConfig:
+    """How an epoch is bucketed, packed and ordered.
+
+    Args:
+        max_tokens: budget per batch in padded tokens, ``num_samples * padded_len <= max_tokens``.
+        max_batch_size: optional cap on samples per batch.
+        pad_to_multiple: padded length is rounded up to a multiple of this (the Padder must use the same).
+        boundaries: explicit inclusive upper bounds of all buckets but the last, e.g. ``(512, 1024, 2048)``
+            gives 4 buckets ``<=512, <=1024, <=2048, >2048``. ``None``: quantile boundaries.
+        num_buckets: number of quantile buckets when ``boundaries`` is None (fewer when lengths repeat).
+        max_run: hard cap on consecutive batches from one bucket.
+        length_jitter: relative jitter of the packing sort key. 0 packs strictly by length (composition
+            then changes only among equal lengths); larger values vary batches more and pad more.
+        repeat_penalty: weight factor (0..1] for choosing the previous batch's bucket again.
+        evenness: how sharply the interleaver favours the bucket furthest behind its share; higher means
+            a more even mix over every window and a less random order.
+    """
+
+    max_tokens: int = attrs.field(default=65536, validator=_positive_int)
+    max_batch_size: int | None = attrs.field(default=None, validator=_positive_int)
+    pad_to_multiple: int = attrs.field(default=1, validator=_positive_int)
+    boundaries: tuple[int, ...] | None = attrs.field(
+        default=None,
+        converter=lambda v: None if v is None else tuple(int(x) for x in v),
+        validator=_boundaries_ok,
+    )
+    num_buckets: int = attrs.field(default=6, validator=_positive_int)
+    max_run: int = attrs.field(default=3, validator=_positive_int)
+    length_jitter: float = attrs.field(default=0.02, validator=attrs.validators.ge(0.0))
+    repeat_penalty: float = attrs.field(
+        default=0.5, validator=[attrs.validators.gt(0.0), attrs.validators.le(1.0)]
+    )
+    evenness: float = attrs.field(default=3.0, validator=attrs.validators.ge(0.0))
+
+
+# --------------------------------------------------------------------------------------------------
+# buckets
+
+
+def padded_lengths(lengths: np.ndarray, pad_to_multiple: int) -> np.ndarray:
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if pad_to_multiple <= 1:
+        return lengths
+    return -(-lengths // pad_to_multiple) * pad_to_multiple
+
+
+def bucket_boundaries(lengths: Sequence[int] | np.ndarray, config: PlanConfig) -> np.ndarray:
+    """Inclusive upper bounds of all buckets but the last (bucket ids are 0..len(result))."""
+    if config.boundaries is not None:
+        return np.asarray(config.boundaries, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size == 0 or config.num_buckets == 1:
+        return np.zeros(0, dtype=np.int64)
+    qs = np.arange(1, config.num_buckets) / config.num_buckets
+    # 'inverted_cdf' returns observed lengths, so a boundary is a real length and "<=" splits at it.
+    cuts = np.quantile(lengths, qs, method="inverted_cdf").astype(np.int64)
+    cuts = np.unique(cuts)
+    # A boundary at the maximum would leave the last bucket empty.
+    return cuts[cuts < lengths.max()]
+
+
+def assign_buckets(lengths: Sequence[int] | np.ndarray, boundaries: np.ndarray) -> np.ndarray:
+    """Bucket id per length: the first bucket whose upper bound is >= the length."""
+    return np.searchsorted(np.asarray(boundaries, dtype=np.int64), np.asarray(lengths, dtype=np.int64), side="left")
+
+
+# --------------------------------------------------------------------------------------------------
+# packing
+
+
+def pack_bucket(
+    indices: np.ndarray,
+    padded: np.ndarray,
+    *,
+    max_tokens: int,
+    max_batch_size: int | None,
+    rng: np.random.Generator,
+    length_jitter: float,
+) -> list[np.ndarray]:
+    """Pack one bucket's samples into batches under the padded-token budget.
+
+    ``indices`` are sample positions, ``padded`` their padded lengths (same order). Returns a list of
+    index arrays in packing order (short to long).
+    """
+    n = indices.size
+    if n == 0:
+        return []
+    # Jitter in log space: neighbours differ by at most ~length_jitter relative length, so padding stays
+    # bounded while the cut points between batches move every epoch.
+    key = np.log(padded.astype(np.float64))
+    if length_jitter > 0:
+        key = key + rng.uniform(0.0, length_jitter, size=n)
+    else:
+        key = key + rng.uniform(0.0, 1e-9, size=n)  # random order among equal lengths only
+    order = np.argsort(key, kind="stable")
+    idx = indices[order]
+    lens = padded[order]
+
+    too_long = lens > max_tokens
+    if too_long.any():
+        j = int(np.flatnonzero(too_long)[0])
+        raise ValueError(
+            f"sample at position {int(idx[j])} has padded length {int(lens[j])} > max_tokens={max_tokens}: "
+            "raise max_tokens or lower the sources' max_length"
+        )
+
+    # Starting the first batch at a random fraction of its capacity shifts all later cut points too,
+    # which varies composition even where lengths leave no room for jitter (e.g. one long tail bucket).
+    batches: list[np.ndarray] = []
+    cap_limit = max_batch_size or n
+    start = 0
+    first = True
+    min_len = int(lens.min())
+    while start < n:
+        width = min(n - start, cap_limit, max_tokens // max(min_len, 1))
+        window = lens[start : start + width]
+        run_max = np.maximum.accumulate(window)
+        cost = run_max * np.arange(1, width + 1, dtype=np.int64)
+        # cost is non-decreasing, so the fitting prefix is found by bisection.
+        take = int(np.searchsorted(cost, max_tokens, side="right"))
+        take = max(take, 1)
+        if first:
+            first = False
+            if take > 1:
+                take = int(rng.integers(1, take + 1))
+        batches.append(idx[start : start + take])
+        start += take
+    return batches
+
+
+# --------------------------------------------------------------------------------------------------
+# interleaving
+
+
+def min_feasible_run(counts: Sequence[int] | np.ndarray) -> int:
+    """The smallest cap on same-bucket runs that any order of these batch counts can meet."""
+    counts = np.asarray(counts, dtype=np.int64)
+    total = int(counts.sum())
+    if total == 0:
+        return 1
+    top = int(counts.max())
+    return max(1, math.ceil(top / (total - top + 1)))
+
+
+def _run_cap_ok(rem: list[int], total: int, last: int, run: int, cap: int) -> bool:
+    """Whether ``rem`` (batches left per bucket, ``total`` of them) can follow a run of ``run`` batches
+    of bucket ``last`` without any run longer than ``cap``.
+
+    Bucket b's remaining batches fall into at most ``total - rem[b] + 1`` groups separated by other
+    batches; each group holds at most ``cap``, and the group that continues the current run (when b is
+    ``last``) only ``cap - run``. So it is necessary that for every b:
+    ``rem[b] * (cap + 1) <= cap * (total + 1) - run * [b == last]``. It is also sufficient (the tests
+    check this against exhaustive search), which lets the interleaver keep the cap by looking one step
+    ahead.
+    """
+    limit = cap * (total + 1)
+    for b, r in enumerate(rem):
+        if r * (cap + 1) > limit - (run if b == last else 0):
+            return False
+    return True
+
+
+def interleave_buckets(
+    counts: Sequence[int] | np.ndarray,
+    *,
+    max_run: int,
+    rng: np.random.Generator,
+    repeat_penalty: float = 0.5,
+    evenness: float = 3.0,
+) -> tuple[np.ndarray, int]:
+    """Order ``counts[b]`` batches of each bucket b; returns (bucket id per position, effective cap).
+
+    The effective cap is ``max_run`` when the mix allows it (largest share <= max_run/(max_run+1)),
+    otherwise the smallest feasible cap (a warning is logged once).
+    """
+    counts = [int(c) for c in counts]
+    if any(c < 0 for c in counts):
+        raise ValueError(f"negative batch count in {counts}")
+    total = sum(counts)
+    n_buckets = len(counts)
+    best = min_feasible_run(counts)
+    cap = max_run
+    if best > max_run:
+        cap = best
+        top = max(counts)
+        _warn_once(
+            ("run-cap", max_run, tuple(sorted(counts))),
+            f"run cap max_run={max_run} cannot hold: the largest bucket has {top} of {total} batches "
+            f"({top / total:.1%} > {max_run / (max_run + 1):.1%}); ordering with the smallest feasible cap "
+            f"{cap} instead",
+        )
+    if total == 0:
+        return np.zeros(0, dtype=np.int64), cap
+
+    share = [c / total for c in counts]
+    rem = list(counts)
+    emitted = [0] * n_buckets
+    out = np.empty(total, dtype=np.int64)
+    u = rng.random(total)
+    last, run = -1, 0
+    left = total
+    exp = math.exp
+    for t in range(total):
+        # Deficit: how far bucket b is behind an even spread of its share over the epoch.
+        cand: list[int] = []
+        weights: list[float] = []
+        for b in range(n_buckets):
+            if rem[b] == 0:
+                continue
+            nrun = run + 1 if b == last else 1
+            if nrun > cap:
+                continue
+            rem[b] -= 1
+            ok = _run_cap_ok(rem, left - 1, b, nrun, cap)
+            rem[b] += 1
+            if not ok:
+                continue
+            deficit = share[b] * (t + 1) - emitted[b]
+            w = exp(evenness * min(deficit, 20.0))
+            if b == last:
+                w *= repeat_penalty
+            cand.append(b)
+            weights.append(w)
+        if not cand:  # unreachable while _run_cap_ok is exact; kept as a loud guard
+            raise RuntimeError(f"interleaver dead end at step {t} with remaining {rem}, cap {cap}")
+        # Inverse-CDF draw from one pre-drawn uniform per step keeps the rng stream independent of
+        # how many candidates each step had.
+        x = u[t] * sum(weights)
+        pick = cand[-1]
+        acc = 0.0
+        for b, w in zip(cand, weights):
+            acc += w
+            if x < acc:
+                pick = b
+                break
+        out[t] = pick
+        rem[pick] -= 1
+        emitted[pick] += 1
+        left -= 1
+        run = run + 1 if pick == last else 1
+        last = pick
+    return out, cap
+
+
+# --------------------------------------------------------------------------------------------------
+# the plan
+
+
+@attrs.define(eq=False)
+class EpochPlan:
+    """The ordered batches of one epoch. Positions are global (all ranks together).
+
+    ``order[offsets[i]:offsets[i+1]]`` are the sample positions (indices into the planner's lengths) of
+    batch ``i``; ``sample_ids`` maps a position to the sample's id.
+    """
+
+    epoch: int
+    seed: int
+    order: np.ndarray
+    offsets: np.ndarray
+    buckets: np.ndarray
+    padded_lens: np.ndarray
+    lengths: np.ndarray
+    sample_ids: np.ndarray
+    boundaries: np.ndarray
+    max_run: int  # the cap that was enforced
+    run_cap_feasible: bool  # False when the configured cap was impossible for this bucket mix
+
+    def __len__(self) -> int:
+        return int(self.buckets.size)
+
+    @property
+    def num_buckets(self) -> int:
+        return int(self.boundaries.size) + 1
+
+    def batch(self, position: int) -> np.ndarray:
+        """Sample positions of the batch at ``position``."""
+        if not 0 <= position < len(self):
+            raise IndexError(f"batch position {position} outside the epoch's {len(self)} batches")
+        return self.order[self.offsets[position] : self.offsets[position + 1]]
+
+    def meta(self, position: int) -> BatchMeta:
+        idx = self.batch(position)
+        lens = self.lengths[idx]
+        padded_len = int(self.padded_lens[position])
+        return BatchMeta(
+            epoch=self.epoch,
+            index=position,
+            bucket=int(self.buckets[position]),
+            lengths=lens.tolist(),
+            real_tokens=int(lens.sum()),
+            padded_tokens=padded_len * int(idx.size),
+            num_samples=int(idx.size),
+            sample_ids=self.sample_ids[idx].tolist(),
+            padded_len=padded_len,
+        )
+
+    def metas(self, start: int = 0) -> Iterator[BatchMeta]:
+        """Batches from global position ``start`` on: resuming mid-epoch is ``plan.metas(consumed)``."""
+        if not 0 <= start <= len(self):
+            raise ValueError(f"resume position {start} outside 0..{len(self)}")
+        for p in range(start, len(self)):
+            yield self.meta(p)
+
+    resume = metas
+
+    def rank_positions(
+        self, rank: int, world_size: int, *, start: int = 0, tail: Literal["pad", "drop"] = "pad"
+    ) -> np.ndarray:
+        """Global positions that ``rank`` consumes, from global position ``start`` on.
+
+        Batches are dealt round-robin: at step s, rank r takes position ``start + s*world_size + r``, so
+        the ranks of one optimizer step take neighbouring positions of the interleaved plan. Every rank
+        gets the same number of batches. ``tail="pad"`` (default, like DistributedSampler) fills the last
+        step by repeating the epoch's first batches (position mod len); ``tail="drop"`` leaves out the
+        last ``(len - start) % world_size`` batches. ``start`` is counted in global batches, so a run
+        resumed with another world size continues where the old one stopped.
+        """
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world_size {world_size}")
+        if tail not in ("pad", "drop"):
+            raise ValueError(f"tail must be 'pad' or 'drop', got {tail!r}")
+        n = len(self)
+        if not 0 <= start <= n:
+            raise ValueError(f"start position {start} outside 0..{n}")
+        left = n - start
+        steps = -(-left // world_size) if tail == "pad" else left // world_size
+        pos = start + rank + world_size * np.arange(steps, dtype=np.int64)
+        if n:
+            pos = pos % n
+        return pos
+
+    def batches_for_rank(
+        self, rank: int, world_size: int, *, start: int = 0, tail: Literal["pad", "drop"] = "pad"
+    ) -> list[BatchMeta]:
+        """This rank's share of the epoch as `BatchMeta` (see `rank_positions`)."""
+        return [self.meta(int(p)) for p in self.rank_positions(rank, world_size, start=start, tail=tail)]
+
+    def fingerprint(self) -> str:
+        """Hash of the plan's content: equal plans on every rank and across resumes, or a bug."""
+        h = hashlib.blake2b(digest_size=16)
+        for arr in (self.order, self.offsets, self.buckets, self.padded_lens, self.sample_ids):
+            h.update(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
+        h.update(f"{self.epoch}|{self.seed}".encode())
+        return h.hexdigest()
+
+    def state_dict(self, position: int) -> dict:
+        """Resume state after ``position`` global batches were consumed."""
+        return {"version": 1, "epoch": self.epoch, "position": int(position), "fingerprint": self.fingerprint()}
+
+    def check_state(self, state: dict) -> int:
+        """Validate a `state_dict` against this plan; returns the position to resume from."""
+        if state.get("version") != 1:
+            raise ValueError(f"unsupported plan state version {state.get('version')!r}")
+        if state.get("epoch") != self.epoch:
+            raise ValueError(f"plan state is for epoch {state.get('epoch')}, this plan is epoch {self.epoch}")
+        fp = state.get("fingerprint")
+        if fp is not None and fp != self.fingerprint():
+            raise ValueError(
+                "the rebuilt epoch plan differs from the one the checkpoint was taken from "
+                "(data, plan config or seed changed); resuming would repeat or skip samples"
+            )
+        pos = int(state["position"])
+        if not 0 <= pos <= len(self):
+            raise ValueError(f"plan state position {pos} outside 0..{len(self)}")
+        return pos
+
+
+@attrs.define(eq=False)
+class BatchPlanner:
+    """Plans epochs for a fixed set of samples: ``BatchPlanner(lengths, config, seed).plan(epoch)``."""
+
+    lengths: np.ndarray = attrs.field(converter=lambda v: np.asarray(v, dtype=np.int64))
+    config: PlanConfig = attrs.field(factory=PlanConfig)
+    seed: int = 0
+    sample_ids: np.ndarray | None = attrs.field(
+        default=None, converter=lambda v: None if v is None else np.asarray(v, dtype=np.int64)
+    )
+    boundaries: np.ndarray = attrs.field(init=False)
+    bucket_of: np.ndarray = attrs.field(init=False)
+    _padded: np.ndarray = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.lengths.ndim != 1:
+            raise ValueError("lengths must be one-dimensional")
+        if self.lengths.size and self.lengths.min() < 1:
+            raise ValueError(f"sample lengths must be >= 1, found {int(self.lengths.min())}")
+        if self.sample_ids is None:
+            self.sample_ids = np.arange(self.lengths.size, dtype=np.int64)
+        elif self.sample_ids.shape != self.lengths.shape:
+            raise ValueError("sample_ids and lengths must have the same length")
+        self.boundaries = bucket_boundaries(self.lengths, self.config)
+        self.bucket_of = assign_buckets(self.lengths, self.boundaries)
+        self._padded = padded_lengths(self.lengths, self.config.pad_to_multiple)
+
+    @property
+    def num_buckets(self) -> int:
+        return int(self.boundaries.size) + 1
+
+    def plan(self, epoch: int) -> EpochPlan:
+        cfg = self.config
+        pack_rng = epoch_rng(self.seed, epoch, _SALT_PACK)
+        shuffle_rng = epoch_rng(self.seed, epoch, _SALT_SHUFFLE)
+        per_bucket: list[list[np.ndarray]] = []
+        # One stable sort groups positions by bucket instead of one mask pass per bucket.
+        by_bucket = np.argsort(self.bucket_of, kind="stable")
+        cuts = np.searchsorted(self.bucket_of[by_bucket], np.arange(self.num_buckets + 1), side="left")
+        for b in range(self.num_buckets):
+            idx = by_bucket[cuts[b] : cuts[b + 1]]
+            batches = pack_bucket(
+                idx,
+                self._padded[idx],
+                max_tokens=cfg.max_tokens,
+                max_batch_size=cfg.max_batch_size,
+                rng=pack_rng,
+                length_jitter=cfg.length_jitter,
+            )
+            # Packing runs short to long; draw each bucket's batches in random order so lengths do not
+            # drift monotonically through the epoch.
+            perm = shuffle_rng.permutation(len(batches))
+            per_bucket.append([batches[i] for i in perm])
+
+        counts = [len(bs) for bs in per_bucket]
+        seq, cap = interleave_buckets(
+            counts,
+            max_run=cfg.max_run,
+            rng=epoch_rng(self.seed, epoch, _SALT_INTERLEAVE),
+            repeat_penalty=cfg.repeat_penalty,
+            evenness=cfg.evenness,
+        )
+        cursor = [0] * self.num_buckets
+        ordered: list[np.ndarray] = []
+        for b in seq.tolist():
+            ordered.append(per_bucket[b][cursor[b]])
+            cursor[b] += 1
+        sizes = np.fromiter((a.size for a in ordered), dtype=np.int64, count=len(ordered))
+        offsets = np.zeros(len(ordered) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        order = np.concatenate(ordered) if ordered else np.zeros(0, dtype=np.int64)
+        padded_max = (
+            np.maximum.reduceat(self._padded[order], offsets[:-1]) if ordered else np.zeros(0, dtype=np.int64)
+        )
+        return EpochPlan(
+            epoch=epoch,
+            seed=self.seed,
+            order=order,
+            offsets=offsets,
+            buckets=seq,
+            padded_lens=padded_max.astype(np.int64),
+            lengths=self.lengths,
+            sample_ids=self.sample_ids,
+            boundaries=self.boundaries,
+            max_run=cap,
+            run_cap_feasible=cap == cfg.max_run,
+        )

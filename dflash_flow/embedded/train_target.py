@@ -1,0 +1,325 @@
+"""Train the embedded target: a small Qwen3 causal LM on the project's own chat corpus.
+
+The CPU default needs a target *worth speeding up*: its greedy answers must follow the corpus's
+structure (not noise), so that a DFlash drafter conditioned on its hidden states can predict several
+tokens ahead. Eight layers give distinct DFlash target-layer ids.
+
+Run once to (re)produce the shipped asset (committed, a few MB)::
+
+    python -m dflash_flow.embedded.train_target --out dflash_flow/embedded/assets/target
+
+``ensure_target(cache_dir)`` is the cached build step used by the pipeline: it returns the shipped asset
+when present and otherwise trains the same recipe into ``cache_dir`` (deterministically, keyed by a hash
+of the recipe), so a checkout without the asset still works offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ASSET_DIR = Path(__file__).resolve().parent / "assets" / "target"
+_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class TargetRecipe:
+    """Everything that determines the trained weights (hashed for the build cache)."""
+
+    # Model: hidden 128 = 4 query heads x head_dim 32; 2 KV heads (grouped-query, as in Qwen3).
+    hidden_size: int = 128
+    num_layers: int = 8
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 384
+    max_position_embeddings: int = 1024
+    vocab_size: int = 768  # tokenizer BPE size; the model is sized from len(tokenizer)
+    # Data
+    n_train: int = 8000
+    n_eval: int = 200
+    corpus_seed: int = 0
+    seq_len: int = 512
+    # Optimisation
+    steps: int = 600
+    batch_size: int = 8
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.05
+    warmup_steps: int = 30
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    seed: int = 1234
+
+    def key(self) -> str:
+        from .corpus import CORPUS_VERSION
+
+        blob = json.dumps({"recipe": asdict(self), "corpus": CORPUS_VERSION}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def target_config(tokenizer, recipe: TargetRecipe = TargetRecipe()):
+    from transformers import Qwen3Config
+
+    from .tokenizer import stop_token_ids
+
+    return Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=recipe.hidden_size,
+        intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.num_layers,
+        num_attention_heads=recipe.num_heads,
+        num_key_value_heads=recipe.num_kv_heads,
+        head_dim=recipe.head_dim,
+        max_position_embeddings=recipe.max_position_embeddings,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=stop_token_ids(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        attn_implementation="sdpa",
+        dtype="float32",
+    )
+
+
+def _pack(conversations_ids: list[list[int]], seq_len: int) -> list[list[int]]:
+    """Greedy first-fit of whole conversations into windows of ``seq_len``.
+
+    Every window starts at a conversation start (position 0 = ``<|im_start|>``), as at inference time;
+    conversations later in a window attend to earlier ones, which is ordinary LM packing.
+    """
+    windows: list[list[int]] = []
+    current: list[int] = []
+    for ids in conversations_ids:
+        ids = ids[:seq_len]
+        if len(current) + len(ids) > seq_len:
+            windows.append(current)
+            current = []
+        current = current + ids
+    if current:
+        windows.append(current)
+    return windows
+
+
+def _render_ids(tokenizer, examples) -> list[list[int]]:
+    texts = [tokenizer.apply_chat_template(ex.conversations(), tokenize=False) for ex in examples]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def answer_loss(model, tokenizer, examples, batch_size: int = 16) -> float:
+    """Mean cross-entropy (nats/token) on the assistant tokens of ``examples`` (prompt tokens unscored)."""
+    import torch
+
+    total, count = 0.0, 0
+    model.eval()
+    with torch.no_grad():
+        for i in range(0, len(examples), batch_size):
+            chunk = examples[i : i + batch_size]
+            prompts = [
+                tokenizer.apply_chat_template(ex.conversations(with_answer=False), tokenize=False,
+                                              add_generation_prompt=True)
+                for ex in chunk
+            ]
+            fulls = [tokenizer.apply_chat_template(ex.conversations(), tokenize=False) for ex in chunk]
+            p_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+            f_ids = tokenizer(fulls, add_special_tokens=False)["input_ids"]
+            width = max(len(f) for f in f_ids)
+            ids = torch.full((len(chunk), width), tokenizer.pad_token_id, dtype=torch.long)
+            labels = torch.full((len(chunk), width), -100, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for r, (p, f) in enumerate(zip(p_ids, f_ids)):
+                ids[r, : len(f)] = torch.tensor(f)
+                mask[r, : len(f)] = 1
+                labels[r, len(p) : len(f)] = torch.tensor(f[len(p) :])
+            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+            tgt = labels[:, 1:]
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), tgt.reshape(-1),
+                                                     ignore_index=-100, reduction="sum")
+            total += float(loss)
+            count += int((tgt != -100).sum())
+    return total / max(count, 1)
+
+
+def train_target(out_dir: str | Path, recipe: TargetRecipe = TargetRecipe(), *, num_threads: int = 2,
+                 log_every: int = 25, log=print) -> dict:
+    """Train the target with ``recipe`` and save model + config + tokenizer into ``out_dir``.
+
+    Returns the training summary (also written to ``out_dir/training_info.json``).
+    """
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from .corpus import make_split
+    from .tokenizer import build_default_tokenizer, save_tokenizer, stop_token_ids
+
+    t_start = time.perf_counter()
+    torch.set_num_threads(num_threads)
+    torch.manual_seed(recipe.seed)
+    random.seed(recipe.seed)
+    # Same thread count + deterministic kernels -> bit-identical weights run to run.
+    torch.use_deterministic_algorithms(True)
+
+    tokenizer = build_default_tokenizer(vocab_size=recipe.vocab_size, seed=recipe.corpus_seed)
+    train, evals = make_split(recipe.n_train, recipe.n_eval, recipe.corpus_seed)
+    windows = _pack(_render_ids(tokenizer, train), recipe.seq_len)
+    n_tokens = sum(len(w) for w in windows)
+    log(f"[target] {len(train)} conversations -> {len(windows)} windows of <= {recipe.seq_len} "
+        f"({n_tokens} tokens, fill {n_tokens / (len(windows) * recipe.seq_len):.0%})")
+
+    model = AutoModelForCausalLM.from_config(target_config(tokenizer, recipe))
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"[target] Qwen3 {recipe.num_layers} layers, hidden {recipe.hidden_size}: {n_params / 1e6:.2f} M params")
+
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=recipe.lr, betas=(0.9, 0.95), eps=1e-8,
+    )
+
+    def lr_at(step: int) -> float:
+        if step < recipe.warmup_steps:
+            return recipe.lr * (step + 1) / recipe.warmup_steps
+        frac = (step - recipe.warmup_steps) / max(1, recipe.steps - recipe.warmup_steps)
+        return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    rng = np.random.default_rng(recipe.seed)
+    order: list[int] = []
+    pad = tokenizer.pad_token_id
+    losses: list[float] = []
+    for step in range(recipe.steps):
+        # Epoch-wise reshuffle of the windows, drawn from the seeded generator.
+        while len(order) < recipe.batch_size:
+            order.extend(rng.permutation(len(windows)).tolist())
+        batch = [windows[i] for i in order[: recipe.batch_size]]
+        del order[: recipe.batch_size]
+        width = max(len(w) for w in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        for r, w in enumerate(batch):
+            ids[r, : len(w)] = torch.tensor(w)
+        # Windows are right-padded; padded positions are never scored and never attended to by real tokens.
+        attn = (ids != pad).long()
+        labels = ids.masked_fill(ids == pad, -100)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+        opt.step()
+        losses.append(float(loss.detach()))
+        if log_every and (step % log_every == 0 or step == recipe.steps - 1):
+            log(f"[target] step {step:4d}/{recipe.steps} loss {losses[-1]:.4f} lr {lr_at(step):.2e} "
+                f"({time.perf_counter() - t_start:.0f}s)")
+    train_s = time.perf_counter() - t_start
+
+    eval_loss = answer_loss(model, tokenizer, evals)
+    torch.use_deterministic_algorithms(False)
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.generation_config = GenerationConfig(
+        do_sample=False, eos_token_id=stop_token_ids(tokenizer), pad_token_id=pad, max_new_tokens=512,
+    )
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    save_tokenizer(tokenizer, out_dir)
+    info = {
+        "recipe": asdict(recipe),
+        "recipe_key": recipe.key(),
+        "params": n_params,
+        "train_tokens_per_epoch": n_tokens,
+        "final_train_loss": float(np.mean(losses[-20:])),
+        "heldout_answer_loss": eval_loss,
+        "heldout_answer_ppl": math.exp(eval_loss),
+        "train_seconds": round(train_s, 1),
+        "num_threads": num_threads,
+        "torch": torch.__version__,
+    }
+    (out_dir / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    log(f"[target] done in {train_s:.0f}s: train loss {info['final_train_loss']:.4f}, "
+        f"held-out answer loss {eval_loss:.4f} (ppl {math.exp(eval_loss):.2f})")
+    return info
+
+
+def _recipe_key_of(path: Path) -> str | None:
+    try:
+        return json.loads((path / "training_info.json").read_text()).get("recipe_key")
+    except (OSError, ValueError):
+        return None
+
+
+def is_complete(path: str | Path) -> bool:
+    path = Path(path)
+    return all((path / f).is_file() for f in _REQUIRED_FILES)
+
+
+def ensure_target(cache_dir: str | Path | None = None, recipe: TargetRecipe | None = None, *,
+                  log=print) -> Path:
+    """Path of a ready target: the shipped asset if present, else a cached build (trained on first use).
+
+    With ``recipe=None`` the shipped asset is returned whenever it is complete. With an explicit recipe
+    the asset is used only if it was trained with that recipe (``training_info.json`` records its key).
+    The cache entry is ``cache_dir/target-<recipe key>``, written to a temporary directory and renamed
+    into place, so an interrupted build never leaves a half-written target behind.
+    """
+    if is_complete(ASSET_DIR) and (recipe is None or _recipe_key_of(ASSET_DIR) == recipe.key()):
+        return ASSET_DIR
+    recipe = recipe or TargetRecipe()
+    if cache_dir is None:
+        cache_dir = Path(os.environ.get("DFLASH_FLOW_CACHE", Path.home() / ".cache" / "dflash-flow"))
+    final = Path(cache_dir) / f"target-{recipe.key()}"
+    if is_complete(final):
+        return final
+    tmp = Path(cache_dir) / f".target-{recipe.key()}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    log(f"[target] no shipped target; training one into {final} (a few minutes, once)")
+    train_target(tmp, recipe, log=log)
+    if is_complete(final):  # a concurrent build won the race: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    return final
+
+
+def load_target(path: str | Path, device: str = "cpu"):
+    """(model, tokenizer) from a target directory, offline, float32, in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .tokenizer import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
+    model.to(device).eval()
+    return model, load_tokenizer(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=str(ASSET_DIR), help="output directory (default: the shipped asset)")
+    p.add_argument("--steps", type=int, default=TargetRecipe.steps)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    recipe = TargetRecipe(steps=args.steps)
+    out = Path(args.out)
+    # Train next to the destination, then swap, so a failed run keeps the previous asset.
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    train_target(tmp, recipe, num_threads=args.threads, log=lambda m: print(m, file=sys.stderr, flush=True))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

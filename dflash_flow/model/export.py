@@ -1,0 +1,225 @@
+"""Save and load drafter checkpoints in the Hugging Face layout DFlash inference engines load.
+
+A checkpoint directory holds ``config.json`` (a Qwen3 config plus ``block_size``, ``num_target_layers``,
+``layer_types``, ``sliding_window`` and ``dflash_config: {mask_token_id, target_layer_ids}``) and
+``model.safetensors`` with the drafter's own weights only (no embedding, no LM head). Loading never
+unpickles anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_flow.model.drafter import (
+    LAYER_TYPES,
+    SLIDING_ATTENTION,
+    DFlashDrafter,
+    draft_value,
+)
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+ARCHITECTURE = "DFlashDraftModel"
+AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
+
+
+class CheckpointError(ValueError):
+    """A drafter checkpoint is missing, corrupted, or does not match its config or the target."""
+
+
+def drafter_config_dict(config: Any) -> dict[str, Any]:
+    """The ``config.json`` content for a drafter config, with the keys inference engines require."""
+    d = config.to_dict()
+    d["architectures"] = [ARCHITECTURE]
+    d["auto_map"] = dict(AUTO_MAP)
+    d["model_type"] = "qwen3"
+    d["block_size"] = int(draft_value(config, "block_size", 16))
+    d["num_target_layers"] = int(config.num_target_layers)
+    d["layer_types"] = list(config.layer_types)
+    d["sliding_window"] = config.sliding_window
+    dcfg = dict(getattr(config, "dflash_config", None) or {})
+    if dcfg.get("mask_token_id") is None:
+        raise CheckpointError("drafter config has no dflash_config.mask_token_id; inference would guess it")
+    dcfg["mask_token_id"] = int(dcfg["mask_token_id"])
+    dcfg["target_layer_ids"] = [int(i) for i in draft_value(config, "target_layer_ids")]
+    d["dflash_config"] = dcfg
+    return d
+
+
+def save_drafter(drafter: DFlashDrafter, path: str | os.PathLike) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` into ``path`` (created); returns the directory.
+
+    Files are written to temporary names and renamed, so a crash never leaves a half-written checkpoint
+    under the final names.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    config = drafter_config_dict(drafter.config)
+    # The instance may have been built from a config whose ids were defaulted; what the module trained
+    # with is the truth.
+    if config["dflash_config"]["target_layer_ids"] != list(drafter.target_layer_ids):
+        raise CheckpointError(
+            f"config target_layer_ids {config['dflash_config']['target_layer_ids']} differ from the "
+            f"drafter's {drafter.target_layer_ids}"
+        )
+    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    tmp_w = out / (WEIGHTS_NAME + ".tmp")
+    save_file(state, str(tmp_w), metadata={"format": "pt"})
+    tmp_c = out / (CONFIG_NAME + ".tmp")
+    tmp_c.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp_w, out / WEIGHTS_NAME)
+    os.replace(tmp_c, out / CONFIG_NAME)
+    return out
+
+
+def _validate_config_dict(d: dict[str, Any], where: Path) -> None:
+    problems = []
+    if ARCHITECTURE not in (d.get("architectures") or []):
+        problems.append(f"architectures {d.get('architectures')} does not name {ARCHITECTURE}")
+    if d.get("model_type") != "qwen3":
+        problems.append(f"model_type is {d.get('model_type')!r}, expected 'qwen3'")
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "num_target_layers"):
+        if not isinstance(d.get(key), int) or d[key] <= 0:
+            problems.append(f"{key} must be a positive integer, got {d.get(key)!r}")
+    dcfg = d.get("dflash_config")
+    if not isinstance(dcfg, dict):
+        problems.append("dflash_config is missing")
+    else:
+        mask_id = dcfg.get("mask_token_id")
+        if not isinstance(mask_id, int):
+            problems.append(f"dflash_config.mask_token_id must be an integer, got {mask_id!r}")
+        elif isinstance(d.get("vocab_size"), int) and not 0 <= mask_id < d["vocab_size"]:
+            problems.append(f"mask_token_id {mask_id} outside vocab_size {d['vocab_size']}")
+        ids = dcfg.get("target_layer_ids")
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+            problems.append(f"dflash_config.target_layer_ids must be a non-empty list of ints, got {ids!r}")
+        elif isinstance(d.get("num_target_layers"), int) and not all(
+            0 <= i < d["num_target_layers"] for i in ids
+        ):
+            problems.append(f"target_layer_ids {ids} out of range for {d['num_target_layers']} target layers")
+    block_size = d.get("block_size")
+    if not isinstance(block_size, int) or block_size < 2:
+        problems.append(f"block_size must be an integer >= 2, got {block_size!r}")
+    layer_types = d.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != d.get("num_hidden_layers"):
+            problems.append(f"layer_types {layer_types!r} does not have num_hidden_layers entries")
+        elif set(layer_types) - set(LAYER_TYPES):
+            problems.append(f"unknown layer types in {layer_types}")
+        elif SLIDING_ATTENTION in layer_types and not d.get("sliding_window"):
+            problems.append("sliding_attention layers but no sliding_window")
+    if problems:
+        raise CheckpointError(f"invalid drafter config {where}:\n  " + "\n  ".join(problems))
+
+
+def load_drafter_config(path: str | os.PathLike):
+    """Read and validate ``config.json`` of a drafter checkpoint directory; returns a ``Qwen3Config``."""
+    from transformers import Qwen3Config
+
+    where = Path(path) / CONFIG_NAME
+    if not where.is_file():
+        raise CheckpointError(f"no {CONFIG_NAME} in {Path(path)}")
+    try:
+        d = json.loads(where.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{where} is not valid JSON: {e}") from e
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{where} does not hold a JSON object")
+    _validate_config_dict(d, where)
+    if SLIDING_ATTENTION in (d.get("layer_types") or []):
+        d["use_sliding_window"] = True  # else Qwen3Config silently drops sliding_window
+    try:
+        return Qwen3Config.from_dict(d)
+    except Exception as e:  # the strict dataclass raises various types for bad field values
+        raise CheckpointError(f"{where}: not a valid Qwen3 config: {e}") from e
+
+
+def check_compatible(config: Any, target_config: Any, *, mask_token_id: int | None = None) -> None:
+    """Raise CheckpointError when a drafter config cannot serve ``target_config`` (or another mask id)."""
+    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    problems = []
+    if config.hidden_size != tc.hidden_size:
+        problems.append(f"hidden_size {config.hidden_size} != target {tc.hidden_size}")
+    if config.vocab_size != tc.vocab_size:
+        problems.append(f"vocab_size {config.vocab_size} != target {tc.vocab_size}")
+    if config.num_target_layers != tc.num_hidden_layers:
+        problems.append(f"num_target_layers {config.num_target_layers} != target layers {tc.num_hidden_layers}")
+    ids = draft_value(config, "target_layer_ids")
+    if any(not 0 <= i < tc.num_hidden_layers for i in ids):
+        problems.append(f"target_layer_ids {ids} out of range for {tc.num_hidden_layers} target layers")
+    if mask_token_id is not None and draft_value(config, "mask_token_id") != mask_token_id:
+        problems.append(f"mask_token_id {draft_value(config, 'mask_token_id')} != expected {mask_token_id}")
+    if problems:
+        raise CheckpointError("drafter does not match the target:\n  " + "\n  ".join(problems))
+
+
+def load_drafter(
+    path: str | os.PathLike,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    target_config: Any = None,
+    mask_token_id: int | None = None,
+) -> DFlashDrafter:
+    """Load a drafter checkpoint (safetensors only) and check weights against the config.
+
+    Raises CheckpointError for a missing or corrupted file, weights that do not fit the config (e.g. a
+    safetensors file from another config), or, when ``target_config``/``mask_token_id`` are given, a
+    drafter made for another target.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    root = Path(path)
+    config = load_drafter_config(root)
+    if target_config is not None or mask_token_id is not None:
+        if target_config is not None:
+            check_compatible(config, target_config, mask_token_id=mask_token_id)
+        elif draft_value(config, "mask_token_id") != mask_token_id:
+            raise CheckpointError(
+                f"mask_token_id {draft_value(config, 'mask_token_id')} != expected {mask_token_id}"
+            )
+    weights = root / WEIGHTS_NAME
+    if not weights.is_file():
+        raise CheckpointError(f"no {WEIGHTS_NAME} in {root}")
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{weights} is corrupted or not a safetensors file: {e}") from e
+
+    with torch.device("meta"):
+        model = DFlashDrafter(config)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = [
+        f"{k}: file {tuple(state[k].shape)} vs config {tuple(expected[k].shape)}"
+        for k in sorted(set(expected) & set(state))
+        if tuple(state[k].shape) != tuple(expected[k].shape)
+    ]
+    if missing or unexpected or wrong:
+        lines = []
+        if missing:
+            lines.append(f"missing {len(missing)} tensors, e.g. {missing[:3]}")
+        if unexpected:
+            lines.append(f"unexpected {len(unexpected)} tensors, e.g. {unexpected[:3]}")
+        if wrong:
+            lines.append(f"{len(wrong)} shape mismatches, e.g. {wrong[:3]}")
+        raise CheckpointError(
+            f"{weights} does not match {root / CONFIG_NAME} (a checkpoint from another config?):\n  "
+            + "\n  ".join(lines)
+        )
+    model = model.to_empty(device=device)
+    # to_empty leaves non-persistent buffers (RoPE inv_freq) uninitialised: rebuild them.
+    model.rotary_emb = type(model.rotary_emb)(config).to(device)
+    model.load_state_dict(state, strict=True)
+    if dtype is not None:
+        model = model.to(dtype=dtype)
+    return model

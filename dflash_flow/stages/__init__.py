@@ -1,0 +1,13 @@
+"""Built-in stage types. Registered by import path so that listing or validating never imports torch."""
+
+from dflash_flow.core.registry import register_builtin
+
+_BUILTINS = {
+    # generic stages (runtime tests, benchmarks, plumbing)
+    "Range": "dflash_flow.stages.generic:Range",
+    "Delay": "dflash_flow.stages.generic:Delay",
+    "Discard": "dflash_flow.stages.generic:Discard",
+}
+
+for _name, _target in _BUILTINS.items():
+    register_builtin(_name, _target)

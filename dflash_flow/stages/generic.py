@@ -1,0 +1,76 @@
+"""Generic stages: a counting source, a fixed service time, a discarding sink.
+
+They are real stages (YAML-usable) for exercising the runtime: `Delay` sleeps, which releases the GIL like
+GPU kernels and I/O do, so pipelines of them measure the runtime's scheduling rather than Python speed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import attrs
+
+from dflash_flow.core import Source, Stage, cfg, register_stage
+
+
+@register_stage
+@attrs.define(kw_only=True, eq=False)
+class Range(Source):
+    """Emits the integers 0..count-1, optionally spending `service_s` per item."""
+
+    output_type = int
+
+    count: int = cfg(10, ge=0, doc="How many integers to emit.")
+    service_s: float = cfg(0.0, ge=0, doc="Seconds of (GIL-free) work per item.")
+    _next: int = attrs.field(default=0, init=False)
+
+    def produce(self):
+        while self._next < self.count:
+            if self.service_s:
+                time.sleep(self.service_s)
+            value = self._next
+            self._next += 1
+            yield value
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1, "next": self._next}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._next = int(state["next"])
+
+
+@register_stage
+@attrs.define(kw_only=True, eq=False)
+class Delay(Stage):
+    """Passes items through after `service_s` seconds of GIL-free work (a stand-in for a GPU kernel)."""
+
+    service_s: float = cfg(0.0, ge=0, doc="Seconds per item.")
+
+    def process(self, item):
+        if self.service_s:
+            time.sleep(self.service_s)
+        return (item,)
+
+
+@register_stage
+@attrs.define(kw_only=True, eq=False)
+class Discard(Stage):
+    """Consumes items and counts them (a sink)."""
+
+    output_type = None
+    _count: int = attrs.field(default=0, init=False)
+
+    def setup(self, ctx) -> None:
+        self._items = ctx.metrics.counter("items", "items", "Items consumed")
+
+    def process(self, item):
+        self._count += 1
+        self._items.inc()
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1, "count": self._count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._count = int(state["count"])
