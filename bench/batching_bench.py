@@ -4,8 +4,9 @@ Reads sample lengths (one per line) and writes bench/results/batching.json (also
 come from one run:
 
 * ``plan``: `BatchPlanner` (quantile buckets, token budget, diversity-first interleaving);
-* ``random_fixed``: samples in a uniform shuffle cut into fixed-size batches (the largest size that can
-  never exceed the budget, ``max_tokens // max_len``); a batch's bucket is its longest sample's bucket;
+* ``random_fixed``: samples in a uniform shuffle cut into fixed-size batches (16 by default; 8, the
+  largest size that never exceeds a 65,536 budget at length 8192, gives 0.33); a batch's bucket is its
+  longest sample's bucket;
 * ``bucket_shuffle``: the plan's own batches in a uniform shuffle (the seed project's order).
 
 Usage: python bench/batching_bench.py [--lengths FILE] [--out FILE] [--epochs 3]
@@ -55,7 +56,15 @@ def _pair_retention(plan_a, plan_b, n: int) -> float:
     return pairs(np.stack(ids, axis=1)) / pairs(ids[0][:, None])
 
 
-def run(lengths_path: Path, epochs: int, seed: int, max_tokens: int, num_buckets: int, max_run: int) -> dict:
+def run(
+    lengths_path: Path,
+    epochs: int,
+    seed: int,
+    max_tokens: int,
+    num_buckets: int,
+    max_run: int,
+    random_batch_size: int = 16,
+) -> dict:
     lengths = np.loadtxt(lengths_path, dtype=np.int64)
     config = PlanConfig(max_tokens=max_tokens, num_buckets=num_buckets, max_run=max_run)
 
@@ -80,9 +89,9 @@ def run(lengths_path: Path, epochs: int, seed: int, max_tokens: int, num_buckets
     plan0 = plans[0]
     sizes0 = np.diff(plan0.offsets)
 
-    # Baseline 1: uniform shuffle, fixed batch size that always fits the budget.
+    # Baseline 1: uniform shuffle, fixed batch size.
     rng = epoch_rng(seed, 0, 0xBA5E1)
-    fixed_bs = max(1, max_tokens // int(lengths.max()))
+    fixed_bs = random_batch_size
     perm = rng.permutation(lengths.size)
     n_full = lengths.size // fixed_bs * fixed_bs
     groups = lengths[perm[:n_full]].reshape(-1, fixed_bs)
@@ -100,8 +109,13 @@ def run(lengths_path: Path, epochs: int, seed: int, max_tokens: int, num_buckets
     padded0 = int((plan0.padded_lens * sizes0).sum())
     bucket_shuffle = _figures(shuffled, real0, padded0)
 
+    # Multi-rank: each rank's strided share of the one global order, and of the rank-aware order.
     world = 8
     rank_runs = [max_same_bucket_run(plan0.buckets[plan0.rank_positions(r, world)]) for r in range(world)]
+    ranked = planner.plan(0, world_size=world)
+    ranked_shares = [ranked.buckets[ranked.rank_positions(r, world)] for r in range(world)]
+    ranked_runs = [max_same_bucket_run(b) for b in ranked_shares]
+    ranked_window = max(window_mix_max_deviation(b, WINDOW) for b in ranked_shares)
     counts = np.bincount(plan0.buckets, minlength=plan0.num_buckets)
 
     return {
@@ -137,7 +151,9 @@ def run(lengths_path: Path, epochs: int, seed: int, max_tokens: int, num_buckets
             else None,
             "build_seconds_median": round(statistics.median(times), 4),
             "build_seconds_max": round(max(times), 4),
-            "rank_max_same_bucket_run_world8": max(rank_runs),
+            "world8_global_order_rank_max_run": max(rank_runs),
+            "world8_rank_aware_order_rank_max_run": max(ranked_runs),
+            "world8_rank_aware_order_rank_window_mix_max_deviation": round(ranked_window, 4),
         },
         "baselines": {"random_fixed": random_fixed, "bucket_shuffle": bucket_shuffle},
     }
@@ -152,8 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=65536)
     ap.add_argument("--num-buckets", type=int, default=6)
     ap.add_argument("--max-run", type=int, default=3)
+    ap.add_argument("--random-batch-size", type=int, default=16)
     args = ap.parse_args(argv)
-    result = run(args.lengths, args.epochs, args.seed, args.max_tokens, args.num_buckets, args.max_run)
+    result = run(
+        args.lengths, args.epochs, args.seed, args.max_tokens, args.num_buckets, args.max_run, args.random_batch_size
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(result, indent=2)
     args.out.write_text(text + "\n")

@@ -89,3 +89,13 @@ class EvalReport:
 
     name: str
     metrics: dict[str, float] = attrs.field(factory=dict)
+
+
+@attrs.define(eq=False)
+class EpochBatches:
+    """One epoch's packed batches, grouped by bucket and not yet ordered, from the Bucketer to the
+    Interleaver, with the samples they index (shared, not copied, between epochs)."""
+
+    epoch: int
+    packed: Any  # dflash_flow.data.plan.PackedEpoch
+    samples: list[Sample]  # samples[i] is the sample at plan position i

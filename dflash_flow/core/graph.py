@@ -59,6 +59,18 @@ class Graph:
     # Stage instances given through the Python API, used as replica 0's object.
     instances: dict[str, Stage] = attrs.field(factory=dict, eq=False, repr=False)
 
+    def __attrs_post_init__(self) -> None:
+        # A graph built in Python gets the same default sections as one loaded from YAML (which fills in
+        # every registered section), so the two compare equal.
+        from .config import registered_sections
+
+        for key, cls in registered_sections().items():
+            if key not in self.sections:
+                try:
+                    self.sections[key] = cls()
+                except TypeError:  # a section without defaults must be given explicitly
+                    pass
+
     # -- Python composition -------------------------------------------------------------------------
     def add(
         self,

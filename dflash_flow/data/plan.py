@@ -35,12 +35,14 @@ from dflash_flow.items import BatchMeta
 __all__ = [
     "BatchPlanner",
     "EpochPlan",
+    "PackedEpoch",
     "PlanConfig",
     "assign_buckets",
     "bucket_boundaries",
     "epoch_rng",
     "interleave_buckets",
     "min_feasible_run",
+    "order_packed",
     "pack_bucket",
     "padded_lengths",
 ]
@@ -352,6 +354,7 @@ class EpochPlan:
     boundaries: np.ndarray
     max_run: int  # the cap that was enforced
     run_cap_feasible: bool  # False when the configured cap was impossible for this bucket mix
+    world_size: int = 1  # the world size the order was made for (1: one global sequence)
 
     def __len__(self) -> int:
         return int(self.buckets.size)
@@ -428,12 +431,18 @@ class EpochPlan:
         h = hashlib.blake2b(digest_size=16)
         for arr in (self.order, self.offsets, self.buckets, self.padded_lens, self.sample_ids):
             h.update(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
-        h.update(f"{self.epoch}|{self.seed}".encode())
+        h.update(f"{self.epoch}|{self.seed}|{self.world_size}".encode())
         return h.hexdigest()
 
     def state_dict(self, position: int) -> dict:
         """Resume state after ``position`` global batches were consumed."""
-        return {"version": 1, "epoch": self.epoch, "position": int(position), "fingerprint": self.fingerprint()}
+        return {
+            "version": 1,
+            "epoch": self.epoch,
+            "position": int(position),
+            "plan_world_size": self.world_size,
+            "fingerprint": self.fingerprint(),
+        }
 
     def check_state(self, state: dict) -> int:
         """Validate a `state_dict` against this plan; returns the position to resume from."""
@@ -441,6 +450,12 @@ class EpochPlan:
             raise ValueError(f"unsupported plan state version {state.get('version')!r}")
         if state.get("epoch") != self.epoch:
             raise ValueError(f"plan state is for epoch {state.get('epoch')}, this plan is epoch {self.epoch}")
+        if state.get("plan_world_size", 1) != self.world_size:
+            raise ValueError(
+                f"plan state was taken from a plan ordered for world_size={state.get('plan_world_size')}, this "
+                f"one is ordered for {self.world_size}: rebuild it with plan(epoch, world_size="
+                f"{state.get('plan_world_size')}) and deal the rest with rank_positions(start=position)"
+            )
         fp = state.get("fingerprint")
         if fp is not None and fp != self.fingerprint():
             raise ValueError(
@@ -484,7 +499,8 @@ class BatchPlanner:
     def num_buckets(self) -> int:
         return int(self.boundaries.size) + 1
 
-    def plan(self, epoch: int) -> EpochPlan:
+    def pack(self, epoch: int) -> PackedEpoch:
+        """The epoch's batches per bucket (the Bucketer's half of the plan), not yet interleaved."""
         cfg = self.config
         pack_rng = epoch_rng(self.seed, epoch, _SALT_PACK)
         shuffle_rng = epoch_rng(self.seed, epoch, _SALT_SHUFFLE)
@@ -506,37 +522,128 @@ class BatchPlanner:
             # drift monotonically through the epoch.
             perm = shuffle_rng.permutation(len(batches))
             per_bucket.append([batches[i] for i in perm])
-
-        counts = [len(bs) for bs in per_bucket]
-        seq, cap = interleave_buckets(
-            counts,
-            max_run=cfg.max_run,
-            rng=epoch_rng(self.seed, epoch, _SALT_INTERLEAVE),
-            repeat_penalty=cfg.repeat_penalty,
-            evenness=cfg.evenness,
-        )
-        cursor = [0] * self.num_buckets
-        ordered: list[np.ndarray] = []
-        for b in seq.tolist():
-            ordered.append(per_bucket[b][cursor[b]])
-            cursor[b] += 1
-        sizes = np.fromiter((a.size for a in ordered), dtype=np.int64, count=len(ordered))
-        offsets = np.zeros(len(ordered) + 1, dtype=np.int64)
-        np.cumsum(sizes, out=offsets[1:])
-        order = np.concatenate(ordered) if ordered else np.zeros(0, dtype=np.int64)
-        padded_max = (
-            np.maximum.reduceat(self._padded[order], offsets[:-1]) if ordered else np.zeros(0, dtype=np.int64)
-        )
-        return EpochPlan(
+        return PackedEpoch(
             epoch=epoch,
             seed=self.seed,
-            order=order,
-            offsets=offsets,
-            buckets=seq,
-            padded_lens=padded_max.astype(np.int64),
+            per_bucket=per_bucket,
             lengths=self.lengths,
+            padded=self._padded,
             sample_ids=self.sample_ids,
             boundaries=self.boundaries,
-            max_run=cap,
-            run_cap_feasible=cap == cfg.max_run,
         )
+
+    def plan(self, epoch: int, world_size: int = 1) -> EpochPlan:
+        """The epoch's plan: `pack` then `order_packed` with this planner's interleaving settings."""
+        cfg = self.config
+        return order_packed(
+            self.pack(epoch),
+            max_run=cfg.max_run,
+            repeat_penalty=cfg.repeat_penalty,
+            evenness=cfg.evenness,
+            world_size=world_size,
+        )
+
+
+@attrs.define(eq=False)
+class PackedEpoch:
+    """One epoch's packed batches grouped by bucket, with what ordering them needs."""
+
+    epoch: int
+    seed: int
+    per_bucket: list[list[np.ndarray]]  # sample positions of each batch, per bucket
+    lengths: np.ndarray
+    padded: np.ndarray
+    sample_ids: np.ndarray
+    boundaries: np.ndarray
+
+    @property
+    def counts(self) -> list[int]:
+        return [len(bs) for bs in self.per_bucket]
+
+
+def _interleave_for(
+    counts: list[int], seed: int, epoch: int, world_size: int, *, max_run: int, repeat_penalty: float, evenness: float
+) -> tuple[np.ndarray, int]:
+    if world_size == 1:
+        return interleave_buckets(
+            counts,
+            max_run=max_run,
+            rng=epoch_rng(seed, epoch, _SALT_INTERLEAVE),
+            repeat_penalty=repeat_penalty,
+            evenness=evenness,
+        )
+    # Rank-aware: rank r consumes positions r, r+W, ... (see EpochPlan.rank_positions). Interleaving
+    # one global sequence caps runs globally but not in those strided subsequences (with a 53% bucket a
+    # rank sees runs of ~10). So deal the batches to ranks first, order each rank's share with the cap,
+    # and merge step-major: every rank's own sequence keeps the cap and the even mix.
+    total = sum(counts)
+    dealt = np.repeat(np.arange(len(counts)), counts)
+    seq = np.empty(total, dtype=np.int64)
+    caps = []
+    for r in range(world_size):
+        rank_counts = np.bincount(dealt[r::world_size], minlength=len(counts)).tolist()
+        sq, c = interleave_buckets(
+            rank_counts,
+            max_run=max_run,
+            rng=epoch_rng(seed, epoch, _SALT_INTERLEAVE, world_size, r),
+            repeat_penalty=repeat_penalty,
+            evenness=evenness,
+        )
+        # Rank r holds ceil((total - r) / W) batches, so step-major placement fills positions exactly.
+        seq[r::world_size] = sq
+        caps.append(c)
+    return seq, max(caps) if caps else max_run
+
+
+def order_packed(
+    packed: PackedEpoch,
+    *,
+    max_run: int = 3,
+    repeat_penalty: float = 0.5,
+    evenness: float = 3.0,
+    world_size: int = 1,
+) -> EpochPlan:
+    """Interleave a packed epoch into its `EpochPlan` (the Interleaver's half of the plan).
+
+    ``world_size > 1`` orders batches so that each rank's strided share (see `EpochPlan.rank_positions`)
+    keeps the run cap and an even mix; the batches are the same for every world size, their order is not
+    (so resume with the world size the plan was built for, which `EpochPlan.state_dict` records).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if max_run < 1:
+        raise ValueError(f"max_run must be >= 1, got {max_run}")
+    counts = packed.counts
+    seq, cap = _interleave_for(
+        counts,
+        packed.seed,
+        packed.epoch,
+        world_size,
+        max_run=max_run,
+        repeat_penalty=repeat_penalty,
+        evenness=evenness,
+    )
+    cursor = [0] * len(counts)
+    ordered: list[np.ndarray] = []
+    for b in seq.tolist():
+        ordered.append(packed.per_bucket[b][cursor[b]])
+        cursor[b] += 1
+    sizes = np.fromiter((a.size for a in ordered), dtype=np.int64, count=len(ordered))
+    offsets = np.zeros(len(ordered) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    order = np.concatenate(ordered) if ordered else np.zeros(0, dtype=np.int64)
+    padded_max = np.maximum.reduceat(packed.padded[order], offsets[:-1]) if ordered else np.zeros(0, dtype=np.int64)
+    return EpochPlan(
+        epoch=packed.epoch,
+        seed=packed.seed,
+        order=order,
+        offsets=offsets,
+        buckets=seq,
+        padded_lens=padded_max.astype(np.int64),
+        lengths=packed.lengths,
+        sample_ids=packed.sample_ids,
+        boundaries=packed.boundaries,
+        max_run=cap,
+        run_cap_feasible=cap == max_run,
+        world_size=world_size,
+    )

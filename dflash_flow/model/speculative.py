@@ -286,7 +286,7 @@ def spec_generate(
                 stopped = True
         # Tokens start .. start+produced-1 now have verified K/V and features; the new last token
         # (start+produced) has neither yet: it opens the next block.
-        _crop(tgt_cache, start + produced)
+        _crop(tgt_cache, start + produced + 1)
         if verify > 1:
             pending_ctx = _features(out.hidden_states, layer_ids)[:, :produced]
         start += produced

@@ -1,61 +1,10 @@
-"""Tiny real models for the drafter tests: random-weight Qwen3 targets built from a config (no hub)."""
+"""Fixtures for the model tests (helpers live in model_testlib.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
-
-from dflash_flow.model.drafter import DFlashDrafter, make_drafter_config
-
-VOCAB = 96
-HIDDEN = 64
-TARGET_LAYERS = 8
-MASK_ID = VOCAB - 1  # an embedding row the data never uses, like Qwen3's 151669
-
-
-def tiny_target_config(**overrides) -> Qwen3Config:
-    kw = dict(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        num_hidden_layers=TARGET_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        eos_token_id=None,
-        pad_token_id=0,
-        bos_token_id=None,
-    )
-    kw.update(overrides)
-    return Qwen3Config(**kw)
-
-
-def build_target(seed: int = 0, **overrides) -> Qwen3ForCausalLM:
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(tiny_target_config(**overrides))
-    model.config._attn_implementation = "sdpa"
-    model.eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model
-
-
-def target_features(target, input_ids: torch.Tensor, layer_ids: list[int], attention_mask=None) -> torch.Tensor:
-    """Features for the drafter: hidden_states[id + 1] (the output of decoder layer id), concatenated."""
-    with torch.no_grad():
-        out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
-    return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
-
-
-def build_drafter(target, seed: int = 1, **kw) -> DFlashDrafter:
-    kw.setdefault("num_layers", 2)
-    kw.setdefault("block_size", 8)
-    kw.setdefault("mask_token_id", MASK_ID)
-    torch.manual_seed(seed)
-    return DFlashDrafter(make_drafter_config(target.config, **kw))
+from model_testlib import build_target
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +16,4 @@ def target():
 def _deterministic():
     torch.manual_seed(1234)
     yield
+

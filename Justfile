@@ -1,0 +1,27 @@
+# dflash-flow tasks. `just --list` shows them.
+
+python := "python"
+
+# Run the whole test suite (unit, property and end-to-end tests).
+test *ARGS:
+    {{python}} -c "import dflash" 2>/dev/null || {{python}} -m pip install -q --no-deps dflash==0.1.0
+    {{python}} -m pytest -q {{ARGS}}
+
+# Lint and check formatting-level problems.
+lint:
+    {{python}} -m ruff check dflash_flow tests bench examples
+
+# Benchmarks: each writes bench/results/NAME.json and prints it.
+bench:
+    {{python}} bench/runtime_bench.py
+    {{python}} bench/batching_bench.py
+    {{python}} bench/model_bench.py
+    {{python}} bench/monitor_bench.py
+
+# Train the embedded default drafter on CPU.
+run FILE="pipelines/dflash.yaml" *ARGS:
+    dflash-flow run {{FILE}} {{ARGS}}
+
+# Open the MLflow UI on the local store.
+ui PORT="5000":
+    mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port {{PORT}} --workers 1

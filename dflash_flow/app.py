@@ -1,0 +1,158 @@
+"""Running a validated pipeline as an application: MLflow run, checkpoints, resume, exit codes.
+
+The core runtime stays generic; this layer wires the run services (tracker, checkpointer) that DFlash
+stages use, and turns outcomes into run statuses and exit codes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from dflash_flow.core.validate import Validated
+
+log = logging.getLogger("dflash_flow")
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+
+def resume_config_hash(graph) -> str:
+    """What must match to resume: the seed and every stage's type, shape and config."""
+    from dflash_flow.observe.tracking import config_hash
+
+    d = graph.to_dict()
+    return config_hash({"seed": d.get("seed"), "stages": d.get("stages")})
+
+
+def build_resume_state(v: Validated, ckpt) -> dict[str, list[dict[str, Any]]]:
+    """Per-stage resume states. Stages that plan data ahead of the trainer resume from the trainer's
+    position (``resume_state_for``), not from how far they had run ahead when the checkpoint was taken."""
+    if ckpt is None:
+        return {}
+    out: dict[str, list[dict[str, Any]]] = {}
+    for spec in v.graph.stages:
+        cls = v.classes[spec.name]
+        derive = getattr(cls, "resume_state_for", None)
+        state = derive(ckpt.data_position) if derive is not None and ckpt.data_position else None
+        if state is not None:
+            out[spec.name] = [state] * spec.replicas
+        elif spec.name in ckpt.stage_states:
+            out[spec.name] = ckpt.stage_states[spec.name]
+    return out
+
+
+def _device_summary(pipeline) -> str:
+    devs: dict[str, int] = {}
+    for reps in pipeline.replicas.values():
+        for r in reps:
+            devs[r.ctx.device] = devs.get(r.ctx.device, 0) + 1
+    return ", ".join(f"{d} x{n}" for d, n in sorted(devs.items()))
+
+
+def run_validated(v: Validated, *, config_path: Path | None = None, resume: str | None = None, overrides: list[str] | None = None) -> int:
+    """Run ``v`` with tracking and checkpoints. Returns the process exit code."""
+    from dflash_flow import sections  # noqa: F401
+    from dflash_flow.checkpoint import CheckpointError, Checkpointer
+    from dflash_flow.core import PipelineInterrupted, PipelineStalled, StageError
+    from dflash_flow.core.render import render_image, to_mermaid
+    from dflash_flow.core.runtime import Pipeline
+    from dflash_flow.observe.tracking import Tracker, run_tags
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    graph = v.graph
+    output_dir = Path(graph.output_dir or f"runs/{graph.name}")
+    tracking = graph.sections["tracking"]
+    ck = graph.sections["checkpoint"]
+    chash = resume_config_hash(graph)
+    checkpointer = Checkpointer(Path(ck.dir) if ck.dir else output_dir / "checkpoints", keep_last=ck.keep_last, config_hash=chash)
+    ckpt = None
+    if resume:
+        try:
+            ckpt = checkpointer.load(resume)
+        except CheckpointError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        print(f"resuming from {ckpt.path} (step {ckpt.step}, epoch {ckpt.epoch})", file=sys.stderr)
+
+    resolved = graph.to_dict()
+    pipeline = Pipeline(
+        v,
+        services={},
+        resume_state=build_resume_state(v, ckpt),
+        output_dir=output_dir,
+    )
+    tracker = Tracker.start(
+        enabled=tracking.enabled,
+        tracking_uri=tracking.tracking_uri,
+        experiment=tracking.experiment,
+        run_name=tracking.run_name or graph.name,
+        params=resolved,
+        tags={
+            **run_tags(resolved, world_size=pipeline.world_size, device_summary=_device_summary(pipeline)),
+            "config_hash": chash,
+            "config_file": str(config_path) if config_path else "",
+        },
+        resume_run_id=ckpt.mlflow_run_id if ckpt else None,
+        system_metrics=tracking.system_metrics,
+        spool_dir=output_dir / "mlflow-spool",
+    )
+    checkpointer.mlflow_run_id = tracker.run_id
+    pipeline.services.update(
+        {"tracker": tracker, "checkpointer": checkpointer, "checkpoint_config": ck, "resume": ckpt}
+    )
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "pipeline.resolved.yaml").write_text(graph.to_yaml())
+    (output_dir / "pipeline.mmd").write_text(to_mermaid(graph))
+    tracker.log_artifact(output_dir / "pipeline.resolved.yaml", "config")
+    tracker.log_artifact(output_dir / "pipeline.mmd", "dag")
+    try:
+        image = render_image(graph, output_dir / "pipeline.png")
+    except Exception:  # graphviz present but broken: the Mermaid file is still there
+        image = None
+    if image is not None:
+        tracker.log_artifact(image, "dag")
+    status, code, error_text = "FINISHED", EXIT_OK, None
+    try:
+        pipeline.run()
+    except StageError as exc:
+        status, code = "FAILED", EXIT_FAILED
+        original = "".join(traceback.format_exception(exc.original))
+        error_text = f"{exc}\n\nOriginal traceback ({exc.stage}[{exc.replica}], {exc.phase}):\n{original}"
+        for note in getattr(exc, "__notes__", []):
+            error_text += f"\n{note}"
+    except PipelineStalled as exc:
+        status, code, error_text = "FAILED", EXIT_FAILED, str(exc)
+    except PipelineInterrupted as exc:
+        status, code, error_text = "KILLED", EXIT_INTERRUPTED, str(exc)
+    except BaseException as exc:
+        status, code = "FAILED", EXIT_FAILED
+        error_text = "".join(traceback.format_exception(exc))
+        raise
+    finally:
+        snapshot = pipeline.snapshot()
+        summary = {
+            "status": status,
+            "elapsed_s": snapshot.elapsed_s,
+            "error": error_text,
+            "stages": {
+                name: {"replicas": len(st.replicas), **{k: round(v, 4) for k, v in st.fractions().items()},
+                       "items_in": sum(r.items_in for r in st.replicas), "items_out": sum(r.items_out for r in st.replicas)}
+                for name, st in snapshot.stages.items()
+            },
+            "mlflow_run_id": tracker.run_id,
+        }
+        (output_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        tracker.log_artifact(output_dir / "summary.json")
+        tracker.end(status)
+    if error_text:
+        print(f"error: {error_text}" if code != EXIT_INTERRUPTED else f"stopped: {error_text}", file=sys.stderr)
+    if tracker.run_id:
+        print(f"mlflow run: {tracker.run_id} ({tracker.tracking_uri})", file=sys.stderr)
+    return code

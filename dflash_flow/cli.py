@@ -1,0 +1,182 @@
+"""The `dflash-flow` command line. Thin: parsing, messages and exit codes; the work lives elsewhere.
+
+Nothing here imports torch or mlflow at module level, so `--help`, `validate`, `graph` and `stages` start fast.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(
+    name="dflash-flow",
+    help="Train DFlash speculative-decoding drafters as a typed dataflow pipeline.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+EXIT_USER_ERROR = 2
+
+SetOpt = typer.Option(None, "--set", "-s", help="Override a value: key.path=value (repeatable).")
+
+
+def _fail(message: str, code: int = EXIT_USER_ERROR) -> None:
+    typer.echo(message, err=True)
+    raise typer.Exit(code)
+
+
+def _load(file: Path, overrides: Optional[list[str]], check_devices: bool = True):
+    """Load and validate; print one line per problem and exit 2 on user errors."""
+    from dflash_flow import sections  # noqa: F401 - registers the application sections
+    from dflash_flow.core import ConfigError, load_graph
+    from dflash_flow.core.validate import validated
+
+    try:
+        graph = load_graph(file, overrides or [])
+        return validated(graph, check_devices=check_devices)
+    except ConfigError as exc:
+        lines = [p.format() for p in exc.problems]
+        _fail(f"error: {file}: {len(lines)} problem(s)\n" + "\n".join(lines))
+
+
+@app.command()
+def validate(
+    file: Path = typer.Argument(..., help="Pipeline YAML file."),
+    set_: Optional[list[str]] = SetOpt,
+    no_device_check: bool = typer.Option(False, "--no-device-check", help="Check everything but device availability."),
+) -> None:
+    """Check a pipeline file without running it."""
+    v = _load(file, set_, check_devices=not no_device_check)
+    n = sum(s.replicas for s in v.graph.stages)
+    typer.echo(f"ok: {file}: {len(v.graph.stages)} stages, {n} replicas")
+
+
+@app.command()
+def graph(
+    file: Path = typer.Argument(..., help="Pipeline YAML file."),
+    format: str = typer.Option("mermaid", "--format", "-f", help="mermaid or dot"),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write here; .png/.svg renders an image (needs graphviz)."),
+    set_: Optional[list[str]] = SetOpt,
+) -> None:
+    """Print the DAG as Mermaid or Graphviz dot (or render an image)."""
+    from dflash_flow.core.render import render_image, to_dot, to_mermaid
+
+    v = _load(file, set_, check_devices=False)
+    if format not in ("mermaid", "dot"):
+        _fail(f"error: --format must be mermaid or dot, got {format!r}")
+    if output is not None and output.suffix.lower() in (".png", ".svg", ".pdf"):
+        if render_image(v.graph, output) is None:
+            _fail("error: rendering an image needs graphviz's `dot` (apt-get install graphviz); use --format dot")
+        typer.echo(f"wrote {output}")
+        return
+    text = to_mermaid(v.graph) if format == "mermaid" else to_dot(v.graph)
+    if output is not None:
+        output.write_text(text)
+        typer.echo(f"wrote {output}")
+    else:
+        typer.echo(text, nl=False)
+
+
+@app.command()
+def stages(name: Optional[str] = typer.Argument(None, help="Show one stage type in detail.")) -> None:
+    """List registered stage types with their ports and config fields."""
+    from dflash_flow.core import registry
+    from dflash_flow.core.describe import describe_stage
+
+    names = registry.available()
+    if name is not None:
+        if name not in names:
+            _fail(f"error: unknown stage type '{name}'; registered: {', '.join(names)}")
+        names = [name]
+    blocks = []
+    for n in names:
+        try:
+            blocks.append(describe_stage(n))
+        except Exception as exc:  # a broken plugin is reported, the others still listed
+            blocks.append(f"{n}\n  (failed to load: {type(exc).__name__}: {exc})")
+    typer.echo("\n\n".join(blocks))
+
+
+@app.command()
+def run(
+    file: Path = typer.Argument(..., help="Pipeline YAML file."),
+    set_: Optional[list[str]] = SetOpt,
+    resume: Optional[str] = typer.Option(None, "--resume", help="Resume from a checkpoint path, or 'latest'."),
+) -> None:
+    """Run a pipeline."""
+    v = _load(file, set_)
+    from dflash_flow.app import run_validated
+
+    code = run_validated(v, config_path=file, resume=resume, overrides=set_ or [])
+    raise typer.Exit(code)
+
+
+@app.command()
+def export(
+    checkpoint: Path = typer.Argument(..., help="Training checkpoint directory."),
+    out: Path = typer.Argument(..., help="Output directory (Hugging Face layout)."),
+) -> None:
+    """Turn a training checkpoint into the checkpoint layout inference engines load."""
+    from dflash_flow.app import export_checkpoint
+
+    code = export_checkpoint(checkpoint, out)
+    raise typer.Exit(code)
+
+
+@app.command(name="eval")
+def eval_(
+    drafter: Path = typer.Option(..., "--drafter", help="Exported drafter directory."),
+    target: str = typer.Option(..., "--target", help="Target model path (or preset)."),
+    prompts: Path = typer.Option(..., "--prompts", help="JSONL of prompts ({'prompt': ...} or {'conversations': [...]})."),
+    max_new_tokens: int = typer.Option(64, help="Tokens to generate per prompt."),
+    limit: int = typer.Option(32, help="Evaluate at most this many prompts."),
+    baseline: bool = typer.Option(True, help="Also evaluate an untrained drafter of the same shape."),
+    tokenizer: Optional[str] = typer.Option(None, help="Tokenizer path (default: the target's)."),
+) -> None:
+    """Measure real speculative decoding: acceptance length and speedup in target forward passes."""
+    from dflash_flow.app import eval_command
+
+    raise typer.Exit(eval_command(drafter, target, prompts, max_new_tokens, limit, baseline, tokenizer))
+
+
+@app.command()
+def regenerate(
+    prompts: Path = typer.Argument(..., help="JSONL of prompts or conversations."),
+    target: str = typer.Option(..., "--target", help="Target model path."),
+    out: Path = typer.Option(..., "--out", help="Output JSONL (appended to; resumable)."),
+    batch_size: int = typer.Option(8, help="Prompts per generation batch."),
+    max_new_tokens: int = typer.Option(256, help="Longest reply."),
+    resume: bool = typer.Option(True, help="Skip records already in --out."),
+    system_prompt: Optional[str] = typer.Option(None, help="System prompt to prepend."),
+) -> None:
+    """Regenerate assistant replies with the target (greedy), as the DFlash recipe does."""
+    from dflash_flow.app import regenerate_command
+
+    raise typer.Exit(regenerate_command(prompts, target, out, batch_size, max_new_tokens, resume, system_prompt))
+
+
+@app.command(name="import-spool")
+def import_spool(
+    spool: Path = typer.Argument(..., help="Spool file left behind when the tracking server was unreachable."),
+    tracking_uri: Optional[str] = typer.Option(None, help="Where to import (default: the URI recorded in the spool)."),
+) -> None:
+    """Send spooled metrics to MLflow."""
+    from dflash_flow.observe.tracking import import_spool as _import
+
+    n = _import(spool, tracking_uri)
+    typer.echo(f"imported {n} metric values from {spool}")
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

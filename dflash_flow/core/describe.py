@@ -1,0 +1,36 @@
+"""Text descriptions of stage types (for `dflash-flow stages`)."""
+
+from __future__ import annotations
+
+import inspect
+
+import attrs
+
+from . import registry
+from .config import _field_types, describe_type
+
+
+def describe_stage(name: str) -> str:
+    cls = registry.resolve(name)
+    doc = inspect.getdoc(cls) or ""
+    summary = doc.splitlines()[0] if doc else ""
+    lines = [f"{name}  ({cls.__module__}.{cls.__qualname__})"]
+    if summary:
+        lines.append(f"  {summary}")
+    ins = "none (source)" if cls.input_type is None else ("any" if cls.input_type is object else cls.input_type.__name__)
+    outs = "none (sink)" if cls.output_type is None else ("any" if cls.output_type is object else cls.output_type.__name__)
+    lines.append(f"  input: {ins}   output: {outs}   cardinality: {cls.cardinality}")
+    fields = cls.config_fields()
+    hints = _field_types(cls)
+    if not fields:
+        lines.append("  config: (none)")
+    for f in fields:
+        if f.default is attrs.NOTHING:
+            default = "required"
+        elif isinstance(f.default, attrs.Factory):  # type: ignore[arg-type]
+            default = f"default {f.default.factory()!r}"
+        else:
+            default = f"default {f.default!r}"
+        doc_line = f.metadata.get("doc", "")
+        lines.append(f"  - {f.name}: {describe_type(hints.get(f.name, object))} ({default}){'  ' + doc_line if doc_line else ''}")
+    return "\n".join(lines)

@@ -1,0 +1,247 @@
+"""Render chat conversations with the tokenizer's chat template and mark the assistant tokens.
+
+The loss mask is 1 on what the model would generate at serving time: everything of an assistant turn
+after its header, up to and including the end-of-turn marker (e.g. ``<|im_end|>\\n``). Works for any
+template that renders each assistant message's content contiguously (ChatML, Qwen3, Llama 3, Gemma...):
+
+* The template's *generation prompt* (what ``add_generation_prompt=True`` appends) and *end-of-turn*
+  marker are found once per template by rendering probe conversations (`probe_template`).
+* The full conversation is rendered once. Each assistant message's content is located in the text; the
+  supervised character span starts after the last generation prompt before it (so a reasoning block the
+  model writes itself, ``<think>...</think>``, is supervised, while the empty one that Qwen3 puts into
+  the prompt when ``enable_thinking=False`` is not) and ends after the end-of-turn marker that follows.
+* The text is tokenized once with offsets; a token is supervised when its first character lies in a
+  supervised span. Tokenizing the whole text at once keeps token boundaries identical to serving.
+
+Templates that rewrite earlier turns (Qwen3 drops reasoning of turns before the last user message) are
+handled because the spans come from the one full rendering, not from rendering prefixes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+__all__ = ["ChatEncoding", "ChatTemplateError", "TemplateInfo", "encode_chat", "probe_template", "render_chat"]
+
+
+class ChatTemplateError(ValueError):
+    """A conversation (or template) that cannot be rendered into supervised spans."""
+
+
+@attrs.define(frozen=True)
+class TemplateInfo:
+    """What the loss mask needs to know about a chat template."""
+
+    generation_prompt: str  # appended by add_generation_prompt=True, e.g. "<|im_start|>assistant\n"
+    end_of_turn: str  # closes an assistant turn, e.g. "<|im_end|>\n"; may be ""
+
+
+@attrs.define(eq=False)
+class ChatEncoding:
+    text: str
+    input_ids: np.ndarray  # int64 [n]
+    loss_mask: np.ndarray  # uint8 [n]
+    spans: list[tuple[int, int]]  # supervised character spans of `text`
+
+
+_PROBE_USER = ("zqxuserprobeone", "zqxuserprobetwo")
+_PROBE_ASSISTANT = ("zqxassistantprobeone", "zqxassistantprobetwo")
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = False,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> str:
+    try:
+        text = tokenizer.apply_chat_template(
+            list(messages),
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            **dict(template_kwargs or {}),
+        )
+    except Exception as exc:  # jinja raises many types (TemplateError, TypeError, our raise_exception)
+        raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(text, str):
+        raise ChatTemplateError(f"chat template rendered {type(text).__name__}, expected str")
+    return text
+
+
+def _common_prefix(a: str, b: str) -> str:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return a[:n]
+
+
+def probe_template(
+    tokenizer: Any,
+    *,
+    chat_template: str | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> TemplateInfo:
+    """Find the template's generation prompt and end-of-turn marker by rendering probe conversations."""
+    u, a = _PROBE_USER, _PROBE_ASSISTANT
+    convo = [
+        {"role": "user", "content": u[0]},
+        {"role": "assistant", "content": a[0]},
+        {"role": "user", "content": u[1]},
+        {"role": "assistant", "content": a[1]},
+    ]
+
+    def render(msgs, gen=False):
+        return render_chat(
+            tokenizer, msgs, chat_template=chat_template, add_generation_prompt=gen, template_kwargs=template_kwargs
+        )
+
+    try:
+        text = render(convo)
+    except ChatTemplateError:
+        # Some templates insist on a leading system message.
+        convo.insert(0, {"role": "system", "content": "zqxsystemprobe"})
+        text = render(convo)
+    try:
+        a0 = text.index(a[0]) + len(a[0])
+        u1 = text.index(u[1], a0)
+        a1 = text.index(a[1], u1) + len(a[1])
+    except ValueError as exc:
+        raise ChatTemplateError(
+            "the chat template does not render message contents verbatim; loss masks need a template "
+            "that renders each assistant message's content as one contiguous piece"
+        ) from exc
+    after_mid, after_last = text[a0:u1], text[a1:]
+    eot = _common_prefix(after_mid, after_last)
+    if not eot:
+        eos = getattr(tokenizer, "eos_token", None)
+        if isinstance(eos, str) and eos and after_mid.startswith(eos):
+            eot = eos
+
+    head = convo[: len(convo) - 1]  # ends with the second user message
+    with_gen, without = render(head, gen=True), render(head, gen=False)
+    if with_gen.startswith(without) and len(with_gen) > len(without):
+        gen_prompt = with_gen[len(without) :]
+    else:
+        # No usable add_generation_prompt: take the header the template writes before an assistant
+        # message, i.e. what separates the user content from the assistant content minus the end-of-turn.
+        u0 = text.index(u[0]) + len(u[0])
+        between = text[u0 : text.index(a[0])]
+        gen_prompt = between[len(eot) :] if eot and between.startswith(eot) else between
+    if not gen_prompt:
+        raise ChatTemplateError("could not determine the chat template's assistant header")
+    return TemplateInfo(generation_prompt=gen_prompt, end_of_turn=eot)
+
+
+def _locate(text: str, content: str, cursor: int) -> tuple[int, int]:
+    """Start and end of an assistant message's content in ``text`` at or after ``cursor``."""
+    variants = [content, content.strip(), content.lstrip("\n"), content.rstrip()]
+    if "</think>" in content:  # Qwen-style templates split reasoning out of the content
+        variants.append(content.split("</think>")[-1].strip())
+    for v in variants:
+        if not v:
+            continue
+        pos = text.find(v, cursor)
+        if pos >= 0:
+            return pos, pos + len(v)
+    return -1, -1
+
+
+def _message_fields(i: int, msg: Any) -> tuple[str, Any]:
+    if not isinstance(msg, Mapping):
+        raise ChatTemplateError(f"message {i} is {type(msg).__name__}, expected an object with role and content")
+    if "role" not in msg:
+        raise ChatTemplateError(f"message {i} has no 'role'")
+    return msg["role"], msg.get("content")
+
+
+def supervised_spans(text: str, messages: Sequence[Mapping[str, Any]], info: TemplateInfo) -> list[tuple[int, int]]:
+    """Character spans of ``text`` that the model generates (assistant turns after their header)."""
+    spans: list[tuple[int, int]] = []
+    cursor = 0
+    gp, eot = info.generation_prompt, info.end_of_turn
+    for i, msg in enumerate(messages):
+        role, content = _message_fields(i, msg)
+        if not isinstance(content, str):
+            if content is None and role == "assistant" and msg.get("tool_calls"):
+                continue  # a pure tool-call turn has no content to anchor on
+            raise ChatTemplateError(f"message {i} ({role}): content must be a string, got {type(content).__name__}")
+        start, end = _locate(text, content, cursor)
+        if role != "assistant":
+            if start >= 0:
+                cursor = end
+            continue
+        if not content.strip():
+            continue
+        if start < 0:
+            raise ChatTemplateError(
+                f"message {i} (assistant): content not found verbatim in the rendered conversation; the template "
+                "must render assistant content contiguously"
+            )
+        header = text.rfind(gp, cursor, start)
+        mask_start = header + len(gp) if header >= 0 else start
+        mask_end = end
+        if eot:
+            if text.startswith(eot, end):
+                mask_end = end + len(eot)
+            else:
+                # Something the model also generates (tool calls) may sit between content and end-of-turn.
+                nxt = len(text)
+                if i + 1 < len(messages):
+                    nxt_role, nxt_content = _message_fields(i + 1, messages[i + 1])
+                    if isinstance(nxt_content, str) and nxt_content:
+                        p = text.find(nxt_content, end)
+                        if p >= 0:
+                            nxt = p
+                p = text.find(eot, end, nxt)
+                if p >= 0:
+                    mask_end = p + len(eot)
+        spans.append((mask_start, mask_end))
+        cursor = mask_end
+    return spans
+
+
+def token_mask(offsets: np.ndarray, spans: Sequence[tuple[int, int]]) -> np.ndarray:
+    """1 for tokens whose first character lies in a span. ``offsets`` is [n, 2] character offsets."""
+    offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    n = offsets.shape[0]
+    if not spans or n == 0:
+        return np.zeros(n, dtype=np.uint8)
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    # Byte-level BPE with trim_offsets shrinks a whitespace-only token to (end, end): its real first
+    # character is before that, so use end - 1 to keep it on the correct side of a span boundary.
+    key = np.where(ends > starts, starts, np.maximum(ends - 1, 0))
+    s = np.fromiter((a for a, _ in spans), dtype=np.int64, count=len(spans))
+    e = np.fromiter((b for _, b in spans), dtype=np.int64, count=len(spans))
+    j = np.searchsorted(s, key, side="right") - 1
+    inside = (j >= 0) & (key < e[np.clip(j, 0, None)])
+    return inside.astype(np.uint8)
+
+
+def encode_chat(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    info: TemplateInfo | None = None,
+    chat_template: str | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> ChatEncoding:
+    """Render, tokenize and mask one conversation (no truncation; see `records` for that)."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise ChatTemplateError("loss masks need a fast tokenizer (offset mapping); got a slow tokenizer")
+    if info is None:
+        info = probe_template(tokenizer, chat_template=chat_template, template_kwargs=template_kwargs)
+    text = render_chat(tokenizer, messages, chat_template=chat_template, template_kwargs=template_kwargs)
+    spans = supervised_spans(text, messages, info)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = np.asarray(enc["input_ids"], dtype=np.int64)
+    mask = token_mask(np.asarray(enc["offset_mapping"], dtype=np.int64), spans)
+    return ChatEncoding(text=text, input_ids=ids, loss_mask=mask, spans=spans)

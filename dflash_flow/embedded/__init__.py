@@ -1,0 +1,52 @@
+"""The embedded CPU default: everything the DFlash recipe needs, built by the project itself.
+
+* :mod:`.corpus`: deterministic templated chat prompts + reference answers, with a held-out split;
+* :mod:`.tokenizer`: byte-level BPE trained on that corpus, ChatML chat template;
+* :mod:`.train_target`: a small 8-layer Qwen3 target trained on the corpus (shipped under ``assets/target``);
+* :mod:`.regenerate`: greedy regeneration of responses by a target (``dflash-flow regenerate``);
+* :mod:`.build`: the default dataset (corpus prompts answered by the target), cached.
+
+No module here imports torch or transformers at import time (the CLI's ``--help`` stays fast).
+"""
+
+from .build import DefaultDataset, build_default_dataset
+from .corpus import ChatExample, iter_examples, make_split, split_of
+from .regenerate import RegenStats, greedy_generate, regenerate
+from .tokenizer import (
+    CHAT_TEMPLATE,
+    ENDOFTEXT,
+    IM_END,
+    IM_START,
+    PAD,
+    build_default_tokenizer,
+    load_tokenizer,
+    stop_token_ids,
+    train_tokenizer,
+)
+from .train_target import ASSET_DIR, TargetRecipe, ensure_target, load_target, train_target
+
+__all__ = [
+    "ASSET_DIR",
+    "CHAT_TEMPLATE",
+    "ENDOFTEXT",
+    "IM_END",
+    "IM_START",
+    "PAD",
+    "ChatExample",
+    "DefaultDataset",
+    "RegenStats",
+    "TargetRecipe",
+    "build_default_dataset",
+    "build_default_tokenizer",
+    "ensure_target",
+    "greedy_generate",
+    "iter_examples",
+    "load_target",
+    "load_tokenizer",
+    "make_split",
+    "regenerate",
+    "split_of",
+    "stop_token_ids",
+    "train_target",
+    "train_tokenizer",
+]

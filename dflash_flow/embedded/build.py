@@ -1,0 +1,138 @@
+"""The default dataset: corpus prompts, answered by the shipped target (greedy), cached.
+
+``build_default_dataset(out_dir, n_train, n_eval, seed)`` writes into ``out_dir``:
+
+* ``train_prompts.jsonl`` / ``eval_prompts.jsonl``: the corpus prompts (no answers), held-out split
+  disjoint from the training one and from the target's own training data;
+* ``train.jsonl`` / ``eval.jsonl``: the same prompts with the target's regenerated greedy replies
+  (the DFlash recipe: the drafter learns the target's own distribution, not the templates' answers);
+* ``manifest.json``: the cache key and build figures.
+
+The cache key hashes every input (sizes, seed, corpus version, target weights and tokenizer, decoding
+settings), so a second call with the same inputs returns at once, and a build killed half-way resumes
+where regeneration stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BUILD_VERSION = "1"
+
+
+@dataclass
+class DefaultDataset:
+    root: Path
+    train_path: Path  # regenerated conversations (train split)
+    eval_path: Path  # regenerated conversations (held-out split)
+    eval_prompts_path: Path  # held-out prompts only, e.g. for acceptance-length measurement
+    target_path: Path
+    key: str
+    manifest: dict = field(default_factory=dict)
+    cached: bool = False  # True when nothing had to be built
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_jsonl_atomic(path: Path, records: list[dict]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def dataset_key(n_train: int, n_eval: int, seed: int, target_path: Path, max_new_tokens: int) -> str:
+    from .corpus import CORPUS_VERSION
+
+    blob = json.dumps({
+        "build": BUILD_VERSION, "corpus": CORPUS_VERSION, "n_train": n_train, "n_eval": n_eval, "seed": seed,
+        "max_new_tokens": max_new_tokens,
+        "weights": _file_digest(target_path / "model.safetensors"),
+        "tokenizer": _file_digest(target_path / "tokenizer.json"),
+        "template": (target_path / "chat_template.jinja").read_text()
+        if (target_path / "chat_template.jinja").exists() else "",
+    }, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def build_default_dataset(out_dir: str | Path, n_train: int = 1024, n_eval: int = 64, seed: int = 0, *,
+                          target_path: str | Path | None = None, cache_dir: str | Path | None = None,
+                          batch_size: int = 32, max_new_tokens: int = 448, progress: bool = True,
+                          num_threads: int | None = None, log=print) -> DefaultDataset:
+    """Build (or return the cached) default dataset in ``out_dir``. See the module docstring.
+
+    ``target_path=None`` uses the shipped target (``ensure_target(cache_dir)``). Note the batch size does
+    not enter the cache key: greedy replies do not depend on it.
+    """
+    from .corpus import make_split
+    from .regenerate import regenerate
+    from .train_target import ensure_target, load_target
+
+    t0 = time.perf_counter()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target = Path(target_path) if target_path is not None else ensure_target(cache_dir, log=log)
+    key = dataset_key(n_train, n_eval, seed, target, max_new_tokens)
+    paths = {
+        "train_prompts": out / "train_prompts.jsonl", "eval_prompts": out / "eval_prompts.jsonl",
+        "train": out / "train.jsonl", "eval": out / "eval.jsonl",
+    }
+    manifest_path = out / "manifest.json"
+    result = DefaultDataset(root=out, train_path=paths["train"], eval_path=paths["eval"],
+                            eval_prompts_path=paths["eval_prompts"], target_path=target, key=key)
+
+    if manifest_path.exists():
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("key") == key and all(p.exists() for p in paths.values()):
+            result.manifest, result.cached = manifest, True
+            return result
+
+    # A partial build with the same key resumes (regenerate skips finished ids); any other content in
+    # out_dir is from different inputs and is discarded.
+    building = out / ".building"
+    if not (building.exists() and building.read_text().strip() == key):
+        for p in list(paths.values()) + [manifest_path]:
+            p.unlink(missing_ok=True)
+        building.write_text(key + "\n")
+
+    train, evals = make_split(n_train, n_eval, seed)
+    _write_jsonl_atomic(paths["train_prompts"], [
+        {"id": f"train-{i:06d}", "family": ex.family, "conversations": ex.conversations(with_answer=False)}
+        for i, ex in enumerate(train)
+    ])
+    _write_jsonl_atomic(paths["eval_prompts"], [
+        {"id": f"eval-{i:05d}", "family": ex.family, "conversations": ex.conversations(with_answer=False)}
+        for i, ex in enumerate(evals)
+    ])
+
+    model, tokenizer = load_target(target)
+    figures = {}
+    for split in ("eval", "train"):  # eval first: small, and a quick sanity check of the target
+        log(f"[dataset] regenerating {split} split with the target ({target.name}) ...")
+        s = regenerate(paths[f"{split}_prompts"], target, paths[split], batch_size=batch_size,
+                       max_new_tokens=max_new_tokens, resume=True, progress=progress, num_threads=num_threads,
+                       model=model, tokenizer=tokenizer)
+        figures[split] = {"records": s.total, "generated_now": s.generated, "new_tokens_now": s.new_tokens,
+                          "truncated_now": s.truncated, "seconds": round(s.seconds, 1),
+                          "tokens_per_s": round(s.tokens_per_s, 1)}
+    manifest = {"key": key, "n_train": n_train, "n_eval": n_eval, "seed": seed, "max_new_tokens": max_new_tokens,
+                "target": str(target), "build_seconds": round(time.perf_counter() - t0, 1), "regeneration": figures,
+                "files": {k: p.name for k, p in paths.items()}}
+    tmp = manifest_path.with_name("manifest.json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, manifest_path)
+    building.unlink(missing_ok=True)
+    result.manifest = manifest
+    return result

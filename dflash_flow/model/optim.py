@@ -1,0 +1,235 @@
+"""Optimizer pieces of the drafter recipe: AdamW on fp32 masters, warmup + cosine, clipping, accumulation.
+
+The DFlash recipe (SpecForge ``BF16Optimizer``) keeps bf16 model weights for compute and an fp32 master
+copy for the update: with lr ~6e-4 and decaying to 0, most late updates are far below a bf16 ulp and
+would be rounded away if applied to bf16 weights directly. Every piece has ``state_dict`` /
+``load_state_dict`` so a run resumes bit-exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+STATE_VERSION = 1
+
+
+class MasterAdamW:
+    """AdamW whose state and update live on fp32 masters; model params are refreshed from them.
+
+    fp32 parameters are their own master (no copy). ``step()`` moves gradients to the masters, clips
+    the global norm, updates, copies the masters back into the (bf16) parameters and clears gradients.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        *,
+        lr: float = 6e-4,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        max_grad_norm: float | None = 1.0,
+        skip_nonfinite: bool = True,
+    ) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ValueError("no trainable parameters")
+        self.masters = [
+            p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True) for p in self.params
+        ]
+        self.max_grad_norm = max_grad_norm
+        self.skip_nonfinite = skip_nonfinite
+        self.optimizer = torch.optim.AdamW(self.masters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.skipped_steps = 0
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def uses_masters(self) -> bool:
+        return any(m is not p for m, p in zip(self.masters, self.params))
+
+    def zero_grad(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            p.grad = None
+            m.grad = None
+
+    def step(self) -> torch.Tensor:
+        """One update; returns the global gradient norm before clipping (a 0-d tensor).
+
+        A non-finite norm skips the update (and counts it in ``skipped_steps``) instead of writing NaN
+        into the weights: one bad batch must not end a multi-day run.
+        """
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                m.grad = None if p.grad is None else p.grad.detach().float()
+        grads = [m for m in self.masters if m.grad is not None]
+        if self.max_grad_norm and self.max_grad_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([m.grad for m in grads]) if grads else torch.zeros(())
+        if self.skip_nonfinite and not bool(torch.isfinite(norm)):
+            self.skipped_steps += 1
+            self.zero_grad()
+            return norm
+        self.optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                if m is not p:
+                    p.copy_(m)
+        self.zero_grad()
+        return norm
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "optimizer": self.optimizer.state_dict(),
+            # Masters are saved: the bf16 weights of a checkpoint have lost the low bits.
+            "masters": [m.detach().clone() if m is not p else None for m, p in zip(self.masters, self.params)],
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"unsupported optimizer state version {state.get('version')}")
+        masters = state["masters"]
+        if len(masters) != len(self.masters):
+            raise ValueError(f"optimizer state has {len(masters)} params, model has {len(self.masters)}")
+        with torch.no_grad():
+            for p, m, saved in zip(self.params, self.masters, masters):
+                if (saved is None) != (m is p):
+                    raise ValueError("optimizer state does not match the parameter dtypes (fp32 vs bf16)")
+                if saved is not None:
+                    m.copy_(saved)
+                    p.copy_(m)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+class WarmupCosineSchedule:
+    """Linear warmup to the base lr, then cosine decay to ``min_lr_ratio * base`` (0 by default).
+
+    Step s (0-based, the s-th optimizer update) uses factor ``(s+1)/warmup`` during warmup, so the
+    first update is not wasted at lr 0; the cosine then reaches its floor at ``total_steps``.
+    """
+
+    def __init__(
+        self,
+        optimizer: Any,
+        *,
+        total_steps: int,
+        warmup_ratio: float = 0.04,
+        warmup_steps: int | None = None,
+        min_lr_ratio: float = 0.0,
+    ) -> None:
+        if total_steps < 1:
+            raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+        if not 0.0 <= warmup_ratio < 1.0:
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}")
+        self.optimizer = optimizer
+        self.total_steps = int(total_steps)
+        self.warmup_steps = int(warmup_steps if warmup_steps is not None else math.ceil(total_steps * warmup_ratio))
+        self.min_lr_ratio = float(min_lr_ratio)
+        self.base_lrs = [g["lr"] for g in optimizer.param_groups]
+        self.step_count = 0
+        self._apply()
+
+    def factor(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        span = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def _apply(self) -> None:
+        f = self.factor(self.step_count)
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * f
+
+    def step(self) -> None:
+        """Call after each optimizer update; sets the lr of the next one."""
+        self.step_count += 1
+        self._apply()
+
+    def get_last_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "step_count": self.step_count,
+            "total_steps": self.total_steps,
+            "warmup_steps": self.warmup_steps,
+            "min_lr_ratio": self.min_lr_ratio,
+            "base_lrs": list(self.base_lrs),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"unsupported scheduler state version {state.get('version')}")
+        self.step_count = int(state["step_count"])
+        self.total_steps = int(state["total_steps"])
+        self.warmup_steps = int(state["warmup_steps"])
+        self.min_lr_ratio = float(state["min_lr_ratio"])
+        self.base_lrs = list(state["base_lrs"])
+        self._apply()
+
+
+class GradientAccumulator:
+    """Counts micro-batches and scales their losses so that ``steps`` micro-batches make one update.
+
+    Each micro-batch loss is already a token-weighted mean, so the update uses the mean of the
+    micro-batch means (the per-rank convention of SpecForge).
+    """
+
+    def __init__(self, steps: int = 1) -> None:
+        if steps < 1:
+            raise ValueError(f"accumulation steps must be >= 1, got {steps}")
+        self.steps = int(steps)
+        self.micro = 0
+
+    def backward(self, loss: torch.Tensor) -> bool:
+        """Backward of ``loss / steps``; True when the accumulated gradients are ready for ``step()``."""
+        (loss / self.steps).backward()
+        self.micro += 1
+        return self.ready
+
+    @property
+    def ready(self) -> bool:
+        return self.micro > 0 and self.micro % self.steps == 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, "steps": self.steps, "micro": self.micro}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state["steps"]) != self.steps:
+            raise ValueError(f"accumulation steps changed from {state['steps']} to {self.steps}")
+        self.micro = int(state["micro"])
+
+
+def build_optimizer(
+    model: nn.Module,
+    *,
+    total_steps: int,
+    lr: float = 6e-4,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    max_grad_norm: float | None = 1.0,
+    warmup_ratio: float = 0.04,
+    min_lr_ratio: float = 0.0,
+) -> tuple[MasterAdamW, WarmupCosineSchedule]:
+    """The recipe defaults: AdamW (fp32 masters) lr 6e-4, wd 0, clip 1.0, 4% warmup, cosine to 0."""
+    opt = MasterAdamW(
+        model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm
+    )
+    sched = WarmupCosineSchedule(
+        opt, total_steps=total_steps, warmup_ratio=warmup_ratio, min_lr_ratio=min_lr_ratio
+    )
+    return opt, sched

@@ -1,0 +1,33 @@
+"""Application sections of a pipeline file (beside `stages`). attrs only: cheap to import."""
+
+from __future__ import annotations
+
+import attrs
+
+from dflash_flow.core import cfg, register_section
+
+
+@attrs.define(kw_only=True)
+class TrackingConfig:
+    """`tracking:` where metrics, params and artifacts go (MLflow)."""
+
+    enabled: bool = cfg(True, doc="Switch MLflow tracking off with false.")
+    tracking_uri: str | None = cfg(None, doc="Any MLflow URI; a plain path means a sqlite file; default: ./mlflow.db.")
+    experiment: str = cfg("dflash-flow", doc="MLflow experiment name.")
+    run_name: str | None = cfg(None, doc="MLflow run name (default: the pipeline name).")
+    system_metrics: bool = cfg(True, doc="Log CPU and memory use (psutil) with every monitor sample.")
+
+
+@attrs.define(kw_only=True)
+class CheckpointConfig:
+    """`checkpoint:` when and where resumable checkpoints are written."""
+
+    every_steps: int = cfg(0, ge=0, doc="Checkpoint every N optimizer steps (0: only at epoch ends and on stop).")
+    at_epoch_end: bool = cfg(True, doc="Checkpoint at the end of each epoch.")
+    on_signal: bool = cfg(True, doc="Checkpoint when stopped by SIGINT/SIGTERM.")
+    keep_last: int = cfg(3, ge=1, doc="How many checkpoints to keep.")
+    dir: str | None = cfg(None, doc="Checkpoint directory (default: OUTPUT_DIR/checkpoints).")
+
+
+register_section("tracking", TrackingConfig)
+register_section("checkpoint", CheckpointConfig)

@@ -1,0 +1,367 @@
+"""The DFlash objective: anchors, block plan, masks, labels, weights, chunking, padding.
+
+Tests named ``test_pitfall_N_*`` each target item N of the reference pitfall checklist
+(docs: shared/reference/dflash-training.md); each would fail on the bug that item describes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from model_testlib import HIDDEN, MASK_ID, VOCAB, build_drafter, randomize, target_features
+
+from dflash_flow.model.drafter import FULL_ATTENTION, SLIDING_ATTENTION
+from dflash_flow.model.objective import (
+    block_attention_mask,
+    decay_weights,
+    dflash_loss,
+    draft_block_hidden,
+    plan_blocks,
+    sample_anchors,
+    valid_anchor_mask,
+)
+
+
+def reference_mask(anchors, keep, context_valid, s, block, layer_type, window):
+    """Dense mask written from the reference rules, one element at a time."""
+    b, n = anchors.shape
+    m = torch.zeros(b, n * block, s + n * block, dtype=torch.bool)
+    for r in range(b):
+        for i in range(n):
+            a = int(anchors[r, i])
+            for j in range(block):
+                q = i * block + j
+                for k in range(block):
+                    if layer_type == FULL_ATTENTION or (k <= j and j - k < window):
+                        m[r, q, s + i * block + k] = True
+                if not keep[r, i]:
+                    continue  # padding block: its own block only, no context
+                for c in range(s):
+                    if c < a and context_valid[r, c]:
+                        if layer_type == FULL_ATTENTION or (a + j) - c < window:
+                            m[r, q, c] = True
+    return m[:, None]
+
+
+def make_batch(target, b=2, s=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB - 1, (b, s), generator=g)
+    loss_mask = torch.ones(b, s, dtype=torch.long)
+    loss_mask[:, :5] = 0  # a "prompt"
+    return ids, loss_mask
+
+
+def loss_modules(target):
+    return dict(embed_tokens=target.get_input_embeddings(), lm_head=target.lm_head)
+
+
+# ------------------------------------------------------------------------------------------ anchors
+
+
+def test_sample_anchors_valid_sorted_unique_and_padded():
+    lm = torch.tensor(
+        [
+            [0, 1, 1, 1, 0, 1, 1, 1, 1, 0],  # valid: 1, 2, 5, 6, 7
+            [0, 0, 0, 1, 1, 0, 0, 0, 0, 0],  # valid: 3
+        ]
+    )
+    g = torch.Generator().manual_seed(0)
+    anchors, keep = sample_anchors(lm, 512, generator=g)
+    assert anchors.shape == (2, 5)  # W = min(512, max #valid) = 5
+    assert anchors[0].tolist() == [1, 2, 5, 6, 7] and keep[0].all()
+    assert anchors[1].tolist() == [3, 0, 0, 0, 0] and keep[1].tolist() == [True] + [False] * 4
+    anchors, keep = sample_anchors(lm, 3, generator=torch.Generator().manual_seed(1))
+    assert anchors.shape == (2, 3)
+    row = anchors[0].tolist()
+    assert row == sorted(row) and len(set(row)) == 3 and set(row) <= {1, 2, 5, 6, 7}
+    assert keep[0].all() and keep[1].tolist() == [True, False, False]
+
+
+def test_sample_anchors_seeded_and_uniform():
+    lm = torch.ones(1, 41, dtype=torch.long)  # 40 valid positions
+    a1, _ = sample_anchors(lm, 8, generator=torch.Generator().manual_seed(7))
+    a2, _ = sample_anchors(lm, 8, generator=torch.Generator().manual_seed(7))
+    a3, _ = sample_anchors(lm, 8, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(a1, a2) and not torch.equal(a1, a3)
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(41)
+    draws = 2000
+    for _ in range(draws):
+        a, _ = sample_anchors(lm, 8, generator=g)
+        counts[a[0]] += 1
+    assert counts[40] == 0  # the last position has no successor
+    expected = draws * 8 / 40
+    chi2 = float(((counts[:40] - expected) ** 2 / expected).sum())
+    assert chi2 < 80  # 39 degrees of freedom; p(chi2 > 80) ~ 1e-4
+
+
+def test_valid_anchor_mask_respects_attention_mask():
+    lm = torch.tensor([[1, 1, 1, 1]])
+    am = torch.tensor([[1, 1, 1, 0]])
+    assert valid_anchor_mask(lm, am).tolist() == [[True, True, False, False]]
+
+
+# ------------------------------------------------------------------------------------------ pitfalls
+
+
+@pytest.mark.parametrize("layer_type,window", [(FULL_ATTENTION, None), (SLIDING_ATTENTION, 4)])
+def test_pitfalls_2_4_5_6_mask_equals_dense_reference(layer_type, window):
+    # Overlapping anchors out of index order, a padding block, and a padded context position.
+    anchors = torch.tensor([[2, 3, 9, 0], [7, 4, 5, 1]])
+    keep = torch.tensor([[True, True, True, False], [True, True, True, True]])
+    s, block = 14, 5
+    context_valid = torch.ones(2, s, dtype=torch.bool)
+    context_valid[1, 12:] = False
+    got = block_attention_mask(
+        anchors, keep, context_valid, block_size=block, layer_type=layer_type, sliding_window=window
+    )
+    want = reference_mask(anchors, keep, context_valid, s, block, layer_type, window or 10**9)
+    assert got.shape == want.shape
+    assert torch.equal(got, want)
+    assert got.any(dim=-1).all()  # no fully masked row: sdpa would return NaN
+
+
+def test_pitfall_1_same_position_labels_and_weights():
+    ids = torch.arange(10, 22)[None]  # token at position p is 10 + p
+    lm = torch.ones(1, 12, dtype=torch.long)
+    lm[0, 6] = 0
+    anchors = torch.tensor([[3, 9]])
+    keep = torch.tensor([[True, True]])
+    plan = plan_blocks(ids, lm, anchors, keep, block_size=4, mask_token_id=MASK_ID, gamma=7.0)
+    # Slot k is labelled with the token at a+k (not a+k+1).
+    assert plan.labels[0, 0].tolist() == [13, 14, 15, 16]
+    assert plan.labels[0, 1, :3].tolist() == [19, 20, 21]
+    w = plan.weights[0]
+    # Slot 0 never supervised; slot 3 of block 0 is position 6 (loss_mask 0); block 1 runs past S.
+    assert w[0, 0] == 0 and w[1, 0] == 0
+    assert w[0, 1] == pytest.approx(1.0) and w[0, 2] == pytest.approx(math.exp(-1 / 7))
+    assert w[0, 3] == 0
+    assert w[1, 1] == pytest.approx(1.0) and w[1, 2] == pytest.approx(math.exp(-1 / 7)) and w[1, 3] == 0
+    assert decay_weights(4, 7.0)[1:] == pytest.approx([1.0, math.exp(-1 / 7), math.exp(-2 / 7)])
+
+
+def test_pitfall_3_block_inputs_not_shifted():
+    ids = torch.arange(10, 22)[None]
+    lm = torch.ones(1, 12, dtype=torch.long)
+    plan = plan_blocks(
+        ids, lm, torch.tensor([[3, 0]]), torch.tensor([[True, False]]), block_size=4, mask_token_id=MASK_ID
+    )
+    assert plan.block_ids[0, 0].tolist() == [13, MASK_ID, MASK_ID, MASK_ID]  # input_ids[a], no shift
+    assert plan.block_ids[0, 1].tolist() == [MASK_ID] * 4  # padding block: all MASK
+    assert plan.block_positions[0, 0].tolist() == [3, 4, 5, 6]
+    assert not plan.supervised[0, 1].any()
+
+
+def test_pitfalls_2_3_context_is_features_strictly_before_anchor(target):
+    drafter = randomize(build_drafter(target, num_layers=2), 2).eval()
+    ids, lm = make_batch(target, b=1)
+    feats = target_features(target, ids, drafter.target_layer_ids)
+    a = 11
+    plan = plan_blocks(ids, lm, torch.tensor([[a]]), torch.tensor([[True]]), block_size=8, mask_token_id=MASK_ID)
+    mods = loss_modules(target)
+
+    def out(hidden):
+        with torch.no_grad():
+            return draft_block_hidden(drafter, plan, embed_tokens=mods["embed_tokens"], hidden_states=hidden)
+
+    base = out(feats)
+    later = feats.clone()
+    later[:, a:] += 5.0  # the anchor's own feature and everything after it
+    torch.testing.assert_close(out(later), base, atol=0, rtol=0)
+    before = feats.clone()
+    before[:, a - 1] += 5.0  # the last feature before the anchor must matter
+    assert (out(before) - base).abs().max() > 1e-3
+
+
+def test_pitfall_4_visibility_by_position_not_block_index(target):
+    drafter = randomize(build_drafter(target, num_layers=2), 4).eval()
+    ids, lm = make_batch(target, b=1)
+    feats = target_features(target, ids, drafter.target_layer_ids)
+    emb = target.get_input_embeddings()
+    anchors = torch.tensor([[5, 6, 12, 18]])
+    keep = torch.ones_like(anchors, dtype=torch.bool)
+    perm = torch.tensor([3, 0, 2, 1])
+    outs = []
+    for a in (anchors, anchors[:, perm]):
+        plan = plan_blocks(ids, lm, a, keep, block_size=8, mask_token_id=MASK_ID)
+        with torch.no_grad():
+            outs.append(draft_block_hidden(drafter, plan, embed_tokens=emb, hidden_states=feats).view(1, 4, 8, -1))
+    torch.testing.assert_close(outs[1], outs[0][:, perm], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layer_type,bidirectional", [("full_attention", True), ("sliding_attention", False)])
+def test_pitfall_5_full_layers_bidirectional_in_block(target, layer_type, bidirectional):
+    drafter = randomize(
+        build_drafter(target, num_layers=2, layer_types=[layer_type] * 2, sliding_window=64), 6
+    ).eval()
+    ids, lm = make_batch(target, b=1)
+    feats = target_features(target, ids, drafter.target_layer_ids)
+    emb = target.get_input_embeddings()
+    plan = plan_blocks(ids, lm, torch.tensor([[8]]), torch.tensor([[True]]), block_size=8, mask_token_id=MASK_ID)
+    with torch.no_grad():
+        base = draft_block_hidden(drafter, plan, embed_tokens=emb, hidden_states=feats)
+        plan.block_ids[0, 0, 5] = 3  # change a later slot
+        changed = draft_block_hidden(drafter, plan, embed_tokens=emb, hidden_states=feats)
+    earlier_moved = (changed[0, :5] - base[0, :5]).abs().max().item()
+    assert (earlier_moved > 1e-4) == bidirectional
+
+
+def test_pitfall_6_padding_blocks_excluded_from_attention_and_loss(target):
+    drafter = randomize(build_drafter(target, num_layers=2), 8)
+    ids, lm = make_batch(target, b=2)
+    lm[1, :18] = 0  # row 1 has few valid anchors -> padding blocks in the batch
+    feats = target_features(target, ids, drafter.target_layer_ids)
+    mods = loss_modules(target)
+    kw = dict(mods, block_size=8, mask_token_id=MASK_ID, chunk_blocks=None)
+    anchors, keep = sample_anchors(lm, 12, generator=torch.Generator().manual_seed(0))
+    assert (~keep).any()
+    out = dflash_loss(drafter, input_ids=ids, loss_mask=lm, hidden_states=feats, anchors=(anchors, keep), **kw)
+    assert torch.isfinite(out.loss)
+    drafter.zero_grad()
+    out.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in drafter.parameters())
+    # Padding blocks pointing anywhere, with any tokens, change nothing.
+    garbage = torch.where(keep, anchors, torch.full_like(anchors, 20))
+    out2 = dflash_loss(drafter, input_ids=ids, loss_mask=lm, hidden_states=feats, anchors=(garbage, keep), **kw)
+    torch.testing.assert_close(out2.loss, out.loss, atol=1e-6, rtol=1e-6)
+    # Same as each row alone without padding (token-weighted over the batch).
+    sums = []
+    for r in range(2):
+        k = keep[r]
+        o = dflash_loss(
+            drafter,
+            input_ids=ids[r : r + 1],
+            loss_mask=lm[r : r + 1],
+            hidden_states=feats[r : r + 1],
+            anchors=(anchors[r : r + 1, k], keep[r : r + 1, k]),
+            **kw,
+        )
+        sums.append((o.loss * o.weight_sum, o.weight_sum))
+    total = (sums[0][0] + sums[1][0]) / (sums[0][1] + sums[1][1])
+    torch.testing.assert_close(out.loss, total, atol=1e-6, rtol=1e-5)
+    assert out.kept_blocks.item() == keep.sum().item()
+
+
+def test_pitfall_7_mask_broadcasts_over_heads():
+    # Our analogue of "BlockMask with H=None": the dense mask has a head dimension of 1, so its memory
+    # does not grow with the number of heads.
+    m = block_attention_mask(
+        torch.tensor([[3, 7]]), torch.tensor([[True, True]]), torch.ones(1, 16, dtype=torch.bool), block_size=4
+    )
+    assert m.shape == (1, 1, 8, 16 + 8) and m.dtype == torch.bool
+
+
+def test_batch_padding_positions_are_not_context(target):
+    drafter = randomize(build_drafter(target, num_layers=1), 9)
+    ids, lm = make_batch(target, b=2, s=24)
+    am = torch.ones_like(ids)
+    am[1, 16:] = 0
+    ids[1, 16:] = 0
+    lm[1, 16:] = 0
+    feats = target_features(target, ids, drafter.target_layer_ids, attention_mask=am)
+    feats[1, 16:] = 1e3  # pad features must never be read
+    mods = loss_modules(target)
+    kw = dict(mods, block_size=8, mask_token_id=MASK_ID, chunk_blocks=None)
+    full = dflash_loss(
+        drafter, input_ids=ids, loss_mask=lm, hidden_states=feats, attention_mask=am,
+        generator=torch.Generator().manual_seed(0), num_anchors=64, **kw,
+    )
+    assert torch.isfinite(full.loss)
+    anchors, keep = sample_anchors(lm, 64, attention_mask=am, generator=torch.Generator().manual_seed(0))
+    assert (anchors[1][keep[1]] < 15).all()
+    # Row 1 alone, truncated to its real length, gives the same blocks' losses.
+    k = keep[1]
+    alone = dflash_loss(
+        drafter, input_ids=ids[1:, :16], loss_mask=lm[1:, :16], hidden_states=feats[1:, :16],
+        anchors=(anchors[1:, k], keep[1:, k]), **kw,
+    )
+    with_pad = dflash_loss(
+        drafter, input_ids=ids[1:], loss_mask=lm[1:], hidden_states=feats[1:], attention_mask=am[1:],
+        anchors=(anchors[1:, k], keep[1:, k]), **kw,
+    )
+    torch.testing.assert_close(with_pad.loss, alone.loss, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ loss
+
+
+def test_chunked_loss_equals_unchunked(target):
+    ids, lm = make_batch(target, b=2, s=32)
+    results = []
+    for chunk in (None, 3):
+        drafter = randomize(build_drafter(target, num_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=6), 11)
+        feats = target_features(target, ids, drafter.target_layer_ids).requires_grad_(False)
+        out = dflash_loss(
+            drafter, input_ids=ids, loss_mask=lm, hidden_states=feats, block_size=8,
+            mask_token_id=MASK_ID, num_anchors=10, generator=torch.Generator().manual_seed(3),
+            chunk_blocks=chunk, **loss_modules(target),
+        )
+        out.loss.backward()
+        results.append((out, {k: p.grad.clone() for k, p in drafter.named_parameters()}))
+    (a, ga), (b, gb) = results
+    torch.testing.assert_close(a.loss, b.loss, atol=1e-6, rtol=1e-6)
+    assert a.accuracy == b.accuracy and a.acceptance_length == b.acceptance_length
+    for k in ga:
+        torch.testing.assert_close(ga[k], gb[k], atol=1e-6, rtol=1e-5)
+
+
+def test_loss_value_and_metrics_match_manual_computation(target):
+    drafter = randomize(build_drafter(target, num_layers=1), 12)
+    ids, lm = make_batch(target, b=2, s=20)
+    feats = target_features(target, ids, drafter.target_layer_ids)
+    anchors, keep = sample_anchors(lm, 6, generator=torch.Generator().manual_seed(4))
+    out = dflash_loss(
+        drafter, input_ids=ids, loss_mask=lm, hidden_states=feats, block_size=4, mask_token_id=MASK_ID,
+        anchors=(anchors, keep), gamma=7.0, **loss_modules(target),
+    )
+    plan = plan_blocks(ids, lm, anchors, keep, block_size=4, mask_token_id=MASK_ID, gamma=7.0)
+    with torch.no_grad():
+        h = draft_block_hidden(drafter, plan, embed_tokens=target.get_input_embeddings(), hidden_states=feats)
+        logits = target.lm_head(h).view(2, -1, 4, VOCAB)
+    manual_loss = 0.0
+    wsum = 0.0
+    correct = total = 0
+    accept = []
+    for r in range(2):
+        for n in range(anchors.shape[1]):
+            if not keep[r, n]:
+                continue
+            a = int(anchors[r, n])
+            run, alive = 0, True
+            for k in range(1, 4):
+                p = a + k
+                sup = p < ids.shape[1] and lm[r, p] == 1
+                if not sup:
+                    alive = False
+                    continue
+                w = math.exp(-(k - 1) / 7.0)
+                ce = torch.nn.functional.cross_entropy(logits[r, n, k][None], ids[r, p][None]).item()
+                manual_loss += w * ce
+                wsum += w
+                hit = int(logits[r, n, k].argmax()) == int(ids[r, p])
+                correct += hit
+                total += 1
+                alive = alive and hit
+                run += alive
+            accept.append(1 + run)
+    assert out.loss.item() == pytest.approx(manual_loss / wsum, rel=1e-5)
+    assert out.num_tokens == total
+    assert out.accuracy == pytest.approx(correct / total)
+    assert out.acceptance_length == pytest.approx(sum(accept) / len(accept))
+    assert len(out.position_accuracy) == 3
+    m = out.metrics("train/")
+    assert m["train/loss"] == pytest.approx(out.loss.item()) and "train/accuracy_pos3" in m
+
+
+def test_no_valid_anchor_gives_zero_loss_with_graph(target):
+    drafter = build_drafter(target, num_layers=1)
+    ids, _ = make_batch(target, b=1)
+    lm = torch.zeros_like(ids)
+    lm[0, 4] = 1  # a single supervised token: no valid pair
+    feats = target_features(target, ids, drafter.target_layer_ids)
+    out = dflash_loss(drafter, input_ids=ids, loss_mask=lm, hidden_states=feats, mask_token_id=MASK_ID, block_size=8, **loss_modules(target))
+    assert out.loss.item() == 0.0 and out.num_tokens == 0 and out.acceptance_length == 0.0
+    out.loss.backward()
+    assert drafter.fc.weight.grad is not None

@@ -1,0 +1,110 @@
+from __future__ import annotations
+
+import pytest
+
+from dflash_flow.observe.bottleneck import (
+    StageLoad,
+    find_bottleneck,
+    loads_from_flat,
+    replicas_needed,
+    window_fractions,
+)
+
+# A typical CPU run: the padder (1 replica) is saturated, the bucketer upstream waits to hand it
+# batches, the trainer downstream waits for its output.
+PIPELINE = {
+    "source": {"replicas": 1, "busy": 0.10, "blocked_in": 0.0, "blocked_out": 0.85},
+    "bucketer": {"replicas": 1, "busy": 0.20, "blocked_in": 0.05, "blocked_out": 0.70},
+    "padder": {"replicas": 1, "busy": 0.96, "blocked_in": 0.02, "blocked_out": 0.0},
+    "trainer": {"replicas": 1, "busy": 0.45, "blocked_in": 0.55, "blocked_out": 0.0},
+}
+EDGES = {"source": ["bucketer"], "bucketer": ["padder"], "padder": ["trainer"]}
+
+
+def test_names_the_saturated_middle_stage_and_replicas_needed():
+    b = find_bottleneck(PIPELINE, sinks=["trainer"], edges=EDGES)
+    assert b.stage == "padder" and b.saturated and not b.is_sink
+    assert b.next_stage == "trainer" and b.next_busy == pytest.approx(0.45)
+    # 1 * 0.96 / 0.45 = 2.13 -> 3 replicas bring it to 32% busy, below the trainer's 45%.
+    assert b.replicas_needed == 3
+    assert "padder is the bottleneck" in b.sentence and "3 replicas" in b.sentence
+    assert "trainer 55% starved" in b.sentence and "bucketer 70% blocked on output" in b.sentence
+    assert b.as_metrics()["bottleneck/replicas_needed"] == 3.0
+
+
+def test_replicas_needed_definition():
+    assert replicas_needed(1, 0.9, 0.45) == 2  # exactly the next stage's load: float noise ignored
+    assert replicas_needed(2, 0.9, 0.6) == 3  # 1.8 / 0.6 = 3
+    assert replicas_needed(4, 0.95, 0.93) == 5  # always at least one more than today
+    assert replicas_needed(1, 1.0, 0.0) == 20  # next stage idle: min_util 0.05 bounds the answer
+    assert replicas_needed(1, 1.0, 0.0, min_util=0.25) == 4
+
+
+def test_sink_bottleneck_is_the_goal():
+    loads = {
+        "padder": {"replicas": 3, "busy": 0.30, "blocked_out": 0.65},
+        "trainer": {"replicas": 1, "busy": 0.97, "blocked_in": 0.01},
+    }
+    b = find_bottleneck(loads, sinks=["trainer"])
+    assert b.stage == "trainer" and b.is_sink
+    assert "keeps it fed" in b.sentence
+
+
+def test_tie_broken_by_who_waits_for_whom():
+    # Both at ~95% busy; the consumer of "b" is starved and the producer of "a" is not blocked,
+    # so "b" is the one holding the pipeline back.
+    loads = {
+        "src": {"replicas": 1, "busy": 0.2, "blocked_out": 0.0},
+        "a": {"replicas": 1, "busy": 0.95, "blocked_out": 0.03},
+        "b": {"replicas": 2, "busy": 0.94, "blocked_out": 0.0},
+        "sink": {"replicas": 1, "busy": 0.3, "blocked_in": 0.7},
+    }
+    edges = {"src": ["a"], "a": ["b"], "b": ["sink"]}
+    assert find_bottleneck(loads, edges=edges).stage == "b"
+    # Without a tie the busiest wins, whatever the evidence.
+    loads["a"]["busy"] = 0.99
+    assert find_bottleneck(loads, edges=edges, tie_tolerance=0.01).stage == "a"
+
+
+def test_unsaturated_pipeline_says_so():
+    loads = {"x": {"replicas": 1, "busy": 0.3, "blocked_in": 0.6}, "y": {"replicas": 1, "busy": 0.2}}
+    b = find_bottleneck(loads)
+    assert b.stage == "x" and not b.saturated
+    assert b.sentence.startswith("No stage is saturated")
+
+
+def test_empty_and_stageload_inputs():
+    assert find_bottleneck({}) is None
+    b = find_bottleneck({"only": StageLoad("only", 2, 0.9)})
+    assert b.stage == "only" and b.next_stage is None and "only stage" in b.sentence
+
+
+def test_out_of_range_fractions_are_clipped():
+    b = find_bottleneck({"a": {"replicas": 1, "busy": 1.7}, "b": {"replicas": 1, "busy": float("nan")}})
+    assert b.busy == 1.0 and b.next_busy == 0.0
+
+
+def test_loads_from_flat_averages_replicas():
+    flat = {
+        "stage/padder/0/busy_frac": 0.9, "stage/padder/1/busy_frac": 0.7,
+        "stage/padder/0/blocked_in_frac": 0.1, "stage/padder/1/blocked_in_frac": 0.3,
+        "stage/trainer/0/busy_frac": 0.5, "stage/trainer/0/items_out": 12.0,
+        "channel/padder/0/depth": 3.0,
+    }
+    loads = loads_from_flat(flat)
+    assert loads["padder"] == pytest.approx({"replicas": 2, "busy": 0.8, "blocked_in": 0.2, "blocked_out": 0.0})
+    assert loads["trainer"]["replicas"] == 1 and loads["trainer"]["busy"] == 0.5
+
+
+def test_window_fractions_from_cumulative_times():
+    prev = {"padder": [{"busy_s": 1.0, "blocked_in_s": 0.5, "blocked_out_s": 0.0}]}
+    cur = {
+        "padder": [
+            {"busy_s": 2.8, "blocked_in_s": 0.7, "blocked_out_s": 0.0},
+            {"busy_s": 1.0, "blocked_in_s": 1.0, "blocked_out_s": 0.0},  # new replica, counts from 0
+        ]
+    }
+    fr = window_fractions(prev, cur, elapsed_s=2.0)
+    assert fr["padder"]["replicas"] == 2
+    assert fr["padder"]["busy"] == pytest.approx((0.9 + 0.5) / 2)
+    assert fr["padder"]["blocked_in"] == pytest.approx((0.1 + 0.5) / 2)

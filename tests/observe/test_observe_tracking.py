@@ -1,0 +1,278 @@
+"""Tracker against a real sqlite MLflow store, read back with MlflowClient (no mocks)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash_flow.observe.tracking import (
+    MAX_PARAM_VAL_LENGTH,
+    Tracker,
+    flatten_params,
+    import_spool,
+    main,
+    read_spool,
+    resolve_tracking_uri,
+    run_tags,
+    status_for_exception,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+CONFIG = {
+    "run": {"experiment": "exp", "seed": 7},
+    "stages": [
+        {"name": "bucketer", "type": "Bucketer", "replicas": 1, "boundaries": [128, 256, 512]},
+        {"name": "padder", "type": "Padder", "replicas": 3},
+    ],
+    "train": {"lr": 3e-4, "optimizer": {"name": "adamw", "betas": [0.9, 0.95]}},
+    "long": "x" * (MAX_PARAM_VAL_LENGTH + 500),
+}
+
+
+def client_for(uri):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+# ------------------------------------------------------------------ pure helpers
+
+
+def test_flatten_params_dotted_keys_lists_and_truncation():
+    flat = flatten_params(CONFIG)
+    assert flat["run.seed"] == "7"
+    assert flat["stages.0.name"] == "bucketer"
+    assert flat["stages.0.boundaries"] == "[128, 256, 512]"
+    assert flat["stages.1.replicas"] == "3"
+    assert flat["train.optimizer.betas"] == "[0.9, 0.95]"
+    assert flat["train.lr"] == "0.0003"
+    assert len(flat["long"]) == MAX_PARAM_VAL_LENGTH and flat["long"].endswith("[truncated]")
+    assert flatten_params({"bad key!": {"é": 1}}) == {"bad key_._": "1"}
+
+
+def test_resolve_tracking_uri_plain_path_and_passthrough(tmp_path):
+    assert resolve_tracking_uri(tmp_path / "x" / "store.db") == f"sqlite:///{tmp_path}/x/store.db"
+    assert resolve_tracking_uri(tmp_path) == f"sqlite:///{tmp_path}/mlflow.db"  # a directory
+    assert resolve_tracking_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+    assert resolve_tracking_uri("sqlite:///a.db") == "sqlite:///a.db"
+
+
+def test_run_tags_and_status_mapping():
+    tags = run_tags(CONFIG, world_size=2, device_summary="cpu x2", cwd=REPO)
+    assert tags["world_size"] == "2" and tags["device_summary"] == "cpu x2"
+    assert len(tags["config_hash"]) == 16
+    assert tags["config_hash"] == run_tags(json.loads(json.dumps(CONFIG)), cwd=REPO)["config_hash"]
+    assert tags["git_commit"].split("-")[0].isalnum()
+    assert status_for_exception(None) == "FINISHED"
+    assert status_for_exception(RuntimeError()) == "FAILED"
+    assert status_for_exception(KeyboardInterrupt()) == "KILLED"
+    assert status_for_exception(SystemExit(143)) == "KILLED"
+    assert status_for_exception(SystemExit(0)) == "FINISHED"
+
+
+# ------------------------------------------------------------------ real sqlite store
+
+
+def test_finished_run_params_metrics_artifacts(sqlite_uri, tmp_path):
+    png = tmp_path / "loss.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n" + b"0" * 16)
+    tags = {"git_commit": "abc123", "config_hash": "deadbeef", "world_size": 1, "device_summary": "cpu"}
+    tr = Tracker.start(tracking_uri=sqlite_uri, experiment="observe-tests", run_name="finished",
+                       params=CONFIG, tags=tags, spool_dir=tmp_path / "spool")
+    # 40 steps x 40 metrics, flushed every 10 steps -> 1600 metrics per flush: more than one log_batch.
+    for step in range(40):
+        metrics = {f"stage/padder/{i % 3}/q{i}": float(i + step) for i in range(38)}
+        metrics.update({"loss": 10.0 - step * 0.1, "train/accuracy": step / 40})
+        tr.log_metrics(metrics, step=step)
+        if step % 10 == 9:
+            tr.flush()
+    tr.log_text("run:\n  seed: 7\n", "config/resolved.yaml")
+    tr.log_dict({"steps": 40, "bottleneck": "padder"}, "summary.json")
+    tr.log_artifact(png, "plots")
+    tr.end("FINISHED")
+    assert tr.spool_path is None, "nothing should be spooled against a healthy store"
+
+    c = client_for(sqlite_uri)
+    run = c.get_run(tr.run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "finished"
+    assert c.get_experiment(run.info.experiment_id).name == "observe-tests"
+    assert run.data.params == flatten_params(CONFIG)
+    assert run.data.params["stages.1.replicas"] == "3"
+    for k, v in tags.items():
+        assert run.data.tags[k] == str(v)
+    loss = c.get_metric_history(tr.run_id, "loss")
+    assert [m.step for m in sorted(loss, key=lambda m: m.step)] == list(range(40))
+    assert {m.step: m.value for m in loss}[39] == pytest.approx(6.1)
+    q = c.get_metric_history(tr.run_id, "stage/padder/2/q5")
+    assert sorted(m.step for m in q) == list(range(40))
+    assert any(k.startswith("system/") for k in run.data.metrics), "psutil system metrics expected"
+    top = {a.path for a in c.list_artifacts(tr.run_id)}
+    assert {"config", "summary.json", "plots"} <= top
+    assert [a.path for a in c.list_artifacts(tr.run_id, "config")] == ["config/resolved.yaml"]
+    local = c.download_artifacts(tr.run_id, "summary.json", str(tmp_path / "dl"))
+    assert json.loads(Path(local).read_text()) == {"steps": 40, "bottleneck": "padder"}
+    assert Path(c.download_artifacts(tr.run_id, "plots/loss.png", str(tmp_path / "dl"))).read_bytes() == png.read_bytes()
+
+
+def test_failed_run_from_exception(sqlite_uri, tmp_path):
+    with pytest.raises(RuntimeError, match="boom"):
+        with Tracker.start(tracking_uri=sqlite_uri, experiment="observe-tests", run_name="failed",
+                           spool_dir=tmp_path, system_metrics=False) as tr:
+            tr.log_metrics({"loss": 1.0}, step=0)
+            raise RuntimeError("boom")
+    run = client_for(sqlite_uri).get_run(tr.run_id)
+    assert run.info.status == "FAILED"
+    assert [m.step for m in client_for(sqlite_uri).get_metric_history(tr.run_id, "loss")] == [0]
+
+
+def test_interrupted_process_is_killed(sqlite_uri, tmp_path):
+    """A real child process gets SIGINT mid-run; the run ends KILLED with the metrics it logged."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        from dflash_flow.observe.tracking import Tracker
+        with Tracker.start(tracking_uri={sqlite_uri!r}, experiment="observe-tests", run_name="interrupted",
+                           spool_dir={str(tmp_path)!r}, system_metrics=False) as tr:
+            print("READY", tr.run_id, flush=True)
+            step = 0
+            while True:
+                tr.log_metrics({{"loss": 1.0 / (step + 1)}}, step=step)
+                if step % 5 == 4:
+                    tr.flush()
+                step += 1
+                time.sleep(0.01)
+    """)
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        line = ""
+        deadline = time.monotonic() + 120
+        while not line.startswith("READY") and time.monotonic() < deadline and proc.poll() is None:
+            line = proc.stdout.readline()
+        assert line.startswith("READY"), proc.stderr.read() if proc.poll() is not None else "no READY line"
+        run_id = line.split()[1]
+        time.sleep(1.0)  # let it log some steps
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode != 0  # KeyboardInterrupt propagated after the tracker closed the run
+    c = client_for(sqlite_uri)
+    assert c.get_run(run_id).info.status == "KILLED"
+    steps = sorted(m.step for m in c.get_metric_history(run_id, "loss"))
+    assert len(steps) >= 5 and steps == list(range(len(steps)))
+
+
+def test_resume_continues_the_same_run(sqlite_uri, tmp_path):
+    first = Tracker.start(tracking_uri=sqlite_uri, experiment="observe-tests", run_name="resumable",
+                          params={"lr": 1}, spool_dir=tmp_path, system_metrics=False)
+    for s in range(5):
+        first.log_metrics({"loss": float(s)}, step=s)
+    first.end("KILLED")
+    c = client_for(sqlite_uri)
+    assert c.get_run(first.run_id).info.status == "KILLED"
+    second = Tracker.start(tracking_uri=sqlite_uri, experiment="observe-tests", resume_run_id=first.run_id,
+                           params={"lr": 1}, spool_dir=tmp_path, system_metrics=False)
+    assert second.run_id == first.run_id
+    assert c.get_run(first.run_id).info.status == "RUNNING"
+    for s in range(5, 9):
+        second.log_metrics({"loss": float(s)}, step=s)
+    second.end("FINISHED")
+    assert c.get_run(first.run_id).info.status == "FINISHED"
+    assert sorted(m.step for m in c.get_metric_history(first.run_id, "loss")) == list(range(9))
+
+
+def test_resume_unknown_run_raises(sqlite_uri, tmp_path):
+    from mlflow.exceptions import MlflowException
+
+    with pytest.raises(MlflowException):
+        Tracker.start(tracking_uri=sqlite_uri, experiment="observe-tests", resume_run_id="0" * 32,
+                      spool_dir=tmp_path, system_metrics=False)
+
+
+def test_unreachable_store_spools_with_one_warning_then_import(sqlite_uri, tmp_path, caplog):
+    """Nothing listens on the port: training goes on, one warning, and the spool file left behind
+    imports into a real store as a complete run (params, metrics, artifact, status)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again: connections to it are refused
+    caplog.set_level(logging.INFO)
+    spool = tmp_path / "spool"
+    art = tmp_path / "note.txt"
+    art.write_text("kept")
+    t0 = time.monotonic()
+    tr = Tracker.start(tracking_uri=f"http://127.0.0.1:{port}", experiment="observe-offline", run_name="offline",
+                       params={"a": {"b": 2}}, tags={"world_size": 1}, spool_dir=spool, system_metrics=False)
+    assert tr.run_id is None and tr.spooling
+    for s in range(30):
+        tr.log_metrics({"loss": 100.0 - s}, step=s)
+        tr.flush()
+    tr.log_artifact(art, "notes")
+    art.write_text("changed after logging")  # the spool holds the file as it was when logged
+    tr.end("FINISHED")
+    assert time.monotonic() - t0 < 30, "an unreachable store must not stall the run"
+    ours = [r for r in caplog.records if r.name == "dflash_flow.observe.tracking" and r.levelno >= logging.WARNING]
+    assert len(ours) == 2, [r.getMessage() for r in ours]  # outage + "still unreachable at the end"
+    path = tr.spool_path
+    assert path is not None and path.exists()
+    ops = [o["op"] for o in read_spool(path)]
+    assert ops[:2] == ["meta", "create_run"] and ops[-1] == "end" and ops.count("metrics") == 30
+
+    assert main(["import-spool", str(path), "--tracking-uri", sqlite_uri]) == 0
+    assert not path.exists()
+    c = client_for(sqlite_uri)
+    exp = c.get_experiment_by_name("observe-offline")
+    (run,) = c.search_runs([exp.experiment_id])
+    assert run.info.status == "FINISHED" and run.info.run_name == "offline"
+    assert run.data.params == {"a.b": "2"} and run.data.tags["world_size"] == "1"
+    assert sorted(m.step for m in c.get_metric_history(run.info.run_id, "loss")) == list(range(30))
+    got = c.download_artifacts(run.info.run_id, "notes/note.txt", str(tmp_path / "dl"))
+    assert Path(got).read_text() == "kept"
+    with pytest.raises(FileNotFoundError):
+        import_spool(path, sqlite_uri)  # already imported and removed
+
+
+def test_default_uri_is_mlflow_sqlite_in_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    tr = Tracker.start(experiment="defaults", system_metrics=False)
+    tr.log_metrics({"loss": 1.0}, step=3)
+    tr.end()
+    assert tr.tracking_uri == f"sqlite:///{tmp_path}/mlflow.db"
+    assert (tmp_path / "mlflow.db").exists()
+    assert not (tmp_path / "mlflow-spool").exists()
+    hist = client_for(tr.tracking_uri).get_metric_history(tr.run_id, "loss")
+    assert [(m.step, m.value) for m in hist] == [(3, 1.0)]
+
+
+def test_disabled_tracking_is_a_noop_and_imports_nothing(tmp_path):
+    """In a fresh process: no mlflow import, no store, no spool, every call a no-op."""
+    script = textwrap.dedent("""
+        import os, sys
+        from dflash_flow.observe.tracking import Tracker
+        tr = Tracker.start(experiment="off", enabled=False, params={"a": 1}, tags={"t": 1})
+        tr.log_metrics({"loss": 1.0}, step=0); tr.flush()
+        tr.log_text("x", "a.txt"); tr.log_dict({"a": 1}, "b.json"); tr.log_artifact("missing.png")
+        tr.end("FINISHED")
+        with Tracker(enabled=False) as t2:
+            t2.log_metrics({"x": 1}, step=1)
+        print("RESULT", tr.run_id, "mlflow" in sys.modules, "psutil" in sys.modules, sorted(os.listdir(".")))
+    """)
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "RESULT None False False []"
