@@ -50,7 +50,7 @@ class TargetRecipe:
     corpus_seed: int = 0
     seq_len: int = 512
     # Optimisation
-    steps: int = 600
+    steps: int = 360
     batch_size: int = 8
     lr: float = 3e-3
     min_lr_ratio: float = 0.05

@@ -267,7 +267,7 @@ def spec_generate(
             if draft_cache is not None:
                 _crop(draft_cache, start)
             # Slot 0 is the known token; slots 1.. are the proposals for positions start+1 ...
-            block[:, 1:] = draft_logits(hidden[:, 1:verify, :]).argmax(dim=-1).to(device)
+            block[:, 1:] = draft_logits(hidden[:, 0:verify - 1, :]).argmax(dim=-1).to(device)
 
         out = target(input_ids=block, position_ids=positions[:, start:start + verify], use_cache=True,
                      output_hidden_states=verify > 1, **{ck: tgt_cache})
@@ -286,7 +286,7 @@ def spec_generate(
                 stopped = True
         # Tokens start .. start+produced-1 now have verified K/V and features; the new last token
         # (start+produced) has neither yet: it opens the next block.
-        _crop(tgt_cache, start + produced + 1)
+        _crop(tgt_cache, start + produced)
         if verify > 1:
             pending_ctx = _features(out.hidden_states, layer_ids)[:, :produced]
         start += produced

@@ -98,7 +98,9 @@ def to_loads(stages: Mapping[str, Mapping[str, float]]) -> dict[str, StageLoad]:
     return out
 
 
-def _waiting_evidence(name: str, loads: Mapping[str, StageLoad], edges: Mapping[str, Sequence[str]] | None) -> float:
+def _waiting_evidence(
+    name: str, loads: Mapping[str, StageLoad], edges: Mapping[str, Sequence[str]] | None
+) -> float:
     """How much its neighbours wait for ``name``: producers blocked on output + consumers blocked on input."""
     if not edges:
         return 0.0
@@ -141,24 +143,31 @@ def find_bottleneck(
     first = next(iter(stages.values()))
     loads = dict(stages) if isinstance(first, StageLoad) else to_loads(stages)  # type: ignore[arg-type]
     sinks = set(sinks)
-    top = max(l.busy for l in loads.values())
-    contenders = [l for l in loads.values() if l.busy >= top - tie_tolerance]
+    top = max(ld.busy for ld in loads.values())
+    contenders = [ld for ld in loads.values() if ld.busy >= top - tie_tolerance]
 
-    def rank(l: StageLoad):
-        return (_waiting_evidence(l.name, loads, edges), -l.blocked_out, l.name in sinks, l.busy)
+    def rank(ld: StageLoad):
+        return (_waiting_evidence(ld.name, loads, edges), -ld.blocked_out, ld.name in sinks, ld.busy)
 
     best = max(contenders, key=rank)
-    others = [l for l in loads.values() if l.name != best.name]
-    nxt = max(others, key=lambda l: l.busy) if others else None
+    others = [ld for ld in loads.values() if ld.name != best.name]
+    nxt = max(others, key=lambda ld: ld.busy) if others else None
     next_busy = nxt.busy if nxt else 0.0
     need = replicas_needed(best.replicas, best.busy, next_busy, min_util=min_util)
     saturated = best.busy >= saturation
     is_sink = best.name in sinks
     sentence = _sentence(best, nxt, need, is_sink, saturated, loads, min_util)
     return Bottleneck(
-        stage=best.name, busy=best.busy, replicas=best.replicas, replicas_needed=need,
-        next_stage=nxt.name if nxt else None, next_busy=next_busy, is_sink=is_sink,
-        saturated=saturated, sentence=sentence, loads=loads,
+        stage=best.name,
+        busy=best.busy,
+        replicas=best.replicas,
+        replicas_needed=need,
+        next_stage=nxt.name if nxt else None,
+        next_busy=next_busy,
+        is_sink=is_sink,
+        saturated=saturated,
+        sentence=sentence,
+        loads=loads,
     )
 
 
@@ -166,18 +175,27 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
 
-def _sentence(b: StageLoad, nxt: StageLoad | None, need: int, is_sink: bool, saturated: bool,
-              loads: Mapping[str, StageLoad], min_util: float) -> str:
+def _sentence(
+    b: StageLoad,
+    nxt: StageLoad | None,
+    need: int,
+    is_sink: bool,
+    saturated: bool,
+    loads: Mapping[str, StageLoad],
+    min_util: float,
+) -> str:
     reps = f"{b.replicas} replica" + ("s" if b.replicas != 1 else "")
     waiting = sorted(
-        (l for l in loads.values() if l.name != b.name and max(l.blocked_in, l.blocked_out) >= 0.2),
-        key=lambda l: -max(l.blocked_in, l.blocked_out),
+        (ld for ld in loads.values() if ld.name != b.name and max(ld.blocked_in, ld.blocked_out) >= 0.2),
+        key=lambda ld: -max(ld.blocked_in, ld.blocked_out),
     )
     wait_txt = ""
     if waiting:
         parts = [
-            f"{l.name} {_pct(l.blocked_out)} blocked on output" if l.blocked_out >= l.blocked_in
-            else f"{l.name} {_pct(l.blocked_in)} starved" for l in waiting[:3]
+            f"{ld.name} {_pct(ld.blocked_out)} blocked on output"
+            if ld.blocked_out >= ld.blocked_in
+            else f"{ld.name} {_pct(ld.blocked_in)} starved"
+            for ld in waiting[:3]
         ]
         wait_txt = " (" + ", ".join(parts) + ")"
     if not saturated:
@@ -203,7 +221,9 @@ def _sentence(b: StageLoad, nxt: StageLoad | None, need: int, is_sink: bool, sat
 # ---------------------------------------------------------------- adapters from runtime numbers
 
 
-_FLAT_KEY = re.compile(r"^stage/(?P<stage>[^/]+)/(?P<replica>[^/]+)/(?P<metric>busy|blocked_in|blocked_out)_frac$")
+_FLAT_KEY = re.compile(
+    r"^stage/(?P<stage>[^/]+)/(?P<replica>[^/]+)/(?P<metric>busy|blocked_in|blocked_out)_frac$"
+)
 
 
 def loads_from_flat(flat: Mapping[str, float]) -> dict[str, dict[str, float]]:
@@ -220,7 +240,10 @@ def loads_from_flat(flat: Mapping[str, float]) -> dict[str, dict[str, float]]:
         n = len(reps)
         out[stage] = {
             "replicas": n,
-            **{k: sum(r.get(k, 0.0) for r in reps.values()) / n for k in ("busy", "blocked_in", "blocked_out")},
+            **{
+                k: sum(r.get(k, 0.0) for r in reps.values()) / n
+                for k in ("busy", "blocked_in", "blocked_out")
+            },
         }
     return out
 

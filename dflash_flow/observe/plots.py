@@ -31,7 +31,9 @@ QUEUE_PATTERN = r"(^|/)(queue_depth|depth)$"
 BUCKET_PATTERN = r"bucket[/_.](?P<bucket>[^/]+?)(/(count|dispatched|batches|dispatches|samples))?$"
 
 
-def append_history(history: dict[str, list[tuple[float, float]]], metrics: Mapping[str, float], step: int) -> None:
+def append_history(
+    history: dict[str, list[tuple[float, float]]], metrics: Mapping[str, float], step: int
+) -> None:
     """Add one sample of metrics to a history dict (numbers only)."""
     for k, v in metrics.items():
         try:
@@ -53,7 +55,9 @@ def _clean(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
-def _select(history: History, pattern: str, keys: Sequence[str] | None) -> dict[str, list[tuple[float, float]]]:
+def _select(
+    history: History, pattern: str, keys: Sequence[str] | None
+) -> dict[str, list[tuple[float, float]]]:
     names = list(keys) if keys is not None else [k for k in history if re.search(pattern, k)]
     picked = {}
     for name in names:
@@ -94,7 +98,7 @@ def plot_loss(history: History, path: str | Path, keys: Sequence[str] | None = N
         return None
     fig, ax = _figure("loss")
     for name in sorted(series, key=_natural_key):
-        xs, ys = zip(*series[name])
+        xs, ys = zip(*series[name], strict=True)
         ax.plot(xs, ys, label=name, linewidth=1.2)
     ys_all = [v for pts in series.values() for _, v in pts]
     if min(ys_all) > 0 and max(ys_all) / min(ys_all) > 30:
@@ -111,14 +115,17 @@ def plot_throughput(history: History, path: str | Path, keys: Sequence[str] | No
     tokens = {k: v for k, v in series.items() if "token" in k}
     others = {k: v for k, v in series.items() if k not in tokens}
     # Tokens/s and samples/s differ by ~the mean length: separate y axes keep both readable.
-    groups = [(ax, tokens, "tokens/s", "-"), (ax.twinx(), others, "samples/s", "--")] if tokens and others else [
-        (ax, series, "tokens/s" if tokens else "samples/s", "-")
-    ]
+    groups = (
+        [(ax, tokens, "tokens/s", "-"), (ax.twinx(), others, "samples/s", "--")]
+        if tokens and others
+        else [(ax, series, "tokens/s" if tokens else "samples/s", "-")]
+    )
     lines = []
     for target, group, unit, style in groups:
         for name in sorted(group, key=_natural_key):
-            xs, ys = zip(*group[name])
-            lines += target.plot(xs, ys, label=name, linewidth=1.2, linestyle=style)
+            xs, ys = zip(*group[name], strict=True)
+            color = f"C{len(lines) % 10}"  # twin axes each restart the color cycle; keep lines distinct
+            lines += target.plot(xs, ys, label=name, linewidth=1.2, linestyle=style, color=color)
         target.set_ylabel(unit)
     ax.legend(lines, [ln.get_label() for ln in lines], loc="best", fontsize=8)
     return _save(fig, path)
@@ -130,7 +137,7 @@ def plot_queue_depths(history: History, path: str | Path, keys: Sequence[str] | 
         return None
     fig, ax = _figure("input queue depth per replica")
     for name in sorted(series, key=_natural_key):
-        xs, ys = zip(*series[name])
+        xs, ys = zip(*series[name], strict=True)
         label = re.sub(QUEUE_PATTERN, "", name).strip("/") or name
         ax.plot(xs, ys, label=label, linewidth=1.0, drawstyle="steps-post")
     ax.set_ylabel("items waiting")
@@ -142,14 +149,14 @@ def plot_queue_depths(history: History, path: str | Path, keys: Sequence[str] | 
 def bucket_mix(
     history: History, keys: Sequence[str] | None = None, *, cumulative: bool | None = None
 ) -> tuple[list[float], dict[str, list[float]]]:
-    """Per-step share of each bucket: ``(steps, {bucket: [share, ...]})`` (shares sum to 1 at every
-    step with a dispatch). ``cumulative=None`` detects running counters: when every series is
+    """Per-step share of each bucket: ``(steps, {bucket: [share, ...]})``; steps without any
+    dispatch are left out, so shares sum to 1 at every step. ``cumulative=None`` detects running counters: when every series is
     non-decreasing (and one grows) they are differenced first; the decision is made for all series
     together, since mixing differenced and raw counts would skew the shares."""
     series = _select(history, BUCKET_PATTERN, keys)
     if cumulative is None:
         vals = [[v for _, v in pts] for pts in series.values()]
-        cumulative = all(all(b >= a for a, b in zip(v, v[1:])) for v in vals) and any(
+        cumulative = all(all(b >= a for a, b in zip(v[:-1], v[1:], strict=True)) for v in vals) and any(
             len(v) > 1 and v[-1] > v[0] for v in vals
         )
     per_bucket: dict[str, dict[float, float]] = {}
@@ -161,12 +168,15 @@ def bucket_mix(
         for s, v in pts:
             d[s] = d.get(s, 0.0) + (v - prev if cumulative else v)
             prev = v
-    steps = sorted({s for d in per_bucket.values() for s in d})
+    steps = []
     shares: dict[str, list[float]] = {b: [] for b in sorted(per_bucket, key=_natural_key)}
-    for s in steps:
+    for s in sorted({s for d in per_bucket.values() for s in d}):
         total = sum(max(0.0, d.get(s, 0.0)) for d in per_bucket.values())
+        if total <= 0:
+            continue  # nothing dispatched in this window: no mix to show
+        steps.append(s)
         for b in shares:
-            shares[b].append(max(0.0, per_bucket[b].get(s, 0.0)) / total if total > 0 else 0.0)
+            shares[b].append(max(0.0, per_bucket[b].get(s, 0.0)) / total)
     return steps, shares
 
 

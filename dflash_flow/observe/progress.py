@@ -157,8 +157,15 @@ class ProgressPrinter:
             if eta_s is None:
                 eta_s = self.eta_s(step, now)
             line = self.format_line(
-                step, epoch=epoch, tokens_per_s=tokens_per_s, samples_per_s=samples_per_s, loss=loss,
-                eta_s=eta_s, bottleneck=bottleneck, elapsed_s=now - self._t0, extra=extra,
+                step,
+                epoch=epoch,
+                tokens_per_s=tokens_per_s,
+                samples_per_s=samples_per_s,
+                loss=loss,
+                eta_s=eta_s,
+                bottleneck=bottleneck,
+                elapsed_s=now - self._t0,
+                extra=extra,
             )
             self._emit(line)
             self._last_emit = now
@@ -247,14 +254,20 @@ def summary_table(
     header = [str(c) for c in (columns or [])] + [""] * (n - len(columns or []))
     cells = [[_cell(v) for v in r] + [""] * (n - len(r)) for r in body]
     numeric = [
-        all(isinstance(r[i], (int, float)) and not isinstance(r[i], bool) for r in body if i < len(r) and r[i] is not None)
+        all(
+            isinstance(r[i], (int, float)) and not isinstance(r[i], bool)
+            for r in body
+            if i < len(r) and r[i] is not None
+        )
         and any(i < len(r) and r[i] is not None for r in body)
         for i in range(n)
     ]
     widths = [max([len(header[i])] + [len(c[i]) for c in cells]) for i in range(n)]
 
     def fmt(row: list[str]) -> str:
-        return "  ".join(row[i].rjust(widths[i]) if numeric[i] else row[i].ljust(widths[i]) for i in range(n)).rstrip()
+        return "  ".join(
+            row[i].rjust(widths[i]) if numeric[i] else row[i].ljust(widths[i]) for i in range(n)
+        ).rstrip()
 
     lines = []
     if title:

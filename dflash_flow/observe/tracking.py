@@ -140,7 +140,10 @@ def git_commit(cwd: str | os.PathLike | None = None) -> str | None:
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=cwd, capture_output=True, text=True, timeout=5,
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=5,
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
@@ -405,21 +408,25 @@ class Tracker:
             self._init_system_metrics()
 
         ops: list[dict] = []
-        tag_values = {sanitize_key(k): _truncate(_stringify(v), MAX_TAG_VAL_LENGTH) for k, v in (tags or {}).items()}
+        tag_values = {
+            sanitize_key(k): _truncate(_stringify(v), MAX_TAG_VAL_LENGTH) for k, v in (tags or {}).items()
+        }
         if resume_run_id:
             ops.append({"op": "run", "run_id": resume_run_id})
             ops.append({"op": "resume"})
             if tag_values:
                 ops.append({"op": "tags", "tags": tag_values})
         else:
-            ops.append({
-                "op": "create_run",
-                "experiment": experiment,
-                "run_name": run_name,
-                "tags": tag_values,
-                "start_time": _now_ms(),
-                "artifact_location": self._default_artifact_location(experiment),
-            })
+            ops.append(
+                {
+                    "op": "create_run",
+                    "experiment": experiment,
+                    "run_name": run_name,
+                    "tags": tag_values,
+                    "start_time": _now_ms(),
+                    "artifact_location": self._default_artifact_location(experiment),
+                }
+            )
         flat = flatten_params(params)
         for chunk in _chunks(list(flat.items()), MAX_PARAMS_TAGS_PER_BATCH):
             ops.append({"op": "params", "params": dict(chunk)})
@@ -486,7 +493,10 @@ class Tracker:
             self.log_metrics(self._sample_system(), step=self._last_step)
         with self._buf_lock:
             rows, self._buf = self._buf, []
-        ops = [{"op": "metrics", "metrics": [list(r) for r in chunk]} for chunk in _chunks(rows, MAX_METRICS_PER_BATCH)]
+        ops = [
+            {"op": "metrics", "metrics": [list(r) for r in chunk]}
+            for chunk in _chunks(rows, MAX_METRICS_PER_BATCH)
+        ]
         self._submit(ops)
 
     def log_params(self, params: Mapping[str, Any]) -> None:
@@ -494,13 +504,20 @@ class Tracker:
         if not self.enabled or self._ended:
             return
         flat = flatten_params(params)
-        self._submit([{"op": "params", "params": dict(c)} for c in _chunks(list(flat.items()), MAX_PARAMS_TAGS_PER_BATCH)])
+        self._submit(
+            [
+                {"op": "params", "params": dict(c)}
+                for c in _chunks(list(flat.items()), MAX_PARAMS_TAGS_PER_BATCH)
+            ]
+        )
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         if not self.enabled or self._ended:
             return
         vals = {sanitize_key(k): _truncate(_stringify(v), MAX_TAG_VAL_LENGTH) for k, v in tags.items()}
-        self._submit([{"op": "tags", "tags": dict(c)} for c in _chunks(list(vals.items()), MAX_PARAMS_TAGS_PER_BATCH)])
+        self._submit(
+            [{"op": "tags", "tags": dict(c)} for c in _chunks(list(vals.items()), MAX_PARAMS_TAGS_PER_BATCH)]
+        )
 
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         """Upload a file or a directory (its contents) under ``artifact_path``.
@@ -557,7 +574,11 @@ class Tracker:
                     "MLflow tracking at %s is still unreachable at the end of the run; %d pending "
                     "operations are kept in %s. Import them later with: "
                     "python -m dflash_flow.observe.tracking import-spool %s --tracking-uri %s",
-                    self.tracking_uri, len(self._pending), self._spool_path, self._spool_path, self.tracking_uri,
+                    self.tracking_uri,
+                    len(self._pending),
+                    self._spool_path,
+                    self._spool_path,
+                    self.tracking_uri,
                 )
 
     def __enter__(self) -> Tracker:
@@ -602,7 +623,10 @@ class Tracker:
         log.warning(
             "MLflow tracking at %s is unreachable (%s: %s). Training continues; metrics are spooled "
             "to %s and sent when the store is back.",
-            self.tracking_uri, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "", self._spool_path,
+            self.tracking_uri,
+            type(exc).__name__,
+            str(exc).splitlines()[0][:200] if str(exc) else "",
+            self._spool_path,
         )
 
     def _drain(self) -> None:
@@ -620,8 +644,13 @@ class Tracker:
                         return
                     if op["op"] in _RUN_OPS:
                         # Nothing after it can be applied to this store; keep the spool for import_spool.
-                        log.error("MLflow rejected the spooled %s operation (%s); tracking stops, the "
-                                  "spool stays in %s", op["op"], exc, self._spool_path)
+                        log.error(
+                            "MLflow rejected the spooled %s operation (%s); tracking stops, the "
+                            "spool stays in %s",
+                            op["op"],
+                            exc,
+                            self._spool_path,
+                        )
                         self._retry_at = float("inf")
                         return
                     log.warning("MLflow rejected a spooled %s operation (dropped): %s", op["op"], exc)

@@ -7,6 +7,8 @@ _BUILTINS = {
     "Range": "dflash_flow.stages.generic:Range",
     "Delay": "dflash_flow.stages.generic:Delay",
     "Discard": "dflash_flow.stages.generic:Discard",
+    # observability
+    "Monitor": "dflash_flow.stages.monitor:Monitor",
 }
 
 for _name, _target in _BUILTINS.items():

@@ -120,12 +120,17 @@ class TestDrop(Stage):
 @register_stage
 @attrs.define(kw_only=True, eq=False)
 class TestSplit(Stage):
-    """1:n: emits ``n`` items (item, j) per input."""
+    """1:n: emits ``n`` items (item, j) per input; records (replica, item) under ``seen:NAME``."""
 
     cardinality = "1:n"
     n: int = cfg(2, ge=0)
 
+    def setup(self, ctx) -> None:
+        self._replica = ctx.replica
+        self._seen = _log(ctx, f"seen:{ctx.name}")
+
     def process(self, item):
+        self._seen.append((self._replica, item))
         for j in range(self.n):
             yield (item, j)
 

@@ -48,12 +48,24 @@ def start_server(db_uri: str, port: int, workdir: Path, log_name: str) -> subpro
     log = open(workdir / log_name, "wb")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     cmd = [
-        sys.executable, "-m", "mlflow", "server",
-        "--backend-store-uri", db_uri,
-        "--artifacts-destination", str(workdir / "server-artifacts"),
-        "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        db_uri,
+        "--artifacts-destination",
+        str(workdir / "server-artifacts"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
     ]
-    return subprocess.Popen(cmd, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
 
 
 def kill_server(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:

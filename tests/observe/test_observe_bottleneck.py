@@ -86,13 +86,18 @@ def test_out_of_range_fractions_are_clipped():
 
 def test_loads_from_flat_averages_replicas():
     flat = {
-        "stage/padder/0/busy_frac": 0.9, "stage/padder/1/busy_frac": 0.7,
-        "stage/padder/0/blocked_in_frac": 0.1, "stage/padder/1/blocked_in_frac": 0.3,
-        "stage/trainer/0/busy_frac": 0.5, "stage/trainer/0/items_out": 12.0,
+        "stage/padder/0/busy_frac": 0.9,
+        "stage/padder/1/busy_frac": 0.7,
+        "stage/padder/0/blocked_in_frac": 0.1,
+        "stage/padder/1/blocked_in_frac": 0.3,
+        "stage/trainer/0/busy_frac": 0.5,
+        "stage/trainer/0/items_out": 12.0,
         "channel/padder/0/depth": 3.0,
     }
     loads = loads_from_flat(flat)
-    assert loads["padder"] == pytest.approx({"replicas": 2, "busy": 0.8, "blocked_in": 0.2, "blocked_out": 0.0})
+    assert loads["padder"] == pytest.approx(
+        {"replicas": 2, "busy": 0.8, "blocked_in": 0.2, "blocked_out": 0.0}
+    )
     assert loads["trainer"]["replicas"] == 1 and loads["trainer"]["busy"] == 0.5
 
 

@@ -35,7 +35,9 @@ def test_tty_updates_one_line_in_place():
     frames = text.rstrip("\n").split("\r")[1:]
     assert frames[0] == "step 0/100 | epoch 0 | 12.3k tok/s | loss 2.5000 | ETA ? | bottleneck padder"
     # 50 steps in 10.1 s -> 50 more steps take ~10 s; the shorter line pads over the longer one.
-    assert frames[1].rstrip() == "step 50/100 | epoch 1 | 950 tok/s | loss 1.2500 | ETA 10s | bottleneck trainer"
+    assert (
+        frames[1].rstrip() == "step 50/100 | epoch 1 | 950 tok/s | loss 1.2500 | ETA 10s | bottleneck trainer"
+    )
     assert len(frames[1]) >= len(frames[0])
 
 
@@ -46,7 +48,9 @@ def test_tty_line_is_cut_to_terminal_width_and_messages_keep_the_line():
     assert all(len(f) <= 29 for f in out.getvalue().split("\r"))
     p.message("eval: acceptance 3.2")
     assert "eval: acceptance 3.2\n" in out.getvalue()
-    assert out.getvalue().endswith(out.getvalue().split("\n")[-1]) and out.getvalue().split("\n")[-1].startswith("step 1/10")
+    assert out.getvalue().endswith(out.getvalue().split("\n")[-1]) and out.getvalue().split("\n")[
+        -1
+    ].startswith("step 1/10")
 
 
 def test_non_tty_prints_plain_periodic_lines():
@@ -73,7 +77,7 @@ def test_force_and_close_are_idempotent():
     p.close()
     p.close()
     assert not p.update(5, force=True)
-    assert out.getvalue().splitlines()[-1]== "[    3s] step 4/4 | ETA 0s"
+    assert out.getvalue().splitlines()[-1] == "[    3s] step 4/4 | ETA 0s"
 
 
 def test_formatters():

@@ -88,8 +88,14 @@ def test_finished_run_params_metrics_artifacts(sqlite_uri, tmp_path):
     png = tmp_path / "loss.png"
     png.write_bytes(b"\x89PNG\r\n\x1a\n" + b"0" * 16)
     tags = {"git_commit": "abc123", "config_hash": "deadbeef", "world_size": 1, "device_summary": "cpu"}
-    tr = Tracker.start(tracking_uri=sqlite_uri, experiment="observe-tests", run_name="finished",
-                       params=CONFIG, tags=tags, spool_dir=tmp_path / "spool")
+    tr = Tracker.start(
+        tracking_uri=sqlite_uri,
+        experiment="observe-tests",
+        run_name="finished",
+        params=CONFIG,
+        tags=tags,
+        spool_dir=tmp_path / "spool",
+    )
     # 40 steps x 40 metrics, flushed every 10 steps -> 1600 metrics per flush: more than one log_batch.
     for step in range(40):
         metrics = {f"stage/padder/{i % 3}/q{i}": float(i + step) for i in range(38)}
@@ -122,13 +128,21 @@ def test_finished_run_params_metrics_artifacts(sqlite_uri, tmp_path):
     assert [a.path for a in c.list_artifacts(tr.run_id, "config")] == ["config/resolved.yaml"]
     local = c.download_artifacts(tr.run_id, "summary.json", str(tmp_path / "dl"))
     assert json.loads(Path(local).read_text()) == {"steps": 40, "bottleneck": "padder"}
-    assert Path(c.download_artifacts(tr.run_id, "plots/loss.png", str(tmp_path / "dl"))).read_bytes() == png.read_bytes()
+    assert (
+        Path(c.download_artifacts(tr.run_id, "plots/loss.png", str(tmp_path / "dl"))).read_bytes()
+        == png.read_bytes()
+    )
 
 
 def test_failed_run_from_exception(sqlite_uri, tmp_path):
     with pytest.raises(RuntimeError, match="boom"):
-        with Tracker.start(tracking_uri=sqlite_uri, experiment="observe-tests", run_name="failed",
-                           spool_dir=tmp_path, system_metrics=False) as tr:
+        with Tracker.start(
+            tracking_uri=sqlite_uri,
+            experiment="observe-tests",
+            run_name="failed",
+            spool_dir=tmp_path,
+            system_metrics=False,
+        ) as tr:
             tr.log_metrics({"loss": 1.0}, step=0)
             raise RuntimeError("boom")
     run = client_for(sqlite_uri).get_run(tr.run_id)
@@ -153,8 +167,9 @@ def test_interrupted_process_is_killed(sqlite_uri, tmp_path):
                 time.sleep(0.01)
     """)
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     try:
         line = ""
         deadline = time.monotonic() + 120
@@ -177,15 +192,27 @@ def test_interrupted_process_is_killed(sqlite_uri, tmp_path):
 
 
 def test_resume_continues_the_same_run(sqlite_uri, tmp_path):
-    first = Tracker.start(tracking_uri=sqlite_uri, experiment="observe-tests", run_name="resumable",
-                          params={"lr": 1}, spool_dir=tmp_path, system_metrics=False)
+    first = Tracker.start(
+        tracking_uri=sqlite_uri,
+        experiment="observe-tests",
+        run_name="resumable",
+        params={"lr": 1},
+        spool_dir=tmp_path,
+        system_metrics=False,
+    )
     for s in range(5):
         first.log_metrics({"loss": float(s)}, step=s)
     first.end("KILLED")
     c = client_for(sqlite_uri)
     assert c.get_run(first.run_id).info.status == "KILLED"
-    second = Tracker.start(tracking_uri=sqlite_uri, experiment="observe-tests", resume_run_id=first.run_id,
-                           params={"lr": 1}, spool_dir=tmp_path, system_metrics=False)
+    second = Tracker.start(
+        tracking_uri=sqlite_uri,
+        experiment="observe-tests",
+        resume_run_id=first.run_id,
+        params={"lr": 1},
+        spool_dir=tmp_path,
+        system_metrics=False,
+    )
     assert second.run_id == first.run_id
     assert c.get_run(first.run_id).info.status == "RUNNING"
     for s in range(5, 9):
@@ -199,8 +226,13 @@ def test_resume_unknown_run_raises(sqlite_uri, tmp_path):
     from mlflow.exceptions import MlflowException
 
     with pytest.raises(MlflowException):
-        Tracker.start(tracking_uri=sqlite_uri, experiment="observe-tests", resume_run_id="0" * 32,
-                      spool_dir=tmp_path, system_metrics=False)
+        Tracker.start(
+            tracking_uri=sqlite_uri,
+            experiment="observe-tests",
+            resume_run_id="0" * 32,
+            spool_dir=tmp_path,
+            system_metrics=False,
+        )
 
 
 def test_unreachable_store_spools_with_one_warning_then_import(sqlite_uri, tmp_path, caplog):
@@ -214,8 +246,15 @@ def test_unreachable_store_spools_with_one_warning_then_import(sqlite_uri, tmp_p
     art = tmp_path / "note.txt"
     art.write_text("kept")
     t0 = time.monotonic()
-    tr = Tracker.start(tracking_uri=f"http://127.0.0.1:{port}", experiment="observe-offline", run_name="offline",
-                       params={"a": {"b": 2}}, tags={"world_size": 1}, spool_dir=spool, system_metrics=False)
+    tr = Tracker.start(
+        tracking_uri=f"http://127.0.0.1:{port}",
+        experiment="observe-offline",
+        run_name="offline",
+        params={"a": {"b": 2}},
+        tags={"world_size": 1},
+        spool_dir=spool,
+        system_metrics=False,
+    )
     assert tr.run_id is None and tr.spooling
     for s in range(30):
         tr.log_metrics({"loss": 100.0 - s}, step=s)
@@ -224,7 +263,9 @@ def test_unreachable_store_spools_with_one_warning_then_import(sqlite_uri, tmp_p
     art.write_text("changed after logging")  # the spool holds the file as it was when logged
     tr.end("FINISHED")
     assert time.monotonic() - t0 < 30, "an unreachable store must not stall the run"
-    ours = [r for r in caplog.records if r.name == "dflash_flow.observe.tracking" and r.levelno >= logging.WARNING]
+    ours = [
+        r for r in caplog.records if r.name == "dflash_flow.observe.tracking" and r.levelno >= logging.WARNING
+    ]
     assert len(ours) == 2, [r.getMessage() for r in ours]  # outage + "still unreachable at the end"
     path = tr.spool_path
     assert path is not None and path.exists()
@@ -272,7 +313,8 @@ def test_disabled_tracking_is_a_noop_and_imports_nothing(tmp_path):
         print("RESULT", tr.run_id, "mlflow" in sys.modules, "psutil" in sys.modules, sorted(os.listdir(".")))
     """)
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=120, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "RESULT None False False []"

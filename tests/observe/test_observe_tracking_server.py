@@ -23,9 +23,14 @@ def test_server_killed_mid_run_and_restarted_loses_nothing(tmp_path, caplog, mlf
     server = mlflow_servers.start(db_uri, port)
     # servers are killed by the fixture teardown, whatever happens here
     tr = Tracker.start(
-        tracking_uri=uri, experiment="server-outage", run_name="outage",
-        params={"train": {"lr": 1e-3, "steps": 60}}, tags={"world_size": 1},
-        spool_dir=tmp_path / "spool", retry_initial_s=0.2, retry_max_s=1.0,
+        tracking_uri=uri,
+        experiment="server-outage",
+        run_name="outage",
+        params={"train": {"lr": 1e-3, "steps": 60}},
+        tags={"world_size": 1},
+        spool_dir=tmp_path / "spool",
+        retry_initial_s=0.2,
+        retry_max_s=1.0,
     )
     run_id = tr.run_id
     assert run_id
@@ -76,7 +81,9 @@ def test_server_killed_mid_run_and_restarted_loses_nothing(tmp_path, caplog, mlf
     assert loss[20] == pytest.approx(1.0 / 21)
     assert [a.path for a in client.list_artifacts(run_id, "notes")] == ["notes/outage.txt"]
 
-    ours = [r for r in caplog.records if r.name == "dflash_flow.observe.tracking" and r.levelno >= logging.WARNING]
+    ours = [
+        r for r in caplog.records if r.name == "dflash_flow.observe.tracking" and r.levelno >= logging.WARNING
+    ]
     assert len(ours) == 1, [r.getMessage() for r in ours]
     assert "unreachable" in ours[0].getMessage()
     retries = [r for r in caplog.records if r.name.startswith("urllib3") and r.levelno >= logging.WARNING]

@@ -1,0 +1,106 @@
+"""Interleaver: orders each epoch's batches diversity-first and deals this rank its share."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import attrs
+
+from dflash_flow.core import Stage, StageContext, cfg, register_stage
+from dflash_flow.items import EpochBatches, PlannedBatch
+
+
+@register_stage
+@attrs.define(kw_only=True, eq=False)
+class Interleaver(Stage):
+    """Orders an epoch's bucket batches with a same-bucket run cap and an even mix; resumable by position."""
+
+    input_type = EpochBatches
+    output_type = PlannedBatch
+    cardinality = "1:n"
+    singleton = True  # one ordered stream per rank
+
+    max_run: int = cfg(3, ge=1, doc="Hard cap on consecutive batches from one bucket (when the mix allows).")
+    repeat_penalty: float = cfg(0.5, gt=0, le=1, doc="Weight factor for repeating the previous bucket.")
+    evenness: float = cfg(3.0, ge=0, doc="How strongly the bucket furthest behind its share is preferred.")
+    rank_aware: bool = cfg(True, doc="Order so that each rank's own share keeps the cap (else one global order).")
+    tail: Literal["pad", "drop"] = cfg(
+        "pad", choices=("pad", "drop"), doc="Equal batches per rank: pad repeats the epoch's first batches; drop cuts."
+    )
+
+    _epoch: int = attrs.field(default=0, init=False)
+    _position: int = attrs.field(default=0, init=False)
+    _fingerprint: Any = attrs.field(default=None, init=False)
+    _plan_world: int = attrs.field(default=1, init=False)
+    _resume: Any = attrs.field(default=None, init=False)
+
+    def setup(self, ctx: StageContext) -> None:
+        self._ctx = ctx
+        m = ctx.metrics
+        self._m_batches = m.counter("batches", "batches", "Batches dispatched")
+        self._m_bucket = m.labeled("bucket_batches", "batches", "Batches dispatched per bucket")
+        self._m_run = m.gauge("max_same_bucket_run", "batches", "Longest same-bucket run dispatched")
+        self._m_cap = m.gauge("run_cap", "batches", "Run cap in force (above max_run when infeasible)")
+        self._m_epoch = m.gauge("epoch", "epoch", "Epoch being dispatched")
+        self._last_bucket, self._run, self._max_run = -1, 0, 0
+
+    def process(self, item: EpochBatches):
+        from dflash_flow.data.plan import order_packed
+
+        ctx = self._ctx
+        world = ctx.world_size
+        plan = order_packed(
+            item.packed,
+            max_run=self.max_run,
+            repeat_penalty=self.repeat_penalty,
+            evenness=self.evenness,
+            world_size=world if self.rank_aware else 1,
+        )
+        start = 0
+        if self._resume is not None:
+            state = self._resume
+            if item.epoch < state["epoch"]:
+                return  # consumed before the checkpoint
+            if item.epoch == state["epoch"]:
+                start = plan.check_state(state)
+            self._resume = None
+        self._epoch, self._position = item.epoch, start
+        self._fingerprint, self._plan_world = plan.fingerprint(), plan.world_size
+        self._m_epoch.set(item.epoch)
+        self._m_cap.set(plan.max_run)
+        positions = plan.rank_positions(ctx.rank, world, start=start, tail=self.tail)
+        n = len(plan)
+        for step, pos in enumerate(positions.tolist()):
+            if ctx.stop_requested.is_set():
+                return
+            meta = plan.meta(pos)
+            samples = [item.samples[i] for i in plan.batch(pos).tolist()]
+            # Advance before yielding: a state taken while this batch is downstream must count it.
+            self._position = min(start + (step + 1) * world, n)
+            self._count(meta.bucket)
+            yield PlannedBatch(meta=meta, samples=samples)
+
+    def _count(self, bucket: int) -> None:
+        self._m_batches.inc()
+        self._m_bucket.inc(bucket)
+        self._run = self._run + 1 if bucket == self._last_bucket else 1
+        self._last_bucket = bucket
+        if self._run > self._max_run:
+            self._max_run = self._run
+            self._m_run.set(self._run)
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._resume is not None:  # restored but not reached yet: keep it unchanged
+            return dict(self._resume)
+        return {
+            "version": 1,
+            "epoch": self._epoch,
+            "position": self._position,
+            "plan_world_size": self._plan_world,
+            "fingerprint": self._fingerprint,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != 1:
+            raise ValueError(f"unsupported Interleaver state version {state.get('version')!r}")
+        self._resume = dict(state)

@@ -1,0 +1,168 @@
+"""Sources of training samples: chat JSONL (rendered with a chat template) and pre-tokenized records.
+
+Thin wrappers over `dflash_flow.data.records`; transformers is imported only in `setup`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import attrs
+
+from dflash_flow.core import Source, StageContext, cfg, register_stage
+from dflash_flow.items import Sample
+
+log = logging.getLogger(__name__)
+
+
+def _cache_dir(value: Optional[str]) -> Optional[Path]:
+    if not value:
+        return None
+    if value == "auto":
+        # Shared across runs on purpose: the key covers content, tokenizer, template and options.
+        root = os.environ.get("DFLASH_FLOW_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dflash-flow")
+        return Path(root) / "tokenized"
+    return Path(value).expanduser()
+
+
+@attrs.define(kw_only=True, eq=False)
+class _RecordSource(Source):
+    output_type = Sample
+
+    paths: list[str] = cfg(factory=list, doc="Input files, read in this order (sample ids follow it).")
+    max_length: int = cfg(3072, ge=2, doc="Longest sample in tokens; longer ones are truncated or dropped.")
+    overflow: Literal["truncate", "drop"] = cfg(
+        "truncate", choices=("truncate", "drop"), doc="What to do with samples over max_length."
+    )
+    on_bad_record: Literal["skip", "fail"] = cfg(
+        "skip", choices=("skip", "fail"), doc="skip: count and report bad records (file:line); fail: raise at the first."
+    )
+    min_loss_tokens: int = cfg(1, ge=1, doc="Drop samples with fewer supervised tokens (after truncation).")
+    cache_dir: Optional[str] = cfg(
+        "auto", doc="Tokenization cache; 'auto' = $DFLASH_FLOW_CACHE or ~/.cache/dflash-flow; empty or null: off."
+    )
+
+    def setup(self, ctx: StageContext) -> None:
+        if not self.paths:
+            raise ValueError(f"stage '{ctx.name}': no input paths")
+        self._ctx = ctx
+        m = ctx.metrics
+        self._m_records = m.counter("records", "records", "Records read (non-blank lines / rows)")
+        self._m_samples = m.counter("samples", "samples", "Samples emitted")
+        self._m_tokens = m.counter("tokens", "tokens", "Tokens of the emitted samples")
+        self._m_truncated = m.counter("truncated", "samples", "Samples truncated to max_length")
+        self._m_dropped = m.counter("dropped_overlong", "samples", "Samples over max_length dropped")
+        self._m_unsupervised = m.counter("no_supervised", "samples", "Samples without enough supervised tokens")
+        self._m_bad = m.labeled("bad_records", "records", "Unusable records by reason")
+        self._m_cached = m.counter("files_from_cache", "files", "Files read from the tokenization cache")
+        self.report = None
+
+    def _options(self):
+        from dflash_flow.data.records import ReadOptions
+
+        return ReadOptions(
+            max_length=self.max_length,
+            overflow=self.overflow,
+            on_bad_record=self.on_bad_record,
+            min_loss_tokens=self.min_loss_tokens,
+            cache_dir=_cache_dir(self.cache_dir),
+            **self._extra_options(),
+        )
+
+    def _extra_options(self) -> dict[str, Any]:
+        return {}
+
+    def _read(self, path: str, options):  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def produce(self):
+        from dflash_flow.data.records import LoadReport
+
+        options = self._options()
+        report = LoadReport(from_cache=True)
+        next_id = 0
+        for path in self.paths:
+            tf = self._read(path, options)
+            rep = tf.report
+            report.merge(rep)
+            self._m_records.inc(rep.records)
+            self._m_truncated.inc(rep.truncated)
+            self._m_dropped.inc(rep.dropped_overlong)
+            self._m_unsupervised.inc(rep.no_supervised)
+            for reason, n in rep.bad_by_reason.items():
+                self._m_bad.inc(reason, n)
+            if rep.from_cache:
+                self._m_cached.inc()
+            if rep.bad or rep.truncated or rep.dropped_overlong or rep.no_supervised:
+                log.warning("%s: %s", self._ctx.name, rep.summary())
+            for sample in tf.samples(first_id=next_id):
+                if self._ctx.stop_requested.is_set():
+                    return
+                self._m_samples.inc()
+                self._m_tokens.inc(len(sample))
+                yield sample
+            next_id += len(tf)
+        self.report = report
+
+    # Every run re-reads all samples (the plan needs all of them); resume state lives in the Interleaver.
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != 1:
+            raise ValueError(f"unsupported state version {state.get('version')!r}")
+
+
+@register_stage
+@attrs.define(kw_only=True, eq=False)
+class ChatSource(_RecordSource):
+    """Reads chat JSONL conversations and masks assistant tokens via the tokenizer's chat template."""
+
+    tokenizer: str = cfg("", doc="Tokenizer directory (AutoTokenizer); empty: the run service 'tokenizer'.")
+    chat_template: Optional[str] = cfg(
+        None, doc="Chat template text, or a path to a .jinja file; null: the tokenizer's own template."
+    )
+    template_kwargs: dict[str, Any] = cfg(
+        factory=dict, doc="Extra template variables, e.g. {enable_thinking: false}; must match serving."
+    )
+
+    def setup(self, ctx: StageContext) -> None:
+        super().setup(ctx)
+        if self.tokenizer:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer)
+        elif "tokenizer" in ctx.services:
+            self._tokenizer = ctx.services["tokenizer"]
+        else:
+            raise ValueError(f"stage '{ctx.name}': set 'tokenizer' or provide the run service 'tokenizer'")
+
+    def _extra_options(self) -> dict[str, Any]:
+        template = self.chat_template
+        if template and "{" not in template and Path(template).expanduser().is_file():
+            template = Path(template).expanduser().read_text()
+        return {"chat_template": template, "template_kwargs": dict(self.template_kwargs)}
+
+    def _read(self, path: str, options):
+        from dflash_flow.data.records import read_chat_jsonl
+
+        return read_chat_jsonl(path, self._tokenizer, options)
+
+
+@register_stage
+@attrs.define(kw_only=True, eq=False)
+class TokenizedSource(_RecordSource):
+    """Reads pre-tokenized samples (input_ids, loss_mask) from JSONL or Arrow files."""
+
+    vocab_size: Optional[int] = cfg(None, ge=1, doc="Reject token ids >= vocab_size (null: no upper check).")
+
+    def _extra_options(self) -> dict[str, Any]:
+        return {"vocab_size": self.vocab_size}
+
+    def _read(self, path: str, options):
+        from dflash_flow.data.records import read_records
+
+        return read_records(path, options=options, kind="tokens")
