@@ -98,7 +98,9 @@ def run(
     rest = lengths[perm[n_full:]]
     real_rf = int(lengths.sum())
     padded_rf = int(groups.max(axis=1).sum()) * fixed_bs + (int(rest.max()) * rest.size if rest.size else 0)
-    longest = np.concatenate([groups.max(axis=1), rest.max(keepdims=True) if rest.size else []]).astype(np.int64)
+    longest = np.concatenate([groups.max(axis=1), rest.max(keepdims=True) if rest.size else []]).astype(
+        np.int64
+    )
     rf_buckets = assign_buckets(longest, planner.boundaries)
     random_fixed = _figures(rf_buckets, real_rf, padded_rf)
     random_fixed["batch_size"] = fixed_bs
@@ -120,7 +122,9 @@ def run(
 
     return {
         "input": {
-            "lengths_file": str(lengths_path.relative_to(ROOT) if lengths_path.is_relative_to(ROOT) else lengths_path),
+            "lengths_file": str(
+                lengths_path.relative_to(ROOT) if lengths_path.is_relative_to(ROOT) else lengths_path
+            ),
             "samples": int(lengths.size),
             "length_mean": round(float(lengths.mean()), 1),
             "length_max": int(lengths.max()),
@@ -146,7 +150,9 @@ def run(
             "budget_exceeded": max_batch_tokens > max_tokens,
             "batch_size_mean": round(float(sizes0.mean()), 2),
             "batch_size_max": int(sizes0.max()),
-            "same_batch_pair_retention_epoch0_to_1": round(_pair_retention(plans[0], plans[1], lengths.size), 4)
+            "same_batch_pair_retention_epoch0_to_1": round(
+                _pair_retention(plans[0], plans[1], lengths.size), 4
+            )
             if epochs > 1
             else None,
             "build_seconds_median": round(statistics.median(times), 4),
@@ -171,7 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--random-batch-size", type=int, default=16)
     args = ap.parse_args(argv)
     result = run(
-        args.lengths, args.epochs, args.seed, args.max_tokens, args.num_buckets, args.max_run, args.random_batch_size
+        args.lengths,
+        args.epochs,
+        args.seed,
+        args.max_tokens,
+        args.num_buckets,
+        args.max_run,
+        args.random_batch_size,
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(result, indent=2)

@@ -37,6 +37,11 @@ class BatchMeta:
     num_samples: int
     sample_ids: list[int] = attrs.field(factory=list)
     padded_len: int = 0
+    # Batches in this epoch for this rank, and over the whole run: the trainer's schedule and its
+    # epoch-end checkpoints come from these, so no other stage has to repeat the plan's numbers.
+    epoch_batches: int = 0
+    total_batches: int = 0
+    rank: int = 0
 
     @property
     def padding_efficiency(self) -> float:
@@ -71,6 +76,7 @@ class TargetFeatures:
     loss_mask: Any
     attention_mask: Any
     hidden_states: Any  # [b, S, n_layers * H]
+    target_layer_ids: list[int] = attrs.field(factory=list)
 
 
 @attrs.define(eq=False)
@@ -81,6 +87,8 @@ class StepReport:
     epoch: int
     meta: BatchMeta | None
     metrics: dict[str, float] = attrs.field(factory=dict)
+    final: bool = False  # the last report of the run
+    artifacts: dict[str, str] = attrs.field(factory=dict)  # e.g. {"drafter": "/path/to/export"}
 
 
 @attrs.define(eq=False)

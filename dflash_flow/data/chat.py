@@ -25,7 +25,14 @@ from typing import Any
 import attrs
 import numpy as np
 
-__all__ = ["ChatEncoding", "ChatTemplateError", "TemplateInfo", "encode_chat", "probe_template", "render_chat"]
+__all__ = [
+    "ChatEncoding",
+    "ChatTemplateError",
+    "TemplateInfo",
+    "encode_chat",
+    "probe_template",
+    "render_chat",
+]
 
 
 class ChatTemplateError(ValueError):
@@ -77,7 +84,7 @@ def render_chat(
 
 def _common_prefix(a: str, b: str) -> str:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1
@@ -101,7 +108,11 @@ def probe_template(
 
     def render(msgs, gen=False):
         return render_chat(
-            tokenizer, msgs, chat_template=chat_template, add_generation_prompt=gen, template_kwargs=template_kwargs
+            tokenizer,
+            msgs,
+            chat_template=chat_template,
+            add_generation_prompt=gen,
+            template_kwargs=template_kwargs,
         )
 
     try:
@@ -157,13 +168,17 @@ def _locate(text: str, content: str, cursor: int) -> tuple[int, int]:
 
 def _message_fields(i: int, msg: Any) -> tuple[str, Any]:
     if not isinstance(msg, Mapping):
-        raise ChatTemplateError(f"message {i} is {type(msg).__name__}, expected an object with role and content")
+        raise ChatTemplateError(
+            f"message {i} is {type(msg).__name__}, expected an object with role and content"
+        )
     if "role" not in msg:
         raise ChatTemplateError(f"message {i} has no 'role'")
     return msg["role"], msg.get("content")
 
 
-def supervised_spans(text: str, messages: Sequence[Mapping[str, Any]], info: TemplateInfo) -> list[tuple[int, int]]:
+def supervised_spans(
+    text: str, messages: Sequence[Mapping[str, Any]], info: TemplateInfo
+) -> list[tuple[int, int]]:
     """Character spans of ``text`` that the model generates (assistant turns after their header)."""
     spans: list[tuple[int, int]] = []
     cursor = 0
@@ -173,7 +188,9 @@ def supervised_spans(text: str, messages: Sequence[Mapping[str, Any]], info: Tem
         if not isinstance(content, str):
             if content is None and role == "assistant" and msg.get("tool_calls"):
                 continue  # a pure tool-call turn has no content to anchor on
-            raise ChatTemplateError(f"message {i} ({role}): content must be a string, got {type(content).__name__}")
+            raise ChatTemplateError(
+                f"message {i} ({role}): content must be a string, got {type(content).__name__}"
+            )
         start, end = _locate(text, content, cursor)
         if role != "assistant":
             if start >= 0:

@@ -79,7 +79,9 @@ def pad_samples(
 def pad_batch(
     batch: PlannedBatch, *, pad_id: int = 0, pad_to_multiple: int = 1, pin_memory: bool | None = None
 ) -> PaddedBatch:
-    return pad_samples(batch.samples, batch.meta, pad_id=pad_id, pad_to_multiple=pad_to_multiple, pin_memory=pin_memory)
+    return pad_samples(
+        batch.samples, batch.meta, pad_id=pad_id, pad_to_multiple=pad_to_multiple, pin_memory=pin_memory
+    )
 
 
 def to_device(batch: PaddedBatch, device: Any, *, non_blocking: bool = True) -> PaddedBatch:

@@ -68,7 +68,9 @@ def epoch_rng(seed: int, epoch: int, *salt: int) -> np.random.Generator:
     """A generator determined by (run seed, epoch, salt), independent across salts."""
     if seed < 0 or epoch < 0:
         raise ValueError(f"seed and epoch must be >= 0, got seed={seed}, epoch={epoch}")
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), int(epoch), *map(int, salt)])))
+    return np.random.Generator(
+        np.random.PCG64(np.random.SeedSequence([int(seed), int(epoch), *map(int, salt)]))
+    )
 
 
 def _positive_int(_inst, attribute, value) -> None:
@@ -82,7 +84,7 @@ def _boundaries_ok(_inst, _attr, value) -> None:
     vals = list(value)
     if any(int(v) != v or v < 1 for v in vals):
         raise ValueError(f"PlanConfig.boundaries must be positive integers, got {vals}")
-    if any(b <= a for a, b in zip(vals, vals[1:])):
+    if any(b <= a for a, b in zip(vals, vals[1:], strict=False)):
         raise ValueError(f"PlanConfig.boundaries must be strictly increasing, got {vals}")
 
 
@@ -150,7 +152,9 @@ def bucket_boundaries(lengths: Sequence[int] | np.ndarray, config: PlanConfig) -
 
 def assign_buckets(lengths: Sequence[int] | np.ndarray, boundaries: np.ndarray) -> np.ndarray:
     """Bucket id per length: the first bucket whose upper bound is >= the length."""
-    return np.searchsorted(np.asarray(boundaries, dtype=np.int64), np.asarray(lengths, dtype=np.int64), side="left")
+    return np.searchsorted(
+        np.asarray(boundaries, dtype=np.int64), np.asarray(lengths, dtype=np.int64), side="left"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -317,7 +321,7 @@ def interleave_buckets(
         x = u[t] * sum(weights)
         pick = cand[-1]
         acc = 0.0
-        for b, w in zip(cand, weights):
+        for b, w in zip(cand, weights, strict=False):
             acc += w
             if x < acc:
                 pick = b
@@ -562,7 +566,14 @@ class PackedEpoch:
 
 
 def _interleave_for(
-    counts: list[int], seed: int, epoch: int, world_size: int, *, max_run: int, repeat_penalty: float, evenness: float
+    counts: list[int],
+    seed: int,
+    epoch: int,
+    world_size: int,
+    *,
+    max_run: int,
+    repeat_penalty: float,
+    evenness: float,
 ) -> tuple[np.ndarray, int]:
     if world_size == 1:
         return interleave_buckets(
@@ -632,7 +643,9 @@ def order_packed(
     offsets = np.zeros(len(ordered) + 1, dtype=np.int64)
     np.cumsum(sizes, out=offsets[1:])
     order = np.concatenate(ordered) if ordered else np.zeros(0, dtype=np.int64)
-    padded_max = np.maximum.reduceat(packed.padded[order], offsets[:-1]) if ordered else np.zeros(0, dtype=np.int64)
+    padded_max = (
+        np.maximum.reduceat(packed.padded[order], offsets[:-1]) if ordered else np.zeros(0, dtype=np.int64)
+    )
     return EpochPlan(
         epoch=packed.epoch,
         seed=packed.seed,

@@ -9,7 +9,8 @@
 Every record that cannot be used is counted by reason and reported as ``file:line: reason`` (rows of
 Arrow files count from 1); with ``on_bad_record="fail"`` the first one raises `DataError`. Over-long
 samples are truncated on the right or dropped (``overflow``); samples with fewer than
-``min_loss_tokens`` supervised tokens (after truncation) are dropped and counted.
+``min_loss_tokens`` supervised tokens (after truncation) are dropped and counted; a record with no
+supervised token at all is a bad record.
 
 Tokenized files are cached in ``cache_dir`` under a key that hashes the file's content, the tokenizer,
 the chat template and every option that changes the result, so a second run reads arrays instead of
@@ -99,7 +100,7 @@ class LoadReport:
     supervised_tokens: int = 0
     truncated: int = 0
     dropped_overlong: int = 0
-    no_supervised: int = 0  # fewer than min_loss_tokens supervised tokens
+    too_few_supervised: int = 0  # some, but fewer than min_loss_tokens, supervised tokens (a filter, not bad)
     bad: int = 0
     bad_by_reason: dict[str, int] = attrs.field(factory=dict)
     bad_records: list[BadRecord] = attrs.field(factory=list)  # the first _MAX_LISTED_BAD
@@ -113,7 +114,16 @@ class LoadReport:
 
     def merge(self, other: LoadReport) -> None:
         self.files += other.files
-        for f in ("records", "samples", "tokens", "supervised_tokens", "truncated", "dropped_overlong", "no_supervised", "bad"):
+        for f in (
+            "records",
+            "samples",
+            "tokens",
+            "supervised_tokens",
+            "truncated",
+            "dropped_overlong",
+            "too_few_supervised",
+            "bad",
+        ):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         for k, v in other.bad_by_reason.items():
             self.bad_by_reason[k] = self.bad_by_reason.get(k, 0) + v
@@ -129,7 +139,7 @@ class LoadReport:
             "supervised_tokens": self.supervised_tokens,
             "truncated": self.truncated,
             "dropped_overlong": self.dropped_overlong,
-            "no_supervised": self.no_supervised,
+            "too_few_supervised": self.too_few_supervised,
             "bad": self.bad,
         }
         out.update({f"bad_{k}": v for k, v in sorted(self.bad_by_reason.items())})
@@ -137,7 +147,7 @@ class LoadReport:
 
     def summary(self) -> str:
         parts = [f"{self.samples} samples from {self.records} records in {len(self.files)} file(s)"]
-        for name in ("truncated", "dropped_overlong", "no_supervised", "bad"):
+        for name in ("truncated", "dropped_overlong", "too_few_supervised", "bad"):
             if getattr(self, name):
                 parts.append(f"{name}={getattr(self, name)}")
         text = ", ".join(parts)
@@ -209,20 +219,28 @@ class _Collector:
     def bad(self, line: int, kind: str, reason: str) -> None:
         rec = BadRecord(self.path, line, reason)
         if self.opt.on_bad_record == "fail":
-            raise DataError(f"{rec} (on_bad_record=fail; use on_bad_record=skip to count and skip such records)")
+            raise DataError(
+                f"{rec} (on_bad_record=fail; use on_bad_record=skip to count and skip such records)"
+            )
         self.report.add_bad(rec, kind)
 
     def offer(self, line: int, ids: np.ndarray, mask: np.ndarray) -> None:
         n = ids.size
+        truncated = False
         if n > self.opt.max_length:
             if self.opt.overflow == "drop":
                 self.report.dropped_overlong += 1
                 return
             self.report.truncated += 1
+            truncated = True
             ids, mask = ids[: self.opt.max_length], mask[: self.opt.max_length]
         supervised = int(mask.sum())
+        if supervised == 0:
+            why = f" left after truncation to max_length={self.opt.max_length}" if truncated else ""
+            self.bad(line, "no_supervised", f"no supervised (assistant) tokens{why}")
+            return
         if supervised < self.opt.min_loss_tokens:
-            self.report.no_supervised += 1
+            self.report.too_few_supervised += 1
             return
         self.ids.append(ids.astype(np.int32, copy=False))
         self.masks.append(mask.astype(np.uint8, copy=False))
@@ -279,13 +297,19 @@ def _iter_jsonl(path: Path, collector: _Collector) -> Iterator[tuple[int, Any]]:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            collector.bad(no, "not_utf8", f"not valid UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})")
+            collector.bad(
+                no, "not_utf8", f"not valid UTF-8 (byte {exc.start}: {raw[exc.start : exc.start + 1]!r})"
+            )
             continue
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as exc:
             if no == last and not ends_with_newline:
-                collector.bad(no, "truncated", f"file ends inside this record (truncated file?): {exc.msg} at column {exc.colno}")
+                collector.bad(
+                    no,
+                    "truncated",
+                    f"file ends inside this record (truncated file?): {exc.msg} at column {exc.colno}",
+                )
             else:
                 collector.bad(no, "invalid_json", f"invalid JSON: {exc.msg} at column {exc.colno}")
             continue
@@ -394,7 +418,14 @@ def _check_file(path: Path) -> None:
         raise DataError(f"{path}: file is empty")
 
 
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system", "tool": "tool"}
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "tool": "tool",
+}
 
 
 def _conversation(obj: dict) -> tuple[list[dict] | None, str, str]:
@@ -435,13 +466,17 @@ def read_chat_jsonl(path: str | Path, tokenizer: Any, options: ReadOptions | Non
         raise DataError("chat loss masks need a fast tokenizer (offset mapping); got a slow tokenizer")
     template = options.chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
-        raise DataError(f"{path}: the tokenizer has no chat template and ReadOptions.chat_template is not set")
+        raise DataError(
+            f"{path}: the tokenizer has no chat template and ReadOptions.chat_template is not set"
+        )
     key = _cache_key(path, "chat", options, tokenizer, template)
     cached = _cache_load(options.cache_dir, path, key)
     if cached is not None:
         return cached
     try:
-        info: TemplateInfo = probe_template(tokenizer, chat_template=template, template_kwargs=options.template_kwargs)
+        info: TemplateInfo = probe_template(
+            tokenizer, chat_template=template, template_kwargs=options.template_kwargs
+        )
     except ChatTemplateError as exc:
         raise DataError(f"chat template unusable for loss masks: {exc}") from exc
     vocab = options.vocab_size or len(tokenizer)
@@ -453,7 +488,9 @@ def read_chat_jsonl(path: str | Path, tokenizer: Any, options: ReadOptions | Non
         if not pending:
             return
         enc = tokenizer([p[1] for p in pending], add_special_tokens=False, return_offsets_mapping=True)
-        for (line, _text, spans), ids, offs in zip(pending, enc["input_ids"], enc["offset_mapping"]):
+        for (line, _text, spans), ids, offs in zip(
+            pending, enc["input_ids"], enc["offset_mapping"], strict=False
+        ):
             ids_arr = np.asarray(ids, dtype=np.int64)
             mask = token_mask(np.asarray(offs, dtype=np.int64), spans)
             if ids_arr.size and int(ids_arr.max()) >= vocab:
@@ -468,13 +505,15 @@ def read_chat_jsonl(path: str | Path, tokenizer: Any, options: ReadOptions | Non
             col.bad(line, kind, reason)
             continue
         try:
-            text = render_chat(tokenizer, msgs, chat_template=template, template_kwargs=options.template_kwargs)
+            text = render_chat(
+                tokenizer, msgs, chat_template=template, template_kwargs=options.template_kwargs
+            )
             spans = supervised_spans(text, msgs, info)
         except ChatTemplateError as exc:
             col.bad(line, "template", str(exc))
             continue
         if not spans:
-            col.report.no_supervised += 1  # no assistant turn with content
+            col.bad(line, "no_supervised", "no assistant turn with content: nothing to supervise")
             continue
         pending.append((line, text, spans))
         if len(pending) >= _TOKENIZE_CHUNK:
@@ -506,8 +545,11 @@ def read_pretokenized_jsonl(path: str | Path, options: ReadOptions | None = None
         except (ValueError, TypeError) as exc:
             col.bad(line, "bad_type", f"input_ids/loss_mask must be lists of integers ({exc})")
             continue
-        if ids.ndim != 1 or mask.ndim != 1 or not (ids.size == 0 or ids.dtype.kind in "iu") or not (
-            mask.size == 0 or mask.dtype.kind in "iub"
+        if (
+            ids.ndim != 1
+            or mask.ndim != 1
+            or not (ids.size == 0 or ids.dtype.kind in "iu")
+            or not (mask.size == 0 or mask.dtype.kind in "iub")
         ):
             col.bad(line, "bad_type", "input_ids/loss_mask must be flat lists of integers")
             continue
@@ -532,7 +574,9 @@ def _open_arrow(path: Path):
                 return opener(source).read_all()
         except (pa.ArrowInvalid, OSError) as exc:
             errors.append(f"{opener.__name__}: {exc}")
-    raise DataError(f"{path}: not a readable Arrow IPC file or stream (truncated or another format?): {'; '.join(errors)}")
+    raise DataError(
+        f"{path}: not a readable Arrow IPC file or stream (truncated or another format?): {'; '.join(errors)}"
+    )
 
 
 def read_pretokenized_arrow(path: str | Path, options: ReadOptions | None = None) -> TokenizedFile:
@@ -590,7 +634,9 @@ def _sniff_jsonl(path: Path) -> Literal["chat", "tokens"]:
                     return "tokens"
                 if "conversations" in obj or "messages" in obj:
                     return "chat"
-    raise DataError(f"{path}: cannot tell the format: no record has 'conversations', 'messages' or 'input_ids'")
+    raise DataError(
+        f"{path}: cannot tell the format: no record has 'conversations', 'messages' or 'input_ids'"
+    )
 
 
 def read_records(

@@ -267,7 +267,7 @@ def spec_generate(
             if draft_cache is not None:
                 _crop(draft_cache, start)
             # Slot 0 is the known token; slots 1.. are the proposals for positions start+1 ...
-            block[:, 1:] = draft_logits(hidden[:, 0:verify - 1, :]).argmax(dim=-1).to(device)
+            block[:, 1:] = draft_logits(hidden[:, 1:verify, :]).argmax(dim=-1).to(device)
 
         out = target(input_ids=block, position_ids=positions[:, start:start + verify], use_cache=True,
                      output_hidden_states=verify > 1, **{ck: tgt_cache})

@@ -7,6 +7,10 @@ _BUILTINS = {
     "Range": "dflash_flow.stages.generic:Range",
     "Delay": "dflash_flow.stages.generic:Delay",
     "Discard": "dflash_flow.stages.generic:Discard",
+    # model side
+    "TargetForward": "dflash_flow.stages.target_forward:TargetForward",
+    "DrafterStep": "dflash_flow.stages.drafter_step:DrafterStep",
+    "SpecDecodeEval": "dflash_flow.stages.spec_eval:SpecDecodeEval",
     # observability
     "Monitor": "dflash_flow.stages.monitor:Monitor",
 }

@@ -27,7 +27,9 @@ class Bucketer(Stage):
         None, doc="Inclusive upper bounds of the buckets but the last; null: quantile boundaries."
     )
     num_buckets: int = cfg(6, ge=1, doc="Quantile buckets when boundaries is null.")
-    length_jitter: float = cfg(0.02, ge=0, doc="Relative jitter of the packing order: varies batches per epoch.")
+    length_jitter: float = cfg(
+        0.02, ge=0, doc="Relative jitter of the packing order: varies batches per epoch."
+    )
     epochs: int = cfg(1, ge=1, doc="Epochs to plan.")
 
     def setup(self, ctx: StageContext) -> None:
@@ -55,7 +57,9 @@ class Bucketer(Stage):
         self._samples.sort(key=lambda s: s.sample_id)
         ids = np.fromiter((s.sample_id for s in self._samples), dtype=np.int64, count=len(self._samples))
         if np.unique(ids).size != ids.size:
-            raise ValueError(f"stage '{self._ctx.name}': duplicate sample ids (two sources numbering from 0?)")
+            raise ValueError(
+                f"stage '{self._ctx.name}': duplicate sample ids (two sources numbering from 0?)"
+            )
         lengths = np.fromiter((len(s) for s in self._samples), dtype=np.int64, count=len(self._samples))
         config = PlanConfig(
             max_tokens=self.max_tokens,

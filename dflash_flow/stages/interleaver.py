@@ -23,9 +23,13 @@ class Interleaver(Stage):
     max_run: int = cfg(3, ge=1, doc="Hard cap on consecutive batches from one bucket (when the mix allows).")
     repeat_penalty: float = cfg(0.5, gt=0, le=1, doc="Weight factor for repeating the previous bucket.")
     evenness: float = cfg(3.0, ge=0, doc="How strongly the bucket furthest behind its share is preferred.")
-    rank_aware: bool = cfg(True, doc="Order so that each rank's own share keeps the cap (else one global order).")
+    rank_aware: bool = cfg(
+        True, doc="Order so that each rank's own share keeps the cap (else one global order)."
+    )
     tail: Literal["pad", "drop"] = cfg(
-        "pad", choices=("pad", "drop"), doc="Equal batches per rank: pad repeats the epoch's first batches; drop cuts."
+        "pad",
+        choices=("pad", "drop"),
+        doc="Equal batches per rank: pad repeats the epoch's first batches; drop cuts.",
     )
 
     _epoch: int = attrs.field(default=0, init=False)

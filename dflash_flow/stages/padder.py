@@ -36,7 +36,9 @@ class Padder(Stage):
     def process(self, item: PlannedBatch):
         from dflash_flow.data.collate import pad_batch
 
-        out = pad_batch(item, pad_id=self.pad_id, pad_to_multiple=self.pad_to_multiple, pin_memory=self.pin_memory)
+        out = pad_batch(
+            item, pad_id=self.pad_id, pad_to_multiple=self.pad_to_multiple, pin_memory=self.pin_memory
+        )
         for n in item.meta.lengths:
             self._m_len.observe(n)
         self._m_bs.observe(item.meta.num_samples)

@@ -23,7 +23,9 @@ def _cache_dir(value: Optional[str]) -> Optional[Path]:
         return None
     if value == "auto":
         # Shared across runs on purpose: the key covers content, tokenizer, template and options.
-        root = os.environ.get("DFLASH_FLOW_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dflash-flow")
+        root = os.environ.get("DFLASH_FLOW_CACHE") or os.path.join(
+            os.path.expanduser("~"), ".cache", "dflash-flow"
+        )
         return Path(root) / "tokenized"
     return Path(value).expanduser()
 
@@ -38,11 +40,14 @@ class _RecordSource(Source):
         "truncate", choices=("truncate", "drop"), doc="What to do with samples over max_length."
     )
     on_bad_record: Literal["skip", "fail"] = cfg(
-        "skip", choices=("skip", "fail"), doc="skip: count and report bad records (file:line); fail: raise at the first."
+        "skip",
+        choices=("skip", "fail"),
+        doc="skip: count and report bad records (file:line); fail: raise at the first.",
     )
     min_loss_tokens: int = cfg(1, ge=1, doc="Drop samples with fewer supervised tokens (after truncation).")
     cache_dir: Optional[str] = cfg(
-        "auto", doc="Tokenization cache; 'auto' = $DFLASH_FLOW_CACHE or ~/.cache/dflash-flow; empty or null: off."
+        "auto",
+        doc="Tokenization cache; 'auto' = $DFLASH_FLOW_CACHE or ~/.cache/dflash-flow; empty or null: off.",
     )
 
     def setup(self, ctx: StageContext) -> None:
@@ -55,7 +60,9 @@ class _RecordSource(Source):
         self._m_tokens = m.counter("tokens", "tokens", "Tokens of the emitted samples")
         self._m_truncated = m.counter("truncated", "samples", "Samples truncated to max_length")
         self._m_dropped = m.counter("dropped_overlong", "samples", "Samples over max_length dropped")
-        self._m_unsupervised = m.counter("no_supervised", "samples", "Samples without enough supervised tokens")
+        self._m_unsupervised = m.counter(
+            "too_few_supervised", "samples", "Samples with fewer than min_loss_tokens supervised tokens"
+        )
         self._m_bad = m.labeled("bad_records", "records", "Unusable records by reason")
         self._m_cached = m.counter("files_from_cache", "files", "Files read from the tokenization cache")
         self.report = None
@@ -91,12 +98,12 @@ class _RecordSource(Source):
             self._m_records.inc(rep.records)
             self._m_truncated.inc(rep.truncated)
             self._m_dropped.inc(rep.dropped_overlong)
-            self._m_unsupervised.inc(rep.no_supervised)
+            self._m_unsupervised.inc(rep.too_few_supervised)
             for reason, n in rep.bad_by_reason.items():
                 self._m_bad.inc(reason, n)
             if rep.from_cache:
                 self._m_cached.inc()
-            if rep.bad or rep.truncated or rep.dropped_overlong or rep.no_supervised:
+            if rep.bad or rep.truncated or rep.dropped_overlong or rep.too_few_supervised:
                 log.warning("%s: %s", self._ctx.name, rep.summary())
             for sample in tf.samples(first_id=next_id):
                 if self._ctx.stop_requested.is_set():

@@ -17,8 +17,9 @@ from stages_for_tests import runtime_threads  # noqa: E402 - also registers the 
 
 
 @pytest.fixture(autouse=True)
-def _no_runtime_threads_left():
-    """Every test in this directory must leave no runtime thread behind."""
+def _no_runtime_threads_left(tmp_path, monkeypatch):
+    """Every test in this directory must leave no runtime thread behind (and no `runs/` in the tree)."""
+    monkeypatch.chdir(tmp_path)  # pipelines create ./runs/NAME by default
     yield
     deadline = time.monotonic() + 5.0
     while runtime_threads() and time.monotonic() < deadline:

@@ -40,7 +40,10 @@ def test_probe_chatml(chatml_tokenizer):
 
 def test_chatml_multi_turn_with_system(chatml_tokenizer):
     enc = encode_chat(chatml_tokenizer, MULTI)
-    assert supervised_runs(chatml_tokenizer, enc) == ["Hi! How are you?<|im_end|>\n", "It is four.<|im_end|>\n"]
+    assert supervised_runs(chatml_tokenizer, enc) == [
+        "Hi! How are you?<|im_end|>\n",
+        "It is four.<|im_end|>\n",
+    ]
     # Everything else (system prompt, user turns, assistant headers) is unsupervised.
     unsup = chatml_tokenizer.decode(enc.input_ids[enc.loss_mask == 0].tolist())
     assert unsup.startswith("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHello world")
@@ -58,7 +61,10 @@ def test_qwen3_thinking_off_excludes_prompted_empty_think(qwen3_tokenizer):
     enc = encode_chat(qwen3_tokenizer, MULTI, template_kwargs=kw)
     # The last turn is rendered with an empty think block that serving puts into the prompt: not supervised.
     assert "<think>\n\n</think>\n\nIt is four." in enc.text
-    assert supervised_runs(qwen3_tokenizer, enc) == ["Hi! How are you?<|im_end|>\n", "It is four.<|im_end|>\n"]
+    assert supervised_runs(qwen3_tokenizer, enc) == [
+        "Hi! How are you?<|im_end|>\n",
+        "It is four.<|im_end|>\n",
+    ]
 
 
 def test_qwen3_thinking_on_supervises_reasoning_of_last_turn_only(qwen3_tokenizer):

@@ -37,7 +37,9 @@ def test_padded_batch_from_plan_matches_budget():
     plan = BatchPlanner(lengths, PlanConfig(max_tokens=48, pad_to_multiple=8), seed=0).plan(0)
     for p in range(len(plan)):
         meta = plan.meta(p)
-        batch = pad_batch(PlannedBatch(meta, [sm[i] for i in meta.sample_ids]), pad_to_multiple=8, pin_memory=False)
+        batch = pad_batch(
+            PlannedBatch(meta, [sm[i] for i in meta.sample_ids]), pad_to_multiple=8, pin_memory=False
+        )
         assert tuple(batch.input_ids.shape) == (meta.num_samples, meta.padded_len)
         assert batch.input_ids.numel() == meta.padded_tokens <= 48
         assert int(batch.attention_mask.sum()) == meta.real_tokens
@@ -45,7 +47,9 @@ def test_padded_batch_from_plan_matches_budget():
 
 
 def test_to_device_cpu_keeps_values():
-    b = pad_samples(samples(), meta=BatchPlanner([3, 5], PlanConfig(), seed=0).plan(0).meta(0), pin_memory=None)
+    b = pad_samples(
+        samples(), meta=BatchPlanner([3, 5], PlanConfig(), seed=0).plan(0).meta(0), pin_memory=None
+    )
     moved = to_device(b, "cpu")
     assert torch.equal(moved.input_ids, b.input_ids) and moved.meta is b.meta
 

@@ -113,7 +113,7 @@ def test_plan_properties(lengths, extra_budget, max_bs, multiple, buckets, max_r
 
 
 def _exact_feasible(rem: tuple[int, ...], last: int, run: int, cap: int) -> bool:
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def ok(rem, last, run):
         if sum(rem) == 0:
             return True

@@ -20,7 +20,9 @@ from dflash_flow.data.records import (
 
 def convo(user: str, answer: str, system: str | None = None) -> dict:
     turns = [{"role": "system", "content": system}] if system else []
-    return {"conversations": turns + [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
+    return {
+        "conversations": turns + [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    }
 
 
 def write_lines(path, lines: list, *, newline_at_end: bool = True) -> None:
@@ -40,7 +42,9 @@ def test_chat_jsonl_bad_records_are_counted_with_file_and_line(tmp_path, chatml_
             b"",  # blank: ignored
             "caf\xe9".encode("latin-1"),  # 6 not UTF-8
             {"conversations": [{"role": "user", "content": "only a question"}]},  # 7 nothing supervised
-            {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]},  # 8 ShareGPT
+            {
+                "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]
+            },  # 8 ShareGPT
             b'{"conversations": [{"role": "user", "con',  # 9 truncated, no newline at end
         ],
         newline_at_end=False,
@@ -48,10 +52,16 @@ def test_chat_jsonl_bad_records_are_counted_with_file_and_line(tmp_path, chatml_
     tf = read_chat_jsonl(f, chatml_tokenizer)
     rep = tf.report
     assert len(tf) == 2 and tf.lines.tolist() == [1, 8]
-    assert rep.records == 8 and rep.bad == 5 and rep.no_supervised == 1
-    assert rep.bad_by_reason == {"invalid_json": 1, "missing_field": 2, "not_utf8": 1, "truncated": 1}
+    assert rep.records == 8 and rep.bad == 6
+    assert rep.bad_by_reason == {
+        "invalid_json": 1,
+        "missing_field": 2,
+        "not_utf8": 1,
+        "no_supervised": 1,
+        "truncated": 1,
+    }
     where = [str(r).split(": ")[0] for r in rep.bad_records]
-    assert where == [f"{f}:2", f"{f}:3", f"{f}:4", f"{f}:6", f"{f}:9"]
+    assert where == [f"{f}:2", f"{f}:3", f"{f}:4", f"{f}:6", f"{f}:7", f"{f}:9"]
     assert "missing field 'conversations'" in str(rep.bad_records[1])
     assert "truncated" in str(rep.bad_records[-1])
     s = next(tf.samples(first_id=5))
@@ -74,7 +84,7 @@ def test_overflow_truncate_mid_assistant_and_drop(tmp_path, chatml_tokenizer):
     write_lines(f, [convo("Tell me a story", long_answer), convo("Hi", "Hello!")])
     full = read_chat_jsonl(f, chatml_tokenizer, ReadOptions(max_length=100_000))
     n0 = int(full.lengths[0])
-    prompt_len = int(np.flatnonzero(full.mask[: n0])[0])
+    prompt_len = int(np.flatnonzero(full.mask[:n0])[0])
     cut = prompt_len + 15  # inside the assistant turn
     tr = read_chat_jsonl(f, chatml_tokenizer, ReadOptions(max_length=cut))
     assert tr.report.truncated == 1 and len(tr) == 2
@@ -83,7 +93,9 @@ def test_overflow_truncate_mid_assistant_and_drop(tmp_path, chatml_tokenizer):
     assert np.asarray(s.loss_mask).tolist() == full.mask[:cut].tolist()
     assert np.asarray(s.input_ids).tolist() == full.ids[:cut].tolist()
     ids, mask = np.asarray(s.input_ids), np.asarray(s.loss_mask)
-    assert mask[-1] == 1 and chatml_tokenizer.decode(ids[mask == 1].tolist()).startswith("The quick brown fox")
+    assert mask[-1] == 1 and chatml_tokenizer.decode(ids[mask == 1].tolist()).startswith(
+        "The quick brown fox"
+    )
     assert "<|im_end|>" not in chatml_tokenizer.decode(ids[mask == 1].tolist())
 
     dropped = read_chat_jsonl(f, chatml_tokenizer, ReadOptions(max_length=cut, overflow="drop"))
@@ -91,7 +103,10 @@ def test_overflow_truncate_mid_assistant_and_drop(tmp_path, chatml_tokenizer):
 
     # Truncated before the assistant turn starts: nothing supervised is left.
     none_left = read_chat_jsonl(f, chatml_tokenizer, ReadOptions(max_length=prompt_len))
-    assert none_left.report.no_supervised >= 1
+    assert none_left.report.bad_by_reason == {"no_supervised": 1}
+    assert "after truncation to max_length" in str(none_left.report.bad_records[0])
+    with pytest.raises(DataError, match=rf"{f}:1: no supervised"):
+        read_chat_jsonl(f, chatml_tokenizer, ReadOptions(max_length=prompt_len, on_bad_record="fail"))
 
 
 def test_tokenization_cache_hit_and_invalidation(tmp_path, chatml_tokenizer, make_tokenizer):
@@ -105,8 +120,12 @@ def test_tokenization_cache_hit_and_invalidation(tmp_path, chatml_tokenizer, mak
         assert getattr(first, a).tolist() == getattr(second, a).tolist()
     assert second.report.bad_records == first.report.bad_records
     # Another option, another template or other content: a miss.
-    assert not read_chat_jsonl(f, chatml_tokenizer, ReadOptions(cache_dir=opts.cache_dir, min_loss_tokens=2)).report.from_cache
-    other = make_tokenizer("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    assert not read_chat_jsonl(
+        f, chatml_tokenizer, ReadOptions(cache_dir=opts.cache_dir, min_loss_tokens=2)
+    ).report.from_cache
+    other = make_tokenizer(
+        "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    )
     assert not read_chat_jsonl(f, other, opts).report.from_cache
     write_lines(f, [convo("Hello world", "Hi there, changed!")])
     changed = read_chat_jsonl(f, chatml_tokenizer, opts)
@@ -129,9 +148,15 @@ def test_pretokenized_jsonl(tmp_path):
     )
     tf = read_pretokenized_jsonl(f, ReadOptions(vocab_size=256, max_length=4))
     assert tf.lines.tolist() == [1, 7]
-    assert tf.report.bad_by_reason == {"out_of_vocab": 1, "length_mismatch": 1, "missing_field": 1, "bad_type": 1}
+    assert tf.report.bad_by_reason == {
+        "out_of_vocab": 1,
+        "length_mismatch": 1,
+        "missing_field": 1,
+        "no_supervised": 1,
+        "bad_type": 1,
+    }
     assert "input_ids[2] = 300 is outside the vocabulary [0, 256)" in str(tf.report.bad_records[0])
-    assert tf.report.no_supervised == 1 and tf.report.truncated == 1
+    assert tf.report.truncated == 1
     assert tf.ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
     assert read_records(f, options=ReadOptions(vocab_size=256)).report.samples == 2
 

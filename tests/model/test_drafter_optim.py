@@ -48,7 +48,7 @@ def test_bf16_params_use_fp32_masters():
         for p, r in zip(model.parameters(), ref.parameters()):
             r.copy_(p.float())  # same starting values
     opt = MasterAdamW(model.parameters(), lr=1e-2, max_grad_norm=None)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
     assert opt.uses_masters and all(m.dtype == torch.float32 for m in opt.masters)
     for step in range(4):
         fake_grads(model, step)

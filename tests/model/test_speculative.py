@@ -26,6 +26,9 @@ VOCAB = 512
 MASK = VOCAB - 1  # the last embedding row, as real DFlash drafters use a row past the tokenizer
 LAYER_IDS = [1, 3, 5]
 
+# z-lab's loop passes the cache as `past_key_values`, which transformers 5.24 renamed to `cache`.
+pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
@@ -332,3 +335,32 @@ def test_evaluate_drafter_with_a_perfect_and_a_random_drafter(target):
     assert rnd["target_forwards_greedy"] == 3 * max_new
     assert rnd["speedup_forwards"] == pytest.approx(rnd["target_forwards_greedy"] / rnd["target_forwards_spec"])
     assert rnd["verify_steps"] == rnd["drafter_forwards"] == rnd["target_forwards_spec"] - 3
+
+
+# ---------------------------------------------------------------------------------- our own drafter
+
+
+@pytest.mark.parametrize("wrong", [set(range(64)), {9, 10, 15}])
+def test_our_drafter_in_our_loop_equals_zlab_drafter_in_zlab_loop(target, wrong):
+    # dflash_flow.model.drafter.DFlashDrafter has z-lab's parameter names and forward interface: with
+    # the same weights, our loop driving it must feed and get exactly what z-lab's loop does with its own.
+    from dflash_flow.model.drafter import DFlashDrafter
+
+    zl = make_drafter(4, seed=5)
+    ours_model = DFlashDrafter(zl.config)
+    ours_model.load_state_dict(zl.state_dict(), strict=True)
+    ours_model.eval()
+    ids = prompt(8)
+    continuation = greedy_generate(target, ids, 18).output_ids[0].tolist()
+    ours_d = ScriptedDrafter(ours_model, continuation, wrong)
+    ref_d = ScriptedDrafter(zl, continuation, wrong)
+    ours = spec_generate(target, ours_d, ids, max_new_tokens=18)
+    ref = zlab_generate(ref_d, target, ids, 18)
+    assert ours.output_ids.tolist() == ref.output_ids.tolist() == [continuation]
+    assert ours.accept_lengths == ref.acceptance_lengths == expected_accept_lengths(ids.shape[1], 18, 4, wrong)
+    _assert_same_calls(ours_d.calls, ref_d.calls)
+    # Unwrapped, our drafter's own proposals drive our loop to the same result as z-lab's.
+    plain = spec_generate(target, ours_model, ids, max_new_tokens=18)
+    plain_ref = zlab_generate(zl, target, ids, 18)
+    assert plain.output_ids.tolist() == plain_ref.output_ids.tolist()
+    assert plain.accept_lengths == plain_ref.acceptance_lengths

@@ -1,0 +1,63 @@
+"""SpecDecodeEval: after training, real speculative decoding on held-out prompts."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import attrs
+
+from dflash_flow.core import Stage, cfg, register_stage
+from dflash_flow.items import EvalReport, StepReport
+
+
+@register_stage
+@attrs.define(kw_only=True, eq=False)
+class SpecDecodeEval(Stage):
+    """On the trainer's final report: acceptance length and target-forward speedup, trained vs untrained."""
+
+    input_type = StepReport
+    output_type = EvalReport
+    cardinality = "1:n"
+    singleton = True
+
+    target: str | dict[str, Any] = cfg(doc="The target model (as in TargetForward).")
+    prompts: str = cfg(doc="JSONL of held-out prompts ({'prompt': ...} or {'conversations': [...]}); 'embedded' for the built-in set.")
+    tokenizer: str | None = cfg(None, doc="Tokenizer path (default: the target directory).")
+    limit: int = cfg(32, ge=1, doc="Prompts to evaluate.")
+    max_new_tokens: int = cfg(64, ge=1, doc="Tokens generated per prompt.")
+    baseline: bool = cfg(True, doc="Also evaluate an untrained drafter of the same shape.")
+
+    def setup(self, ctx) -> None:
+        self._ctx = ctx
+
+    def process(self, report: StepReport):
+        if not report.final or "drafter" not in report.artifacts:
+            return None
+        from dflash_flow.model.evaluation import evaluate_exported
+
+        prompts = self.prompts
+        target = self.target
+        if prompts == "embedded":
+            from dflash_flow.embedded.build import default_eval_prompts
+
+            prompts = str(default_eval_prompts(self._ctx.output_dir))
+        results = evaluate_exported(
+            target=target,
+            drafter_path=report.artifacts["drafter"],
+            prompts_path=prompts,
+            tokenizer_path=self.tokenizer,
+            limit=self.limit,
+            max_new_tokens=self.max_new_tokens,
+            baseline=self.baseline,
+            seed=self._ctx.seed_for(0, "baseline"),
+            device=self._ctx.device,
+        )
+        for name, m in results.items():
+            print(
+                f"speculative decoding ({name} drafter): acceptance length {m['tau']:.2f}, "
+                f"target forwards {m['speedup_forwards']:.2f}x fewer, lossless={bool(m['lossless'])}",
+                file=sys.stderr,
+                flush=True,
+            )
+        return [EvalReport(name=name, metrics=m) for name, m in results.items()]

@@ -1,0 +1,100 @@
+"""TargetForward: the frozen target LM, run only as deep as the deepest requested layer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from dflash_flow.core import Stage, cfg, register_stage
+from dflash_flow.items import PaddedBatch, TargetFeatures
+
+
+def resolve_dtype(name: str, device: str):
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def target_spec(target: Any) -> Any:
+    """A YAML target value: a preset name, a local path / hub id, or a config mapping."""
+    return dict(target) if isinstance(target, dict) else str(target)
+
+
+@register_stage
+@attrs.define(kw_only=True, eq=False)
+class TargetForward(Stage):
+    """Frozen target forward: emits the hidden states of `target_layer_ids`, aligned 1:1 with input_ids."""
+
+    input_type = PaddedBatch
+    output_type = TargetFeatures
+
+    target: str | dict[str, Any] = cfg(doc="Target model: local path, hub id (online only), preset name or a config mapping.")
+    target_layer_ids: list[int] | None = cfg(None, doc="Target layers whose outputs feed the drafter (default: the DFlash rule for num_draft_layers).")
+    num_draft_layers: int = cfg(1, ge=1, doc="Drafter depth; sets the default number of target layers.")
+    dtype: str = cfg("auto", choices=("auto", "float32", "bfloat16", "float16"), doc="auto: bf16 on GPU, fp32 on CPU.")
+    attn_implementation: str | None = cfg(None, doc="Default: flash_attention_2 when flash-attn imports on CUDA, else sdpa.")
+    trust_remote_code: bool = cfg(False, doc="Allow the target's own Python code (off unless asked).")
+    torch_threads: int | None = cfg(None, ge=1, doc="torch intra-op threads for this process (CPU runs).")
+
+    def setup(self, ctx) -> None:
+        import torch
+
+        from dflash_flow.model.drafter import build_target_layer_ids
+        from dflash_flow.model.target import TargetFeatureExtractor, decoder_layers, load_target
+
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+        self._device = torch.device(ctx.device)
+        self._model = load_target(
+            target_spec(self.target),
+            device=ctx.device,
+            dtype=resolve_dtype(self.dtype, ctx.device),
+            trust_remote_code=self.trust_remote_code,
+            attn_implementation=self.attn_implementation,
+        )
+        n_layers = len(decoder_layers(self._model))
+        ids = self.target_layer_ids or build_target_layer_ids(n_layers, self.num_draft_layers)
+        self._extractor = TargetFeatureExtractor(self._model, ids)
+        self._layer_ids = list(ids)
+        # Outputs go straight to the consumer's device when there is exactly one.
+        downstream = set(ctx.downstream_devices)
+        self._out_device = torch.device(downstream.pop()) if len(downstream) == 1 else self._device
+        self._tokens = ctx.metrics.counter("tokens", "tokens", "Real (unpadded) tokens forwarded")
+        self._batches = ctx.metrics.counter("batches", "batches", "Batches forwarded")
+        self._seconds = ctx.metrics.summary("forward_s", "s", "Seconds per target forward")
+
+    def process(self, batch: PaddedBatch):
+        import time
+
+        import torch
+
+        non_blocking = self._device.type == "cuda"
+        input_ids = batch.input_ids.to(self._device, non_blocking=non_blocking)
+        attention_mask = batch.attention_mask.to(self._device, non_blocking=non_blocking)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            hidden = self._extractor(input_ids, attention_mask)
+        if self._device.type == "cuda":
+            torch.cuda.current_stream(self._device).synchronize()
+        self._seconds.observe(time.perf_counter() - t0)
+        self._tokens.inc(batch.meta.real_tokens)
+        self._batches.inc()
+        move = self._out_device != self._device
+        nb = self._out_device.type == "cuda" or non_blocking
+        return (
+            TargetFeatures(
+                meta=batch.meta,
+                input_ids=input_ids.to(self._out_device, non_blocking=nb) if move else input_ids,
+                loss_mask=batch.loss_mask.to(self._out_device, non_blocking=nb),
+                attention_mask=attention_mask.to(self._out_device, non_blocking=nb) if move else attention_mask,
+                hidden_states=hidden.to(self._out_device, non_blocking=nb) if move else hidden,
+                target_layer_ids=self._layer_ids,
+            ),
+        )
+
+    def teardown(self) -> None:
+        self._model = None
+        self._extractor = None
