@@ -7,18 +7,21 @@ All figures come from one run:
   ``queue_hop_us``: the same with a bare ``queue.Queue`` of the same capacity and a sentinel.
   Interleaved repetitions, median of each.
 * ``pipeline_efficiency``: steady-state throughput of a DAG of GIL-free (sleep-based) stages divided by the
-  analytic bound ``1 / max_i(t_i / r_i)``. ``t_i`` is the *measured* mean duration of ``time.sleep(s_i)`` on
-  this machine, now (a sleep overshoots its argument by tens to hundreds of microseconds on a loaded box,
-  which no runtime can win back); ``pipeline_efficiency_nominal`` uses the nominal ``s_i`` instead.
-  Steady state: items after the first ``WARMUP`` fraction reach the sink (pipeline fill excluded);
-  ``*_wall`` figures include start-up and fill.
-* ``vs_handwritten``: our steady-state throughput / that of a hand-written version of the same DAG
-  (one thread per replica, ``queue.Queue(maxsize=capacity)`` between stages, sentinels for end-of-stream:
-  the seed pipeline's design). Repetitions alternate between the two; the median of each is used.
+  analytic bound ``1 / max_i(t_i / r_i)``, median over repetitions. ``t_i`` is the mean service time stage
+  ``i`` actually took in that same run (each stage times its own ``time.sleep(s_i)``): on a loaded machine
+  a 2 ms sleep overshoots by 0.1-0.3 ms, which no runtime can win back, so the nominal ``s_i`` would mostly
+  measure the machine. ``pipeline_efficiency_nominal`` divides by the nominal bound instead. Steady state:
+  from the item at the ``WARMUP`` fraction to the last one, at the sink (pipeline fill excluded);
+  ``pipeline_efficiency_wall`` counts from start-up.
+* ``vs_handwritten``: our steady-state throughput / that of a hand-written version of the same DAG (one
+  thread per replica, ``queue.Queue(maxsize=capacity)`` between stages, sentinels for end-of-stream: the
+  seed pipeline's design), as the median of back-to-back pairs whose order alternates (the load of a
+  shared machine drifts between runs). ``vs_handwritten_efficiency_ratio`` compares the two efficiencies
+  (each against its own run's bound), which removes most of that drift.
 * ``rr_max_imbalance``: max - min items per consumer replica under ``round_robin`` with several producer
   replicas.
 
-Usage: python bench/runtime_bench.py [--out FILE] [--items 300] [--reps 3]
+Usage: python bench/runtime_bench.py [--out FILE] [--items 300] [--reps 7] [--hop-items 50000]
 """
 
 from __future__ import annotations
@@ -103,6 +106,8 @@ def bench_hops(n: int, reps: int) -> dict[str, Any]:
         ours.append(_hop_channel(n, HOP_CAPACITY))
         bare.append(_hop_queue(n, HOP_CAPACITY))
     ours_us, bare_us = statistics.median(ours), statistics.median(bare)
+    small_n = max(n // 5, 1000)
+    small = [(_hop_channel(small_n, 2), _hop_queue(small_n, 2)) for _ in range(reps)]
     return {
         "hop_overhead_us": round(ours_us, 3),
         "queue_hop_us": round(bare_us, 3),
@@ -110,6 +115,11 @@ def bench_hops(n: int, reps: int) -> dict[str, Any]:
         "hop_items": n,
         "hop_capacity": HOP_CAPACITY,
         "hop_samples_us": {"channel": [round(x, 3) for x in ours], "queue": [round(x, 3) for x in bare]},
+        "capacity_2": {
+            "hop_overhead_us": round(statistics.median(c for c, _ in small), 3),
+            "queue_hop_us": round(statistics.median(q for _, q in small), 3),
+            "items": small_n,
+        },
     }
 
 
@@ -124,10 +134,15 @@ class BenchSleepSource(Stage):
     count: int = cfg(100, ge=0)
     service_s: float = cfg(0.0, ge=0)
 
+    def setup(self, ctx) -> None:
+        self._svc = ctx.services["service"].setdefault(ctx.name, [])
+
     def produce(self):
-        sleep, s = time.sleep, self.service_s
+        sleep, s, clock, svc = time.sleep, self.service_s, time.perf_counter, self._svc
         for i in range(self.count):
+            t = clock()
             sleep(s)
+            svc.append(clock() - t)
             yield i
 
 
@@ -138,8 +153,13 @@ class BenchSleep(Stage):
 
     service_s: float = cfg(0.0, ge=0)
 
+    def setup(self, ctx) -> None:
+        self._svc = ctx.services["service"].setdefault(ctx.name, [])
+
     def process(self, item):
+        t = time.perf_counter()
         time.sleep(self.service_s)
+        self._svc.append(time.perf_counter() - t)
         return (item,)
 
 
@@ -153,14 +173,18 @@ class BenchTimedSink(Stage):
 
     def setup(self, ctx) -> None:
         self._times = ctx.services["times"]
+        self._svc = ctx.services["service"].setdefault(ctx.name, [])
 
     def process(self, item):
+        t = time.perf_counter()
         time.sleep(self.service_s)
-        self._times.append(time.perf_counter())
+        now = time.perf_counter()
+        self._svc.append(now - t)
+        self._times.append(now)
         return None
 
 
-def run_ours(n: int) -> tuple[list[float], float]:
+def run_ours(n: int) -> tuple[list[float], float, dict[str, list[float]]]:
     (src, s_src, _), (a, s_a, r_a), (b, s_b, r_b), (sink, s_sink, _) = DAG
     g = Graph(name="bench", runtime=RuntimeOptions(capacity=CAPACITY))
     g.add(src, "BenchSleepSource", config={"count": n, "service_s": s_src})
@@ -168,15 +192,18 @@ def run_ours(n: int) -> tuple[list[float], float]:
     g.add(b, "BenchSleep", config={"service_s": s_b}, inputs=[a], replicas=r_b)
     g.add(sink, "BenchTimedSink", config={"service_s": s_sink}, inputs=[b])
     times: list[float] = []
-    p = Pipeline(g, services={"times": times}, check_devices=False, output_dir=OUTPUT_DIR)
+    service: dict[str, list[float]] = {}
+    p = Pipeline(g, services={"times": times, "service": service}, check_devices=False, output_dir=OUTPUT_DIR)
     t0 = time.perf_counter()
     p.run()
-    return times, t0
+    return times, t0, service
 
 
 # -- 3. the same DAG, hand-written ------------------------------------------------------------------------
-def run_handwritten(n: int) -> tuple[list[float], float]:
-    (_, s_src, _), (_, s_a, r_a), (_, s_b, r_b), (_, s_sink, _) = DAG
+def run_handwritten(n: int) -> tuple[list[float], float, dict[str, list[float]]]:
+    (src, s_src, _), (a, s_a, r_a), (b, s_b, r_b), (sink_name, s_sink, _) = DAG
+    service: dict[str, list[float]] = {src: [], a: [], b: [], sink_name: []}
+    clock = time.perf_counter
     q_a: queue.Queue = queue.Queue(maxsize=CAPACITY)
     q_b: queue.Queue = queue.Queue(maxsize=CAPACITY)
     q_sink: queue.Queue = queue.Queue(maxsize=CAPACITY)
@@ -186,13 +213,17 @@ def run_handwritten(n: int) -> tuple[list[float], float]:
     left = {"a": r_a, "b": r_b}
 
     def source():
+        svc = service[src]
         for i in range(n):
+            t = clock()
             time.sleep(s_src)
+            svc.append(clock() - t)
             q_a.put(i)
         for _ in range(r_a):
             q_a.put(stop)
 
-    def worker(name, q_in, q_out, service, downstream):
+    def worker(name, q_in, q_out, seconds, downstream):
+        svc = service[name]
         while True:
             item = q_in.get()
             if item is stop:
@@ -203,16 +234,22 @@ def run_handwritten(n: int) -> tuple[list[float], float]:
                     for _ in range(downstream):
                         q_out.put(stop)
                 return
-            time.sleep(service)
+            t = clock()
+            time.sleep(seconds)
+            svc.append(clock() - t)
             q_out.put(item)
 
     def sink():
+        svc = service[sink_name]
         while True:
             item = q_sink.get()
             if item is stop:
                 return
+            t = clock()
             time.sleep(s_sink)
-            times.append(time.perf_counter())
+            now = clock()
+            svc.append(now - t)
+            times.append(now)
 
     threads = [threading.Thread(target=source), threading.Thread(target=sink)]
     threads += [threading.Thread(target=worker, args=("a", q_a, q_b, s_a, r_b)) for _ in range(r_a)]
@@ -222,7 +259,7 @@ def run_handwritten(n: int) -> tuple[list[float], float]:
         t.start()
     for t in threads:
         t.join()
-    return times, t0
+    return times, t0, service
 
 
 def _throughputs(times: list[float], t0: float) -> tuple[float, float]:
@@ -234,47 +271,58 @@ def _throughputs(times: list[float], t0: float) -> tuple[float, float]:
     return steady, wall
 
 
-def measured_sleep(seconds: float, samples: int = 40) -> float:
-    t0 = time.perf_counter()
-    for _ in range(samples):
-        time.sleep(seconds)
-    return (time.perf_counter() - t0) / samples
+def _bound(service: dict[str, list[float]]) -> float:
+    """1 / max_i(t_i / r_i), with t_i the mean service time stage i actually took in this run."""
+    return 1.0 / max(statistics.fmean(service[name]) / r for name, _, r in DAG)
 
 
 def bench_efficiency(n: int, reps: int) -> dict[str, Any]:
-    # Calibrate the sleeps now, on this machine (see the module docstring).
-    measured = {s: measured_sleep(s) for s in sorted({svc for _, svc, _ in DAG})}
     bound_nominal = 1.0 / max(svc / r for _, svc, r in DAG)
-    bound = 1.0 / max(measured[svc] / r for _, svc, r in DAG)
-    ours, hand, ours_wall, hand_wall = [], [], [], []
+    runs: dict[str, dict[str, list[float]]] = {
+        k: {"steady": [], "wall": [], "eff": [], "bound": []} for k in ("ours", "handwritten")
+    }
+    measured: dict[str, list[float]] = {name: [] for name, _, _ in DAG}
     run_ours(max(n // 10, 20))  # warm-up: imports, first thread starts
-    for _ in range(reps):
-        times, t0 = run_ours(n)
-        assert len(times) == n, len(times)
-        s, w = _throughputs(times, t0)
-        ours.append(s)
-        ours_wall.append(w)
-        times, t0 = run_handwritten(n)
-        assert len(times) == n, len(times)
-        s, w = _throughputs(times, t0)
-        hand.append(s)
-        hand_wall.append(w)
-    o, h = statistics.median(ours), statistics.median(hand)
+    pair_ratios = []
+    for rep in range(reps):
+        # Alternate which goes first: the load of a shared machine drifts.
+        order = [("ours", run_ours), ("handwritten", run_handwritten)]
+        for kind, fn in order if rep % 2 == 0 else order[::-1]:
+            times, t0, service = fn(n)
+            assert len(times) == n, (kind, len(times))
+            steady, wall = _throughputs(times, t0)
+            bound = _bound(service)
+            r = runs[kind]
+            r["steady"].append(steady)
+            r["wall"].append(wall)
+            r["bound"].append(bound)
+            r["eff"].append(steady / bound)
+            for name in measured:
+                measured[name].append(statistics.fmean(service[name]))
+        pair_ratios.append(runs["ours"]["steady"][-1] / runs["handwritten"]["steady"][-1])
+    med = {k: {m: statistics.median(v) for m, v in r.items()} for k, r in runs.items()}
+    o, h = med["ours"], med["handwritten"]
     return {
-        "pipeline_efficiency": round(o / bound, 4),
-        "pipeline_efficiency_nominal": round(o / bound_nominal, 4),
-        "pipeline_efficiency_wall": round(statistics.median(ours_wall) / bound, 4),
-        "handwritten_efficiency": round(h / bound, 4),
-        "handwritten_efficiency_nominal": round(h / bound_nominal, 4),
-        "vs_handwritten": round(o / h, 4),
-        "vs_handwritten_wall": round(statistics.median(ours_wall) / statistics.median(hand_wall), 4),
-        "throughput_items_s": {"ours": round(o, 2), "handwritten": round(h, 2)},
-        "throughput_samples_items_s": {"ours": [round(x, 2) for x in ours], "handwritten": [round(x, 2) for x in hand]},
-        "bound_items_s": round(bound, 2),
+        "pipeline_efficiency": round(o["eff"], 4),
+        "pipeline_efficiency_nominal": round(o["steady"] / bound_nominal, 4),
+        "pipeline_efficiency_wall": round(o["wall"] / o["bound"], 4),
+        "handwritten_efficiency": round(h["eff"], 4),
+        "handwritten_efficiency_nominal": round(h["steady"] / bound_nominal, 4),
+        "vs_handwritten": round(statistics.median(pair_ratios), 4),
+        "vs_handwritten_ratio_of_medians": round(o["steady"] / h["steady"], 4),
+        "vs_handwritten_pairs": [round(x, 4) for x in pair_ratios],
+        "vs_handwritten_efficiency_ratio": round(o["eff"] / h["eff"], 4),
+        "vs_handwritten_wall": round(o["wall"] / h["wall"], 4),
+        "throughput_items_s": {"ours": round(o["steady"], 2), "handwritten": round(h["steady"], 2)},
+        "samples": {
+            kind: {m: [round(x, 4) for x in v] for m, v in r.items()} for kind, r in runs.items()
+        },
+        "bound_items_s": round(o["bound"], 2),
         "bound_nominal_items_s": round(bound_nominal, 2),
-        "measured_sleep_ms": {f"{s * 1e3:g}": round(m * 1e3, 4) for s, m in measured.items()},
+        "measured_service_ms": {name: round(statistics.fmean(v) * 1e3, 4) for name, v in measured.items()},
         "dag": [{"stage": name, "service_ms": svc * 1e3, "replicas": r} for name, svc, r in DAG],
         "items": n,
+        "reps": reps,
         "capacity": CAPACITY,
         "warmup_fraction": WARMUP,
     }
@@ -301,7 +349,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "runtime.json")
     ap.add_argument("--items", type=int, default=300, help="Items through the efficiency DAG per repetition.")
-    ap.add_argument("--reps", type=int, default=3, help="Repetitions of each measurement.")
+    ap.add_argument("--reps", type=int, default=7, help="Repetitions of each measurement.")
     ap.add_argument("--hop-items", type=int, default=HOP_ITEMS)
     args = ap.parse_args(argv)
     t0 = time.perf_counter()

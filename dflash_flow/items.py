@@ -107,3 +107,4 @@ class EpochBatches:
     epoch: int
     packed: Any  # dflash_flow.data.plan.PackedEpoch
     samples: list[Sample]  # samples[i] is the sample at plan position i
+    num_epochs: int = 1  # epochs the run plans (for the trainer's schedule length)

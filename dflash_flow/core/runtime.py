@@ -203,6 +203,9 @@ class Pipeline:
         self.view = RuntimeView(self)
         self._lock = threading.Lock()
         self._done = threading.Event()
+        # Set when every thread ended or the run was cancelled: run() then shuts down, which waits at most
+        # shutdown_grace_s for threads stuck outside the channels instead of waiting for them forever.
+        self._wake = threading.Event()
         self._stop = threading.Event()
         self._errors: list[StageError] = []
         self._interrupted: str | None = None
@@ -317,9 +320,9 @@ class Pipeline:
         try:
             self._start()
             interrupts = 0
-            while not self._done.is_set():
+            while not self._wake.is_set():
                 try:
-                    self._done.wait()
+                    self._wake.wait()
                 except KeyboardInterrupt as exc:
                     interrupts += 1
                     reason = "SIGTERM" if isinstance(exc, _Terminate) else "SIGINT"
@@ -349,6 +352,9 @@ class Pipeline:
                 except ChannelCancelled:
                     break
                 if env is END_OF_STREAM:
+                    # The collected stage is done, other branches may not be: let them finish rather
+                    # than have _shutdown cancel them (which would also report an interruption).
+                    self._wake.wait()
                     break
                 if isinstance(env, ErrorItem):
                     break
@@ -375,11 +381,14 @@ class Pipeline:
             if self._interrupted is None:
                 self._interrupted = reason
         self._stop.set()
-        if self._started and not self._done.is_set():
+        with self._lock:
+            # One drain timer per run: a second stop() must not start (and leak) another one.
+            if not self._started or self._done.is_set() or getattr(self, "_drain_timer", None) is not None:
+                return
             t = threading.Timer(self.graph.runtime.drain_timeout_s, self.cancel, args=(f"{reason}: drain timed out",))
             t.name = "dflash-flow-drain-timer"
-            t.start()
             self._drain_timer = t
+            t.start()
 
     def cancel(self, reason: str = "cancelled") -> None:
         """Immediate stop: every channel wakes its waiters with ChannelCancelled. Idempotent."""
@@ -390,6 +399,7 @@ class Pipeline:
             if self._interrupted is None and not self._errors and self._stall is None:
                 self._interrupted = reason
         self._stop.set()
+        self._wake.set()
         for reps in self.replicas.values():
             for rep in reps:
                 if rep.input is not None:
@@ -505,6 +515,7 @@ class Pipeline:
             if last:
                 self._end_time = time.monotonic()
                 self._done.set()
+                self._wake.set()
 
     def _run_source(self, rep: _Replica) -> None:
         produce = getattr(rep.stage, "produce", None)
@@ -670,8 +681,10 @@ class Pipeline:
                     rep.thread.join(max(deadline - time.monotonic(), 0.0))
                     if rep.thread.is_alive():
                         alive.append(rep.label)
-        timer = getattr(self, "_drain_timer", None)
-        if timer is not None:
+        with self._lock:
+            timer = getattr(self, "_drain_timer", None)
+            self._drain_timer = False  # no drain timer may start after this point
+        if timer:
             timer.cancel()
             timer.join()
         self._watch_stop.set()

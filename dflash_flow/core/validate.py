@@ -96,7 +96,7 @@ def _validated(graph: Graph, *, check_devices: bool, gpu_count: int | None) -> V
         if getattr(graph.runtime, key) < 0:
             problems.append(Problem(f"runtime.{key} must be >= 0", file=loc.filename if loc else None, line=loc.line("runtime", key) if loc else None, field=f"runtime.{key}"))
     if graph.runtime.watchdog_interval_s <= 0:
-        problems.append(Problem("runtime.watchdog_interval_s must be > 0", field="runtime.watchdog_interval_s"))
+        problems.append(Problem("runtime.watchdog_interval_s must be > 0", file=loc.filename if loc else None, line=loc.line("runtime", "watchdog_interval_s") if loc else None, field="runtime.watchdog_interval_s"))
     for spec in graph.stages:
         if spec.replicas < 1:
             problems.append(P(f"replicas must be >= 1, got {spec.replicas}", spec, "replicas", field="replicas"))

@@ -45,6 +45,9 @@ class TemplateInfo:
 
     generation_prompt: str  # appended by add_generation_prompt=True, e.g. "<|im_start|>assistant\n"
     end_of_turn: str  # closes an assistant turn, e.g. "<|im_end|>\n"; may be ""
+    # The role header every assistant turn starts with (e.g. "<|im_start|>assistant\n"); content is
+    # searched for after it, so an answer such as "assistant" is not found inside the header. May be "".
+    assistant_header: str = ""
 
 
 @attrs.define(eq=False)
@@ -132,6 +135,12 @@ def probe_template(
         ) from exc
     after_mid, after_last = text[a0:u1], text[a1:]
     eot = _common_prefix(after_mid, after_last)
+    u0_end = text.index(u[0]) + len(u[0])
+    # What follows a user message up to the assistant content: user end-of-turn, assistant header and,
+    # for some turns, more (Qwen3's think block); the common part minus the end-of-turn is the header.
+    lead = _common_prefix(text[u0_end : text.index(a[0])], text[u1 + len(u[1]) : text.index(a[1], u1)])
+    if eot and lead.startswith(eot):
+        lead = lead[len(eot) :]
     if not eot:
         eos = getattr(tokenizer, "eos_token", None)
         if isinstance(eos, str) and eos and after_mid.startswith(eos):
@@ -149,7 +158,7 @@ def probe_template(
         gen_prompt = between[len(eot) :] if eot and between.startswith(eot) else between
     if not gen_prompt:
         raise ChatTemplateError("could not determine the chat template's assistant header")
-    return TemplateInfo(generation_prompt=gen_prompt, end_of_turn=eot)
+    return TemplateInfo(generation_prompt=gen_prompt, end_of_turn=eot, assistant_header=lead)
 
 
 def _locate(text: str, content: str, cursor: int) -> tuple[int, int]:
@@ -191,13 +200,21 @@ def supervised_spans(
             raise ChatTemplateError(
                 f"message {i} ({role}): content must be a string, got {type(content).__name__}"
             )
-        start, end = _locate(text, content, cursor)
         if role != "assistant":
+            start, end = _locate(text, content, cursor)
             if start >= 0:
                 cursor = end
             continue
         if not content.strip():
             continue
+        search_from = cursor
+        if info.assistant_header:
+            # The first header after the previous message is this turn's (earlier assistant turns end at
+            # their end-of-turn, which the cursor has passed).
+            h = text.find(info.assistant_header, cursor)
+            if h >= 0:
+                search_from = h + len(info.assistant_header)
+        start, end = _locate(text, content, search_from)
         if start < 0:
             raise ChatTemplateError(
                 f"message {i} (assistant): content not found verbatim in the rendered conversation; the template "

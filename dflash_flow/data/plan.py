@@ -11,12 +11,15 @@ Three steps:
 2. Packing (fairseq style). Inside each bucket the samples are ordered by a jittered length key (the
    jitter is seeded by run seed and epoch, so batch composition changes every epoch while neighbours
    stay close in length), then packed greedily: a batch is charged ``n * padded_max_len`` tokens
-   (padded, not real, tokens) and may not exceed ``max_tokens`` nor ``max_batch_size``.
+   (padded, not real, tokens) and may not exceed ``max_tokens`` nor ``max_batch_size``. The first batch
+   of a bucket takes a random share of its capacity, which moves every later cut point as well.
 3. Interleaving. The sequence of bucket ids is drawn step by step, weighted towards the buckets that are
    furthest behind their share of the epoch so far, with a penalty for repeating the last bucket.
    Candidates are restricted to choices after which the rest of the epoch can still be ordered
    without a run longer than ``max_run`` (an exact feasibility test, see `_run_cap_ok`), so the cap
-   holds to the very last batch instead of breaking when the small buckets run out.
+   holds to the very last batch instead of breaking when the small buckets run out. With
+   ``world_size > 1`` each rank's strided share is ordered this way instead, since a rank consumes
+   every W-th batch of the global order and would otherwise see long runs.
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ def _boundaries_ok(_inst, _attr, value) -> None:
     if value is None:
         return
     vals = list(value)
-    if any(int(v) != v or v < 1 for v in vals):
+    if any(not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1 for v in vals):
         raise ValueError(f"PlanConfig.boundaries must be positive integers, got {vals}")
     if any(b <= a for a, b in zip(vals, vals[1:], strict=False)):
         raise ValueError(f"PlanConfig.boundaries must be strictly increasing, got {vals}")
@@ -112,7 +115,7 @@ class PlanConfig:
     pad_to_multiple: int = attrs.field(default=1, validator=_positive_int)
     boundaries: tuple[int, ...] | None = attrs.field(
         default=None,
-        converter=lambda v: None if v is None else tuple(int(x) for x in v),
+        converter=lambda v: None if v is None else tuple(v),
         validator=_boundaries_ok,
     )
     num_buckets: int = attrs.field(default=6, validator=_positive_int)
@@ -244,7 +247,7 @@ def _run_cap_ok(rem: list[int], total: int, last: int, run: int, cap: int) -> bo
     ``last``) only ``cap - run``. So it is necessary that for every b:
     ``rem[b] * (cap + 1) <= cap * (total + 1) - run * [b == last]``. It is also sufficient (the tests
     check this against exhaustive search), which lets the interleaver keep the cap by looking one step
-    ahead.
+    ahead (`interleave_buckets` evaluates the same inequalities incrementally).
     """
     limit = cap * (total + 1)
     for b, r in enumerate(rem):
@@ -294,7 +297,17 @@ def interleave_buckets(
     left = total
     exp = math.exp
     for t in range(total):
-        # Deficit: how far bucket b is behind an even spread of its share over the epoch.
+        # _run_cap_ok for "choose b next", in O(1) per candidate: after the choice only b carries a run,
+        # so every other bucket faces the same limit and only the largest of them matters.
+        top1 = top2 = -1
+        top1_b = -1
+        for b in range(n_buckets):
+            r = rem[b]
+            if r > top1:
+                top2, top1, top1_b = top1, r, b
+            elif r > top2:
+                top2 = r
+        limit = cap * left  # cap * ((left - 1) + 1)
         cand: list[int] = []
         weights: list[float] = []
         for b in range(n_buckets):
@@ -303,11 +316,10 @@ def interleave_buckets(
             nrun = run + 1 if b == last else 1
             if nrun > cap:
                 continue
-            rem[b] -= 1
-            ok = _run_cap_ok(rem, left - 1, b, nrun, cap)
-            rem[b] += 1
-            if not ok:
+            other = top2 if b == top1_b else top1
+            if other * (cap + 1) > limit or (rem[b] - 1) * (cap + 1) > limit - nrun:
                 continue
+            # Deficit: how far bucket b is behind an even spread of its share over the epoch.
             deficit = share[b] * (t + 1) - emitted[b]
             w = exp(evenness * min(deficit, 20.0))
             if b == last:

@@ -295,7 +295,7 @@ def _iter_jsonl(path: Path, collector: _Collector) -> Iterator[tuple[int, Any]]:
             continue
         collector.report.records += 1
         try:
-            text = raw.decode("utf-8")
+            text = raw.decode("utf-8-sig" if no == 1 else "utf-8")  # tolerate a byte-order mark
         except UnicodeDecodeError as exc:
             collector.bad(
                 no, "not_utf8", f"not valid UTF-8 (byte {exc.start}: {raw[exc.start : exc.start + 1]!r})"
@@ -381,6 +381,9 @@ def _cache_load(cache_dir: Path | None, path: Path, key: str) -> TokenizedFile |
         log.warning("ignoring unreadable cache entry %s: %s", arrays, exc)
         return None
     report.from_cache = True
+    # The key hashes content, not location: a moved or copied file hits, so point the report at it.
+    report.files = [str(path)]
+    report.bad_records = [BadRecord(str(path), r.line, r.reason) for r in report.bad_records]
     return TokenizedFile(str(path), ids, mask, offsets, lines, report)
 
 

@@ -54,7 +54,7 @@ class SpecResult:
 
     @property
     def new_ids(self) -> list[int]:
-        return self.output_ids[0, self.num_input_tokens:].tolist()
+        return self.output_ids[0, self.num_input_tokens :].tolist()
 
     @property
     def num_new_tokens(self) -> int:
@@ -121,7 +121,9 @@ def _as_batch_of_one(input_ids: Any, device: torch.device) -> torch.Tensor:
     if ids.dim() == 1:
         ids = ids.unsqueeze(0)
     if ids.dim() != 2 or ids.shape[0] != 1:
-        raise ValueError(f"batch size 1 only (the DFlash inference contract); got input_ids of shape {tuple(ids.shape)}")
+        raise ValueError(
+            f"batch size 1 only (the DFlash inference contract); got input_ids of shape {tuple(ids.shape)}"
+        )
     if ids.shape[1] == 0:
         raise ValueError("empty prompt")
     return ids.to(device)
@@ -160,14 +162,23 @@ def greedy_generate(
     cache = _new_cache(target.config)
     ck = _cache_kwarg(target)
 
-    out = target(input_ids=ids, position_ids=torch.arange(n_in, device=device)[None], use_cache=True,
-                 logits_to_keep=1, **{ck: cache})
+    out = target(
+        input_ids=ids,
+        position_ids=torch.arange(n_in, device=device)[None],
+        use_cache=True,
+        logits_to_keep=1,
+        **{ck: cache},
+    )
     forwards = 1
     tokens = [int(out.logits[0, -1].argmax())]
     while len(tokens) < max_new_tokens and tokens[-1] not in stops:
         pos = n_in + len(tokens) - 1
-        out = target(input_ids=torch.tensor([[tokens[-1]]], device=device),
-                     position_ids=torch.tensor([[pos]], device=device), use_cache=True, **{ck: cache})
+        out = target(
+            input_ids=torch.tensor([[tokens[-1]]], device=device),
+            position_ids=torch.tensor([[pos]], device=device),
+            use_cache=True,
+            **{ck: cache},
+        )
         forwards += 1
         tokens.append(int(out.logits[0, -1].argmax()))
     output = torch.cat([ids, torch.tensor([tokens], device=device)], dim=1)
@@ -198,10 +209,13 @@ def spec_generate(
     if block_size < 1:
         raise ValueError("block_size must be >= 1")
     mask_token_id = mask_token_id if mask_token_id is not None else _draft_setting(drafter, "mask_token_id")
-    layer_ids = list(target_layer_ids if target_layer_ids is not None
-                     else _draft_setting(drafter, "target_layer_ids"))
+    layer_ids = list(
+        target_layer_ids if target_layer_ids is not None else _draft_setting(drafter, "target_layer_ids")
+    )
     if block_size > 1 and (mask_token_id is None or not layer_ids):
-        raise ValueError("mask_token_id and target_layer_ids are needed (pass them or set them in the drafter config)")
+        raise ValueError(
+            "mask_token_id and target_layer_ids are needed (pass them or set them in the drafter config)"
+        )
     embed_scale = float(_draft_setting(drafter, "input_embedding_scale", 1.0) or 1.0)
 
     device = _target_device(target)
@@ -232,8 +246,14 @@ def spec_generate(
     ck = _cache_kwarg(target)
     draft_cache = _new_cache(drafter.config) if block_size > 1 and hasattr(drafter, "config") else None
 
-    out = target(input_ids=ids, position_ids=positions[:, :n_in], use_cache=True, logits_to_keep=1,
-                 output_hidden_states=block_size > 1, **{ck: tgt_cache})
+    out = target(
+        input_ids=ids,
+        position_ids=positions[:, :n_in],
+        use_cache=True,
+        logits_to_keep=1,
+        output_hidden_states=block_size > 1,
+        **{ck: tgt_cache},
+    )
     target_forwards, drafter_forwards = 1, 0
     seq[0, n_in] = out.logits[0, -1].argmax()
     # Draft context waiting to enter the drafter's cache: features of tokens < start not yet cached.
@@ -246,14 +266,14 @@ def spec_generate(
         # Near the end the block shrinks to what is left (as z-lab does): every verified slot may still
         # become output, and the drafter sees the same block the reference would.
         verify = min(block_size, max_length - start)
-        block = seq[:, start:start + verify].clone()  # [last token, MASK, ...]
+        block = seq[:, start : start + verify].clone()  # [last token, MASK, ...]
         if verify > 1:
             noise = F.embedding(block.to(draft_device), embed_weight.to(draft_device))
             if embed_scale != 1.0:
                 noise = noise * embed_scale
             ctx_len = pending_ctx.shape[1]
             hidden = drafter(
-                position_ids=positions[:, start - ctx_len:start + verify].to(draft_device),
+                position_ids=positions[:, start - ctx_len : start + verify].to(draft_device),
                 noise_embedding=noise,
                 target_hidden=pending_ctx.to(draft_device),
                 attention_mask=None,
@@ -269,18 +289,23 @@ def spec_generate(
             # Slot 0 is the known token; slots 1.. are the proposals for positions start+1 ...
             block[:, 1:] = draft_logits(hidden[:, 1:verify, :]).argmax(dim=-1).to(device)
 
-        out = target(input_ids=block, position_ids=positions[:, start:start + verify], use_cache=True,
-                     output_hidden_states=verify > 1, **{ck: tgt_cache})
+        out = target(
+            input_ids=block,
+            position_ids=positions[:, start : start + verify],
+            use_cache=True,
+            output_hidden_states=verify > 1,
+            **{ck: tgt_cache},
+        )
         target_forwards += 1
         posterior = out.logits[0].argmax(dim=-1)  # target's choice after each block slot
         matches = (block[0, 1:] == posterior[:-1]).int()
         accepted = int(matches.cumprod(0).sum())  # longest matching prefix of the drafts
         # Commit the accepted drafts and the bonus (the target's token after them).
-        seq[0, start + 1:start + 1 + accepted] = block[0, 1:1 + accepted]
+        seq[0, start + 1 : start + 1 + accepted] = block[0, 1 : 1 + accepted]
         seq[0, start + 1 + accepted] = posterior[accepted]
         produced = min(accepted + 1, max_length - start - 1)
         if stops.numel():
-            hit = torch.isin(seq[0, start + 1:start + 1 + produced], stops).nonzero()
+            hit = torch.isin(seq[0, start + 1 : start + 1 + produced], stops).nonzero()
             if hit.numel():
                 produced = int(hit[0, 0]) + 1  # keep the stop token, drop what follows
                 stopped = True
@@ -292,7 +317,7 @@ def spec_generate(
         start += produced
         accept_lengths.append(produced)
 
-    output = seq[:, :min(start + 1, max_length)].clone()
+    output = seq[:, : min(start + 1, max_length)].clone()
     return SpecResult(output, accept_lengths, target_forwards, drafter_forwards, n_in)
 
 
@@ -336,9 +361,16 @@ def evaluate_drafter(
             t0 = time.perf_counter()
             ref = greedy_generate(target, prompt, max_new_tokens, stop_token_ids)
             t1 = time.perf_counter()
-            res = spec_generate(target, drafter, prompt, max_new_tokens=max_new_tokens, block_size=block_size,
-                                mask_token_id=mask_token_id, target_layer_ids=target_layer_ids,
-                                stop_token_ids=stop_token_ids)
+            res = spec_generate(
+                target,
+                drafter,
+                prompt,
+                max_new_tokens=max_new_tokens,
+                block_size=block_size,
+                mask_token_id=mask_token_id,
+                target_layer_ids=target_layer_ids,
+                stop_token_ids=stop_token_ids,
+            )
             t2 = time.perf_counter()
             greedy_s += t1 - t0
             spec_s += t2 - t1

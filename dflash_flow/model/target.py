@@ -42,6 +42,7 @@ __all__ = [
     "shared_head",
     "shared_head_from_model",
     "shared_head_from_checkpoint",
+    "shared_head_from_preset",
     "clear_shared_head_cache",
 ]
 
@@ -296,7 +297,9 @@ class TargetFeatureExtractor:
         self.deepest = max(ids)
         self.dtype = dtype
         self.zero_padding = zero_padding
-        self.hidden_size = int(getattr(getattr(model, "config", None), "hidden_size", 0)) or None
+        # The text stack's own config: multimodal wrappers keep hidden_size there, not at the top.
+        stack_config = getattr(self.backbone, "config", None) or getattr(model, "config", None)
+        self.hidden_size = int(getattr(stack_config, "hidden_size", 0) or 0) or None
         # HF replaces the last entry of `hidden_states` by the final-normed `last_hidden_state`
         # (`tie_last_hidden_states`, default on for LMs). Requesting the last layer therefore means the
         # post-norm state; we then run the whole backbone instead of stopping, to match HF exactly.
@@ -332,13 +335,24 @@ class TargetFeatureExtractor:
     def _stops_at_end(self) -> bool:
         return self.deepest == self.num_target_layers - 1 and self._last_is_normed
 
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Features ``[b, S, n * H]`` for right-padded ``input_ids [b, S]`` (or ``[S]``).
+
+        ``position_ids`` defaults to ``0..S-1`` per row, which is right for right padding; pass them
+        only for layouts where that is not true.
+        """
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
         device = next(self.backbone.parameters()).device
         input_ids = input_ids.to(device)
         if attention_mask is not None:
             attention_mask = attention_mask.to(device)
+        extra = {} if position_ids is None else {"position_ids": position_ids.to(device)}
 
         collected: dict[int, torch.Tensor] = {}
         wanted = sorted(set(self.target_layer_ids))
@@ -348,7 +362,9 @@ class TargetFeatureExtractor:
         try:
             with torch.inference_mode():
                 try:
-                    out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+                    out = self.backbone(
+                        input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra
+                    )
                     last_hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
                 except _ReachedDeepestLayer:
                     pass
@@ -361,8 +377,10 @@ class TargetFeatureExtractor:
             collected[self.deepest] = last_hidden
         missing = [i for i in wanted if i not in collected]
         if missing:
-            raise RuntimeError(f"target layers {missing} did not run; is {type(self.backbone).__name__} a "
-                               "decoder that calls its layers in order?")
+            raise RuntimeError(
+                f"target layers {missing} did not run; is {type(self.backbone).__name__} a "
+                "decoder that calls its layers in order?"
+            )
         # Concatenate outside inference mode: the result is then an ordinary tensor that a trainer may
         # feed into autograd (inference tensors cannot be saved for backward).
         feats = torch.cat([collected[i] for i in self.target_layer_ids], dim=-1)
@@ -386,15 +404,23 @@ class SharedHead(nn.Module):
     ``lm_head(h)``. With tied embeddings both modules hold the very same tensor.
     """
 
-    def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                 lm_head_bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        lm_head_bias: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         vocab, hidden = embed_weight.shape
         if lm_head_weight.shape[1] != hidden:
-            raise ValueError(f"lm_head {tuple(lm_head_weight.shape)} does not match embedding {tuple(embed_weight.shape)}")
+            raise ValueError(
+                f"lm_head {tuple(lm_head_weight.shape)} does not match embedding {tuple(embed_weight.shape)}"
+            )
         self.embed_tokens = nn.Embedding(vocab, hidden, device="meta")
         self.embed_tokens.weight = nn.Parameter(embed_weight, requires_grad=False)
-        self.lm_head = nn.Linear(hidden, lm_head_weight.shape[0], bias=lm_head_bias is not None, device="meta")
+        self.lm_head = nn.Linear(
+            hidden, lm_head_weight.shape[0], bias=lm_head_bias is not None, device="meta"
+        )
         self.lm_head.weight = nn.Parameter(lm_head_weight, requires_grad=False)
         if lm_head_bias is not None:
             self.lm_head.bias = nn.Parameter(lm_head_bias, requires_grad=False)
@@ -434,12 +460,14 @@ _MODEL_HEADS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, torch.dtype],
     weakref.WeakKeyDictionary()
 )
 _CHECKPOINT_HEADS: dict[tuple[str, str, torch.dtype | None], SharedHead] = {}
+_PRESET_HEADS: dict[tuple[str, str, torch.dtype | None], SharedHead] = {}
 
 
 def clear_shared_head_cache() -> None:
     with _HEAD_LOCK:
         _MODEL_HEADS.clear()
         _CHECKPOINT_HEADS.clear()
+        _PRESET_HEADS.clear()
 
 
 def _place(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -448,8 +476,9 @@ def _place(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.T
     return t.detach().to(device=device, dtype=dtype)
 
 
-def shared_head_from_model(model: nn.Module, device: str | torch.device = "cpu",
-                           dtype: torch.dtype | None = None) -> SharedHead:
+def shared_head_from_model(
+    model: nn.Module, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> SharedHead:
     """The frozen embedding and LM head of a loaded target, on ``device``; built once per
     (model, device, dtype) and then returned from the cache."""
     dev = _as_device(device)
@@ -522,8 +551,9 @@ def _read_tensor(file: Path, key: str, device: torch.device) -> torch.Tensor:
         return f.get_tensor(key)
 
 
-def shared_head_from_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu",
-                                dtype: torch.dtype | None = None) -> SharedHead:
+def shared_head_from_checkpoint(
+    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> SharedHead:
     """Read only the embedding and LM head tensors of a safetensors checkpoint directory (sharded or
     not); ``tie_word_embeddings`` in config.json (or a missing ``lm_head.weight``) reuses the embedding.
     Cached per (directory, device, dtype)."""
@@ -567,9 +597,44 @@ def shared_head_from_checkpoint(path: str | os.PathLike, device: str | torch.dev
         return built
 
 
-def shared_head(source: nn.Module | str | os.PathLike, device: str | torch.device = "cpu",
-                dtype: torch.dtype | None = None) -> SharedHead:
-    """:func:`shared_head_from_model` for a loaded model, :func:`shared_head_from_checkpoint` for a path."""
+def shared_head_from_preset(
+    spec: str | Mapping[str, Any],
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+) -> SharedHead:
+    """The head of a config-preset target (name or dict). The preset's weights depend only on its
+    parameters and seed, so the head is cached by them: built once per (preset, device, dtype), and the
+    temporary full model is dropped after its two tensors are copied out."""
+    dev = _as_device(device)
+    name = spec if isinstance(spec, str) else json.dumps(dict(spec), sort_keys=True, default=str)
+    key = (name, str(dev), dtype)
+    with _HEAD_LOCK:
+        cached = _PRESET_HEADS.get(key)
+    if cached is not None:
+        return cached
+    model = load_target(spec, device="cpu", dtype=dtype)
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    # Copies (clone) so that the head does not keep the whole temporary model's storage alive.
+    embed_w = embed.detach().to(dev).clone()
+    head_w = embed_w if head.weight.data_ptr() == embed.data_ptr() else head.weight.detach().to(dev).clone()
+    bias = getattr(head, "bias", None)
+    built = SharedHead(embed_w, head_w, None if bias is None else bias.detach().to(dev).clone())
+    with _HEAD_LOCK:
+        # Two threads may have built it concurrently; keep the first so every caller shares one.
+        return _PRESET_HEADS.setdefault(key, built)
+
+
+def shared_head(
+    source: nn.Module | str | os.PathLike | Mapping[str, Any],
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+) -> SharedHead:
+    """The shared head of ``source``: a loaded model (:func:`shared_head_from_model`), a preset name or
+    dict (:func:`shared_head_from_preset`), or a safetensors checkpoint directory
+    (:func:`shared_head_from_checkpoint`). Each is built once per (source, device, dtype)."""
     if isinstance(source, nn.Module):
         return shared_head_from_model(source, device, dtype)
+    if isinstance(source, Mapping) or (isinstance(source, str) and source in TARGET_PRESETS):
+        return shared_head_from_preset(source, device, dtype)
     return shared_head_from_checkpoint(source, device, dtype)

@@ -26,8 +26,23 @@ Design (why it looks like this):
   settings, so the tracker overrides them around its own calls only (and only those the user did not
   set). We use 0 transport retries -- our own backoff does the retrying, and urllib3 would otherwise
   log a warning per retry -- and a short timeout.
+- Status: ``end("FINISHED" | "FAILED" | "KILLED")``; used as a context manager the status follows
+  the exception (none -> FINISHED, KeyboardInterrupt / non-zero SystemExit -> KILLED, other ->
+  FAILED). A process killed with SIGKILL leaves its run RUNNING (nothing can run at that point).
 - System metrics come from psutil at flush time (``system/*``), i.e. at the Monitor's cadence,
   instead of mlflow's background thread which has its own cadence and logging.
+
+Usage (what the Monitor does)::
+
+    tracker = Tracker.start(tracking_uri=cfg_uri, experiment="dflash", run_name="tiny", params=resolved_cfg,
+                            tags=run_tags(resolved_cfg, world_size=1, device_summary="cpu"),
+                            spool_dir=output_dir / "mlflow-spool", enabled=tracking_on)
+    # every interval_s:
+    tracker.log_metrics(snapshot.flat() | train_metrics, step=step)
+    tracker.flush()
+    # at the end:
+    tracker.log_text(resolved_yaml, "config/resolved.yaml"); tracker.log_artifact(plots_dir, "plots")
+    tracker.end("FINISHED")   # or FAILED / KILLED, or status_for_exception(exc)
 """
 
 from __future__ import annotations
@@ -45,6 +60,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -336,9 +352,15 @@ class Tracker:
         http_max_retries: int = 0,
         retry_initial_s: float = 1.0,
         retry_max_s: float = 30.0,
+        artifact_timeout_s: int = 120,
+        drain_budget_s: float = 2.0,
     ) -> None:
         self.enabled = bool(enabled)
+        self.drain_budget_s = float(drain_budget_s)
         self.http_timeout_s = int(http_timeout_s)
+        # A server may take a while to answer after receiving a large file (a checkpoint): uploads get
+        # a longer socket timeout than the small metric/param requests.
+        self.artifact_timeout_s = int(artifact_timeout_s)
         self.http_max_retries = int(http_max_retries)
         self.retry_initial_s = float(retry_initial_s)
         self.retry_max_s = float(retry_max_s)
@@ -350,7 +372,7 @@ class Tracker:
         self._buf: list[tuple[str, float, int, int]] = []
         self._buf_lock = threading.Lock()
         self._io_lock = threading.RLock()
-        self._pending: list[dict] = []  # spooled ops, oldest first
+        self._pending: deque[dict] = deque()  # spooled ops, oldest first
         self._spool_path: Path | None = None
         self._retry_at = 0.0
         self._retry_delay = self.retry_initial_s
@@ -361,6 +383,7 @@ class Tracker:
         self._ended = False
         self._local_id = uuid.uuid4().hex[:12]
         self._artifact_seq = 0
+        self._spool_write_failed = False
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -380,6 +403,8 @@ class Tracker:
         http_max_retries: int = 0,
         retry_initial_s: float = 1.0,
         retry_max_s: float = 30.0,
+        artifact_timeout_s: int = 120,
+        drain_budget_s: float = 2.0,
     ) -> Tracker:
         """Create (or resume) a run and log its params and tags.
 
@@ -394,6 +419,8 @@ class Tracker:
             http_max_retries=http_max_retries,
             retry_initial_s=retry_initial_s,
             retry_max_s=retry_max_s,
+            artifact_timeout_s=artifact_timeout_s,
+            drain_budget_s=drain_budget_s,
         )
         if not self.enabled:
             return self
@@ -596,7 +623,7 @@ class Tracker:
             if self._pending:
                 self._spool_append(ops)
                 if force_retry or time.monotonic() >= self._retry_at:
-                    self._drain()
+                    self._drain(None if force_retry else self.drain_budget_s)
                 return
             for i, op in enumerate(ops):
                 try:
@@ -611,7 +638,8 @@ class Tracker:
                     return
 
     def _send(self, op: dict) -> None:
-        with _bounded_http(self.tracking_uri or "", self.http_timeout_s, self.http_max_retries):
+        timeout = self.artifact_timeout_s if op["op"] == "artifact" else self.http_timeout_s
+        with _bounded_http(self.tracking_uri or "", timeout, self.http_max_retries):
             _apply_op(self._client, op, self._state)
 
     def _enter_spool(self, ops: list[dict], exc: BaseException) -> None:
@@ -629,12 +657,22 @@ class Tracker:
             self._spool_path,
         )
 
-    def _drain(self) -> None:
-        """Replay spooled ops from the oldest; stop at the first transient failure (backoff)."""
+    def _drain(self, budget_s: float | None = None) -> None:
+        """Replay spooled ops from the oldest; stop at the first transient failure (then back off)
+        or when ``budget_s`` is spent (the rest goes out on the next flush, so a long backlog never
+        holds the Monitor for long). Consecutive metric ops are merged into batches of <= 1000."""
         sent = 0
+        t_end = None if budget_s is None else time.monotonic() + budget_s
         try:
             while self._pending:
-                op = self._pending[0]
+                if t_end is not None and sent and time.monotonic() >= t_end:
+                    return
+                group = self._head_group()
+                op = (
+                    group[0]
+                    if len(group) == 1
+                    else {"op": "metrics", "metrics": [m for g in group for m in g["metrics"]]}
+                )
                 try:
                     self._send(op)
                 except Exception as exc:
@@ -645,8 +683,7 @@ class Tracker:
                     if op["op"] in _RUN_OPS:
                         # Nothing after it can be applied to this store; keep the spool for import_spool.
                         log.error(
-                            "MLflow rejected the spooled %s operation (%s); tracking stops, the "
-                            "spool stays in %s",
+                            "MLflow rejected the spooled %s operation (%s); tracking stops, the spool stays in %s",
                             op["op"],
                             exc,
                             self._spool_path,
@@ -654,19 +691,33 @@ class Tracker:
                         self._retry_at = float("inf")
                         return
                     log.warning("MLflow rejected a spooled %s operation (dropped): %s", op["op"], exc)
-                self._pending.pop(0)
-                sent += 1
-                self._discard_spooled_copy(op)
+                for _ in group:
+                    self._discard_spooled_copy(self._pending.popleft())
+                    sent += 1
         finally:
             if sent:
                 self._rewrite_spool()
         log.info("MLflow tracking at %s is back: replayed %d spooled operations.", self.tracking_uri, sent)
         self._retry_delay = self.retry_initial_s
 
+    def _head_group(self) -> list[dict]:
+        """The head op, or the run of consecutive metric ops at the head that fits one log_batch."""
+        head = self._pending[0]
+        if head["op"] != "metrics":
+            return [head]
+        group, n = [], 0
+        for op in self._pending:
+            if op["op"] != "metrics" or n + len(op["metrics"]) > MAX_METRICS_PER_BATCH:
+                break
+            group.append(op)
+            n += len(op["metrics"])
+        return group or [head]
+
     def _spool_file(self) -> Path:
         if self._spool_path is None:
             assert self.spool_dir is not None
-            self.spool_dir.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(OSError):  # a failed write is reported by _spool_append
+                self.spool_dir.mkdir(parents=True, exist_ok=True)
             self._spool_path = self.spool_dir / f"spool-{self.run_id or self._local_id}.jsonl"
         return self._spool_path
 
@@ -681,23 +732,39 @@ class Tracker:
         new = not path.exists() or not self._pending
         ops = [self._stash_artifact(op) for op in ops]
         self._pending.extend(ops)
-        with open(path, "w" if new else "a", encoding="utf-8") as f:
-            for rec in (self._header() if new else []) + ops:
-                f.write(json.dumps(rec) + "\n")
-            f.flush()
+        try:
+            with open(path, "w" if new else "a", encoding="utf-8") as f:
+                for rec in (self._header() if new else []) + ops:
+                    f.write(json.dumps(rec) + "\n")
+                f.flush()
+        except OSError as exc:
+            # The ops are still held in memory and replayed from there; only the crash-safety of the
+            # file is lost. Say so once, never stop training over it.
+            if not self._spool_write_failed:
+                self._spool_write_failed = True
+                log.warning("cannot write the MLflow spool file %s (%s); spooling in memory only", path, exc)
 
     def _rewrite_spool(self) -> None:
         path = self._spool_path
         if path is None:
             return
-        if not self._pending:
-            path.unlink(missing_ok=True)
-            return
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            for rec in self._header() + self._pending:
-                f.write(json.dumps(rec) + "\n")
-        os.replace(tmp, path)
+        try:
+            if not self._pending:
+                path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # only removed when empty (all stashed copies sent)
+                    (path.parent / f"{path.stem}-artifacts").rmdir()
+                return
+            tmp = path.with_suffix(".tmp")
+            with open(tmp, "w", encoding="utf-8") as f:
+                for rec in self._header() + list(self._pending):
+                    f.write(json.dumps(rec) + "\n")
+            os.replace(tmp, path)  # atomic: a crash leaves the old or the new spool, never half of one
+        except OSError as exc:
+            if not self._spool_write_failed:
+                self._spool_write_failed = True
+                log.warning(
+                    "cannot rewrite the MLflow spool file %s (%s); spooling in memory only", path, exc
+                )
 
     def _stash_artifact(self, op: dict) -> dict:
         """Copy a spooled artifact into the spool dir so the upload later sees today's file."""
@@ -706,9 +773,9 @@ class Tracker:
         src = Path(op["path"])
         self._artifact_seq += 1
         dst_dir = self._spool_file().parent / f"{self._spool_file().stem}-artifacts" / str(self._artifact_seq)
-        dst_dir.mkdir(parents=True, exist_ok=True)
         dst = dst_dir / src.name
         try:
+            dst_dir.mkdir(parents=True, exist_ok=True)
             if src.is_dir():
                 shutil.copytree(src, dst)
             else:

@@ -7,6 +7,12 @@ _BUILTINS = {
     "Range": "dflash_flow.stages.generic:Range",
     "Delay": "dflash_flow.stages.generic:Delay",
     "Discard": "dflash_flow.stages.generic:Discard",
+    # data side
+    "ChatSource": "dflash_flow.stages.sources:ChatSource",
+    "TokenizedSource": "dflash_flow.stages.sources:TokenizedSource",
+    "Bucketer": "dflash_flow.stages.bucketer:Bucketer",
+    "Interleaver": "dflash_flow.stages.interleaver:Interleaver",
+    "Padder": "dflash_flow.stages.padder:Padder",
     # model side
     "TargetForward": "dflash_flow.stages.target_forward:TargetForward",
     "DrafterStep": "dflash_flow.stages.drafter_step:DrafterStep",

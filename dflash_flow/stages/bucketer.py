@@ -80,7 +80,7 @@ class Bucketer(Stage):
             for b, n in enumerate(packed.counts):
                 self._m_batches.inc(b, n)
             self._m_epoch.set(epoch)
-            yield EpochBatches(epoch=epoch, packed=packed, samples=self._samples)
+            yield EpochBatches(epoch=epoch, packed=packed, samples=self._samples, num_epochs=self.epochs)
 
     # Re-packing is cheap and a pure function of the samples, so every run packs from epoch 0 and the
     # Interleaver skips what was consumed: no state that could disagree with the Interleaver's.

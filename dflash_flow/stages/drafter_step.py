@@ -46,13 +46,10 @@ def load_shared_head(target: Any, device: str, dtype, trust_remote_code: bool = 
     from dflash_flow.model.target import TARGET_PRESETS, load_target, shared_head
 
     spec = target_spec(target)
-    if isinstance(spec, dict) or spec in TARGET_PRESETS:
-        # Presets are random weights from a seed: rebuilding gives the TargetForward's exact weights.
-        model = load_target(spec, device="cpu", dtype=dtype)
-        return shared_head(model, device, dtype)
-    p = Path(spec)
-    if p.is_dir():
-        return shared_head(p, device, dtype)
+    if isinstance(spec, dict) or spec in TARGET_PRESETS or Path(spec).is_dir():
+        # Presets are rebuilt from their seed (the TargetForward's exact weights); a directory is read
+        # for just the two tensors.
+        return shared_head(spec, device, dtype)
     model = load_target(spec, device="cpu", dtype=dtype, trust_remote_code=trust_remote_code)
     return shared_head(model, device, dtype)
 
@@ -155,6 +152,7 @@ class DrafterStep(Stage):
         self._micro = 0
         self._epoch = 0
         self._consumed = 0  # batches of the current epoch trained on (this rank)
+        self._total_consumed = 0
         self._total_steps = self.total_steps
         self._acc: dict[str, float] = {}
         self._last_report_t = time.perf_counter()
@@ -223,6 +221,7 @@ class DrafterStep(Stage):
         (out.loss / self.grad_accum).backward()
         self._micro += 1
         self._consumed += 1
+        self._total_consumed += 1
         stats = out.metrics()
         for k, v in stats.items():
             self._acc[k] = self._acc.get(k, 0.0) + v
@@ -275,9 +274,11 @@ class DrafterStep(Stage):
 
     # -- checkpoints --------------------------------------------------------------------------------
     def _position(self, epoch_end: bool) -> dict[str, int]:
+        """Where the data stream continues after a resume: batches of ``epoch`` consumed on this rank."""
+        pos = {"epoch": self._epoch, "consumed": self._consumed}
         if epoch_end:
-            return {"epoch": self._epoch + 1, "consumed": 0}
-        return {"epoch": self._epoch, "consumed": self._consumed}
+            pos = {"epoch": self._epoch + 1, "consumed": 0}
+        return {**pos, "world_size": self._ctx.world_size, "total": self._total_consumed}
 
     def _maybe_checkpoint(self, epoch_end: bool) -> None:
         ckpt = self._ctx.services.get("checkpointer")
@@ -310,6 +311,7 @@ class DrafterStep(Stage):
             "step": getattr(self, "_step", 0),
             "epoch": getattr(self, "_epoch", 0),
             "consumed": getattr(self, "_consumed", 0),
+            "total_consumed": getattr(self, "_total_consumed", 0),
             "total_steps": getattr(self, "_total_steps", None),
         }
 
@@ -319,6 +321,7 @@ class DrafterStep(Stage):
         self._step = int(state["step"])
         self._epoch = int(state["epoch"])
         self._consumed = int(state["consumed"])
+        self._total_consumed = int(state.get("total_consumed", 0))
         self._total_steps = state.get("total_steps") or self._total_steps
         resume = self._ctx.services.get("resume")
         if resume is None:
@@ -332,6 +335,7 @@ class DrafterStep(Stage):
         pos = resume.data_position
         if pos:
             self._epoch, self._consumed = int(pos["epoch"]), int(pos["consumed"])
+            self._total_consumed = int(pos.get("total", self._total_consumed))
 
     def finish(self):
         from dflash_flow.model.export import save_drafter

@@ -72,7 +72,8 @@ class Monitor(Stage):
         if isinstance(item, StepReport):
             self._step = item.step
             self._epoch = item.epoch
-            self._last_metrics = dict(item.metrics)
+            if item.metrics:  # the final report carries artifacts, not metrics
+                self._last_metrics = dict(item.metrics)
             total = item.metrics.get("total_steps")
             if total and self._printer is not None and not self.total_steps:
                 self._printer.total_steps = int(total)

@@ -75,8 +75,9 @@ class TargetForward(Stage):
         input_ids = batch.input_ids.to(self._device, non_blocking=non_blocking)
         attention_mask = batch.attention_mask.to(self._device, non_blocking=non_blocking)
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            hidden = self._extractor(input_ids, attention_mask)
+        # The extractor runs the model under inference_mode and returns an ordinary tensor, which the
+        # drafter's autograd graph may use.
+        hidden = self._extractor(input_ids, attention_mask)
         if self._device.type == "cuda":
             torch.cuda.current_stream(self._device).synchronize()
         self._seconds.observe(time.perf_counter() - t0)

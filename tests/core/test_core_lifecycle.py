@@ -313,3 +313,54 @@ def test_seeds_are_deterministic_and_distinct():
 
     assert run(7) == run(7)
     assert run(7) != run(8)
+
+
+def test_iterate_lets_other_branches_finish(thread_baseline):
+    # The collected stage ends first; a slower parallel branch must still run to completion, and the
+    # iteration must end normally (not as an interruption).
+    g = Graph(runtime=fast_runtime())
+    g.add("src", "TestSource", config={"count": 20, "plain": True})
+    g.add("mid", "TestPass", inputs=["src"])
+    g.add("slow", "TestSleep", config={"service_s": 0.005}, inputs=["src"])
+    g.add("sink", "TestSink", inputs=["slow"])
+    services: dict = {}
+    out = list(Pipeline(g, collect=["mid"], services=services, check_devices=False).iterate("mid"))
+    assert out == list(range(20))
+    assert [i for _, i in services["sink:sink"]] == list(range(20))
+    assert wait_threads_back(thread_baseline) == []
+
+
+def test_repeated_stop_leaves_no_drain_timer(thread_baseline):
+    g = Graph(runtime=fast_runtime(drain_timeout_s=30))
+    g.add("src", "TestInfiniteSource", config={"period_s": 0.001})
+    g.add("sink", "TestSink", inputs=["src"])
+    started = threading.Event()
+    p = Pipeline(g, services={"started": started}, check_devices=False)
+
+    def stopper():
+        started.wait(10)
+        p.stop("first")
+        p.stop("second")
+
+    t = threading.Thread(target=stopper)
+    t.start()
+    with pytest.raises(PipelineInterrupted, match="first"):
+        p.run()
+    t.join()
+    # A leaked drain timer would live for drain_timeout_s (30 s); allow far less.
+    assert wait_threads_back(thread_baseline, timeout=2.0) == []
+
+
+def test_thread_stuck_outside_channels_is_reported_not_waited_for():
+    g = Graph(runtime=fast_runtime(shutdown_grace_s=0.2))
+    g.add("src", "TestSource", config={"count": 10, "plain": True})
+    g.add("stuck", "TestSleep", config={"service_s": 1.5}, inputs=["src"])  # ignores stop requests
+    g.add("fail", "TestFail", config={"phase": "process", "at": 0}, inputs=["src"])
+    p = Pipeline(g, check_devices=False)
+    t0 = time.monotonic()
+    with pytest.raises(StageError) as info:
+        p.run()
+    assert time.monotonic() - t0 < 1.4  # did not wait for the stuck sleep
+    assert info.value.stage == "fail"
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "stage threads still running" in notes and "stuck[0]" in notes

@@ -199,3 +199,23 @@ def test_duplicate_yaml_keys_and_syntax_errors_are_located():
 def test_missing_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="file not found"):
         load_graph(tmp_path / "nope.yaml")
+
+
+def test_runtime_numbers_are_located():
+    text = "runtime:\n  watchdog_interval_s: 0\n  drain_timeout_s: -1\nstages:\n  - {name: src, type: TestSource}\n"
+    probs = validate(load_graph_text(text, "rt.yaml"))
+    assert sorted(p.format() for p in probs) == [
+        "rt.yaml:2, field 'runtime.watchdog_interval_s': runtime.watchdog_interval_s must be > 0",
+        "rt.yaml:3, field 'runtime.drain_timeout_s': runtime.drain_timeout_s must be >= 0",
+    ]
+
+
+def test_ordered_input_from_several_origins_is_rejected():
+    g = Graph()
+    g.add("a", "TestSource")
+    g.add("b", "TestSource")
+    g.add("mid", "TestPass", inputs=["a", "b"], replicas=2)
+    g.add("sink", "TestSink", inputs=["mid"], ordered=True)
+    (p,) = validate(g)
+    assert (p.stage, p.field) == ("sink", "ordered")
+    assert "several origins (a, b)" in p.message

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dflash_flow.data.chat import ChatTemplateError, encode_chat, probe_template, token_mask
 
@@ -122,3 +124,40 @@ def test_slow_tokenizer_rejected():
 
     with pytest.raises(ChatTemplateError, match="fast tokenizer"):
         encode_chat(ByT5Tokenizer(), MULTI, chat_template="x")
+
+
+@pytest.mark.parametrize("template", ["chatml", "qwen3", "llama3"])
+def test_answer_equal_to_header_words(template, chatml_tokenizer, qwen3_tokenizer, llama3_tokenizer):
+    tok = {"chatml": chatml_tokenizer, "qwen3": qwen3_tokenizer, "llama3": llama3_tokenizer}[template]
+    eot = probe_template(tok).end_of_turn
+    msgs = [
+        {"role": "user", "content": "user"},
+        {"role": "assistant", "content": "assistant"},
+        {"role": "user", "content": "assistant"},
+        {"role": "assistant", "content": "user"},
+    ]
+    enc = encode_chat(tok, msgs)
+    runs = supervised_runs(tok, enc)
+    if template == "qwen3":  # the last turn carries the template's (empty) think block
+        assert runs == ["assistant" + eot, "<think>\n\n</think>\n\nuser" + eot]
+    else:
+        assert runs == ["assistant" + eot, "user" + eot]
+
+
+_text = st.text(alphabet=st.sampled_from(list("abcxyz ,.?!\n0123é中")), min_size=1, max_size=30).filter(
+    lambda t: not t[0].isspace() and t.strip() == t.rstrip()
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    turns=st.lists(st.tuples(_text, _text), min_size=1, max_size=4),
+    system=st.one_of(st.none(), _text),
+)
+def test_chatml_mask_is_exactly_the_assistant_turns(chatml_tokenizer, turns, system):
+    msgs = [{"role": "system", "content": system}] if system else []
+    for q, a in turns:
+        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    enc = encode_chat(chatml_tokenizer, msgs)
+    # Runs of consecutive supervised tokens decode to each answer plus its end-of-turn; nothing else.
+    assert supervised_runs(chatml_tokenizer, enc) == [a + "<|im_end|>\n" for _, a in turns]

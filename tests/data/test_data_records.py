@@ -127,6 +127,13 @@ def test_tokenization_cache_hit_and_invalidation(tmp_path, chatml_tokenizer, mak
         "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}<|im_end|>\n{% endfor %}"
     )
     assert not read_chat_jsonl(f, other, opts).report.from_cache
+    moved = tmp_path / "sub" / "chat.jsonl"
+    moved.parent.mkdir()
+    moved.write_bytes(f.read_bytes())
+    hit = read_chat_jsonl(moved, chatml_tokenizer, opts)
+    assert hit.report.from_cache and hit.report.files == [str(moved)]
+    assert str(hit.report.bad_records[0]).startswith(f"{moved}:2: ")
+    assert next(hit.samples()).source == f"{moved}:1"
     write_lines(f, [convo("Hello world", "Hi there, changed!")])
     changed = read_chat_jsonl(f, chatml_tokenizer, opts)
     assert not changed.report.from_cache and len(changed) == 1
@@ -159,6 +166,9 @@ def test_pretokenized_jsonl(tmp_path):
     assert tf.report.truncated == 1
     assert tf.ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
     assert read_records(f, options=ReadOptions(vocab_size=256)).report.samples == 2
+    # min_loss_tokens filters (counted, not bad): line 1 has 2 supervised tokens, line 7 has 5.
+    strict = read_pretokenized_jsonl(f, ReadOptions(vocab_size=256, min_loss_tokens=3))
+    assert strict.lines.tolist() == [7] and strict.report.too_few_supervised == 1
 
 
 def test_pretokenized_arrow(tmp_path):

@@ -18,10 +18,10 @@ def greedy_continuations(target, n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, VOCAB - 1, (n, PROMPT), generator=g)
     with torch.no_grad():
-        for _ in range(NEW):
-            nxt = target(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)
-            ids = torch.cat([ids, nxt], dim=1)
-    return ids
+        return target.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+            eos_token_id=None, pad_token_id=0,
+        )
 
 
 def test_training_lowers_loss_and_raises_acceptance():
@@ -29,10 +29,13 @@ def test_training_lowers_loss_and_raises_acceptance():
     torch.set_num_threads(1)  # shared 2-core box; tiny ops are faster single-threaded anyway
     try:
         t0 = time.perf_counter()
-        # A larger init spread makes the random target's continuations less repetitive.
-        target = build_target(seed=0, initializer_range=0.1)
-        data = greedy_continuations(target, 64, seed=1)
-        held_out = greedy_continuations(target, 8, seed=2)
+        target = build_target(seed=0, initializer_range=0.05)
+        # Random-init logits are nearly flat; real LMs are peaked. Scaling the head keeps every greedy
+        # choice but makes the target confident, so cross-entropy to its outputs can fall far.
+        with torch.no_grad():
+            target.lm_head.weight.mul_(8.0)
+        data = greedy_continuations(target, 512, seed=1)
+        held_out = greedy_continuations(target, 16, seed=2)
         loss_mask = torch.zeros_like(data)
         loss_mask[:, PROMPT:] = 1  # train on the responses only
         drafter = build_drafter(target, seed=3, num_layers=2, block_size=8)
@@ -54,7 +57,7 @@ def test_training_lowers_loss_and_raises_acceptance():
             return out.loss.item(), out.acceptance_length
 
         loss0, accept0 = evaluate()
-        steps, batch = 250, 8
+        steps, batch = 160, 8
         opt, sched = build_optimizer(drafter, total_steps=steps, lr=3e-3)
         gen = torch.Generator().manual_seed(4)
         for step in range(steps):
@@ -69,8 +72,9 @@ def test_training_lowers_loss_and_raises_acceptance():
         loss1, accept1 = evaluate()
         elapsed = time.perf_counter() - t0
         print(f"loss {loss0:.3f} -> {loss1:.3f}, acceptance {accept0:.2f} -> {accept1:.2f}, {elapsed:.1f}s")
-        assert loss1 < 0.5 * loss0
-        assert accept1 > accept0 + 1.0 and accept1 > 2.5
+        # Measured on held-out continuations (other prompts): 9.8 -> ~1.9 and 1.03 -> ~3.4.
+        assert loss1 < 0.4 * loss0
+        assert accept1 > accept0 + 1.5 and accept1 > 2.5
 
         # The trained drafter in z-lab's decoding loop: still lossless, and it now commits several
         # tokens per target verify step.

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import time
 
+import dflash.model as zlab
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 from transformers import Qwen3Config
 
-import dflash.model as zlab
 from dflash_flow.model.speculative import SpecResult, evaluate_drafter, greedy_generate, spec_generate
 from dflash_flow.model.target import load_target
 
@@ -47,8 +47,16 @@ def target():
 def make_drafter(block_size: int, seed: int = 0, layer_ids=LAYER_IDS) -> zlab.DFlashDraftModel:
     # How z-lab configures a drafter: a Qwen3Config with block_size, num_target_layers and
     # dflash_config {mask_token_id, target_layer_ids}; hidden size equal to the target's.
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+    )
     config.block_size = block_size
     config.num_target_layers = 8
     config.dflash_config = {"mask_token_id": MASK, "target_layer_ids": list(layer_ids)}
@@ -78,17 +86,39 @@ class ScriptedDrafter(nn.Module):
         self.wrong = set(wrong_positions)
         self.calls: list[dict[str, torch.Tensor]] = []
 
-    def forward(self, position_ids, noise_embedding, target_hidden, attention_mask=None, past_key_values=None,
-                use_cache=False, **kwargs):
+    def forward(
+        self,
+        position_ids,
+        noise_embedding,
+        target_hidden,
+        attention_mask=None,
+        past_key_values=None,
+        use_cache=False,
+        **kwargs,
+    ):
         cached_before = past_key_values.get_seq_length() if past_key_values is not None else 0
-        hidden = self.real(position_ids=position_ids, noise_embedding=noise_embedding, target_hidden=target_hidden,
-                           attention_mask=attention_mask, past_key_values=past_key_values, use_cache=use_cache)
-        self.calls.append({"position_ids": position_ids.clone(), "target_hidden": target_hidden.clone(),
-                           "noise": noise_embedding.clone(), "hidden": hidden.clone(),
-                           "cached_before": torch.tensor(cached_before)})
-        block_positions = position_ids[0, -noise_embedding.shape[1]:].tolist()
-        tokens = [self.continuation[p] if p not in self.wrong else (self.continuation[p] + 1) % VOCAB
-                  for p in block_positions]
+        hidden = self.real(
+            position_ids=position_ids,
+            noise_embedding=noise_embedding,
+            target_hidden=target_hidden,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+        )
+        self.calls.append(
+            {
+                "position_ids": position_ids.clone(),
+                "target_hidden": target_hidden.clone(),
+                "noise": noise_embedding.clone(),
+                "hidden": hidden.clone(),
+                "cached_before": torch.tensor(cached_before),
+            }
+        )
+        block_positions = position_ids[0, -noise_embedding.shape[1] :].tolist()
+        tokens = [
+            self.continuation[p] if p not in self.wrong else (self.continuation[p] + 1) % VOCAB
+            for p in block_positions
+        ]
         # Carry the proposed id in channel 0; compute_logits turns it into a one-hot.
         out = torch.zeros(1, len(tokens), 1)
         out[0, :, 0] = torch.tensor(tokens, dtype=torch.float32)
@@ -108,8 +138,9 @@ def zlab_generate(drafter, target, ids, max_new_tokens, stop_token_ids=None, blo
     original = zlab._cuda_time
     zlab._cuda_time = time.perf_counter
     try:
-        return zlab.dflash_generate(drafter, target, ids, max_new_tokens, stop_token_ids,
-                                    block_size=block_size, return_stats=True)
+        return zlab.dflash_generate(
+            drafter, target, ids, max_new_tokens, stop_token_ids, block_size=block_size, return_stats=True
+        )
     finally:
         zlab._cuda_time = original
 
@@ -180,14 +211,18 @@ def test_same_tokens_and_drafts_as_zlab(target, seed):
     ids = prompt(seed)
     ours = spec_generate(target, ours_d, ids, max_new_tokens=16)
     ref = zlab_generate(ref_d, target, ids, 16)
-    assert ours.output_ids.tolist() == ref.output_ids.tolist() == greedy_generate(target, ids, 16).output_ids.tolist()
+    assert (
+        ours.output_ids.tolist()
+        == ref.output_ids.tolist()
+        == greedy_generate(target, ids, 16).output_ids.tolist()
+    )
     assert ours.accept_lengths == ref.acceptance_lengths
     _assert_same_calls(ours_d.calls, ref_d.calls)
 
 
 def _assert_same_calls(ours, ref):
     assert len(ours) == len(ref) > 0
-    for a, b in zip(ours, ref):
+    for a, b in zip(ours, ref, strict=True):
         assert a["position_ids"].tolist() == b["position_ids"].tolist()
         assert int(a["cached_before"]) == int(b["cached_before"])
         torch.testing.assert_close(a["target_hidden"], b["target_hidden"], atol=1e-6, rtol=0)
@@ -248,8 +283,9 @@ def test_block_size_override_and_explicit_settings(target):
     ids = prompt(5)
     continuation = greedy_generate(target, ids, 12).output_ids[0].tolist()
     d = ScriptedDrafter(make_drafter(8, seed=2), continuation)
-    res = spec_generate(target, d, ids, max_new_tokens=12, block_size=3, mask_token_id=MASK,
-                        target_layer_ids=LAYER_IDS)
+    res = spec_generate(
+        target, d, ids, max_new_tokens=12, block_size=3, mask_token_id=MASK, target_layer_ids=LAYER_IDS
+    )
     assert res.accept_lengths == expected_accept_lengths(ids.shape[1], 12, 3, set())
     assert all(c["noise"].shape[1] <= 3 for c in d.calls)
 
@@ -281,8 +317,13 @@ def test_stop_token_inside_an_accepted_block(target, wrong):
     new = continuation[n_in:]
     stop = new[5]
     first = new.index(stop)
-    ours = spec_generate(target, ScriptedDrafter(make_drafter(8), continuation, wrong), ids, max_new_tokens=30,
-                         stop_token_ids=[stop])
+    ours = spec_generate(
+        target,
+        ScriptedDrafter(make_drafter(8), continuation, wrong),
+        ids,
+        max_new_tokens=30,
+        stop_token_ids=[stop],
+    )
     ref = zlab_generate(ScriptedDrafter(make_drafter(8), continuation, wrong), target, ids, 30, [stop])
     greedy = greedy_generate(target, ids, 30, stop_token_ids=[stop])
     assert ours.new_ids == new[: first + 1] == greedy.new_ids
@@ -305,7 +346,9 @@ def test_batch_of_one_only_and_1d_prompts(target):
     with pytest.raises(ValueError, match="max_new_tokens"):
         spec_generate(target, d, prompt(0), max_new_tokens=0)
     flat = spec_generate(target, d, prompt(0)[0].tolist(), max_new_tokens=6)
-    assert flat.output_ids.tolist() == spec_generate(target, d, prompt(0), max_new_tokens=6).output_ids.tolist()
+    assert (
+        flat.output_ids.tolist() == spec_generate(target, d, prompt(0), max_new_tokens=6).output_ids.tolist()
+    )
 
 
 # -------------------------------------------------------------------------------------- evaluation
@@ -333,7 +376,9 @@ def test_evaluate_drafter_with_a_perfect_and_a_random_drafter(target):
     assert rnd["lossless"] == 1.0 and rnd["num_prompts"] == 3 and rnd["tokens_generated"] == 3 * max_new
     assert 1.0 <= rnd["tau"] <= 4.0
     assert rnd["target_forwards_greedy"] == 3 * max_new
-    assert rnd["speedup_forwards"] == pytest.approx(rnd["target_forwards_greedy"] / rnd["target_forwards_spec"])
+    assert rnd["speedup_forwards"] == pytest.approx(
+        rnd["target_forwards_greedy"] / rnd["target_forwards_spec"]
+    )
     assert rnd["verify_steps"] == rnd["drafter_forwards"] == rnd["target_forwards_spec"] - 3
 
 
@@ -357,7 +402,9 @@ def test_our_drafter_in_our_loop_equals_zlab_drafter_in_zlab_loop(target, wrong)
     ours = spec_generate(target, ours_d, ids, max_new_tokens=18)
     ref = zlab_generate(ref_d, target, ids, 18)
     assert ours.output_ids.tolist() == ref.output_ids.tolist() == [continuation]
-    assert ours.accept_lengths == ref.acceptance_lengths == expected_accept_lengths(ids.shape[1], 18, 4, wrong)
+    assert (
+        ours.accept_lengths == ref.acceptance_lengths == expected_accept_lengths(ids.shape[1], 18, 4, wrong)
+    )
     _assert_same_calls(ours_d.calls, ref_d.calls)
     # Unwrapped, our drafter's own proposals drive our loop to the same result as z-lab's.
     plain = spec_generate(target, ours_model, ids, max_new_tokens=18)

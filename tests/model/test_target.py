@@ -68,7 +68,7 @@ def test_preset_is_frozen_fp32_sdpa_and_deterministic(qwen):
     # Same preset -> same weights, whatever the global RNG state was.
     torch.manual_seed(1234)
     again = load_target("tiny-qwen3-8l")
-    for (name, a), (_, b) in zip(qwen.state_dict().items(), again.state_dict().items()):
+    for (name, a), (_, b) in zip(qwen.state_dict().items(), again.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
 
 
@@ -80,9 +80,19 @@ def test_dict_preset_overrides_and_seed(qwen):
     a = decoder_layers(m)[0].mlp.up_proj.weight
     b = decoder_layers(qwen)[0].mlp.up_proj.weight
     assert a.shape == b.shape and not torch.equal(a, b)
-    full = load_target({"model_type": "llama", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
-                        "num_hidden_layers": 9, "num_attention_heads": 2, "num_key_value_heads": 1,
-                        "head_dim": 16, "seed": 1})
+    full = load_target(
+        {
+            "model_type": "llama",
+            "vocab_size": 100,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 9,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "seed": 1,
+        }
+    )
     assert type(full).__name__ == "LlamaForCausalLM" and len(decoder_layers(full)) == 9
 
 
@@ -147,6 +157,7 @@ def test_extraction_stops_at_the_deepest_requested_layer(qwen):
     def counter(name):
         def hook(*_):
             calls[name] = calls.get(name, 0) + 1
+
         return hook
 
     layers = decoder_layers(qwen)
@@ -182,7 +193,7 @@ def test_right_padding_is_respected(qwen):
     for r, s in enumerate(seqs):
         alone = ext(s[None])
         torch.testing.assert_close(batched[r, : len(s)], alone[0], atol=1e-5, rtol=0)
-        assert torch.count_nonzero(batched[r, len(s):]) == 0
+        assert torch.count_nonzero(batched[r, len(s) :]) == 0
     # And the real positions agree with HF run on the padded batch too.
     hf = _hf_features(qwen, ids, layer_ids, mask) * mask[..., None]
     torch.testing.assert_close(batched, hf, atol=1e-5, rtol=0)
@@ -225,7 +236,10 @@ def test_concurrent_extractors_on_one_model_do_not_interfere(qwen):
         except BaseException as e:  # surfaced below
             errors.append(e)
 
-    threads = [threading.Thread(target=run, args=("a", a, ids_a)), threading.Thread(target=run, args=("b", b, ids_b))]
+    threads = [
+        threading.Thread(target=run, args=("a", a, ids_a)),
+        threading.Thread(target=run, args=("b", b, ids_b)),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -300,3 +314,17 @@ def test_shared_head_from_tied_single_file_checkpoint(tmp_path):
     h = shared_head_from_checkpoint(tmp_path / "tied", "cpu")
     assert h.tied
     assert torch.equal(h.lm_head.weight, tied.lm_head.weight)
+
+
+def test_shared_head_from_preset_is_built_once_per_device(qwen):
+    clear_shared_head_cache()
+    h = shared_head("tiny-qwen3-8l", "cpu")
+    assert shared_head("tiny-qwen3-8l", torch.device("cpu")) is h
+    # Same weights as the loaded preset, but its own storage (the temporary model is gone).
+    assert torch.equal(h.embed_tokens.weight, qwen.model.embed_tokens.weight)
+    assert torch.equal(h.lm_head.weight, qwen.lm_head.weight)
+    assert h.embed_tokens.weight.data_ptr() != qwen.model.embed_tokens.weight.data_ptr()
+    assert shared_head("tiny-qwen3-8l", "meta") is not h
+    d = shared_head({"preset": "tiny-qwen3-8l-tied", "vocab_size": 300}, "cpu")
+    assert d.tied and d.vocab_size == 300
+    assert shared_head({"vocab_size": 300, "preset": "tiny-qwen3-8l-tied"}, "cpu") is d

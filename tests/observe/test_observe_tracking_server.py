@@ -67,6 +67,7 @@ def test_server_killed_mid_run_and_restarted_loses_nothing(tmp_path, caplog, mlf
         tr.flush()
     assert not tr.spooling, "the spool was not replayed after the server came back"
     assert not tr.spool_path.exists(), "a fully replayed spool file should be removed"
+    assert list(tr.spool_path.parent.iterdir()) == [], "stashed artifact copies should be cleaned up"
     train_steps(5)
     tr.end("FINISHED")
 

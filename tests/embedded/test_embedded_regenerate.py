@@ -1,0 +1,150 @@
+"""Greedy regeneration: batched == one by one == HF generate; resumable to the same bytes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash_flow.embedded.corpus import make_split
+from dflash_flow.embedded.regenerate import greedy_generate, prompt_turns, read_prompts, regenerate, scan_output
+
+N_RECORDS = 7
+MAX_NEW = 48
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    _, evals = make_split(0, N_RECORDS, seed=5)
+    path = tmp_path_factory.mktemp("regen") / "prompts.jsonl"
+    with open(path, "w") as f:
+        for i, ex in enumerate(evals):
+            # the reference answer is included on purpose: regeneration must drop it and answer itself
+            f.write(json.dumps({"id": f"r{i}", "conversations": ex.conversations()}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(prompts_file, target, tmp_path_factory):
+    model, tok = target
+    out = tmp_path_factory.mktemp("regen") / "batched.jsonl"
+    stats = regenerate(prompts_file, None, out, batch_size=3, max_new_tokens=MAX_NEW, progress=False,
+                       model=model, tokenizer=tok)
+    assert stats.generated == N_RECORDS and stats.skipped == 0
+    return out.read_bytes()
+
+
+def test_batched_equals_unbatched(prompts_file, uninterrupted, target, tmp_path):
+    model, tok = target
+    out = tmp_path / "single.jsonl"
+    regenerate(prompts_file, None, out, batch_size=1, max_new_tokens=MAX_NEW, progress=False,
+               model=model, tokenizer=tok)
+    assert out.read_bytes() == uninterrupted
+    records = [json.loads(line) for line in uninterrupted.decode().splitlines()]
+    assert [r["id"] for r in records] == [f"r{i}" for i in range(N_RECORDS)]
+    for r in records:
+        assert r["conversations"][-1]["role"] == "assistant"
+        assert r["conversations"][-2]["role"] == "user"
+        assert r["finish_reason"] in ("stop", "length")
+    # the target answers in the corpus's style, not with noise
+    assert sum(len(r["conversations"][-1]["content"].strip()) > 20 for r in records) >= N_RECORDS - 1
+
+
+def test_greedy_generate_matches_hf_generate(target):
+    import torch
+
+    model, tok = target
+    _, evals = make_split(0, 2, seed=9)
+    texts = [tok.apply_chat_template(ex.conversations(with_answer=False), tokenize=False,
+                                     add_generation_prompt=True) for ex in evals]
+    ids = tok(texts, add_special_tokens=False)["input_ids"]
+    stops = [tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")]
+    ours = greedy_generate(model, ids, max_new_tokens=40, stop_ids=stops, pad_id=tok.pad_token_id)
+    for p, (gen, reason) in zip(ids, ours):
+        ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             do_sample=False, max_new_tokens=40, eos_token_id=stops,
+                             pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
+        if reason == "stop":
+            assert ref[-1] in stops
+            ref = ref[:-1]
+        assert gen == ref
+
+
+@pytest.mark.parametrize("kept_lines,cut", [(3, False), (4, True), (0, True)])
+def test_resume_gives_the_same_file(prompts_file, uninterrupted, target, tmp_path, kept_lines, cut):
+    model, tok = target
+    lines = uninterrupted.splitlines(keepends=True)
+    partial = b"".join(lines[:kept_lines])
+    if cut:  # a kill in the middle of writing the next record
+        partial += lines[kept_lines][: len(lines[kept_lines]) // 2]
+    out = tmp_path / "resumed.jsonl"
+    out.write_bytes(partial)
+    stats = regenerate(prompts_file, None, out, batch_size=3, max_new_tokens=MAX_NEW, progress=False,
+                       model=model, tokenizer=tok)
+    assert stats.skipped == kept_lines and stats.generated == N_RECORDS - kept_lines
+    assert out.read_bytes() == uninterrupted
+    # a second run finds everything done and changes nothing
+    again = regenerate(prompts_file, None, out, batch_size=3, max_new_tokens=MAX_NEW, progress=False,
+                       model=model, tokenizer=tok)
+    assert again.generated == 0 and out.read_bytes() == uninterrupted
+
+
+def test_no_resume_overwrites(prompts_file, uninterrupted, target, tmp_path):
+    model, tok = target
+    out = tmp_path / "o.jsonl"
+    out.write_text('{"id": "r0", "conversations": []}\n')
+    regenerate(prompts_file, None, out, batch_size=4, max_new_tokens=MAX_NEW, resume=False, progress=False,
+               model=model, tokenizer=tok)
+    assert out.read_bytes() == uninterrupted
+
+
+def test_damage_before_the_last_line_is_an_error(tmp_path):
+    out = tmp_path / "o.jsonl"
+    out.write_text('{"id": 1}\n{"id": 2, "conv\n{"id": 3}\n')
+    with pytest.raises(ValueError, match="not the last line"):
+        scan_output(out)
+
+
+def test_truncated_last_line_is_cut(tmp_path):
+    out = tmp_path / "o.jsonl"
+    out.write_text('{"id": 1}\n{"id": 2}\n{"id": 3, "conversa')
+    assert scan_output(out) == {"1", "2"}
+    assert out.read_text() == '{"id": 1}\n{"id": 2}\n'
+    # a complete JSON line that only lacks its newline is also rewritten (it may be a cut prefix)
+    out.write_text('{"id": 1}\n{"id": 2}')
+    assert scan_output(out) == {"1"}
+
+
+def test_input_formats(tmp_path, target, capsys):
+    model, tok = target
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join([
+        json.dumps({"prompt": "Count from 3 to 9."}),
+        json.dumps({"id": "sg", "conversations": [{"from": "human", "value": "Which is larger, 12 or 40?"},
+                                                  {"from": "gpt", "value": "old answer"}]}),
+        "",
+        json.dumps({"id": 99, "conversations": [{"role": "user", "content": "List 3 days in order, starting "
+                                                                            "from Monday."}]}),
+    ]) + "\n")
+    stats = regenerate(src, None, tmp_path / "out.jsonl", batch_size=2, max_new_tokens=8, progress=True,
+                       system_prompt="You are a concise assistant.", model=model, tokenizer=tok)
+    assert stats.generated == 3
+    recs = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in recs] == [0, "sg", 99]
+    for r in recs:
+        assert [t["role"] for t in r["conversations"]] == ["system", "user", "assistant"]
+        assert r["conversations"][0]["content"] == "You are a concise assistant."
+    assert recs[1]["conversations"][-1]["content"] != "old answer"
+    assert "3/3" in capsys.readouterr().err  # the progress bar went to stderr
+
+
+def test_prompt_turns_and_ids_validation(tmp_path):
+    turns = prompt_turns({"conversations": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                            {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]})
+    assert [t["content"] for t in turns] == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="no user turn"):
+        prompt_turns({"conversations": [{"role": "assistant", "content": "x"}]})
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text('{"id": 1, "prompt": "x"}\n{"id": 1, "prompt": "y"}\n')
+    with pytest.raises(ValueError, match="duplicate id"):
+        read_prompts(dup)
