@@ -314,9 +314,7 @@ def bench_efficiency(n: int, reps: int) -> dict[str, Any]:
         "vs_handwritten_efficiency_ratio": round(o["eff"] / h["eff"], 4),
         "vs_handwritten_wall": round(o["wall"] / h["wall"], 4),
         "throughput_items_s": {"ours": round(o["steady"], 2), "handwritten": round(h["steady"], 2)},
-        "samples": {
-            kind: {m: [round(x, 4) for x in v] for m, v in r.items()} for kind, r in runs.items()
-        },
+        "samples": {kind: {m: [round(x, 4) for x in v] for m, v in r.items()} for kind, r in runs.items()},
         "bound_items_s": round(o["bound"], 2),
         "bound_nominal_items_s": round(bound_nominal, 2),
         "measured_service_ms": {name: round(statistics.fmean(v) * 1e3, 4) for name, v in measured.items()},

@@ -48,6 +48,21 @@ def build_resume_state(v: Validated, ckpt) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+def _quiet_libraries() -> None:
+    """Per-call progress bars and info logs of libraries would drown the run's own progress line."""
+    import os
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # forked workers + tokenizers threads deadlock
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_warning()
+    except ImportError:  # pragma: no cover
+        pass
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+
+
 def _device_summary(pipeline) -> str:
     devs: dict[str, int] = {}
     for reps in pipeline.replicas.values():
@@ -66,6 +81,7 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
     from dflash_flow.observe.tracking import Tracker, run_tags
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    _quiet_libraries()
     graph = v.graph
     output_dir = Path(graph.output_dir or f"runs/{graph.name}")
     tracking = graph.sections["tracking"]
@@ -103,7 +119,7 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
         system_metrics=tracking.system_metrics,
         spool_dir=output_dir / "mlflow-spool",
     )
-    checkpointer.mlflow_run_id = tracker.run_id
+    checkpointer.tracker = tracker
     pipeline.services.update(
         {"tracker": tracker, "checkpointer": checkpointer, "checkpoint_config": ck, "resume": ckpt}
     )

@@ -82,6 +82,8 @@ class Checkpointer:
         self.keep_last = keep_last
         self.config_hash = config_hash
         self.mlflow_run_id: str | None = None
+        # The tracker may create its run late (store unreachable at start): ask it at save time.
+        self.tracker: Any = None
 
     def save(
         self,
@@ -110,7 +112,7 @@ class Checkpointer:
                 "epoch": epoch,
                 "data_position": data_position,
                 "stage_states": stage_states or {},
-                "mlflow_run_id": self.mlflow_run_id,
+                "mlflow_run_id": getattr(self.tracker, "run_id", None) or self.mlflow_run_id,
                 "config_hash": self.config_hash,
                 "extra": extra or {},
             }

@@ -112,7 +112,21 @@ def run(
     from dflash_flow.app import run_validated
 
     code = run_validated(v, config_path=file, resume=resume, overrides=set_ or [])
+    _exit_now_if_threads_stuck(code)
     raise typer.Exit(code)
+
+
+def _exit_now_if_threads_stuck(code: int) -> None:
+    """A stage stuck in its own code (not in a channel) cannot be interrupted from Python; the run has
+    already been reported, so end the process instead of waiting for that thread forever."""
+    import os
+    import threading
+
+    stuck = [t for t in threading.enumerate() if t.name.startswith("dflash-flow:") and t.is_alive()]
+    if stuck:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code or 1)
 
 
 @app.command()
@@ -167,8 +181,8 @@ def import_spool(
     """Send spooled metrics to MLflow."""
     from dflash_flow.observe.tracking import import_spool as _import
 
-    n = _import(spool, tracking_uri)
-    typer.echo(f"imported {n} metric values from {spool}")
+    run_id = _import(spool, tracking_uri)
+    typer.echo(f"imported {spool} into run {run_id}")
 
 
 def main() -> None:

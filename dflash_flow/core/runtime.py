@@ -452,6 +452,18 @@ class Pipeline:
         if self._started:
             raise RuntimeError("a Pipeline runs once; build a new one to run again")
         self._started = True
+        preloaded: set[int] = set()
+        for name, cls in self.validated.classes.items():
+            if id(cls) in preloaded:
+                continue
+            preloaded.add(id(cls))
+            try:
+                cls.preload()
+            except Exception as exc:
+                err = StageError(name, 0, "preload", exc)
+                self._errors.append(err)
+                self._finished = True
+                raise err from exc
         self._start_time = time.monotonic()
         self.output_dir.mkdir(parents=True, exist_ok=True)
         all_reps = [r for reps in self.replicas.values() for r in reps]
@@ -705,10 +717,13 @@ class Pipeline:
             if stuck:
                 self._errors[0].add_note(stuck)
             raise self._errors[0]
+        if self._stall is not None:
+            # The stall names the culprit; threads still stuck in it are a note, not a different error.
+            if stuck:
+                self._stall.add_note(stuck)
+            raise self._stall
         if stuck:
             raise ShutdownTimeout(stuck)
-        if self._stall is not None:
-            raise self._stall
         if self._interrupted is not None:
             raise PipelineInterrupted(self._interrupted)
 

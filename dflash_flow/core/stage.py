@@ -105,6 +105,14 @@ class Stage:
     #: True for stages that must run once per process (e.g. they own an MLflow run).
     singleton: ClassVar[bool] = False
 
+    @classmethod
+    def preload(cls) -> None:
+        """Import what the stage needs, once, on the supervisor's thread before any stage thread starts.
+
+        Some libraries' lazy imports are not thread-safe (two threads importing the same module at once
+        can see it half-initialised), so heavy imports belong here rather than only in ``setup``.
+        """
+
     def setup(self, ctx: StageContext) -> None:
         """Acquire resources. Runs on the replica's own thread before any item."""
 

@@ -10,6 +10,7 @@ _BUILTINS = {
     # data side
     "ChatSource": "dflash_flow.stages.sources:ChatSource",
     "TokenizedSource": "dflash_flow.stages.sources:TokenizedSource",
+    "EmbeddedChatSource": "dflash_flow.stages.embedded:EmbeddedChatSource",
     "Bucketer": "dflash_flow.stages.bucketer:Bucketer",
     "Interleaver": "dflash_flow.stages.interleaver:Interleaver",
     "Padder": "dflash_flow.stages.padder:Padder",

@@ -79,6 +79,14 @@ def resolve_mask_token_id(explicit: int | None, tokenizer_path: str | None, voca
 class DrafterStep(Stage):
     """Trains the DFlash drafter on target features; checkpoints; exports the inference checkpoint."""
 
+    @classmethod
+    def preload(cls) -> None:
+        import dflash_flow.model.drafter  # noqa: F401
+        import dflash_flow.model.export  # noqa: F401
+        import dflash_flow.model.objective  # noqa: F401
+        import dflash_flow.model.optim  # noqa: F401
+        import dflash_flow.model.target  # noqa: F401
+
     input_type = TargetFeatures
     output_type = StepReport
     singleton = True

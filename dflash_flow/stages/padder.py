@@ -15,6 +15,10 @@ from dflash_flow.items import PaddedBatch, PlannedBatch
 class Padder(Stage):
     """Right-pads a batch to its planned length: input_ids, attention_mask, position_ids, loss_mask."""
 
+    @classmethod
+    def preload(cls) -> None:
+        import dflash_flow.data.collate  # noqa: F401
+
     input_type = PlannedBatch
     output_type = PaddedBatch
     cardinality = "1:1"

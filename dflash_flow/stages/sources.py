@@ -128,6 +128,13 @@ class _RecordSource(Source):
 class ChatSource(_RecordSource):
     """Reads chat JSONL conversations and masks assistant tokens via the tokenizer's chat template."""
 
+    @classmethod
+    def preload(cls) -> None:
+        import transformers  # noqa: F401
+
+        import dflash_flow.data.records  # noqa: F401
+        from transformers import AutoTokenizer  # noqa: F401
+
     tokenizer: str = cfg("", doc="Tokenizer directory (AutoTokenizer); empty: the run service 'tokenizer'.")
     chat_template: Optional[str] = cfg(
         None, doc="Chat template text, or a path to a .jinja file; null: the tokenizer's own template."
@@ -163,6 +170,10 @@ class ChatSource(_RecordSource):
 @attrs.define(kw_only=True, eq=False)
 class TokenizedSource(_RecordSource):
     """Reads pre-tokenized samples (input_ids, loss_mask) from JSONL or Arrow files."""
+
+    @classmethod
+    def preload(cls) -> None:
+        import dflash_flow.data.records  # noqa: F401
 
     vocab_size: Optional[int] = cfg(None, ge=1, doc="Reject token ids >= vocab_size (null: no upper check).")
 

@@ -16,6 +16,11 @@ from dflash_flow.items import EvalReport, StepReport
 class SpecDecodeEval(Stage):
     """On the trainer's final report: acceptance length and target-forward speedup, trained vs untrained."""
 
+    @classmethod
+    def preload(cls) -> None:
+        import dflash_flow.model.evaluation  # noqa: F401
+        import dflash_flow.model.speculative  # noqa: F401
+
     input_type = StepReport
     output_type = EvalReport
     cardinality = "1:n"
@@ -39,9 +44,9 @@ class SpecDecodeEval(Stage):
         prompts = self.prompts
         target = self.target
         if prompts == "embedded":
-            from dflash_flow.embedded.build import default_eval_prompts
+            from dflash_flow.stages.embedded import write_embedded_eval_prompts
 
-            prompts = str(default_eval_prompts(self._ctx.output_dir))
+            prompts = str(write_embedded_eval_prompts(self._ctx.output_dir / "eval_prompts.jsonl", self.limit))
         results = evaluate_exported(
             target=target,
             drafter_path=report.artifacts["drafter"],

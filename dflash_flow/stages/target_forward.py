@@ -19,14 +19,26 @@ def resolve_dtype(name: str, device: str):
 
 
 def target_spec(target: Any) -> Any:
-    """A YAML target value: a preset name, a local path / hub id, or a config mapping."""
-    return dict(target) if isinstance(target, dict) else str(target)
+    """A YAML target value: a preset name, a local path / hub id, a config mapping, or ``embedded``
+    (the small target this project ships)."""
+    if isinstance(target, dict):
+        return dict(target)
+    if target == "embedded":
+        from dflash_flow.stages.embedded import embedded_target_path
+
+        return embedded_target_path()
+    return str(target)
 
 
 @register_stage
 @attrs.define(kw_only=True, eq=False)
 class TargetForward(Stage):
     """Frozen target forward: emits the hidden states of `target_layer_ids`, aligned 1:1 with input_ids."""
+
+    @classmethod
+    def preload(cls) -> None:
+        import dflash_flow.model.drafter  # noqa: F401
+        import dflash_flow.model.target  # noqa: F401
 
     input_type = PaddedBatch
     output_type = TargetFeatures

@@ -300,6 +300,8 @@ def fast_runtime(**overrides):
     """Runtime options that keep failure paths quick in tests."""
     from dflash_flow.core import RuntimeOptions
 
-    opts = dict(capacity=4, stall_timeout_s=20.0, drain_timeout_s=5.0, shutdown_grace_s=5.0, watchdog_interval_s=0.05)
+    opts = dict(
+        capacity=4, stall_timeout_s=20.0, drain_timeout_s=5.0, shutdown_grace_s=5.0, watchdog_interval_s=0.05
+    )
     opts.update(overrides)
     return RuntimeOptions(**opts)

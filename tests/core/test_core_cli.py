@@ -61,7 +61,12 @@ def files(tmp_path):
 def _cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run(
-        [sys.executable, "-m", "dflash_flow.cli", *args], capture_output=True, text=True, timeout=120, env=env, cwd=cwd
+        [sys.executable, "-m", "dflash_flow.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=cwd,
     )
 
 
@@ -92,7 +97,9 @@ def test_validate_good_file_and_set_overrides(files):
     res = runner.invoke(app, ["validate", str(good)])
     assert res.exit_code == 0, res.output
     assert res.output.strip() == f"ok: {good}: 3 stages, 5 replicas"
-    res = runner.invoke(app, ["validate", str(good), "--set", "stages.work.replicas=2", "-s", "stages.src.count=4"])
+    res = runner.invoke(
+        app, ["validate", str(good), "--set", "stages.work.replicas=2", "-s", "stages.src.count=4"]
+    )
     assert res.exit_code == 0 and "3 stages, 4 replicas" in res.output
     res = runner.invoke(app, ["validate", str(good), "--set", "stages.src.count=-1"])
     assert res.exit_code == 2
@@ -104,7 +111,9 @@ def test_validate_device_problem_and_no_device_check(files):
     good, _ = files
     res = _cli("validate", str(good), "--set", "stages.work.devices=cuda:0")
     assert res.returncode == 2
-    assert "field 'devices': device cuda:0 requested but this machine has no visible CUDA device" in res.stderr
+    assert (
+        "field 'devices': device cuda:0 requested but this machine has no visible CUDA device" in res.stderr
+    )
     res = _cli("validate", str(good), "--no-device-check", "--set", "stages.work.devices=cuda:0")
     assert res.returncode == 0, res.stderr
 

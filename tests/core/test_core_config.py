@@ -9,7 +9,16 @@ import pytest
 import stages_for_tests as sft
 from stages_for_tests import fast_runtime
 
-from dflash_flow.core import ConfigError, Graph, InputSpec, Pipeline, load_graph, load_graph_text, registry, validate
+from dflash_flow.core import (
+    ConfigError,
+    Graph,
+    InputSpec,
+    Pipeline,
+    load_graph,
+    load_graph_text,
+    registry,
+    validate,
+)
 
 
 def _python_graph() -> Graph:
@@ -17,7 +26,13 @@ def _python_graph() -> Graph:
     g.add("src", sft.TestSource(count=9, max_delay_s=0.0))
     g.add("split", "TestSplit", inputs="src", config={"n": 3}, capacity=5)
     g.add("drop", "TestDrop", inputs=[InputSpec("split", "least_loaded")], replicas=2, config={"every": 0})
-    g.add("fan", "TestPass", inputs=[{"stage": "drop", "policy": "broadcast"}], replicas=3, devices=["cpu", "cpu"])
+    g.add(
+        "fan",
+        "TestPass",
+        inputs=[{"stage": "drop", "policy": "broadcast"}],
+        replicas=3,
+        devices=["cpu", "cpu"],
+    )
     g.add("sink", "TestSink", inputs=["fan", ("src", "round_robin")], ordered=False)
     return g
 

@@ -60,7 +60,11 @@ def test_hooks_run_in_order_on_the_replica_threads(thread_baseline):
 )
 def test_failure_in_each_phase_surfaces_as_stage_error(phase, replicas, replica, thread_baseline):
     services: dict = {}
-    p = Pipeline(_chain(phase, at=2, fail_replicas=replicas, fail_replica=replica), services=services, check_devices=False)
+    p = Pipeline(
+        _chain(phase, at=2, fail_replicas=replicas, fail_replica=replica),
+        services=services,
+        check_devices=False,
+    )
     t0 = time.monotonic()
     with pytest.raises(StageError) as info:
         p.run()
@@ -364,3 +368,23 @@ def test_thread_stuck_outside_channels_is_reported_not_waited_for():
     assert info.value.stage == "fail"
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "stage threads still running" in notes and "stuck[0]" in notes
+
+
+@pytest.mark.parametrize("grace", [5.0, 0.1])
+def test_watchdog_with_a_plain_sleep_longer_than_the_stall_timeout(grace, thread_baseline):
+    g = Graph(runtime=fast_runtime(stall_timeout_s=0.3, shutdown_grace_s=grace))
+    g.add("src", "TestSource", config={"count": 5, "plain": True})
+    g.add("slow", "TestSleep", config={"service_s": 1.2}, inputs=["src"])  # time.sleep: deaf to stop
+    g.add("sink", "TestSink", inputs=["slow"])
+    t0 = time.monotonic()
+    with pytest.raises(PipelineStalled) as info:
+        Pipeline(g, check_devices=False).run()
+    assert time.monotonic() - t0 < 10
+    assert info.value.stalled[0].startswith("slow[0] (in process")
+    assert set(info.value.depths) == {"slow[0]", "sink[0]"}
+    notes = getattr(info.value, "__notes__", [])
+    if grace < 1:  # shut down before the sleep ended: the stuck thread is named in a note
+        assert any("slow[0]" in n and "still running" in n for n in notes)
+    else:
+        assert notes == []
+    assert wait_threads_back(thread_baseline) == []

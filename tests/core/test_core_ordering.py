@@ -12,7 +12,13 @@ from dflash_flow.core import Graph, Pipeline
 def _ordered_chain(n, drop_every, replicas_a, replicas_b, delay, ordered=True, seed=0):
     g = Graph(seed=seed, runtime=fast_runtime(capacity=2))
     g.add("src", "TestSource", config={"count": n, "plain": True})
-    g.add("a", "TestDrop", config={"every": drop_every, "max_delay_s": delay}, inputs=["src"], replicas=replicas_a)
+    g.add(
+        "a",
+        "TestDrop",
+        config={"every": drop_every, "max_delay_s": delay},
+        inputs=["src"],
+        replicas=replicas_a,
+    )
     g.add("b", "TestDrop", config={"every": 0, "max_delay_s": delay}, inputs=["a"], replicas=replicas_b)
     g.add("sink", "TestSink", inputs=["b"], ordered=ordered)
     return g

@@ -34,8 +34,14 @@ def dags(draw):
         count = draw(st.integers(0, 12))
         replicas = draw(st.integers(1, 2))
         stages.append(
-            dict(name=name, type="TestSource", replicas=replicas, inputs=[], capacity=None,
-                 config={"count": count, "max_delay_s": draw(st.sampled_from([0.0, 0.0005]))})
+            dict(
+                name=name,
+                type="TestSource",
+                replicas=replicas,
+                inputs=[],
+                capacity=None,
+                config={"count": count, "max_delay_s": draw(st.sampled_from([0.0, 0.0005]))},
+            )
         )
         out[name] = Counter((name, r, k) for r in range(replicas) for k in range(count))
     for j in range(draw(st.integers(1, 5))):
@@ -48,18 +54,34 @@ def dags(draw):
         delay = draw(st.sampled_from(DELAYS))
         split = draw(st.sampled_from([None, None, 0, 1, 2]))
         got: Counter = Counter()
-        for inp, pol in zip(inputs, policies):
+        for inp, pol in zip(inputs, policies, strict=True):
             mult = replicas if pol == "broadcast" else 1
             for item, c in out[inp].items():
                 got[item] += c * mult
         seen[name] = got
         if split is None:
-            stages.append(dict(name=name, type="TestPass", config={"max_delay_s": delay}, replicas=replicas,
-                               inputs=list(zip(inputs, policies)), capacity=capacity))
+            stages.append(
+                dict(
+                    name=name,
+                    type="TestPass",
+                    config={"max_delay_s": delay},
+                    replicas=replicas,
+                    inputs=list(zip(inputs, policies, strict=True)),
+                    capacity=capacity,
+                )
+            )
             out[name] = got
         else:
-            stages.append(dict(name=name, type="TestSplit", config={"n": split}, replicas=replicas,
-                               inputs=list(zip(inputs, policies)), capacity=capacity))
+            stages.append(
+                dict(
+                    name=name,
+                    type="TestSplit",
+                    config={"n": split},
+                    replicas=replicas,
+                    inputs=list(zip(inputs, policies, strict=True)),
+                    capacity=capacity,
+                )
+            )
             out[name] = Counter({(item, k): c for item, c in got.items() for k in range(split)})
     volume = sum(sum(c.values()) for c in seen.values())
     assume(volume <= MAX_VOLUME)
@@ -69,11 +91,20 @@ def dags(draw):
 def _graph(stages, seed, runtime_capacity) -> Graph:
     g = Graph(seed=seed, runtime=fast_runtime(capacity=runtime_capacity, stall_timeout_s=15.0))
     for s in stages:
-        g.add(s["name"], s["type"], config=s["config"], replicas=s["replicas"], inputs=s["inputs"], capacity=s["capacity"])
+        g.add(
+            s["name"],
+            s["type"],
+            config=s["config"],
+            replicas=s["replicas"],
+            inputs=s["inputs"],
+            capacity=s["capacity"],
+        )
     return g
 
 
-SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+SETTINGS = settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]
+)
 
 
 @SETTINGS

@@ -79,7 +79,13 @@ def test_round_robin_pipeline_balances_consumers_with_several_producers(producer
 def test_least_loaded_pipeline_delivers_everything_once_and_uses_every_replica():
     g = Graph(runtime=fast_runtime(capacity=2))
     g.add("src", "TestSource", config={"count": 60})
-    g.add("work", "TestSleep", config={"service_s": 0.002}, inputs=[{"stage": "src", "policy": "least_loaded"}], replicas=3)
+    g.add(
+        "work",
+        "TestSleep",
+        config={"service_s": 0.002},
+        inputs=[{"stage": "src", "policy": "least_loaded"}],
+        replicas=3,
+    )
     g.add("sink", "TestSink", inputs=["work"])
     s = _run(g)
     got = [i for _, i in s["sink:sink"]]

@@ -119,6 +119,8 @@ def test_sigterm_handler_is_restored_after_run(tmp_path):
             """
         )
     )
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=os.environ)
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=os.environ
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"

@@ -66,7 +66,9 @@ def test_every_problem_reported_at_once_and_located(tmp_path):
 
     def one(stage, field, text, line):
         hits = [p for p in _by(problems, stage, field) if text in p.message]
-        assert hits, f"no problem for {stage}.{field} containing {text!r} in:\n" + "\n".join(p.format() for p in problems)
+        assert hits, f"no problem for {stage}.{field} containing {text!r} in:\n" + "\n".join(
+            p.format() for p in problems
+        )
         assert hits[0].line == line, hits[0].format()
         return hits[0]
 
@@ -114,12 +116,25 @@ def test_gpu_stage_on_machine_without_that_device():
 def test_python_graph_problems_name_stage_and_field():
     g = Graph()
     g.add("src", "TestSource", config={"count": -1})
-    g.add("t", "TestTyped", inputs=["src"], config={"size": 0, "rate": "high", "flag": 1, "sizes": [1, "2"], "mode": "c"})
+    g.add(
+        "t",
+        "TestTyped",
+        inputs=["src"],
+        config={"size": 0, "rate": "high", "flag": 1, "sizes": [1, "2"], "mode": "c"},
+    )
     g.add("p", "TestPass", inputs=[("src", "sideways")])
     g.add("self", "TestPass", inputs=["self"])
     problems = validate(g)
     got = {(p.stage, p.field) for p in problems}
-    assert {("src", "count"), ("t", "size"), ("t", "rate"), ("t", "flag"), ("t", "sizes"), ("t", "mode"), ("t", "required")} <= got
+    assert {
+        ("src", "count"),
+        ("t", "size"),
+        ("t", "rate"),
+        ("t", "flag"),
+        ("t", "sizes"),
+        ("t", "mode"),
+        ("t", "required"),
+    } <= got
     assert any(p.stage == "p" and "unknown fan-out policy 'sideways'" in p.message for p in problems)
     assert any(p.stage == "self" and "its own input" in p.message for p in problems)
     assert all(p.file is None for p in problems)
@@ -168,14 +183,22 @@ def test_runtime_options_and_top_level_keys_are_checked(tmp_path):
         validated(load_graph_text(text, "r.yaml"))
     probs = info.value.problems
     msgs = [p.format() for p in probs]
-    assert any("r.yaml:2" in m and "unknown top-level key 'sede'; did you mean 'seed'" in m for m in msgs), msgs
+    assert any("r.yaml:2" in m and "unknown top-level key 'sede'; did you mean 'seed'" in m for m in msgs), (
+        msgs
+    )
     assert any("r.yaml:5" in m and "unknown field 'stall_timeout'" in m for m in msgs), msgs
-    assert any("r.yaml:9" in m and "unknown stage key 'replica'; did you mean 'replicas'" in m for m in msgs), msgs
+    assert any(
+        "r.yaml:9" in m and "unknown stage key 'replica'; did you mean 'replicas'" in m for m in msgs
+    ), msgs
     # Shape problems are found first; the numeric check runs on a well-formed file.
-    fixed = text.replace("sede", "seed").replace("  stall_timeout: 5\n", "").replace("replica: 2", "replicas: 2")
+    fixed = (
+        text.replace("sede", "seed").replace("  stall_timeout: 5\n", "").replace("replica: 2", "replicas: 2")
+    )
     with pytest.raises(ConfigError) as info:
         validated(load_graph_text(fixed, "r.yaml"))
-    assert [p.format() for p in info.value.problems] == ["r.yaml:4, field 'runtime.capacity': runtime.capacity must be >= 1, got 0"]
+    assert [p.format() for p in info.value.problems] == [
+        "r.yaml:4, field 'runtime.capacity': runtime.capacity must be >= 1, got 0"
+    ]
 
 
 def test_python_object_tags_are_rejected_with_line():
