@@ -50,9 +50,14 @@ def worker(cfg: dict) -> dict:
     torch.manual_seed(0)
     t = cfg["target"]
     tcfg = Qwen3Config(
-        vocab_size=t["vocab"], hidden_size=t["hidden"], intermediate_size=t["intermediate"],
-        num_hidden_layers=t["layers"], num_attention_heads=t["heads"], num_key_value_heads=t["kv_heads"],
-        head_dim=t["head_dim"], max_position_embeddings=4096,
+        vocab_size=t["vocab"],
+        hidden_size=t["hidden"],
+        intermediate_size=t["intermediate"],
+        num_hidden_layers=t["layers"],
+        num_attention_heads=t["heads"],
+        num_key_value_heads=t["kv_heads"],
+        head_dim=t["head_dim"],
+        max_position_embeddings=4096,
     )
     tcfg._attn_implementation = "sdpa"
     target = Qwen3ForCausalLM(tcfg).eval()
@@ -60,7 +65,9 @@ def worker(cfg: dict) -> dict:
         p.requires_grad_(False)
     mask_id = t["vocab"] - 1
     drafter = DFlashDrafter(
-        make_drafter_config(tcfg, num_layers=cfg["drafter_layers"], block_size=cfg["block_size"], mask_token_id=mask_id)
+        make_drafter_config(
+            tcfg, num_layers=cfg["drafter_layers"], block_size=cfg["block_size"], mask_token_id=mask_id
+        )
     )
     opt, sched = build_optimizer(drafter, total_steps=1000)
     b, s = cfg["batch"], cfg["seq_len"]
@@ -76,9 +83,17 @@ def worker(cfg: dict) -> dict:
 
     def train_step(feats):
         out = dflash_loss(
-            drafter, embed_tokens=target.get_input_embeddings(), lm_head=target.lm_head, input_ids=ids,
-            loss_mask=loss_mask, hidden_states=feats, num_anchors=cfg["num_anchors"],
-            block_size=cfg["block_size"], mask_token_id=mask_id, generator=g, chunk_blocks=cfg["chunk_blocks"],
+            drafter,
+            embed_tokens=target.get_input_embeddings(),
+            lm_head=target.lm_head,
+            input_ids=ids,
+            loss_mask=loss_mask,
+            hidden_states=feats,
+            num_anchors=cfg["num_anchors"],
+            block_size=cfg["block_size"],
+            mask_token_id=mask_id,
+            generator=g,
+            chunk_blocks=cfg["chunk_blocks"],
         )
         out.loss.backward()
         opt.step()
@@ -122,11 +137,18 @@ def worker(cfg: dict) -> dict:
 def run_config(cfg: dict) -> dict:
     proc = subprocess.run(
         [sys.executable, __file__, "--worker", json.dumps(cfg)],
-        capture_output=True, text=True, timeout=900, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
     )
     if proc.returncode != 0:
-        return dict(seq_len=cfg["seq_len"], drafter_layers=cfg["drafter_layers"],
-                    chunk_blocks=cfg["chunk_blocks"], error=proc.stderr[-2000:])
+        return dict(
+            seq_len=cfg["seq_len"],
+            drafter_layers=cfg["drafter_layers"],
+            chunk_blocks=cfg["chunk_blocks"],
+            error=proc.stderr[-2000:],
+        )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

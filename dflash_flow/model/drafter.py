@@ -118,7 +118,10 @@ def make_drafter_config(
     num_heads = int(tc.num_attention_heads)
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // num_heads
     rope_parameters = getattr(tc, "rope_parameters", None)
-    dflash_config: dict[str, Any] = {"mask_token_id": int(mask_token_id), "target_layer_ids": target_layer_ids}
+    dflash_config: dict[str, Any] = {
+        "mask_token_id": int(mask_token_id),
+        "target_layer_ids": target_layer_ids,
+    }
     for key, value in (
         ("input_embedding_scale", input_embedding_scale),
         ("output_multiplier", output_multiplier),

@@ -150,7 +150,9 @@ def check_compatible(config: Any, target_config: Any, *, mask_token_id: int | No
     if config.vocab_size != tc.vocab_size:
         problems.append(f"vocab_size {config.vocab_size} != target {tc.vocab_size}")
     if config.num_target_layers != tc.num_hidden_layers:
-        problems.append(f"num_target_layers {config.num_target_layers} != target layers {tc.num_hidden_layers}")
+        problems.append(
+            f"num_target_layers {config.num_target_layers} != target layers {tc.num_hidden_layers}"
+        )
     ids = draft_value(config, "target_layer_ids")
     if any(not 0 <= i < tc.num_hidden_layers for i in ids):
         problems.append(f"target_layer_ids {ids} out of range for {tc.num_hidden_layers} target layers")

@@ -15,6 +15,7 @@ only one chunk exist at a time, in the forward and in the backward.
 from __future__ import annotations
 
 import math
+
 import attrs
 import torch
 import torch.nn.functional as F
@@ -71,7 +72,7 @@ class DFlashLossOutput:
         """Accuracy of slots k = 1..B-1 (0.0 where a slot had no supervised token)."""
         c = self.correct_per_position[1:].tolist()
         s = self.supervised_per_position[1:].tolist()
-        return [ci / si if si else 0.0 for ci, si in zip(c, s)]
+        return [ci / si if si else 0.0 for ci, si in zip(c, s, strict=True)]
 
     @property
     def acceptance_length(self) -> float:
@@ -170,7 +171,9 @@ def plan_blocks(
     first = input_ids.gather(1, anchors)
     block_ids[:, :, 0] = torch.where(keep, first, torch.full_like(first, int(mask_token_id)))
     context_valid = (
-        attention_mask.bool() if attention_mask is not None else torch.ones(b, s, dtype=torch.bool, device=device)
+        attention_mask.bool()
+        if attention_mask is not None
+        else torch.ones(b, s, dtype=torch.bool, device=device)
     )
     return BlockPlan(
         anchors=anchors,
@@ -225,9 +228,7 @@ def block_attention_mask(
     return mask[:, None]
 
 
-def _layer_masks(
-    drafter: nn.Module, anchors, keep, context_valid, block_size
-) -> dict[str, torch.Tensor]:
+def _layer_masks(drafter: nn.Module, anchors, keep, context_valid, block_size) -> dict[str, torch.Tensor]:
     types = sorted(set(drafter.layer_types))
     window = getattr(drafter.config, "sliding_window", None)
     return {
@@ -278,6 +279,24 @@ def _chunk_loss(drafter, lm_head, embed_tokens, plan, hidden_states, context, bl
     return (ce * weights).sum(), pred
 
 
+def _check_block_settings(
+    drafter: nn.Module, block_size: int | None, mask_token_id: int | None
+) -> tuple[int, int]:
+    cfg_block = getattr(drafter, "block_size", None)
+    cfg_mask = getattr(drafter, "mask_token_id", None)
+    if block_size is None:
+        block_size = cfg_block
+    elif cfg_block is not None and int(block_size) != int(cfg_block):
+        raise ValueError(f"block_size {block_size} differs from the drafter config's {cfg_block}")
+    if mask_token_id is None:
+        mask_token_id = cfg_mask
+    elif cfg_mask is not None and int(mask_token_id) != int(cfg_mask):
+        raise ValueError(f"mask_token_id {mask_token_id} differs from the drafter config's {cfg_mask}")
+    if block_size is None or mask_token_id is None:
+        raise ValueError("block_size and mask_token_id are needed (none in the drafter config)")
+    return int(block_size), int(mask_token_id)
+
+
 def dflash_loss(
     drafter: nn.Module,
     *,
@@ -288,8 +307,8 @@ def dflash_loss(
     hidden_states: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     num_anchors: int = 512,
-    block_size: int = 16,
-    mask_token_id: int,
+    block_size: int | None = None,
+    mask_token_id: int | None = None,
     gamma: float | None = 7.0,
     generator: torch.Generator | None = None,
     chunk_blocks: int | None = 128,
@@ -302,7 +321,21 @@ def dflash_loss(
     ``chunk_blocks``: blocks per checkpointed chunk; None or 0 runs everything in one pass without
     checkpointing (more memory: logits of all blocks are kept for the backward).
     ``anchors``: optional precomputed ``(anchors, keep)``, bypassing sampling (tests, evaluation).
+    ``block_size``/``mask_token_id`` default to the drafter config's; passing different values raises,
+    because the exported config is what inference will use (pitfall 8).
     """
+    block_size, mask_token_id = _check_block_settings(drafter, block_size, mask_token_id)
+    if input_ids.shape != loss_mask.shape or hidden_states.shape[:2] != input_ids.shape:
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)}, loss_mask {tuple(loss_mask.shape)} and hidden_states "
+            f"{tuple(hidden_states.shape)} must share [batch, seq]"
+        )
+    n_feat = drafter.fc.in_features
+    if hidden_states.shape[-1] != n_feat:
+        raise ValueError(
+            f"hidden_states carry {hidden_states.shape[-1]} features; the drafter expects {n_feat} "
+            f"({len(drafter.target_layer_ids)} target layers {drafter.target_layer_ids} x hidden size)"
+        )
     if anchors is None:
         anchors_t, keep = sample_anchors(
             loss_mask, num_anchors, attention_mask=attention_mask, generator=generator
@@ -328,7 +361,7 @@ def dflash_loss(
         z = torch.zeros(block_size, device=device)
         return DFlashLossOutput(zero, z.sum(), z, z.clone(), z.sum(), z.sum())
 
-    context = drafter.fuse_context(hidden_states)
+    context = drafter.fuse_context(hidden_states.to(drafter.fc.weight.dtype))
     grad = torch.is_grad_enabled()
     step = n if not chunk_blocks or chunk_blocks >= n else int(chunk_blocks)
     loss_sum = torch.zeros((), device=device)
@@ -393,4 +426,3 @@ __all__ = [
     "sample_anchors",
     "valid_anchor_mask",
 ]
-

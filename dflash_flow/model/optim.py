@@ -40,11 +40,14 @@ class MasterAdamW:
         if not self.params:
             raise ValueError("no trainable parameters")
         self.masters = [
-            p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True) for p in self.params
+            p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True)
+            for p in self.params
         ]
         self.max_grad_norm = max_grad_norm
         self.skip_nonfinite = skip_nonfinite
-        self.optimizer = torch.optim.AdamW(self.masters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.masters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
+        )
         self.skipped_steps = 0
 
     @property
@@ -53,10 +56,10 @@ class MasterAdamW:
 
     @property
     def uses_masters(self) -> bool:
-        return any(m is not p for m, p in zip(self.masters, self.params))
+        return any(m is not p for m, p in zip(self.masters, self.params, strict=True))
 
     def zero_grad(self) -> None:
-        for p, m in zip(self.params, self.masters):
+        for p, m in zip(self.params, self.masters, strict=True):
             p.grad = None
             m.grad = None
 
@@ -66,7 +69,7 @@ class MasterAdamW:
         A non-finite norm skips the update (and counts it in ``skipped_steps``) instead of writing NaN
         into the weights: one bad batch must not end a multi-day run.
         """
-        for p, m in zip(self.params, self.masters):
+        for p, m in zip(self.params, self.masters, strict=True):
             if m is not p:
                 m.grad = None if p.grad is None else p.grad.detach().float()
         grads = [m for m in self.masters if m.grad is not None]
@@ -80,7 +83,7 @@ class MasterAdamW:
             return norm
         self.optimizer.step()
         with torch.no_grad():
-            for p, m in zip(self.params, self.masters):
+            for p, m in zip(self.params, self.masters, strict=True):
                 if m is not p:
                     p.copy_(m)
         self.zero_grad()
@@ -91,7 +94,10 @@ class MasterAdamW:
             "version": STATE_VERSION,
             "optimizer": self.optimizer.state_dict(),
             # Masters are saved: the bf16 weights of a checkpoint have lost the low bits.
-            "masters": [m.detach().clone() if m is not p else None for m, p in zip(self.masters, self.params)],
+            "masters": [
+                m.detach().clone() if m is not p else None
+                for m, p in zip(self.masters, self.params, strict=True)
+            ],
             "skipped_steps": self.skipped_steps,
         }
 
@@ -102,7 +108,7 @@ class MasterAdamW:
         if len(masters) != len(self.masters):
             raise ValueError(f"optimizer state has {len(masters)} params, model has {len(self.masters)}")
         with torch.no_grad():
-            for p, m, saved in zip(self.params, self.masters, masters):
+            for p, m, saved in zip(self.params, self.masters, masters, strict=True):
                 if (saved is None) != (m is p):
                     raise ValueError("optimizer state does not match the parameter dtypes (fp32 vs bf16)")
                 if saved is not None:
@@ -134,7 +140,9 @@ class WarmupCosineSchedule:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}")
         self.optimizer = optimizer
         self.total_steps = int(total_steps)
-        self.warmup_steps = int(warmup_steps if warmup_steps is not None else math.ceil(total_steps * warmup_ratio))
+        self.warmup_steps = int(
+            warmup_steps if warmup_steps is not None else math.ceil(total_steps * warmup_ratio)
+        )
         self.min_lr_ratio = float(min_lr_ratio)
         self.base_lrs = [g["lr"] for g in optimizer.param_groups]
         self.step_count = 0
@@ -149,7 +157,7 @@ class WarmupCosineSchedule:
 
     def _apply(self) -> None:
         f = self.factor(self.step_count)
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
             group["lr"] = base * f
 
     def step(self) -> None:
@@ -227,7 +235,12 @@ def build_optimizer(
 ) -> tuple[MasterAdamW, WarmupCosineSchedule]:
     """The recipe defaults: AdamW (fp32 masters) lr 6e-4, wd 0, clip 1.0, 4% warmup, cosine to 0."""
     opt = MasterAdamW(
-        model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm
+        model.parameters(),
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        max_grad_norm=max_grad_norm,
     )
     sched = WarmupCosineSchedule(
         opt, total_steps=total_steps, warmup_ratio=warmup_ratio, min_lr_ratio=min_lr_ratio

@@ -383,6 +383,9 @@ class Tracker:
         self._ended = False
         self._local_id = uuid.uuid4().hex[:12]
         self._artifact_seq = 0
+        self._writer: threading.Thread | None = None
+        self._writer_lock = threading.Lock()
+        self._writer_warned = False
         self._spool_write_failed = False
 
     # ---------------------------------------------------------------- construction
@@ -508,23 +511,72 @@ class Tracker:
             if step > self._last_step:
                 self._last_step = step
 
-    def flush(self) -> None:
-        """Send buffered metrics (plus a ``system/*`` sample) in ``log_batch`` calls of <= 1000.
-
-        Called once per Monitor sample. While the store is unreachable this is a local file append,
-        plus one quick retry of the spool when the backoff has elapsed.
-        """
-        if not self.enabled:
-            return
+    def _take_metric_ops(self) -> list[dict]:
         if self._system_metrics and not self._ended:
             self.log_metrics(self._sample_system(), step=self._last_step)
         with self._buf_lock:
             rows, self._buf = self._buf, []
-        ops = [
+        return [
             {"op": "metrics", "metrics": [list(r) for r in chunk]}
             for chunk in _chunks(rows, MAX_METRICS_PER_BATCH)
         ]
-        self._submit(ops)
+
+    def flush(self) -> None:
+        """Send buffered metrics (plus a ``system/*`` sample) in ``log_batch`` calls of <= 1000.
+
+        While the store is unreachable this is a local file append, plus one quick retry of the spool
+        when the backoff has elapsed. Waits for anything handed to the background writer first, so
+        the store sees metrics in the order they were logged.
+        """
+        if not self.enabled:
+            return
+        self._wait_writer()
+        self._submit(self._take_metric_ops())
+
+    def flush_async(self) -> None:
+        """Like ``flush`` but the store writes happen on the tracker's writer thread.
+
+        The Monitor calls this once per sample so that a slow store (sqlite commits, a remote server)
+        never stalls the pipeline; ``flush``/``end`` wait for the writer to finish.
+        """
+        if not self.enabled or self._ended:
+            return
+        ops = self._take_metric_ops()
+        if not ops:
+            return
+        with self._writer_lock:
+            if self._writer is None:
+                import queue
+
+                self._writes = queue.Queue()
+                self._writer = threading.Thread(target=self._writer_loop, name="mlflow-writer", daemon=False)
+                self._writer.start()
+        self._writes.put(ops)
+
+    def _writer_loop(self) -> None:
+        while True:
+            ops = self._writes.get()
+            try:
+                if ops is None:
+                    return
+                self._submit(ops)
+            except Exception as exc:  # a rejected write must not kill the writer; say it once
+                if not self._writer_warned:
+                    self._writer_warned = True
+                    log.warning("MLflow write failed (later failures are not reported): %s", exc)
+            finally:
+                self._writes.task_done()
+
+    def _wait_writer(self) -> None:
+        if self._writer is not None:
+            self._writes.join()
+
+    def _stop_writer(self) -> None:
+        with self._writer_lock:
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            self._writes.put(None)
+            writer.join()
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         """Log (nested) params, flattened, in batches of 100."""
@@ -593,6 +645,7 @@ class Tracker:
         if status not in RUN_STATUSES:
             raise ValueError(f"status must be one of {RUN_STATUSES}, got {status!r}")
         self.flush()
+        self._stop_writer()
         self._ended = True
         with self._io_lock:
             self._submit([{"op": "end", "status": status, "end_time": _now_ms()}], force_retry=True)

@@ -118,6 +118,12 @@ class DrafterStep(Stage):
 
     # -- lifecycle --------------------------------------------------------------------------------
     def setup(self, ctx) -> None:
+        from dflash_flow.model.loading import MODEL_LOAD_LOCK
+
+        with MODEL_LOAD_LOCK:
+            self._setup(ctx)
+
+    def _setup(self, ctx) -> None:
         import torch
 
         from dflash_flow.model.drafter import DFlashDrafter, make_drafter_config

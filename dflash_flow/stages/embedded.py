@@ -58,9 +58,19 @@ class EmbeddedChatSource(ChatSource):
 
     def setup(self, ctx: StageContext) -> None:
         from dflash_flow.embedded.build import build_default_dataset
+        from dflash_flow.model.loading import MODEL_LOAD_LOCK
 
         root = default_cache_root() / "embedded-dataset" if self.dataset_dir == "auto" else Path(self.dataset_dir)
-        ds = build_default_dataset(
+        # Regeneration loads the target: hold the model lock (other replicas load theirs after).
+        with MODEL_LOAD_LOCK:
+            ds = self._build(build_default_dataset, root)
+        self.paths = [str(ds.train_path)]
+        if not self.tokenizer:
+            self.tokenizer = str(ds.target_path)
+        super().setup(ctx)
+
+    def _build(self, build_default_dataset, root):
+        return build_default_dataset(
             root,
             n_train=self.n_train,
             n_eval=self.n_eval,
@@ -70,10 +80,6 @@ class EmbeddedChatSource(ChatSource):
             max_new_tokens=self.max_new_tokens,
             log=lambda msg: print(msg, flush=True),
         )
-        self.paths = [str(ds.train_path)]
-        if not self.tokenizer:
-            self.tokenizer = str(ds.target_path)
-        super().setup(ctx)
 
     def config(self) -> dict[str, Any]:
         # `paths` and `tokenizer` are filled in at setup; the config is what the user wrote.

@@ -67,6 +67,8 @@ class Monitor(Stage):
         else:
             self._exclude = {ctx.name}
         self._samples = ctx.metrics.counter("samples", "samples", "Monitor samples taken")
+        self._window: dict[str, list[float]] = {}
+        self._start = time.monotonic()
 
     def process(self, item: Any):
         if isinstance(item, StepReport):
@@ -77,7 +79,18 @@ class Monitor(Stage):
             total = item.metrics.get("total_steps")
             if total and self._printer is not None and not self.total_steps:
                 self._printer.total_steps = int(total)
-            metrics = {f"train/{k}": v for k, v in item.metrics.items() if k != "total_steps"}
+            metrics = {}
+            for k, v in item.metrics.items():
+                if k == "total_steps":
+                    continue
+                if k.startswith(_WINDOWED_PREFIXES):
+                    # Per-position accuracies are noisy per step and B-1 series long: log their mean
+                    # over each sampling window instead of every step.
+                    acc = self._window.setdefault(k, [0.0, 0])
+                    acc[0] += v
+                    acc[1] += 1
+                else:
+                    metrics[f"train/{k}"] = v
             if self._tracker is not None:
                 self._tracker.log_metrics(metrics, step=item.step)
             _append(self._history, metrics, item.step)
@@ -86,7 +99,7 @@ class Monitor(Stage):
             metrics = {f"eval/{item.name}/{k}": v for k, v in item.metrics.items()}
             if self._tracker is not None:
                 self._tracker.log_metrics(metrics, step=self._step)
-                self._tracker.flush()
+                self._tracker.flush_async()
             if self._printer is not None:
                 self._printer.message(
                     f"eval {item.name}: " + ", ".join(f"{k} {v:.4g}" for k, v in item.metrics.items())
@@ -108,7 +121,7 @@ class Monitor(Stage):
         return None
 
     # -- sampling ---------------------------------------------------------------------------------
-    def _sample(self, now: float) -> None:
+    def _sample(self, now: float, whole_run: bool = False) -> None:
         from dflash_flow.observe.bottleneck import find_bottleneck, window_fractions
 
         runtime = self._ctx.runtime
@@ -121,7 +134,11 @@ class Monitor(Stage):
             for name, st in snap.stages.items()
             if name not in self._exclude
         }
-        fractions = window_fractions(self._prev_times, times, dt)
+        if whole_run:
+            # The closing verdict covers the whole run, not the last few seconds of wind-down.
+            fractions = window_fractions({}, times, max(now - self._start, 1e-9))
+        else:
+            fractions = window_fractions(self._prev_times, times, dt)
         self._prev_times = times
         metrics: dict[str, float] = {}
         for name, f in fractions.items():
@@ -151,6 +168,9 @@ class Monitor(Stage):
                         prev = self._prev_counters.get(key, 0.0)
                         metrics[f"rate/{name}/{mname}_per_s"] = (float(value) - prev) / dt
                         self._prev_counters[key] = float(value)
+        for k, (total, n) in self._window.items():
+            metrics[f"train/{k}"] = total / n
+        self._window = {}
         for key in ("tokens_per_s", "samples_per_s"):
             if key in self._last_metrics:
                 metrics[f"throughput/{key}"] = self._last_metrics[key]
@@ -160,14 +180,14 @@ class Monitor(Stage):
                 metrics.update(self._bottleneck.as_metrics())
         if self._tracker is not None:
             self._tracker.log_metrics(metrics, step=self._step)
-            self._tracker.flush()
+            self._tracker.flush_async()  # store writes happen on the tracker's writer thread
         _append(self._history, metrics, self._step)
         self._samples.inc()
         self._last_sample = now
         self._prev_time = now
 
     def finish(self):
-        self._sample(time.monotonic())
+        self._sample(time.monotonic(), whole_run=True)
         return None
 
     def teardown(self) -> None:
@@ -217,6 +237,9 @@ class Monitor(Stage):
         if summary["bottleneck"]:
             rows.append(("bottleneck", summary["bottleneck"]["sentence"]))
         return summary_table([list(r) for r in rows], columns=["metric", "value"], title="run summary")
+
+
+_WINDOWED_PREFIXES = ("accuracy_pos",)
 
 
 def _append(history: dict[str, list[tuple[float, float]]], metrics: dict[str, float], step: int) -> None:

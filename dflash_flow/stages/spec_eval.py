@@ -40,24 +40,26 @@ class SpecDecodeEval(Stage):
         if not report.final or "drafter" not in report.artifacts:
             return None
         from dflash_flow.model.evaluation import evaluate_exported
+        from dflash_flow.model.loading import MODEL_LOAD_LOCK
 
         prompts = self.prompts
-        target = self.target
         if prompts == "embedded":
             from dflash_flow.stages.embedded import write_embedded_eval_prompts
 
             prompts = str(write_embedded_eval_prompts(self._ctx.output_dir / "eval_prompts.jsonl", self.limit))
-        results = evaluate_exported(
-            target=target,
-            drafter_path=report.artifacts["drafter"],
-            prompts_path=prompts,
-            tokenizer_path=self.tokenizer,
-            limit=self.limit,
-            max_new_tokens=self.max_new_tokens,
-            baseline=self.baseline,
-            seed=self._ctx.seed_for(0, "baseline"),
-            device=self._ctx.device,
-        )
+        # Evaluation builds models (target, drafters): hold the process-wide model lock.
+        with MODEL_LOAD_LOCK:
+            results = evaluate_exported(
+                target=self.target,
+                drafter_path=report.artifacts["drafter"],
+                prompts_path=prompts,
+                tokenizer_path=self.tokenizer,
+                limit=self.limit,
+                max_new_tokens=self.max_new_tokens,
+                baseline=self.baseline,
+                seed=self._ctx.seed_for(0, "baseline"),
+                device=self._ctx.device,
+            )
         for name, m in results.items():
             print(
                 f"speculative decoding ({name} drafter): acceptance length {m['tau']:.2f}, "

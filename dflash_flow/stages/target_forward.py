@@ -59,14 +59,17 @@ class TargetForward(Stage):
 
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
+        from dflash_flow.model.loading import MODEL_LOAD_LOCK
+
         self._device = torch.device(ctx.device)
-        self._model = load_target(
-            target_spec(self.target),
-            device=ctx.device,
-            dtype=resolve_dtype(self.dtype, ctx.device),
-            trust_remote_code=self.trust_remote_code,
-            attn_implementation=self.attn_implementation,
-        )
+        with MODEL_LOAD_LOCK:
+            self._model = load_target(
+                target_spec(self.target),
+                device=ctx.device,
+                dtype=resolve_dtype(self.dtype, ctx.device),
+                trust_remote_code=self.trust_remote_code,
+                attn_implementation=self.attn_implementation,
+            )
         n_layers = len(decoder_layers(self._model))
         ids = self.target_layer_ids or build_target_layer_ids(n_layers, self.num_draft_layers)
         self._extractor = TargetFeatureExtractor(self._model, ids)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from stages_for_tests import fast_runtime
 
-from dflash_flow.core import Graph, Pipeline
+from dflash_flow.core import Graph, Pipeline, PipelineInterrupted
 
 
 def _ordered_chain(n, drop_every, replicas_a, replicas_b, delay, ordered=True, seed=0):
@@ -73,3 +77,33 @@ def test_ordered_drops_everything():
 def test_property_ordered_fan_in(n, drop_every, replicas_a, replicas_b, delay, seed):
     got = _sink_items(_ordered_chain(n, drop_every, replicas_a, replicas_b, delay, seed=seed))
     assert got == [k for k in range(n) if not (drop_every and k % drop_every == 0)]
+
+
+def test_ordered_fan_in_streams_past_dropped_items():
+    # Tombstones let the ordered consumer move past dropped items at once; without them it would hold
+    # every later item until end-of-stream. The source never ends on its own here.
+    g = Graph(runtime=fast_runtime(capacity=2))
+    g.add("src", "TestInfiniteSource", config={"period_s": 0.0005})
+    g.add("a", "TestDrop", config={"every": 2, "max_delay_s": 0.001}, inputs=["src"], replicas=3)
+    g.add("sink", "TestSink", inputs=["a"], ordered=True)
+    services: dict = {}
+    p = Pipeline(g, services=services, check_devices=False)
+    streamed = threading.Event()
+
+    def watcher():
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            if len(services.get("sink:sink", [])) >= 10:
+                streamed.set()
+                break
+            time.sleep(0.005)
+        p.stop("enough")
+
+    t = threading.Thread(target=watcher)
+    t.start()
+    with pytest.raises(PipelineInterrupted):
+        p.run()
+    t.join()
+    assert streamed.is_set(), "the ordered sink got nothing while the source was running"
+    got = [i for _, i in services["sink:sink"]]
+    assert got == [k for k in range(1, 2 * len(got), 2)]

@@ -16,4 +16,3 @@ def target():
 def _deterministic():
     torch.manual_seed(1234)
     yield
-

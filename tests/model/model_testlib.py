@@ -42,7 +42,9 @@ def build_target(seed: int = 0, **overrides) -> Qwen3ForCausalLM:
     return model
 
 
-def target_features(target, input_ids: torch.Tensor, layer_ids: list[int], attention_mask=None) -> torch.Tensor:
+def target_features(
+    target, input_ids: torch.Tensor, layer_ids: list[int], attention_mask=None
+) -> torch.Tensor:
     """Features for the drafter: hidden_states[id + 1] (the output of decoder layer id), concatenated."""
     with torch.no_grad():
         out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
@@ -55,7 +57,6 @@ def build_drafter(target, seed: int = 1, **kw) -> DFlashDrafter:
     kw.setdefault("mask_token_id", MASK_ID)
     torch.manual_seed(seed)
     return DFlashDrafter(make_drafter_config(target.config, **kw))
-
 
 
 def randomize(module: torch.nn.Module, seed: int, scale: float = 0.1) -> torch.nn.Module:

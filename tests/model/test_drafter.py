@@ -6,6 +6,7 @@ import pytest
 import torch
 from dflash.model import DFlashDraftModel
 from dflash.model import build_target_layer_ids as zlab_layer_ids
+from model_testlib import HIDDEN, MASK_ID, TARGET_LAYERS, build_drafter, randomize
 
 from dflash_flow.model.drafter import (
     DFlashDrafter,
@@ -13,8 +14,6 @@ from dflash_flow.model.drafter import (
     index_mask,
     make_drafter_config,
 )
-
-from model_testlib import HIDDEN, MASK_ID, TARGET_LAYERS, build_drafter, randomize
 
 
 def test_target_layer_ids_reference_examples():
@@ -51,7 +50,9 @@ def test_make_drafter_config_fields(target):
     with pytest.raises(ValueError, match="out of range"):
         make_drafter_config(target.config, num_layers=1, mask_token_id=MASK_ID, target_layer_ids=[8])
     with pytest.raises(ValueError, match="sliding_window"):
-        make_drafter_config(target.config, num_layers=1, mask_token_id=MASK_ID, layer_types=["sliding_attention"])
+        make_drafter_config(
+            target.config, num_layers=1, mask_token_id=MASK_ID, layer_types=["sliding_attention"]
+        )
 
 
 def test_parameter_names_and_shapes_equal_zlab(target):
@@ -66,9 +67,7 @@ def test_parameter_names_and_shapes_equal_zlab(target):
     assert not any(k.startswith(("embed", "lm_head")) for k in a)
 
 
-@pytest.mark.parametrize(
-    "layer_types,window", [(None, None), (["sliding_attention", "full_attention"], 5)]
-)
+@pytest.mark.parametrize("layer_types,window", [(None, None), (["sliding_attention", "full_attention"], 5)])
 def test_inference_forward_matches_zlab(target, layer_types, window):
     ours = randomize(build_drafter(target, num_layers=2, layer_types=layer_types, sliding_window=window), 3)
     theirs = DFlashDraftModel(ours.config).eval()
@@ -89,9 +88,7 @@ def test_inference_forward_matches_zlab(target, layer_types, window):
 def test_index_mask_semantics():
     m = index_mask(3, 6, causal=True, window=2, device=torch.device("cpu"))[0, 0]
     # queries are keys 3,4,5; causal and window 2 -> each sees itself and the previous key.
-    expected = torch.tensor(
-        [[0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 1, 1]], dtype=torch.bool
-    )
+    expected = torch.tensor([[0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 1, 1]], dtype=torch.bool)
     assert torch.equal(m, expected)
     assert index_mask(2, 4, causal=False, window=None, device=torch.device("cpu")).all()
 

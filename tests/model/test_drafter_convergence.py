@@ -19,8 +19,12 @@ def greedy_continuations(target, n: int, seed: int) -> torch.Tensor:
     ids = torch.randint(1, VOCAB - 1, (n, PROMPT), generator=g)
     with torch.no_grad():
         return target.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
-            eos_token_id=None, pad_token_id=0,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
         )
 
 
@@ -50,8 +54,13 @@ def test_training_lowers_loss_and_raises_acceptance():
             drafter.eval()
             with torch.no_grad():
                 out = dflash_loss(
-                    drafter, input_ids=held_out, loss_mask=eval_mask, hidden_states=eval_feats,
-                    num_anchors=64, generator=torch.Generator().manual_seed(0), **common,
+                    drafter,
+                    input_ids=held_out,
+                    loss_mask=eval_mask,
+                    hidden_states=eval_feats,
+                    num_anchors=64,
+                    generator=torch.Generator().manual_seed(0),
+                    **common,
                 )
             drafter.train()
             return out.loss.item(), out.acceptance_length
@@ -60,11 +69,17 @@ def test_training_lowers_loss_and_raises_acceptance():
         steps, batch = 160, 8
         opt, sched = build_optimizer(drafter, total_steps=steps, lr=3e-3)
         gen = torch.Generator().manual_seed(4)
-        for step in range(steps):
+        for _step in range(steps):
             rows = torch.randint(0, data.shape[0], (batch,), generator=gen)
             out = dflash_loss(
-                drafter, input_ids=data[rows], loss_mask=loss_mask[rows], hidden_states=feats[rows],
-                num_anchors=16, generator=gen, chunk_blocks=8, **common,
+                drafter,
+                input_ids=data[rows],
+                loss_mask=loss_mask[rows],
+                hidden_states=feats[rows],
+                num_anchors=16,
+                generator=gen,
+                chunk_blocks=8,
+                **common,
             )
             out.loss.backward()
             opt.step()

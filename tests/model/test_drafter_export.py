@@ -13,7 +13,9 @@ from dflash_flow.model.export import CheckpointError, load_drafter, save_drafter
 
 
 def test_config_json_has_inference_keys(target, tmp_path):
-    d = build_drafter(target, num_layers=3, layer_types=["sliding_attention"] * 2 + ["full_attention"], sliding_window=64)
+    d = build_drafter(
+        target, num_layers=3, layer_types=["sliding_attention"] * 2 + ["full_attention"], sliding_window=64
+    )
     path = save_drafter(d, tmp_path / "c")
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"]
@@ -30,7 +32,12 @@ def test_config_json_has_inference_keys(target, tmp_path):
 
 
 def test_round_trip_same_weights_and_outputs(target, tmp_path):
-    d = randomize(build_drafter(target, num_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=4), 2).eval()
+    d = randomize(
+        build_drafter(
+            target, num_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=4
+        ),
+        2,
+    ).eval()
     path = save_drafter(d, tmp_path / "c")
     back = load_drafter(path, target_config=target.config, mask_token_id=MASK_ID).eval()
     for k, v in d.state_dict().items():

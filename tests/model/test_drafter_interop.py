@@ -19,7 +19,7 @@ def test_export_loads_into_zlab_without_missing_or_unexpected_keys(target, tmp_p
     path = save_drafter(drafter, tmp_path / "ckpt")
     theirs = DFlashDraftModel.from_pretrained(path, dtype=torch.float32)
     state = load_file(str(path / "model.safetensors"))
-    result = DFlashDraftModel(theirs.config).load_state_dict(state, strict=False)
+    result = DFlashDraftModel(theirs.config).load_state_dict(state, strict=True)
     assert result.missing_keys == [] and result.unexpected_keys == []
     for k, v in drafter.state_dict().items():
         assert torch.equal(theirs.state_dict()[k], v), k
@@ -43,10 +43,14 @@ def test_training_path_equals_zlab_inference_per_anchor(target, layer_types, win
     lm = torch.ones_like(ids)
     feats = target_features(target, ids, ours.target_layer_ids)
     anchors = torch.tensor([[3, 4, 9, 17, 20]])  # overlapping blocks, one running past S
-    plan = plan_blocks(ids, lm, anchors, torch.ones_like(anchors, dtype=torch.bool), block_size=block, mask_token_id=MASK_ID)
+    plan = plan_blocks(
+        ids, lm, anchors, torch.ones_like(anchors, dtype=torch.bool), block_size=block, mask_token_id=MASK_ID
+    )
     emb = target.get_input_embeddings()
     with torch.no_grad():
-        train = draft_block_hidden(ours, plan, embed_tokens=emb, hidden_states=feats).view(1, -1, block, HIDDEN)
+        train = draft_block_hidden(ours, plan, embed_tokens=emb, hidden_states=feats).view(
+            1, -1, block, HIDDEN
+        )
         for n, a in enumerate(anchors[0].tolist()):
             block_ids = torch.tensor([[ids[0, a].item()] + [MASK_ID] * (block - 1)])
             ref = theirs(
@@ -58,7 +62,9 @@ def test_training_path_equals_zlab_inference_per_anchor(target, layer_types, win
             # Inference computes features from the prefix alone: the training features are not shifted.
             prefix = target_features(target, ids[:, :a], ours.target_layer_ids)
             ref2 = theirs(
-                position_ids=torch.arange(a + block)[None], noise_embedding=emb(block_ids), target_hidden=prefix
+                position_ids=torch.arange(a + block)[None],
+                noise_embedding=emb(block_ids),
+                target_hidden=prefix,
             )
             torch.testing.assert_close(train[:, n], ref2, atol=1e-4, rtol=1e-4)
 
@@ -74,7 +80,9 @@ def greedy(target, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("layer_types,window", [(None, None), (["sliding_attention", "full_attention"], 6)])
 def test_zlab_spec_generate_with_our_weights_is_lossless(target, tmp_path, layer_types, window):
-    ours = randomize(build_drafter(target, num_layers=2, layer_types=layer_types, sliding_window=window), 31, 0.05)
+    ours = randomize(
+        build_drafter(target, num_layers=2, layer_types=layer_types, sliding_window=window), 31, 0.05
+    )
     path = save_drafter(ours, tmp_path / "ckpt")
     theirs = DFlashDraftModel.from_pretrained(path, dtype=torch.float32).eval()
     prompt = torch.randint(1, VOCAB - 1, (1, 7), generator=torch.Generator().manual_seed(3))
@@ -99,6 +107,7 @@ def test_our_class_in_zlab_loop_matches_zlab_class_step_by_step(tmp_path):
     def hook(name):
         def f(module, args, kwargs, output):
             calls[name].append(output.detach().clone())
+
         return f
 
     h1 = ours.register_forward_hook(hook("ours"), with_kwargs=True)
@@ -111,7 +120,7 @@ def test_our_class_in_zlab_loop_matches_zlab_class_step_by_step(tmp_path):
         h2.remove()
     assert torch.equal(a, b)
     assert len(calls["ours"]) == len(calls["theirs"]) > 1
-    for x, y in zip(calls["ours"], calls["theirs"]):
+    for x, y in zip(calls["ours"], calls["theirs"], strict=True):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
 
 

@@ -25,7 +25,7 @@ def fake_grads(model, step, scale=1.0):
 def test_fp32_path_equals_torch_adamw_with_clipping():
     a, b = small_model(), small_model()
     opt = MasterAdamW(a.parameters(), lr=1e-2, weight_decay=0.1, max_grad_norm=1.0)
-    assert not opt.uses_masters and all(m is p for m, p in zip(opt.masters, opt.params))
+    assert not opt.uses_masters and all(m is p for m, p in zip(opt.masters, opt.params, strict=True))
     ref = torch.optim.AdamW(b.parameters(), lr=1e-2, weight_decay=0.1)
     for step in range(5):
         fake_grads(a, step, scale=3.0)
@@ -36,7 +36,7 @@ def test_fp32_path_equals_torch_adamw_with_clipping():
         ref.zero_grad()
         torch.testing.assert_close(norm, ref_norm)
         assert norm > 1.0  # clipping was active
-    for pa, pb in zip(a.parameters(), b.parameters()):
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(pa, pb, atol=0, rtol=0)
         assert pa.grad is None
 
@@ -45,7 +45,7 @@ def test_bf16_params_use_fp32_masters():
     model = small_model(torch.bfloat16)
     ref = small_model(torch.float32)
     with torch.no_grad():
-        for p, r in zip(model.parameters(), ref.parameters()):
+        for p, r in zip(model.parameters(), ref.parameters(), strict=True):
             r.copy_(p.float())  # same starting values
     opt = MasterAdamW(model.parameters(), lr=1e-2, max_grad_norm=None)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
@@ -53,11 +53,11 @@ def test_bf16_params_use_fp32_masters():
     for step in range(4):
         fake_grads(model, step)
         with torch.no_grad():
-            for p, r in zip(model.parameters(), ref.parameters()):
+            for p, r in zip(model.parameters(), ref.parameters(), strict=True):
                 r.grad = p.grad.float()
         opt.step()
         ref_opt.step()
-    for p, m, r in zip(model.parameters(), opt.masters, ref.parameters()):
+    for p, m, r in zip(model.parameters(), opt.masters, ref.parameters(), strict=True):
         torch.testing.assert_close(m, r, atol=1e-7, rtol=0)
         assert torch.equal(p, m.to(torch.bfloat16))
 
@@ -86,7 +86,7 @@ def test_nonfinite_gradient_skips_update():
     next(model.parameters()).grad[0, 0] = float("nan")
     norm = opt.step()
     assert not math.isfinite(norm.item()) and opt.skipped_steps == 1
-    for p, q in zip(model.parameters(), before):
+    for p, q in zip(model.parameters(), before, strict=True):
         assert torch.equal(p, q)
 
 
@@ -111,7 +111,7 @@ def test_optimizer_and_schedule_resume_exactly(dtype):
     model, opt, sched = run(3)
     state = {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}
     resumed, _, resumed_sched = run(6, state)
-    for a, b in zip(full.parameters(), resumed.parameters()):
+    for a, b in zip(full.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b)
     assert full_sched.get_last_lr() == resumed_sched.get_last_lr()
 
@@ -129,7 +129,7 @@ def test_warmup_cosine_values():
     assert lrs[4] == pytest.approx(6e-4)
     assert lrs[52] == pytest.approx(3e-4)  # half way through the cosine
     assert lrs[100] == pytest.approx(0.0, abs=1e-12)
-    assert all(x >= y for x, y in zip(lrs[4:], lrs[5:]))
+    assert all(x >= y for x, y in zip(lrs[4:], lrs[5:], strict=False))
     sd = sched.state_dict()
     other = WarmupCosineSchedule(MasterAdamW([nn.Parameter(torch.zeros(1))], lr=6e-4), total_steps=100)
     other.load_state_dict(sd)
@@ -144,7 +144,7 @@ def test_gradient_accumulation_matches_full_batch():
     acc = GradientAccumulator(2)
     assert not acc.backward(nn.functional.mse_loss(acc_model(x[:4]), y[:4]))
     assert acc.backward(nn.functional.mse_loss(acc_model(x[4:]), y[4:]))
-    for a, b in zip(full.parameters(), acc_model.parameters()):
+    for a, b in zip(full.parameters(), acc_model.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5)
     restored = GradientAccumulator(2)
     restored.load_state_dict(acc.state_dict())

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from model_testlib import HIDDEN, MASK_ID, VOCAB, build_drafter, randomize, target_features
+from model_testlib import MASK_ID, VOCAB, build_drafter, randomize, target_features
 
 from dflash_flow.model.drafter import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_flow.model.objective import (
@@ -108,8 +108,9 @@ def test_valid_anchor_mask_respects_attention_mask():
 
 @pytest.mark.parametrize("layer_type,window", [(FULL_ATTENTION, None), (SLIDING_ATTENTION, 4)])
 def test_pitfalls_2_4_5_6_mask_equals_dense_reference(layer_type, window):
-    # Overlapping anchors out of index order, a padding block, and a padded context position.
-    anchors = torch.tensor([[2, 3, 9, 0], [7, 4, 5, 1]])
+    # Overlapping anchors out of index order, a padding block (at a nonzero position, so a mask that
+    # ignored keep would let it see context), and a padded context position.
+    anchors = torch.tensor([[2, 3, 9, 6], [7, 4, 5, 1]])
     keep = torch.tensor([[True, True, True, False], [True, True, True, True]])
     s, block = 14, 5
     context_valid = torch.ones(2, s, dtype=torch.bool)
@@ -159,7 +160,9 @@ def test_pitfalls_2_3_context_is_features_strictly_before_anchor(target):
     ids, lm = make_batch(target, b=1)
     feats = target_features(target, ids, drafter.target_layer_ids)
     a = 11
-    plan = plan_blocks(ids, lm, torch.tensor([[a]]), torch.tensor([[True]]), block_size=8, mask_token_id=MASK_ID)
+    plan = plan_blocks(
+        ids, lm, torch.tensor([[a]]), torch.tensor([[True]]), block_size=8, mask_token_id=MASK_ID
+    )
     mods = loss_modules(target)
 
     def out(hidden):
@@ -187,7 +190,9 @@ def test_pitfall_4_visibility_by_position_not_block_index(target):
     for a in (anchors, anchors[:, perm]):
         plan = plan_blocks(ids, lm, a, keep, block_size=8, mask_token_id=MASK_ID)
         with torch.no_grad():
-            outs.append(draft_block_hidden(drafter, plan, embed_tokens=emb, hidden_states=feats).view(1, 4, 8, -1))
+            outs.append(
+                draft_block_hidden(drafter, plan, embed_tokens=emb, hidden_states=feats).view(1, 4, 8, -1)
+            )
     torch.testing.assert_close(outs[1], outs[0][:, perm], atol=1e-6, rtol=1e-5)
 
 
@@ -199,7 +204,9 @@ def test_pitfall_5_full_layers_bidirectional_in_block(target, layer_type, bidire
     ids, lm = make_batch(target, b=1)
     feats = target_features(target, ids, drafter.target_layer_ids)
     emb = target.get_input_embeddings()
-    plan = plan_blocks(ids, lm, torch.tensor([[8]]), torch.tensor([[True]]), block_size=8, mask_token_id=MASK_ID)
+    plan = plan_blocks(
+        ids, lm, torch.tensor([[8]]), torch.tensor([[True]]), block_size=8, mask_token_id=MASK_ID
+    )
     with torch.no_grad():
         base = draft_block_hidden(drafter, plan, embed_tokens=emb, hidden_states=feats)
         plan.block_ids[0, 0, 5] = 3  # change a later slot
@@ -217,14 +224,18 @@ def test_pitfall_6_padding_blocks_excluded_from_attention_and_loss(target):
     kw = dict(mods, block_size=8, mask_token_id=MASK_ID, chunk_blocks=None)
     anchors, keep = sample_anchors(lm, 12, generator=torch.Generator().manual_seed(0))
     assert (~keep).any()
-    out = dflash_loss(drafter, input_ids=ids, loss_mask=lm, hidden_states=feats, anchors=(anchors, keep), **kw)
+    out = dflash_loss(
+        drafter, input_ids=ids, loss_mask=lm, hidden_states=feats, anchors=(anchors, keep), **kw
+    )
     assert torch.isfinite(out.loss)
     drafter.zero_grad()
     out.loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in drafter.parameters())
     # Padding blocks pointing anywhere, with any tokens, change nothing.
     garbage = torch.where(keep, anchors, torch.full_like(anchors, 20))
-    out2 = dflash_loss(drafter, input_ids=ids, loss_mask=lm, hidden_states=feats, anchors=(garbage, keep), **kw)
+    out2 = dflash_loss(
+        drafter, input_ids=ids, loss_mask=lm, hidden_states=feats, anchors=(garbage, keep), **kw
+    )
     torch.testing.assert_close(out2.loss, out.loss, atol=1e-6, rtol=1e-6)
     # Same as each row alone without padding (token-weighted over the batch).
     sums = []
@@ -248,7 +259,10 @@ def test_pitfall_7_mask_broadcasts_over_heads():
     # Our analogue of "BlockMask with H=None": the dense mask has a head dimension of 1, so its memory
     # does not grow with the number of heads.
     m = block_attention_mask(
-        torch.tensor([[3, 7]]), torch.tensor([[True, True]]), torch.ones(1, 16, dtype=torch.bool), block_size=4
+        torch.tensor([[3, 7]]),
+        torch.tensor([[True, True]]),
+        torch.ones(1, 16, dtype=torch.bool),
+        block_size=4,
     )
     assert m.shape == (1, 1, 8, 16 + 8) and m.dtype == torch.bool
 
@@ -265,8 +279,14 @@ def test_batch_padding_positions_are_not_context(target):
     mods = loss_modules(target)
     kw = dict(mods, block_size=8, mask_token_id=MASK_ID, chunk_blocks=None)
     full = dflash_loss(
-        drafter, input_ids=ids, loss_mask=lm, hidden_states=feats, attention_mask=am,
-        generator=torch.Generator().manual_seed(0), num_anchors=64, **kw,
+        drafter,
+        input_ids=ids,
+        loss_mask=lm,
+        hidden_states=feats,
+        attention_mask=am,
+        generator=torch.Generator().manual_seed(0),
+        num_anchors=64,
+        **kw,
     )
     assert torch.isfinite(full.loss)
     anchors, keep = sample_anchors(lm, 64, attention_mask=am, generator=torch.Generator().manual_seed(0))
@@ -274,12 +294,21 @@ def test_batch_padding_positions_are_not_context(target):
     # Row 1 alone, truncated to its real length, gives the same blocks' losses.
     k = keep[1]
     alone = dflash_loss(
-        drafter, input_ids=ids[1:, :16], loss_mask=lm[1:, :16], hidden_states=feats[1:, :16],
-        anchors=(anchors[1:, k], keep[1:, k]), **kw,
+        drafter,
+        input_ids=ids[1:, :16],
+        loss_mask=lm[1:, :16],
+        hidden_states=feats[1:, :16],
+        anchors=(anchors[1:, k], keep[1:, k]),
+        **kw,
     )
     with_pad = dflash_loss(
-        drafter, input_ids=ids[1:], loss_mask=lm[1:], hidden_states=feats[1:], attention_mask=am[1:],
-        anchors=(anchors[1:, k], keep[1:, k]), **kw,
+        drafter,
+        input_ids=ids[1:],
+        loss_mask=lm[1:],
+        hidden_states=feats[1:],
+        attention_mask=am[1:],
+        anchors=(anchors[1:, k], keep[1:, k]),
+        **kw,
     )
     torch.testing.assert_close(with_pad.loss, alone.loss, atol=1e-5, rtol=1e-5)
 
@@ -291,12 +320,24 @@ def test_chunked_loss_equals_unchunked(target):
     ids, lm = make_batch(target, b=2, s=32)
     results = []
     for chunk in (None, 3):
-        drafter = randomize(build_drafter(target, num_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=6), 11)
+        drafter = randomize(
+            build_drafter(
+                target, num_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=6
+            ),
+            11,
+        )
         feats = target_features(target, ids, drafter.target_layer_ids).requires_grad_(False)
         out = dflash_loss(
-            drafter, input_ids=ids, loss_mask=lm, hidden_states=feats, block_size=8,
-            mask_token_id=MASK_ID, num_anchors=10, generator=torch.Generator().manual_seed(3),
-            chunk_blocks=chunk, **loss_modules(target),
+            drafter,
+            input_ids=ids,
+            loss_mask=lm,
+            hidden_states=feats,
+            block_size=8,
+            mask_token_id=MASK_ID,
+            num_anchors=10,
+            generator=torch.Generator().manual_seed(3),
+            chunk_blocks=chunk,
+            **loss_modules(target),
         )
         out.loss.backward()
         results.append((out, {k: p.grad.clone() for k, p in drafter.named_parameters()}))
@@ -308,13 +349,20 @@ def test_chunked_loss_equals_unchunked(target):
 
 
 def test_loss_value_and_metrics_match_manual_computation(target):
-    drafter = randomize(build_drafter(target, num_layers=1), 12)
+    drafter = randomize(build_drafter(target, num_layers=1, block_size=4), 12)
     ids, lm = make_batch(target, b=2, s=20)
     feats = target_features(target, ids, drafter.target_layer_ids)
     anchors, keep = sample_anchors(lm, 6, generator=torch.Generator().manual_seed(4))
     out = dflash_loss(
-        drafter, input_ids=ids, loss_mask=lm, hidden_states=feats, block_size=4, mask_token_id=MASK_ID,
-        anchors=(anchors, keep), gamma=7.0, **loss_modules(target),
+        drafter,
+        input_ids=ids,
+        loss_mask=lm,
+        hidden_states=feats,
+        block_size=4,
+        mask_token_id=MASK_ID,
+        anchors=(anchors, keep),
+        gamma=7.0,
+        **loss_modules(target),
     )
     plan = plan_blocks(ids, lm, anchors, keep, block_size=4, mask_token_id=MASK_ID, gamma=7.0)
     with torch.no_grad():
@@ -361,7 +409,30 @@ def test_no_valid_anchor_gives_zero_loss_with_graph(target):
     lm = torch.zeros_like(ids)
     lm[0, 4] = 1  # a single supervised token: no valid pair
     feats = target_features(target, ids, drafter.target_layer_ids)
-    out = dflash_loss(drafter, input_ids=ids, loss_mask=lm, hidden_states=feats, mask_token_id=MASK_ID, block_size=8, **loss_modules(target))
+    out = dflash_loss(
+        drafter,
+        input_ids=ids,
+        loss_mask=lm,
+        hidden_states=feats,
+        mask_token_id=MASK_ID,
+        block_size=8,
+        **loss_modules(target),
+    )
     assert out.loss.item() == 0.0 and out.num_tokens == 0 and out.acceptance_length == 0.0
     out.loss.backward()
     assert drafter.fc.weight.grad is not None
+
+
+def test_pitfall_8_training_settings_must_match_the_drafter_config(target):
+    drafter = build_drafter(target, num_layers=1, block_size=8)
+    ids, lm = make_batch(target, b=1)
+    feats = target_features(target, ids, drafter.target_layer_ids)
+    kw = dict(input_ids=ids, loss_mask=lm, hidden_states=feats, **loss_modules(target))
+    with pytest.raises(ValueError, match="mask_token_id"):
+        dflash_loss(drafter, mask_token_id=MASK_ID - 1, **kw)
+    with pytest.raises(ValueError, match="block_size"):
+        dflash_loss(drafter, block_size=16, **kw)
+    out = dflash_loss(drafter, **kw)  # both taken from the config
+    assert len(out.position_accuracy) == 7
+    with pytest.raises(ValueError, match="target layers"):
+        dflash_loss(drafter, **dict(kw, hidden_states=torch.cat([feats, feats], dim=-1)))
