@@ -74,7 +74,7 @@ def _device_summary(pipeline) -> str:
 def run_validated(v: Validated, *, config_path: Path | None = None, resume: str | None = None, overrides: list[str] | None = None) -> int:
     """Run ``v`` with tracking and checkpoints. Returns the process exit code."""
     from dflash_flow import sections  # noqa: F401
-    from dflash_flow.checkpoint import CheckpointError, Checkpointer
+    from dflash_flow.checkpoint import Checkpointer, CheckpointError
     from dflash_flow.core import PipelineInterrupted, PipelineStalled, StageError
     from dflash_flow.core.render import render_image, to_mermaid
     from dflash_flow.core.runtime import Pipeline
@@ -172,3 +172,65 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
     if tracker.run_id:
         print(f"mlflow run: {tracker.run_id} ({tracker.tracking_uri})", file=sys.stderr)
     return code
+
+
+def export_checkpoint(checkpoint: Path, out: Path) -> int:
+    """``dflash-flow export``: a training checkpoint (or a checkpoints directory: its latest) into the
+    layout inference engines load (config.json + model.safetensors with the drafter weights only)."""
+    from dflash_flow.checkpoint import Checkpointer, CheckpointError, load_checkpoint
+    from dflash_flow.model.export import CheckpointError as DrafterCheckpointError
+    from dflash_flow.model.export import load_drafter, save_drafter
+
+    try:
+        path = Checkpointer(checkpoint).resolve(checkpoint)
+        load_checkpoint(path)  # verifies every checksum before anything is read
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"{path}: no config.json (written by an older version?)")
+        drafter = load_drafter(path)
+        save_drafter(drafter, out)
+    except (CheckpointError, DrafterCheckpointError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    n = sum(p.numel() for p in drafter.parameters())
+    print(f"exported {path} -> {out} ({n / 1e6:.2f} M drafter parameters)")
+    return EXIT_OK
+
+
+def eval_command(drafter: Path, target: str, prompts: Path, max_new_tokens: int, limit: int, baseline: bool,
+                 tokenizer: str | None) -> int:
+    """``dflash-flow eval``: real speculative decoding with any exported drafter and its target."""
+    from dflash_flow.model.evaluation import evaluate_exported
+    from dflash_flow.model.export import CheckpointError as DrafterCheckpointError
+
+    _quiet_libraries()
+    try:
+        results = evaluate_exported(
+            target=target, drafter_path=drafter, prompts_path=prompts, tokenizer_path=tokenizer,
+            limit=limit, max_new_tokens=max_new_tokens, baseline=baseline,
+        )
+    except (DrafterCheckpointError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    from dflash_flow.observe.progress import summary_table
+
+    keys = ["tau", "speedup_forwards", "lossless", "tokens_generated", "num_prompts", "speedup_wall"]
+    rows = [[name] + [m[k] for k in keys] for name, m in results.items()]
+    print(summary_table(rows, ["drafter", "acceptance_length", "forward_speedup", "lossless", "tokens", "prompts", "wall_speedup"]))
+    return EXIT_OK
+
+
+def regenerate_command(prompts: Path, target: str, out: Path, batch_size: int, max_new_tokens: int, resume: bool,
+                       system_prompt: str | None) -> int:
+    """``dflash-flow regenerate``: replies regenerated greedily by the target (batched, resumable)."""
+    from dflash_flow.embedded.regenerate import regenerate
+    from dflash_flow.stages.target_forward import target_spec
+
+    _quiet_libraries()
+    try:
+        stats = regenerate(prompts, target_spec(target), out, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                           resume=resume, progress=True, system_prompt=system_prompt)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    print(f"wrote {out}: {stats.total} records ({stats.generated} generated now)")
+    return EXIT_OK

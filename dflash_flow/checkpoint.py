@@ -95,7 +95,10 @@ class Checkpointer:
         data_position: dict[str, Any],
         stage_states: dict[str, list[dict[str, Any]]] | None = None,
         extra: dict[str, Any] | None = None,
+        files: dict[str, str] | None = None,
     ) -> Path:
+        """Write one checkpoint. ``files`` adds small text files (e.g. the drafter's ``config.json``, which
+        makes the checkpoint directory loadable by ``dflash-flow export``)."""
         import torch
         from safetensors.torch import save_file
 
@@ -117,7 +120,13 @@ class Checkpointer:
                 "extra": extra or {},
             }
             (tmp / "state.json").write_text(json.dumps(state, indent=1, default=_json_default))
-            manifest = {name: _sha256(tmp / name) for name in ("model.safetensors", "optimizer.pt", "state.json")}
+            names = ["model.safetensors", "optimizer.pt", "state.json"]
+            for name, text in (files or {}).items():
+                if "/" in name or name.startswith(".") or name in names or name == "MANIFEST.json":
+                    raise ValueError(f"bad checkpoint file name {name!r}")
+                (tmp / name).write_text(text)
+                names.append(name)
+            manifest = {name: _sha256(tmp / name) for name in names}
             (tmp / "MANIFEST.json").write_text(json.dumps(manifest, indent=1))
             for name in (*manifest, "MANIFEST.json"):
                 with open(tmp / name, "rb") as f:

@@ -49,7 +49,7 @@ class BlockPlan:
 
 @attrs.define(eq=False)
 class DFlashLossOutput:
-    """Loss (with graph) and detached statistics; floats are computed on access (one device sync)."""
+    """Loss (with graph) and detached statistics; properties sync per access, ``metrics()`` syncs once."""
 
     loss: torch.Tensor
     weight_sum: torch.Tensor  # sum of loss weights (the loss denominator)
@@ -81,15 +81,29 @@ class DFlashLossOutput:
         return float(self.acceptance_sum.item() / n) if n else 0.0
 
     def metrics(self, prefix: str = "") -> dict[str, float]:
+        """All statistics as floats, fetched from the device in one transfer."""
+        flat = torch.cat(
+            [
+                self.loss.detach().float().reshape(1),
+                self.acceptance_sum.float().reshape(1),
+                self.kept_blocks.float().reshape(1),
+                self.correct_per_position.float(),
+                self.supervised_per_position.float(),
+            ]
+        ).tolist()
+        loss, accept, blocks = flat[:3]
+        block = self.correct_per_position.numel()
+        correct, supervised = flat[3 : 3 + block], flat[3 + block :]
+        total = sum(supervised)
         out = {
-            f"{prefix}loss": float(self.loss.detach().item()),
-            f"{prefix}accuracy": self.accuracy,
-            f"{prefix}acceptance_length": self.acceptance_length,
-            f"{prefix}num_tokens": float(self.num_tokens),
-            f"{prefix}num_blocks": float(self.kept_blocks.item()),
+            f"{prefix}loss": loss,
+            f"{prefix}accuracy": sum(correct) / total if total else 0.0,
+            f"{prefix}acceptance_length": accept / blocks if blocks else 0.0,
+            f"{prefix}num_tokens": total,
+            f"{prefix}num_blocks": blocks,
         }
-        for k, acc in enumerate(self.position_accuracy, start=1):
-            out[f"{prefix}accuracy_pos{k}"] = acc
+        for k in range(1, block):
+            out[f"{prefix}accuracy_pos{k}"] = correct[k] / supervised[k] if supervised[k] else 0.0
         return out
 
 
@@ -112,9 +126,10 @@ def sample_anchors(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw ``W = min(num_anchors, max #valid)`` anchors per row, uniformly without replacement, sorted.
 
-    Random keys are drawn on the CPU with ``generator`` (a CPU generator), so a seed gives the same
-    anchors on every device. Returns ``(anchors [b, W] long, keep [b, W] bool)``; rows with fewer valid
-    positions are padded at the end with anchor 0 and keep False.
+    Random keys are drawn on ``generator``'s device (CPU without one). A CPU generator gives the same
+    anchors for a seed whatever device the batch is on; a CUDA generator works but draws differently.
+    Returns ``(anchors [b, W] long, keep [b, W] bool)``; rows with fewer valid positions are padded at
+    the end with anchor 0 and keep False.
     """
     valid = valid_anchor_mask(loss_mask, attention_mask)
     b, s = valid.shape
@@ -126,7 +141,8 @@ def sample_anchors(
         return empty, empty.bool()
     # A uniformly random subset = the w smallest of i.i.d. uniform keys; invalid positions get key 2 so
     # they are only picked when a row runs out of valid ones.
-    keys = torch.rand(b, s, generator=generator).to(device)
+    draw_on = generator.device if generator is not None else torch.device("cpu")
+    keys = torch.rand(b, s, generator=generator, device=draw_on).to(device)
     keys = torch.where(valid, keys, torch.full_like(keys, 2.0))
     picked = torch.topk(keys, w, dim=1, largest=False).indices
     keep = valid.gather(1, picked)

@@ -304,6 +304,8 @@ class DrafterStep(Stage):
             self.save_checkpoint(epoch_end)
 
     def save_checkpoint(self, epoch_end: bool = False) -> Path | None:
+        from dflash_flow.model.export import drafter_config_dict
+
         ckpt = self._ctx.services.get("checkpointer")
         if ckpt is None or self._opt is None:
             return None
@@ -317,6 +319,7 @@ class DrafterStep(Stage):
             data_position=self._position(epoch_end),
             stage_states=states,
             extra={"total_steps": self._total_steps},
+            files={"config.json": json.dumps(drafter_config_dict(self._drafter.config), indent=2, sort_keys=True)},
         )
 
     def state_dict(self) -> dict[str, Any]:
