@@ -333,7 +333,9 @@ def dflash_loss(
     """Token-weighted DFlash loss for one micro-batch.
 
     ``hidden_states`` ``[b, S, n*H]`` are the target features aligned 1:1 with ``input_ids`` (no shift).
-    ``embed_tokens``/``lm_head`` are the target's frozen modules (the caller sets requires_grad=False).
+    ``embed_tokens``/``lm_head`` are the target's frozen modules (the caller sets requires_grad=False);
+    ``embed_tokens`` must be a plain lookup (z-lab uses ``F.embedding`` on the raw weight), any
+    Gemma-style scaling comes from ``input_embedding_scale`` in the drafter config.
     ``chunk_blocks``: blocks per checkpointed chunk; None or 0 runs everything in one pass without
     checkpointing (more memory: logits of all blocks are kept for the backward).
     ``anchors``: optional precomputed ``(anchors, keep)``, bypassing sampling (tests, evaluation).

@@ -214,8 +214,9 @@ class DrafterStep(Stage):
         if meta.epoch != self._epoch:
             self._epoch, self._consumed = meta.epoch, 0
         t0 = time.perf_counter()
-        gen = torch.Generator(device=self._device)
-        # Anchors depend on the batch's identity only: the same batch gets the same anchors after a resume.
+        # Anchors depend on the batch's identity only: the same batch gets the same anchors after a resume,
+        # and a CPU generator gives the same anchors on every device.
+        gen = torch.Generator()
         gen.manual_seed(self._ctx.seed_for(meta.epoch, "anchors", meta.index))
         out = dflash_loss(
             self._drafter,

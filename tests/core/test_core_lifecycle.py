@@ -388,3 +388,46 @@ def test_watchdog_with_a_plain_sleep_longer_than_the_stall_timeout(grace, thread
     else:
         assert notes == []
     assert wait_threads_back(thread_baseline) == []
+
+
+def test_preload_runs_once_per_class_before_threads_and_failures_name_the_stage(thread_baseline):
+    import attrs
+
+    from dflash_flow.core import Stage, register_stage
+
+    calls = []
+
+    @register_stage
+    @attrs.define(kw_only=True, eq=False)
+    class TestPreloaded(Stage):
+        @classmethod
+        def preload(cls):
+            calls.append(sorted(t.name for t in threading.enumerate() if t.name.startswith("dflash-flow")))
+            if _PRELOAD_FAIL:
+                raise ImportError("no such library")
+
+        def process(self, item):
+            return (item,)
+
+    g = Graph(runtime=fast_runtime())
+    g.add("src", "TestSource", config={"count": 3, "plain": True})
+    g.add("a", TestPreloaded, inputs=["src"], replicas=2)
+    g.add("b", TestPreloaded, inputs=["a"])
+    g.add("sink", "TestSink", inputs=["b"])
+    _PRELOAD_FAIL.clear()
+    services: dict = {}
+    Pipeline(g, services=services, check_devices=False).run()
+    assert calls == [[]]  # once for the class, before any runtime thread existed
+    assert sorted(i for _, i in services["sink:sink"]) == [0, 1, 2]
+
+    _PRELOAD_FAIL.append(True)
+    services = {}
+    with pytest.raises(StageError) as info:
+        Pipeline(g, services=services, check_devices=False).run()
+    assert info.value.phase == "preload" and info.value.stage == "a"
+    assert isinstance(info.value.__cause__, ImportError)
+    assert services == {}  # no setup ran
+    assert wait_threads_back(thread_baseline) == []
+
+
+_PRELOAD_FAIL: list = []

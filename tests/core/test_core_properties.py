@@ -89,7 +89,7 @@ def dags(draw):
 
 
 def _graph(stages, seed, runtime_capacity) -> Graph:
-    g = Graph(seed=seed, runtime=fast_runtime(capacity=runtime_capacity, stall_timeout_s=15.0))
+    g = Graph(seed=seed, runtime=fast_runtime(capacity=runtime_capacity, stall_timeout_s=5.0))
     for s in stages:
         g.add(
             s["name"],

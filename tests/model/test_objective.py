@@ -400,7 +400,11 @@ def test_loss_value_and_metrics_match_manual_computation(target):
     assert out.acceptance_length == pytest.approx(sum(accept) / len(accept))
     assert len(out.position_accuracy) == 3
     m = out.metrics("train/")
-    assert m["train/loss"] == pytest.approx(out.loss.item()) and "train/accuracy_pos3" in m
+    assert m["train/loss"] == pytest.approx(out.loss.item())
+    assert m["train/accuracy"] == pytest.approx(out.accuracy)
+    assert m["train/acceptance_length"] == pytest.approx(out.acceptance_length)
+    assert m["train/num_tokens"] == total and m["train/num_blocks"] == len(accept)
+    assert [m[f"train/accuracy_pos{k}"] for k in (1, 2, 3)] == pytest.approx(out.position_accuracy)
 
 
 def test_no_valid_anchor_gives_zero_loss_with_graph(target):

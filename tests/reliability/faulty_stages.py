@@ -102,8 +102,9 @@ def _make(base: type) -> type:
     else:
         ns["process"] = process
     cls = type(f"Faulty{base.__name__}", (base,), ns)
-    # kw_only like the built-ins; slots off like Stage itself (replicas set attributes in setup).
-    cls = attrs.define(kw_only=True, eq=False, slots=False)(cls)
+    # Like the built-ins (slotted attrs classes over the dict-ful Stage): attrs then generates the
+    # pickling/deepcopy state of all fields, which the runtime relies on to build replicas 1..n.
+    cls = attrs.define(kw_only=True, eq=False)(cls)
     return register_stage(cls)
 
 

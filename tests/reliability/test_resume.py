@@ -89,11 +89,12 @@ def _assert_same_weights(ref: dict, path: Path) -> None:
         assert torch.allclose(got[k], ref[k], atol=1e-5, rtol=0), f"weight {k} differs after resume"
 
 
-def _trial_root(reference, name: str) -> tuple[Path, Path, Path]:
+def _trial_root(reference, name: str, **runtime) -> tuple[Path, Path, Path]:
     root = reference["root"] / name
     root.mkdir()
     out = root / "out"
-    doc = train_pipeline(reference["root"], data=reference["data"], output_dir=out)
+    # The runtime section is not part of the resume config hash: queue sizes change timing, not batches.
+    doc = train_pipeline(reference["root"], data=reference["data"], output_dir=out, runtime=runtime)
     return root, out, write_yaml(root / "pipeline.yaml", doc)
 
 
@@ -114,32 +115,52 @@ def test_sigkill_at_random_steps_then_resume_is_exactly_once(reference):
     seed = int(os.environ.get("DFLASH_RELIABILITY_SEED", time.time_ns() % 10**6))
     rng = random.Random(seed)
     n = len(reference["batches"])
-    # One kill point in each third of the run (early, around the epoch boundary, late), at random.
+    # One kill point in each third of the run (early, around the epoch boundary, late), at random. The
+    # three trials run side by side (separate processes and directories) to keep the suite short.
     windows = [(4, n // 3), (n // 3 + 1, 2 * n // 3), (2 * n // 3 + 1, n - 2)]
+    trials = []
     for trial, (lo, hi) in enumerate(windows):
         kill_at = rng.randint(lo, max(lo, hi))
-        where = f"(seed {seed}, trial {trial}, kill after {kill_at} batches)"
         root, out, path = _trial_root(reference, f"kill{trial}")
         proc = start_cli(["run", path], cwd=root, log=root / "first.log")
-        try:
-            wait_for_lines(out / "batches.jsonl", kill_at, proc)
-        finally:
-            kill_hard(proc)
-        assert proc.returncode == -signal.SIGKILL, f"the run ended before the kill {where}: " + (root / "first.log").read_text()[-2000:]
+        trials.append({"where": f"(seed {seed}, trial {trial}, kill after {kill_at} batches)", "kill_at": kill_at,
+                       "root": root, "out": out, "path": path, "proc": proc})
+    try:
+        deadline = time.monotonic() + 180
+        pending = list(trials)
+        while pending and time.monotonic() < deadline:
+            for t in list(pending):
+                if count_complete_lines(t["out"] / "batches.jsonl") >= t["kill_at"] or t["proc"].poll() is not None:
+                    kill_hard(t["proc"])
+                    pending.remove(t)
+            time.sleep(0.005)
+        assert not pending, "runs did not reach their kill points in time"
+    finally:
+        for t in trials:
+            if t["proc"].returncode is None:
+                kill_hard(t["proc"])
+
+    for t in trials:
+        where, out = t["where"], t["out"]
+        assert t["proc"].returncode == -signal.SIGKILL, f"the run ended before the kill {where}: " + (t["root"] / "first.log").read_text()[-2000:]
         raw = (out / "batches.jsonl").read_bytes()
         assert raw.endswith(b"\n"), f"a batch line was cut by the kill {where}"
-        before = raw.decode().splitlines()
-        ck = _checkpoint(out)
+        t["before"] = before = raw.decode().splitlines()
+        t["ck"] = ck = _checkpoint(out)
         total = ck["data_position"]["total"]
         assert ck["step"] == total, "grad_accum 1: one optimizer step per batch"
         assert 2 <= total <= len(before), where
         assert before[:total] == reference["batches"][:total], f"the killed run diverged before the checkpoint {where}"
-        first_run_id = ck["mlflow_run_id"]
-        assert first_run_id
+        assert ck["mlflow_run_id"], where
+        t["proc"] = start_cli(["run", t["path"], "--resume", "latest"], cwd=t["root"], log=t["root"] / "resume.log")
 
-        res = cli(["run", path, "--resume", "latest"], cwd=root)
-        assert res.returncode == 0, f"{where}\n{res.stderr[-3000:]}"
-        assert f"resuming from {ck['path']}" in res.stderr
+    for t in trials:
+        code = finish(t["proc"], 240)
+        where, out, ck, before = t["where"], t["out"], t["ck"], t["before"]
+        log = (t["root"] / "resume.log").read_text()
+        assert code == 0, f"{where}\n{log[-3000:]}"
+        assert f"resuming from {ck['path']}" in log
+        total = ck["data_position"]["total"]
         after = read_lines(out / "batches.jsonl")[len(before):]
         spliced = before[:total] + after
         assert spliced == reference["batches"], (
@@ -148,8 +169,8 @@ def test_sigkill_at_random_steps_then_resume_is_exactly_once(reference):
         )
         _assert_same_weights(reference["weights"], out / "drafter" / "model.safetensors")
         # The resumed run continues the same MLflow run, and finishes it.
-        assert summary(out)["mlflow_run_id"] == first_run_id
-        run = mlflow_run(reference["root"] / "mlflow.db", first_run_id)
+        assert summary(out)["mlflow_run_id"] == ck["mlflow_run_id"], where
+        run = mlflow_run(reference["root"] / "mlflow.db", ck["mlflow_run_id"])
         assert run.info.status == "FINISHED", where
         assert run.data.metrics["train/loss"] > 0
 
@@ -162,13 +183,14 @@ def _stop_with(proc, sig: int, out: Path, at: int) -> int:
 
 
 def test_sigint_then_sigterm_stop_gracefully_and_resume_identically(reference):
-    root, out, path = _trial_root(reference, "graceful")
+    # Queues of one: a graceful stop drains what is in flight, which should leave room for a second stop.
+    root, out, path = _trial_root(reference, "graceful", capacity=1)
     db = reference["root"] / "mlflow.db"
     n = len(reference["batches"])
 
     # 1. Ctrl-C mid-epoch 0: drain, checkpoint of everything trained, exit 130, MLflow KILLED.
     proc = start_cli(["run", path], cwd=root, log=root / "sigint.log")
-    code = _stop_with(proc, signal.SIGINT, out, 3)
+    code = _stop_with(proc, signal.SIGINT, out, 2)
     log = (root / "sigint.log").read_text()
     assert code == 130, log[-3000:]
     assert "checkpoint saved to" in log and "Traceback" not in log, log[-3000:]
@@ -176,13 +198,14 @@ def test_sigint_then_sigterm_stop_gracefully_and_resume_identically(reference):
     lines1 = read_lines(out / "batches.jsonl")
     assert ck["data_position"]["total"] == len(lines1), "a graceful stop checkpoints every trained batch"
     assert lines1 == reference["batches"][: len(lines1)]
+    assert len(lines1) < n - 1, f"the drain trained {len(lines1)} of {n} batches: no room for a second stop"
     run_id = ck["mlflow_run_id"]
     assert mlflow_run(db, run_id).info.status == "KILLED"
     assert summary(out)["status"] == "KILLED"
 
     # 2. Resume, then SIGTERM further on: same handling.
     proc = start_cli(["run", path, "--resume", "latest"], cwd=root, log=root / "sigterm.log")
-    code = _stop_with(proc, signal.SIGTERM, out, min(len(lines1) + 4, n - 2))
+    code = _stop_with(proc, signal.SIGTERM, out, len(lines1) + 1)
     log = (root / "sigterm.log").read_text()
     assert code == 130, log[-3000:]
     assert "checkpoint saved to" in log and "Traceback" not in log, log[-3000:]

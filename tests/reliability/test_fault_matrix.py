@@ -1,0 +1,225 @@
+"""Fault containment: every built-in stage type x {setup, mid-stream, teardown} x {1, several replicas}.
+
+Faults are injected into the real stages (``faulty_stages.Faulty<Type>``: the real class, its real hooks,
+plus one raise after the hook). Most of the matrix runs in-process (``Pipeline``) and checks: the run
+ends within a bound, a ``StageError`` names the stage, the replica and the phase, the original exception
+and its traceback are attached, every thread is joined. A few cases run the real CLI in a subprocess and
+check the exit code, the message, MLflow's FAILED status and that the last checkpoint is intact.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import MASK_ID, VOCAB, cli, mlflow_run, summary, train_pipeline, wait_threads_back, write_tokenized, write_yaml
+from faulty_stages import BUILTIN_TYPES, FAULTY, InjectedFault
+
+from dflash_flow.core import Graph, Pipeline, StageError
+from dflash_flow.core.graph import RuntimeOptions
+
+BOUND_S = 60.0  # a failing run ends well within this on a busy 2-core box (typically < 2 s)
+HERE = Path(__file__).resolve().parent
+
+
+def _runtime() -> RuntimeOptions:
+    return RuntimeOptions(capacity=2, stall_timeout_s=60, drain_timeout_s=10, shutdown_grace_s=10, watchdog_interval_s=0.05)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults")
+    tokens = write_tokenized(root / "tokens.jsonl", 8, seed=1)
+    # Embedded-target ids (vocab 768) for the SpecDecodeEval pipeline, which needs a tokenizer.
+    chat = root / "chat.jsonl"
+    with open(chat, "w") as f:
+        for i in range(4):
+            f.write(json.dumps({"conversations": [
+                {"role": "user", "content": f"What is {i} plus {i}?"},
+                {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."},
+            ]}) + "\n")
+    from dflash_flow.stages.embedded import embedded_target_path
+
+    return {"root": root, "tokens": tokens, "chat": chat, "embedded": embedded_target_path()}
+
+
+def _tok_source(files, **extra):
+    return {"paths": [str(files["tokens"])], "max_length": 64, "cache_dir": None, "vocab_size": VOCAB, **extra}
+
+
+def _drafter_conf(target="tiny-qwen3-8l", **extra):
+    conf = {"target": target, "num_layers": 1, "block_size": 4, "num_anchors": 8, "torch_threads": 1, **extra}
+    if target == "tiny-qwen3-8l":
+        conf["mask_token_id"] = MASK_ID
+    return conf
+
+
+def _graph(victim: str, files, replicas: int, fault: dict) -> tuple[Graph, str]:
+    """A small real pipeline around the victim type; returns (graph, victim stage name)."""
+    g = Graph(name=f"fault-{victim}", seed=3, runtime=_runtime())
+    F = f"Faulty{victim}"
+    data = [("source", "TokenizedSource", [], 1, _tok_source(files)),
+            ("bucketer", "Bucketer", ["source"], 1, {"max_tokens": 128, "num_buckets": 2, "epochs": 1}),
+            ("interleaver", "Interleaver", ["bucketer"], 1, {}),
+            ("padder", "Padder", ["interleaver"], 1, {})]
+
+    def add(name, type_, inputs, reps, conf):
+        if type_ == victim:
+            type_, reps, conf = F, replicas, {**conf, **fault}
+        g.add(name, type_, inputs=inputs, replicas=reps, config=conf)
+
+    if victim in ("Range", "Delay", "Discard"):
+        add("source", "Range", [], 1, {"count": 20})
+        add("work", "Delay", ["source"], 1, {})
+        add("sink", "Discard", ["work"], 1, {})
+    elif victim in ("TokenizedSource", "ChatSource", "EmbeddedChatSource"):
+        conf = {
+            "TokenizedSource": _tok_source(files),
+            "ChatSource": {"paths": [str(files["chat"])], "tokenizer": files["embedded"], "cache_dir": None},
+            "EmbeddedChatSource": {"n_train": 4, "n_eval": 1, "max_new_tokens": 8, "generation_batch_size": 4,
+                                   "dataset_dir": str(files["root"] / "embedded-dataset")},
+        }[victim]
+        add("source", victim, [], 1, conf)
+        add("sink", "Discard", ["source"], 1, {})
+    elif victim in ("Bucketer", "Interleaver", "Padder"):
+        for spec in data:
+            add(*spec)
+        add("sink", "Discard", ["padder"], 1, {})
+    elif victim == "Monitor":
+        add("source", "Range", [], 1, {"count": 20})
+        add("monitor", "Monitor", ["source"], 1, {"interval_s": 0.01, "progress": False, "plots": False})
+    elif victim in ("TargetForward", "DrafterStep"):
+        for spec in data:
+            add(*spec)
+        add("target", "TargetForward", ["padder"], 1, {"target": "tiny-qwen3-8l", "torch_threads": 1})
+        if victim == "TargetForward":
+            add("sink", "Discard", ["target"], 1, {})
+        else:
+            add("drafter", "DrafterStep", ["target"], 1, _drafter_conf())
+            add("sink", "Discard", ["drafter"], 1, {})
+    elif victim == "SpecDecodeEval":
+        add("source", "ChatSource", [], 1, {"paths": [str(files["chat"])], "tokenizer": files["embedded"], "cache_dir": None})
+        add("bucketer", "Bucketer", ["source"], 1, {"max_tokens": 512, "num_buckets": 1, "epochs": 1})
+        add("interleaver", "Interleaver", ["bucketer"], 1, {})
+        add("padder", "Padder", ["interleaver"], 1, {})
+        add("target", "TargetForward", ["padder"], 1, {"target": files["embedded"], "torch_threads": 1})
+        add("drafter", "DrafterStep", ["target"], 1, _drafter_conf(files["embedded"]))
+        add("evaluate", "SpecDecodeEval", ["drafter"], 1,
+            {"target": files["embedded"], "prompts": "embedded", "limit": 1, "max_new_tokens": 4, "baseline": False})
+        add("sink", "Discard", ["evaluate"], 1, {})
+    else:  # pragma: no cover - a new built-in type must be added to the matrix
+        raise AssertionError(f"no fault pipeline for {victim}")
+    names = [s.name for s in g.stages if s.type == F]
+    assert len(names) == 1
+    return g, names[0]
+
+
+def _cases():
+    out = []
+    for t in BUILTIN_TYPES:
+        single = FAULTY[t].singleton
+        for phase in ("setup", "process", "teardown"):
+            out.append(pytest.param(t, phase, 1, 0, id=f"{t}-{phase}-1"))
+            if not single:
+                out.append(pytest.param(t, phase, 2, 1, id=f"{t}-{phase}-2"))
+    return out
+
+
+def test_matrix_covers_every_registered_builtin_type():
+    from dflash_flow.core import registry
+
+    builtins = set(registry._BUILTIN)  # the names dflash_flow.stages declares
+    assert builtins == set(BUILTIN_TYPES), f"update the fault matrix: {builtins ^ set(BUILTIN_TYPES)}"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("victim", "phase", "replicas", "fault_replica"), _cases())
+def test_fault_is_contained(victim, phase, replicas, fault_replica, files, tmp_path):
+    fault = {"fault_phase": phase, "fault_replica": fault_replica, "fault_at": 1 if phase == "process" else 0}
+    if victim in ("SpecDecodeEval", "Interleaver") and phase == "process":
+        fault["fault_at"] = 0  # one input that matters: the final report / the only epoch
+    if victim == "Bucketer" and phase == "process":
+        fault["fault_at"] = 3
+    g, name = _graph(victim, files, replicas, fault)
+    baseline = set(threading.enumerate())
+    t0 = time.monotonic()
+    p = Pipeline(g, output_dir=tmp_path / "out", check_devices=False)
+    with pytest.raises(StageError) as info:
+        p.run()
+    elapsed = time.monotonic() - t0
+    err = info.value
+    expected_phase = "produce" if (phase == "process" and FAULTY[victim].is_source()) else phase
+    assert (err.stage, err.replica, err.phase) == (name, fault_replica, expected_phase), str(err)
+    assert isinstance(err.original, InjectedFault)
+    assert err.__cause__ is err.original and err.original.__traceback__ is not None
+    assert f"stage '{name}' replica {fault_replica} failed in {expected_phase}" in str(err)
+    # Only the victim failed: a fault must not be re-reported by the stages that were cancelled.
+    assert {(e.stage, e.replica) for e in p.errors} == {(name, fault_replica)}, [str(e) for e in p.errors]
+    assert elapsed < BOUND_S, f"{victim} {phase}: the failing run took {elapsed:.1f}s"
+    assert wait_threads_back(baseline) == [], "threads left after the failure"
+    # Every replica that started was torn down and has ended.
+    for reps in p.replicas.values():
+        for rep in reps:
+            assert rep.thread is not None and not rep.thread.is_alive()
+
+
+# -- through the CLI: exit code, message, MLflow FAILED, last checkpoint intact -----------------------
+def _launch(args, cwd):
+    import subprocess
+    import sys
+
+    from conftest import cli_env
+
+    cmd = [sys.executable, str(HERE / "launch.py"), *map(str, args)]
+    return subprocess.run(cmd, cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(
+    ("stage", "phase", "replica", "at"),
+    [("target", "process", 1, 3), ("drafter", "teardown", 0, 0)],
+    ids=["TargetForward-midstream-replica1", "DrafterStep-teardown"],
+)
+def test_cli_failure_exit_code_message_mlflow_failed_checkpoint_intact(stage, phase, replica, at, tmp_path):
+    from dflash_flow.checkpoint import Checkpointer
+
+    data = write_tokenized(tmp_path / "data.jsonl", 24, seed=5)
+    out = tmp_path / "out"
+    types = {"target": "FaultyTargetForward", "drafter": "FaultyDrafterStep"}
+    doc = train_pipeline(tmp_path, data=data, output_dir=out, epochs=1, overrides={
+        stage: {"type": types[stage], "fault_phase": phase, "fault_replica": replica, "fault_at": at}})
+    path = write_yaml(tmp_path / "p.yaml", doc)
+    t0 = time.monotonic()
+    res = _launch(["run", path], tmp_path)
+    assert time.monotonic() - t0 < 150
+    assert res.returncode == 1, res.stderr[-3000:]
+    err = res.stderr
+    assert f"stage '{stage}' replica {replica} failed in {phase}: InjectedFault" in err, err[-3000:]
+    assert f"Original traceback ({stage}[{replica}], {phase})" in err
+    assert "faulty_stages.py" in err, "the original traceback points at the raising code"
+    s = summary(out)
+    assert s["status"] == "FAILED"
+    assert mlflow_run(tmp_path / "mlflow.db", s["mlflow_run_id"]).info.status == "FAILED"
+    # The last good checkpoint is intact (checksums verified) and loads.
+    ck = Checkpointer(out / "checkpoints").load("latest", check_config=False)
+    assert ck.step >= 2
+    assert ck.model_state()
+    # No checkpoint half-written by the failure.
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+
+
+def test_cli_setup_failure_of_a_real_stage_exits_nonzero_and_marks_failed(tmp_path):
+    """No injection: a real setup failure (a target directory that does not exist)."""
+    data = write_tokenized(tmp_path / "data.jsonl", 8)
+    out = tmp_path / "out"
+    doc = train_pipeline(tmp_path, data=data, output_dir=out, overrides={"target": {"target": str(tmp_path / "no-such-model")}})
+    res = cli(["run", write_yaml(tmp_path / "p.yaml", doc)], cwd=tmp_path, timeout=150)
+    assert res.returncode in (1, 2), res.stderr[-3000:]
+    assert "stage 'target' replica" in res.stderr and "failed in setup" in res.stderr, res.stderr[-3000:]
+    s = summary(out)
+    assert s["status"] == "FAILED"
+    assert mlflow_run(tmp_path / "mlflow.db", s["mlflow_run_id"]).info.status == "FAILED"
