@@ -329,7 +329,8 @@ def bench_efficiency(n: int, reps: int) -> dict[str, Any]:
 # -- 4. round-robin balance -----------------------------------------------------------------------------
 def bench_round_robin(producers: int = 3, consumers: int = 4, per_producer: int = 2001) -> dict[str, Any]:
     g = Graph(name="rr", runtime=RuntimeOptions(capacity=4))
-    g.add("src", "Range", config={"count": per_producer}, replicas=producers)
+    # Range replicas share the integers: `producers` replicas emit producers * per_producer items in all.
+    g.add("src", "Range", config={"count": producers * per_producer}, replicas=producers)
     g.add("work", "Delay", inputs=["src"], replicas=consumers, policy="round_robin")
     g.add("sink", "Discard", inputs=["work"])
     res = Pipeline(g, check_devices=False, output_dir=OUTPUT_DIR).run()

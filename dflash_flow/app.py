@@ -48,6 +48,54 @@ def build_resume_state(v: Validated, ckpt) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+def preflight_problems(v: Validated) -> list:
+    """DFlash checks across stages that the generic validation cannot know: a Bucketer token budget
+    smaller than the longest sample an upstream source may emit (it would fail after reading all data)."""
+    import math
+
+    from dflash_flow.core.errors import Problem
+    from dflash_flow.stages.bucketer import Bucketer
+
+    graph = v.graph
+    loc = graph.locator
+    problems = []
+    for i, spec in enumerate(graph.stages):
+        conf = v.configs.get(spec.name)
+        if not isinstance(conf, Bucketer):
+            continue
+        todo, seen = [inp.stage for inp in spec.inputs], set()
+        while todo:
+            name = todo.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            up = v.configs.get(name)
+            max_length = getattr(up, "max_length", None)
+            if isinstance(max_length, int):
+                multiple = max(int(getattr(conf, "pad_to_multiple", 1)), 1)
+                padded = math.ceil(max_length / multiple) * multiple
+                if conf.max_tokens < padded:
+                    problems.append(Problem(
+                        f"max_tokens={conf.max_tokens} is smaller than one sample: stage '{name}' emits samples "
+                        f"of up to max_length={max_length} tokens ({padded} padded); raise max_tokens or lower max_length",
+                        file=loc.filename if loc is not None else None,
+                        line=loc.line("stages", i, "config", "max_tokens") if loc is not None else None,
+                        stage=spec.name,
+                        field="max_tokens",
+                    ))
+                continue
+            todo.extend(inp.stage for inp in graph.stage(name).inputs)
+    return problems
+
+
+def is_user_input_error(exc: BaseException) -> bool:
+    """Errors that mean "your input is wrong" (exit code 2) rather than "the program failed" (1)."""
+    from dflash_flow.core.errors import DflashFlowError
+    from dflash_flow.data.records import DataError
+
+    return isinstance(exc, (DataError, DflashFlowError))
+
+
 def _quiet_libraries() -> None:
     """Per-call progress bars and info logs of libraries would drown the run's own progress line."""
     import os
@@ -135,18 +183,26 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
     if image is not None:
         tracker.log_artifact(image, "dag")
     status, code, error_text = "FINISHED", EXIT_OK, None
+    shown = None  # what the console gets when it differs from error_text (summary.json keeps everything)
     try:
         pipeline.run()
     except StageError as exc:
         status, code = "FAILED", EXIT_FAILED
         original = "".join(traceback.format_exception(exc.original))
         error_text = f"{exc}\n\nOriginal traceback ({exc.stage}[{exc.replica}], {exc.phase}):\n{original}"
-        for note in getattr(exc, "__notes__", []):
-            error_text += f"\n{note}"
+        notes = "".join(f"\n{note}" for note in getattr(exc, "__notes__", []))
+        error_text += notes
+        if is_user_input_error(exc.original):
+            # Bad input data (a file that is missing, empty, truncated, not JSON...): the message names the
+            # file and line; a traceback would only bury it. summary.json keeps the traceback.
+            code, shown = EXIT_USER_ERROR, f"{exc}{notes}"
     except PipelineStalled as exc:
         status, code, error_text = "FAILED", EXIT_FAILED, str(exc)
     except PipelineInterrupted as exc:
         status, code, error_text = "KILLED", EXIT_INTERRUPTED, str(exc)
+    except KeyboardInterrupt:
+        # Ctrl-C / SIGTERM before the pipeline's own handling started (stage imports in preload).
+        status, code, error_text = "KILLED", EXIT_INTERRUPTED, "pipeline interrupted (before it started)"
     except BaseException as exc:
         status, code = "FAILED", EXIT_FAILED
         error_text = "".join(traceback.format_exception(exc))
@@ -168,7 +224,8 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
         tracker.log_artifact(output_dir / "summary.json")
         tracker.end(status)
     if error_text:
-        print(f"error: {error_text}" if code != EXIT_INTERRUPTED else f"stopped: {error_text}", file=sys.stderr)
+        text = shown or error_text
+        print(f"error: {text}" if code != EXIT_INTERRUPTED else f"stopped: {text}", file=sys.stderr)
     if tracker.run_id:
         print(f"mlflow run: {tracker.run_id} ({tracker.tracking_uri})", file=sys.stderr)
     return code

@@ -35,9 +35,15 @@ def _load(file: Path, overrides: Optional[list[str]], check_devices: bool = True
     from dflash_flow.core import ConfigError, load_graph
     from dflash_flow.core.validate import validated
 
+    from dflash_flow.app import preflight_problems
+
     try:
         graph = load_graph(file, overrides or [])
-        return validated(graph, check_devices=check_devices)
+        v = validated(graph, check_devices=check_devices)
+        problems = preflight_problems(v)
+        if problems:
+            raise ConfigError(problems)
+        return v
     except ConfigError as exc:
         lines = [p.format() for p in exc.problems]
         _fail(f"error: {file}: {len(lines)} problem(s)\n" + "\n".join(lines))
@@ -108,12 +114,28 @@ def run(
     resume: Optional[str] = typer.Option(None, "--resume", help="Resume from a checkpoint path, or 'latest'."),
 ) -> None:
     """Run a pipeline."""
+    _sigterm_as_interrupt()
     v = _load(file, set_)
     from dflash_flow.app import run_validated
 
     code = run_validated(v, config_path=file, resume=resume, overrides=set_ or [])
     _exit_now_if_threads_stuck(code)
     raise typer.Exit(code)
+
+
+def _sigterm_as_interrupt() -> None:
+    """SIGTERM is handled like Ctrl-C for the whole command, not only while the pipeline runs: a SIGTERM
+    during start-up (imports, tracker, model loading) then still ends in exit 130 and a KILLED run,
+    instead of the default action (death without marking the MLflow run)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_interrupt)
+
+
+def _raise_interrupt(signum, frame):  # noqa: ARG001
+    raise KeyboardInterrupt()
 
 
 def _exit_now_if_threads_stuck(code: int) -> None:

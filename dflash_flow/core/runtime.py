@@ -604,6 +604,8 @@ class Pipeline:
     def _emit(self, rep: _Replica, seq: Any, item: Any) -> None:
         env = (seq, item)
         blocked = 0.0
+        state, since = rep.state, rep.state_since
+        rep.state = "blocked"  # a put that waits shows as blocked on output, not busy, to the watchdog
         for router in rep.routers:
             target = router.targets()
             if isinstance(target, list):
@@ -611,10 +613,12 @@ class Pipeline:
                     blocked += ch.put(env)
             else:
                 blocked += target.put(env)
+        rep.state, rep.state_since = state, since
         if item is not TOMBSTONE:
             rep.items_out += 1
         if blocked:
             rep.blocked_out_s += blocked
+            rep.state_since = time.monotonic()
 
     def _fail(self, rep: _Replica, phase: str, exc: BaseException) -> None:
         err = StageError(rep.name, rep.index, phase, exc)

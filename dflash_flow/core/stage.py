@@ -104,6 +104,8 @@ class Stage:
     cardinality: ClassVar[str] = "1:1"
     #: True for stages that must run once per process (e.g. they own an MLflow run).
     singleton: ClassVar[bool] = False
+    #: Sources only: True when each replica produces only its share (``ctx.replica`` of ``num_replicas``).
+    shards_by_replica: ClassVar[bool] = False
 
     @classmethod
     def preload(cls) -> None:

@@ -103,7 +103,9 @@ def _validated(graph: Graph, *, check_devices: bool, gpu_count: int | None) -> V
         if spec.capacity is not None and spec.capacity < 1:
             problems.append(P(f"capacity must be >= 1, got {spec.capacity}", spec, "capacity", field="capacity"))
         cls = classes.get(spec.name)
-        if cls is not None and cls.singleton and spec.replicas > 1:
+        if cls is not None and cls.is_source() and not cls.shards_by_replica and spec.replicas > 1:
+            problems.append(P(f"source type '{spec.type}' would emit its whole output once per replica; replicas must be 1", spec, "replicas", field="replicas"))
+        elif cls is not None and cls.singleton and spec.replicas > 1:
             problems.append(P(f"stage type '{spec.type}' runs once per process; replicas must be 1", spec, "replicas", field="replicas"))
         devs = normalize_devices(spec.devices)
         bad = False
@@ -233,12 +235,13 @@ def _ordering_problem(graph: Graph, spec: StageSpec, classes: dict[str, type[Sta
     if spec.replicas != 1:
         return "ordered input needs replicas: 1 (one consumer restores one order)"
     origins: set[str] = set()
-    todo = [i.stage for i in spec.inputs]
+    todo = list(dict.fromkeys(i.stage for i in spec.inputs))  # an input listed twice is reported elsewhere
     seen = set()
     while todo:
         name = todo.pop()
         if name in seen:
-            continue
+            # A diamond: every item of this stage reaches the consumer more than once.
+            return f"ordered input: items of stage '{name}' arrive by more than one path; there is no single order to restore"
         seen.add(name)
         try:
             up = graph.stage(name)
@@ -255,7 +258,10 @@ def _ordering_problem(graph: Graph, spec: StageSpec, classes: dict[str, type[Sta
                     "it needs replicas: 1"
                 )
         else:
-            todo.extend(i.stage for i in up.inputs)
+            for inp in up.inputs:
+                if inp.policy == "broadcast" and up.replicas > 1:
+                    return f"ordered input: '{name}' receives '{inp.stage}' by broadcast to {up.replicas} replicas, so every item arrives {up.replicas} times"
+            todo.extend(dict.fromkeys(inp.stage for inp in up.inputs))
     if len(origins) > 1:
         return f"ordered input merges items from several origins ({', '.join(sorted(origins))}); there is no single order to restore"
     return None

@@ -263,13 +263,23 @@ def regenerate(prompts_jsonl: str | Path, target_path: str | Path | None, out_js
     """
     import torch
 
-    from .tokenizer import stop_token_ids
-
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError("batch_size and max_new_tokens must be >= 1")
-    t0 = time.perf_counter()
+    prev_threads = torch.get_num_threads()
     if num_threads is not None:
         torch.set_num_threads(num_threads)
+    try:
+        return _regenerate(prompts_jsonl, target_path, out_jsonl, batch_size, max_new_tokens, resume, progress,
+                           system_prompt, device, limit, model, tokenizer)
+    finally:
+        torch.set_num_threads(prev_threads)
+
+
+def _regenerate(prompts_jsonl, target_path, out_jsonl, batch_size, max_new_tokens, resume, progress,
+                system_prompt, device, limit, model, tokenizer) -> RegenStats:
+    from .tokenizer import stop_token_ids
+
+    t0 = time.perf_counter()
     records = read_prompts(prompts_jsonl)
     if limit is not None:
         records = records[:limit]

@@ -27,6 +27,19 @@ def default_gamma(block_size: int) -> float:
     return max(1.0, round(block_size * 7.0 / 16.0, 2))
 
 
+def check_inside_output_dir(field: str, value: str) -> None:
+    """A stage's output path is relative to the run's output directory and must stay inside it: a YAML
+    cannot make the run write elsewhere (the user chooses where a run writes with ``output_dir``)."""
+    from pathlib import PurePath
+
+    p = PurePath(value)
+    if not value or p.is_absolute() or value.startswith("~") or ".." in p.parts:
+        raise ValueError(
+            f"{field} must be a relative path inside output_dir (no '..', not absolute), got {value!r}; "
+            "to write somewhere else, set output_dir"
+        )
+
+
 def load_target_config(target: Any, trust_remote_code: bool = False):
     """The target's config without loading its weights."""
     from dflash_flow.model.target import TARGET_PRESETS, _preset_config
@@ -111,7 +124,12 @@ class DrafterStep(Stage):
     total_steps: int | None = cfg(None, ge=1, doc="Schedule length (default: from the batch plan).")
     dtype: str = cfg("auto", choices=("auto", "float32", "bfloat16"), doc="auto: bf16 (fp32 masters) on GPU, fp32 on CPU.")
     init_from: str | None = cfg(None, doc="Start from an exported drafter directory instead of random weights.")
-    export_dir: str = cfg("drafter", doc="Where the final inference checkpoint goes (relative to output_dir).")
+    export_dir: str = attrs.field(
+        default="drafter",
+        validator=lambda _inst, _attr, value: check_inside_output_dir("export_dir", value),
+        metadata={"doc": "Where the final inference checkpoint goes (a path inside output_dir).", "config": True},
+        kw_only=True,
+    )
     record_batches: bool = cfg(False, doc="Append every trained batch (epoch, index, sample ids) to batches.jsonl.")
     torch_threads: int | None = cfg(None, ge=1, doc="torch intra-op threads (CPU runs).")
     trust_remote_code: bool = cfg(False, doc="Allow the target's own code when reading its config.")

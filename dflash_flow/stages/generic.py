@@ -17,20 +17,27 @@ from dflash_flow.core import Source, Stage, cfg, register_stage
 @register_stage
 @attrs.define(kw_only=True, eq=False)
 class Range(Source):
-    """Emits the integers 0..count-1, optionally spending `service_s` per item."""
+    """Emits the integers 0..count-1, optionally spending `service_s` per item (replicas share them)."""
 
     output_type = int
+    shards_by_replica = True
 
     count: int = cfg(10, ge=0, doc="How many integers to emit.")
     service_s: float = cfg(0.0, ge=0, doc="Seconds of (GIL-free) work per item.")
     _next: int = attrs.field(default=0, init=False)
+
+    def setup(self, ctx) -> None:
+        # Replica r of n emits r, r+n, r+2n, ...: together the replicas emit each integer once.
+        self._stride = ctx.num_replicas
+        if self._next == 0:
+            self._next = ctx.replica
 
     def produce(self):
         while self._next < self.count:
             if self.service_s:
                 time.sleep(self.service_s)
             value = self._next
-            self._next += 1
+            self._next += self._stride
             yield value
 
     def state_dict(self) -> dict[str, Any]:

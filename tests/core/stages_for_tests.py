@@ -28,6 +28,8 @@ def _log(ctx, key: str) -> list:
 class TestSource(Source):
     """Emits (name, replica, k) for k < count, with an optional seeded random delay per item."""
 
+    shards_by_replica = True  # items are tagged with the replica, so replicas never repeat each other
+
     count: int = cfg(10, ge=0, doc="Items per replica.")
     max_delay_s: float = cfg(0.0, ge=0, doc="Random delay per item, uniform in [0, max_delay_s].")
     fail_at: int = cfg(-1, doc="Raise while producing item k (replica 0); -1: never.")
@@ -236,6 +238,24 @@ class TestHang(Stage):
         if self._n == self.at:
             self._stop.wait(self.hold_s)
         self._n += 1
+        return (item,)
+
+
+@register_stage
+@attrs.define(kw_only=True, eq=False)
+class TestBlock(Stage):
+    """Blocks in process on the ``release`` service event, deaf to stop requests (like a stuck library call).
+
+    Sets the ``blocked`` service event when it starts blocking.
+    """
+
+    def setup(self, ctx) -> None:
+        self._release = ctx.services["release"]
+        self._blocked = ctx.services["blocked"]
+
+    def process(self, item):
+        self._blocked.set()
+        self._release.wait(60)
         return (item,)
 
 

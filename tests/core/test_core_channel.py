@@ -48,14 +48,17 @@ def test_blocking_put_is_backpressure():
     ch.put("a")
     ch.put("b")
     done = threading.Event()
+    marks = {}
 
     def producer():
+        marks["put"] = time.perf_counter()
         ch.put("c")  # full: must block until the consumer takes one
         done.set()
 
     t = _thread(producer)
     assert not done.wait(0.2), "put on a full channel returned without room"
     assert ch.depth == 2
+    marks["get"] = time.perf_counter()
     assert ch.get() == "a"
     assert done.wait(5.0)
     t.join(5.0)
@@ -64,36 +67,43 @@ def test_blocking_put_is_backpressure():
     st = ch.stats()
     assert st.capacity == 2
     assert st.items_in == 3 and st.items_out == 3 and st.depth == 0
-    assert st.blocked_put_s >= 0.15  # the producer waited at least the 0.2 s we held it back
+    # the producer's blocked time covers (most of) the span from its put to our get
+    assert st.blocked_put_s >= 0.5 * (marks["get"] - marks["put"]) > 0
 
 
 def test_put_returns_blocked_seconds_and_get_accounts_waiting():
     ch = Channel(1)
     assert ch.put(1) == 0.0
-    results = {}
+    marks = {}
 
     def producer():
-        results["blocked"] = ch.put(2)
+        marks["put"] = time.perf_counter()
+        marks["blocked"] = ch.put(2)
 
     t = _thread(producer)
-    assert _wait_until(lambda: ch.stats().items_in == 1)
+    assert _wait_until(lambda: "put" in marks)
     time.sleep(0.1)
+    marks["get"] = time.perf_counter()
     assert ch.get() == 1
     t.join(5.0)
-    assert results["blocked"] >= 0.05
+    assert marks["blocked"] >= 0.5 * (marks["get"] - marks["put"]) > 0
+    assert ch.stats().blocked_put_s == marks["blocked"]
     assert ch.get() == 2
     # get on an empty channel blocks; the time shows up in blocked_get_s
     got = {}
 
     def consumer():
+        got["start"] = time.perf_counter()
         got["v"] = ch.get()
 
     t = _thread(consumer)
+    assert _wait_until(lambda: "start" in got)
     time.sleep(0.1)
+    put_at = time.perf_counter()
     ch.put(3)
     t.join(5.0)
     assert got["v"] == 3
-    assert ch.stats().blocked_get_s >= 0.05
+    assert ch.stats().blocked_get_s >= 0.5 * (put_at - got["start"]) > 0
 
 
 def test_end_of_stream_only_after_every_producer_closed():

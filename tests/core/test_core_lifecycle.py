@@ -216,12 +216,12 @@ def test_heartbeat_keeps_the_watchdog_quiet():
             self._ctx = ctx
 
         def process(self, item):
-            for _ in range(8):  # 0.8 s inside one item, above the 0.4 s stall timeout
-                time.sleep(0.1)
+            for _ in range(16):  # 0.8 s inside one item, above the 0.5 s stall timeout
+                time.sleep(0.05)
                 self._ctx.heartbeat()
             return (item,)
 
-    g = Graph(runtime=fast_runtime(stall_timeout_s=0.4))
+    g = Graph(runtime=fast_runtime(stall_timeout_s=0.5))
     g.add("src", "TestSource", config={"count": 1, "plain": True})
     g.add("beat", TestHeartbeat, inputs=["src"])
     g.add("sink", "TestSink", inputs=["beat"])
@@ -355,24 +355,28 @@ def test_repeated_stop_leaves_no_drain_timer(thread_baseline):
     assert wait_threads_back(thread_baseline, timeout=2.0) == []
 
 
-def test_thread_stuck_outside_channels_is_reported_not_waited_for():
+def test_thread_stuck_outside_channels_is_reported_not_waited_for(thread_baseline):
     g = Graph(runtime=fast_runtime(shutdown_grace_s=0.2))
     g.add("src", "TestSource", config={"count": 10, "plain": True})
-    g.add("stuck", "TestSleep", config={"service_s": 1.5}, inputs=["src"])  # ignores stop requests
+    g.add("stuck", "TestBlock", inputs=["src"])  # ignores stop requests
     g.add("fail", "TestFail", config={"phase": "process", "at": 0}, inputs=["src"])
-    p = Pipeline(g, check_devices=False)
-    t0 = time.monotonic()
-    with pytest.raises(StageError) as info:
-        p.run()
-    assert time.monotonic() - t0 < 1.4  # did not wait for the stuck sleep
+    release, blocked = threading.Event(), threading.Event()
+    p = Pipeline(g, services={"release": release, "blocked": blocked}, check_devices=False)
+    try:
+        with pytest.raises(StageError) as info:
+            p.run()
+        # run() returned while the stuck thread is still blocked: it reported it instead of waiting
+        assert not release.is_set() and p.replicas["stuck"][0].thread.is_alive()
+    finally:
+        release.set()
     assert info.value.stage == "fail"
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "stage threads still running" in notes and "stuck[0]" in notes
+    assert wait_threads_back(thread_baseline) == []
 
 
-@pytest.mark.parametrize("grace", [5.0, 0.1])
-def test_watchdog_with_a_plain_sleep_longer_than_the_stall_timeout(grace, thread_baseline):
-    g = Graph(runtime=fast_runtime(stall_timeout_s=0.3, shutdown_grace_s=grace))
+def test_watchdog_with_a_plain_sleep_longer_than_the_stall_timeout(thread_baseline):
+    g = Graph(runtime=fast_runtime(stall_timeout_s=0.3))
     g.add("src", "TestSource", config={"count": 5, "plain": True})
     g.add("slow", "TestSleep", config={"service_s": 1.2}, inputs=["src"])  # time.sleep: deaf to stop
     g.add("sink", "TestSink", inputs=["slow"])
@@ -382,11 +386,25 @@ def test_watchdog_with_a_plain_sleep_longer_than_the_stall_timeout(grace, thread
     assert time.monotonic() - t0 < 10
     assert info.value.stalled[0].startswith("slow[0] (in process")
     assert set(info.value.depths) == {"slow[0]", "sink[0]"}
+    assert getattr(info.value, "__notes__", []) == []  # the sleep ended within the shutdown grace
+    assert wait_threads_back(thread_baseline) == []
+
+
+def test_watchdog_with_a_stage_stuck_past_the_shutdown_grace(thread_baseline):
+    g = Graph(runtime=fast_runtime(stall_timeout_s=0.3, shutdown_grace_s=0.1))
+    g.add("src", "TestSource", config={"count": 5, "plain": True})
+    g.add("stuck", "TestBlock", inputs=["src"])
+    g.add("sink", "TestSink", inputs=["stuck"])
+    release, blocked = threading.Event(), threading.Event()
+    try:
+        with pytest.raises(PipelineStalled) as info:
+            Pipeline(g, services={"release": release, "blocked": blocked}, check_devices=False).run()
+        assert not release.is_set()
+    finally:
+        release.set()
+    assert info.value.stalled[0].startswith("stuck[0] (in process")
     notes = getattr(info.value, "__notes__", [])
-    if grace < 1:  # shut down before the sleep ended: the stuck thread is named in a note
-        assert any("slow[0]" in n and "still running" in n for n in notes)
-    else:
-        assert notes == []
+    assert any("stuck[0]" in n and "still running" in n for n in notes)
     assert wait_threads_back(thread_baseline) == []
 
 
@@ -396,6 +414,7 @@ def test_preload_runs_once_per_class_before_threads_and_failures_name_the_stage(
     from dflash_flow.core import Stage, register_stage
 
     calls = []
+    fail = []
 
     @register_stage
     @attrs.define(kw_only=True, eq=False)
@@ -403,7 +422,7 @@ def test_preload_runs_once_per_class_before_threads_and_failures_name_the_stage(
         @classmethod
         def preload(cls):
             calls.append(sorted(t.name for t in threading.enumerate() if t.name.startswith("dflash-flow")))
-            if _PRELOAD_FAIL:
+            if fail:
                 raise ImportError("no such library")
 
         def process(self, item):
@@ -414,13 +433,12 @@ def test_preload_runs_once_per_class_before_threads_and_failures_name_the_stage(
     g.add("a", TestPreloaded, inputs=["src"], replicas=2)
     g.add("b", TestPreloaded, inputs=["a"])
     g.add("sink", "TestSink", inputs=["b"])
-    _PRELOAD_FAIL.clear()
     services: dict = {}
     Pipeline(g, services=services, check_devices=False).run()
     assert calls == [[]]  # once for the class, before any runtime thread existed
     assert sorted(i for _, i in services["sink:sink"]) == [0, 1, 2]
 
-    _PRELOAD_FAIL.append(True)
+    fail.append(True)
     services = {}
     with pytest.raises(StageError) as info:
         Pipeline(g, services=services, check_devices=False).run()
@@ -428,6 +446,3 @@ def test_preload_runs_once_per_class_before_threads_and_failures_name_the_stage(
     assert isinstance(info.value.__cause__, ImportError)
     assert services == {}  # no setup ran
     assert wait_threads_back(thread_baseline) == []
-
-
-_PRELOAD_FAIL: list = []

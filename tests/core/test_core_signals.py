@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -53,7 +54,13 @@ def _start(tmp_path: Path, service_s: float) -> subprocess.Popen:
         text=True,
         cwd=tmp_path,
     )
-    line = proc.stdout.readline()
+    guard = threading.Timer(60, proc.kill)  # never hang the suite on a script that does not start
+    guard.start()
+    try:
+        line = proc.stdout.readline()
+    finally:
+        guard.cancel()
+        guard.join()
     if line.strip() != "READY":
         proc.kill()
         out, err = proc.communicate()

@@ -242,3 +242,25 @@ def test_ordered_input_from_several_origins_is_rejected():
     (p,) = validate(g)
     assert (p.stage, p.field) == ("sink", "ordered")
     assert "several origins (a, b)" in p.message
+
+
+def test_ordered_input_reached_twice_is_rejected():
+    # A diamond delivers every item twice: there is no single source order to restore.
+    g = Graph()
+    g.add("src", "TestSource")
+    g.add("a", "TestPass", inputs=["src"])
+    g.add("b", "TestPass", inputs=["src"], replicas=2)
+    g.add("sink", "TestSink", inputs=["a", "b"], ordered=True)
+    (p,) = validate(g)
+    assert (p.stage, p.field) == ("sink", "ordered")
+    assert "items of stage 'src' arrive by more than one path" in p.message
+    # broadcast into a replicated stage on the way duplicates items too
+    g = Graph()
+    g.add("src", "TestSource")
+    g.add("a", "TestPass", inputs=[("src", "broadcast")], replicas=2)
+    g.add("sink", "TestSink", inputs=["a"], ordered=True)
+    (p,) = validate(g)
+    assert "receives 'src' by broadcast to 2 replicas" in p.message
+    # broadcast into a single replica is harmless
+    g.stage("a").replicas = 1
+    assert validate(g) == []
