@@ -351,8 +351,8 @@ def _story(rng: random.Random) -> tuple[str, str]:
         f"turned {color} and the stars came out.",
         f"Part 5. At last they met an old owl who said: \"That belongs to the moon.\" {name} and {name2} "
         f"climbed the tallest hill and gave it back.",
-        f"Part 6. The moon was very happy. It gave them a little light to carry home, so they were never "
-        f"afraid of the dark again.",
+        "Part 6. The moon was very happy. It gave them a little light to carry home, so they were never "
+        "afraid of the dark again.",
         f"Part 7. From that day on, {name} the {animal} and {name2} the {animal2} met at the {spot} every "
         f"morning, and they always shared their {food}.",
     ]

@@ -184,7 +184,7 @@ def greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, sto
         for step in range(max_new_tokens):
             nxt = logits.argmax(-1)
             finished = torch.isin(nxt, stop)
-            for r, tok, fin in zip(rows.tolist(), nxt.tolist(), finished.tolist()):
+            for r, tok, fin in zip(rows.tolist(), nxt.tolist(), finished.tolist(), strict=True):
                 if fin:
                     reasons[r] = "stop"
                 else:
@@ -315,7 +315,7 @@ def _regenerate(prompts_jsonl, target_path, out_jsonl, batch_size, max_new_token
                                       pad_id=pad_id)
             lines = []
             n_tok = 0
-            for (rid, _), t, (gen, reason) in zip(chunk, turns, results):
+            for (rid, _), t, (gen, reason) in zip(chunk, turns, results, strict=True):
                 # Special tokens inside a reply would break the template's turn structure downstream.
                 reply = tokenizer.decode(gen, skip_special_tokens=True)
                 rec = {"id": rid, "conversations": t + [{"role": "assistant", "content": reply}],

@@ -42,7 +42,6 @@ def train_tokenizer(texts, vocab_size: int = DEFAULT_VOCAB_SIZE):
     Deterministic for a given text sequence (the `tokenizers` BPE trainer breaks ties by byte order).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(

@@ -135,7 +135,7 @@ def answer_loss(model, tokenizer, examples, batch_size: int = 16) -> float:
             ids = torch.full((len(chunk), width), tokenizer.pad_token_id, dtype=torch.long)
             labels = torch.full((len(chunk), width), -100, dtype=torch.long)
             mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for r, (p, f) in enumerate(zip(p_ids, f_ids)):
+            for r, (p, f) in enumerate(zip(p_ids, f_ids, strict=True)):
                 ids[r, : len(f)] = torch.tensor(f)
                 mask[r, : len(f)] = 1
                 labels[r, len(p) : len(f)] = torch.tensor(f[len(p) :])

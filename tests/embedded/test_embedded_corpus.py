@@ -12,7 +12,7 @@ def test_same_seed_same_examples_other_seed_other_examples():
     b = list(itertools.islice(iter_examples(7), 300))
     c = list(itertools.islice(iter_examples(8), 300))
     assert a == b
-    assert sum(x.prompt != y.prompt for x, y in zip(a, c)) > 250
+    assert sum(x.prompt != y.prompt for x, y in zip(a, c, strict=True)) > 250
 
 
 def test_split_is_disjoint_distinct_and_prefix_stable():

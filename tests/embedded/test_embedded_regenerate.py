@@ -7,7 +7,13 @@ import json
 import pytest
 
 from dflash_flow.embedded.corpus import make_split
-from dflash_flow.embedded.regenerate import greedy_generate, prompt_turns, read_prompts, regenerate, scan_output
+from dflash_flow.embedded.regenerate import (
+    greedy_generate,
+    prompt_turns,
+    read_prompts,
+    regenerate,
+    scan_output,
+)
 
 N_RECORDS = 7
 MAX_NEW = 48
@@ -60,7 +66,7 @@ def test_greedy_generate_matches_hf_generate(target):
     ids = tok(texts, add_special_tokens=False)["input_ids"]
     stops = [tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")]
     ours = greedy_generate(model, ids, max_new_tokens=40, stop_ids=stops, pad_id=tok.pad_token_id)
-    for p, (gen, reason) in zip(ids, ours):
+    for p, (gen, reason) in zip(ids, ours, strict=True):
         ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                              do_sample=False, max_new_tokens=40, eos_token_id=stops,
                              pad_token_id=tok.pad_token_id)[0, len(p):].tolist()

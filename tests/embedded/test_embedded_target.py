@@ -74,7 +74,7 @@ def test_target_is_predictable_on_heldout_and_own_text(target, heldout):
                            pad_id=tok.pad_token_id)
     probs = []
     with torch.inference_mode():
-        for p, (g, _) in zip(prompts, gens):
+        for p, (g, _) in zip(prompts, gens, strict=True):
             ids = torch.tensor([p + g])
             lp = model(ids).logits[0, len(p) - 1 : len(p) + len(g) - 1].softmax(-1)
             probs.append(lp.gather(-1, torch.tensor(g)[:, None]).mean().item())

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import MASK_ID, VOCAB, cli, mlflow_run, summary, train_pipeline, wait_threads_back, write_tokenized, write_yaml
+from reltools import MASK_ID, VOCAB, mlflow_run, summary, train_pipeline, wait_threads_back, write_tokenized, write_yaml
 from faulty_stages import BUILTIN_TYPES, FAULTY, InjectedFault
 
 from dflash_flow.core import Graph, Pipeline, StageError
@@ -43,6 +43,11 @@ def files(tmp_path_factory):
             ]}) + "\n")
     from dflash_flow.stages.embedded import embedded_target_path
 
+    # tqdm (the embedded dataset's regeneration progress) starts a process-wide monitor daemon that
+    # outlives the run by up to 10 s; it is the library's, not a runtime thread: switch it off here.
+    import tqdm
+
+    tqdm.tqdm.monitor_interval = 0
     return {"root": root, "tokens": tokens, "chat": chat, "embedded": embedded_target_path()}
 
 
@@ -120,7 +125,10 @@ def _graph(victim: str, files, replicas: int, fault: dict) -> tuple[Graph, str]:
 def _cases():
     out = []
     for t in BUILTIN_TYPES:
-        single = FAULTY[t].singleton
+        cls = FAULTY[t]
+        # Several replicas wherever the type allows them (validation rejects replicas of singletons and
+        # of sources that would emit their whole output once per replica).
+        single = cls.singleton or (cls.is_source() and not cls.shards_by_replica)
         for phase in ("setup", "process", "teardown"):
             out.append(pytest.param(t, phase, 1, 0, id=f"{t}-{phase}-1"))
             if not single:
@@ -139,8 +147,10 @@ def test_matrix_covers_every_registered_builtin_type():
 @pytest.mark.parametrize(("victim", "phase", "replicas", "fault_replica"), _cases())
 def test_fault_is_contained(victim, phase, replicas, fault_replica, files, tmp_path):
     fault = {"fault_phase": phase, "fault_replica": fault_replica, "fault_at": 1 if phase == "process" else 0}
-    if victim in ("SpecDecodeEval", "Interleaver") and phase == "process":
-        fault["fault_at"] = 0  # one input that matters: the final report / the only epoch
+    if victim == "Interleaver" and phase == "process":
+        fault["fault_at"] = 0  # its only input: the one epoch
+    if victim == "SpecDecodeEval" and phase == "process":
+        fault["fault_at"] = 1  # one step report, then the final one (which runs the real evaluation)
     if victim == "Bucketer" and phase == "process":
         fault["fault_at"] = 3
     g, name = _graph(victim, files, replicas, fault)
@@ -167,59 +177,68 @@ def test_fault_is_contained(victim, phase, replicas, fault_replica, files, tmp_p
 
 
 # -- through the CLI: exit code, message, MLflow FAILED, last checkpoint intact -----------------------
-def _launch(args, cwd):
-    import subprocess
-    import sys
-
-    from conftest import cli_env
-
-    cmd = [sys.executable, str(HERE / "launch.py"), *map(str, args)]
-    return subprocess.run(cmd, cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=180)
+# (stage, its faulty type, phase, replica, item) -- run side by side, each in its own process.
+CLI_CASES = [
+    ("target", "FaultyTargetForward", "process", 1, 1),  # mid-stream, in the second of two replicas
+    ("drafter", "FaultyDrafterStep", "teardown", 0, 0),  # after the export: the run must still fail
+]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize(
-    ("stage", "phase", "replica", "at"),
-    [("target", "process", 1, 3), ("drafter", "teardown", 0, 0)],
-    ids=["TargetForward-midstream-replica1", "DrafterStep-teardown"],
-)
-def test_cli_failure_exit_code_message_mlflow_failed_checkpoint_intact(stage, phase, replica, at, tmp_path):
+def test_cli_failures_exit_code_message_mlflow_failed_checkpoint_intact(tmp_path):
+    """Through the real CLI: two injected faults and one real setup failure (a target directory that does
+    not exist), as three processes side by side."""
+    import subprocess
+    import sys
+
+    from reltools import cli_env
+
     from dflash_flow.checkpoint import Checkpointer
 
     data = write_tokenized(tmp_path / "data.jsonl", 24, seed=5)
-    out = tmp_path / "out"
-    types = {"target": "FaultyTargetForward", "drafter": "FaultyDrafterStep"}
-    doc = train_pipeline(tmp_path, data=data, output_dir=out, epochs=1, overrides={
-        stage: {"type": types[stage], "fault_phase": phase, "fault_replica": replica, "fault_at": at}})
-    path = write_yaml(tmp_path / "p.yaml", doc)
+    procs = []
+    for i, (stage, type_, phase, replica, at) in enumerate(CLI_CASES):
+        root = tmp_path / f"case{i}"
+        root.mkdir()
+        doc = train_pipeline(root, data=data, output_dir=root / "out", epochs=1, overrides={
+            stage: {"type": type_, "fault_phase": phase, "fault_replica": replica, "fault_at": at}})
+        cmd = [sys.executable, str(HERE / "launch.py"), "run", str(write_yaml(root / "p.yaml", doc))]
+        procs.append((root, subprocess.Popen(cmd, cwd=root, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+    root = tmp_path / "setup"
+    root.mkdir()
+    doc = train_pipeline(root, data=data, output_dir=root / "out", overrides={"target": {"target": str(root / "no-such-model")}})
+    cmd = [sys.executable, "-m", "dflash_flow.cli", "run", str(write_yaml(root / "p.yaml", doc))]
+    procs.append((root, subprocess.Popen(cmd, cwd=root, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
     t0 = time.monotonic()
-    res = _launch(["run", path], tmp_path)
-    assert time.monotonic() - t0 < 150
-    assert res.returncode == 1, res.stderr[-3000:]
-    err = res.stderr
-    assert f"stage '{stage}' replica {replica} failed in {phase}: InjectedFault" in err, err[-3000:]
-    assert f"Original traceback ({stage}[{replica}], {phase})" in err
-    assert "faulty_stages.py" in err, "the original traceback points at the raising code"
-    s = summary(out)
-    assert s["status"] == "FAILED"
-    assert mlflow_run(tmp_path / "mlflow.db", s["mlflow_run_id"]).info.status == "FAILED"
-    # The last good checkpoint is intact (checksums verified) and loads.
-    ck = Checkpointer(out / "checkpoints").load("latest", check_config=False)
-    assert ck.step >= 2
-    assert ck.model_state()
-    # No checkpoint half-written by the failure.
-    assert not list((out / "checkpoints").glob(".tmp-*"))
+    results = []
+    try:
+        for root, proc in procs:
+            out, err = proc.communicate(timeout=max(240 - (time.monotonic() - t0), 1))
+            results.append((root, proc.returncode, err))
+    finally:
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=30)
 
+    for (stage, _type, phase, replica, _at), (root, code, err) in zip(CLI_CASES, results, strict=False):
+        assert code == 1, err[-3000:]
+        assert f"stage '{stage}' replica {replica} failed in {phase}: InjectedFault" in err, err[-3000:]
+        assert f"Original traceback ({stage}[{replica}], {phase})" in err
+        assert "faulty_stages.py" in err, "the original traceback points at the raising code"
+        s = summary(root / "out")
+        assert s["status"] == "FAILED"
+        assert mlflow_run(root / "mlflow.db", s["mlflow_run_id"]).info.status == "FAILED"
+        # The last good checkpoint is intact (checksums verified) and loads; nothing half-written.
+        ck = Checkpointer(root / "out" / "checkpoints").load("latest", check_config=False)
+        assert ck.step >= 2
+        assert ck.model_state()
+        assert not list((root / "out" / "checkpoints").glob(".tmp-*"))
 
-def test_cli_setup_failure_of_a_real_stage_exits_nonzero_and_marks_failed(tmp_path):
-    """No injection: a real setup failure (a target directory that does not exist)."""
-    data = write_tokenized(tmp_path / "data.jsonl", 8)
-    out = tmp_path / "out"
-    doc = train_pipeline(tmp_path, data=data, output_dir=out, overrides={"target": {"target": str(tmp_path / "no-such-model")}})
-    res = cli(["run", write_yaml(tmp_path / "p.yaml", doc)], cwd=tmp_path, timeout=150)
-    assert res.returncode in (1, 2), res.stderr[-3000:]
-    assert "stage 'target' replica" in res.stderr and "failed in setup" in res.stderr, res.stderr[-3000:]
-    s = summary(out)
+    root, code, err = results[-1]
+    assert code == 1, err[-3000:]
+    assert "stage 'target' replica" in err and "failed in setup" in err, err[-3000:]
+    s = summary(root / "out")
     assert s["status"] == "FAILED"
-    assert mlflow_run(tmp_path / "mlflow.db", s["mlflow_run_id"]).info.status == "FAILED"
+    assert mlflow_run(root / "mlflow.db", s["mlflow_run_id"]).info.status == "FAILED"

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import cli, cli_env
+from reltools import cli, cli_env
 
 HERE = Path(__file__).resolve().parent
 HOSTILE = HERE / "hostile"

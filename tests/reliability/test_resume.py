@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import (
+from reltools import (
     cli,
     count_complete_lines,
     finish,
