@@ -33,7 +33,7 @@ def _pipeline(tmp: Path, *, fail_stage: bool = False) -> Path:
     data = tmp / "data.jsonl"
     _write_tokenized(data, 48)
     stages = [
-        {"name": "source", "type": "TokenizedSource", "config": {"paths": [str(data)], "vocab_size": VOCAB, "cache_dir": str(tmp / "cache")}},
+        {"name": "source", "type": "TokenizedSource", "config": {"paths": [str(data)], "vocab_size": VOCAB, "max_length": 128, "cache_dir": str(tmp / "cache")}},
         {"name": "bucketer", "type": "Bucketer", "inputs": ["source"], "config": {"max_tokens": 1024, "num_buckets": 2, "epochs": 2}},
         {"name": "interleaver", "type": "Interleaver", "inputs": ["bucketer"]},
         {"name": "padder", "type": "Padder", "inputs": ["interleaver"], "replicas": 2},
