@@ -32,10 +32,9 @@ def _fail(message: str, code: int = EXIT_USER_ERROR) -> None:
 def _load(file: Path, overrides: Optional[list[str]], check_devices: bool = True):
     """Load and validate; print one line per problem and exit 2 on user errors."""
     from dflash_flow import sections  # noqa: F401 - registers the application sections
+    from dflash_flow.app import preflight_problems
     from dflash_flow.core import ConfigError, load_graph
     from dflash_flow.core.validate import validated
-
-    from dflash_flow.app import preflight_problems
 
     try:
         graph = load_graph(file, overrides or [])

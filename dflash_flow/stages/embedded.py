@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
-
 import attrs
 
 from dflash_flow.core import StageContext, cfg, register_stage
@@ -21,6 +19,39 @@ def embedded_target_path() -> str:
     from dflash_flow.embedded.train_target import ensure_target
 
     return str(ensure_target(default_cache_root() / "embedded-target", log=lambda *_: None))
+
+
+SHIPPED_DATASET = Path(__file__).resolve().parent.parent / "embedded" / "assets" / "dataset"
+
+
+def shipped_dataset(n_train: int, n_eval: int, seed: int, target_path: str, max_new_tokens: int):
+    """The regenerated dataset shipped with the package, when it was built from exactly these inputs.
+
+    Regenerating 1024 replies greedily takes minutes on two CPU cores; the shipped copy is what
+    `build_default_dataset` would write (its manifest records the same cache key), so the first run on a
+    fresh machine starts training at once. Any other size, seed or target builds (and caches) its own.
+    """
+    import json
+
+    from dflash_flow.embedded.build import DefaultDataset, dataset_key
+
+    manifest = SHIPPED_DATASET / "manifest.json"
+    if not manifest.is_file():
+        return None
+    key = dataset_key(n_train, n_eval, seed, Path(target_path), max_new_tokens)
+    data = json.loads(manifest.read_text())
+    if data.get("key") != key:
+        return None
+    return DefaultDataset(
+        root=SHIPPED_DATASET,
+        train_path=SHIPPED_DATASET / "train.jsonl",
+        eval_path=SHIPPED_DATASET / "eval.jsonl",
+        eval_prompts_path=SHIPPED_DATASET / "eval_prompts.jsonl",
+        target_path=Path(target_path),
+        key=key,
+        manifest=data,
+        cached=True,
+    )
 
 
 def write_embedded_eval_prompts(path: Path, limit: int, seed: int = 0) -> Path:
@@ -70,17 +101,17 @@ class EmbeddedChatSource(ChatSource):
         super().setup(ctx)
 
     def _build(self, build_default_dataset, root):
+        target = embedded_target_path()
+        shipped = shipped_dataset(self.n_train, self.n_eval, self.data_seed, target, self.max_new_tokens)
+        if shipped is not None:
+            return shipped
         return build_default_dataset(
             root,
             n_train=self.n_train,
             n_eval=self.n_eval,
             seed=self.data_seed,
-            target_path=embedded_target_path(),
+            target_path=target,
             batch_size=self.generation_batch_size,
             max_new_tokens=self.max_new_tokens,
             log=lambda msg: print(msg, flush=True),
         )
-
-    def config(self) -> dict[str, Any]:
-        # `paths` and `tokenizer` are filled in at setup; the config is what the user wrote.
-        return super().config()

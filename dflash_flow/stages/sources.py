@@ -131,9 +131,9 @@ class ChatSource(_RecordSource):
     @classmethod
     def preload(cls) -> None:
         import transformers  # noqa: F401
+        from transformers import AutoTokenizer  # noqa: F401
 
         import dflash_flow.data.records  # noqa: F401
-        from transformers import AutoTokenizer  # noqa: F401
 
     tokenizer: str = cfg("", doc="Tokenizer directory (AutoTokenizer); empty: the run service 'tokenizer'.")
     chat_template: Optional[str] = cfg(

@@ -15,8 +15,17 @@ import time
 from pathlib import Path
 
 import pytest
-from reltools import MASK_ID, VOCAB, mlflow_run, summary, train_pipeline, wait_threads_back, write_tokenized, write_yaml
 from faulty_stages import BUILTIN_TYPES, FAULTY, InjectedFault
+from reltools import (
+    MASK_ID,
+    VOCAB,
+    mlflow_run,
+    summary,
+    train_pipeline,
+    wait_threads_back,
+    write_tokenized,
+    write_yaml,
+)
 
 from dflash_flow.core import Graph, Pipeline, StageError
 from dflash_flow.core.graph import RuntimeOptions
@@ -41,11 +50,11 @@ def files(tmp_path_factory):
                 {"role": "user", "content": f"What is {i} plus {i}?"},
                 {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."},
             ]}) + "\n")
-    from dflash_flow.stages.embedded import embedded_target_path
-
     # tqdm (the embedded dataset's regeneration progress) starts a process-wide monitor daemon that
     # outlives the run by up to 10 s; it is the library's, not a runtime thread: switch it off here.
     import tqdm
+
+    from dflash_flow.stages.embedded import embedded_target_path
 
     tqdm.tqdm.monitor_interval = 0
     return {"root": root, "tokens": tokens, "chat": chat, "embedded": embedded_target_path()}
