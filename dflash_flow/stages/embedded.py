@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+
 import attrs
 
 from dflash_flow.core import StageContext, cfg, register_stage
