@@ -148,7 +148,9 @@ class Checkpointer:
         os.replace(tmp, self.dir / LATEST)
 
     def _prune(self) -> None:
-        complete = self.list()
+        # The last K *written*, not the K highest steps: a fresh run in an output directory that still
+        # holds an earlier run's (higher-step) checkpoints must keep its own, and `latest` must find them.
+        complete = self._by_write_time()
         for old in complete[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         for leftover in self.dir.glob(".tmp-step-*"):
@@ -159,6 +161,17 @@ class Checkpointer:
             return []
         return sorted(p for p in self.dir.glob("step-*") if (p / "MANIFEST.json").is_file())
 
+    def _by_write_time(self) -> list[Path]:
+        """Complete checkpoints, oldest written first (MANIFEST.json is written last)."""
+
+        def key(p: Path) -> tuple[int, str]:
+            try:
+                return (p.joinpath("MANIFEST.json").stat().st_mtime_ns, p.name)
+            except OSError:
+                return (0, p.name)
+
+        return sorted(self.list(), key=key)
+
     def resolve(self, spec: str | Path) -> Path:
         """``latest`` or a path (a checkpoint dir, or a checkpoints dir whose latest is taken)."""
         if str(spec) == LATEST:
@@ -167,7 +180,7 @@ class Checkpointer:
                 cand = self.dir / marker.read_text().strip()
                 if (cand / "MANIFEST.json").is_file():
                     return cand
-            found = self.list()
+            found = self._by_write_time()
             if not found:
                 raise CheckpointError(f"--resume latest: no checkpoint in {self.dir}")
             return found[-1]

@@ -130,7 +130,11 @@ class DrafterStep(Stage):
         metadata={"doc": "Where the final inference checkpoint goes (a path inside output_dir).", "config": True},
         kw_only=True,
     )
-    record_batches: bool = cfg(False, doc="Append every trained batch (epoch, index, sample ids) to batches.jsonl.")
+    record_batches: bool = cfg(
+        False,
+        doc="Write every trained batch (epoch, index, sample ids) to OUTPUT/batches.jsonl; a resumed run appends "
+        "(after a hard kill, the lines past the checkpoint's data_position.total appear again).",
+    )
     torch_threads: int | None = cfg(None, ge=1, doc="torch intra-op threads (CPU runs).")
     trust_remote_code: bool = cfg(False, doc="Allow the target's own code when reading its config.")
 
@@ -190,7 +194,10 @@ class DrafterStep(Stage):
         self._last_report_t = time.perf_counter()
         self._tokens_since = 0
         self._samples_since = 0
-        self._batch_log = open(Path(ctx.output_dir) / "batches.jsonl", "a") if self.record_batches else None
+        # A resumed run continues the file (its lines after the checkpoint are trained again, so appear
+        # twice: see the record_batches doc); a fresh run starts a new one, whatever an earlier run left.
+        mode = "a" if ctx.services.get("resume") is not None else "w"
+        self._batch_log = open(Path(ctx.output_dir) / "batches.jsonl", mode) if self.record_batches else None
         m = ctx.metrics
         self._m_steps = m.counter("steps", "steps", "Optimizer steps")
         self._m_tokens = m.counter("tokens", "tokens", "Real tokens trained on")

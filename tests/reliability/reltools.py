@@ -47,7 +47,7 @@ def cli(args: list[str], *, cwd: Path, timeout: float = CLI_TIMEOUT_S) -> subpro
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate(timeout=30)
-        raise AssertionError(f"`dflash-flow {' '.join(map(str, args))}` did not end within {timeout}s\n{err[-4000:]}")
+        raise AssertionError(f"`dflash-flow {' '.join(map(str, args))}` did not end within {timeout}s\n{err[-4000:]}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

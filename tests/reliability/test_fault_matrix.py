@@ -188,7 +188,7 @@ def test_fault_is_contained(victim, phase, replicas, fault_replica, files, tmp_p
 # -- through the CLI: exit code, message, MLflow FAILED, last checkpoint intact -----------------------
 # (stage, its faulty type, phase, replica, item) -- run side by side, each in its own process.
 CLI_CASES = [
-    ("target", "FaultyTargetForward", "process", 1, 1),  # mid-stream, in the second of two replicas
+    ("target", "FaultyTargetForward", "process", 1, 5),  # mid-stream (batch ~11 of 17), second replica
     ("drafter", "FaultyDrafterStep", "teardown", 0, 0),  # after the export: the run must still fail
 ]
 
@@ -210,7 +210,7 @@ def test_cli_failures_exit_code_message_mlflow_failed_checkpoint_intact(tmp_path
     for i, (stage, type_, phase, replica, at) in enumerate(CLI_CASES):
         root = tmp_path / f"case{i}"
         root.mkdir()
-        doc = train_pipeline(root, data=data, output_dir=root / "out", epochs=1, overrides={
+        doc = train_pipeline(root, data=data, output_dir=root / "out", overrides={
             stage: {"type": type_, "fault_phase": phase, "fault_replica": replica, "fault_at": at}})
         cmd = [sys.executable, str(HERE / "launch.py"), "run", str(write_yaml(root / "p.yaml", doc))]
         procs.append((root, subprocess.Popen(cmd, cwd=root, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))

@@ -118,6 +118,7 @@ def _commands(tmp_path: Path) -> list[tuple[str, list[str], int, str]]:
     return cmds
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_every_hostile_input_gets_a_clear_message_and_the_right_exit_code(tmp_path):
     cmds = _commands(tmp_path)
