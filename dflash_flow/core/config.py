@@ -6,6 +6,7 @@ Only ``yaml.SafeLoader`` is used: a YAML file cannot construct Python objects or
 from __future__ import annotations
 
 import difflib
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -42,6 +43,18 @@ def section_to_dict(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     return value
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads ``6e-4`` as a float (YAML 1.1 requires a dot: ``6.0e-4``), which is how
+    everyone writes learning rates."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
 
 
 # -- locating -------------------------------------------------------------------------------------
@@ -89,10 +102,10 @@ def parse_yaml(text: str, filename: str | None = None) -> tuple[Any, Locator]:
     problems: list[Problem] = []
     lines: dict[tuple, int] = {}
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        node = yaml.compose(text, Loader=_Loader)
         if node is not None:
             _record(node, (), lines, problems, fname)
-        data = yaml.load(text, Loader=yaml.SafeLoader)  # noqa: S506 - SafeLoader
+        data = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark is not None else None
@@ -140,7 +153,7 @@ def apply_overrides(data: Any, overrides: list[str]) -> Any:
             problems.append(Problem(f"--set {item!r}: expected key.path=value"))
             continue
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
+            value = yaml.load(raw, Loader=_Loader) if raw != "" else ""  # noqa: S506 - SafeLoader
         except yaml.YAMLError:
             value = raw
         parts = key.split(".")
