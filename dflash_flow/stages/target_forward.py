@@ -59,17 +59,24 @@ class TargetForward(Stage):
 
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
+        from dflash_flow.core.errors import ConfigError, Problem
         from dflash_flow.model.loading import MODEL_LOAD_LOCK
+        from dflash_flow.model.target import TargetOfflineError
 
         self._device = torch.device(ctx.device)
         with MODEL_LOAD_LOCK:
-            self._model = load_target(
-                target_spec(self.target),
-                device=ctx.device,
-                dtype=resolve_dtype(self.dtype, ctx.device),
-                trust_remote_code=self.trust_remote_code,
-                attn_implementation=self.attn_implementation,
-            )
+            try:
+                self._model = load_target(
+                    target_spec(self.target),
+                    device=ctx.device,
+                    dtype=resolve_dtype(self.dtype, ctx.device),
+                    trust_remote_code=self.trust_remote_code,
+                    attn_implementation=self.attn_implementation,
+                )
+            except (TargetOfflineError, ValueError, OSError) as exc:
+                # A target that is not there is the user's input, not a crash: exit 2 with the reason.
+                raise ConfigError(Problem(str(exc), stage=ctx.name, field="target")) from exc
+        self._vocab = int(self._model.get_input_embeddings().num_embeddings)
         n_layers = len(decoder_layers(self._model))
         ids = self.target_layer_ids or build_target_layer_ids(n_layers, self.num_draft_layers)
         self._extractor = TargetFeatureExtractor(self._model, ids)
@@ -86,6 +93,15 @@ class TargetForward(Stage):
 
         import torch
 
+        top = int(batch.input_ids.max()) if batch.input_ids.numel() else 0
+        if top >= self._vocab or int(batch.input_ids.min()) < 0:
+            from dflash_flow.data.records import DataError
+
+            raise DataError(
+                f"batch {batch.meta.index} of epoch {batch.meta.epoch} (samples {list(batch.meta.sample_ids)[:8]}) "
+                f"has token id {top} outside the target's vocabulary of {self._vocab}: the data was tokenized "
+                "for another model (set TokenizedSource.vocab_size to reject such rows when reading)"
+            )
         non_blocking = self._device.type == "cuda"
         input_ids = batch.input_ids.to(self._device, non_blocking=non_blocking)
         attention_mask = batch.attention_mask.to(self._device, non_blocking=non_blocking)
