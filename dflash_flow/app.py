@@ -178,7 +178,12 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
     tracker.log_artifact(output_dir / "pipeline.mmd", "dag")
     try:
         image = render_image(graph, output_dir / "pipeline.png")
-    except Exception:  # graphviz present but broken: the Mermaid file is still there
+        if image is None:  # no graphviz: draw it ourselves
+            from dflash_flow.observe.dagplot import render_dag_png
+
+            image = render_dag_png(graph, output_dir / "pipeline.png")
+    except Exception as exc:  # a picture must never stop a run; the Mermaid file is there
+        log.warning("could not draw the DAG image: %s", exc)
         image = None
     if image is not None:
         tracker.log_artifact(image, "dag")

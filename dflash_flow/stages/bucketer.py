@@ -38,7 +38,7 @@ class Bucketer(Stage):
         m = ctx.metrics
         self._m_samples = m.counter("samples", "samples", "Samples collected")
         self._m_buckets = m.gauge("buckets", "buckets", "Number of length buckets")
-        self._m_batches = m.labeled("bucket_batches", "batches", "Batches packed per bucket (last epoch)")
+        self._m_batches = m.labeled("packed_per_bucket", "batches", "Batches packed per bucket (last epoch)")
         self._m_epoch = m.gauge("epoch", "epoch", "Last epoch packed")
 
     def process(self, item: Sample):

@@ -45,7 +45,7 @@ class Interleaver(Stage):
         self._ctx = ctx
         m = ctx.metrics
         self._m_batches = m.counter("batches", "batches", "Batches dispatched")
-        self._m_bucket = m.labeled("bucket_batches", "batches", "Batches dispatched per bucket")
+        self._m_bucket = m.labeled("bucket_dispatch", "batches", "Batches dispatched per bucket (the Monitor plots the mix)")
         self._m_run = m.gauge("max_same_bucket_run", "batches", "Longest same-bucket run dispatched")
         self._m_cap = m.gauge("run_cap", "batches", "Run cap in force (above max_run when infeasible)")
         self._m_epoch = m.gauge("epoch", "epoch", "Epoch being dispatched")
