@@ -246,8 +246,10 @@ def test_cli_failures_exit_code_message_mlflow_failed_checkpoint_intact(tmp_path
         assert not list((root / "out" / "checkpoints").glob(".tmp-*"))
 
     root, code, err = results[-1]
-    assert code == 1, err[-3000:]
+    # A target that does not exist is the user's input, not a crash: exit 2, the stage and the reason named.
+    assert code == 2, err[-3000:]
     assert "stage 'target' replica" in err and "failed in setup" in err, err[-3000:]
+    assert "not an existing directory" in err and "Traceback" not in err
     s = summary(root / "out")
     assert s["status"] == "FAILED"
     assert mlflow_run(root / "mlflow.db", s["mlflow_run_id"]).info.status == "FAILED"
