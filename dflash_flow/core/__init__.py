@@ -1,7 +1,7 @@
 """The dataflow runtime. It knows nothing about DFlash, torch or MLflow."""
 
 from .channel import Channel, ChannelStats
-from .config import load_graph, load_graph_text, register_section
+from .config import load_graph, load_graph_text
 from .errors import (
     ConfigError,
     DflashFlowError,
@@ -14,8 +14,10 @@ from .errors import (
 from .graph import Graph, InputSpec, RuntimeOptions, StageSpec
 from .metrics import MetricSet
 from .registry import register_stage, resolve
-from .runtime import Pipeline, RunResult, RuntimeSnapshot
+from .runtime import Pipeline, RunResult
+from .sections import register_section
 from .seeding import derive_seed
+from .snapshot import RuntimeSnapshot
 from .stage import Source, Stage, StageContext, cfg
 from .validate import validate, validated
 

@@ -18,32 +18,10 @@ import yaml
 
 from .errors import ConfigError, Problem
 from .graph import Graph, InputSpec, RuntimeOptions, StageSpec
+from .sections import registered_sections
 
 TOP_LEVEL_KEYS = ("name", "seed", "output_dir", "runtime", "stages")
 STAGE_KEYS = ("name", "type", "config", "replicas", "devices", "inputs", "capacity", "ordered")
-
-# Application sections (e.g. "tracking") registered by layers above the core.
-_SECTIONS: dict[str, type] = {}
-
-
-def register_section(name: str, cls: type) -> None:
-    """Make ``name:`` a valid top-level YAML key, structured into the attrs class ``cls``."""
-    _SECTIONS[name] = cls
-
-
-def registered_sections() -> dict[str, type]:
-    return dict(_SECTIONS)
-
-
-def section_to_dict(value: Any) -> Any:
-    if attrs.has(type(value)):
-        return {k: section_to_dict(v) for k, v in attrs.asdict(value, recurse=False).items()}
-    if isinstance(value, (list, tuple)):
-        return [section_to_dict(v) for v in value]
-    if isinstance(value, Path):
-        return str(value)
-    return value
-
 
 class _Loader(yaml.SafeLoader):
     """SafeLoader that also reads ``6e-4`` as a float (YAML 1.1 requires a dot: ``6.0e-4``), which is how
@@ -383,7 +361,8 @@ def graph_from_dict(data: Any, locator: Locator | None = None) -> Graph:
     problems: list[Problem] = []
     if not isinstance(data, dict):
         raise ConfigError(loc.problem("a pipeline file must be a mapping with a 'stages' list"))
-    allowed = set(TOP_LEVEL_KEYS) | set(_SECTIONS)
+    sections = registered_sections()
+    allowed = set(TOP_LEVEL_KEYS) | set(sections)
     for key in data:
         if key not in allowed:
             close = difflib.get_close_matches(str(key), sorted(allowed), n=1)
@@ -414,7 +393,7 @@ def graph_from_dict(data: Any, locator: Locator | None = None) -> Graph:
     problems.extend(probs)
     if runtime is not None:
         graph.runtime = runtime
-    for key, cls in _SECTIONS.items():
+    for key, cls in sections.items():
         if key in data:
             obj, probs = structure(
                 cls,

@@ -11,6 +11,7 @@ from typing import Any
 
 import attrs
 
+from .sections import registered_sections, section_to_dict
 from .stage import Stage
 
 DEFAULT_CAPACITY = 8
@@ -52,7 +53,7 @@ class Graph:
     output_dir: str | None = None
     runtime: RuntimeOptions = attrs.field(factory=RuntimeOptions)
     stages: list[StageSpec] = attrs.field(factory=list)
-    # Application sections (tracking, checkpoint, ...), structured by classes registered in config.py.
+    # Application sections (tracking, checkpoint, ...), structured by classes registered in sections.py.
     sections: dict[str, Any] = attrs.field(factory=dict)
     # Where the graph came from (file name and line numbers); not part of equality.
     locator: Any = attrs.field(default=None, eq=False, repr=False)
@@ -62,8 +63,6 @@ class Graph:
     def __attrs_post_init__(self) -> None:
         # A graph built in Python gets the same default sections as one loaded from YAML (which fills in
         # every registered section), so the two compare equal.
-        from .config import registered_sections
-
         for key, cls in registered_sections().items():
             if key not in self.sections:
                 try:
@@ -120,8 +119,6 @@ class Graph:
         return [(s, i) for s in self.stages for i in s.inputs if i.stage == name]
 
     def to_dict(self) -> dict[str, Any]:
-        from .config import section_to_dict
-
         out: dict[str, Any] = {"name": self.name, "seed": self.seed}
         if self.output_dir is not None:
             out["output_dir"] = self.output_dir

@@ -1,0 +1,61 @@
+"""Run services: what the application hands the DFlash stages besides their config.
+
+One typed object (``StageContext.services``), built by the application layer (``dflash_flow.app``) for
+each run. Stages read its fields; they never build services themselves. Fields that a run does not have
+are None (a pipeline built in Python without the application gets ``RunServices()``: no tracking, no
+checkpoints, no resume). The core runtime treats ``services`` as opaque.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+
+from dflash_flow.observe.record import RunRecord
+
+
+class MetricSink(Protocol):
+    """Where metrics go (the MLflow tracker, ``dflash_flow.observe.tracking.Tracker``)."""
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def flush_async(self) -> None: ...
+
+
+class Checkpoints(Protocol):
+    """Checkpoint policy and writer (``dflash_flow.app.checkpoint.CheckpointService``)."""
+
+    on_signal: bool
+
+    def after_step(self, source: Any, *, step: int, epoch_end: bool) -> Path | None: ...
+
+    def save(self, source: Any) -> Path | None: ...
+
+
+class Resume(Protocol):
+    """The checkpoint a run continues from (``dflash_flow.app.checkpoint.Checkpoint``)."""
+
+    step: int
+    epoch: int
+    data_position: dict[str, Any]
+
+    def model_state(self, device: str = "cpu") -> dict[str, Any]: ...
+
+    def optimizer_state(self) -> dict[str, Any]: ...
+
+
+@attrs.define(eq=False, kw_only=True)
+class RunServices:
+    tracker: MetricSink | None = None
+    checkpoints: Checkpoints | None = None
+    resume: Resume | None = None
+    record: RunRecord = attrs.field(factory=RunRecord)
+    tokenizer: Any = None  # a tokenizer object for ChatSource stages given no tokenizer path
+
+
+def services_of(ctx: Any) -> RunServices:
+    """The run services of a stage context (empty ones when the pipeline was built without them)."""
+    services = getattr(ctx, "services", None)
+    return services if isinstance(services, RunServices) else RunServices()
