@@ -19,20 +19,19 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-EXIT_USER_ERROR = 2
-
 SetOpt = typer.Option(None, "--set", "-s", help="Override a value: key.path=value (repeatable).")
 
 
-def _fail(message: str, code: int = EXIT_USER_ERROR) -> None:
-    typer.echo(message, err=True)
-    raise typer.Exit(code)
+def _fail(message: str) -> None:
+    from dflash_flow.app.exits import user_error
+
+    user_error(message)
 
 
 def _load(file: Path, overrides: Optional[list[str]], check_devices: bool = True):
     """Load and validate; print one line per problem and exit 2 on user errors."""
-    from dflash_flow import sections  # noqa: F401 - registers the application sections
-    from dflash_flow.app import preflight_problems
+    import dflash_flow.app  # noqa: F401 - registers the application sections
+    from dflash_flow.app.preflight import preflight_problems
     from dflash_flow.core import ConfigError, load_graph
     from dflash_flow.core.validate import validated
 
@@ -115,7 +114,7 @@ def run(
     """Run a pipeline."""
     _sigterm_as_interrupt()
     v = _load(file, set_)
-    from dflash_flow.app import run_validated
+    from dflash_flow.app.run import run_validated
 
     code = run_validated(v, config_path=file, resume=resume, overrides=set_ or [])
     _exit_now_if_threads_stuck(code)
@@ -156,7 +155,7 @@ def export(
     out: Path = typer.Argument(..., help="Output directory (Hugging Face layout)."),
 ) -> None:
     """Turn a training checkpoint into the checkpoint layout inference engines load."""
-    from dflash_flow.app import export_checkpoint
+    from dflash_flow.app.commands import export_checkpoint
 
     code = export_checkpoint(checkpoint, out)
     raise typer.Exit(code)
@@ -173,7 +172,7 @@ def eval_(
     tokenizer: Optional[str] = typer.Option(None, help="Tokenizer path (default: the target's)."),
 ) -> None:
     """Measure real speculative decoding: acceptance length and speedup in target forward passes."""
-    from dflash_flow.app import eval_command
+    from dflash_flow.app.commands import eval_command
 
     raise typer.Exit(eval_command(drafter, target, prompts, max_new_tokens, limit, baseline, tokenizer))
 
@@ -189,7 +188,7 @@ def regenerate(
     system_prompt: Optional[str] = typer.Option(None, help="System prompt to prepend."),
 ) -> None:
     """Regenerate assistant replies with the target (greedy), as the DFlash recipe does."""
-    from dflash_flow.app import regenerate_command
+    from dflash_flow.app.commands import regenerate_command
 
     raise typer.Exit(regenerate_command(prompts, target, out, batch_size, max_new_tokens, resume, system_prompt))
 
@@ -199,10 +198,15 @@ def import_spool(
     spool: Path = typer.Argument(..., help="Spool file left behind when the tracking server was unreachable."),
     tracking_uri: Optional[str] = typer.Option(None, help="Where to import (default: the URI recorded in the spool)."),
 ) -> None:
-    """Send spooled metrics to MLflow."""
-    from dflash_flow.observe.tracking import import_spool as _import
+    """Send what a run spooled while its tracking store was unreachable (metrics, params, artifacts) to MLflow."""
+    from dflash_flow.observe.spool import SpoolError
+    from dflash_flow.observe.spool import import_spool as _import
 
-    run_id = _import(spool, tracking_uri)
+    try:
+        run_id = _import(spool, tracking_uri)
+    except SpoolError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(f"imported {spool} into run {run_id}")
 
 

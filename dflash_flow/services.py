@@ -24,14 +24,33 @@ class MetricSink(Protocol):
     def flush_async(self) -> None: ...
 
 
+@attrs.define(kw_only=True, eq=False)
+class CheckpointPayload:
+    """What a trainer stage hands the checkpoint service; the service adds every other stage's state."""
+
+    step: int
+    epoch: int
+    model_state: dict[str, Any]
+    optimizer_state: dict[str, Any]
+    data_position: dict[str, Any]  # where the data stream continues after a resume
+    stage: str  # the stage that wrote it ...
+    stage_state: dict[str, Any]  # ... and its own state_dict at this point
+    extra: dict[str, Any] = attrs.field(factory=dict)
+    files: dict[str, str] = attrs.field(factory=dict)  # small text files, e.g. the drafter's config.json
+
+
+class CheckpointSource(Protocol):
+    def checkpoint_payload(self, epoch_end: bool = False) -> CheckpointPayload: ...
+
+
 class Checkpoints(Protocol):
     """Checkpoint policy and writer (``dflash_flow.app.checkpoint.CheckpointService``)."""
 
     on_signal: bool
 
-    def after_step(self, source: Any, *, step: int, epoch_end: bool) -> Path | None: ...
+    def after_step(self, source: CheckpointSource, *, step: int, epoch_end: bool) -> Path | None: ...
 
-    def save(self, source: Any) -> Path | None: ...
+    def save(self, source: CheckpointSource, *, epoch_end: bool = False) -> Path | None: ...
 
 
 class Resume(Protocol):

@@ -7,7 +7,7 @@ import inspect
 import attrs
 
 from . import registry
-from .config import _field_types, describe_type
+from .convert import describe_type, field_types
 
 
 def describe_stage(name: str) -> str:
@@ -21,7 +21,7 @@ def describe_stage(name: str) -> str:
     outs = "none (sink)" if cls.output_type is None else ("any" if cls.output_type is object else cls.output_type.__name__)
     lines.append(f"  input: {ins}   output: {outs}   cardinality: {cls.cardinality}")
     fields = cls.config_fields()
-    hints = _field_types(cls)
+    hints = field_types(cls)
     if not fields:
         lines.append("  config: (none)")
     for f in fields:

@@ -45,6 +45,10 @@ class ConfigError(DflashFlowError):
         super().__init__("\n".join(p.format() for p in self.problems))
 
 
+class CheckpointError(DflashFlowError, ValueError):
+    """A checkpoint (training or exported drafter) is missing, corrupted, or from another configuration."""
+
+
 class StageError(DflashFlowError):
     """A stage replica raised. The original exception is chained as ``__cause__``."""
 

@@ -1,10 +1,11 @@
-"""Stage types resolve by name: built-ins, classes registered in-process, and the entry-point group
-``dflash_flow.stages``. A YAML file names a type; it can never name a module to import.
+"""Stage types resolve by name: classes registered in-process (``@register_stage``), then the entry-point
+group ``dflash_flow.stages``, which is also where this package declares its own built-in stages
+(``pyproject.toml``): built-ins and plugins resolve the same way, and listing them imports no stage module.
+A YAML file names a type; it can never name a module to import.
 """
 
 from __future__ import annotations
 
-import importlib
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -12,19 +13,12 @@ from .stage import Stage
 
 ENTRY_POINT_GROUP = "dflash_flow.stages"
 
-# name -> "module:attribute". Built-ins are imported only when resolved, so validate/graph stay fast.
-_BUILTIN: dict[str, str] = {}
 _REGISTERED: dict[str, type[Stage]] = {}
 _entry_points_cache: dict[str, Any] | None = None
 
 
 class UnknownStageType(LookupError):
     pass
-
-
-def register_builtin(name: str, target: str) -> None:
-    """Declare a built-in stage type by import path (used by dflash_flow.stages)."""
-    _BUILTIN[name] = target
 
 
 def register_stage(cls_or_name: Any = None, *, name: str | None = None):
@@ -37,6 +31,9 @@ def register_stage(cls_or_name: Any = None, *, name: str | None = None):
         prev = _REGISTERED.get(key)
         if prev is not None and prev is not cls and _qualname(prev) != _qualname(cls):
             raise ValueError(f"stage type '{key}' is already registered by {_qualname(prev)}")
+        ep = _entry_points().get(key)
+        if prev is None and ep is not None and ep.value != f"{cls.__module__}:{cls.__qualname__}":
+            raise ValueError(f"stage type '{key}' is already declared by the entry point {ep.value}")
         _REGISTERED[key] = cls
         cls.__stage_type__ = key  # type: ignore[attr-defined]
         return cls
@@ -59,27 +56,14 @@ def _entry_points() -> dict[str, Any]:
     return _entry_points_cache
 
 
-def _ensure_builtins() -> None:
-    # Importing the package registers the built-in names (cheap: no torch).
-    importlib.import_module("dflash_flow.stages")
-
-
 def available() -> list[str]:
-    _ensure_builtins()
-    return sorted(set(_BUILTIN) | set(_REGISTERED) | set(_entry_points()))
+    return sorted(set(_REGISTERED) | set(_entry_points()))
 
 
 def resolve(name: str) -> type[Stage]:
     """The Stage class registered under ``name``."""
-    _ensure_builtins()
     if name in _REGISTERED:
         return _REGISTERED[name]
-    if name in _BUILTIN:
-        module, _, attr = _BUILTIN[name].partition(":")
-        cls = getattr(importlib.import_module(module), attr)
-        _REGISTERED.setdefault(name, cls)
-        cls.__stage_type__ = name
-        return cls
     ep = _entry_points().get(name)
     if ep is not None:
         cls = ep.load()

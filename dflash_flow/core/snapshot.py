@@ -1,5 +1,8 @@
-"""What the supervisor reports about a running pipeline: plain attrs objects, built once per
-``Pipeline.snapshot()`` and read by the Monitor, the bottleneck analysis and the end-of-run report."""
+"""What the supervisor reports about a running pipeline: plain attrs objects of cumulative readings
+(seconds busy/blocked, items, metric values), built once per ``Pipeline.snapshot()``.
+
+Readers turn two snapshots into window values (``dflash_flow.observe.sample.take_sample``); there is no
+flat key form here: MLflow keys are made only at the MLflow boundary (``observe.schema``)."""
 
 from __future__ import annotations
 
@@ -51,30 +54,3 @@ class RuntimeSnapshot:
     time: float
     elapsed_s: float
     stages: dict[str, StageSnapshot]
-
-    def flat(self) -> dict[str, float]:
-        """Every number, keyed ``stage/NAME/...`` (for logging)."""
-        out: dict[str, float] = {}
-        for name, st in self.stages.items():
-            p = f"stage/{name}"
-            for k, v in st.fractions().items():
-                out[f"{p}/{k}_frac"] = v
-            out[f"{p}/items_out"] = sum(r.items_out for r in st.replicas)
-            out[f"{p}/items_in"] = sum(r.items_in for r in st.replicas)
-            for r in st.replicas:
-                if r.channel is not None:
-                    out[f"queue/{name}/{r.replica}/depth"] = r.channel.depth
-            for mname in st.metric_kinds:
-                v = st.metric(mname)
-                _flatten_metric(out, f"{p}/{mname}", v)
-        return out
-
-
-def _flatten_metric(out: dict[str, float], key: str, value: Any) -> None:
-    if isinstance(value, dict):
-        for k, v in value.items():
-            _flatten_metric(out, f"{key}/{k}", v)
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        out[key] = float(value)
-
-

@@ -6,18 +6,28 @@ Subclasses fill in hooks (`setup`, `process`/`produce`, `finish`, `teardown`, `s
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import attrs
 
 from .metrics import MetricSet
 from .seeding import derive_seed
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .runtime import RuntimeView
+
+class RuntimeAccess(Protocol):
+    """What a stage may see of the running pipeline (``runtime.RuntimeView`` implements it)."""
+
+    @property
+    def graph(self) -> Any: ...
+
+    def snapshot(self) -> Any: ...
+
+    def stage_states(self) -> dict[str, list[dict[str, Any]]]: ...
+
 
 _MISSING = attrs.NOTHING
 
@@ -29,26 +39,35 @@ def cfg(
     ge: float | None = None,
     gt: float | None = None,
     le: float | None = None,
+    lt: float | None = None,
     choices: Iterable[Any] | None = None,
+    finite: bool = True,
     doc: str = "",
 ) -> Any:
-    """Declare a stage config field: default, bounds and a doc line (shown by `dflash-flow stages`)."""
-    validators = []
-    if ge is not None:
-        validators.append(attrs.validators.ge(ge))
-    if gt is not None:
-        validators.append(attrs.validators.gt(gt))
-    if le is not None:
-        validators.append(attrs.validators.le(le))
+    """Declare a config field (of a stage or an application section): default, bounds and a doc line
+    (shown by `dflash-flow stages`).
+
+    Bounds hold against NaN too (NaN compares false, so it fails every bound). A float field refuses NaN
+    and infinity unless it says ``finite=False``; use ``le=`` to bound budgets by what a machine can hold.
+    ``None`` passes the bounds: whether a field may be null is its type's business (``int | None``).
+    """
+    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
+    validators: list[Any] = [getattr(attrs.validators, k)(v) for k, v in bounds.items()]
     if choices is not None:
         validators.append(attrs.validators.in_(tuple(choices)))
-    metadata = {"doc": doc, "config": True}
-    validator: Any = validators or None
-    if validators and default is None:
-        validator = attrs.validators.optional(validators)
+    if finite:
+        validators.append(_finite)
+    metadata = {"doc": doc, "config": True, "bounds": bounds, "finite": finite}
+    validator = attrs.validators.optional(validators)
     if factory is not None:
         return attrs.field(factory=factory, validator=validator, metadata=metadata, kw_only=True)
     return attrs.field(default=default, validator=validator, metadata=metadata, kw_only=True)
+
+
+def _finite(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """NaN and infinity make no sense as a setting unless a field says so (``cfg(finite=False)``)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"'{attribute.name}' must be a finite number, got {value}")
 
 
 @attrs.define(eq=False)
@@ -68,7 +87,7 @@ class StageContext:
     services: dict[str, Any] = attrs.field(factory=dict)
     metrics: MetricSet = attrs.field(factory=MetricSet)
     stop_requested: threading.Event = attrs.field(factory=threading.Event)
-    runtime: RuntimeView | None = None
+    runtime: RuntimeAccess | None = None
     _heartbeats: int = 0
 
     def seed_for(self, epoch: int = 0, *salt: object) -> int:

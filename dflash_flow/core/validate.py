@@ -1,16 +1,24 @@
-"""Validation before any thread starts: every problem at once, each located."""
+"""Validation before any thread starts: every problem at once, each located.
+
+``validated`` runs small named checks over one shared ``_Check`` (the graph, a problem factory and what
+earlier checks resolved): shapes, names, types and configs, runtime options, placement (replicas,
+capacity, devices), edges, cycles and ordering.
+"""
 
 from __future__ import annotations
 
 import difflib
 from typing import Any
 
-from . import registry
-from .config import structure
+import attrs
+
+from . import limits, registry
+from .convert import short, structure, unstructure
 from .devices import check_device_string, missing_device, normalize_devices, place, visible_gpu_count
 from .errors import ConfigError, Problem
-from .graph import Graph, StageSpec
+from .graph import Graph, RuntimeOptions, StageSpec
 from .routing import POLICIES
+from .sections import section_to_dict
 from .stage import Stage
 
 
@@ -37,150 +45,276 @@ def validated(graph: Graph, *, check_devices: bool = True, gpu_count: int | None
     return _validated(graph, check_devices=check_devices, gpu_count=gpu_count)
 
 
+@attrs.define
+class _Check:
+    """What the checks share: the graph, where its stages are in the file, and what was resolved."""
+
+    graph: Graph
+    check_devices: bool
+    gpu_count: int | None
+    problems: list[Problem] = attrs.field(factory=list)
+    classes: dict[str, type[Stage]] = attrs.field(factory=dict)
+    configs: dict[str, Any] = attrs.field(factory=dict)
+    names: set[str] = attrs.field(factory=set)
+    order: list[str] = attrs.field(factory=list)
+    cycle: list[str] = attrs.field(factory=list)
+    _index: dict[int, int] = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        self._index = {id(s): i for i, s in enumerate(self.graph.stages)}
+
+    def path(self, spec: StageSpec | None, *path: Any) -> tuple:
+        i = self._index.get(id(spec)) if spec is not None else None
+        return ("stages", i, *path) if i is not None else path
+
+    def line(self, *path: Any) -> int | None:
+        loc = self.graph.locator
+        return loc.line(*path) if loc is not None else None
+
+    @property
+    def file(self) -> str | None:
+        loc = self.graph.locator
+        return loc.filename if loc is not None else None
+
+    def add(self, message: str, spec: StageSpec | None = None, *path: Any, field: str | None = None) -> None:
+        line = self.line(*self.path(spec, *path))
+        self.problems.append(Problem(message, file=self.file, line=line, stage=spec.name if spec else None, field=field))
+
+    def add_runtime(self, message: str, key: str) -> None:
+        self.problems.append(Problem(message, file=self.file, line=self.line("runtime", key), field=f"runtime.{key}"))
+
+    def extend(self, problems: list[Problem]) -> None:
+        self.problems.extend(problems)
+
+
 def _validated(graph: Graph, *, check_devices: bool, gpu_count: int | None) -> Validated:
-    loc = graph.locator
-    problems: list[Problem] = []
-    index = {id(s): i for i, s in enumerate(graph.stages)}
+    c = _Check(graph, check_devices, gpu_count)
+    _check_shapes(c)
+    if not c.problems:  # the checks below rely on well-typed specs
+        for check in (_check_names, _check_configs, _check_runtime, _check_sections, _check_placement,
+                      _check_edges, _check_cycles, _check_ordering):
+            check(c)
+    if c.problems:
+        raise ConfigError(c.problems)
+    return Validated(graph, c.classes, c.configs, c.order)
 
-    def P(message: str, spec: StageSpec | None = None, *path: Any, field: str | None = None) -> Problem:
-        i = index.get(id(spec)) if spec is not None else None
-        full = ("stages", i, *path) if i is not None else path
-        line = loc.line(*full) if loc is not None else None
-        file = loc.filename if loc is not None else None
-        return Problem(message, file=file, line=line, stage=spec.name if spec else None, field=field)
 
-    # names
+def _check_shapes(c: _Check) -> None:
+    """Stage specs built in Python get the checks a YAML file gets when it is read (types of replicas,
+    inputs, devices...). A graph read from YAML passes them by construction."""
+    for spec in c.graph.stages:
+        if not isinstance(spec, StageSpec):
+            c.add(f"a stage must be a StageSpec, got {type(spec).__name__}")
+            continue
+        _, probs = structure(
+            StageSpec,
+            unstructure(spec),
+            locate=lambda path, spec=spec: c.line(*c.path(spec, *path)),
+            file=c.file,
+            stage=short(spec.name) if isinstance(spec.name, str) else None,
+            what="stage",
+        )
+        c.extend(probs)
+    if len(c.graph.stages) > limits.MAX_TOTAL_REPLICAS:
+        c.add(f"{len(c.graph.stages)} stages: a pipeline may run at most {limits.MAX_TOTAL_REPLICAS} replicas in all")
+
+
+def _check_names(c: _Check) -> None:
     seen: dict[str, int] = {}
-    for i, spec in enumerate(graph.stages):
+    for i, spec in enumerate(c.graph.stages):
         if spec.name in seen:
-            problems.append(P(f"duplicate stage name '{spec.name}' (first defined as stage #{seen[spec.name] + 1})", spec, "name", field="name"))
+            c.add(f"duplicate stage name '{spec.name}' (first defined as stage #{seen[spec.name] + 1})", spec, "name", field="name")
         else:
             seen[spec.name] = i
-    names = set(seen)
+    c.names = set(seen)
 
-    # types and configs
-    classes: dict[str, type[Stage]] = {}
-    configs: dict[str, Any] = {}
+
+def _check_configs(c: _Check) -> None:
+    """Resolve each stage type and structure its config into the template instance of its replicas."""
     known = registry.available()
-    for spec in graph.stages:
+    for spec in c.graph.stages:
         try:
             cls = registry.resolve(spec.type)
         except registry.UnknownStageType:
             close = difflib.get_close_matches(spec.type, known, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else f"; registered types: {', '.join(known)}"
-            problems.append(P(f"unknown stage type '{spec.type}'{hint}", spec, "type", field="type"))
+            c.add(f"unknown stage type '{short(spec.type)}'{hint}", spec, "type", field="type")
             continue
         except Exception as exc:  # a broken plugin must not hide the other problems
-            problems.append(P(f"stage type '{spec.type}' failed to load: {type(exc).__name__}: {exc}", spec, "type", field="type"))
+            c.add(f"stage type '{spec.type}' failed to load: {type(exc).__name__}: {exc}", spec, "type", field="type")
             continue
-        classes[spec.name] = cls
-        instance = graph.instances.get(spec.name)
+        c.classes[spec.name] = cls
+        instance = c.graph.instances.get(spec.name)
         if instance is not None and type(instance) is cls and instance.config() == spec.config:
-            configs[spec.name] = instance
+            c.configs[spec.name] = instance
             continue
-
-        def locate(message: str, key: str | None = None, spec=spec) -> Problem:
-            path = ("config", key) if key is not None else ("config",)
-            return P(message, spec, *path, field=key)
-
-        obj, probs = structure(cls, spec.config, locate=locate, stage=spec.name)
-        problems.extend(probs)
+        obj, probs = structure(
+            cls,
+            spec.config,
+            locate=lambda path, spec=spec: c.line(*c.path(spec, "config", *path)),
+            file=c.file,
+            stage=spec.name,
+        )
+        c.extend(probs)
         if obj is not None:
-            configs[spec.name] = obj
+            c.configs[spec.name] = obj
 
-    # replicas, capacity, devices
-    gpus = visible_gpu_count() if gpu_count is None else gpu_count
-    if graph.runtime.capacity < 1:
-        problems.append(Problem(f"runtime.capacity must be >= 1, got {graph.runtime.capacity}", file=loc.filename if loc else None, line=loc.line("runtime", "capacity") if loc else None, field="runtime.capacity"))
+
+def _check_runtime(c: _Check) -> None:
+    """Types (a graph built in Python skipped the YAML reading), then the bounds. NaN fails every
+    ``>=`` and ``<=``, so each bound is written as ``not (ok)``."""
+    _, probs = structure(
+        RuntimeOptions,
+        attrs.asdict(c.graph.runtime),
+        locate=lambda path: c.line("runtime", *path),
+        file=c.file,
+        field_prefix="runtime.",
+        what="runtime",
+    )
+    if probs:
+        c.extend(probs)
+        return
+    rt = c.graph.runtime
+    if not rt.capacity >= 1:
+        c.add_runtime(f"runtime.capacity must be >= 1, got {rt.capacity}", "capacity")
+    elif not rt.capacity <= limits.MAX_CAPACITY:
+        c.add_runtime(_capacity_limit("runtime.capacity", rt.capacity), "capacity")
     for key in ("stall_timeout_s", "drain_timeout_s", "shutdown_grace_s"):
-        if getattr(graph.runtime, key) < 0:
-            problems.append(Problem(f"runtime.{key} must be >= 0", file=loc.filename if loc else None, line=loc.line("runtime", key) if loc else None, field=f"runtime.{key}"))
-    if graph.runtime.watchdog_interval_s <= 0:
-        problems.append(Problem("runtime.watchdog_interval_s must be > 0", file=loc.filename if loc else None, line=loc.line("runtime", "watchdog_interval_s") if loc else None, field="runtime.watchdog_interval_s"))
-    for spec in graph.stages:
-        if spec.replicas < 1:
-            problems.append(P(f"replicas must be >= 1, got {spec.replicas}", spec, "replicas", field="replicas"))
-        if spec.capacity is not None and spec.capacity < 1:
-            problems.append(P(f"capacity must be >= 1, got {spec.capacity}", spec, "capacity", field="capacity"))
-        cls = classes.get(spec.name)
-        if cls is not None and cls.is_source() and not cls.shards_by_replica and spec.replicas > 1:
-            problems.append(P(f"source type '{spec.type}' would emit its whole output once per replica; replicas must be 1", spec, "replicas", field="replicas"))
-        elif cls is not None and cls.singleton and spec.replicas > 1:
-            problems.append(P(f"stage type '{spec.type}' runs once per process; replicas must be 1", spec, "replicas", field="replicas"))
-        devs = normalize_devices(spec.devices)
-        bad = False
-        for d in devs:
-            err = check_device_string(d)
-            if err:
-                problems.append(P(err, spec, "devices", field="devices"))
-                bad = True
-        if "auto" in devs and len(devs) > 1:
-            problems.append(P("'auto' cannot be combined with other devices", spec, "devices", field="devices"))
-            bad = True
-        if not bad and check_devices:
-            placed, _ = place(devs, max(spec.replicas, 1), gpus)
-            for d in sorted(set(placed)):
-                err = missing_device(d, gpus)
-                if err:
-                    problems.append(P(err, spec, "devices", field="devices"))
+        if not getattr(rt, key) >= 0:
+            c.add_runtime(f"runtime.{key} must be >= 0", key)
+    if not rt.watchdog_interval_s > 0:
+        c.add_runtime("runtime.watchdog_interval_s must be > 0", "watchdog_interval_s")
 
-    # edges
-    for spec in graph.stages:
-        cls = classes.get(spec.name)
+
+def _check_sections(c: _Check) -> None:
+    """Sections set in Python get the YAML checks (types, finite numbers, validators) too."""
+    from .sections import registered_sections
+
+    for key, cls in registered_sections().items():
+        obj = c.graph.sections.get(key)
+        if obj is None or not attrs.has(type(obj)):
+            continue
+        _, probs = structure(
+            cls, section_to_dict(obj), locate=lambda path, key=key: c.line(key, *path), file=c.file,
+            field_prefix=f"{key}.", what=key,
+        )
+        c.extend(probs)
+
+
+def _capacity_limit(what: str, value: int) -> str:
+    return (f"{what} must be <= {limits.MAX_CAPACITY} (items each input queue may hold in memory), "
+            f"got {value}")
+
+
+def _check_placement(c: _Check) -> None:
+    """Replicas (a thread each), queue capacity and devices; the bounds come first, so placing
+    replicas on devices never loops over an absurd count."""
+    gpus = visible_gpu_count() if c.gpu_count is None else c.gpu_count
+    total = 0
+    for spec in c.graph.stages:
+        if spec.replicas < 1:
+            c.add(f"replicas must be >= 1, got {spec.replicas}", spec, "replicas", field="replicas")
+        elif spec.replicas > limits.MAX_REPLICAS:
+            c.add(f"replicas must be <= {limits.MAX_REPLICAS} (each replica is a thread), got {short(spec.replicas, 30)}",
+                  spec, "replicas", field="replicas")
+        else:
+            total += spec.replicas
+        if spec.capacity is not None and spec.capacity < 1:
+            c.add(f"capacity must be >= 1, got {spec.capacity}", spec, "capacity", field="capacity")
+        elif spec.capacity is not None and spec.capacity > limits.MAX_CAPACITY:
+            c.add(_capacity_limit("capacity", spec.capacity), spec, "capacity", field="capacity")
+        _check_replica_kind(c, spec)
+        _check_devices(c, spec, gpus)
+    if total > limits.MAX_TOTAL_REPLICAS:
+        c.add(f"the stages ask for {total} replicas in all; one process runs at most "
+              f"{limits.MAX_TOTAL_REPLICAS} (each replica is a thread)", None, "stages", field="replicas")
+
+
+def _check_replica_kind(c: _Check, spec: StageSpec) -> None:
+    cls = c.classes.get(spec.name)
+    if cls is not None and cls.is_source() and not cls.shards_by_replica and spec.replicas > 1:
+        c.add(f"source type '{spec.type}' would emit its whole output once per replica; replicas must be 1", spec, "replicas", field="replicas")
+    elif cls is not None and cls.singleton and spec.replicas > 1:
+        c.add(f"stage type '{spec.type}' runs once per process; replicas must be 1", spec, "replicas", field="replicas")
+
+
+def _check_devices(c: _Check, spec: StageSpec, gpus: int) -> None:
+    devs = normalize_devices(spec.devices)
+    bad = False
+    for d in devs:
+        err = check_device_string(d)
+        if err:
+            c.add(err, spec, "devices", field="devices")
+            bad = True
+    if "auto" in devs and len(devs) > 1:
+        c.add("'auto' cannot be combined with other devices", spec, "devices", field="devices")
+        bad = True
+    if not bad and c.check_devices and spec.replicas <= limits.MAX_REPLICAS:
+        placed, _ = place(devs, max(spec.replicas, 1), gpus)
+        for d in sorted(set(placed)):
+            err = missing_device(d, gpus)
+            if err:
+                c.add(err, spec, "devices", field="devices")
+
+
+def _check_edges(c: _Check) -> None:
+    for spec in c.graph.stages:
+        cls = c.classes.get(spec.name)
         if cls is not None and cls.is_source() and spec.inputs:
-            problems.append(P(f"stage type '{spec.type}' is a source and takes no inputs", spec, "inputs", field="inputs"))
+            c.add(f"stage type '{spec.type}' is a source and takes no inputs", spec, "inputs", field="inputs")
         if cls is not None and not cls.is_source() and not spec.inputs:
-            problems.append(P(f"missing input: stage type '{spec.type}' needs an input (inputs: [STAGE])", spec, field="inputs"))
-        seen_inputs = set()
+            c.add(f"missing input: stage type '{spec.type}' needs an input (inputs: [STAGE])", spec, field="inputs")
+        seen_inputs: set[str] = set()
         for j, inp in enumerate(spec.inputs):
             if inp.stage in seen_inputs:
-                problems.append(P(f"input '{inp.stage}' listed twice", spec, "inputs", j, field="inputs"))
+                c.add(f"input '{inp.stage}' listed twice", spec, "inputs", j, field="inputs")
             seen_inputs.add(inp.stage)
             if inp.policy not in POLICIES:
-                problems.append(P(f"unknown fan-out policy '{inp.policy}'; expected one of {', '.join(POLICIES)}", spec, "inputs", j, field="inputs"))
-            if inp.stage == spec.name:
-                problems.append(P("a stage cannot be its own input", spec, "inputs", j, field="inputs"))
-                continue
-            if inp.stage not in names:
-                close = difflib.get_close_matches(inp.stage, sorted(names), n=1)
-                hint = f"; did you mean '{close[0]}'?" if close else ""
-                problems.append(P(f"dangling input: no stage named '{inp.stage}'{hint}", spec, "inputs", j, field="inputs"))
-                continue
-            prod = classes.get(inp.stage)
-            if prod is None or cls is None:
-                continue
-            if prod.is_sink():
-                problems.append(P(f"stage '{inp.stage}' ({prod.__name__}) has no output", spec, "inputs", j, field="inputs"))
-                continue
-            if not _accepts(cls.input_type, prod.output_type):
-                problems.append(
-                    P(
-                        f"type mismatch: '{inp.stage}' emits {_tname(prod.output_type)} but "
-                        f"'{spec.name}' ({cls.__name__}) accepts {_tname(cls.input_type)}",
-                        spec,
-                        "inputs",
-                        j,
-                        field="inputs",
-                    )
-                )
+                c.add(f"unknown fan-out policy '{short(inp.policy)}'; expected one of {', '.join(POLICIES)}", spec, "inputs", j, field="inputs")
+            _check_edge(c, spec, cls, j)
 
-    # cycles
-    order, cycle = _toposort(graph)
-    if cycle:
-        spec = graph.stage(cycle[0]) if cycle[0] in names else None
-        problems.append(P("cycle: " + " -> ".join(cycle + [cycle[0]]), spec, "inputs", field="inputs"))
 
-    # ordered fan-in
-    if not cycle:
-        for spec in graph.stages:
-            if spec.ordered:
-                err = _ordering_problem(graph, spec, classes)
-                if err:
-                    problems.append(P(err, spec, "ordered", field="ordered"))
+def _check_edge(c: _Check, spec: StageSpec, cls: type[Stage] | None, j: int) -> None:
+    inp = spec.inputs[j]
+    if inp.stage == spec.name:
+        c.add("a stage cannot be its own input", spec, "inputs", j, field="inputs")
+        return
+    if inp.stage not in c.names:
+        close = difflib.get_close_matches(inp.stage, sorted(c.names), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        c.add(f"dangling input: no stage named '{short(inp.stage)}'{hint}", spec, "inputs", j, field="inputs")
+        return
+    prod = c.classes.get(inp.stage)
+    if prod is None or cls is None:
+        return
+    if prod.is_sink():
+        c.add(f"stage '{inp.stage}' ({prod.__name__}) has no output", spec, "inputs", j, field="inputs")
+    elif not _accepts(cls.input_type, prod.output_type):
+        c.add(
+            f"type mismatch: '{inp.stage}' emits {_tname(prod.output_type)} but "
+            f"'{spec.name}' ({cls.__name__}) accepts {_tname(cls.input_type)}",
+            spec,
+            "inputs",
+            j,
+            field="inputs",
+        )
 
-    if problems:
-        raise ConfigError(problems)
-    return Validated(graph, classes, configs, order)
+
+def _check_cycles(c: _Check) -> None:
+    c.order, c.cycle = _toposort(c.graph)
+    if c.cycle:
+        spec = c.graph.stage(c.cycle[0]) if c.cycle[0] in c.names else None
+        c.add("cycle: " + " -> ".join(c.cycle + [c.cycle[0]]), spec, "inputs", field="inputs")
+
+
+def _check_ordering(c: _Check) -> None:
+    if c.cycle:
+        return
+    for spec in c.graph.stages:
+        if spec.ordered:
+            err = _ordering_problem(c.graph, spec, c.classes)
+            if err:
+                c.add(err, spec, "ordered", field="ordered")
 
 
 def _accepts(consumer_in: type | None, producer_out: type | None) -> bool:
@@ -200,34 +334,32 @@ def _tname(t: type | None) -> str:
 
 
 def _toposort(graph: Graph) -> tuple[list[str], list[str]]:
+    """(topological order, []) or ([], one cycle). Iterative: a chain of thousands of stages is fine."""
     names = [s.name for s in graph.stages]
     known = set(names)
     # Self-loops are reported on their own; here they would only repeat that.
     deps = {s.name: [i.stage for i in s.inputs if i.stage in known and i.stage != s.name] for s in graph.stages}
-    state: dict[str, int] = {}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
     order: list[str] = []
-    stack: list[str] = []
-
-    def visit(n: str) -> list[str]:
-        state[n] = 1
-        stack.append(n)
-        for d in deps.get(n, []):
-            if state.get(d) == 1:
-                return stack[stack.index(d):]
-            if state.get(d) is None:
-                c = visit(d)
-                if c:
-                    return c
-        state[n] = 2
-        stack.pop()
-        order.append(n)
-        return []
-
-    for n in names:
-        if state.get(n) is None:
-            c = visit(n)
-            if c:
-                return [], list(reversed(c))
+    for root in names:
+        if root in state:
+            continue
+        state[root] = 1
+        path = [root]
+        todo = [iter(deps.get(root, []))]
+        while todo:
+            nxt = next(todo[-1], None)
+            if nxt is None:
+                todo.pop()
+                done = path.pop()
+                state[done] = 2
+                order.append(done)
+            elif state.get(nxt) == 1:
+                return [], list(reversed(path[path.index(nxt):]))
+            elif nxt not in state:
+                state[nxt] = 1
+                path.append(nxt)
+                todo.append(iter(deps.get(nxt, [])))
     return order, []
 
 

@@ -30,8 +30,11 @@ __all__ = [
     "ChatTemplateError",
     "TemplateInfo",
     "encode_chat",
+    "parse_conversation",
     "probe_template",
+    "prompt_turns",
     "render_chat",
+    "stop_token_ids",
 ]
 
 
@@ -56,6 +59,84 @@ class ChatEncoding:
     input_ids: np.ndarray  # int64 [n]
     loss_mask: np.ndarray  # uint8 [n]
     spans: list[tuple[int, int]]  # supervised character spans of `text`
+
+
+# Role names of ShareGPT-style turns ({"from", "value"}) and common aliases.
+_ROLE_ALIASES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "model": "assistant",
+    "bot": "assistant",
+}
+
+
+def parse_conversation(obj: dict) -> tuple[list[dict] | None, str, str]:
+    """The messages of a chat record (``conversations`` or ``messages``; ``{role, content}`` or ShareGPT
+    ``{from, value}`` turns), as ``(messages, "", "")``, or ``(None, error kind, reason)``."""
+    key = "conversations" if "conversations" in obj else "messages" if "messages" in obj else None
+    if key is None:
+        return None, "missing_field", "missing field 'conversations'"
+    turns = obj[key]
+    if not isinstance(turns, list) or not turns:
+        return None, "missing_field", f"'{key}' must be a non-empty list"
+    msgs = []
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict):
+            return None, "missing_field", f"{key}[{i}] is {type(t).__name__}, expected an object"
+        if "role" in t or "content" in t:
+            role, content = t.get("role"), t.get("content")
+            rkey, ckey = "role", "content"
+        else:
+            role, content = _ROLE_ALIASES.get(t.get("from"), t.get("from")), t.get("value")
+            rkey, ckey = "from", "value"
+        if role is None:
+            return None, "missing_field", f"{key}[{i}] has no '{rkey}'"
+        if not isinstance(content, str):
+            what = "no" if content is None else f"a non-string ({type(content).__name__})"
+            return None, "missing_field", f"{key}[{i}] has {what} '{ckey}'"
+        msg = {k: v for k, v in t.items() if k not in ("from", "value")}
+        msg["role"], msg["content"] = role, content
+        msgs.append(msg)
+    return msgs, "", ""
+
+
+def prompt_turns(record: dict, system_prompt: str | None = None) -> list[dict]:
+    """The turns a model continues: everything up to and including the last user turn of a chat record,
+    or ``{"prompt": text}`` as one user turn (optionally behind ``system_prompt``). Raises ValueError."""
+    if "conversations" in record or "messages" in record:
+        msgs, _, reason = parse_conversation(record)
+        if msgs is None:
+            raise ValueError(reason)
+    elif "prompt" in record:
+        msgs = [{"role": "user", "content": str(record["prompt"])}]
+    else:
+        raise ValueError(f"record has neither 'conversations' nor 'prompt': keys {sorted(record)}")
+    last_user = max((i for i, t in enumerate(msgs) if t["role"] == "user"), default=None)
+    if last_user is None:
+        raise ValueError("conversation has no user turn")
+    turns = [{"role": t["role"], "content": t["content"]} for t in msgs[: last_user + 1]]
+    if system_prompt is not None and turns[0]["role"] != "system":
+        turns = [{"role": "system", "content": system_prompt}] + turns
+    return turns
+
+
+_STOP_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>")
+
+
+def stop_token_ids(tokenizer: Any) -> list[int]:
+    """Ids that end an assistant turn: eos plus the chat template's end-of-turn tokens when present."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    for tok in _STOP_TOKENS:
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(tid, int) and tid >= 0 and tid != tokenizer.unk_token_id:
+            ids.add(tid)
+    return sorted(ids)
 
 
 _PROBE_USER = ("zqxuserprobeone", "zqxuserprobetwo")

@@ -28,11 +28,12 @@ import hashlib
 import logging
 import math
 from collections.abc import Iterator, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 import numpy as np
 
+from dflash_flow.core.stage import cfg
 from dflash_flow.items import BatchMeta
 
 __all__ = [
@@ -76,55 +77,47 @@ def epoch_rng(seed: int, epoch: int, *salt: int) -> np.random.Generator:
     )
 
 
-def _positive_int(_inst, attribute, value) -> None:
-    if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
-        raise ValueError(f"PlanConfig.{attribute.name} must be a positive integer, got {value!r}")
-
-
 def _boundaries_ok(_inst, _attr, value) -> None:
     if value is None:
         return
     vals = list(value)
     if any(not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1 for v in vals):
-        raise ValueError(f"PlanConfig.boundaries must be positive integers, got {vals}")
+        raise ValueError(f"boundaries must be positive integers, got {vals}")
     if any(b <= a for a, b in zip(vals, vals[1:], strict=False)):
-        raise ValueError(f"PlanConfig.boundaries must be strictly increasing, got {vals}")
+        raise ValueError(f"boundaries must be strictly increasing, got {vals}")
 
 
 @attrs.define(frozen=True, kw_only=True)
 class PlanConfig:
-    """How an epoch is bucketed, packed and ordered.
+    """How an epoch is bucketed, packed and ordered. The Bucketer and Interleaver stages take their
+    config fields from these (``plan_field``): defaults, bounds and docs live here only."""
 
-    Args:
-        max_tokens: budget per batch in padded tokens, ``num_samples * padded_len <= max_tokens``.
-        max_batch_size: optional cap on samples per batch.
-        pad_to_multiple: padded length is rounded up to a multiple of this (the Padder must use the same).
-        boundaries: explicit inclusive upper bounds of all buckets but the last, e.g. ``(512, 1024, 2048)``
-            gives 4 buckets ``<=512, <=1024, <=2048, >2048``. ``None``: quantile boundaries.
-        num_buckets: number of quantile buckets when ``boundaries`` is None (fewer when lengths repeat).
-        max_run: hard cap on consecutive batches from one bucket.
-        length_jitter: relative jitter of the packing sort key. 0 packs strictly by length (composition
-            then changes only among equal lengths); larger values vary batches more and pad more.
-        repeat_penalty: weight factor (0..1] for choosing the previous batch's bucket again.
-        evenness: how sharply the interleaver favours the bucket furthest behind its share; higher means
-            a more even mix over every window and a less random order.
-    """
-
-    max_tokens: int = attrs.field(default=65536, validator=_positive_int)
-    max_batch_size: int | None = attrs.field(default=None, validator=_positive_int)
-    pad_to_multiple: int = attrs.field(default=1, validator=_positive_int)
+    max_tokens: int = cfg(65536, ge=1, doc="Budget per batch in padded tokens (num_samples x padded length).")
+    max_batch_size: int | None = cfg(None, ge=1, doc="Cap on samples per batch (null: budget only).")
+    pad_to_multiple: int = cfg(1, ge=1, doc="Padded length is a multiple of this (give the Padder the same).")
     boundaries: tuple[int, ...] | None = attrs.field(
         default=None,
         converter=lambda v: None if v is None else tuple(v),
         validator=_boundaries_ok,
+        metadata={"config": True, "doc": "Inclusive upper bounds of the buckets but the last, e.g. [512, 1024, "
+                  "2048] gives 4 buckets; null: quantile boundaries."},
     )
-    num_buckets: int = attrs.field(default=6, validator=_positive_int)
-    max_run: int = attrs.field(default=3, validator=_positive_int)
-    length_jitter: float = attrs.field(default=0.02, validator=attrs.validators.ge(0.0))
-    repeat_penalty: float = attrs.field(
-        default=0.5, validator=[attrs.validators.gt(0.0), attrs.validators.le(1.0)]
+    num_buckets: int = cfg(6, ge=1, doc="Quantile buckets when boundaries is null (fewer when lengths repeat).")
+    max_run: int = cfg(3, ge=1, doc="Hard cap on consecutive batches from one bucket (when the mix allows).")
+    length_jitter: float = cfg(
+        0.02, ge=0, le=1, doc="Relative jitter of the packing order: varies batches per epoch (0: strictly by length)."
     )
-    evenness: float = attrs.field(default=3.0, validator=attrs.validators.ge(0.0))
+    repeat_penalty: float = cfg(0.5, gt=0, le=1, doc="Weight factor for repeating the previous bucket.")
+    evenness: float = cfg(3.0, ge=0, le=100, doc="How strongly the bucket furthest behind its share is preferred.")
+
+
+def plan_field(name: str) -> Any:
+    """A stage config field that is ``PlanConfig.<name>``: same default, validator and doc."""
+    f = attrs.fields_dict(PlanConfig)[name]
+    return attrs.field(default=f.default, validator=f.validator, metadata=dict(f.metadata), kw_only=True)
+
+
+_DEFAULTS = PlanConfig()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -261,8 +254,8 @@ def interleave_buckets(
     *,
     max_run: int,
     rng: np.random.Generator,
-    repeat_penalty: float = 0.5,
-    evenness: float = 3.0,
+    repeat_penalty: float = _DEFAULTS.repeat_penalty,
+    evenness: float = _DEFAULTS.evenness,
 ) -> tuple[np.ndarray, int]:
     """Order ``counts[b]`` batches of each bucket b; returns (bucket id per position, effective cap).
 
@@ -621,9 +614,9 @@ def _interleave_for(
 def order_packed(
     packed: PackedEpoch,
     *,
-    max_run: int = 3,
-    repeat_penalty: float = 0.5,
-    evenness: float = 3.0,
+    max_run: int = _DEFAULTS.max_run,
+    repeat_penalty: float = _DEFAULTS.repeat_penalty,
+    evenness: float = _DEFAULTS.evenness,
     world_size: int = 1,
 ) -> EpochPlan:
     """Interleave a packed epoch into its `EpochPlan` (the Interleaver's half of the plan).

@@ -33,7 +33,15 @@ import numpy as np
 
 from dflash_flow.items import Sample
 
-from .chat import ChatTemplateError, TemplateInfo, probe_template, render_chat, supervised_spans, token_mask
+from .chat import (
+    ChatTemplateError,
+    TemplateInfo,
+    parse_conversation,
+    probe_template,
+    render_chat,
+    supervised_spans,
+    token_mask,
+)
 
 __all__ = [
     "BadRecord",
@@ -421,45 +429,6 @@ def _check_file(path: Path) -> None:
         raise DataError(f"{path}: file is empty")
 
 
-_SHAREGPT_ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "system": "system",
-    "tool": "tool",
-}
-
-
-def _conversation(obj: dict) -> tuple[list[dict] | None, str, str]:
-    """(messages, error kind, error reason)."""
-    key = "conversations" if "conversations" in obj else "messages" if "messages" in obj else None
-    if key is None:
-        return None, "missing_field", "missing field 'conversations'"
-    turns = obj[key]
-    if not isinstance(turns, list) or not turns:
-        return None, "missing_field", f"'{key}' must be a non-empty list"
-    msgs = []
-    for i, t in enumerate(turns):
-        if not isinstance(t, dict):
-            return None, "missing_field", f"{key}[{i}] is {type(t).__name__}, expected an object"
-        if "role" in t or "content" in t:
-            role, content = t.get("role"), t.get("content")
-            rkey, ckey = "role", "content"
-        else:
-            role, content = _SHAREGPT_ROLES.get(t.get("from"), t.get("from")), t.get("value")
-            rkey, ckey = "from", "value"
-        if role is None:
-            return None, "missing_field", f"{key}[{i}] has no '{rkey}'"
-        if not isinstance(content, str):
-            what = "no" if content is None else f"a non-string ({type(content).__name__})"
-            return None, "missing_field", f"{key}[{i}] has {what} '{ckey}'"
-        msg = {k: v for k, v in t.items() if k not in ("from", "value")}
-        msg["role"], msg["content"] = role, content
-        msgs.append(msg)
-    return msgs, "", ""
-
-
 def read_chat_jsonl(path: str | Path, tokenizer: Any, options: ReadOptions | None = None) -> TokenizedFile:
     """Render, tokenize and mask a chat JSONL file (cached when ``options.cache_dir`` is set)."""
     options = options or ReadOptions()
@@ -503,7 +472,7 @@ def read_chat_jsonl(path: str | Path, tokenizer: Any, options: ReadOptions | Non
         pending.clear()
 
     for line, obj in _iter_jsonl(path, col):
-        msgs, kind, reason = _conversation(obj)
+        msgs, kind, reason = parse_conversation(obj)
         if msgs is None:
             col.bad(line, kind, reason)
             continue

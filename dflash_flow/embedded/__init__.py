@@ -9,9 +9,9 @@
 No module here imports torch or transformers at import time (the CLI's ``--help`` stays fast).
 """
 
-from .build import DefaultDataset, build_default_dataset
+from .build import DefaultDataset, build_default_dataset, shipped_dataset, write_eval_prompts
 from .corpus import ChatExample, iter_examples, make_split, split_of
-from .regenerate import RegenStats, greedy_generate, regenerate
+from .regenerate import RegenStats, regenerate
 from .tokenizer import (
     CHAT_TEMPLATE,
     ENDOFTEXT,
@@ -20,10 +20,17 @@ from .tokenizer import (
     PAD,
     build_default_tokenizer,
     load_tokenizer,
-    stop_token_ids,
     train_tokenizer,
 )
-from .train_target import ASSET_DIR, TargetRecipe, ensure_target, load_target, train_target
+from .train_target import (
+    ASSET_DIR,
+    TargetRecipe,
+    embedded_target_path,
+    ensure_target,
+    load_target,
+    resolve_target,
+    train_target,
+)
 
 __all__ = [
     "ASSET_DIR",
@@ -38,15 +45,17 @@ __all__ = [
     "TargetRecipe",
     "build_default_dataset",
     "build_default_tokenizer",
+    "embedded_target_path",
     "ensure_target",
-    "greedy_generate",
     "iter_examples",
     "load_target",
     "load_tokenizer",
     "make_split",
     "regenerate",
+    "resolve_target",
+    "shipped_dataset",
     "split_of",
-    "stop_token_ids",
     "train_target",
     "train_tokenizer",
+    "write_eval_prompts",
 ]

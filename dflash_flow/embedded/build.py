@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_flow.util import atomic_write_text, sha256_file
+
 BUILD_VERSION = "1"
 
 
@@ -37,20 +39,11 @@ class DefaultDataset:
     cached: bool = False  # True when nothing had to be built
 
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+SHIPPED_DATASET = Path(__file__).resolve().parent / "assets" / "dataset"
 
 
 def _write_jsonl_atomic(path: Path, records: list[dict]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
 def dataset_key(n_train: int, n_eval: int, seed: int, target_path: Path, max_new_tokens: int) -> str:
@@ -59,8 +52,8 @@ def dataset_key(n_train: int, n_eval: int, seed: int, target_path: Path, max_new
     blob = json.dumps({
         "build": BUILD_VERSION, "corpus": CORPUS_VERSION, "n_train": n_train, "n_eval": n_eval, "seed": seed,
         "max_new_tokens": max_new_tokens,
-        "weights": _file_digest(target_path / "model.safetensors"),
-        "tokenizer": _file_digest(target_path / "tokenizer.json"),
+        "weights": sha256_file(target_path / "model.safetensors"),
+        "tokenizer": sha256_file(target_path / "tokenizer.json"),
         "template": (target_path / "chat_template.jinja").read_text()
         if (target_path / "chat_template.jinja").exists() else "",
     }, sort_keys=True)
@@ -69,12 +62,13 @@ def dataset_key(n_train: int, n_eval: int, seed: int, target_path: Path, max_new
 
 def build_default_dataset(out_dir: str | Path, n_train: int = 1024, n_eval: int = 64, seed: int = 0, *,
                           target_path: str | Path | None = None, cache_dir: str | Path | None = None,
-                          batch_size: int = 32, max_new_tokens: int = 448, progress: bool = True,
+                          batch_size: int = 32, max_new_tokens: int = 448, progress=None,
                           num_threads: int | None = None, log=print) -> DefaultDataset:
     """Build (or return the cached) default dataset in ``out_dir``. See the module docstring.
 
     ``target_path=None`` uses the shipped target (``ensure_target(cache_dir)``). Note the batch size does
-    not enter the cache key: greedy replies do not depend on it.
+    not enter the cache key: greedy replies do not depend on it. ``progress`` is regeneration's callback
+    (``embedded.regenerate.ProgressFn``), called for each split in turn.
     """
     from .corpus import make_split
     from .regenerate import regenerate
@@ -136,3 +130,42 @@ def build_default_dataset(out_dir: str | Path, n_train: int = 1024, n_eval: int 
     building.unlink(missing_ok=True)
     result.manifest = manifest
     return result
+
+
+def shipped_dataset(n_train: int, n_eval: int, seed: int, target_path: str | Path, max_new_tokens: int):
+    """The regenerated dataset shipped with the package, when it was built from exactly these inputs.
+
+    Regenerating 1024 replies greedily takes minutes on two CPU cores; the shipped copy is what
+    ``build_default_dataset`` would write (its manifest records the same cache key), so the first run on a
+    fresh machine starts training at once. Any other size, seed or target builds (and caches) its own.
+    """
+    manifest = SHIPPED_DATASET / "manifest.json"
+    if not manifest.is_file():
+        return None
+    key = dataset_key(n_train, n_eval, seed, Path(target_path), max_new_tokens)
+    data = json.loads(manifest.read_text())
+    if data.get("key") != key:
+        return None
+    return DefaultDataset(
+        root=SHIPPED_DATASET,
+        train_path=SHIPPED_DATASET / "train.jsonl",
+        eval_path=SHIPPED_DATASET / "eval.jsonl",
+        eval_prompts_path=SHIPPED_DATASET / "eval_prompts.jsonl",
+        target_path=Path(target_path),
+        key=key,
+        manifest=data,
+        cached=True,
+    )
+
+
+def write_eval_prompts(path: str | Path, limit: int, seed: int = 0) -> Path:
+    """Held-out prompts of the built-in corpus (disjoint from every training prompt)."""
+    from .corpus import make_split
+
+    _, evals = make_split(0, limit, seed)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_jsonl_atomic(path, [
+        {"id": f"eval-{i:05d}", "conversations": ex.conversations(with_answer=False)} for i, ex in enumerate(evals)
+    ])
+    return path

@@ -8,11 +8,12 @@ JSONL of prompts into a JSONL of conversations whose last turn is the target's g
   are accepted too) or ``{"prompt": "..."}``, each with an optional ``"id"`` (default: its record index);
 * the conversation is cut after its last user turn, rendered with the chat template plus the
   generation prompt, and continued greedily until ``<|im_end|>`` / eos or ``max_new_tokens``;
-* batched with left padding and a KV cache; rows that finish leave the batch (their cache rows are
-  dropped), so one long answer does not make the others pay for its length;
+* batched with left padding through transformers' ``generate`` (greedy; it gives the same tokens as a
+  hand-written KV-cache loop, measured on the shipped dataset, and runs ~5x faster here);
 * resumable: ids already in the output are skipped, each batch is appended and flushed, and a last line
   cut short by a kill is detected and rewritten;
-* a progress bar on stderr (no extra dependency).
+* progress is reported through a callback (the CLI draws a bar, a pipeline stage also feeds the
+  watchdog's heartbeat), so a long regeneration never looks like a stall.
 
 Output records: ``{"id", "conversations": [..., {"role": "assistant", "content": reply}], "finish_reason"}``
 with ``finish_reason`` ``"stop"`` (a stop token ended the reply) or ``"length"``.
@@ -20,17 +21,17 @@ with ``finish_reason`` ``"stop"`` (a stop token ended the reply) or ``"length"``
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-_ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                 "model": "assistant", "bot": "assistant", "system": "system"}
+from dflash_flow.data.chat import prompt_turns, stop_token_ids
+
+#: ``progress(done_records, total_records, new_tokens)`` after every batch.
+ProgressFn = Callable[[int, int, int], None]
 
 
 @dataclass
@@ -50,36 +51,6 @@ class RegenStats:
 # ---------------------------------------------------------------------------------------------------
 # Records
 # ---------------------------------------------------------------------------------------------------
-
-
-def _normalize_turns(turns: list[dict]) -> list[dict[str, str]]:
-    out = []
-    for t in turns:
-        role = t.get("role", t.get("from"))
-        content = t.get("content", t.get("value"))
-        if role is None or content is None:
-            raise ValueError(f"turn without role/content: {t!r}")
-        out.append({"role": _ROLE_ALIASES.get(str(role).lower(), str(role)), "content": str(content)})
-    return out
-
-
-def prompt_turns(record: dict, system_prompt: str | None = None) -> list[dict[str, str]]:
-    """The turns to continue: everything up to and including the last user turn."""
-    if "conversations" in record:
-        turns = _normalize_turns(record["conversations"])
-    elif "messages" in record:
-        turns = _normalize_turns(record["messages"])
-    elif "prompt" in record:
-        turns = [{"role": "user", "content": str(record["prompt"])}]
-    else:
-        raise ValueError(f"record has neither 'conversations' nor 'prompt': keys {sorted(record)}")
-    last_user = max((i for i, t in enumerate(turns) if t["role"] == "user"), default=None)
-    if last_user is None:
-        raise ValueError("conversation has no user turn")
-    turns = turns[: last_user + 1]
-    if system_prompt is not None and turns[0]["role"] != "system":
-        turns = [{"role": "system", "content": system_prompt}] + turns
-    return turns
 
 
 def read_prompts(path: str | Path) -> list[tuple[object, dict]]:
@@ -143,121 +114,20 @@ def scan_output(path: str | Path) -> set[str]:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _cache_kwarg(model) -> str:
-    """transformers >= 5.24 renamed ``past_key_values`` to ``cache``; older 5.x only know the former."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: Iterable[int],
-                    pad_id: int) -> list[tuple[list[int], str]]:
-    """Greedy continuations of token-id prompts, batched with left padding and a KV cache.
-
-    Returns, per prompt, the generated ids (the stop token excluded) and ``"stop"`` or ``"length"``.
-    Finished rows are removed from the batch and from the cache at once.
-    """
-    import torch
-    from transformers import DynamicCache
-
-    n = len(prompts)
-    if n == 0:
-        return []
-    stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long)
-    width = max(len(p) for p in prompts)
-    ids = torch.full((n, width), pad_id, dtype=torch.long)
-    attn = torch.zeros((n, width), dtype=torch.long)
-    for r, p in enumerate(prompts):
-        ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        attn[r, width - len(p):] = 1
-    # Positions count real tokens only, so a left-padded row sees the same positions as when alone.
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    out_ids: list[list[int]] = [[] for _ in range(n)]
-    reasons = ["length"] * n
-    rows = torch.arange(n)  # original index of each live row
-    cache = DynamicCache(config=model.config)
-    ckw = {_cache_kwarg(model): cache}
-    with torch.inference_mode():
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1,
-                       **ckw).logits[:, -1]
-        last_pos = pos[:, -1]
-        for step in range(max_new_tokens):
-            nxt = logits.argmax(-1)
-            finished = torch.isin(nxt, stop)
-            for r, tok, fin in zip(rows.tolist(), nxt.tolist(), finished.tolist(), strict=True):
-                if fin:
-                    reasons[r] = "stop"
-                else:
-                    out_ids[r].append(tok)
-            if step == max_new_tokens - 1:
-                break
-            keep = (~finished).nonzero().flatten()
-            if keep.numel() == 0:
-                break
-            if keep.numel() < rows.numel():
-                rows, nxt, attn, last_pos = rows[keep], nxt[keep], attn[keep], last_pos[keep]
-                cache.batch_select_indices(keep)
-            attn = torch.cat([attn, torch.ones((attn.size(0), 1), dtype=attn.dtype)], dim=1)
-            last_pos = last_pos + 1
-            logits = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=last_pos[:, None],
-                           use_cache=True, **ckw).logits[:, -1]
-    return [(out_ids[r], reasons[r]) for r in range(n)]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Progress
-# ---------------------------------------------------------------------------------------------------
-
-
-class _Progress:
-    """A one-line progress bar on stderr: redrawn in place on a terminal, a line every few s otherwise."""
-
-    def __init__(self, total: int, done: int, enabled: bool, label: str = "regenerate"):
-        self.total, self.done, self.enabled, self.label = total, done, enabled, label
-        self.start_done = done
-        self.t0 = time.perf_counter()
-        self.tty = enabled and sys.stderr.isatty()
-        self.last_print = 0.0
-        self.tokens = 0
-
-    def update(self, records: int, tokens: int) -> None:
-        self.done += records
-        self.tokens += tokens
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        if not self.tty and now - self.last_print < 5.0 and self.done < self.total:
-            return
-        self.last_print = now
-        el = now - self.t0
-        rate = (self.done - self.start_done) / el if el > 0 else 0.0
-        eta = (self.total - self.done) / rate if rate > 0 else 0.0
-        frac = self.done / self.total if self.total else 1.0
-        bar = "#" * int(frac * 24) + "-" * (24 - int(frac * 24))
-        msg = (f"{self.label} [{bar}] {self.done}/{self.total} {frac:4.0%} | {rate:.1f} rec/s "
-               f"{self.tokens / el if el > 0 else 0:.0f} tok/s | {el:.0f}s elapsed, ETA {eta:.0f}s")
-        sys.stderr.write(("\r" + msg) if self.tty else (msg + "\n"))
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.tty:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
 # ---------------------------------------------------------------------------------------------------
 # Entry point
 # ---------------------------------------------------------------------------------------------------
 
 
 def regenerate(prompts_jsonl: str | Path, target_path: str | Path | None, out_jsonl: str | Path, *,
-               batch_size: int = 16, max_new_tokens: int = 512, resume: bool = True, progress: bool = True,
+               batch_size: int = 16, max_new_tokens: int = 512, resume: bool = True, progress: ProgressFn | None = None,
                system_prompt: str | None = None, device: str = "cpu", num_threads: int | None = None,
                limit: int | None = None, model=None, tokenizer=None) -> RegenStats:
     """Write the target's greedy replies to the prompts of ``prompts_jsonl`` into ``out_jsonl``.
 
     ``target_path=None`` uses the embedded target (``ensure_target``). ``model``/``tokenizer`` may be
     passed already loaded (then ``target_path`` is ignored). ``limit`` takes the first ``limit`` records.
+    ``progress(done, total, new_tokens)`` is called once before the first batch and after every batch.
     With ``resume=False`` the output is overwritten. Output order is input order. Deterministic for a
     fixed thread count: the same inputs give a byte-identical file, interrupted or not.
     """
@@ -277,7 +147,7 @@ def regenerate(prompts_jsonl: str | Path, target_path: str | Path | None, out_js
 
 def _regenerate(prompts_jsonl, target_path, out_jsonl, batch_size, max_new_tokens, resume, progress,
                 system_prompt, device, limit, model, tokenizer) -> RegenStats:
-    from .tokenizer import stop_token_ids
+    from dflash_flow.model.speculative import greedy_continuations
 
     t0 = time.perf_counter()
     records = read_prompts(prompts_jsonl)
@@ -295,27 +165,26 @@ def _regenerate(prompts_jsonl, target_path, out_jsonl, batch_size, max_new_token
         return stats
 
     if model is None or tokenizer is None:
-        from .train_target import ensure_target, load_target
-
-        model, tokenizer = load_target(target_path if target_path is not None else ensure_target(), device)
+        model, tokenizer = _load(target_path, device)
     model.eval()
-    stops = stop_token_ids(tokenizer)
-    if tokenizer.eos_token_id is not None:
-        stops = sorted(set(stops) | {tokenizer.eos_token_id})
+    stops = stop_token_ids(tokenizer)  # eos included
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
 
-    bar = _Progress(len(records), stats.skipped, progress)
+    report = progress or (lambda *_: None)
+    report(stats.skipped, stats.total, 0)
     with open(out_jsonl, "a", encoding="utf-8") as f:
         for b in range(0, len(todo), batch_size):
             chunk = todo[b : b + batch_size]
             turns = [prompt_turns(rec, system_prompt) for _, rec in chunk]
             texts = [tokenizer.apply_chat_template(t, tokenize=False, add_generation_prompt=True) for t in turns]
             prompt_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-            results = greedy_generate(model, prompt_ids, max_new_tokens=max_new_tokens, stop_ids=stops,
-                                      pad_id=pad_id)
+            results = greedy_continuations(model, prompt_ids, max_new_tokens=max_new_tokens, stop_ids=stops,
+                                           pad_id=pad_id)
             lines = []
             n_tok = 0
             for (rid, _), t, (gen, reason) in zip(chunk, turns, results, strict=True):
+                if reason == "stop":
+                    gen = gen[:-1]  # the chat template writes the end of turn itself
                 # Special tokens inside a reply would break the template's turn structure downstream.
                 reply = tokenizer.decode(gen, skip_special_tokens=True)
                 rec = {"id": rid, "conversations": t + [{"role": "assistant", "content": reply}],
@@ -330,33 +199,22 @@ def _regenerate(prompts_jsonl, target_path, out_jsonl, batch_size, max_new_token
             os.fsync(f.fileno())
             stats.generated += len(chunk)
             stats.new_tokens += n_tok
-            bar.update(len(chunk), n_tok)
-    bar.close()
+            report(stats.skipped + stats.generated, stats.total, n_tok)
     stats.seconds = time.perf_counter() - t0
     return stats
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="dflash-flow regenerate", description=__doc__.split("\n\n")[0])
-    p.add_argument("prompts", help="input JSONL: {conversations: [...]} or {prompt: ...} per line")
-    p.add_argument("out", help="output JSONL (appended to and resumed unless --no-resume)")
-    p.add_argument("--target", default=None, help="target model directory (default: the embedded target)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--system-prompt", default=None)
-    p.add_argument("--no-resume", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--limit", type=int, default=None)
-    p.add_argument("--device", default="cpu")
-    a = p.parse_args(argv)
-    s = regenerate(a.prompts, a.target, a.out, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,
-                   resume=not a.no_resume, progress=not a.no_progress, system_prompt=a.system_prompt,
-                   device=a.device, num_threads=a.threads, limit=a.limit)
-    print(f"regenerated {s.generated} records ({s.skipped} already done, {s.truncated} hit max-new-tokens), "
-          f"{s.new_tokens} tokens in {s.seconds:.1f}s ({s.tokens_per_s:.0f} tok/s) -> {a.out}", file=sys.stderr)
-    return 0
+def _load(target_path, device: str):
+    """The target model and its tokenizer (which must carry a chat template: regeneration renders with it)."""
+    import torch
+    from transformers import AutoTokenizer
 
+    from dflash_flow.model.target import load_target
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+    from .train_target import ensure_target
+
+    path = Path(target_path) if target_path is not None else ensure_target()
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{path}: the tokenizer has no chat template; regeneration renders prompts with it")
+    return load_target(path, device=device, dtype=torch.float32), tokenizer

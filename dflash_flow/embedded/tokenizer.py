@@ -105,8 +105,3 @@ def load_tokenizer(path: str | Path):
     if tok.chat_template is None:  # older saves kept the template only in tokenizer_config.json
         tok.chat_template = CHAT_TEMPLATE
     return tok
-
-
-def stop_token_ids(tokenizer) -> list[int]:
-    """Token ids that end a generated assistant turn."""
-    return sorted({tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(ENDOFTEXT)})

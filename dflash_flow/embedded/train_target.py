@@ -71,7 +71,7 @@ class TargetRecipe:
 def target_config(tokenizer, recipe: TargetRecipe = TargetRecipe()):
     from transformers import Qwen3Config
 
-    from .tokenizer import stop_token_ids
+    from dflash_flow.data.chat import stop_token_ids
 
     return Qwen3Config(
         vocab_size=len(tokenizer),
@@ -176,8 +176,10 @@ def _train(out_dir, recipe: TargetRecipe, num_threads: int, log_every: int, log,
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
+    from dflash_flow.data.chat import stop_token_ids
+
     from .corpus import make_split
-    from .tokenizer import build_default_tokenizer, save_tokenizer, stop_token_ids
+    from .tokenizer import build_default_tokenizer, save_tokenizer
 
     torch.manual_seed(recipe.seed)
     random.seed(recipe.seed)
@@ -289,7 +291,9 @@ def ensure_target(cache_dir: str | Path | None = None, recipe: TargetRecipe | No
         return ASSET_DIR
     recipe = recipe or TargetRecipe()
     if cache_dir is None:
-        cache_dir = Path(os.environ.get("DFLASH_FLOW_CACHE", Path.home() / ".cache" / "dflash-flow"))
+        from dflash_flow.util import cache_root
+
+        cache_dir = cache_root() / "embedded-target"
     final = Path(cache_dir) / f"target-{recipe.key()}"
     if is_complete(final):
         return final
@@ -305,16 +309,30 @@ def ensure_target(cache_dir: str | Path | None = None, recipe: TargetRecipe | No
     return final
 
 
+def embedded_target_path() -> str:
+    """The shipped target's directory (built into the cache on first use when the asset is missing)."""
+    return str(ensure_target(log=lambda *_: None))
+
+
+def resolve_target(target):
+    """A YAML ``target`` value as the model layer takes it: ``embedded`` is the target this project
+    ships; a mapping is a config preset; anything else a path, preset name or hub id."""
+    if isinstance(target, dict):
+        return dict(target)
+    if target == "embedded":
+        return embedded_target_path()
+    return str(target)
+
+
 def load_target(path: str | Path, device: str = "cpu"):
     """(model, tokenizer) from a target directory, offline, float32, in eval mode."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from dflash_flow.model.target import load_target as load_model
 
     from .tokenizer import load_tokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
-    model.to(device).eval()
-    return model, load_tokenizer(path)
+    return load_model(path, device=device, dtype=torch.float32), load_tokenizer(path)
 
 
 def main(argv: list[str] | None = None) -> int:

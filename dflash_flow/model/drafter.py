@@ -14,18 +14,34 @@ Contract (must stay equal to z-lab ``dflash.model.DFlashDraftModel``, which infe
 * with no mask, full-attention layers see every key (bidirectional) and sliding layers are causal and
   windowed by key index (with a KV cache, key index == absolute position).
 
-The training path is the same ``forward`` with a dense bool mask ``[b, 1, Q, KV]`` (or a dict of masks
-keyed by layer type); ``dflash_flow.model.objective`` builds those masks.
+The layers are transformers' Qwen3 pieces (``Qwen3RMSNorm``, ``Qwen3MLP``, ``Qwen3RotaryEmbedding``,
+``apply_rotary_pos_emb``), the ones z-lab's model is built from, so the arithmetic is the same.
+
+Two entry points share the weights:
+
+* ``forward`` / ``decode``: the inference layout above, or training with a dense bool mask
+  ``[b, 1, Q, KV]`` (or a dict of masks keyed by layer type); ``objective.block_attention_mask`` builds it;
+* ``context_kv`` + ``decode_blocks``: the training layout. The context's keys and values are the same
+  for every block (and every chunk of blocks), so they are projected once per layer; blocks are
+  processed in groups (``BlockGroup``) that attend only to the context slice their anchors can see.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    apply_rotary_pos_emb,
+    rotate_half,
+)
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -159,80 +175,37 @@ def make_drafter_config(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Building blocks
+# Building blocks (transformers' Qwen3 norm, MLP and RoPE, as z-lab's reference uses)
 # ---------------------------------------------------------------------------------------------------
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in fp32 even for bf16 activations; the weight multiplies the down-cast value, as in Qwen3.
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu") -> None:
-        super().__init__()
-        if act != "silu":
-            raise ValueError(f"the drafter MLP is SwiGLU (silu); got hidden_act={act!r}")
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for absolute positions; default RoPE plus the static scaled types of transformers."""
+class RotaryEmbedding(Qwen3RotaryEmbedding):
+    """transformers' Qwen3 RoPE (every static RoPE type it knows), with fp32 tables under ``.to(bf16)``."""
 
     def __init__(self, config: Qwen3Config) -> None:
-        super().__init__()
         params = getattr(config, "rope_parameters", None) or {}
-        rope_type = params.get("rope_type", "default")
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        if rope_type == "default":
-            theta = float(params.get("rope_theta", 10000.0))
-            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-            scaling = 1.0
-        elif rope_type == "dynamic":
+        if params.get("rope_type", "default") == "dynamic":
+            # Dynamic NTK rescales with the longest position in the call: training rows and inference
+            # prefixes would use different frequencies.
             raise ValueError("dynamic RoPE rescales with sequence length and is not supported by the drafter")
-        else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.attention_scaling = float(scaling)
+        super().__init__(config)
 
     def _apply(self, fn, recurse=True):
-        # model.to(bfloat16) must not round the frequencies: positions in the thousands would drift.
-        keep = self.inv_freq
+        # Kept from our own module: model.to(bfloat16) must not round the frequencies (positions in the
+        # thousands would drift); transformers relies on PreTrainedModel's fp32 rules, which we do not have.
+        before = dict(self._buffers)
         super()._apply(fn, recurse)
-        if not keep.is_meta and self.inv_freq.dtype != torch.float32:
-            self.inv_freq = keep.to(self.inv_freq.device, torch.float32)
+        for name, old in before.items():
+            new = self._buffers.get(name)
+            if old is not None and new is not None and not old.is_meta and new.dtype != torch.float32:
+                self._buffers[name] = old.to(new.device, torch.float32)
         return self
-
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [b, heads, T, d]; cos/sin: [b, T, d]
-    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+    # Our own one-liner for keys alone: transformers' apply_rotary_pos_emb rotates a (q, k) pair at the
+    # same positions, and the context keys have positions of their own. x: [b, heads, T, d]; cos: [b, T, d]
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
 def index_mask(
@@ -254,6 +227,21 @@ def index_mask(
     return visible[None, None]
 
 
+class BlockGroup(NamedTuple):
+    """Consecutive block queries ``[q0, q1)`` that attend to context keys ``[lo, hi)`` and to their own
+    block keys, through ``mask`` (additive, ``[b, 1, q1 - q0, (hi - lo) + (q1 - q0)]``).
+
+    Blocks only need the context before their anchor, so grouping blocks by anchor lets each group skip
+    the keys no query of it can see (the dense mask spends most of its work on those).
+    """
+
+    q0: int
+    q1: int
+    lo: int
+    hi: int
+    mask: torch.Tensor
+
+
 class DrafterAttention(nn.Module):
     def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
         super().__init__()
@@ -271,14 +259,57 @@ class DrafterAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         layer_types = getattr(config, "layer_types", None)
         self.layer_type = layer_types[layer_idx] if layer_types else FULL_ATTENTION
         # An explicit config.is_causal overrides the per-type default, exactly as z-lab reads it.
         forced = getattr(config, "is_causal", None)
         self.is_causal = self.layer_type == SLIDING_ATTENTION if forced is None else bool(forced)
         self.sliding_window = config.sliding_window if self.layer_type == SLIDING_ATTENTION else None
+
+    def _heads(self, x: torch.Tensor, proj: nn.Linear, heads: int, norm: nn.Module | None = None) -> torch.Tensor:
+        b, t, _ = x.shape
+        y = proj(x).view(b, t, heads, self.head_dim)
+        if norm is not None:
+            y = norm(y)
+        return y.transpose(1, 2)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
+        groups = self.num_heads // self.num_kv_heads
+        # The CPU kernel shares KV heads itself (enable_gqa); elsewhere masked attention falls back to
+        # kernels without GQA support, so the KV heads are repeated there.
+        gqa = groups > 1 and q.device.type == "cpu"
+        if groups > 1 and not gqa:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            scale=self.scaling,
+            enable_gqa=gqa,
+        )
+
+    def context_kv(
+        self, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (k_norm, RoPE at the context positions) and values of the fused context, ``[b, kv, T, d]``.
+
+        The same ``k_proj``/``v_proj`` as the block tokens; the context never goes through the MLP.
+        """
+        k = self._heads(context, self.k_proj, self.num_kv_heads, self.k_norm)
+        v = self._heads(context, self.v_proj, self.num_kv_heads)
+        return _rope(k, cos, sin), v
+
+    def _block_qkv(self, x, cos, sin):
+        q = self._heads(x, self.q_proj, self.num_heads, self.q_norm)
+        k = self._heads(x, self.k_proj, self.num_kv_heads, self.k_norm)
+        v = self._heads(x, self.v_proj, self.num_kv_heads)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
 
     def forward(
         self,
@@ -289,34 +320,41 @@ class DrafterAttention(nn.Module):
         attention_mask: torch.Tensor | None,
         past_key_values: Any = None,
     ) -> torch.Tensor:
+        """Inference layout: keys/values are [context; block], cos/sin cover context then block."""
         b, q_len, _ = x.shape
         ctx_len = context.shape[1]
-        q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
-        # Context and block tokens go through the same projections: one matmul over both.
-        kv_in = torch.cat([context, x], dim=1)
-        k = self.k_proj(kv_in).view(b, ctx_len + q_len, self.num_kv_heads, self.head_dim)
-        k = self.k_norm(k).transpose(1, 2)
-        v = self.v_proj(kv_in).view(b, ctx_len + q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = _rope(q, cos[:, -q_len:], sin[:, -q_len:])
-        k = _rope(k, cos, sin)
+        q, k, v = self._block_qkv(x, cos[:, ctx_len:], sin[:, ctx_len:])
+        k_ctx, v_ctx = self.context_kv(context, cos[:, :ctx_len], sin[:, :ctx_len])
+        k = torch.cat([k_ctx, k], dim=2)
+        v = torch.cat([v_ctx, v], dim=2)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         if attention_mask is None and (self.is_causal or self.sliding_window is not None):
             attention_mask = index_mask(
                 q_len, k.shape[-2], causal=self.is_causal, window=self.sliding_window, device=q.device
             )
-        if self.num_kv_heads != self.num_heads:
-            groups = self.num_heads // self.num_kv_heads
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=attention_mask,
-            dropout_p=self.attention_dropout if self.training else 0.0,
-            scale=self.scaling,
-        )
+        out = self._attend(q, k, v, attention_mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
+
+    def forward_blocks(
+        self,
+        x: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        groups: list[BlockGroup],
+    ) -> torch.Tensor:
+        """Training layout: block tokens ``x`` ``[b, Q, H]`` (cos/sin at the block positions) attend,
+        group by group, to a slice of the precomputed context keys plus their own group's keys."""
+        b, q_len, _ = x.shape
+        q, k, v = self._block_qkv(x, cos, sin)
+        parts = []
+        for g in groups:
+            kg = torch.cat([ctx_k[:, :, g.lo : g.hi], k[:, :, g.q0 : g.q1]], dim=2)
+            vg = torch.cat([ctx_v[:, :, g.lo : g.hi], v[:, :, g.q0 : g.q1]], dim=2)
+            parts.append(self._attend(q[:, :, g.q0 : g.q1], kg, vg, g.mask))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
 
 
@@ -324,9 +362,9 @@ class DrafterLayer(nn.Module):
     def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = DrafterAttention(config, layer_idx)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"))
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     @property
     def layer_type(self) -> str:
@@ -335,6 +373,10 @@ class DrafterLayer(nn.Module):
     def forward(self, x, context, cos, sin, attention_mask, past_key_values=None):
         # The fused context is *not* normalised here: it only enters as keys/values (k_norm handles it).
         x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, attention_mask, past_key_values)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_blocks(self, x, ctx_k, ctx_v, cos, sin, groups):
+        x = x + self.self_attn.forward_blocks(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, groups)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -356,10 +398,10 @@ class DFlashDrafter(nn.Module):
         if ids is None:
             ids = build_target_layer_ids(config.num_target_layers, config.num_hidden_layers)
         self.target_layer_ids: list[int] = [int(i) for i in ids]
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
-        self.hidden_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.block_size = int(draft_value(config, "block_size", 16))
         self.mask_token_id = draft_value(config, "mask_token_id")
         self.gradient_checkpointing = False
@@ -389,7 +431,7 @@ class DFlashDrafter(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
-            elif isinstance(module, RMSNorm):
+            elif isinstance(module, Qwen3RMSNorm):
                 nn.init.ones_(module.weight)
 
     # -- forward -----------------------------------------------------------------------------------
@@ -420,16 +462,48 @@ class DFlashDrafter(nn.Module):
             raise ValueError(
                 f"position_ids cover {position_ids.shape[-1]} positions; expected context + block = {expected}"
             )
-        cos, sin = self.rotary_emb(position_ids, noise_embedding.dtype)
+        cos, sin = self.rotary_emb(noise_embedding, position_ids)
         x = noise_embedding
         for layer in self.layers:
             mask = attention_mask[layer.layer_type] if isinstance(attention_mask, dict) else attention_mask
-            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(
-                    layer, x, context, cos, sin, mask, past_key_values, use_reentrant=False
-                )
+            if self._checkpoint_layers():
+                x = checkpoint(layer, x, context, cos, sin, mask, past_key_values, use_reentrant=False)
             else:
                 x = layer(x, context, cos, sin, mask, past_key_values)
+        return self.norm(x)
+
+    def _checkpoint_layers(self) -> bool:
+        return self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+
+    def context_kv(self, context: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, keys and values ``[b, kv_heads, ctx, d]`` of a fused ``context`` at positions 0..ctx-1.
+
+        Training computes them once per step: every block and every chunk of blocks reads slices of them.
+        """
+        positions = torch.arange(context.shape[1], device=context.device)[None]
+        cos, sin = self.rotary_emb(context, positions)
+        return [layer.self_attn.context_kv(context, cos, sin) for layer in self.layers]
+
+    def decode_blocks(
+        self,
+        noise_embedding: torch.Tensor,
+        context_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        block_positions: torch.Tensor,
+        groups: dict[str, list[BlockGroup]],
+    ) -> torch.Tensor:
+        """Normed hidden states ``[b, Q, H]`` of block tokens (training layout, see ``BlockGroup``).
+
+        ``block_positions`` ``[b, Q]`` are the absolute positions of the block tokens, ``context_kv`` comes
+        from ``context_kv``, ``groups`` maps each layer type to the groups covering the Q queries in order.
+        """
+        cos, sin = self.rotary_emb(noise_embedding, block_positions)
+        x = noise_embedding
+        for layer, (k, v) in zip(self.layers, context_kv, strict=True):
+            g = groups[layer.layer_type]
+            if self._checkpoint_layers():
+                x = checkpoint(layer.forward_blocks, x, k, v, cos, sin, g, use_reentrant=False)
+            else:
+                x = layer.forward_blocks(x, k, v, cos, sin, g)
         return self.norm(x)
 
     def forward(

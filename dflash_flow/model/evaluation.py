@@ -8,21 +8,9 @@ from pathlib import Path
 from typing import Any
 
 
-def stop_ids(tokenizer) -> list[int]:
-    """Ids that end an assistant turn: eos plus the chat template's end-of-turn token when present."""
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    for tok in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>"):
-        tid = tokenizer.convert_tokens_to_ids(tok)
-        if isinstance(tid, int) and tid >= 0 and tid != tokenizer.unk_token_id:
-            ids.add(tid)
-    return sorted(ids)
-
-
 def read_prompt_ids(path: str | Path, tokenizer, limit: int) -> list[list[int]]:
     """Prompts from JSONL (``prompt`` or ``conversations`` up to the last user turn), chat-templated."""
-    from dflash_flow.embedded.regenerate import prompt_turns
+    from dflash_flow.data.chat import prompt_turns
 
     out: list[list[int]] = []
     with open(path, encoding="utf-8") as f:
@@ -57,17 +45,18 @@ def evaluate_exported(
     seed: int = 0,
     device: str = "cpu",
 ) -> dict[str, dict[str, float]]:
-    """``{"trained": metrics, "untrained": metrics}`` (see ``speculative.evaluate_drafter``)."""
+    """``{"trained": metrics, "untrained": metrics}`` (see ``speculative.evaluate_drafter``). ``target`` is
+    a model spec as ``model.target.load_target`` takes it (a directory, preset or hub id)."""
     import torch
     from transformers import AutoTokenizer
 
+    from dflash_flow.data.chat import stop_token_ids
     from dflash_flow.model.drafter import DFlashDrafter
     from dflash_flow.model.export import load_drafter
     from dflash_flow.model.speculative import evaluate_drafter
     from dflash_flow.model.target import load_target
-    from dflash_flow.stages.target_forward import target_spec
 
-    spec = target_spec(target)
+    spec = target
     tok_path = tokenizer_path or (spec if isinstance(spec, str) and Path(spec).is_dir() else None)
     if tok_path is None:
         raise ValueError("evaluation needs a tokenizer: pass tokenizer (the target is not a directory)")
@@ -75,7 +64,7 @@ def evaluate_exported(
     model = load_target(spec, device=device, dtype=torch.float32)
     drafter = load_drafter(drafter_path, device=device, dtype=torch.float32, target_config=model.config)
     prompts = read_prompt_ids(prompts_path, tokenizer, limit)
-    stops = stop_ids(tokenizer)
+    stops = stop_token_ids(tokenizer)
     results = {"trained": evaluate_drafter(model, drafter, prompts, max_new_tokens=max_new_tokens, stop_token_ids=stops)}
     if baseline:
         with torch.random.fork_rng(devices=[]):

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dflash_flow.core.errors import CheckpointError
 from dflash_flow.model.drafter import (
     LAYER_TYPES,
     SLIDING_ATTENTION,
@@ -26,10 +27,6 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 ARCHITECTURE = "DFlashDraftModel"
 AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
-
-
-class CheckpointError(ValueError):
-    """A drafter checkpoint is missing, corrupted, or does not match its config or the target."""
 
 
 def drafter_config_dict(config: Any) -> dict[str, Any]:

@@ -14,15 +14,13 @@ only one chunk exist at a time, in the forward and in the backward.
 
 from __future__ import annotations
 
-import math
-
 import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dflash_flow.model.drafter import FULL_ATTENTION, SLIDING_ATTENTION
+from dflash_flow.model.drafter import FULL_ATTENTION, SLIDING_ATTENTION, BlockGroup
 
 
 @attrs.define(eq=False)
@@ -117,6 +115,35 @@ def valid_anchor_mask(loss_mask: torch.Tensor, attention_mask: torch.Tensor | No
     return valid
 
 
+def _anchor_candidates(
+    loss_mask: torch.Tensor,
+    width: int,
+    *,
+    attention_mask: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``width`` sorted anchors per row, padding last, and the valid counts; no device->host read.
+
+    A uniformly random subset = the smallest of i.i.d. uniform keys; invalid positions get key 2 so they
+    are only picked when a row runs out of valid ones (and then become padding). Any prefix of the
+    result is what a smaller ``width`` would draw from the same generator state.
+    """
+    valid = valid_anchor_mask(loss_mask, attention_mask)
+    b, s = valid.shape
+    device = valid.device
+    draw_on = generator.device if generator is not None else torch.device("cpu")
+    keys = torch.rand(b, s, generator=generator, device=draw_on).to(device)
+    keys = torch.where(valid, keys, torch.full_like(keys, 2.0))
+    picked = torch.topk(keys, width, dim=1, largest=False).indices
+    keep = valid.gather(1, picked)
+    # Sort kept anchors ascending and push padding to the end.
+    order = torch.where(keep, picked, picked + s).argsort(dim=1)
+    anchors = picked.gather(1, order)
+    keep = keep.gather(1, order)
+    anchors = torch.where(keep, anchors, torch.zeros_like(anchors))
+    return anchors, keep, valid.sum(dim=1)
+
+
 def sample_anchors(
     loss_mask: torch.Tensor,
     num_anchors: int,
@@ -131,28 +158,29 @@ def sample_anchors(
     Returns ``(anchors [b, W] long, keep [b, W] bool)``; rows with fewer valid positions are padded at
     the end with anchor 0 and keep False.
     """
-    valid = valid_anchor_mask(loss_mask, attention_mask)
-    b, s = valid.shape
-    device = valid.device
-    counts = valid.sum(dim=1)
-    w = min(int(num_anchors), int(counts.max().item()) if b else 0)
-    if w <= 0:
-        empty = torch.zeros(b, 0, dtype=torch.long, device=device)
+    b, s = loss_mask.shape
+    width = min(int(num_anchors), s)
+    if b == 0 or width <= 0:
+        empty = torch.zeros(b, 0, dtype=torch.long, device=loss_mask.device)
         return empty, empty.bool()
-    # A uniformly random subset = the w smallest of i.i.d. uniform keys; invalid positions get key 2 so
-    # they are only picked when a row runs out of valid ones.
-    draw_on = generator.device if generator is not None else torch.device("cpu")
-    keys = torch.rand(b, s, generator=generator, device=draw_on).to(device)
-    keys = torch.where(valid, keys, torch.full_like(keys, 2.0))
-    picked = torch.topk(keys, w, dim=1, largest=False).indices
-    keep = valid.gather(1, picked)
-    # Sort kept anchors ascending and push padding to the end.
-    order_key = torch.where(keep, picked, picked + s)
-    order = order_key.argsort(dim=1)
-    anchors = picked.gather(1, order)
-    keep = keep.gather(1, order)
-    anchors = torch.where(keep, anchors, torch.zeros_like(anchors))
-    return anchors, keep
+    anchors, keep, counts = _anchor_candidates(
+        loss_mask, width, attention_mask=attention_mask, generator=generator
+    )
+    w = min(width, int(counts.max().item()))  # the block count sets every shape after it
+    return anchors[:, :w], keep[:, :w]
+
+
+def decay_weights(block_size: int, gamma: float | None, *, device: torch.device | None = None) -> torch.Tensor:
+    """Per-slot loss weights ``[B]``: slot 0 is never supervised (0), then ``exp(-(k-1)/gamma)``, k >= 1.
+
+    ``gamma`` None or <= 0 means no decay (1 on every slot k >= 1).
+    """
+    k = torch.arange(block_size, device=device, dtype=torch.float32)
+    if gamma is None or gamma <= 0:
+        w = torch.ones(block_size, device=device)
+    else:
+        w = torch.exp(-(k - 1.0).clamp(min=0.0) / float(gamma))
+    return torch.where(k >= 1, w, torch.zeros_like(w))
 
 
 def plan_blocks(
@@ -178,11 +206,7 @@ def plan_blocks(
     if attention_mask is not None:
         lm = lm & attention_mask.bool()
     sup = keep[:, :, None] & in_row & (k >= 1) & lm.gather(1, idx.flatten(1)).view_as(idx)
-    if gamma is None or gamma <= 0:
-        decay = torch.ones(block_size, device=device)
-    else:
-        decay = torch.exp(-(k.float() - 1.0).clamp(min=0.0) / float(gamma))
-    weights = sup.float() * decay
+    weights = sup.float() * decay_weights(block_size, gamma, device=device)
     block_ids = torch.full_like(pos, int(mask_token_id))
     first = input_ids.gather(1, anchors)
     block_ids[:, :, 0] = torch.where(keep, first, torch.full_like(first, int(mask_token_id)))
@@ -203,29 +227,34 @@ def plan_blocks(
     )
 
 
-def block_attention_mask(
+# ------------------------------------------------------------------------------------------ masks
+
+
+def _visibility(
     anchors: torch.Tensor,
     keep: torch.Tensor,
     context_valid: torch.Tensor,
     *,
+    first: int,
     block_size: int,
-    layer_type: str = FULL_ATTENTION,
-    sliding_window: int | None = None,
+    layer_type: str,
+    sliding_window: int | None,
 ) -> torch.Tensor:
-    """Dense bool mask ``[b, 1, N*B, S + N*B]`` for blocks at ``anchors`` over context + the blocks.
+    """``[b, n*B, L + n*B]`` bool: blocks at ``anchors`` over context positions ``first..first+L-1``
+    (``context_valid`` is that slice) and then the n blocks' own keys. The one copy of the mask rules.
 
     Context visibility is decided by the anchor's *position* (``c < a``), never by block index: blocks
     overlap in position, and index-based rules leak future context. Padding blocks see only their own
     block (no context), so no row is fully masked (sdpa would return NaN) and nothing else sees them.
     """
     b, n = anchors.shape
-    s = context_valid.shape[1]
+    span = context_valid.shape[1]
     device = anchors.device
     j = torch.arange(block_size, device=device)
-    c = torch.arange(s, device=device)
+    c = torch.arange(first, first + span, device=device)
     a = anchors[:, :, None, None]  # [b, N, 1, 1]
-    ctx = (c < a) & keep[:, :, None, None] & context_valid[:, None, None, :]  # [b, N, 1, S]
-    ctx = ctx.expand(b, n, block_size, s)
+    ctx = (c < a) & keep[:, :, None, None] & context_valid[:, None, None, :]  # [b, N, 1, L]
+    ctx = ctx.expand(b, n, block_size, span)
     if layer_type == SLIDING_ATTENTION:
         if sliding_window is None:
             raise ValueError("sliding_attention needs sliding_window")
@@ -238,21 +267,173 @@ def block_attention_mask(
         raise ValueError(f"unknown layer type {layer_type!r}")
     blk = torch.arange(n, device=device)
     same_block = blk[:, None, None, None] == blk[None, None, :, None]  # [N, 1, N, 1]
-    own = same_block & within[None, :, None, :]  # [N, B, N, B]
-    own = own.reshape(n * block_size, n * block_size)
-    mask = torch.cat([ctx.reshape(b, n * block_size, s), own.expand(b, -1, -1)], dim=-1)
-    return mask[:, None]
+    own = (same_block & within[None, :, None, :]).reshape(n * block_size, n * block_size)
+    return torch.cat([ctx.reshape(b, n * block_size, span), own.expand(b, -1, -1)], dim=-1)
 
 
-def _layer_masks(drafter: nn.Module, anchors, keep, context_valid, block_size) -> dict[str, torch.Tensor]:
-    types = sorted(set(drafter.layer_types))
+def block_attention_mask(
+    anchors: torch.Tensor,
+    keep: torch.Tensor,
+    context_valid: torch.Tensor,
+    *,
+    block_size: int,
+    layer_type: str = FULL_ATTENTION,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Dense bool mask ``[b, 1, N*B, S + N*B]`` for blocks at ``anchors`` over context + the blocks.
+
+    The layout of ``DFlashDrafter.forward`` (and SpecForge's sdpa path). Training uses the grouped
+    layout instead (``draft_block_hidden``); this is its reference and what inference-style callers use.
+    """
+    return _visibility(
+        anchors,
+        keep,
+        context_valid,
+        first=0,
+        block_size=block_size,
+        layer_type=layer_type,
+        sliding_window=sliding_window,
+    )[:, None]
+
+
+# ------------------------------------------------------------------------------------------ grouping
+
+
+@attrs.frozen
+class ColumnBounds:
+    """Host copy of what the grouped attention needs from the anchors, read in one transfer.
+
+    Per block column n (over the batch rows, kept blocks only): ``hi[n]`` the largest anchor (-1 if no
+    row keeps block n), ``lo[n]`` the smallest (``seq_len`` if none).
+    """
+
+    hi: list[int]
+    lo: list[int]
+    seq_len: int
+
+
+def _read_bounds(
+    anchors: torch.Tensor, keep: torch.Tensor, seq_len: int, counts: torch.Tensor | None = None
+) -> tuple[ColumnBounds, int | None]:
+    hi = torch.where(keep, anchors, torch.full_like(anchors, -1)).amax(dim=0)
+    lo = torch.where(keep, anchors, torch.full_like(anchors, seq_len)).amin(dim=0)
+    parts = [hi, lo] + ([counts.max().reshape(1)] if counts is not None else [])
+    flat = torch.cat(parts).tolist()  # the step's only device->host read before the backward
+    n = anchors.shape[1]
+    count = int(flat[2 * n]) if counts is not None else None
+    return ColumnBounds(hi=flat[:n], lo=flat[n : 2 * n], seq_len=seq_len), count
+
+
+def group_spans(
+    bounds: ColumnBounds,
+    start: int,
+    stop: int,
+    *,
+    group_blocks: int,
+    layer_type: str,
+    sliding_window: int | None,
+) -> list[tuple[int, int, int, int]]:
+    """Groups ``(n0, n1, lo, hi)`` of ``group_blocks`` consecutive blocks in ``[start, stop)`` and the
+    context slice ``[lo, hi)`` that holds every position their queries can see (``c < anchor``, and for
+    sliding layers ``c > anchor - W``)."""
+    spans = []
+    for n0 in range(start, stop, group_blocks):
+        n1 = min(n0 + group_blocks, stop)
+        hi = max(bounds.hi[n0:n1])
+        if hi <= 0:  # only padding blocks, or anchors at 0: no context at all
+            spans.append((n0, n1, 0, 0))
+            continue
+        hi = min(hi, bounds.seq_len)
+        lo = 0
+        if layer_type == SLIDING_ATTENTION and sliding_window is not None:
+            lo = min(max(0, min(bounds.lo[n0:n1]) - (sliding_window - 1)), hi)
+        spans.append((n0, n1, lo, hi))
+    return spans
+
+
+def auto_group_blocks(bounds: ColumnBounds, start: int, stop: int, *, block_size: int) -> int:
+    """Blocks per attention group: the power of two with the least estimated work.
+
+    A group costs its queries times its keys (context slice + its own blocks' keys) plus a fixed
+    overhead (one attention call, one mask, two key/value copies) worth ``GROUP_OVERHEAD_KEYS`` keys
+    for each of its queries' 64-query tile.
+    """
+    n = stop - start
+    best, best_cost = n, None
+    size = 1
+    while True:
+        g = min(size, n)
+        cost = 0
+        for n0 in range(start, stop, g):
+            n1 = min(n0 + g, stop)
+            q = (n1 - n0) * block_size
+            hi = max(0, min(max(bounds.hi[n0:n1]), bounds.seq_len))
+            cost += q * (hi + q) + GROUP_OVERHEAD_KEYS * 64
+        if best_cost is None or cost < best_cost:
+            best, best_cost = g, cost
+        if g >= n:
+            return best
+        size *= 2
+
+
+GROUP_OVERHEAD_KEYS = 256
+
+
+def _group_masks(
+    plan: BlockPlan,
+    spans: dict[str, list[tuple[int, int, int, int]]],
+    start: int,
+    *,
+    sliding_window: int | None,
+    dtype: torch.dtype,
+):
+    """``BlockGroup`` lists per layer type, with additive masks (built once, shared by the layers)."""
+    bsz = plan.block_size
+    out = {}
+    for layer_type, items in spans.items():
+        groups = []
+        for n0, n1, lo, hi in items:
+            vis = _visibility(
+                plan.anchors[:, n0:n1],
+                plan.keep[:, n0:n1],
+                plan.context_valid[:, lo:hi],
+                first=lo,
+                block_size=bsz,
+                layer_type=layer_type,
+                sliding_window=sliding_window,
+            )
+            # Additive form: sdpa would convert a bool mask in every call (forward and backward).
+            mask = torch.zeros(vis.shape, dtype=dtype, device=vis.device).masked_fill_(~vis, float("-inf"))
+            groups.append(BlockGroup((n0 - start) * bsz, (n1 - start) * bsz, lo, hi, mask[:, None]))
+        out[layer_type] = groups
+    return out
+
+
+# ------------------------------------------------------------------------------------------ forward
+
+
+def _layer_spans(drafter, bounds, start, stop, group_blocks):
     window = getattr(drafter.config, "sliding_window", None)
+    g = group_blocks or auto_group_blocks(bounds, start, stop, block_size=drafter.block_size)
     return {
-        t: block_attention_mask(
-            anchors, keep, context_valid, block_size=block_size, layer_type=t, sliding_window=window
-        )
-        for t in types
+        t: group_spans(bounds, start, stop, group_blocks=g, layer_type=t, sliding_window=window)
+        for t in sorted(set(drafter.layer_types))
     }
+
+
+def _decode_span(drafter, plan, embed_tokens, context_kv, start, stop, spans, dtype):
+    """Normed drafter hidden states ``[b, (stop-start)*B, H]`` of blocks ``start..stop-1``."""
+    b = plan.anchors.shape[0]
+    ids = plan.block_ids[:, start:stop].reshape(b, -1)
+    noise = embed_tokens(ids)
+    scale = float(getattr(drafter, "input_embedding_scale", 1.0))
+    if scale != 1.0:
+        noise = noise * scale
+    groups = _group_masks(
+        plan, spans, start, sliding_window=getattr(drafter.config, "sliding_window", None), dtype=dtype
+    )
+    positions = plan.block_positions[:, start:stop].reshape(b, -1)
+    return drafter.decode_blocks(noise.to(dtype), context_kv, positions, groups)
 
 
 def draft_block_hidden(
@@ -263,36 +444,35 @@ def draft_block_hidden(
     hidden_states: torch.Tensor,
     context: torch.Tensor | None = None,
     blocks: slice | None = None,
+    group_blocks: int | None = None,
 ) -> torch.Tensor:
-    """Training-path drafter hidden states ``[b, n*B, H]`` for the blocks in ``blocks`` (default all)."""
+    """Training-path drafter hidden states ``[b, n*B, H]`` for the blocks in ``blocks`` (default all).
+
+    ``group_blocks``: blocks per attention group (None: chosen from the anchors, ``auto_group_blocks``);
+    any value gives the same result.
+    """
     blocks = blocks or slice(0, plan.num_blocks)
+    start, stop, _ = blocks.indices(plan.num_blocks)
     if context is None:
-        context = drafter.fuse_context(hidden_states)
-    b, s = context.shape[:2]
-    bsz = plan.block_size
-    anchors, keep = plan.anchors[:, blocks], plan.keep[:, blocks]
-    ids = plan.block_ids[:, blocks].reshape(b, -1)
-    noise = embed_tokens(ids)
-    scale = float(getattr(drafter, "input_embedding_scale", 1.0))
-    if scale != 1.0:
-        noise = noise * scale
-    noise = noise.to(context.dtype)
-    ctx_pos = torch.arange(s, device=context.device).expand(b, s)
-    positions = torch.cat([ctx_pos, plan.block_positions[:, blocks].reshape(b, -1)], dim=1)
-    masks = _layer_masks(drafter, anchors, keep, plan.context_valid, bsz)
-    return drafter.decode(noise, context, positions, masks)
-
-
-def _chunk_loss(drafter, lm_head, embed_tokens, plan, hidden_states, context, blocks):
-    h = draft_block_hidden(
-        drafter, plan, embed_tokens=embed_tokens, hidden_states=hidden_states, context=context, blocks=blocks
+        context = drafter.fuse_context(hidden_states.to(drafter.dtype))
+    bounds, _ = _read_bounds(plan.anchors, plan.keep, context.shape[1])
+    spans = _layer_spans(drafter, bounds, start, stop, group_blocks)
+    return _decode_span(
+        drafter, plan, embed_tokens, drafter.context_kv(context), start, stop, spans, context.dtype
     )
+
+
+def _chunk_terms(drafter, lm_head, embed_tokens, plan, start, stop, spans, *context_kv):
+    """Weighted CE sum and argmax of blocks ``start..stop-1``; slot 0 (never supervised) gets no logits."""
+    kv = list(zip(context_kv[::2], context_kv[1::2], strict=True))
+    h = _decode_span(drafter, plan, embed_tokens, kv, start, stop, spans, context_kv[0].dtype)
+    b, bsz = plan.anchors.shape[0], plan.block_size
+    h = h.view(b, stop - start, bsz, -1)[:, :, 1:]
     logits = drafter.compute_logits(h, lm_head).float()
-    labels = plan.labels[:, blocks].reshape(-1)
-    weights = plan.weights[:, blocks].reshape(-1)
+    labels = plan.labels[:, start:stop, 1:].reshape(-1)
+    weights = plan.weights[:, start:stop, 1:].reshape(-1)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels, reduction="none")
-    pred = logits.argmax(dim=-1)
-    return (ce * weights).sum(), pred
+    return (ce * weights).sum(), logits.argmax(dim=-1)
 
 
 def _check_block_settings(
@@ -313,6 +493,33 @@ def _check_block_settings(
     return int(block_size), int(mask_token_id)
 
 
+def activation_bytes_per_block(drafter: nn.Module, *, vocab_size: int, context_len: int) -> int:
+    """Estimated bytes one block of one row keeps for the backward when its chunk is not checkpointed.
+
+    Per block token: each layer's saved activations (norm outputs, q/k/v, attention output, residuals,
+    the MLP's gate/up/product), its attention mask row, and the fp32 logits with their log-softmax.
+    An estimate for choosing chunks, within a factor ~2 of what the allocator sees.
+    """
+    cfg = drafter.config
+    elem = torch.finfo(drafter.dtype).bits // 8
+    h = int(cfg.hidden_size)
+    heads, kv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+    d = int(getattr(cfg, "head_dim", None) or h // heads)
+    per_layer = elem * (6 * h + 2 * heads * d + 2 * kv * d + 4 * int(cfg.intermediate_size))
+    per_token = len(drafter.layers) * per_layer + elem * context_len + 3 * 4 * int(vocab_size)
+    return per_token * drafter.block_size
+
+
+def auto_chunk_blocks(
+    drafter: nn.Module, *, batch: int, num_blocks: int, context_len: int, vocab_size: int, budget_mb: float
+) -> int | None:
+    """Blocks per checkpointed chunk under an activation budget; None when all blocks fit in one pass
+    (no recomputation at all)."""
+    per_block = batch * activation_bytes_per_block(drafter, vocab_size=vocab_size, context_len=context_len)
+    fit = int(budget_mb * 2**20 // max(per_block, 1))
+    return None if fit >= num_blocks else max(1, fit)
+
+
 def dflash_loss(
     drafter: nn.Module,
     *,
@@ -329,6 +536,8 @@ def dflash_loss(
     generator: torch.Generator | None = None,
     chunk_blocks: int | None = 128,
     anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    activation_budget_mb: float | None = None,
+    group_blocks: int | None = None,
 ) -> DFlashLossOutput:
     """Token-weighted DFlash loss for one micro-batch.
 
@@ -337,10 +546,16 @@ def dflash_loss(
     ``embed_tokens`` must be a plain lookup (z-lab uses ``F.embedding`` on the raw weight), any
     Gemma-style scaling comes from ``input_embedding_scale`` in the drafter config.
     ``chunk_blocks``: blocks per checkpointed chunk; None or 0 runs everything in one pass without
-    checkpointing (more memory: logits of all blocks are kept for the backward).
+    checkpointing (more memory: activations and logits of all blocks are kept for the backward).
+    ``activation_budget_mb``: when set, replaces ``chunk_blocks``: one pass if the estimated activations
+    (``activation_bytes_per_block``) fit the budget, else the largest chunks that do.
+    ``group_blocks``: blocks per attention group (None: from the anchors); only speed depends on it.
     ``anchors``: optional precomputed ``(anchors, keep)``, bypassing sampling (tests, evaluation).
     ``block_size``/``mask_token_id`` default to the drafter config's; passing different values raises,
     because the exported config is what inference will use (pitfall 8).
+
+    One device->host read per call before the backward (the block count and the anchors' column
+    bounds, which set the attention shapes); ``DFlashLossOutput.metrics`` is the second.
     """
     block_size, mask_token_id = _check_block_settings(drafter, block_size, mask_token_id)
     if input_ids.shape != loss_mask.shape or hidden_states.shape[:2] != input_ids.shape:
@@ -354,12 +569,24 @@ def dflash_loss(
             f"hidden_states carry {hidden_states.shape[-1]} features; the drafter expects {n_feat} "
             f"({len(drafter.target_layer_ids)} target layers {drafter.target_layer_ids} x hidden size)"
         )
-    if anchors is None:
-        anchors_t, keep = sample_anchors(
-            loss_mask, num_anchors, attention_mask=attention_mask, generator=generator
-        )
-    else:
+    b, s = input_ids.shape
+    device = input_ids.device
+    if anchors is not None:
         anchors_t, keep = anchors
+        bounds, _ = _read_bounds(anchors_t, keep, s)
+    elif b and min(int(num_anchors), s) > 0:
+        width = min(int(num_anchors), s)
+        anchors_t, keep, counts = _anchor_candidates(
+            loss_mask, width, attention_mask=attention_mask, generator=generator
+        )
+        bounds, count = _read_bounds(anchors_t, keep, s, counts)
+        w = min(width, count)
+        anchors_t, keep = anchors_t[:, :w], keep[:, :w]
+        bounds = ColumnBounds(hi=bounds.hi[:w], lo=bounds.lo[:w], seq_len=s)
+    else:
+        anchors_t = torch.zeros(b, 0, dtype=torch.long, device=device)
+        keep = anchors_t.bool()
+        bounds = ColumnBounds(hi=[], lo=[], seq_len=s)
     plan = plan_blocks(
         input_ids,
         loss_mask,
@@ -370,7 +597,6 @@ def dflash_loss(
         gamma=gamma,
         attention_mask=attention_mask,
     )
-    device = input_ids.device
     n = plan.num_blocks
     if n == 0:
         # No supervised pair anywhere: a zero loss that still reaches every parameter, so a backward
@@ -379,40 +605,45 @@ def dflash_loss(
         z = torch.zeros(block_size, device=device)
         return DFlashLossOutput(zero, z.sum(), z, z.clone(), z.sum(), z.sum())
 
+    if activation_budget_mb is not None:
+        chunk_blocks = auto_chunk_blocks(
+            drafter,
+            batch=b,
+            num_blocks=n,
+            context_len=s,
+            vocab_size=int(getattr(lm_head, "out_features", None) or drafter.config.vocab_size),
+            budget_mb=activation_budget_mb,
+        )
     context = drafter.fuse_context(hidden_states.to(drafter.fc.weight.dtype))
+    # Context keys/values once per layer: every chunk reads slices of them (checkpointing recomputes
+    # the blocks only).
+    context_kv = [t for kv in drafter.context_kv(context) for t in kv]
     grad = torch.is_grad_enabled()
     step = n if not chunk_blocks or chunk_blocks >= n else int(chunk_blocks)
     loss_sum = torch.zeros((), device=device)
     preds = []
     for start in range(0, n, step):
-        blocks = slice(start, min(start + step, n))
+        stop = min(start + step, n)
+        spans = _layer_spans(drafter, bounds, start, stop, group_blocks)
+        args = (drafter, lm_head, embed_tokens, plan, start, stop, spans, *context_kv)
         if step < n and grad:
-            part, pred = checkpoint(
-                _chunk_loss,
-                drafter,
-                lm_head,
-                embed_tokens,
-                plan,
-                hidden_states,
-                context,
-                blocks,
-                use_reentrant=False,
-            )
+            part, pred = checkpoint(_chunk_terms, *args, use_reentrant=False)
         else:
-            part, pred = _chunk_loss(drafter, lm_head, embed_tokens, plan, hidden_states, context, blocks)
+            part, pred = _chunk_terms(*args)
         loss_sum = loss_sum + part
-        preds.append(pred.view(input_ids.shape[0], -1, block_size))
-    pred = torch.cat(preds, dim=1)
+        preds.append(pred)
+    pred = torch.cat(preds, dim=1) if len(preds) > 1 else preds[0]  # [b, N, B-1]
 
     weight_sum = plan.weights.sum()
     loss = loss_sum / weight_sum.clamp(min=1e-6)
     with torch.no_grad():
         sup = plan.supervised
-        correct = (pred == plan.labels) & sup
+        hits = (pred == plan.labels[:, :, 1:]) & sup[:, :, 1:]
+        correct = torch.cat([torch.zeros_like(hits[:, :, :1]), hits], dim=-1)
         correct_per_pos = correct.sum(dim=(0, 1)).float()
         sup_per_pos = sup.sum(dim=(0, 1)).float()
         # Acceptance: the run of consecutive correct slots from k=1; an unsupervised slot ends the run.
-        run = correct[:, :, 1:].long().cumprod(dim=-1).sum(dim=-1)
+        run = hits.long().cumprod(dim=-1).sum(dim=-1)
         kept = plan.keep
         acceptance_sum = ((1 + run).float() * kept).sum()
         kept_blocks = kept.sum().float()
@@ -426,20 +657,18 @@ def dflash_loss(
     )
 
 
-def decay_weights(block_size: int, gamma: float | None) -> list[float]:
-    """Per-slot loss weights (slot 0 is never supervised): ``[0, 1, e^{-1/g}, ...]``."""
-    if gamma is None or gamma <= 0:
-        return [0.0] + [1.0] * (block_size - 1)
-    return [0.0] + [math.exp(-(k - 1) / gamma) for k in range(1, block_size)]
-
-
 __all__ = [
     "BlockPlan",
+    "ColumnBounds",
     "DFlashLossOutput",
+    "activation_bytes_per_block",
+    "auto_chunk_blocks",
+    "auto_group_blocks",
     "block_attention_mask",
     "decay_weights",
     "dflash_loss",
     "draft_block_hidden",
+    "group_spans",
     "plan_blocks",
     "sample_anchors",
     "valid_anchor_mask",

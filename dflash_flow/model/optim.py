@@ -193,7 +193,8 @@ class GradientAccumulator:
     """Counts micro-batches and scales their losses so that ``steps`` micro-batches make one update.
 
     Each micro-batch loss is already a token-weighted mean, so the update uses the mean of the
-    micro-batch means (the per-rank convention of SpecForge).
+    micro-batch means (the per-rank convention of SpecForge). ``reset()`` after every optimizer step; a
+    step may come early (an epoch's last micro-batches), the scale stays ``1 / steps``.
     """
 
     def __init__(self, steps: int = 1) -> None:
@@ -210,7 +211,16 @@ class GradientAccumulator:
 
     @property
     def ready(self) -> bool:
-        return self.micro > 0 and self.micro % self.steps == 0
+        return self.micro >= self.steps
+
+    @property
+    def next_is_last(self) -> bool:
+        """Whether the next micro-batch completes the accumulation (data-parallel training all-reduces
+        gradients on that one only)."""
+        return self.micro + 1 >= self.steps
+
+    def reset(self) -> None:
+        self.micro = 0
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": STATE_VERSION, "steps": self.steps, "micro": self.micro}

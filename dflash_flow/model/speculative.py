@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["SpecResult", "spec_generate", "greedy_generate", "evaluate_drafter"]
+__all__ = ["SpecResult", "spec_generate", "greedy_continuations", "greedy_generate", "evaluate_drafter"]
 
 
 @attrs.define(eq=False)
@@ -143,46 +143,67 @@ def _target_device(target: nn.Module) -> torch.device:
 # ---------------------------------------------------------------------------------------------------
 
 
-@torch.inference_mode()
+def greedy_continuations(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    stop_ids: Sequence[int] | None = None,
+    pad_id: int = 0,
+) -> list[tuple[list[int], str]]:
+    """Greedy continuations of token-id prompts, batched with left padding (transformers ``generate``).
+
+    Returns, per prompt, the new ids (a stop token that ended the reply included, nothing after it) and
+    ``"stop"`` or ``"length"``. With no ``stop_ids`` the reply runs to ``max_new_tokens``: ``generate``
+    would otherwise stop at the model's own eos, so an id outside the vocabulary (which argmax never
+    returns) stands in for "no stop token".
+    """
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    if not prompts:
+        return []
+    stops = sorted({int(t) for t in stop_ids or ()})
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        if not len(p):
+            raise ValueError("empty prompt")
+        ids[r, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
+        attn[r, width - len(p) :] = 1
+    device = _target_device(model)
+    vocab = int(model.get_input_embeddings().num_embeddings)
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=attn.to(device),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=stops or [vocab],
+            pad_token_id=pad_id,
+        )
+    results = []
+    stop_set = set(stops)
+    for row in out[:, width:].tolist():
+        cut = next((i for i, t in enumerate(row) if t in stop_set), None)
+        results.append((row, "length") if cut is None else (row[: cut + 1], "stop"))
+    return results
+
+
 def greedy_generate(
     target: nn.Module,
     input_ids: Any,
     max_new_tokens: int,
     stop_token_ids: Sequence[int] | None = None,
 ) -> SpecResult:
-    """Plain greedy decoding with a KV cache: one target forward per new token (the prefill gives the
+    """Plain greedy decoding of one prompt: one target forward per new token (the prefill gives the
     first). The reference that speculative decoding must reproduce exactly, and the forward count the
     speedup is measured against. Stops after ``max_new_tokens`` or after emitting a stop token (kept)."""
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be >= 1")
     device = _target_device(target)
     ids = _as_batch_of_one(input_ids, device)
-    n_in = ids.shape[1]
-    stops = set(stop_token_ids or ())
-    cache = _new_cache(target.config)
-    ck = _cache_kwarg(target)
-
-    out = target(
-        input_ids=ids,
-        position_ids=torch.arange(n_in, device=device)[None],
-        use_cache=True,
-        logits_to_keep=1,
-        **{ck: cache},
-    )
-    forwards = 1
-    tokens = [int(out.logits[0, -1].argmax())]
-    while len(tokens) < max_new_tokens and tokens[-1] not in stops:
-        pos = n_in + len(tokens) - 1
-        out = target(
-            input_ids=torch.tensor([[tokens[-1]]], device=device),
-            position_ids=torch.tensor([[pos]], device=device),
-            use_cache=True,
-            **{ck: cache},
-        )
-        forwards += 1
-        tokens.append(int(out.logits[0, -1].argmax()))
+    (tokens, _), = greedy_continuations(target, [ids[0].tolist()], max_new_tokens=max_new_tokens, stop_ids=stop_token_ids)
     output = torch.cat([ids, torch.tensor([tokens], device=device)], dim=1)
-    return SpecResult(output, [1] * (len(tokens) - 1), forwards, 0, n_in)
+    return SpecResult(output, [1] * (len(tokens) - 1), len(tokens), 0, ids.shape[1])
 
 
 @torch.inference_mode()

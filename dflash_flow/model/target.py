@@ -36,6 +36,10 @@ __all__ = [
     "TargetFeatureExtractor",
     "SharedHead",
     "load_target",
+    "load_target_config",
+    "load_shared_head",
+    "resolve_dtype",
+    "is_preset",
     "default_dtype",
     "default_attn_implementation",
     "decoder_layers",
@@ -136,6 +140,34 @@ def _preset_config(spec: Mapping[str, Any] | str) -> tuple[Any, int]:
     return AutoConfig.for_model(model_type, **params), seed
 
 
+def resolve_dtype(name: str | None, device: str | torch.device) -> torch.dtype:
+    """A dtype from its config name; ``auto`` (or None) is :func:`default_dtype` for the device."""
+    if name in (None, "auto"):
+        return default_dtype(device)
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; expected auto, float32, bfloat16 or float16") from None
+
+
+def is_preset(spec: Any) -> bool:
+    return isinstance(spec, Mapping) or (isinstance(spec, str) and spec in TARGET_PRESETS)
+
+
+def load_target_config(spec: str | os.PathLike | Mapping[str, Any], *, trust_remote_code: bool = False):
+    """The target's config without its weights (a preset's, or ``config.json`` of a directory/hub id)."""
+    if is_preset(spec):
+        config, _ = _preset_config(spec)  # type: ignore[arg-type]
+        return config
+    from transformers import AutoConfig
+
+    path = Path(os.fspath(spec)).expanduser()
+    return AutoConfig.from_pretrained(
+        str(path) if path.exists() else os.fspath(spec), local_files_only=path.exists(),
+        trust_remote_code=trust_remote_code,
+    )
+
+
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
@@ -194,7 +226,7 @@ def load_target(
     attn = attn_implementation or default_attn_implementation(dev)
     common = {"dtype": dtype, "attn_implementation": attn, "trust_remote_code": trust_remote_code}
 
-    if isinstance(spec, Mapping) or (isinstance(spec, str) and spec in TARGET_PRESETS):
+    if is_preset(spec):
         config, seed = _preset_config(spec)  # type: ignore[arg-type]
         # Build on CPU under a private RNG: the weights then depend only on the seed, not on the device
         # or on whatever the caller did with the global RNG before.
@@ -625,6 +657,22 @@ def shared_head_from_preset(
         return _PRESET_HEADS.setdefault(key, built)
 
 
+def load_shared_head(
+    spec: str | os.PathLike | Mapping[str, Any],
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    *,
+    trust_remote_code: bool = False,
+) -> SharedHead:
+    """The frozen embedding and LM head of the target named by ``spec`` on ``device``: a preset is rebuilt
+    from its seed (the TargetForward's exact weights), a directory is read for just those two tensors, a
+    hub id is loaded once on the CPU."""
+    if is_preset(spec) or Path(os.fspath(spec)).expanduser().is_dir():
+        return shared_head(spec, device, dtype)
+    model = load_target(spec, device="cpu", dtype=dtype, trust_remote_code=trust_remote_code)
+    return shared_head(model, device, dtype)
+
+
 def shared_head(
     source: nn.Module | str | os.PathLike | Mapping[str, Any],
     device: str | torch.device = "cpu",
@@ -635,6 +683,6 @@ def shared_head(
     (:func:`shared_head_from_checkpoint`). Each is built once per (source, device, dtype)."""
     if isinstance(source, nn.Module):
         return shared_head_from_model(source, device, dtype)
-    if isinstance(source, Mapping) or (isinstance(source, str) and source in TARGET_PRESETS):
+    if is_preset(source):
         return shared_head_from_preset(source, device, dtype)
     return shared_head_from_checkpoint(source, device, dtype)

@@ -31,12 +31,14 @@ assumes replicas scale linearly (work that releases the GIL, or a device per rep
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+
+import attrs
+
+from .schema import metric
 
 
-@dataclass(frozen=True)
+@attrs.frozen
 class StageLoad:
     """One stage's load over a window (fractions averaged over its replicas)."""
 
@@ -51,30 +53,23 @@ class StageLoad:
         return max(0.0, 1.0 - self.busy - self.blocked_in - self.blocked_out)
 
 
-@dataclass(frozen=True)
+@attrs.frozen
 class Bottleneck:
-    """The verdict: ``stage`` is the bottleneck; see the module docstring for the definitions."""
+    """The verdict: ``stage`` is the bottleneck; see the module docstring for the definitions.
+
+    The numbers are exported as ``bottleneck/*`` metrics (``observe.schema``); the stage's name and the
+    sentence are text, for the run summary and the ``bottleneck`` tag."""
 
     stage: str
-    busy: float
-    replicas: int
-    replicas_needed: int
-    next_stage: str | None
-    next_busy: float
-    is_sink: bool
-    saturated: bool
-    sentence: str
-    loads: dict[str, StageLoad] = field(default_factory=dict, repr=False)
-
-    def as_metrics(self, prefix: str = "bottleneck/") -> dict[str, float]:
-        """Numbers for MLflow (the stage name goes in the sentence/tag, not here)."""
-        return {
-            f"{prefix}busy": self.busy,
-            f"{prefix}replicas": float(self.replicas),
-            f"{prefix}replicas_needed": float(self.replicas_needed),
-            f"{prefix}next_busy": self.next_busy,
-            f"{prefix}saturated": 1.0 if self.saturated else 0.0,
-        }
+    busy: float = metric("busy", reduce="max", doc="Busy fraction of the bottleneck stage")
+    replicas: int = metric("replicas", reduce="max", doc="Its replicas")
+    replicas_needed: int = metric("replicas_needed", reduce="max", doc="Replicas that would make it stop being the bottleneck")
+    next_stage: str | None = None
+    next_busy: float = metric("next_busy", reduce="max", default=0.0, doc="Busy fraction of the next-busiest stage")
+    is_sink: bool = False
+    saturated: bool = metric("saturated", reduce="max", default=False, doc="1 when its busy fraction is at least `saturation`")
+    sentence: str = ""
+    loads: dict[str, StageLoad] = attrs.field(factory=dict, repr=False)
 
 
 def _clip(x: float) -> float:
@@ -216,58 +211,3 @@ def _sentence(
         f"With {need} replicas it would drop to about {_pct(b.replicas * b.busy / need)} busy, "
         f"no more than the next-busiest stage, {nxt.name} ({_pct(nb)})."
     )
-
-
-# ---------------------------------------------------------------- adapters from runtime numbers
-
-
-_FLAT_KEY = re.compile(
-    r"^stage/(?P<stage>[^/]+)/(?P<replica>[^/]+)/(?P<metric>busy|blocked_in|blocked_out)_frac$"
-)
-
-
-def loads_from_flat(flat: Mapping[str, float]) -> dict[str, dict[str, float]]:
-    """From ``RuntimeSnapshot.flat()``-style keys ``stage/<name>/<replica>/{busy,blocked_in,blocked_out}_frac``
-    to the ``find_bottleneck`` mapping (fractions averaged over replicas, replicas counted)."""
-    acc: dict[str, dict[str, dict[str, float]]] = {}
-    for key, value in flat.items():
-        m = _FLAT_KEY.match(key)
-        if not m:
-            continue
-        acc.setdefault(m["stage"], {}).setdefault(m["replica"], {})[m["metric"]] = float(value)
-    out = {}
-    for stage, reps in acc.items():
-        n = len(reps)
-        out[stage] = {
-            "replicas": n,
-            **{
-                k: sum(r.get(k, 0.0) for r in reps.values()) / n
-                for k in ("busy", "blocked_in", "blocked_out")
-            },
-        }
-    return out
-
-
-def window_fractions(
-    prev: Mapping[str, Sequence[Mapping[str, float]]],
-    cur: Mapping[str, Sequence[Mapping[str, float]]],
-    elapsed_s: float,
-) -> dict[str, dict[str, float]]:
-    """Fractions over a window from two readings of cumulative per-replica times.
-
-    ``prev``/``cur``: ``{stage: [{"busy_s", "blocked_in_s", "blocked_out_s"} per replica]}`` (the
-    ``ReplicaSnapshot`` fields). Replicas present only in ``cur`` count from zero. Cumulative times
-    (not instantaneous states) make the fractions exact whatever the sampling interval.
-    """
-    out = {}
-    dt = max(float(elapsed_s), 1e-9)
-    for stage, reps in cur.items():
-        before = list(prev.get(stage, ()))
-        n = max(1, len(reps))
-        sums = {"busy": 0.0, "blocked_in": 0.0, "blocked_out": 0.0}
-        for i, r in enumerate(reps):
-            p = before[i] if i < len(before) else {}
-            for k in sums:
-                sums[k] += _clip((r.get(f"{k}_s", 0.0) - p.get(f"{k}_s", 0.0)) / dt)
-        out[stage] = {"replicas": len(reps), **{k: v / n for k, v in sums.items()}}
-    return out

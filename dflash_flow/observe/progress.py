@@ -1,19 +1,30 @@
-"""Console progress: one updating line on a terminal, plain periodic lines otherwise.
+"""Console progress, built on rich: a live line on a terminal, plain periodic lines otherwise.
 
-Why two modes: a ``\\r``-updated line is the least noisy thing on a terminal, but in a log file or a CI
-capture every ``\\r`` update becomes garbage (Ray Data turned its bars off in jobs for that reason).
-So when the stream is not a TTY we print a complete line every ``interval_s`` seconds instead.
+Two kinds of progress share one status line implementation:
+
+- :class:`ProgressPrinter`, the training line (step, epoch, throughput, loss, ETA, bottleneck);
+- :class:`ProgressBar`, counted work (``done/total``, rate, ETA), e.g. regenerating a data set.
+
+Why two modes: a live line is the least noisy thing on a terminal, but in a log file or a CI capture
+every redraw becomes ``\\r``/escape-code garbage (Ray Data turned its bars off in jobs for that reason).
+So when the stream is not a TTY we print a complete line every ``interval_s`` seconds instead. Output
+is rate-limited, so ``update`` is cheap enough to call every step or item.
 """
 
 from __future__ import annotations
 
 import math
-import shutil
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, TextIO
+
+from .console import render_table, stream_console
+
+# The generic table lives in observe.console; this name stays importable for the application's eval
+# command (``observe.report.summary_table(record)`` is the run summary).
+summary_table = render_table
 
 
 def format_duration(seconds: float | None) -> str:
@@ -51,8 +62,73 @@ def _isatty(stream: TextIO) -> bool:
         return False
 
 
+class _StatusLine:
+    """One status line on ``stream``: a rich ``Live`` line on a terminal (redrawn at most every
+    ``tty_interval_s``), a printed line every ``interval_s`` otherwise. Messages go above the line."""
+
+    def __init__(
+        self,
+        stream: TextIO | None,
+        *,
+        tty: bool | None,
+        width: int | None,
+        interval_s: float,
+        tty_interval_s: float,
+    ) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = _isatty(self.stream) if tty is None else bool(tty)
+        self.interval_s = float(interval_s)
+        self.tty_interval_s = float(tty_interval_s)
+        self.console = stream_console(self.stream, tty=self.tty, width=width)
+        self.lock = threading.RLock()
+        self.last_emit: float | None = None
+        self.text = ""
+        self.closed = False
+        self._live: Any = None
+
+    def due(self, now: float, force: bool) -> bool:
+        interval = self.tty_interval_s if self.tty else self.interval_s
+        return force or self.last_emit is None or now - self.last_emit >= interval
+
+    def draw(self, text: str, now: float, renderable: Any = None) -> None:
+        if self.tty:
+            from rich.text import Text
+
+            shown = renderable if renderable is not None else Text(text, no_wrap=True, overflow="ellipsis")
+            if self._live is None:
+                from rich.live import Live
+
+                self._live = Live(
+                    shown, console=self.console, auto_refresh=False, redirect_stdout=False, redirect_stderr=False
+                )
+                self._live.start(refresh=True)
+            else:
+                self._live.update(shown, refresh=True)
+        else:
+            self.console.print(text)
+        self.stream.flush()
+        self.text = text
+        self.last_emit = now
+
+    def message(self, text: str) -> None:
+        with self.lock:
+            self.console.print(text)  # with a live line, rich prints above it and redraws it
+            self.stream.flush()
+
+    def close(self) -> bool:
+        """Stop the live line (it stays on screen). Returns False when already closed."""
+        with self.lock:
+            if self.closed:
+                return False
+            self.closed = True
+            if self._live is not None:
+                self._live.stop()
+                self.stream.flush()
+            return True
+
+
 class ProgressPrinter:
-    """Progress of a run on ``stream`` (default stderr).
+    """Training progress on ``stream`` (default stderr).
 
     ``update(step, ...)`` is cheap and may be called every step: output is rate-limited to one
     redraw per ``tty_interval_s`` on a terminal and one line per ``interval_s`` otherwise. ETA comes
@@ -70,20 +146,19 @@ class ProgressPrinter:
         width: int | None = None,
         clock=time.monotonic,
     ) -> None:
-        self.stream = stream if stream is not None else sys.stderr
+        self._line = _StatusLine(stream, tty=tty, width=width, interval_s=interval_s, tty_interval_s=tty_interval_s)
         self.total_steps = total_steps
-        self.interval_s = float(interval_s)
-        self.tty = _isatty(self.stream) if tty is None else bool(tty)
-        self.tty_interval_s = float(tty_interval_s)
-        self.width = width
         self._clock = clock
-        self._lock = threading.Lock()
         self._t0: float | None = None
         self._step0 = 0
-        self._last_emit: float | None = None
-        self._last_len = 0
-        self._line = ""
-        self._closed = False
+
+    @property
+    def tty(self) -> bool:
+        return self._line.tty
+
+    @property
+    def stream(self) -> TextIO:
+        return self._line.stream
 
     # ------------------------------------------------------------------ formatting
     def eta_s(self, step: int, now: float) -> float | None:
@@ -108,9 +183,8 @@ class ProgressPrinter:
         elapsed_s: float | None = None,
         extra: Mapping[str, Any] | None = None,
     ) -> str:
-        """The progress text (no ``\\r``/newline). Fields that are None are left out."""
-        parts = []
-        parts.append(f"step {step}/{self.total_steps}" if self.total_steps else f"step {step}")
+        """The progress text. Fields that are None are left out; a log line starts with the elapsed time."""
+        parts = [f"step {step}/{self.total_steps}" if self.total_steps else f"step {step}"]
         if epoch is not None:
             parts.append(f"epoch {epoch}")
         if tokens_per_s is not None:
@@ -146,67 +220,34 @@ class ProgressPrinter:
     ) -> bool:
         """Record progress; draw it if the interval elapsed (or ``force``). Returns whether it drew."""
         now = self._clock()
-        with self._lock:
-            if self._closed:
+        with self._line.lock:
+            if self._line.closed:
                 return False
             if self._t0 is None:
                 self._t0, self._step0 = now, step
-            interval = self.tty_interval_s if self.tty else self.interval_s
-            if not force and self._last_emit is not None and now - self._last_emit < interval:
+            if not self._line.due(now, force):
                 return False
-            if eta_s is None:
-                eta_s = self.eta_s(step, now)
             line = self.format_line(
                 step,
                 epoch=epoch,
                 tokens_per_s=tokens_per_s,
                 samples_per_s=samples_per_s,
                 loss=loss,
-                eta_s=eta_s,
+                eta_s=eta_s if eta_s is not None else self.eta_s(step, now),
                 bottleneck=bottleneck,
                 elapsed_s=now - self._t0,
                 extra=extra,
             )
-            self._emit(line)
-            self._last_emit = now
+            self._line.draw(line, now)
             return True
-
-    def _columns(self) -> int:
-        if self.width:
-            return self.width
-        return shutil.get_terminal_size((100, 24)).columns
-
-    def _emit(self, line: str) -> None:
-        if self.tty:
-            # Stay on one terminal row: a wrapped line cannot be overwritten by "\r".
-            line = line[: max(10, self._columns() - 1)]
-            pad = " " * max(0, self._last_len - len(line))  # erase the tail of a longer previous line
-            self.stream.write("\r" + line + pad)
-            self._last_len = len(line)
-        else:
-            self.stream.write(line + "\n")
-        self._line = line
-        self.stream.flush()
 
     def message(self, text: str) -> None:
         """Print a full line (a warning, an eval result) without mangling the progress line."""
-        with self._lock:
-            if self.tty and self._last_len:
-                self.stream.write("\r" + " " * self._last_len + "\r" + text + "\n")
-                self.stream.write(self._line)
-            else:
-                self.stream.write(text + "\n")
-            self.stream.flush()
+        self._line.message(text)
 
     def close(self) -> None:
-        """End the updating line (newline on a terminal). Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            if self.tty and self._last_len:
-                self.stream.write("\n")
-                self.stream.flush()
+        """End the live line (it stays on screen). Idempotent."""
+        self._line.close()
 
     def __enter__(self) -> ProgressPrinter:
         return self
@@ -215,65 +256,121 @@ class ProgressPrinter:
         self.close()
 
 
-def _cell(v: Any) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, float):
-        if not math.isfinite(v):
-            return str(v)
-        if v != 0 and (abs(v) >= 1e6 or abs(v) < 1e-3):
-            return f"{v:.3g}"
-        return f"{v:,.2f}" if abs(v) >= 100 else f"{v:.4g}"
-    if isinstance(v, int):
-        return f"{v:,}"
-    return str(v)
+class ProgressBar:
+    """Counted work: ``done/total`` with a bar, the rate, further rates and the ETA.
 
+    ``update(done_delta, **extra)`` adds ``done_delta`` units of work done; each keyword is a further
+    count done in the same update (``update(8, tok=4096)``), shown as a rate (``tok/s``). ``done`` is
+    the work already done before this run (a resumed job): it counts toward ``done/total`` but not
+    toward the rates. With ``enabled=False`` nothing is ever printed.
+    """
 
-def summary_table(
-    rows: Sequence[Mapping[str, Any]] | Sequence[Sequence[Any]],
-    columns: Sequence[str] | None = None,
-    *,
-    title: str | None = None,
-) -> str:
-    """A plain-text table. ``rows`` are dicts (columns = keys in first-seen order, unless given) or
-    sequences (then ``columns`` are the headers, if any). Numbers are right-aligned and compact."""
-    rows = list(rows)
-    if rows and isinstance(rows[0], Mapping):
-        if columns is None:
-            seen: dict[str, None] = {}
-            for r in rows:
-                for k in r:  # type: ignore[union-attr]
-                    seen.setdefault(k, None)
-            columns = list(seen)
-        body = [[r.get(c) for c in columns] for r in rows]  # type: ignore[union-attr]
-    else:
-        body = [list(r) for r in rows]
-    n = max([len(columns or [])] + [len(r) for r in body]) if (body or columns) else 0
-    header = [str(c) for c in (columns or [])] + [""] * (n - len(columns or []))
-    cells = [[_cell(v) for v in r] + [""] * (n - len(r)) for r in body]
-    numeric = [
-        all(
-            isinstance(r[i], (int, float)) and not isinstance(r[i], bool)
-            for r in body
-            if i < len(r) and r[i] is not None
-        )
-        and any(i < len(r) and r[i] is not None for r in body)
-        for i in range(n)
-    ]
-    widths = [max([len(header[i])] + [len(c[i]) for c in cells]) for i in range(n)]
+    def __init__(
+        self,
+        total: int,
+        label: str = "",
+        unit: str = "items",
+        *,
+        done: int = 0,
+        stream: TextIO | None = None,
+        interval_s: float = 5.0,
+        tty: bool | None = None,
+        tty_interval_s: float = 0.1,
+        width: int | None = None,
+        clock=time.monotonic,
+        enabled: bool = True,
+        bar_width: int = 24,
+    ) -> None:
+        self.total = max(0, int(total))
+        self.label = label
+        self.unit = unit
+        self.done = int(done)
+        self.enabled = bool(enabled)
+        self.bar_width = int(bar_width)
+        self._done0 = self.done
+        self._extra: dict[str, float] = {}
+        self._clock = clock
+        self._t0 = clock()
+        self._line = _StatusLine(stream, tty=tty, width=width, interval_s=interval_s, tty_interval_s=tty_interval_s)
+        self._shown_done: int | None = None
 
-    def fmt(row: list[str]) -> str:
-        return "  ".join(
-            row[i].rjust(widths[i]) if numeric[i] else row[i].ljust(widths[i]) for i in range(n)
-        ).rstrip()
+    @property
+    def tty(self) -> bool:
+        return self._line.tty
 
-    lines = []
-    if title:
-        lines.append(title)
-    if columns:
-        lines.append(fmt(header))
-        lines.append("  ".join("-" * w for w in widths))
-    lines.extend(fmt(c) for c in cells)
-    return "\n".join(lines)
+    def _stats(self, now: float) -> tuple[float, float, float | None, dict[str, float]]:
+        elapsed = max(now - self._t0, 0.0)
+        rate = (self.done - self._done0) / elapsed if elapsed > 0 else 0.0
+        eta = max(0, self.total - self.done) / rate if rate > 0 else None
+        rates = {k: v / elapsed if elapsed > 0 else 0.0 for k, v in self._extra.items()}
+        return elapsed, rate, eta, rates
+
+    def _tail(self, now: float) -> str:
+        elapsed, rate, eta, rates = self._stats(now)
+        parts = [f"{format_rate(rate)} {self.unit}/s"] + [f"{format_rate(r)} {k}/s" for k, r in rates.items()]
+        return " | ".join(parts) + f" | {format_duration(elapsed)} elapsed, ETA {format_duration(eta)}"
+
+    def _fraction(self) -> float:
+        return min(1.0, self.done / self.total) if self.total else 1.0
+
+    def format_line(self, now: float | None = None) -> str:
+        """The plain text of the bar (what a log gets): ``label [####----] 10/40  25% | ...``."""
+        now = self._clock() if now is None else now
+        frac = self._fraction()
+        filled = int(frac * self.bar_width)
+        bar = "#" * filled + "-" * (self.bar_width - filled)
+        head = f"{self.label} " if self.label else ""
+        return f"{head}[{bar}] {self.done}/{self.total} {frac:4.0%} | {self._tail(now)}"
+
+    def _renderable(self, now: float):
+        from rich.progress_bar import ProgressBar as RichBar
+        from rich.table import Table
+
+        grid = Table.grid(padding=(0, 1))
+        row = []
+        if self.label:
+            grid.add_column(no_wrap=True)
+            row.append(self.label)
+        grid.add_column(width=self.bar_width)
+        grid.add_column(no_wrap=True, overflow="ellipsis")
+        row.append(RichBar(total=float(self.total or 1), completed=float(self.done if self.total else 1), width=self.bar_width))
+        row.append(f"{self.done}/{self.total} {self._fraction():4.0%} | {self._tail(now)}")
+        grid.add_row(*row)
+        return grid
+
+    def update(self, done_delta: int = 1, **extra: float) -> bool:
+        """Add work done; draw if the interval elapsed or the work is complete. Returns whether it drew."""
+        now = self._clock()
+        with self._line.lock:
+            self.done += int(done_delta)
+            for k, v in extra.items():
+                self._extra[k] = self._extra.get(k, 0.0) + float(v)
+            if not self.enabled or self._line.closed:
+                return False
+            complete = self.total > 0 and self.done >= self.total and self._shown_done != self.done
+            if not self._line.due(now, complete):
+                return False
+            self._show(now)
+            return True
+
+    def _show(self, now: float) -> None:
+        self._line.draw(self.format_line(now), now, self._renderable(now) if self._line.tty else None)
+        self._shown_done = self.done
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            self._line.message(text)
+
+    def close(self) -> None:
+        """Show the final state (a log gets a last line if it changed since the previous one) and end
+        the live line. Idempotent."""
+        with self._line.lock:
+            if self.enabled and not self._line.closed and self._shown_done != self.done:
+                self._show(self._clock())
+            self._line.close()
+
+    def __enter__(self) -> ProgressBar:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

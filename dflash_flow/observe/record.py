@@ -1,10 +1,92 @@
-"""What a run has recorded so far (STUB: the metric-schema work replaces this file)."""
+"""What a run has recorded so far: filled by the Monitor while the pipeline runs (``services.record``),
+read by the application's end of run (``observe.report``: summary and history files, plots, the table).
+
+Everything here is structured (``observe.sample`` objects and columns of numbers); MLflow keys are made
+only when logging (``observe.schema``). Importing this module costs nothing heavy (attrs only).
+"""
 
 from __future__ import annotations
 
+import math
+from array import array
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
+
+from .bottleneck import Bottleneck
+from .sample import EvalPoint, MonitorSample, TrainPoint
+
+
+@attrs.define(eq=False)
+class TrainSeries:
+    """Per-step trainer metrics as columns of float64 (NaN where a step did not report a metric).
+
+    Columns, not one dict per step: 8 bytes a value, so a 100k-step run with 30 metrics holds ~24 MB
+    instead of the ~250 MB of per-step dicts of boxed floats.
+    """
+
+    steps: array = attrs.field(factory=lambda: array("q"))
+    columns: dict[str, array] = attrs.field(factory=dict)
+
+    def append(self, step: int, metrics: Mapping[str, float]) -> None:
+        n = len(self.steps)
+        self.steps.append(int(step))
+        for name, value in metrics.items():
+            try:
+                x = float(value)
+            except (TypeError, ValueError):
+                continue
+            col = self.columns.get(name)
+            if col is None:
+                col = self.columns[name] = array("d", [math.nan]) * n
+            col.append(x)
+        for col in self.columns.values():
+            if len(col) == n:
+                col.append(math.nan)
+
+    def series(self, name: str) -> list[tuple[int, float]]:
+        """``[(step, value)]`` of one metric, finite values only."""
+        col = self.columns.get(name)
+        if col is None:
+            return []
+        return [(s, v) for s, v in zip(self.steps, col, strict=True) if math.isfinite(v)]
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def to_json(self) -> dict[str, list]:
+        out: dict[str, list] = {"step": list(self.steps)}
+        for name, col in self.columns.items():
+            out[name] = [v if math.isfinite(v) else None for v in col]
+        return out
+
+
+@attrs.define(eq=False)
+class History:
+    """The run over time: every step's trainer metrics, every Monitor sample, every evaluation."""
+
+    train: TrainSeries = attrs.field(factory=TrainSeries)
+    samples: list[MonitorSample] = attrs.field(factory=list)
+    evals: list[EvalPoint] = attrs.field(factory=list)
+
+    def __bool__(self) -> bool:
+        """Whether anything was recorded."""
+        return bool(len(self.train) or self.samples or self.evals)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": 1,
+            "train": self.train.to_json(),
+            "samples": [jsonable(attrs.asdict(s, filter=_not_loads)) for s in self.samples],
+            "evals": [jsonable(attrs.asdict(e)) for e in self.evals],
+        }
+
+
+@attrs.define(eq=False)
+class _Mean:
+    total: float = 0.0
+    count: int = 0
 
 
 @attrs.define(eq=False)
@@ -14,8 +96,117 @@ class RunRecord:
 
     step: int = 0
     epoch: int | None = None
-    history: dict[str, list[tuple[float, float]]] = attrs.field(factory=dict)
-    train: dict[str, float] = attrs.field(factory=dict)
-    evals: dict[str, dict[str, float]] = attrs.field(factory=dict)
-    artifacts: dict[str, str] = attrs.field(factory=dict)
-    bottleneck: Any = None
+    history: History = attrs.field(factory=History)
+    train: dict[str, float] = attrs.field(factory=dict)  # the last step's trainer metrics
+    evals: dict[str, dict[str, float]] = attrs.field(factory=dict)  # the last result of each evaluation
+    artifacts: dict[str, str] = attrs.field(factory=dict)  # named by the trainer's final report
+    bottleneck: Bottleneck | None = None  # the latest verdict; after the Monitor's finish, the whole run's
+    total_steps: int | None = None
+    plots: bool = True  # whether the run asked for plots (the Monitor's ``plots`` option)
+    _epoch_means: dict[int, dict[str, _Mean]] = attrs.field(factory=dict, init=False, repr=False)
+
+    # -- filled by the Monitor ----------------------------------------------------------------------
+    def add_train(self, point: TrainPoint) -> None:
+        self.step = point.step
+        if point.epoch is not None:
+            self.epoch = point.epoch
+        if not point.metrics:
+            return
+        self.train = dict(point.metrics)
+        self.history.train.append(point.step, point.metrics)
+        acc = self._epoch_means.setdefault(point.epoch if point.epoch is not None else -1, {})
+        for name, value in point.metrics.items():
+            x = _finite(value)
+            if x is not None:
+                m = acc.setdefault(name, _Mean())
+                m.total += x
+                m.count += 1
+
+    def add_eval(self, point: EvalPoint) -> None:
+        for name, metrics in point.results.items():
+            self.evals[name] = dict(metrics)
+        self.history.evals.append(point)
+
+    def add_sample(self, sample: MonitorSample) -> None:
+        self.history.samples.append(sample)
+        if sample.bottleneck is not None:
+            self.bottleneck = sample.bottleneck
+
+    # -- read at the end ----------------------------------------------------------------------------
+    def epoch_mean(self, epoch: int | None = None) -> dict[str, float]:
+        """Mean of each trainer metric over the steps of ``epoch`` (default: the last epoch trained)."""
+        if not self._epoch_means:
+            return {}
+        key = epoch if epoch is not None else (self.epoch if self.epoch in self._epoch_means else max(self._epoch_means))
+        return {k: m.total / m.count for k, m in self._epoch_means.get(key, {}).items() if m.count}
+
+    @property
+    def last_sample(self) -> MonitorSample | None:
+        return self.history.samples[-1] if self.history.samples else None
+
+    def summary(self) -> dict[str, Any]:
+        """The run in one JSON-able dict (``monitor/summary.json``)."""
+        b = self.bottleneck
+        last = self.last_sample
+        return jsonable(
+            {
+                "step": self.step,
+                "epoch": self.epoch,
+                "total_steps": self.total_steps,
+                "last_train_metrics": self.train,
+                "epoch_mean_train_metrics": self.epoch_mean(),
+                "eval": self.evals,
+                "artifacts": self.artifacts,
+                "bottleneck": None
+                if b is None
+                else {
+                    "stage": b.stage,
+                    "busy": b.busy,
+                    "replicas": b.replicas,
+                    "replicas_needed": b.replicas_needed,
+                    "next_stage": b.next_stage,
+                    "saturated": b.saturated,
+                    "is_sink": b.is_sink,
+                    "sentence": b.sentence,
+                },
+                "stage_load": {
+                    name: {
+                        "replicas": st.replicas,
+                        "busy": st.busy,
+                        "blocked_in": st.blocked_in,
+                        "blocked_out": st.blocked_out,
+                        "items_in": st.items_in,
+                        "items_out": st.items_out,
+                    }
+                    for name, st in (last.stages.items() if last is not None else ())
+                },
+                "stage_load_window": None if last is None else ("whole run" if last.whole_run else f"last {last.window_s:.1f} s"),
+            }
+        )
+
+
+def _not_loads(attribute: attrs.Attribute, value: Any) -> bool:
+    return attribute.name != "loads"  # a verdict's copy of the stage fractions the sample already holds
+
+
+def _finite(value: Any) -> float | None:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def jsonable(obj: Any) -> Any:
+    """Plain JSON types: NaN and infinities become None (JSON has no such numbers), tuples lists."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, Mapping):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if obj is None or isinstance(obj, (str, int, bool)):
+        return obj
+    if attrs.has(type(obj)):
+        return jsonable(attrs.asdict(obj))
+    return str(obj)

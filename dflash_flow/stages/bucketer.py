@@ -6,11 +6,11 @@ from typing import Any, Optional
 
 import attrs
 
-from dflash_flow.core import Stage, StageContext, cfg, derive_seed, register_stage
+from dflash_flow.core import Stage, StageContext, cfg, derive_seed
+from dflash_flow.data.plan import plan_field
 from dflash_flow.items import EpochBatches, Sample
 
 
-@register_stage
 @attrs.define(kw_only=True, eq=False)
 class Bucketer(Stage):
     """Packs samples into length-bucketed batches under a padded-token budget, one item per epoch."""
@@ -20,16 +20,12 @@ class Bucketer(Stage):
     cardinality = "1:n"
     singleton = True  # the plan needs every sample: one Bucketer per process
 
-    max_tokens: int = cfg(65536, ge=1, doc="Budget per batch in padded tokens (num_samples x padded length).")
-    max_batch_size: Optional[int] = cfg(None, ge=1, doc="Cap on samples per batch (null: budget only).")
-    pad_to_multiple: int = cfg(1, ge=1, doc="Padded length is a multiple of this (give the Padder the same).")
-    boundaries: Optional[list[int]] = cfg(
-        None, doc="Inclusive upper bounds of the buckets but the last; null: quantile boundaries."
-    )
-    num_buckets: int = cfg(6, ge=1, doc="Quantile buckets when boundaries is null.")
-    length_jitter: float = cfg(
-        0.02, ge=0, doc="Relative jitter of the packing order: varies batches per epoch."
-    )
+    max_tokens: int = plan_field("max_tokens")
+    max_batch_size: Optional[int] = plan_field("max_batch_size")
+    pad_to_multiple: int = plan_field("pad_to_multiple")
+    boundaries: Optional[list[int]] = plan_field("boundaries")
+    num_buckets: int = plan_field("num_buckets")
+    length_jitter: float = plan_field("length_jitter")
     epochs: int = cfg(1, ge=1, doc="Epochs to plan.")
 
     def setup(self, ctx: StageContext) -> None:

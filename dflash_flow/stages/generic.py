@@ -11,10 +11,9 @@ from typing import Any
 
 import attrs
 
-from dflash_flow.core import Source, Stage, cfg, register_stage
+from dflash_flow.core import Source, Stage, cfg
 
 
-@register_stage
 @attrs.define(kw_only=True, eq=False)
 class Range(Source):
     """Emits the integers 0..count-1, optionally spending `service_s` per item (replicas share them)."""
@@ -47,7 +46,6 @@ class Range(Source):
         self._next = int(state["next"])
 
 
-@register_stage
 @attrs.define(kw_only=True, eq=False)
 class Delay(Stage):
     """Passes items through after `service_s` seconds of GIL-free work (a stand-in for a GPU kernel)."""
@@ -60,7 +58,6 @@ class Delay(Stage):
         return (item,)
 
 
-@register_stage
 @attrs.define(kw_only=True, eq=False)
 class Discard(Stage):
     """Consumes items and counts them (a sink)."""

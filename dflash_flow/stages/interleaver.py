@@ -6,11 +6,11 @@ from typing import Any, Literal
 
 import attrs
 
-from dflash_flow.core import Stage, StageContext, cfg, register_stage
+from dflash_flow.core import Stage, StageContext, cfg
+from dflash_flow.data.plan import plan_field
 from dflash_flow.items import EpochBatches, PlannedBatch
 
 
-@register_stage
 @attrs.define(kw_only=True, eq=False)
 class Interleaver(Stage):
     """Orders an epoch's bucket batches with a same-bucket run cap and an even mix; resumable by position."""
@@ -20,9 +20,9 @@ class Interleaver(Stage):
     cardinality = "1:n"
     singleton = True  # one ordered stream per rank
 
-    max_run: int = cfg(3, ge=1, doc="Hard cap on consecutive batches from one bucket (when the mix allows).")
-    repeat_penalty: float = cfg(0.5, gt=0, le=1, doc="Weight factor for repeating the previous bucket.")
-    evenness: float = cfg(3.0, ge=0, doc="How strongly the bucket furthest behind its share is preferred.")
+    max_run: int = plan_field("max_run")
+    repeat_penalty: float = plan_field("repeat_penalty")
+    evenness: float = plan_field("evenness")
     rank_aware: bool = cfg(
         True, doc="Order so that each rank's own share keeps the cap (else one global order)."
     )

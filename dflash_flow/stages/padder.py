@@ -6,11 +6,10 @@ from typing import Optional
 
 import attrs
 
-from dflash_flow.core import Stage, StageContext, cfg, register_stage
+from dflash_flow.core import Stage, StageContext, cfg
 from dflash_flow.items import PaddedBatch, PlannedBatch
 
 
-@register_stage
 @attrs.define(kw_only=True, eq=False)
 class Padder(Stage):
     """Right-pads a batch to its planned length: input_ids, attention_mask, position_ids, loss_mask."""

@@ -6,14 +6,15 @@ Thin wrappers over `dflash_flow.data.records`; transformers is imported only in 
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import attrs
 
-from dflash_flow.core import Source, StageContext, cfg, register_stage
+from dflash_flow.core import Source, StageContext, cfg
 from dflash_flow.items import Sample
+from dflash_flow.services import services_of
+from dflash_flow.util import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -23,10 +24,7 @@ def _cache_dir(value: Optional[str]) -> Optional[Path]:
         return None
     if value == "auto":
         # Shared across runs on purpose: the key covers content, tokenizer, template and options.
-        root = os.environ.get("DFLASH_FLOW_CACHE") or os.path.join(
-            os.path.expanduser("~"), ".cache", "dflash-flow"
-        )
-        return Path(root) / "tokenized"
+        return cache_root() / "tokenized"
     return Path(value).expanduser()
 
 
@@ -123,7 +121,6 @@ class _RecordSource(Source):
             raise ValueError(f"unsupported state version {state.get('version')!r}")
 
 
-@register_stage
 @attrs.define(kw_only=True, eq=False)
 class ChatSource(_RecordSource):
     """Reads chat JSONL conversations and masks assistant tokens via the tokenizer's chat template."""
@@ -149,8 +146,8 @@ class ChatSource(_RecordSource):
             from transformers import AutoTokenizer
 
             self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer)
-        elif "tokenizer" in ctx.services:
-            self._tokenizer = ctx.services["tokenizer"]
+        elif services_of(ctx).tokenizer is not None:
+            self._tokenizer = services_of(ctx).tokenizer
         else:
             raise ValueError(f"stage '{ctx.name}': set 'tokenizer' or provide the run service 'tokenizer'")
 
@@ -166,7 +163,6 @@ class ChatSource(_RecordSource):
         return read_chat_jsonl(path, self._tokenizer, options)
 
 
-@register_stage
 @attrs.define(kw_only=True, eq=False)
 class TokenizedSource(_RecordSource):
     """Reads pre-tokenized samples (input_ids, loss_mask) from JSONL or Arrow files."""
@@ -184,3 +180,48 @@ class TokenizedSource(_RecordSource):
         from dflash_flow.data.records import read_records
 
         return read_records(path, options=options, kind="tokens")
+
+
+@attrs.define(kw_only=True, eq=False)
+class EmbeddedChatSource(ChatSource):
+    """The built-in chat dataset: corpus prompts answered greedily by the shipped target (cached)."""
+
+    @classmethod
+    def preload(cls) -> None:
+        super().preload()
+        import dflash_flow.embedded.build  # noqa: F401
+        import dflash_flow.embedded.regenerate  # noqa: F401
+        import dflash_flow.embedded.train_target  # noqa: F401
+        import dflash_flow.model.speculative  # noqa: F401
+
+    n_train: int = cfg(1024, ge=1, doc="Training conversations to build.")
+    n_eval: int = cfg(64, ge=0, doc="Held-out conversations to build beside them.")
+    data_seed: int = cfg(0, ge=0, doc="Seed of the prompt generator.")
+    max_new_tokens: int = cfg(448, ge=1, doc="Longest regenerated reply.")
+    generation_batch_size: int = cfg(32, ge=1, doc="Prompts per regeneration batch.")
+    dataset_dir: str = cfg("auto", doc="Where the dataset is built and cached; 'auto' = CACHE/embedded-dataset.")
+
+    def setup(self, ctx: StageContext) -> None:
+        from dflash_flow.embedded import build_default_dataset, embedded_target_path, shipped_dataset
+        from dflash_flow.model.loading import MODEL_LOAD_LOCK
+
+        root = cache_root() / "embedded-dataset" if self.dataset_dir == "auto" else Path(self.dataset_dir)
+        target = embedded_target_path()
+        ds = shipped_dataset(self.n_train, self.n_eval, self.data_seed, target, self.max_new_tokens)
+        if ds is None:
+
+            def progress(done: int, total: int, _tokens: int) -> None:
+                ctx.heartbeat()  # regeneration takes minutes: it is progress, not a stall
+                log.info("%s: regenerated %d/%d replies", ctx.name, done, total)
+
+            # Regeneration loads the target: hold the model lock (other replicas load theirs after).
+            with MODEL_LOAD_LOCK:
+                ds = build_default_dataset(
+                    root, n_train=self.n_train, n_eval=self.n_eval, seed=self.data_seed, target_path=target,
+                    batch_size=self.generation_batch_size, max_new_tokens=self.max_new_tokens,
+                    progress=progress, log=log.info,
+                )
+        self.paths = [str(ds.train_path)]
+        if not self.tokenizer:
+            self.tokenizer = str(ds.target_path)
+        super().setup(ctx)

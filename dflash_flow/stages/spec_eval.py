@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import attrs
 
-from dflash_flow.core import Stage, cfg, register_stage
+from dflash_flow.core import Stage, cfg
 from dflash_flow.items import EvalReport, StepReport
 
 
-@register_stage
 @attrs.define(kw_only=True, eq=False)
 class SpecDecodeEval(Stage):
     """On the trainer's final report: acceptance length and target-forward speedup, trained vs untrained."""
@@ -39,18 +37,17 @@ class SpecDecodeEval(Stage):
     def process(self, report: StepReport):
         if not report.final or "drafter" not in report.artifacts:
             return None
+        from dflash_flow.embedded import resolve_target, write_eval_prompts
         from dflash_flow.model.evaluation import evaluate_exported
         from dflash_flow.model.loading import MODEL_LOAD_LOCK
 
         prompts = self.prompts
         if prompts == "embedded":
-            from dflash_flow.stages.embedded import write_embedded_eval_prompts
-
-            prompts = str(write_embedded_eval_prompts(self._ctx.output_dir / "eval_prompts.jsonl", self.limit))
+            prompts = str(write_eval_prompts(self._ctx.output_dir / "eval_prompts.jsonl", self.limit))
         # Evaluation builds models (target, drafters): hold the process-wide model lock.
         with MODEL_LOAD_LOCK:
             results = evaluate_exported(
-                target=self.target,
+                target=resolve_target(self.target),
                 drafter_path=report.artifacts["drafter"],
                 prompts_path=prompts,
                 tokenizer_path=self.tokenizer,
@@ -59,12 +56,5 @@ class SpecDecodeEval(Stage):
                 baseline=self.baseline,
                 seed=self._ctx.seed_for(0, "baseline"),
                 device=self._ctx.device,
-            )
-        for name, m in results.items():
-            print(
-                f"speculative decoding ({name} drafter): acceptance length {m['tau']:.2f}, "
-                f"target forwards {m['speedup_forwards']:.2f}x fewer, lossless={bool(m['lossless'])}",
-                file=sys.stderr,
-                flush=True,
             )
         return [EvalReport(name=name, metrics=m) for name, m in results.items()]

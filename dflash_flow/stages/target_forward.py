@@ -6,31 +6,10 @@ from typing import Any
 
 import attrs
 
-from dflash_flow.core import Stage, cfg, register_stage
+from dflash_flow.core import Stage, cfg
 from dflash_flow.items import PaddedBatch, TargetFeatures
 
 
-def resolve_dtype(name: str, device: str):
-    import torch
-
-    if name == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def target_spec(target: Any) -> Any:
-    """A YAML target value: a preset name, a local path / hub id, a config mapping, or ``embedded``
-    (the small target this project ships)."""
-    if isinstance(target, dict):
-        return dict(target)
-    if target == "embedded":
-        from dflash_flow.stages.embedded import embedded_target_path
-
-        return embedded_target_path()
-    return str(target)
-
-
-@register_stage
 @attrs.define(kw_only=True, eq=False)
 class TargetForward(Stage):
     """Frozen target forward: emits the hidden states of `target_layer_ids`, aligned 1:1 with input_ids."""
@@ -54,20 +33,25 @@ class TargetForward(Stage):
     def setup(self, ctx) -> None:
         import torch
 
+        from dflash_flow.core.errors import ConfigError, Problem
+        from dflash_flow.embedded import resolve_target
         from dflash_flow.model.drafter import build_target_layer_ids
-        from dflash_flow.model.target import TargetFeatureExtractor, decoder_layers, load_target
+        from dflash_flow.model.loading import MODEL_LOAD_LOCK
+        from dflash_flow.model.target import (
+            TargetFeatureExtractor,
+            TargetOfflineError,
+            decoder_layers,
+            load_target,
+            resolve_dtype,
+        )
 
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
-        from dflash_flow.core.errors import ConfigError, Problem
-        from dflash_flow.model.loading import MODEL_LOAD_LOCK
-        from dflash_flow.model.target import TargetOfflineError
-
         self._device = torch.device(ctx.device)
         with MODEL_LOAD_LOCK:
             try:
                 self._model = load_target(
-                    target_spec(self.target),
+                    resolve_target(self.target),
                     device=ctx.device,
                     dtype=resolve_dtype(self.dtype, ctx.device),
                     trust_remote_code=self.trust_remote_code,

@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import my_stages  # noqa: E402,F401 - registers `Scale`
 
-from dflash_flow import sections  # noqa: E402,F401 - the `tracking:` section
+import dflash_flow.app  # noqa: E402,F401 - registers the `tracking:` section
 from dflash_flow.core import Pipeline, load_graph  # noqa: E402
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def test_examples_run(tmp_path: Path) -> None:
 
 
 def test_regenerate_and_eval_commands(tmp_path: Path) -> None:
-    from dflash_flow.stages.embedded import embedded_target_path, write_embedded_eval_prompts
+    from dflash_flow.embedded import embedded_target_path, write_eval_prompts as write_embedded_eval_prompts
 
     target = embedded_target_path()
     prompts = write_embedded_eval_prompts(tmp_path / "prompts.jsonl", 3)

@@ -52,7 +52,7 @@ def test_python_graph_equals_graph_loaded_from_its_own_yaml():
 
 
 def test_roundtrip_with_application_sections_registered():
-    import dflash_flow.sections  # noqa: F401 - registers tracking/checkpoint, as the CLI does
+    import dflash_flow.app  # noqa: F401 - registers tracking/checkpoint, as the CLI does
 
     g = _python_graph()
     loaded = load_graph_text(g.to_yaml(), "rt.yaml")

@@ -285,10 +285,14 @@ def test_snapshot_counts_channels_and_metrics():
         assert r.state == "finished"
     assert snap.stages["sink"].metric("items") == 40
     assert snap.stages["src"].replicas[0].channel is None
-    flat = snap.flat()
-    assert flat["stage/sink/items_in"] == 40
-    assert flat["stage/sink/items"] == 40.0
-    assert "queue/mid/1/depth" in flat
+    sink = snap.stages["sink"]
+    assert sum(r.items_in for r in sink.replicas) == 40
+    assert sink.metric_kinds == {"items": "counter"}
+    assert [r.replica for r in mid.replicas] == [0, 1]
+    fractions = sink.fractions()
+    assert set(fractions) == {"busy", "blocked_in", "blocked_out"}
+    assert all(0.0 <= v <= 1.0 for v in fractions.values())
+    assert sum(fractions.values()) == pytest.approx(1.0, abs=0.05)  # a finished replica: busy + blocked
     assert res.states["sink"] == [{"version": 1, "count": 40}]
 
 

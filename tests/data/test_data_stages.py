@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from dflash_flow.core import Graph, Pipeline, RuntimeOptions, StageContext
+from dflash_flow.services import RunServices
 from dflash_flow.stages.bucketer import Bucketer
 from dflash_flow.stages.interleaver import Interleaver
 from dflash_flow.stages.padder import Padder
@@ -147,7 +148,7 @@ def test_chat_source_with_tokenizer_service(tmp_path, chatml_tokenizer):
         pipe = Pipeline(
             g,
             collect=["pad"],
-            services={"tokenizer": chatml_tokenizer},
+            services=RunServices(tokenizer=chatml_tokenizer),
             check_devices=False,
             output_dir=tmp_path / "r",
         )

@@ -14,7 +14,7 @@ def _read(path):
 
 
 def test_build_cache_and_resume(tmp_path, target_dir):
-    kw = dict(n_train=5, n_eval=3, seed=0, batch_size=4, max_new_tokens=24, progress=False, num_threads=1,
+    kw = dict(n_train=5, n_eval=3, seed=0, batch_size=4, max_new_tokens=24, progress=None, num_threads=1,
               log=lambda m: None)
     ds = build_default_dataset(tmp_path, **kw)
     assert not ds.cached and ds.target_path == target_dir

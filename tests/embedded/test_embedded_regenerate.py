@@ -7,13 +7,9 @@ import json
 import pytest
 
 from dflash_flow.embedded.corpus import make_split
-from dflash_flow.embedded.regenerate import (
-    greedy_generate,
-    prompt_turns,
-    read_prompts,
-    regenerate,
-    scan_output,
-)
+from dflash_flow.data.chat import prompt_turns
+from dflash_flow.embedded.regenerate import read_prompts, regenerate, scan_output
+from dflash_flow.model.speculative import greedy_continuations
 
 N_RECORDS = 7
 MAX_NEW = 48
@@ -34,7 +30,7 @@ def prompts_file(tmp_path_factory):
 def uninterrupted(prompts_file, target, tmp_path_factory):
     model, tok = target
     out = tmp_path_factory.mktemp("regen") / "batched.jsonl"
-    stats = regenerate(prompts_file, None, out, batch_size=3, max_new_tokens=MAX_NEW, progress=False,
+    stats = regenerate(prompts_file, None, out, batch_size=3, max_new_tokens=MAX_NEW, progress=None,
                        model=model, tokenizer=tok)
     assert stats.generated == N_RECORDS and stats.skipped == 0
     return out.read_bytes()
@@ -43,7 +39,7 @@ def uninterrupted(prompts_file, target, tmp_path_factory):
 def test_batched_equals_unbatched(prompts_file, uninterrupted, target, tmp_path):
     model, tok = target
     out = tmp_path / "single.jsonl"
-    regenerate(prompts_file, None, out, batch_size=1, max_new_tokens=MAX_NEW, progress=False,
+    regenerate(prompts_file, None, out, batch_size=1, max_new_tokens=MAX_NEW, progress=None,
                model=model, tokenizer=tok)
     assert out.read_bytes() == uninterrupted
     records = [json.loads(line) for line in uninterrupted.decode().splitlines()]
@@ -56,24 +52,25 @@ def test_batched_equals_unbatched(prompts_file, uninterrupted, target, tmp_path)
     assert sum(len(r["conversations"][-1]["content"].strip()) > 20 for r in records) >= N_RECORDS - 1
 
 
-def test_greedy_generate_matches_hf_generate(target):
-    import torch
-
+def test_batched_greedy_equals_one_prompt_at_a_time(target):
+    """Left padding must not change a reply: the batch (prompts of different lengths) gives what each
+    prompt alone gives, stop token kept and nothing after it."""
     model, tok = target
-    _, evals = make_split(0, 2, seed=9)
+    _, evals = make_split(0, 3, seed=9)
     texts = [tok.apply_chat_template(ex.conversations(with_answer=False), tokenize=False,
                                      add_generation_prompt=True) for ex in evals]
     ids = tok(texts, add_special_tokens=False)["input_ids"]
+    assert len({len(p) for p in ids}) > 1  # really padded
     stops = [tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")]
-    ours = greedy_generate(model, ids, max_new_tokens=40, stop_ids=stops, pad_id=tok.pad_token_id)
-    for p, (gen, reason) in zip(ids, ours, strict=True):
-        ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                             do_sample=False, max_new_tokens=40, eos_token_id=stops,
-                             pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
+    batched = greedy_continuations(model, ids, max_new_tokens=40, stop_ids=stops, pad_id=tok.pad_token_id)
+    for p, (gen, reason) in zip(ids, batched, strict=True):
+        [(alone, alone_reason)] = greedy_continuations(model, [p], max_new_tokens=40, stop_ids=stops,
+                                                       pad_id=tok.pad_token_id)
+        assert (gen, reason) == (alone, alone_reason)
         if reason == "stop":
-            assert ref[-1] in stops
-            ref = ref[:-1]
-        assert gen == ref
+            assert gen[-1] in stops and not set(gen[:-1]) & set(stops)
+        else:
+            assert len(gen) == 40
 
 
 @pytest.mark.parametrize("kept_lines,cut", [(3, False), (4, True), (0, True)])
@@ -85,12 +82,12 @@ def test_resume_gives_the_same_file(prompts_file, uninterrupted, target, tmp_pat
         partial += lines[kept_lines][: len(lines[kept_lines]) // 2]
     out = tmp_path / "resumed.jsonl"
     out.write_bytes(partial)
-    stats = regenerate(prompts_file, None, out, batch_size=3, max_new_tokens=MAX_NEW, progress=False,
+    stats = regenerate(prompts_file, None, out, batch_size=3, max_new_tokens=MAX_NEW, progress=None,
                        model=model, tokenizer=tok)
     assert stats.skipped == kept_lines and stats.generated == N_RECORDS - kept_lines
     assert out.read_bytes() == uninterrupted
     # a second run finds everything done and changes nothing
-    again = regenerate(prompts_file, None, out, batch_size=3, max_new_tokens=MAX_NEW, progress=False,
+    again = regenerate(prompts_file, None, out, batch_size=3, max_new_tokens=MAX_NEW, progress=None,
                        model=model, tokenizer=tok)
     assert again.generated == 0 and out.read_bytes() == uninterrupted
 
@@ -99,7 +96,7 @@ def test_no_resume_overwrites(prompts_file, uninterrupted, target, tmp_path):
     model, tok = target
     out = tmp_path / "o.jsonl"
     out.write_text('{"id": "r0", "conversations": []}\n')
-    regenerate(prompts_file, None, out, batch_size=4, max_new_tokens=MAX_NEW, resume=False, progress=False,
+    regenerate(prompts_file, None, out, batch_size=4, max_new_tokens=MAX_NEW, resume=False, progress=None,
                model=model, tokenizer=tok)
     assert out.read_bytes() == uninterrupted
 
@@ -121,7 +118,7 @@ def test_truncated_last_line_is_cut(tmp_path):
     assert scan_output(out) == {"1"}
 
 
-def test_input_formats(tmp_path, target, capsys):
+def test_input_formats(tmp_path, target):
     model, tok = target
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join([
@@ -132,7 +129,9 @@ def test_input_formats(tmp_path, target, capsys):
         json.dumps({"id": 99, "conversations": [{"role": "user", "content": "List 3 days in order, starting "
                                                                             "from Monday."}]}),
     ]) + "\n")
-    stats = regenerate(src, None, tmp_path / "out.jsonl", batch_size=2, max_new_tokens=8, progress=True,
+    calls = []
+    stats = regenerate(src, None, tmp_path / "out.jsonl", batch_size=2, max_new_tokens=8,
+                       progress=lambda done, total, tokens: calls.append((done, total)),
                        system_prompt="You are a concise assistant.", model=model, tokenizer=tok)
     assert stats.generated == 3
     recs = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
@@ -141,7 +140,8 @@ def test_input_formats(tmp_path, target, capsys):
         assert [t["role"] for t in r["conversations"]] == ["system", "user", "assistant"]
         assert r["conversations"][0]["content"] == "You are a concise assistant."
     assert recs[1]["conversations"][-1]["content"] != "old answer"
-    assert "3/3" in capsys.readouterr().err  # the progress bar went to stderr
+    # progress: once before the first batch, then after each batch of 2
+    assert calls == [(0, 3), (2, 3), (3, 3)]
 
 
 def test_prompt_turns_and_ids_validation(tmp_path):

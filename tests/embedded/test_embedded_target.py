@@ -46,8 +46,8 @@ def test_target_beats_random_init_by_far(target, heldout):
 def test_target_is_predictable_on_heldout_and_own_text(target, heldout):
     import torch
 
-    from dflash_flow.embedded.regenerate import greedy_generate
-    from dflash_flow.embedded.tokenizer import stop_token_ids
+    from dflash_flow.data.chat import stop_token_ids
+    from dflash_flow.model.speculative import greedy_continuations
 
     model, tok = target
     # 1. teacher-forced next-token accuracy on held-out reference answers vs a uniform guess (1/V)
@@ -70,8 +70,8 @@ def test_target_is_predictable_on_heldout_and_own_text(target, heldout):
     prompts = [tok(tok.apply_chat_template(ex.conversations(with_answer=False), tokenize=False,
                                            add_generation_prompt=True), add_special_tokens=False)["input_ids"]
                for ex in heldout[:6]]
-    gens = greedy_generate(model, prompts, max_new_tokens=64, stop_ids=stop_token_ids(tok),
-                           pad_id=tok.pad_token_id)
+    gens = greedy_continuations(model, prompts, max_new_tokens=64, stop_ids=stop_token_ids(tok),
+                                pad_id=tok.pad_token_id)
     probs = []
     with torch.inference_mode():
         for p, (g, _) in zip(prompts, gens, strict=True):

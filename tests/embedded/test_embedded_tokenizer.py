@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from dflash_flow.data.chat import stop_token_ids
 from dflash_flow.embedded.tokenizer import (
     ENDOFTEXT,
     IM_END,
@@ -14,7 +15,6 @@ from dflash_flow.embedded.tokenizer import (
     build_default_tokenizer,
     load_tokenizer,
     save_tokenizer,
-    stop_token_ids,
     train_tokenizer,
 )
 

@@ -54,7 +54,7 @@ def files(tmp_path_factory):
     # outlives the run by up to 10 s; it is the library's, not a runtime thread: switch it off here.
     import tqdm
 
-    from dflash_flow.stages.embedded import embedded_target_path
+    from dflash_flow.embedded import embedded_target_path
 
     tqdm.tqdm.monitor_interval = 0
     return {"root": root, "tokens": tokens, "chat": chat, "embedded": embedded_target_path()}
@@ -203,7 +203,7 @@ def test_cli_failures_exit_code_message_mlflow_failed_checkpoint_intact(tmp_path
 
     from reltools import cli_env
 
-    from dflash_flow.checkpoint import Checkpointer
+    from dflash_flow.app.checkpoint import Checkpointer
 
     data = write_tokenized(tmp_path / "data.jsonl", 24, seed=5)
     procs = []

@@ -99,7 +99,7 @@ def test_corpus_has_at_least_30_cases_and_every_file_is_used():
 
 
 def _commands(tmp_path: Path) -> list[tuple[str, list[str], int, str]]:
-    from dflash_flow.stages.embedded import embedded_target_path
+    from dflash_flow.embedded import embedded_target_path
 
     tokenizer = embedded_target_path()
     cmds = []

@@ -280,7 +280,7 @@ def test_checkpoints_of_an_earlier_run_do_not_shadow_a_fresh_runs(tmp_path):
     `latest` is the newest written, even when an earlier run left higher steps in the directory."""
     import torch
 
-    from dflash_flow.checkpoint import Checkpointer
+    from dflash_flow.app.checkpoint import Checkpointer
 
     def save(ck, step):
         return ck.save(step=step, epoch=0, model_state={"w": torch.full((2,), float(step))},

@@ -1,4 +1,5 @@
-"""Application sections of a pipeline file (beside `stages`). attrs only: cheap to import."""
+"""Application sections of a pipeline file (beside ``stages``): ``tracking:`` and ``checkpoint:``.
+attrs only, cheap to import; registered with the core when ``dflash_flow.app`` is imported."""
 
 from __future__ import annotations
 

@@ -11,7 +11,6 @@ mid-write leaves either the previous checkpoints or a complete new one, never a 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -21,15 +20,13 @@ from typing import Any
 
 import attrs
 
-from dflash_flow.core.errors import DflashFlowError
+from dflash_flow.core.errors import CheckpointError
+from dflash_flow.util import atomic_write_text, sha256_file
 
 FORMAT_VERSION = 1
 LATEST = "latest"
 
-
-class CheckpointError(DflashFlowError):
-    """A checkpoint is missing, corrupted, or from another configuration."""
-
+__all__ = ["LATEST", "Checkpoint", "CheckpointError", "CheckpointService", "Checkpointer", "load_checkpoint"]
 
 @attrs.define
 class Checkpoint:
@@ -51,14 +48,6 @@ class Checkpoint:
         import torch
 
         return torch.load(self.path / "optimizer.pt", map_location="cpu", weights_only=True)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -126,7 +115,7 @@ class Checkpointer:
                     raise ValueError(f"bad checkpoint file name {name!r}")
                 (tmp / name).write_text(text)
                 names.append(name)
-            manifest = {name: _sha256(tmp / name) for name in names}
+            manifest = {name: sha256_file(tmp / name) for name in names}
             (tmp / "MANIFEST.json").write_text(json.dumps(manifest, indent=1))
             for name in (*manifest, "MANIFEST.json"):
                 with open(tmp / name, "rb") as f:
@@ -143,9 +132,7 @@ class Checkpointer:
         return final
 
     def _write_latest(self, name: str) -> None:
-        tmp = self.dir / f".{LATEST}.tmp"
-        tmp.write_text(name + "\n")
-        os.replace(tmp, self.dir / LATEST)
+        atomic_write_text(self.dir / LATEST, name + "\n")
 
     def _prune(self) -> None:
         # The last K *written*, not the K highest steps: a fresh run in an output directory that still
@@ -208,7 +195,7 @@ def load_checkpoint(path: str | Path, *, expected_config_hash: str | None = None
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"{path}: missing {name}")
-        if _sha256(f) != digest:
+        if sha256_file(f) != digest:
             raise CheckpointError(f"{path}: {name} is corrupted (checksum mismatch)")
     try:
         state = json.loads((path / "state.json").read_text())
@@ -246,3 +233,42 @@ def _json_default(obj: Any) -> Any:
     if isinstance(obj, Path):
         return str(obj)
     raise TypeError(f"cannot store {type(obj).__name__} in a checkpoint state")
+
+
+class CheckpointService:
+    """The run's checkpoint policy (``checkpoint:`` section) in front of a :class:`Checkpointer`.
+
+    A trainer stage reports each optimizer step (``after_step``) and hands over a
+    ``services.CheckpointPayload`` when a checkpoint is due; the service adds every other stage's state
+    (``stage_states``, the pipeline's) and writes it. ``last_path`` is what the application reports.
+    """
+
+    def __init__(self, checkpointer: Checkpointer, policy: Any, stage_states: Any = None) -> None:
+        self.checkpointer = checkpointer
+        self.policy = policy
+        self.on_signal = bool(policy.on_signal)
+        self.stage_states = stage_states  # () -> {stage: [state per replica]}; set once the pipeline exists
+        self.last_path: Path | None = None
+
+    def due(self, step: int, epoch_end: bool) -> bool:
+        every = self.policy.every_steps
+        return bool(every and step % every == 0) or (epoch_end and self.policy.at_epoch_end)
+
+    def after_step(self, source: Any, *, step: int, epoch_end: bool) -> Path | None:
+        return self.save(source, epoch_end=epoch_end) if self.due(step, epoch_end) else None
+
+    def save(self, source: Any, *, epoch_end: bool = False) -> Path | None:
+        payload = source.checkpoint_payload(epoch_end)
+        states = self.stage_states() if self.stage_states is not None else {}
+        states[payload.stage] = [payload.stage_state]
+        self.last_path = self.checkpointer.save(
+            step=payload.step,
+            epoch=payload.epoch,
+            model_state=payload.model_state,
+            optimizer_state=payload.optimizer_state,
+            data_position=payload.data_position,
+            stage_states=states,
+            extra=payload.extra,
+            files=payload.files,
+        )
+        return self.last_path

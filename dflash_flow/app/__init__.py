@@ -1,0 +1,13 @@
+"""The application layer: what turns a validated pipeline into a run.
+
+* :mod:`.sections` -- the ``tracking:`` and ``checkpoint:`` sections of a pipeline file (registered here);
+* :mod:`.preflight` -- checks across stages and of the environment, before any thread starts;
+* :mod:`.checkpoint` -- atomic, checksummed checkpoints and the checkpoint policy service;
+* :mod:`.run` -- run services, resume, the MLflow run, the end of run, statuses and exit codes;
+* :mod:`.commands` -- ``export``, ``eval``, ``regenerate``;
+* :mod:`.exits` -- exit codes and the one user-error path.
+
+Importing the package is cheap (no torch, no mlflow): the CLI's ``--help`` and ``validate`` stay fast.
+"""
+
+from dflash_flow.app import sections as _sections  # noqa: F401 - registers the application sections

@@ -1,0 +1,84 @@
+"""The ``export``, ``eval`` and ``regenerate`` commands: each one function from CLI arguments to an
+exit code (user errors are one line and exit 2)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from dflash_flow.app.exits import EXIT_OK, EXIT_USER_ERROR
+
+
+def export_checkpoint(checkpoint: Path, out: Path) -> int:
+    """``dflash-flow export``: a training checkpoint (or a checkpoints directory: its latest) into the
+    layout inference engines load (config.json + model.safetensors with the drafter weights only)."""
+    from dflash_flow.app.checkpoint import Checkpointer, CheckpointError, load_checkpoint
+    from dflash_flow.model.export import load_drafter, save_drafter
+
+    try:
+        path = Checkpointer(checkpoint).resolve(checkpoint)
+        load_checkpoint(path)  # verifies every checksum before anything is read
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"{path}: no config.json (written by an older version?)")
+        drafter = load_drafter(path)
+        save_drafter(drafter, out)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    n = sum(p.numel() for p in drafter.parameters())
+    print(f"exported {path} -> {out} ({n / 1e6:.2f} M drafter parameters)")
+    return EXIT_OK
+
+
+def eval_command(drafter: Path, target: str, prompts: Path, max_new_tokens: int, limit: int, baseline: bool,
+                 tokenizer: str | None) -> int:
+    """``dflash-flow eval``: real speculative decoding with any exported drafter and its target."""
+    from dflash_flow.app.run import quiet_libraries
+    from dflash_flow.core.errors import CheckpointError
+    from dflash_flow.embedded import resolve_target
+    from dflash_flow.model.evaluation import evaluate_exported
+    from dflash_flow.observe.progress import summary_table
+
+    quiet_libraries()
+    try:
+        results = evaluate_exported(
+            target=resolve_target(target), drafter_path=drafter, prompts_path=prompts, tokenizer_path=tokenizer,
+            limit=limit, max_new_tokens=max_new_tokens, baseline=baseline,
+        )
+    except (CheckpointError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    keys = ["tau", "speedup_forwards", "lossless", "tokens_generated", "num_prompts", "speedup_wall"]
+    rows = [[name] + [m[k] for k in keys] for name, m in results.items()]
+    print(summary_table(rows, ["drafter", "acceptance_length", "forward_speedup", "lossless", "tokens", "prompts", "wall_speedup"]))
+    return EXIT_OK
+
+
+def regenerate_command(prompts: Path, target: str, out: Path, batch_size: int, max_new_tokens: int, resume: bool,
+                       system_prompt: str | None) -> int:
+    """``dflash-flow regenerate``: replies regenerated greedily by the target (batched, resumable)."""
+    from dflash_flow.app.run import quiet_libraries
+    from dflash_flow.embedded import regenerate, resolve_target
+    from dflash_flow.observe.progress import ProgressBar
+
+    quiet_libraries()
+    bar = None
+
+    def progress(done: int, total: int, tokens: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = ProgressBar(total, label="regenerate", unit="replies", done=done)
+        else:
+            bar.update(done - bar.done, tokens=tokens)
+
+    try:
+        stats = regenerate(prompts, resolve_target(target), out, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                           resume=resume, progress=progress, system_prompt=system_prompt)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    finally:
+        if bar is not None:
+            bar.close()
+    print(f"wrote {out}: {stats.total} records ({stats.generated} generated now)")
+    return EXIT_OK

@@ -1,0 +1,29 @@
+"""How much work a pipeline definition may ask for before anything runs.
+
+Each bound is checked where the work would happen (reading YAML, applying ``--set``, validating the
+graph), so a hostile or mistaken file is refused in milliseconds with one located message instead of
+expanding, recursing or starting threads. The figures are generous for real pipelines (the shipped ones
+use a few kilobytes, a nesting of 6 and a few dozen replicas) and small next to what one machine holds.
+"""
+
+from __future__ import annotations
+
+#: Largest pipeline file (and largest ``--set`` value) read, in bytes.
+MAX_YAML_BYTES = 256 * 1024
+#: Deepest nesting of lists and mappings in a document, counted after aliases are expanded.
+MAX_YAML_DEPTH = 64
+#: Most nodes (scalars, lists, mappings) a document may stand for once every alias is expanded:
+#: this is what stops alias "billion laughs" bombs and merge-key bombs.
+MAX_YAML_NODES = 100_000
+#: Longest number literal (digits and separators). Python's int() refuses more than 4300 digits, and
+#: YAML 1.1's base-60 integers (``1:30:00``) cost quadratic time in their length.
+MAX_NUMBER_CHARS = 100
+
+#: Replicas of one stage: every replica is a thread (and often a model copy).
+MAX_REPLICAS = 1024
+#: Replicas of the whole pipeline together (threads of one process).
+MAX_TOTAL_REPLICAS = 4096
+#: Items one input queue may buffer (runtime.capacity and a stage's capacity).
+MAX_CAPACITY = 65_536
+#: A seed must fit the 64-bit seeding of numpy, torch and Python's random.
+MAX_SEED = 2**63 - 1

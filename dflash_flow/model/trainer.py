@@ -1,0 +1,276 @@
+"""The drafter's training loop: building the drafter, the DFlash loss per micro-batch, gradient
+accumulation, AdamW on fp32 masters under warmup + cosine, step reports, and the state that makes a
+resumed run continue bit for bit.
+
+Pure model code, no pipeline runtime: the ``DrafterStep`` stage adapts it to the DAG (items in, step
+reports out, checkpoints through the run services), tests drive it directly, and data-parallel training
+wraps its model here.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from dflash_flow.items import TargetFeatures
+from dflash_flow.model.drafter import DFlashDrafter, make_drafter_config
+from dflash_flow.model.objective import dflash_loss
+from dflash_flow.model.optim import GradientAccumulator, build_optimizer
+
+STATE_VERSION = 1
+
+# Loss decay by block size from the DFlash recipes (gamma 7 for B=16, 5 for B=10, 4 for B=8).
+_GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    if block_size in _GAMMA_BY_BLOCK:
+        return _GAMMA_BY_BLOCK[block_size]
+    # Between the published points, keep gamma proportional to the block size (7/16 per slot).
+    return max(1.0, round(block_size * 7.0 / 16.0, 2))
+
+
+def resolve_mask_token_id(explicit: int | None, tokenizer_path: str | None, vocab_size: int) -> int:
+    """Explicit id, else the tokenizer's mask token, else the first embedding row past the tokenizer,
+    else its pad token (SpecForge's order; the id is written into the exported config)."""
+    if explicit is not None:
+        return explicit
+    if tokenizer_path:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+        if getattr(tok, "mask_token_id", None) is not None:
+            return int(tok.mask_token_id)
+        if len(tok) < vocab_size:
+            return len(tok)
+        if tok.pad_token_id is not None:
+            return int(tok.pad_token_id)
+    raise ValueError(
+        "cannot choose a mask token: set mask_token_id (the target's embedding has no free row past the "
+        "tokenizer and the tokenizer has no mask or pad token)"
+    )
+
+
+@attrs.frozen(kw_only=True)
+class DrafterShape:
+    """What a fresh drafter is made of (the rest comes from the target's config)."""
+
+    num_layers: int = 1
+    block_size: int = 16
+    mask_token_id: int | None = None
+    target_layer_ids: list[int] | None = None
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+
+
+def build_drafter(
+    target_config: Any,
+    shape: DrafterShape,
+    *,
+    seed: int,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    tokenizer_path: str | None = None,
+    init_from: str | Path | None = None,
+) -> DFlashDrafter:
+    """A drafter for ``target_config``: loaded from an exported directory (``init_from``), or fresh with
+    weights drawn from ``seed`` under a private RNG (so nothing else in the process changes them)."""
+    from dflash_flow.model.export import load_drafter
+
+    if init_from:
+        drafter = load_drafter(init_from, device=device, dtype=dtype, target_config=target_config)
+    else:
+        tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        mask_id = resolve_mask_token_id(shape.mask_token_id, tokenizer_path, int(tc.vocab_size))
+        config = make_drafter_config(
+            target_config,
+            num_layers=shape.num_layers,
+            block_size=shape.block_size,
+            mask_token_id=mask_id,
+            target_layer_ids=shape.target_layer_ids,
+            layer_types=shape.layer_types,
+            sliding_window=shape.sliding_window,
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            drafter = DFlashDrafter(config)
+        drafter.to(device=torch.device(device), dtype=dtype)
+    drafter.train()
+    return drafter
+
+
+@attrs.frozen(kw_only=True)
+class TrainerConfig:
+    """The optimisation recipe (defaults: SpecForge's DFlash recipe)."""
+
+    num_anchors: int = 512
+    gamma: float | None = None  # None: default_gamma(block_size)
+    chunk_blocks: int | None = 128
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    grad_accum: int = 1
+    total_steps: int | None = None  # None: from the batch plan (see DrafterTrainer.plan)
+
+
+class DrafterTrainer:
+    """Trains one drafter on target features, one micro-batch at a time.
+
+    ``train_batch`` returns the metrics of an optimizer step when one happened (every ``grad_accum``
+    micro-batches, or early with ``force_step``, e.g. at the end of an epoch), else None. Metrics are means
+    over the step's micro-batches, plus ``grad_norm``, ``lr`` (of the next update), throughput since the
+    previous step and ``total_steps``.
+    """
+
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        head: Any,
+        config: TrainerConfig,
+        *,
+        device: str | torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.drafter = drafter
+        self.head = head  # the target's frozen embedding and LM head (model.target.SharedHead)
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.gamma = config.gamma if config.gamma is not None else default_gamma(drafter.block_size)
+        self.accumulator = GradientAccumulator(config.grad_accum)
+        self.optimizer: Any = None
+        self.schedule: Any = None
+        self.step = 0
+        self.total_steps = config.total_steps
+        self._sums: dict[str, float] = {}
+        self._tokens = 0
+        self._samples = 0
+        self._last_step_t = time.perf_counter()
+
+    # -- schedule ----------------------------------------------------------------------------------
+    def plan(self, planned_batches: int) -> None:
+        """Build the optimizer and schedule once the run's length is known: ``total_steps`` from the
+        config, else ``ceil(planned_batches / grad_accum)``."""
+        if self.optimizer is not None:
+            return
+        if self.total_steps is None:
+            if planned_batches <= 0:
+                raise ValueError("DrafterStep: set total_steps (the batches carry no plan size)")
+            self.total_steps = max(1, math.ceil(planned_batches / self.config.grad_accum))
+        c = self.config
+        self.optimizer, self.schedule = build_optimizer(
+            self.drafter,
+            total_steps=self.total_steps,
+            lr=c.lr,
+            weight_decay=c.weight_decay,
+            max_grad_norm=c.max_grad_norm,
+            warmup_ratio=c.warmup_ratio,
+            min_lr_ratio=c.min_lr_ratio,
+        )
+
+    # -- training ----------------------------------------------------------------------------------
+    def check_features(self, feats: TargetFeatures) -> None:
+        if feats.target_layer_ids and list(feats.target_layer_ids) != list(self.drafter.target_layer_ids):
+            raise ValueError(
+                f"TargetForward emits layers {list(feats.target_layer_ids)} but the drafter uses "
+                f"{self.drafter.target_layer_ids}; set the same target_layer_ids (or num_layers) on both stages"
+            )
+
+    def train_batch(self, feats: TargetFeatures, *, anchor_seed: int, force_step: bool = False) -> dict[str, float] | None:
+        """Forward and backward of one micro-batch; an optimizer step when the accumulation is complete
+        (or ``force_step``). Anchors come from a CPU generator seeded with ``anchor_seed``: the same batch
+        gets the same anchors after a resume and on every device."""
+        self.check_features(feats)
+        self.plan(feats.meta.total_batches)
+        gen = torch.Generator()
+        gen.manual_seed(anchor_seed)
+        out = dflash_loss(
+            self.drafter,
+            embed_tokens=self.head.embed_tokens,
+            lm_head=self.head.lm_head,
+            input_ids=feats.input_ids.to(self.device),
+            loss_mask=feats.loss_mask.to(self.device),
+            hidden_states=feats.hidden_states.to(self.device, self.dtype),
+            attention_mask=feats.attention_mask.to(self.device),
+            num_anchors=self.config.num_anchors,
+            block_size=self.drafter.block_size,
+            mask_token_id=int(self.drafter.mask_token_id),
+            gamma=self.gamma,
+            generator=gen,
+            chunk_blocks=self.config.chunk_blocks,
+        )
+        ready = self.accumulator.backward(out.loss)
+        for k, v in out.metrics().items():
+            self._sums[k] = self._sums.get(k, 0.0) + v
+        self._tokens += feats.meta.real_tokens
+        self._samples += feats.meta.num_samples
+        if not (ready or force_step):
+            return None
+        return self._optimizer_step()
+
+    def _optimizer_step(self) -> dict[str, float]:
+        grad_norm = float(self.optimizer.step())
+        self.schedule.step()
+        self.step += 1
+        n = self.accumulator.micro
+        self.accumulator.reset()
+        now = time.perf_counter()
+        dt = max(now - self._last_step_t, 1e-9)
+        metrics = {k: v / n for k, v in self._sums.items()}
+        metrics["sim_accept_len"] = metrics.pop("acceptance_length", 0.0)
+        metrics.update(
+            grad_norm=grad_norm,
+            lr=float(self.schedule.get_last_lr()[0]),
+            tokens_per_s=self._tokens / dt,
+            samples_per_s=self._samples / dt,
+            total_steps=float(self.total_steps or 0),
+        )
+        self._sums = {}
+        self._tokens = self._samples = 0
+        self._last_step_t = now
+        return metrics
+
+    def flush(self) -> None:
+        """A trailing partial accumulation still updates the weights (its metrics are dropped)."""
+        if self.accumulator.micro and self.optimizer is not None:
+            self.optimizer.step()
+            self.schedule.step()
+            self.step += 1
+            self.accumulator.reset()
+            self._sums = {}
+
+    # -- state -------------------------------------------------------------------------------------
+    def model_state(self) -> dict[str, torch.Tensor]:
+        return self.drafter.state_dict()
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.schedule.state_dict()}
+
+    def restore(self, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> None:
+        """Weights and optimizer from a checkpoint (after ``load_state_dict``)."""
+        self.drafter.load_state_dict(model_state)
+        self.plan(0 if self.total_steps else 1)
+        self.optimizer.load_state_dict(optimizer_state["optimizer"])
+        self.schedule.load_state_dict(optimizer_state["scheduler"])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "accumulator": self.accumulator.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"trainer state version {state.get('version')} is not supported")
+        self.step = int(state["step"])
+        self.total_steps = state.get("total_steps") or self.total_steps
+        self.accumulator.load_state_dict(state["accumulator"])

@@ -1,0 +1,116 @@
+"""Console output built with rich: consoles for a stream, tables rendered to plain strings.
+
+One place decides how rich is configured, so that every table and progress line behaves alike: no
+markup or emoji interpretation of our text (stage names and paths are printed as they are), no
+highlighting, colour only on a real terminal, and never Jupyter widgets.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, TextIO
+
+
+def stream_console(stream: TextIO, *, tty: bool, width: int | None = None):
+    """A rich console writing to ``stream``; ``tty`` decides live rendering (rich would guess)."""
+    from rich.console import Console
+
+    return Console(
+        file=stream,
+        force_terminal=tty,
+        force_jupyter=False,
+        color_system="auto" if tty else None,
+        width=width,
+        soft_wrap=not tty,  # a log line is never wrapped at rich's default 80 columns
+        highlight=False,
+        markup=False,
+        emoji=False,
+    )
+
+
+def render(*renderables: Any, width: int = 100) -> str:
+    """Render rich objects to plain text (no colour, trailing spaces and blank tail stripped)."""
+    from rich.console import Console
+
+    buf = io.StringIO()
+    console = Console(
+        file=buf, width=width, force_terminal=False, force_jupyter=False, color_system=None,
+        highlight=False, markup=False, emoji=False,
+    )
+    for r in renderables:
+        console.print(r)
+    lines = [ln.rstrip() for ln in buf.getvalue().splitlines()]
+    while lines and not lines[-1]:
+        lines.pop()
+    return "\n".join(lines)
+
+
+def cell(v: Any) -> str:
+    """A value as table text: compact numbers, ``yes``/``no`` for booleans, empty for None."""
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return str(v)
+        if v != 0 and (abs(v) >= 1e6 or abs(v) < 1e-3):
+            return f"{v:.3g}"
+        return f"{v:,.2f}" if abs(v) >= 100 else f"{v:.4g}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def table(
+    rows: Sequence[Mapping[str, Any]] | Sequence[Sequence[Any]],
+    columns: Sequence[str] | None = None,
+    *,
+    title: str | None = None,
+):
+    """A rich Table. ``rows`` are dicts (columns = keys in first-seen order, unless given) or sequences
+    (then ``columns`` are the headers, if any). Columns whose values are all numbers are right-aligned."""
+    from rich import box
+    from rich.table import Table
+
+    rows = list(rows)
+    if rows and isinstance(rows[0], Mapping):
+        if columns is None:
+            seen: dict[str, None] = {}
+            for r in rows:
+                for k in r:  # type: ignore[union-attr]
+                    seen.setdefault(k, None)
+            columns = list(seen)
+        body = [[r.get(c) for c in columns] for r in rows]  # type: ignore[union-attr]
+    else:
+        body = [list(r) for r in rows]
+    n = max([len(columns or [])] + [len(r) for r in body]) if (body or columns) else 0
+    headers = [str(c) for c in (columns or [])] + [""] * (n - len(columns or []))
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_header=bool(columns), pad_edge=False)
+    for i, h in enumerate(headers):
+        values = [r[i] for r in body if i < len(r) and r[i] is not None]
+        numeric = bool(values) and all(_is_number(v) for v in values)
+        t.add_column(h, justify="right" if numeric else "left", overflow="fold")
+    for r in body:
+        t.add_row(*[cell(v) for v in r] + [""] * (n - len(r)))
+    return t
+
+
+def render_table(
+    rows: Sequence[Mapping[str, Any]] | Sequence[Sequence[Any]],
+    columns: Sequence[str] | None = None,
+    *,
+    title: str | None = None,
+    width: int = 100,
+) -> str:
+    """:func:`table` rendered to a plain string ("" for no rows and no columns)."""
+    rows = list(rows)
+    if not rows and not columns:
+        return ""
+    return render(table(rows, columns, title=title), width=width)

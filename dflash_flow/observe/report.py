@@ -1,0 +1,125 @@
+"""The end of a run's observability: files, plots, uploads and the summary table, from the RunRecord.
+
+The application calls :func:`write_run_report` once the pipeline has ended (finished, failed or
+interrupted: the record holds whatever was sampled), and prints :func:`summary_table` where it
+chooses. The Monitor only fills the record while the run goes; it writes nothing at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+
+from .record import RunRecord
+
+log = logging.getLogger(__name__)
+
+
+class ReportSink(Protocol):
+    """What the report needs of a tracker (``observe.tracking.Tracker`` has both)."""
+
+    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None: ...
+
+    def set_tags(self, tags: dict[str, Any]) -> None: ...
+
+
+@attrs.frozen
+class RunReportFiles:
+    """Where the report went: ``dir`` is ``<output_dir>/monitor``."""
+
+    dir: Path
+    summary: Path
+    history: Path
+    plots: dict[str, Path]
+
+
+def _write_json(path: Path, data: Any) -> Path:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False, allow_nan=False), encoding="utf-8")
+    os.replace(tmp, path)  # a reader never sees half a file
+    return path
+
+
+def write_run_report(
+    record: RunRecord,
+    *,
+    output_dir: str | os.PathLike,
+    tracker: ReportSink | None = None,
+    plots: bool | None = None,
+) -> RunReportFiles:
+    """Write ``monitor/summary.json``, ``monitor/history.json`` and (``plots``, default: what the run
+    asked for, ``record.plots``) PNG plots under ``monitor/plots/``; upload them through ``tracker``
+    (artifact paths ``monitor/`` and ``plots/``) and tag the run with the bottleneck.
+
+    A plot that cannot be drawn is logged and skipped: it must never turn a finished run into a
+    failed one. Returns the paths written.
+    """
+    out = Path(output_dir) / "monitor"
+    out.mkdir(parents=True, exist_ok=True)
+    summary = _write_json(out / "summary.json", record.summary())
+    history = _write_json(out / "history.json", record.history.to_json())
+    made: dict[str, Path] = {}
+    if (record.plots if plots is None else plots) and (len(record.history.train) or record.history.samples):
+        from .plots import write_plots
+
+        try:
+            made = write_plots(record.history, out / "plots")
+        except Exception as exc:  # noqa: BLE001 - plotting is a convenience, the run's data is on disk
+            log.warning("could not draw the run's plots: %s", exc)
+    if tracker is not None:
+        tracker.log_artifact(summary, "monitor")
+        tracker.log_artifact(history, "monitor")
+        for path in made.values():
+            tracker.log_artifact(path, "plots")
+        if record.bottleneck is not None:
+            tracker.set_tags({"bottleneck": record.bottleneck.stage, "bottleneck_sentence": record.bottleneck.sentence})
+    return RunReportFiles(dir=out, summary=summary, history=history, plots=made)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+_TRAIN_SHOWN = ("loss", "accuracy", "sim_accept_len", "grad_norm", "lr", "tokens_per_s", "samples_per_s")
+
+
+def summary_table(record: RunRecord, *, width: int = 100) -> str:
+    """The run summary as plain text, rendered with rich: trainer metrics (last step and mean over
+    the last epoch), evaluations, stage load, the bottleneck sentence and the artifacts."""
+    from rich.text import Text
+
+    from .console import render, table
+
+    parts: list[Any] = []
+    steps = f"{record.step}/{record.total_steps}" if record.total_steps else str(record.step)
+    head = f"run summary: step {steps}" + (f", epoch {record.epoch}" if record.epoch is not None else "")
+    mean = record.epoch_mean()
+    names = [k for k in _TRAIN_SHOWN if k in record.train or k in mean]
+    mean_title = f"epoch {record.epoch} mean" if record.epoch is not None else "mean"
+    if names:
+        parts.append(table([[k, record.train.get(k), mean.get(k)] for k in names], ["metric", "last", mean_title], title=head))
+    else:
+        parts.append(Text(head))
+    evals = [[name, k, v] for name, m in record.evals.items() for k, v in m.items()]
+    if evals:
+        parts.append(table(evals, ["evaluation", "metric", "value"], title="evaluations"))
+    last = record.last_sample
+    if last is not None and last.stages:
+        window = "whole run" if last.whole_run else f"last {last.window_s:.0f} s"
+        rows = [
+            [name, st.replicas, _pct(st.busy), _pct(st.blocked_in), _pct(st.blocked_out), st.items_out]
+            for name, st in last.stages.items()
+        ]
+        parts.append(
+            table(rows, ["stage", "replicas", "busy", "starved", "blocked out", "items out"], title=f"stage load ({window})")
+        )
+    if record.bottleneck is not None:
+        parts.append(Text(f"bottleneck: {record.bottleneck.sentence}"))
+    if record.artifacts:
+        parts.append(table([[k, v] for k, v in record.artifacts.items()], ["artifact", "path"], title="artifacts"))
+    return render(*parts, width=width)

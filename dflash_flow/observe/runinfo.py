@@ -1,0 +1,170 @@
+"""Run metadata for MLflow: params flattened from the resolved config, the standard tags (git commit,
+config hash, world size, devices), MLflow's limits on names and values, and credential redaction.
+
+Pure functions, no mlflow import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+# mlflow's limits (mlflow.utils.validation); duplicated so that they are usable without importing mlflow.
+MAX_METRICS_PER_BATCH = 1000
+MAX_PARAMS_TAGS_PER_BATCH = 100
+MAX_PARAM_VAL_LENGTH = 6000
+MAX_TAG_VAL_LENGTH = 8000
+MAX_ENTITY_KEY_LENGTH = 250
+
+# mlflow accepts Unicode word characters, "-", ".", " " and "/" in a key everywhere (":" too, except on
+# Windows servers); anything else fails the whole log_batch request.
+_KEY_BAD_CHARS = re.compile(r"[^\w\-. /]")
+REDACTED = "***"
+
+
+def sanitize_key(key: str) -> str:
+    """Make ``key`` acceptable to mlflow (word characters, ``-. /``; at most 250 characters).
+
+    The last guard before the store: metric keys built by ``observe.schema`` are already valid.
+    """
+    key = _KEY_BAD_CHARS.sub("_", str(key)).strip() or "_"
+    return key[:MAX_ENTITY_KEY_LENGTH]
+
+
+def truncate(value: str, limit: int) -> str:
+    if len(value) <= limit:
+        return value
+    marker = "...[truncated]"
+    return value[: limit - len(marker)] + marker
+
+
+_URI_LIKE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+
+
+def redact_uri(uri: str | os.PathLike) -> str:
+    """``uri`` without credentials: user info (``user:pass@``) and every query value become ``***``.
+
+    Used for everything the tracker logs, warns about or writes down (params, tags, warnings, the
+    spool), and by the application for the resolved config it stores. Strings that are not URLs
+    come back unchanged.
+    """
+    text = os.fspath(uri)
+    if not _URI_LIKE.match(text):
+        return text
+    try:
+        parts = urlsplit(text)
+    except ValueError:
+        return text
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = REDACTED + "@" + netloc.rsplit("@", 1)[1]
+    query = parts.query
+    if query:
+        query = urlencode([(k, REDACTED) for k, _ in parse_qsl(query, keep_blank_values=True)], safe="*")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>()]+")
+
+
+def redact_text(text: str) -> str:
+    """Every URL inside ``text`` (an error message, say) passed through :func:`redact_uri`."""
+    return _URL_IN_TEXT.sub(lambda m: redact_uri(m.group(0)), str(text))
+
+
+def stringify(value: Any) -> str:
+    """A param or tag value as MLflow text (URLs with their credentials redacted)."""
+    if isinstance(value, str):
+        return redact_uri(value)
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        try:
+            return json.dumps(list(value) if isinstance(value, (set, frozenset)) else value, default=str)
+        except (TypeError, ValueError):
+            return str(value)
+    return str(value)
+
+
+def tag_values(tags: Mapping[str, Any]) -> dict[str, str]:
+    return {sanitize_key(k): truncate(stringify(v), MAX_TAG_VAL_LENGTH) for k, v in tags.items()}
+
+
+def flatten_params(params: Mapping[str, Any] | None, *, prefix: str = "") -> dict[str, str]:
+    """Flatten a nested config into ``{"a.b.c": "value"}``.
+
+    Dicts recurse with dotted keys; lists that contain dicts (e.g. a list of stage configs) recurse
+    with the index as a key part (``stages.0.name``); other lists become JSON strings. Values are
+    stringified (URLs redacted) and truncated to mlflow's 6000-character limit; keys are sanitized.
+    """
+    out: dict[str, str] = {}
+
+    def walk(obj: Any, key: str) -> None:
+        if isinstance(obj, Mapping):
+            if not obj and key:
+                out[sanitize_key(key)] = "{}"
+            for k, v in obj.items():
+                walk(v, f"{key}.{k}" if key else str(k))
+        elif isinstance(obj, (list, tuple)) and any(isinstance(v, (Mapping, list, tuple)) for v in obj):
+            if not obj and key:
+                out[sanitize_key(key)] = "[]"
+            for i, v in enumerate(obj):
+                walk(v, f"{key}.{i}" if key else str(i))
+        else:
+            out[sanitize_key(key or "value")] = truncate(stringify(obj), MAX_PARAM_VAL_LENGTH)
+
+    walk(params or {}, prefix)
+    return out
+
+
+def config_hash(config: Mapping[str, Any]) -> str:
+    """Stable short hash of a resolved config (sorted-key JSON, sha256, 16 hex chars)."""
+    blob = json.dumps(config, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def git_commit(cwd: str | os.PathLike | None = None) -> str | None:
+    """The current git commit (with ``-dirty`` when the tree has changes), or None outside git."""
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{sha}-dirty" if dirty else sha
+
+
+def run_tags(
+    config: Mapping[str, Any] | None = None,
+    *,
+    world_size: int | None = None,
+    device_summary: str | None = None,
+    cwd: str | os.PathLike | None = None,
+) -> dict[str, str]:
+    """The standard tags of a run: git commit, config hash, world size, device summary."""
+    tags: dict[str, str] = {}
+    commit = git_commit(cwd)
+    if commit:
+        tags["git_commit"] = commit
+    if config is not None:
+        tags["config_hash"] = config_hash(config)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    tags["world_size"] = str(world_size)
+    if device_summary:
+        tags["device_summary"] = device_summary
+    return tags

@@ -1,0 +1,266 @@
+"""What the Monitor records: one :class:`MonitorSample` per sampling window, one :class:`TrainPoint` per
+optimizer step, one :class:`EvalPoint` per evaluation. Structured attrs objects with declared metric
+fields (``observe.schema``); MLflow keys are made from them only when logging.
+
+:func:`take_sample` turns two runtime snapshots (cumulative times and counts) into window values:
+fractions of the window each replica was busy / blocked on input / blocked on output, item and counter
+rates, queue depths, the stages' own metrics by kind, the bucket mix, and the bottleneck verdict.
+Cumulative readings, not instantaneous states, make the fractions exact whatever the interval.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from dflash_flow.core.snapshot import ReplicaSnapshot, RuntimeSnapshot, StageSnapshot
+
+from .bottleneck import Bottleneck, StageLoad, find_bottleneck
+from .schema import metric, train_reduction
+
+# The Interleaver's labeled metric (batches dispatched per bucket): the source of the bucket mix.
+BUCKET_METRIC = "bucket_dispatch"
+# Trainer metrics that are noisy per step and many (one per block position): logged as their mean over
+# each sampling window instead of every step.
+WINDOWED_TRAIN_PREFIXES = ("accuracy_pos",)
+# Trainer metrics that are run facts, not curves.
+UNLOGGED_TRAIN = frozenset({"total_steps"})
+
+
+@attrs.frozen
+class SummaryStats:
+    """A ``Summary`` metric merged over replicas."""
+
+    count: float = metric("count", reduce="sum", doc="Observations")
+    mean: float = metric("mean", reduce="mean", doc="Mean observation")
+    min: float = metric("min", reduce="min", doc="Smallest observation")
+    max: float = metric("max", reduce="max", doc="Largest observation")
+
+
+@attrs.frozen
+class ReplicaSample:
+    replica: int
+    device: str
+    state: str
+    busy: float = metric("busy_frac", reduce="mean", doc="Window fraction running its own work")
+    blocked_in: float = metric("blocked_in_frac", reduce="mean", doc="Window fraction waiting for input")
+    blocked_out: float = metric("blocked_out_frac", reduce="mean", doc="Window fraction waiting to put output")
+    items_in: int = metric("items_in", reduce="sum", doc="Items taken so far")
+    items_out: int = metric("items_out", reduce="sum", doc="Items emitted so far")
+    queue_depth: int | None = metric("queue_depth", reduce="max", doc="Items waiting in its input queue (not for sources)")
+    queue_capacity: int | None = None
+
+
+@attrs.frozen
+class StageSample:
+    name: str
+    type: str
+    replicas: int
+    busy: float = metric("busy_frac", reduce="mean", doc="Window fraction busy, mean over replicas")
+    blocked_in: float = metric("blocked_in_frac", reduce="mean", doc="Window fraction starved, mean over replicas")
+    blocked_out: float = metric("blocked_out_frac", reduce="mean", doc="Window fraction back-pressured, mean over replicas")
+    items_in: int = metric("items_in", reduce="sum", doc="Items taken so far, all replicas")
+    items_out: int = metric("items_out", reduce="sum", doc="Items emitted so far, all replicas")
+    items_in_per_s: float = metric("items_in_per_s", reduce="sum", doc="Items taken per second over the window")
+    items_out_per_s: float = metric("items_out_per_s", reduce="sum", doc="Items emitted per second over the window")
+    per_replica: tuple[ReplicaSample, ...] = metric("replica", doc="The same per replica")
+    # The stage's own metrics (``ctx.metrics``) by kind. A name is declared with one kind per stage, so
+    # counters, gauges, summaries and labeled counts share the ``metric/`` segment without colliding.
+    counters: dict[str, float] = metric("metric", reduce="sum", factory=dict, doc="Counter totals")
+    rates: dict[str, float] = metric("rate", reduce="sum", factory=dict, doc="Counter increase per second over the window")
+    gauges: dict[str, float] = metric("metric", reduce="mean", factory=dict, doc="Gauge values")
+    summaries: dict[str, SummaryStats] = metric("metric", factory=dict, doc="Summary count/mean/min/max")
+    labeled: dict[str, dict[str, float]] = metric("metric", reduce="sum", factory=dict, doc="Counts per label")
+
+    def load(self) -> StageLoad:
+        return StageLoad(self.name, self.replicas, self.busy, self.blocked_in, self.blocked_out)
+
+
+@attrs.frozen
+class BucketSample:
+    dispatched: float = metric("dispatched", reduce="sum", doc="Batches of this bucket dispatched so far")
+    share: float | None = metric("share", reduce="mean", doc="Its share of the batches dispatched in the window")
+
+
+@attrs.frozen
+class Throughput:
+    tokens_per_s: float | None = metric("tokens_per_s", reduce="sum", default=None, doc="Trainer tokens per second (last step)")
+    samples_per_s: float | None = metric("samples_per_s", reduce="sum", default=None, doc="Trainer samples per second (last step)")
+
+
+@attrs.frozen
+class MonitorSample:
+    """One look at the whole pipeline: the window ending at ``elapsed_s`` (``window_s`` long; the whole
+    run when ``whole_run``), at training step ``step``."""
+
+    step: int
+    elapsed_s: float
+    window_s: float
+    whole_run: bool
+    stages: dict[str, StageSample] = metric("stage", doc="Per stage")
+    buckets: dict[str, BucketSample] = metric("bucket", factory=dict, doc="Per length bucket")
+    train: dict[str, float] = metric("train", reduce=train_reduction, factory=dict, doc="Windowed trainer metrics (per-position accuracies)")
+    throughput: Throughput = metric("throughput", factory=Throughput, doc="Trainer throughput")
+    bottleneck: Bottleneck | None = metric("bottleneck", default=None, doc="The verdict for this window")
+
+
+@attrs.frozen
+class TrainPoint:
+    """One optimizer step's report (metrics logged every step)."""
+
+    step: int
+    epoch: int | None
+    metrics: dict[str, float] = metric("train", reduce=train_reduction, doc="The trainer's step metrics")
+
+
+@attrs.frozen
+class EvalPoint:
+    """Evaluation results at ``step``: ``{eval name: {metric: value}}``."""
+
+    step: int
+    results: dict[str, dict[str, float]] = metric("eval", reduce="mean", doc="Per evaluation")
+
+
+# ------------------------------------------------------------------------------------ from snapshots
+
+
+def _frac(delta: float, window: float) -> float:
+    x = delta / window if window > 0 else 0.0
+    return min(1.0, max(0.0, x)) if math.isfinite(x) else 0.0
+
+
+def _replica(cur: ReplicaSnapshot, prev: ReplicaSnapshot | None, window: float | None) -> ReplicaSample:
+    """Window fractions of one replica; ``window=None`` means its whole life (fractions of ``alive_s``)."""
+    if window is None or prev is None:
+        span = cur.alive_s if window is None else window
+        base = (0.0, 0.0, 0.0)
+    else:
+        span = window
+        base = (prev.busy_s, prev.blocked_in_s, prev.blocked_out_s)
+    ch = cur.channel
+    return ReplicaSample(
+        replica=cur.replica,
+        device=cur.device,
+        state=cur.state,
+        busy=_frac(cur.busy_s - base[0], span),
+        blocked_in=_frac(cur.blocked_in_s - base[1], span),
+        blocked_out=_frac(cur.blocked_out_s - base[2], span),
+        items_in=cur.items_in,
+        items_out=cur.items_out,
+        queue_depth=ch.depth if ch is not None else None,
+        queue_capacity=ch.capacity if ch is not None else None,
+    )
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    x = float(value)
+    return x if math.isfinite(x) else None
+
+
+def _stage(cur: StageSnapshot, prev: StageSnapshot | None, window: float) -> StageSample:
+    whole = prev is None
+    prev_reps = {r.replica: r for r in prev.replicas} if prev is not None else {}
+    reps = tuple(_replica(r, prev_reps.get(r.replica), None if whole else window) for r in cur.replicas)
+    n = max(1, len(reps))
+    items_in = sum(r.items_in for r in cur.replicas)
+    items_out = sum(r.items_out for r in cur.replicas)
+    prev_in = sum(r.items_in for r in prev.replicas) if prev is not None else 0
+    prev_out = sum(r.items_out for r in prev.replicas) if prev is not None else 0
+    counters: dict[str, float] = {}
+    rates: dict[str, float] = {}
+    gauges: dict[str, float] = {}
+    summaries: dict[str, SummaryStats] = {}
+    labeled: dict[str, dict[str, float]] = {}
+    for name, kind in cur.metric_kinds.items():
+        value = cur.metric(name)
+        if kind == "counter":
+            x = _number(value)
+            if x is None:
+                continue
+            counters[name] = x
+            before = _number(prev.metric(name)) if prev is not None and name in prev.metric_kinds else None
+            rates[name] = (x - (before or 0.0)) / window if window > 0 else 0.0
+        elif kind == "gauge":
+            x = _number(value)
+            if x is not None:
+                gauges[name] = x
+        elif kind == "summary":
+            if value and value.get("count"):
+                summaries[name] = SummaryStats(value["count"], value["mean"], value["min"], value["max"])
+        elif kind == "labeled":
+            labeled[name] = {str(k): float(v) for k, v in (value or {}).items()}
+    return StageSample(
+        name=cur.name,
+        type=cur.type,
+        replicas=len(reps),
+        busy=sum(r.busy for r in reps) / n,
+        blocked_in=sum(r.blocked_in for r in reps) / n,
+        blocked_out=sum(r.blocked_out for r in reps) / n,
+        items_in=items_in,
+        items_out=items_out,
+        items_in_per_s=(items_in - prev_in) / window if window > 0 else 0.0,
+        items_out_per_s=(items_out - prev_out) / window if window > 0 else 0.0,
+        per_replica=reps,
+        counters=counters,
+        rates=rates,
+        gauges=gauges,
+        summaries=summaries,
+        labeled=labeled,
+    )
+
+
+def _bucket_counts(snap: RuntimeSnapshot | None) -> dict[str, float]:
+    """Batches dispatched per bucket so far, over every stage that counts them."""
+    out: dict[str, float] = {}
+    for st in snap.stages.values() if snap is not None else ():
+        if st.metric_kinds.get(BUCKET_METRIC) == "labeled":
+            for label, n in (st.metric(BUCKET_METRIC) or {}).items():
+                out[str(label)] = out.get(str(label), 0.0) + float(n)
+    return out
+
+
+def _buckets(now: Mapping[str, float], before: Mapping[str, float]) -> dict[str, BucketSample]:
+    deltas = {b: max(0.0, n - before.get(b, 0.0)) for b, n in now.items()}
+    total = sum(deltas.values())
+    return {b: BucketSample(dispatched=n, share=deltas[b] / total if total > 0 else None) for b, n in now.items()}
+
+
+def take_sample(
+    cur: RuntimeSnapshot,
+    prev: RuntimeSnapshot | None,
+    *,
+    step: int,
+    train: Mapping[str, float] | None = None,
+    throughput: Throughput | None = None,
+    sinks: Iterable[str] = (),
+    edges: Mapping[str, Sequence[str]] | None = None,
+    exclude: Iterable[str] = (),
+) -> MonitorSample:
+    """The window from ``prev`` to ``cur`` (``prev=None``: the whole run so far).
+
+    ``exclude``: stages left out of the bottleneck analysis (the Monitor itself, whose load is its own
+    sampling). ``sinks``/``edges``: see ``find_bottleneck``.
+    """
+    whole = prev is None
+    window = cur.elapsed_s if whole else max(cur.time - prev.time, 1e-9)
+    stages = {
+        name: _stage(st, None if whole else prev.stages.get(name), window) for name, st in cur.stages.items()
+    }
+    skip = set(exclude)
+    loads = {name: s.load() for name, s in stages.items() if name not in skip}
+    return MonitorSample(
+        step=int(step),
+        elapsed_s=cur.elapsed_s,
+        window_s=window,
+        whole_run=whole,
+        stages=stages,
+        buckets=_buckets(_bucket_counts(cur), _bucket_counts(prev)),
+        train=dict(train or {}),
+        throughput=throughput or Throughput(),
+        bottleneck=find_bottleneck(loads, sinks=sinks, edges=edges) if loads else None,
+    )

@@ -1,0 +1,283 @@
+"""The MLflow store: where a run goes (URI resolution and a fast pre-flight check), which errors mean
+"try again later", and the store writes ("ops") shared by the live tracker and the spool import.
+
+Every write is an op, a small JSON-able dict (``create_run``, ``run``, ``resume``, ``params``, ``tags``,
+``metrics``, ``artifact``, ``end``), so the same record can be sent now, spooled, or replayed later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from .runinfo import redact_text, redact_uri
+
+RUN_OPS = ("create_run", "run", "resume")  # ops that define which run the later ops go to
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*:")
+_HTTP_ENV_LOCK = threading.RLock()
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def chunks(seq: list, n: int) -> Iterator[list]:
+    for i in range(0, len(seq), n):
+        yield seq[i : i + n]
+
+
+def is_http(uri: str) -> bool:
+    return uri.startswith(("http://", "https://"))
+
+
+# ------------------------------------------------------------------------------------ where a run goes
+
+
+def resolve_tracking_uri(tracking_uri: str | os.PathLike | None) -> str:
+    """None -> mlflow's own default (``MLFLOW_TRACKING_URI`` or ``sqlite:///<cwd>/mlflow.db``);
+    a plain filesystem path -> ``sqlite:///<abs path>`` (a directory gets ``mlflow.db`` inside);
+    anything with a scheme (``sqlite:``, ``http:``, ``databricks``...) is passed through."""
+    if tracking_uri is None:
+        import mlflow
+
+        return mlflow.get_tracking_uri()
+    uri = os.fspath(tracking_uri)
+    if uri == "databricks" or _SCHEME.match(uri):
+        return uri
+    path = Path(uri).expanduser().absolute()
+    if path.is_dir():
+        path = path / "mlflow.db"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return "sqlite:///" + path.as_posix()
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a ``sqlite://`` URI (None for other URIs and in-memory databases)."""
+    if not uri.lower().startswith("sqlite://"):
+        return None
+    rest = uri[len("sqlite://") :].split("?", 1)[0]
+    path = unquote(rest[1:] if rest.startswith("/") else rest)  # sqlite:///rel.db, sqlite:////abs.db
+    if path in ("", ":memory:"):
+        return None
+    return Path(path)
+
+
+def _probe_dir(directory: Path, target: Path) -> str | None:
+    """Create and remove a file in ``directory``: the only check that also holds for root, read-only
+    mounts and ACLs (``os.access`` answers yes to root on a read-only filesystem)."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".dflash-probe-", dir=directory)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as exc:
+        return f"cannot write {target}: {directory} is not writable ({exc.strerror or exc})"
+    return None
+
+
+def _existing_ancestor(path: Path) -> Path:
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _check_file(db: Path) -> str | None:
+    if db.exists():
+        if db.is_dir():
+            return f"tracking database {db} is a directory"
+        if not os.access(db, os.W_OK):
+            return f"tracking database {db} is not writable"
+        return _probe_dir(db.parent, db)  # sqlite writes its journal next to the file
+    base = _existing_ancestor(db.parent)
+    if not base.is_dir():
+        return f"cannot create tracking database {db}: {base} is not a directory"
+    return _probe_dir(base, db)
+
+
+def _check_dir(directory: Path) -> str | None:
+    if directory.exists() and not directory.is_dir():
+        return f"tracking store {directory} is not a directory"
+    base = _existing_ancestor(directory)
+    if not base.is_dir():
+        return f"cannot create tracking store {directory}: {base} is not a directory"
+    return _probe_dir(base, directory)
+
+
+def check_tracking_uri(tracking_uri: str | os.PathLike | None) -> str | None:
+    """None when the store at ``tracking_uri`` looks usable, else a one-line reason naming the path.
+
+    Instant, and safe to call before any thread starts: local stores (a plain path, ``sqlite:``,
+    ``file:``) must be writable or creatable -- checked by creating a probe file in the nearest
+    existing directory, creating nothing else; ``http(s):`` URIs are only checked for a host and a
+    valid port (no request is made). Other schemes are left to mlflow.
+    """
+    if tracking_uri is None:
+        tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or str(Path.cwd() / "mlflow.db")
+    uri = os.fspath(tracking_uri)
+    if not uri.strip():
+        return "tracking_uri is empty"
+    if uri == "databricks":
+        return None
+    if not _SCHEME.match(uri):
+        path = Path(uri).expanduser().absolute()
+        return _check_file(path / "mlflow.db" if path.is_dir() else path)
+    scheme = uri.split(":", 1)[0].lower()
+    if scheme == "sqlite":
+        db = sqlite_path(uri)
+        return None if db is None else _check_file(db.expanduser().absolute())
+    if scheme == "file":
+        return _check_dir(Path(unquote(urlsplit(uri).path)))
+    if scheme in ("http", "https"):
+        try:
+            parts = urlsplit(uri)
+            parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+        except ValueError as exc:
+            return f"tracking_uri {redact_uri(uri)}: {exc}"
+        if not parts.hostname:
+            return f"tracking_uri {redact_uri(uri)} has no host"
+    return None
+
+
+def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:
+    """Keep a sqlite store self-contained: artifacts of experiments we create go next to the .db
+    file (``<db dir>/mlartifacts/<experiment>``), not into whatever directory the process ran in.
+    Other stores (a server) choose their own artifact root."""
+    db = sqlite_path(tracking_uri)
+    if db is None or not tracking_uri.startswith("sqlite:///"):
+        return None
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", experiment).strip("_") or "experiment"
+    return (db.absolute().parent / "mlartifacts" / slug).as_uri()
+
+
+# -------------------------------------------------------------------------------------------- errors
+
+
+def is_transient_error(exc: BaseException) -> bool:
+    """Whether an error from the store means "try again later" (spool) rather than "this op is bad".
+
+    Client errors (HTTP 4xx other than 429: invalid parameter, changed param value, missing run...)
+    are permanent: retrying them would wedge the spool forever. Connection failures, timeouts, 5xx,
+    429 and local I/O / database-lock errors are transient.
+    """
+    try:
+        from mlflow.exceptions import MlflowException
+    except ImportError:  # pragma: no cover - mlflow is a dependency
+        MlflowException = ()  # type: ignore[assignment]
+    if MlflowException and isinstance(exc, MlflowException):
+        try:
+            status = int(exc.get_http_status_code())
+        except Exception:
+            status = 500
+        return not (400 <= status < 500 and status != 429)
+    if isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError, ValueError, TypeError)):
+        return False
+    return True  # requests/urllib3 connection errors, OSError, sqlalchemy OperationalError, ...
+
+
+def is_missing_resource(exc: BaseException) -> bool:
+    """The store says the run (or experiment) does not exist."""
+    return getattr(exc, "error_code", None) == "RESOURCE_DOES_NOT_EXIST"
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message`` (URLs redacted), for one-line reports."""
+    text = redact_text(str(exc)).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:limit]}" if text else type(exc).__name__
+
+
+@contextlib.contextmanager
+def bounded_http(uri: str, timeout_s: int, max_retries: int) -> Iterator[None]:
+    """Bound mlflow's HTTP retries/timeout for the calls made inside.
+
+    mlflow's HTTP client retries 7 times with exponential backoff and a 120 s timeout by default; those
+    knobs are environment variables read on every request (``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` /
+    ``_TIMEOUT`` / ``_BACKOFF_FACTOR``), not per-client settings, so a temporary override is the only
+    per-call control it offers. Variables the user set are left alone.
+    """
+    if not is_http(uri):
+        yield
+        return
+    overrides = {
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(int(max_retries)),
+        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0",
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, int(timeout_s))),
+    }
+    with _HTTP_ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in overrides}
+        for k, v in overrides.items():
+            if saved[k] is None:
+                os.environ[k] = v
+        try:
+            yield
+        finally:
+            for k, old in saved.items():
+                if old is None:
+                    os.environ.pop(k, None)
+
+
+# ----------------------------------------------------------------------------------------------- ops
+
+
+def _ensure_experiment(client: Any, name: str, artifact_location: str | None) -> str:
+    from mlflow.exceptions import MlflowException
+
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        if exp.lifecycle_stage == "deleted":
+            client.restore_experiment(exp.experiment_id)
+        return exp.experiment_id
+    try:
+        return client.create_experiment(name, artifact_location=artifact_location)
+    except MlflowException:
+        # Another process created it between our lookup and create.
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def apply_op(client: Any, op: dict, state: dict) -> None:
+    """Perform one op against the store; ``state["run_id"]`` carries the run between ops."""
+    from mlflow.entities import Metric, Param, RunTag
+
+    kind = op["op"]
+    if kind == "create_run":
+        exp_id = _ensure_experiment(client, op["experiment"], op.get("artifact_location"))
+        run = client.create_run(
+            exp_id, start_time=op.get("start_time"), tags=op.get("tags") or None, run_name=op.get("run_name")
+        )
+        state["run_id"] = run.info.run_id
+        return
+    if kind == "run":
+        state["run_id"] = op["run_id"]
+        return
+    run_id = state.get("run_id")
+    if not run_id:
+        raise RuntimeError(f"spool op {kind!r} has no run (missing create_run/run record)")
+    if kind == "resume":
+        client.update_run(run_id, status="RUNNING")
+    elif kind == "metrics":
+        metrics = [Metric(k, float(v), int(ts), int(step)) for k, v, ts, step in op["metrics"]]
+        client.log_batch(run_id, metrics=metrics, synchronous=True)
+    elif kind == "params":
+        client.log_batch(run_id, params=[Param(k, v) for k, v in op["params"].items()], synchronous=True)
+    elif kind == "tags":
+        client.log_batch(run_id, tags=[RunTag(k, v) for k, v in op["tags"].items()], synchronous=True)
+    elif kind == "artifact":
+        path = op["path"]
+        if os.path.isdir(path):
+            client.log_artifacts(run_id, path, op.get("artifact_path"))
+        else:
+            client.log_artifact(run_id, path, op.get("artifact_path"))
+    elif kind == "end":
+        client.set_terminated(run_id, status=op["status"], end_time=op.get("end_time"))
+    else:
+        raise ValueError(f"unknown spool op {kind!r}")
