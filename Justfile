@@ -2,9 +2,14 @@
 
 python := "python"
 
+# Install everything: the package with its dev tools, then the reference packages the tests compare against.
+setup:
+    {{python}} -m pip install -e ".[dev]"
+    {{python}} -m pip install --no-deps -r requirements/reference.txt
+
 # Run the whole test suite (unit, property and end-to-end tests).
 test *ARGS:
-    {{python}} -c "import dflash" 2>/dev/null || {{python}} -m pip install -q --no-deps dflash==0.1.0
+    {{python}} -c "import dflash" 2>/dev/null || {{python}} -m pip install -q --no-deps -r requirements/reference.txt
     {{python}} -m pytest -q {{ARGS}}
 
 # Lint and check formatting-level problems.

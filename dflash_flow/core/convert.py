@@ -290,7 +290,8 @@ def _union_factory(tp: Any, conv: cattrs.Converter) -> Callable:
     def structure_union(value: Any, _: Any) -> Any:
         if value is None and nullable:
             return None
-        fitting = [(a, h) for a, h in members if _fits(value, a)]
+        # ``X | None`` given something: X's own message ("expected an integer") says more than the union's.
+        fitting = members if len(members) == 1 else [(a, h) for a, h in members if _fits(value, a)]
         # The member of the value's own type first: 3 stays an int in ``float | int``.
         fitting.sort(key=lambda m: m[0] is not type(value))
         if len(fitting) == 1:

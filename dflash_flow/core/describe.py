@@ -32,5 +32,22 @@ def describe_stage(name: str) -> str:
         else:
             default = f"default {f.default!r}"
         doc_line = f.metadata.get("doc", "")
-        lines.append(f"  - {f.name}: {describe_type(hints.get(f.name, object))} ({default}){'  ' + doc_line if doc_line else ''}")
+        rules = _rules(f)
+        lines.append(
+            f"  - {f.name}: {describe_type(hints.get(f.name, object))} ({default})"
+            f"{'  ' + doc_line if doc_line else ''}{f'  [{rules}]' if rules else ''}"
+        )
     return "\n".join(lines)
+
+
+_OPS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+
+
+def _rules(f: attrs.Attribute) -> str:
+    """What ``cfg`` declared beyond the type: bounds, choices, whether .inf/.nan are accepted."""
+    rules = [f"{_OPS[k]} {v}" for k, v in f.metadata.get("bounds", {}).items()]
+    if f.metadata.get("choices"):
+        rules.append("one of " + ", ".join(repr(c) for c in f.metadata["choices"]))
+    if f.metadata.get("finite") is False:
+        rules.append(".inf and .nan accepted")
+    return ", ".join(rules)

@@ -13,8 +13,9 @@ MAX_YAML_BYTES = 256 * 1024
 #: Deepest nesting of lists and mappings in a document, counted after aliases are expanded.
 MAX_YAML_DEPTH = 64
 #: Most nodes (scalars, lists, mappings) a document may stand for once every alias is expanded:
-#: this is what stops alias "billion laughs" bombs and merge-key bombs.
-MAX_YAML_NODES = 100_000
+#: this is what stops alias "billion laughs" bombs and merge-key bombs. The shipped pipelines have ~200;
+#: PyYAML's pure-Python parser (see yaml_load) spends ~35 us per node, so this caps reading at ~0.7 s.
+MAX_YAML_NODES = 20_000
 #: Longest number literal (digits and separators). Python's int() refuses more than 4300 digits, and
 #: YAML 1.1's base-60 integers (``1:30:00``) cost quadratic time in their length.
 MAX_NUMBER_CHARS = 100

@@ -66,7 +66,8 @@ class RuntimeView:
 
 @attrs.define
 class RunResult:
-    status: str  # "finished"
+    """What a completed ``Pipeline.run()`` returns (failures and stops raise instead)."""
+
     elapsed_s: float
     snapshot: RuntimeSnapshot
     states: dict[str, list[dict[str, Any]]]
@@ -430,7 +431,7 @@ class Pipeline:
                 for out in outs:
                     self._emit(rep, None, out)
             for router in rep.routers:
-                for ch in _router_channels(router):
+                for ch in router.channels:
                     ch.close()
             phase = "state_dict"
             rep.final_state = rep.stage.state_dict()
@@ -560,7 +561,7 @@ class Pipeline:
             self._errors.append(err)
         # The error travels downstream as a value, then everything is cancelled.
         for router in rep.routers:
-            for ch in _router_channels(router):
+            for ch in router.channels:
                 ch.put_error(ErrorItem(rep.name, rep.index, exc))
         self.cancel(f"stage '{rep.name}' failed")
 
@@ -667,7 +668,7 @@ class Pipeline:
     def _result(self) -> RunResult:
         self._raise_if_failed()
         snap = self.snapshot()
-        return RunResult("finished", snap.elapsed_s, snap, self.state_dict())
+        return RunResult(snap.elapsed_s, snap, self.state_dict())
 
     @property
     def errors(self) -> list[StageError]:
@@ -676,10 +677,6 @@ class Pipeline:
 
 class _UpstreamFailed(Exception):
     pass
-
-
-def _router_channels(router: Router) -> list[Channel]:
-    return list(router.channels)
 
 
 def _raise_terminate(signum, frame):  # noqa: ARG001

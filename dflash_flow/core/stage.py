@@ -53,11 +53,12 @@ def cfg(
     """
     bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
     validators: list[Any] = [getattr(attrs.validators, k)(v) for k, v in bounds.items()]
-    if choices is not None:
-        validators.append(attrs.validators.in_(tuple(choices)))
+    options = tuple(choices) if choices is not None else None
+    if options is not None:
+        validators.append(attrs.validators.in_(options))
     if finite:
         validators.append(_finite)
-    metadata = {"doc": doc, "config": True, "bounds": bounds, "finite": finite}
+    metadata = {"doc": doc, "config": True, "bounds": bounds, "choices": options, "finite": finite}
     validator = attrs.validators.optional(validators)
     if factory is not None:
         return attrs.field(factory=factory, validator=validator, metadata=metadata, kw_only=True)

@@ -304,7 +304,14 @@ def _check_cycles(c: _Check) -> None:
     c.order, c.cycle = _toposort(c.graph)
     if c.cycle:
         spec = c.graph.stage(c.cycle[0]) if c.cycle[0] in c.names else None
-        c.add("cycle: " + " -> ".join(c.cycle + [c.cycle[0]]), spec, "inputs", field="inputs")
+        c.add("cycle: " + _show_cycle(c.cycle), spec, "inputs", field="inputs")
+
+
+def _show_cycle(cycle: list[str]) -> str:
+    """``a -> b -> a``; a long cycle shows its ends and its length."""
+    names = cycle if len(cycle) <= 8 else [*cycle[:3], "...", *cycle[-2:]]
+    text = " -> ".join([*names, cycle[0]])
+    return text if len(cycle) <= 8 else f"{text} ({len(cycle)} stages)"
 
 
 def _check_ordering(c: _Check) -> None:

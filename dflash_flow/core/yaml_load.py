@@ -51,6 +51,7 @@ class _BoundedComposer(Composer):
         self._deepest = depth_offset  # deepest nesting reached inside it so far
         self._nodes = 0  # nodes so far, every alias counted as the node it repeats
         self._expanded: dict[str, tuple[int, int]] = {}  # anchor -> (nodes, height) once composed
+        self._repeated = 0  # nodes counted through aliases
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
@@ -63,6 +64,7 @@ class _BoundedComposer(Composer):
                         event.start_mark,
                     )
                 nodes, height = self._expanded[event.anchor]
+                self._repeated += nodes
                 self._count(nodes, event.start_mark)
                 self._reach(self._depth + 1 + height, event.start_mark)
             return super().compose_node(parent, index)
@@ -96,9 +98,12 @@ class _BoundedComposer(Composer):
     def _count(self, n: int, mark: Any) -> None:
         self._nodes += n
         if self._nodes > limits.MAX_YAML_NODES:
+            if self._repeated:
+                what = "values once its aliases are expanded (an alias repeats the whole node it names)"
+            else:
+                what = "values (lists, mappings and scalars)"
             raise YAMLLimitError(
-                f"the document stands for more than {limits.MAX_YAML_NODES} values once its aliases are "
-                "expanded; a pipeline file is far smaller (is an alias repeating a large node?)",
+                f"the document stands for more than {limits.MAX_YAML_NODES} {what}; a pipeline file is far smaller",
                 mark,
             )
 

@@ -27,12 +27,11 @@ from .records import (
     read_pretokenized_jsonl,
     read_records,
 )
-from .stats import BatchStats, max_same_bucket_run, padding_efficiency, window_mix_max_deviation
+from .stats import max_same_bucket_run, padding_efficiency, window_mix_max_deviation
 
 __all__ = [
     "BadRecord",
     "BatchPlanner",
-    "BatchStats",
     "ChatEncoding",
     "ChatTemplateError",
     "DataError",

@@ -32,6 +32,7 @@ import attrs
 import numpy as np
 
 from dflash_flow.items import Sample
+from dflash_flow.util import sha256_file
 
 from .chat import (
     ChatTemplateError,
@@ -59,7 +60,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 _MAX_LISTED_BAD = 100
 _TOKENIZE_CHUNK = 512
 
@@ -344,19 +345,11 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return h.hexdigest()
 
 
-def _file_hash(path: Path) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _cache_key(path: Path, kind: str, options: ReadOptions, tokenizer: Any, template: str | None) -> str:
     parts = {
         "version": CACHE_VERSION,
         "kind": kind,
-        "file": _file_hash(path),
+        "file": sha256_file(path),
         "max_length": options.max_length,
         "overflow": options.overflow,
         "on_bad_record": options.on_bad_record,

@@ -27,7 +27,7 @@ from .train_target import (
     TargetRecipe,
     embedded_target_path,
     ensure_target,
-    load_target,
+    load_model_and_tokenizer,
     resolve_target,
     train_target,
 )
@@ -48,7 +48,7 @@ __all__ = [
     "embedded_target_path",
     "ensure_target",
     "iter_examples",
-    "load_target",
+    "load_model_and_tokenizer",
     "load_tokenizer",
     "make_split",
     "regenerate",

@@ -72,7 +72,7 @@ def build_default_dataset(out_dir: str | Path, n_train: int = 1024, n_eval: int 
     """
     from .corpus import make_split
     from .regenerate import regenerate
-    from .train_target import ensure_target, load_target
+    from .train_target import ensure_target, load_model_and_tokenizer
 
     t0 = time.perf_counter()
     out = Path(out_dir)
@@ -111,7 +111,7 @@ def build_default_dataset(out_dir: str | Path, n_train: int = 1024, n_eval: int 
         for i, ex in enumerate(evals)
     ])
 
-    model, tokenizer = load_target(target)
+    model, tokenizer = load_model_and_tokenizer(target)
     figures = {}
     for split in ("eval", "train"):  # eval first: small, and a quick sanity check of the target
         log(f"[dataset] regenerating {split} split with the target ({target.name}) ...")

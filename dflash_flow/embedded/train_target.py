@@ -324,8 +324,8 @@ def resolve_target(target):
     return str(target)
 
 
-def load_target(path: str | Path, device: str = "cpu"):
-    """(model, tokenizer) from a target directory, offline, float32, in eval mode."""
+def load_model_and_tokenizer(path: str | Path, device: str = "cpu"):
+    """(model, tokenizer) of a target directory, offline, float32, in eval mode."""
     import torch
 
     from dflash_flow.model.target import load_target as load_model

@@ -23,7 +23,7 @@ Two entry points share the weights:
   ``[b, 1, Q, KV]`` (or a dict of masks keyed by layer type); ``objective.block_attention_mask`` builds it;
 * ``context_kv`` + ``decode_blocks``: the training layout. The context's keys and values are the same
   for every block (and every chunk of blocks), so they are projected once per layer; blocks are
-  processed in groups (``BlockGroup``) that attend only to the context slice their anchors can see.
+  processed in groups (``BlockLayout``) that attend only to the context slice their anchors can see.
 """
 
 from __future__ import annotations
@@ -227,19 +227,20 @@ def index_mask(
     return visible[None, None]
 
 
-class BlockGroup(NamedTuple):
-    """Consecutive block queries ``[q0, q1)`` that attend to context keys ``[lo, hi)`` and to their own
-    block keys, through ``mask`` (additive, ``[b, 1, q1 - q0, (hi - lo) + (q1 - q0)]``).
+class BlockLayout(NamedTuple):
+    """How block queries are grouped for attention in the training layout (one per layer type).
 
-    Blocks only need the context before their anchor, so grouping blocks by anchor lets each group skip
-    the keys no query of it can see (the dense mask spends most of its work on those).
+    Blocks only need the context before their anchor, so blocks are grouped by anchor and each group
+    attends to the context slice its queries can see plus its own blocks' keys, instead of all context
+    and all blocks (most of a dense mask's work is on keys it hides). Group g has ``query_sizes[g]``
+    consecutive queries and ``key_sizes[g]`` keys, gathered by ``key_index`` from the concatenation
+    [context keys; block keys]; ``masks[g]`` is its additive mask ``[b, 1, queries, keys]``.
     """
 
-    q0: int
-    q1: int
-    lo: int
-    hi: int
-    mask: torch.Tensor
+    query_sizes: list[int]
+    key_sizes: list[int]
+    key_index: torch.Tensor
+    masks: list[torch.Tensor]
 
 
 class DrafterAttention(nn.Module):
@@ -343,17 +344,21 @@ class DrafterAttention(nn.Module):
         ctx_v: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        groups: list[BlockGroup],
+        layout: BlockLayout,
     ) -> torch.Tensor:
         """Training layout: block tokens ``x`` ``[b, Q, H]`` (cos/sin at the block positions) attend,
-        group by group, to a slice of the precomputed context keys plus their own group's keys."""
+        group by group (``layout``), to precomputed context keys and their own group's keys."""
         b, q_len, _ = x.shape
         q, k, v = self._block_qkv(x, cos, sin)
-        parts = []
-        for g in groups:
-            kg = torch.cat([ctx_k[:, :, g.lo : g.hi], k[:, :, g.q0 : g.q1]], dim=2)
-            vg = torch.cat([ctx_v[:, :, g.lo : g.hi], v[:, :, g.q0 : g.q1]], dim=2)
-            parts.append(self._attend(q[:, :, g.q0 : g.q1], kg, vg, g.mask))
+        # One gather and one split per tensor: per-group slicing would cost a full-size gradient buffer
+        # per group in the backward.
+        keys = torch.cat([ctx_k, k], dim=2).index_select(2, layout.key_index).split(layout.key_sizes, dim=2)
+        values = torch.cat([ctx_v, v], dim=2).index_select(2, layout.key_index).split(layout.key_sizes, dim=2)
+        queries = q.split(layout.query_sizes, dim=2)
+        parts = [
+            self._attend(qg, kg, vg, mask)
+            for qg, kg, vg, mask in zip(queries, keys, values, layout.masks, strict=True)
+        ]
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
 
@@ -375,8 +380,8 @@ class DrafterLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, attention_mask, past_key_values)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_blocks(self, x, ctx_k, ctx_v, cos, sin, groups):
-        x = x + self.self_attn.forward_blocks(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, groups)
+    def forward_blocks(self, x, ctx_k, ctx_v, cos, sin, layout):
+        x = x + self.self_attn.forward_blocks(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, layout)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -489,17 +494,17 @@ class DFlashDrafter(nn.Module):
         noise_embedding: torch.Tensor,
         context_kv: list[tuple[torch.Tensor, torch.Tensor]],
         block_positions: torch.Tensor,
-        groups: dict[str, list[BlockGroup]],
+        layouts: dict[str, BlockLayout],
     ) -> torch.Tensor:
-        """Normed hidden states ``[b, Q, H]`` of block tokens (training layout, see ``BlockGroup``).
+        """Normed hidden states ``[b, Q, H]`` of block tokens (training layout, see ``BlockLayout``).
 
         ``block_positions`` ``[b, Q]`` are the absolute positions of the block tokens, ``context_kv`` comes
-        from ``context_kv``, ``groups`` maps each layer type to the groups covering the Q queries in order.
+        from ``context_kv``, ``layouts`` maps each layer type to its grouping of the Q queries.
         """
         cos, sin = self.rotary_emb(noise_embedding, block_positions)
         x = noise_embedding
         for layer, (k, v) in zip(self.layers, context_kv, strict=True):
-            g = groups[layer.layer_type]
+            g = layouts[layer.layer_type]
             if self._checkpoint_layers():
                 x = checkpoint(layer.forward_blocks, x, k, v, cos, sin, g, use_reentrant=False)
             else:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dflash_flow.model.drafter import FULL_ATTENTION, SLIDING_ATTENTION, BlockGroup
+from dflash_flow.model.drafter import FULL_ATTENTION, SLIDING_ATTENTION, BlockLayout
 
 
 @attrs.define(eq=False)
@@ -379,19 +379,22 @@ def auto_group_blocks(bounds: ColumnBounds, start: int, stop: int, *, block_size
 GROUP_OVERHEAD_KEYS = 256
 
 
-def _group_masks(
+def block_layouts(
     plan: BlockPlan,
     spans: dict[str, list[tuple[int, int, int, int]]],
     start: int,
     *,
     sliding_window: int | None,
     dtype: torch.dtype,
-):
-    """``BlockGroup`` lists per layer type, with additive masks (built once, shared by the layers)."""
+) -> dict[str, BlockLayout]:
+    """``BlockLayout`` per layer type for blocks from ``start`` grouped by ``spans`` (``group_spans``),
+    with additive masks (built once per chunk, shared by the layers of a type)."""
     bsz = plan.block_size
+    seq_len = plan.context_valid.shape[1]
+    device = plan.anchors.device
     out = {}
     for layer_type, items in spans.items():
-        groups = []
+        masks, index, q_sizes, k_sizes = [], [], [], []
         for n0, n1, lo, hi in items:
             vis = _visibility(
                 plan.anchors[:, n0:n1],
@@ -403,9 +406,13 @@ def _group_masks(
                 sliding_window=sliding_window,
             )
             # Additive form: sdpa would convert a bool mask in every call (forward and backward).
-            mask = torch.zeros(vis.shape, dtype=dtype, device=vis.device).masked_fill_(~vis, float("-inf"))
-            groups.append(BlockGroup((n0 - start) * bsz, (n1 - start) * bsz, lo, hi, mask[:, None]))
-        out[layer_type] = groups
+            masks.append(torch.zeros(vis.shape, dtype=dtype, device=device).masked_fill_(~vis, float("-inf"))[:, None])
+            q0, q1 = (n0 - start) * bsz, (n1 - start) * bsz
+            index += [range(lo, hi), range(seq_len + q0, seq_len + q1)]
+            q_sizes.append(q1 - q0)
+            k_sizes.append(hi - lo + q1 - q0)
+        key_index = torch.tensor([i for r in index for i in r], dtype=torch.long, device=device)
+        out[layer_type] = BlockLayout(q_sizes, k_sizes, key_index, masks)
     return out
 
 
@@ -429,11 +436,11 @@ def _decode_span(drafter, plan, embed_tokens, context_kv, start, stop, spans, dt
     scale = float(getattr(drafter, "input_embedding_scale", 1.0))
     if scale != 1.0:
         noise = noise * scale
-    groups = _group_masks(
+    layouts = block_layouts(
         plan, spans, start, sliding_window=getattr(drafter.config, "sliding_window", None), dtype=dtype
     )
     positions = plan.block_positions[:, start:stop].reshape(b, -1)
-    return drafter.decode_blocks(noise.to(dtype), context_kv, positions, groups)
+    return drafter.decode_blocks(noise.to(dtype), context_kv, positions, layouts)
 
 
 def draft_block_hidden(
@@ -467,12 +474,13 @@ def _chunk_terms(drafter, lm_head, embed_tokens, plan, start, stop, spans, *cont
     kv = list(zip(context_kv[::2], context_kv[1::2], strict=True))
     h = _decode_span(drafter, plan, embed_tokens, kv, start, stop, spans, context_kv[0].dtype)
     b, bsz = plan.anchors.shape[0], plan.block_size
-    h = h.view(b, stop - start, bsz, -1)[:, :, 1:]
+    n = stop - start
+    h = h.view(b, n, bsz, -1)[:, :, 1:].reshape(b * n * (bsz - 1), -1)  # 2-D: one matmul for the head
     logits = drafter.compute_logits(h, lm_head).float()
     labels = plan.labels[:, start:stop, 1:].reshape(-1)
     weights = plan.weights[:, start:stop, 1:].reshape(-1)
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels, reduction="none")
-    return (ce * weights).sum(), logits.argmax(dim=-1)
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    return (ce * weights).sum(), logits.argmax(dim=-1).view(b, n, bsz - 1)
 
 
 def _check_block_settings(

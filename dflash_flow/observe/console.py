@@ -92,7 +92,7 @@ def table(
         body = [list(r) for r in rows]
     n = max([len(columns or [])] + [len(r) for r in body]) if (body or columns) else 0
     headers = [str(c) for c in (columns or [])] + [""] * (n - len(columns or []))
-    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_header=bool(columns), pad_edge=False)
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_header=bool(columns), show_edge=False, pad_edge=False)
     for i, h in enumerate(headers):
         values = [r[i] for r in body if i < len(r) and r[i] is not None]
         numeric = bool(values) and all(_is_number(v) for v in values)

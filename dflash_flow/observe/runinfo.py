@@ -14,7 +14,7 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
 # mlflow's limits (mlflow.utils.validation); duplicated so that they are usable without importing mlflow.
 MAX_METRICS_PER_BATCH = 1000
@@ -62,21 +62,44 @@ def redact_uri(uri: str | os.PathLike) -> str:
         parts = urlsplit(text)
     except ValueError:
         return text
+    if "@" not in parts.netloc and not parts.query:
+        return text
     netloc = parts.netloc
     if "@" in netloc:
         netloc = REDACTED + "@" + netloc.rsplit("@", 1)[1]
-    query = parts.query
-    if query:
-        query = urlencode([(k, REDACTED) for k, _ in parse_qsl(query, keep_blank_values=True)], safe="*")
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    out = f"{parts.scheme}://{netloc}{parts.path}"  # not urlunsplit: it drops the "//" of "sqlite:///x"
+    if parts.query:
+        out += "?" + urlencode([(k, REDACTED) for k, _ in parse_qsl(parts.query, keep_blank_values=True)], safe="*")
+    return out + (f"#{parts.fragment}" if parts.fragment else "")
 
 
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>()]+")
 
 
-def redact_text(text: str) -> str:
-    """Every URL inside ``text`` (an error message, say) passed through :func:`redact_uri`."""
-    return _URL_IN_TEXT.sub(lambda m: redact_uri(m.group(0)), str(text))
+def uri_secrets(uri: str | os.PathLike | None) -> tuple[str, ...]:
+    """The credentials a URI carries (user, password, query values), as they may appear in messages."""
+    if uri is None or not _URI_LIKE.match(os.fspath(uri)):
+        return ()
+    try:
+        parts = urlsplit(os.fspath(uri))
+    except ValueError:
+        return ()
+    found = []
+    if "@" in parts.netloc:
+        found += parts.netloc.rsplit("@", 1)[0].split(":", 1)
+    found += [v for _, v in parse_qsl(parts.query, keep_blank_values=True)]
+    # Raw and decoded forms; very short values are left alone (they would blank out unrelated text).
+    return tuple(sorted({f for v in found for f in (v, unquote(v), quote(v, safe="")) if len(f) >= 3}, key=len, reverse=True))
+
+
+def redact_text(text: str, secrets: tuple[str, ...] = ()) -> str:
+    """``text`` (an error message, say) with every URL in it passed through :func:`redact_uri` and
+    every one of ``secrets`` (see :func:`uri_secrets`) replaced by ``***`` wherever it appears: HTTP
+    libraries quote bits of the URL they failed on (``Max retries exceeded with url: /?token=...``)."""
+    out = _URL_IN_TEXT.sub(lambda m: redact_uri(m.group(0)), str(text))
+    for secret in secrets:
+        out = out.replace(secret, REDACTED)
+    return out
 
 
 def stringify(value: Any) -> str:

@@ -140,7 +140,7 @@ def check_tracking_uri(tracking_uri: str | os.PathLike | None) -> str | None:
             parts = urlsplit(uri)
             parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
         except ValueError as exc:
-            return f"tracking_uri {redact_uri(uri)}: {exc}"
+            return f"tracking_uri {redact_uri(uri)} has an invalid port ({exc})"
         if not parts.hostname:
             return f"tracking_uri {redact_uri(uri)} has no host"
     return None
@@ -187,9 +187,9 @@ def is_missing_resource(exc: BaseException) -> bool:
     return getattr(exc, "error_code", None) == "RESOURCE_DOES_NOT_EXIST"
 
 
-def first_line(exc: BaseException, limit: int = 300) -> str:
-    """``Type: first line of the message`` (URLs redacted), for one-line reports."""
-    text = redact_text(str(exc)).strip().splitlines()
+def first_line(exc: BaseException, limit: int = 300, secrets: tuple[str, ...] = ()) -> str:
+    """``Type: first line of the message`` (URLs and ``secrets`` redacted), for one-line reports."""
+    text = redact_text(str(exc), secrets).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:limit]}" if text else type(exc).__name__
 
 

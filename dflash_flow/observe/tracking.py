@@ -62,6 +62,7 @@ from .runinfo import (
     run_tags,
     sanitize_key,
     tag_values,
+    uri_secrets,
 )
 from .schema import metric, mlflow_metrics
 from .spool import SpoolFile
@@ -96,7 +97,7 @@ class SystemSample:
 
     cpu_percent: float = metric("system/cpu_percent", reduce="mean", doc="Host CPU use, %")
     memory_percent: float = metric("system/memory_percent", reduce="mean", doc="Host memory use, %")
-    memory_used_gb: float = metric("system/memory_used_gb", reduce="sum", doc="Host memory used, GiB")
+    memory_used_gb: float = metric("system/memory_used_gb", reduce="max", doc="Host memory used, GiB")
     process_rss_gb: float | None = metric("system/process_rss_gb", reduce="sum", default=None, doc="This process's resident memory, GiB")
     process_cpu_percent: float | None = metric("system/process_cpu_percent", reduce="sum", default=None, doc="This process's CPU use, % of one core")
 
@@ -151,6 +152,7 @@ class Tracker:
         self._writer_lock = threading.Lock()
         self._writer_warned = False
         self._spool_write_failed = False
+        self._secrets: tuple[str, ...] = ()
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -199,6 +201,7 @@ class Tracker:
         from mlflow import MlflowClient
 
         self.tracking_uri = resolve_tracking_uri(tracking_uri)
+        self._secrets = uri_secrets(self.tracking_uri)
         self.experiment = experiment
         self.spool_dir = Path(spool_dir) if spool_dir is not None else Path.cwd() / "mlflow-spool"
         self._client = MlflowClient(tracking_uri=self.tracking_uri)
@@ -322,7 +325,7 @@ class Tracker:
             except Exception as exc:  # a rejected write must not kill the writer; say it once
                 if not self._writer_warned:
                     self._writer_warned = True
-                    log.warning("MLflow write failed (later failures are not reported): %s", first_line(exc))
+                    log.warning("MLflow write failed (later failures are not reported): %s", first_line(exc, secrets=self._secrets))
             finally:
                 self._writes.task_done()
 
@@ -442,7 +445,7 @@ class Tracker:
                     if not is_transient_error(exc):
                         if op["op"] in RUN_OPS:
                             raise  # e.g. resuming a run that does not exist: a config error, say so
-                        log.warning("MLflow rejected a %s operation (dropped): %s", op["op"], first_line(exc))
+                        log.warning("MLflow rejected a %s operation (dropped): %s", op["op"], first_line(exc, secrets=self._secrets))
                         continue
                     self._enter_spool(ops[i:], exc)
                     return
@@ -462,7 +465,7 @@ class Tracker:
             "MLflow tracking at %s is unreachable (%s). Training continues; metrics are spooled "
             "to %s and sent when the store is back.",
             self.display_uri,
-            first_line(exc, 200),
+            first_line(exc, 200, self._secrets),
             self.spool_path,
         )
 
@@ -494,12 +497,12 @@ class Tracker:
                         log.error(
                             "MLflow rejected the spooled %s operation (%s); tracking stops, the spool stays in %s",
                             op["op"],
-                            first_line(exc),
+                            first_line(exc, secrets=self._secrets),
                             self.spool_path,
                         )
                         self._retry_at = float("inf")
                         return
-                    log.warning("MLflow rejected a spooled %s operation (dropped): %s", op["op"], first_line(exc))
+                    log.warning("MLflow rejected a spooled %s operation (dropped): %s", op["op"], first_line(exc, secrets=self._secrets))
                 for _ in group:
                     SpoolFile.discard(self._pending.popleft())
                     sent += 1

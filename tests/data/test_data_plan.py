@@ -277,18 +277,3 @@ def test_rank_aware_order_caps_each_ranks_runs(world):
     assert planner.plan(1, world_size=world).check_state(state) == 10
     with pytest.raises(ValueError, match="world_size"):
         glob.check_state(state)
-
-
-def test_batch_stats_agree_with_the_plan(plan):
-    from dflash_flow.data.stats import BatchStats
-
-    st_ = BatchStats()
-    for m in plan.metas():
-        st_.observe(m)
-    d = st_.as_dict()
-    assert d["batches"] == len(plan) and d["samples"] == plan.lengths.size
-    assert d["padding_efficiency"] == pytest.approx(padding_efficiency(plan.metas()))
-    assert d["max_same_bucket_run"] == max_same_bucket_run(plan.buckets)
-    assert d["seq_len_max"] == int(plan.lengths.max())
-    assert d["seq_len_mean"] == pytest.approx(plan.lengths.mean())
-    assert sum(v for k, v in d.items() if k.startswith("bucket_")) == len(plan)

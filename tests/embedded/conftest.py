@@ -21,7 +21,7 @@ def target(target_dir):
     """(model, tokenizer) of the shipped target, float32, eval mode, one thread (shared CI cores)."""
     import torch
 
-    from dflash_flow.embedded.train_target import load_target
+    from dflash_flow.embedded.train_target import load_model_and_tokenizer
 
     torch.set_num_threads(1)
-    return load_target(target_dir)
+    return load_model_and_tokenizer(target_dir)

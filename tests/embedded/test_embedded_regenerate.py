@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from dflash_flow.embedded.corpus import make_split
 from dflash_flow.data.chat import prompt_turns
+from dflash_flow.embedded.corpus import make_split
 from dflash_flow.embedded.regenerate import read_prompts, regenerate, scan_output
 from dflash_flow.model.speculative import greedy_continuations
 

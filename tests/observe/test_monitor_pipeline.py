@@ -1,5 +1,6 @@
 """The Monitor inside a real pipeline: a deliberately slow stage is named as the bottleneck, with the
-replicas it would need, and the run's metrics reach a real MLflow store."""
+replicas it would need; the run's structured record reaches a real MLflow store under the one schema;
+the Monitor itself writes nothing at the end (the end-of-run report does)."""
 
 from __future__ import annotations
 
@@ -9,54 +10,168 @@ from pathlib import Path
 import attrs
 
 from dflash_flow.core import Graph, Pipeline, Stage, register_stage
-from dflash_flow.items import StepReport
+from dflash_flow.items import EvalReport, StepReport
+from dflash_flow.observe.record import RunRecord
+from dflash_flow.observe.report import summary_table, write_run_report
+from dflash_flow.services import RunServices
 from dflash_flow.stages.generic import Delay, Range
 from dflash_flow.stages.monitor import Monitor
+
+POSITIONS = 3
 
 
 @register_stage("TestStepReporter")
 @attrs.define(kw_only=True, eq=False)
 class StepReporter(Stage):
-    output_type = StepReport
+    """A stand-in trainer: a step report per item (with per-position accuracies), a counted metric,
+    a labeled bucket count like the Interleaver's, and a final report naming an artifact."""
+
+    count: int = 60
+    output_type = object  # StepReport and, at the end, an EvalReport
+    cardinality = "1:n"
+
+    def setup(self, ctx) -> None:
+        self._buckets = ctx.metrics.labeled("bucket_dispatch", "batches", "per bucket")
+        self._tokens = ctx.metrics.counter("tokens", "tokens", "tokens")
+        self._wait = ctx.metrics.summary("step_s", "s", "step time")
 
     def process(self, item: int):
-        return (StepReport(step=item + 1, epoch=0, meta=None, metrics={"loss": 1.0 / (item + 1)}),)
+        self._buckets.inc(128 if item % 3 else 512)
+        self._tokens.inc(100)
+        self._wait.observe(0.001 * (item % 5))
+        metrics = {"loss": 1.0 / (item + 1), "tokens_per_s": 1000.0, "total_steps": float(self.count)}
+        metrics.update({f"accuracy_pos{k}": 0.5 for k in range(1, POSITIONS + 1)})
+        out = [StepReport(step=item + 1, epoch=0, meta=None, metrics=metrics)]
+        if item + 1 == self.count:
+            out.append(StepReport(step=item + 1, epoch=0, meta=None, final=True, artifacts={"drafter": "/tmp/drafter"}))
+            out.append(EvalReport(name="val", metrics={"tau": 2.5, "val_loss": 0.7}))
+        return out
 
 
-def _graph(tmp_path: Path) -> Graph:
+def _graph(tmp_path: Path, names: tuple[str, str, str] = ("numbers", "fast", "slow")) -> Graph:
+    src, fast, slow = names
     g = Graph(name="bottleneck", output_dir=str(tmp_path / "out"))
-    g.add("numbers", Range(count=60, service_s=0.002))
-    g.add("fast", Delay(service_s=0.002), inputs="numbers", replicas=2)
-    g.add("slow", Delay(service_s=0.03), inputs="fast")  # the deliberately slow stage
-    g.add("report", StepReporter(), inputs="slow")
+    g.add(src, Range(count=60, service_s=0.002))
+    g.add(fast, Delay(service_s=0.002), inputs=src, replicas=2)
+    g.add(slow, Delay(service_s=0.03), inputs=fast)  # the deliberately slow stage
+    g.add("report", StepReporter(), inputs=slow)
     g.add("monitor", Monitor(interval_s=0.3, progress=False), inputs="report")
     return g
 
 
-def test_slow_stage_is_named_the_bottleneck(tmp_path: Path) -> None:
-    Pipeline(_graph(tmp_path)).run()
-    summary = json.loads((tmp_path / "out" / "monitor" / "summary.json").read_text())
-    verdict = summary["bottleneck"]
-    assert verdict["stage"] == "slow"
-    assert verdict["replicas_needed"] >= 2
-    assert "slow" in verdict["sentence"]
+def test_slow_stage_is_named_the_bottleneck_and_nothing_written_at_teardown(tmp_path: Path) -> None:
+    services = RunServices()
+    Pipeline(_graph(tmp_path), services=services).run()
+    assert not (tmp_path / "out" / "monitor").exists(), "the Monitor must leave the end of run to the application"
+    record = services.record
+    verdict = record.bottleneck
+    assert verdict.stage == "slow" and verdict.replicas_needed >= 2 and "slow" in verdict.sentence
+    assert record.step == 60 and record.total_steps == 60 and record.artifacts == {"drafter": "/tmp/drafter"}
+    assert record.evals == {"val": {"tau": 2.5, "val_loss": 0.7}}
+    assert len(record.history.train) == 60 and "accuracy_pos1" not in record.history.train.columns
+    closing = record.history.samples[-1]
+    assert closing.whole_run and not any(s.whole_run for s in record.history.samples[:-1])
+    slow = closing.stages["slow"]
+    assert slow.items_out == 60 and slow.busy > 0.5 and slow.per_replica[0].queue_capacity == 8
+    assert closing.stages["fast"].replicas == 2 and len(closing.stages["fast"].per_replica) == 2
+    report = closing.stages["report"]
+    assert report.counters["tokens"] == 6000 and report.summaries["step_s"].count == 60
+    assert closing.buckets["128"].dispatched == 40 and closing.buckets["512"].dispatched == 20
+    windows = [s for s in record.history.samples if not s.whole_run]
+    assert windows and all(s.train.keys() <= {f"accuracy_pos{k}" for k in range(1, POSITIONS + 1)} for s in windows)
+
+    files = write_run_report(record, output_dir=tmp_path / "out", plots=False)
+    summary = json.loads(files.summary.read_text())
+    assert summary["bottleneck"]["stage"] == "slow" and summary["artifacts"] == {"drafter": "/tmp/drafter"}
+    assert summary["stage_load"]["slow"]["items_out"] == 60
+    table = summary_table(record)
+    assert "slow is the bottleneck" in table.replace("\n", " ") or "slow" in table
+    assert "val" in table and "/tmp/drafter" in table
 
 
-def test_monitor_metrics_reach_mlflow(tmp_path: Path) -> None:
+def test_monitor_metrics_reach_mlflow_under_the_schema(tmp_path: Path) -> None:
     from mlflow import MlflowClient
 
     from dflash_flow.observe.tracking import Tracker
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     tracker = Tracker.start(tracking_uri=uri, experiment="monitor", run_name="m", params={"a": 1}, spool_dir=tmp_path / "spool")
-    Pipeline(_graph(tmp_path), services={"tracker": tracker}).run()
+    services = RunServices(tracker=tracker)
+    Pipeline(_graph(tmp_path), services=services).run()
+    files = write_run_report(services.record, output_dir=tmp_path / "out", tracker=tracker)
     tracker.end("FINISHED")
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(tracker.run_id)
+    rid = run.info.run_id
     assert run.info.status == "FINISHED"
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == list(range(1, 61))
-    depth = client.get_metric_history(run.info.run_id, "queue/slow/0/depth")
+    assert [m.step for m in client.get_metric_history(rid, "train/loss")] == list(range(1, 61))
+    keys = set(run.data.metrics)
+    assert "train/total_steps" not in keys
+    depth = client.get_metric_history(rid, "stage/slow/replica/0/queue_depth")
     assert depth and max(m.value for m in depth) <= 8  # bounded by the default capacity
-    assert client.get_metric_history(run.info.run_id, "stage/slow/busy_frac")
-    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
-    assert "plots/loss.png" in artifacts
+    for key in (
+        "stage/slow/busy_frac",
+        "stage/slow/blocked_in_frac",
+        "stage/fast/replica/1/busy_frac",
+        "stage/slow/items_out",
+        "stage/slow/items_out_per_s",
+        "stage/report/metric/tokens",
+        "stage/report/rate/tokens",
+        "stage/report/metric/step_s/mean",
+        "stage/report/metric/step_s/max",
+        "stage/report/metric/bucket_dispatch/128",
+        "stage/monitor/metric/samples",
+        "bucket/128/dispatched",
+        "bucket/512/share",
+        "train/accuracy_pos1",
+        "throughput/tokens_per_s",
+        "bottleneck/busy",
+        "bottleneck/replicas_needed",
+        "eval/val/tau",
+    ):
+        assert key in keys, key
+    pos = client.get_metric_history(rid, "train/accuracy_pos2")
+    assert 1 <= len(pos) < 60  # windowed: one mean per sample, not one per step
+    share = {m.step: m.value for m in client.get_metric_history(rid, "bucket/512/share")}
+    assert all(0.0 <= v <= 1.0 for v in share.values())
+    artifacts = {a.path for a in client.list_artifacts(rid, "plots")}
+    assert {"plots/loss.png", "plots/queue_depths.png", "plots/bucket_mix.png"} <= artifacts
+    assert set(files.plots) >= {"loss", "queue_depths", "bucket_mix", "throughput", "stage_load"}
+    assert {a.path for a in client.list_artifacts(rid, "monitor")} == {"monitor/summary.json", "monitor/history.json"}
+    assert run.data.tags["bottleneck"] == "slow"
+
+
+def test_unicode_and_odd_stage_names_do_not_collide(tmp_path: Path) -> None:
+    """Two non-ASCII stage names (which once both became ``_``) keep separate metrics in MLflow."""
+    from mlflow import MlflowClient
+
+    from dflash_flow.observe.tracking import Tracker
+
+    names = ("données", "数据", "a-b_c")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    tracker = Tracker.start(tracking_uri=uri, experiment="names", spool_dir=tmp_path / "spool", system_metrics=False)
+    services = RunServices(tracker=tracker)
+    Pipeline(_graph(tmp_path, names), services=services).run()
+    tracker.end("FINISHED")
+    client = MlflowClient(tracking_uri=uri)
+    metrics = client.get_run(tracker.run_id).data.metrics
+    for name in names:
+        assert f"stage/{name}/items_out" in metrics, sorted(metrics)
+    assert metrics["stage/données/items_out"] == 60
+    assert metrics["stage/数据/replica/1/busy_frac"] >= 0.0  # two replicas, each its own series
+    assert metrics["stage/a-b_c/items_out"] == 60
+    assert services.record.bottleneck.stage == "a-b_c"
+    assert not any(k.startswith("stage/_/") for k in metrics)
+
+
+def test_monitor_in_a_pipeline_built_without_services(tmp_path: Path) -> None:
+    """A pipeline built in Python without the application: the Monitor works on a record of its own."""
+    g = Graph(name="plain", output_dir=str(tmp_path / "out"))
+    g.add("numbers", Range(count=20, service_s=0.001))
+    g.add("report", StepReporter(count=20), inputs="numbers")
+    g.add("monitor", Monitor(interval_s=0.05, progress=False, plots=False), inputs="report")
+    pipe = Pipeline(g)
+    pipe.run()
+    record = pipe.replicas["monitor"][0].stage._record
+    assert isinstance(record, RunRecord) and record.step == 20 and not record.plots
+    assert record.history.samples[-1].whole_run

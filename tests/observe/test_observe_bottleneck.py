@@ -2,13 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_flow.observe.bottleneck import (
-    StageLoad,
-    find_bottleneck,
-    loads_from_flat,
-    replicas_needed,
-    window_fractions,
-)
+from dflash_flow.observe.bottleneck import StageLoad, find_bottleneck, replicas_needed
+from dflash_flow.observe.schema import mlflow_metrics
 
 # A typical CPU run: the padder (1 replica) is saturated, the bucketer upstream waits to hand it
 # batches, the trainer downstream waits for its output.
@@ -29,7 +24,7 @@ def test_names_the_saturated_middle_stage_and_replicas_needed():
     assert b.replicas_needed == 3
     assert "padder is the bottleneck" in b.sentence and "3 replicas" in b.sentence
     assert "trainer 55% starved" in b.sentence and "bucketer 70% blocked on output" in b.sentence
-    assert b.as_metrics()["bottleneck/replicas_needed"] == 3.0
+    assert mlflow_metrics(b) == {"busy": 0.96, "replicas": 1.0, "replicas_needed": 3.0, "next_busy": 0.45, "saturated": 1.0}
 
 
 def test_replicas_needed_definition():
@@ -82,34 +77,3 @@ def test_empty_and_stageload_inputs():
 def test_out_of_range_fractions_are_clipped():
     b = find_bottleneck({"a": {"replicas": 1, "busy": 1.7}, "b": {"replicas": 1, "busy": float("nan")}})
     assert b.busy == 1.0 and b.next_busy == 0.0
-
-
-def test_loads_from_flat_averages_replicas():
-    flat = {
-        "stage/padder/0/busy_frac": 0.9,
-        "stage/padder/1/busy_frac": 0.7,
-        "stage/padder/0/blocked_in_frac": 0.1,
-        "stage/padder/1/blocked_in_frac": 0.3,
-        "stage/trainer/0/busy_frac": 0.5,
-        "stage/trainer/0/items_out": 12.0,
-        "channel/padder/0/depth": 3.0,
-    }
-    loads = loads_from_flat(flat)
-    assert loads["padder"] == pytest.approx(
-        {"replicas": 2, "busy": 0.8, "blocked_in": 0.2, "blocked_out": 0.0}
-    )
-    assert loads["trainer"]["replicas"] == 1 and loads["trainer"]["busy"] == 0.5
-
-
-def test_window_fractions_from_cumulative_times():
-    prev = {"padder": [{"busy_s": 1.0, "blocked_in_s": 0.5, "blocked_out_s": 0.0}]}
-    cur = {
-        "padder": [
-            {"busy_s": 2.8, "blocked_in_s": 0.7, "blocked_out_s": 0.0},
-            {"busy_s": 1.0, "blocked_in_s": 1.0, "blocked_out_s": 0.0},  # new replica, counts from 0
-        ]
-    }
-    fr = window_fractions(prev, cur, elapsed_s=2.0)
-    assert fr["padder"]["replicas"] == 2
-    assert fr["padder"]["busy"] == pytest.approx((0.9 + 0.5) / 2)
-    assert fr["padder"]["blocked_in"] == pytest.approx((0.1 + 0.5) / 2)

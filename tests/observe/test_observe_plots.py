@@ -1,3 +1,5 @@
+"""Plots read the structured history: real PNGs, series picked from typed fields, nothing parsed."""
+
 from __future__ import annotations
 
 import math
@@ -6,17 +8,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
+from samples_for_tests import full_sample, run_history
 
 from dflash_flow.observe.plots import (
-    append_history,
     bucket_mix,
+    loss_series,
     plot_bucket_mix,
     plot_loss,
     plot_queue_depths,
     plot_throughput,
+    queue_depth_series,
     write_plots,
 )
+from dflash_flow.observe.record import History, TrainSeries
+from dflash_flow.observe.sample import BucketSample
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,73 +37,73 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-def full_history() -> dict:
-    h: dict = {}
-    q_pre = [43, 50, 28, 31, 25, 39]  # the seed team's per-replica view
-    for step in range(0, 200, 10):
-        m = {
-            "train/loss": 5.0 * math.exp(-step / 80) + 0.5,
-            "eval/val_loss": 5.5 * math.exp(-step / 90) + 0.6 if step % 50 == 0 else float("nan"),
-            "throughput/tokens_per_s": 12000 + 50 * step,
-            "throughput/samples_per_s": 40 + step / 10,
-            "bucket/128/dispatched": 3 * step,  # cumulative counters
-            "bucket/512/dispatched": step,
-            "bucket/2048/dispatched": step // 2,
-        }
-        for r, q in enumerate(q_pre):
-            m[f"channel/padder/{r}/depth"] = (q + step) % 64
-        append_history(h, m, step)
-    return h
-
-
 def test_write_plots_makes_valid_pngs(tmp_path):
-    made = write_plots(full_history(), tmp_path / "plots")
-    assert set(made) == {"loss", "throughput", "queue_depths", "bucket_mix"}
+    made = write_plots(run_history(), tmp_path / "plots")
+    assert set(made) == {"loss", "throughput", "queue_depths", "bucket_mix", "stage_load"}
     for name, path in made.items():
         assert path == tmp_path / "plots" / f"{name}.png"
-        w, h = png_size(path)
-        assert (w, h) == (800, 450)
+        assert png_size(path) == (800, 450)
         assert path.stat().st_size > 5000, f"{name} looks empty"
 
 
+def test_series_come_from_typed_fields():
+    h = run_history()
+    loss = loss_series(h)
+    assert set(loss) == {"loss", "eval val val_loss"}  # "tau" is not a loss; "tokens_per_s" neither
+    assert loss["eval val val_loss"] == [(50, 2.0), (150, 1.0)]
+    depths = queue_depth_series(h)
+    assert set(depths) == {f"padder[{i}]" for i in range(6)}  # target is a source: no queue
+    assert depths["padder[0]"][:2] == [(0, 43.0), (10, 53.0)]
+
+
 def test_missing_series_are_skipped(tmp_path):
-    h = {"train/loss": [(0, 2.0), (1, 1.5)], "unrelated": [(0, 1.0)], "throughput/tokens_per_s": []}
+    h = History()
+    h.train.append(0, {"loss": 2.0})
+    h.train.append(1, {"loss": 1.5, "unrelated": 1.0})
     made = write_plots(h, tmp_path)
     assert set(made) == {"loss"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loss.png"]
-    assert write_plots({}, tmp_path / "none") == {}
+    assert write_plots(History(), tmp_path / "none") == {}
     assert plot_throughput(h, tmp_path / "t.png") is None
-    assert plot_queue_depths({"x/depth": [(0, float("nan"))]}, tmp_path / "q.png") is None
-    assert plot_bucket_mix({}, tmp_path / "b.png") is None
+    assert plot_queue_depths(h, tmp_path / "q.png") is None
+    assert plot_bucket_mix(h, tmp_path / "b.png") is None
 
 
-def test_explicit_keys_and_single_series(tmp_path):
-    h = {"my_tps": [(1, 10.0), (2, 12.0)], "lossy": [(0, 1.0), (1, 0.5), (2, "bad")]}
-    assert png_size(plot_throughput(h, tmp_path / "t.png", keys=["my_tps"])) == (800, 450)
-    assert png_size(plot_loss(h, tmp_path / "l.png", keys=["lossy", "absent"])) == (800, 450)
+def test_nan_points_are_dropped_and_a_closing_sample_is_not_a_window(tmp_path):
+    series = TrainSeries()
+    series.append(0, {"loss": float("nan")})
+    series.append(1, {"loss": 1.0})
+    series.append(2, {"loss": 0.5, "lr": 1e-3})
+    assert series.series("loss") == [(1, 1.0), (2, 0.5)]
+    assert math.isnan(series.columns["lr"][0]) and len(series.columns["lr"]) == 3
+    h = History(train=series, samples=[attrs.evolve(full_sample(5), whole_run=True)])
+    assert queue_depth_series(h) == {} and bucket_mix(h) == ([], {})
+    assert png_size(plot_loss(h, tmp_path / "l.png")) == (800, 450)
 
 
-def test_bucket_mix_shares_from_cumulative_and_window_counts():
-    steps, shares = bucket_mix(full_history())
-    assert steps[0] == 10 and len(steps) == 19  # step 0: counters still 0, nothing to mix
-    assert list(shares) == ["128", "512", "2048"]  # natural order
-    i = steps.index(100)
-    assert shares["128"][i] == pytest.approx(30 / 45)  # per-window: 30 vs 10 vs 5 dispatches
-    assert shares["2048"][i] == pytest.approx(5 / 45)
+def test_bucket_mix_from_window_shares():
+    steps, shares = bucket_mix(run_history())
+    assert len(steps) == 20 and list(shares) == ["128", "512", "2048"]  # natural order
+    assert shares["128"][3] == pytest.approx(30 / 45) and shares["2048"][3] == pytest.approx(5 / 45)
     for j in range(len(steps)):
         assert sum(s[j] for s in shares.values()) == pytest.approx(1.0)
-    # window counts (not cumulative) are used as they are
-    steps, shares = bucket_mix({"bucket/a/count": [(0, 1), (1, 3)], "bucket/b/count": [(0, 3), (1, 1)]})
-    assert shares["a"] == pytest.approx([0.25, 0.75])
-    _, shares = bucket_mix(
-        {"bucket/a/count": [(0, 1), (1, 3)], "bucket/b/count": [(0, 3), (1, 3)]}, cumulative=False
+    # A window without dispatches has no share: left out. A bucket absent from a window counts 0.
+    h = History(
+        samples=[
+            attrs.evolve(full_sample(1), buckets={"a": BucketSample(1.0, None)}),
+            attrs.evolve(full_sample(2), buckets={"a": BucketSample(2.0, 1.0)}),
+            attrs.evolve(full_sample(3), buckets={"a": BucketSample(2.0, 0.25), "b": BucketSample(3.0, 0.75)}),
+        ]
     )
-    assert shares["a"] == pytest.approx([0.25, 0.5])
-    _, shares = bucket_mix({"bucket/a/count": [(0, 1), (1, 3)], "bucket/b/count": [(0, 3), (1, 3)]})
-    assert shares["a"] == pytest.approx([0.25, 1.0])  # both non-decreasing: running counters
+    steps, shares = bucket_mix(h)
+    assert steps == [2.0, 3.0] and shares == {"a": [1.0, 0.25], "b": [0.0, 0.75]}
 
 
-def test_importing_plots_does_not_import_matplotlib():
-    code = "import sys, dflash_flow.observe.plots, dflash_flow.observe.progress, dflash_flow.observe.bottleneck; print('matplotlib' in sys.modules, 'mlflow' in sys.modules)"
+def test_importing_observe_does_not_import_heavy_libraries():
+    code = (
+        "import sys, dflash_flow.observe.plots, dflash_flow.observe.progress, dflash_flow.observe.bottleneck, "
+        "dflash_flow.observe.report, dflash_flow.observe.record, dflash_flow.observe.tracking, dflash_flow.services; "
+        "print(*[m in sys.modules for m in ('matplotlib', 'mlflow', 'rich', 'psutil')])"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert out.stdout.strip() == "False False", out.stderr
+    assert out.stdout.strip() == "False False False False", out.stderr

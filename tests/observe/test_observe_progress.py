@@ -1,8 +1,14 @@
+"""Progress on rich: a live line on a terminal, plain periodic lines in a log; tables as strings."""
+
 from __future__ import annotations
 
 import io
+import re
 
-from dflash_flow.observe.progress import ProgressPrinter, format_duration, format_rate, summary_table
+from dflash_flow.observe.console import render_table
+from dflash_flow.observe.progress import ProgressBar, ProgressPrinter, format_duration, format_rate
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 class TtyStream(io.StringIO):
@@ -20,6 +26,12 @@ class Clock:
         return self.t
 
 
+def frames(text: str) -> list[str]:
+    """The successive states of a live line: rich erases the line ("\\r" + erase) before each redraw."""
+    plain = ANSI.sub("", text.replace("\r\x1b[2K", "\r"))
+    return [f for f in plain.split("\r") if f]
+
+
 def test_tty_updates_one_line_in_place():
     out, clock = TtyStream(), Clock()
     p = ProgressPrinter(out, total_steps=100, interval_s=30, tty_interval_s=0.5, width=200, clock=clock)
@@ -29,28 +41,27 @@ def test_tty_updates_one_line_in_place():
     assert not p.update(1, loss=2.4)  # rate-limited: no redraw within tty_interval_s
     clock.t += 10.0
     assert p.update(50, epoch=1, tokens_per_s=950.0, loss=1.25, bottleneck="trainer")
+    assert "\n" not in out.getvalue(), "a live line never moves down while it updates"
     p.close()
     text = out.getvalue()
-    assert "\n" not in text[:-1] and text.endswith("\n"), "a tty gets one line rewritten with \\r"
-    frames = text.rstrip("\n").split("\r")[1:]
-    assert frames[0] == "step 0/100 | epoch 0 | 12.3k tok/s | loss 2.5000 | ETA ? | bottleneck padder"
-    # 50 steps in 10.1 s -> 50 more steps take ~10 s; the shorter line pads over the longer one.
-    assert (
-        frames[1].rstrip() == "step 50/100 | epoch 1 | 950 tok/s | loss 1.2500 | ETA 10s | bottleneck trainer"
-    )
-    assert len(frames[1]) >= len(frames[0])
+    shown = frames(text)
+    assert shown[0] == "step 0/100 | epoch 0 | 12.3k tok/s | loss 2.5000 | ETA ? | bottleneck padder"
+    # 50 steps in 10.1 s -> 50 more steps take ~10 s.
+    assert shown[1] == "step 50/100 | epoch 1 | 950 tok/s | loss 1.2500 | ETA 10s | bottleneck trainer"
+    assert shown[-1].rstrip("\n") == shown[1], "close leaves the last state on screen"
+    assert ANSI.sub("", text).endswith("\n")
 
 
 def test_tty_line_is_cut_to_terminal_width_and_messages_keep_the_line():
     out, clock = TtyStream(), Clock()
     p = ProgressPrinter(out, total_steps=10, width=30, clock=clock)
     p.update(1, loss=1.0, bottleneck="a-very-long-stage-name")
-    assert all(len(f) <= 29 for f in out.getvalue().split("\r"))
+    assert all(len(f) <= 30 for f in frames(out.getvalue()))
     p.message("eval: acceptance 3.2")
-    assert "eval: acceptance 3.2\n" in out.getvalue()
-    assert out.getvalue().endswith(out.getvalue().split("\n")[-1]) and out.getvalue().split("\n")[
-        -1
-    ].startswith("step 1/10")
+    text = ANSI.sub("", out.getvalue())
+    assert "eval: acceptance 3.2\n" in text
+    assert text.split("\n")[-1].replace("\r", "").startswith("step 1/10"), "the line is redrawn below the message"
+    p.close()
 
 
 def test_non_tty_prints_plain_periodic_lines():
@@ -60,12 +71,21 @@ def test_non_tty_prints_plain_periodic_lines():
     for step in range(0, 100):
         clock.t += 1.0
         p.update(step, epoch=0, samples_per_s=8.0, loss=3.0 - step / 100)
+    p.message("eval val: tau 2.5")
     p.close()
     lines = out.getvalue().splitlines()
-    assert "\r" not in out.getvalue()
-    assert len(lines) == 4  # steps 0, 30, 60, 90 (one line per 30 s of a 100 s run)
+    assert "\r" not in out.getvalue() and "\x1b" not in out.getvalue()
+    assert len(lines) == 5  # steps 0, 30, 60, 90 (one line per 30 s of a 100 s run) and the message
     assert lines[0] == "[    0s] step 0 | epoch 0 | 8.0 samples/s | loss 3.0000"
     assert lines[1] == "[   30s] step 30 | epoch 0 | 8.0 samples/s | loss 2.7000"
+    assert lines[-1] == "eval val: tau 2.5"
+
+
+def test_log_lines_are_never_wrapped_or_marked_up():
+    out, clock = io.StringIO(), Clock()
+    p = ProgressPrinter(out, total_steps=None, interval_s=1, clock=clock)
+    p.update(1, bottleneck="[bold]stage-" + "x" * 200 + "[/bold] :smile:")
+    assert out.getvalue() == "[    0s] step 1 | bottleneck [bold]stage-" + "x" * 200 + "[/bold] :smile:\n"
 
 
 def test_force_and_close_are_idempotent():
@@ -80,6 +100,57 @@ def test_force_and_close_are_idempotent():
     assert out.getvalue().splitlines()[-1] == "[    3s] step 4/4 | ETA 0s"
 
 
+def test_progress_bar_plain_lines_rates_and_resume_offset():
+    out, clock = io.StringIO(), Clock()
+    bar = ProgressBar(40, "regenerate", "rec", done=4, stream=out, interval_s=5.0, clock=clock)
+    assert not bar.tty
+    for _ in range(9):
+        clock.t += 2.0
+        bar.update(4, tok=100)
+    bar.close()
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert lines == [
+        "regenerate [####--------------------] 8/40  20% | 2.0 rec/s | 50.0 tok/s | 2s elapsed, ETA 16s",
+        "regenerate [############------------] 20/40  50% | 2.0 rec/s | 50.0 tok/s | 8s elapsed, ETA 10s",
+        "regenerate [###################-----] 32/40  80% | 2.0 rec/s | 50.0 tok/s | 14s elapsed, ETA 4s",
+        "regenerate [########################] 40/40 100% | 2.0 rec/s | 50.0 tok/s | 18s elapsed, ETA 0s",
+    ], "the resumed 4 count toward done, not toward the rate; completion is always shown, once"
+    assert bar.done == 40
+
+
+def test_progress_bar_close_shows_an_unfinished_state_and_disabled_prints_nothing():
+    out, clock = io.StringIO(), Clock()
+    bar = ProgressBar(10, unit="items", stream=out, interval_s=60, clock=clock)
+    clock.t += 1
+    bar.update(2)
+    clock.t += 1
+    bar.update(3)  # within the interval: not shown now
+    bar.close()
+    assert out.getvalue().splitlines() == [
+        "[####--------------------] 2/10  20% | 2.0 items/s | 1s elapsed, ETA 4s",
+        "[############------------] 5/10  50% | 2.5 items/s | 2s elapsed, ETA 2s",
+    ]
+    quiet = io.StringIO()
+    off = ProgressBar(3, "x", stream=quiet, enabled=False, clock=clock)
+    off.update(3)
+    off.close()
+    assert quiet.getvalue() == "" and off.done == 3
+
+
+def test_progress_bar_on_a_terminal_is_one_live_line():
+    out, clock = TtyStream(), Clock()
+    bar = ProgressBar(4, "regenerate", "rec", stream=out, width=120, tty_interval_s=0.0, clock=clock)
+    for _ in range(4):
+        clock.t += 1
+        bar.update(1)
+    assert "\n" not in out.getvalue()
+    bar.close()
+    shown = frames(out.getvalue())
+    assert shown[0].startswith("regenerate ") and "1/4  25% | 1.0 rec/s" in shown[0]
+    assert "4/4 100%" in shown[-1] and out.getvalue().count("\n") == 1
+
+
 def test_formatters():
     assert format_duration(75) == "1m15s"
     assert format_duration(3725) == "1h02m"
@@ -87,18 +158,19 @@ def test_formatters():
     assert format_rate(12345) == "12.3k" and format_rate(2.5e6) == "2.50M" and format_rate(3.14159) == "3.1"
 
 
-def test_summary_table_aligns_columns():
+def test_render_table_aligns_numbers_right():
     rows = [
         {"stage": "source", "replicas": 1, "items": 1200, "busy": 0.1},
         {"stage": "padder", "replicas": 3, "items": 1200, "busy": 0.955, "note": "bottleneck"},
     ]
-    t = summary_table(rows, title="Stages")
-    assert t.splitlines() == [
-        "Stages",
-        "stage   replicas  items   busy  note",
-        "------  --------  -----  -----  ----------",
-        "source         1  1,200    0.1",
-        "padder         3  1,200  0.955  bottleneck",
-    ]
-    assert summary_table([("loss", 1.5), ("steps", 10)]).splitlines() == ["loss   1.5", "steps   10"]
-    assert summary_table([]) == ""
+    t = render_table(rows, title="Stages").splitlines()
+    assert t[0] == "Stages"
+    header = next(ln for ln in t if ln.startswith("stage"))
+    assert header.split() == ["stage", "replicas", "items", "busy", "note"]
+    padder = next(ln for ln in t if ln.startswith("padder"))
+    source = next(ln for ln in t if ln.startswith("source"))
+    assert padder.split() == ["padder", "3", "1,200", "0.955", "bottleneck"]
+    assert source.index("0.1") + 3 == padder.index("0.955") + 5, "numbers are right-aligned"
+    plain = render_table([("loss", 1.5), ("steps", 10)]).splitlines()
+    assert [ln.split() for ln in plain] == [["loss", "1.5"], ["steps", "10"]]
+    assert render_table([]) == ""

@@ -14,18 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
-from dflash_flow.observe.tracking import (
-    MAX_PARAM_VAL_LENGTH,
-    Tracker,
-    flatten_params,
-    import_spool,
-    main,
-    read_spool,
-    resolve_tracking_uri,
-    run_tags,
-    status_for_exception,
-)
+from dflash_flow.cli import app
+from dflash_flow.observe.runinfo import MAX_PARAM_VAL_LENGTH, flatten_params, redact_uri, run_tags
+from dflash_flow.observe.spool import SpoolError, import_spool, read_spool
+from dflash_flow.observe.store import check_tracking_uri, resolve_tracking_uri
+from dflash_flow.observe.tracking import Tracker, TrackingError, status_for_exception
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,7 +53,11 @@ def test_flatten_params_dotted_keys_lists_and_truncation():
     assert flat["train.optimizer.betas"] == "[0.9, 0.95]"
     assert flat["train.lr"] == "0.0003"
     assert len(flat["long"]) == MAX_PARAM_VAL_LENGTH and flat["long"].endswith("[truncated]")
-    assert flatten_params({"bad key!": {"é": 1}}) == {"bad key_._": "1"}
+    assert flatten_params({"bad key!": {"é": 1}}) == {"bad key_.é": "1"}
+    uri = "http://alice:s3cret@mlflow.example:5000/api?token=abc&x=1"
+    assert flatten_params({"tracking": {"tracking_uri": uri}}) == {
+        "tracking.tracking_uri": "http://***@mlflow.example:5000/api?token=***&x=***"
+    }
 
 
 def test_resolve_tracking_uri_plain_path_and_passthrough(tmp_path):
@@ -272,8 +271,10 @@ def test_unreachable_store_spools_with_one_warning_then_import(sqlite_uri, tmp_p
     ops = [o["op"] for o in read_spool(path)]
     assert ops[:2] == ["meta", "create_run"] and ops[-1] == "end" and ops.count("metrics") == 30
 
-    assert main(["import-spool", str(path), "--tracking-uri", sqlite_uri]) == 0
-    assert not path.exists()
+    result = CliRunner().invoke(app, ["import-spool", str(path), "--tracking-uri", sqlite_uri])
+    assert result.exit_code == 0, result.output
+    assert f"imported {path} into run" in result.output
+    assert not path.exists() and not (path.parent / f"{path.stem}-artifacts").exists()
     c = client_for(sqlite_uri)
     exp = c.get_experiment_by_name("observe-offline")
     (run,) = c.search_runs([exp.experiment_id])
@@ -282,7 +283,7 @@ def test_unreachable_store_spools_with_one_warning_then_import(sqlite_uri, tmp_p
     assert sorted(m.step for m in c.get_metric_history(run.info.run_id, "loss")) == list(range(30))
     got = c.download_artifacts(run.info.run_id, "notes/note.txt", str(tmp_path / "dl"))
     assert Path(got).read_text() == "kept"
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(SpoolError, match="no such spool file"):
         import_spool(path, sqlite_uri)  # already imported and removed
 
 
@@ -318,3 +319,164 @@ def test_disabled_tracking_is_a_noop_and_imports_nothing(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "RESULT None False False []"
+
+
+# ------------------------------------------------------------------ reliability: redaction, pre-flight, import
+
+
+def closed_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]  # closed again: connections to it are refused
+
+
+def test_redact_uri():
+    assert redact_uri("http://user:pass@host:5000/x") == "http://***@host:5000/x"
+    assert redact_uri("https://tok3n@host/") == "https://***@host/"
+    assert redact_uri("https://host/api?token=abc&sig=1") == "https://host/api?token=***&sig=***"
+    assert redact_uri("postgresql://u:p@db/mlflow") == "postgresql://***@db/mlflow"
+    for plain in ("sqlite:///tmp/a.db", "http://127.0.0.1:5000", "/tmp/mlflow.db", "databricks"):
+        assert redact_uri(plain) == plain
+
+
+def test_check_tracking_uri_names_the_unusable_path(tmp_path):
+    assert check_tracking_uri(tmp_path / "new" / "deeper" / "mlflow.db") is None  # creatable, nothing created
+    assert not (tmp_path / "new").exists()
+    assert check_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db") is None
+    assert check_tracking_uri("sqlite:///:memory:") is None
+    assert check_tracking_uri("http://127.0.0.1:5000") is None
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    reason = check_tracking_uri(f"sqlite:///{blocker}/sub/mlflow.db")
+    assert reason == f"cannot create tracking database {blocker}/sub/mlflow.db: {blocker} is not a directory"
+    assert "is a directory" in check_tracking_uri(f"sqlite:///{tmp_path}")
+    # /sys refuses new files even to root (os.access says yes there; the probe file does not lie).
+    reason = check_tracking_uri("/sys/dflash-flow-test/mlflow.db")
+    assert reason is not None and reason.startswith("cannot write /sys/dflash-flow-test/mlflow.db: /sys is not writable")
+    assert check_tracking_uri("http://") == "tracking_uri http:// has no host"
+    assert "port" in check_tracking_uri("http://user:pw@host:99999")
+    assert "pw" not in check_tracking_uri("http://user:pw@host:99999")
+    assert check_tracking_uri("") == "tracking_uri is empty"
+
+
+def test_tracker_start_refuses_an_unusable_store_at_once(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(TrackingError, match="is not a directory"):
+        Tracker.start(tracking_uri=f"sqlite:///{blocker}/mlflow.db", experiment="x", spool_dir=tmp_path / "spool")
+    assert not (tmp_path / "spool").exists()
+
+
+def test_credentials_never_reach_warnings_params_or_the_spool(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    uri = f"http://alice:s3cret@127.0.0.1:{closed_port()}/?token=t0ken"
+    tr = Tracker.start(
+        tracking_uri=uri,
+        experiment="secrets",
+        params={"tracking": {"tracking_uri": uri}},
+        tags={"source": uri},
+        spool_dir=tmp_path / "spool",
+        system_metrics=False,
+    )
+    tr.log_metrics({"loss": 1.0}, step=0)
+    tr.end("FINISHED")
+    assert tr.display_uri.startswith("http://***@127.0.0.1:")
+    text = tr.spool_path.read_text() + "\n".join(r.getMessage() for r in caplog.records)
+    assert "s3cret" not in text and "t0ken" not in text
+    assert "dflash-flow import-spool" in text and "python -m" not in text
+    ops = read_spool(tr.spool_path)
+    assert ops[0]["tracking_uri"] == redact_uri(uri)
+    with pytest.raises(SpoolError, match="had credentials, which spools do not keep; pass --tracking-uri"):
+        import_spool(tr.spool_path)
+
+
+def _offline_spool(tmp_path, **start) -> Path:
+    """A real spool: a tracker whose store refuses connections (optionally resuming a run)."""
+    tr = Tracker.start(
+        tracking_uri=f"http://127.0.0.1:{closed_port()}",
+        experiment="observe-import",
+        spool_dir=tmp_path / "spool",
+        system_metrics=False,
+        **start,
+    )
+    tr.log_metrics({"loss": 1.0}, step=1)
+    tr.flush()
+    return tr, tr.spool_path
+
+
+def test_import_spool_after_the_database_was_deleted_is_one_line(sqlite_uri, tmp_path):
+    first = Tracker.start(tracking_uri=sqlite_uri, experiment="observe-import", spool_dir=tmp_path, system_metrics=False)
+    first.end("KILLED")
+    tr, spool = _offline_spool(tmp_path, resume_run_id=first.run_id)  # the resumed run went offline
+    tr.end("FINISHED")
+    gone = tmp_path / "deleted" / "mlflow.db"  # the database the run lived in, deleted since
+    result = CliRunner().invoke(app, ["import-spool", str(spool), "--tracking-uri", f"sqlite:///{gone}"])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.output
+    assert lines[0].startswith(f"error: {spool}: tracking database {gone} does not exist (deleted?)")
+    assert first.run_id in lines[0] and not gone.exists()
+    # Another database, where the run never was: still one line, naming the run.
+    other = tmp_path / "other.db"
+    client_for(f"sqlite:///{other}").search_experiments()  # creates the (empty) store
+    result = CliRunner().invoke(app, ["import-spool", str(spool), "--tracking-uri", f"sqlite:///{other}"])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
+    assert f"run {first.run_id} does not exist" in result.output
+    assert spool.exists(), "a failed import keeps the spool"
+
+
+def test_import_spool_uploads_only_files_inside_its_stash(sqlite_uri, tmp_path):
+    tr, spool = _offline_spool(tmp_path, run_name="hostile")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("private")
+    tr.log_artifact(secret, "notes")  # stashed: a copy inside the spool's artifact directory
+    tr.end("FINISHED")
+    ops = read_spool(spool)
+    stashed = next(o for o in ops if o["op"] == "artifact")
+    assert stashed["stashed"] and not Path(stashed["path"]).is_absolute()  # relative to the stash
+
+    def with_artifact(path: str) -> Path:
+        hostile = tmp_path / f"hostile-{len(list(tmp_path.glob('hostile-*')))}.jsonl"
+        lines = [json.dumps(o) for o in ops[:-1]] + [json.dumps({"op": "artifact", "path": path, "artifact_path": "x"})]
+        hostile.write_text("\n".join(lines + [json.dumps(ops[-1])]) + "\n")
+        return hostile
+
+    client = client_for(sqlite_uri)
+    before = len(client.search_runs([e.experiment_id for e in client.search_experiments()]))
+    hostile = with_artifact(str(secret))
+    result = CliRunner().invoke(app, ["import-spool", str(hostile), "--tracking-uri", sqlite_uri])
+    assert result.exit_code == 2 and f"refusing to upload {secret}" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    # A symlink inside the stash that points out of it is not followed.
+    stash = tmp_path / "hostile-1-artifacts"
+    (stash / "9").mkdir(parents=True)
+    (stash / "9" / "link.txt").symlink_to(secret)
+    hostile = with_artifact("9/link.txt")
+    assert hostile.name == "hostile-1.jsonl"
+    with pytest.raises(SpoolError, match="refusing to upload 9/link.txt"):
+        import_spool(hostile, sqlite_uri)
+    (stash / "8").mkdir()
+    (stash / "8" / "inner").symlink_to(tmp_path)  # a directory artifact holding a link out
+    (tmp_path / "hostile-2-artifacts").symlink_to(stash)
+    with pytest.raises(SpoolError, match="links outside the spool's artifact directory"):
+        import_spool(with_artifact("8"), sqlite_uri)
+    after = len(client.search_runs([e.experiment_id for e in client.search_experiments()]))
+    assert after == before, "a refused spool sends nothing"
+    # The genuine spool imports, with its stashed copy.
+    run_id = import_spool(spool, sqlite_uri)
+    got = client.download_artifacts(run_id, "notes/secret.txt", str(tmp_path / "dl"))
+    assert Path(got).read_text() == "private"
+
+
+def test_import_failing_midway_keeps_the_rest_and_the_run(sqlite_uri, tmp_path):
+    tr, spool = _offline_spool(tmp_path, run_name="midway", params={"a": 1})
+    tr.log_params({"a": 2})  # MLflow refuses to change a param: the import stops there
+    tr.log_metrics({"loss": 0.5}, step=2)
+    tr.end("FINISHED")
+    with pytest.raises(SpoolError, match="failed at the params op"):
+        import_spool(spool, sqlite_uri)
+    kept = read_spool(spool)
+    assert [o["op"] for o in kept][:3] == ["meta", "run", "params"] and kept[2]["params"] == {"a": "2"}
+    c = client_for(sqlite_uri)
+    run = c.get_run(kept[1]["run_id"])
+    assert run.data.params == {"a": "1"} and run.info.run_name == "midway"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -62,6 +63,29 @@ PIPELINE_CASES = [
     ("export_dir_traversal.yaml", 2, "export_dir must be a relative path inside output_dir"),
     ("export_dir_absolute.yaml", 2, "export_dir must be a relative path inside output_dir"),
     ("no_such_pipeline.yaml", 2, "file not found"),
+    # Bounded work (reliability issue): each of these once hung, recursed or crashed. They are also timed
+    # one by one in test_bounded_inputs_answer_quickly.
+    ("replicas_huge.yaml", 2, "replicas must be <= 1024 (each replica is a thread), got 1000000000"),
+    ("replicas_total_huge.yaml", 2, "the stages ask for 5002 replicas in all; one process runs at most 4096"),
+    ("capacity_huge.yaml", 2, "runtime.capacity must be <= 65536"),
+    ("seed_huge.yaml", 2, "'seed' must be < 2**63"),
+    ("yaml_complex_key.yaml", 2, "yaml_complex_key.yaml:3: a mapping key must be a plain value such as a name, not a list"),
+    ("yaml_complex_key_config.yaml", 2, "yaml_complex_key_config.yaml:7: a mapping key must be a plain value such as a name, not a mapping"),
+    ("yaml_recursive_stage.yaml", 2, "yaml_recursive_stage.yaml:4: alias '*stage' refers to a node that contains it"),
+    ("yaml_recursive_list.yaml", 2, "yaml_recursive_list.yaml:5: alias '*t' refers to a node that contains it"),
+    ("yaml_bad_date.yaml", 2, "yaml_bad_date.yaml:2: invalid YAML: cannot read this value: month must be in 1..12"),
+    ("yaml_long_number.yaml", 2, "yaml_long_number.yaml:3: a number literal of 5000 characters (at most 100)"),
+    ("yaml_control_char.yaml", 2, "yaml_control_char.yaml:2: invalid YAML: character #x0000 is not allowed"),
+    # NaN and infinity are refused for every float field (unless it declares cfg(finite=False)).
+    ("nonfinite_lr.yaml", 2, "nonfinite_lr.yaml:9, stage 'drafter', field 'lr': expected a finite number, got float .inf"),
+    ("nonfinite_gamma.yaml", 2, "field 'gamma': expected a finite number, got float .inf"),
+    ("nonfinite_max_grad_norm.yaml", 2, "field 'max_grad_norm': expected a finite number, got float .inf"),
+    ("nonfinite_weight_decay.yaml", 2, "field 'weight_decay': expected a finite number, got float .inf"),
+    ("nonfinite_interval_s.yaml", 2, "stage 'monitor', field 'interval_s': expected a finite number, got float .inf"),
+    ("nonfinite_length_jitter.yaml", 2, "field 'length_jitter': expected a finite number, got float .inf"),
+    ("nonfinite_nan_bound.yaml", 2, "field 'warmup_ratio': expected a finite number, got float .nan"),
+    ("runtime_nan_grace.yaml", 2, "runtime_nan_grace.yaml:3, field 'runtime.shutdown_grace_s': expected a finite number, got float .nan"),
+    ("runtime_inf_grace.yaml", 2, "field 'runtime.shutdown_grace_s': expected a finite number, got float .inf"),
 ]
 
 # (data file, reader pipeline, on_bad_record, expected code, expected substring)
@@ -86,6 +110,72 @@ CHECKPOINT_CASES = [
     ("ckpt_corrupted", 2, "model.safetensors is corrupted (checksum mismatch)"),
     ("ckpt_no_manifest", 2, "no checkpoint in"),
     ("ckpt_nonexistent", 2, "no checkpoint at"),
+]
+
+
+# -- bounded work: generated inputs (built at test time, not committed) and --set values -------------
+_PIPE = "stages:\n  - {name: source, type: Range}\n  - {name: sink, type: Discard, inputs: [source]}\n"
+
+
+def _alias_bomb() -> str:
+    """Nine levels of nine aliases: 9**9 strings once expanded ("billion laughs")."""
+    lines = ["a0: &a0 [" + ", ".join(['"lol"'] * 9) + "]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 10)]
+    return "\n".join(lines) + "\n" + _PIPE
+
+
+def _merge_bomb() -> str:
+    """The same through merge keys: each level merges the previous one nine times."""
+    lines = ["m0: &m0 {a: 1, b: 2, c: 3}"]
+    lines += [f"m{i}: &m{i} {{<<: [" + ", ".join([f"*m{i - 1}"] * 9) + "]}" for i in range(1, 10)]
+    return "\n".join(lines) + "\n" + _PIPE
+
+
+def _alias_depth() -> str:
+    """Each level 10 deep, nine levels of aliases: 90 deep only once expanded."""
+    lines = ["d0: &d0 " + "[" * 10 + "1" + "]" * 10]
+    lines += [f"d{i}: &d{i} " + "[" * 10 + f"*d{i - 1}" + "]" * 10 for i in range(1, 10)]
+    return "\n".join(lines) + "\n" + _PIPE
+
+
+def _deep_block() -> str:
+    """Block-style (indented) nesting inside a stage config."""
+    return _PIPE.replace("type: Range}", "type: Range, config: {count: 1}}") + "x:\n" + "".join(
+        "  " * (i + 1) + f"k{i}:\n" for i in range(200)
+    )
+
+
+def _long_chain() -> str:
+    """2000 stages in a chain closed into a cycle (deeper than Python's recursion limit: validation must
+    walk it without recursing)."""
+    body = "".join(f"  - {{name: s{i}, type: Delay, inputs: [s{i - 1}]}}\n" for i in range(1, 2000))
+    return "stages:\n  - {name: s0, type: Delay, inputs: [s1999]}\n" + body
+
+
+GENERATED_CASES = [
+    ("alias_bomb.yaml", _alias_bomb, 2, "alias_bomb.yaml:5: the document stands for more than 20000 values once its aliases are expanded"),
+    ("merge_bomb.yaml", _merge_bomb, 2, "more than 20000 values once its aliases are expanded"),
+    ("deep_list.yaml", lambda: "x: " + "[" * 5000 + "]" * 5000 + "\n" + _PIPE, 2, "deep_list.yaml:1: lists and mappings nest deeper than 64 levels"),
+    ("deep_mapping.yaml", lambda: "x: " + "{a: " * 5000 + "1" + "}" * 5000 + "\n" + _PIPE, 2, "deep_mapping.yaml:1: lists and mappings nest deeper than 64 levels"),
+    ("deep_block.yaml", _deep_block, 2, "lists and mappings nest deeper than 64 levels"),
+    ("deep_by_alias.yaml", _alias_depth, 2, "deep_by_alias.yaml:7: lists and mappings nest deeper than 64 levels"),
+    ("big_file.yaml", lambda: _PIPE + "# " + "x" * (300 * 1024) + "\n", 2, "the file is larger than 256 KiB"),
+    ("many_values.yaml", lambda: "x: [" + ",".join(["1"] * 120_000) + "]\n" + _PIPE, 2, "many_values.yaml:1: the document stands for more than 20000 values (lists, mappings and scalars)"),
+    ("base60_number.yaml", lambda: "seed: 1" + ":00" * 60_000 + "\n" + _PIPE, 2, "a number literal of 180001 characters"),
+    ("long_chain.yaml", _long_chain, 2, "cycle: s1 -> s2 -> s3 -> ... -> s1999 -> s0 -> s1 (2000 stages)"),
+]
+
+# --set values get the file's loader and limits (they used to pass `validate` and crash `run`).
+SET_BASE = "read_tokens.yaml"
+SET_CASES = [
+    ("stages.source.template=&a [*a]", 2, "--set stages.source.template: alias '*a' refers to a node that contains it"),
+    ("stages.source.template=" + "[" * 5000 + "]" * 5000, 2, "--set stages.source.template: lists and mappings nest deeper than 64 levels"),
+    ("stages.source.template={" + ", ".join([f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 10)]).replace("*a0", "x") + "}",
+     2, "more than 20000 values once its aliases are expanded"),
+    (".".join(["k"] * 100) + "=1", 2, "a path of 100 keys (at most 64)"),
+    ("stages.source.template={? [a, b]: 1}", 2, "a mapping key must be a plain value such as a name, not a list"),
+    ("runtime.drain_timeout_s=.nan", 2, "field 'runtime.drain_timeout_s': expected a finite number, got float .nan"),
+    ("stages.sink.replicas=1000000000", 2, "replicas must be <= 1024"),
 ]
 
 
@@ -158,3 +248,40 @@ def test_every_hostile_input_gets_a_clear_message_and_the_right_exit_code(tmp_pa
     assert list(cwd.iterdir()) == []
     # The corrupted checkpoint was reported, not repaired or removed.
     assert (HOSTILE / "ckpt_corrupted" / "step-00000002" / "model.safetensors").is_file()
+
+
+HANG_BOUND_S = 5.0  # a generous bound on purpose: it detects hangs, it does not measure speed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_bounded_inputs_answer_quickly(tmp_path):
+    """Bombs, deep nestings, huge counts and big files end in exit 2 with one located message, no
+    traceback, each well under HANG_BOUND_S through the real CLI in its own process."""
+    cases = []
+    for name, build, code, text in GENERATED_CASES:
+        (tmp_path / name).write_text(build())
+        cases.append((name, ["validate", tmp_path / name], code, text))
+    start = PIPELINE_CASES.index(next(c for c in PIPELINE_CASES if c[0] == "replicas_huge.yaml"))
+    cases += [(name, ["validate", HOSTILE / name], code, text) for name, code, text in PIPELINE_CASES[start:]]
+    cases += [(f"--set {value[:40]}", ["validate", HOSTILE / SET_BASE, "--set", value], code, text)
+              for value, code, text in SET_CASES]
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    failures = []
+    for label, args, code, text in cases:
+        t0 = time.perf_counter()
+        res = cli(args, cwd=cwd, timeout=60)
+        wall = time.perf_counter() - t0
+        problems = []
+        if res.returncode != code:
+            problems.append(f"exit {res.returncode} != {code}")
+        if text not in res.stderr:
+            problems.append(f"message lacks {text!r}")
+        if "Traceback" in res.stderr or "Traceback" in res.stdout:
+            problems.append("traceback printed")
+        if wall >= HANG_BOUND_S:
+            problems.append(f"took {wall:.1f} s")
+        if problems:
+            failures.append(f"{label}: {'; '.join(problems)}\n    stderr: {res.stderr.strip()[-600:]}")
+    assert not failures, "\n".join(failures)
