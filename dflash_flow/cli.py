@@ -199,15 +199,9 @@ def import_spool(
     tracking_uri: Optional[str] = typer.Option(None, help="Where to import (default: the URI recorded in the spool)."),
 ) -> None:
     """Send what a run spooled while its tracking store was unreachable (metrics, params, artifacts) to MLflow."""
-    from dflash_flow.observe.spool import SpoolError
-    from dflash_flow.observe.spool import import_spool as _import
+    from dflash_flow.app.commands import import_spool_command
 
-    try:
-        run_id = _import(spool, tracking_uri)
-    except SpoolError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
-    typer.echo(f"imported {spool} into run {run_id}")
+    raise typer.Exit(import_spool_command(spool, tracking_uri))
 
 
 def main() -> None:

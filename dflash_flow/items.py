@@ -42,6 +42,13 @@ class BatchMeta:
     epoch_batches: int = 0
     total_batches: int = 0
     rank: int = 0
+    # Where the batch sits in the epoch's plan of global steps (see data.plan.EpochPlan): filler batches
+    # (no samples) keep the ranks in step; `plan_state` is the Interleaver's state right after this batch.
+    filler: bool = False
+    step: int = 0
+    last_of_epoch: bool = False  # the epoch's last step (for this rank)
+    last_of_run: bool = False  # the last batch the run plans (max_batches reached)
+    plan_state: dict[str, Any] | None = None
 
     @property
     def padding_efficiency(self) -> float:

@@ -30,6 +30,19 @@ def export_checkpoint(checkpoint: Path, out: Path) -> int:
     return EXIT_OK
 
 
+def import_spool_command(spool: Path, tracking_uri: str | None) -> int:
+    """``dflash-flow import-spool``: replay what a run spooled while its tracking store was unreachable."""
+    from dflash_flow.observe.spool import SpoolError, import_spool
+
+    try:
+        run_id = import_spool(spool, tracking_uri)
+    except SpoolError as exc:  # one line naming the spool, never a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    print(f"imported {spool} into run {run_id}")
+    return EXIT_OK
+
+
 def eval_command(drafter: Path, target: str, prompts: Path, max_new_tokens: int, limit: int, baseline: bool,
                  tokenizer: str | None) -> int:
     """``dflash-flow eval``: real speculative decoding with any exported drafter and its target."""

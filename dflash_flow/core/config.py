@@ -50,6 +50,7 @@ def apply_overrides(data: Any, overrides: list[str]) -> Any:
         return data
     if not isinstance(data, dict):
         raise ConfigError("cannot apply --set overrides: the file is not a mapping")
+    data = _unshared(data)
     problems = []
     for item in overrides:
         problem = _apply_one(data, item)
@@ -97,6 +98,16 @@ def _apply_one(data: dict, item: str) -> Problem | None:
     else:
         return Problem(f"--set {short(key)}: '{'.'.join(parts[:-1])}' is not a mapping")
     return None
+
+
+def _unshared(value: Any) -> Any:
+    """A copy in which no two paths share a list or mapping, so that ``--set`` on a node a YAML alias
+    repeats changes that place only. Bounded: the loader capped the expanded size and the depth."""
+    if isinstance(value, dict):
+        return {k: _unshared(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unshared(v) for v in value]
+    return value
 
 
 def _is_stage(node: Any) -> bool:
@@ -153,6 +164,11 @@ def _top_level(data: dict, graph: Graph, loc: Locator, sections: dict[str, type]
     name = data.get("name", "pipeline")
     if not isinstance(name, str) or not name:
         problems.append(loc.problem("'name' must be a non-empty string", "name", field="name"))
+    elif len(name) > limits.MAX_NAME_CHARS:
+        problems.append(loc.problem(f"'name' has {len(name)} characters; at most {limits.MAX_NAME_CHARS}", "name", field="name"))
+    elif "/" in name or "\\" in name or name in (".", ".."):
+        problems.append(loc.problem(f"'name' {name!r} names the run directory (runs/NAME by default): it may not "
+                                    "contain '/' or '\\' or be '.' or '..'", "name", field="name"))
     else:
         graph.name = name
     seed = data.get("seed", 0)

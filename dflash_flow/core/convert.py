@@ -39,6 +39,7 @@ from cattrs.errors import (
 )
 from cattrs.gen import make_dict_structure_fn, make_mapping_structure_fn, override
 
+from . import limits
 from .errors import Problem
 from .graph import InputSpec, StageSpec
 
@@ -340,7 +341,10 @@ def _validating(f: attrs.Attribute, hook: Callable) -> Callable:
 
 
 def _attrs_factory(cls: type, conv: cattrs.Converter) -> Callable:
-    hints = field_types(cls)
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception as exc:  # a class whose annotations name something it cannot see
+        raise Invalid(f"the field types of {cls.__qualname__} cannot be read ({type(exc).__name__}: {exc})") from None
     overrides = {}
     for f in attrs.fields(cls):
         if not f.init:
@@ -348,9 +352,9 @@ def _attrs_factory(cls: type, conv: cattrs.Converter) -> Callable:
         if f.name.startswith("_"):
             overrides[f.name] = override(omit=True)
             continue
-        tp = hints.get(f.name, f.type if not isinstance(f.type, str) else Any)
+        tp = hints.get(f.name, f.type if f.type is not None else Any)
         source = _LENIENT if f.metadata.get("finite") is False and conv is CONVERTER else conv
-        overrides[f.name] = override(struct_hook=_validating(f, source.get_structure_hook(tp if tp is not None else Any)))
+        overrides[f.name] = override(struct_hook=_validating(f, source.get_structure_hook(tp)))
     inner = make_dict_structure_fn(cls, conv, **overrides)
 
     def structure_attrs(value: Any, _: Any) -> Any:
@@ -373,6 +377,8 @@ def _stage_name(value: Any, _: Any) -> str:
         raise Invalid(NEED_NAME)
     if not value.replace("_", "").replace("-", "").isalnum():
         raise Invalid(f"stage name {short(value)!r} may contain only letters, digits, '_' and '-'")
+    if len(value) > limits.MAX_NAME_CHARS:
+        raise Invalid(f"stage name {short(value, 30)!r} has {len(value)} characters; at most {limits.MAX_NAME_CHARS}")
     return value
 
 

@@ -7,6 +7,8 @@ import re
 import sys
 from pathlib import Path
 
+import attrs
+
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?|mps)$")
 
 
@@ -51,34 +53,102 @@ def normalize_devices(devices: str | list[str] | None) -> list[str]:
     return list(devices)
 
 
-def place(devices: list[str], replicas: int, gpu_count: int, local_rank: int = 0) -> tuple[list[str], str | None]:
-    """Device of each replica, and a warning when ``auto`` fell back to cpu.
+@attrs.frozen(kw_only=True)
+class RankLayout:
+    """Which of a node's visible GPUs one rank (process) owns.
 
-    ``auto`` spreads replicas over the visible GPUs; under torchrun each rank starts from its local rank so
-    two ranks on one node do not pile onto GPU 0.
+    Under torchrun every rank of a node sees the same GPUs. Rank ``local_rank`` of ``local_world_size``
+    owns ``gpus_per_rank`` consecutive ones (default: ``visible // local_world_size``), so the ranks' slices
+    never overlap and one pipeline file serves every rank and every node count: ``cuda:K`` in YAML is the
+    K-th GPU of the rank's own slice. ``shared`` lets ranks share GPUs (more ranks than GPUs).
     """
-    warning = None
+
+    visible: int
+    local_world_size: int = 1
+    local_rank: int = 0
+    gpus_per_rank: int | None = None
+    shared: bool = False
+
+    @property
+    def size(self) -> int:
+        if self.gpus_per_rank is not None:
+            return self.gpus_per_rank
+        if self.visible and self.local_world_size > self.visible and self.shared:
+            return 1
+        return self.visible // max(self.local_world_size, 1)
+
+    def problem(self) -> str | None:
+        """Why this layout cannot run (None when it can)."""
+        if self.visible == 0:
+            return None  # CPU-only machine: GPU devices are reported one by one
+        if self.gpus_per_rank is not None and self.gpus_per_rank < 1:
+            return f"gpus_per_rank must be >= 1, got {self.gpus_per_rank}"
+        need = self.size * self.local_world_size
+        if self.size == 0 or (need > self.visible and not self.shared):
+            per = self.size or 1
+            return (
+                f"{self.local_world_size} ranks per node x {per} GPU(s) per rank need {self.local_world_size * per} "
+                f"GPUs but {self.visible} are visible: ranks would share GPUs (set runtime.share_gpus: true to "
+                "allow it, or runtime.gpus_per_rank / fewer ranks per node)"
+            )
+        return None
+
+    def gpus(self) -> list[int]:
+        """The visible-GPU indices of this rank's slice, in order."""
+        if self.visible == 0 or self.size == 0:
+            return []
+        start = self.local_rank * self.size
+        return [(start + i) % self.visible for i in range(self.size)]
+
+    def describe(self) -> str:
+        g = self.gpus()
+        span = f"GPU {g[0]}" if len(g) == 1 else f"GPUs {g[0]}-{g[-1]}" if g else "no GPU"
+        return f"{span} of {self.visible} visible (local rank {self.local_rank} of {self.local_world_size})"
+
+
+def _map_device(dev: str, slice_: list[int], layout: RankLayout) -> tuple[str | None, str | None]:
+    """(physical device, problem) of one device string of a pipeline file, relative to the rank's slice."""
+    if dev == "mps" and sys.platform != "darwin":
+        return None, "device mps requested but this is not a macOS machine"
+    if not dev.startswith("cuda"):
+        return dev, None
+    index = int(dev.split(":", 1)[1]) if ":" in dev else 0
+    if not slice_:
+        return None, f"device {dev} requested but this machine has no visible CUDA device"
+    if index >= len(slice_) and layout.local_world_size == 1 and layout.gpus_per_rank is None:
+        return None, f"device {dev} requested but only {layout.visible} CUDA device(s) are visible"
+    if index >= len(slice_):
+        return None, (
+            f"device {dev} is beyond this rank's {len(slice_)} GPU(s) ({layout.describe()}); cuda:K means the "
+            "K-th GPU of the rank's slice"
+        )
+    return f"cuda:{slice_[index]}", None
+
+
+def plan_placement(
+    devices: list[str], replicas: int, layout: RankLayout
+) -> tuple[list[str], list[str], str | None]:
+    """(device of each replica, problems, warning). ``auto`` spreads the replicas over the rank's slice
+    (cpu, with a warning, where there is no GPU); ``cuda`` is the slice's first GPU; ``cuda:K`` its K-th."""
+    slice_ = layout.gpus()
+    problems = []
     if devices == ["auto"]:
-        if gpu_count == 0:
-            return ["cpu"] * replicas, "devices: auto found no GPU; running on cpu"
-        return [f"cuda:{(local_rank + i) % gpu_count}" for i in range(replicas)], None
+        if not slice_:
+            return ["cpu"] * replicas, [], "devices: auto found no GPU; running on cpu"
+        return [f"cuda:{slice_[i % len(slice_)]}" for i in range(replicas)], [], None
     out = []
     for i in range(replicas):
-        dev = devices[i % len(devices)]
-        if dev == "cuda":
-            dev = f"cuda:{local_rank}"
-        out.append(dev)
-    return out, warning
+        requested = devices[i % len(devices)]
+        dev, err = _map_device(requested, slice_, layout)
+        if err and err not in problems:
+            problems.append(err)
+        out.append(dev or requested)  # unmapped: kept as written, so the problem names it
+    return out, problems, None
 
 
-def missing_device(dev: str, gpu_count: int) -> str | None:
-    """Why ``dev`` cannot be used on this machine, or None."""
-    if dev.startswith("cuda"):
-        index = int(dev.split(":", 1)[1]) if ":" in dev else 0
-        if gpu_count == 0:
-            return f"device {dev} requested but this machine has no visible CUDA device"
-        if index >= gpu_count:
-            return f"device {dev} requested but only {gpu_count} CUDA device(s) are visible"
-    if dev == "mps" and sys.platform != "darwin":
-        return "device mps requested but this is not a macOS machine"
-    return None
+def place(devices: list[str], replicas: int, gpu_count: int, local_rank: int = 0, *, layout: RankLayout | None = None) -> tuple[list[str], str | None]:
+    """Device of each replica and a warning (see ``plan_placement``). A device that does not exist is
+    returned as written (``plan_placement``'s problems say why; validation reports them)."""
+    layout = layout or RankLayout(visible=gpu_count)
+    placed, _problems, warning = plan_placement(devices, replicas, layout)
+    return placed, warning

@@ -44,6 +44,10 @@ class RuntimeOptions:
     drain_timeout_s: float = 30.0  # after Ctrl-C: time allowed to finish in-flight items
     shutdown_grace_s: float = 10.0  # after cancel: time allowed for threads to exit
     watchdog_interval_s: float = 1.0
+    # Under torchrun: GPUs each rank of a node owns (None: visible GPUs / ranks per node), and whether ranks
+    # may share GPUs (refused unless asked). `cuda:K` in a stage's devices is the K-th GPU of its rank's slice.
+    gpus_per_rank: int | None = None
+    share_gpus: bool = False
 
 
 @attrs.define

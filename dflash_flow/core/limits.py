@@ -28,3 +28,7 @@ MAX_TOTAL_REPLICAS = 4096
 MAX_CAPACITY = 65_536
 #: A seed must fit the 64-bit seeding of numpy, torch and Python's random.
 MAX_SEED = 2**63 - 1
+#: Longest runtime wait (timeouts, intervals) in seconds, ~31 years: Python's waits overflow near 1e10.
+MAX_SECONDS = 10**9
+#: Longest pipeline or stage name: names become thread names, MLflow keys and file names.
+MAX_NAME_CHARS = 100

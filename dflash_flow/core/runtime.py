@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 
 from .channel import END_OF_STREAM, Channel, ChannelCancelled, ErrorItem
-from .devices import normalize_devices, place, visible_gpu_count
+from .devices import RankLayout, normalize_devices, place, visible_gpu_count
 from .errors import PipelineInterrupted, PipelineStalled, ShutdownTimeout, StageError
 from .graph import Graph
 from .metrics import MetricSet
@@ -122,6 +122,7 @@ class Pipeline:
         rank: int | None = None,
         world_size: int | None = None,
         local_rank: int | None = None,
+        local_world_size: int | None = None,
         output_dir: str | Path | None = None,
         check_devices: bool = True,
         collect: list[str] | None = None,
@@ -132,6 +133,9 @@ class Pipeline:
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank
+        self.local_world_size = (
+            int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if local_world_size is None else local_world_size
+        )
         self.output_dir = Path(output_dir or self.graph.output_dir or f"runs/{self.graph.name}")
         self.services = services if services is not None else {}
         self.view = RuntimeView(self)
@@ -161,11 +165,17 @@ class Pipeline:
         import copy
 
         g = self.graph
-        gpus = visible_gpu_count()
+        self.layout = RankLayout(
+            visible=visible_gpu_count(),
+            local_world_size=self.local_world_size,
+            local_rank=self.local_rank,
+            gpus_per_rank=g.runtime.gpus_per_rank,
+            shared=g.runtime.share_gpus,
+        )
         self.replicas: dict[str, list[_Replica]] = {}
         devices: dict[str, list[str]] = {}
         for spec in g.stages:
-            placed, warning = place(normalize_devices(spec.devices), spec.replicas, gpus, self.local_rank)
+            placed, warning = place(normalize_devices(spec.devices), spec.replicas, 0, layout=self.layout)
             if warning:
                 self._warnings.append(f"stage '{spec.name}': {warning}")
                 warnings.warn(f"stage '{spec.name}': {warning}", RuntimeWarning, stacklevel=3)
@@ -184,6 +194,7 @@ class Pipeline:
                     rank=self.rank,
                     world_size=self.world_size,
                     local_rank=self.local_rank,
+                    local_world_size=self.local_world_size,
                     device=devices[spec.name][i],
                     downstream_devices=downstream,
                     seed=g.seed,

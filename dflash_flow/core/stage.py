@@ -81,6 +81,7 @@ class StageContext:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    local_world_size: int = 1
     device: str = "cpu"
     downstream_devices: list[str] = attrs.field(factory=list)
     seed: int = 0

@@ -8,13 +8,14 @@ capacity, devices), edges, cycles and ordering.
 from __future__ import annotations
 
 import difflib
+import os
 from typing import Any
 
 import attrs
 
 from . import limits, registry
 from .convert import short, structure, unstructure
-from .devices import check_device_string, missing_device, normalize_devices, place, visible_gpu_count
+from .devices import RankLayout, check_device_string, normalize_devices, plan_placement, visible_gpu_count
 from .errors import ConfigError, Problem
 from .graph import Graph, RuntimeOptions, StageSpec
 from .routing import POLICIES
@@ -32,17 +33,20 @@ class Validated:
         self.order = order  # topological order of stage names
 
 
-def validate(graph: Graph, *, check_devices: bool = True, gpu_count: int | None = None) -> list[Problem]:
-    """Every problem in ``graph`` (empty list when it is valid)."""
+def validate(graph: Graph, *, check_devices: bool = True, gpu_count: int | None = None,
+             local_world_size: int | None = None) -> list[Problem]:
+    """Every problem in ``graph`` (empty list when it is valid). ``local_world_size``: ranks per node the
+    placement is checked for (default: ``$LOCAL_WORLD_SIZE`` under torchrun, else 1)."""
     try:
-        _validated(graph, check_devices=check_devices, gpu_count=gpu_count)
+        _validated(graph, check_devices=check_devices, gpu_count=gpu_count, local_world_size=local_world_size)
     except ConfigError as exc:
         return exc.problems
     return []
 
 
-def validated(graph: Graph, *, check_devices: bool = True, gpu_count: int | None = None) -> Validated:
-    return _validated(graph, check_devices=check_devices, gpu_count=gpu_count)
+def validated(graph: Graph, *, check_devices: bool = True, gpu_count: int | None = None,
+              local_world_size: int | None = None) -> Validated:
+    return _validated(graph, check_devices=check_devices, gpu_count=gpu_count, local_world_size=local_world_size)
 
 
 @attrs.define
@@ -52,13 +56,14 @@ class _Check:
     graph: Graph
     check_devices: bool
     gpu_count: int | None
+    local_world_size: int | None = None
     problems: list[Problem] = attrs.field(factory=list)
     classes: dict[str, type[Stage]] = attrs.field(factory=dict)
     configs: dict[str, Any] = attrs.field(factory=dict)
     names: set[str] = attrs.field(factory=set)
     order: list[str] = attrs.field(factory=list)
     cycle: list[str] = attrs.field(factory=list)
-    _index: dict[int, int] = attrs.field(factory=dict)
+    _index: dict[int, int] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self._index = {id(s): i for i, s in enumerate(self.graph.stages)}
@@ -87,8 +92,9 @@ class _Check:
         self.problems.extend(problems)
 
 
-def _validated(graph: Graph, *, check_devices: bool, gpu_count: int | None) -> Validated:
-    c = _Check(graph, check_devices, gpu_count)
+def _validated(graph: Graph, *, check_devices: bool, gpu_count: int | None,
+               local_world_size: int | None = None) -> Validated:
+    c = _Check(graph, check_devices, gpu_count, local_world_size)
     _check_shapes(c)
     if not c.problems:  # the checks below rely on well-typed specs
         for check in (_check_names, _check_configs, _check_runtime, _check_sections, _check_placement,
@@ -179,11 +185,14 @@ def _check_runtime(c: _Check) -> None:
         c.add_runtime(f"runtime.capacity must be >= 1, got {rt.capacity}", "capacity")
     elif not rt.capacity <= limits.MAX_CAPACITY:
         c.add_runtime(_capacity_limit("runtime.capacity", rt.capacity), "capacity")
-    for key in ("stall_timeout_s", "drain_timeout_s", "shutdown_grace_s"):
-        if not getattr(rt, key) >= 0:
+    for key in ("stall_timeout_s", "drain_timeout_s", "shutdown_grace_s", "watchdog_interval_s"):
+        value = getattr(rt, key)
+        if key == "watchdog_interval_s" and not value > 0:
+            c.add_runtime("runtime.watchdog_interval_s must be > 0", key)
+        elif not value >= 0:
             c.add_runtime(f"runtime.{key} must be >= 0", key)
-    if not rt.watchdog_interval_s > 0:
-        c.add_runtime("runtime.watchdog_interval_s must be > 0", "watchdog_interval_s")
+        elif not value <= limits.MAX_SECONDS:
+            c.add_runtime(f"runtime.{key} must be <= {limits.MAX_SECONDS} (seconds; longer waits overflow the clock), got {value:g}", key)
 
 
 def _check_sections(c: _Check) -> None:
@@ -210,6 +219,7 @@ def _check_placement(c: _Check) -> None:
     """Replicas (a thread each), queue capacity and devices; the bounds come first, so placing
     replicas on devices never loops over an absurd count."""
     gpus = visible_gpu_count() if c.gpu_count is None else c.gpu_count
+    layouts = _rank_layouts(c, gpus)
     total = 0
     for spec in c.graph.stages:
         if spec.replicas < 1:
@@ -224,7 +234,7 @@ def _check_placement(c: _Check) -> None:
         elif spec.capacity is not None and spec.capacity > limits.MAX_CAPACITY:
             c.add(_capacity_limit("capacity", spec.capacity), spec, "capacity", field="capacity")
         _check_replica_kind(c, spec)
-        _check_devices(c, spec, gpus)
+        _check_devices(c, spec, layouts)
     if total > limits.MAX_TOTAL_REPLICAS:
         c.add(f"the stages ask for {total} replicas in all; one process runs at most "
               f"{limits.MAX_TOTAL_REPLICAS} (each replica is a thread)", None, "stages", field="replicas")
@@ -238,7 +248,19 @@ def _check_replica_kind(c: _Check, spec: StageSpec) -> None:
         c.add(f"stage type '{spec.type}' runs once per process; replicas must be 1", spec, "replicas", field="replicas")
 
 
-def _check_devices(c: _Check, spec: StageSpec, gpus: int) -> None:
+def _rank_layouts(c: _Check, gpus: int) -> list[RankLayout]:
+    """The GPU slice of every rank of a node; a layout where ranks would share GPUs is a problem."""
+    rt = c.graph.runtime
+    ranks = c.local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", 1) or 1)
+    layouts = [RankLayout(visible=gpus, local_world_size=ranks, local_rank=r, gpus_per_rank=rt.gpus_per_rank,
+                          shared=rt.share_gpus) for r in range(max(ranks, 1))]
+    err = layouts[0].problem() if c.check_devices else None
+    if err:
+        c.add(err, None, "runtime", field="runtime.gpus_per_rank")
+    return layouts
+
+
+def _check_devices(c: _Check, spec: StageSpec, layouts: list[RankLayout]) -> None:
     devs = normalize_devices(spec.devices)
     bad = False
     for d in devs:
@@ -250,11 +272,13 @@ def _check_devices(c: _Check, spec: StageSpec, gpus: int) -> None:
         c.add("'auto' cannot be combined with other devices", spec, "devices", field="devices")
         bad = True
     if not bad and c.check_devices and spec.replicas <= limits.MAX_REPLICAS:
-        placed, _ = place(devs, max(spec.replicas, 1), gpus)
-        for d in sorted(set(placed)):
-            err = missing_device(d, gpus)
-            if err:
-                c.add(err, spec, "devices", field="devices")
+        seen: set[str] = set()
+        for layout in layouts:  # `cuda:K` is the K-th GPU of each rank's own slice
+            _placed, problems, _ = plan_placement(devs, max(spec.replicas, 1), layout)
+            for err in problems:
+                if err not in seen:
+                    seen.add(err)
+                    c.add(err, spec, "devices", field="devices")
 
 
 def _check_edges(c: _Check) -> None:

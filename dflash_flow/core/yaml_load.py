@@ -20,6 +20,7 @@ recursion is bounded by ``MAX_YAML_DEPTH``.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,13 +48,14 @@ class _BoundedComposer(Composer):
     """PyYAML's composer, counting nodes (aliases expanded) and depth as it goes."""
 
     def _init_bounds(self, depth_offset: int) -> None:
-        self._depth = depth_offset  # nesting of the node being composed
-        self._deepest = depth_offset  # deepest nesting reached inside it so far
+        self._depth = depth_offset  # lists and mappings around the node being composed
+        self._deepest = depth_offset  # deepest such nesting reached inside it so far
         self._nodes = 0  # nodes so far, every alias counted as the node it repeats
         self._expanded: dict[str, tuple[int, int]] = {}  # anchor -> (nodes, height) once composed
         self._repeated = 0  # nodes counted through aliases
 
     def compose_node(self, parent: Any, index: Any) -> Any:
+        is_key = isinstance(parent, yaml.MappingNode) and index is None  # how Composer composes a key
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
             if event.anchor in self.anchors:  # an undefined alias is the base class's error
@@ -63,37 +65,45 @@ class _BoundedComposer(Composer):
                         "contains itself cannot be read)",
                         event.start_mark,
                     )
+                if is_key:
+                    self._plain_key(self.anchors[event.anchor], event.start_mark)
                 nodes, height = self._expanded[event.anchor]
                 self._repeated += nodes
                 self._count(nodes, event.start_mark)
-                self._reach(self._depth + 1 + height, event.start_mark)
+                self._reach(self._depth + height, event.start_mark)
             return super().compose_node(parent, index)
         event = self.peek_event()
+        if is_key:
+            self._plain_key(event, event.start_mark)
         self._count(1, event.start_mark)
-        self._depth += 1
-        self._reach(self._depth, event.start_mark)
+        nested = not isinstance(event, yaml.ScalarEvent)  # depth counts lists and mappings
+        if nested:
+            self._depth += 1
+            self._reach(self._depth, event.start_mark)
         outer_deepest, self._deepest = self._deepest, self._depth
         before = self._nodes
         try:
             node = super().compose_node(parent, index)
         finally:
-            self._depth -= 1
-        if event.anchor is not None:
-            self._expanded[event.anchor] = (self._nodes - before + 1, self._deepest - self._depth - 1)
+            self._depth -= nested
+        if event.anchor is not None:  # what an alias of it will repeat: its nodes and its levels
+            self._expanded[event.anchor] = (self._nodes - before + 1, self._deepest - self._depth)
         self._deepest = max(outer_deepest, self._deepest)
         return node
 
-    def compose_mapping_node(self, anchor: Any) -> Any:
-        node = super().compose_mapping_node(anchor)
-        for key, _ in node.value:
-            if not isinstance(key, yaml.ScalarNode):
-                kind = "list" if isinstance(key, yaml.SequenceNode) else "mapping"
-                raise YAMLLimitError(
-                    f"a mapping key must be a plain value such as a name, not a {kind} (YAML '? ' keys "
-                    "are not supported)",
-                    key.start_mark,
-                )
-        return node
+    @staticmethod
+    def _plain_key(what: Any, mark: Any) -> None:
+        """A mapping key must be a scalar: a list or mapping key cannot be a Python dict key."""
+        if isinstance(what, (yaml.SequenceNode, yaml.SequenceStartEvent)):
+            kind = "list"
+        elif isinstance(what, (yaml.MappingNode, yaml.MappingStartEvent)):
+            kind = "mapping"
+        else:
+            return
+        raise YAMLLimitError(
+            f"a mapping key must be a plain value such as a name, not a {kind} (YAML '? ' keys are not supported)",
+            mark,
+        )
 
     def _count(self, n: int, mark: Any) -> None:
         self._nodes += n
@@ -213,15 +223,19 @@ def _short(text: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _load(text: str, depth_offset: int = 0) -> tuple[Any, yaml.Node | None]:
-    """(data, root node) of one document; raises yaml.YAMLError (YAMLLimitError past a limit)."""
+def _load(text: str, depth_offset: int = 0, on_node: Callable[[yaml.Node], None] | None = None) -> Any:
+    """The data of one document; ``on_node`` sees the composed root first (before merge keys are
+    flattened into it). Raises yaml.YAMLError (YAMLLimitError past a limit)."""
     loader = _Loader(text, depth_offset)
     try:
         node = loader.get_single_node()
-        data = loader.construct_document(node) if node is not None else None
+        if node is None:
+            return None
+        if on_node is not None:
+            on_node(node)
+        return loader.construct_document(node)
     finally:
         loader.dispose()
-    return data, node
 
 
 def _too_big(what: str) -> str:
@@ -237,11 +251,9 @@ def parse_yaml(text: str, filename: str | None = None) -> tuple[Any, Locator]:
     problems: list[Problem] = []
     lines: dict[tuple, int] = {}
     try:
-        data, node = _load(text)
+        data = _load(text, on_node=lambda node: _record(node, (), lines, problems, fname))
     except yaml.YAMLError as exc:
         raise ConfigError(yaml_problem(exc, fname, text=text)) from None
-    if node is not None:
-        _record(node, (), lines, problems, fname)
     if problems:
         raise ConfigError(problems)
     return data, Locator(fname, lines)
@@ -291,5 +303,4 @@ def load_value(text: str, depth_offset: int = 0) -> Any:
     the nesting of the place it goes to. Raises yaml.YAMLError (YAMLLimitError past a limit)."""
     if len(text) > limits.MAX_YAML_BYTES:
         raise YAMLLimitError(_too_big("the value"))
-    data, _ = _load(text, depth_offset)
-    return data
+    return _load(text, depth_offset)

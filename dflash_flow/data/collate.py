@@ -67,7 +67,12 @@ def pad_samples(
     """`PaddedBatch` of int64 CPU tensors, pinned when CUDA is present (``pin_memory=None``) or asked."""
     import torch
 
-    arrays = pad_arrays(samples, pad_id=pad_id, pad_to_multiple=pad_to_multiple, padded_len=meta.padded_len)
+    if meta.filler:
+        # A filler batch keeps its rank in step with the others (data parallel); it has no samples.
+        empty = np.zeros((0, 0), dtype=np.int64)
+        arrays = dict.fromkeys(("input_ids", "attention_mask", "position_ids", "loss_mask"), empty)
+    else:
+        arrays = pad_arrays(samples, pad_id=pad_id, pad_to_multiple=pad_to_multiple, padded_len=meta.padded_len)
     pin = _want_pin(pin_memory)
     tensors = {}
     for k, v in arrays.items():

@@ -228,19 +228,129 @@ def index_mask(
 
 
 class BlockLayout(NamedTuple):
-    """How block queries are grouped for attention in the training layout (one per layer type).
+    """How the block queries of the training layout attend (one per layer type).
 
-    Blocks only need the context before their anchor, so blocks are grouped by anchor and each group
-    attends to the context slice its queries can see plus its own blocks' keys, instead of all context
-    and all blocks (most of a dense mask's work is on keys it hides). Group g has ``query_sizes[g]``
-    consecutive queries and ``key_sizes[g]`` keys, gathered by ``key_index`` from the concatenation
-    [context keys; block keys]; ``masks[g]`` is its additive mask ``[b, 1, queries, keys]``.
+    A block needs the context before its anchor and its own block, nothing else. Blocks are grouped by
+    anchor: group ``g`` = queries ``[q0, q1)`` (whole blocks), which see context keys ``[lo, hi)`` through
+    ``context_masks[g]`` (additive, ``[b, 1, q1 - q0, hi - lo]``; ``has_context[g]`` ``[b, 1, q1 - q0]``
+    says which rows see any) and their own block through ``own_mask`` (additive ``[B, B]``, None = all
+    visible). A dense mask over all context and all blocks spends most of its work on hidden keys.
     """
 
-    query_sizes: list[int]
-    key_sizes: list[int]
-    key_index: torch.Tensor
-    masks: list[torch.Tensor]
+    block_size: int
+    groups: list[tuple[int, int, int, int]]
+    context_masks: list[torch.Tensor]
+    has_context: list[torch.Tensor]
+    own_mask: torch.Tensor | None
+
+
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _BlockAttention(torch.autograd.Function):
+    """Attention of block queries over [context slice of their group; their own block], as two parts
+    merged by log-sum-exp, so neither part copies keys or computes masked-out scores.
+
+    Our own code: no library kernel takes "a prefix of one key tensor plus a block of another". The
+    context part is the CPU flash kernel on views of the context keys (one call per group); the own-block
+    part is a batched [B x B] attention. The backward passes the *merged* output and log-sum-exp to the
+    flash backward, which then yields exactly the context part's share of the full softmax gradient
+    (the rule ring attention uses), and differentiates the own-block part by hand.
+    q: [b, h, Q, d]; ctx_k/ctx_v: [b, kv, S, d]; own_k/own_v: [b, kv, Q, d].
+    """
+
+    @staticmethod
+    def _own_scores(q, own_k, layout, scale, acc):
+        b, h, n_q, d = q.shape
+        kv, bsz = own_k.shape[1], layout.block_size
+        qb = q.reshape(b, kv, h // kv, n_q // bsz, bsz, d).to(acc)
+        kb = own_k.reshape(b, kv, 1, n_q // bsz, bsz, d).to(acc)
+        s = torch.matmul(qb, kb.transpose(-1, -2)) * scale  # [b, kv, groups, N, B, B]
+        if layout.own_mask is not None:
+            s = s + layout.own_mask.to(acc)
+        return qb, kb, s
+
+    @staticmethod
+    def forward(ctx, q, ctx_k, ctx_v, own_k, own_v, layout, scale):
+        b, h, n_q, d = q.shape
+        acc = _acc_dtype(q.dtype)
+        kv, bsz = own_k.shape[1], layout.block_size
+        out_ctx = q.new_zeros(b, h, n_q, d)
+        lse_ctx = q.new_full((b, h, n_q), float("-inf"), dtype=acc)
+        for (q0, q1, lo, hi), mask, seen in zip(layout.groups, layout.context_masks, layout.has_context, strict=True):
+            if hi > lo:
+                o, lse = _flash_cpu(
+                    q[:, :, q0:q1], ctx_k[:, :, lo:hi], ctx_v[:, :, lo:hi], 0.0, False, attn_mask=mask, scale=scale
+                )
+                out_ctx[:, :, q0:q1] = o
+                # The kernel reports lse 0 for a row that sees nothing; it carries no weight.
+                lse_ctx[:, :, q0:q1] = torch.where(seen, lse.to(acc), float("-inf"))
+        _qb, _kb, s = _BlockAttention._own_scores(q, own_k, layout, scale, acc)
+        lse = torch.logaddexp(lse_ctx, torch.logsumexp(s, dim=-1).reshape(b, h, n_q))
+        p = torch.exp(s - lse.reshape(s.shape[:-1])[..., None])
+        vb = own_v.reshape(b, kv, 1, n_q // bsz, bsz, d).to(acc)
+        own = torch.matmul(p, vb).reshape(b, h, n_q, d)
+        out = (torch.exp(lse_ctx - lse)[..., None] * out_ctx.to(acc) + own).to(q.dtype)
+        ctx.save_for_backward(q, ctx_k, ctx_v, own_k, own_v, out, lse)
+        ctx.layout, ctx.scale = layout, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, ctx_k, ctx_v, own_k, own_v, out, lse = ctx.saved_tensors
+        layout, scale = ctx.layout, ctx.scale
+        b, h, n_q, d = q.shape
+        acc = _acc_dtype(q.dtype)
+        kv, bsz = own_k.shape[1], layout.block_size
+        grad_out = grad_out.contiguous()
+        dq = torch.zeros_like(q)
+        dk_ctx = torch.zeros_like(ctx_k)
+        dv_ctx = torch.zeros_like(ctx_v)
+        for (q0, q1, lo, hi), mask in zip(layout.groups, layout.context_masks, strict=True):
+            if hi > lo:
+                gq, gk, gv = _flash_cpu_backward(
+                    grad_out[:, :, q0:q1],
+                    q[:, :, q0:q1],
+                    ctx_k[:, :, lo:hi],
+                    ctx_v[:, :, lo:hi],
+                    out[:, :, q0:q1],
+                    lse[:, :, q0:q1],
+                    0.0,
+                    False,
+                    attn_mask=mask,
+                    scale=scale,
+                )
+                dq[:, :, q0:q1] = gq
+                dk_ctx[:, :, lo:hi] += gk
+                dv_ctx[:, :, lo:hi] += gv
+        qb, kb, s = _BlockAttention._own_scores(q, own_k, layout, scale, acc)
+        p = torch.exp(s - lse.reshape(s.shape[:-1])[..., None])
+        shape6 = (b, kv, h // kv, n_q // bsz, bsz, d)
+        go = grad_out.reshape(shape6).to(acc)
+        vb = own_v.reshape(b, kv, 1, n_q // bsz, bsz, d).to(acc)
+        row = (grad_out.to(acc) * out.to(acc)).sum(-1).reshape(shape6[:-1])[..., None]  # softmax's D term
+        ds = p * (torch.matmul(go, vb.transpose(-1, -2)) - row) * scale
+        dq = dq + torch.matmul(ds, kb).reshape(b, h, n_q, d).to(q.dtype)
+        dk_own = torch.matmul(ds.transpose(-1, -2), qb).sum(2).reshape(own_k.shape).to(own_k.dtype)
+        dv_own = torch.matmul(p.transpose(-1, -2), go).sum(2).reshape(own_v.shape).to(own_v.dtype)
+        return dq, dk_ctx, dv_ctx, dk_own, dv_own, None, None
+
+
+def _group_mask(layout: BlockLayout, g: int, device: torch.device) -> torch.Tensor:
+    """Group g's additive mask over [its context slice; its own blocks] (the concatenated layout)."""
+    q0, q1, _lo, _hi = layout.groups[g]
+    ctx = layout.context_masks[g]
+    n = (q1 - q0) // layout.block_size
+    blocks = torch.arange(q1 - q0, device=device) // layout.block_size
+    own = torch.where(blocks[:, None] == blocks[None, :], 0.0, float("-inf")).to(ctx.dtype)
+    if layout.own_mask is not None:
+        own = own + layout.own_mask.to(ctx.dtype).repeat(n, n)
+    return torch.cat([ctx, own.expand(ctx.shape[0], 1, -1, -1)], dim=-1)
 
 
 class DrafterAttention(nn.Module):
@@ -346,20 +456,20 @@ class DrafterAttention(nn.Module):
         sin: torch.Tensor,
         layout: BlockLayout,
     ) -> torch.Tensor:
-        """Training layout: block tokens ``x`` ``[b, Q, H]`` (cos/sin at the block positions) attend,
-        group by group (``layout``), to precomputed context keys and their own group's keys."""
+        """Training layout: block tokens ``x`` ``[b, Q, H]`` (cos/sin at the block positions) attend to
+        the precomputed context keys and their own block as ``layout`` says."""
         b, q_len, _ = x.shape
         q, k, v = self._block_qkv(x, cos, sin)
-        # One gather and one split per tensor: per-group slicing would cost a full-size gradient buffer
-        # per group in the backward.
-        keys = torch.cat([ctx_k, k], dim=2).index_select(2, layout.key_index).split(layout.key_sizes, dim=2)
-        values = torch.cat([ctx_v, v], dim=2).index_select(2, layout.key_index).split(layout.key_sizes, dim=2)
-        queries = q.split(layout.query_sizes, dim=2)
-        parts = [
-            self._attend(qg, kg, vg, mask)
-            for qg, kg, vg, mask in zip(queries, keys, values, layout.masks, strict=True)
-        ]
-        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+        if q.device.type == "cpu" and not (self.training and self.attention_dropout > 0):
+            out = _BlockAttention.apply(q, ctx_k, ctx_v, k, v, layout, self.scaling)
+        else:
+            # Elsewhere: per group, one attention call over [context slice; the group's own blocks].
+            parts = []
+            for g, (q0, q1, lo, hi) in enumerate(layout.groups):
+                kg = torch.cat([ctx_k[:, :, lo:hi], k[:, :, q0:q1]], dim=2)
+                vg = torch.cat([ctx_v[:, :, lo:hi], v[:, :, q0:q1]], dim=2)
+                parts.append(self._attend(q[:, :, q0:q1], kg, vg, _group_mask(layout, g, q.device)))
+            out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
 
 

@@ -230,7 +230,7 @@ def plan_blocks(
 # ------------------------------------------------------------------------------------------ masks
 
 
-def _visibility(
+def _context_visibility(
     anchors: torch.Tensor,
     keep: torch.Tensor,
     context_valid: torch.Tensor,
@@ -240,12 +240,11 @@ def _visibility(
     layer_type: str,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """``[b, n*B, L + n*B]`` bool: blocks at ``anchors`` over context positions ``first..first+L-1``
-    (``context_valid`` is that slice) and then the n blocks' own keys. The one copy of the mask rules.
+    """``[b, n*B, L]`` bool: which context positions ``first..first+L-1`` (``context_valid`` is that
+    slice) the queries of blocks at ``anchors`` see.
 
     Context visibility is decided by the anchor's *position* (``c < a``), never by block index: blocks
-    overlap in position, and index-based rules leak future context. Padding blocks see only their own
-    block (no context), so no row is fully masked (sdpa would return NaN) and nothing else sees them.
+    overlap in position, and index-based rules leak future context. Padding blocks see no context.
     """
     b, n = anchors.shape
     span = context_valid.shape[1]
@@ -260,15 +259,18 @@ def _visibility(
             raise ValueError("sliding_attention needs sliding_window")
         # Query at a+j sees positions p with a+j-p < W (inference applies the window by key position).
         ctx = ctx & (c >= a + j[:, None] - (sliding_window - 1))
-        within = (j[None, :] <= j[:, None]) & (j[:, None] - j[None, :] < sliding_window)  # [q_j, k_j]
-    elif layer_type == FULL_ATTENTION:
-        within = torch.ones(block_size, block_size, dtype=torch.bool, device=device)
-    else:
+    elif layer_type != FULL_ATTENTION:
         raise ValueError(f"unknown layer type {layer_type!r}")
-    blk = torch.arange(n, device=device)
-    same_block = blk[:, None, None, None] == blk[None, None, :, None]  # [N, 1, N, 1]
-    own = (same_block & within[None, :, None, :]).reshape(n * block_size, n * block_size)
-    return torch.cat([ctx.reshape(b, n * block_size, span), own.expand(b, -1, -1)], dim=-1)
+    return ctx.reshape(b, n * block_size, span)
+
+
+def _within_block(block_size: int, layer_type: str, sliding_window: int | None, device) -> torch.Tensor:
+    """``[B, B]`` bool (query slot, key slot) inside a block: all for full layers (bidirectional),
+    causal and windowed for sliding layers."""
+    j = torch.arange(block_size, device=device)
+    if layer_type == SLIDING_ATTENTION:
+        return (j[None, :] <= j[:, None]) & (j[:, None] - j[None, :] < sliding_window)
+    return torch.ones(block_size, block_size, dtype=torch.bool, device=device)
 
 
 def block_attention_mask(
@@ -282,10 +284,12 @@ def block_attention_mask(
 ) -> torch.Tensor:
     """Dense bool mask ``[b, 1, N*B, S + N*B]`` for blocks at ``anchors`` over context + the blocks.
 
-    The layout of ``DFlashDrafter.forward`` (and SpecForge's sdpa path). Training uses the grouped
-    layout instead (``draft_block_hidden``); this is its reference and what inference-style callers use.
+    The layout of ``DFlashDrafter.forward`` (and SpecForge's sdpa path); training uses the grouped
+    layout (``block_layouts``) with the same rules. Padding blocks see only their own block (no
+    context), so no row is fully masked (sdpa would return NaN) and nothing else sees them.
     """
-    return _visibility(
+    b, n = anchors.shape
+    ctx = _context_visibility(
         anchors,
         keep,
         context_valid,
@@ -293,7 +297,12 @@ def block_attention_mask(
         block_size=block_size,
         layer_type=layer_type,
         sliding_window=sliding_window,
-    )[:, None]
+    )
+    within = _within_block(block_size, layer_type, sliding_window, anchors.device)
+    blk = torch.arange(n, device=anchors.device)
+    same_block = blk[:, None, None, None] == blk[None, None, :, None]  # [N, 1, N, 1]
+    own = (same_block & within[None, :, None, :]).reshape(n * block_size, n * block_size)
+    return torch.cat([ctx, own.expand(b, -1, -1)], dim=-1)[:, None]
 
 
 # ------------------------------------------------------------------------------------------ grouping
@@ -379,6 +388,11 @@ def auto_group_blocks(bounds: ColumnBounds, start: int, stop: int, *, block_size
 GROUP_OVERHEAD_KEYS = 256
 
 
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # Additive form: sdpa would convert a bool mask in every call (forward and backward).
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
 def block_layouts(
     plan: BlockPlan,
     spans: dict[str, list[tuple[int, int, int, int]]],
@@ -387,16 +401,15 @@ def block_layouts(
     sliding_window: int | None,
     dtype: torch.dtype,
 ) -> dict[str, BlockLayout]:
-    """``BlockLayout`` per layer type for blocks from ``start`` grouped by ``spans`` (``group_spans``),
-    with additive masks (built once per chunk, shared by the layers of a type)."""
+    """``BlockLayout`` per layer type for blocks from ``start`` grouped by ``spans`` (``group_spans``);
+    masks are built once per chunk and shared by the layers of a type."""
     bsz = plan.block_size
-    seq_len = plan.context_valid.shape[1]
     device = plan.anchors.device
     out = {}
     for layer_type, items in spans.items():
-        masks, index, q_sizes, k_sizes = [], [], [], []
+        groups, masks, seen = [], [], []
         for n0, n1, lo, hi in items:
-            vis = _visibility(
+            vis = _context_visibility(
                 plan.anchors[:, n0:n1],
                 plan.keep[:, n0:n1],
                 plan.context_valid[:, lo:hi],
@@ -405,14 +418,12 @@ def block_layouts(
                 layer_type=layer_type,
                 sliding_window=sliding_window,
             )
-            # Additive form: sdpa would convert a bool mask in every call (forward and backward).
-            masks.append(torch.zeros(vis.shape, dtype=dtype, device=device).masked_fill_(~vis, float("-inf"))[:, None])
-            q0, q1 = (n0 - start) * bsz, (n1 - start) * bsz
-            index += [range(lo, hi), range(seq_len + q0, seq_len + q1)]
-            q_sizes.append(q1 - q0)
-            k_sizes.append(hi - lo + q1 - q0)
-        key_index = torch.tensor([i for r in index for i in r], dtype=torch.long, device=device)
-        out[layer_type] = BlockLayout(q_sizes, k_sizes, key_index, masks)
+            groups.append(((n0 - start) * bsz, (n1 - start) * bsz, lo, hi))
+            masks.append(_additive(vis, dtype)[:, None])
+            seen.append(vis.any(dim=-1)[:, None])
+        within = _within_block(bsz, layer_type, sliding_window, device)
+        own = None if layer_type == FULL_ATTENTION else _additive(within, dtype)
+        out[layer_type] = BlockLayout(bsz, groups, masks, seen, own)
     return out
 
 

@@ -150,6 +150,7 @@ class DrafterTrainer:
         self.step = 0
         self.total_steps = config.total_steps
         self._sums: dict[str, float] = {}
+        self._counted = 0  # micro-batches of the current step that are not fillers
         self._tokens = 0
         self._samples = 0
         self._last_step_t = time.perf_counter()
@@ -207,10 +208,12 @@ class DrafterTrainer:
             chunk_blocks=self.config.chunk_blocks,
         )
         ready = self.accumulator.backward(out.loss)
-        for k, v in out.metrics().items():
-            self._sums[k] = self._sums.get(k, 0.0) + v
-        self._tokens += feats.meta.real_tokens
-        self._samples += feats.meta.num_samples
+        if not feats.meta.filler:  # a filler keeps data-parallel ranks in step; it trains nothing
+            for k, v in out.metrics().items():
+                self._sums[k] = self._sums.get(k, 0.0) + v
+            self._counted += 1
+            self._tokens += feats.meta.real_tokens
+            self._samples += feats.meta.num_samples
         if not (ready or force_step):
             return None
         return self._optimizer_step()
@@ -219,12 +222,14 @@ class DrafterTrainer:
         grad_norm = float(self.optimizer.step())
         self.schedule.step()
         self.step += 1
-        n = self.accumulator.micro
+        n = max(self._counted, 1)
+        self._counted = 0
         self.accumulator.reset()
         now = time.perf_counter()
         dt = max(now - self._last_step_t, 1e-9)
         metrics = {k: v / n for k, v in self._sums.items()}
-        metrics["sim_accept_len"] = metrics.pop("acceptance_length", 0.0)
+        if "acceptance_length" in metrics:
+            metrics["sim_accept_len"] = metrics.pop("acceptance_length")
         metrics.update(
             grad_norm=grad_norm,
             lr=float(self.schedule.get_last_lr()[0]),
@@ -245,6 +250,7 @@ class DrafterTrainer:
             self.step += 1
             self.accumulator.reset()
             self._sums = {}
+            self._counted = 0
 
     # -- state -------------------------------------------------------------------------------------
     def model_state(self) -> dict[str, torch.Tensor]:

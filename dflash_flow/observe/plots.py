@@ -11,6 +11,7 @@ non-main thread.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Sequence
@@ -115,13 +116,31 @@ def _save(fig, path: str | Path) -> Path:
     return path
 
 
+@functools.cache
+def _font():
+    from matplotlib import font_manager
+    from matplotlib.ft2font import FT2Font
+
+    return FT2Font(font_manager.findfont(font_manager.FontProperties()))
+
+
+def label(name: str) -> str:
+    """A legend label the plot font can draw: a stage name in a script the font lacks (CJK, say)
+    would be a row of identical boxes -- two such stages indistinguishable -- so it is shown escaped
+    (``\\u6570\\u636e``) instead."""
+    font = _font()
+    if all(font.get_char_index(ord(c)) for c in name):
+        return name
+    return name.encode("ascii", "backslashreplace").decode("ascii")
+
+
 def _lines(ax, series: Series, **style) -> list:
     drawn = []
     for i, name in enumerate(sorted(series, key=_natural_key)):
         pts = _finite_points(series[name])
         if pts:
             xs, ys = zip(*pts, strict=True)
-            drawn += ax.plot(xs, ys, label=name, color=f"C{i % 10}", **style)
+            drawn += ax.plot(xs, ys, label=label(name), color=f"C{i % 10}", **style)
     return drawn
 
 
@@ -188,7 +207,7 @@ def plot_bucket_mix(history: History, path: str | Path) -> Path | None:
     if not steps:
         return None
     fig, ax = _figure("bucket mix (share of dispatches per window)")
-    ax.stackplot(steps, *shares.values(), labels=[f"bucket {b}" for b in shares], alpha=0.85)
+    ax.stackplot(steps, *shares.values(), labels=[label(f"bucket {b}") for b in shares], alpha=0.85)
     ax.set_ylim(0, 1)
     ax.set_ylabel("share")
     ax.legend(loc="upper left", fontsize=7, ncol=2 if len(shares) > 6 else 1)

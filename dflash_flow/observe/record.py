@@ -110,12 +110,12 @@ class RunRecord:
         self.step = point.step
         if point.epoch is not None:
             self.epoch = point.epoch
-        if not point.metrics:
+        if not point.metrics and not point.windowed:
             return
-        self.train = dict(point.metrics)
+        self.train = {**point.metrics, **point.windowed}
         self.history.train.append(point.step, point.metrics)
         acc = self._epoch_means.setdefault(point.epoch if point.epoch is not None else -1, {})
-        for name, value in point.metrics.items():
+        for name, value in self.train.items():
             x = _finite(value)
             if x is not None:
                 m = acc.setdefault(name, _Mean())

@@ -109,11 +109,14 @@ class MonitorSample:
 
 @attrs.frozen
 class TrainPoint:
-    """One optimizer step's report (metrics logged every step)."""
+    """One optimizer step's report: ``metrics`` are logged every step; ``windowed`` ones (per-position
+    accuracies) only as their mean over each Monitor sample (``MonitorSample.train``), but they are
+    part of the run's last and epoch-mean values."""
 
     step: int
     epoch: int | None
     metrics: dict[str, float] = metric("train", reduce=train_reduction, doc="The trainer's step metrics")
+    windowed: dict[str, float] = attrs.field(factory=dict)
 
 
 @attrs.frozen

@@ -24,10 +24,11 @@ import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from .runinfo import REDACTED, redact_uri
+from .runinfo import REDACTED, redact_uri, uri_secrets
 from .store import (
     RUN_OPS,
     apply_op,
+    bounded_http,
     check_tracking_uri,
     first_line,
     is_missing_resource,
@@ -36,6 +37,9 @@ from .store import (
 )
 
 log = logging.getLogger(__name__)
+
+IMPORT_HTTP_TIMEOUT_S = 120  # an artifact upload may be large
+IMPORT_HTTP_RETRIES = 2
 
 
 class SpoolError(Exception):
@@ -211,6 +215,7 @@ def import_spool(path: str | os.PathLike, tracking_uri: str | os.PathLike | None
     except OSError as exc:
         raise SpoolError(f"{spool}: cannot use tracking URI {redact_uri(os.fspath(source))}: {first_line(exc)}") from None
     shown = redact_uri(uri)
+    secrets = uri_secrets(uri)
     db = sqlite_path(uri)
     if body[0]["op"] == "run" and db is not None and not db.exists():
         raise SpoolError(
@@ -223,10 +228,12 @@ def import_spool(path: str | os.PathLike, tracking_uri: str | os.PathLike | None
     try:
         client = MlflowClient(tracking_uri=uri)
     except Exception as exc:
-        raise SpoolError(f"{spool}: cannot open tracking store {shown}: {first_line(exc)}") from None
+        raise SpoolError(f"{spool}: cannot open tracking store {shown}: {first_line(exc, secrets=secrets)}") from None
     for i, op in enumerate(body):
         try:
-            apply_op(client, op, state)
+            # A server that is down fails in seconds (a few quick retries), not after mlflow's minutes.
+            with bounded_http(uri, IMPORT_HTTP_TIMEOUT_S, IMPORT_HTTP_RETRIES):
+                apply_op(client, op, state)
         except Exception as exc:
             if i:
                 _keep_rest(spool, meta, state.get("run_id"), body[i:])
@@ -235,7 +242,9 @@ def import_spool(path: str | os.PathLike, tracking_uri: str | os.PathLike | None
                     f"{spool}: run {state['run_id']} does not exist in {shown} (was the tracking database "
                     "deleted or replaced?)"
                 ) from exc
-            raise SpoolError(f"{spool}: importing into {shown} failed at the {op['op']} op: {first_line(exc)}") from exc
+            raise SpoolError(
+                f"{spool}: importing into {shown} failed at the {op['op']} op: {first_line(exc, secrets=secrets)}"
+            ) from exc
     spool.unlink(missing_ok=True)
     shutil.rmtree(stash_dir_for(spool), ignore_errors=True)
     return state["run_id"]

@@ -112,8 +112,8 @@ class DrafterStep(Stage):
         )
         self._trainer = DrafterTrainer(drafter, head, config, device=ctx.device, dtype=dtype)
         self._epoch = 0
-        self._consumed = 0  # batches of the current epoch trained on (this rank)
-        self._total_consumed = 0
+        self._plan_state: dict[str, Any] | None = None  # the Interleaver's state after the last batch trained
+        self._total_consumed = 0  # batches trained on in the whole run (this rank)
         # A resumed run continues the file (its lines after the checkpoint are trained again, so appear
         # twice: see the record_batches doc); a fresh run starts a new one, whatever an earlier run left.
         mode = "a" if self._services.resume is not None else "w"
@@ -127,36 +127,38 @@ class DrafterStep(Stage):
 
     def process(self, feats: TargetFeatures):
         meta = feats.meta
-        if meta.epoch != self._epoch:
-            self._epoch, self._consumed = meta.epoch, 0
-        epoch_end = meta.epoch_batches > 0 and self._consumed + 1 >= meta.epoch_batches
+        epoch_end = meta.last_of_epoch
         t0 = time.perf_counter()
         metrics = self._trainer.train_batch(
-            feats, anchor_seed=self._ctx.seed_for(meta.epoch, "anchors", meta.index), force_step=epoch_end
+            feats, anchor_seed=self._ctx.seed_for(meta.epoch, "anchors", meta.index),
+            force_step=epoch_end or meta.last_of_run,
         )
-        self._consumed += 1
+        self._epoch, self._plan_state = meta.epoch, meta.plan_state
         self._total_consumed += 1
         self._m_tokens.inc(meta.real_tokens)
         self._m_samples.inc(meta.num_samples)
         self._m_step_s.observe(time.perf_counter() - t0)
-        if self._batch_log is not None:
+        if self._batch_log is not None and not meta.filler:
             self._batch_log.write(json.dumps({"epoch": meta.epoch, "index": meta.index, "sample_ids": list(meta.sample_ids)}) + "\n")
             self._batch_log.flush()
         if metrics is None:
             return None
         metrics["epoch"] = float(meta.epoch)
         self._m_steps.inc()
-        self._m_loss.set(metrics["loss"])
+        if "loss" in metrics:  # a step of filler batches only has no loss
+            self._m_loss.set(metrics["loss"])
         report = StepReport(step=self._trainer.step, epoch=meta.epoch, meta=meta, metrics=metrics)
         if self._services.checkpoints is not None:
             self._services.checkpoints.after_step(self, step=self._trainer.step, epoch_end=epoch_end)
         return (report,)
 
     # -- checkpoints --------------------------------------------------------------------------------
-    def _position(self, epoch_end: bool) -> dict[str, int]:
-        """Where the data stream continues after a resume: batches of ``epoch`` consumed on this rank."""
-        pos = {"epoch": self._epoch + 1, "consumed": 0} if epoch_end else {"epoch": self._epoch, "consumed": self._consumed}
-        return {**pos, "world_size": self._ctx.world_size, "total": self._total_consumed}
+    def _position(self, epoch_end: bool) -> dict[str, Any]:
+        """Where the data stream continues after a resume: the epoch and the plan state of the last batch
+        trained (None at the start of an epoch), and the run's total of batches on this rank."""
+        if epoch_end:
+            return {"epoch": self._epoch + 1, "plan": None, "total": self._total_consumed}
+        return {"epoch": self._epoch, "plan": self._plan_state, "total": self._total_consumed}
 
     def checkpoint_payload(self, epoch_end: bool = False) -> CheckpointPayload:
         from dflash_flow.model.export import drafter_config_dict
@@ -179,7 +181,7 @@ class DrafterStep(Stage):
         return {
             "version": STATE_VERSION,
             "epoch": getattr(self, "_epoch", 0),
-            "consumed": getattr(self, "_consumed", 0),
+            "plan": getattr(self, "_plan_state", None),
             "total_consumed": getattr(self, "_total_consumed", 0),
             "trainer": trainer.state_dict() if trainer is not None else None,
         }
@@ -188,7 +190,7 @@ class DrafterStep(Stage):
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"DrafterStep state version {state.get('version')} is not supported")
         self._epoch = int(state["epoch"])
-        self._consumed = int(state["consumed"])
+        self._plan_state = state.get("plan")
         self._total_consumed = int(state.get("total_consumed", 0))
         if state.get("trainer") is not None:
             self._trainer.load_state_dict(state["trainer"])
@@ -199,7 +201,7 @@ class DrafterStep(Stage):
         self._trainer.restore(resume.model_state(str(self._trainer.device)), resume.optimizer_state())
         pos = resume.data_position
         if pos:
-            self._epoch, self._consumed = int(pos["epoch"]), int(pos["consumed"])
+            self._epoch, self._plan_state = int(pos["epoch"]), pos.get("plan")
             self._total_consumed = int(pos.get("total", self._total_consumed))
 
     def finish(self):

@@ -100,17 +100,18 @@ class Monitor(Stage):
             record.total_steps = int(total)
             if self._printer is not None:
                 self._printer.total_steps = int(total)
-        logged = {}
+        logged, windowed = {}, {}
         for k, v in item.metrics.items():
             if k in UNLOGGED_TRAIN:
                 continue
             if k.startswith(WINDOWED_TRAIN_PREFIXES):
+                windowed[k] = v
                 acc = self._window.setdefault(k, [0.0, 0])
                 acc[0] += v
                 acc[1] += 1
             else:
                 logged[k] = v
-        point = TrainPoint(step=item.step, epoch=item.epoch, metrics=logged)
+        point = TrainPoint(step=item.step, epoch=item.epoch, metrics=logged, windowed=windowed)
         record.add_train(point)  # the final report carries artifacts, not metrics: it only moves the step
         if self._tracker is not None and logged:
             self._tracker.log_metrics(mlflow_metrics(point), step=item.step)

@@ -77,6 +77,14 @@ class TargetForward(Stage):
 
         import torch
 
+        if batch.meta.filler:
+            # No samples: features of the right width and no rows, so the drafter's zero step is cheap.
+            width = self._extractor.feature_dim or 0
+            empty = torch.zeros((0, 0), dtype=torch.long, device=self._out_device)
+            hidden = torch.zeros((0, 0, width), device=self._out_device)
+            return (TargetFeatures(meta=batch.meta, input_ids=empty, loss_mask=empty, attention_mask=empty,
+                                   hidden_states=hidden, target_layer_ids=self._layer_ids),)
+
         top = int(batch.input_ids.max()) if batch.input_ids.numel() else 0
         if top >= self._vocab or int(batch.input_ids.min()) < 0:
             from dflash_flow.data.records import DataError

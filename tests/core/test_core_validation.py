@@ -264,3 +264,27 @@ def test_ordered_input_reached_twice_is_rejected():
     # broadcast into a single replica is harmless
     g.stage("a").replicas = 1
     assert validate(g) == []
+
+
+def test_runtime_waits_names_and_seeds_are_bounded():
+    text = (
+        "name: ../up\nseed: 9223372036854775808\nruntime:\n  stall_timeout_s: 1.0e+12\n  watchdog_interval_s: .nan\n"
+        "stages:\n  - {name: " + "s" * 101 + ", type: TestSource}\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_graph_text(text, "b.yaml")
+    assert [(p.line, p.field) for p in info.value.problems] == [
+        (1, "name"), (2, "seed"), (5, "runtime.watchdog_interval_s"), (7, "name"),
+    ]
+    g = Graph()
+    g.runtime.stall_timeout_s = 1e12
+    g.runtime.drain_timeout_s = float("nan")
+    g.add("src", "TestSource")
+    assert sorted(p.format() for p in validate(g)) == [
+        "field 'runtime.drain_timeout_s': expected a finite number, got float .nan (this field takes no .inf or .nan)",
+    ]
+    g.runtime.drain_timeout_s = 1.0
+    assert [p.format() for p in validate(g)] == [
+        "field 'runtime.stall_timeout_s': runtime.stall_timeout_s must be <= 1000000000 "
+        "(seconds; longer waits overflow the clock), got 1e+12"
+    ]

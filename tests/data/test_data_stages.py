@@ -102,23 +102,27 @@ def test_interleaver_resume_mid_epoch_continues_exactly(token_file):
     assert [(m.epoch, m.index) for m in rest] == [(m.epoch, m.index) for m in full[k:]]
 
 
-@pytest.mark.parametrize("tail", ["pad", "drop"])
+@pytest.mark.parametrize("tail", ["filler", "drop"])
 def test_ranks_take_equal_disjoint_shares(token_file, tail):
     items = _epochs(token_file, epochs=1)
     shares = [
         _drive(Interleaver(tail=tail), StageContext(name="inter", seed=11, rank=r, world_size=3), items)
         for r in range(3)
     ]
-    assert len({len(s) for s in shares}) == 1
+    assert len({len(s) for s in shares}) == 1  # same number of steps: collectives never wait forever
     n = sum(items[0].packed.counts)
-    positions = sorted(m.index for s in shares for m in s)
+    real = [m for s in shares for m in s if not m.filler]
+    positions = sorted(m.index for m in real)
     if tail == "drop":
         assert positions == list(range(n // 3 * 3))
     else:
-        assert set(positions) == set(range(n))
-    for s in shares:
-        b = [m.bucket for m in s]
-        assert max(len(list(g)) for g in _runs(b)) <= 3
+        assert positions == list(range(n))  # every batch exactly once
+        fillers = [m for s in shares for m in s if m.filler]
+        assert len(fillers) == len(shares[0]) * 3 - n and all(m.num_samples == 0 for m in fillers)
+    # the run cap holds for the sequence of global steps (step s = the ranks' s-th batches)
+    labels = [shares[0][k].bucket for k in range(len(shares[0])) if not shares[0][k].filler]
+    assert max(len(list(g)) for g in _runs(labels)) <= 3
+    assert [m.last_of_epoch for m in shares[1]] == [False] * (len(shares[1]) - 1) + [True]
 
 
 def _runs(seq):

@@ -107,3 +107,20 @@ def test_importing_observe_does_not_import_heavy_libraries():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False False False False", out.stderr
+
+
+def test_stage_names_the_font_cannot_draw_get_distinct_labels(tmp_path):
+    import warnings
+
+    from dflash_flow.observe.plots import label, stage_load_series
+
+    h = run_history()
+    rename = {"padder": "数据", "target": "数字"}
+    h.samples = [attrs.evolve(s, stages={rename[k]: v for k, v in s.stages.items()}) for s in h.samples]
+    assert set(stage_load_series(h)) == {"数据", "数字"}
+    assert label("数据") == "\\u6570\\u636e" and label("数字") != label("数据")
+    assert label("données") == "données" and label("padder") == "padder"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a missing glyph would warn (and draw boxes)
+        made = write_plots(h, tmp_path)
+    assert {"queue_depths", "stage_load"} <= set(made)

@@ -435,31 +435,33 @@ def test_import_spool_uploads_only_files_inside_its_stash(sqlite_uri, tmp_path):
     stashed = next(o for o in ops if o["op"] == "artifact")
     assert stashed["stashed"] and not Path(stashed["path"]).is_absolute()  # relative to the stash
 
-    def with_artifact(path: str) -> Path:
-        hostile = tmp_path / f"hostile-{len(list(tmp_path.glob('hostile-*')))}.jsonl"
-        lines = [json.dumps(o) for o in ops[:-1]] + [json.dumps({"op": "artifact", "path": path, "artifact_path": "x"})]
-        hostile.write_text("\n".join(lines + [json.dumps(ops[-1])]) + "\n")
+    def with_artifact(name: str, path: str) -> Path:
+        """A copy of the spool whose only artifact record names ``path``."""
+        hostile = tmp_path / f"{name}.jsonl"
+        others = [o for o in ops if o["op"] != "artifact"]
+        lines = [json.dumps(o) for o in others[:-1]] + [json.dumps({"op": "artifact", "path": path, "artifact_path": "x"})]
+        hostile.write_text("\n".join(lines + [json.dumps(others[-1])]) + "\n")
         return hostile
 
     client = client_for(sqlite_uri)
     before = len(client.search_runs([e.experiment_id for e in client.search_experiments()]))
-    hostile = with_artifact(str(secret))
+    hostile = with_artifact("outside", str(secret))
     result = CliRunner().invoke(app, ["import-spool", str(hostile), "--tracking-uri", sqlite_uri])
     assert result.exit_code == 2 and f"refusing to upload {secret}" in result.output
     assert len(result.output.strip().splitlines()) == 1
     # A symlink inside the stash that points out of it is not followed.
-    stash = tmp_path / "hostile-1-artifacts"
+    stash = tmp_path / "linked-artifacts"
     (stash / "9").mkdir(parents=True)
     (stash / "9" / "link.txt").symlink_to(secret)
-    hostile = with_artifact("9/link.txt")
-    assert hostile.name == "hostile-1.jsonl"
     with pytest.raises(SpoolError, match="refusing to upload 9/link.txt"):
-        import_spool(hostile, sqlite_uri)
-    (stash / "8").mkdir()
-    (stash / "8" / "inner").symlink_to(tmp_path)  # a directory artifact holding a link out
-    (tmp_path / "hostile-2-artifacts").symlink_to(stash)
-    with pytest.raises(SpoolError, match="links outside the spool's artifact directory"):
-        import_spool(with_artifact("8"), sqlite_uri)
+        import_spool(with_artifact("linked", "9/link.txt"), sqlite_uri)
+    # Nor one inside a directory artifact.
+    (stash / "8" / "sub").mkdir(parents=True)
+    (stash / "8" / "sub" / "inner").symlink_to(tmp_path)
+    with pytest.raises(SpoolError, match="inner: it links outside the spool's artifact directory"):
+        import_spool(with_artifact("linked", "8"), sqlite_uri)
+    with pytest.raises(SpoolError, match="refusing to upload ../secret.txt"):
+        import_spool(with_artifact("linked", "../secret.txt"), sqlite_uri)
     after = len(client.search_runs([e.experiment_id for e in client.search_experiments()]))
     assert after == before, "a refused spool sends nothing"
     # The genuine spool imports, with its stashed copy.
@@ -480,3 +482,15 @@ def test_import_failing_midway_keeps_the_rest_and_the_run(sqlite_uri, tmp_path):
     c = client_for(sqlite_uri)
     run = c.get_run(kept[1]["run_id"])
     assert run.data.params == {"a": "1"} and run.info.run_name == "midway"
+
+
+def test_import_into_a_server_that_is_down_is_one_line_without_credentials(tmp_path):
+    tr, spool = _offline_spool(tmp_path, run_name="down")
+    tr.end("FINISHED")
+    uri = f"http://bob:hunter22@127.0.0.1:{closed_port()}/?token=t0ken"
+    result = CliRunner().invoke(app, ["import-spool", str(spool), "--tracking-uri", uri])
+    assert result.exit_code == 2
+    (line,) = result.output.strip().splitlines()
+    assert line.startswith(f"error: {spool}: importing into http://***@127.0.0.1:") and "create_run op" in line
+    assert "hunter22" not in line and "t0ken" not in line
+    assert spool.exists()

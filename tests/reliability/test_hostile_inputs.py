@@ -76,6 +76,9 @@ PIPELINE_CASES = [
     ("yaml_bad_date.yaml", 2, "yaml_bad_date.yaml:2: invalid YAML: cannot read this value: month must be in 1..12"),
     ("yaml_long_number.yaml", 2, "yaml_long_number.yaml:3: a number literal of 5000 characters (at most 100)"),
     ("yaml_control_char.yaml", 2, "yaml_control_char.yaml:2: invalid YAML: character #x0000 is not allowed"),
+    ("pipeline_name_traversal.yaml", 2, "'name' '../../outside' names the run directory (runs/NAME by default)"),
+    ("stage_name_too_long.yaml", 2, "has 5000 characters; at most 100"),
+    ("runtime_huge_timeout.yaml", 2, "runtime.stall_timeout_s must be <= 1000000000 (seconds; longer waits overflow the clock), got 1e+20"),
     # NaN and infinity are refused for every float field (unless it declares cfg(finite=False)).
     ("nonfinite_lr.yaml", 2, "nonfinite_lr.yaml:9, stage 'drafter', field 'lr': expected a finite number, got float .inf"),
     ("nonfinite_gamma.yaml", 2, "field 'gamma': expected a finite number, got float .inf"),

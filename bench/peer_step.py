@@ -1,0 +1,430 @@
+"""Drafter training step against SpecForge 0.2's ``OnlineDFlashModel``: speed, peak memory, same loss.
+
+Optional peer benchmark: SpecForge pins torch 2.11 and sglang, so it is not installed; its unpacked wheel
+is put on ``sys.path`` and only the DFlash model and loss modules are imported (``specforge.algorithms.
+common.dflash_family_model`` and ``specforge.modeling.draft.dflash``; their import chains need torch and
+transformers only). Nothing of its math is replaced: the one override is the anchor draw, which returns the
+anchors both implementations get in that round (so both do the same work on identical inputs).
+
+    pip download --no-deps specforge==0.2.0 -d /tmp/sf
+    python -m zipfile -e /tmp/sf/specforge-0.2.0-py3-none-any.whl ~/.cache/dflash-flow/specforge-0.2.0
+    python bench/peer_step.py                       # SpecForge from $DFLASH_SPECFORGE_DIR or the dir above
+    python bench/peer_step.py --baseline 2a747d7    # also our implementation at a git revision ("before")
+
+Without SpecForge it prints how to get it and exits 0 (``--baseline`` still runs without it).
+
+Workloads (fp32, 2 intra-op threads, sdpa, 2-layer drafter, block 8, 64 anchors, gamma 4):
+
+* ``peer``: tiny Qwen3 target shape (vocab 384, hidden 128, 2 heads, head_dim 64, intermediate 384),
+  batch 4 x 512, loss mask on the second half of every row;
+* ``embedded``: the shipped CPU default's target shape (vocab 768, hidden 128, 4 heads / 2 KV heads,
+  head_dim 32, intermediate 384) on batches of 2,048 padded tokens (4 x 512 and 8 x 256), rows of
+  ragged length (55-100% of the batch length, the rest padding), a prompt of the first 20% of each row.
+
+Each round draws fresh anchors (our sampler, seeded by the round) and runs every implementation once, in
+rotating order; the figures are medians of wall and process-CPU milliseconds per forward+backward step
+(no optimizer), and ``ours / theirs`` is the ratio of the medians measured in this one command. Peak memory:
+one fresh subprocess per implementation with ``MALLOC_MMAP_THRESHOLD_`` set low (so freed tensors leave
+the RSS), peak RSS during two steps over the RSS before them (after one warm-up step). The losses of all
+implementations on the same anchors are printed and stored; ``tests/model/test_peer_specforge.py`` asserts
+they agree to 1e-5. Results go to ``bench/results/peer_step.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results" / "peer_step.json"
+DEFAULT_SPECFORGE = Path.home() / ".cache" / "dflash-flow" / "specforge-0.2.0"
+THREADS = 2
+
+PEER_TARGET = dict(vocab=384, hidden=128, layers=8, heads=2, kv_heads=2, head_dim=64, intermediate=384)
+EMBEDDED_TARGET = dict(vocab=768, hidden=128, layers=8, heads=4, kv_heads=2, head_dim=32, intermediate=384)
+DRAFT = dict(num_layers=2, block_size=8, num_anchors=64, gamma=4.0)
+CASES = {
+    "peer": dict(target=PEER_TARGET, batch=4, seq_len=512, ragged=False),
+    "embedded_4x512": dict(target=EMBEDDED_TARGET, batch=4, seq_len=512, ragged=True),
+    "embedded_8x256": dict(target=EMBEDDED_TARGET, batch=8, seq_len=256, ragged=True),
+}
+
+
+# ------------------------------------------------------------------------------------------ SpecForge
+
+
+def specforge_dir(path: str | os.PathLike | None = None) -> Path:
+    return Path(path or os.environ.get("DFLASH_SPECFORGE_DIR") or DEFAULT_SPECFORGE).expanduser()
+
+
+def import_specforge(path: str | os.PathLike | None = None):
+    """``(OnlineDFlashModel, DFlashDraftModel)`` from an unpacked SpecForge wheel, or ``(None, reason)``."""
+    root = specforge_dir(path)
+    if not (root / "specforge" / "algorithms" / "common" / "dflash_family_model.py").is_file():
+        return None, f"no unpacked SpecForge wheel at {root} (set DFLASH_SPECFORGE_DIR or --specforge)"
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "flash_attn is not found" from an unrelated draft module
+            loss_mod = importlib.import_module("specforge.algorithms.common.dflash_family_model")
+            draft_mod = importlib.import_module("specforge.modeling.draft.dflash")
+    except Exception as exc:  # any failure of an optional peer is a reason to skip, not to crash
+        return None, f"SpecForge at {root} does not import here: {type(exc).__name__}: {exc}"
+    return (loss_mod.OnlineDFlashModel, draft_mod.DFlashDraftModel), None
+
+
+def load_baseline(rev: str, into: Path):
+    """Our ``objective`` module as of git revision ``rev`` (with its own copy of ``drafter``)."""
+    into.mkdir(parents=True, exist_ok=True)
+    for name in ("drafter", "objective"):
+        text = subprocess.run(
+            ["git", "show", f"{rev}:dflash_flow/model/{name}.py"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        text = text.replace("from dflash_flow.model.drafter import", "from baseline_drafter import")
+        (into / f"baseline_{name}.py").write_text(text)
+    if str(into) not in sys.path:
+        sys.path.insert(0, str(into))
+    return importlib.import_module("baseline_drafter"), importlib.import_module("baseline_objective")
+
+
+# ------------------------------------------------------------------------------------------ workload
+
+
+def target_config(t: dict):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=t["vocab"],
+        hidden_size=t["hidden"],
+        intermediate_size=t["intermediate"],
+        num_hidden_layers=t["layers"],
+        num_attention_heads=t["heads"],
+        num_key_value_heads=t["kv_heads"],
+        head_dim=t["head_dim"],
+        max_position_embeddings=4096,
+    )
+
+
+def build_case(case: dict, seed: int = 0) -> dict[str, Any]:
+    """Drafter config and weights, frozen embedding / LM head, a batch and target-shaped features."""
+    import torch
+
+    from dflash_flow.model.drafter import DFlashDrafter, make_drafter_config
+
+    t = case["target"]
+    tcfg = target_config(t)
+    mask_id = t["vocab"] - 1
+    dcfg = make_drafter_config(
+        tcfg, num_layers=DRAFT["num_layers"], block_size=DRAFT["block_size"], mask_token_id=mask_id
+    )
+    dcfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    state = DFlashDrafter(dcfg).state_dict()
+    embed = torch.nn.Embedding(t["vocab"], t["hidden"])
+    head = torch.nn.Linear(t["hidden"], t["vocab"], bias=False)
+    for p in (*embed.parameters(), *head.parameters()):
+        p.requires_grad_(False)
+    b, s = case["batch"], case["seq_len"]
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, mask_id, (b, s), generator=g)
+    if case["ragged"]:
+        lengths = torch.randint(int(0.55 * s), s + 1, (b,), generator=g)
+        lengths[0] = s  # the bucket's longest row sets the padded length
+        pos = torch.arange(s)[None]
+        attention_mask = (pos < lengths[:, None]).long()
+        loss_mask = ((pos >= (lengths[:, None] // 5)) & attention_mask.bool()).long()
+        ids = ids * attention_mask
+    else:
+        attention_mask = None
+        loss_mask = torch.zeros(b, s, dtype=torch.long)
+        loss_mask[:, s // 2 :] = 1
+    n_feat = len(dcfg.dflash_config["target_layer_ids"]) * t["hidden"]
+    feats = torch.randn(b, s, n_feat, generator=g)
+    if attention_mask is not None:
+        feats = feats * attention_mask[..., None]
+    return dict(
+        config=dcfg,
+        state=state,
+        embed=embed,
+        head=head,
+        input_ids=ids,
+        loss_mask=loss_mask,
+        attention_mask=attention_mask,
+        hidden_states=feats,
+        mask_id=mask_id,
+    )
+
+
+def draw_anchors(c: dict, seed: int):
+    import torch
+
+    from dflash_flow.model.objective import sample_anchors
+
+    return sample_anchors(
+        c["loss_mask"],
+        DRAFT["num_anchors"],
+        attention_mask=c["attention_mask"],
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def make_ours(c: dict, drafter_mod=None, objective_mod=None, **loss_kw):
+    """``step(anchors) -> loss`` (forward + backward) for our implementation (or a baseline's modules)."""
+    if drafter_mod is None:
+        from dflash_flow.model import drafter as drafter_mod
+        from dflash_flow.model import objective as objective_mod
+    model = drafter_mod.DFlashDrafter(c["config"])
+    model.load_state_dict(c["state"])
+    model.train()
+
+    def step(anchors, backward=True):
+        out = objective_mod.dflash_loss(
+            model,
+            embed_tokens=c["embed"],
+            lm_head=c["head"],
+            input_ids=c["input_ids"],
+            loss_mask=c["loss_mask"],
+            hidden_states=c["hidden_states"],
+            attention_mask=c["attention_mask"],
+            num_anchors=DRAFT["num_anchors"],
+            gamma=DRAFT["gamma"],
+            anchors=anchors,
+            **loss_kw,
+        )
+        if backward:
+            out.loss.backward()
+        return out.loss
+
+    return model, step
+
+
+def make_specforge(c: dict, classes):
+    """The same step through SpecForge's ``OnlineDFlashModel`` (sdpa backend, default 128-block chunks)."""
+    online_cls, draft_cls = classes
+    model = draft_cls(c["config"])
+    model.load_state_dict(c["state"])
+    model.train()
+    online = online_cls(
+        model,
+        c["head"],
+        c["embed"],
+        c["mask_id"],
+        block_size=DRAFT["block_size"],
+        attention_backend="sdpa",
+        num_anchors=DRAFT["num_anchors"],
+        loss_decay_gamma=DRAFT["gamma"],
+    )
+    current = {}
+    # The one override: SpecForge draws anchors from the global RNG; here it gets the round's anchors.
+    online._sample_anchor_positions = lambda seq_len, loss_mask, device: current["anchors"]
+    loss_mask = c["loss_mask"]
+    if c["attention_mask"] is not None:
+        loss_mask = loss_mask * c["attention_mask"]  # SpecForge has no attention mask: padding is unsupervised
+
+    def step(anchors, backward=True):
+        current["anchors"] = anchors
+        loss, _acc, _metrics = online(c["input_ids"], c["hidden_states"], loss_mask.float())
+        if backward:
+            loss.backward()
+        return loss
+
+    return model, step
+
+
+def implementations(c: dict, *, sf_classes=None, baseline=None) -> dict[str, tuple]:
+    impls = {"ours": make_ours(c)}
+    if sf_classes is not None:
+        impls["specforge"] = make_specforge(c, sf_classes)
+    if baseline is not None:
+        impls["before"] = make_ours(c, *baseline)
+    return impls
+
+
+# ------------------------------------------------------------------------------------------ measuring
+
+
+def time_rounds(impls: dict, c: dict, rounds: int) -> dict[str, dict[str, float]]:
+    names = list(impls)
+    wall = {n: [] for n in names}
+    cpu = {n: [] for n in names}
+    for r in range(rounds + 1):
+        anchors = draw_anchors(c, seed=1000 + r)
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            model, step = impls[name]
+            model.zero_grad(set_to_none=True)
+            t0, c0 = time.perf_counter(), time.process_time()
+            step(anchors)
+            t1, c1 = time.perf_counter(), time.process_time()
+            if r:  # round 0 warms up every implementation
+                wall[name].append(1000 * (t1 - t0))
+                cpu[name].append(1000 * (c1 - c0))
+    return {
+        n: dict(ms=round(statistics.median(wall[n]), 2), cpu_ms=round(statistics.median(cpu[n]), 2))
+        for n in names
+    }
+
+
+def losses_on_same_anchors(impls: dict, c: dict) -> dict[str, float]:
+    import torch
+
+    anchors = draw_anchors(c, seed=0)
+    with torch.no_grad():
+        return {name: float(step(anchors, backward=False)) for name, (_m, step) in impls.items()}
+
+
+def _status_kib(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
+
+
+def memory_worker(case_name: str, impl: str, sf_path: str | None, baseline_dir: str | None, rev: str | None):
+    """Peak RSS (MiB) over the pre-step RSS for two steps of one implementation (run in a subprocess)."""
+    import torch
+
+    torch.set_num_threads(THREADS)
+    c = build_case(CASES[case_name])
+    classes = import_specforge(sf_path)[0] if impl == "specforge" else None
+    baseline = load_baseline(rev, Path(baseline_dir)) if impl == "before" else None
+    model, step = implementations(c, sf_classes=classes, baseline=baseline)[impl]
+    anchors = draw_anchors(c, seed=7)
+    step(anchors)  # warm-up: one-time allocations (thread pools, kernels' scratch) are not the step's
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark to the current RSS
+    before = _status_kib("VmRSS")
+    for _ in range(2):
+        step(anchors)
+        model.zero_grad(set_to_none=True)
+    return dict(peak_over_baseline_mib=round((_status_kib("VmHWM") - before) / 1024, 2))
+
+
+def measure_memory(case_name: str, impl: str, args, baseline_dir: str | None) -> dict:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    cmd = [sys.executable, __file__, "--memory-worker", case_name, impl]
+    if args.specforge:
+        cmd += ["--specforge", str(args.specforge)]
+    if baseline_dir:
+        cmd += ["--baseline", args.baseline, "--baseline-dir", baseline_dir]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    if proc.returncode != 0:
+        return dict(error=proc.stderr[-1500:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_case(name: str, args, sf_classes, baseline, baseline_dir) -> dict:
+    c = build_case(CASES[name])
+    impls = implementations(c, sf_classes=sf_classes, baseline=baseline)
+    losses = losses_on_same_anchors(impls, c)
+    times = time_rounds(impls, c, args.rounds)
+    result: dict[str, Any] = dict(
+        case=name,
+        batch=CASES[name]["batch"],
+        seq_len=CASES[name]["seq_len"],
+        ragged=CASES[name]["ragged"],
+        losses_same_anchors=losses,
+        implementations={n: dict(times[n]) for n in impls},
+    )
+    if not args.no_memory:
+        for n in impls:
+            result["implementations"][n].update(measure_memory(name, n, args, baseline_dir))
+    ours = times["ours"]
+    for other in ("specforge", "before"):
+        if other in times:
+            result[f"ours_over_{other}"] = round(ours["ms"] / times[other]["ms"], 3)
+            result[f"ours_over_{other}_cpu"] = round(ours["cpu_ms"] / times[other]["cpu_ms"], 3)
+            result[f"loss_diff_vs_{other}"] = abs(losses["ours"] - losses[other])
+    if c["attention_mask"] is not None and "specforge" in losses:
+        result["note"] = "SpecForge has no attention mask: it attends to padded (zero) context, so its loss differs"
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--specforge", help="unpacked SpecForge 0.2.0 wheel (default $DFLASH_SPECFORGE_DIR or ~/.cache)")
+    parser.add_argument("--baseline", help="also time our implementation at this git revision")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {list(CASES)}")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--memory-worker", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--baseline-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory_worker:
+        case_name, impl = args.memory_worker
+        print(json.dumps(memory_worker(case_name, impl, args.specforge, args.baseline_dir, args.baseline)))
+        return 0
+
+    import torch
+
+    torch.set_num_threads(THREADS)
+    classes, reason = import_specforge(args.specforge)
+    if classes is None:
+        print(f"peer_step: SpecForge not available, skipping the comparison ({reason}).")
+        print(
+            "  get it with: pip download --no-deps specforge==0.2.0 -d /tmp/sf && python -m zipfile -e "
+            f"/tmp/sf/specforge-0.2.0-py3-none-any.whl {DEFAULT_SPECFORGE}"
+        )
+        if not args.baseline:
+            return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        baseline = load_baseline(args.baseline, Path(tmp)) if args.baseline else None
+        cases = [run_case(n, args, classes, baseline, tmp if baseline else None) for n in args.cases.split(",")]
+    report = dict(
+        bench="peer_step",
+        created_unix=int(time.time()),
+        machine=dict(python=platform.python_version(), cpus=os.cpu_count(), platform=platform.platform()),
+        torch=torch.__version__,
+        threads=THREADS,
+        draft=DRAFT,
+        specforge=str(specforge_dir(args.specforge)) if classes else None,
+        baseline=args.baseline,
+        rounds=args.rounds,
+        note=(
+            "ms / cpu_ms: median wall / process-CPU milliseconds per forward+backward step over the rounds, all "
+            "implementations alternated in one process on identical inputs and anchors (shared 2-core box: "
+            "compare the ratios, not the absolute figures). peak_over_baseline_mib: fresh subprocess per "
+            "implementation, peak RSS over two steps above the RSS before them."
+        ),
+        cases=cases,
+    )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    for c in cases:
+        impl = c["implementations"]
+        line = ", ".join(
+            f"{n} {v['ms']:.1f} ms (cpu {v['cpu_ms']:.1f})"
+            + (f" peak +{v['peak_over_baseline_mib']:.1f} MiB" if "peak_over_baseline_mib" in v else "")
+            for n, v in impl.items()
+        )
+        print(f"{c['case']} [{c['batch']}x{c['seq_len']}]: {line}")
+        ratios = [f"ours/{o} {c[f'ours_over_{o}']:.3f} (cpu {c[f'ours_over_{o}_cpu']:.3f})" for o in ("specforge", "before") if f"ours_over_{o}" in c]
+        if ratios:
+            print("  " + ", ".join(ratios))
+        print("  losses on identical anchors: " + ", ".join(f"{n} {v:.6f}" for n, v in c["losses_same_anchors"].items()))
+    print(f"written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
