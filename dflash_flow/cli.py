@@ -28,7 +28,8 @@ def _fail(message: str) -> None:
     user_error(message)
 
 
-def _load(file: Path, overrides: Optional[list[str]], check_devices: bool = True):
+def _load(file: Path, overrides: Optional[list[str]], check_devices: bool = True, local_world_size: Optional[int] = None,
+          gpu_count: Optional[int] = None):
     """Load and validate; print one line per problem and exit 2 on user errors."""
     import dflash_flow.app  # noqa: F401 - registers the application sections
     from dflash_flow.app.preflight import preflight_problems
@@ -37,7 +38,7 @@ def _load(file: Path, overrides: Optional[list[str]], check_devices: bool = True
 
     try:
         graph = load_graph(file, overrides or [])
-        v = validated(graph, check_devices=check_devices)
+        v = validated(graph, check_devices=check_devices, local_world_size=local_world_size, gpu_count=gpu_count)
         problems = preflight_problems(v)
         if problems:
             raise ConfigError(problems)
@@ -52,9 +53,11 @@ def validate(
     file: Path = typer.Argument(..., help="Pipeline YAML file."),
     set_: Optional[list[str]] = SetOpt,
     no_device_check: bool = typer.Option(False, "--no-device-check", help="Check everything but device availability."),
+    nproc: Optional[int] = typer.Option(None, "--nproc", min=1, help="Check the GPU placement for N ranks per node."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", min=0, help="Check the placement as if N GPUs were visible."),
 ) -> None:
     """Check a pipeline file without running it."""
-    v = _load(file, set_, check_devices=not no_device_check)
+    v = _load(file, set_, check_devices=not no_device_check, local_world_size=nproc, gpu_count=gpus)
     n = sum(s.replicas for s in v.graph.stages)
     typer.echo(f"ok: {file}: {len(v.graph.stages)} stages, {n} replicas")
 
@@ -109,11 +112,28 @@ def stages(name: Optional[str] = typer.Argument(None, help="Show one stage type 
 def run(
     file: Path = typer.Argument(..., help="Pipeline YAML file."),
     set_: Optional[list[str]] = SetOpt,
-    resume: Optional[str] = typer.Option(None, "--resume", help="Resume from a checkpoint path, or 'latest'."),
+    resume: Optional[str] = typer.Option(
+        None, "--resume", help="Resume from a checkpoint path, 'latest', or 'auto' (latest if there is one)."
+    ),
+    nproc: Optional[int] = typer.Option(None, "--nproc", min=1, help="Start the job under torchrun with N processes per node."),
+    nnodes: str = typer.Option("1", "--nnodes", help="With --nproc: nodes (or MIN:MAX), passed to torchrun."),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="With --nproc: HOST:PORT of the rendezvous."),
+    rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", help="With --nproc: job id shared by the nodes."),
+    max_restarts: int = typer.Option(0, "--max-restarts", min=0, help="With --nproc: torchrun restarts (use --resume auto)."),
 ) -> None:
-    """Run a pipeline."""
+    """Run a pipeline (in this process, or under torchrun with --nproc)."""
     _sigterm_as_interrupt()
-    v = _load(file, set_)
+    v = _load(file, set_, local_world_size=nproc)
+    if nproc is not None:
+        from dflash_flow.app.launch import launch
+
+        output_dir = Path(v.graph.output_dir or f"runs/{v.graph.name}")
+        world = nproc * (int(str(nnodes).split(":")[-1]) if str(nnodes).split(":")[-1].isdigit() else 1)
+        tracking = v.graph.sections["tracking"]
+        raise typer.Exit(launch(file, output_dir, world_size=world, nproc=nproc, nnodes=nnodes,
+                                tracking_uri=tracking.tracking_uri if tracking.enabled else None,
+                                rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts,
+                                overrides=set_ or [], resume=resume))
     from dflash_flow.app.run import run_validated
 
     code = run_validated(v, config_path=file, resume=resume, overrides=set_ or [])

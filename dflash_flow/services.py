@@ -65,6 +65,21 @@ class Resume(Protocol):
     def optimizer_state(self) -> dict[str, Any]: ...
 
 
+class Collective(Protocol):
+    """The job's ranks under torchrun (``dflash_flow.app.distributed.Distributed``)."""
+
+    rank: int
+    world_size: int
+
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+
+    def barrier(self) -> None: ...
+
+    def reduce_train(self, metrics: dict[str, float]) -> dict[str, float]: ...
+
+    def gather_to_main(self, obj: Any) -> list[Any] | None: ...
+
+
 @attrs.define(eq=False, kw_only=True)
 class RunServices:
     tracker: MetricSink | None = None
@@ -72,6 +87,7 @@ class RunServices:
     resume: Resume | None = None
     record: RunRecord = attrs.field(factory=RunRecord)
     tokenizer: Any = None  # a tokenizer object for ChatSource stages given no tokenizer path
+    dist: Collective | None = None  # set when the pipeline runs as one rank of a torchrun job
 
 
 def services_of(ctx: Any) -> RunServices:

@@ -243,11 +243,12 @@ class CheckpointService:
     (``stage_states``, the pipeline's) and writes it. ``last_path`` is what the application reports.
     """
 
-    def __init__(self, checkpointer: Checkpointer, policy: Any, stage_states: Any = None) -> None:
+    def __init__(self, checkpointer: Checkpointer, policy: Any, stage_states: Any = None, dist: Any = None) -> None:
         self.checkpointer = checkpointer
         self.policy = policy
         self.on_signal = bool(policy.on_signal)
         self.stage_states = stage_states  # () -> {stage: [state per replica]}; set once the pipeline exists
+        self.dist = dist  # app.distributed.Distributed under torchrun: rank 0 writes, every rank waits
         self.last_path: Path | None = None
 
     def due(self, step: int, epoch_end: bool) -> bool:
@@ -258,17 +259,31 @@ class CheckpointService:
         return self.save(source, epoch_end=epoch_end) if self.due(step, epoch_end) else None
 
     def save(self, source: Any, *, epoch_end: bool = False) -> Path | None:
+        """Write a checkpoint. Under torchrun every rank calls this at the same step (it is collective):
+        the ranks' data positions are gathered, rank 0 writes once, and nobody goes on before it is done."""
         payload = source.checkpoint_payload(epoch_end)
+        extra = dict(payload.extra)
+        if self.dist is not None:
+            positions = self.dist.all_gather_object(payload.data_position)
+            extra.update(world_size=self.dist.world_size, data_positions=positions)
+            if self.dist.rank != 0:
+                self.dist.barrier()
+                self.last_path = self.checkpointer.dir / f"step-{payload.step:08d}"
+                return self.last_path
         states = self.stage_states() if self.stage_states is not None else {}
         states[payload.stage] = [payload.stage_state]
-        self.last_path = self.checkpointer.save(
-            step=payload.step,
-            epoch=payload.epoch,
-            model_state=payload.model_state,
-            optimizer_state=payload.optimizer_state,
-            data_position=payload.data_position,
-            stage_states=states,
-            extra=payload.extra,
-            files=payload.files,
-        )
+        try:
+            self.last_path = self.checkpointer.save(
+                step=payload.step,
+                epoch=payload.epoch,
+                model_state=payload.model_state,
+                optimizer_state=payload.optimizer_state,
+                data_position=payload.data_position,
+                stage_states=states,
+                extra=extra,
+                files=payload.files,
+            )
+        finally:
+            if self.dist is not None:
+                self.dist.barrier()
         return self.last_path

@@ -154,42 +154,81 @@ def _end_of_run(pipeline, services, outcome: Outcome, output_dir: Path) -> None:
             tracker.log_artifact(path, name)
     if record.history or record.evals or record.train:
         print(summary_table(record), file=sys.stderr)
+    for name, m in record.evals.items():
+        if "tau" in m:
+            print(f"speculative decoding ({name} drafter): acceptance length {m['tau']:.2f}, target forwards "
+                  f"{m.get('speedup_forwards', float('nan')):.2f}x fewer, lossless={bool(m.get('lossless'))}",
+                  file=sys.stderr)
+
+
+def _uses_cuda(v: Validated) -> bool:
+    return any("cuda" in str(spec.devices) or spec.devices == "auto" for spec in v.graph.stages)
+
+
+def _write_rank_outcome(output_dir: Path, dist_ctx, outcome: Outcome | None, run_id: str | None = None) -> None:
+    """Under torchrun every rank keeps one record of its state: RUNNING from the start (a rank killed
+    outright leaves it so), then how it ended; the launcher names the failing rank from these."""
+    if dist_ctx is None:
+        return
+    from dflash_flow.util import atomic_write_text
+
+    if outcome is None:
+        record = {"rank": dist_ctx.rank, "status": "RUNNING", "code": None, "error": None}
+    else:
+        first = (outcome.shown or outcome.error or "").strip().splitlines()
+        record = {"rank": dist_ctx.rank, "status": outcome.status, "code": outcome.code, "error": first[0] if first else None}
+    if run_id:
+        record["mlflow_run_id"] = run_id
+    folder = output_dir / "ranks"
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(folder / f"rank{dist_ctx.rank}.json", json.dumps(record) + "\n")
 
 
 def run_validated(v: Validated, *, config_path: Path | None = None, resume: str | None = None, overrides: list[str] | None = None) -> int:
-    """Run ``v`` with tracking and checkpoints. Returns the process exit code."""
+    """Run ``v`` with tracking and checkpoints (one rank of a torchrun job, or the whole job). Returns
+    the process exit code. Under torchrun rank 0 owns the MLflow run, the console and the end of run;
+    the other ranks print nothing but errors."""
     from dflash_flow.app.checkpoint import Checkpointer, CheckpointError, CheckpointService
+    from dflash_flow.app.distributed import init_distributed, shutdown_distributed
     from dflash_flow.core.runtime import Pipeline
-    from dflash_flow.observe.runinfo import run_tags
+    from dflash_flow.observe.runinfo import redact_uri, run_tags
     from dflash_flow.observe.tracking import Tracker
     from dflash_flow.services import RunServices
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    quiet_libraries()
     graph = v.graph
+    dist_ctx = init_distributed(graph.sections["distributed"], use_cuda=_uses_cuda(v))
+    main = dist_ctx is None or dist_ctx.is_main
+    logging.basicConfig(level=logging.INFO if main else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    quiet_libraries()
     output_dir = Path(graph.output_dir or f"runs/{graph.name}")
     tracking = graph.sections["tracking"]
     ck = graph.sections["checkpoint"]
     chash = resume_config_hash(graph)
     checkpointer = Checkpointer(Path(ck.dir) if ck.dir else output_dir / "checkpoints", keep_last=ck.keep_last, config_hash=chash)
     ckpt = None
+    if resume == "auto":  # torchrun --max-restarts: the first attempt starts fresh, a restart continues
+        resume = "latest" if checkpointer.list() else None
     if resume:
         try:
             ckpt = checkpointer.load(resume)
         except CheckpointError as exc:
             print(f"error: {exc}", file=sys.stderr)
+            shutdown_distributed(dist_ctx, failed=True)
             return EXIT_USER_ERROR
-        print(f"resuming from {ckpt.path} (step {ckpt.step}, epoch {ckpt.epoch})", file=sys.stderr)
+        if main:
+            print(f"resuming from {ckpt.path} (step {ckpt.step}, epoch {ckpt.epoch})", file=sys.stderr)
 
-    services = RunServices(resume=ckpt)
+    services = RunServices(resume=ckpt, dist=dist_ctx)
     pipeline = Pipeline(v, services=services, resume_state=build_resume_state(v, ckpt), output_dir=output_dir)
-    services.checkpoints = CheckpointService(checkpointer, ck, stage_states=pipeline.state_dict)
+    services.checkpoints = CheckpointService(checkpointer, ck, stage_states=pipeline.state_dict, dist=dist_ctx)
     output_dir.mkdir(parents=True, exist_ok=True)
-    pictures = _write_pictures(graph, output_dir)
+    pictures = _write_pictures(graph, output_dir) if main else []
     resolved = graph.to_dict()
+    if resolved.get("tracking", {}).get("tracking_uri"):
+        resolved["tracking"]["tracking_uri"] = redact_uri(resolved["tracking"]["tracking_uri"])
     # The MLflow run is created last, right before the pipeline starts: every path after this line ends it.
     tracker = Tracker.start(
-        enabled=tracking.enabled,
+        enabled=tracking.enabled and main,
         tracking_uri=tracking.tracking_uri,
         experiment=tracking.experiment,
         run_name=tracking.run_name or graph.name,
@@ -206,6 +245,7 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
     checkpointer.tracker = tracker
     services.tracker = tracker
     outcome = Outcome()
+    _write_rank_outcome(output_dir, dist_ctx, None, tracker.run_id)
     try:
         for path, folder in pictures:
             tracker.log_artifact(path, folder)
@@ -216,15 +256,19 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
             raise
     finally:
         try:
-            _end_of_run(pipeline, services, outcome, output_dir)
+            _write_rank_outcome(output_dir, dist_ctx, outcome, tracker.run_id)  # first: the end of run may be cut short
+            if main:
+                _end_of_run(pipeline, services, outcome, output_dir)
         finally:
             tracker.end(outcome.status)
+            shutdown_distributed(dist_ctx, failed=outcome.code != EXIT_OK)
     if outcome.error:
         text = outcome.shown or outcome.error
-        print(f"error: {text}" if outcome.code != EXIT_INTERRUPTED else f"stopped: {text}", file=sys.stderr)
+        where = f"rank {dist_ctx.rank}: " if dist_ctx is not None else ""
+        print(f"error: {where}{text}" if outcome.code != EXIT_INTERRUPTED else f"stopped: {where}{text}", file=sys.stderr)
     last = services.checkpoints.last_path
-    if outcome.status == "KILLED" and last is not None:
+    if main and outcome.status == "KILLED" and last is not None:
         print(f"checkpoint saved to {last}; resume with --resume latest", file=sys.stderr)
     if tracker.run_id:
-        print(f"mlflow run: {tracker.run_id} ({tracker.tracking_uri})", file=sys.stderr)
+        print(f"mlflow run: {tracker.run_id} ({tracker.display_uri})", file=sys.stderr)
     return outcome.code

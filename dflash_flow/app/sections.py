@@ -3,6 +3,8 @@ attrs only, cheap to import; registered with the core when ``dflash_flow.app`` i
 
 from __future__ import annotations
 
+from typing import Literal
+
 import attrs
 
 from dflash_flow.core import cfg, register_section
@@ -30,5 +32,18 @@ class CheckpointConfig:
     dir: str | None = cfg(None, doc="Checkpoint directory (default: OUTPUT_DIR/checkpoints).")
 
 
+@attrs.define(kw_only=True)
+class DistributedConfig:
+    """`distributed:` how ranks talk when the pipeline runs under torchrun (ignored in one process)."""
+
+    backend: Literal["auto", "gloo", "nccl"] = cfg(
+        "auto", choices=("auto", "gloo", "nccl"), doc="Process-group backend; auto: nccl on GPUs, gloo on CPU."
+    )
+    timeout_s: float = cfg(
+        600.0, gt=0, le=86400, doc="A collective that waits longer than this fails the job (no rank waits forever)."
+    )
+
+
 register_section("tracking", TrackingConfig)
+register_section("distributed", DistributedConfig)
 register_section("checkpoint", CheckpointConfig)

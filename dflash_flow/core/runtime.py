@@ -63,6 +63,10 @@ class RuntimeView:
     def stage_states(self) -> dict[str, list[dict[str, Any]]]:
         return self._p.state_dict()
 
+    def request_stop(self, reason: str) -> None:
+        """Stop the pipeline gracefully, as SIGINT would (e.g. because another rank of the job stops)."""
+        self._p.stop(reason)
+
 
 @attrs.define
 class RunResult:

@@ -28,6 +28,8 @@ class RuntimeAccess(Protocol):
 
     def stage_states(self) -> dict[str, list[dict[str, Any]]]: ...
 
+    def request_stop(self, reason: str) -> None: ...
+
 
 _MISSING = attrs.NOTHING
 
@@ -94,6 +96,11 @@ class StageContext:
 
     def seed_for(self, epoch: int = 0, *salt: object) -> int:
         return derive_seed(self.seed, epoch, self.rank, self.name, *salt)
+
+    def shared_seed_for(self, epoch: int = 0, *salt: object) -> int:
+        """A seed every rank agrees on (rank 0's ``seed_for``): for choices that must not depend on which
+        rank makes them, e.g. a batch's anchors or the initial weights."""
+        return derive_seed(self.seed, epoch, 0, self.name, *salt)
 
     def rng(self, epoch: int = 0, *salt: object):
         import numpy as np

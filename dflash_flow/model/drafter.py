@@ -202,6 +202,20 @@ class RotaryEmbedding(Qwen3RotaryEmbedding):
         return self
 
 
+class RMSNorm(Qwen3RMSNorm):
+    """transformers' Qwen3RMSNorm; fp32 goes through torch's fused ``rms_norm``.
+
+    Our one change, for speed: the fused kernel gives the same fp32 values (bit-equal in our checks) in
+    one op forward and one backward instead of six and ten (about 2x on CPU, and 12 norms run per step).
+    Other dtypes keep transformers' arithmetic (normalise in fp32, round, then scale), as z-lab does.
+    """
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
+        return super().forward(hidden_states)
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # Our own one-liner for keys alone: transformers' apply_rotary_pos_emb rotates a (q, k) pair at the
     # same positions, and the context keys have positions of their own. x: [b, heads, T, d]; cos: [b, T, d]
@@ -228,74 +242,99 @@ def index_mask(
 
 
 class BlockLayout(NamedTuple):
-    """How the block queries of the training layout attend (one per layer type).
+    """How the block queries of the training layout attend (one per layer).
 
-    A block needs the context before its anchor and its own block, nothing else. Blocks are grouped by
-    anchor: group ``g`` = queries ``[q0, q1)`` (whole blocks), which see context keys ``[lo, hi)`` through
-    ``context_masks[g]`` (additive, ``[b, 1, q1 - q0, hi - lo]``; ``has_context[g]`` ``[b, 1, q1 - q0]``
-    says which rows see any) and their own block through ``own_mask`` (additive ``[B, B]``, None = all
-    visible). A dense mask over all context and all blocks spends most of its work on hidden keys.
+    A block needs the context before its anchor and its own block, nothing else; a dense mask over all
+    context and all blocks spends most of its work on keys it hides. Blocks are grouped by anchor:
+    group ``(q0, q1, lo, hi)`` = queries ``[q0, q1)`` (whole blocks) seeing context keys ``[lo, hi)``
+    only. ``context_mask`` is additive ``[b, 1, Q, S]`` over all context positions (each group reads
+    its window of it), ``has_context`` ``[b, 1, Q]`` marks the queries that see any context, and
+    ``own_mask`` (additive ``[queries_per_block, B]``, None = all visible) applies inside each block.
+    ``queries_per_block`` is B, or B - 1 when the layer's slot-0 queries are dropped (the last layer:
+    slot 0 is never supervised, so only its key and value are needed).
     """
 
     block_size: int
+    queries_per_block: int
     groups: list[tuple[int, int, int, int]]
-    context_masks: list[torch.Tensor]
-    has_context: list[torch.Tensor]
+    context_mask: torch.Tensor
+    has_context: torch.Tensor
     own_mask: torch.Tensor | None
+
+    @property
+    def drops_first_slot(self) -> bool:
+        return self.queries_per_block < self.block_size
+
+
+def drop_first_slot(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[b, N*B, ...]`` -> ``[b, N*(B-1), ...]``: slots 1..B-1 of every block."""
+    b, t = x.shape[:2]
+    n = t // block_size
+    return x.view(b, n, block_size, *x.shape[2:])[:, :, 1:].reshape(b, n * (block_size - 1), *x.shape[2:])
 
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 class _BlockAttention(torch.autograd.Function):
-    """Attention of block queries over [context slice of their group; their own block], as two parts
-    merged by log-sum-exp, so neither part copies keys or computes masked-out scores.
+    """Attention of block queries over [their group's context slice; their own block] as two parts
+    merged by log-sum-exp, so neither part copies keys or scores keys it hides.
 
-    Our own code: no library kernel takes "a prefix of one key tensor plus a block of another". The
-    context part is the CPU flash kernel on views of the context keys (one call per group); the own-block
-    part is a batched [B x B] attention. The backward passes the *merged* output and log-sum-exp to the
-    flash backward, which then yields exactly the context part's share of the full softmax gradient
-    (the rule ring attention uses), and differentiates the own-block part by hand.
-    q: [b, h, Q, d]; ctx_k/ctx_v: [b, kv, S, d]; own_k/own_v: [b, kv, Q, d].
+    Our own code: no library kernel attends to "a slice of one key tensor plus a block of another". The
+    context part runs the CPU flash kernel on views of the context keys (one call per group); the
+    own-block part is a batched [B x B] attention. The backward hands the *merged* output and
+    log-sum-exp to the flash backward, which then returns exactly the context part's share of the
+    full softmax gradient (the rule ring attention relies on), and differentiates the own part by hand.
+    Shapes: q [b, h, Q, d]; ctx_k, ctx_v [b, kv, S, d]; own_k, own_v [b, kv, Q, d].
     """
 
     @staticmethod
-    def _own_scores(q, own_k, layout, scale, acc):
+    def _own(q, own_k, own_v, layout, scale, acc):
         b, h, n_q, d = q.shape
-        kv, bsz = own_k.shape[1], layout.block_size
-        qb = q.reshape(b, kv, h // kv, n_q // bsz, bsz, d).to(acc)
-        kb = own_k.reshape(b, kv, 1, n_q // bsz, bsz, d).to(acc)
-        s = torch.matmul(qb, kb.transpose(-1, -2)) * scale  # [b, kv, groups, N, B, B]
+        kv, bq = own_k.shape[1], layout.queries_per_block
+        n = n_q // bq
+        qb = _as(q.reshape(b, kv, h // kv, n, bq, d), acc)
+        kb = _as(own_k.reshape(b, kv, 1, n, layout.block_size, d), acc)
+        vb = _as(own_v.reshape(b, kv, 1, n, layout.block_size, d), acc)
+        s = torch.matmul(qb, kb.transpose(-1, -2)) * scale  # [b, kv, h/kv, N, queries, B]
         if layout.own_mask is not None:
-            s = s + layout.own_mask.to(acc)
-        return qb, kb, s
+            s = s + _as(layout.own_mask, acc)
+        return qb, kb, vb, s
 
     @staticmethod
     def forward(ctx, q, ctx_k, ctx_v, own_k, own_v, layout, scale):
         b, h, n_q, d = q.shape
-        acc = _acc_dtype(q.dtype)
-        kv, bsz = own_k.shape[1], layout.block_size
-        out_ctx = q.new_zeros(b, h, n_q, d)
-        lse_ctx = q.new_full((b, h, n_q), float("-inf"), dtype=acc)
-        for (q0, q1, lo, hi), mask, seen in zip(layout.groups, layout.context_masks, layout.has_context, strict=True):
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        outs, lses = [], []
+        for q0, q1, lo, hi in layout.groups:
             if hi > lo:
                 o, lse = _flash_cpu(
-                    q[:, :, q0:q1], ctx_k[:, :, lo:hi], ctx_v[:, :, lo:hi], 0.0, False, attn_mask=mask, scale=scale
+                    q[:, :, q0:q1],
+                    ctx_k[:, :, lo:hi],
+                    ctx_v[:, :, lo:hi],
+                    0.0,
+                    False,
+                    attn_mask=layout.context_mask[:, :, q0:q1, lo:hi],
+                    scale=scale,
                 )
-                out_ctx[:, :, q0:q1] = o
-                # The kernel reports lse 0 for a row that sees nothing; it carries no weight.
-                lse_ctx[:, :, q0:q1] = torch.where(seen, lse.to(acc), float("-inf"))
-        _qb, _kb, s = _BlockAttention._own_scores(q, own_k, layout, scale, acc)
+            else:
+                o, lse = q.new_zeros(b, h, q1 - q0, d), q.new_zeros(b, h, q1 - q0, dtype=acc)
+            outs.append(o)
+            lses.append(lse)
+        out_ctx = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        lse_ctx = lses[0] if len(lses) == 1 else torch.cat(lses, dim=2)
+        # The kernel reports lse 0 for a row that sees nothing; such a row carries no weight.
+        lse_ctx = torch.where(layout.has_context, _as(lse_ctx, acc), float("-inf"))
+        _qb, _kb, vb, s = _BlockAttention._own(q, own_k, own_v, layout, scale, acc)
         lse = torch.logaddexp(lse_ctx, torch.logsumexp(s, dim=-1).reshape(b, h, n_q))
         p = torch.exp(s - lse.reshape(s.shape[:-1])[..., None])
-        vb = own_v.reshape(b, kv, 1, n_q // bsz, bsz, d).to(acc)
         own = torch.matmul(p, vb).reshape(b, h, n_q, d)
-        out = (torch.exp(lse_ctx - lse)[..., None] * out_ctx.to(acc) + own).to(q.dtype)
+        out = _as(torch.exp(lse_ctx - lse)[..., None] * _as(out_ctx, acc) + own, q.dtype)
         ctx.save_for_backward(q, ctx_k, ctx_v, own_k, own_v, out, lse)
         ctx.layout, ctx.scale = layout, scale
         return out
@@ -305,49 +344,51 @@ class _BlockAttention(torch.autograd.Function):
         q, ctx_k, ctx_v, own_k, own_v, out, lse = ctx.saved_tensors
         layout, scale = ctx.layout, ctx.scale
         b, h, n_q, d = q.shape
-        acc = _acc_dtype(q.dtype)
-        kv, bsz = own_k.shape[1], layout.block_size
+        acc = lse.dtype
         grad_out = grad_out.contiguous()
-        dq = torch.zeros_like(q)
+        dqs = []
         dk_ctx = torch.zeros_like(ctx_k)
         dv_ctx = torch.zeros_like(ctx_v)
-        for (q0, q1, lo, hi), mask in zip(layout.groups, layout.context_masks, strict=True):
-            if hi > lo:
-                gq, gk, gv = _flash_cpu_backward(
-                    grad_out[:, :, q0:q1],
-                    q[:, :, q0:q1],
-                    ctx_k[:, :, lo:hi],
-                    ctx_v[:, :, lo:hi],
-                    out[:, :, q0:q1],
-                    lse[:, :, q0:q1],
-                    0.0,
-                    False,
-                    attn_mask=mask,
-                    scale=scale,
-                )
-                dq[:, :, q0:q1] = gq
-                dk_ctx[:, :, lo:hi] += gk
-                dv_ctx[:, :, lo:hi] += gv
-        qb, kb, s = _BlockAttention._own_scores(q, own_k, layout, scale, acc)
+        for q0, q1, lo, hi in layout.groups:
+            if hi <= lo:
+                dqs.append(q.new_zeros(b, h, q1 - q0, d))
+                continue
+            gq, gk, gv = _flash_cpu_backward(
+                grad_out[:, :, q0:q1],
+                q[:, :, q0:q1],
+                ctx_k[:, :, lo:hi],
+                ctx_v[:, :, lo:hi],
+                out[:, :, q0:q1],
+                lse[:, :, q0:q1],
+                0.0,
+                False,
+                attn_mask=layout.context_mask[:, :, q0:q1, lo:hi],
+                scale=scale,
+            )
+            dqs.append(gq)
+            dk_ctx[:, :, lo:hi] += gk
+            dv_ctx[:, :, lo:hi] += gv
+        dq = dqs[0] if len(dqs) == 1 else torch.cat(dqs, dim=2)
+        qb, kb, vb, s = _BlockAttention._own(q, own_k, own_v, layout, scale, acc)
         p = torch.exp(s - lse.reshape(s.shape[:-1])[..., None])
-        shape6 = (b, kv, h // kv, n_q // bsz, bsz, d)
-        go = grad_out.reshape(shape6).to(acc)
-        vb = own_v.reshape(b, kv, 1, n_q // bsz, bsz, d).to(acc)
-        row = (grad_out.to(acc) * out.to(acc)).sum(-1).reshape(shape6[:-1])[..., None]  # softmax's D term
+        go = _as(grad_out, acc).reshape(qb.shape)
+        row = (go * _as(out, acc).reshape(qb.shape)).sum(-1, keepdim=True)  # the softmax's D term
         ds = p * (torch.matmul(go, vb.transpose(-1, -2)) - row) * scale
-        dq = dq + torch.matmul(ds, kb).reshape(b, h, n_q, d).to(q.dtype)
-        dk_own = torch.matmul(ds.transpose(-1, -2), qb).sum(2).reshape(own_k.shape).to(own_k.dtype)
-        dv_own = torch.matmul(p.transpose(-1, -2), go).sum(2).reshape(own_v.shape).to(own_v.dtype)
+        dq = dq + _as(torch.matmul(ds, kb).reshape(b, h, n_q, d), q.dtype)
+        dk_own = _as(torch.matmul(ds.transpose(-1, -2), qb).sum(2).reshape(own_k.shape), own_k.dtype)
+        dv_own = _as(torch.matmul(p.transpose(-1, -2), go).sum(2).reshape(own_v.shape), own_v.dtype)
         return dq, dk_ctx, dv_ctx, dk_own, dv_own, None, None
 
 
-def _group_mask(layout: BlockLayout, g: int, device: torch.device) -> torch.Tensor:
+def _group_mask(layout: BlockLayout, g: int) -> torch.Tensor:
     """Group g's additive mask over [its context slice; its own blocks] (the concatenated layout)."""
-    q0, q1, _lo, _hi = layout.groups[g]
-    ctx = layout.context_masks[g]
-    n = (q1 - q0) // layout.block_size
-    blocks = torch.arange(q1 - q0, device=device) // layout.block_size
-    own = torch.where(blocks[:, None] == blocks[None, :], 0.0, float("-inf")).to(ctx.dtype)
+    q0, q1, lo, hi = layout.groups[g]
+    ctx = layout.context_mask[:, :, q0:q1, lo:hi]
+    n = (q1 - q0) // layout.queries_per_block
+    q_block = torch.arange(q1 - q0, device=ctx.device) // layout.queries_per_block
+    k_block = torch.arange(n * layout.block_size, device=ctx.device) // layout.block_size
+    own = torch.zeros(q1 - q0, n * layout.block_size, dtype=ctx.dtype, device=ctx.device)
+    own = own.masked_fill_(q_block[:, None] != k_block[None, :], float("-inf"))
     if layout.own_mask is not None:
         own = own + layout.own_mask.to(ctx.dtype).repeat(n, n)
     return torch.cat([ctx, own.expand(ctx.shape[0], 1, -1, -1)], dim=-1)
@@ -370,8 +411,8 @@ class DrafterAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
-        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         layer_types = getattr(config, "layer_types", None)
         self.layer_type = layer_types[layer_idx] if layer_types else FULL_ATTENTION
         # An explicit config.is_causal overrides the per-type default, exactly as z-lab reads it.
@@ -379,7 +420,9 @@ class DrafterAttention(nn.Module):
         self.is_causal = self.layer_type == SLIDING_ATTENTION if forced is None else bool(forced)
         self.sliding_window = config.sliding_window if self.layer_type == SLIDING_ATTENTION else None
 
-    def _heads(self, x: torch.Tensor, proj: nn.Linear, heads: int, norm: nn.Module | None = None) -> torch.Tensor:
+    def _heads(
+        self, x: torch.Tensor, proj: nn.Linear, heads: int, norm: nn.Module | None = None
+    ) -> torch.Tensor:
         b, t, _ = x.shape
         y = proj(x).view(b, t, heads, self.head_dim)
         if norm is not None:
@@ -456,21 +499,33 @@ class DrafterAttention(nn.Module):
         sin: torch.Tensor,
         layout: BlockLayout,
     ) -> torch.Tensor:
-        """Training layout: block tokens ``x`` ``[b, Q, H]`` (cos/sin at the block positions) attend to
-        the precomputed context keys and their own block as ``layout`` says."""
-        b, q_len, _ = x.shape
-        q, k, v = self._block_qkv(x, cos, sin)
+        """Training layout: block tokens ``x`` ``[b, N*B, H]`` (cos/sin at the block positions) attend to
+        the precomputed context keys and their own block as ``layout`` says; returns one output per
+        query (``[b, N*queries_per_block, H]``)."""
+        if not layout.drops_first_slot:
+            q, k, v = self._block_qkv(x, cos, sin)
+        else:
+            k = _rope(self._heads(x, self.k_proj, self.num_kv_heads, self.k_norm), cos, sin)
+            v = self._heads(x, self.v_proj, self.num_kv_heads)
+            bsz = layout.block_size
+            q = self._heads(drop_first_slot(x, bsz), self.q_proj, self.num_heads, self.q_norm)
+            q = _rope(q, drop_first_slot(cos, bsz), drop_first_slot(sin, bsz))
+        b, _h, q_len, _d = q.shape
         if q.device.type == "cpu" and not (self.training and self.attention_dropout > 0):
             out = _BlockAttention.apply(q, ctx_k, ctx_v, k, v, layout, self.scaling)
         else:
-            # Elsewhere: per group, one attention call over [context slice; the group's own blocks].
-            parts = []
-            for g, (q0, q1, lo, hi) in enumerate(layout.groups):
-                kg = torch.cat([ctx_k[:, :, lo:hi], k[:, :, q0:q1]], dim=2)
-                vg = torch.cat([ctx_v[:, :, lo:hi], v[:, :, q0:q1]], dim=2)
-                parts.append(self._attend(q[:, :, q0:q1], kg, vg, _group_mask(layout, g, q.device)))
-            out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+            out = self.grouped_attention(q, ctx_k, ctx_v, k, v, layout)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
+
+    def grouped_attention(self, q, ctx_k, ctx_v, own_k, own_v, layout: BlockLayout) -> torch.Tensor:
+        """The same attention as ``_BlockAttention`` through ``scaled_dot_product_attention``: one call
+        per group over [its context slice; its own blocks] (copies those keys; any device, dropout)."""
+        parts = []
+        for g, (q0, q1, lo, hi) in enumerate(layout.groups):
+            kg = torch.cat([ctx_k[:, :, lo:hi], own_k[:, :, q0:q1]], dim=2)
+            vg = torch.cat([ctx_v[:, :, lo:hi], own_v[:, :, q0:q1]], dim=2)
+            parts.append(self._attend(q[:, :, q0:q1], kg, vg, _group_mask(layout, g)))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
 class DrafterLayer(nn.Module):
@@ -478,8 +533,8 @@ class DrafterLayer(nn.Module):
         super().__init__()
         self.self_attn = DrafterAttention(config, layer_idx)
         self.mlp = Qwen3MLP(config)
-        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     @property
     def layer_type(self) -> str:
@@ -491,7 +546,10 @@ class DrafterLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_blocks(self, x, ctx_k, ctx_v, cos, sin, layout):
-        x = x + self.self_attn.forward_blocks(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, layout)
+        attn = self.self_attn.forward_blocks(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, layout)
+        if layout.drops_first_slot:
+            x = drop_first_slot(x, layout.block_size)
+        x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -513,10 +571,10 @@ class DFlashDrafter(nn.Module):
         if ids is None:
             ids = build_target_layer_ids(config.num_target_layers, config.num_hidden_layers)
         self.target_layer_ids: list[int] = [int(i) for i in ids]
-        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.block_size = int(draft_value(config, "block_size", 16))
         self.mask_token_id = draft_value(config, "mask_token_id")
         self.gradient_checkpointing = False
@@ -604,21 +662,21 @@ class DFlashDrafter(nn.Module):
         noise_embedding: torch.Tensor,
         context_kv: list[tuple[torch.Tensor, torch.Tensor]],
         block_positions: torch.Tensor,
-        layouts: dict[str, BlockLayout],
+        layouts: list[BlockLayout],
     ) -> torch.Tensor:
-        """Normed hidden states ``[b, Q, H]`` of block tokens (training layout, see ``BlockLayout``).
+        """Normed hidden states of block tokens (training layout, see ``BlockLayout``): ``[b, N*B, H]``,
+        or ``[b, N*(B-1), H]`` (slots 1..B-1) when the last layout drops slot 0.
 
-        ``block_positions`` ``[b, Q]`` are the absolute positions of the block tokens, ``context_kv`` comes
-        from ``context_kv``, ``layouts`` maps each layer type to its grouping of the Q queries.
+        ``block_positions`` ``[b, N*B]`` are the absolute positions of the block tokens, ``context_kv``
+        comes from ``context_kv``, ``layouts`` has one layout per layer (only the last may drop slot 0).
         """
         cos, sin = self.rotary_emb(noise_embedding, block_positions)
         x = noise_embedding
-        for layer, (k, v) in zip(self.layers, context_kv, strict=True):
-            g = layouts[layer.layer_type]
+        for layer, (k, v), layout in zip(self.layers, context_kv, layouts, strict=True):
             if self._checkpoint_layers():
-                x = checkpoint(layer.forward_blocks, x, k, v, cos, sin, g, use_reentrant=False)
+                x = checkpoint(layer.forward_blocks, x, k, v, cos, sin, layout, use_reentrant=False)
             else:
-                x = layer.forward_blocks(x, k, v, cos, sin, g)
+                x = layer.forward_blocks(x, k, v, cos, sin, layout)
         return self.norm(x)
 
     def forward(

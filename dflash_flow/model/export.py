@@ -48,7 +48,7 @@ def drafter_config_dict(config: Any) -> dict[str, Any]:
     return d
 
 
-def save_drafter(drafter: DFlashDrafter, path: str | os.PathLike) -> Path:
+def save_drafter(drafter: DFlashDrafter, path: str | os.PathLike, *, state: dict[str, Any] | None = None) -> Path:
     """Write ``config.json`` and ``model.safetensors`` into ``path`` (created); returns the directory.
 
     Files are written to temporary names and renamed, so a crash never leaves a half-written checkpoint
@@ -66,7 +66,7 @@ def save_drafter(drafter: DFlashDrafter, path: str | os.PathLike) -> Path:
             f"config target_layer_ids {config['dflash_config']['target_layer_ids']} differ from the "
             f"drafter's {drafter.target_layer_ids}"
         )
-    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in (state if state is not None else drafter.state_dict()).items()}
     tmp_w = out / (WEIGHTS_NAME + ".tmp")
     save_file(state, str(tmp_w), metadata={"format": "pt"})
     tmp_c = out / (CONFIG_NAME + ".tmp")

@@ -170,7 +170,9 @@ def sample_anchors(
     return anchors[:, :w], keep[:, :w]
 
 
-def decay_weights(block_size: int, gamma: float | None, *, device: torch.device | None = None) -> torch.Tensor:
+def decay_weights(
+    block_size: int, gamma: float | None, *, device: torch.device | None = None
+) -> torch.Tensor:
     """Per-slot loss weights ``[B]``: slot 0 is never supervised (0), then ``exp(-(k-1)/gamma)``, k >= 1.
 
     ``gamma`` None or <= 0 means no decay (1 on every slot k >= 1).
@@ -360,24 +362,25 @@ def group_spans(
     return spans
 
 
-def auto_group_blocks(bounds: ColumnBounds, start: int, stop: int, *, block_size: int) -> int:
-    """Blocks per attention group: the power of two with the least estimated work.
+# Measured on the project's 2-core CPU (torch 2.13, fp32): the flash kernel's forward + backward costs
+# ~7 ns per query-key pair per row and head at head_dim 64; one group's fixed cost (calls, slices,
+# gradient adds) ~60 us. In units of (query-key pair x row x head x head_dim):
+GROUP_FIXED_COST = 60e-6 / (7e-9 / 64)
 
-    A group costs its queries times its keys (context slice + its own blocks' keys) plus a fixed
-    overhead (one attention call, one mask, two key/value copies) worth ``GROUP_OVERHEAD_KEYS`` keys
-    for each of its queries' 64-query tile.
-    """
+
+def auto_group_blocks(bounds: ColumnBounds, start: int, stop: int, *, block_size: int, pair_cost: int) -> int:
+    """Blocks per attention group for blocks ``start..stop-1``: the power of two with the least estimated
+    time, ``pair_cost`` (rows x heads x head_dim) per visible-range query-key pair plus a fixed cost per
+    group. Small groups skip more hidden context; each group costs a few kernel calls."""
     n = stop - start
-    best, best_cost = n, None
-    size = 1
+    best, best_cost, size = n, None, 1
     while True:
         g = min(size, n)
-        cost = 0
-        for n0 in range(start, stop, g):
-            n1 = min(n0 + g, stop)
-            q = (n1 - n0) * block_size
-            hi = max(0, min(max(bounds.hi[n0:n1]), bounds.seq_len))
-            cost += q * (hi + q) + GROUP_OVERHEAD_KEYS * 64
+        spans = group_spans(
+            bounds, start, stop, group_blocks=g, layer_type=FULL_ATTENTION, sliding_window=None
+        )
+        pairs = sum((n1 - n0) * block_size * (hi - lo) for n0, n1, lo, hi in spans)
+        cost = pairs * pair_cost + len(spans) * GROUP_FIXED_COST
         if best_cost is None or cost < best_cost:
             best, best_cost = g, cost
         if g >= n:
@@ -385,62 +388,88 @@ def auto_group_blocks(bounds: ColumnBounds, start: int, stop: int, *, block_size
         size *= 2
 
 
-GROUP_OVERHEAD_KEYS = 256
-
-
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # Additive form: sdpa would convert a bool mask in every call (forward and backward).
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
+        ~visible, float("-inf")
+    )
 
 
 def block_layouts(
     plan: BlockPlan,
     spans: dict[str, list[tuple[int, int, int, int]]],
     start: int,
+    stop: int,
     *,
+    layer_types: list[str],
     sliding_window: int | None,
     dtype: torch.dtype,
-) -> dict[str, BlockLayout]:
-    """``BlockLayout`` per layer type for blocks from ``start`` grouped by ``spans`` (``group_spans``);
-    masks are built once per chunk and shared by the layers of a type."""
+    last_drops_first_slot: bool = False,
+) -> list[BlockLayout]:
+    """One ``BlockLayout`` per layer for blocks ``start..stop-1`` grouped by ``spans`` (``group_spans``,
+    per layer type). Layers of a type share one layout (one mask per type and chunk).
+
+    ``last_drops_first_slot``: the last layer computes no slot-0 queries (the loss never reads them).
+    """
     bsz = plan.block_size
-    device = plan.anchors.device
-    out = {}
-    for layer_type, items in spans.items():
-        groups, masks, seen = [], [], []
-        for n0, n1, lo, hi in items:
-            vis = _context_visibility(
-                plan.anchors[:, n0:n1],
-                plan.keep[:, n0:n1],
-                plan.context_valid[:, lo:hi],
-                first=lo,
+    made: dict[tuple[str, bool], BlockLayout] = {}
+    visible: dict[str, torch.Tensor] = {}
+
+    def layout(layer_type: str, drop: bool) -> BlockLayout:
+        if (layer_type, drop) in made:
+            return made[(layer_type, drop)]
+        if layer_type not in visible:
+            visible[layer_type] = _context_visibility(
+                plan.anchors[:, start:stop],
+                plan.keep[:, start:stop],
+                plan.context_valid,
+                first=0,
                 block_size=bsz,
                 layer_type=layer_type,
                 sliding_window=sliding_window,
             )
-            groups.append(((n0 - start) * bsz, (n1 - start) * bsz, lo, hi))
-            masks.append(_additive(vis, dtype)[:, None])
-            seen.append(vis.any(dim=-1)[:, None])
-        within = _within_block(bsz, layer_type, sliding_window, device)
-        own = None if layer_type == FULL_ATTENTION else _additive(within, dtype)
-        out[layer_type] = BlockLayout(bsz, groups, masks, seen, own)
-    return out
+        vis = visible[layer_type]
+        within = _within_block(bsz, layer_type, sliding_window, vis.device)
+        per_block = bsz - 1 if drop else bsz
+        if drop:
+            b, n = plan.anchors.shape[0], stop - start
+            vis = vis.view(b, n, bsz, -1)[:, :, 1:].reshape(b, n * per_block, -1)
+            within = within[1:]
+        made[(layer_type, drop)] = BlockLayout(
+            block_size=bsz,
+            queries_per_block=per_block,
+            groups=[
+                ((n0 - start) * per_block, (n1 - start) * per_block, lo, hi)
+                for n0, n1, lo, hi in spans[layer_type]
+            ],
+            context_mask=_additive(vis, dtype)[:, None],
+            has_context=vis.any(dim=-1)[:, None],
+            own_mask=None if layer_type == FULL_ATTENTION else _additive(within, dtype),
+        )
+        return made[(layer_type, drop)]
+
+    last = len(layer_types) - 1
+    return [layout(t, last_drops_first_slot and i == last) for i, t in enumerate(layer_types)]
 
 
 # ------------------------------------------------------------------------------------------ forward
 
 
-def _layer_spans(drafter, bounds, start, stop, group_blocks):
+def _layer_spans(drafter, bounds, start, stop, group_blocks, rows):
     window = getattr(drafter.config, "sliding_window", None)
-    g = group_blocks or auto_group_blocks(bounds, start, stop, block_size=drafter.block_size)
+    attn = drafter.layers[0].self_attn
+    g = group_blocks or auto_group_blocks(
+        bounds, start, stop, block_size=drafter.block_size, pair_cost=rows * attn.num_heads * attn.head_dim
+    )
     return {
         t: group_spans(bounds, start, stop, group_blocks=g, layer_type=t, sliding_window=window)
         for t in sorted(set(drafter.layer_types))
     }
 
 
-def _decode_span(drafter, plan, embed_tokens, context_kv, start, stop, spans, dtype):
-    """Normed drafter hidden states ``[b, (stop-start)*B, H]`` of blocks ``start..stop-1``."""
+def _decode_span(drafter, plan, embed_tokens, context_kv, start, stop, spans, dtype, drop_first_slot=False):
+    """Normed drafter hidden states ``[b, n*B, H]`` of blocks ``start..stop-1`` (``[b, n*(B-1), H]``,
+    slots 1..B-1, with ``drop_first_slot``)."""
     b = plan.anchors.shape[0]
     ids = plan.block_ids[:, start:stop].reshape(b, -1)
     noise = embed_tokens(ids)
@@ -448,7 +477,14 @@ def _decode_span(drafter, plan, embed_tokens, context_kv, start, stop, spans, dt
     if scale != 1.0:
         noise = noise * scale
     layouts = block_layouts(
-        plan, spans, start, sliding_window=getattr(drafter.config, "sliding_window", None), dtype=dtype
+        plan,
+        spans,
+        start,
+        stop,
+        layer_types=drafter.layer_types,
+        sliding_window=getattr(drafter.config, "sliding_window", None),
+        dtype=dtype,
+        last_drops_first_slot=drop_first_slot,
     )
     positions = plan.block_positions[:, start:stop].reshape(b, -1)
     return drafter.decode_blocks(noise.to(dtype), context_kv, positions, layouts)
@@ -474,20 +510,21 @@ def draft_block_hidden(
     if context is None:
         context = drafter.fuse_context(hidden_states.to(drafter.dtype))
     bounds, _ = _read_bounds(plan.anchors, plan.keep, context.shape[1])
-    spans = _layer_spans(drafter, bounds, start, stop, group_blocks)
+    spans = _layer_spans(drafter, bounds, start, stop, group_blocks, plan.anchors.shape[0])
     return _decode_span(
         drafter, plan, embed_tokens, drafter.context_kv(context), start, stop, spans, context.dtype
     )
 
 
 def _chunk_terms(drafter, lm_head, embed_tokens, plan, start, stop, spans, *context_kv):
-    """Weighted CE sum and argmax of blocks ``start..stop-1``; slot 0 (never supervised) gets no logits."""
+    """Weighted CE sum and argmax ``[b, n, B-1]`` of blocks ``start..stop-1``. Slot 0 is never
+    supervised: the last layer computes no slot-0 queries and the head gets no slot-0 rows."""
     kv = list(zip(context_kv[::2], context_kv[1::2], strict=True))
-    h = _decode_span(drafter, plan, embed_tokens, kv, start, stop, spans, context_kv[0].dtype)
-    b, bsz = plan.anchors.shape[0], plan.block_size
-    n = stop - start
-    h = h.view(b, n, bsz, -1)[:, :, 1:].reshape(b * n * (bsz - 1), -1)  # 2-D: one matmul for the head
-    logits = drafter.compute_logits(h, lm_head).float()
+    h = _decode_span(
+        drafter, plan, embed_tokens, kv, start, stop, spans, context_kv[0].dtype, drop_first_slot=True
+    )
+    b, n, bsz = plan.anchors.shape[0], stop - start, plan.block_size
+    logits = drafter.compute_logits(h.reshape(b * n * (bsz - 1), -1), lm_head).float()
     labels = plan.labels[:, start:stop, 1:].reshape(-1)
     weights = plan.weights[:, start:stop, 1:].reshape(-1)
     ce = F.cross_entropy(logits, labels, reduction="none")
@@ -643,7 +680,7 @@ def dflash_loss(
     preds = []
     for start in range(0, n, step):
         stop = min(start + step, n)
-        spans = _layer_spans(drafter, bounds, start, stop, group_blocks)
+        spans = _layer_spans(drafter, bounds, start, stop, group_blocks, plan.anchors.shape[0])
         args = (drafter, lm_head, embed_tokens, plan, start, stop, spans, *context_kv)
         if step < n and grad:
             part, pred = checkpoint(_chunk_terms, *args, use_reentrant=False)

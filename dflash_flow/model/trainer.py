@@ -9,13 +9,15 @@ wraps its model here.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import torch
+from torch import nn
 
 from dflash_flow.items import TargetFeatures
 from dflash_flow.model.drafter import DFlashDrafter, make_drafter_config
@@ -118,6 +120,71 @@ class TrainerConfig:
     max_grad_norm: float | None = 1.0
     grad_accum: int = 1
     total_steps: int | None = None  # None: from the batch plan (see DrafterTrainer.plan)
+    # Under torch.distributed (initialised by the application): ddp replicates the drafter and averages
+    # gradients; fsdp shards parameters, gradients and optimizer state (for drafters too large to copy).
+    data_parallel: Literal["ddp", "fsdp"] = "ddp"
+
+
+class DFlashObjective(nn.Module):
+    """The drafter and its DFlash loss as one module: a data-parallel wrapper sees every parameter use
+    in its ``forward`` (the loss calls the drafter's ``fuse_context``/``decode``/``compute_logits``, not
+    its ``forward``). The target's frozen head is held outside the module's parameters."""
+
+    def __init__(self, drafter: DFlashDrafter, head: Any, *, gamma: float, config: TrainerConfig) -> None:
+        super().__init__()
+        self.drafter = drafter
+        object.__setattr__(self, "_head", head)  # not a submodule: frozen, shared, never synced
+        self.gamma = gamma
+        self.num_anchors = config.num_anchors
+        self.chunk_blocks = config.chunk_blocks
+        self.needs_input_grad = False  # set under fsdp
+
+    def forward(self, input_ids, loss_mask, hidden_states, attention_mask, generator):
+        return dflash_loss(
+            self.drafter,
+            embed_tokens=self._head.embed_tokens,
+            lm_head=self._head.lm_head,
+            input_ids=input_ids,
+            loss_mask=loss_mask,
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            num_anchors=self.num_anchors,
+            block_size=self.drafter.block_size,
+            mask_token_id=int(self.drafter.mask_token_id),
+            gamma=self.gamma,
+            generator=generator,
+            chunk_blocks=self.chunk_blocks,
+        )
+
+
+def _is_distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _data_parallel(objective: DFlashObjective, mode: str, device: torch.device) -> nn.Module:
+    """``objective`` wrapped for the process group torch.distributed has (itself when there is none)."""
+    if not _is_distributed():
+        return objective
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        # One FSDP unit at the root: the loss reaches the drafter's layers through helper methods (chunked,
+        # checkpointed), not only through their forward, so per-layer units would miss their unshard hooks.
+        # Sharding still splits what dominates a drafter's memory: gradients, fp32 masters and Adam moments.
+        objective.needs_input_grad = True
+        fully_shard(objective)
+        return objective
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    # Buffers (RoPE frequencies) are equal by construction: no broadcast before every forward (the knob's
+    # name changed across torch versions).
+    params = inspect.signature(DistributedDataParallel).parameters
+    sync_kw = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+    return DistributedDataParallel(objective, device_ids=[device] if device.type == "cuda" else None, **{sync_kw: False})
 
 
 class DrafterTrainer:
@@ -144,6 +211,9 @@ class DrafterTrainer:
         self.device = torch.device(device)
         self.dtype = dtype
         self.gamma = config.gamma if config.gamma is not None else default_gamma(drafter.block_size)
+        self.objective = DFlashObjective(drafter, head, gamma=self.gamma, config=config)
+        self.model = _data_parallel(self.objective, config.data_parallel, self.device)
+        self.ddp = hasattr(self.model, "no_sync")
         self.accumulator = GradientAccumulator(config.grad_accum)
         self.optimizer: Any = None
         self.schedule: Any = None
@@ -192,22 +262,22 @@ class DrafterTrainer:
         self.plan(feats.meta.total_batches)
         gen = torch.Generator()
         gen.manual_seed(anchor_seed)
-        out = dflash_loss(
-            self.drafter,
-            embed_tokens=self.head.embed_tokens,
-            lm_head=self.head.lm_head,
-            input_ids=feats.input_ids.to(self.device),
-            loss_mask=feats.loss_mask.to(self.device),
-            hidden_states=feats.hidden_states.to(self.device, self.dtype),
-            attention_mask=feats.attention_mask.to(self.device),
-            num_anchors=self.config.num_anchors,
-            block_size=self.drafter.block_size,
-            mask_token_id=int(self.drafter.mask_token_id),
-            gamma=self.gamma,
-            generator=gen,
-            chunk_blocks=self.config.chunk_blocks,
-        )
-        ready = self.accumulator.backward(out.loss)
+        # Data parallel: gradients are all-reduced on the micro-batch that completes the step only.
+        syncs = force_step or self.accumulator.next_is_last
+        hidden = feats.hidden_states.to(self.device, self.dtype)
+        if self.objective.needs_input_grad:
+            # FSDP registers its gradient reduction on the module inputs that require grad; without one
+            # the ranks' gradients are never reduced. The price: one extra matmul (d loss / d features).
+            hidden = hidden.detach().requires_grad_(True)
+        with self.model.no_sync() if self.ddp and not syncs else contextlib.nullcontext():
+            out = self.model(
+                feats.input_ids.to(self.device),
+                feats.loss_mask.to(self.device),
+                hidden,
+                feats.attention_mask.to(self.device),
+                gen,
+            )
+            ready = self.accumulator.backward(out.loss)
         if not feats.meta.filler:  # a filler keeps data-parallel ranks in step; it trains nothing
             for k, v in out.metrics().items():
                 self._sums[k] = self._sums.get(k, 0.0) + v
@@ -253,15 +323,33 @@ class DrafterTrainer:
             self._counted = 0
 
     # -- state -------------------------------------------------------------------------------------
+    @property
+    def sharded(self) -> bool:
+        return self.config.data_parallel == "fsdp" and self.model is self.objective and _is_distributed()
+
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        """The drafter's whole state dict (under fsdp a collective: every rank must call it; rank 0 gets
+        full tensors on the CPU)."""
+        if not self.sharded:
+            return self.drafter.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.drafter, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
     def model_state(self) -> dict[str, torch.Tensor]:
-        return self.drafter.state_dict()
+        return self.full_model_state()
 
     def optimizer_state(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.schedule.state_dict()}
 
     def restore(self, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> None:
         """Weights and optimizer from a checkpoint (after ``load_state_dict``)."""
-        self.drafter.load_state_dict(model_state)
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            set_model_state_dict(self.drafter, model_state, options=StateDictOptions(full_state_dict=True))
+        else:
+            self.drafter.load_state_dict(model_state)
         self.plan(0 if self.total_steps else 1)
         self.optimizer.load_state_dict(optimizer_state["optimizer"])
         self.schedule.load_state_dict(optimizer_state["scheduler"])

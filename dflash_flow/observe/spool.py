@@ -30,6 +30,7 @@ from .store import (
     apply_op,
     bounded_http,
     check_tracking_uri,
+    default_artifact_location,
     first_line,
     is_missing_resource,
     resolve_tracking_uri,
@@ -222,6 +223,14 @@ def import_spool(path: str | os.PathLike, tracking_uri: str | os.PathLike | None
             f"{spool}: tracking database {db} does not exist (deleted?); the spool continues run "
             f"{body[0].get('run_id')}, which only that database holds. Pass --tracking-uri for the store that has it"
         )
+    # A run created offline against a server has no artifact location; in a sqlite store it gets the
+    # store's own (next to the .db file), not ./mlruns of whatever directory the import ran in.
+    body = [
+        {**o, "artifact_location": default_artifact_location(uri, o.get("experiment") or "")}
+        if o["op"] == "create_run" and not o.get("artifact_location")
+        else o
+        for o in body
+    ]
     from mlflow import MlflowClient
 
     state: dict = {"run_id": None}

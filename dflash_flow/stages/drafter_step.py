@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path, PurePath
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
@@ -73,6 +73,9 @@ class DrafterStep(Stage):
         doc="Write every trained batch (epoch, index, sample ids) to OUTPUT/batches.jsonl; a resumed run appends "
         "(after a hard kill, the lines past the checkpoint's data_position.total appear again).",
     )
+    data_parallel: Literal["ddp", "fsdp"] = cfg(
+        "ddp", choices=("ddp", "fsdp"), doc="Under torchrun: ddp replicates the drafter per rank; fsdp shards it."
+    )
     torch_threads: int | None = cfg(None, ge=1, doc="torch intra-op threads (CPU runs).")
     trust_remote_code: bool = cfg(False, doc="Allow the target's own code when reading its config.")
 
@@ -87,8 +90,12 @@ class DrafterStep(Stage):
 
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
+        if ctx.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(ctx.device))  # this thread's collectives run on its GPU
         self._ctx = ctx
         self._services = services_of(ctx)
+        self._dist = self._services.dist
+        self._stopping = False
         dtype = resolve_dtype(self.dtype, ctx.device)
         spec = resolve_target(self.target)
         tok_path = self.tokenizer
@@ -101,7 +108,7 @@ class DrafterStep(Stage):
                 target_layer_ids=self.target_layer_ids, layer_types=self.layer_types, sliding_window=self.sliding_window,
             )
             drafter = build_drafter(
-                target_config, shape, seed=ctx.seed_for(0, "init"), device=ctx.device, dtype=dtype,
+                target_config, shape, seed=ctx.shared_seed_for(0, "init"), device=ctx.device, dtype=dtype,
                 tokenizer_path=tok_path, init_from=self.init_from,
             )
             head = load_shared_head(spec, ctx.device, dtype, trust_remote_code=self.trust_remote_code)
@@ -109,15 +116,18 @@ class DrafterStep(Stage):
             num_anchors=self.num_anchors, gamma=self.gamma, chunk_blocks=self.chunk_blocks, lr=self.lr,
             warmup_ratio=self.warmup_ratio, min_lr_ratio=self.min_lr_ratio, weight_decay=self.weight_decay,
             max_grad_norm=self.max_grad_norm, grad_accum=self.grad_accum, total_steps=self.total_steps,
+            data_parallel=self.data_parallel,
         )
         self._trainer = DrafterTrainer(drafter, head, config, device=ctx.device, dtype=dtype)
         self._epoch = 0
+        self._epoch_done = False  # the last batch trained ended its epoch
         self._plan_state: dict[str, Any] | None = None  # the Interleaver's state after the last batch trained
         self._total_consumed = 0  # batches trained on in the whole run (this rank)
         # A resumed run continues the file (its lines after the checkpoint are trained again, so appear
         # twice: see the record_batches doc); a fresh run starts a new one, whatever an earlier run left.
         mode = "a" if self._services.resume is not None else "w"
-        self._batch_log = open(Path(ctx.output_dir) / "batches.jsonl", mode) if self.record_batches else None
+        log_name = "batches.jsonl" if ctx.world_size == 1 else f"batches.rank{ctx.rank}.jsonl"
+        self._batch_log = open(Path(ctx.output_dir) / log_name, mode) if self.record_batches else None
         m = ctx.metrics
         self._m_steps = m.counter("steps", "steps", "Optimizer steps")
         self._m_tokens = m.counter("tokens", "tokens", "Real tokens trained on")
@@ -126,14 +136,16 @@ class DrafterStep(Stage):
         self._m_step_s = m.summary("step_s", "s", "Seconds of compute per micro-batch")
 
     def process(self, feats: TargetFeatures):
+        if self._stopping:
+            return None  # the job is stopping at a step all ranks agreed on: the rest drains untrained
         meta = feats.meta
         epoch_end = meta.last_of_epoch
         t0 = time.perf_counter()
         metrics = self._trainer.train_batch(
-            feats, anchor_seed=self._ctx.seed_for(meta.epoch, "anchors", meta.index),
+            feats, anchor_seed=self._ctx.shared_seed_for(meta.epoch, "anchors", meta.index),
             force_step=epoch_end or meta.last_of_run,
         )
-        self._epoch, self._plan_state = meta.epoch, meta.plan_state
+        self._epoch, self._plan_state, self._epoch_done = meta.epoch, meta.plan_state, epoch_end
         self._total_consumed += 1
         self._m_tokens.inc(meta.real_tokens)
         self._m_samples.inc(meta.num_samples)
@@ -149,14 +161,21 @@ class DrafterStep(Stage):
             self._m_loss.set(metrics["loss"])
         report = StepReport(step=self._trainer.step, epoch=meta.epoch, meta=meta, metrics=metrics)
         if self._services.checkpoints is not None:
-            self._services.checkpoints.after_step(self, step=self._trainer.step, epoch_end=epoch_end)
+            # An epoch's end and the run's last planned batch are both checkpoint points (at_epoch_end).
+            self._services.checkpoints.after_step(self, step=self._trainer.step, epoch_end=epoch_end or meta.last_of_run)
+        if self._dist is not None and any(self._dist.all_gather_object(self._ctx.stop_requested.is_set())):
+            # One rank was asked to stop (Ctrl-C, SIGTERM): every rank stops after this same step, so the
+            # data position in the checkpoint is one for all of them and no collective waits in vain.
+            self._stopping = True
+            if not self._ctx.stop_requested.is_set() and self._ctx.runtime is not None:
+                self._ctx.runtime.request_stop("another rank of the job is stopping")
         return (report,)
 
     # -- checkpoints --------------------------------------------------------------------------------
-    def _position(self, epoch_end: bool) -> dict[str, Any]:
+    def _position(self) -> dict[str, Any]:
         """Where the data stream continues after a resume: the epoch and the plan state of the last batch
         trained (None at the start of an epoch), and the run's total of batches on this rank."""
-        if epoch_end:
+        if self._epoch_done:
             return {"epoch": self._epoch + 1, "plan": None, "total": self._total_consumed}
         return {"epoch": self._epoch, "plan": self._plan_state, "total": self._total_consumed}
 
@@ -167,9 +186,9 @@ class DrafterStep(Stage):
         return CheckpointPayload(
             step=trainer.step,
             epoch=self._epoch,
-            model_state=trainer.model_state(),
+            model_state=trainer.full_model_state(),
             optimizer_state=trainer.optimizer_state(),
-            data_position=self._position(epoch_end),
+            data_position=self._position(),
             stage=self._ctx.name,
             stage_state=self.state_dict(),
             extra={"total_steps": trainer.total_steps},
@@ -181,6 +200,7 @@ class DrafterStep(Stage):
         return {
             "version": STATE_VERSION,
             "epoch": getattr(self, "_epoch", 0),
+            "epoch_done": getattr(self, "_epoch_done", False),
             "plan": getattr(self, "_plan_state", None),
             "total_consumed": getattr(self, "_total_consumed", 0),
             "trainer": trainer.state_dict() if trainer is not None else None,
@@ -190,6 +210,7 @@ class DrafterStep(Stage):
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"DrafterStep state version {state.get('version')} is not supported")
         self._epoch = int(state["epoch"])
+        self._epoch_done = bool(state.get("epoch_done", False))
         self._plan_state = state.get("plan")
         self._total_consumed = int(state.get("total_consumed", 0))
         if state.get("trainer") is not None:
@@ -201,7 +222,8 @@ class DrafterStep(Stage):
         self._trainer.restore(resume.model_state(str(self._trainer.device)), resume.optimizer_state())
         pos = resume.data_position
         if pos:
-            self._epoch, self._plan_state = int(pos["epoch"]), pos.get("plan")
+            # The position says where to continue; it is never an epoch's end (that is the next epoch's start).
+            self._epoch, self._plan_state, self._epoch_done = int(pos["epoch"]), pos.get("plan"), False
             self._total_consumed = int(pos.get("total", self._total_consumed))
 
     def finish(self):
@@ -215,7 +237,10 @@ class DrafterStep(Stage):
                 checkpoints.save(self)
             return None
         out = Path(self._ctx.output_dir) / self.export_dir
-        save_drafter(self._trainer.drafter, out)
+        state = self._trainer.full_model_state()  # collective under fsdp: every rank takes part
+        if self._ctx.rank != 0:  # one export per job, by rank 0 (the weights are the same on every rank)
+            return (StepReport(step=self._trainer.step, epoch=self._epoch, meta=None, metrics={}, final=True),)
+        save_drafter(self._trainer.drafter, out, state=state)
         self._services.record.artifacts["drafter"] = str(out)
         return (StepReport(step=self._trainer.step, epoch=self._epoch, meta=None, metrics={}, final=True, artifacts={"drafter": str(out)}),)
 

@@ -16,12 +16,11 @@ from typing import Any
 
 import attrs
 
-from dflash_flow.core import Stage, cfg, register_stage
+from dflash_flow.core import Stage, cfg, limits
 from dflash_flow.items import EvalReport, StepReport
 from dflash_flow.services import services_of
 
 
-@register_stage
 @attrs.define(kw_only=True, eq=False)
 class Monitor(Stage):
     """Samples metrics, queue depths and stage load into the run record; logs them to MLflow; prints progress."""
@@ -30,9 +29,9 @@ class Monitor(Stage):
     output_type = None
     singleton = True
 
-    interval_s: float = cfg(30.0, gt=0, doc="Seconds between samples of the whole pipeline.")
+    interval_s: float = cfg(30.0, gt=0, le=limits.MAX_SECONDS, doc="Seconds between samples of the whole pipeline.")
     progress: bool = cfg(True, doc="Show live progress on the console.")
-    progress_interval_s: float | None = cfg(None, gt=0, doc="Seconds between plain progress lines when not a terminal (default: interval_s).")
+    progress_interval_s: float | None = cfg(None, gt=0, le=limits.MAX_SECONDS, doc="Seconds between plain progress lines when not a terminal (default: interval_s).")
     total_steps: int | None = cfg(None, ge=1, doc="Steps expected (for the ETA); default: from the reports.")
     plots: bool = cfg(True, doc="Ask for PNG plots in the end-of-run report (and in MLflow).")
     sinks: list[str] = cfg(factory=list, doc="Stages for which being the bottleneck is the goal (default: the trainer feeding this monitor).")
@@ -42,6 +41,10 @@ class Monitor(Stage):
 
         services = services_of(ctx)
         self._ctx = ctx
+        # Under torchrun every rank's Monitor reduces each step's metrics with the others (same steps, same
+        # order) and samples at the same steps; rank 0 logs and prints.
+        self._dist = services.dist
+        self._main = self._dist is None or self._dist.rank == 0
         self._tracker = services.tracker
         self._record = services.record
         self._record.plots = self.plots
@@ -53,7 +56,7 @@ class Monitor(Stage):
         self._window: dict[str, list[float]] = {}
         self._printer = (
             ProgressPrinter(sys.stderr, total_steps=self.total_steps, interval_s=self.progress_interval_s or self.interval_s)
-            if self.progress
+            if self.progress and self._main
             else None
         )
         graph = ctx.runtime.graph if ctx.runtime is not None else None
@@ -68,12 +71,14 @@ class Monitor(Stage):
         self._samples = ctx.metrics.counter("samples", "samples", "Monitor samples taken")
 
     def process(self, item: Any):
+        now = time.monotonic()
+        due = now - self._last_sample >= self.interval_s
         if isinstance(item, StepReport):
-            self._on_step(item)
+            due = self._on_step(item, due)
         elif isinstance(item, EvalReport):
             self._on_eval(item)
-        now = time.monotonic()
-        if now - self._last_sample >= self.interval_s:
+            due = due and self._dist is None  # ranks sample together at step reports only
+        if due:
             self._sample(now)
         if self._printer is not None and isinstance(item, StepReport):
             r, m = self._record, self._record.train
@@ -88,10 +93,16 @@ class Monitor(Stage):
             )
         return None
 
-    def _on_step(self, item: StepReport) -> None:
+    def _on_step(self, item: StepReport, due: bool) -> bool:
+        """Record one step report; returns whether to sample now (under torchrun: whether any rank wants to)."""
         from dflash_flow.observe.sample import UNLOGGED_TRAIN, WINDOWED_TRAIN_PREFIXES, TrainPoint
         from dflash_flow.observe.schema import mlflow_metrics
 
+        if self._dist is not None:
+            reduced = self._dist.reduce_train({**item.metrics, "_sample": float(due)})
+            due = bool(reduced.pop("_sample", 0.0))
+            item = StepReport(step=item.step, epoch=item.epoch, meta=item.meta, metrics=reduced,
+                              final=item.final, artifacts=item.artifacts)
         record = self._record
         if item.artifacts:
             record.artifacts.update(item.artifacts)
@@ -115,6 +126,7 @@ class Monitor(Stage):
         record.add_train(point)  # the final report carries artifacts, not metrics: it only moves the step
         if self._tracker is not None and logged:
             self._tracker.log_metrics(mlflow_metrics(point), step=item.step)
+        return due
 
     def _on_eval(self, item: EvalReport) -> None:
         from dflash_flow.observe.sample import EvalPoint
@@ -131,7 +143,7 @@ class Monitor(Stage):
     # -- sampling ---------------------------------------------------------------------------------
     def _sample(self, now: float, whole_run: bool = False) -> None:
         from dflash_flow.observe.sample import Throughput, take_sample
-        from dflash_flow.observe.schema import mlflow_metrics
+        from dflash_flow.observe.schema import metric_points, mlflow_metrics, reduce_ranks
 
         runtime = self._ctx.runtime
         if runtime is None:
@@ -151,9 +163,17 @@ class Monitor(Stage):
             exclude={self._ctx.name},
         )
         self._prev = snap
+        per_rank = self._dist.gather_to_main(sample) if self._dist is not None else None
         self._record.add_sample(sample)
         if self._tracker is not None:
-            self._tracker.log_metrics(mlflow_metrics(sample), step=sample.step)
+            if per_rank:
+                # Plain keys: the job, reduced over ranks as each metric declares; rank<r>/...: each rank.
+                metrics = reduce_ranks([metric_points(s) for s in per_rank])
+                for r, other in enumerate(per_rank):
+                    metrics.update(mlflow_metrics(other, rank=r))
+            else:
+                metrics = mlflow_metrics(sample)
+            self._tracker.log_metrics(metrics, step=sample.step)
             self._tracker.flush_async()  # store writes happen on the tracker's writer thread
         self._samples.inc()
         self._last_sample = now

@@ -35,6 +35,7 @@ class SpecDecodeEval(Stage):
         self._ctx = ctx
 
     def process(self, report: StepReport):
+        # Under torchrun only rank 0's final report names the export: one evaluation per job.
         if not report.final or "drafter" not in report.artifacts:
             return None
         from dflash_flow.embedded import resolve_target, write_eval_prompts

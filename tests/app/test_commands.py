@@ -29,6 +29,18 @@ def test_qwen3_8b_recipe_validates_without_gpus(tmp_path: Path) -> None:
     assert "Traceback" not in bad.stderr
 
 
+def test_two_ranks_per_node_recipe_validates_for_any_node_count(tmp_path: Path) -> None:
+    recipe = str(REPO / "pipelines" / "qwen3-8b-2x4.yaml")
+    assert _cli("validate", recipe, "--no-device-check", cwd=tmp_path).returncode == 0
+    # 2 ranks on an 8-GPU node: each rank's cuda:0-3 are its own 4 GPUs (the file never names GPU 4-7)
+    ok = _cli("validate", recipe, "--nproc", "2", "--gpus", "8", cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    # 4 ranks on the same node would share GPUs: refused, located at the slice setting
+    shared = _cli("validate", recipe, "--nproc", "4", "--gpus", "8", cwd=tmp_path)
+    assert shared.returncode == 2 and "ranks would share GPUs" in shared.stderr
+    assert "qwen3-8b-2x4.yaml:" in shared.stderr and "Traceback" not in shared.stderr
+
+
 def test_default_pipeline_validates_and_draws(tmp_path: Path) -> None:
     assert _cli("validate", str(REPO / "pipelines" / "dflash.yaml"), cwd=tmp_path).returncode == 0
     mermaid = _cli("graph", str(REPO / "pipelines" / "dflash.yaml"), cwd=tmp_path).stdout
@@ -47,7 +59,8 @@ def test_examples_run(tmp_path: Path) -> None:
 
 
 def test_regenerate_and_eval_commands(tmp_path: Path) -> None:
-    from dflash_flow.embedded import embedded_target_path, write_eval_prompts as write_embedded_eval_prompts
+    from dflash_flow.embedded import embedded_target_path
+    from dflash_flow.embedded import write_eval_prompts as write_embedded_eval_prompts
 
     target = embedded_target_path()
     prompts = write_embedded_eval_prompts(tmp_path / "prompts.jsonl", 3)

@@ -53,10 +53,10 @@ def test_default_pipeline_shortened(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     from dflash_flow.data.chat import stop_token_ids as stop_ids
+    from dflash_flow.embedded import embedded_target_path
     from dflash_flow.model.evaluation import read_prompt_ids
     from dflash_flow.model.speculative import spec_generate
     from dflash_flow.model.target import load_target
-    from dflash_flow.embedded import embedded_target_path
 
     target_dir = embedded_target_path()
     target = load_target(target_dir, dtype=torch.float32)

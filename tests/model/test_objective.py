@@ -14,6 +14,8 @@ from model_testlib import MASK_ID, VOCAB, build_drafter, randomize, target_featu
 
 from dflash_flow.model.drafter import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_flow.model.objective import (
+    activation_bytes_per_block,
+    auto_chunk_blocks,
     block_attention_mask,
     decay_weights,
     dflash_loss,
@@ -140,7 +142,9 @@ def test_pitfall_1_same_position_labels_and_weights():
     assert w[0, 1] == pytest.approx(1.0) and w[0, 2] == pytest.approx(math.exp(-1 / 7))
     assert w[0, 3] == 0
     assert w[1, 1] == pytest.approx(1.0) and w[1, 2] == pytest.approx(math.exp(-1 / 7)) and w[1, 3] == 0
-    assert decay_weights(4, 7.0)[1:] == pytest.approx([1.0, math.exp(-1 / 7), math.exp(-2 / 7)])
+    assert decay_weights(4, 7.0).tolist() == pytest.approx([0.0, 1.0, math.exp(-1 / 7), math.exp(-2 / 7)])
+    assert decay_weights(3, None).tolist() == [0.0, 1.0, 1.0]
+    torch.testing.assert_close(plan.weights[0, 0, :3], decay_weights(4, 7.0)[:3])
 
 
 def test_pitfall_3_block_inputs_not_shifted():
@@ -440,3 +444,205 @@ def test_pitfall_8_training_settings_must_match_the_drafter_config(target):
     assert len(out.position_accuracy) == 7
     with pytest.raises(ValueError, match="target layers"):
         dflash_loss(drafter, **dict(kw, hidden_states=torch.cat([feats, feats], dim=-1)))
+
+
+# ------------------------------------------------------------------------------------------ reference
+
+
+def reference_sample_anchors(loss_mask, num_anchors, *, attention_mask=None, generator=None):
+    """The sampler as first written (W read before drawing), kept to pin the anchors of every seed."""
+    valid = valid_anchor_mask(loss_mask, attention_mask)
+    b, s = valid.shape
+    w = min(int(num_anchors), int(valid.sum(dim=1).max()))
+    keys = torch.rand(b, s, generator=generator)
+    keys = torch.where(valid, keys, torch.full_like(keys, 2.0))
+    picked = torch.topk(keys, w, dim=1, largest=False).indices
+    keep = valid.gather(1, picked)
+    order = torch.where(keep, picked, picked + s).argsort(dim=1)
+    anchors, keep = picked.gather(1, order), keep.gather(1, order)
+    return torch.where(keep, anchors, torch.zeros_like(anchors)), keep
+
+
+def reference_loss(
+    drafter,
+    *,
+    embed_tokens,
+    lm_head,
+    input_ids,
+    loss_mask,
+    hidden_states,
+    anchors,
+    gamma,
+    attention_mask=None,
+):
+    """The dense-mask path (every block over all context and all blocks, the element-wise mask of
+    ``reference_mask``), the way the loss was computed before the grouped layout: loss and per-slot hits."""
+    keep = anchors[1]
+    bsz = drafter.block_size
+    plan = plan_blocks(
+        input_ids,
+        loss_mask,
+        anchors[0],
+        keep,
+        block_size=bsz,
+        mask_token_id=MASK_ID,
+        gamma=gamma,
+        attention_mask=attention_mask,
+    )
+    b, s = input_ids.shape
+    window = drafter.config.sliding_window or 10**9
+    masks = {
+        t: reference_mask(plan.anchors, keep, plan.context_valid, s, bsz, t, window)
+        for t in set(drafter.layer_types)
+    }
+    context = drafter.fuse_context(hidden_states)
+    positions = torch.cat([torch.arange(s).expand(b, s), plan.block_positions.reshape(b, -1)], dim=1)
+    h = drafter.decode(embed_tokens(plan.block_ids.reshape(b, -1)), context, positions, masks)
+    logits = drafter.compute_logits(h, lm_head).float()
+    ce = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), plan.labels.reshape(-1), reduction="none"
+    )
+    loss = (ce * plan.weights.reshape(-1)).sum() / plan.weights.sum()
+    hits = (logits.argmax(-1).view_as(plan.labels) == plan.labels) & plan.supervised
+    return loss, hits
+
+
+FAST_PATH_CASES = {
+    "full": dict(layer_types=None, window=None, chunk=None, group=None),
+    "full_groups_of_1_chunks_of_3": dict(layer_types=None, window=None, chunk=3, group=1),
+    "sliding_full": dict(layer_types=["sliding_attention", "full_attention"], window=5, chunk=None, group=2),
+    "sliding_only_chunked": dict(layer_types=["sliding_attention"] * 2, window=3, chunk=4, group=None),
+}
+
+
+@pytest.mark.parametrize("case", list(FAST_PATH_CASES))
+def test_fast_path_equals_dense_reference(target, case):
+    # Loss, every gradient and the metrics of the grouped layout equal the dense-mask path, with GQA
+    # (4 heads, 2 KV heads), ragged rows (attention mask), padding blocks, anchors at 0 and past S.
+    c = FAST_PATH_CASES[case]
+    drafter = randomize(
+        build_drafter(target, num_layers=2, layer_types=c["layer_types"], sliding_window=c["window"]), 17
+    )
+    ids, lm = make_batch(target, b=3, s=28, seed=2)
+    am = torch.ones_like(ids)
+    am[1, 21:] = 0
+    lm[1, 21:] = 0
+    lm[2, 1:20] = 0  # few valid anchors in row 2: padding blocks
+    feats = target_features(target, ids, drafter.target_layer_ids, attention_mask=am)
+    anchors = sample_anchors(lm, 14, attention_mask=am, generator=torch.Generator().manual_seed(6))
+    anchors[0][0, 0] = 0  # an anchor at position 0: no context at all
+    assert (~anchors[1]).any() and (anchors[0][anchors[1]] == 0).any()
+    mods = loss_modules(target)
+    ref_loss, ref_hits = reference_loss(
+        drafter,
+        input_ids=ids,
+        loss_mask=lm,
+        hidden_states=feats,
+        anchors=anchors,
+        gamma=4.0,
+        attention_mask=am,
+        **mods,
+    )
+    ref_grads = torch.autograd.grad(ref_loss, list(drafter.parameters()))
+    out = dflash_loss(
+        drafter,
+        input_ids=ids,
+        loss_mask=lm,
+        hidden_states=feats,
+        attention_mask=am,
+        anchors=anchors,
+        gamma=4.0,
+        chunk_blocks=c["chunk"],
+        group_blocks=c["group"],
+        **mods,
+    )
+    grads = torch.autograd.grad(out.loss, list(drafter.parameters()))
+    torch.testing.assert_close(out.loss, ref_loss, atol=1e-6, rtol=1e-6)
+    for (name, _), g, r in zip(drafter.named_parameters(), grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-5, msg=name)
+    torch.testing.assert_close(out.correct_per_position, ref_hits.sum(dim=(0, 1)).float())
+    run = ref_hits[:, :, 1:].long().cumprod(-1).sum(-1)
+    assert out.acceptance_sum.item() == ((1 + run) * anchors[1]).sum().item()
+
+
+def test_anchors_of_a_seed_are_unchanged():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        b, s = 1 + trial % 4, 8 + 7 * trial
+        lm = (torch.rand(b, s, generator=g) > 0.3).long()
+        am = (torch.arange(s)[None] < torch.randint(s // 2, s + 1, (b, 1), generator=g)).long()
+        for num in (1, 5, 64, 10**4):
+            got = sample_anchors(lm, num, attention_mask=am, generator=torch.Generator().manual_seed(trial))
+            want = reference_sample_anchors(
+                lm, num, attention_mask=am, generator=torch.Generator().manual_seed(trial)
+            )
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_loss_draws_the_same_anchors_as_sample_anchors(target):
+    drafter = randomize(build_drafter(target, num_layers=1), 19)
+    ids, lm = make_batch(target, b=2, s=30)
+    feats = target_features(target, ids, drafter.target_layer_ids)
+    kw = dict(input_ids=ids, loss_mask=lm, hidden_states=feats, gamma=4.0, **loss_modules(target))
+    with torch.no_grad():
+        drawn = dflash_loss(drafter, num_anchors=9, generator=torch.Generator().manual_seed(3), **kw)
+        given = dflash_loss(
+            drafter, anchors=sample_anchors(lm, 9, generator=torch.Generator().manual_seed(3)), **kw
+        )
+        other = dflash_loss(drafter, num_anchors=9, generator=torch.Generator().manual_seed(4), **kw)
+    assert drawn.loss.item() == given.loss.item() and drawn.loss.item() != other.loss.item()
+    assert drawn.kept_blocks.item() == 18
+
+
+def test_activation_budget_chooses_chunks_without_changing_the_result(target):
+    drafter = randomize(build_drafter(target, num_layers=2), 23)
+    ids, lm = make_batch(target, b=2, s=32)
+    feats = target_features(target, ids, drafter.target_layer_ids)
+    per_block = activation_bytes_per_block(drafter, vocab_size=VOCAB, context_len=32)
+    assert per_block > 0
+    assert (
+        auto_chunk_blocks(drafter, batch=2, num_blocks=20, context_len=32, vocab_size=VOCAB, budget_mb=1e6)
+        is None
+    )
+    tight = 2 * per_block * 3 / 2**20  # room for three blocks of two rows
+    assert (
+        auto_chunk_blocks(drafter, batch=2, num_blocks=20, context_len=32, vocab_size=VOCAB, budget_mb=tight)
+        == 3
+    )
+    anchors = sample_anchors(lm, 20, generator=torch.Generator().manual_seed(1))
+    kw = dict(
+        input_ids=ids, loss_mask=lm, hidden_states=feats, anchors=anchors, gamma=4.0, **loss_modules(target)
+    )
+    results = []
+    for budget in (None, tight):
+        drafter.zero_grad()
+        out = dflash_loss(drafter, chunk_blocks=None, activation_budget_mb=budget, **kw)
+        out.loss.backward()
+        results.append((out.loss.detach(), [p.grad.clone() for p in drafter.parameters()]))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-6, rtol=1e-6)
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_bf16_step_is_close_to_fp32(target):
+    drafter = randomize(
+        build_drafter(
+            target, num_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=6
+        ),
+        29,
+    )
+    ids, lm = make_batch(target, b=2, s=32)
+    feats = target_features(target, ids, drafter.target_layer_ids)
+    anchors = sample_anchors(lm, 12, generator=torch.Generator().manual_seed(2))
+    mods = loss_modules(target)
+    kw = dict(input_ids=ids, loss_mask=lm, anchors=anchors, gamma=4.0)
+    ref = dflash_loss(drafter, hidden_states=feats, **kw, **mods).loss
+    low = drafter.to(torch.bfloat16)
+    head = torch.nn.Linear(mods["lm_head"].in_features, VOCAB, bias=False).to(torch.bfloat16)
+    head.weight.data.copy_(mods["lm_head"].weight)
+    emb = torch.nn.Embedding(VOCAB, mods["embed_tokens"].embedding_dim).to(torch.bfloat16)
+    emb.weight.data.copy_(mods["embed_tokens"].weight)
+    out = dflash_loss(low, hidden_states=feats.to(torch.bfloat16), embed_tokens=emb, lm_head=head, **kw)
+    out.loss.backward()
+    assert abs(out.loss.item() - ref.item()) < 0.05 * ref.item()
+    assert all(torch.isfinite(p.grad.float()).all() for p in low.parameters())

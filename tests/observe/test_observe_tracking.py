@@ -283,6 +283,8 @@ def test_unreachable_store_spools_with_one_warning_then_import(sqlite_uri, tmp_p
     assert sorted(m.step for m in c.get_metric_history(run.info.run_id, "loss")) == list(range(30))
     got = c.download_artifacts(run.info.run_id, "notes/note.txt", str(tmp_path / "dl"))
     assert Path(got).read_text() == "kept"
+    db_dir = Path(sqlite_uri[len("sqlite:///") :]).parent
+    assert exp.artifact_location == (db_dir / "mlartifacts" / "observe-offline").as_uri()  # not ./mlruns
     with pytest.raises(SpoolError, match="no such spool file"):
         import_spool(path, sqlite_uri)  # already imported and removed
 

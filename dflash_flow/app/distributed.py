@@ -1,0 +1,133 @@
+"""Data-parallel runs under torchrun: the process group, the per-rank services, and one run per job.
+
+Every rank runs the same DAG on its share of one global plan (``data.plan``: global steps of one batch per
+rank). This module owns what makes the ranks one job: ``torch.distributed`` initialised once per process
+with a timeout (a collective that waits on a dead rank fails instead of hanging), two extra gloo groups
+so that threads never interleave collectives on one group (the trainer's checkpoint gathers; the
+Monitor's metric reductions), and the reductions themselves. We never schedule anything across
+machines: torchrun starts the processes, rendezvous and restarts are its job.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+from typing import Any
+
+import attrs
+
+
+def under_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+
+
+@attrs.define(eq=False)
+class Distributed:
+    """This process's place in the job and the collectives the stages use (``RunServices.dist``)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: str
+    control: Any = None  # gloo group for the trainer thread's object gathers (checkpoints)
+    metrics: Any = None  # gloo group for the Monitor thread's reductions
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (on the control group: call it from the trainer's thread only)."""
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.control)
+        return out
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier(group=self.control)
+
+    def reduce_train(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Per-step metrics combined over ranks (``combine_metrics``); every rank gets the result. Called
+        by each rank's Monitor for the same steps in the same order (the ranks take the same steps)."""
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, dict(metrics), group=self.metrics)
+        return combine_metrics(gathered)
+
+    def gather_to_main(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` on rank 0 (None elsewhere), on the metrics group."""
+        import torch.distributed as dist
+
+        out: list[Any] | None = [None] * self.world_size if self.is_main else None
+        dist.gather_object(obj, out, dst=0, group=self.metrics)
+        return out
+
+
+def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """One dict from every rank's step metrics, each key reduced as the metric schema declares
+    (``observe.schema.train_reduction``: sums for tokens and samples, max for times, means otherwise).
+    A rank that has no value for a key (a step of filler batches only has no loss) is left out of it."""
+    from dflash_flow.observe.schema import train_reduction
+
+    keys = sorted({k for m in per_rank for k in m})
+    out: dict[str, float] = {}
+    for k in keys:
+        vals = [float(m[k]) for m in per_rank if isinstance(m.get(k), (int, float)) and math.isfinite(float(m[k]))]
+        if not vals:
+            continue
+        how = train_reduction(k)
+        out[k] = math.fsum(vals) if how == "sum" else max(vals) if how == "max" else math.fsum(vals) / len(vals)
+    return out
+
+
+def init_distributed(config: Any, *, use_cuda: bool) -> Distributed | None:
+    """Join the job torchrun started (None when this process is the whole job)."""
+    if not under_torchrun():
+        return None
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    backend = config.backend
+    if backend == "auto":
+        backend = "nccl" if use_cuda and torch.cuda.is_available() else "gloo"
+    timeout = datetime.timedelta(seconds=float(config.timeout_s))
+    if backend == "nccl":
+        # A collective stuck on a dead rank raises instead of blocking forever.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    metrics = dist.new_group(backend="gloo", timeout=timeout)
+    return Distributed(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
+                       backend=backend, control=control, metrics=metrics)
+
+
+def shutdown_distributed(dist_ctx: Distributed | None, *, failed: bool) -> None:
+    """Leave the process group. After a failure the group may hold a collective a dead peer never joins:
+    abort it instead of waiting in a clean shutdown."""
+    if dist_ctx is None:
+        return
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    if failed:
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None:
+            try:
+                abort()
+                return
+            except Exception:  # noqa: BLE001 - the process is ending anyway
+                return
+        return
+    dist.destroy_process_group()
