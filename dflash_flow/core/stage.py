@@ -6,8 +6,10 @@ Subclasses fill in hooks (`setup`, `process`/`produce`, `finish`, `teardown`, `s
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -92,6 +94,7 @@ class StageContext:
     metrics: MetricSet = attrs.field(factory=MetricSet)
     stop_requested: threading.Event = attrs.field(factory=threading.Event)
     runtime: RuntimeAccess | None = None
+    busy_with: str = ""  # what a long call inside `busy()` is doing (the watchdog's message names it)
     _heartbeats: int = 0
 
     def seed_for(self, epoch: int = 0, *salt: object) -> int:
@@ -114,6 +117,28 @@ class StageContext:
     @property
     def heartbeats(self) -> int:
         return self._heartbeats
+
+    @contextlib.contextmanager
+    def busy(self, what: str = "", *, limit_s: float = 3600.0, every_s: float = 1.0) -> Iterator[None]:
+        """Around one long call that cannot report progress itself (loading a model, tokenizing a large
+        file): beats the watchdog's heartbeat while it runs, for at most ``limit_s`` (after that, a call
+        that never returns is reported as stalled as usual). The beating thread is joined on exit."""
+        done = threading.Event()
+        start = time.monotonic()
+
+        def beat() -> None:
+            while not done.wait(every_s) and time.monotonic() - start < limit_s:
+                self.heartbeat()
+
+        self.busy_with = what
+        t = threading.Thread(target=beat, name=f"dflash-flow-busy:{self.name}", daemon=False)
+        t.start()
+        try:
+            yield
+        finally:
+            done.set()
+            t.join()
+            self.busy_with = ""
 
 
 # slots=False: replicas keep runtime handles (models, metrics) as plain attributes set in setup().

@@ -521,9 +521,11 @@ class DrafterAttention(nn.Module):
         """The same attention as ``_BlockAttention`` through ``scaled_dot_product_attention``: one call
         per group over [its context slice; its own blocks] (copies those keys; any device, dropout)."""
         parts = []
+        bq, bsz = layout.queries_per_block, layout.block_size
         for g, (q0, q1, lo, hi) in enumerate(layout.groups):
-            kg = torch.cat([ctx_k[:, :, lo:hi], own_k[:, :, q0:q1]], dim=2)
-            vg = torch.cat([ctx_v[:, :, lo:hi], own_v[:, :, q0:q1]], dim=2)
+            k0, k1 = q0 // bq * bsz, q1 // bq * bsz  # the group's blocks, in key slots
+            kg = torch.cat([ctx_k[:, :, lo:hi], own_k[:, :, k0:k1]], dim=2)
+            vg = torch.cat([ctx_v[:, :, lo:hi], own_v[:, :, k0:k1]], dim=2)
             parts.append(self._attend(q[:, :, q0:q1], kg, vg, _group_mask(layout, g)))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 

@@ -237,33 +237,31 @@ def _context_visibility(
     keep: torch.Tensor,
     context_valid: torch.Tensor,
     *,
-    first: int,
     block_size: int,
+    first_slot: int,
     layer_type: str,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """``[b, n*B, L]`` bool: which context positions ``first..first+L-1`` (``context_valid`` is that
-    slice) the queries of blocks at ``anchors`` see.
+    """Which context positions the queries of blocks at ``anchors`` see: bool ``[b, N, 1, S]`` for
+    full layers (every slot of a block sees the same context), ``[b, N, B - first_slot, S]`` (slots
+    ``first_slot..B-1``) for sliding layers.
 
     Context visibility is decided by the anchor's *position* (``c < a``), never by block index: blocks
     overlap in position, and index-based rules leak future context. Padding blocks see no context.
     """
-    b, n = anchors.shape
-    span = context_valid.shape[1]
     device = anchors.device
-    j = torch.arange(block_size, device=device)
-    c = torch.arange(first, first + span, device=device)
+    c = torch.arange(context_valid.shape[1], device=device)
     a = anchors[:, :, None, None]  # [b, N, 1, 1]
-    ctx = (c < a) & keep[:, :, None, None] & context_valid[:, None, None, :]  # [b, N, 1, L]
-    ctx = ctx.expand(b, n, block_size, span)
+    ctx = (c < a) & keep[:, :, None, None] & context_valid[:, None, None, :]  # [b, N, 1, S]
     if layer_type == SLIDING_ATTENTION:
         if sliding_window is None:
             raise ValueError("sliding_attention needs sliding_window")
+        j = torch.arange(first_slot, block_size, device=device)
         # Query at a+j sees positions p with a+j-p < W (inference applies the window by key position).
         ctx = ctx & (c >= a + j[:, None] - (sliding_window - 1))
     elif layer_type != FULL_ATTENTION:
         raise ValueError(f"unknown layer type {layer_type!r}")
-    return ctx.reshape(b, n * block_size, span)
+    return ctx
 
 
 def _within_block(block_size: int, layer_type: str, sliding_window: int | None, device) -> torch.Tensor:
@@ -295,11 +293,12 @@ def block_attention_mask(
         anchors,
         keep,
         context_valid,
-        first=0,
         block_size=block_size,
+        first_slot=0,
         layer_type=layer_type,
         sliding_window=sliding_window,
     )
+    ctx = ctx.expand(b, n, block_size, ctx.shape[-1]).reshape(b, n * block_size, -1)
     within = _within_block(block_size, layer_type, sliding_window, anchors.device)
     blk = torch.arange(n, device=anchors.device)
     same_block = blk[:, None, None, None] == blk[None, None, :, None]  # [N, 1, N, 1]
@@ -412,29 +411,29 @@ def block_layouts(
     ``last_drops_first_slot``: the last layer computes no slot-0 queries (the loss never reads them).
     """
     bsz = plan.block_size
+    b, n = plan.anchors.shape[0], stop - start
     made: dict[tuple[str, bool], BlockLayout] = {}
-    visible: dict[str, torch.Tensor] = {}
-
-    def layout(layer_type: str, drop: bool) -> BlockLayout:
+    last = len(layer_types) - 1
+    for i, layer_type in enumerate(layer_types):
+        drop = last_drops_first_slot and i == last
         if (layer_type, drop) in made:
-            return made[(layer_type, drop)]
-        if layer_type not in visible:
-            visible[layer_type] = _context_visibility(
-                plan.anchors[:, start:stop],
-                plan.keep[:, start:stop],
-                plan.context_valid,
-                first=0,
-                block_size=bsz,
-                layer_type=layer_type,
-                sliding_window=sliding_window,
-            )
-        vis = visible[layer_type]
-        within = _within_block(bsz, layer_type, sliding_window, vis.device)
-        per_block = bsz - 1 if drop else bsz
-        if drop:
-            b, n = plan.anchors.shape[0], stop - start
-            vis = vis.view(b, n, bsz, -1)[:, :, 1:].reshape(b, n * per_block, -1)
-            within = within[1:]
+            continue
+        first = 1 if drop else 0
+        per_block = bsz - first
+        vis = _context_visibility(
+            plan.anchors[:, start:stop],
+            plan.keep[:, start:stop],
+            plan.context_valid,
+            block_size=bsz,
+            first_slot=first,
+            layer_type=layer_type,
+            sliding_window=sliding_window,
+        )
+        # Additive (sdpa would convert a bool mask in every call, forward and backward), written once
+        # at full size from the per-block rows.
+        zero = torch.zeros((), dtype=dtype, device=vis.device)
+        mask = torch.where(vis, zero, float("-inf")).expand(b, n, per_block, vis.shape[-1])
+        within = _within_block(bsz, layer_type, sliding_window, vis.device)[first:]
         made[(layer_type, drop)] = BlockLayout(
             block_size=bsz,
             queries_per_block=per_block,
@@ -442,14 +441,11 @@ def block_layouts(
                 ((n0 - start) * per_block, (n1 - start) * per_block, lo, hi)
                 for n0, n1, lo, hi in spans[layer_type]
             ],
-            context_mask=_additive(vis, dtype)[:, None],
-            has_context=vis.any(dim=-1)[:, None],
-            own_mask=None if layer_type == FULL_ATTENTION else _additive(within, dtype),
+            context_mask=mask.reshape(b, 1, n * per_block, -1),
+            has_context=vis.any(dim=-1).expand(b, n, per_block).reshape(b, 1, n * per_block),
+            own_mask=None if layer_type == FULL_ATTENTION else torch.where(within, zero, float("-inf")),
         )
-        return made[(layer_type, drop)]
-
-    last = len(layer_types) - 1
-    return [layout(t, last_drops_first_slot and i == last) for i, t in enumerate(layer_types)]
+    return [made[(t, last_drops_first_slot and i == last)] for i, t in enumerate(layer_types)]
 
 
 # ------------------------------------------------------------------------------------------ forward

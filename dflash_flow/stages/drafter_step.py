@@ -101,7 +101,7 @@ class DrafterStep(Stage):
         tok_path = self.tokenizer
         if tok_path is None and isinstance(spec, str) and Path(spec).is_dir():
             tok_path = spec
-        with MODEL_LOAD_LOCK:
+        with MODEL_LOAD_LOCK, ctx.busy("building the drafter and loading the target's head"):
             target_config = load_target_config(spec, trust_remote_code=self.trust_remote_code)
             shape = DrafterShape(
                 num_layers=self.num_layers, block_size=self.block_size, mask_token_id=self.mask_token_id,

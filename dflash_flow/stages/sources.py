@@ -90,7 +90,8 @@ class _RecordSource(Source):
         report = LoadReport(from_cache=True)
         next_id = 0
         for path in self.paths:
-            tf = self._read(path, options)
+            with self._ctx.busy(f"reading {path}"):  # tokenizing a large file is progress, not a stall
+                tf = self._read(path, options)
             rep = tf.report
             report.merge(rep)
             self._m_records.inc(rep.records)
@@ -215,7 +216,7 @@ class EmbeddedChatSource(ChatSource):
                 log.info("%s: regenerated %d/%d replies", ctx.name, done, total)
 
             # Regeneration loads the target: hold the model lock (other replicas load theirs after).
-            with MODEL_LOAD_LOCK:
+            with MODEL_LOAD_LOCK, ctx.busy("regenerating the embedded dataset"):
                 ds = build_default_dataset(
                     root, n_train=self.n_train, n_eval=self.n_eval, seed=self.data_seed, target_path=target,
                     batch_size=self.generation_batch_size, max_new_tokens=self.max_new_tokens,

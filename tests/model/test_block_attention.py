@@ -35,7 +35,14 @@ def setup_case(layer_type, window, group_blocks, drop=False, seed=0):
         )
     }
     layout = block_layouts(
-        plan, spans, 0, n, layer_types=[layer_type], sliding_window=window, dtype=torch.float64
+        plan,
+        spans,
+        0,
+        n,
+        layer_types=[layer_type],
+        sliding_window=window,
+        dtype=torch.float64,
+        last_drops_first_slot=drop,
     )[0]
     q = torch.randn(b, h, n * bsz, d, generator=g, dtype=torch.float64)
     ck, cv = (torch.randn(b, kv, s, d, generator=g, dtype=torch.float64) for _ in range(2))
