@@ -150,6 +150,7 @@ def _sigterm_as_interrupt() -> None:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _raise_interrupt)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: KeyboardInterrupt, as Python's default
 
 
 def _raise_interrupt(signum, frame):  # noqa: ARG001
@@ -190,11 +191,21 @@ def eval_(
     limit: int = typer.Option(32, help="Evaluate at most this many prompts."),
     baseline: bool = typer.Option(True, help="Also evaluate an untrained drafter of the same shape."),
     tokenizer: Optional[str] = typer.Option(None, help="Tokenizer path (default: the target's)."),
+    temperature: float = typer.Option(0.0, min=0.0, help="Also decode by speculative sampling at this temperature, beside greedy (0: greedy only)."),
+    top_p: float = typer.Option(1.0, help="Nucleus mass kept when sampling, in (0, 1]."),
+    top_k: int = typer.Option(0, min=0, help="Most likely tokens kept when sampling (0: all)."),
+    horizon: Optional[list[int]] = typer.Option(None, "--horizon", help="Another horizon (new tokens) to measure beside --max-new-tokens; repeatable."),
+    walk_data: Optional[str] = typer.Option(None, help="JSONL of held-out conversations with the target's own replies for the teacher-forced walk ('embedded': the embedded eval split)."),
+    walk_limit: int = typer.Option(64, min=1, help="Conversations to walk."),
+    seed: int = typer.Option(0, help="Seed of the sampled decoding and of the untrained baseline."),
 ) -> None:
     """Measure real speculative decoding: acceptance length and speedup in target forward passes."""
     from dflash_flow.app.commands import eval_command
 
-    raise typer.Exit(eval_command(drafter, target, prompts, max_new_tokens, limit, baseline, tokenizer))
+    raise typer.Exit(eval_command(
+        drafter, target, prompts, max_new_tokens, limit, baseline, tokenizer, temperature=temperature, top_p=top_p,
+        top_k=top_k, horizons=horizon or [], walk_data=walk_data, walk_limit=walk_limit, seed=seed,
+    ))
 
 
 @app.command()
@@ -224,11 +235,88 @@ def import_spool(
     raise typer.Exit(import_spool_command(spool, tracking_uri))
 
 
+@app.command()
+def profile(
+    file: Path = typer.Argument(..., help="Pipeline YAML file."),
+    steps: int = typer.Option(20, "--steps", min=1, help="Optimizer steps to measure (after the warm-up)."),
+    set_: Optional[list[str]] = SetOpt,
+    warmup: int = typer.Option(1, "--warmup", min=0, help="Steps before the window opens (setup, first-step costs)."),
+    interval: float = typer.Option(0.1, "--interval", min=0.01, max=60.0, help="Seconds between snapshot polls."),
+    step_stage: Optional[str] = typer.Option(None, "--step-stage", help="The trainer stage (default: DrafterStep, else the sink)."),
+    tracking: bool = typer.Option(False, "--tracking/--no-tracking", help="Also log the run and the profile to MLflow."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Where the JSON goes (default: OUTPUT_DIR/profile.json)."),
+) -> None:
+    """Run N trainer steps and show where the time goes: per-replica load, items/s, queues, bottleneck."""
+    from dflash_flow.app.profile import profile_command
+
+    _sigterm_as_interrupt()
+    v = _load(file, set_)
+    code = profile_command(file, v, steps=steps, warmup_steps=warmup, interval_s=interval, step_stage=step_stage,
+                           tracking=tracking, out=out)
+    _exit_now_if_threads_stuck(code)
+    raise typer.Exit(code)
+
+
+@app.command()
+def plan(
+    file: Path = typer.Argument(..., help="Pipeline YAML file."),
+    gpus: int = typer.Option(..., "--gpus", min=2, help="GPUs to split between TargetForward replicas and drafter ranks."),
+    profile_path: Optional[Path] = typer.Option(None, "--profile", help="A profile.json (default: OUTPUT_DIR/profile.json, else profile now)."),
+    allreduce_s: float = typer.Option(0.0, "--allreduce-s", min=0.0, max=3600.0, help="Exposed all-reduce seconds per step at 2 ranks (bench/scale_bench.py)."),
+    steps: int = typer.Option(20, "--steps", min=1, help="Steps to profile when there is no profile."),
+    target_stage: Optional[str] = typer.Option(None, "--target-stage", help="The stage placed one replica per GPU (default: the TargetForward)."),
+    padder_stage: Optional[str] = typer.Option(None, "--padder-stage", help="The CPU stage sized per rank (default: the Padder)."),
+    set_: Optional[list[str]] = SetOpt,
+) -> None:
+    """Predict steps/s and samples/s for each split of N GPUs and recommend one."""
+    from dflash_flow.app.splitplan import plan_command
+
+    v = _load(file, set_, check_devices=False)
+    raise typer.Exit(plan_command(file, v, gpus=gpus, profile_path=profile_path, allreduce_at_two=allreduce_s,
+                                  steps=steps, target_stage=target_stage, padder_stage=padder_stage))
+
+
+def _exit_interrupted_on_late_signals() -> None:
+    """Once the command has decided how it ends, a late SIGINT/SIGTERM (while the interpreter shuts down:
+    library exit hooks, thread joins) ends the process at once with 130, never with the signal's default
+    death (-15) or a traceback from whatever exit hook it landed in."""
+    import os
+    import signal
+    import threading
+
+    def now(signum, frame):  # noqa: ARG001
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+
+    def ignore() -> None:
+        # Registered first, so the last exit hook: Python resets handlers to the default death right after
+        # the hooks, while it still tears modules down; ignored signals stay ignored through that teardown.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    global _LATE_HOOK
+    if threading.current_thread() is threading.main_thread():
+        if not _LATE_HOOK:
+            import atexit
+
+            atexit.register(ignore)
+            _LATE_HOOK = True
+        signal.signal(signal.SIGINT, now)
+        signal.signal(signal.SIGTERM, now)
+
+
+_LATE_HOOK = False
+
+
 def main() -> None:
+    _sigterm_as_interrupt()
     try:
         app()
     except KeyboardInterrupt:
         sys.exit(130)
+    finally:
+        _exit_interrupted_on_late_signals()
 
 
 if __name__ == "__main__":

@@ -22,6 +22,13 @@ def sha256_file(path: str | os.PathLike) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def is_within(path: str | os.PathLike, root: str | os.PathLike) -> bool:
+    """Whether ``path``, with every symbolic link followed, lies inside ``root`` (also resolved): what a run
+    writes or uploads must stay in its output directory even when a link inside it points elsewhere."""
+    real, base = os.path.realpath(path), os.path.realpath(root)
+    return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """Write ``data`` to a temporary file beside ``path``, fsync it and rename it into place: a crash
     leaves the old file or the new one, never half of one."""

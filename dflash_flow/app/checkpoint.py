@@ -1,32 +1,75 @@
-"""Resumable training checkpoints: written atomically, verified on load, the last K kept.
+"""Resumable training checkpoints: written atomically, verified on load, the last K of this run kept.
 
 Layout of one checkpoint directory ``step-00000123/``:
   model.safetensors   trainable weights (safetensors: loading never runs code)
   optimizer.pt        optimizer + scheduler state (loaded with ``torch.load(weights_only=True)``)
-  state.json          step, epoch, data position, every stage's state_dict, MLflow run id, config hash
+  state.json          step, epoch, data position, every stage's state_dict, MLflow run id, config hash,
+                      the run's lineage id and the sha256 of every data file
   MANIFEST.json       sha256 of every file above; written last
 A checkpoint is first written to a hidden temporary directory and renamed into place, so a crash
-mid-write leaves either the previous checkpoints or a complete new one, never a half-written one.
+mid-write (or a full disk) leaves either the previous checkpoints or a complete new one, never a
+half-written one.
+
+Pruning removes only checkpoints of this run's lineage (``run_uid`` in state.json: a fresh run draws a
+new one, a resumed run keeps its checkpoint's), so a checkpoint directory shared with anything else never
+loses what it did not write. Loading checks everything it reads (the manifest, every checksum, the shape of
+state.json) and names the checkpoint and the reason: ``not a valid checkpoint: PATH: why``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
+import re
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
 import attrs
 
 from dflash_flow.core.errors import CheckpointError
-from dflash_flow.util import atomic_write_text, sha256_file
+from dflash_flow.util import atomic_write_text, is_within, sha256_file
 
 FORMAT_VERSION = 1
 LATEST = "latest"
+REQUIRED_FILES = ("model.safetensors", "optimizer.pt", "state.json")
+MAX_MANIFEST_BYTES = 1 * 2**20
+MAX_STATE_BYTES = 256 * 2**20
+_STEP_NAME = re.compile(r"^step-\d{8,}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
-__all__ = ["LATEST", "Checkpoint", "CheckpointError", "CheckpointService", "Checkpointer", "load_checkpoint"]
+log = logging.getLogger("dflash_flow")
+
+__all__ = [
+    "LATEST",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointService",
+    "Checkpointer",
+    "InvalidCheckpoint",
+    "load_checkpoint",
+    "new_run_uid",
+]
+
+
+class InvalidCheckpoint(CheckpointError):
+    """The directory is not a usable checkpoint (missing, corrupted or malformed files). ``--resume
+    latest`` falls back past these to the newest valid one; a checkpoint of another configuration is a
+    plain :class:`CheckpointError` (a decision to make, not damage to skip)."""
+
+
+def _invalid(path: Path, why: str) -> InvalidCheckpoint:
+    return InvalidCheckpoint(f"not a valid checkpoint: {path}: {why}")
+
+
+def new_run_uid() -> str:
+    """The lineage id of a fresh run (which checkpoints it may prune)."""
+    return uuid.uuid4().hex
+
 
 @attrs.define
 class Checkpoint:
@@ -38,16 +81,40 @@ class Checkpoint:
     mlflow_run_id: str | None
     config_hash: str
     extra: dict[str, Any]
+    run_uid: str | None = None
+    data_files: dict[str, str] = attrs.field(factory=dict)
 
     def model_state(self, device: str = "cpu") -> dict[str, Any]:
         from safetensors.torch import load_file
 
-        return load_file(str(self.path / "model.safetensors"), device=device)
+        try:
+            return load_file(str(self.path / "model.safetensors"), device=device)
+        except Exception as exc:  # noqa: BLE001 - any failure to read the file is the file's fault
+            raise _invalid(self.path, f"model.safetensors cannot be read ({_first_line(exc)})") from None
 
     def optimizer_state(self) -> dict[str, Any]:
         import torch
 
-        return torch.load(self.path / "optimizer.pt", map_location="cpu", weights_only=True)
+        try:
+            return torch.load(self.path / "optimizer.pt", map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - weights_only refuses code (UnpicklingError) and garbage alike
+            raise _invalid(self.path, f"optimizer.pt cannot be loaded safely ({_first_line(exc)})") from None
+
+    def data_change(self, current: dict[str, str]) -> str | None:
+        """A sentence naming the first data file whose content differs from the one this checkpoint was
+        trained on (None when all match, or when the checkpoint recorded none)."""
+        for name, digest in current.items():
+            old = self.data_files.get(name)
+            if old is not None and old != digest:
+                return (f"cannot resume from {self.path}: data file {name} changed since the checkpoint was written "
+                        f"(sha256 {old[:12]}... then, {digest[:12]}... now); resume with the data it was trained on, "
+                        "or start a fresh run")
+        return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__
 
 
 def _fsync_dir(path: Path) -> None:
@@ -63,17 +130,37 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-class Checkpointer:
-    """Writes and finds checkpoints in one directory."""
+def _nonfinite(tensors: dict[str, Any]) -> str | None:
+    import torch
 
-    def __init__(self, directory: str | Path, *, keep_last: int = 3, config_hash: str = ""):
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
+
+
+class Checkpointer:
+    """Writes and finds checkpoints in one directory.
+
+    ``root``: the directory every write must stay in once symbolic links are followed (the run's output
+    directory, or the checkpoint directory itself when the user chose one). ``run_uid``: this run's
+    lineage, the only checkpoints it prunes. ``data_files``: sha256 per data file, recorded for resume.
+    """
+
+    def __init__(self, directory: str | Path, *, keep_last: int = 3, config_hash: str = "",
+                 run_uid: str | None = None, data_files: dict[str, str] | None = None,
+                 root: str | Path | None = None):
         self.dir = Path(directory)
         self.keep_last = keep_last
         self.config_hash = config_hash
+        self.run_uid = run_uid or new_run_uid()
+        self.data_files = dict(data_files or {})
+        self.root = Path(root) if root is not None else None
         self.mlflow_run_id: str | None = None
         # The tracker may create its run late (store unreachable at start): ask it at save time.
         self.tracker: Any = None
 
+    # -- writing ------------------------------------------------------------------------------------
     def save(
         self,
         *,
@@ -87,15 +174,40 @@ class Checkpointer:
         files: dict[str, str] | None = None,
     ) -> Path:
         """Write one checkpoint. ``files`` adds small text files (e.g. the drafter's ``config.json``, which
-        makes the checkpoint directory loadable by ``dflash-flow export``)."""
+        makes the checkpoint directory loadable by ``dflash-flow export``). A write that fails (a full disk,
+        a read-only mount) raises CheckpointError naming the checkpoint; the earlier ones stay intact."""
+        final = self.dir / f"step-{step:08d}"
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
+        bad = _nonfinite(tensors)
+        if bad is not None:
+            raise CheckpointError(
+                f"refusing to write checkpoint {final}: weight {bad} holds NaN or infinite values (the training "
+                "diverged); the last checkpoint written stays the newest"
+            )
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._check_contained()
+            path = self._write(final, step, epoch, tensors, optimizer_state, data_position, stage_states, extra, files)
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot write checkpoint {final}: {exc.strerror or exc}; the earlier checkpoints are intact"
+            ) from exc
+        self._prune()
+        return path
+
+    def _check_contained(self) -> None:
+        if self.root is not None and not is_within(self.dir, self.root):
+            raise CheckpointError(
+                f"checkpoint directory {self.dir} leads outside {self.root} (through a symbolic link to "
+                f"{os.path.realpath(self.dir)}); the run writes only inside its output directory"
+            )
+
+    def _write(self, final, step, epoch, tensors, optimizer_state, data_position, stage_states, extra, files) -> Path:
         import torch
         from safetensors.torch import save_file
 
-        self.dir.mkdir(parents=True, exist_ok=True)
-        final = self.dir / f"step-{step:08d}"
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step-{step:08d}-", dir=self.dir))
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step-{step:08d}-{self.run_uid[:12]}-", dir=self.dir))
         try:
-            tensors = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
             save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             torch.save(optimizer_state, tmp / "optimizer.pt")
             state = {
@@ -106,12 +218,14 @@ class Checkpointer:
                 "stage_states": stage_states or {},
                 "mlflow_run_id": getattr(self.tracker, "run_id", None) or self.mlflow_run_id,
                 "config_hash": self.config_hash,
+                "run_uid": self.run_uid,
+                "data_files": self.data_files,
                 "extra": extra or {},
             }
             (tmp / "state.json").write_text(json.dumps(state, indent=1, default=_json_default))
-            names = ["model.safetensors", "optimizer.pt", "state.json"]
+            names = list(REQUIRED_FILES)
             for name, text in (files or {}).items():
-                if "/" in name or name.startswith(".") or name in names or name == "MANIFEST.json":
+                if not _plain_name(name) or name in names or name == "MANIFEST.json":
                     raise ValueError(f"bad checkpoint file name {name!r}")
                 (tmp / name).write_text(text)
                 names.append(name)
@@ -120,33 +234,34 @@ class Checkpointer:
             for name in (*manifest, "MANIFEST.json"):
                 with open(tmp / name, "rb") as f:
                     os.fsync(f.fileno())
-            if final.exists():
+            if final.is_symlink():
+                final.unlink()  # our name: the link goes, never what it points to
+            elif final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
             _fsync_dir(self.dir)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self._write_latest(final.name)
-        self._prune()
+        atomic_write_text(self.dir / LATEST, final.name + "\n")
         return final
 
-    def _write_latest(self, name: str) -> None:
-        atomic_write_text(self.dir / LATEST, name + "\n")
-
     def _prune(self) -> None:
-        # The last K *written*, not the K highest steps: a fresh run in an output directory that still
-        # holds an earlier run's (higher-step) checkpoints must keep its own, and `latest` must find them.
-        complete = self._by_write_time()
-        for old in complete[: -self.keep_last]:
+        # The last K *written* of this run's lineage, not the K highest steps: a fresh run in a directory
+        # that still holds an earlier run's (higher-step) checkpoints keeps its own, and leaves theirs alone.
+        own = [p for p in self._by_write_time() if _run_uid_of(p) == self.run_uid]
+        for old in own[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-        for leftover in self.dir.glob(".tmp-step-*"):
-            shutil.rmtree(leftover, ignore_errors=True)
+        for leftover in self.dir.glob(f".tmp-step-*-{self.run_uid[:12]}-*"):
+            if leftover.is_dir() and not leftover.is_symlink():
+                shutil.rmtree(leftover, ignore_errors=True)
 
+    # -- finding ------------------------------------------------------------------------------------
     def list(self) -> list[Path]:
         if not self.dir.is_dir():
             return []
-        return sorted(p for p in self.dir.glob("step-*") if (p / "MANIFEST.json").is_file())
+        return sorted(p for p in self.dir.glob("step-*")
+                      if _STEP_NAME.match(p.name) and not p.is_symlink() and (p / "MANIFEST.json").is_file())
 
     def _by_write_time(self) -> list[Path]:
         """Complete checkpoints, oldest written first (MANIFEST.json is written last)."""
@@ -159,18 +274,31 @@ class Checkpointer:
 
         return sorted(self.list(), key=key)
 
+    def candidates(self) -> list[Path]:
+        """This directory's checkpoints, newest first: the one ``latest`` names, then by write time."""
+        found = list(reversed(self._by_write_time()))
+        marked = self._marked()
+        if marked is not None and marked in found:
+            found.remove(marked)
+            found.insert(0, marked)
+        return found
+
+    def _marked(self) -> Path | None:
+        marker = self.dir / LATEST
+        try:
+            with open(marker, "rb") as f:
+                name = f.read(256).decode("utf-8", "replace").strip()
+        except OSError:
+            return None
+        return self.dir / name if _STEP_NAME.match(name) else None  # never a path out of the directory
+
     def resolve(self, spec: str | Path) -> Path:
         """``latest`` or a path (a checkpoint dir, or a checkpoints dir whose latest is taken)."""
         if str(spec) == LATEST:
-            marker = self.dir / LATEST
-            if marker.is_file():
-                cand = self.dir / marker.read_text().strip()
-                if (cand / "MANIFEST.json").is_file():
-                    return cand
-            found = self._by_write_time()
+            found = self.candidates()
             if not found:
                 raise CheckpointError(f"--resume latest: no checkpoint in {self.dir}")
-            return found[-1]
+            return found[0]
         p = Path(spec)
         if (p / "MANIFEST.json").is_file() or (p / "state.json").is_file():
             return p
@@ -179,45 +307,156 @@ class Checkpointer:
         raise CheckpointError(f"no checkpoint at {p}")
 
     def load(self, spec: str | Path, *, check_config: bool = True) -> Checkpoint:
-        return load_checkpoint(self.resolve(spec), expected_config_hash=self.config_hash if check_config else None)
+        """Load ``spec``. For ``latest`` (or a directory of checkpoints) an invalid newest checkpoint is
+        skipped with one warning and the newest valid one is loaded; a single checkpoint path must be valid."""
+        expected = self.config_hash if check_config else None
+        p = Path(spec)
+        if str(spec) == LATEST:
+            return _load_newest_valid(self, LATEST, expected)
+        if not ((p / "MANIFEST.json").is_file() or (p / "state.json").is_file()) and (
+            (p / LATEST).is_file() or any(p.glob("step-*"))
+        ):
+            return _load_newest_valid(Checkpointer(p), str(p), expected)
+        return load_checkpoint(self.resolve(spec), expected_config_hash=expected)
+
+
+def _load_newest_valid(ck: Checkpointer, spec: str, expected: str | None) -> Checkpoint:
+    found = ck.candidates()
+    if not found:
+        raise CheckpointError(f"--resume {spec}: no checkpoint in {ck.dir}")
+    skipped: list[InvalidCheckpoint] = []
+    for path in found:
+        try:
+            loaded = load_checkpoint(path, expected_config_hash=expected)
+        except InvalidCheckpoint as exc:
+            skipped.append(exc)
+            continue
+        if skipped:
+            reasons = "; ".join(str(e).removeprefix("not a valid checkpoint: ") for e in skipped)
+            log.warning("skipping %d invalid checkpoint(s) (%s); resuming from the newest valid one, %s",
+                        len(skipped), reasons, path)
+        return loaded
+    raise skipped[0]
+
+
+def _plain_name(name: Any) -> bool:
+    return isinstance(name, str) and bool(name) and "/" not in name and "\\" not in name and not name.startswith(".")
+
+
+def _run_uid_of(path: Path) -> str | None:
+    try:
+        with open(path / "state.json", "rb") as f:
+            state = json.loads(f.read(MAX_STATE_BYTES))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return state.get("run_uid") if isinstance(state, dict) else None
+
+
+def _read_json(path: Path, name: str, limit: int) -> Any:
+    f = path / name
+    try:
+        if f.stat().st_size > limit:
+            raise _invalid(path, f"{name} is larger than {limit // 2**20} MiB")
+        return json.loads(f.read_bytes())
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, a 5000-digit number, nesting
+        raise _invalid(path, f"{name} is not valid JSON ({_first_line(exc)})") from None
+    except OSError as exc:
+        raise _invalid(path, f"{name} cannot be read ({exc.strerror or exc})") from None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_manifest(path: Path, manifest: Any) -> dict[str, str]:
+    if not isinstance(manifest, dict):
+        raise _invalid(path, f"MANIFEST.json must be a JSON object of file name -> sha256, got {type(manifest).__name__}")
+    if not manifest:
+        raise _invalid(path, "MANIFEST.json lists no files")
+    for name, digest in manifest.items():
+        if not _plain_name(name):
+            raise _invalid(path, f"MANIFEST.json names {name!r}, not a file of the checkpoint directory")
+        if not isinstance(digest, str) or not _SHA256.match(digest):
+            raise _invalid(path, f"MANIFEST.json: the checksum of {name} is not a sha256 ({digest!r:.80})")
+    for name in REQUIRED_FILES:
+        if name not in manifest:
+            raise _invalid(path, f"MANIFEST.json does not list {name}")
+    return manifest
+
+
+def _check_state(path: Path, state: Any) -> dict[str, Any]:
+    def need(ok: bool, why: str) -> None:
+        if not ok:
+            raise _invalid(path, f"state.json: {why}")
+
+    need(isinstance(state, dict), f"must be a JSON object, got {type(state).__name__}")
+    version = state.get("format_version")
+    if version != FORMAT_VERSION:
+        raise _invalid(path, f"checkpoint format {version!r} is not supported (this version reads {FORMAT_VERSION})")
+    for key in ("step", "epoch"):
+        need(key in state, f"has no '{key}'")
+        need(_is_int(state[key]) and state[key] >= 0, f"'{key}' must be a non-negative integer, got {state[key]!r:.80}")
+    for key in ("data_position", "extra", "data_files"):
+        need(state.get(key) is None or isinstance(state[key], dict), f"'{key}' must be an object")
+    stage_states = state.get("stage_states") or {}
+    need(isinstance(stage_states, dict), "'stage_states' must be an object")
+    for name, reps in stage_states.items():
+        need(isinstance(reps, list) and all(isinstance(r, dict) for r in reps),
+             f"'stage_states.{name}' must be a list of objects (one per replica)")
+    for key in ("mlflow_run_id", "run_uid", "config_hash"):
+        need(state.get(key) is None or isinstance(state[key], str), f"'{key}' must be a string")
+    files = state.get("data_files") or {}
+    need(all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()), "'data_files' must map names to sha256")
+    return state
 
 
 def load_checkpoint(path: str | Path, *, expected_config_hash: str | None = None) -> Checkpoint:
+    """Read and verify one checkpoint directory (nothing is unpickled here; the weights and the optimizer
+    state are loaded on demand, from safetensors and with ``weights_only``)."""
     path = Path(path)
-    manifest_path = path / "MANIFEST.json"
-    if not manifest_path.is_file():
-        raise CheckpointError(f"{path}: not a complete checkpoint (no MANIFEST.json)")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: corrupted MANIFEST.json ({exc})") from None
+    if not (path / "MANIFEST.json").is_file():
+        raise _invalid(path, "no MANIFEST.json (an incomplete checkpoint, or not a checkpoint)")
+    manifest = _check_manifest(path, _read_json(path, "MANIFEST.json", MAX_MANIFEST_BYTES))
     for name, digest in manifest.items():
         f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"{path}: missing {name}")
-        if sha256_file(f) != digest:
-            raise CheckpointError(f"{path}: {name} is corrupted (checksum mismatch)")
-    try:
-        state = json.loads((path / "state.json").read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: corrupted state.json ({exc})") from None
-    if state.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: checkpoint format {state.get('format_version')} is not supported")
+        if f.is_symlink() or not f.is_file():
+            raise _invalid(path, f"missing {name}" if not f.exists() else f"{name} is not a regular file")
+        try:
+            actual = sha256_file(f)
+        except OSError as exc:
+            raise _invalid(path, f"{name} cannot be read ({exc.strerror or exc})") from None
+        if actual != digest:
+            raise _invalid(path, f"{name} is corrupted (checksum mismatch)")
+    state = _check_state(path, _read_json(path, "state.json", MAX_STATE_BYTES))
     if expected_config_hash and state.get("config_hash") != expected_config_hash:
         raise CheckpointError(
             f"{path}: checkpoint was written by another configuration (config hash "
             f"{state.get('config_hash')} != {expected_config_hash}); the stages section must match to resume"
         )
+    _check_safetensors_header(path)
     return Checkpoint(
         path=path,
-        step=int(state["step"]),
-        epoch=int(state["epoch"]),
+        step=state["step"],
+        epoch=state["epoch"],
         data_position=state.get("data_position") or {},
         stage_states=state.get("stage_states") or {},
         mlflow_run_id=state.get("mlflow_run_id"),
-        config_hash=state.get("config_hash", ""),
+        config_hash=state.get("config_hash") or "",
         extra=state.get("extra") or {},
+        run_uid=state.get("run_uid"),
+        data_files=state.get("data_files") or {},
     )
+
+
+def _check_safetensors_header(path: Path) -> None:
+    """The weights file parses as safetensors (its header only: cheap, and it needs no torch)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path / "model.safetensors"), framework="numpy") as f:
+            f.keys()
+    except Exception as exc:  # noqa: BLE001 - SafetensorError and friends: the file is not what it claims
+        raise _invalid(path, f"model.safetensors is not a safetensors file ({_first_line(exc)})") from None
 
 
 def _json_default(obj: Any) -> Any:
@@ -233,6 +472,12 @@ def _json_default(obj: Any) -> Any:
     if isinstance(obj, Path):
         return str(obj)
     raise TypeError(f"cannot store {type(obj).__name__} in a checkpoint state")
+
+
+def checkpoint_size_estimate(num_params: int) -> int:
+    """Bytes one checkpoint of a drafter with ``num_params`` trainable parameters may take: fp32 weights,
+    fp32 masters and two AdamW moments (16 bytes a parameter), plus a little for the JSON files."""
+    return int(math.ceil(num_params * 16)) + 2**20
 
 
 class CheckpointService:

@@ -44,8 +44,11 @@ def import_spool_command(spool: Path, tracking_uri: str | None) -> int:
 
 
 def eval_command(drafter: Path, target: str, prompts: Path, max_new_tokens: int, limit: int, baseline: bool,
-                 tokenizer: str | None) -> int:
-    """``dflash-flow eval``: real speculative decoding with any exported drafter and its target."""
+                 tokenizer: str | None, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                 horizons: list[int] | None = None, walk_data: str | None = None, walk_limit: int = 64,
+                 seed: int = 0) -> int:
+    """``dflash-flow eval``: real speculative decoding with any exported drafter and its target, greedy and
+    (``temperature`` > 0) sampled, at each horizon; with ``walk_data``, the teacher-forced walk beside it."""
     from dflash_flow.app.run import quiet_libraries
     from dflash_flow.core.errors import CheckpointError
     from dflash_flow.embedded import resolve_target
@@ -53,17 +56,28 @@ def eval_command(drafter: Path, target: str, prompts: Path, max_new_tokens: int,
     from dflash_flow.observe.progress import summary_table
 
     quiet_libraries()
+    extra = [h for h in horizons or [] if h != max_new_tokens]
     try:
+        if walk_data == "embedded":
+            from dflash_flow.stages.spec_eval import embedded_walk_data
+
+            walk_data = str(embedded_walk_data())
         results = evaluate_exported(
             target=resolve_target(target), drafter_path=drafter, prompts_path=prompts, tokenizer_path=tokenizer,
-            limit=limit, max_new_tokens=max_new_tokens, baseline=baseline,
+            limit=limit, max_new_tokens=[max_new_tokens, *extra], baseline=baseline,
+            temperatures=[0.0, temperature] if temperature > 0 else [0.0], top_p=top_p, top_k=top_k,
+            walk_data=walk_data, walk_limit=walk_limit, seed=seed,
         )
     except (CheckpointError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
-    keys = ["tau", "speedup_forwards", "lossless", "tokens_generated", "num_prompts", "speedup_wall"]
-    rows = [[name] + [m[k] for k in keys] for name, m in results.items()]
-    print(summary_table(rows, ["drafter", "acceptance_length", "forward_speedup", "lossless", "tokens", "prompts", "wall_speedup"]))
+    keys = ["tau", *(f"tau_h{h}" for h in extra), "speedup_forwards", "lossless", "tokens_generated", "num_prompts",
+            "speedup_wall"]
+    rows = [[name] + [m.get(k) for k in keys] for name, m in results.items()]
+    headers = ["drafter", "acceptance_length", *(f"acceptance@{h}" for h in extra), "forward_speedup", "lossless",
+               "tokens", "prompts", "wall_speedup"]
+    print(f"acceptance_length at {max_new_tokens} new tokens (tokens per target step); walk = teacher-forced walk")
+    print(summary_table(rows, headers))
     return EXIT_OK
 
 

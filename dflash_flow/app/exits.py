@@ -1,7 +1,13 @@
-"""Exit codes of the ``dflash-flow`` commands, and the one way a user error ends a command."""
+"""Exit codes of the ``dflash-flow`` commands, and the one way a user error ends a command.
+
+Every problem with the user's input or environment (config, data, checkpoint, paths, a full or read-only
+disk) is printed by :func:`report_user_error` as one ``error:`` line and ends the command with exit code 2;
+:func:`user_error` is the same for code that ends the command on the spot.
+"""
 
 from __future__ import annotations
 
+import errno
 import sys
 from typing import NoReturn
 
@@ -10,24 +16,47 @@ EXIT_FAILED = 1  # the program failed (a stage crashed, a stall): a traceback go
 EXIT_USER_ERROR = 2  # the input is wrong (config, data, checkpoint, paths): one clear line, no traceback
 EXIT_INTERRUPTED = 130  # SIGINT / SIGTERM
 
+# OSErrors that describe the machine the user gave the run, not a bug: a full disk, a read-only mount,
+# missing permissions, a file-size limit. They end a run with one line and exit 2 wherever they happen.
+ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG})
+
 
 class UserError(Exception):
     """Raised by application code for a problem with the user's input; the CLI prints it and exits 2."""
 
 
+def is_environment_error(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in ENVIRONMENT_ERRNOS
+
+
 def is_user_input_error(exc: BaseException) -> bool:
-    """Errors that mean "your input is wrong" (exit code 2) rather than "the program failed" (1)."""
+    """Errors that mean "your input (or your machine) is wrong" (exit code 2) rather than "the program
+    failed" (1)."""
     from dflash_flow.core.errors import DflashFlowError
     from dflash_flow.data.records import DataError
 
-    return isinstance(exc, (DataError, DflashFlowError, UserError))
+    return isinstance(exc, (DataError, DflashFlowError, UserError)) or is_environment_error(exc)
 
 
-def user_error(message: str) -> NoReturn:
-    """Print ``message`` as one ``error:`` line on stderr and exit with code 2."""
-    text = str(message)
+def describe_os_error(exc: OSError, path: object = None) -> str:
+    """``PATH: reason`` for an OSError, naming the file even when the error itself does not (a failed
+    ``write`` carries no file name)."""
+    where = path if path is not None else exc.filename
+    reason = exc.strerror or str(exc)
+    return f"{where}: {reason}" if where is not None else reason
+
+
+def report_user_error(message: object) -> int:
+    """Print ``message`` as one ``error:`` line on stderr; returns the exit code (2) to end with. The one
+    place user errors are printed."""
+    text = str(message).rstrip("\n")
     if not text.startswith("error:"):
         text = f"error: {text}"
-    sys.stderr.write(text.rstrip("\n") + "\n")
+    sys.stderr.write(text + "\n")
     sys.stderr.flush()
-    raise SystemExit(EXIT_USER_ERROR)
+    return EXIT_USER_ERROR
+
+
+def user_error(message: object) -> NoReturn:
+    """Print ``message`` as one ``error:`` line on stderr and exit with code 2."""
+    raise SystemExit(report_user_error(message))

@@ -1,9 +1,12 @@
 """Checks across stages and of the environment that generic validation cannot know, run before any
-thread starts (``dflash-flow validate`` and ``run``)."""
+thread starts: cross-stage problems (``dflash-flow validate`` and ``run``), and for ``run`` the output
+directory (writable, not a file, no link out of it, locked against a second run), the free space one
+checkpoint needs, and the fingerprint of the data a resume must find unchanged."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from dflash_flow.core.errors import Problem
 from dflash_flow.core.validate import Validated
@@ -44,3 +47,193 @@ def preflight_problems(v: Validated) -> list[Problem]:
                 continue
             todo.extend(inp.stage for inp in graph.stage(name).inputs)
     return problems
+
+
+# -- the environment of a run: checked in the main thread before any stage thread or MLflow run exists ----
+_LOCK_NAME = ".dflash-flow.lock"
+_MAX_WALK = 20_000  # entries of the output directory looked at for symbolic links (a run makes a few dozen)
+
+
+def _probe_write(directory: Path) -> str | None:
+    """Create and remove a file in ``directory``: the only check that also holds for root, read-only mounts
+    and ACLs (``os.access`` answers yes to root on a read-only filesystem)."""
+    import os
+    import tempfile
+
+    try:
+        fd, name = tempfile.mkstemp(prefix=".dflash-probe-", dir=directory)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def escaping_links(root: Path, limit: int = _MAX_WALK) -> list[tuple[Path, str]]:
+    """Symbolic links under ``root`` that lead out of it (link, where it leads), without following any."""
+    import os
+
+    from dflash_flow.util import is_within
+
+    out: list[tuple[Path, str]] = []
+    seen = 0
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        for name in (*dirnames, *filenames):
+            seen += 1
+            p = Path(dirpath) / name
+            if p.is_symlink() and not is_within(p, root):
+                out.append((p, os.path.realpath(p)))
+        if seen >= limit:
+            break
+    return out
+
+
+def prepare_output_dir(output_dir: Path) -> None:
+    """Make the output directory and prove the run can write in it (raises ``UserError``): not a file, not
+    read-only, no symbolic link inside that leads out of it (whatever the run writes or uploads stays in)."""
+    from dflash_flow.app.exits import UserError
+
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UserError(f"output_dir {output_dir} is an existing file, not a directory; choose another output_dir")
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create output_dir {output_dir}: {exc.strerror or exc}") from None
+    why = _probe_write(output_dir)
+    if why:
+        raise UserError(f"output_dir {output_dir} is not writable: {why}")
+    links = escaping_links(output_dir)
+    if links:
+        link, target = links[0]
+        more = f" (and {len(links) - 1} more)" if len(links) > 1 else ""
+        raise UserError(
+            f"output_dir {output_dir}: {link.relative_to(output_dir)} is a symbolic link to {target}, outside "
+            f"the output directory{more}; a run writes and uploads only inside its output_dir (remove the link "
+            "or choose another output_dir)"
+        )
+
+
+class OutputLock:
+    """An exclusive ``flock`` on ``OUTPUT/.dflash-flow.lock`` for as long as the run lives: a second run on
+    the same output directory is refused, naming the first one's pid. The OS releases it when the process
+    ends, however it ends."""
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self.fd: int | None = fd
+        self.path = path
+
+    @classmethod
+    def acquire(cls, output_dir: Path) -> OutputLock:
+        import fcntl
+        import json
+        import os
+        import socket
+        import time
+
+        from dflash_flow.app.exits import UserError
+
+        path = output_dir / _LOCK_NAME
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise UserError(f"cannot create the run lock {path}: {exc.strerror or exc}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace")
+            os.close(fd)
+            try:
+                info = json.loads(holder)
+                who = f"pid {info['pid']} on {info.get('host', '?')}"
+            except (ValueError, KeyError, TypeError):
+                who = "another process"
+            raise UserError(
+                f"output_dir {output_dir} is in use by another run ({who}); wait for it to end or choose "
+                "another output_dir"
+            ) from None
+        except OSError as exc:
+            os.close(fd)
+            raise UserError(f"cannot lock {path}: {exc.strerror or exc}") from None
+        record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode()
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, record + b"\n", 0)
+        except OSError:
+            pass  # the lock holds without its note
+        return cls(fd, path)
+
+    def release(self) -> None:
+        import os
+
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor drops the flock
+            self.fd = None
+
+
+def data_fingerprint(v: Validated) -> dict[str, str]:
+    """sha256 of every data file the sources read (``data_files()``), keyed by the path as configured.
+    Files that do not exist are left out (their source reports them, with its own message)."""
+    from dflash_flow.data.records import file_sha256
+
+    out: dict[str, str] = {}
+    for conf in v.configs.values():
+        files = getattr(conf, "data_files", None)
+        if not callable(files):
+            continue
+        for name in files():
+            try:
+                out[str(name)] = file_sha256(Path(name).expanduser())
+            except OSError:
+                continue
+    return out
+
+
+def checkpoint_bytes(v: Validated) -> tuple[int, int]:
+    """Upper estimates of (one checkpoint, the final export) of the run, from the stages that report the
+    size of what they train (``parameter_count()``); zeros when none does, or when the size cannot be known
+    before the models are built (the stage's own setup then reports a bad target, located)."""
+    import logging
+
+    from dflash_flow.app.checkpoint import checkpoint_size_estimate
+
+    ckpt = export = 0
+    for name, conf in v.configs.items():
+        count = getattr(conf, "parameter_count", None)
+        if not callable(count):
+            continue
+        try:
+            n = int(count())
+        except Exception as exc:  # noqa: BLE001
+            logging.getLogger("dflash_flow").debug("no checkpoint size estimate for stage '%s': %s", name, exc)
+            continue
+        ckpt += checkpoint_size_estimate(n)
+        export += 4 * n
+    return ckpt, export
+
+
+def check_free_space(directory: Path, need: int, what: str) -> None:
+    """Raise ``UserError`` when the filesystem of ``directory`` (or its nearest existing parent) has less
+    than ``need`` bytes free."""
+    import shutil
+
+    from dflash_flow.app.exits import UserError
+
+    base = directory
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    try:
+        free = shutil.disk_usage(base).free
+    except OSError:
+        return
+    if free < need:
+        raise UserError(
+            f"not enough free space in {directory} for {what}: about {_size(need)} needed, {_size(free)} free; "
+            "free some space or choose another output_dir (or checkpoint.dir)"
+        )
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"

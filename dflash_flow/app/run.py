@@ -102,16 +102,23 @@ def _outcome(exc: BaseException | None) -> Outcome:
     if isinstance(exc, KeyboardInterrupt):
         # Ctrl-C / SIGTERM before the pipeline's own handling started (stage imports in preload).
         return Outcome("KILLED", EXIT_INTERRUPTED, "pipeline interrupted (before it started)")
-    return Outcome("FAILED", EXIT_FAILED, "".join(traceback.format_exception(exc)))
+    full = "".join(traceback.format_exception(exc))
+    if is_user_input_error(exc):  # e.g. the disk filled up while the run's own files were written
+        return Outcome("FAILED", EXIT_USER_ERROR, full, str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+    return Outcome("FAILED", EXIT_FAILED, full)
 
 
 def _write_pictures(graph, output_dir: Path) -> list[tuple[Path, str]]:
     """The resolved YAML and the DAG (Mermaid text, a PNG), as (file, artifact folder) pairs."""
+    from dflash_flow.app.exits import UserError, describe_os_error
     from dflash_flow.core.render import render_image, to_mermaid
 
     files = [(output_dir / "pipeline.resolved.yaml", "config"), (output_dir / "pipeline.mmd", "dag")]
-    files[0][0].write_text(graph.to_yaml())
-    files[1][0].write_text(to_mermaid(graph))
+    try:
+        files[0][0].write_text(graph.to_yaml())
+        files[1][0].write_text(to_mermaid(graph))
+    except OSError as exc:
+        raise UserError(f"cannot write into output_dir: {describe_os_error(exc)}") from None
     try:
         image = render_image(graph, output_dir / "pipeline.png")
         if image is None:  # no graphviz: draw it ourselves
@@ -124,10 +131,53 @@ def _write_pictures(graph, output_dir: Path) -> list[tuple[Path, str]]:
     return files
 
 
-def _end_of_run(pipeline, services, outcome: Outcome, output_dir: Path) -> None:
+class ContainedUploads:
+    """The run's tracker, seen by everything that uploads: a file or directory whose real location (links
+    followed) is outside the output directory is not uploaded (a warning names it). Everything else is the
+    tracker's own."""
+
+    def __init__(self, tracker: Any, root: Path) -> None:
+        self._tracker = tracker
+        self._root = root
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tracker, name)
+
+    def escapes(self, path: Path) -> Path | None:
+        """The first path (``path`` itself, or a link under it) that leads out of the root, if any."""
+        import os
+
+        from dflash_flow.util import is_within
+
+        if not is_within(path, self._root):
+            return path
+        if path.is_dir():
+            for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
+                for name in (*dirnames, *filenames):
+                    p = Path(dirpath) / name
+                    if p.is_symlink() and not is_within(p, self._root):
+                        return p
+        return None
+
+    def log_artifact(self, path: Any, artifact_path: str | None = None) -> None:
+        import os
+
+        bad = self.escapes(Path(path))
+        if bad is not None:
+            log.warning("not uploading %s: it leads outside output_dir %s (to %s)", path, self._root, os.path.realpath(bad))
+            return
+        self._tracker.log_artifact(path, artifact_path)
+
+
+def _end_of_run(pipeline, services, outcome: Outcome, output_dir: Path, late: DeferredSignals | None = None) -> None:
     """Everything after the last stage thread ended: run summary, the Monitor's record turned into report
-    files and plots, artifact uploads, the printed table."""
+    files and plots, artifact uploads, the printed table. Nothing here may change the run's outcome: a file
+    that cannot be written (a full disk) is a warning; a signal (``late``) cuts the rest short."""
+    from dflash_flow.app.exits import describe_os_error
     from dflash_flow.observe.report import summary_table, write_run_report
+
+    def interrupted() -> bool:
+        return late is not None and bool(late.received)
 
     tracker = services.tracker
     snapshot = pipeline.snapshot()
@@ -142,23 +192,70 @@ def _end_of_run(pipeline, services, outcome: Outcome, output_dir: Path) -> None:
         },
         "mlflow_run_id": tracker.run_id,
     }
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    tracker.log_artifact(output_dir / "summary.json")
+    try:
+        (output_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        tracker.log_artifact(output_dir / "summary.json")
+    except OSError as exc:
+        log.warning("could not write the run summary: %s", describe_os_error(exc))
     record = services.record
+    if interrupted():
+        return
     try:
         write_run_report(record, output_dir=output_dir, tracker=tracker)
     except Exception as exc:  # the run's outcome stands; a report that cannot be drawn is a warning
         log.warning("could not write the run report: %s", exc)
     for name, path in record.artifacts.items():
+        if interrupted():
+            return
         if Path(path).exists():
             tracker.log_artifact(path, name)
     if record.history or record.evals or record.train:
         print(summary_table(record), file=sys.stderr)
     for name, m in record.evals.items():
-        if "tau" in m:
+        if "lossless" in m:  # real greedy decoding; the walk and sampled runs are in the summary table
             print(f"speculative decoding ({name} drafter): acceptance length {m['tau']:.2f}, target forwards "
                   f"{m.get('speedup_forwards', float('nan')):.2f}x fewer, lossless={bool(m.get('lossless'))}",
                   file=sys.stderr)
+
+
+class DeferredSignals:
+    """SIGINT and SIGTERM recorded instead of raised, while a stretch of code must not be cut in half: the
+    creation of the MLflow run (a run created but never ended would stay RUNNING forever) and the end of
+    run. ``release()`` puts the previous handlers back and raises KeyboardInterrupt if a signal came.
+    Outside the main thread (tests driving ``run_validated``) it does nothing."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.received: list[int] = []
+        self._previous: dict[int, Any] = {}
+        self._active = threading.current_thread() is threading.main_thread()
+
+    def __enter__(self) -> DeferredSignals:
+        import signal
+
+        if self._active:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._record)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.restore()
+
+    def _record(self, signum, frame) -> None:  # noqa: ARG002
+        self.received.append(signum)
+
+    def restore(self) -> None:
+        import signal
+
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    def release(self) -> None:
+        self.restore()
+        if self.received:
+            raise KeyboardInterrupt()
 
 
 def _uses_cuda(v: Validated) -> bool:
@@ -184,15 +281,92 @@ def _write_rank_outcome(output_dir: Path, dist_ctx, outcome: Outcome | None, run
     atomic_write_text(folder / f"rank{dist_ctx.rank}.json", json.dumps(record) + "\n")
 
 
+def _resolve_checkpoint_dir(ck, output_dir: Path) -> tuple[Path, Path]:
+    """(checkpoint directory, the root its writes must stay in): OUTPUT/checkpoints inside the output
+    directory by default; a directory the user chose explicitly is its own root."""
+    if ck.dir:
+        d = Path(ck.dir).expanduser()
+        return d, d
+    return output_dir / "checkpoints", output_dir
+
+
+def _prepare(v: Validated, dist_ctx, output_dir: Path, resume: str | None):
+    """Everything before the MLflow run that can fail on the user's input or machine; raises UserError.
+    Returns (lock, checkpointer, checkpoint or None)."""
+    from dflash_flow.app.checkpoint import Checkpointer, CheckpointError
+    from dflash_flow.app.exits import UserError
+    from dflash_flow.app.preflight import (
+        OutputLock,
+        check_free_space,
+        checkpoint_bytes,
+        data_fingerprint,
+        prepare_output_dir,
+    )
+    from dflash_flow.observe.store import check_tracking_uri
+
+    graph = v.graph
+    main = dist_ctx is None or dist_ctx.is_main
+    lock = None
+    if main:
+        prepare_output_dir(output_dir)
+        # Under torchrun the ranks of one job share the output directory: rank 0 holds the lock for them.
+        lock = OutputLock.acquire(output_dir)
+    else:
+        try:
+            output_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"cannot create output_dir {output_dir}: {exc.strerror or exc}") from None
+    try:
+        tracking = graph.sections["tracking"]
+        if main and tracking.enabled:
+            problem = check_tracking_uri(tracking.tracking_uri)
+            if problem:
+                raise UserError(f"tracking: {problem}")
+        ck = graph.sections["checkpoint"]
+        ck_dir, ck_root = _resolve_checkpoint_dir(ck, output_dir)
+        checkpointer = Checkpointer(ck_dir, keep_last=ck.keep_last, config_hash=resume_config_hash(graph),
+                                    data_files=data_fingerprint(v), root=ck_root)
+        ckpt = None
+        if resume == "auto":  # torchrun --max-restarts: the first attempt starts fresh, a restart continues
+            resume = "latest" if checkpointer.list() else None
+        if resume:
+            try:
+                ckpt = checkpointer.load(resume)
+            except CheckpointError as exc:
+                raise UserError(str(exc)) from None
+            change = ckpt.data_change(checkpointer.data_files)
+            if change:
+                raise UserError(change)
+            if ckpt.run_uid:
+                checkpointer.run_uid = ckpt.run_uid  # the resumed run prunes the checkpoints of its lineage
+        if main:
+            need_ckpt, need_export = checkpoint_bytes(v)
+            if need_ckpt:
+                check_free_space(ck_dir, need_ckpt + (need_export if ck_root == output_dir else 0),
+                                 "one checkpoint and the export")
+                if ck_root != output_dir:
+                    check_free_space(output_dir, need_export, "the exported drafter")
+        return lock, checkpointer, ckpt
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
 def run_validated(v: Validated, *, config_path: Path | None = None, resume: str | None = None, overrides: list[str] | None = None) -> int:
     """Run ``v`` with tracking and checkpoints (one rank of a torchrun job, or the whole job). Returns
     the process exit code. Under torchrun rank 0 owns the MLflow run, the console and the end of run;
-    the other ranks print nothing but errors."""
-    from dflash_flow.app.checkpoint import Checkpointer, CheckpointError, CheckpointService
+    the other ranks print nothing but errors.
+
+    Order: the output directory is made, checked and locked, the checkpoint and the data verified and the
+    free space measured; then the services and the pipeline are built; the MLflow run is created last,
+    with signals deferred, and every path after that ends it."""
+    from dflash_flow.app.checkpoint import CheckpointService
     from dflash_flow.app.distributed import init_distributed, shutdown_distributed
+    from dflash_flow.app.exits import EXIT_USER_ERROR, UserError, report_user_error
     from dflash_flow.core.runtime import Pipeline
     from dflash_flow.observe.runinfo import redact_uri, run_tags
-    from dflash_flow.observe.tracking import Tracker
+    from dflash_flow.observe.tracking import Tracker, TrackingError
     from dflash_flow.services import RunServices
 
     graph = v.graph
@@ -203,72 +377,89 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
     output_dir = Path(graph.output_dir or f"runs/{graph.name}")
     tracking = graph.sections["tracking"]
     ck = graph.sections["checkpoint"]
-    chash = resume_config_hash(graph)
-    checkpointer = Checkpointer(Path(ck.dir) if ck.dir else output_dir / "checkpoints", keep_last=ck.keep_last, config_hash=chash)
-    ckpt = None
-    if resume == "auto":  # torchrun --max-restarts: the first attempt starts fresh, a restart continues
-        resume = "latest" if checkpointer.list() else None
-    if resume:
-        try:
-            ckpt = checkpointer.load(resume)
-        except CheckpointError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            shutdown_distributed(dist_ctx, failed=True)
-            return EXIT_USER_ERROR
-        if main:
-            print(f"resuming from {ckpt.path} (step {ckpt.step}, epoch {ckpt.epoch})", file=sys.stderr)
-
-    services = RunServices(resume=ckpt, dist=dist_ctx)
-    pipeline = Pipeline(v, services=services, resume_state=build_resume_state(v, ckpt), output_dir=output_dir)
-    services.checkpoints = CheckpointService(checkpointer, ck, stage_states=pipeline.state_dict, dist=dist_ctx)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    pictures = _write_pictures(graph, output_dir) if main else []
-    resolved = graph.to_dict()
-    if resolved.get("tracking", {}).get("tracking_uri"):
-        resolved["tracking"]["tracking_uri"] = redact_uri(resolved["tracking"]["tracking_uri"])
-    # The MLflow run is created last, right before the pipeline starts: every path after this line ends it.
-    tracker = Tracker.start(
-        enabled=tracking.enabled and main,
-        tracking_uri=tracking.tracking_uri,
-        experiment=tracking.experiment,
-        run_name=tracking.run_name or graph.name,
-        params=resolved,
-        tags={
-            **run_tags(resolved, world_size=pipeline.world_size, device_summary=_device_summary(pipeline)),
-            "config_hash": chash,
-            "config_file": str(config_path) if config_path else "",
-        },
-        resume_run_id=ckpt.mlflow_run_id if ckpt else None,
-        system_metrics=tracking.system_metrics,
-        spool_dir=output_dir / "mlflow-spool",
-    )
-    checkpointer.tracker = tracker
-    services.tracker = tracker
-    outcome = Outcome()
-    _write_rank_outcome(output_dir, dist_ctx, None, tracker.run_id)
+    lock = None
     try:
-        for path, folder in pictures:
-            tracker.log_artifact(path, folder)
-        pipeline.run()
-    except BaseException as exc:
-        outcome = _outcome(exc)
-        if not isinstance(exc, Exception) and not isinstance(exc, KeyboardInterrupt):
-            raise
-    finally:
         try:
-            _write_rank_outcome(output_dir, dist_ctx, outcome, tracker.run_id)  # first: the end of run may be cut short
-            if main:
-                _end_of_run(pipeline, services, outcome, output_dir)
+            lock, checkpointer, ckpt = _prepare(v, dist_ctx, output_dir, resume)
+            if ckpt is not None and main:
+                print(f"resuming from {ckpt.path} (step {ckpt.step}, epoch {ckpt.epoch})", file=sys.stderr)
+            services = RunServices(resume=ckpt, dist=dist_ctx)
+            pipeline = Pipeline(v, services=services, resume_state=build_resume_state(v, ckpt), output_dir=output_dir)
+            services.checkpoints = CheckpointService(checkpointer, ck, stage_states=pipeline.state_dict, dist=dist_ctx)
+            pictures = _write_pictures(graph, output_dir) if main else []
+            resolved = graph.to_dict()
+            if resolved.get("tracking", {}).get("tracking_uri"):
+                resolved["tracking"]["tracking_uri"] = redact_uri(resolved["tracking"]["tracking_uri"])
+            tags = {
+                **run_tags(resolved, world_size=pipeline.world_size, device_summary=_device_summary(pipeline)),
+                "config_hash": checkpointer.config_hash,
+                "config_file": str(config_path) if config_path else "",
+            }
+        except UserError as exc:
+            shutdown_distributed(dist_ctx, failed=True)
+            return report_user_error(exc)
+        # The MLflow run is created last, right before the pipeline starts, with Ctrl-C and SIGTERM held
+        # back until the try below: every path after this line ends the run.
+        startup = DeferredSignals()
+        with startup:
+            try:
+                tracker = Tracker.start(
+                    enabled=tracking.enabled and main,
+                    tracking_uri=tracking.tracking_uri,
+                    experiment=tracking.experiment,
+                    run_name=tracking.run_name or graph.name,
+                    params=resolved,
+                    tags=tags,
+                    resume_run_id=ckpt.mlflow_run_id if ckpt else None,
+                    system_metrics=tracking.system_metrics,
+                    spool_dir=output_dir / "mlflow-spool",
+                )
+            except TrackingError as exc:
+                shutdown_distributed(dist_ctx, failed=True)
+                return report_user_error(f"tracking: {exc}")
+        uploads = ContainedUploads(tracker, output_dir)
+        checkpointer.tracker = tracker
+        services.tracker = uploads
+        outcome = Outcome()
+        try:
+            startup.release()  # a signal that came while the run was being created is handled here
+            _write_rank_outcome(output_dir, dist_ctx, None, tracker.run_id)
+            for path, folder in pictures:
+                uploads.log_artifact(path, folder)
+            pipeline.run()
+        except BaseException as exc:
+            outcome = _outcome(exc)
+            if not isinstance(exc, Exception) and not isinstance(exc, KeyboardInterrupt):
+                raise
         finally:
-            tracker.end(outcome.status)
-            shutdown_distributed(dist_ctx, failed=outcome.code != EXIT_OK)
-    if outcome.error:
-        text = outcome.shown or outcome.error
-        where = f"rank {dist_ctx.rank}: " if dist_ctx is not None else ""
-        print(f"error: {where}{text}" if outcome.code != EXIT_INTERRUPTED else f"stopped: {where}{text}", file=sys.stderr)
-    last = services.checkpoints.last_path
-    if main and outcome.status == "KILLED" and last is not None:
-        print(f"checkpoint saved to {last}; resume with --resume latest", file=sys.stderr)
-    if tracker.run_id:
-        print(f"mlflow run: {tracker.run_id} ({tracker.display_uri})", file=sys.stderr)
-    return outcome.code
+            # From here on a signal does not interrupt in the middle of a write or an upload: it is recorded,
+            # cuts the end of run short, and the run ends KILLED with exit code 130.
+            with DeferredSignals() as late:
+                try:
+                    try:
+                        _write_rank_outcome(output_dir, dist_ctx, outcome, tracker.run_id)  # first: the end may be cut short
+                    except OSError as exc:
+                        log.warning("could not write this rank's outcome: %s", exc)
+                    if main:
+                        _end_of_run(pipeline, services, outcome, output_dir, late)
+                finally:
+                    if late.received and outcome.code == EXIT_OK:
+                        outcome = Outcome("KILLED", EXIT_INTERRUPTED, "interrupted at the end of the run")
+                    tracker.end(outcome.status)
+                    shutdown_distributed(dist_ctx, failed=outcome.code != EXIT_OK)
+        if outcome.error:
+            text = outcome.shown or outcome.error
+            where = f"rank {dist_ctx.rank}: " if dist_ctx is not None else ""
+            if outcome.code == EXIT_USER_ERROR:
+                report_user_error(f"{where}{text}")
+            else:
+                print(f"error: {where}{text}" if outcome.code != EXIT_INTERRUPTED else f"stopped: {where}{text}", file=sys.stderr)
+        last = services.checkpoints.last_path
+        if main and outcome.status == "KILLED" and last is not None:
+            print(f"checkpoint saved to {last}; resume with --resume latest", file=sys.stderr)
+        if tracker.run_id:
+            print(f"mlflow run: {tracker.run_id} ({tracker.display_uri})", file=sys.stderr)
+        return outcome.code
+    finally:
+        if lock is not None:
+            lock.release()

@@ -405,12 +405,24 @@ def _stage_int(key: str, optional: bool) -> Callable:
     return structure
 
 
-def _stage_devices(value: Any, _: Any) -> str | list[str]:
+def _stage_devices(value: Any, _: Any) -> str | list[str] | list[list[str]]:
+    """A device string, a flat list (one device per replica) or a list of lists (the devices of each
+    replica, for stages that split a model); what the devices are is validation's business."""
     if isinstance(value, str):
         return value
-    if isinstance(value, (list, tuple)) and value and all(isinstance(d, str) for d in value):
+    if not isinstance(value, (list, tuple)) or not value:
+        raise Invalid("'devices' must be a device string or a non-empty list of them")
+    if all(isinstance(d, str) for d in value):
         return list(value)
-    raise Invalid("'devices' must be a device string or a non-empty list of them")
+    if not all(isinstance(d, (list, tuple)) for d in value):
+        if all(isinstance(d, (str, list, tuple)) for d in value):
+            raise Invalid("'devices' mixes device strings and lists: write a flat list (one device per replica) "
+                          "or a list of lists (the devices of each replica), e.g. [[cuda:0, cuda:1], [cuda:2, cuda:3]]")
+        raise Invalid("'devices' must be a device string or a non-empty list of them")
+    for j, group in enumerate(value):
+        if not group or not all(isinstance(d, str) for d in group):
+            raise Invalid(f"'devices' list {j} must be a non-empty list of device strings (lists nest one level)")
+    return [list(g) for g in value]
 
 
 def _stage_ordered(value: Any, _: Any) -> bool:

@@ -6,6 +6,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -43,14 +44,6 @@ def visible_gpu_count() -> int:
         ids = [v for v in visible.split(",") if v.strip() and v.strip() != "-1"]
         count = min(count, len(ids)) if count else 0
     return count
-
-
-def normalize_devices(devices: str | list[str] | None) -> list[str]:
-    if devices is None:
-        return ["cpu"]
-    if isinstance(devices, str):
-        return [devices]
-    return list(devices)
 
 
 @attrs.frozen(kw_only=True)
@@ -125,30 +118,111 @@ def _map_device(dev: str, slice_: list[int], layout: RankLayout) -> tuple[str | 
     return f"cuda:{slice_[index]}", None
 
 
+def plan_groups(
+    groups: list[list[str]], replicas: int, layout: RankLayout
+) -> tuple[list[list[str]], list[str], str | None]:
+    """(devices of each replica, problems, warning). Replica ``i`` runs on ``groups[i % len(groups)]``,
+    each device mapped into the rank's slice: ``auto`` (alone) spreads the replicas over the slice (cpu,
+    with a warning, where there is no GPU); ``cuda`` is the slice's first GPU; ``cuda:K`` its K-th."""
+    slice_ = layout.gpus()
+    problems: list[str] = []
+    if groups == [["auto"]]:
+        if not slice_:
+            return [["cpu"]] * replicas, [], "devices: auto found no GPU; running on cpu"
+        return [[f"cuda:{slice_[i % len(slice_)]}"] for i in range(replicas)], [], None
+    mapped = []
+    for group in groups:
+        out = []
+        for requested in group:
+            dev, err = _map_device(requested, slice_, layout)
+            if err and err not in problems:
+                problems.append(err)
+            out.append(dev or requested)  # unmapped: kept as written, so the problem names it
+        mapped.append(out)
+    return [list(mapped[i % len(mapped)]) for i in range(replicas)], problems, None
+
+
 def plan_placement(
     devices: list[str], replicas: int, layout: RankLayout
 ) -> tuple[list[str], list[str], str | None]:
-    """(device of each replica, problems, warning). ``auto`` spreads the replicas over the rank's slice
-    (cpu, with a warning, where there is no GPU); ``cuda`` is the slice's first GPU; ``cuda:K`` its K-th."""
-    slice_ = layout.gpus()
-    problems = []
-    if devices == ["auto"]:
-        if not slice_:
-            return ["cpu"] * replicas, [], "devices: auto found no GPU; running on cpu"
-        return [f"cuda:{slice_[i % len(slice_)]}" for i in range(replicas)], [], None
-    out = []
-    for i in range(replicas):
-        requested = devices[i % len(devices)]
-        dev, err = _map_device(requested, slice_, layout)
-        if err and err not in problems:
-            problems.append(err)
-        out.append(dev or requested)  # unmapped: kept as written, so the problem names it
-    return out, problems, None
+    """(device of each replica, problems, warning) for a flat device list: :func:`plan_groups` with one
+    device per replica."""
+    placed, problems, warning = plan_groups(device_groups(devices), replicas, layout)
+    return [g[0] for g in placed], problems, warning
 
 
-def place(devices: list[str], replicas: int, gpu_count: int, local_rank: int = 0, *, layout: RankLayout | None = None) -> tuple[list[str], str | None]:
-    """Device of each replica and a warning (see ``plan_placement``). A device that does not exist is
-    returned as written (``plan_placement``'s problems say why; validation reports them)."""
-    layout = layout or RankLayout(visible=gpu_count)
-    placed, _problems, warning = plan_placement(devices, replicas, layout)
+def place_replicas(
+    devices: str | list | None, replicas: int, layout: RankLayout
+) -> tuple[list[list[str]], str | None]:
+    """The devices of each replica (first one first) and a warning, for a stage's ``devices`` value as
+    written (a string, a flat list or a list per replica). A device that does not exist is returned as
+    written (``plan_groups``'s problems say why; validation reports them)."""
+    placed, _problems, warning = plan_groups(device_groups(devices), replicas, layout)
     return placed, warning
+
+
+# -- several devices per replica --------------------------------------------------------------------
+
+
+def is_nested(devices: Any) -> bool:
+    """True for a list of device lists (one per replica): ``[[cuda:0, cuda:1], [cuda:2, cuda:3]]``."""
+    return isinstance(devices, list) and any(isinstance(d, list) for d in devices)
+
+
+def device_groups(devices: str | list | None) -> list[list[str]]:
+    """The device lists replicas run on, as written: a string is one list of one device; a flat list
+    one device per list (replica ``i`` takes entry ``i % n``, as always); a nested list its lists."""
+    if devices is None:
+        return [["cpu"]]
+    if isinstance(devices, str):
+        return [[devices]]
+    return [list(d) if isinstance(d, (list, tuple)) else [d] for d in devices]
+
+
+def same_device_key(dev: str) -> str:
+    """One spelling per device: ``cuda`` is ``cuda:0`` (the first GPU of the slice)."""
+    return "cuda:0" if dev == "cuda" else dev
+
+
+def nesting_problems(
+    groups: list[list[str]], replicas: int, *, multi_device: bool, stage_type: str = "this stage type"
+) -> list[tuple[int | None, str]]:
+    """``(index of the inner list or None, message)`` for a nested ``devices`` value: one inner list per
+    replica, or a single one that every replica shares (the way to ask for sharing); several devices
+    per replica only for a ``multi_device`` stage; no ``auto``; no device twice in one replica; and no
+    device in two replicas' lists. ``cpu`` may repeat: the host is one memory, so a split over ``cpu``
+    entries only exercises the split (how CPU machines run it)."""
+    out: list[tuple[int | None, str]] = []
+    if len(groups) not in (1, replicas):
+        out.append((None, (
+            f"devices gives {len(groups)} device lists (one per replica) but the stage has {replicas} "
+            "replica(s): give one list per replica, or a single list that every replica shares"
+        )))
+    owner: dict[str, int] = {}
+    for j, group in enumerate(groups):
+        if "auto" in group:
+            out.append((j, "'auto' cannot be used in a list of devices per replica; name the devices (cuda:K)"))
+            continue
+        if len(group) > 1 and not multi_device:
+            out.append((j, (
+                f"device list {j} has {len(group)} devices, but {stage_type} runs each replica on one device; "
+                "several devices per replica are for stage types that split a model (TargetForward)"
+            )))
+        seen: set[str] = set()
+        for dev in group:
+            key = same_device_key(dev)
+            if key == "cpu":
+                continue
+            if key in seen:
+                out.append((j, (
+                    f"device {dev} appears twice in device list {j}; a replica splits its model over "
+                    "distinct devices (only cpu may repeat)"
+                )))
+            seen.add(key)
+            if key in owner and owner[key] != j:
+                out.append((j, (
+                    f"device lists {owner[key]} and {j} both use {key}: give each replica its own devices, "
+                    "or write a single list for every replica to share"
+                )))
+            owner.setdefault(key, j)
+    return out

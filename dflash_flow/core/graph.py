@@ -29,7 +29,9 @@ class StageSpec:
     type: str
     config: dict[str, Any] = attrs.field(factory=dict)
     replicas: int = 1
-    devices: str | list[str] = "cpu"
+    # A device, one device per replica (cycled), or a list of devices per replica (a stage that splits a
+    # model, e.g. [[cuda:0, cuda:1], [cuda:2, cuda:3]]; a single inner list is shared by every replica).
+    devices: str | list[str] | list[list[str]] = "cpu"
     inputs: list[InputSpec] = attrs.field(factory=list)
     capacity: int | None = None
     ordered: bool = False
@@ -82,7 +84,7 @@ class Graph:
         *,
         inputs: str | Iterable[str | InputSpec | tuple[str, str] | Mapping[str, str]] = (),
         replicas: int = 1,
-        devices: str | list[str] = "cpu",
+        devices: str | list[str] | list[list[str]] = "cpu",
         capacity: int | None = None,
         ordered: bool = False,
         policy: str | None = None,

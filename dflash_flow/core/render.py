@@ -6,6 +6,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from .devices import device_groups
 from .graph import Graph
 
 
@@ -15,7 +16,8 @@ def _label(graph: Graph, name: str) -> str:
     if s.replicas > 1:
         extra.append(f"x{s.replicas}")
     if s.devices not in ("cpu", ["cpu"]):
-        extra.append(s.devices if isinstance(s.devices, str) else ",".join(s.devices))
+        # One entry per replica list; a replica's own devices joined by '+': cuda:0+cuda:1,cuda:2+cuda:3
+        extra.append(s.devices if isinstance(s.devices, str) else ",".join("+".join(g) for g in device_groups(s.devices)))
     suffix = f" ({' '.join(extra)})" if extra else ""
     return f"{name}: {s.type}{suffix}"
 

@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 
 from .channel import END_OF_STREAM, Channel, ChannelCancelled, ErrorItem
-from .devices import RankLayout, normalize_devices, place, visible_gpu_count
+from .devices import RankLayout, place_replicas, visible_gpu_count
 from .errors import PipelineInterrupted, PipelineStalled, ShutdownTimeout, StageError
 from .graph import Graph
 from .metrics import MetricSet
@@ -45,6 +45,17 @@ TOMBSTONE = _Tombstone()
 
 class _Terminate(KeyboardInterrupt):
     """SIGTERM, delivered like Ctrl-C."""
+
+
+def running_time(gap_s: float, interval_s: float) -> float:
+    """How much of the wall time between two watchdog ticks counts as time the pipeline had to make
+    progress. The watchdog waits ``interval_s`` between ticks; a tick that comes much later than that means
+    the process could not run (SIGSTOP until SIGCONT, a debugger, a frozen VM): that suspended time is not
+    no-progress time. A late tick counts for at most ``interval_s`` plus a jitter allowance (half an interval,
+    at least 50 ms), so a suspension of any length adds at most that allowance, and ordinary scheduling
+    delays on a busy machine still count in full."""
+    cap = interval_s + max(0.5 * interval_s, 0.05)
+    return min(max(gap_s, 0.0), cap)
 
 
 class RuntimeView:
@@ -177,9 +188,9 @@ class Pipeline:
             shared=g.runtime.share_gpus,
         )
         self.replicas: dict[str, list[_Replica]] = {}
-        devices: dict[str, list[str]] = {}
+        devices: dict[str, list[list[str]]] = {}  # stage -> the devices of each replica, first one first
         for spec in g.stages:
-            placed, warning = place(normalize_devices(spec.devices), spec.replicas, 0, layout=self.layout)
+            placed, warning = place_replicas(spec.devices, spec.replicas, self.layout)
             if warning:
                 self._warnings.append(f"stage '{spec.name}': {warning}")
                 warnings.warn(f"stage '{spec.name}': {warning}", RuntimeWarning, stacklevel=3)
@@ -190,7 +201,8 @@ class Pipeline:
             for i in range(spec.replicas):
                 # Each replica owns its stage object; replica 0 reuses the validated (or user's) instance.
                 stage = template if i == 0 else copy.deepcopy(template)
-                downstream = sorted({d for c, _ in g.consumers(spec.name) for d in devices[c.name]})
+                # A consumer replica takes its input on its first device.
+                downstream = sorted({d[0] for c, _ in g.consumers(spec.name) for d in devices[c.name]})
                 ctx = StageContext(
                     name=spec.name,
                     replica=i,
@@ -199,7 +211,8 @@ class Pipeline:
                     world_size=self.world_size,
                     local_rank=self.local_rank,
                     local_world_size=self.local_world_size,
-                    device=devices[spec.name][i],
+                    device=devices[spec.name][i][0],
+                    devices=devices[spec.name][i],
                     downstream_devices=downstream,
                     seed=g.seed,
                     output_dir=self.output_dir,
@@ -583,19 +596,24 @@ class Pipeline:
     def _watch(self) -> None:
         rt = self.graph.runtime
         timeout = rt.stall_timeout_s
+        interval = rt.watchdog_interval_s
         last_progress = None
-        last_change = time.monotonic()
-        while not self._done.wait(rt.watchdog_interval_s) and not self._watch_stop.is_set():
+        idle = 0.0  # time the process ran without progress (suspended time excluded: running_time)
+        last_tick = time.monotonic()
+        while not self._done.wait(interval) and not self._watch_stop.is_set():
+            now = time.monotonic()
+            ran = running_time(now - last_tick, interval)
+            last_tick = now
             if timeout <= 0 or self._cancelled:
                 continue
             progress = self._progress()
-            now = time.monotonic()
             if progress != last_progress:
                 last_progress = progress
-                last_change = now
+                idle = 0.0
                 continue
-            if now - last_change >= timeout:
-                self._stall = self._stall_error(now - last_change)
+            idle += ran
+            if idle >= timeout:
+                self._stall = self._stall_error(idle)
                 self.cancel("stalled")
                 return
 
@@ -633,6 +651,11 @@ class Pipeline:
 
     def _shutdown(self) -> None:
         if self._finished:
+            return
+        if not any(rep.thread is not None and rep.thread.ident is not None for reps in self.replicas.values() for rep in reps):
+            # Interrupted before any thread started (Ctrl-C during the stage imports): nothing to wait for.
+            self.cancel("shutdown")
+            self._finished = True
             return
         if not self._done.is_set():
             self.cancel("shutdown")

@@ -86,7 +86,10 @@ class StageContext:
     world_size: int = 1
     local_rank: int = 0
     local_world_size: int = 1
-    device: str = "cpu"
+    device: str = "cpu"  # the replica's (first) device
+    # Every device of the replica, ``device`` first: several for a stage that splits a model
+    # (``multi_device``), else ``[device]``.
+    devices: list[str] = attrs.field(default=attrs.Factory(lambda self: [self.device], takes_self=True))
     downstream_devices: list[str] = attrs.field(factory=list)
     seed: int = 0
     output_dir: Path = attrs.field(factory=lambda: Path("."), converter=Path)
@@ -159,6 +162,8 @@ class Stage:
     singleton: ClassVar[bool] = False
     #: Sources only: True when each replica produces only its share (``ctx.replica`` of ``num_replicas``).
     shards_by_replica: ClassVar[bool] = False
+    #: True when one replica may span several devices (``devices: [[cuda:0, cuda:1], ...]``, ``ctx.devices``).
+    multi_device: ClassVar[bool] = False
 
     @classmethod
     def preload(cls) -> None:
@@ -167,6 +172,12 @@ class Stage:
         Some libraries' lazy imports are not thread-safe (two threads importing the same module at once
         can see it half-initialised), so heavy imports belong here rather than only in ``setup``.
         """
+
+    def device_problems(self, replica_devices: list[list[str]]) -> list[tuple[str, str]]:
+        """``(field, message)`` for each reason this config cannot run on these device lists (each replica
+        runs on one of them, as written in the file); ``field`` is ``"devices"`` or a config field. Called
+        by validation once the generic device checks passed; only a ``multi_device`` stage needs it."""
+        return []
 
     def setup(self, ctx: StageContext) -> None:
         """Acquire resources. Runs on the replica's own thread before any item."""

@@ -15,7 +15,15 @@ import attrs
 
 from . import limits, registry
 from .convert import short, structure, unstructure
-from .devices import RankLayout, check_device_string, normalize_devices, plan_placement, visible_gpu_count
+from .devices import (
+    RankLayout,
+    check_device_string,
+    device_groups,
+    is_nested,
+    nesting_problems,
+    plan_groups,
+    visible_gpu_count,
+)
 from .errors import ConfigError, Problem
 from .graph import Graph, RuntimeOptions, StageSpec
 from .routing import POLICIES
@@ -261,24 +269,56 @@ def _rank_layouts(c: _Check, gpus: int) -> list[RankLayout]:
 
 
 def _check_devices(c: _Check, spec: StageSpec, layouts: list[RankLayout]) -> None:
-    devs = normalize_devices(spec.devices)
+    """Each device string; for a list per replica its shape (:func:`nesting_problems`); each device inside
+    every rank's slice; then the stage's own check of the lists (``Stage.device_problems``)."""
+    groups = device_groups(spec.devices)
+    nested = is_nested(spec.devices)
+
+    def at(j: int | None) -> tuple:
+        return ("devices",) if j is None or not nested else ("devices", j)
+
     bad = False
-    for d in devs:
-        err = check_device_string(d)
-        if err:
-            c.add(err, spec, "devices", field="devices")
-            bad = True
-    if "auto" in devs and len(devs) > 1:
+    for j, group in enumerate(groups):
+        for d in group:
+            err = check_device_string(d)
+            if err:
+                c.add(err, spec, *at(j), field="devices")
+                bad = True
+    flat = [d for g in groups for d in g]
+    if not nested and "auto" in flat and len(flat) > 1:
         c.add("'auto' cannot be combined with other devices", spec, "devices", field="devices")
         bad = True
+    cls = c.classes.get(spec.name)
+    if nested and not bad and 1 <= spec.replicas <= limits.MAX_REPLICAS:
+        multi = bool(cls and cls.multi_device)
+        for j, err in nesting_problems(groups, spec.replicas, multi_device=multi, stage_type=f"stage type '{short(spec.type)}'"):
+            c.add(err, spec, *at(j), field="devices")
+            bad = True
     if not bad and c.check_devices and spec.replicas <= limits.MAX_REPLICAS:
         seen: set[str] = set()
         for layout in layouts:  # `cuda:K` is the K-th GPU of each rank's own slice
-            _placed, problems, _ = plan_placement(devs, max(spec.replicas, 1), layout)
+            _placed, problems, _ = plan_groups(groups, max(spec.replicas, 1), layout)
             for err in problems:
                 if err not in seen:
                     seen.add(err)
                     c.add(err, spec, "devices", field="devices")
+    conf = c.configs.get(spec.name)
+    if not bad and conf is not None:
+        _check_stage_devices(c, spec, conf, groups)
+
+
+def _check_stage_devices(c: _Check, spec: StageSpec, conf: Stage, groups: list[list[str]]) -> None:
+    """The stage's own view of its device lists (e.g. TargetForward: the deepest layer exists and each
+    replica has at most one device per layer); a failing check is reported, never raised."""
+    try:
+        found = conf.device_problems(groups)
+    except Exception as exc:
+        c.add(f"stage type '{spec.type}' failed to check its devices: {type(exc).__name__}: {exc}", spec, "devices",
+              field="devices")
+        return
+    for field, message in found:
+        path = ("devices",) if field == "devices" else ("config", field)
+        c.add(message, spec, *path, field=field)
 
 
 def _check_edges(c: _Check) -> None:

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import tempfile
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -55,6 +56,7 @@ __all__ = [
     "read_pretokenized_arrow",
     "read_pretokenized_jsonl",
     "read_records",
+    "file_sha256",
     "tokenizer_fingerprint",
 ]
 
@@ -63,6 +65,12 @@ log = logging.getLogger(__name__)
 CACHE_VERSION = 2
 _MAX_LISTED_BAD = 100
 _TOKENIZE_CHUNK = 512
+#: Longest JSONL record (one line) read by default. A line is read at most this far into memory; a longer
+#: one is a bad record (file:line), skipped to its end in small chunks, never loaded whole.
+DEFAULT_MAX_RECORD_BYTES = 64 * 2**20
+_SKIP_CHUNK = 2**20
+#: Token ids are stored as int32: an id that does not fit is refused, never wrapped by the cast.
+_ID_LIMIT = int(np.iinfo(np.int32).max) + 1
 
 
 class DataError(ValueError):
@@ -92,6 +100,7 @@ class ReadOptions:
     )
     # DFlash anchors need two consecutive supervised tokens; 2 * block_size is what TorchSpec requires.
     min_loss_tokens: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    max_record_bytes: int = attrs.field(default=DEFAULT_MAX_RECORD_BYTES, validator=attrs.validators.ge(1))
     vocab_size: int | None = None  # pre-tokenized ids must be < vocab_size (chat: taken from the tokenizer)
     chat_template: str | None = None  # overrides the tokenizer's own template
     template_kwargs: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
@@ -276,56 +285,113 @@ class _Collector:
 
 
 def _check_token_values(ids: np.ndarray, mask: np.ndarray, vocab_size: int | None) -> tuple[str, str] | None:
+    """Checks the ids in their own integer type (any width, signed or not: min and max are exact), so
+    that the int32 cast that follows can never wrap a value."""
     if ids.size != mask.size:
         return "length_mismatch", f"input_ids has {ids.size} tokens but loss_mask has {mask.size}"
     if ids.size == 0:
         return "empty", "input_ids is empty"
     lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or (vocab_size is not None and hi >= vocab_size):
+    limit = min(vocab_size, _ID_LIMIT) if vocab_size is not None else _ID_LIMIT
+    if lo < 0 or hi >= limit:
         bad = lo if lo < 0 else hi
         pos = int(np.flatnonzero(ids == bad)[0])
-        limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-        return "out_of_vocab", f"input_ids[{pos}] = {bad} is outside the vocabulary {limit}"
+        if vocab_size is not None:
+            return "out_of_vocab", f"input_ids[{pos}] = {bad} is outside the vocabulary [0, {vocab_size})"
+        return "out_of_vocab", (
+            f"input_ids[{pos}] = {bad} is not a token id (ids must be in [0, 2**31); set vocab_size to check "
+            "them against the vocabulary)"
+        )
     if mask.size and (int(mask.min()) < 0 or int(mask.max()) > 1):
         return "bad_mask", "loss_mask values must be 0 or 1"
     return None
 
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _int_list(value: Any, *, bools: bool) -> bool:
+    """A flat JSON list of integers (``true``/``false`` only where ``bools``: a loss mask)."""
+    if not isinstance(value, list):
+        return False
+    return all(type(x) is int or (bools and type(x) is bool) for x in value)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n} bytes"
+
+
+def _read_lines(f, limit: int) -> Iterator[tuple[int, bytes | None, int]]:
+    """(line number, raw line, its size) of a binary file, reading at most ``limit + 1`` bytes of a line
+    into memory: a longer line comes back as ``None`` (its size counted while it is skipped in chunks)."""
+    no = 0
+    while True:
+        raw = f.readline(limit + 1)
+        if not raw:
+            return
+        no += 1
+        if len(raw) > limit and not raw.endswith(b"\n"):
+            size = len(raw)
+            while True:
+                chunk = f.readline(_SKIP_CHUNK)
+                size += len(chunk)
+                if not chunk or chunk.endswith(b"\n"):
+                    break
+            yield no, None, size
+            continue
+        yield no, raw, len(raw)
+
+
 def _iter_jsonl(path: Path, collector: _Collector) -> Iterator[tuple[int, Any]]:
-    """Yields (line, parsed object); reports undecodable and unparsable lines."""
-    data = path.read_bytes()
-    if not data.strip():
-        raise DataError(f"{path}: file is empty")
-    lines = data.split(b"\n")
-    ends_with_newline = data.endswith(b"\n")
-    last = len(lines) - (1 if ends_with_newline else 0)
-    for no, raw in enumerate(lines[:last], start=1):
-        if not raw.strip():
-            continue
-        collector.report.records += 1
-        try:
-            text = raw.decode("utf-8-sig" if no == 1 else "utf-8")  # tolerate a byte-order mark
-        except UnicodeDecodeError as exc:
-            collector.bad(
-                no, "not_utf8", f"not valid UTF-8 (byte {exc.start}: {raw[exc.start : exc.start + 1]!r})"
-            )
-            continue
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as exc:
-            if no == last and not ends_with_newline:
+    """Yields (line, parsed object); reports over-long, undecodable and unparsable lines. The file is
+    streamed line by line with a bounded line length (``max_record_bytes``), never read whole."""
+    limit = collector.opt.max_record_bytes
+    seen_content = False
+    with path.open("rb") as f:
+        for no, raw, size in _read_lines(f, limit):
+            if raw is None:
+                seen_content = True
+                collector.report.records += 1
                 collector.bad(
-                    no,
-                    "truncated",
-                    f"file ends inside this record (truncated file?): {exc.msg} at column {exc.colno}",
+                    no, "too_long",
+                    f"record of {size} bytes is longer than max_record_bytes={limit} ({_mib(limit)}); "
+                    "raise max_record_bytes or split the record",
                 )
-            else:
-                collector.bad(no, "invalid_json", f"invalid JSON: {exc.msg} at column {exc.colno}")
-            continue
-        if not isinstance(obj, dict):
-            collector.bad(no, "not_object", f"expected a JSON object, got {type(obj).__name__}")
-            continue
-        yield no, obj
+                continue
+            if not raw.strip():
+                continue
+            seen_content = True
+            yield from _parse_line(no, raw, collector)
+    if not seen_content:
+        raise DataError(f"{path}: file is empty")
+
+
+def _parse_line(no: int, raw: bytes, collector: _Collector) -> Iterator[tuple[int, Any]]:
+    """Yields the line's object (at most one); reports a line that is not UTF-8 or not a JSON object."""
+    collector.report.records += 1
+    try:
+        text = raw.decode("utf-8-sig" if no == 1 else "utf-8")  # tolerate a byte-order mark
+    except UnicodeDecodeError as exc:
+        collector.bad(no, "not_utf8", f"not valid UTF-8 (byte {exc.start}: {raw[exc.start : exc.start + 1]!r})")
+        return
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        if not raw.endswith(b"\n"):  # only the last line of a file can lack its newline
+            collector.bad(
+                no, "truncated", f"file ends inside this record (truncated file?): {exc.msg} at column {exc.colno}"
+            )
+        else:
+            collector.bad(no, "invalid_json", f"invalid JSON: {exc.msg} at column {exc.colno}")
+        return
+    except (ValueError, RecursionError) as exc:  # e.g. a 5000-digit number, arrays nested 100000 deep
+        first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        collector.bad(no, "invalid_json", f"invalid JSON: {first}")
+        return
+    if not isinstance(obj, dict):
+        collector.bad(no, "not_object", f"expected a JSON object, got {type(obj).__name__}")
+        return
+    yield no, obj
 
 
 # --------------------------------------------------------------------------------------------------
@@ -345,15 +411,38 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return h.hexdigest()
 
 
+_SHA_LOCK = threading.Lock()
+_SHA_MEMO: dict[tuple, str] = {}
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a data file's content, computed once per process for one version of the file (keyed by
+    its resolved path, device, inode, size and mtime): the cache key and the resume check of the
+    application share one pass over large files."""
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    key = (real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    with _SHA_LOCK:
+        hit = _SHA_MEMO.get(key)
+    if hit is None:
+        hit = sha256_file(real)
+        with _SHA_LOCK:
+            _SHA_MEMO[key] = hit
+    return hit
+
+
 def _cache_key(path: Path, kind: str, options: ReadOptions, tokenizer: Any, template: str | None) -> str:
+    if options.cache_dir is None:
+        return ""  # no cache: no key (hashing a large file would be wasted)
     parts = {
         "version": CACHE_VERSION,
         "kind": kind,
-        "file": sha256_file(path),
+        "file": file_sha256(path),
         "max_length": options.max_length,
         "overflow": options.overflow,
         "on_bad_record": options.on_bad_record,
         "min_loss_tokens": options.min_loss_tokens,
+        "max_record_bytes": options.max_record_bytes,
         "vocab_size": options.vocab_size,
         "template": template,
         "template_kwargs": options.template_kwargs,
@@ -504,21 +593,18 @@ def read_pretokenized_jsonl(path: str | Path, options: ReadOptions | None = None
         if missing:
             col.bad(line, "missing_field", f"missing field {missing[0]!r}")
             continue
-        try:
-            ids = np.asarray(obj["input_ids"])
-            mask = np.asarray(obj["loss_mask"])
-        except (ValueError, TypeError) as exc:
-            col.bad(line, "bad_type", f"input_ids/loss_mask must be lists of integers ({exc})")
-            continue
-        if (
-            ids.ndim != 1
-            or mask.ndim != 1
-            or not (ids.size == 0 or ids.dtype.kind in "iu")
-            or not (mask.size == 0 or mask.dtype.kind in "iub")
-        ):
+        raw_ids, raw_mask = obj["input_ids"], obj["loss_mask"]
+        if not _int_list(raw_ids, bools=False) or not _int_list(raw_mask, bools=True):
             col.bad(line, "bad_type", "input_ids/loss_mask must be flat lists of integers")
             continue
-        problem = _check_token_values(ids.astype(np.int64), mask.astype(np.int64), options.vocab_size)
+        # JSON integers have no width: one past int64 would turn the whole array into floats or objects.
+        wide = next((i for i, x in enumerate(raw_ids) if not _INT64_MIN <= x <= _INT64_MAX), None)
+        if wide is not None:
+            col.bad(line, "out_of_vocab", f"input_ids[{wide}] = {raw_ids[wide]} is not a token id (ids must be in [0, 2**31))")
+            continue
+        ids = np.asarray(raw_ids, dtype=np.int64)
+        mask = np.asarray([int(m) if 0 <= m <= 1 else 2 for m in raw_mask], dtype=np.int64)
+        problem = _check_token_values(ids, mask, options.vocab_size)
         if problem:
             col.bad(line, *problem)
             continue
@@ -575,7 +661,10 @@ def read_pretokenized_arrow(path: str | Path, options: ReadOptions | None = None
         if ids.size and ids.dtype.kind not in "iu":
             col.bad(row + 1, "bad_type", f"input_ids must be integers, got {ids.dtype}")
             continue
-        problem = _check_token_values(ids.astype(np.int64), mask.astype(np.int64), options.vocab_size)
+        if mask.size and mask.dtype.kind not in "iub":
+            col.bad(row + 1, "bad_type", f"loss_mask must be integers, got {mask.dtype}")
+            continue
+        problem = _check_token_values(ids, mask, options.vocab_size)
         if problem:
             col.bad(row + 1, *problem)
             continue
@@ -585,10 +674,10 @@ def read_pretokenized_arrow(path: str | Path, options: ReadOptions | None = None
     return tf
 
 
-def _sniff_jsonl(path: Path) -> Literal["chat", "tokens"]:
+def _sniff_jsonl(path: Path, limit: int = DEFAULT_MAX_RECORD_BYTES) -> Literal["chat", "tokens"]:
     with path.open("rb") as f:
-        for raw in f:
-            if not raw.strip():
+        for _no, raw, _size in _read_lines(f, limit):
+            if raw is None or not raw.strip():
                 continue
             try:
                 obj = json.loads(raw)
@@ -617,7 +706,7 @@ def read_records(
     if path.suffix in (".arrow", ".feather", ".ipc"):
         return read_pretokenized_arrow(path, options)
     if kind == "auto":
-        kind = _sniff_jsonl(path)
+        kind = _sniff_jsonl(path, (options or ReadOptions()).max_record_bytes)
     if kind == "tokens":
         return read_pretokenized_jsonl(path, options)
     if tokenizer is None:

@@ -273,6 +273,15 @@ def drop_first_slot(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return x.view(b, n, block_size, *x.shape[2:])[:, :, 1:].reshape(b, n * (block_size - 1), *x.shape[2:])
 
 
+class SlotRows(NamedTuple):
+    """Block-token rows in factored form: ``first`` ``[b, N, H]`` for slot 0 of every block and one row
+    ``rest`` ``[H]`` shared by slots 1..B-1. The first layer's input is this (slots 1..B-1 all hold the
+    mask token), so its norm and q/k/v projections run on N + 1 rows per sequence instead of N*B."""
+
+    first: torch.Tensor
+    rest: torch.Tensor
+
+
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -281,35 +290,69 @@ def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.dtype == dtype else x.to(dtype)
 
 
+# Blocks per tile of the own-block part: a tile of T blocks is one [T*B x T*B] problem of the kernel
+# (block-diagonal mask); ~16 keys per tile was fastest on CPU (1-block tiles of 8 cost the kernel more
+# per problem, 8-block tiles compute 8x the needed scores).
+OWN_TILE_KEYS = 16
+
+
+def _own_tile_blocks(num_blocks: int, block_size: int) -> int:
+    t = max(1, OWN_TILE_KEYS // block_size)
+    while num_blocks % t:
+        t -= 1
+    return t
+
+
+def _tiles(x: torch.Tensor, tiles: int) -> torch.Tensor:
+    """``[b, h, T, d]`` (memory ``[b, T, h, d]``, as projections give it) -> ``[b*tiles, h, T/tiles, d]``."""
+    b, h, t, d = x.shape
+    return x.transpose(1, 2).reshape(b * tiles, t // tiles, h, d).transpose(1, 2)
+
+
+def _untile(x: torch.Tensor, b: int) -> torch.Tensor:
+    n, h, t, d = x.shape
+    return x.transpose(1, 2).reshape(b, n // b * t, h, d).transpose(1, 2)
+
+
+def _lse_tiles(lse: torch.Tensor, tiles: int) -> torch.Tensor:
+    b, h, t = lse.shape
+    return lse.view(b, h, tiles, t // tiles).transpose(1, 2).reshape(b * tiles, h, t // tiles)
+
+
+def _lse_untile(lse: torch.Tensor, b: int) -> torch.Tensor:
+    n, h, t = lse.shape
+    return lse.reshape(b, n // b, h, t).transpose(1, 2).reshape(b, h, n // b * t)
+
+
+def _own_tile_mask(layout: BlockLayout, tile: int, dtype, device) -> torch.Tensor | None:
+    """Additive ``[1, 1, tile*queries, tile*B]``: block-diagonal, the in-block rule on each block."""
+    if tile == 1 and layout.own_mask is None:
+        return None
+    q_block = torch.arange(tile * layout.queries_per_block, device=device) // layout.queries_per_block
+    k_block = torch.arange(tile * layout.block_size, device=device) // layout.block_size
+    mask = torch.zeros(q_block.numel(), k_block.numel(), dtype=dtype, device=device)
+    mask = mask.masked_fill_(q_block[:, None] != k_block[None, :], float("-inf"))
+    if layout.own_mask is not None:
+        mask = mask + layout.own_mask.to(dtype).repeat(tile, tile)
+    return mask[None, None]
+
+
 class _BlockAttention(torch.autograd.Function):
-    """Attention of block queries over [their group's context slice; their own block] as two parts
-    merged by log-sum-exp, so neither part copies keys or scores keys it hides.
+    """Attention of block queries over [their group's context slice; their own block], computed as
+    separate parts merged by log-sum-exp, so no part copies keys or scores keys it hides.
 
-    Our own code: no library kernel attends to "a slice of one key tensor plus a block of another". The
-    context part runs the CPU flash kernel on views of the context keys (one call per group); the
-    own-block part is a batched [B x B] attention. The backward hands the *merged* output and
-    log-sum-exp to the flash backward, which then returns exactly the context part's share of the
-    full softmax gradient (the rule ring attention relies on), and differentiates the own part by hand.
-    Shapes: q [b, h, Q, d]; ctx_k, ctx_v [b, kv, S, d]; own_k, own_v [b, kv, Q, d].
+    Our own code: no library kernel attends to "a slice of one key tensor plus a block of another". Both
+    parts run the CPU flash kernel on views: the context part one call per group (keys ``[lo, hi)``),
+    the own-block part one call over tiles of blocks (block-diagonal mask). The backward hands the
+    *merged* output and log-sum-exp to each part's flash backward, which then returns exactly that
+    part's share of the full softmax gradient (the rule ring attention relies on).
+    Shapes: q [b, h, Q, d]; ctx_k, ctx_v [b, kv, S, d]; own_k, own_v [b, kv, N*B, d].
     """
-
-    @staticmethod
-    def _own(q, own_k, own_v, layout, scale, acc):
-        b, h, n_q, d = q.shape
-        kv, bq = own_k.shape[1], layout.queries_per_block
-        n = n_q // bq
-        qb = _as(q.reshape(b, kv, h // kv, n, bq, d), acc)
-        kb = _as(own_k.reshape(b, kv, 1, n, layout.block_size, d), acc)
-        vb = _as(own_v.reshape(b, kv, 1, n, layout.block_size, d), acc)
-        s = torch.matmul(qb, kb.transpose(-1, -2)) * scale  # [b, kv, h/kv, N, queries, B]
-        if layout.own_mask is not None:
-            s = s + _as(layout.own_mask, acc)
-        return qb, kb, vb, s
 
     @staticmethod
     def forward(ctx, q, ctx_k, ctx_v, own_k, own_v, layout, scale):
         b, h, n_q, d = q.shape
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # the kernel's lse dtype
         outs, lses = [], []
         for q0, q1, lo, hi in layout.groups:
             if hi > lo:
@@ -329,22 +372,32 @@ class _BlockAttention(torch.autograd.Function):
         out_ctx = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         lse_ctx = lses[0] if len(lses) == 1 else torch.cat(lses, dim=2)
         # The kernel reports lse 0 for a row that sees nothing; such a row carries no weight.
-        lse_ctx = torch.where(layout.has_context, _as(lse_ctx, acc), float("-inf"))
-        _qb, _kb, vb, s = _BlockAttention._own(q, own_k, own_v, layout, scale, acc)
-        lse = torch.logaddexp(lse_ctx, torch.logsumexp(s, dim=-1).reshape(b, h, n_q))
-        p = torch.exp(s - lse.reshape(s.shape[:-1])[..., None])
-        own = torch.matmul(p, vb).reshape(b, h, n_q, d)
-        out = _as(torch.exp(lse_ctx - lse)[..., None] * _as(out_ctx, acc) + own, q.dtype)
+        lse_ctx = torch.where(layout.has_context, lse_ctx, float("-inf"))
+        blocks = n_q // layout.queries_per_block
+        tiles = blocks // _own_tile_blocks(blocks, layout.block_size)
+        own_mask = _own_tile_mask(layout, blocks // tiles, q.dtype, q.device)
+        o, lse = _flash_cpu(
+            _tiles(q, tiles),
+            _tiles(own_k, tiles),
+            _tiles(own_v, tiles),
+            0.0,
+            False,
+            attn_mask=own_mask,
+            scale=scale,
+        )
+        out_own, lse_own = _untile(o, b), _lse_untile(lse, b)
+        lse = torch.logaddexp(lse_ctx, lse_own)
+        w_ctx, w_own = torch.exp(lse_ctx - lse)[..., None], torch.exp(lse_own - lse)[..., None]
+        out = _as(w_ctx * _as(out_ctx, acc) + w_own * _as(out_own, acc), q.dtype)
         ctx.save_for_backward(q, ctx_k, ctx_v, own_k, own_v, out, lse)
-        ctx.layout, ctx.scale = layout, scale
+        ctx.layout, ctx.scale, ctx.tiles, ctx.own_mask = layout, scale, tiles, own_mask
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, ctx_k, ctx_v, own_k, own_v, out, lse = ctx.saved_tensors
-        layout, scale = ctx.layout, ctx.scale
+        layout, scale, tiles = ctx.layout, ctx.scale, ctx.tiles
         b, h, n_q, d = q.shape
-        acc = lse.dtype
         grad_out = grad_out.contiguous()
         dqs = []
         dk_ctx = torch.zeros_like(ctx_k)
@@ -369,15 +422,19 @@ class _BlockAttention(torch.autograd.Function):
             dk_ctx[:, :, lo:hi] += gk
             dv_ctx[:, :, lo:hi] += gv
         dq = dqs[0] if len(dqs) == 1 else torch.cat(dqs, dim=2)
-        qb, kb, vb, s = _BlockAttention._own(q, own_k, own_v, layout, scale, acc)
-        p = torch.exp(s - lse.reshape(s.shape[:-1])[..., None])
-        go = _as(grad_out, acc).reshape(qb.shape)
-        row = (go * _as(out, acc).reshape(qb.shape)).sum(-1, keepdim=True)  # the softmax's D term
-        ds = p * (torch.matmul(go, vb.transpose(-1, -2)) - row) * scale
-        dq = dq + _as(torch.matmul(ds, kb).reshape(b, h, n_q, d), q.dtype)
-        dk_own = _as(torch.matmul(ds.transpose(-1, -2), qb).sum(2).reshape(own_k.shape), own_k.dtype)
-        dv_own = _as(torch.matmul(p.transpose(-1, -2), go).sum(2).reshape(own_v.shape), own_v.dtype)
-        return dq, dk_ctx, dv_ctx, dk_own, dv_own, None, None
+        gq, gk, gv = _flash_cpu_backward(
+            _tiles(grad_out, tiles),
+            _tiles(q, tiles),
+            _tiles(own_k, tiles),
+            _tiles(own_v, tiles),
+            _tiles(out, tiles),
+            _lse_tiles(lse, tiles),
+            0.0,
+            False,
+            attn_mask=ctx.own_mask,
+            scale=scale,
+        )
+        return dq + _untile(gq, b), dk_ctx, dv_ctx, _untile(gk, b), _untile(gv, b), None, None
 
 
 def _group_mask(layout: BlockLayout, g: int) -> torch.Tensor:
@@ -490,26 +547,42 @@ class DrafterAttention(nn.Module):
         out = self._attend(q, k, v, attention_mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
 
+    def _slot_heads(self, h, proj: nn.Linear, heads: int, norm: nn.Module | None, bsz: int, drop: bool):
+        """``_heads`` of block rows ``h`` (a tensor ``[b, N*B, H]`` or ``SlotRows``), without slot 0 if
+        ``drop``."""
+        d = self.head_dim
+        if not isinstance(h, SlotRows):
+            return self._heads(drop_first_slot(h, bsz) if drop else h, proj, heads, norm)
+        b, n, _ = h.first.shape
+        rest = proj(h.rest).view(1, 1, 1, heads, d)
+        rest = (norm(rest) if norm is not None else rest).expand(b, n, bsz - 1, heads, d)
+        if drop:
+            y = rest
+        else:
+            first = proj(h.first).view(b, n, 1, heads, d)
+            y = torch.cat([norm(first) if norm is not None else first, rest], dim=2)
+        return y.reshape(b, -1, heads, d).transpose(1, 2)
+
     def forward_blocks(
         self,
-        x: torch.Tensor,
+        h: torch.Tensor | SlotRows,
         ctx_k: torch.Tensor,
         ctx_v: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         layout: BlockLayout,
     ) -> torch.Tensor:
-        """Training layout: block tokens ``x`` ``[b, N*B, H]`` (cos/sin at the block positions) attend to
-        the precomputed context keys and their own block as ``layout`` says; returns one output per
-        query (``[b, N*queries_per_block, H]``)."""
-        if not layout.drops_first_slot:
-            q, k, v = self._block_qkv(x, cos, sin)
+        """Training layout: normed block tokens ``h`` (``[b, N*B, H]`` or ``SlotRows``; cos/sin at the
+        block positions) attend to the precomputed context keys and their own block as ``layout``
+        says; returns one output per query (``[b, N*queries_per_block, H]``)."""
+        bsz, drop = layout.block_size, layout.drops_first_slot
+        q = self._slot_heads(h, self.q_proj, self.num_heads, self.q_norm, bsz, drop)
+        k = self._slot_heads(h, self.k_proj, self.num_kv_heads, self.k_norm, bsz, False)
+        v = self._slot_heads(h, self.v_proj, self.num_kv_heads, None, bsz, False)
+        if drop:
+            q, k = _rope(q, drop_first_slot(cos, bsz), drop_first_slot(sin, bsz)), _rope(k, cos, sin)
         else:
-            k = _rope(self._heads(x, self.k_proj, self.num_kv_heads, self.k_norm), cos, sin)
-            v = self._heads(x, self.v_proj, self.num_kv_heads)
-            bsz = layout.block_size
-            q = self._heads(drop_first_slot(x, bsz), self.q_proj, self.num_heads, self.q_norm)
-            q = _rope(q, drop_first_slot(cos, bsz), drop_first_slot(sin, bsz))
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
         b, _h, q_len, _d = q.shape
         if q.device.type == "cpu" and not (self.training and self.attention_dropout > 0):
             out = _BlockAttention.apply(q, ctx_k, ctx_v, k, v, layout, self.scaling)
@@ -547,8 +620,13 @@ class DrafterLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, attention_mask, past_key_values)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_blocks(self, x, ctx_k, ctx_v, cos, sin, layout):
-        attn = self.self_attn.forward_blocks(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, layout)
+    def forward_blocks(self, x, ctx_k, ctx_v, cos, sin, layout, rows: SlotRows | None = None):
+        """``rows``: ``x`` in factored form (the first layer), so the norm and projections run per row."""
+        if rows is None:
+            h = self.input_layernorm(x)
+        else:
+            h = SlotRows(self.input_layernorm(rows.first), self.input_layernorm(rows.rest))
+        attn = self.self_attn.forward_blocks(h, ctx_k, ctx_v, cos, sin, layout)
         if layout.drops_first_slot:
             x = drop_first_slot(x, layout.block_size)
         x = x + attn
@@ -665,20 +743,23 @@ class DFlashDrafter(nn.Module):
         context_kv: list[tuple[torch.Tensor, torch.Tensor]],
         block_positions: torch.Tensor,
         layouts: list[BlockLayout],
+        rows: SlotRows | None = None,
     ) -> torch.Tensor:
         """Normed hidden states of block tokens (training layout, see ``BlockLayout``): ``[b, N*B, H]``,
         or ``[b, N*(B-1), H]`` (slots 1..B-1) when the last layout drops slot 0.
 
         ``block_positions`` ``[b, N*B]`` are the absolute positions of the block tokens, ``context_kv``
         comes from ``context_kv``, ``layouts`` has one layout per layer (only the last may drop slot 0).
+        ``rows``: ``noise_embedding`` in factored form (``SlotRows``), when slots 1..B-1 share one row.
         """
         cos, sin = self.rotary_emb(noise_embedding, block_positions)
         x = noise_embedding
-        for layer, (k, v), layout in zip(self.layers, context_kv, layouts, strict=True):
+        for i, (layer, (k, v), layout) in enumerate(zip(self.layers, context_kv, layouts, strict=True)):
+            args = (x, k, v, cos, sin, layout, rows if i == 0 else None)
             if self._checkpoint_layers():
-                x = checkpoint(layer.forward_blocks, x, k, v, cos, sin, layout, use_reentrant=False)
+                x = checkpoint(layer.forward_blocks, *args, use_reentrant=False)
             else:
-                x = layer.forward_blocks(x, k, v, cos, sin, layout)
+                x = layer.forward_blocks(*args)
         return self.norm(x)
 
     def forward(

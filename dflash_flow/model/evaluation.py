@@ -1,11 +1,38 @@
-"""Speculative-decoding evaluation of an exported drafter against its target, beside an untrained
-drafter of the same shape (the baseline that says how much training bought)."""
+"""Evaluation of an exported drafter against its target: real speculative decoding (greedy and sampled,
+at one or more horizons) beside an untrained drafter of the same shape (the baseline that says how much
+training bought), and the teacher-forced walk on held-out conversations (``model.walk``).
+
+Names of the results (``evaluate_exported``), in the order they are reported:
+
+* ``trained`` / ``untrained``: real greedy decoding (temperature 0), lossless-checked against plain
+  greedy decoding;
+* ``walk``: the trained drafter's teacher-forced walk over the target's own held-out replies;
+* ``trained-T<t>`` / ``untrained-T<t>``: real sampled decoding at temperature ``t`` (``T1``, ``T0_7``).
+
+Each carries ``tau`` at the first horizon and ``tau_h<H>`` for every horizon (new tokens per prompt).
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+__all__ = [
+    "decoding_metrics",
+    "evaluate_exported",
+    "read_prompt_ids",
+    "read_walk_conversations",
+    "temperature_tag",
+]
+
+
+def _template_ids(tokenizer: Any, turns: list[dict], *, add_generation_prompt: bool) -> list[int]:
+    ids = tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
 
 
 def read_prompt_ids(path: str | Path, tokenizer, limit: int) -> list[list[int]]:
@@ -22,14 +49,109 @@ def read_prompt_ids(path: str | Path, tokenizer, limit: int) -> list[list[int]]:
                 turns = prompt_turns(record)
             except (json.JSONDecodeError, ValueError) as exc:
                 raise ValueError(f"{path}:{lineno}: {exc}") from None
-            ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
-            if hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            out.append([int(i) for i in ids])
+            out.append(_template_ids(tokenizer, turns, add_generation_prompt=True))
             if len(out) >= limit:
                 break
     if not out:
         raise ValueError(f"{path}: no prompts")
+    return out
+
+
+def read_walk_conversations(
+    path: str | Path, tokenizer, limit: int, stop_token_ids: Sequence[int]
+) -> list[tuple[list[int], list[int]]]:
+    """``(prompt ids, reply ids)`` of conversations whose last turn is the target's own reply.
+
+    The prompt is rendered as real decoding renders it (the turns before the reply plus the generation
+    prompt); the reply is what the full conversation's rendering adds after it, up to and including
+    the first stop token. A reply the target did not finish (``"finish_reason": "length"``, as
+    ``dflash-flow regenerate`` writes) loses the end-of-turn marker the template adds: the target never
+    chose it.
+    """
+    from dflash_flow.data.chat import parse_conversation
+
+    from .walk import reply_until_stop
+
+    out: list[tuple[list[int], list[int]]] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: invalid JSON ({exc.msg})") from None
+            msgs, _, reason = (
+                parse_conversation(record) if isinstance(record, dict) else (None, "", "not an object")
+            )
+            if msgs is None:
+                raise ValueError(f"{where}: {reason}")
+            if len(msgs) < 2 or msgs[-1]["role"] != "assistant":
+                raise ValueError(
+                    f"{where}: the last turn must be the target's reply (role 'assistant') after a prompt"
+                )
+            turns = [{"role": m["role"], "content": m["content"]} for m in msgs]
+            prompt = _template_ids(tokenizer, turns[:-1], add_generation_prompt=True)
+            full = _template_ids(tokenizer, turns, add_generation_prompt=False)
+            if full[: len(prompt)] != prompt:
+                raise ValueError(
+                    f"{where}: the chat template does not render the prompt as a prefix of the "
+                    "conversation, so the reply's tokens cannot be located"
+                )
+            reply, stopped = reply_until_stop(full[len(prompt) :], stop_token_ids)
+            if stopped and record.get("finish_reason") == "length":
+                reply = reply[:-1]
+            if reply:
+                out.append((prompt, reply))
+            if len(out) >= limit:
+                break
+    if not out:
+        raise ValueError(f"{path}: no conversations with a reply")
+    return out
+
+
+def temperature_tag(temperature: float) -> str:
+    """``T1``, ``T0_7``: a temperature in an evaluation name, with only characters MLflow keys keep."""
+    return "T" + f"{temperature:g}".replace(".", "_")
+
+
+def decoding_metrics(
+    target: Any,
+    drafter: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    horizons: Sequence[int],
+    sampling: Any = None,
+    stop_token_ids: Sequence[int] | None = None,
+    seed: int = 0,
+) -> dict[str, float]:
+    """``speculative.evaluate_drafter`` at each horizon: the first horizon's metrics as they are (plus
+    ``max_new_tokens``), and ``tau_h<H>``, ``speedup_forwards_h<H>``, ``tokens_generated_h<H>`` for every
+    horizon; greedy ``lossless`` is 1.0 only when every horizon was lossless."""
+    from .speculative import evaluate_drafter
+
+    if not horizons:
+        raise ValueError("no horizons")
+    out: dict[str, float] = {}
+    for i, h in enumerate(horizons):
+        m = evaluate_drafter(
+            target,
+            drafter,
+            prompts,
+            max_new_tokens=int(h),
+            stop_token_ids=stop_token_ids,
+            sampling=sampling,
+            seed=seed,
+        )
+        if i == 0:
+            out.update(m)
+            out["max_new_tokens"] = float(h)
+        elif "lossless" in m:
+            out["lossless"] = min(out["lossless"], m["lossless"])
+        out[f"tau_h{h}"] = m["tau"]
+        out[f"speedup_forwards_h{h}"] = m["speedup_forwards"]
+        out[f"tokens_generated_h{h}"] = m["tokens_generated"]
     return out
 
 
@@ -40,22 +162,40 @@ def evaluate_exported(
     prompts_path: str | Path,
     tokenizer_path: str | None = None,
     limit: int = 32,
-    max_new_tokens: int = 64,
+    max_new_tokens: int | Sequence[int] = 64,
     baseline: bool = True,
+    temperatures: Sequence[float] = (0.0,),
+    top_p: float = 1.0,
+    top_k: int = 0,
+    walk_data: str | Path | None = None,
+    walk_limit: int = 64,
     seed: int = 0,
     device: str = "cpu",
 ) -> dict[str, dict[str, float]]:
-    """``{"trained": metrics, "untrained": metrics}`` (see ``speculative.evaluate_drafter``). ``target`` is
-    a model spec as ``model.target.load_target`` takes it (a directory, preset or hub id)."""
+    """The results named in the module docstring. ``target`` is a model spec as ``model.target.load_target``
+    takes it (a directory, preset or hub id); ``max_new_tokens`` one horizon or several (the first is
+    the one ``tau`` reports); ``temperatures`` the decodings to run (0 = greedy); ``walk_data`` a JSONL of
+    held-out conversations whose last turn is the target's own greedy reply (None: no walk). Sampled
+    decoding draws from generators seeded by ``seed`` (the same for both drafters: common random numbers)."""
     import torch
     from transformers import AutoTokenizer
 
     from dflash_flow.data.chat import stop_token_ids
-    from dflash_flow.model.drafter import DFlashDrafter
-    from dflash_flow.model.export import load_drafter
-    from dflash_flow.model.speculative import evaluate_drafter
-    from dflash_flow.model.target import load_target
 
+    from .drafter import DFlashDrafter
+    from .export import load_drafter
+    from .speculative import Sampling
+    from .target import load_target
+    from .walk import evaluate_walk
+
+    horizons = [int(max_new_tokens)] if isinstance(max_new_tokens, int) else [int(h) for h in max_new_tokens]
+    if not horizons or min(horizons) < 1:
+        raise ValueError("max_new_tokens must be >= 1 (one horizon or a non-empty list)")
+    samplings = [
+        Sampling(t, top_p if t > 0 else 1.0, top_k if t > 0 else 0) for t in dict.fromkeys(temperatures)
+    ]
+    if not samplings:
+        raise ValueError("no temperatures to evaluate")
     spec = target
     tok_path = tokenizer_path or (spec if isinstance(spec, str) and Path(spec).is_dir() else None)
     if tok_path is None:
@@ -65,10 +205,22 @@ def evaluate_exported(
     drafter = load_drafter(drafter_path, device=device, dtype=torch.float32, target_config=model.config)
     prompts = read_prompt_ids(prompts_path, tokenizer, limit)
     stops = stop_token_ids(tokenizer)
-    results = {"trained": evaluate_drafter(model, drafter, prompts, max_new_tokens=max_new_tokens, stop_token_ids=stops)}
+    walk_set = (
+        read_walk_conversations(walk_data, tokenizer, walk_limit, stops) if walk_data is not None else None
+    )
+
+    drafters = {"trained": drafter}
     if baseline:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            fresh = DFlashDrafter(drafter.config).to(device=device, dtype=torch.float32)
-        results["untrained"] = evaluate_drafter(model, fresh, prompts, max_new_tokens=max_new_tokens, stop_token_ids=stops)
+            drafters["untrained"] = DFlashDrafter(drafter.config).to(device=device, dtype=torch.float32)
+    results: dict[str, dict[str, float]] = {}
+    for name, d in drafters.items():
+        for s in samplings:
+            key = name if s.greedy else f"{name}-{temperature_tag(s.temperature)}"
+            results[key] = decoding_metrics(
+                model, d, prompts, horizons=horizons, sampling=s, stop_token_ids=stops, seed=seed
+            )
+            if walk_set is not None and name == "trained" and s is samplings[0]:  # beside real decoding
+                results["walk"] = evaluate_walk(model, d, walk_set, horizons=horizons, stop_token_ids=stops)
     return results

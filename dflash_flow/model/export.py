@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -48,16 +49,34 @@ def drafter_config_dict(config: Any) -> dict[str, Any]:
     return d
 
 
+def _nonfinite_tensor(state: dict[str, torch.Tensor]) -> str | None:
+    for name, t in state.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
+
+
+def _temp_beside(final: Path) -> Path:
+    """A new, uniquely named file beside ``final`` (created with O_EXCL: never an existing file or a link
+    someone put there), to be written and renamed onto ``final``."""
+    fd, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp makes it private; an export is read by inference servers
+    finally:
+        os.close(fd)
+    return Path(name)
+
+
 def save_drafter(drafter: DFlashDrafter, path: str | os.PathLike, *, state: dict[str, Any] | None = None) -> Path:
     """Write ``config.json`` and ``model.safetensors`` into ``path`` (created); returns the directory.
 
-    Files are written to temporary names and renamed, so a crash never leaves a half-written checkpoint
-    under the final names.
+    Files are written to fresh temporary names and renamed, so a crash never leaves a half-written
+    checkpoint under the final names and a link at a final name is replaced, never written through.
+    Weights holding NaN or infinity are refused (CheckpointError): an inference engine would load them.
     """
     from safetensors.torch import save_file
 
     out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
     config = drafter_config_dict(drafter.config)
     # The instance may have been built from a config whose ids were defaulted; what the module trained
     # with is the truth.
@@ -67,12 +86,24 @@ def save_drafter(drafter: DFlashDrafter, path: str | os.PathLike, *, state: dict
             f"drafter's {drafter.target_layer_ids}"
         )
     state = {k: v.detach().contiguous().cpu() for k, v in (state if state is not None else drafter.state_dict()).items()}
-    tmp_w = out / (WEIGHTS_NAME + ".tmp")
-    save_file(state, str(tmp_w), metadata={"format": "pt"})
-    tmp_c = out / (CONFIG_NAME + ".tmp")
-    tmp_c.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp_w, out / WEIGHTS_NAME)
-    os.replace(tmp_c, out / CONFIG_NAME)
+    bad = _nonfinite_tensor(state)
+    if bad is not None:
+        raise CheckpointError(
+            f"refusing to export the drafter to {out}: weight {bad} holds NaN or infinite values (the training "
+            "diverged); export an earlier checkpoint instead"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    tmp_w = _temp_beside(out / WEIGHTS_NAME)
+    tmp_c = _temp_beside(out / CONFIG_NAME)
+    try:
+        save_file(state, str(tmp_w), metadata={"format": "pt"})
+        tmp_c.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp_w, out / WEIGHTS_NAME)
+        os.replace(tmp_c, out / CONFIG_NAME)
+    except BaseException:
+        tmp_w.unlink(missing_ok=True)
+        tmp_c.unlink(missing_ok=True)
+        raise
     return out
 
 

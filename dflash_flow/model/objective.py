@@ -7,9 +7,21 @@ not available at inference: it is the bonus token being verified) and the keys o
 (all of them in full-attention layers, offsets <= j in sliding layers). Slot k is supervised with the
 token at ``a+k`` (same-position labels, slot 0 excluded), weighted by ``exp(-(k-1)/gamma)``.
 
-Blocks never see each other, so the batch of blocks can be cut into chunks that run independently:
-each chunk runs drafter + LM head + cross-entropy under activation checkpointing, so the logits of
-only one chunk exist at a time, in the forward and in the backward.
+How it is computed (``dflash_loss``), each step the work a block actually needs and nothing else:
+
+* the fused context and its keys/values are computed once per layer (``DFlashDrafter.context_kv``);
+* blocks never see each other, so they run in chunks (``chunk_blocks``, or from a memory budget,
+  ``activation_budget_mb``); a chunk runs drafter + LM head + cross-entropy, under activation
+  checkpointing only when there is more than one chunk (then only one chunk's activations and logits
+  exist at a time);
+* inside a chunk, blocks are grouped by anchor (``group_spans``, ``auto_group_blocks``): a group's
+  queries attend to the context slice their anchors can see plus their own block (``BlockLayout``),
+  not to the whole row and every block as a dense ``[N*B, S + N*B]`` mask would
+  (``block_attention_mask``, kept as the reference layout);
+* the first layer projects N + 1 distinct rows per sequence (slots 1..B-1 all hold the mask token),
+  the last layer computes no slot-0 queries and the head no slot-0 logits (slot 0 is never supervised);
+* one device->host read per step (block count and anchor bounds, which set the shapes), in
+  ``dflash_loss``; ``DFlashLossOutput.metrics`` is the only other.
 """
 
 from __future__ import annotations
@@ -20,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dflash_flow.model.drafter import FULL_ATTENTION, SLIDING_ATTENTION, BlockLayout
+from dflash_flow.model.drafter import FULL_ATTENTION, SLIDING_ATTENTION, BlockLayout, SlotRows
 
 
 @attrs.define(eq=False)
@@ -467,11 +479,16 @@ def _decode_span(drafter, plan, embed_tokens, context_kv, start, stop, spans, dt
     """Normed drafter hidden states ``[b, n*B, H]`` of blocks ``start..stop-1`` (``[b, n*(B-1), H]``,
     slots 1..B-1, with ``drop_first_slot``)."""
     b = plan.anchors.shape[0]
-    ids = plan.block_ids[:, start:stop].reshape(b, -1)
-    noise = embed_tokens(ids)
+    ids = plan.block_ids[:, start:stop]
     scale = float(getattr(drafter, "input_embedding_scale", 1.0))
-    if scale != 1.0:
-        noise = noise * scale
+
+    def embed(t):
+        e = embed_tokens(t)
+        return (e * scale if scale != 1.0 else e).to(dtype)
+
+    noise = embed(ids.reshape(b, -1))
+    # Slots 1..B-1 all hold the mask token (plan_blocks): the first layer works on N + 1 rows per row.
+    rows = SlotRows(embed(ids[:, :, 0]), embed(ids[:1, :1, 1]).reshape(-1))
     layouts = block_layouts(
         plan,
         spans,
@@ -483,7 +500,7 @@ def _decode_span(drafter, plan, embed_tokens, context_kv, start, stop, spans, dt
         last_drops_first_slot=drop_first_slot,
     )
     positions = plan.block_positions[:, start:stop].reshape(b, -1)
-    return drafter.decode_blocks(noise.to(dtype), context_kv, positions, layouts)
+    return drafter.decode_blocks(noise, context_kv, positions, layouts, rows)
 
 
 def draft_block_hidden(
@@ -558,7 +575,8 @@ def activation_bytes_per_block(drafter: nn.Module, *, vocab_size: int, context_l
     heads, kv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
     d = int(getattr(cfg, "head_dim", None) or h // heads)
     per_layer = elem * (6 * h + 2 * heads * d + 2 * kv * d + 4 * int(cfg.intermediate_size))
-    per_token = len(drafter.layers) * per_layer + elem * context_len + 3 * 4 * int(vocab_size)
+    # two context masks (all slots; the last layer without slot 0) and fp32 logits, log-softmax, grad
+    per_token = len(drafter.layers) * per_layer + 2 * elem * context_len + 3 * 4 * int(vocab_size)
     return per_token * drafter.block_size
 
 

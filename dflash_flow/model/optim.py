@@ -15,7 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_flow.core.errors import DflashFlowError
+
 STATE_VERSION = 1
+
+
+class NonFiniteError(DflashFlowError, FloatingPointError):
+    """The loss or the gradient norm of a step is NaN or infinite (the training diverged): the message
+    names the step and the batch. A user's problem (learning rate, data), so the run ends with one line."""
 
 
 class MasterAdamW:

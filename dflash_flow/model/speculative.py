@@ -1,16 +1,33 @@
-"""Greedy speculative decoding with a DFlash drafter, the greedy baseline, and drafter evaluation.
+"""Speculative decoding with a DFlash drafter (greedy and sampled), the plain baselines, and evaluation.
 
-This follows the DFlash inference contract (z-lab ``dflash_generate``, temperature 0), so that what we
-measure here is what a served drafter will achieve:
+This follows the DFlash inference contract (z-lab ``dflash_generate``), so that what we measure here is
+what a served drafter will achieve:
 
-1. Prefill the target on the prompt with hidden states; its argmax is the first new token; the draft
-   context is the features of the prompt tokens.
+1. Prefill the target on the prompt with hidden states; its choice (argmax, or a sample) is the first
+   new token; the draft context is the features of the prompt tokens.
 2. Loop: the block is ``[last token, MASK x (B-1)]`` at absolute positions ``start .. start+B-1``. The
    drafter sees its cached context K/V (positions < start) plus the features of the tokens committed
    last step, and the block; draft slot k predicts the token at position ``start + k``. The target
-   verifies the block in one forward; the longest prefix of drafts equal to the target's argmax is
-   accepted, plus the target's own next token (the bonus). The new context is the features of the
-   committed tokens only; both KV caches are cropped back to the committed length.
+   verifies the block in one forward and commits a prefix of the drafts plus one token of its own (the
+   bonus). The new context is the features of the committed tokens only; both KV caches are cropped
+   back to the committed length.
+
+Greedy (``temperature == 0``): the drafts are the drafter's argmax, the accepted prefix is the longest
+one equal to the target's argmax, the bonus is the target's argmax after it. The output equals plain
+greedy decoding token for token.
+
+Sampled (``temperature > 0``, optional ``top_p`` / ``top_k``; :class:`Sampling`): the standard
+speculative-sampling rule (Leviathan et al. 2023; Chen et al. 2023). With ``p`` the target's and ``q``
+the drafter's distribution after the same temperature / top-k / top-p transform, the drafts are sampled
+from ``q``; draft ``x`` is accepted with probability ``min(1, p(x) / q(x))``, in order, until the first
+rejection; at a rejection the bonus is sampled from ``norm(max(0, p - q))``, after all drafts were
+accepted from ``p`` at the next position. Every emitted token is then distributed exactly as a token
+sampled from ``p`` by the target alone (the output is the target's own sampling distribution; the
+drafter only changes how many target forwards it takes). Every random draw comes from one seeded
+``torch.Generator``, in the order z-lab's ``dflash_generate`` makes them with the global generator:
+prefill sample; per step the block's drafts (one multinomial over the B-1 slots), the B-1 uniforms of
+the acceptance test, then one multinomial for the bonus (residual or next position). The same seed
+therefore gives z-lab's output exactly (``tests/model/test_sampling.py``).
 
 Batch size 1 only, as in the reference: every sequence accepts a different number of tokens per step,
 so a batch would need ragged caches. Evaluation loops over prompts.
@@ -25,6 +42,7 @@ optional soft-capping), or plain ``lm_head(h)`` for a drafter without ``compute_
 from __future__ import annotations
 
 import inspect
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -34,7 +52,23 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["SpecResult", "spec_generate", "greedy_continuations", "greedy_generate", "evaluate_drafter"]
+from dflash_flow.core.seeding import derive_seed
+
+__all__ = [
+    "BlockDrafter",
+    "DraftSettings",
+    "Sampling",
+    "SpecResult",
+    "draft_settings",
+    "features",
+    "evaluate_drafter",
+    "greedy_continuations",
+    "greedy_generate",
+    "sample_from",
+    "sampling_probs",
+    "spec_generate",
+    "verify_sampled",
+]
 
 
 @attrs.define(eq=False)
@@ -63,6 +97,97 @@ class SpecResult:
     @property
     def mean_accept_length(self) -> float:
         return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# sampling
+# ---------------------------------------------------------------------------------------------------
+
+
+def _check_sampling(inst: Sampling, _attr: Any, _value: Any) -> None:
+    if not (math.isfinite(inst.temperature) and inst.temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {inst.temperature}")
+    if not 0 < inst.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {inst.top_p}")
+    if isinstance(inst.top_k, bool) or not isinstance(inst.top_k, int) or inst.top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = no limit), got {inst.top_k!r}")
+
+
+@attrs.frozen
+class Sampling:
+    """How the target (and, for its proposals, the drafter) chooses tokens.
+
+    ``temperature == 0`` is greedy (argmax; ``top_p`` and ``top_k`` are then unused). Otherwise logits
+    are divided by ``temperature``, only the ``top_k`` largest are kept (0 = all), then only the
+    smallest set of most likely tokens whose mass reaches ``top_p``, renormalised: the order of
+    transformers' and vLLM's samplers and of z-lab's ``dflash_generate``.
+    """
+
+    temperature: float = attrs.field(default=0.0, converter=float)
+    top_p: float = attrs.field(default=1.0, converter=float)
+    top_k: int = attrs.field(default=0, validator=_check_sampling)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def sampling_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """The sampling distribution (float32, last dim the vocabulary) of ``logits`` under ``sampling``
+    (temperature > 0). Ties at the k-th largest logit are all kept, as transformers' top-k does."""
+    if sampling.greedy:
+        raise ValueError("sampling_probs needs temperature > 0 (temperature 0 is argmax)")
+    scores = logits.float() / sampling.temperature
+    if 0 < sampling.top_k < scores.shape[-1]:
+        kth = scores.topk(sampling.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    if sampling.top_p < 1.0:
+        ranked, order = probs.sort(dim=-1, descending=True)
+        above = ranked.cumsum(dim=-1) - ranked  # mass of the tokens ranked above each one
+        ranked = ranked.masked_fill(above >= sampling.top_p, 0.0)  # the most likely token always stays
+        probs = torch.zeros_like(probs).scatter(-1, order, ranked)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``probs`` (``[..., V]`` -> ``[...]``): a single ``multinomial`` call over all
+    rows, so a block's drafts take the same draws from the generator as z-lab's loop."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def verify_sampled(
+    drafts: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """The speculative-sampling acceptance rule for one block (see the module docstring).
+
+    ``drafts`` ``[g]`` were sampled from ``draft_probs`` ``[g, V]``; ``target_probs`` ``[g + 1, V]`` is the
+    target's distribution after each block slot. Returns ``(accepted drafts, next token)``: the next
+    token is sampled from ``norm(max(0, p - q))`` at the first rejected slot, or from ``p`` after the
+    last draft when all were accepted. Draws: ``g`` uniforms (none when ``g == 0``), then one multinomial.
+    """
+    g = int(drafts.numel())
+    accepted = 0
+    if g:
+        index = drafts.reshape(g, 1)
+        p = target_probs[:g].gather(-1, index)[:, 0]
+        q = draft_probs.gather(-1, index)[:, 0]
+        u = torch.rand(q.shape, generator=generator, dtype=q.dtype, device=q.device)
+        # u < p/q without dividing: a draft the target gives at least q's mass is always accepted.
+        accepted = int((u * q < p).to(torch.int32).cumprod(0).sum())
+    if accepted == g:
+        nxt = sample_from(target_probs[g : g + 1], generator)
+    else:
+        residual = (target_probs[accepted] - draft_probs[accepted]).clamp_min(0.0)
+        # Exactly p == q leaves no residual mass; the rejection then had probability 0 (rounding): use p.
+        dist = residual if bool(residual.sum() > 0) else target_probs[accepted]
+        nxt = sample_from(dist[None], generator)
+    return accepted, int(nxt[0])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -111,8 +236,9 @@ def _draft_setting(drafter: nn.Module, name: str, default: Any = None) -> Any:
     return getattr(config, name, default) if config is not None else default
 
 
-def _features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
-    # Feature of target layer `id` = HF hidden_states[id + 1] (entry 0 is the embeddings).
+def features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
+    """The drafter's context features from HF ``hidden_states``: the feature of target layer ``id`` is
+    ``hidden_states[id + 1]`` (entry 0 is the embeddings), concatenated along the hidden dimension."""
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
@@ -136,6 +262,88 @@ def _model_device(model: nn.Module, fallback: torch.device) -> torch.device:
 
 def _target_device(target: nn.Module) -> torch.device:
     return next(target.parameters()).device
+
+
+@attrs.frozen
+class DraftSettings:
+    """The DFlash settings a decoding loop needs (see :func:`draft_settings`)."""
+
+    block_size: int
+    mask_token_id: int | None
+    layer_ids: list[int]
+    embed_scale: float = 1.0
+
+
+def draft_settings(
+    drafter: nn.Module,
+    *,
+    block_size: int | None = None,
+    mask_token_id: int | None = None,
+    target_layer_ids: Sequence[int] | None = None,
+) -> DraftSettings:
+    """Block size, mask token and target layers: the arguments where given, else the drafter's own
+    (``drafter.block_size`` / ``config.dflash_config``). Raises ValueError when something is missing."""
+    size = int(block_size if block_size is not None else _draft_setting(drafter, "block_size", 16))
+    if size < 1:
+        raise ValueError("block_size must be >= 1")
+    mask = mask_token_id if mask_token_id is not None else _draft_setting(drafter, "mask_token_id")
+    ids = target_layer_ids if target_layer_ids is not None else _draft_setting(drafter, "target_layer_ids")
+    layer_ids = [int(i) for i in (ids or ())]
+    if size > 1 and (mask is None or not layer_ids):
+        raise ValueError(
+            "mask_token_id and target_layer_ids are needed (pass them or set them in the drafter config)"
+        )
+    scale = float(_draft_setting(drafter, "input_embedding_scale", 1.0) or 1.0)
+    return DraftSettings(size, None if mask is None else int(mask), layer_ids, scale)
+
+
+class BlockDrafter:
+    """The drafter's side of one decoding: its KV cache of context features, the embedding of each
+    block, and the logits of the block's draft slots.
+
+    Real decoding (:func:`spec_generate`) and the teacher-forced walk (``model.walk``) both drive the
+    drafter through this, so they feed it identically: context features enter the cache once, the
+    cache is cropped back to the block's start after every call.
+    """
+
+    def __init__(self, target: nn.Module, drafter: nn.Module, settings: DraftSettings) -> None:
+        self.drafter = drafter
+        self.settings = settings
+        self.device = _model_device(drafter, _target_device(target))
+        self.embed_weight = target.get_input_embeddings().weight.to(self.device)
+        head = target.get_output_embeddings()
+        self.lm_head = head if head is not None else target.lm_head
+        self.cache = _new_cache(drafter.config) if hasattr(drafter, "config") else None
+        self.calls = 0
+
+    def logits(self, block: torch.Tensor, context: torch.Tensor, start: int) -> torch.Tensor:
+        """Draft logits ``[1, v - 1, V]`` for the slots 1.. of ``block`` ``[1, v]`` (its first token at
+        position ``start``); ``context`` ``[1, c, F]`` holds the features of positions ``start - c ..
+        start - 1`` not yet in the cache."""
+        verify = block.shape[1]
+        noise = F.embedding(block.to(self.device), self.embed_weight)
+        if self.settings.embed_scale != 1.0:
+            noise = noise * self.settings.embed_scale
+        ctx_len = context.shape[1]
+        positions = torch.arange(start - ctx_len, start + verify, device=self.device)[None]
+        hidden = self.drafter(
+            position_ids=positions,
+            noise_embedding=noise,
+            target_hidden=context.to(self.device),
+            attention_mask=None,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        if not isinstance(hidden, torch.Tensor):  # a ModelOutput-returning drafter
+            hidden = hidden[0]
+        self.calls += 1
+        # The cache now holds context + block; the block part is stale once the target decides.
+        if self.cache is not None:
+            _crop(self.cache, start)
+        hidden = hidden[:, 1:verify, :]
+        if hasattr(self.drafter, "compute_logits"):
+            return self.drafter.compute_logits(hidden, self.lm_head)
+        return self.lm_head(hidden)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -217,55 +425,44 @@ def spec_generate(
     mask_token_id: int | None = None,
     target_layer_ids: Sequence[int] | None = None,
     stop_token_ids: Sequence[int] | None = None,
+    sampling: Sampling | None = None,
+    generator: torch.Generator | None = None,
 ) -> SpecResult:
-    """Greedy speculative decoding of one prompt with a DFlash drafter (see the module docstring).
+    """Speculative decoding of one prompt with a DFlash drafter (see the module docstring).
 
     ``block_size``, ``mask_token_id`` and ``target_layer_ids`` default to the drafter's own
-    (``drafter.block_size`` / ``config.dflash_config``); pass them to override. The output is identical
-    to :func:`greedy_generate` (lossless) whatever the drafter proposes.
+    (``drafter.block_size`` / ``config.dflash_config``); pass them to override. Greedy by default: the
+    output is then identical to :func:`greedy_generate` (lossless) whatever the drafter proposes. With
+    ``sampling`` at a temperature > 0 every random draw comes from ``generator`` (a generator on the
+    target's device; None: a fresh one seeded 0, so a call is reproducible by default).
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
-    block_size = int(block_size if block_size is not None else _draft_setting(drafter, "block_size", 16))
-    if block_size < 1:
-        raise ValueError("block_size must be >= 1")
-    mask_token_id = mask_token_id if mask_token_id is not None else _draft_setting(drafter, "mask_token_id")
-    layer_ids = list(
-        target_layer_ids if target_layer_ids is not None else _draft_setting(drafter, "target_layer_ids")
+    sampling = sampling if sampling is not None else Sampling()
+    settings = draft_settings(
+        drafter, block_size=block_size, mask_token_id=mask_token_id, target_layer_ids=target_layer_ids
     )
-    if block_size > 1 and (mask_token_id is None or not layer_ids):
-        raise ValueError(
-            "mask_token_id and target_layer_ids are needed (pass them or set them in the drafter config)"
-        )
-    embed_scale = float(_draft_setting(drafter, "input_embedding_scale", 1.0) or 1.0)
-
+    block_size = settings.block_size
     device = _target_device(target)
-    draft_device = _model_device(drafter, device)
+    greedy = sampling.greedy
+    if not greedy and generator is None:
+        generator = torch.Generator(device=device).manual_seed(0)
+
     ids = _as_batch_of_one(input_ids, device)
     n_in = ids.shape[1]
     max_length = n_in + max_new_tokens  # final output is at most this long
     stops = torch.tensor(list(stop_token_ids or ()), dtype=torch.long, device=device)
 
-    embed_weight = target.get_input_embeddings().weight
-    lm_head = target.get_output_embeddings()
-    if lm_head is None:
-        lm_head = target.lm_head
-
-    def draft_logits(hidden: torch.Tensor) -> torch.Tensor:
-        if hasattr(drafter, "compute_logits"):
-            return drafter.compute_logits(hidden, lm_head)
-        return lm_head(hidden)
-
     # One row holding prompt + everything generated; unfilled slots hold the mask token, which is
     # exactly what the block needs past its first slot.
-    fill = mask_token_id if mask_token_id is not None else 0
+    fill = settings.mask_token_id if settings.mask_token_id is not None else 0
     seq = torch.full((1, max_length + 1), fill, dtype=torch.long, device=device)
     seq[:, :n_in] = ids
     positions = torch.arange(max_length + 1, device=device)[None]
 
     tgt_cache = _new_cache(target.config)
     ck = _cache_kwarg(target)
-    draft_cache = _new_cache(drafter.config) if block_size > 1 and hasattr(drafter, "config") else None
+    drafts = BlockDrafter(target, drafter, settings) if block_size > 1 else None
 
     out = target(
         input_ids=ids,
@@ -275,10 +472,13 @@ def spec_generate(
         output_hidden_states=block_size > 1,
         **{ck: tgt_cache},
     )
-    target_forwards, drafter_forwards = 1, 0
-    seq[0, n_in] = out.logits[0, -1].argmax()
+    target_forwards = 1
+    last = out.logits[0, -1:]
+    seq[0, n_in] = (
+        last.argmax(dim=-1)[0] if greedy else sample_from(sampling_probs(last, sampling), generator)[0]
+    )
     # Draft context waiting to enter the drafter's cache: features of tokens < start not yet cached.
-    pending_ctx = _features(out.hidden_states, layer_ids) if block_size > 1 else None
+    pending_ctx = features(out.hidden_states, settings.layer_ids) if block_size > 1 else None
 
     start = n_in  # position of the last committed token, which opens the next block
     accept_lengths: list[int] = []
@@ -288,27 +488,15 @@ def spec_generate(
         # become output, and the drafter sees the same block the reference would.
         verify = min(block_size, max_length - start)
         block = seq[:, start : start + verify].clone()  # [last token, MASK, ...]
+        draft_probs = None
         if verify > 1:
-            noise = F.embedding(block.to(draft_device), embed_weight.to(draft_device))
-            if embed_scale != 1.0:
-                noise = noise * embed_scale
-            ctx_len = pending_ctx.shape[1]
-            hidden = drafter(
-                position_ids=positions[:, start - ctx_len : start + verify].to(draft_device),
-                noise_embedding=noise,
-                target_hidden=pending_ctx.to(draft_device),
-                attention_mask=None,
-                past_key_values=draft_cache,
-                use_cache=True,
-            )
-            if not isinstance(hidden, torch.Tensor):  # a ModelOutput-returning drafter
-                hidden = hidden[0]
-            drafter_forwards += 1
-            # The cache now holds context + block; the block part is stale once the target decides.
-            if draft_cache is not None:
-                _crop(draft_cache, start)
+            logits = drafts.logits(block, pending_ctx, start).to(device)
             # Slot 0 is the known token; slots 1.. are the proposals for positions start+1 ...
-            block[:, 1:] = draft_logits(hidden[:, 1:verify, :]).argmax(dim=-1).to(device)
+            if greedy:
+                block[:, 1:] = logits.argmax(dim=-1)
+            else:
+                draft_probs = sampling_probs(logits[0], sampling)
+                block[0, 1:] = sample_from(draft_probs, generator)
 
         out = target(
             input_ids=block,
@@ -318,12 +506,18 @@ def spec_generate(
             **{ck: tgt_cache},
         )
         target_forwards += 1
-        posterior = out.logits[0].argmax(dim=-1)  # target's choice after each block slot
-        matches = (block[0, 1:] == posterior[:-1]).int()
-        accepted = int(matches.cumprod(0).sum())  # longest matching prefix of the drafts
+        if greedy:
+            posterior = out.logits[0].argmax(dim=-1)  # target's choice after each block slot
+            matches = (block[0, 1:] == posterior[:-1]).int()
+            accepted = int(matches.cumprod(0).sum())  # longest matching prefix of the drafts
+            nxt = posterior[accepted]
+        else:
+            target_probs = sampling_probs(out.logits[0], sampling)
+            q = draft_probs if draft_probs is not None else target_probs[:0]
+            accepted, nxt = verify_sampled(block[0, 1:], q, target_probs, generator)
         # Commit the accepted drafts and the bonus (the target's token after them).
         seq[0, start + 1 : start + 1 + accepted] = block[0, 1 : 1 + accepted]
-        seq[0, start + 1 + accepted] = posterior[accepted]
+        seq[0, start + 1 + accepted] = nxt
         produced = min(accepted + 1, max_length - start - 1)
         if stops.numel():
             hit = torch.isin(seq[0, start + 1 : start + 1 + produced], stops).nonzero()
@@ -334,12 +528,12 @@ def spec_generate(
         # (start+produced) has neither yet: it opens the next block.
         _crop(tgt_cache, start + produced)
         if verify > 1:
-            pending_ctx = _features(out.hidden_states, layer_ids)[:, :produced]
+            pending_ctx = features(out.hidden_states, settings.layer_ids)[:, :produced]
         start += produced
         accept_lengths.append(produced)
 
     output = seq[:, : min(start + 1, max_length)].clone()
-    return SpecResult(output, accept_lengths, target_forwards, drafter_forwards, n_in)
+    return SpecResult(output, accept_lengths, target_forwards, drafts.calls if drafts else 0, n_in)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -357,30 +551,42 @@ def evaluate_drafter(
     mask_token_id: int | None = None,
     target_layer_ids: Sequence[int] | None = None,
     stop_token_ids: Sequence[int] | None = None,
+    sampling: Sampling | None = None,
+    seed: int = 0,
 ) -> dict[str, float]:
-    """Run greedy and speculative decoding on every prompt and compare.
+    """Run speculative decoding on every prompt (greedy: beside plain greedy decoding, and compare).
 
-    Returns (all numbers; ``lossless`` is 1.0/0.0 so the dict logs as metrics):
+    Returns (all numbers, so the dict logs as metrics):
 
     * ``tau``: mean tokens committed per verify step, bonus included, over all steps of all prompts
       (the DFlash "acceptance length"; 1.0 = the drafter never helps, B = every draft accepted);
-    * ``speedup_forwards``: greedy target forwards / speculative target forwards (prefills included);
-      the upper bound on wall-clock speedup when the drafter is free;
-    * ``lossless``: 1.0 when every speculative output equals the greedy output token for token;
-    * ``tokens_generated``, ``num_prompts``, ``verify_steps``, ``target_forwards_greedy``,
-      ``target_forwards_spec``, ``drafter_forwards``, ``mismatched_prompts``;
-    * ``greedy_s``, ``spec_s``, ``speedup_wall``: wall-clock times (informative only on CPU).
+    * ``speedup_forwards``: plain-decoding target forwards (one per new token, the prefill's included)
+      / speculative target forwards; the upper bound on wall-clock speedup when the drafter is free;
+    * ``tokens_generated``, ``num_prompts``, ``verify_steps``, ``target_forwards_spec``,
+      ``drafter_forwards``, ``spec_s``;
+    * greedy only: ``lossless`` (1.0 when every speculative output equals the greedy output token for
+      token), ``mismatched_prompts``, ``target_forwards_greedy``, ``greedy_s``, ``speedup_wall``
+      (wall-clock times are informative only on CPU);
+    * sampled only: ``temperature``, ``top_p``, ``top_k``. Prompt ``i`` draws from a generator seeded
+      with ``derive_seed(seed, 0, 0, "prompt", i)``: a prompt's output does not depend on the others.
     """
     if not prompts:
         raise ValueError("no prompts")
+    sampling = sampling if sampling is not None else Sampling()
+    device = _target_device(target)
     was_training = drafter.training
     drafter.eval()
     try:
         steps, committed, fwd_greedy, fwd_spec, fwd_draft, tokens, mismatched = 0, 0, 0, 0, 0, 0, 0
         greedy_s = spec_s = 0.0
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
+            ref = None
             t0 = time.perf_counter()
-            ref = greedy_generate(target, prompt, max_new_tokens, stop_token_ids)
+            if sampling.greedy:
+                ref = greedy_generate(target, prompt, max_new_tokens, stop_token_ids)
+            generator = None
+            if not sampling.greedy:
+                generator = torch.Generator(device=device).manual_seed(derive_seed(seed, 0, 0, "prompt", i))
             t1 = time.perf_counter()
             res = spec_generate(
                 target,
@@ -391,31 +597,45 @@ def evaluate_drafter(
                 mask_token_id=mask_token_id,
                 target_layer_ids=target_layer_ids,
                 stop_token_ids=stop_token_ids,
+                sampling=sampling,
+                generator=generator,
             )
             t2 = time.perf_counter()
             greedy_s += t1 - t0
             spec_s += t2 - t1
             steps += len(res.accept_lengths)
             committed += sum(res.accept_lengths)
-            fwd_greedy += ref.target_forwards
             fwd_spec += res.target_forwards
             fwd_draft += res.drafter_forwards
             tokens += res.num_new_tokens
-            mismatched += int(res.output_ids.tolist() != ref.output_ids.tolist())
+            if ref is not None:
+                fwd_greedy += ref.target_forwards
+                mismatched += int(res.output_ids.tolist() != ref.output_ids.tolist())
     finally:
         drafter.train(was_training)
-    return {
+    metrics = {
         "tau": committed / steps if steps else 1.0,
-        "speedup_forwards": fwd_greedy / fwd_spec,
-        "lossless": float(mismatched == 0),
-        "mismatched_prompts": float(mismatched),
+        # Plain decoding takes one target forward per new token (greedy_generate counts exactly that).
+        "speedup_forwards": tokens / fwd_spec,
         "tokens_generated": float(tokens),
         "num_prompts": float(len(prompts)),
         "verify_steps": float(steps),
-        "target_forwards_greedy": float(fwd_greedy),
         "target_forwards_spec": float(fwd_spec),
         "drafter_forwards": float(fwd_draft),
-        "greedy_s": greedy_s,
         "spec_s": spec_s,
-        "speedup_wall": greedy_s / spec_s if spec_s > 0 else 0.0,
     }
+    if sampling.greedy:
+        metrics.update(
+            {
+                "lossless": float(mismatched == 0),
+                "mismatched_prompts": float(mismatched),
+                "target_forwards_greedy": float(fwd_greedy),
+                "greedy_s": greedy_s,
+                "speedup_wall": greedy_s / spec_s if spec_s > 0 else 0.0,
+            }
+        )
+    else:
+        metrics.update(
+            {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": float(sampling.top_k)}
+        )
+    return metrics

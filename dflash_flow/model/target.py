@@ -3,7 +3,8 @@
 Three jobs, all pure (no pipeline runtime):
 
 * :func:`load_target` turns a *spec* (local directory, hub id, or a tiny config preset) into a frozen,
-  eval-mode causal LM on a device.
+  eval-mode causal LM on a device, or split layer-wise over several devices (a target larger than one
+  GPU), optionally loaded only as deep as the deepest layer it will run.
 * :class:`TargetFeatureExtractor` runs the target only as deep as the deepest requested layer and returns
   the DFlash context features ``concat(hidden_states[id + 1] for id in target_layer_ids)``, aligned 1:1
   with ``input_ids`` (no shift).
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextvars
 import json
+import logging
 import os
 import re
 import socket
@@ -37,6 +39,12 @@ __all__ = [
     "SharedHead",
     "load_target",
     "load_target_config",
+    "layer_devices",
+    "num_hidden_layers",
+    "peek_target_depth",
+    "place_on_devices",
+    "split_device_map",
+    "target_depth",
     "load_shared_head",
     "resolve_dtype",
     "is_preset",
@@ -154,18 +162,55 @@ def is_preset(spec: Any) -> bool:
     return isinstance(spec, Mapping) or (isinstance(spec, str) and spec in TARGET_PRESETS)
 
 
-def load_target_config(spec: str | os.PathLike | Mapping[str, Any], *, trust_remote_code: bool = False):
-    """The target's config without its weights (a preset's, or ``config.json`` of a directory/hub id)."""
+def load_target_config(
+    spec: str | os.PathLike | Mapping[str, Any], *, trust_remote_code: bool = False, local_only: bool = False
+):
+    """The target's config without its weights (a preset's, or ``config.json`` of a directory/hub id).
+
+    A hub id is read from the local HF cache first; the hub is asked only when it is reachable and
+    ``local_only`` is false (validation passes ``local_only=True``: it never touches the network), else
+    :class:`TargetOfflineError` (``OSError`` with ``local_only`` when the id is not cached).
+    """
     if is_preset(spec):
         config, _ = _preset_config(spec)  # type: ignore[arg-type]
         return config
     from transformers import AutoConfig
 
     path = Path(os.fspath(spec)).expanduser()
-    return AutoConfig.from_pretrained(
-        str(path) if path.exists() else os.fspath(spec), local_files_only=path.exists(),
-        trust_remote_code=trust_remote_code,
-    )
+    if path.exists():
+        return AutoConfig.from_pretrained(
+            str(path), local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    spec_str = _hub_id(spec)
+
+    def read(local: bool):
+        return AutoConfig.from_pretrained(
+            spec_str, local_files_only=local, trust_remote_code=trust_remote_code
+        )
+
+    if local_only:
+        return read(True)
+    return _cache_then_hub(read, spec_str)
+
+
+def num_hidden_layers(config: Any) -> int:
+    """Decoder layers of a target config (the text stack's, for multimodal wrappers)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.num_hidden_layers)
+
+
+def peek_target_depth(
+    spec: str | os.PathLike | Mapping[str, Any], *, trust_remote_code: bool = False
+) -> int | None:
+    """The target's decoder depth when its config can be read here without weights and without the
+    network (a preset, a local directory, a cached hub id); None otherwise (the stage's setup then
+    reports what is wrong)."""
+    try:
+        return num_hidden_layers(
+            load_target_config(spec, trust_remote_code=trust_remote_code, local_only=True)
+        )
+    except Exception:  # unreadable here (not cached, remote code refused, malformed): not validation's call
+        return None
 
 
 def _env_flag(name: str) -> bool:
@@ -189,6 +234,32 @@ def _hub_reachable(timeout_s: float = 3.0) -> bool:
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 
 
+def _hub_id(spec: str | os.PathLike) -> str:
+    spec_str = os.fspath(spec)
+    if not _HUB_ID.match(spec_str):
+        raise ValueError(
+            f"target spec {spec_str!r} is not a preset ({sorted(TARGET_PRESETS)}), not an existing "
+            "directory and not a hub id"
+        )
+    return spec_str
+
+
+def _cache_then_hub(read, spec_str: str):
+    """``read(local_files_only)``: the local cache first (no network, works offline), the hub only when
+    it can be reached."""
+    try:
+        return read(True)
+    except OSError:
+        if not _hub_reachable():
+            raise TargetOfflineError(
+                f"target {spec_str!r} is not a local directory, not a preset and not in the local "
+                "Hugging Face cache, and the hub is unreachable (offline: HF_HUB_OFFLINE/"
+                "TRANSFORMERS_OFFLINE set or no network). Pass a local path or a preset such as "
+                f"{next(iter(TARGET_PRESETS))!r}."
+            ) from None
+        return read(False)
+
+
 def _freeze(model: nn.Module) -> nn.Module:
     model.eval()
     for p in model.parameters():
@@ -199,7 +270,9 @@ def _freeze(model: nn.Module) -> nn.Module:
 def load_target(
     spec: str | os.PathLike | Mapping[str, Any],
     *,
-    device: str | torch.device = "cpu",
+    device: str | torch.device | None = None,
+    devices: Sequence[str | torch.device] | None = None,
+    num_layers: int | None = None,
     dtype: torch.dtype | None = None,
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
@@ -215,15 +288,35 @@ def load_target(
     * a hub id (``org/name``): taken from the local HF cache if present, downloaded only when the hub is
       reachable; otherwise :class:`TargetOfflineError`.
 
-    The result is in eval mode with ``requires_grad=False`` everywhere, in ``dtype`` (default bf16 on
-    accelerators, fp32 on CPU), with ``attn_implementation`` (default flash_attention_2 when it imports on
-    CUDA, sdpa otherwise). Remote code runs only when ``trust_remote_code=True``.
+    Placement: ``device`` (default cpu) puts the whole model on one device; ``devices=[d0, d1, ...]``
+    splits it layer-wise (:func:`place_on_devices`: embedding and the first layers on ``d0``, later layers
+    on the next devices, balanced by layer count, activations moved by hooks). ``num_layers`` loads only
+    the first ``num_layers`` decoder layers: the config is truncated before the model is built, so the
+    checkpoint tensors of the layers above are never read (a preset is built whole from its seed, so
+    that its weights equal the unsplit preset's, and the layers above are dropped before placement).
+    :func:`target_depth` still gives the full depth. ``dtype`` and ``attn_implementation`` default by the
+    (first) device.
+
+    Memory of a split (bf16): a Qwen3-8B-shaped target (36 layers, hidden 4096, MLP 12288, GQA 32/8 heads
+    of 128, vocab 151936, untied) holds 0.39 GB per decoder layer and 1.24 GB each for the embedding and
+    the LM head. Over 2 GPUs with the deepest layer 33 (the default 5-layer DFlash ids 1..33): 34 layers
+    load, 17 per device; the first device holds the embedding + 17 layers (about 7.8 GB), the second 17
+    layers + final norm + LM head (about 7.8 GB); layers 34-35 (0.8 GB) are never loaded. Activations
+    come on top: per 12288-token batch each residual state is 100 MB, the MLP transient about 0.9 GB per
+    device, the gathered features (5 layers) 0.5 GB on the output device.
+
+    The result is in eval mode with ``requires_grad=False`` everywhere. Remote code runs only when
+    ``trust_remote_code=True``.
     """
     from transformers import AutoModelForCausalLM
 
-    dev = _as_device(device)
-    dtype = dtype or default_dtype(dev)
-    attn = attn_implementation or default_attn_implementation(dev)
+    if device is not None and devices:
+        raise ValueError("pass either device or devices, not both")
+    placement = [_as_device(d) for d in (devices or [device or "cpu"])]
+    if num_layers is not None and num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    dtype = dtype or default_dtype(placement[0])
+    attn = attn_implementation or default_attn_implementation(placement[0])
     common = {"dtype": dtype, "attn_implementation": attn, "trust_remote_code": trust_remote_code}
 
     if is_preset(spec):
@@ -233,34 +326,260 @@ def load_target(
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, **common)
-        return _freeze(model.to(dev))
+        _drop_layers_above(model, num_layers)
+        return _placed(model, placement)
 
     path = Path(os.fspath(spec)).expanduser()
     if path.exists():
         if not path.is_dir():
             raise ValueError(f"target spec {str(spec)!r} is a file; expected a model directory")
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **common)
-        return _freeze(model.to(dev))
+        config = load_target_config(path, trust_remote_code=trust_remote_code) if num_layers else None
+        return _placed(_from_pretrained(path, config, num_layers, local_files_only=True, **common), placement)
+    spec_str = _hub_id(spec)
+    config = load_target_config(spec_str, trust_remote_code=trust_remote_code) if num_layers else None
 
-    spec_str = os.fspath(spec)
-    if not _HUB_ID.match(spec_str):
-        raise ValueError(
-            f"target spec {spec_str!r} is not a preset ({sorted(TARGET_PRESETS)}), not an existing "
-            "directory and not a hub id"
-        )
-    # The local cache first: it needs no network and works offline.
+    def read_hub(local: bool):
+        return _from_pretrained(spec_str, config, num_layers, local_files_only=local, **common)
+
+    return _placed(_cache_then_hub(read_hub, spec_str), placement)
+
+
+def _placed(model: nn.Module, placement: list[torch.device]) -> nn.Module:
+    if len(placement) == 1:
+        return _freeze(model.to(placement[0]))
+    return _freeze(place_on_devices(model, placement))
+
+
+# -- loading only as deep as needed ----------------------------------------------------------------
+
+_DEPTH_ATTR = "dflash_target_depth"  # the full depth of a target loaded only partway
+
+
+def target_depth(model: nn.Module) -> int:
+    """Decoder layers of the full target, also when only the first few were loaded (``num_layers``)."""
+    return int(getattr(model, _DEPTH_ATTR, None) or len(decoder_layers(model)))
+
+
+def _truncate_config(config: Any, num_layers: int) -> None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text.num_hidden_layers = num_layers
+    layer_types = getattr(text, "layer_types", None)
+    if isinstance(layer_types, list) and len(layer_types) > num_layers:
+        text.layer_types = layer_types[:num_layers]
+
+
+def _check_depth(num_layers: int, depth: int) -> None:
+    if num_layers > depth:
+        raise ValueError(f"num_layers={num_layers} but the target has only {depth} decoder layers")
+
+
+def _drop_layers_above(model: nn.Module, num_layers: int | None) -> None:
+    """Keep the first ``num_layers`` decoder layers of a built model (a preset: tiny and built whole)."""
+    if num_layers is None:
+        return
+    depth = len(decoder_layers(model))
+    _check_depth(num_layers, depth)
+    backbone = _backbone(model)
+    backbone.layers = nn.ModuleList(list(backbone.layers)[:num_layers])
+    _truncate_config(model.config, num_layers)
+    setattr(model, _DEPTH_ATTR, depth)
+
+
+# Layer keys of a checkpoint: `...layers.<i>.` (the text stack of every supported family).
+_LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_PARTIAL_LOAD: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "dflash_flow_partial_load", default=False
+)
+_log = logging.getLogger(__name__)
+
+
+class _PartialLoadReport(logging.Filter):
+    """Drops transformers' load report during a partial load when it lists only UNEXPECTED keys: the
+    layers above ``num_layers`` are in the checkpoint on purpose. We check those keys ourselves
+    (``_check_skipped``), so a truly unexpected key is still reported."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not _PARTIAL_LOAD.get():
+            return True
+        text = record.getMessage()
+        return "LOAD REPORT" not in text or any(w in text for w in ("MISSING", "MISMATCH", "CONVERSION"))
+
+
+_REPORT_FILTER = _PartialLoadReport()
+
+
+def _from_pretrained(source: str | Path, config: Any, num_layers: int | None, **kwargs: Any) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if num_layers is None:
+        return AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    depth = num_hidden_layers(config)
+    _check_depth(num_layers, depth)
+    _truncate_config(config, num_layers)
+    hf_logger = logging.getLogger("transformers.modeling_utils")
+    if _REPORT_FILTER not in hf_logger.filters:
+        hf_logger.addFilter(_REPORT_FILTER)
+    token = _PARTIAL_LOAD.set(True)
     try:
-        model = AutoModelForCausalLM.from_pretrained(spec_str, local_files_only=True, **common)
-    except OSError:
-        if not _hub_reachable():
-            raise TargetOfflineError(
-                f"target {spec_str!r} is not a local directory, not a preset and not in the local "
-                "Hugging Face cache, and the hub is unreachable (offline: HF_HUB_OFFLINE/"
-                "TRANSFORMERS_OFFLINE set or no network). Pass a local path or a preset such as "
-                f"{next(iter(TARGET_PRESETS))!r}."
-            ) from None
-        model = AutoModelForCausalLM.from_pretrained(spec_str, **common)
-    return _freeze(model.to(dev))
+        model, info = AutoModelForCausalLM.from_pretrained(
+            source, config=config, output_loading_info=True, **kwargs
+        )
+    finally:
+        _PARTIAL_LOAD.reset(token)
+    _check_skipped(info.get("unexpected_keys", ()), num_layers, source)
+    setattr(model, _DEPTH_ATTR, depth)
+    return model
+
+
+def _check_skipped(unexpected: Any, num_layers: int, source: str | Path) -> None:
+    """Warn about checkpoint keys that are unexpected for another reason than being above ``num_layers``."""
+    odd = sorted(k for k in unexpected if not ((m := _LAYER_KEY.search(k)) and int(m.group(1)) >= num_layers))
+    if odd:
+        _log.warning("target %s: checkpoint tensors not used by the model: %s", source, ", ".join(odd[:10]))
+
+
+# -- splitting over several devices ----------------------------------------------------------------
+
+
+def layer_devices(num_layers: int, num_devices: int) -> list[int]:
+    """The device index of each decoder layer: contiguous runs, balanced by layer count. When the layers
+    do not divide evenly the later devices take one more, since the first also holds the embedding."""
+    if num_devices < 1:
+        raise ValueError("at least one device is needed")
+    if num_devices > num_layers:
+        raise ValueError(
+            f"{num_devices} devices for {num_layers} decoder layers: every device needs at least one layer "
+            f"(use at most {num_layers} devices)"
+        )
+    base, extra = divmod(num_layers, num_devices)
+    counts = [base + (1 if d >= num_devices - extra else 0) for d in range(num_devices)]
+    return [d for d, n in enumerate(counts) for _ in range(n)]
+
+
+def _tied(model: nn.Module) -> bool:
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    return head is not None and embed is not None and head.weight is embed.weight
+
+
+def split_device_map(model: nn.Module, devices: Sequence[str | torch.device]) -> dict[str, str]:
+    """Module name -> device, in transformers' ``device_map`` form: decoder layers by
+    :func:`layer_devices`; the final norm and an untied LM head on the last device; everything else (the
+    embedding, rotary embedding, a tied LM head, other towers) on the first. Keys are the largest
+    subtrees on one device."""
+    devs = [str(_as_device(d)) for d in devices]
+    backbone = _backbone(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    layers = list(backbone.layers)
+    plan = layer_devices(len(layers), len(devs))
+    placed = {names[id(layer)]: devs[plan[i]] for i, layer in enumerate(layers)}
+    norm = getattr(backbone, "norm", None)
+    if isinstance(norm, nn.Module):
+        placed[names[id(norm)]] = devs[-1]
+    head = model.get_output_embeddings()
+    if head is not None and not _tied(model):
+        placed[names[id(head)]] = devs[-1]
+    rest: dict[str, str] = {}
+    _fill_rest(model, "", placed, devs[0], rest)
+    return {**rest, **placed}
+
+
+def _fill_rest(
+    module: nn.Module, prefix: str, placed: Mapping[str, str], device: str, out: dict[str, str]
+) -> None:
+    for name, child in module.named_children():
+        path = f"{prefix}{name}"
+        if path in placed:
+            continue
+        if any(p.startswith(path + ".") for p in placed):
+            _fill_rest(child, path + ".", placed, device, out)
+        else:
+            out[path] = device
+
+
+class _ToDevice:
+    """Forward pre-hook of every module of one run of modules on a device: moves the tensors among its
+    inputs there. The inputs every layer shares (mask, rotary cos/sin, position ids) are moved once per
+    run and reused by the run's other layers; the cache is per thread (concurrent callers), reset by the
+    run's first module and cleared after its last."""
+
+    def __init__(self, device: torch.device, first: nn.Module, last: nn.Module) -> None:
+        self.device = device
+        self.first = first
+        self.last = last
+        self._local = threading.local()
+
+    def _move(self, x: Any, moved: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        if isinstance(x, torch.Tensor):
+            if x.device == self.device:
+                return x
+            hit = moved.get(id(x))
+            if hit is not None and hit[0] is x:
+                return hit[1]
+            y = x.to(self.device)
+            moved[id(x)] = (x, y)
+            return y
+        if isinstance(x, tuple):
+            return tuple(self._move(v, moved) for v in x)
+        if isinstance(x, list):
+            return [self._move(v, moved) for v in x]
+        if isinstance(x, dict):
+            return {k: self._move(v, moved) for k, v in x.items()}
+        return x
+
+    def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if module is self.first or getattr(self._local, "moved", None) is None:
+            self._local.moved = {}
+        moved = self._local.moved
+        # The residual stream (first argument) comes from the module before: moved, never cached.
+        head = tuple(a.to(self.device) if isinstance(a, torch.Tensor) else a for a in args[:1])
+        return head + self._move(args[1:], moved), self._move(kwargs, moved)
+
+    def post(self, module: nn.Module, _args: Any, _output: Any) -> None:
+        if module is self.last:
+            self._local.moved = None
+
+
+def place_on_devices(model: nn.Module, devices: Sequence[str | torch.device]) -> nn.Module:
+    """Split ``model`` over ``devices`` by :func:`split_device_map` (each module moved straight to its
+    own device, so the whole model never sits on one) and hook every module after the first device's
+    run so that its inputs follow it (what accelerate's ``dispatch_model`` does; accelerate is not a
+    dependency). The map is kept as ``model.dflash_device_map``.
+
+    The hooks are installed by position in the map, not by whether two devices differ: a split over
+    ``cpu`` entries (the tests' CPU "devices") runs exactly this path, its moves being no-ops."""
+    devs = [_as_device(d) for d in devices]
+    device_map = split_device_map(model, devs)
+    for name, dev in device_map.items():
+        model.get_submodule(name).to(dev)
+    backbone = _backbone(model)
+    layers = list(backbone.layers)
+    plan = layer_devices(len(layers), len(devs))
+    runs: list[list[nn.Module]] = []
+    for i, layer in enumerate(layers):
+        if i and plan[i] == plan[i - 1]:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    tails = [
+        m
+        for m in (getattr(backbone, "norm", None), model.get_output_embeddings())
+        if isinstance(m, nn.Module)
+    ]
+    for run in runs[1:] + [[m] for m in tails]:
+        hook = _ToDevice(_module_device(run[0]), run[0], run[-1])
+        for module in run:
+            module.register_forward_pre_hook(hook.pre, with_kwargs=True)
+        run[-1].register_forward_hook(hook.post)
+    model.dflash_device_map = device_map
+    return model
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    for b in module.buffers():
+        return b.device
+    return torch.device("cpu")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -304,6 +623,11 @@ class TargetFeatureExtractor:
     record their outputs; the hook on the deepest one raises, which ends the forward there. Layers above
     it, the final norm and the LM head never run. The hooks exist only during a call and act only in the
     calling context (a ContextVar), so concurrent callers on the same model do not see each other.
+
+    On a model split over several devices (:func:`place_on_devices`) the inputs go to the embedding's
+    device and each chosen layer's output is gathered onto ``output_device`` (default: the embedding's
+    device), e.g. the drafter's GPU, before concatenation. A model loaded only partway (``num_layers``)
+    works as long as it reaches the deepest requested layer.
     """
 
     def __init__(
@@ -313,17 +637,25 @@ class TargetFeatureExtractor:
         *,
         dtype: torch.dtype | None = None,
         zero_padding: bool = True,
+        output_device: str | torch.device | None = None,
     ) -> None:
         self.model = model
         self.backbone = _backbone(model)
         self.layers = self.backbone.layers
-        num_layers = len(self.layers)
+        num_layers = target_depth(model)
         ids = [int(i) for i in target_layer_ids]
         if not ids:
             raise ValueError("target_layer_ids must not be empty")
         bad = [i for i in ids if not 0 <= i < num_layers]
         if bad:
             raise ValueError(f"target layer ids {bad} are outside [0, {num_layers - 1}] for this target")
+        unloaded = [i for i in ids if i >= len(self.layers)]
+        if unloaded:
+            raise ValueError(
+                f"target layer ids {unloaded} were not loaded: this target was loaded only {len(self.layers)} "
+                f"of its {num_layers} layers deep"
+            )
+        self.output_device = None if output_device is None else _as_device(output_device)
         self.target_layer_ids = ids
         self.num_target_layers = num_layers
         self.deepest = max(ids)
@@ -380,7 +712,8 @@ class TargetFeatureExtractor:
         """
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
-        device = next(self.backbone.parameters()).device
+        embed = self.model.get_input_embeddings()
+        device = embed.weight.device if embed is not None else next(self.backbone.parameters()).device
         input_ids = input_ids.to(device)
         if attention_mask is not None:
             attention_mask = attention_mask.to(device)
@@ -415,11 +748,14 @@ class TargetFeatureExtractor:
             )
         # Concatenate outside inference mode: the result is then an ordinary tensor that a trainer may
         # feed into autograd (inference tensors cannot be saved for backward).
-        feats = torch.cat([collected[i] for i in self.target_layer_ids], dim=-1)
+        # Each layer's output is gathered onto the output device first (on a split model they lie on
+        # several devices).
+        out = self.output_device or device
+        feats = torch.cat([collected[i].to(out) for i in self.target_layer_ids], dim=-1)
         if self.dtype is not None:
             feats = feats.to(self.dtype)
         if self.zero_padding and attention_mask is not None:
-            feats = feats * attention_mask.unsqueeze(-1).to(feats.dtype)
+            feats = feats * attention_mask.to(out).unsqueeze(-1).to(feats.dtype)
         return feats
 
 

@@ -22,7 +22,7 @@ from torch import nn
 from dflash_flow.items import TargetFeatures
 from dflash_flow.model.drafter import DFlashDrafter, make_drafter_config
 from dflash_flow.model.objective import dflash_loss
-from dflash_flow.model.optim import GradientAccumulator, build_optimizer
+from dflash_flow.model.optim import GradientAccumulator, NonFiniteError, build_optimizer
 
 STATE_VERSION = 1
 
@@ -123,6 +123,12 @@ class TrainerConfig:
     # Under torch.distributed (initialised by the application): ddp replicates the drafter and averages
     # gradients; fsdp shards parameters, gradients and optimizer state (for drafters too large to copy).
     data_parallel: Literal["ddp", "fsdp"] = "ddp"
+    # A NaN/inf loss or gradient norm: "stop" raises NonFiniteError (the update is not applied), "skip"
+    # leaves the weights as they were for that step and goes on (with a warning).
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    # Under ddp: time the gradient all-reduce with a comm hook around the default one (step metric
+    # `allreduce_wait_s`); a clock read per bucket, nothing else changes.
+    time_allreduce: bool = True
 
 
 class DFlashObjective(nn.Module):
@@ -163,7 +169,39 @@ def _is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _data_parallel(objective: DFlashObjective, mode: str, device: torch.device) -> nn.Module:
+class AllReduceClock:
+    """State of :func:`timed_allreduce_hook`: when the last gradient bucket of a backward was handed to
+    the all-reduce and when the last all-reduce completed. After a syncing backward, the difference is
+    the wait the all-reduce added to the step (backward compute had ended at the last hand-over): the
+    transfer not hidden behind compute, and any wait for a slower rank."""
+
+    def __init__(self) -> None:
+        self.handed: float | None = None
+        self.done: float | None = None
+
+    def take(self) -> float | None:
+        """The exposed wait of the backward just finished (None when no bucket was reduced); resets."""
+        handed, done = self.handed, self.done
+        self.handed = self.done = None
+        return max(done - handed, 0.0) if handed is not None and done is not None else None
+
+
+def timed_allreduce_hook(clock: AllReduceClock, bucket):
+    """DDP comm hook: torch's default all-reduce (mean over ranks), timed into ``clock``. (No annotations
+    on ``bucket`` and the result: DDP checks them, and postponed annotations are strings to it.)"""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    clock.handed = time.perf_counter()
+
+    def finished(fut: torch.futures.Future) -> torch.Tensor:
+        clock.done = time.perf_counter()
+        return fut.value()
+
+    return allreduce_hook(None, bucket).then(finished)
+
+
+def _data_parallel(objective: DFlashObjective, mode: str, device: torch.device,
+                   clock: AllReduceClock | None = None) -> nn.Module:
     """``objective`` wrapped for the process group torch.distributed has (itself when there is none)."""
     if not _is_distributed():
         return objective
@@ -184,7 +222,10 @@ def _data_parallel(objective: DFlashObjective, mode: str, device: torch.device) 
     # name changed across torch versions).
     params = inspect.signature(DistributedDataParallel).parameters
     sync_kw = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
-    return DistributedDataParallel(objective, device_ids=[device] if device.type == "cuda" else None, **{sync_kw: False})
+    ddp = DistributedDataParallel(objective, device_ids=[device] if device.type == "cuda" else None, **{sync_kw: False})
+    if clock is not None:
+        ddp.register_comm_hook(clock, timed_allreduce_hook)
+    return ddp
 
 
 class DrafterTrainer:
@@ -212,7 +253,10 @@ class DrafterTrainer:
         self.dtype = dtype
         self.gamma = config.gamma if config.gamma is not None else default_gamma(drafter.block_size)
         self.objective = DFlashObjective(drafter, head, gamma=self.gamma, config=config)
-        self.model = _data_parallel(self.objective, config.data_parallel, self.device)
+        ddp_timed = config.time_allreduce and config.data_parallel == "ddp" and _is_distributed()
+        self.allreduce_clock = AllReduceClock() if ddp_timed else None
+        self._allreduce_wait = 0.0
+        self.model = _data_parallel(self.objective, config.data_parallel, self.device, self.allreduce_clock)
         self.ddp = hasattr(self.model, "no_sync")
         self.accumulator = GradientAccumulator(config.grad_accum)
         self.optimizer: Any = None
@@ -224,6 +268,7 @@ class DrafterTrainer:
         self._tokens = 0
         self._samples = 0
         self._last_step_t = time.perf_counter()
+        self._last_batch: Any = None  # meta of the last micro-batch trained (named by a non-finite step)
 
     # -- schedule ----------------------------------------------------------------------------------
     def plan(self, planned_batches: int) -> None:
@@ -260,6 +305,7 @@ class DrafterTrainer:
         gets the same anchors after a resume and on every device."""
         self.check_features(feats)
         self.plan(feats.meta.total_batches)
+        self._last_batch = feats.meta
         gen = torch.Generator()
         gen.manual_seed(anchor_seed)
         # Data parallel: gradients are all-reduced on the micro-batch that completes the step only.
@@ -278,6 +324,8 @@ class DrafterTrainer:
                 gen,
             )
             ready = self.accumulator.backward(out.loss)
+        if syncs and self.allreduce_clock is not None:
+            self._allreduce_wait += self.allreduce_clock.take() or 0.0
         if not feats.meta.filler:  # a filler keeps data-parallel ranks in step; it trains nothing
             for k, v in out.metrics().items():
                 self._sums[k] = self._sums.get(k, 0.0) + v
@@ -288,8 +336,29 @@ class DrafterTrainer:
             return None
         return self._optimizer_step()
 
+    def _nonfinite(self, what: str) -> None:
+        """A non-finite loss or gradient norm at the step being taken: stop (raise) or skip (warn)."""
+        meta = self._last_batch
+        batch = "no batch"
+        if meta is not None:
+            ids = list(meta.sample_ids)
+            shown = ", ".join(map(str, ids[:8])) + (", ..." if len(ids) > 8 else "")
+            batch = f"batch {meta.index} of epoch {meta.epoch}, samples [{shown}]"
+        where = f"{what} at optimizer step {self.step + 1} ({batch})"
+        if self.config.on_nonfinite == "stop":
+            raise NonFiniteError(
+                f"non-finite {where}: the training diverged; the update was not applied. Lower lr "
+                f"(now {self.config.lr:g}) or max_grad_norm, check that batch's data, or set on_nonfinite: skip"
+            )
+        import logging
+
+        logging.getLogger("dflash_flow").warning("skipping the update of non-finite %s (on_nonfinite: skip)", where)
+
     def _optimizer_step(self) -> dict[str, float]:
         grad_norm = float(self.optimizer.step())
+        mean_loss = self._sums.get("loss", 0.0) / max(self._counted, 1)
+        if not math.isfinite(grad_norm) or not math.isfinite(mean_loss):
+            self._nonfinite(f"loss ({mean_loss})" if not math.isfinite(mean_loss) else f"gradient norm ({grad_norm})")
         self.schedule.step()
         self.step += 1
         n = max(self._counted, 1)
@@ -297,16 +366,21 @@ class DrafterTrainer:
         self.accumulator.reset()
         now = time.perf_counter()
         dt = max(now - self._last_step_t, 1e-9)
-        metrics = {k: v / n for k, v in self._sums.items()}
+        # A skipped non-finite step reports no NaN (reports and plots refuse NaN): its values are left out.
+        metrics = {k: v / n for k, v in self._sums.items() if math.isfinite(v)}
         if "acceptance_length" in metrics:
             metrics["sim_accept_len"] = metrics.pop("acceptance_length")
+        if math.isfinite(grad_norm):
+            metrics["grad_norm"] = grad_norm
         metrics.update(
-            grad_norm=grad_norm,
             lr=float(self.schedule.get_last_lr()[0]),
             tokens_per_s=self._tokens / dt,
             samples_per_s=self._samples / dt,
             total_steps=float(self.total_steps or 0),
         )
+        if self.allreduce_clock is not None:
+            metrics["allreduce_wait_s"] = self._allreduce_wait
+            self._allreduce_wait = 0.0
         self._sums = {}
         self._tokens = self._samples = 0
         self._last_step_t = now
@@ -315,7 +389,8 @@ class DrafterTrainer:
     def flush(self) -> None:
         """A trailing partial accumulation still updates the weights (its metrics are dropped)."""
         if self.accumulator.micro and self.optimizer is not None:
-            self.optimizer.step()
+            if not math.isfinite(float(self.optimizer.step())):
+                self._nonfinite("gradient norm of the last partial accumulation")
             self.schedule.step()
             self.step += 1
             self.accumulator.reset()

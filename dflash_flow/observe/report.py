@@ -88,6 +88,18 @@ def _pct(x: float) -> str:
 _TRAIN_SHOWN = ("loss", "accuracy", "sim_accept_len", "grad_norm", "lr", "tokens_per_s", "samples_per_s")
 
 
+def _acceptance(record: RunRecord, mean: dict[str, float]) -> tuple[list[list[Any]], list[str]] | None:
+    """Every acceptance figure side by side: the trainer's simulated one (the last epoch's mean, not one
+    batch's), then each evaluation's ``tau`` and ``tau_h<H>`` per horizon (real decoding, the walk)."""
+    evals = {name: m for name, m in record.evals.items() if "tau" in m}
+    horizons = sorted({int(k[5:]) for m in evals.values() for k in m if k.startswith("tau_h") and k[5:].isdigit()})
+    rows: list[list[Any]] = []
+    if "sim_accept_len" in mean and evals:
+        rows.append(["training (simulated, epoch mean)", mean["sim_accept_len"]] + [None] * len(horizons))
+    rows += [[name, m["tau"]] + [m.get(f"tau_h{h}") for h in horizons] for name, m in evals.items()]
+    return (rows, ["source", "tau"] + [f"{h} new tokens" for h in horizons]) if rows else None
+
+
 def summary_table(record: RunRecord, *, width: int = 100) -> str:
     """The run summary as plain text, rendered with rich: trainer metrics (last step and mean over
     the last epoch), evaluations, stage load, the bottleneck sentence and the artifacts."""
@@ -105,6 +117,9 @@ def summary_table(record: RunRecord, *, width: int = 100) -> str:
         parts.append(table([[k, record.train.get(k), mean.get(k)] for k in names], ["metric", "last", mean_title], title=head))
     else:
         parts.append(Text(head))
+    acceptance = _acceptance(record, mean)
+    if acceptance is not None:
+        parts.append(table(*acceptance, title="acceptance length (tokens per target step)"))
     evals = [[name, k, v] for name, m in record.evals.items() for k, v in m.items()]
     if evals:
         parts.append(table(evals, ["evaluation", "metric", "value"], title="evaluations"))

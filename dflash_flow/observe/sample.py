@@ -120,6 +120,16 @@ class TrainPoint:
 
 
 @attrs.frozen
+class EpochPoint:
+    """The mean of every trainer metric over one epoch's steps (``RunRecord.epoch_mean``), logged when
+    the epoch ends at its last ``step``: one batch's value is noise, the epoch's mean is the trend."""
+
+    step: int
+    epoch: int
+    means: dict[str, float] = metric("train_epoch", reduce=train_reduction, doc="Epoch means of the trainer's metrics")
+
+
+@attrs.frozen
 class EvalPoint:
     """Evaluation results at ``step``: ``{eval name: {metric: value}}``."""
 

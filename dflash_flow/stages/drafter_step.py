@@ -3,7 +3,9 @@ reports out; the data position it has reached; checkpoints through the run servi
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import time
 from pathlib import Path, PurePath
 from typing import Any, Literal
@@ -13,8 +15,29 @@ import attrs
 from dflash_flow.core import Stage, cfg
 from dflash_flow.items import StepReport, TargetFeatures
 from dflash_flow.services import CheckpointPayload, services_of
+from dflash_flow.util import is_within
 
 STATE_VERSION = 1
+
+
+def _refuse_outside(path: Path, root: Path) -> None:
+    """What the run writes stays inside its output directory, even past a symbolic link made mid-run."""
+    if not is_within(path, root):
+        raise PermissionError(errno.EACCES, f"refusing to write outside output_dir {root} (a symbolic link leads to "
+                              f"{os.path.realpath(path)})", str(path))
+
+
+def _open_log(path: Path, root: Path, append: bool):
+    """The batch log, opened without following a link (O_NOFOLLOW) in a directory inside ``root``."""
+    _refuse_outside(path.parent, root)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_APPEND if append else os.O_TRUNC)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise PermissionError(errno.EACCES, "refusing to follow a symbolic link in output_dir", str(path)) from None
+        raise
+    return os.fdopen(fd, "a" if append else "w")
 
 
 def check_inside_output_dir(field: str, value: str) -> None:
@@ -76,6 +99,10 @@ class DrafterStep(Stage):
     data_parallel: Literal["ddp", "fsdp"] = cfg(
         "ddp", choices=("ddp", "fsdp"), doc="Under torchrun: ddp replicates the drafter per rank; fsdp shards it."
     )
+    on_nonfinite: Literal["stop", "skip"] = cfg(
+        "stop", choices=("stop", "skip"),
+        doc="A NaN/inf loss or gradient norm: stop the run naming the step and batch, or skip that update (warned).",
+    )
     torch_threads: int | None = cfg(None, ge=1, doc="torch intra-op threads (CPU runs).")
     trust_remote_code: bool = cfg(False, doc="Allow the target's own code when reading its config.")
 
@@ -116,7 +143,7 @@ class DrafterStep(Stage):
             num_anchors=self.num_anchors, gamma=self.gamma, chunk_blocks=self.chunk_blocks, lr=self.lr,
             warmup_ratio=self.warmup_ratio, min_lr_ratio=self.min_lr_ratio, weight_decay=self.weight_decay,
             max_grad_norm=self.max_grad_norm, grad_accum=self.grad_accum, total_steps=self.total_steps,
-            data_parallel=self.data_parallel,
+            data_parallel=self.data_parallel, on_nonfinite=self.on_nonfinite,
         )
         self._trainer = DrafterTrainer(drafter, head, config, device=ctx.device, dtype=dtype)
         self._epoch = 0
@@ -127,7 +154,8 @@ class DrafterStep(Stage):
         # twice: see the record_batches doc); a fresh run starts a new one, whatever an earlier run left.
         mode = "a" if self._services.resume is not None else "w"
         log_name = "batches.jsonl" if ctx.world_size == 1 else f"batches.rank{ctx.rank}.jsonl"
-        self._batch_log = open(Path(ctx.output_dir) / log_name, mode) if self.record_batches else None
+        out = Path(ctx.output_dir)
+        self._batch_log = _open_log(out / log_name, out, mode == "a") if self.record_batches else None
         m = ctx.metrics
         self._m_steps = m.counter("steps", "steps", "Optimizer steps")
         self._m_tokens = m.counter("tokens", "tokens", "Real tokens trained on")
@@ -170,6 +198,28 @@ class DrafterStep(Stage):
             if not self._ctx.stop_requested.is_set() and self._ctx.runtime is not None:
                 self._ctx.runtime.request_stop("another rank of the job is stopping")
         return (report,)
+
+    def parameter_count(self) -> int:
+        """Trainable parameters of the drafter this stage builds, counted on the meta device (no memory, no
+        weights): the application sizes the free space one checkpoint needs from it before the run starts."""
+        import torch
+
+        from dflash_flow.embedded import resolve_target
+        from dflash_flow.model.drafter import DFlashDrafter, make_drafter_config
+        from dflash_flow.model.export import load_drafter_config
+        from dflash_flow.model.target import load_target_config
+
+        if self.init_from:
+            config = load_drafter_config(self.init_from)
+        else:
+            target_config = load_target_config(resolve_target(self.target), trust_remote_code=self.trust_remote_code)
+            config = make_drafter_config(
+                target_config, num_layers=self.num_layers, block_size=self.block_size, mask_token_id=0,
+                target_layer_ids=self.target_layer_ids, layer_types=self.layer_types, sliding_window=self.sliding_window,
+            )
+        with torch.device("meta"):
+            model = DFlashDrafter(config)
+        return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
     # -- checkpoints --------------------------------------------------------------------------------
     def _position(self) -> dict[str, Any]:
@@ -240,6 +290,7 @@ class DrafterStep(Stage):
         state = self._trainer.full_model_state()  # collective under fsdp: every rank takes part
         if self._ctx.rank != 0:  # one export per job, by rank 0 (the weights are the same on every rank)
             return (StepReport(step=self._trainer.step, epoch=self._epoch, meta=None, metrics={}, final=True),)
+        _refuse_outside(out, Path(self._ctx.output_dir))
         save_drafter(self._trainer.drafter, out, state=state)
         self._services.record.artifacts["drafter"] = str(out)
         return (StepReport(step=self._trainer.step, epoch=self._epoch, meta=None, metrics={}, final=True, artifacts={"drafter": str(out)}),)

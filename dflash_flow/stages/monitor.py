@@ -2,7 +2,10 @@
 MLflow, shows progress and names the bottleneck.
 
 What it records (``services.record``, an ``observe.record.RunRecord``) is structured; it is flattened to
-MLflow keys only when logged (``observe.schema.mlflow_metrics``; the keys are in docs/metrics.md). It
+MLflow keys only when logged (``observe.schema.mlflow_metrics``; the keys are in docs/metrics.md). At each
+epoch's end (the first step of the next epoch, the trainer's final report, or the end of input) it also
+logs the epoch's mean of every trainer metric under ``train_epoch/<metric>`` (``observe.sample.EpochPoint``):
+per-step values such as ``sim_accept_len`` swing from batch to batch, the epoch mean is the trend. It
 writes nothing at the end of the run: summary files, plots, uploads and the printed table are the
 application's end of run (``observe.report.write_run_report`` / ``summary_table``), which also runs
 when the pipeline failed.
@@ -54,6 +57,7 @@ class Monitor(Stage):
         # The snapshot that opens the current window (each sample's snapshot opens the next one).
         self._prev = ctx.runtime.snapshot() if ctx.runtime is not None else None
         self._window: dict[str, list[float]] = {}
+        self._open_epoch: tuple[int, int] | None = None  # (epoch, its last step) whose mean is not logged yet
         self._printer = (
             ProgressPrinter(sys.stderr, total_steps=self.total_steps, interval_s=self.progress_interval_s or self.interval_s)
             if self.progress and self._main
@@ -89,7 +93,7 @@ class Monitor(Stage):
                 samples_per_s=m.get("samples_per_s"),
                 loss=m.get("loss"),
                 bottleneck=r.bottleneck.stage if r.bottleneck is not None else None,
-                extra={"accept": m["sim_accept_len"]} if "sim_accept_len" in m else None,
+                extra=self._accept_extra(),
             )
         return None
 
@@ -123,10 +127,36 @@ class Monitor(Stage):
             else:
                 logged[k] = v
         point = TrainPoint(step=item.step, epoch=item.epoch, metrics=logged, windowed=windowed)
+        if self._open_epoch is not None and (logged or windowed) and item.epoch != self._open_epoch[0]:
+            self._log_epoch_mean()  # the first step of the next epoch ends the previous one
         record.add_train(point)  # the final report carries artifacts, not metrics: it only moves the step
         if self._tracker is not None and logged:
             self._tracker.log_metrics(mlflow_metrics(point), step=item.step)
+        if (logged or windowed) and item.epoch is not None:
+            self._open_epoch = (item.epoch, item.step)
+        if item.final:
+            self._log_epoch_mean()
         return due
+
+    def _log_epoch_mean(self) -> None:
+        """Log the open epoch's means (once): ``train_epoch/<metric>`` at the epoch's last step."""
+        from dflash_flow.observe.sample import EpochPoint
+        from dflash_flow.observe.schema import mlflow_metrics
+
+        if self._open_epoch is None:
+            return
+        epoch, step = self._open_epoch
+        self._open_epoch = None
+        means = self._record.epoch_mean(epoch)
+        if self._tracker is not None and means:
+            self._tracker.log_metrics(mlflow_metrics(EpochPoint(step=step, epoch=epoch, means=means)), step=step)
+
+    def _accept_extra(self) -> dict[str, float] | None:
+        """The progress line's acceptance: the current epoch's running mean (one batch's value is noise)."""
+        if "sim_accept_len" not in self._record.train:
+            return None
+        mean = self._record.epoch_mean().get("sim_accept_len")
+        return {"accept (epoch mean)": mean} if mean is not None else None
 
     def _on_eval(self, item: EvalReport) -> None:
         from dflash_flow.observe.sample import EvalPoint
@@ -179,6 +209,7 @@ class Monitor(Stage):
         self._last_sample = now
 
     def finish(self):
+        self._log_epoch_mean()
         self._sample(time.monotonic(), whole_run=True)
         return None
 

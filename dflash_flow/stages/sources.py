@@ -43,6 +43,10 @@ class _RecordSource(Source):
         doc="skip: count and report bad records (file:line); fail: raise at the first.",
     )
     min_loss_tokens: int = cfg(1, ge=1, doc="Drop samples with fewer supervised tokens (after truncation).")
+    max_record_bytes: int = cfg(
+        64 * 2**20, ge=1024, le=2**31,
+        doc="Longest JSONL record (line) in bytes; a longer one is a bad record (read in bounded memory).",
+    )
     cache_dir: Optional[str] = cfg(
         "auto",
         doc="Tokenization cache; 'auto' = $DFLASH_FLOW_CACHE or ~/.cache/dflash-flow; empty or null: off.",
@@ -73,12 +77,18 @@ class _RecordSource(Source):
             overflow=self.overflow,
             on_bad_record=self.on_bad_record,
             min_loss_tokens=self.min_loss_tokens,
+            max_record_bytes=self.max_record_bytes,
             cache_dir=_cache_dir(self.cache_dir),
             **self._extra_options(),
         )
 
     def _extra_options(self) -> dict[str, Any]:
         return {}
+
+    def data_files(self) -> list[str]:
+        """The files this source reads, as configured: the application hashes them so that a resume
+        notices data that changed under the same path."""
+        return list(self.paths)
 
     def _read(self, path: str, options):  # pragma: no cover - overridden
         raise NotImplementedError

@@ -1,7 +1,9 @@
-"""SpecDecodeEval: after training, real speculative decoding on held-out prompts."""
+"""SpecDecodeEval: after training, real speculative decoding on held-out prompts (greedy and sampled, at
+one or more horizons) and the teacher-forced walk on held-out conversations with the target's replies."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -10,14 +12,48 @@ from dflash_flow.core import Stage, cfg
 from dflash_flow.items import EvalReport, StepReport
 
 
+def _each(check, what: str, nonempty: bool):
+    def validate(_inst: Any, _attribute: attrs.Attribute, value: list) -> None:
+        if nonempty and not value:
+            raise ValueError("must not be empty")
+        bad = [v for v in value if not check(v)]
+        if bad:
+            raise ValueError(f"every value must be {what}, got {bad[0]!r}")
+
+    return validate
+
+
+def _list_field(default: list, check, what: str, doc: str, *, nonempty: bool = False) -> Any:
+    """A list config field whose every element is checked (``cfg`` bounds apply to scalars only)."""
+    return attrs.field(factory=lambda: list(default), validator=_each(check, what, nonempty), kw_only=True,
+                       metadata={"doc": f"{doc} (each {what})", "config": True, "bounds": {}, "choices": None,
+                                 "finite": True})
+
+
+def embedded_walk_data() -> Path:
+    """The held-out split of the embedded dataset (``eval.jsonl``: corpus prompts with the shipped
+    target's greedy replies): the shipped copy, else the one ``EmbeddedChatSource`` builds and caches."""
+    from dflash_flow.embedded import build_default_dataset, embedded_target_path, shipped_dataset
+    from dflash_flow.util import cache_root
+
+    target = embedded_target_path()
+    ds = shipped_dataset(1024, 64, 0, target, 448)
+    if ds is None:
+        ds = build_default_dataset(cache_root() / "embedded-dataset", n_train=1024, n_eval=64, seed=0,
+                                   target_path=target, max_new_tokens=448)
+    return ds.eval_path
+
+
 @attrs.define(kw_only=True, eq=False)
 class SpecDecodeEval(Stage):
-    """On the trainer's final report: acceptance length and target-forward speedup, trained vs untrained."""
+    """On the trainer's final report: acceptance length and target-forward speedup, trained vs untrained,
+    greedy and sampled, at each horizon; and the teacher-forced walk of the trained drafter."""
 
     @classmethod
     def preload(cls) -> None:
         import dflash_flow.model.evaluation  # noqa: F401
         import dflash_flow.model.speculative  # noqa: F401
+        import dflash_flow.model.walk  # noqa: F401
 
     input_type = StepReport
     output_type = EvalReport
@@ -28,11 +64,21 @@ class SpecDecodeEval(Stage):
     prompts: str = cfg(doc="JSONL of held-out prompts ({'prompt': ...} or {'conversations': [...]}); 'embedded' for the built-in set.")
     tokenizer: str | None = cfg(None, doc="Tokenizer path (default: the target directory).")
     limit: int = cfg(32, ge=1, doc="Prompts to evaluate.")
-    max_new_tokens: int = cfg(64, ge=1, doc="Tokens generated per prompt.")
+    max_new_tokens: int = cfg(64, ge=1, doc="Tokens generated per prompt: the horizon 'tau' reports.")
+    horizons: list[int] = _list_field([], lambda v: v >= 1, ">= 1", "More horizons (new tokens) measured beside max_new_tokens, as tau_h<H>, e.g. [448]")
+    temperatures: list[float] = _list_field([0.0, 1.0], lambda v: v >= 0, ">= 0", "Decoding temperatures: 0 = greedy (lossless-checked), > 0 = speculative sampling",
+                                     nonempty=True)
+    top_p: float = cfg(1.0, gt=0, le=1, doc="Nucleus mass kept when sampling (1 = all).")
+    top_k: int = cfg(0, ge=0, doc="Most likely tokens kept when sampling (0 = all).")
+    walk_data: str | None = cfg(None, doc="JSONL of held-out conversations whose last turn is the target's own greedy reply, for the teacher-forced walk ('embedded': the embedded dataset's eval split; null: no walk).")
+    walk_limit: int = cfg(64, ge=1, doc="Conversations to walk.")
     baseline: bool = cfg(True, doc="Also evaluate an untrained drafter of the same shape.")
 
     def setup(self, ctx) -> None:
         self._ctx = ctx
+        if self.walk_data == "embedded" and self.target != "embedded":
+            raise ValueError(f"stage '{ctx.name}': walk_data 'embedded' holds the embedded target's replies; "
+                             "with another target, give a JSONL of that target's own replies")
 
     def process(self, report: StepReport):
         # Under torchrun only rank 0's final report names the export: one evaluation per job.
@@ -45,6 +91,7 @@ class SpecDecodeEval(Stage):
         prompts = self.prompts
         if prompts == "embedded":
             prompts = str(write_eval_prompts(self._ctx.output_dir / "eval_prompts.jsonl", self.limit))
+        walk = str(embedded_walk_data()) if self.walk_data == "embedded" else self.walk_data
         # Evaluation builds models (target, drafters): hold the process-wide model lock.
         with MODEL_LOAD_LOCK:
             results = evaluate_exported(
@@ -53,9 +100,14 @@ class SpecDecodeEval(Stage):
                 prompts_path=prompts,
                 tokenizer_path=self.tokenizer,
                 limit=self.limit,
-                max_new_tokens=self.max_new_tokens,
+                max_new_tokens=[self.max_new_tokens, *(h for h in self.horizons if h != self.max_new_tokens)],
                 baseline=self.baseline,
-                seed=self._ctx.seed_for(0, "baseline"),
+                temperatures=self.temperatures,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                walk_data=walk,
+                walk_limit=self.walk_limit,
+                seed=self._ctx.seed_for(0, "evaluation"),
                 device=self._ctx.device,
             )
         return [EvalReport(name=name, metrics=m) for name, m in results.items()]

@@ -1,8 +1,13 @@
-"""TargetForward: the frozen target LM, run only as deep as the deepest requested layer."""
+"""TargetForward: the frozen target LM, run (and loaded) only as deep as the deepest requested layer.
+
+A replica may span several devices (``devices: [[cuda:0, cuda:1], [cuda:2, cuda:3]]``: two replicas of
+two GPUs each): the target's layers are split over them (``model.target.load_target(devices=...)``) and
+the features are gathered on the consumer's device.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
@@ -21,6 +26,7 @@ class TargetForward(Stage):
 
     input_type = PaddedBatch
     output_type = TargetFeatures
+    multi_device: ClassVar[bool] = True
 
     target: str | dict[str, Any] = cfg(doc="Target model: local path, hub id (online only), preset name or a config mapping.")
     target_layer_ids: list[int] | None = cfg(None, doc="Target layers whose outputs feed the drafter (default: the DFlash rule for num_draft_layers).")
@@ -29,6 +35,42 @@ class TargetForward(Stage):
     attn_implementation: str | None = cfg(None, doc="Default: flash_attention_2 when flash-attn imports on CUDA, else sdpa.")
     trust_remote_code: bool = cfg(False, doc="Allow the target's own Python code (off unless asked).")
     torch_threads: int | None = cfg(None, ge=1, doc="torch intra-op threads for this process (CPU runs).")
+
+    def device_problems(self, replica_devices: list[list[str]]) -> list[tuple[str, str]]:
+        """The deepest requested layer exists in the target, and no replica has more devices than layers
+        to run. The target's config is read (without weights, never from the network) only when it
+        matters: explicit ``target_layer_ids`` or several devices per replica."""
+        ids = self.target_layer_ids
+        if ids is not None and not ids:
+            return [("target_layer_ids", "target_layer_ids must not be empty (omit it for the DFlash default)")]
+        if ids is not None and min(ids) < 0:
+            return [("target_layer_ids", f"target layer ids must be >= 0, got {min(ids)}")]
+        widest = max(len(g) for g in replica_devices)
+        if ids is None and widest == 1:
+            return []
+        from dflash_flow.embedded import resolve_target
+        from dflash_flow.model.drafter import build_target_layer_ids
+        from dflash_flow.model.target import peek_target_depth
+
+        depth = peek_target_depth(resolve_target(self.target), trust_remote_code=self.trust_remote_code)
+        if depth is None:
+            return []  # not readable here: setup reports what is wrong
+        if ids is None:
+            try:
+                ids = build_target_layer_ids(depth, self.num_draft_layers)
+            except ValueError as exc:
+                return [("num_draft_layers", str(exc))]
+        deepest = max(ids)
+        if deepest >= depth:
+            return [("target_layer_ids", (
+                f"target layer {deepest} does not exist: the target has {depth} decoder layers (ids 0-{depth - 1})"
+            ))]
+        if widest > deepest + 1:
+            return [("devices", (
+                f"a replica spans {widest} devices but the target runs only {deepest + 1} layer(s) (up to layer "
+                f"{deepest}); every device needs at least one layer: use at most {deepest + 1} devices per replica"
+            ))]
+        return []
 
     def setup(self, ctx) -> None:
         import torch
@@ -40,20 +82,28 @@ class TargetForward(Stage):
         from dflash_flow.model.target import (
             TargetFeatureExtractor,
             TargetOfflineError,
-            decoder_layers,
             load_target,
+            load_target_config,
+            num_hidden_layers,
             resolve_dtype,
         )
 
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
-        self._device = torch.device(ctx.device)
+        devices = list(ctx.devices) or [ctx.device]
+        self._devices = [torch.device(d) for d in devices]
+        self._device = self._devices[0]  # where the embedding is: inputs go there
+        spec = resolve_target(self.target)
         with MODEL_LOAD_LOCK:
             try:
+                depth = num_hidden_layers(load_target_config(spec, trust_remote_code=self.trust_remote_code))
+                ids = self.target_layer_ids or build_target_layer_ids(depth, self.num_draft_layers)
+                # Layers above the deepest requested one never run, so they are not loaded either.
                 self._model = load_target(
-                    resolve_target(self.target),
-                    device=ctx.device,
-                    dtype=resolve_dtype(self.dtype, ctx.device),
+                    spec,
+                    devices=devices,
+                    num_layers=min(max(ids) + 1, depth) if min(ids) >= 0 else None,
+                    dtype=resolve_dtype(self.dtype, devices[0]),
                     trust_remote_code=self.trust_remote_code,
                     attn_implementation=self.attn_implementation,
                 )
@@ -61,13 +111,14 @@ class TargetForward(Stage):
                 # A target that is not there is the user's input, not a crash: exit 2 with the reason.
                 raise ConfigError(Problem(str(exc), stage=ctx.name, field="target")) from exc
         self._vocab = int(self._model.get_input_embeddings().num_embeddings)
-        n_layers = len(decoder_layers(self._model))
-        ids = self.target_layer_ids or build_target_layer_ids(n_layers, self.num_draft_layers)
-        self._extractor = TargetFeatureExtractor(self._model, ids)
         self._layer_ids = list(ids)
         # Outputs go straight to the consumer's device when there is exactly one.
         downstream = set(ctx.downstream_devices)
         self._out_device = torch.device(downstream.pop()) if len(downstream) == 1 else self._device
+        try:
+            self._extractor = TargetFeatureExtractor(self._model, ids, output_device=self._out_device)
+        except ValueError as exc:  # layer ids the target does not have
+            raise ConfigError(Problem(str(exc), stage=ctx.name, field="target_layer_ids")) from exc
         self._tokens = ctx.metrics.counter("tokens", "tokens", "Real (unpadded) tokens forwarded")
         self._batches = ctx.metrics.counter("batches", "batches", "Batches forwarded")
         self._seconds = ctx.metrics.summary("forward_s", "s", "Seconds per target forward")
@@ -100,9 +151,10 @@ class TargetForward(Stage):
         t0 = time.perf_counter()
         # The extractor runs the model under inference_mode and returns an ordinary tensor, which the
         # drafter's autograd graph may use.
-        hidden = self._extractor(input_ids, attention_mask)
-        if self._device.type == "cuda":
-            torch.cuda.current_stream(self._device).synchronize()
+        hidden = self._extractor(input_ids, attention_mask)  # on the output device already
+        for dev in {*self._devices, self._out_device}:
+            if dev.type == "cuda":
+                torch.cuda.current_stream(dev).synchronize()
         self._seconds.observe(time.perf_counter() - t0)
         self._tokens.inc(batch.meta.real_tokens)
         self._batches.inc()
@@ -114,7 +166,7 @@ class TargetForward(Stage):
                 input_ids=input_ids.to(self._out_device, non_blocking=nb) if move else input_ids,
                 loss_mask=batch.loss_mask.to(self._out_device, non_blocking=nb),
                 attention_mask=attention_mask.to(self._out_device, non_blocking=nb) if move else attention_mask,
-                hidden_states=hidden.to(self._out_device, non_blocking=nb) if move else hidden,
+                hidden_states=hidden,
                 target_layer_ids=self._layer_ids,
             ),
         )

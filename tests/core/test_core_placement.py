@@ -65,3 +65,103 @@ def test_cpu_only_machine():
     assert placed == ["cpu", "cpu"] and "no GPU" in warning and not problems
     assert "no visible CUDA device" in plan_placement(["cuda:0"], 1, lay)[1][0]
     assert plan_placement(["cpu"], 3, lay) == (["cpu"] * 3, [], None)
+
+
+# -- several devices per replica (a stage that splits a model) -----------------------------------------
+
+
+def test_device_lists_per_replica_map_each_device_into_the_ranks_slice():
+    from dflash_flow.core.devices import plan_groups
+
+    groups = [["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]]
+    per_rank = []
+    for r in range(2):
+        lay = RankLayout(visible=8, local_world_size=2, local_rank=r)
+        placed, problems, warning = plan_groups(groups, 2, lay)
+        assert not problems and warning is None
+        per_rank.append(placed)
+    assert per_rank == [[["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]], [["cuda:4", "cuda:5"], ["cuda:6", "cuda:7"]]]
+    # A single list is every replica's (and `cuda` is the slice's first GPU).
+    lay = RankLayout(visible=4, local_world_size=2, local_rank=1)
+    assert plan_groups([["cuda", "cuda:1"]], 3, lay)[0] == [["cuda:2", "cuda:3"]] * 3
+    _, problems, _ = plan_groups([["cuda:1", "cuda:2"]], 1, lay)
+    assert problems == ["device cuda:2 is beyond this rank's 2 GPU(s) (GPUs 2-3 of 4 visible (local rank 1 of 2)); "
+                        "cuda:K means the K-th GPU of the rank's slice"]
+
+
+def test_flat_lists_and_strings_are_one_device_per_replica_as_before():
+    from dflash_flow.core.devices import device_groups, is_nested, place_replicas
+
+    assert device_groups("cuda:1") == [["cuda:1"]]
+    assert device_groups(["cuda:0", "cuda:1"]) == [["cuda:0"], ["cuda:1"]]
+    assert device_groups([["cpu", "cpu"]]) == [["cpu", "cpu"]]
+    assert not is_nested(["cuda:0", "cuda:1"]) and is_nested([["cuda:0"]])
+    lay = RankLayout(visible=2)
+    assert place_replicas(["cuda:0", "cuda:1"], 3, lay) == ([["cuda:0"], ["cuda:1"], ["cuda:0"]], None)
+    assert place_replicas("auto", 2, RankLayout(visible=0))[0] == [["cpu"], ["cpu"]]
+
+
+@pytest.mark.parametrize("groups,replicas,multi,expected", [
+    ([["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]], 2, True, []),
+    ([["cuda:0", "cuda:1"]], 3, True, []),  # one list shared by every replica: asked for
+    ([["cpu", "cpu"]], 1, True, []),  # cpu may repeat (one host memory; how CPU machines run a split)
+    ([["cuda:0"], ["cuda:1"]], 2, False, []),  # one device per replica is fine for any stage
+    ([["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]], 3, True, [(None, "devices gives 2 device lists")]),
+    ([["cuda:0", "cuda:1"]], 1, False, [(0, "device list 0 has 2 devices, but stage type 'X' runs each replica on one device")]),
+    ([["cuda", "cuda:0"]], 1, True, [(0, "device cuda:0 appears twice in device list 0")]),
+    ([["cuda:0", "cuda:1"], ["cuda:1", "cuda:2"]], 2, True, [(1, "device lists 0 and 1 both use cuda:1")]),
+    ([["auto"]], 1, True, [(0, "'auto' cannot be used in a list of devices per replica")]),
+])
+def test_nesting_rules(groups, replicas, multi, expected):
+    from dflash_flow.core.devices import nesting_problems
+
+    found = nesting_problems(groups, replicas, multi_device=multi, stage_type="stage type 'X'")
+    assert len(found) == len(expected), found
+    for (j, text), (fj, message) in zip(expected, found, strict=True):
+        assert fj == j and message.startswith(text), message
+
+
+def test_a_replica_gets_all_its_devices_and_producers_see_the_consumers_first_device():
+    import attrs
+
+    from dflash_flow.core import Graph, Pipeline, Stage, register_stage
+
+    @register_stage
+    @attrs.define(kw_only=True, eq=False)
+    class SpanningStage(Stage):
+        multi_device = True
+
+        def setup(self, ctx):
+            ctx.services.setdefault("spans", {})[ctx.replica] = (ctx.device, list(ctx.devices))
+
+        def process(self, item):
+            return (item,)
+
+    @register_stage
+    @attrs.define(kw_only=True, eq=False)
+    class DeviceProbe(Stage):
+        def setup(self, ctx):
+            ctx.services["downstream"] = list(ctx.downstream_devices)
+            ctx.services["probe_devices"] = list(ctx.devices)
+
+        def process(self, item):
+            return (item,)
+
+    def run(devices):
+        g = Graph()
+        g.add("src", "TestSource", config={"count": 4, "plain": True})
+        g.add("probe", DeviceProbe, inputs=["src"])
+        g.add("span", SpanningStage, inputs=["probe"], replicas=2, devices=devices)
+        g.add("sink", "TestSink", inputs=["span"])
+        services: dict = {}
+        # Devices are only handed to the stages here, never used: GPU names run on any machine unchecked.
+        Pipeline(g, services=services, check_devices=False).run()
+        assert sorted(i for _, i in services["sink:sink"]) == [0, 1, 2, 3]
+        return services
+
+    shared = run([["cpu", "cpu", "cpu"]])
+    assert shared["spans"] == {0: ("cpu", ["cpu"] * 3), 1: ("cpu", ["cpu"] * 3)}
+    assert shared["downstream"] == ["cpu"] and shared["probe_devices"] == ["cpu"]
+    split = run([["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]])
+    assert split["spans"] == {0: ("cuda:0", ["cuda:0", "cuda:1"]), 1: ("cuda:2", ["cuda:2", "cuda:3"])}
+    assert split["downstream"] == ["cuda:0", "cuda:2"]  # each consumer replica takes input on its first device

@@ -288,3 +288,94 @@ def test_runtime_waits_names_and_seeds_are_bounded():
         "field 'runtime.stall_timeout_s': runtime.stall_timeout_s must be <= 1000000000 "
         "(seconds; longer waits overflow the clock), got 1e+12"
     ]
+
+
+NESTED = textwrap.dedent(
+    """\
+    name: nested
+    stages:
+      - {name: src, type: TestSource}
+      - name: shared
+        type: TestPass
+        inputs: [src]
+        replicas: 2
+        devices:
+          - [cuda:0, cuda:1]
+          - [cuda:1, cuda:2]
+      - {name: short, type: TestPass, inputs: [src], replicas: 3, devices: [[cuda:0], [cuda:1]]}
+      - {name: twice, type: TestPass, inputs: [src], devices: [[cuda, cuda:0]]}
+      - {name: auto, type: TestPass, inputs: [src], devices: [[auto]]}
+      - {name: ok, type: TestPass, inputs: [src], replicas: 2, devices: [[cuda:0], [cuda:1]]}
+      - name: tf
+        type: TargetForward
+        inputs: [src]
+        replicas: 2
+        devices: [[cuda:0, cuda:1], [cuda:2, cuda:3]]
+        config:
+          target: tiny-qwen3-8l
+          target_layer_ids: [1, 9]
+      - name: wide
+        type: TargetForward
+        inputs: [src]
+        devices: [[cuda:0, cuda:1, cuda:2]]
+        config: {target: tiny-qwen3-8l, target_layer_ids: [0, 1]}
+      - name: fits
+        type: TargetForward
+        inputs: [src]
+        devices: [[cuda:0, cuda:1]]
+        config: {target: tiny-qwen3-8l}
+    """
+)
+
+
+def test_device_lists_per_replica_are_checked_and_located(tmp_path):
+    path = tmp_path / "nested.yaml"
+    path.write_text(NESTED)
+    problems = validate(load_graph(path), gpu_count=4)
+    got = sorted((p.stage, p.field, p.line, p.message.split(":")[0] if p.stage == "tf" else p.message[:40]) for p in problems)
+    assert got == sorted([
+        ("shared", "devices", 9, "device list 0 has 2 devices, but stage t"),
+        ("shared", "devices", 10, "device list 1 has 2 devices, but stage t"),
+        ("shared", "devices", 10, "device lists 0 and 1 both use cuda:1: gi"),
+        ("short", "devices", 11, "devices gives 2 device lists (one per re"),
+        ("twice", "devices", 12, "device list 0 has 2 devices, but stage t"),
+        ("twice", "devices", 12, "device cuda:0 appears twice in device li"),
+        ("auto", "devices", 13, "'auto' cannot be used in a list of devic"),
+        ("tf", "target_layer_ids", 22, "target layer 9 does not exist"),
+        ("wide", "devices", 26, "a replica spans 3 devices but the target"),
+    ]), "\n".join(p.format() for p in problems)
+    by = {(p.stage, p.message[:12]): p for p in problems}
+    assert "stage type 'TestPass' runs each replica on one device" in by[("shared", "device list ")].message
+    assert by[("tf", "target layer")].message.endswith("the target has 8 decoder layers (ids 0-7)")
+    # Beyond the machine / the rank's slice: every device of every list is mapped like a flat one.
+    few = validate(load_graph(path), gpu_count=2)
+    assert any(p.stage == "tf" and "cuda:3 requested but only 2 CUDA device(s)" in p.message for p in few)
+    two_ranks = validate(load_graph(path), gpu_count=4, local_world_size=2)
+    assert any(p.stage == "tf" and "beyond this rank's 2 GPU(s)" in p.message for p in two_ranks)
+
+
+def test_malformed_nestings_are_reading_errors_with_a_line():
+    base = "stages:\n  - {name: src, type: TestSource}\n  - {name: t, type: TestPass, inputs: [src], devices: %s}\n"
+    for value, text in [
+        ("[cuda:0, [cuda:1, cuda:2]]", "'devices' mixes device strings and lists"),
+        ("[[cuda:0], []]", "'devices' list 1 must be a non-empty list of device strings"),
+        ("[[cuda:0, [cuda:1]]]", "'devices' list 0 must be a non-empty list of device strings (lists nest one level)"),
+        ("[[cuda:0, 3]]", "'devices' list 0 must be a non-empty list of device strings"),
+        ("[]", "'devices' must be a device string or a non-empty list of them"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            load_graph_text(base % value, "n.yaml")
+        [p] = info.value.problems
+        assert p.line == 3 and p.stage == "t" and p.field == "devices" and text in p.message, p.format()
+
+
+def test_nested_lists_from_python_get_the_same_checks():
+    g = Graph()
+    g.add("src", "TestSource")
+    g.add("t", "TestPass", inputs=["src"], devices=[["cuda:0", 7]])  # type: ignore[list-item]
+    assert [(p.stage, p.field) for p in validate(g, gpu_count=2)] == [("t", "devices")]
+    g.stages[1].devices = [["cpu", "cpu"]]
+    assert "runs each replica on one device" in validate(g)[0].message
+    g.stages[1].type = "TargetForward"
+    g.stages[1].config = {"target": "tiny-qwen3-8l", "target_layer_ids": [3]}
+    assert validate(g) == []

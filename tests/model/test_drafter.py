@@ -111,3 +111,31 @@ def test_constructor_uses_config_ids_and_mask(target):
     assert d.fc.in_features == 3 * HIDDEN
     assert d.block_size == 4 and d.mask_token_id == MASK_ID
     assert isinstance(d, DFlashDrafter)
+
+
+def test_layers_are_transformers_qwen3_building_blocks(target):
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+    d = build_drafter(target, num_layers=2)
+    assert isinstance(d.rotary_emb, Qwen3RotaryEmbedding)
+    assert all(isinstance(layer.mlp, Qwen3MLP) for layer in d.layers)
+    norms = [m for m in d.modules() if isinstance(m, Qwen3RMSNorm)]
+    assert len(norms) == 2 + 4 * len(d.layers)  # norm, hidden_norm; per layer 2 + q_norm + k_norm
+
+
+def test_fused_fp32_norm_equals_transformers_and_bf16_keeps_its_rounding():
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from dflash_flow.model.drafter import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    ours, ref = RMSNorm(32, eps=1e-6), Qwen3RMSNorm(32, eps=1e-6)
+    with torch.no_grad():
+        w = 1 + torch.randn(32, generator=g) * 0.3
+        ours.weight.copy_(w)
+        ref.weight.copy_(w)
+    for scale in (1e-3, 1.0, 1e3):
+        x = torch.randn(3, 7, 32, generator=g) * scale
+        torch.testing.assert_close(ours(x), ref(x), atol=0, rtol=1e-6)
+    xb = torch.randn(3, 7, 32, generator=g).to(torch.bfloat16)
+    assert torch.equal(ours.to(torch.bfloat16)(xb), ref.to(torch.bfloat16)(xb))

@@ -13,6 +13,7 @@ from samples_for_tests import full_sample
 from dflash_flow.observe.runinfo import sanitize_key
 from dflash_flow.observe.sample import (
     BucketSample,
+    EpochPoint,
     EvalPoint,
     MonitorSample,
     ReplicaSample,
@@ -124,6 +125,7 @@ def _templated(keys) -> set[str]:
         (r"/metric/bucket_dispatch/\d+$", "/metric/<labeled>/<label>"),
         (r"^bucket/\d+/", "bucket/<bucket>/"),
         (r"^train/(accuracy_pos1|loss)$", "train/<metric>"),
+        (r"^train_epoch/loss$", "train_epoch/<metric>"),
         (r"^eval/val/tau$", "eval/<name>/<metric>"),
     ]
     out = set()
@@ -138,6 +140,7 @@ def test_docs_metrics_md_lists_every_key():
     produced = _templated(
         list(mlflow_metrics(attrs.evolve(full_sample(), throughput=Throughput(1.0, 2.0))))
         + list(mlflow_metrics(TrainPoint(1, 0, {"loss": 1.0})))
+        + list(mlflow_metrics(EpochPoint(1, 0, {"loss": 1.0})))
         + list(mlflow_metrics(EvalPoint(1, {"val": {"tau": 1.0}})))
         + list(mlflow_metrics(SystemSample(1.0, 2.0, 3.0, 4.0, 5.0)))
     )

@@ -3,7 +3,7 @@
     python batch_cli.py CASES.json RESULTS.json
 
 CASES.json is a list of argument lists. Each is run through the real entry point `dflash_flow.cli.main`
-with its own sys.argv; its exit code, stdout and stderr are recorded in RESULTS.json. An exception that
+with its own sys.argv; its exit code, stdout, stderr and wall time are recorded in RESULTS.json. An exception that
 escapes the CLI is recorded as exit code -1 with its traceback in stderr (the test then fails: a hostile
 input must never end in a bare traceback).
 """
@@ -15,6 +15,7 @@ import io
 import json
 import logging
 import sys
+import time
 import traceback
 
 
@@ -27,6 +28,7 @@ def run_one(args: list[str]) -> dict:
         logging.root.removeHandler(h)
     code = 0
     old_argv = sys.argv
+    t0 = time.perf_counter()
     sys.argv = ["dflash-flow", *args]
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -41,10 +43,24 @@ def run_one(args: list[str]) -> dict:
         sys.argv = old_argv
         for h in list(logging.root.handlers):
             logging.root.removeHandler(h)
-    return {"args": args, "code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+    wall = time.perf_counter() - t0
+    return {"args": args, "code": code, "stdout": out.getvalue(), "stderr": err.getvalue(), "wall_s": wall}
+
+
+def warm_up() -> None:
+    """The libraries every case may import, imported once before the timed cases: a case's wall time is
+    then its own work, not the batch's one-time start-up (seconds on a busy 2-core box)."""
+    import dflash_flow.app.run  # noqa: F401
+    import dflash_flow.cli  # noqa: F401
+    import dflash_flow.model.target  # noqa: F401
+    import dflash_flow.model.trainer  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    from transformers import AutoConfig, AutoTokenizer  # noqa: F401
 
 
 def main() -> None:
+    warm_up()
     cases = json.loads(open(sys.argv[1]).read())
     results = [run_one([str(a) for a in args]) for args in cases]
     with open(sys.argv[2], "w") as f:

@@ -63,6 +63,14 @@ PIPELINE_CASES = [
     ("export_dir_traversal.yaml", 2, "export_dir must be a relative path inside output_dir"),
     ("export_dir_absolute.yaml", 2, "export_dir must be a relative path inside output_dir"),
     ("no_such_pipeline.yaml", 2, "file not found"),
+    # Several devices per replica (a target split over GPUs): the nesting, its counts and the target's depth.
+    ("devices_nested_mixed.yaml", 2, "devices_nested_mixed.yaml:5, stage 'work', field 'devices': 'devices' mixes device strings and lists"),
+    ("devices_nested_one_device_stage.yaml", 2, "device list 0 has 2 devices, but stage type 'Delay' runs each replica on one device"),
+    ("devices_nested_count.yaml", 2, "devices gives 2 device lists (one per replica) but the stage has 3 replica(s)"),
+    ("devices_nested_shared.yaml", 2, "devices_nested_shared.yaml:14, stage 'target', field 'devices': device lists 0 and 1 both use cuda:1"),
+    ("devices_nested_twice.yaml", 2, "device cuda:0 appears twice in device list 0"),
+    ("target_layer_too_deep.yaml", 2, "field 'target_layer_ids': target layer 12 does not exist: the target has 8 decoder layers (ids 0-7)"),
+    ("target_split_too_wide.yaml", 2, "a replica spans 3 devices but the target runs only 2 layer(s) (up to layer 1)"),
     # Bounded work (reliability issue): each of these once hung, recursed or crashed. They are also timed
     # one by one in test_bounded_inputs_answer_quickly.
     ("replicas_huge.yaml", 2, "replicas must be <= 1024 (each replica is a thread), got 1000000000"),
@@ -105,6 +113,13 @@ DATA_CASES = [
     # The user chose skip: the run goes on; the bad rows are counted and each is reported with file:line.
     ("data_bad_rows_skipped.jsonl", "read_tokens.yaml", "skip", 0, "2 samples from 4 records in 1 file(s), bad=2"),
     ("data_invalid_json.jsonl", "read_tokens.yaml", "skip", 0, "data_invalid_json.jsonl:2: invalid JSON"),
+    # Ids the int32 store cannot hold are refused even with no vocab_size, never wrapped by the cast.
+    ("data_ids_int32_overflow.jsonl", "read_tokens_novocab.yaml", "fail", 2,
+     "data_ids_int32_overflow.jsonl:2: input_ids[1] = 2147483648 is not a token id (ids must be in [0, 2**31)"),
+    ("data_ids_uint64.jsonl", "read_tokens_novocab.yaml", "fail", 2,
+     "data_ids_uint64.jsonl:1: input_ids[0] = 18446744073709551615 is not a token id"),
+    ("data_huge_number.jsonl", "read_tokens_novocab.yaml", "fail", 2,
+     "data_huge_number.jsonl:2: invalid JSON: Exceeds the limit (4300 digits) for integer string conversion"),
 ]
 
 # (checkpoint given to --resume, expected code, expected substring)
@@ -113,6 +128,17 @@ CHECKPOINT_CASES = [
     ("ckpt_corrupted", 2, "model.safetensors is corrupted (checksum mismatch)"),
     ("ckpt_no_manifest", 2, "no checkpoint in"),
     ("ckpt_nonexistent", 2, "no checkpoint at"),
+    # Malformed manifests and states: one line `not a valid checkpoint: PATH: why`, never a traceback.
+    ("ckpt_manifest_list", 2, "ckpt_manifest_list/step-00000002: MANIFEST.json must be a JSON object of file name -> sha256, got list"),
+    ("ckpt_manifest_empty", 2, "not a valid checkpoint: " + str(HOSTILE / "ckpt_manifest_empty/step-00000002") + ": MANIFEST.json lists no files"),
+    ("ckpt_manifest_zero_bytes", 2, "ckpt_manifest_zero_bytes/step-00000002: MANIFEST.json is not valid JSON"),
+    ("ckpt_manifest_traversal", 2, "MANIFEST.json names '../../../etc/hostname', not a file of the checkpoint directory"),
+    ("ckpt_manifest_no_state", 2, "ckpt_manifest_no_state/step-00000002: MANIFEST.json does not list state.json"),
+    ("ckpt_state_list", 2, "ckpt_state_list/step-00000002: state.json: must be a JSON object, got list"),
+    ("ckpt_state_no_step", 2, "ckpt_state_no_step/step-00000002: state.json: has no 'step'"),
+    ("ckpt_state_bad_step", 2, "state.json: 'step' must be a non-negative integer, got 'two'"),
+    ("ckpt_state_bad_stage_states", 2, "state.json: 'stage_states.source' must be a list of objects (one per replica)"),
+    ("ckpt_state_deep", 2, "ckpt_state_deep/step-00000002: state.json is not valid JSON (RecursionError"),
 ]
 
 
@@ -240,6 +266,8 @@ def test_every_hostile_input_gets_a_clear_message_and_the_right_exit_code(tmp_pa
             problems.append(f"message lacks {text!r}")
         if "Traceback" in res["stderr"] or "Traceback" in res["stdout"]:
             problems.append("traceback printed")
+        if res["wall_s"] >= HANG_BOUND_S:  # a hang bound (the first case of a batch also pays the imports)
+            problems.append(f"took {res['wall_s']:.1f} s")
         if problems:
             failures.append(f"{label}: {'; '.join(problems)}\n    stderr: {res['stderr'].strip()[-600:]}")
     assert not failures, "\n".join(failures)

@@ -277,7 +277,8 @@ def test_resume_from_a_real_checkpoint_of_another_config_or_corrupted_is_refused
 
 def test_checkpoints_of_an_earlier_run_do_not_shadow_a_fresh_runs(tmp_path):
     """In-process check of the rule the graceful test relies on: the last K *written* are kept and
-    `latest` is the newest written, even when an earlier run left higher steps in the directory."""
+    `latest` is the newest written, even when an earlier run left higher steps in the directory -- and the
+    fresh run prunes only its own checkpoints, never the earlier run's."""
     import torch
 
     from dflash_flow.app.checkpoint import Checkpointer
@@ -294,6 +295,11 @@ def test_checkpoints_of_an_earlier_run_do_not_shadow_a_fresh_runs(tmp_path):
     (tmp_path / "latest").unlink()  # even without the marker (e.g. killed between the two writes)
     assert fresh.load("latest").step == 2
     save(fresh, 4)
-    assert sorted(p.name for p in fresh.list()) == ["step-00000002", "step-00000004"]
-    assert fresh.load("latest").step == 4
-    assert float(fresh.load("latest").model_state()["w"][0]) == 4.0
+    save(fresh, 6)
+    assert sorted(p.name for p in fresh.list()) == ["step-00000004", "step-00000006", "step-00000016", "step-00000017"]
+    assert fresh.load("latest").step == 6
+    assert float(fresh.load("latest").model_state()["w"][0]) == 6.0
+    # A run resumed from the fresh run's checkpoint continues its lineage: it prunes the fresh run's old ones.
+    resumed = Checkpointer(tmp_path, keep_last=2, config_hash="h", run_uid=fresh.load("latest").run_uid)
+    save(resumed, 8)
+    assert sorted(p.name for p in resumed.list()) == ["step-00000006", "step-00000008", "step-00000016", "step-00000017"]

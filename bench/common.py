@@ -1,0 +1,75 @@
+"""What the profile, e2e, fanout, torchdata and scale benchmarks share: the machine description, writing
+a result file, the embedded pipeline shortened, and pipelines of sleep stages with known costs."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "bench" / "results"
+DFLASH_YAML = ROOT / "pipelines" / "dflash.yaml"
+# Pipelines create their output directory; keep it out of the working tree.
+SCRATCH = Path(tempfile.gettempdir()) / "dflash-flow-bench"
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "load_avg_at_start": [round(x, 2) for x in load] if load else None,
+    }
+
+
+def write_result(out: Path, data: dict[str, Any]) -> dict[str, Any]:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(data, indent=1, default=str)
+    out.write_text(text + "\n")
+    print(text)
+    return data
+
+
+def embedded_overrides(output_dir: Path, *extra: str) -> list[str]:
+    """The embedded default shortened for a benchmark: no tracking, no progress line, its own output."""
+    return [
+        f"output_dir={output_dir}",
+        "tracking.enabled=false",
+        "stages.monitor.progress=false",
+        "checkpoint.every_steps=0",
+        "checkpoint.at_epoch_end=false",
+        *extra,
+    ]
+
+
+def embedded_validated(output_dir: Path, *extra: str):
+    import dflash_flow.app  # noqa: F401 - registers the application sections
+    from dflash_flow.core import load_graph, validated
+
+    return validated(load_graph(DFLASH_YAML, embedded_overrides(output_dir, *extra)))
+
+
+def sleep_graph(mix: dict[str, int], costs: dict[str, float], *, name: str = "sleep", count: int = 100_000,
+                output_dir: Path | None = None, capacity: int = 8):
+    """``src`` (Range) -> ``a`` -> ``b`` (Delay) -> ``sink`` (Discard): a pipeline whose per-item costs are
+    ``costs`` seconds of GIL-free sleep and whose replica counts are ``mix``."""
+    from dflash_flow.core import Graph, RuntimeOptions
+    from dflash_flow.stages.generic import Delay, Discard, Range
+
+    g = Graph(name=name, seed=0, output_dir=str(output_dir or SCRATCH / name), runtime=RuntimeOptions(capacity=capacity))
+    g.add("src", Range(count=count, service_s=costs["src"]), replicas=mix.get("src", 1))
+    g.add("a", Delay(service_s=costs["a"]), inputs="src", replicas=mix.get("a", 1))
+    g.add("b", Delay(service_s=costs["b"]), inputs="a", replicas=mix.get("b", 1))
+    g.add("sink", Discard(), inputs="b")
+    return g

@@ -1,0 +1,152 @@
+"""Profile and split-plan benchmark: how well ``app.splitplan.predict`` foresees real runs.
+
+Writes bench/results/profile.json (also printed):
+
+* ``sleep``: a pipeline of sleep stages with known costs (``common.sleep_graph``: src 2 ms -> a 30 ms ->
+  b 12 ms -> sink) is profiled at one replica mix; the profile predicts the batches/s of other mixes,
+  each of which is then run and profiled; error = predicted / measured - 1.
+* ``embedded``: ``pipelines/dflash.yaml`` shortened, with 1 and 2 TargetForward replicas; each setting's
+  profile predicts the other's throughput (and its own, a check that the window is steady).
+* ``profile``: the embedded profile itself (2 TargetForward replicas), and ``plan``: the split table
+  for 8 GPUs it gives (CPU costs, so only the shape of the table carries over to a GPU machine).
+
+Usage: python bench/profile_bench.py [--out FILE] [--sleep-steps 150] [--embedded-steps 15] [--no-embedded]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import common
+
+COSTS = {"src": 0.002, "a": 0.030, "b": 0.012}
+BASE_MIX = {"a": 1, "b": 1}
+MIXES = [{"a": 2, "b": 1}, {"a": 3, "b": 1}, {"a": 3, "b": 2}, {"a": 4, "b": 3}]
+TARGET = "target"
+
+
+def _error(predicted: float, measured: float) -> float:
+    return predicted / measured - 1.0
+
+
+def _profile(v, steps: int, warmup: int = 1, interval_s: float = 0.05):
+    from dflash_flow.app.profile import profile
+
+    return profile(v, steps, warmup_steps=warmup, interval_s=interval_s)
+
+
+def validate_sleep(steps: int, mixes: list[dict[str, int]] | None = None, base: dict[str, int] | None = None) -> dict[str, Any]:
+    """Profile ``base``, predict every mix, run every mix: rows of predicted vs measured batches/s."""
+    from dflash_flow.app.splitplan import predict
+    from dflash_flow.core import validated
+
+    base = base or BASE_MIX
+    prof = _profile(validated(common.sleep_graph(base, COSTS, name="sleep-base")), steps, warmup=5)
+    rows = []
+    for mix in [base, *(mixes or MIXES)]:
+        pred = predict(prof, mix)
+        measured = _profile(validated(common.sleep_graph(mix, COSTS, name="sleep-mix")), steps, warmup=5)
+        rows.append({
+            "mix": dict(mix),
+            "predicted_batches_per_s": round(pred.batches_per_s, 3),
+            "limited_by": pred.limit,
+            "measured_batches_per_s": round(measured.batches_per_s, 3),
+            "measured_bottleneck": measured.bottleneck.stage if measured.bottleneck else None,
+            "error": round(_error(pred.batches_per_s, measured.batches_per_s), 4),
+        })
+    return {
+        "costs_s": COSTS,
+        "base_mix": base,
+        "work_s_per_batch": {n: round(s.work_s_per_batch, 5) for n, s in prof.stages.items()},
+        "rows": rows,
+        "max_abs_error": max(abs(r["error"]) for r in rows),
+    }
+
+
+def validate_embedded(steps: int, root: Path) -> tuple[dict[str, Any], Any]:
+    """Profiles of the embedded pipeline with 1 and 2 target replicas, each predicting both."""
+    from dflash_flow.app.splitplan import predict
+
+    profiles = {}
+    for n in (2, 1):
+        v = common.embedded_validated(root / f"targets{n}", f"stages.{TARGET}.replicas={n}")
+        profiles[n] = _profile(v, steps, warmup=2, interval_s=0.1)
+    rows = []
+    for source, prof in profiles.items():
+        for n, measured in profiles.items():
+            pred = predict(prof, {TARGET: n})
+            rows.append({
+                "profiled_with_targets": source,
+                "predicted_for_targets": n,
+                "predicted_batches_per_s": round(pred.batches_per_s, 4),
+                "limited_by": pred.limit,
+                "measured_batches_per_s": round(measured.batches_per_s, 4),
+                "error": round(_error(pred.batches_per_s, measured.batches_per_s), 4),
+            })
+    summary = {
+        n: {
+            "batches_per_s": round(p.batches_per_s, 4),
+            "tokens_per_s": round(p.tokens_per_s or 0.0, 1),
+            "bottleneck": p.bottleneck.stage if p.bottleneck else None,
+            "work_s_per_batch": {k: round(s.work_s_per_batch, 4) for k, s in p.stages.items() if not s.observer},
+            "busy": {k: round(s.busy, 3) for k, s in p.stages.items() if not s.observer},
+        }
+        for n, p in profiles.items()
+    }
+    cross = [r for r in rows if r["profiled_with_targets"] != r["predicted_for_targets"]]
+    return {
+        "steps": steps,
+        "rows": rows,
+        "settings": summary,
+        "max_abs_error": max(abs(r["error"]) for r in rows),
+        "max_abs_cross_error": max(abs(r["error"]) for r in cross),
+    }, profiles[2]
+
+
+def _allreduce_at_two() -> float:
+    import json
+
+    path = common.RESULTS / "scale.json"
+    try:
+        return float(json.loads(path.read_text())["allreduce_wait_s_per_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from dflash_flow.app.profile import to_json
+    from dflash_flow.app.splitplan import plan_splits, recommend
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=common.RESULTS / "profile.json")
+    ap.add_argument("--sleep-steps", type=int, default=150)
+    ap.add_argument("--embedded-steps", type=int, default=15)
+    ap.add_argument("--no-embedded", action="store_true", help="Only the sleep-stage validation.")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {"machine": common.machine(), "sleep": validate_sleep(args.sleep_steps)}
+    if not args.no_embedded:
+        embedded, prof = validate_embedded(args.embedded_steps, common.SCRATCH / "profile-bench")
+        result["embedded"] = embedded
+        allreduce = _allreduce_at_two()
+        splits = plan_splits(prof, 8, allreduce_at_two=allreduce)
+        chosen = recommend(splits)
+        result["plan"] = {
+            "gpus": 8,
+            "allreduce_s_at_two": allreduce,
+            "rows": [{**{k: getattr(s, k) for k in ("ranks", "targets_per_rank", "padders_per_rank", "gpus_used",
+                                                     "limit", "steps_per_s", "samples_per_s")}} for s in splits],
+            "recommended": {"ranks": chosen.ranks, "targets_per_rank": chosen.targets_per_rank},
+        }
+        prof_json = to_json(prof)
+        prof_json.pop("queues", None)  # the series is long; `dflash-flow profile` writes it
+        result["profile"] = prof_json
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    return common.write_result(args.out, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""The teacher-forced walk: a held-out acceptance length that predicts real greedy decoding, at a
+fraction of its cost.
+
+On a conversation whose last reply is the target's own (greedy, regenerated), real greedy speculative
+decoding from the prompt would produce exactly that reply. The walk replays it without decoding:
+
+1. One target forward over prompt + reply (the first ``horizon`` reply tokens) gives every position's
+   features at once (causal attention: the features of a prefix do not depend on what follows it).
+2. ``start`` = the first reply token (real decoding takes it from the prefill). Loop: the drafter gets
+   the block ``[token at start, MASK x (B-1)]`` with the features of the committed prefix, exactly as in
+   :func:`speculative.spec_generate` (the same :class:`speculative.BlockDrafter`); its longest prefix
+   of drafts equal to the reference, plus one (the bonus the target would add), is committed; advance.
+3. The end rules are real decoding's: the block shrinks near the horizon, the step's count is capped by
+   the horizon, and the reply's stop token ends the walk.
+
+Cost: one target forward per conversation plus one drafter call per block (real decoding also needs a
+target forward per block, and its greedy reference one per token).
+
+When it equals real decoding: when the reference reply is what the target's greedy decoding of the
+prompt produces, token for token, up to the horizon -- then the target's argmax after each committed
+prefix is the next reference token, so the accepted prefix and the bonus are the same, step by step.
+Differences come only from (a) a reply that is not the target's greedy output (other data, a
+re-tokenized text that splits differently, batched regeneration whose padding flipped a near-tie),
+(b) float rounding between the one full forward and the cached block forwards (a near-tie argmax of
+the drafter), and (c) a reply cut by a length limit before the horizon: the walk stops at its end,
+where real decoding would go on (``WalkResult.complete`` says whether it reached the horizon or a stop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from .speculative import BlockDrafter, _target_device, draft_settings, features
+
+__all__ = ["WalkResult", "evaluate_walk", "reply_until_stop", "teacher_forced_walk"]
+
+
+@attrs.frozen
+class WalkResult:
+    """One walk: ``accept_lengths[i]`` tokens committed by block ``i`` (bonus included), as
+    ``SpecResult.accept_lengths``; ``tokens`` reply tokens covered, the first (the prefill's) included.
+    ``complete``: the walk ended where real decoding would (horizon or stop token), not at the end of
+    a truncated reply."""
+
+    accept_lengths: list[int]
+    tokens: int
+    complete: bool
+
+    @property
+    def mean_accept_length(self) -> float:
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+
+def reply_until_stop(reply: Sequence[int], stop_token_ids: Sequence[int] | None) -> tuple[list[int], bool]:
+    """The reply up to and including its first stop token, and whether it has one."""
+    stops = set(int(t) for t in stop_token_ids or ())
+    out = [int(t) for t in reply]
+    for i, t in enumerate(out):
+        if t in stops:
+            return out[: i + 1], True
+    return out, False
+
+
+def _walk(
+    proposer: BlockDrafter,
+    feats: torch.Tensor,
+    seq: torch.Tensor,
+    n_in: int,
+    reply_len: int,
+    horizon: int,
+    stopped_ref: bool,
+) -> WalkResult:
+    """Walk one horizon over precomputed features ``feats`` ``[1, >= n_in + reply_len - 1, F]``."""
+    settings = proposer.settings
+    block_size = settings.block_size
+    max_length = n_in + horizon
+    end = n_in + reply_len - 1  # the last reference position
+    start = n_in
+    pending = feats[:, :n_in]
+    lengths: list[int] = []
+    mask = settings.mask_token_id if settings.mask_token_id is not None else 0
+    while start + 1 < max_length and start < end:
+        verify = min(block_size, max_length - start)
+        accepted = 0
+        if verify > 1:
+            block = torch.full((1, verify), mask, dtype=torch.long, device=seq.device)
+            block[0, 0] = seq[start]
+            drafts = proposer.logits(block, pending, start).argmax(dim=-1)[0].to(seq.device)
+            ref = seq[start + 1 : min(start + verify, end + 1)]
+            accepted = int((drafts[: ref.numel()] == ref).int().cumprod(0).sum())
+        produced = min(accepted + 1, max_length - start - 1, end - start)
+        pending = feats[:, start : start + produced]
+        start += produced
+        lengths.append(produced)
+    complete = start + 1 >= max_length or (start == end and stopped_ref)
+    return WalkResult(lengths, min(start + 1, max_length) - n_in, complete)
+
+
+@torch.inference_mode()
+def teacher_forced_walk(
+    target: nn.Module,
+    drafter: nn.Module,
+    prompt_ids: Sequence[int],
+    reply_ids: Sequence[int],
+    *,
+    horizons: Sequence[int],
+    stop_token_ids: Sequence[int] | None = None,
+    block_size: int | None = None,
+    mask_token_id: int | None = None,
+    target_layer_ids: Sequence[int] | None = None,
+) -> dict[int, WalkResult]:
+    """Walk the reference ``reply_ids`` after ``prompt_ids`` at each horizon (new tokens, as
+    ``max_new_tokens`` of real decoding); one target forward for all of them (see the module docstring).
+
+    The reply is cut after its first stop token (``stop_token_ids``), as real decoding stops there.
+    Greedy only: the reference is one greedy continuation; a sampled decoding has no single reference.
+    """
+    if not horizons or min(horizons) < 1:
+        raise ValueError("horizons must be a non-empty list of integers >= 1")
+    if not len(prompt_ids) or not len(reply_ids):
+        raise ValueError("the walk needs a non-empty prompt and reply")
+    settings = draft_settings(
+        drafter, block_size=block_size, mask_token_id=mask_token_id, target_layer_ids=target_layer_ids
+    )
+    if settings.block_size < 2:
+        raise ValueError("the walk needs block_size >= 2 (a drafter that proposes)")
+    reply, stopped = reply_until_stop(reply_ids, stop_token_ids)
+    device = _target_device(target)
+    n_in = len(prompt_ids)
+    longest = min(max(horizons), len(reply))
+    seq = torch.tensor([*map(int, prompt_ids), *reply], dtype=torch.long, device=device)
+    # Features are needed up to the last position a block can start at: n_in + longest - 2 (the
+    # reply's last token only ever is a bonus).
+    width = n_in + max(longest - 1, 0)
+    out = target(input_ids=seq[None, : max(width, n_in)], output_hidden_states=True, use_cache=False)
+    feats = features(out.hidden_states, settings.layer_ids)
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        results = {}
+        for h in horizons:
+            proposer = BlockDrafter(target, drafter, settings)  # a fresh draft cache per horizon
+            results[int(h)] = _walk(proposer, feats, seq, n_in, len(reply), int(h), stopped)
+    finally:
+        drafter.train(was_training)
+    return results
+
+
+def evaluate_walk(
+    target: nn.Module,
+    drafter: nn.Module,
+    conversations: Sequence[tuple[Sequence[int], Sequence[int]]],
+    *,
+    horizons: Sequence[int],
+    stop_token_ids: Sequence[int] | None = None,
+    **settings: Any,
+) -> dict[str, float]:
+    """The walk over held-out ``(prompt ids, reply ids)`` pairs, as metrics.
+
+    ``tau`` (at the first horizon) and ``tau_h<H>`` per horizon: tokens per block over all blocks of all
+    conversations, as ``evaluate_drafter``'s ``tau``; ``verify_steps_h<H>``, ``tokens_walked_h<H>``,
+    ``complete_frac_h<H>`` (conversations whose walk reached the horizon or a stop token), and
+    ``num_conversations``, ``drafter_forwards``.
+    """
+    if not conversations:
+        raise ValueError("no conversations to walk")
+    steps = {int(h): 0 for h in horizons}
+    committed = dict(steps)
+    tokens = dict(steps)
+    complete = dict(steps)
+    calls = 0
+    for prompt, reply in conversations:
+        for h, r in teacher_forced_walk(
+            target, drafter, prompt, reply, horizons=horizons, stop_token_ids=stop_token_ids, **settings
+        ).items():
+            steps[h] += len(r.accept_lengths)
+            committed[h] += sum(r.accept_lengths)
+            tokens[h] += r.tokens
+            complete[h] += int(r.complete)
+            calls += len(r.accept_lengths)
+    n = len(conversations)
+    first = int(horizons[0])
+    metrics = {"tau": committed[first] / steps[first] if steps[first] else 1.0}
+    for h in steps:
+        metrics[f"tau_h{h}"] = committed[h] / steps[h] if steps[h] else 1.0
+        metrics[f"verify_steps_h{h}"] = float(steps[h])
+        metrics[f"tokens_walked_h{h}"] = float(tokens[h])
+        metrics[f"complete_frac_h{h}"] = complete[h] / n
+    metrics["num_conversations"] = float(n)
+    metrics["drafter_forwards"] = float(calls)
+    return metrics
