@@ -16,12 +16,18 @@ test *ARGS:
 lint:
     {{python}} -m ruff check dflash_flow tests bench examples
 
-# Benchmarks: each writes bench/results/NAME.json and prints it.
+# Benchmarks: each writes bench/results/NAME.json and prints it (scale before profile: the split plan
+# reads the all-reduce wait scale.json measured). About 10 minutes on 2 cores.
 bench:
     {{python}} bench/runtime_bench.py
     {{python}} bench/batching_bench.py
     {{python}} bench/model_bench.py
     {{python}} bench/monitor_bench.py
+    {{python}} bench/scale_bench.py
+    {{python}} bench/profile_bench.py
+    {{python}} bench/e2e_bench.py
+    {{python}} bench/fanout_bench.py
+    {{python}} bench/torchdata_bench.py
 
 # Train the embedded default drafter on CPU.
 run FILE="pipelines/dflash.yaml" *ARGS:

@@ -238,7 +238,9 @@ def make_specforge(c: dict, classes):
     online._sample_anchor_positions = lambda seq_len, loss_mask, device: current["anchors"]
     loss_mask = c["loss_mask"]
     if c["attention_mask"] is not None:
-        loss_mask = loss_mask * c["attention_mask"]  # SpecForge has no attention mask: padding is unsupervised
+        loss_mask = (
+            loss_mask * c["attention_mask"]
+        )  # SpecForge has no attention mask: padding is unsupervised
 
     def step(anchors, backward=True):
         current["anchors"] = anchors
@@ -279,7 +281,11 @@ def time_rounds(impls: dict, c: dict, rounds: int) -> dict[str, dict[str, float]
                 wall[name].append(1000 * (t1 - t0))
                 cpu[name].append(1000 * (c1 - c0))
     return {
-        n: dict(ms=round(statistics.median(wall[n]), 2), cpu_ms=round(statistics.median(cpu[n]), 2))
+        n: dict(
+            ms=round(statistics.median(wall[n]), 2),
+            cpu_ms=round(statistics.median(cpu[n]), 2),
+            min_ms=round(min(wall[n]), 2),
+        )
         for n in names
     }
 
@@ -352,17 +358,22 @@ def run_case(name: str, args, sf_classes, baseline, baseline_dir) -> dict:
         if other in times:
             result[f"ours_over_{other}"] = round(ours["ms"] / times[other]["ms"], 3)
             result[f"ours_over_{other}_cpu"] = round(ours["cpu_ms"] / times[other]["cpu_ms"], 3)
+            result[f"ours_over_{other}_min"] = round(ours["min_ms"] / times[other]["min_ms"], 3)
             result[f"loss_diff_vs_{other}"] = abs(losses["ours"] - losses[other])
     if c["attention_mask"] is not None and "specforge" in losses:
-        result["note"] = "SpecForge has no attention mask: it attends to padded (zero) context, so its loss differs"
+        result["note"] = (
+            "SpecForge has no attention mask: it attends to padded (zero) context, so its loss differs"
+        )
     return result
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--specforge", help="unpacked SpecForge 0.2.0 wheel (default $DFLASH_SPECFORGE_DIR or ~/.cache)")
+    parser.add_argument(
+        "--specforge", help="unpacked SpecForge 0.2.0 wheel (default $DFLASH_SPECFORGE_DIR or ~/.cache)"
+    )
     parser.add_argument("--baseline", help="also time our implementation at this git revision")
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {list(CASES)}")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     parser.add_argument("--out", default=str(RESULTS))
@@ -388,7 +399,9 @@ def main() -> int:
             return 0
     with tempfile.TemporaryDirectory() as tmp:
         baseline = load_baseline(args.baseline, Path(tmp)) if args.baseline else None
-        cases = [run_case(n, args, classes, baseline, tmp if baseline else None) for n in args.cases.split(",")]
+        cases = [
+            run_case(n, args, classes, baseline, tmp if baseline else None) for n in args.cases.split(",")
+        ]
     report = dict(
         bench="peer_step",
         created_unix=int(time.time()),
@@ -400,7 +413,8 @@ def main() -> int:
         baseline=args.baseline,
         rounds=args.rounds,
         note=(
-            "ms / cpu_ms: median wall / process-CPU milliseconds per forward+backward step over the rounds, all "
+            "ms / cpu_ms / min_ms: median wall, median process-CPU and fastest wall milliseconds per "
+            "forward+backward step over the rounds (min_ms is the figure least disturbed by other load), all "
             "implementations alternated in one process on identical inputs and anchors (shared 2-core box: "
             "compare the ratios, not the absolute figures). peak_over_baseline_mib: fresh subprocess per "
             "implementation, peak RSS over two steps above the RSS before them."
@@ -418,10 +432,17 @@ def main() -> int:
             for n, v in impl.items()
         )
         print(f"{c['case']} [{c['batch']}x{c['seq_len']}]: {line}")
-        ratios = [f"ours/{o} {c[f'ours_over_{o}']:.3f} (cpu {c[f'ours_over_{o}_cpu']:.3f})" for o in ("specforge", "before") if f"ours_over_{o}" in c]
+        ratios = [
+            f"ours/{o} {c[f'ours_over_{o}']:.3f} (cpu {c[f'ours_over_{o}_cpu']:.3f}, min {c[f'ours_over_{o}_min']:.3f})"
+            for o in ("specforge", "before")
+            if f"ours_over_{o}" in c
+        ]
         if ratios:
             print("  " + ", ".join(ratios))
-        print("  losses on identical anchors: " + ", ".join(f"{n} {v:.6f}" for n, v in c["losses_same_anchors"].items()))
+        print(
+            "  losses on identical anchors: "
+            + ", ".join(f"{n} {v:.6f}" for n, v in c["losses_same_anchors"].items())
+        )
     print(f"written to {out}")
     return 0
 

@@ -5,8 +5,10 @@ Writes bench/results/profile.json (also printed):
 * ``sleep``: a pipeline of sleep stages with known costs (``common.sleep_graph``: src 2 ms -> a 30 ms ->
   b 12 ms -> sink) is profiled at one replica mix; the profile predicts the batches/s of other mixes,
   each of which is then run and profiled; error = predicted / measured - 1.
-* ``embedded``: ``pipelines/dflash.yaml`` shortened, with 1 and 2 TargetForward replicas; each setting's
-  profile predicts the other's throughput (and its own, a check that the window is steady).
+* ``embedded``: ``pipelines/dflash.yaml`` shortened (drafter ``torch_threads`` 1), with 1 and 2
+  TargetForward replicas; each setting's profile predicts the other's throughput (and its own).
+* ``data_parallel``: the two-rank run of bench/scale_bench.py (results/scale.json, if there) predicted
+  from the one-process profile with 1 target and the all-reduce wait that run measured;
 * ``profile``: the embedded profile itself (2 TargetForward replicas), and ``plan``: the split table
   for 8 GPUs it gives (CPU costs, so only the shape of the table carries over to a GPU machine).
 
@@ -26,6 +28,11 @@ COSTS = {"src": 0.002, "a": 0.030, "b": 0.012}
 BASE_MIX = {"a": 1, "b": 1}
 MIXES = [{"a": 2, "b": 1}, {"a": 3, "b": 1}, {"a": 3, "b": 2}, {"a": 4, "b": 3}]
 TARGET = "target"
+# One torch thread for the drafter (each target has one already): the model assumes a stage's work per
+# batch does not depend on the others, which holds on a CPU only while the busy threads fit the cores
+# (with the default 2 drafter threads, 1 vs 2 busy targets on 2 shared cores changed the drafter's step
+# time by 50%: see docs/benchmarks.md).
+EMBEDDED_THREADS = ("stages.drafter.torch_threads=1",)
 
 
 def _error(predicted: float, measured: float) -> float:
@@ -72,7 +79,7 @@ def validate_embedded(steps: int, root: Path) -> tuple[dict[str, Any], Any]:
 
     profiles = {}
     for n in (2, 1):
-        v = common.embedded_validated(root / f"targets{n}", f"stages.{TARGET}.replicas={n}")
+        v = common.embedded_validated(root / f"targets{n}", f"stages.{TARGET}.replicas={n}", *EMBEDDED_THREADS)
         profiles[n] = _profile(v, steps, warmup=2, interval_s=0.1)
     rows = []
     for source, prof in profiles.items():
@@ -99,21 +106,35 @@ def validate_embedded(steps: int, root: Path) -> tuple[dict[str, Any], Any]:
     cross = [r for r in rows if r["profiled_with_targets"] != r["predicted_for_targets"]]
     return {
         "steps": steps,
+        "overrides": list(EMBEDDED_THREADS),
         "rows": rows,
         "settings": summary,
         "max_abs_error": max(abs(r["error"]) for r in rows),
         "max_abs_cross_error": max(abs(r["error"]) for r in cross),
-    }, profiles[2]
+    }, profiles
 
 
-def _allreduce_at_two() -> float:
+def _scale() -> dict[str, Any] | None:
     import json
 
-    path = common.RESULTS / "scale.json"
     try:
-        return float(json.loads(path.read_text())["allreduce_wait_s_per_step"])
+        data = json.loads((common.RESULTS / "scale.json").read_text())
+        float(data["allreduce_wait_s_per_step"])
+        return data
     except (OSError, ValueError, KeyError, TypeError):
-        return 0.0
+        return None
+
+
+def data_parallel_check(prof, scale: dict[str, Any]) -> dict[str, Any]:
+    """The two-rank run of bench/scale_bench.py (1 target and 1 drafter thread per rank, grad_accum 1)
+    predicted from the one-process profile with 1 target and the all-reduce wait that run measured."""
+    from dflash_flow.app.splitplan import evaluate_split
+
+    split = evaluate_split(prof, 2, 1, target_stage=TARGET, padder_stage="padder",
+                           allreduce_at_two=float(scale["allreduce_wait_s_per_step"]))
+    measured = float(scale["two_ranks"]["steps_per_s"])
+    return {"predicted_steps_per_s": round(split.steps_per_s, 4), "measured_steps_per_s": measured,
+            "error": round(_error(split.steps_per_s, measured), 4), "limited_by": split.limit}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -129,9 +150,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     result: dict[str, Any] = {"machine": common.machine(), "sleep": validate_sleep(args.sleep_steps)}
     if not args.no_embedded:
-        embedded, prof = validate_embedded(args.embedded_steps, common.SCRATCH / "profile-bench")
+        embedded, profiles = validate_embedded(args.embedded_steps, common.SCRATCH / "profile-bench")
         result["embedded"] = embedded
-        allreduce = _allreduce_at_two()
+        prof = profiles[2]
+        scale = _scale()
+        allreduce = float(scale["allreduce_wait_s_per_step"]) if scale else 0.0
+        if scale is not None:
+            result["data_parallel"] = data_parallel_check(profiles[1], scale)
         splits = plan_splits(prof, 8, allreduce_at_two=allreduce)
         chosen = recommend(splits)
         result["plan"] = {

@@ -4,8 +4,12 @@ Writes bench/results/scale.json (also printed). Two real runs of ``dflash-flow r
 
 * ``one``: one process, ``grad_accum`` 2, ``2 N`` batches: N optimizer steps of 2 micro-batches;
 * ``two``: ``--nproc 2`` (torchrun, gloo), ``grad_accum`` 1, N batches per rank: N steps of the same 2
-  batches (one per rank). Each rank gets half the CPU work of ``one``: 1 TargetForward replica and
-  ``torch_threads`` 1 for its drafter (``one`` has 2 and 2), so both use the same threads in all.
+  batches (one per rank). Each rank has 1 TargetForward replica (``one`` has 2), so both run the same
+  target threads in all.
+
+Both give the drafter ``torch_threads`` 1: with 2 intra-op threads on two shared cores the drafter's step
+was 3-10x slower on a loaded machine (bench/e2e_bench.py measures it), which would make the comparison
+one of thread settings. So ``one`` trains on one drafter thread, ``two`` on two (one per rank).
 
 Steps/s is the steady rate between the Monitor's samples (``monitor/history.json``: step and time of each
 sample) after ``WARMUP`` steps. The all-reduce wait is the trainer's ``allreduce_wait_s`` step metric:
@@ -85,7 +89,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     n = args.steps
     root = common.SCRATCH / "scale-bench"
-    one = run_one(root / "one", n, None, [f"stages.interleaver.max_batches={2 * n}", "stages.drafter.grad_accum=2"])
+    one = run_one(root / "one", n, None, [f"stages.interleaver.max_batches={2 * n}", "stages.drafter.grad_accum=2",
+                                           "stages.drafter.torch_threads=1"])
     two = run_one(root / "two", n, 2, [f"stages.interleaver.max_batches={n}", "stages.drafter.grad_accum=1",
                                         "stages.target.replicas=1", "stages.padder.replicas=1",
                                         "stages.drafter.torch_threads=1"])

@@ -18,6 +18,7 @@ state.json) and names the checkpoint and the reason: ``not a valid checkpoint: P
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
@@ -130,6 +131,30 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class _RecordingFile(io.FileIO):
+    """A file that remembers the OSError of a failed write: torch's zip writer reports a full disk as a
+    RuntimeError ("unexpected pos ...") that no longer says why."""
+
+    error: OSError | None = None
+
+    def write(self, b):  # noqa: ANN001
+        try:
+            return super().write(b)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+
+def _torch_save(torch: Any, obj: Any, path: Path) -> None:
+    with _RecordingFile(path, "w") as f:
+        try:
+            torch.save(obj, f)
+        except Exception:
+            if f.error is not None:
+                raise f.error from None
+            raise
+
+
 def _nonfinite(tensors: dict[str, Any]) -> str | None:
     import torch
 
@@ -204,12 +229,13 @@ class Checkpointer:
 
     def _write(self, final, step, epoch, tensors, optimizer_state, data_position, stage_states, extra, files) -> Path:
         import torch
-        from safetensors.torch import save_file
+
+        from dflash_flow.model.export import write_safetensors
 
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step-{step:08d}-{self.run_uid[:12]}-", dir=self.dir))
         try:
-            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            torch.save(optimizer_state, tmp / "optimizer.pt")
+            write_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+            _torch_save(torch, optimizer_state, tmp / "optimizer.pt")
             state = {
                 "format_version": FORMAT_VERSION,
                 "step": step,

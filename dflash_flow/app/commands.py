@@ -3,10 +3,9 @@ exit code (user errors are one line and exit 2)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-from dflash_flow.app.exits import EXIT_OK, EXIT_USER_ERROR
+from dflash_flow.app.exits import EXIT_OK, report_user_error
 
 
 def export_checkpoint(checkpoint: Path, out: Path) -> int:
@@ -22,9 +21,8 @@ def export_checkpoint(checkpoint: Path, out: Path) -> int:
             raise CheckpointError(f"{path}: no config.json (written by an older version?)")
         drafter = load_drafter(path)
         save_drafter(drafter, out)
-    except CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
+    except (CheckpointError, OSError) as exc:  # OSError: OUT cannot be written (read-only, full, a file)
+        return report_user_error(exc)
     n = sum(p.numel() for p in drafter.parameters())
     print(f"exported {path} -> {out} ({n / 1e6:.2f} M drafter parameters)")
     return EXIT_OK
@@ -37,8 +35,7 @@ def import_spool_command(spool: Path, tracking_uri: str | None) -> int:
     try:
         run_id = import_spool(spool, tracking_uri)
     except SpoolError as exc:  # one line naming the spool, never a traceback
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return report_user_error(exc)
     print(f"imported {spool} into run {run_id}")
     return EXIT_OK
 
@@ -69,8 +66,7 @@ def eval_command(drafter: Path, target: str, prompts: Path, max_new_tokens: int,
             walk_data=walk_data, walk_limit=walk_limit, seed=seed,
         )
     except (CheckpointError, ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return report_user_error(exc)
     keys = ["tau", *(f"tau_h{h}" for h in extra), "speedup_forwards", "lossless", "tokens_generated", "num_prompts",
             "speedup_wall"]
     rows = [[name] + [m.get(k) for k in keys] for name, m in results.items()]
@@ -102,8 +98,7 @@ def regenerate_command(prompts: Path, target: str, out: Path, batch_size: int, m
         stats = regenerate(prompts, resolve_target(target), out, batch_size=batch_size, max_new_tokens=max_new_tokens,
                            resume=resume, progress=progress, system_prompt=system_prompt)
     except (ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return report_user_error(exc)
     finally:
         if bar is not None:
             bar.close()

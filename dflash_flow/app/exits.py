@@ -18,7 +18,11 @@ EXIT_INTERRUPTED = 130  # SIGINT / SIGTERM
 
 # OSErrors that describe the machine the user gave the run, not a bug: a full disk, a read-only mount,
 # missing permissions, a file-size limit. They end a run with one line and exit 2 wherever they happen.
-ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG})
+# A path of the wrong kind (a file where a directory belongs, a loop of links, a name too long) is one too.
+ENVIRONMENT_ERRNOS = frozenset({
+    errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG,
+    errno.EISDIR, errno.ENOTDIR, errno.ELOOP, errno.ENAMETOOLONG,
+})
 
 
 class UserError(Exception):

@@ -113,6 +113,37 @@ def prepare_output_dir(output_dir: Path) -> None:
         )
 
 
+def check_writable_dir(path: Path, what: str) -> None:
+    """``path`` is a directory the run can write, or can be created (creating nothing): raises ``UserError``
+    naming ``what`` (e.g. ``checkpoint.dir``) when it is a file or its nearest existing parent is read-only."""
+    from dflash_flow.app.exits import UserError
+
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{what} {path} is an existing file, not a directory")
+    base = path
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise UserError(f"cannot create {what} {path}: {base} is not a directory")
+    why = _probe_write(base)
+    if why:
+        raise UserError(f"{what} {path} is not writable: {why}" if base == path else
+                        f"cannot create {what} {path}: {base} is not writable ({why})")
+
+
+def check_stage_outputs(v: Validated, output_dir: Path) -> None:
+    """Directories stages write into at the end of the run (``export_dir``) must not be files: found now,
+    not after hours of training."""
+    from dflash_flow.app.exits import UserError
+
+    for name, conf in v.configs.items():
+        sub = getattr(conf, "export_dir", None)
+        if isinstance(sub, str) and sub:
+            target = output_dir / sub
+            if target.exists() and not target.is_dir():
+                raise UserError(f"stage '{name}': export_dir {target} is an existing file, not a directory")
+
+
 class OutputLock:
     """An exclusive ``flock`` on ``OUTPUT/.dflash-flow.lock`` for as long as the run lives: a second run on
     the same output directory is refused, naming the first one's pid. The OS releases it when the process

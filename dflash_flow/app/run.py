@@ -298,8 +298,11 @@ def _prepare(v: Validated, dist_ctx, output_dir: Path, resume: str | None):
     from dflash_flow.app.preflight import (
         OutputLock,
         check_free_space,
+        check_stage_outputs,
+        check_writable_dir,
         checkpoint_bytes,
         data_fingerprint,
+        escaping_links,
         prepare_output_dir,
     )
     from dflash_flow.observe.store import check_tracking_uri
@@ -324,8 +327,15 @@ def _prepare(v: Validated, dist_ctx, output_dir: Path, resume: str | None):
                 raise UserError(f"tracking: {problem}")
         ck = graph.sections["checkpoint"]
         ck_dir, ck_root = _resolve_checkpoint_dir(ck, output_dir)
+        if main:
+            check_stage_outputs(v, output_dir)
+            check_writable_dir(ck_dir, "checkpoint.dir" if ck.dir else "the checkpoint directory")
+            if ck.dir and ck_dir.is_dir() and escaping_links(ck_dir):
+                link, target = escaping_links(ck_dir)[0]
+                raise UserError(f"checkpoint.dir {ck_dir}: {link.relative_to(ck_dir)} is a symbolic link to {target}, "
+                                "outside it; checkpoints are written and pruned only inside their directory")
         checkpointer = Checkpointer(ck_dir, keep_last=ck.keep_last, config_hash=resume_config_hash(graph),
-                                    data_files=data_fingerprint(v), root=ck_root)
+                                    data_files=data_fingerprint(v) if main else {}, root=ck_root)
         ckpt = None
         if resume == "auto":  # torchrun --max-restarts: the first attempt starts fresh, a restart continues
             resume = "latest" if checkpointer.list() else None

@@ -337,7 +337,7 @@ def _read_lines(f, limit: int) -> Iterator[tuple[int, bytes | None, int]]:
                 size += len(chunk)
                 if not chunk or chunk.endswith(b"\n"):
                     break
-            yield no, None, size
+            yield no, None, size - (1 if chunk.endswith(b"\n") else 0)  # the record's bytes, not its newline
             continue
         yield no, raw, len(raw)
 

@@ -369,7 +369,8 @@ class _BlockAttention(torch.autograd.Function):
                 o, lse = q.new_zeros(b, h, q1 - q0, d), q.new_zeros(b, h, q1 - q0, dtype=acc)
             outs.append(o)
             lses.append(lse)
-        out_ctx = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        # Kept in the kernel's [b, Q, h, d] memory order, so o_proj reads the result without a copy.
+        out_ctx = torch.cat([o.transpose(1, 2) for o in outs], dim=1).transpose(1, 2)
         lse_ctx = lses[0] if len(lses) == 1 else torch.cat(lses, dim=2)
         # The kernel reports lse 0 for a row that sees nothing; such a row carries no weight.
         lse_ctx = torch.where(layout.has_context, lse_ctx, float("-inf"))
@@ -398,7 +399,6 @@ class _BlockAttention(torch.autograd.Function):
         q, ctx_k, ctx_v, own_k, own_v, out, lse = ctx.saved_tensors
         layout, scale, tiles = ctx.layout, ctx.scale, ctx.tiles
         b, h, n_q, d = q.shape
-        grad_out = grad_out.contiguous()
         dqs = []
         dk_ctx = torch.zeros_like(ctx_k)
         dv_ctx = torch.zeros_like(ctx_v)

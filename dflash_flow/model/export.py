@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,26 @@ def drafter_config_dict(config: Any) -> dict[str, Any]:
     return d
 
 
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file``, with its I/O failures (a full disk, a read-only mount) raised as the
+    OSError they are: the Rust writer reports them as ``SafetensorError: ... (os error 28)``."""
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except OSError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - SafetensorError has no errno of its own
+        found = _OS_ERROR.search(str(exc))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from exc
+
+
 def _nonfinite_tensor(state: dict[str, torch.Tensor]) -> str | None:
     for name, t in state.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
@@ -74,8 +95,6 @@ def save_drafter(drafter: DFlashDrafter, path: str | os.PathLike, *, state: dict
     checkpoint under the final names and a link at a final name is replaced, never written through.
     Weights holding NaN or infinity are refused (CheckpointError): an inference engine would load them.
     """
-    from safetensors.torch import save_file
-
     out = Path(path)
     config = drafter_config_dict(drafter.config)
     # The instance may have been built from a config whose ids were defaulted; what the module trained
@@ -96,7 +115,7 @@ def save_drafter(drafter: DFlashDrafter, path: str | os.PathLike, *, state: dict
     tmp_w = _temp_beside(out / WEIGHTS_NAME)
     tmp_c = _temp_beside(out / CONFIG_NAME)
     try:
-        save_file(state, str(tmp_w), metadata={"format": "pt"})
+        write_safetensors(state, tmp_w, metadata={"format": "pt"})
         tmp_c.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         os.replace(tmp_w, out / WEIGHTS_NAME)
         os.replace(tmp_c, out / CONFIG_NAME)

@@ -384,26 +384,18 @@ def auto_group_blocks(bounds: ColumnBounds, start: int, stop: int, *, block_size
     time, ``pair_cost`` (rows x heads x head_dim) per visible-range query-key pair plus a fixed cost per
     group. Small groups skip more hidden context; each group costs a few kernel calls."""
     n = stop - start
-    best, best_cost, size = n, None, 1
+    # Per group of `size` blocks: its context end (the largest anchor), by pairwise maxima as size doubles.
+    ends = [max(0, min(h, bounds.seq_len)) for h in bounds.hi[start:stop]]
+    best, best_cost, size = 1, None, 1
     while True:
-        g = min(size, n)
-        spans = group_spans(
-            bounds, start, stop, group_blocks=g, layer_type=FULL_ATTENTION, sliding_window=None
-        )
-        pairs = sum((n1 - n0) * block_size * (hi - lo) for n0, n1, lo, hi in spans)
-        cost = pairs * pair_cost + len(spans) * GROUP_FIXED_COST
+        pairs = sum(min(size, n - i * size) * block_size * end for i, end in enumerate(ends))
+        cost = pairs * pair_cost + len(ends) * GROUP_FIXED_COST
         if best_cost is None or cost < best_cost:
-            best, best_cost = g, cost
-        if g >= n:
-            return best
+            best, best_cost = size, cost
+        if size >= n:
+            return min(best, n)
+        ends = [max(ends[i : i + 2]) for i in range(0, len(ends), 2)]
         size *= 2
-
-
-def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # Additive form: sdpa would convert a bool mask in every call (forward and backward).
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
-        ~visible, float("-inf")
-    )
 
 
 def block_layouts(

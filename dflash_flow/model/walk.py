@@ -35,7 +35,7 @@ import attrs
 import torch
 from torch import nn
 
-from .speculative import BlockDrafter, _target_device, draft_settings, features
+from .speculative import BlockDrafter, draft_settings, features
 
 __all__ = ["WalkResult", "evaluate_walk", "reply_until_stop", "teacher_forced_walk"]
 
@@ -130,7 +130,7 @@ def teacher_forced_walk(
     if settings.block_size < 2:
         raise ValueError("the walk needs block_size >= 2 (a drafter that proposes)")
     reply, stopped = reply_until_stop(reply_ids, stop_token_ids)
-    device = _target_device(target)
+    device = next(target.parameters()).device
     n_in = len(prompt_ids)
     longest = min(max(horizons), len(reply))
     seq = torch.tensor([*map(int, prompt_ids), *reply], dtype=torch.long, device=device)

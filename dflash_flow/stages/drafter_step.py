@@ -155,7 +155,8 @@ class DrafterStep(Stage):
         mode = "a" if self._services.resume is not None else "w"
         log_name = "batches.jsonl" if ctx.world_size == 1 else f"batches.rank{ctx.rank}.jsonl"
         out = Path(ctx.output_dir)
-        self._batch_log = _open_log(out / log_name, out, mode == "a") if self.record_batches else None
+        self._batch_log_path = out / log_name
+        self._batch_log = _open_log(self._batch_log_path, out, mode == "a") if self.record_batches else None
         m = ctx.metrics
         self._m_steps = m.counter("steps", "steps", "Optimizer steps")
         self._m_tokens = m.counter("tokens", "tokens", "Real tokens trained on")
@@ -179,8 +180,11 @@ class DrafterStep(Stage):
         self._m_samples.inc(meta.num_samples)
         self._m_step_s.observe(time.perf_counter() - t0)
         if self._batch_log is not None and not meta.filler:
-            self._batch_log.write(json.dumps({"epoch": meta.epoch, "index": meta.index, "sample_ids": list(meta.sample_ids)}) + "\n")
-            self._batch_log.flush()
+            try:
+                self._batch_log.write(json.dumps({"epoch": meta.epoch, "index": meta.index, "sample_ids": list(meta.sample_ids)}) + "\n")
+                self._batch_log.flush()
+            except OSError as exc:  # e.g. a full disk: name the file (a failed write does not)
+                raise OSError(exc.errno, exc.strerror, str(self._batch_log_path)) from exc
         if metrics is None:
             return None
         metrics["epoch"] = float(meta.epoch)

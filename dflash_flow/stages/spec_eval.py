@@ -73,6 +73,7 @@ class SpecDecodeEval(Stage):
     walk_data: str | None = cfg(None, doc="JSONL of held-out conversations whose last turn is the target's own greedy reply, for the teacher-forced walk ('embedded': the embedded dataset's eval split; null: no walk).")
     walk_limit: int = cfg(64, ge=1, doc="Conversations to walk.")
     baseline: bool = cfg(True, doc="Also evaluate an untrained drafter of the same shape.")
+    torch_threads: int | None = cfg(None, ge=1, doc="torch intra-op threads for the evaluation (CPU runs; batch-1 decoding of a small model is fastest on 1).")
 
     def setup(self, ctx) -> None:
         self._ctx = ctx
@@ -92,6 +93,10 @@ class SpecDecodeEval(Stage):
         if prompts == "embedded":
             prompts = str(write_eval_prompts(self._ctx.output_dir / "eval_prompts.jsonl", self.limit))
         walk = str(embedded_walk_data()) if self.walk_data == "embedded" else self.walk_data
+        if self.torch_threads:
+            import torch
+
+            torch.set_num_threads(self.torch_threads)
         # Evaluation builds models (target, drafters): hold the process-wide model lock.
         with MODEL_LOAD_LOCK:
             results = evaluate_exported(

@@ -15,6 +15,13 @@ from dflash_flow.core import Stage, cfg
 from dflash_flow.items import PaddedBatch, TargetFeatures
 
 
+def _absent_local_path(spec: Any) -> bool:
+    """A spec written as a local path (``/``, ``.``, ``~``) that does not exist on this machine."""
+    from pathlib import Path
+
+    return isinstance(spec, str) and spec.startswith(("/", ".", "~")) and not Path(spec).expanduser().exists()
+
+
 @attrs.define(kw_only=True, eq=False)
 class TargetForward(Stage):
     """Frozen target forward: emits the hidden states of `target_layer_ids`, aligned 1:1 with input_ids."""
@@ -49,10 +56,14 @@ class TargetForward(Stage):
         if ids is None and widest == 1:
             return []
         from dflash_flow.embedded import resolve_target
+
+        spec = resolve_target(self.target)
+        if _absent_local_path(spec):
+            return []  # e.g. a cluster's /models/... checked on a laptop: nothing to read (and no torch import)
         from dflash_flow.model.drafter import build_target_layer_ids
         from dflash_flow.model.target import peek_target_depth
 
-        depth = peek_target_depth(resolve_target(self.target), trust_remote_code=self.trust_remote_code)
+        depth = peek_target_depth(spec, trust_remote_code=self.trust_remote_code)
         if depth is None:
             return []  # not readable here: setup reports what is wrong
         if ids is None:

@@ -91,6 +91,18 @@ def test_run_writes_mlflow_checkpoint_export_and_eval(tmp_path: Path) -> None:
     ckpts = sorted((out / "checkpoints").glob("step-*"))
     assert 1 <= len(ckpts) <= 2
     assert all((c / "MANIFEST.json").is_file() for c in ckpts)
+    # Each records the run's lineage (what it may prune) and the sha256 of the data it trained on.
+    import hashlib
+
+    states = [json.loads((c / "state.json").read_text()) for c in ckpts]
+    data = tmp_path / "data.jsonl"
+    assert all(st["data_files"] == {str(data): hashlib.sha256(data.read_bytes()).hexdigest()} for st in states)
+    assert len({st["run_uid"] for st in states}) == 1 and states[0]["run_uid"]
+    # The run lock is released: another run on this output directory could start now.
+    import fcntl
+
+    with open(out / ".dflash-flow.lock", "rb+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
     client = _client(tmp_path)
     exp = client.get_experiment_by_name("e2e")

@@ -165,3 +165,16 @@ def test_a_replica_gets_all_its_devices_and_producers_see_the_consumers_first_de
     split = run([["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]])
     assert split["spans"] == {0: ("cuda:0", ["cuda:0", "cuda:1"]), 1: ("cuda:2", ["cuda:2", "cuda:3"])}
     assert split["downstream"] == ["cuda:0", "cuda:2"]  # each consumer replica takes input on its first device
+
+
+def test_graph_labels_show_each_replicas_devices():
+    from dflash_flow.core import Graph
+    from dflash_flow.core.render import to_dot, to_mermaid
+
+    g = Graph()
+    g.add("src", "TestSource")
+    g.add("split", "TestPass", inputs=["src"], replicas=2, devices=[["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]])
+    g.add("flat", "TestPass", inputs=["src"], replicas=2, devices=["cuda:0", "cuda:1"])
+    assert '"split: TestPass (x2 cuda:0+cuda:1,cuda:2+cuda:3)"' in to_mermaid(g)
+    assert '"flat: TestPass (x2 cuda:0,cuda:1)"' in to_mermaid(g)
+    assert 'label="split: TestPass (x2 cuda:0+cuda:1,cuda:2+cuda:3)"' in to_dot(g)

@@ -14,8 +14,10 @@ from model_testlib import MASK_ID, VOCAB, build_drafter, randomize, target_featu
 
 from dflash_flow.model.drafter import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_flow.model.objective import (
+    ColumnBounds,
     activation_bytes_per_block,
     auto_chunk_blocks,
+    auto_group_blocks,
     block_attention_mask,
     decay_weights,
     dflash_loss,
@@ -646,3 +648,31 @@ def test_bf16_step_is_close_to_fp32(target):
     out.loss.backward()
     assert abs(out.loss.item() - ref.item()) < 0.05 * ref.item()
     assert all(torch.isfinite(p.grad.float()).all() for p in low.parameters())
+
+
+def test_auto_group_blocks_trades_hidden_keys_against_calls():
+    bounds = ColumnBounds(hi=[10 * i for i in range(1, 21)], lo=[10 * i for i in range(1, 21)], seq_len=400)
+    assert auto_group_blocks(bounds, 0, 20, block_size=8, pair_cost=10**9) == 1  # keys dominate
+    assert auto_group_blocks(bounds, 0, 20, block_size=8, pair_cost=0) == 20  # calls dominate
+    g = auto_group_blocks(bounds, 4, 20, block_size=8, pair_cost=64)
+    assert 1 <= g <= 16 and g & (g - 1) == 0
+
+
+def test_layer_checkpointing_gives_the_same_loss_and_gradients(target):
+    drafter = randomize(build_drafter(target, num_layers=2), 31)
+    ids, lm = make_batch(target, b=2, s=24)
+    feats = target_features(target, ids, drafter.target_layer_ids)
+    anchors = sample_anchors(lm, 10, generator=torch.Generator().manual_seed(5))
+    kw = dict(
+        input_ids=ids, loss_mask=lm, hidden_states=feats, anchors=anchors, gamma=4.0, **loss_modules(target)
+    )
+    results = []
+    for flag in (False, True):
+        drafter.gradient_checkpointing = flag
+        drafter.zero_grad()
+        out = dflash_loss(drafter, **kw)
+        out.loss.backward()
+        results.append((out.loss.detach(), [p.grad.clone() for p in drafter.parameters()]))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=0, rtol=0)
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-6)

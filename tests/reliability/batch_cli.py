@@ -50,13 +50,14 @@ def run_one(args: list[str]) -> dict:
 def warm_up() -> None:
     """The libraries every case may import, imported once before the timed cases: a case's wall time is
     then its own work, not the batch's one-time start-up (seconds on a busy 2-core box)."""
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    from transformers import AutoConfig, AutoTokenizer  # noqa: F401
+
     import dflash_flow.app.run  # noqa: F401
     import dflash_flow.cli  # noqa: F401
     import dflash_flow.model.target  # noqa: F401
     import dflash_flow.model.trainer  # noqa: F401
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
-    from transformers import AutoConfig, AutoTokenizer  # noqa: F401
 
 
 def main() -> None:

@@ -162,6 +162,18 @@ def test_bad_environments_get_one_line_and_exit_2(tmp_path, mounts):
     cases.append(("no room for one checkpoint", ["run", write_yaml(tmp_path / "train.yaml", doc)], 2,
                   [f"not enough free space in {small / 'out' / 'checkpoints'} for one checkpoint and the export: about",
                    "MiB needed", "KiB free"]))
+    # checkpoint.dir: a file, or under a read-only mount; an export directory that is a file (found at start,
+    # not after the training).
+    cases.append(("checkpoint.dir is a file", read_args(data, tmp_path / "c_out", "--set", f"checkpoint.dir={tmp_path / 'a_file'}"),
+                  2, [f"checkpoint.dir {tmp_path / 'a_file'} is an existing file, not a directory"]))
+    cases.append(("checkpoint.dir under a read-only mount", read_args(data, tmp_path / "c_out2", "--set", f"checkpoint.dir={ro / 'ck'}"),
+                  2, [f"cannot create checkpoint.dir {ro / 'ck'}: {ro} is not writable (Read-only file system)"]))
+    export_out = tmp_path / "export_out"
+    export_out.mkdir()
+    (export_out / "drafter").write_text("a file where the export goes\n")
+    doc = train_pipeline(tmp_path, data=tmp_path / "train.jsonl", output_dir=export_out, tracking=False)
+    cases.append(("export_dir is a file", ["run", write_yaml(tmp_path / "export.yaml", doc)], 2,
+                  [f"stage 'drafter': export_dir {export_out / 'drafter'} is an existing file, not a directory"]))
     # A second run on an output directory another process holds (this test process takes the real lock).
     held = tmp_path / "held"
     held.mkdir()
@@ -178,9 +190,9 @@ def test_bad_environments_get_one_line_and_exit_2(tmp_path, mounts):
         f.seek(GiB)
         f.write(b'\n{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}\n')
     cases.append(("a 1 GiB line (fail)", read_args(big, tmp_path / "big_fail"), 2,
-                  [f"{big}:1: record of {GiB + 1} bytes is longer than max_record_bytes=67108864 (64 MiB)"]))
+                  [f"{big}:1: record of {GiB} bytes is longer than max_record_bytes=67108864 (64 MiB)"]))
     cases.append(("a 1 GiB line (skip)", read_args(big, tmp_path / "big_skip", mode="skip"), 0,
-                  ["1 samples from 2 records in 1 file(s), bad=1", f"{big}:1: record of {GiB + 1} bytes is longer"]))
+                  ["1 samples from 2 records in 1 file(s), bad=1", f"{big}:1: record of {GiB} bytes is longer"]))
     deep = tmp_path / "data_deep.jsonl"
     deep.write_text('{"input_ids": ' + "[" * 100_000 + "]" * 100_000 + ', "loss_mask": [1]}\n')
     cases.append(("JSON nested 100000 deep", read_args(deep, tmp_path / "deep_out"), 2,
@@ -228,15 +240,19 @@ def test_bad_environments_get_one_line_and_exit_2(tmp_path, mounts):
 
 # -- a disk that fills up mid-run -------------------------------------------------------------------------
 def _fill(directory: Path, leave: int) -> Path:
-    """Take all but ``leave`` bytes of the filesystem of ``directory`` with one file."""
-    st = os.statvfs(directory)
+    """Take the whole filesystem of ``directory`` with one file (the run keeps writing meanwhile), then give
+    ``leave`` bytes back."""
+    import errno
+
     filler = directory / "filler.bin"
-    with open(filler, "wb") as f:
-        remaining = st.f_bavail * st.f_frsize - leave
-        chunk = b"\0" * 2**20
-        while remaining > 0:
-            n = f.write(chunk[: min(len(chunk), remaining)])
-            remaining -= n
+    chunk = b"\0" * 2**16
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(chunk)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+    os.truncate(filler, max(filler.stat().st_size - leave, 0))
     return filler
 
 
