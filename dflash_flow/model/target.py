@@ -130,6 +130,14 @@ def default_attn_implementation(device: str | torch.device) -> str:
     return "sdpa"
 
 
+def _preset_init_device(spec: Mapping[str, Any] | str) -> str:
+    """Where a preset's random weights are drawn: ``cpu`` (default: the weights depend only on the seed)
+    or an accelerator (``init_device: cuda``: a large random target, e.g. for ``bench/gpu.py``, is built in
+    seconds where it runs instead of minutes on the host; its weights then depend on the seed and the
+    device type)."""
+    return str(spec.get("init_device", "cpu")) if isinstance(spec, Mapping) else "cpu"
+
+
 def _preset_config(spec: Mapping[str, Any] | str) -> tuple[Any, int]:
     """Resolve a preset name or dict into (transformers config, seed)."""
     from transformers import AutoConfig
@@ -144,6 +152,7 @@ def _preset_config(spec: Mapping[str, Any] | str) -> tuple[Any, int]:
                 raise ValueError(f"unknown target preset {base!r}; known: {sorted(TARGET_PRESETS)}")
             params = {**TARGET_PRESETS[base], **params}
     seed = int(params.pop("seed", 0))
+    params.pop("init_device", None)
     model_type = params.pop("model_type", "qwen3")
     return AutoConfig.for_model(model_type, **params), seed
 
@@ -323,7 +332,9 @@ def load_target(
         config, seed = _preset_config(spec)  # type: ignore[arg-type]
         # Build on CPU under a private RNG: the weights then depend only on the seed, not on the device
         # or on whatever the caller did with the global RNG before.
-        with torch.random.fork_rng(devices=[]):
+        init = torch.device(_preset_init_device(spec))
+        rng_devices = [init.index or 0] if init.type == "cuda" else []
+        with torch.random.fork_rng(devices=rng_devices), init:
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, **common)
         _drop_layers_above(model, num_layers)
@@ -980,7 +991,7 @@ def shared_head_from_preset(
         cached = _PRESET_HEADS.get(key)
     if cached is not None:
         return cached
-    model = load_target(spec, device="cpu", dtype=dtype)
+    model = load_target(spec, device=_preset_init_device(spec), dtype=dtype)
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     # Copies (clone) so that the head does not keep the whole temporary model's storage alive.
