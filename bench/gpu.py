@@ -64,7 +64,12 @@ def correctness(device: str) -> dict:
     import torch
 
     from dflash_flow.model.objective import dflash_loss, sample_anchors
-    from dflash_flow.model.target import TargetFeatureExtractor, load_shared_head, load_target, load_target_config
+    from dflash_flow.model.target import (
+        TargetFeatureExtractor,
+        load_shared_head,
+        load_target,
+        load_target_config,
+    )
     from dflash_flow.model.trainer import DrafterShape, build_drafter
 
     spec = {**TINY, "seed": 3}
@@ -100,7 +105,6 @@ class _GpuSampler:
         self._thread = None
         try:
             import pynvml  # noqa: F401 - optional
-
             import torch
 
             self._util = lambda: float(torch.cuda.utilization(torch.device(device)))
