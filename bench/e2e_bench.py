@@ -17,7 +17,7 @@ over pairs), their ratio, the default pipeline against the best sequential loop,
 pipelined window the drafter waited for data (its ``blocked_in``). Targets on CPU: ratio >= 1.0, data wait
 < 5%.
 
-Usage: python bench/e2e_bench.py [--out FILE] [--steps 20] [--pairs 1] [--set KEY=VALUE ...]
+Usage: python bench/e2e_bench.py [--out FILE] [--steps 12] [--pairs 1] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ VARIANTS = [
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=common.RESULTS / "e2e.json")
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--pairs", type=int, default=1)
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="An override for both sides.")
     args = ap.parse_args(argv)

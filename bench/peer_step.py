@@ -237,10 +237,8 @@ def make_specforge(c: dict, classes):
     # The one override: SpecForge draws anchors from the global RNG; here it gets the round's anchors.
     online._sample_anchor_positions = lambda seq_len, loss_mask, device: current["anchors"]
     loss_mask = c["loss_mask"]
-    if c["attention_mask"] is not None:
-        loss_mask = (
-            loss_mask * c["attention_mask"]
-        )  # SpecForge has no attention mask: padding is unsupervised
+    if c["attention_mask"] is not None:  # SpecForge takes no attention mask: padding is unsupervised
+        loss_mask = loss_mask * c["attention_mask"]
 
     def step(anchors, backward=True):
         current["anchors"] = anchors
@@ -362,7 +360,8 @@ def run_case(name: str, args, sf_classes, baseline, baseline_dir) -> dict:
             result[f"loss_diff_vs_{other}"] = abs(losses["ours"] - losses[other])
     if c["attention_mask"] is not None and "specforge" in losses:
         result["note"] = (
-            "SpecForge has no attention mask: it attends to padded (zero) context, so its loss differs"
+            "SpecForge takes no attention mask; right padding lies after every anchor, so no block sees it "
+            "and the losses agree"
         )
     return result
 

@@ -6,18 +6,20 @@ Writes bench/results/profile.json (also printed):
   b 12 ms -> sink) is profiled at one replica mix; the profile predicts the batches/s of other mixes,
   each of which is then run and profiled; error = predicted / measured - 1.
 * ``embedded``: ``pipelines/dflash.yaml`` shortened (drafter ``torch_threads`` 1), with 1 and 2
-  TargetForward replicas; each setting's profile predicts the other's throughput (and its own).
+  TargetForward replicas, alternating, twice each; each setting's profiles predict the other's throughput
+  (and its own); means over the runs.
 * ``data_parallel``: the two-rank run of bench/scale_bench.py (results/scale.json, if there) predicted
   from the one-process profile with 1 target and the all-reduce wait that run measured;
 * ``profile``: the embedded profile itself (2 TargetForward replicas), and ``plan``: the split table
   for 8 GPUs it gives (CPU costs, so only the shape of the table carries over to a GPU machine).
 
-Usage: python bench/profile_bench.py [--out FILE] [--sleep-steps 150] [--embedded-steps 15] [--no-embedded]
+Usage: python bench/profile_bench.py [--out FILE] [--sleep-steps 150] [--embedded-steps 15] [--embedded-reps 2] [--no-embedded]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -73,45 +75,54 @@ def validate_sleep(steps: int, mixes: list[dict[str, int]] | None = None, base: 
     }
 
 
-def validate_embedded(steps: int, root: Path) -> tuple[dict[str, Any], Any]:
-    """Profiles of the embedded pipeline with 1 and 2 target replicas, each predicting both."""
+def validate_embedded(steps: int, root: Path, reps: int = 2) -> tuple[dict[str, Any], dict[int, Any]]:
+    """Profiles of the embedded pipeline with 1 and 2 target replicas, ``reps`` each, alternating (the
+    load of a shared machine drifts between runs); each setting's profiles predict both settings, and
+    predictions and measurements are means over the runs."""
     from dflash_flow.app.splitplan import predict
 
-    profiles = {}
-    for n in (2, 1):
-        v = common.embedded_validated(root / f"targets{n}", f"stages.{TARGET}.replicas={n}", *EMBEDDED_THREADS)
-        profiles[n] = _profile(v, steps, warmup=2, interval_s=0.1)
+    profiles: dict[int, list[Any]] = {2: [], 1: []}
+    for rep in range(reps):
+        for n in (2, 1):
+            v = common.embedded_validated(root / f"targets{n}-{rep}", f"stages.{TARGET}.replicas={n}", *EMBEDDED_THREADS)
+            profiles[n].append(_profile(v, steps, warmup=2, interval_s=0.1))
     rows = []
-    for source, prof in profiles.items():
+    for source, profs in profiles.items():
         for n, measured in profiles.items():
-            pred = predict(prof, {TARGET: n})
+            preds = [predict(p, {TARGET: n}) for p in profs]
+            pred = statistics.fmean(x.batches_per_s for x in preds)
+            meas = statistics.fmean(p.batches_per_s for p in measured)
             rows.append({
                 "profiled_with_targets": source,
                 "predicted_for_targets": n,
-                "predicted_batches_per_s": round(pred.batches_per_s, 4),
-                "limited_by": pred.limit,
-                "measured_batches_per_s": round(measured.batches_per_s, 4),
-                "error": round(_error(pred.batches_per_s, measured.batches_per_s), 4),
+                "predicted_batches_per_s": round(pred, 4),
+                "limited_by": preds[0].limit,
+                "measured_batches_per_s": round(meas, 4),
+                "measured_runs": [round(p.batches_per_s, 4) for p in measured],
+                "error": round(_error(pred, meas), 4),
             })
     summary = {
         n: {
-            "batches_per_s": round(p.batches_per_s, 4),
-            "tokens_per_s": round(p.tokens_per_s or 0.0, 1),
-            "bottleneck": p.bottleneck.stage if p.bottleneck else None,
-            "work_s_per_batch": {k: round(s.work_s_per_batch, 4) for k, s in p.stages.items() if not s.observer},
-            "busy": {k: round(s.busy, 3) for k, s in p.stages.items() if not s.observer},
+            "batches_per_s": [round(p.batches_per_s, 4) for p in profs],
+            "tokens_per_s": [round(p.tokens_per_s or 0.0, 1) for p in profs],
+            "bottleneck": [p.bottleneck.stage if p.bottleneck else None for p in profs],
+            "work_s_per_batch": {k: round(statistics.fmean(p.stages[k].work_s_per_batch for p in profs), 4)
+                                 for k, s in profs[0].stages.items() if not s.observer},
+            "busy": {k: round(statistics.fmean(p.stages[k].busy for p in profs), 3)
+                     for k, s in profs[0].stages.items() if not s.observer},
         }
-        for n, p in profiles.items()
+        for n, profs in profiles.items()
     }
     cross = [r for r in rows if r["profiled_with_targets"] != r["predicted_for_targets"]]
     return {
         "steps": steps,
+        "reps": reps,
         "overrides": list(EMBEDDED_THREADS),
         "rows": rows,
         "settings": summary,
         "max_abs_error": max(abs(r["error"]) for r in rows),
         "max_abs_cross_error": max(abs(r["error"]) for r in cross),
-    }, profiles
+    }, {n: profs[-1] for n, profs in profiles.items()}
 
 
 def _scale() -> dict[str, Any] | None:
@@ -145,12 +156,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", type=Path, default=common.RESULTS / "profile.json")
     ap.add_argument("--sleep-steps", type=int, default=150)
     ap.add_argument("--embedded-steps", type=int, default=15)
+    ap.add_argument("--embedded-reps", type=int, default=2)
     ap.add_argument("--no-embedded", action="store_true", help="Only the sleep-stage validation.")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     result: dict[str, Any] = {"machine": common.machine(), "sleep": validate_sleep(args.sleep_steps)}
     if not args.no_embedded:
-        embedded, profiles = validate_embedded(args.embedded_steps, common.SCRATCH / "profile-bench")
+        embedded, profiles = validate_embedded(args.embedded_steps, common.SCRATCH / "profile-bench", args.embedded_reps)
         result["embedded"] = embedded
         prof = profiles[2]
         scale = _scale()

@@ -19,7 +19,7 @@ wait the step could not hide behind compute (the slower rank's lag included). Th
 ranks with ``max`` (the slowest rank's wait sets the step). On two shared cores two ranks are not faster:
 the ratio is reported as measured.
 
-Usage: python bench/scale_bench.py [--out FILE] [--steps 20]
+Usage: python bench/scale_bench.py [--out FILE] [--steps 12]
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def run_one(out: Path, steps: int, nproc: int | None, extra: list[str]) -> dict[
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=common.RESULTS / "scale.json")
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=12)
     args = ap.parse_args(argv)
     n = args.steps
     root = common.SCRATCH / "scale-bench"

@@ -21,7 +21,7 @@ its last one. ``bound``: the analytic limit ``1 / max(mean target cost / 3, mean
 Both sides' batches are compared (sample ids and padded input_ids of every batch, in order) and must be
 equal. Runs alternate, ``--reps`` pairs; the figure is the median ratio of batches/s (ours / theirs).
 
-Usage: python bench/torchdata_bench.py [--out FILE] [--samples 4000] [--reps 5] [--unit-ms 20]
+Usage: python bench/torchdata_bench.py [--out FILE] [--samples 4000] [--reps 3] [--unit-ms 20]
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=common.RESULTS / "torchdata.json")
     ap.add_argument("--samples", type=int, default=4000)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--unit-ms", type=float, default=20.0, help="Target seconds for a full batch (MAX_TOKENS padded).")
     args = ap.parse_args(argv)
     if importlib.util.find_spec("torchdata") is None:

@@ -198,6 +198,7 @@ def eval_(
     walk_data: Optional[str] = typer.Option(None, help="JSONL of held-out conversations with the target's own replies for the teacher-forced walk ('embedded': the embedded eval split)."),
     walk_limit: int = typer.Option(64, min=1, help="Conversations to walk."),
     seed: int = typer.Option(0, help="Seed of the sampled decoding and of the untrained baseline."),
+    torch_threads: int = typer.Option(1, min=1, help="torch intra-op threads on CPU (batch-1 decoding of a small model is fastest on 1)."),
 ) -> None:
     """Measure real speculative decoding: acceptance length and speedup in target forward passes."""
     from dflash_flow.app.commands import eval_command
@@ -205,6 +206,7 @@ def eval_(
     raise typer.Exit(eval_command(
         drafter, target, prompts, max_new_tokens, limit, baseline, tokenizer, temperature=temperature, top_p=top_p,
         top_k=top_k, horizons=horizon or [], walk_data=walk_data, walk_limit=walk_limit, seed=seed,
+        torch_threads=torch_threads,
     ))
 
 
@@ -296,6 +298,7 @@ def _exit_interrupted_on_late_signals() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     global _LATE_HOOK
+    _forget_handled_interrupt()
     if threading.current_thread() is threading.main_thread():
         if not _LATE_HOOK:
             import atexit
@@ -307,6 +310,21 @@ def _exit_interrupted_on_late_signals() -> None:
 
 
 _LATE_HOOK = False
+
+
+def _forget_handled_interrupt() -> None:
+    """A Ctrl-C/SIGTERM that landed inside code a C extension ran through ``PyRun_String`` leaves CPython's
+    "unhandled KeyboardInterrupt" flag set even after we handled it; under ``python -m`` (torchrun starts
+    ranks that way) the interpreter then dies by SIGINT (-2) instead of exiting with our code. Running an
+    empty string through the same C entry point clears that flag (it is reset at every such call)."""
+    if sys.implementation.name != "cpython":
+        return
+    try:
+        import ctypes
+
+        ctypes.pythonapi.PyRun_SimpleString(b"")
+    except (ImportError, AttributeError, OSError):  # pragma: no cover - no ctypes or no C API
+        pass
 
 
 def main() -> None:

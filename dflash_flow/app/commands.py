@@ -43,7 +43,7 @@ def import_spool_command(spool: Path, tracking_uri: str | None) -> int:
 def eval_command(drafter: Path, target: str, prompts: Path, max_new_tokens: int, limit: int, baseline: bool,
                  tokenizer: str | None, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  horizons: list[int] | None = None, walk_data: str | None = None, walk_limit: int = 64,
-                 seed: int = 0) -> int:
+                 seed: int = 0, torch_threads: int | None = None) -> int:
     """``dflash-flow eval``: real speculative decoding with any exported drafter and its target, greedy and
     (``temperature`` > 0) sampled, at each horizon; with ``walk_data``, the teacher-forced walk beside it."""
     from dflash_flow.app.run import quiet_libraries
@@ -53,6 +53,10 @@ def eval_command(drafter: Path, target: str, prompts: Path, max_new_tokens: int,
     from dflash_flow.observe.progress import summary_table
 
     quiet_libraries()
+    if torch_threads:
+        import torch
+
+        torch.set_num_threads(torch_threads)
     extra = [h for h in horizons or [] if h != max_new_tokens]
     try:
         if walk_data == "embedded":
@@ -73,7 +77,7 @@ def eval_command(drafter: Path, target: str, prompts: Path, max_new_tokens: int,
     headers = ["drafter", "acceptance_length", *(f"acceptance@{h}" for h in extra), "forward_speedup", "lossless",
                "tokens", "prompts", "wall_speedup"]
     print(f"acceptance_length at {max_new_tokens} new tokens (tokens per target step); walk = teacher-forced walk")
-    print(summary_table(rows, headers))
+    print(summary_table(rows, headers, width=160))
     return EXIT_OK
 
 

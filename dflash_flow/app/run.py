@@ -231,13 +231,16 @@ class DeferredSignals:
         self._previous: dict[int, Any] = {}
         self._active = threading.current_thread() is threading.main_thread()
 
-    def __enter__(self) -> DeferredSignals:
+    def install(self) -> DeferredSignals:
         import signal
 
         if self._active:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._record)
         return self
+
+    def __enter__(self) -> DeferredSignals:
+        return self.install()
 
     def __exit__(self, *exc: Any) -> None:
         self.restore()
@@ -409,39 +412,44 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
             shutdown_distributed(dist_ctx, failed=True)
             return report_user_error(exc)
         # The MLflow run is created last, right before the pipeline starts, with Ctrl-C and SIGTERM held
-        # back until the try below: every path after this line ends the run.
-        startup = DeferredSignals()
-        with startup:
-            try:
-                tracker = Tracker.start(
-                    enabled=tracking.enabled and main,
-                    tracking_uri=tracking.tracking_uri,
-                    experiment=tracking.experiment,
-                    run_name=tracking.run_name or graph.name,
-                    params=resolved,
-                    tags=tags,
-                    resume_run_id=ckpt.mlflow_run_id if ckpt else None,
-                    system_metrics=tracking.system_metrics,
-                    spool_dir=output_dir / "mlflow-spool",
-                )
-            except TrackingError as exc:
-                shutdown_distributed(dist_ctx, failed=True)
-                return report_user_error(f"tracking: {exc}")
+        # back (recorded, not raised) until the pipeline runs: every path after this line ends the run, and no
+        # signal lands in the middle of a store write (a connection or a lock left taken would hang the end).
+        startup = DeferredSignals().install()
+        try:
+            tracker = Tracker.start(
+                enabled=tracking.enabled and main,
+                tracking_uri=tracking.tracking_uri,
+                experiment=tracking.experiment,
+                run_name=tracking.run_name or graph.name,
+                params=resolved,
+                tags=tags,
+                resume_run_id=ckpt.mlflow_run_id if ckpt else None,
+                system_metrics=tracking.system_metrics,
+                spool_dir=output_dir / "mlflow-spool",
+            )
+        except TrackingError as exc:
+            startup.restore()
+            shutdown_distributed(dist_ctx, failed=True)
+            return report_user_error(f"tracking: {exc}")
+        except BaseException:
+            startup.restore()
+            raise
         uploads = ContainedUploads(tracker, output_dir)
         checkpointer.tracker = tracker
         services.tracker = uploads
         outcome = Outcome()
         try:
-            startup.release()  # a signal that came while the run was being created is handled here
             _write_rank_outcome(output_dir, dist_ctx, None, tracker.run_id)
             for path, folder in pictures:
                 uploads.log_artifact(path, folder)
+            startup.release()  # a signal that came while the run was being created is raised here
             pipeline.run()
         except BaseException as exc:
             outcome = _outcome(exc)
             if not isinstance(exc, Exception) and not isinstance(exc, KeyboardInterrupt):
                 raise
         finally:
+            startup.restore()  # (already done when the pipeline ran; not when an upload before it failed)
             # From here on a signal does not interrupt in the middle of a write or an upload: it is recorded,
             # cuts the end of run short, and the run ends KILLED with exit code 130.
             with DeferredSignals() as late:

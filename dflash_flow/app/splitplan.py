@@ -181,10 +181,11 @@ def render_plan(profile: Profile, splits: list[Split], chosen: Split, gpus: int,
          s.limit, s.batches_per_s_rank, s.steps_per_s, s.samples_per_s, s.tokens_per_s, s.allreduce_s]
         for s in splits
     ]
-    cols = ["", "ranks", "targets/rank", "padders/rank", "GPUs used", "idle", "limited by", "batches/s/rank",
-            "steps/s", "samples/s", "tokens/s", "all-reduce s"]
+    cols = ["", "ranks", "targets", "padders", "GPUs", "idle", "limit", "batches/s", "steps/s", "samples/s",
+            "tokens/s", "all-reduce s"]
     head = (f"plan for {gpus} GPUs from the profile of {profile.pipeline} ({profile.batches} batches, "
-            f"{profile.batches_per_s:.3g} batches/s measured): each rank = its TargetForward GPUs + one DrafterStep GPU")
+            f"{profile.batches_per_s:.3g} batches/s measured). Each rank: its TargetForward GPUs (targets) + "
+            "one DrafterStep GPU, padders on CPU; batches/s per rank, steps/s and samples/s of the job")
     pad = f", {chosen.padders_per_rank} padder(s)" if chosen.padders_per_rank is not None else ""
     tail = (f"recommended: {chosen.ranks} rank(s) x ({chosen.targets_per_rank} TargetForward + 1 DrafterStep){pad}; "
             f"limited by {chosen.limit}")

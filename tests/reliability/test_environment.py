@@ -363,7 +363,12 @@ def test_signals_at_any_moment_of_start_up_and_end_exit_130_and_end_the_mlflow_r
                     proc.send_signal(signal.SIGTERM)
                 except ProcessLookupError:
                     break
-            out, err = proc.communicate(timeout=120)
+            try:
+                out, err = proc.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGABRT)  # PYTHONFAULTHANDLER: every thread's stack to stderr
+                out, err = proc.communicate(timeout=30)
+                raise AssertionError(f"{where}: the CLI did not end\n{err[-6000:]}") from None
         finally:
             if proc.poll() is None:
                 proc.kill()
