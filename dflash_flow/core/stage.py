@@ -122,7 +122,7 @@ class StageContext:
         return self._heartbeats
 
     @contextlib.contextmanager
-    def busy(self, what: str = "", *, limit_s: float = 3600.0, every_s: float = 1.0) -> Iterator[None]:
+    def busy(self, what: str = "", *, limit_s: float = 3600.0, every_s: float = 0.1) -> Iterator[None]:
         """Around one long call that cannot report progress itself (loading a model, tokenizing a large
         file): beats the watchdog's heartbeat while it runs, for at most ``limit_s`` (after that, a call
         that never returns is reported as stalled as usual). The beating thread is joined on exit."""
