@@ -247,23 +247,28 @@ class BlockLayout(NamedTuple):
     A block needs the context before its anchor and its own block, nothing else; a dense mask over all
     context and all blocks spends most of its work on keys it hides. Blocks are grouped by anchor:
     group ``(q0, q1, lo, hi)`` = queries ``[q0, q1)`` (whole blocks) seeing context keys ``[lo, hi)``
-    only. ``context_mask`` is additive ``[b, 1, Q, S]`` over all context positions (each group reads
-    its window of it), ``has_context`` ``[b, 1, Q]`` marks the queries that see any context, and
-    ``own_mask`` (additive ``[queries_per_block, B]``, None = all visible) applies inside each block.
-    ``queries_per_block`` is B, or B - 1 when the layer's slot-0 queries are dropped (the last layer:
-    slot 0 is never supervised, so only its key and value are needed).
+    and the keys of the group's own blocks. Key layout: ``scratch`` slots, then the S context
+    positions; a group's own keys are placed just before its context slice, so the group attends to
+    one contiguous key range ``[scratch + lo - own, scratch + hi)``. ``mask`` is additive
+    ``[b, 1, Q, scratch + S]`` in that layout (each group's rows hold its own-block pattern in its own
+    columns); ``group_masks`` are the groups' views of it. ``queries_per_block`` is B, or B - 1 when the layer's slot-0 queries are dropped (the last
+    layer: slot 0 is never supervised, so only its key and value are needed).
     """
 
     block_size: int
     queries_per_block: int
     groups: list[tuple[int, int, int, int]]
-    context_mask: torch.Tensor
-    has_context: torch.Tensor
-    own_mask: torch.Tensor | None
+    scratch: int
+    mask: torch.Tensor
+    group_masks: list[torch.Tensor]
 
     @property
     def drops_first_slot(self) -> bool:
         return self.queries_per_block < self.block_size
+
+    def own_keys(self, q0: int, q1: int) -> tuple[int, int]:
+        """The own-block key range (in block-key slots) of queries ``[q0, q1)``."""
+        return q0 // self.queries_per_block * self.block_size, q1 // self.queries_per_block * self.block_size
 
 
 def drop_first_slot(x: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -286,169 +291,107 @@ _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return x if x.dtype == dtype else x.to(dtype)
+class _Keys:
+    """Keys or values in the ``BlockLayout`` key layout: [scratch | context], with one group's own
+    keys written just before its context slice while that group is computed (then put back)."""
 
+    def __init__(self, ctx: torch.Tensor, scratch: int) -> None:
+        b, kv, s, d = ctx.shape
+        self.ctx, self.scratch = ctx, scratch
+        self.buf = ctx.new_empty(b, scratch + s, kv, d).transpose(1, 2)  # memory as the projections'
+        self.buf.narrow(2, scratch, s).copy_(ctx)
 
-# Blocks per tile of the own-block part: a tile of T blocks is one [T*B x T*B] problem of the kernel
-# (block-diagonal mask); ~16 keys per tile was fastest on CPU (1-block tiles of 8 cost the kernel more
-# per problem, 8-block tiles compute 8x the needed scores).
-OWN_TILE_KEYS = 16
+    def group(self, own: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        n = own.shape[2]
+        start = self.scratch + lo - n
+        self.buf.narrow(2, start, n).copy_(own)
+        return self.buf.narrow(2, start, n + hi - lo)
 
-
-def _own_tile_blocks(num_blocks: int, block_size: int) -> int:
-    t = max(1, OWN_TILE_KEYS // block_size)
-    while num_blocks % t:
-        t -= 1
-    return t
-
-
-def _tiles(x: torch.Tensor, tiles: int) -> torch.Tensor:
-    """``[b, h, T, d]`` (memory ``[b, T, h, d]``, as projections give it) -> ``[b*tiles, h, T/tiles, d]``."""
-    b, h, t, d = x.shape
-    return x.transpose(1, 2).reshape(b * tiles, t // tiles, h, d).transpose(1, 2)
-
-
-def _untile(x: torch.Tensor, b: int) -> torch.Tensor:
-    n, h, t, d = x.shape
-    return x.transpose(1, 2).reshape(b, n // b * t, h, d).transpose(1, 2)
-
-
-def _lse_tiles(lse: torch.Tensor, tiles: int) -> torch.Tensor:
-    b, h, t = lse.shape
-    return lse.view(b, h, tiles, t // tiles).transpose(1, 2).reshape(b * tiles, h, t // tiles)
-
-
-def _lse_untile(lse: torch.Tensor, b: int) -> torch.Tensor:
-    n, h, t = lse.shape
-    return lse.reshape(b, n // b, h, t).transpose(1, 2).reshape(b, h, n // b * t)
-
-
-def _own_tile_mask(layout: BlockLayout, tile: int, dtype, device) -> torch.Tensor | None:
-    """Additive ``[1, 1, tile*queries, tile*B]``: block-diagonal, the in-block rule on each block."""
-    if tile == 1 and layout.own_mask is None:
-        return None
-    q_block = torch.arange(tile * layout.queries_per_block, device=device) // layout.queries_per_block
-    k_block = torch.arange(tile * layout.block_size, device=device) // layout.block_size
-    mask = torch.zeros(q_block.numel(), k_block.numel(), dtype=dtype, device=device)
-    mask = mask.masked_fill_(q_block[:, None] != k_block[None, :], float("-inf"))
-    if layout.own_mask is not None:
-        mask = mask + layout.own_mask.to(dtype).repeat(tile, tile)
-    return mask[None, None]
+    def restore(self, own_len: int, lo: int) -> None:
+        if lo > 0:  # the own keys covered context positions [lo - own_len, lo)
+            first = max(0, lo - own_len)
+            self.buf.narrow(2, self.scratch + first, lo - first).copy_(self.ctx.narrow(2, first, lo - first))
 
 
 class _BlockAttention(torch.autograd.Function):
-    """Attention of block queries over [their group's context slice; their own block], computed as
-    separate parts merged by log-sum-exp, so no part copies keys or scores keys it hides.
+    """Attention of block queries over [their group's own blocks; their group's context slice], one CPU
+    flash kernel call per group on a view: no key is copied per group, no hidden range is scored.
 
-    Our own code: no library kernel attends to "a slice of one key tensor plus a block of another". Both
-    parts run the CPU flash kernel on views: the context part one call per group (keys ``[lo, hi)``),
-    the own-block part one call over tiles of blocks (block-diagonal mask). The backward hands the
-    *merged* output and log-sum-exp to each part's flash backward, which then returns exactly that
-    part's share of the full softmax gradient (the rule ring attention relies on).
+    Our own code: no library kernel attends to "a slice of one key tensor plus a block of another". The
+    context keys sit once in a buffer with scratch slots before them (``_Keys``); each group writes its
+    own blocks' keys next to its context slice, calls the kernel on that contiguous range, and puts the
+    context back. The backward redoes the same writes around the kernel's backward.
     Shapes: q [b, h, Q, d]; ctx_k, ctx_v [b, kv, S, d]; own_k, own_v [b, kv, N*B, d].
     """
 
     @staticmethod
+    def _groups(layout, q, ctx_k, ctx_v, own_k, own_v, kernel):
+        """``kernel(group index, q, k, v)`` for each group, with its keys in place; yields its results."""
+        keys, values = _Keys(ctx_k, layout.scratch), _Keys(ctx_v, layout.scratch)
+        for g, (q0, q1, lo, hi) in enumerate(layout.groups):
+            k0, k1 = layout.own_keys(q0, q1)
+            own = k1 - k0
+            result = kernel(
+                g,
+                q0,
+                q1,
+                keys.group(own_k.narrow(2, k0, own), lo, hi),
+                values.group(own_v.narrow(2, k0, own), lo, hi),
+            )
+            keys.restore(own, lo)
+            values.restore(own, lo)
+            yield (own, lo, hi), result
+
+    @staticmethod
     def forward(ctx, q, ctx_k, ctx_v, own_k, own_v, layout, scale):
-        b, h, n_q, d = q.shape
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # the kernel's lse dtype
-        outs, lses = [], []
-        for q0, q1, lo, hi in layout.groups:
-            if hi > lo:
-                o, lse = _flash_cpu(
-                    q[:, :, q0:q1],
-                    ctx_k[:, :, lo:hi],
-                    ctx_v[:, :, lo:hi],
-                    0.0,
-                    False,
-                    attn_mask=layout.context_mask[:, :, q0:q1, lo:hi],
-                    scale=scale,
-                )
-            else:
-                o, lse = q.new_zeros(b, h, q1 - q0, d), q.new_zeros(b, h, q1 - q0, dtype=acc)
-            outs.append(o)
-            lses.append(lse)
+        def kernel(g, q0, q1, k, v):
+            qg = q.narrow(2, q0, q1 - q0)
+            return _flash_cpu(qg, k, v, 0.0, False, attn_mask=layout.group_masks[g], scale=scale)
+
+        results = [r for _g, r in _BlockAttention._groups(layout, q, ctx_k, ctx_v, own_k, own_v, kernel)]
         # Kept in the kernel's [b, Q, h, d] memory order, so o_proj reads the result without a copy.
-        out_ctx = torch.cat([o.transpose(1, 2) for o in outs], dim=1).transpose(1, 2)
-        lse_ctx = lses[0] if len(lses) == 1 else torch.cat(lses, dim=2)
-        # The kernel reports lse 0 for a row that sees nothing; such a row carries no weight.
-        lse_ctx = torch.where(layout.has_context, lse_ctx, float("-inf"))
-        blocks = n_q // layout.queries_per_block
-        tiles = blocks // _own_tile_blocks(blocks, layout.block_size)
-        own_mask = _own_tile_mask(layout, blocks // tiles, q.dtype, q.device)
-        o, lse = _flash_cpu(
-            _tiles(q, tiles),
-            _tiles(own_k, tiles),
-            _tiles(own_v, tiles),
-            0.0,
-            False,
-            attn_mask=own_mask,
-            scale=scale,
-        )
-        out_own, lse_own = _untile(o, b), _lse_untile(lse, b)
-        lse = torch.logaddexp(lse_ctx, lse_own)
-        w_ctx, w_own = torch.exp(lse_ctx - lse)[..., None], torch.exp(lse_own - lse)[..., None]
-        out = _as(w_ctx * _as(out_ctx, acc) + w_own * _as(out_own, acc), q.dtype)
+        out = torch.cat([o.transpose(1, 2) for o, _lse in results], dim=1).transpose(1, 2)
+        lse = torch.cat([lse for _o, lse in results], dim=2)
         ctx.save_for_backward(q, ctx_k, ctx_v, own_k, own_v, out, lse)
-        ctx.layout, ctx.scale, ctx.tiles, ctx.own_mask = layout, scale, tiles, own_mask
+        ctx.layout, ctx.scale = layout, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, ctx_k, ctx_v, own_k, own_v, out, lse = ctx.saved_tensors
-        layout, scale, tiles = ctx.layout, ctx.scale, ctx.tiles
-        b, h, n_q, d = q.shape
-        dqs = []
-        dk_ctx = torch.zeros_like(ctx_k)
-        dv_ctx = torch.zeros_like(ctx_v)
-        for q0, q1, lo, hi in layout.groups:
-            if hi <= lo:
-                dqs.append(q.new_zeros(b, h, q1 - q0, d))
-                continue
-            gq, gk, gv = _flash_cpu_backward(
-                grad_out[:, :, q0:q1],
-                q[:, :, q0:q1],
-                ctx_k[:, :, lo:hi],
-                ctx_v[:, :, lo:hi],
-                out[:, :, q0:q1],
-                lse[:, :, q0:q1],
+        layout, scale = ctx.layout, ctx.scale
+
+        def kernel(g, q0, q1, k, v):
+            n = q1 - q0
+            return _flash_cpu_backward(
+                grad_out.narrow(2, q0, n),
+                q.narrow(2, q0, n),
+                k,
+                v,
+                out.narrow(2, q0, n),
+                lse.narrow(2, q0, n),
                 0.0,
                 False,
-                attn_mask=layout.context_mask[:, :, q0:q1, lo:hi],
+                attn_mask=layout.group_masks[g],
                 scale=scale,
             )
-            dqs.append(gq)
-            dk_ctx[:, :, lo:hi] += gk
-            dv_ctx[:, :, lo:hi] += gv
-        dq = dqs[0] if len(dqs) == 1 else torch.cat(dqs, dim=2)
-        gq, gk, gv = _flash_cpu_backward(
-            _tiles(grad_out, tiles),
-            _tiles(q, tiles),
-            _tiles(own_k, tiles),
-            _tiles(own_v, tiles),
-            _tiles(out, tiles),
-            _lse_tiles(lse, tiles),
-            0.0,
-            False,
-            attn_mask=ctx.own_mask,
-            scale=scale,
-        )
-        return dq + _untile(gq, b), dk_ctx, dv_ctx, _untile(gk, b), _untile(gv, b), None, None
 
+        dq, dk_own, dv_own = [], [], []
+        dk_ctx, dv_ctx = torch.zeros_like(ctx_k), torch.zeros_like(ctx_v)
+        for (own, lo, hi), (gq, gk, gv) in _BlockAttention._groups(
+            layout, q, ctx_k, ctx_v, own_k, own_v, kernel
+        ):
+            dq.append(gq.transpose(1, 2))
+            dk_own.append(gk.narrow(2, 0, own).transpose(1, 2))
+            dv_own.append(gv.narrow(2, 0, own).transpose(1, 2))
+            if hi > lo:
+                dk_ctx.narrow(2, lo, hi - lo).add_(gk.narrow(2, own, hi - lo))
+                dv_ctx.narrow(2, lo, hi - lo).add_(gv.narrow(2, own, hi - lo))
 
-def _group_mask(layout: BlockLayout, g: int) -> torch.Tensor:
-    """Group g's additive mask over [its context slice; its own blocks] (the concatenated layout)."""
-    q0, q1, lo, hi = layout.groups[g]
-    ctx = layout.context_mask[:, :, q0:q1, lo:hi]
-    n = (q1 - q0) // layout.queries_per_block
-    q_block = torch.arange(q1 - q0, device=ctx.device) // layout.queries_per_block
-    k_block = torch.arange(n * layout.block_size, device=ctx.device) // layout.block_size
-    own = torch.zeros(q1 - q0, n * layout.block_size, dtype=ctx.dtype, device=ctx.device)
-    own = own.masked_fill_(q_block[:, None] != k_block[None, :], float("-inf"))
-    if layout.own_mask is not None:
-        own = own + layout.own_mask.to(ctx.dtype).repeat(n, n)
-    return torch.cat([ctx, own.expand(ctx.shape[0], 1, -1, -1)], dim=-1)
+        def join(parts):
+            return torch.cat(parts, dim=1).transpose(1, 2)
+
+        return join(dq), dk_ctx, dv_ctx, join(dk_own), join(dv_own), None, None
 
 
 class DrafterAttention(nn.Module):
@@ -592,14 +535,13 @@ class DrafterAttention(nn.Module):
 
     def grouped_attention(self, q, ctx_k, ctx_v, own_k, own_v, layout: BlockLayout) -> torch.Tensor:
         """The same attention as ``_BlockAttention`` through ``scaled_dot_product_attention``: one call
-        per group over [its context slice; its own blocks] (copies those keys; any device, dropout)."""
+        per group over [its own blocks; its context slice] (copies those keys; any device, dropout)."""
         parts = []
-        bq, bsz = layout.queries_per_block, layout.block_size
         for g, (q0, q1, lo, hi) in enumerate(layout.groups):
-            k0, k1 = q0 // bq * bsz, q1 // bq * bsz  # the group's blocks, in key slots
-            kg = torch.cat([ctx_k[:, :, lo:hi], own_k[:, :, k0:k1]], dim=2)
-            vg = torch.cat([ctx_v[:, :, lo:hi], own_v[:, :, k0:k1]], dim=2)
-            parts.append(self._attend(q[:, :, q0:q1], kg, vg, _group_mask(layout, g)))
+            k0, k1 = layout.own_keys(q0, q1)
+            kg = torch.cat([own_k[:, :, k0:k1], ctx_k[:, :, lo:hi]], dim=2)
+            vg = torch.cat([own_v[:, :, k0:k1], ctx_v[:, :, lo:hi]], dim=2)
+            parts.append(self._attend(q[:, :, q0:q1], kg, vg, layout.group_masks[g]))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 

@@ -388,7 +388,11 @@ def auto_group_blocks(bounds: ColumnBounds, start: int, stop: int, *, block_size
     ends = [max(0, min(h, bounds.seq_len)) for h in bounds.hi[start:stop]]
     best, best_cost, size = 1, None, 1
     while True:
-        pairs = sum(min(size, n - i * size) * block_size * end for i, end in enumerate(ends))
+        # Each query scores its group's context slice and its group's own keys (size * B).
+        pairs = sum(
+            min(size, n - i * size) * block_size * (end + min(size, n - i * size) * block_size)
+            for i, end in enumerate(ends)
+        )
         cost = pairs * pair_cost + len(ends) * GROUP_FIXED_COST
         if best_cost is None or cost < best_cost:
             best, best_cost = size, cost
@@ -416,6 +420,7 @@ def block_layouts(
     """
     bsz = plan.block_size
     b, n = plan.anchors.shape[0], stop - start
+    seq = plan.context_valid.shape[1]
     made: dict[tuple[str, bool], BlockLayout] = {}
     last = len(layer_types) - 1
     for i, layer_type in enumerate(layer_types):
@@ -433,22 +438,26 @@ def block_layouts(
             layer_type=layer_type,
             sliding_window=sliding_window,
         )
-        # Additive (sdpa would convert a bool mask in every call, forward and backward), written once
-        # at full size from the per-block rows.
+        scratch = max(n1 - n0 for n0, n1, _lo, _hi in spans[layer_type]) * bsz
+        # Additive (sdpa would convert a bool mask in every call, forward and backward), in the key
+        # layout [scratch | context]; each group's rows get its own-block pattern next to its slice.
+        mask = torch.full((b, 1, n * per_block, scratch + seq), float("-inf"), dtype=dtype, device=vis.device)
         zero = torch.zeros((), dtype=dtype, device=vis.device)
-        mask = torch.where(vis, zero, float("-inf")).expand(b, n, per_block, vis.shape[-1])
+        mask[:, 0, :, scratch:].view(b, n, per_block, seq).copy_(torch.where(vis, zero, float("-inf")))
         within = _within_block(bsz, layer_type, sliding_window, vis.device)[first:]
-        made[(layer_type, drop)] = BlockLayout(
-            block_size=bsz,
-            queries_per_block=per_block,
-            groups=[
-                ((n0 - start) * per_block, (n1 - start) * per_block, lo, hi)
-                for n0, n1, lo, hi in spans[layer_type]
-            ],
-            context_mask=mask.reshape(b, 1, n * per_block, -1),
-            has_context=vis.any(dim=-1).expand(b, n, per_block).reshape(b, 1, n * per_block),
-            own_mask=None if layer_type == FULL_ATTENTION else torch.where(within, zero, float("-inf")),
-        )
+        own_patterns: dict[int, torch.Tensor] = {}
+        groups, views = [], []
+        for n0, n1, lo, hi in spans[layer_type]:
+            q0, q1 = (n0 - start) * per_block, (n1 - start) * per_block
+            m = n1 - n0
+            if m not in own_patterns:  # block-diagonal: each block sees only itself
+                own = torch.block_diag(*[within.to(dtype)] * m) > 0
+                own_patterns[m] = torch.where(own, zero, float("-inf"))
+            first_key = scratch + lo - m * bsz
+            mask[:, 0, q0:q1, first_key : scratch + lo] = own_patterns[m]
+            groups.append((q0, q1, lo, hi))
+            views.append(mask.narrow(2, q0, q1 - q0).narrow(3, first_key, m * bsz + hi - lo))
+        made[(layer_type, drop)] = BlockLayout(bsz, per_block, groups, scratch, mask, views)
     return [made[(t, last_drops_first_slot and i == last)] for i, t in enumerate(layer_types)]
 
 

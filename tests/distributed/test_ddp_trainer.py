@@ -3,8 +3,10 @@
 Two ranks under torchrun (gloo, CPU) train the drafter with DDP; one process trains the same batches
 with gradient accumulation over each global step (its micro-batches = the ranks' batches of the step).
 DDP averages the ranks' gradients, accumulation averages the micro-batches': the updates must agree.
-Tolerance: 1e-5 absolute on every weight after 3 steps (fp32; the two differ only in the order floating
-point sums are taken).
+Tolerance, after 3 steps in fp32 (the two differ only in the order floating point sums are taken): every
+weight within 1e-4 absolute (1/30 of one Adam step at lr 3e-3; Adam divides by the gradient's own scale,
+so a weight whose gradient is near zero turns summation noise into a visible step), and 99.9% of the
+weights within 1e-6.
 """
 
 from __future__ import annotations
@@ -20,6 +22,16 @@ from safetensors.torch import load_file
 
 HERE = Path(__file__).resolve().parent
 WORLD = 2
+
+
+def assert_same_weights(got: dict, ref: dict) -> None:
+    assert set(got) == set(ref)
+    close, total = 0, 0
+    for k, v in ref.items():
+        torch.testing.assert_close(got[k], v, atol=1e-4, rtol=0)
+        close += int(((got[k] - v).abs() <= 1e-6).sum())
+        total += v.numel()
+    assert close >= 0.999 * total, (close, total)
 
 
 def torchrun(out: Path, mode: str, accum: int) -> None:
@@ -52,8 +64,7 @@ def test_ddp_equals_one_process_over_the_same_global_batches(tmp_path, accum):
     start = make_trainer(grad_accum=1)[0].drafter.state_dict()
     moved = max(float((ref[k] - start[k]).abs().max()) for k in ref)
     assert moved > 1e-3  # the steps really changed the weights
-    for k, v in ref.items():
-        torch.testing.assert_close(ranks[0][k], v, atol=1e-5, rtol=0)
+    assert_same_weights(ranks[0], ref)
 
 
 @pytest.mark.slow
@@ -61,7 +72,4 @@ def test_ddp_equals_one_process_over_the_same_global_batches(tmp_path, accum):
 def test_fsdp_equals_ddp(tmp_path):
     torchrun(tmp_path, "fsdp", 1)
     ref = reference(1)
-    got = load_file(str(tmp_path / "rank0.safetensors"))
-    assert set(got) == set(ref)
-    for k, v in ref.items():
-        torch.testing.assert_close(got[k], v, atol=1e-5, rtol=0)
+    assert_same_weights(load_file(str(tmp_path / "rank0.safetensors")), ref)
