@@ -251,8 +251,9 @@ class BlockLayout(NamedTuple):
     positions; a group's own keys are placed just before its context slice, so the group attends to
     one contiguous key range ``[scratch + lo - own, scratch + hi)``. ``mask`` is additive
     ``[b, 1, Q, scratch + S]`` in that layout (each group's rows hold its own-block pattern in its own
-    columns); ``group_masks`` are the groups' views of it. ``queries_per_block`` is B, or B - 1 when the layer's slot-0 queries are dropped (the last
-    layer: slot 0 is never supervised, so only its key and value are needed).
+    columns); ``group_masks`` are the groups' views of it. ``queries_per_block`` is B, or B - 1 when
+    the layer's slot-0 queries are dropped (the last layer: slot 0 is never supervised, so only its key
+    and value are needed).
     """
 
     block_size: int

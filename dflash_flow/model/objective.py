@@ -373,10 +373,11 @@ def group_spans(
     return spans
 
 
-# Measured on the project's 2-core CPU (torch 2.13, fp32): the flash kernel's forward + backward costs
-# ~7 ns per query-key pair per row and head at head_dim 64; one group's fixed cost (calls, slices,
-# gradient adds) ~60 us. In units of (query-key pair x row x head x head_dim):
-GROUP_FIXED_COST = 60e-6 / (7e-9 / 64)
+# Measured on the project's 2-core CPU (torch 2.13, fp32, 2 threads): the flash kernel's forward +
+# backward costs ~7 ns per query-key pair per row and head at head_dim 64; one group's fixed cost (its
+# kernel calls, views, own-key writes and gradient adds, per layer) ~250 us. In units of
+# (query-key pair x row x head x head_dim):
+GROUP_FIXED_COST = 250e-6 / (7e-9 / 64)
 
 
 def auto_group_blocks(bounds: ColumnBounds, start: int, stop: int, *, block_size: int, pair_cost: int) -> int:
