@@ -584,12 +584,18 @@ class DrafterLayer(nn.Module):
 class DFlashDrafter(nn.Module):
     """DFlash drafter; weights interchangeable with z-lab ``DFlashDraftModel`` via ``load_state_dict``."""
 
+    layer_class: type[DrafterLayer] = DrafterLayer
+    # Block slots interact only through attention: the training layout may factor the first layer's
+    # mask-token rows (``SlotRows``) and drop the last layer's slot-0 queries. DFlash 2's in-block
+    # convolutions mix neighbouring slots, so it sets this False.
+    independent_slots: bool = True
+
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
         if not hasattr(config, "num_target_layers") and draft_value(config, "target_layer_ids") is None:
             raise ValueError("drafter config needs num_target_layers or dflash_config.target_layer_ids")
         self.config = config
-        self.layers = nn.ModuleList(DrafterLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_hidden_layers))
         ids = draft_value(config, "target_layer_ids")
         if ids is None:
             ids = build_target_layer_ids(config.num_target_layers, config.num_hidden_layers)

@@ -47,6 +47,8 @@ class BlockPlan:
     supervised: torch.Tensor  # [b, N, B] bool: keep & a+k<S & k>=1 & loss_mask[a+k]
     weights: torch.Tensor  # [b, N, B] float: supervised * exp(-(k-1)/gamma)
     context_valid: torch.Tensor  # [b, S] bool: positions that may serve as context (not padding)
+    # [b, N] long, variable-prefix objective only: slots < l hold real tokens, slots >= l are supervised
+    prefix_lengths: torch.Tensor | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -67,6 +69,9 @@ class DFlashLossOutput:
     supervised_per_position: torch.Tensor  # [B] supervised slots per k
     acceptance_sum: torch.Tensor  # sum over kept blocks of the simulated acceptance length
     kept_blocks: torch.Tensor  # number of kept (non-padding) blocks
+    # Scalar statistics of a variant or objective (DFlash 2's selector, the variable prefix), as
+    # (numerator, denominator): metrics() reports numerator / denominator (0 when the denominator is 0).
+    extra: dict[str, tuple[torch.Tensor, torch.Tensor]] = attrs.field(factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -92,6 +97,7 @@ class DFlashLossOutput:
 
     def metrics(self, prefix: str = "") -> dict[str, float]:
         """All statistics as floats, fetched from the device in one transfer."""
+        names = list(self.extra)
         flat = torch.cat(
             [
                 self.loss.detach().float().reshape(1),
@@ -99,11 +105,13 @@ class DFlashLossOutput:
                 self.kept_blocks.float().reshape(1),
                 self.correct_per_position.float(),
                 self.supervised_per_position.float(),
+                *(t.detach().float().reshape(1) for name in names for t in self.extra[name]),
             ]
         ).tolist()
         loss, accept, blocks = flat[:3]
         block = self.correct_per_position.numel()
-        correct, supervised = flat[3 : 3 + block], flat[3 + block :]
+        correct, supervised = flat[3 : 3 + block], flat[3 + block : 3 + 2 * block]
+        ratios = flat[3 + 2 * block :]
         total = sum(supervised)
         out = {
             f"{prefix}loss": loss,
@@ -114,6 +122,9 @@ class DFlashLossOutput:
         }
         for k in range(1, block):
             out[f"{prefix}accuracy_pos{k}"] = correct[k] / supervised[k] if supervised[k] else 0.0
+        for i, name in enumerate(names):
+            num, den = ratios[2 * i], ratios[2 * i + 1]
+            out[f"{prefix}{name}"] = num / den if den else 0.0
         return out
 
 

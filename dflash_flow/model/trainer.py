@@ -112,7 +112,10 @@ class TrainerConfig:
 
     num_anchors: int = 512
     gamma: float | None = None  # None: default_gamma(block_size)
-    chunk_blocks: int | None = 128
+    # Chunking of the loss: by default from an activation budget (one pass, no recomputation, when the
+    # step's activations fit; checkpointed chunks that fit otherwise). A fixed chunk_blocks overrides it.
+    chunk_blocks: int | None = None
+    activation_budget_mb: float | None = 4096.0
     lr: float = 6e-4
     warmup_ratio: float = 0.04
     min_lr_ratio: float = 0.0
@@ -143,6 +146,7 @@ class DFlashObjective(nn.Module):
         self.gamma = gamma
         self.num_anchors = config.num_anchors
         self.chunk_blocks = config.chunk_blocks
+        self.activation_budget_mb = config.activation_budget_mb if config.chunk_blocks is None else None
         self.needs_input_grad = False  # set under fsdp
 
     def forward(self, input_ids, loss_mask, hidden_states, attention_mask, generator):
@@ -160,6 +164,7 @@ class DFlashObjective(nn.Module):
             gamma=self.gamma,
             generator=generator,
             chunk_blocks=self.chunk_blocks,
+            activation_budget_mb=self.activation_budget_mb,
         )
 
 

@@ -75,7 +75,13 @@ class DrafterStep(Stage):
     sliding_window: int | None = cfg(None, ge=1, doc="Window of sliding_attention layers.")
     num_anchors: int = cfg(512, ge=1, doc="Anchors (blocks) drawn per sequence each step.")
     gamma: float | None = cfg(None, gt=0, doc="Loss decay exp(-(k-1)/gamma) (default 7 for B=16, 5 for B=10, 4 for B=8).")
-    chunk_blocks: int | None = cfg(128, ge=1, doc="Blocks per loss chunk (logits never materialize for the whole batch).")
+    chunk_blocks: int | None = cfg(
+        None, ge=1, doc="Blocks per checkpointed loss chunk; null: chosen from activation_budget_mb."
+    )
+    activation_budget_mb: float = cfg(
+        4096.0, gt=0, le=1e7, doc="Activation memory one step may use: one pass (no recomputation) when it fits, "
+        "else the largest checkpointed chunks that do.",
+    )
     lr: float = cfg(6e-4, gt=0, doc="Peak learning rate.")
     warmup_ratio: float = cfg(0.04, ge=0, le=1, doc="Linear warmup share of all steps.")
     min_lr_ratio: float = cfg(0.0, ge=0, le=1, doc="Cosine floor as a share of lr.")
@@ -140,7 +146,8 @@ class DrafterStep(Stage):
             )
             head = load_shared_head(spec, ctx.device, dtype, trust_remote_code=self.trust_remote_code)
         config = TrainerConfig(
-            num_anchors=self.num_anchors, gamma=self.gamma, chunk_blocks=self.chunk_blocks, lr=self.lr,
+            num_anchors=self.num_anchors, gamma=self.gamma, chunk_blocks=self.chunk_blocks,
+            activation_budget_mb=self.activation_budget_mb, lr=self.lr,
             warmup_ratio=self.warmup_ratio, min_lr_ratio=self.min_lr_ratio, weight_decay=self.weight_decay,
             max_grad_norm=self.max_grad_norm, grad_accum=self.grad_accum, total_steps=self.total_steps,
             data_parallel=self.data_parallel, on_nonfinite=self.on_nonfinite,

@@ -1,0 +1,345 @@
+"""The DFlash 2 drafter: DFlash plus in-block convolutions and a candidate selector.
+
+Contract (must stay equal to z-lab ``dflash.model.DFlash2DraftModel`` 0.1.0, which inference loads):
+
+* every DFlash parameter (``drafter.DFlashDrafter``), plus per layer ``layers.{i}.attention_conv`` and
+  ``layers.{i}.mlp_conv``, each ``base_kernel`` ``[2, K, H]`` and ``kernel_projection`` (Linear
+  ``H -> 2*K*G``, no bias, ``G = H / conv_group_size``), and ``candidate_selector.{predecessor_codebook,
+  successor_codebook}`` ``[V, r]`` and ``candidate_selector.hidden_projection`` (Linear ``H -> r``);
+  the codebooks are stored without ``.weight``, the key layout z-lab's ``from_pretrained`` maps;
+* ``dflash_config`` carries ``conv_kernel_size`` (K), ``conv_group_size``, ``selector_rank`` (r) and
+  ``selector_top_k``; ``architectures: [DFlash2DraftModel]``;
+* the convolution (two taps by default: the slot itself and its predecessor) runs along the block's
+  slots and never reaches past the block's first slot (it sees zeros there). Around each sublayer: the
+  normed input is convolved (``base_kernel[0]`` plus a per-slot, per-group correction predicted from
+  that normed input) before the attention or MLP, and the sublayer's output is convolved again
+  (``base_kernel[1]``, the correction's second half). The context features are not convolved: they
+  enter as keys and values only, as in DFlash;
+* the selector keeps each draft slot's top-k unary logits and walks one path: the score of candidate
+  ``c`` after predecessor ``a`` is ``U(c) + <A[a] * P(h), B[c]>`` (``A``/``B`` the codebooks, ``P``
+  the hidden projection, ``h`` the slot's normed hidden state); slot 1's predecessor is the block's
+  first (known) token. Greedy takes the best score; sampling draws from ``softmax(scores / T)`` over
+  the candidates (temperature only, as z-lab does), which is the proposal speculative sampling checks.
+
+Initialisation (what NeMo AutoModel, SpecForge and speculators train from): each convolution is the
+identity (unit self-tap, zero correction) and the successor codebook is zero, so a fresh DFlash 2
+drafter computes exactly what the DFlash drafter with the same weights does; training moves it away.
+
+Training (``objective.dflash_loss``) is the DFlash loss of the block plus the selector's loss: a
+cross-entropy over each supervised slot's top-k candidates, scored after the true previous token
+(teacher forcing), with the true token's index as the target and the slot's decay weight; slots whose
+true token is not among the candidates carry no selector term (NeMo AutoModel's rule; its share is
+``candidate_recall``). Along the accepted run of a block the true and the selected predecessors are the
+same, so the acceptance this gives is the walk's own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_flow.model.drafter import DFlashDrafter, DrafterLayer, draft_value, make_drafter_config
+
+ARCHITECTURE = "DFlash2DraftModel"
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# z-lab's DFlash 2 settings (and NeMo AutoModel's recipe defaults): two taps, 16 channels per dynamic
+# group, a rank-256 selector over 16 candidates.
+DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+
+
+def is_dflash2_config(config: Any) -> bool:
+    """Whether a drafter config describes a DFlash 2 drafter (its ``architectures``)."""
+    return ARCHITECTURE in (getattr(config, "architectures", None) or [])
+
+
+def dflash2_problems(settings: dict[str, Any], *, hidden_size: int, vocab_size: int) -> list[str]:
+    """What is wrong with DFlash 2 settings for a drafter of this hidden and vocabulary size."""
+    problems = []
+    for key in DFLASH2_KEYS:
+        value = settings.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"{key} must be a positive integer, got {value!r}")
+    group, top_k = settings.get("conv_group_size"), settings.get("selector_top_k")
+    if isinstance(group, int) and group >= 1 and hidden_size % group:
+        problems.append(f"conv_group_size {group} must divide the hidden size {hidden_size}")
+    if isinstance(top_k, int) and top_k > vocab_size:
+        problems.append(f"selector_top_k {top_k} exceeds the vocabulary ({vocab_size} tokens)")
+    return problems
+
+
+def make_dflash2_config(
+    target_config: Any,
+    *,
+    conv_kernel_size: int = 2,
+    conv_group_size: int = 16,
+    selector_rank: int = 256,
+    selector_top_k: int = 16,
+    **drafter_kw: Any,
+):
+    """``drafter.make_drafter_config`` plus the DFlash 2 settings (written into ``dflash_config``)."""
+    config = make_drafter_config(target_config, **drafter_kw)
+    settings = {
+        "conv_kernel_size": conv_kernel_size,
+        "conv_group_size": conv_group_size,
+        "selector_rank": selector_rank,
+        "selector_top_k": selector_top_k,
+    }
+    problems = dflash2_problems(settings, hidden_size=config.hidden_size, vocab_size=config.vocab_size)
+    if problems:
+        raise ValueError("invalid DFlash 2 settings: " + "; ".join(problems))
+    config.dflash_config = {**config.dflash_config, **settings}
+    config.architectures = [ARCHITECTURE]
+    config.auto_map = {"AutoModel": f"dflash.{ARCHITECTURE}"}
+    return config
+
+
+# ---------------------------------------------------------------------------------------------------
+# The in-block convolution
+# ---------------------------------------------------------------------------------------------------
+
+
+def block_causal_conv(
+    x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, group_size: int, block: int
+) -> torch.Tensor:
+    """``y[t] = sum_o (base[o] + dynamic[t, o, group]) * x[t - o]`` along each block's slots.
+
+    ``x`` ``[b, T, H]`` holds ``T / block`` blocks end to end; tap ``o`` reads slot ``t - o`` of the
+    same block (zero before the block's first slot), so blocks laid side by side (training) give what
+    each block alone gives (inference). ``dynamic`` ``[b, T, K, G]`` is shared by the ``group_size``
+    channels of a group; ``base`` ``[K, H]``.
+    """
+    b, t, h = x.shape
+    groups = h // group_size
+    taps = base.shape[0]
+    xs = x.view(b, t // block, block, groups, group_size)
+    dyn = dynamic.reshape(b, t // block, block, taps, groups, 1)
+    # Accumulated tap by tap, base then correction (a fused multiply-add): z-lab's rounding, so our
+    # drafter's outputs are bit-equal to its reference model's (one product of the summed kernel is not).
+    out = torch.zeros_like(xs)
+    for o in range(min(taps, block)):
+        shifted = xs if o == 0 else F.pad(xs[:, :, :-o], (0, 0, 0, 0, o, 0))
+        out = torch.addcmul(out + base[o].view(groups, group_size).to(x.dtype) * shifted, dyn[:, :, :, o], shifted)
+    return out.view(b, t, h)
+
+
+class GroupedDynamicConv(nn.Module):
+    """The convolution around one sublayer: ``prepare`` before it, ``finish`` after it. Both halves'
+    corrections are predicted once, from the sublayer's (normed) input."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int) -> None:
+        super().__init__()
+        if hidden_size % group_size:
+            raise ValueError(f"conv_group_size {group_size} must divide the hidden size {hidden_size}")
+        self.kernel_size = int(kernel_size)
+        self.group_size = int(group_size)
+        self.groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, self.kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * self.kernel_size * self.groups, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The identity: unit self-tap, no correction (a fresh DFlash 2 layer is a DFlash layer)."""
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def prepare(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        dynamic = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.groups)
+        return block_causal_conv(x, dynamic[..., 0, :, :], self.base_kernel[0], self.group_size, block), dynamic[
+            ..., 1, :, :
+        ]
+
+    def finish(self, x: torch.Tensor, dynamic: torch.Tensor, block: int) -> torch.Tensor:
+        return block_causal_conv(x, dynamic, self.base_kernel[1], self.group_size, block)
+
+
+class DFlash2Layer(DrafterLayer):
+    """A DFlash decoder layer with the in-block convolution around its attention and its MLP."""
+
+    def __init__(self, config: Any, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        kernel = int(draft_value(config, "conv_kernel_size", DFLASH2_DEFAULTS["conv_kernel_size"]))
+        group = int(draft_value(config, "conv_group_size", DFLASH2_DEFAULTS["conv_group_size"]))
+        self.block_size = int(draft_value(config, "block_size", 16))
+        self.attention_conv = GroupedDynamicConv(config.hidden_size, kernel, group)
+        self.mlp_conv = GroupedDynamicConv(config.hidden_size, kernel, group)
+
+    def _block(self, length: int) -> int:
+        # The inference layout holds one (possibly shortened) block; the dense training layout N whole
+        # blocks (NeMo AutoModel's rule: a multiple of block_size is that many blocks).
+        return self.block_size if length % self.block_size == 0 else length
+
+    def _sublayers(self, x, attend, block: int):
+        h, dyn = self.attention_conv.prepare(self.input_layernorm(x), block)
+        x = x + self.attention_conv.finish(attend(h), dyn, block)
+        h, dyn = self.mlp_conv.prepare(self.post_attention_layernorm(x), block)
+        return x + self.mlp_conv.finish(self.mlp(h), dyn, block)
+
+    def forward(self, x, context, cos, sin, attention_mask, past_key_values=None):
+        def attend(h):
+            return self.self_attn(h, context, cos, sin, attention_mask, past_key_values)
+
+        return self._sublayers(x, attend, self._block(x.shape[1]))
+
+    def forward_blocks(self, x, ctx_k, ctx_v, cos, sin, layout, rows=None):
+        if rows is not None or layout.drops_first_slot:
+            raise ValueError("DFlash 2 layers need every slot of every block (the convolution mixes neighbours)")
+
+        def attend(h):
+            return self.self_attn.forward_blocks(h, ctx_k, ctx_v, cos, sin, layout)
+
+        return self._sublayers(x, attend, layout.block_size)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The candidate selector
+# ---------------------------------------------------------------------------------------------------
+
+
+def _table(weight: Any) -> torch.Tensor:
+    """A codebook's ``[V, r]`` table: ours is a parameter, z-lab's an ``nn.Embedding``."""
+    return weight.weight if isinstance(weight, nn.Embedding) else weight
+
+
+class CandidateSelector(nn.Module):
+    """Low-rank pair scores over each slot's top-k candidates (see the module docstring)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, top_k: int, init_std: float = 0.02) -> None:
+        super().__init__()
+        if not 1 <= top_k <= vocab_size:
+            raise ValueError(f"selector_top_k must be in [1, {vocab_size}], got {top_k}")
+        self.top_k = int(top_k)
+        self.init_std = float(init_std)
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Scores start as the unary logits: the successor codebook is zero (one factor of a bilinear
+        form suffices); it gets gradient at once, the other two from the next step on."""
+        with torch.no_grad():
+            self.predecessor_codebook.normal_(0.0, self.init_std)
+            self.successor_codebook.zero_()
+            self.hidden_projection.weight.normal_(0.0, self.init_std)
+
+    def pair_scores(
+        self, hidden: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor, predecessors: torch.Tensor
+    ) -> torch.Tensor:
+        """``[..., k]`` scores of ``candidates`` (``[..., k]``, unary logits ``unary``) after
+        ``predecessors`` (``[...]``), at slots with normed hidden states ``hidden`` (``[..., H]``)."""
+        gate = F.embedding(predecessors, self.predecessor_codebook) * self.hidden_projection(hidden)
+        return unary + torch.einsum("...r,...kr->...k", gate, F.embedding(candidates, self.successor_codebook))
+
+
+def select_path(
+    selector: nn.Module,
+    hidden: torch.Tensor,
+    logits: torch.Tensor,
+    anchor_ids: torch.Tensor,
+    *,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The decode-time walk of a selector (ours or z-lab's ``CandidateSelector``) through the
+    candidates of a block's draft slots.
+
+    ``hidden`` ``[b, P, H]`` and ``logits`` ``[b, P, V]`` of the P draft slots, ``anchor_ids`` ``[b]``
+    the block's first token. Returns the path ``[b, P]``, the candidates ``[b, P, k]`` and, when
+    ``temperature > 0``, each step's proposal over them ``[b, P, k]`` (else None). The candidates come
+    from ``topk(sorted=False)`` and the draws are one multinomial per slot, in order, as z-lab's walk
+    makes them: the same generator state gives the same path.
+    """
+    pred_table = _table(selector.predecessor_codebook)
+    succ_table = _table(selector.successor_codebook)
+    unary, candidates = torch.topk(logits, selector.top_k, dim=-1, sorted=False)
+    gates = selector.hidden_projection(hidden)
+    previous = anchor_ids
+    path, probs = [], []
+    for p in range(hidden.shape[1]):
+        scores = unary[:, p] + torch.einsum(
+            "br,bkr->bk", F.embedding(previous, pred_table) * gates[:, p], F.embedding(candidates[:, p], succ_table)
+        )
+        if temperature > 0:
+            q = torch.softmax(scores.float() / temperature, dim=-1)
+            index = torch.multinomial(q, 1, generator=generator)[:, 0]
+            probs.append(q)
+        else:
+            index = scores.argmax(dim=-1)
+        previous = candidates[:, p].gather(-1, index[:, None])[:, 0]
+        path.append(previous)
+    return torch.stack(path, dim=1), candidates, torch.stack(probs, dim=1) if probs else None
+
+
+# ---------------------------------------------------------------------------------------------------
+# The drafter
+# ---------------------------------------------------------------------------------------------------
+
+
+class DFlash2Drafter(DFlashDrafter):
+    """DFlash 2 drafter; weights interchangeable with z-lab ``DFlash2DraftModel`` (codebooks without
+    ``.weight``, as its ``from_pretrained`` maps them)."""
+
+    layer_class = DFlash2Layer
+    independent_slots = False
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.candidate_selector = CandidateSelector(
+            config.vocab_size,
+            config.hidden_size,
+            int(draft_value(config, "selector_rank", DFLASH2_DEFAULTS["selector_rank"])),
+            int(draft_value(config, "selector_top_k", DFLASH2_DEFAULTS["selector_top_k"])),
+            init_std=float(getattr(config, "initializer_range", 0.02)),
+        )
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        for layer in self.layers:
+            layer.attention_conv.reset_parameters()
+            layer.mlp_conv.reset_parameters()
+        selector = getattr(self, "candidate_selector", None)  # absent while DFlashDrafter.__init__ runs
+        if selector is not None:
+            selector.reset_parameters()
+
+    def propose(self, hidden, anchor_ids, output_head, temperature: float = 0.0, generator=None):
+        """z-lab's ``DFlash2DraftModel.propose``: the selector's path through the draft slots."""
+        return select_path(
+            self.candidate_selector,
+            hidden,
+            self.compute_logits(hidden, output_head),
+            anchor_ids,
+            temperature=temperature,
+            generator=generator,
+        )
+
+
+def drafter_from_config(config: Any) -> DFlashDrafter:
+    """A fresh drafter of the variant ``config`` describes (DFlash 2 or DFlash)."""
+    return DFlash2Drafter(config) if is_dflash2_config(config) else DFlashDrafter(config)
+
+
+def drafter_variant(config: Any) -> str:
+    return "dflash2" if is_dflash2_config(config) else "dflash"
+
+
+__all__ = [
+    "ARCHITECTURE",
+    "DFLASH2_DEFAULTS",
+    "DFLASH2_KEYS",
+    "CandidateSelector",
+    "DFlash2Drafter",
+    "DFlash2Layer",
+    "GroupedDynamicConv",
+    "block_causal_conv",
+    "dflash2_problems",
+    "drafter_from_config",
+    "drafter_variant",
+    "is_dflash2_config",
+    "make_dflash2_config",
+    "select_path",
+]
