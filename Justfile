@@ -24,6 +24,7 @@ bench:
     {{python}} bench/model_bench.py
     {{python}} bench/monitor_bench.py
     {{python}} bench/peer_step.py
+    {{python}} bench/peer_train.py
     {{python}} bench/scale_bench.py
     {{python}} bench/profile_bench.py
     {{python}} bench/e2e_bench.py

@@ -192,6 +192,13 @@ def make_ours(c: dict, drafter_mod=None, objective_mod=None, **loss_kw):
     if drafter_mod is None:
         from dflash_flow.model import drafter as drafter_mod
         from dflash_flow.model import objective as objective_mod
+        from dflash_flow.model.trainer import TrainerConfig
+
+        # Our defaults, as the trainer passes them: chunking chosen from the activation budget.
+        defaults = TrainerConfig()
+        loss_kw = dict(
+            dict(chunk_blocks=defaults.chunk_blocks, activation_budget_mb=defaults.activation_budget_mb), **loss_kw
+        )
     model = drafter_mod.DFlashDrafter(c["config"])
     model.load_state_dict(c["state"])
     model.train()

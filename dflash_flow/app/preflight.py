@@ -14,7 +14,8 @@ from dflash_flow.core.validate import Validated
 
 def preflight_problems(v: Validated) -> list[Problem]:
     """A Bucketer token budget smaller than the longest sample an upstream source may emit (it would
-    only fail after reading all the data)."""
+    only fail after reading all the data), and a stage's settings its target's sizes rule out
+    (``variant_problems``: DrafterStep's DFlash 2 group size and top-k)."""
     from dflash_flow.stages.bucketer import Bucketer
 
     graph = v.graph
@@ -46,6 +47,17 @@ def preflight_problems(v: Validated) -> list[Problem]:
                     ))
                 continue
             todo.extend(inp.stage for inp in graph.stage(name).inputs)
+    for i, spec in enumerate(graph.stages):
+        # Settings that only the target can judge (DrafterStep's DFlash 2 sizes against its hidden size).
+        check = getattr(v.configs.get(spec.name), "variant_problems", None)
+        for field, message in check() if callable(check) else ():
+            problems.append(Problem(
+                message,
+                file=loc.filename if loc is not None else None,
+                line=loc.line("stages", i, "config", field) if loc is not None else None,
+                stage=spec.name,
+                field=field,
+            ))
     return problems
 
 

@@ -21,16 +21,25 @@ Contract (must stay equal to z-lab ``dflash.model.DFlash2DraftModel`` 0.1.0, whi
   first (known) token. Greedy takes the best score; sampling draws from ``softmax(scores / T)`` over
   the candidates (temperature only, as z-lab does), which is the proposal speculative sampling checks.
 
-Initialisation (what NeMo AutoModel, SpecForge and speculators train from): each convolution is the
+Initialisation (NeMo AutoModel's DFlash 2 start; z-lab ships no initialiser): each convolution is the
 identity (unit self-tap, zero correction) and the successor codebook is zero, so a fresh DFlash 2
 drafter computes exactly what the DFlash drafter with the same weights does; training moves it away.
 
-Training (``objective.dflash_loss``) is the DFlash loss of the block plus the selector's loss: a
-cross-entropy over each supervised slot's top-k candidates, scored after the true previous token
-(teacher forcing), with the true token's index as the target and the slot's decay weight; slots whose
-true token is not among the candidates carry no selector term (NeMo AutoModel's rule; its share is
-``candidate_recall``). Along the accepted run of a block the true and the selected predecessors are the
-same, so the acceptance this gives is the walk's own.
+Training (``objective.dflash_loss``, the selector's part in ``selector_terms``) follows NeMo AutoModel's
+DFlash 2 recipe (``DFlash2TrainerModule``): the convolutions need no supervision of their own (they are
+part of the backbone, trained by the DFlash loss), and the selector adds one term,
+``loss = dflash_loss + selector_loss_weight * selector_loss``. ``selector_loss`` is a cross-entropy over
+each supervised slot's top-k candidates (of the drafter's own logits), scored after the *true* previous
+token (teacher forcing; slot 1's predecessor is the block's first token, as at decoding), with the true
+token's index among the candidates as the target, each slot weighted by its DFlash decay weight, and
+normalised by its own weight sum. Slots whose true token is not among the candidates carry no selector
+term (there is nothing to select; their share is reported as ``candidate_recall``). Gradients reach the
+backbone through the unary logits and the hidden projection as well, as in NeMo. Why this rule and not
+speculators' (which swaps the weakest candidate for a missing target so that every slot has a k-way
+label): NeMo's trains the selector only on the candidate sets it will rerank at decoding, and it is the
+recipe the issue names. Along the accepted run of a block the true and the selected predecessors are
+the same, so the teacher-forced run of correct selector picks is exactly the greedy walk's acceptance
+(``selector_accept_len``).
 """
 
 from __future__ import annotations
@@ -44,9 +53,11 @@ from torch import nn
 from dflash_flow.model.drafter import DFlashDrafter, DrafterLayer, draft_value, make_drafter_config
 
 ARCHITECTURE = "DFlash2DraftModel"
+VARIANTS = ("dflash", "dflash2")
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-# z-lab's DFlash 2 settings (and NeMo AutoModel's recipe defaults): two taps, 16 channels per dynamic
-# group, a rank-256 selector over 16 candidates.
+# The published DFlash 2 settings (NeMo AutoModel's and speculators' defaults; z-lab reads them from
+# the checkpoint's dflash_config and has none of its own): two taps, 16 channels per dynamic group, a
+# rank-256 selector over 16 candidates.
 DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 
 
@@ -55,45 +66,88 @@ def is_dflash2_config(config: Any) -> bool:
     return ARCHITECTURE in (getattr(config, "architectures", None) or [])
 
 
-def dflash2_problems(settings: dict[str, Any], *, hidden_size: int, vocab_size: int) -> list[str]:
-    """What is wrong with DFlash 2 settings for a drafter of this hidden and vocabulary size."""
+def dflash2_problems(
+    settings: dict[str, Any], *, hidden_size: int, vocab_size: int, block_size: int | None = None
+) -> list[str]:
+    """What is wrong with DFlash 2 settings for a drafter of this hidden and vocabulary size (and block
+    size, when given); each message names the setting."""
     problems = []
     for key in DFLASH2_KEYS:
         value = settings.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             problems.append(f"{key} must be a positive integer, got {value!r}")
-    group, top_k = settings.get("conv_group_size"), settings.get("selector_top_k")
+    kernel, group = settings.get("conv_kernel_size"), settings.get("conv_group_size")
+    top_k = settings.get("selector_top_k")
     if isinstance(group, int) and group >= 1 and hidden_size % group:
-        problems.append(f"conv_group_size {group} must divide the hidden size {hidden_size}")
+        problems.append(
+            f"conv_group_size {group} must divide the hidden size {hidden_size} (channels are split into "
+            "groups that share one dynamic tap)"
+        )
     if isinstance(top_k, int) and top_k > vocab_size:
         problems.append(f"selector_top_k {top_k} exceeds the vocabulary ({vocab_size} tokens)")
+    if block_size is not None and isinstance(kernel, int) and kernel > block_size:
+        problems.append(
+            f"conv_kernel_size {kernel} is longer than the block ({block_size} slots): taps past the block's "
+            "first slot read nothing"
+        )
     return problems
 
 
-def make_dflash2_config(
-    target_config: Any,
-    *,
-    conv_kernel_size: int = 2,
-    conv_group_size: int = 16,
-    selector_rank: int = 256,
-    selector_top_k: int = 16,
-    **drafter_kw: Any,
-):
-    """``drafter.make_drafter_config`` plus the DFlash 2 settings (written into ``dflash_config``)."""
-    config = make_drafter_config(target_config, **drafter_kw)
-    settings = {
+def dflash2_settings(
+    conv_kernel_size: int | None = None,
+    conv_group_size: int | None = None,
+    selector_rank: int | None = None,
+    selector_top_k: int | None = None,
+) -> dict[str, int]:
+    """The four DFlash 2 settings, None replaced by the published defaults (``DFLASH2_DEFAULTS``)."""
+    given = {
         "conv_kernel_size": conv_kernel_size,
         "conv_group_size": conv_group_size,
         "selector_rank": selector_rank,
         "selector_top_k": selector_top_k,
     }
-    problems = dflash2_problems(settings, hidden_size=config.hidden_size, vocab_size=config.vocab_size)
+    return {k: DFLASH2_DEFAULTS[k] if v is None else v for k, v in given.items()}
+
+
+def make_dflash2_config(
+    target_config: Any,
+    *,
+    conv_kernel_size: int | None = None,
+    conv_group_size: int | None = None,
+    selector_rank: int | None = None,
+    selector_top_k: int | None = None,
+    **drafter_kw: Any,
+):
+    """``drafter.make_drafter_config`` plus the DFlash 2 settings (written into ``dflash_config``, where
+    z-lab reads them; None: ``DFLASH2_DEFAULTS``). Raises ValueError naming every bad setting."""
+    config = make_drafter_config(target_config, **drafter_kw)
+    settings = dflash2_settings(conv_kernel_size, conv_group_size, selector_rank, selector_top_k)
+    problems = dflash2_problems(
+        settings,
+        hidden_size=config.hidden_size,
+        vocab_size=config.vocab_size,
+        block_size=int(draft_value(config, "block_size", 16)),
+    )
     if problems:
         raise ValueError("invalid DFlash 2 settings: " + "; ".join(problems))
     config.dflash_config = {**config.dflash_config, **settings}
     config.architectures = [ARCHITECTURE]
     config.auto_map = {"AutoModel": f"dflash.{ARCHITECTURE}"}
     return config
+
+
+def make_variant_config(target_config: Any, *, variant: str = "dflash", **kw: Any):
+    """The drafter config of ``variant`` (``dflash`` or ``dflash2``); the DFlash 2 settings are refused
+    for a plain DFlash drafter rather than silently dropped."""
+    extra = {k: kw.pop(k) for k in DFLASH2_KEYS if k in kw}
+    if variant == "dflash2":
+        return make_dflash2_config(target_config, **extra, **kw)
+    if variant != "dflash":
+        raise ValueError(f"unknown drafter variant {variant!r}; expected one of {list(VARIANTS)}")
+    set_ = sorted(k for k, v in extra.items() if v is not None)
+    if set_:
+        raise ValueError(f"{', '.join(set_)} only apply to variant: dflash2 (variant is dflash)")
+    return make_drafter_config(target_config, **kw)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -275,6 +329,39 @@ def select_path(
     return torch.stack(path, dim=1), candidates, torch.stack(probs, dim=1) if probs else None
 
 
+def selector_terms(
+    selector: CandidateSelector,
+    hidden: torch.Tensor,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    predecessors: torch.Tensor,
+    weights: torch.Tensor,
+    supervised: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The selector's training terms over ``M`` draft slots (see the module docstring).
+
+    ``hidden`` ``[M, H]`` (normed drafter outputs), ``logits`` ``[M, V]``, ``labels`` ``[M]`` (the true
+    tokens), ``predecessors`` ``[M]`` (the true previous tokens), ``weights`` ``[M]`` (DFlash decay
+    weights, 0 where unsupervised), ``supervised`` ``[M]`` bool. Returns ``(loss_sum, weight_sum, hits,
+    in_candidates)``: the weighted candidate cross-entropy summed over the slots whose true token is a
+    candidate, those slots' weight sum (the selector loss is ``loss_sum / weight_sum``), and ``[M]`` bool
+    masks (no gradient) of supervised slots where the teacher-forced selector picks the true token, and
+    where the true token is a candidate.
+    """
+    unary, candidates = torch.topk(logits, selector.top_k, dim=-1)
+    scores = selector.pair_scores(hidden, unary, candidates, predecessors).float()
+    match = candidates == labels[:, None]
+    present = match.any(dim=-1)
+    target = match.to(torch.int64).argmax(dim=-1)  # 0 where absent (weight 0 there)
+    w = weights * present.to(weights.dtype)
+    ce = F.cross_entropy(scores, target, reduction="none")
+    with torch.no_grad():
+        picked = candidates.gather(-1, scores.argmax(dim=-1, keepdim=True))[:, 0]
+        hits = (picked == labels) & supervised
+        in_candidates = present & supervised
+    return (ce * w).sum(), w.sum(), hits, in_candidates
+
+
 # ---------------------------------------------------------------------------------------------------
 # The drafter
 # ---------------------------------------------------------------------------------------------------
@@ -339,7 +426,10 @@ __all__ = [
     "dflash2_problems",
     "drafter_from_config",
     "drafter_variant",
+    "dflash2_settings",
+    "make_variant_config",
     "is_dflash2_config",
     "make_dflash2_config",
     "select_path",
+    "selector_terms",
 ]

@@ -169,12 +169,14 @@ def evaluate_exported(
     top_k: int = 0,
     walk_data: str | Path | None = None,
     walk_limit: int = 64,
+    walk_horizons: Sequence[int] | None = None,
     seed: int = 0,
     device: str = "cpu",
 ) -> dict[str, dict[str, float]]:
     """The results named in the module docstring. ``target`` is a model spec as ``model.target.load_target``
     takes it (a directory, preset or hub id); ``max_new_tokens`` one horizon or several (the first is
-    the one ``tau`` reports); ``temperatures`` the decodings to run (0 = greedy); ``walk_data`` a JSONL of
+    the one ``tau`` reports); ``walk_horizons`` the walk's (None: the same; the walk is cheap at any
+    horizon, one target forward per conversation, real decoding is not); ``temperatures`` the decodings to run (0 = greedy); ``walk_data`` a JSONL of
     held-out conversations whose last turn is the target's own greedy reply (None: no walk). Sampled
     decoding draws from generators seeded by ``seed`` (the same for both drafters: common random numbers)."""
     import torch
@@ -182,7 +184,7 @@ def evaluate_exported(
 
     from dflash_flow.data.chat import stop_token_ids
 
-    from .drafter import DFlashDrafter
+    from .dflash2 import drafter_from_config
     from .export import load_drafter
     from .speculative import Sampling
     from .target import load_target
@@ -213,7 +215,7 @@ def evaluate_exported(
     if baseline:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            drafters["untrained"] = DFlashDrafter(drafter.config).to(device=device, dtype=torch.float32)
+            drafters["untrained"] = drafter_from_config(drafter.config).to(device=device, dtype=torch.float32)
     results: dict[str, dict[str, float]] = {}
     for name, d in drafters.items():
         for s in samplings:
@@ -222,5 +224,7 @@ def evaluate_exported(
                 model, d, prompts, horizons=horizons, sampling=s, stop_token_ids=stops, seed=seed
             )
             if walk_set is not None and name == "trained" and s is samplings[0]:  # beside real decoding
-                results["walk"] = evaluate_walk(model, d, walk_set, horizons=horizons, stop_token_ids=stops)
+                results["walk"] = evaluate_walk(
+                    model, d, walk_set, horizons=list(walk_horizons or horizons), stop_token_ids=stops
+                )
     return results

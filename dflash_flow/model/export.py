@@ -4,6 +4,13 @@ A checkpoint directory holds ``config.json`` (a Qwen3 config plus ``block_size``
 ``layer_types``, ``sliding_window`` and ``dflash_config: {mask_token_id, target_layer_ids}``) and
 ``model.safetensors`` with the drafter's own weights only (no embedding, no LM head). Loading never
 unpickles anything.
+
+A DFlash 2 drafter (``dflash2``) is written as z-lab's ``DFlash2DraftModel`` reads it:
+``architectures: [DFlash2DraftModel]``, ``auto_map`` to ``dflash.DFlash2DraftModel``, ``dflash_config``
+also holding ``conv_kernel_size``, ``conv_group_size``, ``selector_rank`` and ``selector_top_k``, and the
+selector's codebooks stored as ``candidate_selector.{predecessor,successor}_codebook`` (no ``.weight``:
+the names z-lab's ``from_pretrained`` maps onto its embeddings). ``load_drafter`` builds either variant
+from ``architectures`` and also accepts codebooks saved with ``.weight`` (a z-lab module's state dict).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from typing import Any
 import torch
 
 from dflash_flow.core.errors import CheckpointError
+from dflash_flow.model import dflash2
 from dflash_flow.model.drafter import (
     LAYER_TYPES,
     SLIDING_ATTENTION,
@@ -34,8 +42,12 @@ AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
 def drafter_config_dict(config: Any) -> dict[str, Any]:
     """The ``config.json`` content for a drafter config, with the keys inference engines require."""
     d = config.to_dict()
-    d["architectures"] = [ARCHITECTURE]
-    d["auto_map"] = dict(AUTO_MAP)
+    if dflash2.is_dflash2_config(config):
+        d["architectures"] = [dflash2.ARCHITECTURE]
+        d["auto_map"] = {"AutoModel": f"dflash.{dflash2.ARCHITECTURE}"}
+    else:
+        d["architectures"] = [ARCHITECTURE]
+        d["auto_map"] = dict(AUTO_MAP)
     d["model_type"] = "qwen3"
     d["block_size"] = int(draft_value(config, "block_size", 16))
     d["num_target_layers"] = int(config.num_target_layers)
@@ -128,8 +140,9 @@ def save_drafter(drafter: DFlashDrafter, path: str | os.PathLike, *, state: dict
 
 def _validate_config_dict(d: dict[str, Any], where: Path) -> None:
     problems = []
-    if ARCHITECTURE not in (d.get("architectures") or []):
-        problems.append(f"architectures {d.get('architectures')} does not name {ARCHITECTURE}")
+    archs = d.get("architectures") or []
+    if not isinstance(archs, list) or not {ARCHITECTURE, dflash2.ARCHITECTURE} & set(archs):
+        problems.append(f"architectures {archs} names neither {ARCHITECTURE} nor {dflash2.ARCHITECTURE}")
     if d.get("model_type") != "qwen3":
         problems.append(f"model_type is {d.get('model_type')!r}, expected 'qwen3'")
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "num_target_layers"):
@@ -154,6 +167,13 @@ def _validate_config_dict(d: dict[str, Any], where: Path) -> None:
     block_size = d.get("block_size")
     if not isinstance(block_size, int) or block_size < 2:
         problems.append(f"block_size must be an integer >= 2, got {block_size!r}")
+    if isinstance(archs, list) and dflash2.ARCHITECTURE in archs and isinstance(dcfg, dict):
+        hidden, vocab = d.get("hidden_size"), d.get("vocab_size")
+        if isinstance(hidden, int) and hidden > 0 and isinstance(vocab, int) and vocab > 0:
+            found = dflash2.dflash2_problems(
+                {k: dcfg.get(k) for k in dflash2.DFLASH2_KEYS}, hidden_size=hidden, vocab_size=vocab
+            )
+            problems.extend(f"dflash_config.{p}" for p in found)
     layer_types = d.get("layer_types")
     if layer_types is not None:
         if not isinstance(layer_types, list) or len(layer_types) != d.get("num_hidden_layers"):
@@ -244,8 +264,12 @@ def load_drafter(
         raise CheckpointError(f"{weights} is corrupted or not a safetensors file: {e}") from e
 
     with torch.device("meta"):
-        model = DFlashDrafter(config)
+        model = dflash2.drafter_from_config(config)
     expected = model.state_dict()
+    for name in ("predecessor_codebook", "successor_codebook"):  # z-lab's module names them .weight
+        key = f"candidate_selector.{name}"
+        if key in expected and key not in state and f"{key}.weight" in state:
+            state[key] = state.pop(f"{key}.weight")
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     wrong = [

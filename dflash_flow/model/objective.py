@@ -7,6 +7,22 @@ not available at inference: it is the bonus token being verified) and the keys o
 (all of them in full-attention layers, offsets <= j in sliding layers). Slot k is supervised with the
 token at ``a+k`` (same-position labels, slot 0 excluded), weighted by ``exp(-(k-1)/gamma)``.
 
+The variable-prefix objective (D2SD VP-Drafter, ``PrefixPrior``; docs/objectives.md) changes only the
+block plan: block n draws a visible prefix length ``l`` (``1 <= l <= B-1``), slots ``0..l-1`` hold the
+real tokens ``a..a+l-1``, and only slots ``k >= l`` are supervised, weighted ``exp(-(k-l)/gamma)``.
+
+A DFlash 2 drafter (``dflash2.DFlash2Drafter``) trains with NeMo AutoModel's DFlash 2 rule:
+``loss = dflash + selector_loss_weight * selector``, the selector term a cross-entropy over each
+supervised slot's top-k candidates scored after the true previous token (teacher forcing), target the
+true token's index, DFlash's decay weights, normalised by its own weight sum, slots whose true token
+is not a candidate left out (``dflash2.selector_terms``). Why that rule: it trains the selector on
+exactly the candidate sets it reranks at decoding (speculators' alternative injects a missing target
+into the set, a set decoding never sees), and along an accepted run the true and the walked
+predecessors coincide, so its teacher-forced hits give the walk's acceptance. Its statistics
+(``selector_accuracy``, ``candidate_recall``, ``selector_accept_len``, both loss terms) travel in
+``DFlashLossOutput.extra``. Its in-block convolutions mix slots, so the two shortcuts below that assume
+independent slots (factored first-layer rows, no slot-0 queries in the last layer) are off for it.
+
 How it is computed (``dflash_loss``), each step the work a block actually needs and nothing else:
 
 * the fused context and its keys/values are computed once per layer (``DFlashDrafter.context_kv``);
@@ -18,13 +34,16 @@ How it is computed (``dflash_loss``), each step the work a block actually needs 
   queries attend to the context slice their anchors can see plus their own block (``BlockLayout``),
   not to the whole row and every block as a dense ``[N*B, S + N*B]`` mask would
   (``block_attention_mask``, kept as the reference layout);
-* the first layer projects N + 1 distinct rows per sequence (slots 1..B-1 all hold the mask token),
+* the first layer projects N + 1 distinct rows per sequence (slots 1..B-1 all hold the mask token;
+  not under the variable-prefix objective, whose visible prefixes put real tokens there),
   the last layer computes no slot-0 queries and the head no slot-0 logits (slot 0 is never supervised);
 * one device->host read per step (block count and anchor bounds, which set the shapes), in
   ``dflash_loss``; ``DFlashLossOutput.metrics`` is the only other.
 """
 
 from __future__ import annotations
+
+import math
 
 import attrs
 import torch
@@ -91,7 +110,8 @@ class DFlashLossOutput:
 
     @property
     def acceptance_length(self) -> float:
-        """Mean over kept blocks of ``1 + sum_k prod_{j<=k} [argmax_j == t_j]`` (the bonus token counts)."""
+        """Mean over kept blocks of ``1 + sum_k prod_{j<=k} [argmax_j == t_j]`` (the bonus token counts);
+        under the variable-prefix objective the products start at the block's first masked slot ``l``."""
         n = self.kept_blocks.item()
         return float(self.acceptance_sum.item() / n) if n else 0.0
 
@@ -208,6 +228,83 @@ def decay_weights(
     return torch.where(k >= 1, w, torch.zeros_like(w))
 
 
+@attrs.frozen(kw_only=True)
+class PrefixPrior:
+    """The variable-prefix objective's prior over a block's visible prefix length ``l`` (D2SD VP-Drafter,
+    arXiv 2606.04446, as NeMo AutoModel's ``loss_type: variable_prefix`` defines it): a truncated
+    geometric law ``Pr(l) ~ weight_base ** l`` on ``min_length..max_length``.
+
+    ``l`` counts the anchor slot: slots ``0..l-1`` hold the real tokens ``input_ids[a..a+l-1]``, slots
+    ``l..B-1`` the mask token, and only those are supervised; ``l = 1`` is DFlash's block. ``max_length``
+    None means ``B - 1`` (at least one masked slot). NeMo fixes the range to ``min(2, B-1)..B-1``; our
+    default starts at 1 because inference (z-lab's decoding) drafts every block with ``l = 1``.
+    Errors name the config fields (``prefix_weight_base``, ``prefix_min_length``, ``prefix_max_length``).
+    """
+
+    weight_base: float = 0.9
+    min_length: int = 1
+    max_length: int | None = None
+
+    def bounds(self, block_size: int) -> tuple[int, int]:
+        """``(lo, hi)``: the support of the prior for blocks of ``block_size``; raises on a bad setting."""
+        base = self.weight_base
+        if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 0:
+            raise ValueError(f"prefix_weight_base must be a finite number > 0, got {base!r}")
+        hi = block_size - 1 if self.max_length is None else self.max_length
+        if not 1 <= self.min_length <= block_size - 1:
+            raise ValueError(
+                f"prefix_min_length must be in [1, block_size - 1] = [1, {block_size - 1}], got {self.min_length}"
+            )
+        if not self.min_length <= hi <= block_size - 1:
+            raise ValueError(
+                f"prefix_max_length must be in [prefix_min_length, block_size - 1] = "
+                f"[{self.min_length}, {block_size - 1}], got {hi}"
+            )
+        return int(self.min_length), int(hi)
+
+    def probabilities(self, block_size: int) -> torch.Tensor:
+        """``[hi - lo + 1]`` float64 on the CPU: ``Pr(l)`` for ``l = lo..hi``."""
+        lo, hi = self.bounds(block_size)
+        # Relative to the first term, so large bases or long blocks cannot overflow.
+        w = torch.tensor([float(self.weight_base) ** (n - lo) for n in range(lo, hi + 1)], dtype=torch.float64)
+        return w / w.sum()
+
+
+def sample_prefix_lengths(
+    shape: tuple[int, int] | torch.Size,
+    prior: PrefixPrior,
+    *,
+    block_size: int,
+    device: torch.device | str | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Visible prefix lengths ``[b, N]`` long, i.i.d. from ``prior``, by inverse CDF of one uniform each.
+
+    Drawn on ``generator``'s device (CPU without one) like the anchor keys, then moved to ``device``:
+    one vectorised draw, no Python loop over blocks, no device->host read; the same generator state gives
+    the same lengths.
+    """
+    lo, hi = prior.bounds(block_size)
+    draw_on = generator.device if generator is not None else torch.device("cpu")
+    cdf = prior.probabilities(block_size).cumsum(0).to(draw_on)
+    u = torch.rand(tuple(shape), generator=generator, device=draw_on, dtype=torch.float64)
+    idx = torch.searchsorted(cdf, u, right=True).clamp(max=hi - lo)
+    return (idx + lo).to(device if device is not None else draw_on)
+
+
+def prefix_decay_weights(prefix_lengths: torch.Tensor, block_size: int, gamma: float | None) -> torch.Tensor:
+    """``[b, N, B]`` weights of the variable-prefix objective: 0 on the visible slots ``k < l``, then
+    ``exp(-(k-l)/gamma)`` (the decay re-anchored at the prefix boundary); ``l = 1`` gives exactly
+    ``decay_weights`` (the same arithmetic)."""
+    k = torch.arange(block_size, device=prefix_lengths.device, dtype=torch.float32)
+    shift = k - prefix_lengths[..., None].to(torch.float32)
+    if gamma is None or gamma <= 0:
+        w = torch.ones_like(shift)
+    else:
+        w = torch.exp(-shift.clamp(min=0.0) / float(gamma))
+    return torch.where(shift >= 0, w, torch.zeros_like(w))
+
+
 def plan_blocks(
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor,
@@ -218,8 +315,13 @@ def plan_blocks(
     mask_token_id: int,
     gamma: float | None = 7.0,
     attention_mask: torch.Tensor | None = None,
+    prefix_lengths: torch.Tensor | None = None,
 ) -> BlockPlan:
-    """Block inputs, positions, same-position labels and loss weights for given anchors."""
+    """Block inputs, positions, same-position labels and loss weights for given anchors.
+
+    ``prefix_lengths`` ``[b, N]`` (the variable-prefix objective): block n shows the real tokens at
+    ``a..a+l-1`` (the mask token where that position is padding or past the row), and only slots
+    ``k >= l`` are supervised, weighted ``exp(-(k-l)/gamma)``. None: DFlash's block (``l = 1``)."""
     b, s = input_ids.shape
     device = input_ids.device
     k = torch.arange(block_size, device=device)
@@ -230,16 +332,26 @@ def plan_blocks(
     lm = loss_mask.bool()
     if attention_mask is not None:
         lm = lm & attention_mask.bool()
-    sup = keep[:, :, None] & in_row & (k >= 1) & lm.gather(1, idx.flatten(1)).view_as(idx)
-    weights = sup.float() * decay_weights(block_size, gamma, device=device)
-    block_ids = torch.full_like(pos, int(mask_token_id))
-    first = input_ids.gather(1, anchors)
-    block_ids[:, :, 0] = torch.where(keep, first, torch.full_like(first, int(mask_token_id)))
     context_valid = (
         attention_mask.bool()
         if attention_mask is not None
         else torch.ones(b, s, dtype=torch.bool, device=device)
     )
+    if prefix_lengths is None:
+        sup = keep[:, :, None] & in_row & (k >= 1) & lm.gather(1, idx.flatten(1)).view_as(idx)
+        weights = sup.float() * decay_weights(block_size, gamma, device=device)
+        block_ids = torch.full_like(pos, int(mask_token_id))
+        first = input_ids.gather(1, anchors)
+        block_ids[:, :, 0] = torch.where(keep, first, torch.full_like(first, int(mask_token_id)))
+    else:
+        prefix_lengths = prefix_lengths.to(device=device, dtype=torch.long)
+        if prefix_lengths.shape != anchors.shape:
+            raise ValueError(f"prefix_lengths {tuple(prefix_lengths.shape)} must match anchors {tuple(anchors.shape)}")
+        shown = k < prefix_lengths[:, :, None]  # [b, N, B]
+        real = keep[:, :, None] & in_row & context_valid.gather(1, idx.flatten(1)).view_as(idx)
+        block_ids = torch.where(shown & real, labels, torch.full_like(labels, int(mask_token_id)))
+        sup = keep[:, :, None] & in_row & ~shown & lm.gather(1, idx.flatten(1)).view_as(idx)
+        weights = sup.float() * prefix_decay_weights(prefix_lengths, block_size, gamma)
     return BlockPlan(
         anchors=anchors,
         keep=keep,
@@ -249,6 +361,7 @@ def plan_blocks(
         supervised=sup,
         weights=weights,
         context_valid=context_valid,
+        prefix_lengths=prefix_lengths,
     )
 
 
@@ -501,7 +614,11 @@ def _decode_span(drafter, plan, embed_tokens, context_kv, start, stop, spans, dt
 
     noise = embed(ids.reshape(b, -1))
     # Slots 1..B-1 all hold the mask token (plan_blocks): the first layer works on N + 1 rows per row.
-    rows = SlotRows(embed(ids[:, :, 0]), embed(ids[:1, :1, 1]).reshape(-1))
+    # Not under the variable-prefix objective: its slots 1..l-1 hold real tokens.
+    # Nor for a drafter whose slots interact outside attention (DFlash 2's in-block convolutions).
+    rows = None
+    if plan.prefix_lengths is None and getattr(drafter, "independent_slots", True):
+        rows = SlotRows(embed(ids[:, :, 0]), embed(ids[:1, :1, 1]).reshape(-1))
     layouts = block_layouts(
         plan,
         spans,
@@ -544,17 +661,68 @@ def draft_block_hidden(
 
 def _chunk_terms(drafter, lm_head, embed_tokens, plan, start, stop, spans, *context_kv):
     """Weighted CE sum and argmax ``[b, n, B-1]`` of blocks ``start..stop-1``. Slot 0 is never
-    supervised: the last layer computes no slot-0 queries and the head gets no slot-0 rows."""
+    supervised: the last layer computes no slot-0 queries and the head gets no slot-0 rows.
+
+    A DFlash 2 drafter (``independent_slots`` False: its convolutions read neighbouring slots) computes
+    every slot and drops slot 0 before the head; its selector adds ``dflash2.selector_terms`` (the
+    weighted sum and weight of its loss, and ``[b, n, B-1]`` masks of selector hits and of true tokens
+    among the candidates), teacher-forced with the true previous tokens."""
     kv = list(zip(context_kv[::2], context_kv[1::2], strict=True))
+    independent = getattr(drafter, "independent_slots", True)
     h = _decode_span(
-        drafter, plan, embed_tokens, kv, start, stop, spans, context_kv[0].dtype, drop_first_slot=True
+        drafter, plan, embed_tokens, kv, start, stop, spans, context_kv[0].dtype, drop_first_slot=independent
     )
     b, n, bsz = plan.anchors.shape[0], stop - start, plan.block_size
-    logits = drafter.compute_logits(h.reshape(b * n * (bsz - 1), -1), lm_head).float()
+    if not independent:
+        h = h.view(b, n, bsz, -1)[:, :, 1:]
+    h = h.reshape(b * n * (bsz - 1), -1)
+    logits = drafter.compute_logits(h, lm_head).float()
     labels = plan.labels[:, start:stop, 1:].reshape(-1)
     weights = plan.weights[:, start:stop, 1:].reshape(-1)
     ce = F.cross_entropy(logits, labels, reduction="none")
-    return (ce * weights).sum(), logits.argmax(dim=-1).view(b, n, bsz - 1)
+    terms = ((ce * weights).sum(), logits.argmax(dim=-1).view(b, n, bsz - 1))
+    selector = getattr(drafter, "candidate_selector", None)
+    if selector is None:
+        return terms
+    from dflash_flow.model.dflash2 import selector_terms
+
+    sel_sum, sel_weight, hits, present = selector_terms(
+        selector,
+        h,
+        logits,
+        labels,
+        plan.labels[:, start:stop, :-1].reshape(-1),  # the true previous token of each slot
+        weights,
+        plan.supervised[:, start:stop, 1:].reshape(-1),
+    )
+    return (*terms, sel_sum, sel_weight, hits.view(b, n, bsz - 1), present.view(b, n, bsz - 1))
+
+
+def _selector_extra(plan, parts, loss_sum, weight_sum, selector_sum, selector_weight):
+    """DFlash 2's statistics as ``DFlashLossOutput.extra`` ratios: the two loss terms, the teacher-forced
+    selector's accuracy, the share of supervised slots whose true token is a candidate (the ceiling of
+    that accuracy), and the simulated acceptance of the selector's greedy walk (the run of its correct
+    picks: along it the walk's predecessors are the true ones)."""
+    hits = torch.cat([part[2] for part in parts], dim=1)  # [b, N, B-1]
+    present = torch.cat([part[3] for part in parts], dim=1)
+    supervised = plan.supervised[:, :, 1:].sum().float()
+    if plan.prefix_lengths is None:
+        run = hits.long().cumprod(dim=-1).sum(dim=-1)
+    else:  # drafted from the first masked slot, as the DFlash acceptance above
+        k = torch.arange(1, plan.block_size, device=hits.device)
+        shown = k < plan.prefix_lengths[:, :, None]
+        run = ((hits | shown).long().cumprod(dim=-1) * ~shown).sum(dim=-1)
+    kept = plan.keep
+    return {
+        "dflash_loss": (loss_sum.detach(), weight_sum.detach()),
+        "selector_loss": (selector_sum.detach(), selector_weight.detach()),
+        "selector_accuracy": (hits.sum().float(), supervised),
+        "candidate_recall": (present.sum().float(), supervised),
+        "selector_accept_len": (((1 + run).float() * kept).sum(), kept.sum().float()),
+    }
+
+
+SELECTOR_EXTRAS = ("dflash_loss", "selector_loss", "selector_accuracy", "candidate_recall", "selector_accept_len")
 
 
 def _check_block_settings(
@@ -590,6 +758,9 @@ def activation_bytes_per_block(drafter: nn.Module, *, vocab_size: int, context_l
     per_layer = elem * (6 * h + 2 * heads * d + 2 * kv * d + 4 * int(cfg.intermediate_size))
     # two context masks (all slots; the last layer without slot 0) and fp32 logits, log-softmax, grad
     per_token = len(drafter.layers) * per_layer + 2 * elem * context_len + 3 * 4 * int(vocab_size)
+    selector = getattr(drafter, "candidate_selector", None)
+    if selector is not None:  # DFlash 2: four convolutions per layer (in, out, taps), the candidates' codes
+        per_token += len(drafter.layers) * elem * 16 * h + 4 * 3 * selector.top_k * selector.successor_codebook.shape[1]
     return per_token * drafter.block_size
 
 
@@ -621,6 +792,9 @@ def dflash_loss(
     anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
     activation_budget_mb: float | None = None,
     group_blocks: int | None = None,
+    prefix_prior: PrefixPrior | None = None,
+    prefix_lengths: torch.Tensor | None = None,
+    selector_loss_weight: float = 1.0,
 ) -> DFlashLossOutput:
     """Token-weighted DFlash loss for one micro-batch.
 
@@ -634,6 +808,14 @@ def dflash_loss(
     (``activation_bytes_per_block``) fit the budget, else the largest chunks that do.
     ``group_blocks``: blocks per attention group (None: from the anchors); only speed depends on it.
     ``anchors``: optional precomputed ``(anchors, keep)``, bypassing sampling (tests, evaluation).
+    ``prefix_prior``: the variable-prefix objective (``PrefixPrior``): each block's visible prefix length
+    is drawn from ``generator`` after the anchors; ``prefix_lengths`` ``[b, N]`` gives them instead
+    (tests). Neither: the DFlash objective. Under it the simulated acceptance counts, per block, the bonus
+    token and the run of correct drafts from the first masked slot ``l``; the extras ``prefix_length``
+    (mean ``l`` of kept blocks) and ``sim_accept_len_prefix1`` (the acceptance of the blocks drawn with
+    ``l = 1``, the inference regime) are reported beside it.
+    ``selector_loss_weight``: a DFlash 2 drafter's loss is the DFlash loss plus this times its selector's
+    (``dflash2`` module docstring); its statistics come in ``extra`` (``SELECTOR_EXTRAS``).
     ``block_size``/``mask_token_id`` default to the drafter config's; passing different values raises,
     because the exported config is what inference will use (pitfall 8).
 
@@ -654,6 +836,8 @@ def dflash_loss(
         )
     b, s = input_ids.shape
     device = input_ids.device
+    if prefix_prior is not None:
+        prefix_prior.bounds(block_size)  # a bad setting fails before anything is drawn
     if anchors is not None:
         anchors_t, keep = anchors
         bounds, _ = _read_bounds(anchors_t, keep, s)
@@ -670,6 +854,10 @@ def dflash_loss(
         anchors_t = torch.zeros(b, 0, dtype=torch.long, device=device)
         keep = anchors_t.bool()
         bounds = ColumnBounds(hi=[], lo=[], seq_len=s)
+    if prefix_lengths is None and prefix_prior is not None:
+        prefix_lengths = sample_prefix_lengths(
+            keep.shape, prefix_prior, block_size=block_size, device=device, generator=generator
+        )
     plan = plan_blocks(
         input_ids,
         loss_mask,
@@ -679,6 +867,7 @@ def dflash_loss(
         mask_token_id=mask_token_id,
         gamma=gamma,
         attention_mask=attention_mask,
+        prefix_lengths=prefix_lengths,
     )
     n = plan.num_blocks
     if n == 0:
@@ -686,7 +875,12 @@ def dflash_loss(
         # (and data-parallel gradient reduction) works the same as for any other batch.
         zero = sum(p.sum() * 0.0 for p in drafter.parameters() if p.requires_grad)
         z = torch.zeros(block_size, device=device)
-        return DFlashLossOutput(zero, z.sum(), z, z.clone(), z.sum(), z.sum())
+        extra = {}
+        if plan.prefix_lengths is not None:
+            extra = {name: (z.sum(), z.sum()) for name in ("prefix_length", "sim_accept_len_prefix1")}
+        if getattr(drafter, "candidate_selector", None) is not None:
+            extra.update({name: (z.sum(), z.sum()) for name in SELECTOR_EXTRAS})
+        return DFlashLossOutput(zero, z.sum(), z, z.clone(), z.sum(), z.sum(), extra=extra)
 
     if activation_budget_mb is not None:
         chunk_blocks = auto_chunk_blocks(
@@ -704,21 +898,28 @@ def dflash_loss(
     grad = torch.is_grad_enabled()
     step = n if not chunk_blocks or chunk_blocks >= n else int(chunk_blocks)
     loss_sum = torch.zeros((), device=device)
-    preds = []
+    preds, selector_parts = [], []
     for start in range(0, n, step):
         stop = min(start + step, n)
         spans = _layer_spans(drafter, bounds, start, stop, group_blocks, plan.anchors.shape[0])
         args = (drafter, lm_head, embed_tokens, plan, start, stop, spans, *context_kv)
         if step < n and grad:
-            part, pred = checkpoint(_chunk_terms, *args, use_reentrant=False)
+            part, pred, *selector = checkpoint(_chunk_terms, *args, use_reentrant=False)
         else:
-            part, pred = _chunk_terms(*args)
+            part, pred, *selector = _chunk_terms(*args)
         loss_sum = loss_sum + part
         preds.append(pred)
+        if selector:  # DFlash 2: (loss sum, weight sum, hits, true token among the candidates)
+            selector_parts.append(selector)
     pred = torch.cat(preds, dim=1) if len(preds) > 1 else preds[0]  # [b, N, B-1]
 
     weight_sum = plan.weights.sum()
     loss = loss_sum / weight_sum.clamp(min=1e-6)
+    if selector_parts:
+        # Summed over chunks, divided once: chunked and one-pass give the same loss and gradients.
+        selector_sum = sum(part[0] for part in selector_parts)
+        selector_weight = sum(part[1] for part in selector_parts)
+        loss = loss + float(selector_loss_weight) * selector_sum / selector_weight.clamp(min=1e-6)
     with torch.no_grad():
         sup = plan.supervised
         hits = (pred == plan.labels[:, :, 1:]) & sup[:, :, 1:]
@@ -726,10 +927,24 @@ def dflash_loss(
         correct_per_pos = correct.sum(dim=(0, 1)).float()
         sup_per_pos = sup.sum(dim=(0, 1)).float()
         # Acceptance: the run of consecutive correct slots from k=1; an unsupervised slot ends the run.
-        run = hits.long().cumprod(dim=-1).sum(dim=-1)
+        # Variable prefix: from the first masked slot l (slots 1..l-1 are given, not drafted).
+        extra = {}
         kept = plan.keep
+        if plan.prefix_lengths is None:
+            run = hits.long().cumprod(dim=-1).sum(dim=-1)
+        else:
+            lengths = plan.prefix_lengths
+            shown = torch.arange(1, block_size, device=device) < lengths[:, :, None]
+            run = ((hits | shown).long().cumprod(dim=-1) * ~shown).sum(dim=-1)
+            first = kept & (lengths == 1)
+            extra = {
+                "prefix_length": ((lengths * kept).sum().float(), kept.sum().float()),
+                "sim_accept_len_prefix1": (((1 + run).float() * first).sum(), first.sum().float()),
+            }
         acceptance_sum = ((1 + run).float() * kept).sum()
         kept_blocks = kept.sum().float()
+        if selector_parts:
+            extra.update(_selector_extra(plan, selector_parts, loss_sum, weight_sum, selector_sum, selector_weight))
     return DFlashLossOutput(
         loss=loss,
         weight_sum=weight_sum.detach(),
@@ -737,6 +952,7 @@ def dflash_loss(
         supervised_per_position=sup_per_pos,
         acceptance_sum=acceptance_sum,
         kept_blocks=kept_blocks,
+        extra=extra,
     )
 
 
@@ -744,6 +960,7 @@ __all__ = [
     "BlockPlan",
     "ColumnBounds",
     "DFlashLossOutput",
+    "PrefixPrior",
     "activation_bytes_per_block",
     "auto_chunk_blocks",
     "auto_group_blocks",
@@ -753,6 +970,8 @@ __all__ = [
     "draft_block_hidden",
     "group_spans",
     "plan_blocks",
+    "prefix_decay_weights",
     "sample_anchors",
+    "sample_prefix_lengths",
     "valid_anchor_mask",
 ]

@@ -29,6 +29,13 @@ prefill sample; per step the block's drafts (one multinomial over the B-1 slots)
 the acceptance test, then one multinomial for the bonus (residual or next position). The same seed
 therefore gives z-lab's output exactly (``tests/model/test_sampling.py``).
 
+A DFlash 2 drafter (one with a ``candidate_selector``, ours or z-lab's ``DFlash2DraftModel``) proposes
+its selector's walk instead (``BlockDrafter.propose``, z-lab's ``propose``): greedy, the best-scoring
+path from the block's first token; sampled, one draw per slot in order from ``softmax(scores / T)``
+over that slot's candidates (temperature only, no top-p / top-k, as z-lab), and that distribution
+(zero outside the candidates) is the ``q`` the acceptance rule and the residual use. The target's
+``p`` keeps top-p / top-k. The draws are z-lab's in number and order, so the same seed gives its output.
+
 Batch size 1 only, as in the reference: every sequence accepts a different number of tokens per step,
 so a batch would need ragged caches. Evaluation loops over prompts.
 
@@ -316,10 +323,65 @@ class BlockDrafter:
         self.cache = _new_cache(drafter.config) if hasattr(drafter, "config") else None
         self.calls = 0
 
+    @property
+    def selects(self) -> bool:
+        """A DFlash 2 drafter (ours or z-lab's): its drafts are its candidate selector's walk, not the
+        argmax of its logits."""
+        return getattr(self.drafter, "candidate_selector", None) is not None
+
     def logits(self, block: torch.Tensor, context: torch.Tensor, start: int) -> torch.Tensor:
         """Draft logits ``[1, v - 1, V]`` for the slots 1.. of ``block`` ``[1, v]`` (its first token at
         position ``start``); ``context`` ``[1, c, F]`` holds the features of positions ``start - c ..
         start - 1`` not yet in the cache."""
+        return self._logits(self.hidden(block, context, start))
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hasattr(self.drafter, "compute_logits"):
+            return self.drafter.compute_logits(hidden, self.lm_head)
+        return self.lm_head(hidden)
+
+    def propose(
+        self,
+        block: torch.Tensor,
+        context: torch.Tensor,
+        start: int,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The drafts ``[1, v - 1]`` for the slots 1.. of ``block``, and at ``temperature > 0`` their
+        proposal distribution ``[v - 1, V]`` (float32; what speculative sampling checks against).
+
+        A plain drafter proposes its argmax (greedy; sampling its logits is :func:`spec_generate`'s
+        business, with top-p / top-k). A DFlash 2 drafter proposes its selector's walk from the block's
+        first token (``dflash2.select_path``, z-lab's ``propose``): greedy, or sampled from the softmax
+        of the candidate scores at ``temperature`` (no top-p / top-k: z-lab's rule), one draw per slot,
+        in order; the distribution is then zero outside each slot's candidates."""
+        hidden = self.hidden(block, context, start)
+        logits = self._logits(hidden)
+        if not self.selects:
+            return logits.argmax(dim=-1), None
+        from .dflash2 import select_path
+
+        path, candidates, probs = select_path(
+            self.drafter.candidate_selector,
+            hidden,
+            logits,
+            block[:, 0].to(hidden.device),
+            temperature=temperature,
+            generator=generator,
+        )
+        if probs is None:
+            return path, None
+        full = torch.zeros(probs.shape[1], logits.shape[-1], dtype=torch.float32, device=probs.device)
+        return path, full.scatter_(-1, candidates[0], probs[0].float())
+
+    def greedy_drafts(self, block: torch.Tensor, context: torch.Tensor, start: int) -> torch.Tensor:
+        """The greedy drafts ``[v - 1]`` of ``block`` (argmax, or a DFlash 2 drafter's selector walk)."""
+        return self.propose(block, context, start)[0][0]
+
+    def hidden(self, block: torch.Tensor, context: torch.Tensor, start: int) -> torch.Tensor:
+        """The drafter's normed hidden states ``[1, v - 1, H]`` of the slots 1.. of ``block`` (see
+        :meth:`logits`)."""
         verify = block.shape[1]
         noise = F.embedding(block.to(self.device), self.embed_weight)
         if self.settings.embed_scale != 1.0:
@@ -340,10 +402,7 @@ class BlockDrafter:
         # The cache now holds context + block; the block part is stale once the target decides.
         if self.cache is not None:
             _crop(self.cache, start)
-        hidden = hidden[:, 1:verify, :]
-        if hasattr(self.drafter, "compute_logits"):
-            return self.drafter.compute_logits(hidden, self.lm_head)
-        return self.lm_head(hidden)
+        return hidden[:, 1:verify, :]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -489,7 +548,13 @@ def spec_generate(
         verify = min(block_size, max_length - start)
         block = seq[:, start : start + verify].clone()  # [last token, MASK, ...]
         draft_probs = None
-        if verify > 1:
+        if verify > 1 and drafts.selects:  # DFlash 2: the selector's walk (and its proposal distribution)
+            proposed, draft_probs = drafts.propose(
+                block, pending_ctx, start, 0.0 if greedy else sampling.temperature, generator
+            )
+            block[:, 1:] = proposed.to(device)
+            draft_probs = draft_probs.to(device) if draft_probs is not None else None
+        elif verify > 1:
             logits = drafts.logits(block, pending_ctx, start).to(device)
             # Slot 0 is the known token; slots 1.. are the proposals for positions start+1 ...
             if greedy:

@@ -20,8 +20,9 @@ import torch
 from torch import nn
 
 from dflash_flow.items import TargetFeatures
-from dflash_flow.model.drafter import DFlashDrafter, make_drafter_config
-from dflash_flow.model.objective import dflash_loss
+from dflash_flow.model.dflash2 import drafter_from_config, drafter_variant, make_variant_config
+from dflash_flow.model.drafter import DFlashDrafter
+from dflash_flow.model.objective import PrefixPrior, dflash_loss
 from dflash_flow.model.optim import GradientAccumulator, NonFiniteError, build_optimizer
 
 STATE_VERSION = 1
@@ -68,6 +69,12 @@ class DrafterShape:
     target_layer_ids: list[int] | None = None
     layer_types: list[str] | None = None
     sliding_window: int | None = None
+    # "dflash" or "dflash2" (model.dflash2); the DFlash 2 settings, None: the published defaults.
+    variant: str = "dflash"
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
 
 
 def build_drafter(
@@ -86,21 +93,29 @@ def build_drafter(
 
     if init_from:
         drafter = load_drafter(init_from, device=device, dtype=dtype, target_config=target_config)
+        found = drafter_variant(drafter.config)
+        if found != shape.variant:
+            raise ValueError(f"init_from {init_from} holds a {found} drafter, but variant is {shape.variant}")
     else:
         tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         mask_id = resolve_mask_token_id(shape.mask_token_id, tokenizer_path, int(tc.vocab_size))
-        config = make_drafter_config(
+        config = make_variant_config(
             target_config,
+            variant=shape.variant,
             num_layers=shape.num_layers,
             block_size=shape.block_size,
             mask_token_id=mask_id,
             target_layer_ids=shape.target_layer_ids,
             layer_types=shape.layer_types,
             sliding_window=shape.sliding_window,
+            conv_kernel_size=shape.conv_kernel_size,
+            conv_group_size=shape.conv_group_size,
+            selector_rank=shape.selector_rank,
+            selector_top_k=shape.selector_top_k,
         )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            drafter = DFlashDrafter(config)
+            drafter = drafter_from_config(config)
         drafter.to(device=torch.device(device), dtype=dtype)
     drafter.train()
     return drafter
@@ -112,6 +127,17 @@ class TrainerConfig:
 
     num_anchors: int = 512
     gamma: float | None = None  # None: default_gamma(block_size)
+    # The objective (docs/objectives.md): "dflash" (one real token per block) or "variable_prefix" (D2SD
+    # VP-Drafter: each block shows a visible prefix of l real tokens, Pr(l) ~ prefix_weight_base ** l on
+    # [prefix_min_length, prefix_max_length or block_size - 1]; only the masked suffix is supervised).
+    objective: Literal["dflash", "variable_prefix"] = attrs.field(
+        default="dflash", validator=attrs.validators.in_(("dflash", "variable_prefix"))
+    )
+    prefix_weight_base: float = 0.9
+    prefix_min_length: int = 1
+    prefix_max_length: int | None = None
+    # DFlash 2 drafters: loss = DFlash loss + selector_loss_weight * selector loss (model.dflash2).
+    selector_loss_weight: float = 1.0
     # Chunking of the loss: by default from an activation budget (one pass, no recomputation, when the
     # step's activations fit; checkpointed chunks that fit otherwise). A fixed chunk_blocks overrides it.
     chunk_blocks: int | None = None
@@ -148,6 +174,15 @@ class DFlashObjective(nn.Module):
         self.chunk_blocks = config.chunk_blocks
         self.activation_budget_mb = config.activation_budget_mb if config.chunk_blocks is None else None
         self.needs_input_grad = False  # set under fsdp
+        self.selector_loss_weight = config.selector_loss_weight
+        self.prefix_prior = None
+        if config.objective == "variable_prefix":
+            self.prefix_prior = PrefixPrior(
+                weight_base=config.prefix_weight_base,
+                min_length=config.prefix_min_length,
+                max_length=config.prefix_max_length,
+            )
+            self.prefix_prior.bounds(drafter.block_size)  # fails here, naming the field, not at the first step
 
     def forward(self, input_ids, loss_mask, hidden_states, attention_mask, generator):
         return dflash_loss(
@@ -165,6 +200,8 @@ class DFlashObjective(nn.Module):
             generator=generator,
             chunk_blocks=self.chunk_blocks,
             activation_budget_mb=self.activation_budget_mb,
+            prefix_prior=self.prefix_prior,
+            selector_loss_weight=self.selector_loss_weight,
         )
 
 

@@ -90,7 +90,8 @@ def _walk(
         if verify > 1:
             block = torch.full((1, verify), mask, dtype=torch.long, device=seq.device)
             block[0, 0] = seq[start]
-            drafts = proposer.logits(block, pending, start).argmax(dim=-1)[0].to(seq.device)
+            # The drafts real greedy decoding would verify: the argmax, or a DFlash 2 selector's walk.
+            drafts = proposer.greedy_drafts(block, pending, start).to(seq.device)
             ref = seq[start + 1 : min(start + verify, end + 1)]
             accepted = int((drafts[: ref.numel()] == ref).int().cumprod(0).sum())
         produced = min(accepted + 1, max_length - start - 1, end - start)

@@ -40,6 +40,27 @@ def _open_log(path: Path, root: Path, append: bool):
     return os.fdopen(fd, "a" if append else "w")
 
 
+def _target_sizes(spec: Any) -> tuple[int, int] | None:
+    """(hidden size, vocabulary size) of a target read from its ``config.json`` (a local directory) or
+    preset mapping, without loading transformers; None when neither says (a hub id: setup checks)."""
+    d: Any = None
+    if isinstance(spec, dict):
+        d = spec
+    elif isinstance(spec, str) and (Path(spec) / "config.json").is_file():
+        try:
+            d = json.loads((Path(spec) / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+    if isinstance(d, dict) and isinstance(d.get("text_config"), dict):
+        d = d["text_config"]
+    if not isinstance(d, dict):
+        return None
+    hidden, vocab = d.get("hidden_size"), d.get("vocab_size")
+    if isinstance(hidden, int) and isinstance(vocab, int) and hidden > 0 and vocab > 0:
+        return hidden, vocab
+    return None
+
+
 def check_inside_output_dir(field: str, value: str) -> None:
     """A stage's output path is relative to the run's output directory and must stay inside it: a YAML
     cannot make the run write elsewhere (the user chooses where a run writes with ``output_dir``)."""
@@ -73,8 +94,35 @@ class DrafterStep(Stage):
     target_layer_ids: list[int] | None = cfg(None, doc="Target layers fused as context (default: the DFlash rule).")
     layer_types: list[str] | None = cfg(None, doc="Per-layer full_attention / sliding_attention (default: all full).")
     sliding_window: int | None = cfg(None, ge=1, doc="Window of sliding_attention layers.")
+    variant: Literal["dflash", "dflash2"] = cfg(
+        "dflash", choices=("dflash", "dflash2"),
+        doc="dflash, or dflash2: in-block convolutions and a candidate selector (docs/dflash2.md).",
+    )
+    conv_kernel_size: int | None = cfg(None, ge=1, doc="dflash2: taps of the in-block convolutions (null: 2).")
+    conv_group_size: int | None = cfg(
+        None, ge=1, doc="dflash2: channels sharing one dynamic tap; must divide the hidden size (null: 16)."
+    )
+    selector_rank: int | None = cfg(None, ge=1, doc="dflash2: rank of the selector's codebooks (null: 256).")
+    selector_top_k: int | None = cfg(
+        None, ge=1, doc="dflash2: candidates the selector reranks per slot, at most the vocabulary (null: 16)."
+    )
+    selector_loss_weight: float = cfg(
+        1.0, ge=0, doc="dflash2: loss = DFlash loss + this x the selector's candidate cross-entropy."
+    )
     num_anchors: int = cfg(512, ge=1, doc="Anchors (blocks) drawn per sequence each step.")
     gamma: float | None = cfg(None, gt=0, doc="Loss decay exp(-(k-1)/gamma) (default 7 for B=16, 5 for B=10, 4 for B=8).")
+    objective: Literal["dflash", "variable_prefix"] = cfg(
+        "dflash", choices=("dflash", "variable_prefix"),
+        doc="dflash: one real token per block; variable_prefix: D2SD VP-Drafter, each block shows l real tokens, "
+        "only the masked suffix is supervised (docs/objectives.md).",
+    )
+    prefix_weight_base: float = cfg(
+        0.9, gt=0, doc="variable_prefix: truncated geometric prior Pr(l) ~ base**l (< 1 favours short prefixes)."
+    )
+    prefix_min_length: int = cfg(1, ge=1, doc="variable_prefix: shortest visible prefix l (counts the anchor slot).")
+    prefix_max_length: int | None = cfg(
+        None, ge=1, doc="variable_prefix: longest visible prefix l (default block_size - 1: one masked slot at least)."
+    )
     chunk_blocks: int | None = cfg(
         None, ge=1, doc="Blocks per checkpointed loss chunk; null: chosen from activation_budget_mb."
     )
@@ -112,6 +160,51 @@ class DrafterStep(Stage):
     torch_threads: int | None = cfg(None, ge=1, doc="torch intra-op threads (CPU runs).")
     trust_remote_code: bool = cfg(False, doc="Allow the target's own code when reading its config.")
 
+    @prefix_min_length.validator
+    def _check_prefix_min(self, _attribute: attrs.Attribute, value: int) -> None:
+        if value > self.block_size - 1:
+            raise ValueError(f"'prefix_min_length' must be <= block_size - 1 = {self.block_size - 1}: {value}")
+
+    @prefix_max_length.validator
+    def _check_prefix_max(self, _attribute: attrs.Attribute, value: int | None) -> None:
+        if value is not None and not self.prefix_min_length <= value <= self.block_size - 1:
+            raise ValueError(
+                f"'prefix_max_length' must be in [prefix_min_length, block_size - 1] = "
+                f"[{self.prefix_min_length}, {self.block_size - 1}]: {value}"
+            )
+
+    @conv_kernel_size.validator
+    @conv_group_size.validator
+    @selector_rank.validator
+    @selector_top_k.validator
+    def _check_dflash2_field(self, attribute: attrs.Attribute, value: int | None) -> None:
+        if value is not None and self.variant != "dflash2":
+            raise ValueError(f"'{attribute.name}' only applies to variant: dflash2 (variant is {self.variant})")
+        if attribute.name == "conv_kernel_size" and value is not None and value > self.block_size:
+            raise ValueError(f"'conv_kernel_size' must be <= block_size = {self.block_size}: {value}")
+
+    def _variant_kw(self) -> dict[str, Any]:
+        return {
+            "variant": self.variant, "conv_kernel_size": self.conv_kernel_size, "conv_group_size": self.conv_group_size,
+            "selector_rank": self.selector_rank, "selector_top_k": self.selector_top_k,
+        }
+
+    def variant_problems(self) -> list[tuple[str, str]]:
+        """(field, message) for DFlash 2 settings that do not fit the target (group size against its
+        hidden size, top-k against its vocabulary): needs the target's config, so the application's
+        preflight asks (``validate`` and ``run``), and setup would fail the same way."""
+        if self.variant != "dflash2" or self.init_from:
+            return []
+        from dflash_flow.embedded import resolve_target
+        from dflash_flow.model.dflash2 import dflash2_problems, dflash2_settings
+
+        size = _target_sizes(resolve_target(self.target))
+        if size is None:
+            return []
+        settings = dflash2_settings(self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k)
+        found = dflash2_problems(settings, hidden_size=size[0], vocab_size=size[1], block_size=self.block_size)
+        return [(msg.split(" ", 1)[0], msg) for msg in found]
+
     # -- lifecycle --------------------------------------------------------------------------------
     def setup(self, ctx) -> None:
         import torch
@@ -139,6 +232,7 @@ class DrafterStep(Stage):
             shape = DrafterShape(
                 num_layers=self.num_layers, block_size=self.block_size, mask_token_id=self.mask_token_id,
                 target_layer_ids=self.target_layer_ids, layer_types=self.layer_types, sliding_window=self.sliding_window,
+                **self._variant_kw(),
             )
             drafter = build_drafter(
                 target_config, shape, seed=ctx.shared_seed_for(0, "init"), device=ctx.device, dtype=dtype,
@@ -146,11 +240,14 @@ class DrafterStep(Stage):
             )
             head = load_shared_head(spec, ctx.device, dtype, trust_remote_code=self.trust_remote_code)
         config = TrainerConfig(
-            num_anchors=self.num_anchors, gamma=self.gamma, chunk_blocks=self.chunk_blocks,
+            num_anchors=self.num_anchors, gamma=self.gamma, objective=self.objective,
+            prefix_weight_base=self.prefix_weight_base, prefix_min_length=self.prefix_min_length,
+            prefix_max_length=self.prefix_max_length, chunk_blocks=self.chunk_blocks,
             activation_budget_mb=self.activation_budget_mb, lr=self.lr,
             warmup_ratio=self.warmup_ratio, min_lr_ratio=self.min_lr_ratio, weight_decay=self.weight_decay,
             max_grad_norm=self.max_grad_norm, grad_accum=self.grad_accum, total_steps=self.total_steps,
             data_parallel=self.data_parallel, on_nonfinite=self.on_nonfinite,
+            selector_loss_weight=self.selector_loss_weight,
         )
         self._trainer = DrafterTrainer(drafter, head, config, device=ctx.device, dtype=dtype)
         self._epoch = 0
@@ -216,7 +313,7 @@ class DrafterStep(Stage):
         import torch
 
         from dflash_flow.embedded import resolve_target
-        from dflash_flow.model.drafter import DFlashDrafter, make_drafter_config
+        from dflash_flow.model.dflash2 import drafter_from_config, make_variant_config
         from dflash_flow.model.export import load_drafter_config
         from dflash_flow.model.target import load_target_config
 
@@ -224,12 +321,13 @@ class DrafterStep(Stage):
             config = load_drafter_config(self.init_from)
         else:
             target_config = load_target_config(resolve_target(self.target), trust_remote_code=self.trust_remote_code)
-            config = make_drafter_config(
+            config = make_variant_config(
                 target_config, num_layers=self.num_layers, block_size=self.block_size, mask_token_id=0,
                 target_layer_ids=self.target_layer_ids, layer_types=self.layer_types, sliding_window=self.sliding_window,
+                **self._variant_kw(),
             )
         with torch.device("meta"):
-            model = DFlashDrafter(config)
+            model = drafter_from_config(config)
         return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
     # -- checkpoints --------------------------------------------------------------------------------

@@ -72,6 +72,13 @@ class SpecDecodeEval(Stage):
     top_k: int = cfg(0, ge=0, doc="Most likely tokens kept when sampling (0 = all).")
     walk_data: str | None = cfg(None, doc="JSONL of held-out conversations whose last turn is the target's own greedy reply, for the teacher-forced walk ('embedded': the embedded dataset's eval split; null: no walk).")
     walk_limit: int = cfg(64, ge=1, doc="Conversations to walk.")
+    walk_horizons: list[int] | None = attrs.field(
+        default=None, kw_only=True,
+        validator=attrs.validators.optional(_each(lambda v: v >= 1, ">= 1", True)),
+        metadata={"doc": "Horizons of the walk (null: max_new_tokens and horizons). The walk costs one target "
+                  "forward per conversation at any horizon, so long horizons are cheap here, unlike real decoding. "
+                  "(each >= 1)", "config": True, "bounds": {}, "choices": None, "finite": True},
+    )
     baseline: bool = cfg(True, doc="Also evaluate an untrained drafter of the same shape.")
     torch_threads: int | None = cfg(None, ge=1, doc="torch intra-op threads for the evaluation (CPU runs; batch-1 decoding of a small model is fastest on 1).")
 
@@ -112,6 +119,7 @@ class SpecDecodeEval(Stage):
                 top_k=self.top_k,
                 walk_data=walk,
                 walk_limit=self.walk_limit,
+                walk_horizons=self.walk_horizons,
                 seed=self._ctx.seed_for(0, "evaluation"),
                 device=self._ctx.device,
             )

@@ -27,6 +27,10 @@ def test_default_pipeline_shortened(tmp_path: Path) -> None:
         "--set", "stages.interleaver.max_batches=12",
         "--set", "stages.evaluate.limit=4",
         "--set", "stages.evaluate.max_new_tokens=24",
+        "--set", "stages.evaluate.temperatures=[0.0]",
+        "--set", "stages.evaluate.baseline=true",
+        "--set", "stages.evaluate.walk_limit=4",
+        "--set", "stages.evaluate.walk_horizons=[24,96]",
         "--set", "stages.monitor.interval_s=1",
     ]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900,
@@ -47,6 +51,10 @@ def test_default_pipeline_shortened(tmp_path: Path) -> None:
     assert len(client.get_metric_history(run.info.run_id, "train/loss")) == 12
     assert client.get_metric_history(run.info.run_id, "eval/trained/lossless")[-1].value == 1.0
     assert (out / "checkpoints" / "latest").is_file()
+    # The walk at its own horizons (longer than real decoding's, which is the expensive one).
+    metrics = run.data.metrics
+    assert {"eval/walk/tau_h24", "eval/walk/tau_h96"} <= set(metrics), sorted(metrics)
+    assert "eval/trained/tau_h96" not in metrics
 
     # z-lab's inference code loads the export and decodes exactly what our speculative decoder does.
     from dflash.model import DFlashDraftModel
