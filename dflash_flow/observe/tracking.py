@@ -452,7 +452,7 @@ class Tracker:
 
     def _send(self, op: dict) -> None:
         timeout = self.artifact_timeout_s if op["op"] == "artifact" else self.http_timeout_s
-        with bounded_http(self.tracking_uri or "", timeout, self.http_max_retries):
+        with _ctrl_c_after_write(), bounded_http(self.tracking_uri or "", timeout, self.http_max_retries):
             apply_op(self._client, op, self._state)
 
     def _enter_spool(self, ops: list[dict], exc: BaseException) -> None:
@@ -600,6 +600,33 @@ class Tracker:
             process_cpu_percent=cpu,
         )
         return mlflow_metrics(sample)
+
+
+@contextlib.contextmanager
+def _ctrl_c_after_write():
+    """Hold Ctrl-C until the store write in progress has finished. A KeyboardInterrupt raised inside a
+    sqlite transaction leaves it open with the database locked, so the run's final status could never be
+    written (it stayed RUNNING). Only where Python's default SIGINT handler is installed on the main
+    thread (a program using the Tracker directly); pipeline runs handle signals themselves."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    received: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, _frame: received.append(signum))
+    try:
+        yield
+    except BaseException as exc:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if received:
+            raise KeyboardInterrupt from exc
+        raise
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if received:
+        raise KeyboardInterrupt
 
 
 def status_for_exception(exc: BaseException | None) -> str:

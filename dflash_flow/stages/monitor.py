@@ -156,7 +156,7 @@ class Monitor(Stage):
         if "sim_accept_len" not in self._record.train:
             return None
         mean = self._record.epoch_mean().get("sim_accept_len")
-        return {"accept (epoch mean)": mean} if mean is not None else None
+        return {"train accept (sim, epoch mean)": mean} if mean is not None else None
 
     def _on_eval(self, item: EvalReport) -> None:
         from dflash_flow.observe.sample import EvalPoint

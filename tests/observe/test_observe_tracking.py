@@ -496,3 +496,18 @@ def test_import_into_a_server_that_is_down_is_one_line_without_credentials(tmp_p
     assert line.startswith(f"error: {spool}: importing into http://***@127.0.0.1:") and "create_run op" in line
     assert "hunter22" not in line and "t0ken" not in line
     assert spool.exists()
+
+
+def test_ctrl_c_waits_for_the_store_write_in_progress():
+    """Ctrl-C inside a store write is held until the write is done (a KeyboardInterrupt inside a sqlite
+    transaction left the database locked and the run RUNNING), then raised."""
+    from dflash_flow.observe.tracking import _ctrl_c_after_write
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with _ctrl_c_after_write():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler has run by now: a plain KeyboardInterrupt would have come here
+            done.append("write finished")
+    assert done == ["write finished"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
