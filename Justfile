@@ -25,6 +25,7 @@ bench:
     {{python}} bench/monitor_bench.py
     {{python}} bench/peer_step.py
     {{python}} bench/peer_train.py
+    {{python}} bench/variants_bench.py
     {{python}} bench/scale_bench.py
     {{python}} bench/profile_bench.py
     {{python}} bench/e2e_bench.py

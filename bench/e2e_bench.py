@@ -35,8 +35,8 @@ WARMUP = 2
 LOOP_STAGES = ("source", "bucketer", "interleaver", "padder", "target", "drafter")
 
 
-def _contexts(v, out: Path) -> dict[str, Any]:
-    """One fresh stage object per loop stage, set up on this thread as its replica 0 would be."""
+def stage_objects(v, out: Path, names: tuple[str, ...] = LOOP_STAGES) -> dict[str, Any]:
+    """One fresh stage object per named stage, set up on this thread as its replica 0 would be."""
     from dflash_flow.core.metrics import MetricSet
     from dflash_flow.core.stage import StageContext
     from dflash_flow.services import RunServices
@@ -44,7 +44,7 @@ def _contexts(v, out: Path) -> dict[str, Any]:
     services = RunServices()
     out.mkdir(parents=True, exist_ok=True)
     stages = {}
-    for name in LOOP_STAGES:
+    for name in names:
         cls = v.classes[name]
         cls.preload()
         stage = copy.deepcopy(v.configs[name])
@@ -65,7 +65,7 @@ def _threads(stage, force: int | None) -> None:
 
 
 def _loop(v, out: Path, steps: int, starts: list[float], tokens: list[int], force: int | None) -> None:
-    stages = _contexts(v, out)
+    stages = stage_objects(v, out)
     source, bucketer, interleaver, padder, target, drafter = (stages[n] for n in LOOP_STAGES)
     need = WARMUP + steps + 1
     try:

@@ -34,27 +34,10 @@ from typing import Any
 
 import common
 import peer_step
+from e2e_bench import stage_objects
 
 EVAL_PROMPTS = common.ROOT / "dflash_flow" / "embedded" / "assets" / "dataset" / "eval.jsonl"
 STAGES = ("source", "bucketer", "interleaver", "padder", "target", "drafter")
-
-
-def _stages(v, out: Path) -> dict[str, Any]:
-    from dflash_flow.core.metrics import MetricSet
-    from dflash_flow.core.stage import StageContext
-    from dflash_flow.services import RunServices
-
-    services = RunServices()
-    out.mkdir(parents=True, exist_ok=True)
-    stages = {}
-    for name in STAGES:
-        v.classes[name].preload()
-        stage = copy.deepcopy(v.configs[name])
-        ctx = StageContext(name=name, seed=v.graph.seed, output_dir=out, services=services, metrics=MetricSet(),
-                           downstream_devices=["cpu"])
-        stage.setup(ctx)
-        stages[name] = stage
-    return stages
 
 
 class SpecForgeTrainer:
@@ -151,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     torch.set_num_threads(args.threads)
     out_dir = common.SCRATCH / "peer_train"
     v = common.embedded_validated(out_dir, "stages.drafter.record_batches=false", *args.set)
-    stages = _stages(v, out_dir)
+    stages = stage_objects(v, out_dir, STAGES)
     torch.set_num_threads(args.threads)
     source, bucketer, interleaver, padder, target_stage, ours = (stages[n] for n in STAGES)
     trainer = ours._trainer

@@ -457,6 +457,9 @@ class _Sampler:
             ready = all(r.state in ACTIVE for st in snap.stages.values() for r in st.replicas)
             if taken >= self.start_at and ready:
                 self.start = snap
+                # The window holds the asked-for steps from where it really opened (a poll can land
+                # past start_at, e.g. while a replica was still setting up).
+                self.end_at = taken + (self.end_at - self.start_at)
         elif taken >= self.end_at:
             self.end = snap
 

@@ -8,6 +8,16 @@ from model_testlib import build_target
 
 
 @pytest.fixture(scope="module")
+def one_thread():
+    """One torch intra-op thread for a module's tests (tiny models on a shared 2-core machine run many
+    times faster than with two contended threads), restored after it; ``usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
 def target():
     return build_target()
 

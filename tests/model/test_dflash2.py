@@ -35,17 +35,11 @@ from dflash_flow.model.speculative import Sampling, spec_generate
 from dflash_flow.model.walk import teacher_forced_walk
 from dflash_flow.stages.drafter_step import DrafterStep
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: 1 thread is fastest
+
 REPO = Path(__file__).resolve().parents[2]
 SMALL = {"selector_rank": 8, "selector_top_k": 6}  # a small selector for the 96-token test vocabulary
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models on a shared 2-core machine: one intra-op thread is many times faster than two.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(autouse=True)

@@ -38,20 +38,13 @@ from dflash_flow.model.speculative import (
 )
 from dflash_flow.model.target import load_target
 
-pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")]
 
 ALPHA = 1e-3
 SMALL_VOCAB = 4
 NEW = 3  # tokens per sample: the prefill's, then one block of two drafts (and a second block if needed)
 SAMPLES = 1500
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ----------------------------------------------------------------------------------------- transform

@@ -27,16 +27,8 @@ MASK = VOCAB - 1  # the last embedding row, as real DFlash drafters use a row pa
 LAYER_IDS = [1, 3, 5]
 
 # z-lab's loop passes the cache as `past_key_values`, which transformers 5.24 renamed to `cache`.
-pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Shared cores: tiny models run far faster single-threaded than with contended intra-op threads.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -24,15 +24,7 @@ from dflash_flow.model.target import (
     shared_head_from_checkpoint,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The test machine's cores are shared; tiny models run ~50x faster single-threaded than with two
-    # contended intra-op threads.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: 1 thread is fastest
 
 
 @pytest.fixture(scope="module")

@@ -27,13 +27,8 @@ from dflash_flow.model.target import (
     target_depth,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: 1 thread is fastest
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from test_speculative import (
     LAYER_IDS,
     MASK,
@@ -27,15 +26,8 @@ from dflash_flow.model.speculative import greedy_generate, spec_generate
 from dflash_flow.model.target import load_target
 from dflash_flow.model.walk import evaluate_walk, reply_until_stop, teacher_forced_walk
 
-pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
