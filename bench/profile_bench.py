@@ -34,7 +34,8 @@ TARGET = "target"
 # batch does not depend on the others, which holds on a CPU only while the busy threads fit the cores
 # (with the default 2 drafter threads, 1 vs 2 busy targets on 2 shared cores changed the drafter's step
 # time by 50%: see docs/benchmarks.md).
-EMBEDDED_THREADS = ("stages.drafter.torch_threads=1",)
+# 2,048-token micro-batches: the workload of scale_bench, whose two-rank run the data-parallel row predicts.
+EMBEDDED_THREADS = ("stages.drafter.torch_threads=1", "stages.bucketer.max_tokens=2048")
 
 
 def _error(predicted: float, measured: float) -> float:
