@@ -23,11 +23,15 @@ def _each(check, what: str, nonempty: bool):
     return validate
 
 
-def _list_field(default: list, check, what: str, doc: str, *, nonempty: bool = False) -> Any:
-    """A list config field whose every element is checked (``cfg`` bounds apply to scalars only)."""
+def _list_field(default: list | None, check, what: str, doc: str, *, nonempty: bool = False) -> Any:
+    """A list config field whose every element is checked (``cfg`` bounds apply to scalars only);
+    ``default`` None makes it optional (null allowed, a given list must be non-empty)."""
+    metadata = {"doc": f"{doc} (each {what})", "config": True, "bounds": {}, "choices": None, "finite": True}
+    if default is None:
+        validator = attrs.validators.optional(_each(check, what, True))
+        return attrs.field(default=None, validator=validator, kw_only=True, metadata=metadata)
     return attrs.field(factory=lambda: list(default), validator=_each(check, what, nonempty), kw_only=True,
-                       metadata={"doc": f"{doc} (each {what})", "config": True, "bounds": {}, "choices": None,
-                                 "finite": True})
+                       metadata=metadata)
 
 
 def embedded_walk_data() -> Path:
@@ -72,12 +76,9 @@ class SpecDecodeEval(Stage):
     top_k: int = cfg(0, ge=0, doc="Most likely tokens kept when sampling (0 = all).")
     walk_data: str | None = cfg(None, doc="JSONL of held-out conversations whose last turn is the target's own greedy reply, for the teacher-forced walk ('embedded': the embedded dataset's eval split; null: no walk).")
     walk_limit: int = cfg(64, ge=1, doc="Conversations to walk.")
-    walk_horizons: list[int] | None = attrs.field(
-        default=None, kw_only=True,
-        validator=attrs.validators.optional(_each(lambda v: v >= 1, ">= 1", True)),
-        metadata={"doc": "Horizons of the walk (null: max_new_tokens and horizons). The walk costs one target "
-                  "forward per conversation at any horizon, so long horizons are cheap here, unlike real decoding. "
-                  "(each >= 1)", "config": True, "bounds": {}, "choices": None, "finite": True},
+    walk_horizons: list[int] | None = _list_field(
+        None, lambda v: v >= 1, ">= 1", "Horizons of the walk (null: max_new_tokens and horizons); the walk costs one "
+        "target forward per conversation at any horizon, so long horizons are cheap here, unlike real decoding",
     )
     baseline: bool = cfg(True, doc="Also evaluate an untrained drafter of the same shape.")
     torch_threads: int | None = cfg(None, ge=1, doc="torch intra-op threads for the evaluation (CPU runs; batch-1 decoding of a small model is fastest on 1).")
