@@ -57,7 +57,8 @@ def validate(
     gpus: Optional[int] = typer.Option(None, "--gpus", min=0, help="Check the placement as if N GPUs were visible."),
 ) -> None:
     """Check a pipeline file without running it."""
-    v = _load(file, set_, check_devices=not no_device_check, local_world_size=nproc, gpu_count=gpus)
+    # --gpus simulates the devices, so the placement is checked against it even with --no-device-check.
+    v = _load(file, set_, check_devices=not no_device_check or gpus is not None, local_world_size=nproc, gpu_count=gpus)
     n = sum(s.replicas for s in v.graph.stages)
     typer.echo(f"ok: {file}: {len(v.graph.stages)} stages, {n} replicas")
 

@@ -39,6 +39,9 @@ def test_two_ranks_per_node_recipe_validates_for_any_node_count(tmp_path: Path) 
     shared = _cli("validate", recipe, "--nproc", "4", "--gpus", "8", cwd=tmp_path)
     assert shared.returncode == 2 and "ranks would share GPUs" in shared.stderr
     assert "qwen3-8b-2x4.yaml:" in shared.stderr and "Traceback" not in shared.stderr
+    # --gpus simulates the devices: the placement is checked even with --no-device-check
+    again = _cli("validate", recipe, "--nproc", "4", "--gpus", "8", "--no-device-check", cwd=tmp_path)
+    assert again.returncode == 2 and "ranks would share GPUs" in again.stderr
 
 
 def test_default_pipeline_validates_and_draws(tmp_path: Path) -> None:
