@@ -11,6 +11,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -18,6 +20,23 @@ RESULTS = ROOT / "bench" / "results"
 DFLASH_YAML = ROOT / "pipelines" / "dflash.yaml"
 # Pipelines create their output directory; keep it out of the working tree.
 SCRATCH = Path(tempfile.gettempdir()) / "dflash-flow-bench"
+
+from dflash_flow.core import Source  # noqa: E402 - after the path setup above
+
+
+@attrs.define(kw_only=True, eq=False)
+class ItemsSource(Source):
+    """A source stage emitting the Python objects handed over as ``items`` (a benchmark's prepared work,
+    not a YAML field); subclasses set ``output_type`` and register themselves."""
+
+    items: list = attrs.field(factory=list, metadata={"config": False})
+
+    @classmethod
+    def config_fields(cls):
+        return []
+
+    def produce(self):
+        yield from self.items
 
 
 def machine() -> dict[str, Any]:

@@ -30,7 +30,7 @@ import attrs
 import common
 import numpy as np
 
-from dflash_flow.core import Source, Stage, register_stage
+from dflash_flow.core import Stage, register_stage
 
 REPLICAS = 3
 MAX_TOKENS = 16384
@@ -44,18 +44,10 @@ SEED = 42
 
 @register_stage("FanoutSource")
 @attrs.define(kw_only=True, eq=False)
-class FanoutSource(Source):
+class FanoutSource(common.ItemsSource):
     """Emits the batches given as ``items`` (bucket, target seconds, trainer seconds), in that order."""
 
     output_type = tuple
-    items: list = attrs.field(factory=list, metadata={"config": False})
-
-    @classmethod
-    def config_fields(cls):
-        return []
-
-    def produce(self):
-        yield from self.items
 
 
 @register_stage("FanoutTarget")

@@ -38,7 +38,7 @@ import attrs
 import common
 import numpy as np
 
-from dflash_flow.core import Source, Stage, cfg, register_stage
+from dflash_flow.core import Stage, cfg, register_stage
 from dflash_flow.items import PaddedBatch, Sample
 
 MAX_TOKENS = 8192
@@ -87,16 +87,8 @@ def fingerprint(batch: PaddedBatch) -> tuple:
 # -- ours ------------------------------------------------------------------------------------------
 @register_stage("TdSampleSource")
 @attrs.define(kw_only=True, eq=False)
-class TdSampleSource(Source):
+class TdSampleSource(common.ItemsSource):
     output_type = Sample
-    items: list = attrs.field(factory=list, metadata={"config": False})
-
-    @classmethod
-    def config_fields(cls):
-        return []
-
-    def produce(self):
-        yield from self.items
 
 
 @register_stage("TdTarget")
