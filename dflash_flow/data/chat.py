@@ -79,7 +79,7 @@ def parse_conversation(obj: dict) -> tuple[list[dict] | None, str, str]:
     ``{from, value}`` turns), as ``(messages, "", "")``, or ``(None, error kind, reason)``."""
     key = "conversations" if "conversations" in obj else "messages" if "messages" in obj else None
     if key is None:
-        return None, "missing_field", "missing field 'conversations'"
+        return None, "missing_field", "missing field 'conversations' (a chat record holds its turns in 'conversations' or 'messages')"
     turns = obj[key]
     if not isinstance(turns, list) or not turns:
         return None, "missing_field", f"'{key}' must be a non-empty list"

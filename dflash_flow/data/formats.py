@@ -1,0 +1,279 @@
+"""The formats training records are held in, read as chunks of consecutive records (`parse` chunks).
+
+* JSONL, plain or compressed (``.gz``, ``.bz2``, ``.xz``; ``.zst`` with the ``zstandard`` package): one
+  record per line, located by line number. Read as a stream, a line at most ``max_record_bytes`` in memory.
+* Parquet (``.parquet``, ``.pq``): read a record batch at a time (only the columns needed).
+* Arrow IPC, file or stream format (``.arrow``, ``.feather``, ``.ipc``): memory-mapped.
+* A Hugging Face ``datasets`` directory written by ``save_to_disk`` (``state.json`` naming the Arrow
+  files): read with pyarrow, memory-mapped, rows numbered across its files. A ``DatasetDict`` directory
+  is refused with its splits named (point at one of them).
+
+Rows of the columnar formats are chat records (a ``conversations`` or ``messages`` column of turns) or
+pre-tokenized ones (``input_ids`` and ``loss_mask`` list columns); they are located by row (from 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+
+from .parse import read_lines
+from .reports import DEFAULT_MAX_RECORD_BYTES, DataError
+
+__all__ = ["InputFormat", "check_input", "data_files_of", "detect", "iter_chunks", "sniff_kind"]
+
+COMPRESSED = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma", ".zst": "zstd", ".zstd": "zstd"}
+ARROW = (".arrow", ".feather", ".ipc")
+PARQUET = (".parquet", ".pq")
+CHUNK_RECORDS = 256
+CHUNK_BYTES = 4 * 2**20
+CHUNK_ROWS = 256
+
+
+@attrs.define(frozen=True)
+class InputFormat:
+    kind: Literal["jsonl", "parquet", "arrow", "hf"]
+    compression: str | None = None
+
+
+def check_input(path: Path) -> None:
+    if not path.exists():
+        raise DataError(f"{path}: no such file")
+    if path.is_dir():
+        detect(path)  # a datasets directory, or a clear error
+        return
+    if not path.is_file():
+        raise DataError(f"{path}: not a regular file")
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: file is empty")
+
+
+def detect(path: Path) -> InputFormat:
+    if path.is_dir():
+        if (path / "dataset_dict.json").is_file():
+            try:
+                splits = json.loads((path / "dataset_dict.json").read_text()).get("splits")
+            except (OSError, ValueError, AttributeError):
+                splits = None
+            raise DataError(f"{path}: a datasets DatasetDict (splits {splits}); give one split's directory, e.g. "
+                            f"{path / (splits[0] if splits else 'train')}")
+        if not (path / "state.json").is_file():
+            raise DataError(f"{path}: a directory, but not one written by datasets' save_to_disk (no state.json)")
+        return InputFormat("hf")
+    suffix = path.suffix.lower()
+    if suffix in ARROW:
+        return InputFormat("arrow")
+    if suffix in PARQUET:
+        return InputFormat("parquet")
+    if suffix in COMPRESSED:
+        return InputFormat("jsonl", COMPRESSED[suffix])
+    return InputFormat("jsonl")
+
+
+def data_files_of(path: Path) -> list[Path]:
+    """The files whose content is the input's: the file itself, or a datasets directory's Arrow files."""
+    if not path.is_dir():
+        return [path]
+    try:
+        state = json.loads((path / "state.json").read_text())
+        names = [d["filename"] for d in state["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"{path}/state.json: not a datasets state file ({type(exc).__name__}: {exc})") from None
+    files = []
+    for name in names:
+        f = (path / name).resolve()
+        if f.parent != path.resolve() or not f.is_file():
+            raise DataError(f"{path}/state.json names {name!r}, which is not a file of this directory")
+        files.append(f)
+    return files
+
+
+def _open_stream(path: Path, fmt: InputFormat):
+    if fmt.compression is None:
+        return open(path, "rb")  # noqa: SIM115 - the caller closes it
+    if fmt.compression == "gzip":
+        import gzip
+
+        return gzip.open(path, "rb")
+    if fmt.compression == "bz2":
+        import bz2
+
+        return bz2.open(path, "rb")
+    if fmt.compression == "lzma":
+        import lzma
+
+        return lzma.open(path, "rb")
+    try:
+        import zstandard
+    except ImportError:
+        raise DataError(f"{path}: reading .zst files needs the zstandard package (pip install zstandard)") from None
+    return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)  # noqa: SIM115
+
+
+def _tables(path: Path, fmt: InputFormat) -> Iterator[Any]:
+    """pyarrow tables (memory-mapped) of an Arrow file or a datasets directory, in row order."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    for f in data_files_of(path) if fmt.kind == "hf" else [path]:
+        errors = []
+        for opener in (ipc.open_file, ipc.open_stream):
+            try:
+                with pa.memory_map(str(f)) as source:
+                    table = opener(source).read_all()
+                break
+            except (pa.ArrowInvalid, OSError) as exc:
+                errors.append(f"{opener.__name__}: {exc}")
+        else:
+            raise DataError(
+                f"{f}: not a readable Arrow IPC file or stream (truncated or another format?): {'; '.join(errors)}"
+            )
+        yield table
+
+
+def _schema_names(path: Path, fmt: InputFormat) -> list[str]:
+    if fmt.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return list(pq.ParquetFile(str(path)).schema_arrow.names)
+        except Exception as exc:  # pyarrow raises several types for a damaged file
+            raise DataError(f"{path}: not a readable Parquet file: {exc}") from None
+    for table in _tables(path, fmt):
+        return list(table.column_names)
+    return []
+
+
+def sniff_kind(path: Path, fmt: InputFormat, limit: int = DEFAULT_MAX_RECORD_BYTES) -> Literal["chat", "tokens"]:
+    """Chat or pre-tokenized records: the columns, or the first JSONL record that tells."""
+    if fmt.kind != "jsonl":
+        names = _schema_names(path, fmt)
+        if "input_ids" in names:
+            return "tokens"
+        if "conversations" in names or "messages" in names:
+            return "chat"
+        raise DataError(f"{path}: cannot tell the format: no column 'conversations', 'messages' or 'input_ids' "
+                        f"(columns are {names})")
+    with _open_stream(path, fmt) as f:
+        for _no, raw, _size in read_lines(f, limit):
+            if raw is None or not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            if isinstance(obj, dict):
+                if "input_ids" in obj:
+                    return "tokens"
+                if "conversations" in obj or "messages" in obj:
+                    return "chat"
+    raise DataError(f"{path}: cannot tell the format: no record has 'conversations', 'messages' or 'input_ids'")
+
+
+def _needed_columns(path: Path, names: list[str], kind: str) -> list[str]:
+    if kind == "tokens":
+        missing = [c for c in ("input_ids", "loss_mask") if c not in names]
+        if missing:
+            raise DataError(f"{path}: missing column(s) {missing}; columns are {names}")
+        return ["input_ids", "loss_mask"]
+    for c in ("conversations", "messages"):
+        if c in names:
+            return [c]
+    raise DataError(f"{path}: no 'conversations' or 'messages' column (a chat source reads chat records); "
+                    f"columns are {names}")
+
+
+@attrs.define
+class Position:
+    """How far the reading has come: bytes of the input (files) or rows (columnar), of a known total."""
+
+    done: int = 0
+    total: int = 0
+    unit: str = "bytes"
+
+
+def total_size(path: Path, fmt: InputFormat) -> Position:
+    if fmt.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        return Position(0, int(pq.ParquetFile(str(path)).metadata.num_rows), "rows")
+    if fmt.kind in ("arrow", "hf"):
+        return Position(0, sum(t.num_rows for t in _tables(path, fmt)), "rows")
+    return Position(0, path.stat().st_size, "bytes")
+
+
+def iter_chunks(path: Path, fmt: InputFormat, kind: str, *, max_record_bytes: int, position: Position) -> Iterator[tuple]:
+    """The input's records as `parse` chunks, in order; ``position.done`` advances as they are read."""
+    if fmt.kind == "jsonl":
+        yield from _jsonl_chunks(path, fmt, max_record_bytes, position)
+        return
+    if fmt.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            pf = pq.ParquetFile(str(path))
+        except Exception as exc:  # noqa: BLE001
+            raise DataError(f"{path}: not a readable Parquet file: {exc}") from None
+        columns = _needed_columns(path, list(pf.schema_arrow.names), kind)
+        row = 1
+        for batch in pf.iter_batches(batch_size=CHUNK_ROWS, columns=columns):
+            yield ("rows", row, batch)
+            row += batch.num_rows
+            position.done = row - 1
+        return
+    row = 1
+    for table in _tables(path, fmt):
+        columns = _needed_columns(path, list(table.column_names), kind)
+        for batch in table.select(columns).to_batches(max_chunksize=CHUNK_ROWS):
+            yield ("rows", row, batch)
+            row += batch.num_rows
+            position.done = row - 1
+
+
+def _jsonl_chunks(path: Path, fmt: InputFormat, limit: int, position: Position) -> Iterator[tuple]:
+    seen_content = False
+    raw_file = None
+    try:
+        f = _open_stream(path, fmt)
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read: {exc}") from None
+    with f:
+        raw_file = getattr(f, "fileobj", None) or getattr(f, "_fp", None) or f
+        lines: list[tuple[int, bytes | None, int]] = []
+        size = 0
+        no = 0
+        try:
+            for no, raw, n in read_lines(f, limit):
+                if raw is None or raw.strip():
+                    seen_content = True
+                lines.append((no, raw, n))
+                size += n if raw is not None else 0
+                if len(lines) >= CHUNK_RECORDS or size >= CHUNK_BYTES:
+                    _advance(position, raw_file)
+                    yield ("lines", lines)
+                    lines, size = [], 0
+        except (OSError, EOFError, ValueError) as exc:  # a damaged compressed stream
+            raise DataError(f"{path}: cannot read past line {no}: {type(exc).__name__}: {exc} (truncated or corrupt "
+                            f"{fmt.compression or 'file'}?)") from None
+        if lines:
+            _advance(position, raw_file)
+            yield ("lines", lines)
+    position.done = position.total
+    if not seen_content:
+        raise DataError(f"{path}: file is empty")
+
+
+def _advance(position: Position, f) -> None:
+    try:
+        position.done = min(int(f.tell()), position.total)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def input_bytes(path: Path) -> int:
+    return sum(os.path.getsize(f) for f in data_files_of(path))

@@ -1,0 +1,282 @@
+"""Read one input into the token store: once per node, on every core, in bounded memory.
+
+`read_input` is what every reader calls. With a cache directory it returns the input's entry in the
+store (`store`), memory-mapped, building it first if needed:
+
+* The input is read as a stream of chunks (`formats`), which worker processes (one per core; spawned,
+  so a threaded parent is safe) render, tokenize and mask (`parse`); results come back in order and are
+  appended to the entry's files as they arrive, at most two chunks per worker in flight.
+* Only the holder of the entry's build lock builds it; every other process that wants the entry (the
+  other ranks of a node, another run sharing the cache) waits, reports the builder's progress and maps
+  the result. A damaged entry is rebuilt, never trusted.
+
+Without a cache directory the same chunks are collected in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+import numpy as np
+
+from .formats import InputFormat, Position, check_input, detect, input_bytes, iter_chunks, sniff_kind, total_size
+from .keys import cache_key
+from .parse import ChatEncoder, init_worker, process_chunk, work
+from .reports import BadRecord, DataError, LoadReport, ReadOptions, TokenizedFile
+from .store import MANIFEST, EntryWriter, StoreError, discard_entry, entry_lock, open_entry, write_progress
+
+__all__ = ["ReadCancelled", "ReadProgress", "read_input", "worker_count"]
+
+log = logging.getLogger(__name__)
+
+#: Inputs smaller than this are read in-process: starting workers would cost more than it saves.
+PARALLEL_MIN_BYTES = 8 * 2**20
+_PROGRESS_EVERY_S = 1.0
+
+
+class ReadCancelled(Exception):
+    """Reading stopped because ``should_stop()`` said so (a stop request)."""
+
+
+@attrs.define
+class ReadProgress:
+    """Where reading one input stands (``state``: reading, waiting for another process, cached, done)."""
+
+    path: str
+    state: Literal["reading", "waiting", "cached", "done"]
+    unit: str = "bytes"
+    done: int = 0
+    total: int = 0
+    records: int = 0
+    samples: int = 0
+    tokens: int = 0
+    elapsed_s: float = 0.0
+    holder: str = ""  # who builds the entry, while waiting
+
+    @property
+    def fraction(self) -> float:
+        return min(1.0, self.done / self.total) if self.total else 1.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def records_per_s(self) -> float:
+        return self.records / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def eta_s(self) -> float | None:
+        f = self.fraction
+        if self.state in ("cached", "done"):
+            return 0.0
+        return self.elapsed_s * (1 - f) / f if f > 0 and self.elapsed_s > 0 else None
+
+
+def worker_count(options: ReadOptions, size: int) -> int:
+    if options.num_workers is not None:
+        return options.num_workers
+    if size < PARALLEL_MIN_BYTES:
+        return 0
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return cores if cores > 1 else 0
+
+
+class _MemoryWriter:
+    def __init__(self) -> None:
+        self.parts: dict[str, list[np.ndarray]] = {"ids": [], "mask": [], "lengths": [], "lines": []}
+
+    def append(self, ids, mask, lengths, lines) -> None:
+        for k, v in (("ids", ids), ("mask", mask), ("lengths", lengths), ("lines", lines)):
+            self.parts[k].append(v)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        dt = {"ids": np.int32, "mask": np.uint8, "lengths": np.int64, "lines": np.int64}
+        out = {k: np.concatenate(v).astype(dt[k], copy=False) if v else np.zeros(0, dt[k]) for k, v in self.parts.items()}
+        offsets = np.zeros(out["lengths"].size + 1, dtype=np.int64)
+        np.cumsum(out.pop("lengths"), out=offsets[1:])
+        out["offsets"] = offsets
+        return out
+
+    def abort(self) -> None:
+        self.parts.clear()
+
+
+def _results(chunks: Iterator[tuple], workers: int, payload: Callable[[], bytes], local: dict) -> Iterator[dict]:
+    """Each chunk's `process_chunk` result, in order: in this process, or on ``workers`` processes with at
+    most two chunks per worker in flight (memory stays bounded by chunks, not by the input)."""
+    if workers <= 1:
+        for ch in chunks:
+            yield process_chunk(ch, **local)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    ex = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=init_worker, initargs=(payload(),))
+    pending: deque = deque()
+    try:
+        try:
+            for ch in chunks:
+                pending.append(ex.submit(work, ch))
+                while len(pending) >= 2 * workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        except BrokenProcessPool as exc:
+            raise RuntimeError(f"a tokenizing worker process died ({exc}); out of memory? set num_workers lower "
+                               "or to 0 to read in this process") from None
+    finally:
+        for f in pending:
+            f.cancel()
+        ex.shutdown(wait=True, cancel_futures=True)
+
+
+def _build(writer, path: Path, fmt: InputFormat, kind: str, options: ReadOptions, encoder: ChatEncoder | None,
+           tokenizer: Any, on_chunk: Callable[[LoadReport, Position], None]) -> LoadReport:
+    """Read every chunk of ``path`` into ``writer``; returns the merged report."""
+    report = LoadReport()
+    position = total_size(path, fmt)
+    chunks = iter_chunks(path, fmt, kind, max_record_bytes=options.max_record_bytes, position=position)
+    workers = worker_count(options, input_bytes(path))
+
+    def payload() -> bytes:
+        return pickle.dumps({"tokenizer": tokenizer if kind == "chat" else None, "options": options, "kind": kind,
+                             "path": str(path)})
+
+    local = {"path": str(path), "kind": kind, "options": options, "encoder": encoder}
+    with contextlib.closing(_results(chunks, workers, payload, local)) as results:
+        for res in results:
+            if res.get("failure"):
+                raise DataError(res["failure"])
+            writer.append(res["ids"], res["mask"], res["lengths"], res["lines"])
+            report.merge(res["report"])
+            on_chunk(report, position)
+    report.files = [str(path)]
+    report.from_cache = False
+    if report.records and not report.samples:
+        raise DataError(f"{path}: no usable records ({report.summary()})")
+    return report
+
+
+def _as_file(path: Path, arrays: dict[str, np.ndarray], report: LoadReport, from_cache: bool) -> TokenizedFile:
+    report.from_cache = from_cache
+    # The key hashes content, not location: a moved or copied file hits, so point the report at it.
+    report.files = [str(path)]
+    report.bad_records = [BadRecord(str(path), r.line, r.reason) for r in report.bad_records]
+    return TokenizedFile(str(path), arrays["ids"], arrays["mask"], arrays["offsets"], arrays["lines"], report)
+
+
+def read_input(
+    path: str | Path,
+    *,
+    kind: Literal["auto", "chat", "tokens"] = "auto",
+    tokenizer: Any = None,
+    options: ReadOptions | None = None,
+    progress: Callable[[ReadProgress], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> TokenizedFile:
+    """The kept samples of one input (any format of `formats`), from the store when it has them."""
+    options = options or ReadOptions()
+    path = Path(path)
+    check_input(path)
+    fmt = detect(path)
+    if kind == "auto":
+        kind = sniff_kind(path, fmt, options.max_record_bytes)
+    if kind == "chat" and tokenizer is None:
+        raise DataError(f"{path}: chat records need a tokenizer")
+    encoder = ChatEncoder(tokenizer, options, str(path)) if kind == "chat" else None
+    t0 = time.monotonic()
+    last = [0.0]
+
+    def on_chunk(report: LoadReport, position: Position) -> None:
+        if should_stop is not None and should_stop():
+            raise ReadCancelled(str(path))
+        now = time.monotonic()
+        p = ReadProgress(str(path), "reading", position.unit, position.done, position.total, report.records,
+                         report.samples, report.tokens, now - t0)
+        if cache_dir is not None and now - last[0] >= _PROGRESS_EVERY_S:
+            last[0] = now
+            write_progress(cache_dir, name, attrs.asdict(p))
+        if progress is not None:
+            progress(p)
+
+    cache_dir = options.cache_dir
+    if cache_dir is None:
+        name = ""
+        mem = _MemoryWriter()
+        report = _build(mem, path, fmt, kind, options, encoder, tokenizer, on_chunk)
+        tf = _as_file(path, mem.arrays(), report, False)
+        _finish(progress, tf, path, "done", t0)
+        return tf
+
+    key = cache_key(path, kind, options, tokenizer if kind == "chat" else None, encoder.template if encoder else None)
+    name = f"{path.name}-{key}"
+    entry = cache_dir / name
+
+    def on_wait(other: dict | None, waited: float) -> None:
+        if should_stop is not None and should_stop():
+            raise ReadCancelled(str(path))
+        if progress is not None:
+            o = other or {}
+            holder = f"pid {o.get('pid', '?')} on {o.get('host', '?')}"
+            progress(ReadProgress(str(path), "waiting", o.get("unit", "bytes"), int(o.get("done", 0)),
+                                  int(o.get("total", 0)), int(o.get("records", 0)), int(o.get("samples", 0)),
+                                  int(o.get("tokens", 0)), float(o.get("elapsed_s", waited)), holder))
+
+    damaged = False
+    for _attempt in range(3):
+        if not damaged and (entry / MANIFEST).exists():
+            try:
+                arrays, rep, _meta = open_entry(entry)
+                tf = _as_file(path, arrays, LoadReport.from_json(rep), True)
+                _finish(progress, tf, path, "cached", t0)
+                return tf
+            except StoreError:
+                damaged = True  # rebuild it, under the lock
+        with entry_lock(cache_dir, name, ready=lambda: not damaged and (entry / MANIFEST).exists(),
+                        on_wait=on_wait) as locked:
+            if not locked:
+                continue  # another process published it while we waited: map it
+            if entry.exists():
+                try:
+                    arrays, rep, _meta = open_entry(entry)
+                    tf = _as_file(path, arrays, LoadReport.from_json(rep), True)
+                    _finish(progress, tf, path, "cached", t0)
+                    return tf
+                except StoreError as exc:
+                    discard_entry(entry, str(exc))
+            writer = EntryWriter(entry)
+            try:
+                report = _build(writer, path, fmt, kind, options, encoder, tokenizer, on_chunk)
+                writer.finish(report.to_json(), {"input": str(path), "kind": kind, "format": attrs.asdict(fmt)})
+            except BaseException:
+                writer.abort()
+                raise
+            arrays, rep, _meta = open_entry(entry)
+            tf = _as_file(path, arrays, LoadReport.from_json(rep), False)
+            _finish(progress, tf, path, "done", t0)
+            return tf
+        damaged = False
+    raise DataError(f"{path}: the cache entry {entry} keeps disappearing or failing its check; "
+                    "is another process deleting it? (set cache_dir elsewhere)")
+
+
+def _finish(progress, tf: TokenizedFile, path: Path, state: str, t0: float) -> None:
+    if progress is not None:
+        r = tf.report
+        progress(ReadProgress(str(path), state, "records", r.records, r.records, r.records, r.samples, r.tokens,
+                              time.monotonic() - t0))

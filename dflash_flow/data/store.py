@@ -1,0 +1,342 @@
+"""The token store: tokenized files as memory-mapped arrays in a shared cache directory.
+
+One entry per (input content, tokenizer, template, options): a directory holding raw little-endian arrays
+(``ids.i32``, ``mask.u8``, ``offsets.i64``, ``lines.i64``), the load report and a manifest with every
+file's size and blake2b digest. Processes map the arrays instead of reading them (``np.memmap``): the
+page cache holds one copy per node whatever the number of ranks, a process's own memory for a corpus is
+what it touches, and corpora larger than RAM work.
+
+Why our own files and not Arrow/`datasets` (measured: docs/architecture.md): the flat layout is what the
+batch path indexes (one slice per sample), it is written in one sequential pass with bounded memory, and
+the coordination below is what several ranks and runs sharing one directory need.
+
+Integrity and coordination, in the cache directory:
+
+* An entry is built in a private temporary directory and published with one ``rename``: a reader sees a
+  whole entry or none; a builder that died leaves only a temporary directory, removed by the next builder.
+* Builders of one entry take an exclusive ``flock`` on ``.<name>.lock`` (released by the kernel when a
+  process dies, so a crash never leaves a stale lock). The others wait, reading the builder's progress
+  from ``.<name>.progress`` (and telling their watchdog about it), then map the published entry: the
+  ranks of a node, or two unrelated runs, tokenize a file once. Without working locks (some network file
+  systems), two builders both finish and the first rename wins; the loser discards its copy.
+* An entry is checked when opened: manifest, sizes, the offsets' structure, and every file's digest
+  unless the files carry the stamp of a successful check (size, inode, mtime and ctime: any write to a
+  file changes its ctime, which no user tool can set back). A damaged, truncated or altered entry is
+  moved aside and rebuilt, never trusted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "ARRAYS",
+    "EntryWriter",
+    "StoreError",
+    "entry_lock",
+    "open_entry",
+    "read_progress",
+    "write_progress",
+]
+
+log = logging.getLogger(__name__)
+
+STORE_VERSION = 1
+#: name -> dtype of the arrays of an entry (little-endian on disk).
+ARRAYS: dict[str, np.dtype] = {
+    "ids": np.dtype("<i4"),
+    "mask": np.dtype("u1"),
+    "offsets": np.dtype("<i8"),
+    "lines": np.dtype("<i8"),
+}
+_FILES = {name: f"{name}.{dt.kind}{dt.itemsize * 8}" for name, dt in ARRAYS.items()}
+_REPORT = "report.json"
+MANIFEST = "manifest.json"
+_STAMP = "verified.json"
+_HASH_CHUNK = 16 * 2**20
+
+
+class StoreError(RuntimeError):
+    """A cache entry that cannot be used (the caller rebuilds it)."""
+
+
+def _digest() -> Any:
+    return hashlib.blake2b(digest_size=20)
+
+
+def _hash_file(path: Path) -> str:
+    h = _digest()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _stat_sig(path: Path) -> list[int]:
+    st = os.stat(path)
+    return [st.st_size, st.st_ino, st.st_dev, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _map(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
+    if count == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+
+
+class EntryWriter:
+    """Writes one entry into a temporary directory, chunk by chunk (memory bounded by a chunk plus one
+    length and one line number per sample), then publishes it with a rename."""
+
+    def __init__(self, final: Path):
+        self.final = final
+        self.tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.tmp.mkdir(parents=True)
+        self._ids = open(self.tmp / _FILES["ids"], "wb")  # noqa: SIM115 - closed in finish/abort
+        self._mask = open(self.tmp / _FILES["mask"], "wb")  # noqa: SIM115
+        self._h = {"ids": _digest(), "mask": _digest()}
+        self._lengths: list[np.ndarray] = []
+        self._lines: list[np.ndarray] = []
+        self.tokens = 0
+        self.samples = 0
+
+    def append(self, ids: np.ndarray, mask: np.ndarray, lengths: np.ndarray, lines: np.ndarray) -> None:
+        ids = np.ascontiguousarray(ids, dtype=ARRAYS["ids"])
+        mask = np.ascontiguousarray(mask, dtype=ARRAYS["mask"])
+        if ids.size != mask.size or int(np.asarray(lengths).sum()) != ids.size or len(lengths) != len(lines):
+            raise ValueError("inconsistent chunk: ids, mask, lengths and lines disagree")
+        for f, name, arr in ((self._ids, "ids", ids), (self._mask, "mask", mask)):
+            buf = memoryview(arr).cast("B")
+            f.write(buf)
+            self._h[name].update(buf)
+        self._lengths.append(np.asarray(lengths, dtype=np.int64))
+        self._lines.append(np.asarray(lines, dtype=np.int64))
+        self.tokens += int(ids.size)
+        self.samples += len(lines)
+
+    def finish(self, report: dict[str, Any], meta: dict[str, Any]) -> Path:
+        """Write the small arrays, the report and the manifest; fsync; rename into place. Returns the
+        published directory (another process's, when it published the same entry first)."""
+        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
+        offsets = np.zeros(lengths.size + 1, dtype=ARRAYS["offsets"])
+        np.cumsum(lengths, out=offsets[1:])
+        lines = (np.concatenate(self._lines) if self._lines else np.zeros(0, np.int64)).astype(ARRAYS["lines"])
+        digests = {}
+        for name, f in (("ids", self._ids), ("mask", self._mask)):
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+            digests[name] = self._h[name].hexdigest()
+        for name, arr in (("offsets", offsets), ("lines", lines)):
+            data = memoryview(np.ascontiguousarray(arr)).cast("B")
+            _write_synced(self.tmp / _FILES[name], data)
+            h = _digest()
+            h.update(data)
+            digests[name] = h.hexdigest()
+        report_bytes = json.dumps(report, sort_keys=True).encode()
+        _write_synced(self.tmp / _REPORT, report_bytes)
+        manifest = {
+            "version": STORE_VERSION,
+            "samples": int(lines.size),
+            "tokens": int(offsets[-1]),
+            "files": {
+                name: {"file": _FILES[name], "bytes": (self.tmp / _FILES[name]).stat().st_size, "blake2b": digests[name]}
+                for name in ARRAYS
+            },
+            "report_blake2b": hashlib.blake2b(report_bytes, digest_size=20).hexdigest(),
+            "meta": meta,
+            "built": {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()},
+        }
+        _write_synced(self.tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        _write_stamp(self.tmp)
+        _fsync_dir(self.tmp)
+        try:
+            os.rename(self.tmp, self.final)
+        except OSError as exc:
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            # Someone published this entry first (no working lock): theirs is as good as ours.
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        _fsync_dir(self.final.parent)
+        return self.final
+
+    def abort(self) -> None:
+        for f in (self._ids, self._mask):
+            with contextlib.suppress(OSError):
+                f.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _write_synced(path: Path, data: bytes | memoryview) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_stamp(entry: Path) -> None:
+    """Record the files' identity after a successful check (or a build): while it holds, opening the entry
+    skips hashing the arrays."""
+    stamp = {name: _stat_sig(entry / _FILES[name]) for name in ARRAYS}
+    tmp = entry / f".{_STAMP}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
+    try:
+        tmp.write_text(json.dumps(stamp))
+        os.replace(tmp, entry / _STAMP)
+    except OSError:  # a read-only cache still works; it is checked in full each time
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def _stamp_holds(entry: Path) -> bool:
+    try:
+        stamp = json.loads((entry / _STAMP).read_text())
+        return all(stamp.get(name) == _stat_sig(entry / _FILES[name]) for name in ARRAYS)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def open_entry(entry: Path) -> tuple[dict[str, np.ndarray], dict[str, Any], dict[str, Any]]:
+    """(arrays, report, manifest meta) of a published entry; `StoreError` when it is damaged."""
+    try:
+        manifest = json.loads((entry / MANIFEST).read_text())
+        if manifest.get("version") != STORE_VERSION:
+            raise StoreError(f"store version {manifest.get('version')!r}, expected {STORE_VERSION}")
+        files = manifest["files"]
+        report_bytes = (entry / _REPORT).read_bytes()
+        if hashlib.blake2b(report_bytes, digest_size=20).hexdigest() != manifest["report_blake2b"]:
+            raise StoreError("report does not match its digest")
+        report = json.loads(report_bytes)
+        n, tokens = int(manifest["samples"]), int(manifest["tokens"])
+        counts = {"ids": tokens, "mask": tokens, "offsets": n + 1, "lines": n}
+        for name, dt in ARRAYS.items():
+            size = (entry / files[name]["file"]).stat().st_size
+            if size != files[name]["bytes"] or size != counts[name] * dt.itemsize:
+                raise StoreError(f"{files[name]['file']} has {size} bytes, expected {counts[name] * dt.itemsize}")
+        if not _stamp_holds(entry):
+            for name in ARRAYS:
+                if _hash_file(entry / files[name]["file"]) != files[name]["blake2b"]:
+                    raise StoreError(f"{files[name]['file']} does not match its digest")
+            _write_stamp(entry)
+        arrays = {name: _map(entry / files[name]["file"], ARRAYS[name], counts[name]) for name in ARRAYS}
+        off = arrays["offsets"]
+        if off[0] != 0 or off[-1] != tokens or (n and bool((np.diff(off) < 0).any())):
+            raise StoreError("offsets are not a valid index of the ids")
+        return arrays, report, manifest.get("meta", {})
+    except StoreError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+
+
+def discard_entry(entry: Path, why: str) -> None:
+    """Move a damaged entry out of the way (atomically) and delete it."""
+    log.warning("cache entry %s is damaged (%s): rebuilding it", entry, why)
+    trash = entry.parent / f".{entry.name}.trash-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        os.rename(entry, trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def remove_leftovers(cache_dir: Path, name: str) -> int:
+    """Temporary and trash directories of entry ``name`` left by dead builders (call with its lock held)."""
+    removed = 0
+    for p in cache_dir.glob(f".{name}.*"):
+        if p.is_dir() and (".tmp-" in p.name or ".trash-" in p.name):
+            shutil.rmtree(p, ignore_errors=True)
+            removed += 1
+    return removed
+
+
+# --------------------------------------------------------------------------------------------------
+# coordination
+
+
+def _lock_path(cache_dir: Path, name: str) -> Path:
+    return cache_dir / f".{name}.lock"
+
+
+def _progress_path(cache_dir: Path, name: str) -> Path:
+    return cache_dir / f".{name}.progress"
+
+
+def write_progress(cache_dir: Path, name: str, progress: dict[str, Any]) -> None:
+    path = _progress_path(cache_dir, name)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}")
+    with contextlib.suppress(OSError):
+        tmp.write_text(json.dumps({**progress, "pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}))
+        os.replace(tmp, path)
+
+
+def read_progress(cache_dir: Path, name: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(_progress_path(cache_dir, name).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def entry_lock(
+    cache_dir: Path,
+    name: str,
+    *,
+    ready: Callable[[], bool],
+    on_wait: Callable[[dict[str, Any] | None, float], None] | None = None,
+    poll_s: float = 0.2,
+) -> Iterator[bool]:
+    """Hold the build lock of entry ``name``: yields True with the lock held (leftovers of dead builders
+    removed; the caller checks again whether the entry exists before building it), or False without it
+    when ``ready()`` holds (at once, or after another process published the entry while we waited).
+    ``on_wait(progress, waited_s)`` runs at every poll while another process builds (it may raise to
+    give up, e.g. on a stop request)."""
+    if ready():
+        yield False
+        return
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(_lock_path(cache_dir, name), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        start = time.monotonic()
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if ready():
+                    yield False
+                    return
+                if on_wait is not None:
+                    on_wait(read_progress(cache_dir, name), time.monotonic() - start)
+                time.sleep(poll_s)
+        try:
+            remove_leftovers(cache_dir, name)
+            yield True
+        finally:
+            with contextlib.suppress(OSError):
+                _progress_path(cache_dir, name).unlink()
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
