@@ -28,7 +28,16 @@ from typing import Any, Literal
 import attrs
 import numpy as np
 
-from .formats import InputFormat, Position, check_input, detect, input_bytes, iter_chunks, sniff_kind, total_size
+from .formats import (
+    InputFormat,
+    Position,
+    check_input,
+    detect,
+    input_bytes,
+    iter_chunks,
+    sniff_kind,
+    total_size,
+)
 from .keys import cache_key
 from .parse import ChatEncoder, init_worker, process_chunk, work
 from .reports import BadRecord, DataError, LoadReport, ReadOptions, TokenizedFile
@@ -247,7 +256,7 @@ def read_input(
                 return tf
             except StoreError:
                 damaged = True  # rebuild it, under the lock
-        with entry_lock(cache_dir, name, ready=lambda: not damaged and (entry / MANIFEST).exists(),
+        with entry_lock(cache_dir, name, ready=lambda d=damaged: not d and (entry / MANIFEST).exists(),
                         on_wait=on_wait) as locked:
             if not locked:
                 continue  # another process published it while we waited: map it

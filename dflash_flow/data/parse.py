@@ -24,7 +24,15 @@ from typing import Any
 
 import numpy as np
 
-from .chat import ChatTemplateError, TemplateInfo, parse_conversation, probe_template, render_chat, supervised_spans, token_mask
+from .chat import (
+    ChatTemplateError,
+    TemplateInfo,
+    parse_conversation,
+    probe_template,
+    render_chat,
+    supervised_spans,
+    token_mask,
+)
 from .reports import MAX_LISTED_BAD, BadRecord, DataError, LoadReport, ReadOptions
 
 __all__ = ["ChatEncoder", "ChunkCollector", "init_worker", "process_chunk", "read_lines", "work"]

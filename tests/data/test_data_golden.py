@@ -8,9 +8,9 @@ import gzip
 import json
 import lzma
 
+import golden_cases as g
 import pytest
 
-import golden_cases as g
 from dflash_flow.data.records import ReadOptions, read_records
 
 GOLD = json.loads(g.GOLDEN.read_text())
