@@ -11,8 +11,14 @@ from typing import Any
 import attrs
 
 
+class SampleSet:
+    """What a Bucketer takes: one `Sample`, or a `SampleTable` of many (a source's whole corpus)."""
+
+    __slots__ = ()
+
+
 @attrs.define(eq=False)
-class Sample:
+class Sample(SampleSet):
     """One tokenized training sample."""
 
     sample_id: int
@@ -22,6 +28,29 @@ class Sample:
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+
+@attrs.define(eq=False)
+class SampleTable(SampleSet):
+    """Many samples as columns: what a record source emits (once), so that a corpus of millions of samples
+    costs a few arrays, not an object per sample. ``lengths`` and ``sample_ids`` are int64 arrays; a
+    `Sample` is made on demand (``table[i]``) from the memory-mapped token store by ``fetch(i)``, which
+    returns ``(input_ids, loss_mask, "file:line")``."""
+
+    name: str  # the source stage it came from (mixture weights are keyed by it)
+    lengths: Any
+    sample_ids: Any
+    fetch: Any
+    tokens: int = 0
+    digests: list[str] = attrs.field(factory=list)  # content sha256 of the inputs (one file read twice shows)
+    inputs: list[str] = attrs.field(factory=list)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> Sample:
+        ids, mask, source = self.fetch(int(i))
+        return Sample(sample_id=int(self.sample_ids[i]), input_ids=ids, loss_mask=mask, source=source)
 
 
 @attrs.define(eq=False)
@@ -113,5 +142,5 @@ class EpochBatches:
 
     epoch: int
     packed: Any  # dflash_flow.data.plan.PackedEpoch
-    samples: list[Sample]  # samples[i] is the sample at plan position i
+    samples: Any  # samples[i] is the sample at plan position i (a list, or a lazy view of the corpus)
     num_epochs: int = 1  # epochs the run plans (for the trainer's schedule length)

@@ -374,6 +374,7 @@ class EpochPlan:
     padded: np.ndarray | None = None  # padded length of every sample (for re-dealing)
     chain: tuple[tuple[int, int], ...] = ()
     interleave: tuple[int, float, float] = (3, 0.5, 3.0)  # max_run, repeat_penalty, evenness
+    _fingerprint: str | None = attrs.field(default=None, init=False, repr=False)
 
     def __len__(self) -> int:
         return int(self.buckets.size)
@@ -477,12 +478,16 @@ class EpochPlan:
         return plan
 
     def fingerprint(self) -> str:
-        """Hash of the plan's content: equal plans on every rank and across resumes, or a bug."""
+        """Hash of the plan's content: equal plans on every rank and across resumes, or a bug. Computed
+        once per plan (a plan is not changed after it is made; every batch's state carries it)."""
+        if self._fingerprint is not None:
+            return self._fingerprint
         h = hashlib.blake2b(digest_size=16)
         for arr in (self.order, self.offsets, self.buckets, self.padded_lens, self.sample_ids):
             h.update(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
         h.update(f"{self.epoch}|{self.seed}|{self.world_size}|{list(self.chain)}".encode())
-        return h.hexdigest()
+        self._fingerprint = h.hexdigest()
+        return self._fingerprint
 
     def state_dict(self, position: int) -> dict:
         """Resume state after ``position`` global batches of this plan were consumed."""

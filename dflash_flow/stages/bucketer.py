@@ -1,21 +1,44 @@
-"""Bucketer: collects all samples, then packs each epoch's batches per length bucket (token budget)."""
+"""Bucketer: collects the corpus, then packs each epoch's batches per length bucket (token budget).
+
+Takes the sources' `SampleTable`s (a whole corpus per item) and loose `Sample`s alike. With ``mixture``
+weights per source (the names of its input stages) each epoch draws its samples from the sources in those
+proportions (``data.corpus.draw_epoch``), deterministically from the seed: a resumed run redraws the
+same epoch, so the checkpoint holds no per-sample state.
+"""
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Any, Optional
 
 import attrs
 
 from dflash_flow.core import Stage, StageContext, cfg, derive_seed
 from dflash_flow.data.plan import plan_field
-from dflash_flow.items import EpochBatches, Sample
+from dflash_flow.items import EpochBatches, Sample, SampleSet, SampleTable
+
+log = logging.getLogger(__name__)
+
+
+def _weights_ok(_inst, _attr, value) -> None:
+    if value is None:
+        return
+    if not value:
+        raise ValueError("mixture must name at least one source (or be null)")
+    for k, v in value.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"mixture weight of '{k}' must be a finite number >= 0, got {v!r}")
+    if sum(value.values()) <= 0:
+        raise ValueError("mixture weights are all 0")
 
 
 @attrs.define(kw_only=True, eq=False)
 class Bucketer(Stage):
-    """Packs samples into length-bucketed batches under a padded-token budget, one item per epoch."""
+    """Packs samples into length-bucketed batches under a padded-token budget, one item per epoch;
+    mixes several sources by weight."""
 
-    input_type = Sample
+    input_type = SampleSet
     output_type = EpochBatches
     cardinality = "1:n"
     singleton = True  # the plan needs every sample: one Bucketer per process
@@ -27,36 +50,68 @@ class Bucketer(Stage):
     num_buckets: int = plan_field("num_buckets")
     length_jitter: float = plan_field("length_jitter")
     epochs: int = cfg(1, ge=1, doc="Epochs to plan.")
+    mixture: Optional[dict[str, float]] = attrs.field(
+        default=None, validator=_weights_ok, kw_only=True,
+        metadata={"config": True, "doc": "Weight per source stage, e.g. {chat: 0.6, code: 0.3, math: 0.1}: each epoch "
+                  "draws samples_per_epoch samples in these proportions; null: every sample once per epoch."},
+    )
+    mixture_replacement: bool = cfg(False, doc="Draw a source's samples with replacement (else: whole passes in "
+                                    "random order, then a random subset).")
+    samples_per_epoch: Optional[int] = cfg(None, ge=1, doc="Samples per epoch with a mixture (null: the corpus size).")
 
     def setup(self, ctx: StageContext) -> None:
         self._ctx = ctx
         self._samples: list[Sample] = []
+        self._tables: list[SampleTable] = []
         m = ctx.metrics
         self._m_samples = m.counter("samples", "samples", "Samples collected")
         self._m_buckets = m.gauge("buckets", "buckets", "Number of length buckets")
         self._m_batches = m.labeled("packed_per_bucket", "batches", "Batches packed per bucket (last epoch)")
         self._m_epoch = m.gauge("epoch", "epoch", "Last epoch packed")
+        self._m_mix = m.labeled("mixture_samples", "samples", "Samples drawn per source, all epochs so far")
+        self._m_mix_tokens = m.labeled("mixture_tokens", "tokens", "Tokens drawn per source, all epochs so far")
 
-    def process(self, item: Sample):
-        self._samples.append(item)
-        self._m_samples.inc()
+    def process(self, item: SampleSet):
+        if isinstance(item, SampleTable):
+            self._tables.append(item)
+            self._m_samples.inc(len(item))
+        else:
+            self._samples.append(item)
+            self._m_samples.inc()
         return None
+
+    def _corpus(self):
+        import numpy as np
+
+        from dflash_flow.data.corpus import Corpus
+
+        # Arrival order can depend on thread timing upstream; the plan must not.
+        corpus = Corpus(self._tables, self._samples)
+        if not self._tables:
+            ids = corpus.sample_ids
+            if np.unique(ids).size != ids.size:
+                raise ValueError(f"stage '{self._ctx.name}': duplicate sample ids (two sources numbering from 0?)")
+        seen: dict[str, str] = {}
+        for t in corpus.tables:
+            for digest, path in zip(t.digests, t.inputs, strict=False):
+                if digest in seen and seen[digest] != t.name:
+                    log.warning("%s: %s (source '%s') has the same content as an input of source '%s': it is "
+                                "trained on twice per epoch; use mixture weights to weight a source",
+                                self._ctx.name, path, t.name, seen[digest])
+                seen.setdefault(digest, t.name)
+        return corpus
 
     def finish(self):
         import numpy as np
 
-        from dflash_flow.data.plan import BatchPlanner, PlanConfig
+        from dflash_flow.data.corpus import EpochView, describe_mixture, draw_epoch
+        from dflash_flow.data.plan import BatchPlanner, PlanConfig, bucket_boundaries
 
-        if not self._samples:
+        if not self._samples and not self._tables:
             return
-        # Arrival order can depend on thread timing upstream; the plan must not.
-        self._samples.sort(key=lambda s: s.sample_id)
-        ids = np.fromiter((s.sample_id for s in self._samples), dtype=np.int64, count=len(self._samples))
-        if np.unique(ids).size != ids.size:
-            raise ValueError(
-                f"stage '{self._ctx.name}': duplicate sample ids (two sources numbering from 0?)"
-            )
-        lengths = np.fromiter((len(s) for s in self._samples), dtype=np.int64, count=len(self._samples))
+        corpus = self._corpus()
+        if len(corpus) == 0:
+            return
         config = PlanConfig(
             max_tokens=self.max_tokens,
             max_batch_size=self.max_batch_size,
@@ -67,16 +122,33 @@ class Bucketer(Stage):
         )
         # rank 0 on purpose: every rank must build the same global plan.
         seed = derive_seed(self._ctx.seed, 0, 0, self._ctx.name)
-        planner = BatchPlanner(lengths, config, seed=seed, sample_ids=ids)
-        self._m_buckets.set(planner.num_buckets)
+        if self.mixture is None:
+            planner = BatchPlanner(corpus.lengths, config, seed=seed, sample_ids=corpus.sample_ids)
+        else:  # bucket ids stay those of the whole corpus, whatever an epoch draws
+            config = attrs.evolve(config, boundaries=tuple(int(b) for b in bucket_boundaries(corpus.lengths, config)))
+        groups = corpus.groups
         for epoch in range(self.epochs):
             if self._ctx.stop_requested.is_set():
                 return
+            samples: Any = corpus
+            if self.mixture is not None:
+                pos, drawn = draw_epoch(groups, self.mixture, samples_per_epoch=self.samples_per_epoch,
+                                        replacement=self.mixture_replacement, seed=seed, epoch=epoch)
+                planner = BatchPlanner(corpus.lengths[pos], config, seed=seed, sample_ids=corpus.sample_ids[pos])
+                samples = EpochView(corpus, pos)
+                src = np.searchsorted(corpus.starts, pos, side="right") - 1
+                tokens = {name: int(corpus.lengths[pos[src == k]].sum()) for k, (name, _a, _b) in enumerate(groups)}
+                for name, n in drawn.items():
+                    self._m_mix.inc(name, n)
+                    self._m_mix_tokens.inc(name, tokens[name])
+                if epoch == 0:
+                    log.info("%s: %s", self._ctx.name, describe_mixture(groups, self.mixture, drawn, tokens))
+            self._m_buckets.set(planner.num_buckets)
             packed = planner.pack(epoch)
             for b, n in enumerate(packed.counts):
                 self._m_batches.inc(b, n)
             self._m_epoch.set(epoch)
-            yield EpochBatches(epoch=epoch, packed=packed, samples=self._samples, num_epochs=self.epochs)
+            yield EpochBatches(epoch=epoch, packed=packed, samples=samples, num_epochs=self.epochs)
 
     # Re-packing is cheap and a pure function of the samples, so every run packs from epoch 0 and the
     # Interleaver skips what was consumed: no state that could disagree with the Interleaver's.

@@ -1,22 +1,38 @@
-"""Sources of training samples: chat JSONL (rendered with a chat template) and pre-tokenized records.
+"""Sources of training samples: chat records (rendered with a chat template) and pre-tokenized records,
+from JSONL (plain or compressed), Parquet, Arrow or `datasets` directories.
 
-Thin wrappers over `dflash_flow.data.records`; transformers is imported only in `setup`.
+Thin wrappers over `dflash_flow.data.records`: each input is read into the token store (once per node,
+on every core; the other ranks wait for it and map the result), and the source emits one `SampleTable`
+over all of its inputs. Reading shows its progress on the console (rank 0) and in MLflow. transformers is
+imported only in `setup`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import attrs
 
 from dflash_flow.core import Source, StageContext, cfg
-from dflash_flow.items import Sample
+from dflash_flow.items import SampleTable
 from dflash_flow.services import services_of
 from dflash_flow.util import cache_root
 
 log = logging.getLogger(__name__)
+
+
+def _paths_ok(_inst, _attr, value) -> None:
+    """A file listed twice would silently train twice per epoch: refuse it (weights are a mixture's job)."""
+    seen: dict[str, str] = {}
+    for p in value or []:
+        key = os.path.normpath(os.path.abspath(os.path.expanduser(str(p))))
+        if key in seen:
+            raise ValueError(f"{p!r} is listed twice (as {seen[key]!r} and {p!r}); each input is read once per "
+                             "epoch -- to weight a source, give it its own source stage and a Bucketer mixture weight")
+        seen[key] = str(p)
 
 
 def _cache_dir(value: Optional[str]) -> Optional[Path]:
@@ -30,9 +46,13 @@ def _cache_dir(value: Optional[str]) -> Optional[Path]:
 
 @attrs.define(kw_only=True, eq=False)
 class _RecordSource(Source):
-    output_type = Sample
+    output_type = SampleTable
 
-    paths: list[str] = cfg(factory=list, doc="Input files, read in this order (sample ids follow it).")
+    paths: list[str] = attrs.field(
+        factory=list, validator=_paths_ok, kw_only=True,
+        metadata={"config": True, "doc": "Inputs (JSONL, .jsonl.gz/.bz2/.xz/.zst, Parquet, Arrow, a datasets "
+                  "save_to_disk directory), read in this order (sample ids follow it); each at most once."},
+    )
     max_length: int = cfg(3072, ge=2, doc="Longest sample in tokens; longer ones are truncated or dropped.")
     overflow: Literal["truncate", "drop"] = cfg(
         "truncate", choices=("truncate", "drop"), doc="What to do with samples over max_length."
@@ -49,7 +69,12 @@ class _RecordSource(Source):
     )
     cache_dir: Optional[str] = cfg(
         "auto",
-        doc="Tokenization cache; 'auto' = $DFLASH_FLOW_CACHE or ~/.cache/dflash-flow; empty or null: off.",
+        doc="Token store (memory-mapped, shared by the ranks of a node and by runs); 'auto' = "
+        "$DFLASH_FLOW_CACHE/tokenized or ~/.cache/dflash-flow/tokenized; empty or null: off (held in memory).",
+    )
+    num_workers: Optional[int] = cfg(
+        None, ge=0, le=1024,
+        doc="Tokenizing processes; null: every core, for inputs of a few MiB or more; 0: in this process.",
     )
 
     def setup(self, ctx: StageContext) -> None:
@@ -79,6 +104,7 @@ class _RecordSource(Source):
             min_loss_tokens=self.min_loss_tokens,
             max_record_bytes=self.max_record_bytes,
             cache_dir=_cache_dir(self.cache_dir),
+            num_workers=self.num_workers,
             **self._extra_options(),
         )
 
@@ -90,38 +116,71 @@ class _RecordSource(Source):
         notices data that changed under the same path."""
         return list(self.paths)
 
-    def _read(self, path: str, options):  # pragma: no cover - overridden
+    def _read(self, path: str, options, **hooks):  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def produce(self):
-        from dflash_flow.data.records import LoadReport
+    def _progress(self):
+        from dflash_flow.observe.loading import LoadProgress
 
+        services = services_of(self._ctx)
+        return LoadProgress(self._ctx.name, console=self._ctx.rank == 0 and self._ctx.replica == 0,
+                            tracker=services.tracker)
+
+    def produce(self):
+        from dflash_flow.data.corpus import file_table
+        from dflash_flow.data.ingest import ReadCancelled
+        from dflash_flow.data.records import LoadReport, file_sha256
+
+        ctx = self._ctx
         options = self._options()
         report = LoadReport(from_cache=True)
-        next_id = 0
-        for path in self.paths:
-            with self._ctx.busy(f"reading {path}"):  # tokenizing a large file is progress, not a stall
-                tf = self._read(path, options)
-            rep = tf.report
-            report.merge(rep)
-            self._m_records.inc(rep.records)
-            self._m_truncated.inc(rep.truncated)
-            self._m_dropped.inc(rep.dropped_overlong)
-            self._m_unsupervised.inc(rep.too_few_supervised)
-            for reason, n in rep.bad_by_reason.items():
-                self._m_bad.inc(reason, n)
-            if rep.from_cache:
-                self._m_cached.inc()
-            if rep.bad or rep.truncated or rep.dropped_overlong or rep.too_few_supervised:
-                log.warning("%s: %s", self._ctx.name, rep.summary())
-            for sample in tf.samples(first_id=next_id):
-                if self._ctx.stop_requested.is_set():
+        files, digests = [], []
+        view = self._progress()
+        seen: list[tuple] = [()]
+
+        def progress(p) -> None:
+            # The watchdog hears of real progress only: while waiting, of the builder's (a builder that
+            # hangs is reported as a stall here too, naming what this source waits for).
+            mark = (p.path, p.state, p.records, p.done)
+            if mark != seen[0]:
+                seen[0] = mark
+                ctx.heartbeat()
+            ctx.busy_with = f"{'waiting for ' + p.holder + ' to tokenize' if p.state == 'waiting' else 'reading'} {p.path}"
+            view.update(p)
+
+        try:
+            for path in self.paths:
+                try:
+                    tf = self._read(path, options, progress=progress, should_stop=ctx.stop_requested.is_set)
+                except ReadCancelled:
                     return
-                self._m_samples.inc()
-                self._m_tokens.inc(len(sample))
-                yield sample
-            next_id += len(tf)
+                rep = tf.report
+                report.merge(rep)
+                self._m_records.inc(rep.records)
+                self._m_truncated.inc(rep.truncated)
+                self._m_dropped.inc(rep.dropped_overlong)
+                self._m_unsupervised.inc(rep.too_few_supervised)
+                for reason, n in rep.bad_by_reason.items():
+                    self._m_bad.inc(reason, n)
+                if rep.from_cache:
+                    self._m_cached.inc()
+                if rep.bad or rep.truncated or rep.dropped_overlong or rep.too_few_supervised:
+                    log.warning("%s: %s", ctx.name, rep.summary())
+                digest = file_sha256(Path(path).expanduser())
+                if digest in digests:
+                    log.warning("%s: %s has the same content as %s: its samples are trained on twice per epoch",
+                                ctx.name, path, self.paths[digests.index(digest)])
+                files.append(tf)
+                digests.append(digest)
+        finally:
+            ctx.busy_with = ""
+            view.close()
+        table = file_table(ctx.name, files, digests=digests)
+        self._m_samples.inc(len(table))
+        self._m_tokens.inc(table.tokens)
         self.report = report
+        if not ctx.stop_requested.is_set():
+            yield table
 
     # Every run re-reads all samples (the plan needs all of them); resume state lives in the Interleaver.
     def state_dict(self) -> dict[str, Any]:
@@ -134,7 +193,7 @@ class _RecordSource(Source):
 
 @attrs.define(kw_only=True, eq=False)
 class ChatSource(_RecordSource):
-    """Reads chat JSONL conversations and masks assistant tokens via the tokenizer's chat template."""
+    """Reads chat conversations (JSONL, Parquet, Arrow, datasets) and masks assistant tokens via the chat template."""
 
     @classmethod
     def preload(cls) -> None:
@@ -168,15 +227,15 @@ class ChatSource(_RecordSource):
             template = Path(template).expanduser().read_text()
         return {"chat_template": template, "template_kwargs": dict(self.template_kwargs)}
 
-    def _read(self, path: str, options):
-        from dflash_flow.data.records import read_chat_jsonl
+    def _read(self, path: str, options, **hooks):
+        from dflash_flow.data.records import read_records
 
-        return read_chat_jsonl(path, self._tokenizer, options)
+        return read_records(path, tokenizer=self._tokenizer, options=options, kind="chat", **hooks)
 
 
 @attrs.define(kw_only=True, eq=False)
 class TokenizedSource(_RecordSource):
-    """Reads pre-tokenized samples (input_ids, loss_mask) from JSONL or Arrow files."""
+    """Reads pre-tokenized samples (input_ids, loss_mask) from JSONL, Parquet, Arrow or datasets directories."""
 
     @classmethod
     def preload(cls) -> None:
@@ -187,10 +246,10 @@ class TokenizedSource(_RecordSource):
     def _extra_options(self) -> dict[str, Any]:
         return {"vocab_size": self.vocab_size}
 
-    def _read(self, path: str, options):
+    def _read(self, path: str, options, **hooks):
         from dflash_flow.data.records import read_records
 
-        return read_records(path, options=options, kind="tokens")
+        return read_records(path, options=options, kind="tokens", **hooks)
 
 
 @attrs.define(kw_only=True, eq=False)

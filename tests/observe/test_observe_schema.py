@@ -10,6 +10,7 @@ import attrs
 import pytest
 from samples_for_tests import full_sample
 
+from dflash_flow.observe.loading import LoadPoint, SourceLoad
 from dflash_flow.observe.runinfo import sanitize_key
 from dflash_flow.observe.sample import (
     BucketSample,
@@ -127,6 +128,7 @@ def _templated(keys) -> set[str]:
         (r"^train/(accuracy_pos1|loss)$", "train/<metric>"),
         (r"^train_epoch/loss$", "train_epoch/<metric>"),
         (r"^eval/val/tau$", "eval/<name>/<metric>"),
+        (r"^data/src/", "data/<stage>/"),
     ]
     out = set()
     for k in keys:
@@ -143,10 +145,12 @@ def test_docs_metrics_md_lists_every_key():
         + list(mlflow_metrics(EpochPoint(1, 0, {"loss": 1.0})))
         + list(mlflow_metrics(EvalPoint(1, {"val": {"tau": 1.0}})))
         + list(mlflow_metrics(SystemSample(1.0, 2.0, 3.0, 4.0, 5.0)))
+        + list(mlflow_metrics(LoadPoint(0, {"src": SourceLoad(1, 1, 1, 1.0, 1.0, 0.5, 1.0, 1, 0.0)})))
     )
     text = (REPO / "docs" / "metrics.md").read_text()
     documented = set(re.findall(r"^\| `([^`]+)` \|", text, flags=re.M))
     assert produced == documented, (sorted(produced - documented), sorted(documented - produced))
-    for cls in (ReplicaSample, StageSample, SummaryStats, BucketSample, Throughput, MonitorSample, SystemSample):
+    for cls in (ReplicaSample, StageSample, SummaryStats, BucketSample, Throughput, MonitorSample, SystemSample,
+                SourceLoad, LoadPoint):
         for _name, spec in declared(cls):
             assert spec.doc, f"{cls.__name__}.{_name} has no doc"
