@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+
 import numpy as np
 
 from dflash_flow.items import Sample, SampleTable
