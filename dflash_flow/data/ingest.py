@@ -287,5 +287,6 @@ def read_input(
 def _finish(progress, tf: TokenizedFile, path: Path, state: str, t0: float) -> None:
     if progress is not None:
         r = tf.report
-        progress(ReadProgress(str(path), state, "records", r.records, r.records, r.records, r.samples, r.tokens,
+        size = input_bytes(path)
+        progress(ReadProgress(str(path), state, "bytes", size, size, r.records, r.samples, r.tokens,
                               time.monotonic() - t0))

@@ -81,13 +81,15 @@ class LoadProgress:
                                         interval_s=self.interval_s)
                 self._done = self._records = self._tokens = 0
             self._key = key
+        final = p.state in ("cached", "done")
+        if final and self._bar is not None and self._bar.done:  # complete the bar in the unit it counts
+            done = total = self._bar.total
         if self._bar is not None:
             self._bar.total = max(total, 1)
             self._bar.label = f"{self.name}: {verb} {Path(p.path).name}"
             self._bar.update(max(done - self._done, 0), records=max(p.records - self._records, 0),
                              tok=max(p.tokens - self._tokens, 0))
             self._done, self._records, self._tokens = done, p.records, p.tokens
-        final = p.state in ("cached", "done")
         if final:
             self.inputs_done += 1
             if self._bar is not None:

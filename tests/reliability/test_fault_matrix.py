@@ -161,7 +161,7 @@ def test_fault_is_contained(victim, phase, replicas, fault_replica, files, tmp_p
     if victim == "SpecDecodeEval" and phase == "process":
         fault["fault_at"] = 1  # one step report, then the final one (which runs the real evaluation)
     if victim == "Bucketer" and phase == "process":
-        fault["fault_at"] = 3
+        fault["fault_at"] = 0  # its only input: the source's table of samples
     g, name = _graph(victim, files, replicas, fault)
     baseline = set(threading.enumerate())
     t0 = time.monotonic()
