@@ -2,4 +2,6 @@
 
 from dflash_flow.cli import main
 
-main()
+# Guarded: the tokenizing worker processes are spawned, and spawn imports the parent's main module.
+if __name__ == "__main__":
+    main()
