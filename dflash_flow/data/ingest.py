@@ -16,6 +16,7 @@ Without a cache directory the same chunks are collected in memory.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import pickle
@@ -126,10 +127,12 @@ class _MemoryWriter:
 def _results(chunks: Iterator[tuple], workers: int, payload: Callable[[], bytes], local: dict) -> Iterator[dict]:
     """Each chunk's `process_chunk` result, in order: in this process, or on ``workers`` processes with at
     most two chunks per worker in flight (memory stays bounded by chunks, not by the input)."""
-    if workers <= 1:
-        for ch in chunks:
+    head = list(itertools.islice(chunks, 2))
+    if workers <= 1 or len(head) < 2:  # one chunk (a small input, or one giant bad line): no workers
+        for ch in itertools.chain(head, chunks):
             yield process_chunk(ch, **local)
         return
+    chunks = itertools.chain(head, chunks)
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
@@ -162,9 +165,17 @@ def _build(writer, path: Path, fmt: InputFormat, kind: str, options: ReadOptions
     chunks = iter_chunks(path, fmt, kind, max_record_bytes=options.max_record_bytes, position=position)
     workers = worker_count(options, input_bytes(path))
 
+    blob = b""
+    if workers > 1:
+        try:
+            blob = pickle.dumps({"tokenizer": tokenizer if kind == "chat" else None, "options": options, "kind": kind,
+                                 "path": str(path)})
+        except Exception as exc:  # noqa: BLE001 - a tokenizer that cannot travel: read in this process
+            log.warning("%s: the tokenizer cannot be sent to worker processes (%s); reading in this process", path, exc)
+            workers = 0
+
     def payload() -> bytes:
-        return pickle.dumps({"tokenizer": tokenizer if kind == "chat" else None, "options": options, "kind": kind,
-                             "path": str(path)})
+        return blob
 
     local = {"path": str(path), "kind": kind, "options": options, "encoder": encoder}
     with contextlib.closing(_results(chunks, workers, payload, local)) as results:

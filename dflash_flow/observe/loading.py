@@ -49,6 +49,10 @@ class LoadProgress:
     def __init__(self, name: str, *, console: bool, tracker: Any = None, log_every_s: float = 5.0,
                  stream: Any = None, interval_s: float = 5.0) -> None:
         self.name = name
+        try:  # a machine without rich (the bare GPU image) reads without a progress line
+            import rich.console  # noqa: F401
+        except ImportError:
+            console = False
         self.console = console
         self.tracker = tracker
         self.log_every_s = log_every_s

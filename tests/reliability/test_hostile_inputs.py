@@ -43,7 +43,7 @@ PIPELINE_CASES = [
     ("dangling_input.yaml", 2, "dangling input: no stage named 'sorce'; did you mean 'source'?"),
     ("cycle.yaml", 2, "cycle: "),
     ("self_input.yaml", 2, "a stage cannot be its own input"),
-    ("type_mismatch.yaml", 2, "type mismatch: 'source' emits Sample but 'padder' (Padder) accepts PlannedBatch"),
+    ("type_mismatch.yaml", 2, "type mismatch: 'source' emits SampleTable but 'padder' (Padder) accepts PlannedBatch"),
     ("input_from_sink.yaml", 2, "stage 'sink' (Discard) has no output"),
     ("duplicate_names.yaml", 2, "duplicate stage name 'source'"),
     ("bad_stage_name.yaml", 2, "may contain only letters, digits, '_' and '-'"),
