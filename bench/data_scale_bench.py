@@ -169,7 +169,13 @@ def datasets_main(args) -> None:
     """One process: load_dataset(json) + map(num_proc) with the same rendering and masking, cached."""
     import datasets
 
-    from dflash_flow.data.chat import parse_conversation, probe_template, render_chat, supervised_spans, token_mask
+    from dflash_flow.data.chat import (
+        parse_conversation,
+        probe_template,
+        render_chat,
+        supervised_spans,
+        token_mask,
+    )
 
     tok = tokenizer()
     info = probe_template(tok)
