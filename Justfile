@@ -21,6 +21,7 @@ lint:
 bench:
     {{python}} bench/runtime_bench.py
     {{python}} bench/batching_bench.py
+    {{python}} bench/data_scale_bench.py
     {{python}} bench/model_bench.py
     {{python}} bench/monitor_bench.py
     {{python}} bench/peer_step.py
