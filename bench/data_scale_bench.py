@@ -194,7 +194,7 @@ def datasets_main(args) -> None:
     before = rss()
     r0, c0 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    ds = datasets.load_dataset("json", data_files=args.datasets, cache_dir=args.cache, split="train")
+    ds = datasets.load_dataset("json", data_files=str(args.datasets), cache_dir=str(args.cache), split="train")
     out = ds.map(encode, batched=True, batch_size=256, num_proc=os.cpu_count(), remove_columns=ds.column_names)
     lengths = np.asarray([len(x) for x in out["input_ids"]], dtype=np.int64) if args.lengths_pass else None
     load_s = time.perf_counter() - t0
@@ -215,9 +215,28 @@ def run_datasets(corpus: Path, cache: Path, *, lengths_pass: bool) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def plan_at_scale(lengths: np.ndarray, n: int) -> dict:
+    """The plan (Bucketer's pack, Interleaver's order for 2 ranks, a resume state) over ``n`` samples whose
+    lengths follow the file: what a million-conversation run builds before its first step."""
+    import json as _json
+
+    from dflash_flow.data.plan import BatchPlanner, PlanConfig, order_packed
+
+    lens = np.clip(lengths[np.arange(n) % lengths.size], 1, 8192)
+    t0 = time.perf_counter()
+    packed = BatchPlanner(lens, PlanConfig(max_tokens=16384), seed=1).pack(0)
+    t1 = time.perf_counter()
+    plan = order_packed(packed, world_size=2)
+    t2 = time.perf_counter()
+    state = plan.state_dict(len(plan) // 2)
+    t3 = time.perf_counter()
+    return {"samples": n, "batches": len(plan), "pack_s": t1 - t0, "order_s": t2 - t1, "state_s": t3 - t2,
+            "total_s": t3 - t0, "state_bytes": len(_json.dumps(state))}
+
+
 # -- the command ------------------------------------------------------------------------------------
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict | None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=Path, default=common.ROOT / "bench" / "data" / "lengths-chat-100k.txt")
     ap.add_argument("--n", type=int, default=20_000)
@@ -228,12 +247,13 @@ def main() -> None:
     ap.add_argument("--compare-datasets", action="store_true", help="also time datasets' load_dataset + map(num_proc)")
     ap.add_argument("--pipeline", type=int, default=0, metavar="N",
                     help="also run the pipeline over N pre-tokenized conversations (2 ranks, SIGKILL + resume)")
+    ap.add_argument("--plan-samples", type=int, default=1_000_000, help="samples of the plan-at-scale figure")
     ap.add_argument("--rank", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--datasets", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--lengths-pass", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--cache", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.rank:
         return rank_main(args)
     if args.datasets:
@@ -242,7 +262,12 @@ def main() -> None:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="data-scale-", dir=common.SCRATCH.parent))
     work.mkdir(parents=True, exist_ok=True)
     lengths = np.loadtxt(args.lengths, dtype=np.int64)
+    import shutil
+
+    for old in ("cache-1rank", "cache-2ranks", "hf-cache"):  # every run measures cold starts
+        shutil.rmtree(work / old, ignore_errors=True)
     tok = tokenizer()
+    tok.model_max_length = 10**9  # no "longer than the model" warnings: we only tokenize
     if args.corpus is not None:
         corpus = args.corpus
         info = {"conversations": sum(1 for line in corpus.open("rb") if line.strip()), "bytes": corpus.stat().st_size,
@@ -283,9 +308,11 @@ def main() -> None:
         "resident_data_bytes_per_token": (warm["rss_after"]["RssAnon"] - warm["rss_before"]["RssAnon"]) / tokens,
         "resident_file_bytes_per_token": (warm["rss_after"]["RssFile"] - warm["rss_before"]["RssFile"]) / tokens,
         "peak_rss_per_rank_bytes": [r["peak_rss_bytes"] for r in two],
+        "rss_before_load_bytes": warm["rss_before"]["VmRSS"],
         "warm_peak_rss_bytes": warm["peak_rss_bytes"],
         "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
     }
+    result["plan_1m"] = plan_at_scale(lengths, args.plan_samples)
     if args.compare_datasets:
         cold = run_datasets(corpus, work / "hf-cache", lengths_pass=False)
         again = run_datasets(corpus, work / "hf-cache", lengths_pass=True)
@@ -296,7 +323,7 @@ def main() -> None:
         import data_scale_pipeline
 
         result["pipeline"] = data_scale_pipeline.run(args.pipeline, lengths, work)
-    common.write_result(args.out, result)
+    return common.write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -95,3 +95,15 @@ def test_scale_bench_measures_the_allreduce_wait(tmp_path):
     assert data["one_process"]["allreduce_wait_s_per_step"] is None  # no DDP, no hook
     assert data["allreduce_wait_s_per_step"] is not None and data["allreduce_wait_s_per_step"] >= 0.0
     assert data["two_over_one"] > 0
+
+
+def test_data_scale_bench_runs_and_ranks_tokenize_once(tmp_path):
+    """A tiny corpus through every measurement of bench/data_scale_bench.py (not its speed)."""
+    out = tmp_path / "data_scale.json"
+    data = _on_disk(out, _load("data_scale_bench").main(["--n", "40", "--out", str(out), "--workdir", str(tmp_path / "w"),
+                                                              "--plan-samples", "5000"]))
+    assert data["corpus"]["conversations"] == 40 and data["corpus"]["tokens"] > 0
+    assert sorted(r["built"] for r in data["cold_2ranks"]) == [False, True]  # one rank tokenized, one waited or mapped
+    for key in ("reader_over_raw", "cold_2ranks_over_1rank", "warm_start_s", "resident_data_bytes_per_token"):
+        assert data[key] >= 0, key
+    assert len(data["peak_rss_per_rank_bytes"]) == 2 and data["plan_1m"]["state_bytes"] < 200
