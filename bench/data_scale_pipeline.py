@@ -14,6 +14,7 @@ Reported: time from the command's start to each rank's first trained batch, peak
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -95,6 +96,14 @@ def _status(pid: int) -> dict[str, int]:
     return out
 
 
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((line for line in f if line.startswith("State:")), "").lower()
+    except OSError:
+        return "zombie"
+
+
 def _ranks(pid: int) -> list[int]:
     import psutil
 
@@ -122,6 +131,7 @@ def launch(yaml_path: Path, out: Path, *extra: str, kill_after: int | None = Non
     peaks: dict[int, dict[str, int]] = {}
     first: dict[int, float] = {}
     logs = [out / f"batches.rank{r}.jsonl" for r in range(2)]
+    already = [len(_lines(f)) for f in logs]  # a resumed run appends to what the killed one kept
     killed = False
     while proc.poll() is None:
         for r, pid in enumerate(_ranks(proc.pid)):
@@ -130,11 +140,18 @@ def launch(yaml_path: Path, out: Path, *extra: str, kill_after: int | None = Non
             for k, v in st.items():
                 peak[k] = max(peak.get(k, 0), v)
         for r, f in enumerate(logs):
-            if r not in first and f.exists() and f.stat().st_size > 0:
+            if r not in first and f.exists() and len(_lines(f)) > already[r]:
                 first[r] = time.monotonic() - t0
         if kill_after is not None and not killed and logs[0].exists():
             if sum(1 for _ in logs[0].open()) >= kill_after:
+                victims = _ranks(proc.pid)  # torchrun starts each rank in a session of its own
                 os.killpg(proc.pid, signal.SIGKILL)
+                for pid in victims:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                for pid in victims:
+                    while os.path.exists(f"/proc/{pid}") and "zombie" not in _state(pid):
+                        time.sleep(0.05)
                 killed = True
         time.sleep(0.1)
     log.close()

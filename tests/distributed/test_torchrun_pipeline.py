@@ -104,7 +104,20 @@ def test_elastic_resume_from_a_two_rank_checkpoint(first_run, world):
             assert again[r] == before[r][2:]
 
 
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # the parent's pid
+        if pid == ancestor:
+            return True
+    return False
+
+
 def _rank_pid(launcher_pid: int, rank: int) -> int | None:
+    """This job's rank process (a descendant of our launcher: other jobs may run on the machine)."""
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
@@ -114,7 +127,7 @@ def _rank_pid(launcher_pid: int, rank: int) -> int | None:
         except OSError:
             continue
         if b"dflash_flow" in cmd and f"RANK={rank}".encode() in env and b"LOCAL_RANK=" in b"".join(env):
-            if int(d.name) != launcher_pid:
+            if int(d.name) != launcher_pid and _descends_from(int(d.name), launcher_pid):
                 return int(d.name)
     return None
 
