@@ -257,10 +257,13 @@ class ChatEncoder:
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is None:
             return None
-        copy = Tokenizer.from_str(backend.to_str())  # never change the caller's tokenizer
-        copy.no_truncation()
-        copy.no_padding()
-        copy.encode_special_tokens = bool(getattr(self.tokenizer, "split_special_tokens", False))
+        try:
+            copy = Tokenizer.from_str(backend.to_str())  # never change the caller's tokenizer
+            copy.no_truncation()
+            copy.no_padding()
+            copy.encode_special_tokens = bool(getattr(self.tokenizer, "split_special_tokens", False))
+        except Exception:  # noqa: BLE001 - an older or unusual backend: the transformers call it is
+            return None
         return copy
 
     def _slow(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -349,8 +352,44 @@ def _token_json(records: Iterator[tuple[int, dict]], col: ChunkCollector) -> Non
         col.offer(line, ids.astype(np.int64), mask.astype(np.uint8))
 
 
+def _flat_lists(column) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(offsets, values, valid) of a list column of integers, as numpy (no object per row); None for any
+    other column (read row by row, with the row's own error)."""
+    import pyarrow as pa
+
+    t = column.type
+    if not (pa.types.is_list(t) or pa.types.is_large_list(t)) or not (
+        pa.types.is_integer(t.value_type) or pa.types.is_boolean(t.value_type)
+    ):
+        return None
+    if column.offset != 0:
+        column = pa.concat_arrays([column])  # rebase a sliced array: offsets then start at its own values
+    offsets = np.asarray(column.offsets.to_numpy(zero_copy_only=False), dtype=np.int64)
+    values = column.values.to_numpy(zero_copy_only=False)
+    valid = ~np.asarray(column.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+    return offsets, np.asarray(values), valid
+
+
 def _token_rows(first_row: int, batch, col: ChunkCollector) -> None:
     ids_col, mask_col = batch.column("input_ids"), batch.column("loss_mask")
+    flat_ids, flat_mask = _flat_lists(ids_col), _flat_lists(mask_col)
+    if flat_ids is not None and flat_mask is not None:
+        (io, iv, ivalid), (mo, mv, mvalid) = flat_ids, flat_mask
+        for i in range(batch.num_rows):
+            if col.failed:
+                return
+            row = first_row + i
+            col.report.records += 1
+            if not ivalid[i] or not mvalid[i]:
+                col.bad(row, "missing_field", "null input_ids or loss_mask")
+                continue
+            ids, mask = iv[io[i] : io[i + 1]], mv[mo[i] : mo[i + 1]]
+            problem = check_token_values(ids, mask, col.opt.vocab_size)
+            if problem:
+                col.bad(row, *problem)
+                continue
+            col.offer(row, ids.astype(np.int64), mask.astype(np.uint8))
+        return
     for i in range(batch.num_rows):
         if col.failed:
             return
