@@ -222,7 +222,7 @@ def iter_chunks(path: Path, fmt: InputFormat, kind: str, *, max_record_bytes: in
         columns = _needed_columns(path, list(pf.schema_arrow.names), kind)
         row = 1
         for batch in pf.iter_batches(batch_size=CHUNK_ROWS, columns=columns):
-            yield ("rows", row, batch)
+            yield ("rows", row, _compact(batch))
             row += batch.num_rows
             position.done = row - 1
         return
@@ -230,9 +230,17 @@ def iter_chunks(path: Path, fmt: InputFormat, kind: str, *, max_record_bytes: in
     for table in _tables(path, fmt):
         columns = _needed_columns(path, list(table.column_names), kind)
         for batch in table.select(columns).to_batches(max_chunksize=CHUNK_ROWS):
-            yield ("rows", row, batch)
+            yield ("rows", row, _compact(batch))
             row += batch.num_rows
             position.done = row - 1
+
+
+def _compact(batch):
+    """A batch that owns only its rows' data: a slice of a memory-mapped table would otherwise be sent to a
+    worker process with the whole table's buffers (pickling keeps a slice's parent buffers)."""
+    import pyarrow as pa
+
+    return pa.RecordBatch.from_arrays([pa.concat_arrays([c]) for c in batch.columns], schema=batch.schema)
 
 
 def _jsonl_chunks(path: Path, fmt: InputFormat, limit: int, position: Position) -> Iterator[tuple]:

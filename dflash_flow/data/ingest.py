@@ -139,20 +139,27 @@ def _results(chunks: Iterator[tuple], workers: int, payload: Callable[[], bytes]
 
     ex = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
                              initializer=init_worker, initargs=(payload(),))
-    pending: deque = deque()
+    pending: deque = deque()  # (future, chunk), in order
     try:
         try:
             for ch in chunks:
-                pending.append(ex.submit(work, ch))
+                pending.append((ex.submit(work, ch), ch))
                 while len(pending) >= 2 * workers:
-                    yield pending.popleft().result()
+                    yield pending[0][0].result()
+                    pending.popleft()
             while pending:
-                yield pending.popleft().result()
+                yield pending[0][0].result()
+                pending.popleft()
         except BrokenProcessPool as exc:
-            raise RuntimeError(f"a tokenizing worker process died ({exc}); out of memory? set num_workers lower "
-                               "or to 0 to read in this process") from None
+            # A worker that cannot start (a parent run from stdin: spawn re-imports the main script) or
+            # that died (out of memory): carry on in this process, in order, from the first unfinished chunk.
+            log.warning("tokenizing worker processes failed (%s); reading the rest in this process", exc)
+            rest = [ch for _f, ch in pending]
+            pending.clear()
+            for ch in itertools.chain(rest, chunks):
+                yield process_chunk(ch, **local)
     finally:
-        for f in pending:
+        for f, _ch in pending:
             f.cancel()
         ex.shutdown(wait=True, cancel_futures=True)
 
