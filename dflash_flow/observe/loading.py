@@ -76,7 +76,11 @@ class LoadProgress:
         verb = {"reading": "tokenizing", "waiting": f"waiting for {p.holder or 'another process'} to tokenize",
                 "cached": "mapped from the cache", "done": "tokenized"}[p.state]
         key = (p.path, p.state == "waiting")
-        if self.console and (self._bar is None or key != self._key or (p.state in ("cached", "done"))):
+        if p.state == "cached" and self.console and self._bar is None:  # no work to show: one line
+            self.stream.write(f"{self.name}: {Path(p.path).name}: {p.samples:,} samples, {p.tokens:,} tokens mapped "
+                              f"from the cache in {p.elapsed_s:.2f} s\n")
+            self.stream.flush()
+        elif self.console and (self._bar is None or key != self._key or (p.state in ("cached", "done"))):
             if self._bar is not None and key != self._key:
                 self._bar.close()
                 self._bar = None

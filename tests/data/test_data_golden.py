@@ -103,3 +103,18 @@ def test_pretokenized_columnar_matches_jsonl(tmp_path):
         got = g.digest(read_records(f, options=opts))
         assert {k: got[k] for k in ("n", "ids", "mask", "offsets", "lines")} == {k: want[k] for k in ("n", "ids", "mask", "offsets", "lines")}
         assert got["report"]["bad_by_reason"] == want["report"]["bad_by_reason"]
+
+
+def test_fail_mode_raises_the_first_bad_line_of_the_file(tmp_path, chatml_tokenizer):
+    """Line 1 fails only once tokenized (nothing supervised left after truncation), line 3 already when parsed:
+    the error names line 1, however the records were batched for the tokenizer."""
+    from dflash_flow.data.records import DataError
+
+    f = tmp_path / "c.jsonl"
+    long_user = {"conversations": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]}
+    f.write_text(json.dumps(long_user) + "\n" + json.dumps({"conversations": [{"role": "user", "content": "a"},
+                 {"role": "assistant", "content": "b"}]}) + "\n{oops\n")
+    with pytest.raises(DataError, match=rf"{f}:1: no supervised .* left after truncation"):
+        read_records(f, tokenizer=chatml_tokenizer, kind="chat", options=ReadOptions(max_length=20, on_bad_record="fail"))
+    skipped = read_records(f, tokenizer=chatml_tokenizer, kind="chat", options=ReadOptions(max_length=20))
+    assert [r.line for r in skipped.report.bad_records] == [1, 3]
