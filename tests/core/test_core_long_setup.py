@@ -72,4 +72,5 @@ def test_regenerating_the_embedded_dataset_under_a_short_stall_timeout(tmp_path)
     t0 = time.monotonic()
     Pipeline(g, services=services, check_devices=False).run()
     assert time.monotonic() - t0 > 1.0  # regeneration took longer than the stall timeout ...
-    assert len(services["sink:sink"]) == 6  # ... and every sample arrived
+    (table,) = [item for _seq, item in services["sink:sink"]]  # the source emits one table of its samples
+    assert len(table) == 6  # ... and every sample arrived

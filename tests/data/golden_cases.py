@@ -121,10 +121,20 @@ def digest(tf) -> dict:
             "offsets": h(tf.offsets, np.int64), "lines": h(tf.lines, np.int64), "report": report}
 
 
+def _data_conftest():
+    """tests/data/conftest.py by path (another directory's `conftest` may be the one imported by name)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("data_conftest_for_golden", HERE / "conftest.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def cases(tmp: Path):
     """(name, path, reader kwargs) of every golden case; ``reader kwargs`` name the tokenizer and options."""
-    sys.path.insert(0, str(HERE))
-    from conftest import CHATML_TEMPLATE, LLAMA3_TEMPLATE, QWEN3_TEMPLATE
+    c = _data_conftest()
+    CHATML_TEMPLATE, LLAMA3_TEMPLATE, QWEN3_TEMPLATE = c.CHATML_TEMPLATE, c.LLAMA3_TEMPLATE, c.QWEN3_TEMPLATE
 
     chat = write_chat(tmp / "chat.jsonl", chat_lines())
     toks = write_tokens(tmp / "tokens.jsonl", token_rows())
@@ -147,9 +157,7 @@ def cases(tmp: Path):
 
 
 def tokenizer_for(spec):
-    sys.path.insert(0, str(HERE))
-    from conftest import build_tokenizer
-
+    build_tokenizer = _data_conftest().build_tokenizer
     if spec is None:
         return None
     if spec == "embedded":
