@@ -8,6 +8,7 @@ checkpoints, no resume). The core runtime treats ``services`` as opaque.
 
 from __future__ import annotations
 
+import abc
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -39,7 +40,11 @@ class CheckpointPayload:
     files: dict[str, str] = attrs.field(factory=dict)  # small text files, e.g. the drafter's config.json
 
 
-class CheckpointSource(Protocol):
+class CheckpointSource(abc.ABC):
+    """A stage that hands the checkpoint service its payload (DrafterStep); a base class, not a name looked
+    up: a subclass that does not implement ``checkpoint_payload`` cannot be built."""
+
+    @abc.abstractmethod
     def checkpoint_payload(self, epoch_end: bool = False) -> CheckpointPayload: ...
 
 
@@ -92,5 +97,5 @@ class RunServices:
 
 def services_of(ctx: Any) -> RunServices:
     """The run services of a stage context (empty ones when the pipeline was built without them)."""
-    services = getattr(ctx, "services", None)
+    services = ctx.services
     return services if isinstance(services, RunServices) else RunServices()

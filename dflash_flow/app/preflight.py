@@ -14,8 +14,7 @@ from dflash_flow.core.validate import Validated
 
 def preflight_problems(v: Validated) -> list[Problem]:
     """A Bucketer token budget smaller than the longest sample an upstream source may emit (it would
-    only fail after reading all the data), and a stage's settings its target's sizes rule out
-    (``variant_problems``: DrafterStep's DFlash 2 group size and top-k)."""
+    only fail after reading all the data)."""
     from dflash_flow.stages.bucketer import Bucketer
 
     graph = v.graph
@@ -32,9 +31,9 @@ def preflight_problems(v: Validated) -> list[Problem]:
                 continue
             seen.add(name)
             up = v.configs.get(name)
-            max_length = getattr(up, "max_length", None)
-            if isinstance(max_length, int):
-                multiple = max(int(getattr(conf, "pad_to_multiple", 1)), 1)
+            max_length = up.longest_item() if up is not None else None
+            if max_length is not None:
+                multiple = max(conf.pad_to_multiple, 1)
                 padded = math.ceil(max_length / multiple) * multiple
                 if conf.max_tokens < padded:
                     problems.append(Problem(
@@ -47,17 +46,6 @@ def preflight_problems(v: Validated) -> list[Problem]:
                     ))
                 continue
             todo.extend(inp.stage for inp in graph.stage(name).inputs)
-    for i, spec in enumerate(graph.stages):
-        # Settings that only the target can judge (DrafterStep's DFlash 2 sizes against its hidden size).
-        check = getattr(v.configs.get(spec.name), "variant_problems", None)
-        for field, message in check() if callable(check) else ():
-            problems.append(Problem(
-                message,
-                file=loc.filename if loc is not None else None,
-                line=loc.line("stages", i, "config", field) if loc is not None else None,
-                stage=spec.name,
-                field=field,
-            ))
     return problems
 
 
@@ -144,13 +132,12 @@ def check_writable_dir(path: Path, what: str) -> None:
 
 
 def check_stage_outputs(v: Validated, output_dir: Path) -> None:
-    """Directories stages write into at the end of the run (``export_dir``) must not be files: found now,
-    not after hours of training."""
+    """Directories stages write into at the end of the run (``Stage.output_dirs``, e.g. DrafterStep's
+    ``export_dir``) must not be files: found now, not after hours of training."""
     from dflash_flow.app.exits import UserError
 
     for name, conf in v.configs.items():
-        sub = getattr(conf, "export_dir", None)
-        if isinstance(sub, str) and sub:
+        for sub in conf.output_dirs():
             target = output_dir / sub
             if target.exists() and not target.is_dir():
                 raise UserError(f"stage '{name}': export_dir {target} is an existing file, not a directory")
@@ -220,10 +207,7 @@ def data_fingerprint(v: Validated) -> dict[str, str]:
 
     out: dict[str, str] = {}
     for conf in v.configs.values():
-        files = getattr(conf, "data_files", None)
-        if not callable(files):
-            continue
-        for name in files():
+        for name in conf.data_files():
             try:
                 out[str(name)] = file_sha256(Path(name).expanduser())
             except OSError:
@@ -241,13 +225,12 @@ def checkpoint_bytes(v: Validated) -> tuple[int, int]:
 
     ckpt = export = 0
     for name, conf in v.configs.items():
-        count = getattr(conf, "parameter_count", None)
-        if not callable(count):
-            continue
         try:
-            n = int(count())
+            n = int(conf.parameter_count())
         except Exception as exc:  # noqa: BLE001
             logging.getLogger("dflash_flow").debug("no checkpoint size estimate for stage '%s': %s", name, exc)
+            continue
+        if not n:
             continue
         ckpt += checkpoint_size_estimate(n)
         export += 4 * n

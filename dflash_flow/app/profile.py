@@ -392,7 +392,7 @@ def is_replicable(v: Validated, name: str, step_stage: str) -> bool:
 
 
 def grad_accum_of(v: Validated, step_stage: str) -> int:
-    return max(1, int(getattr(v.configs[step_stage], "grad_accum", 1) or 1))
+    return max(1, v.configs[step_stage].inputs_per_step)
 
 
 # ------------------------------------------------------------------------------------------ running

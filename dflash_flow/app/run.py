@@ -38,8 +38,7 @@ def build_resume_state(v: Validated, ckpt) -> dict[str, list[dict[str, Any]]]:
     out: dict[str, list[dict[str, Any]]] = {}
     for spec in v.graph.stages:
         cls = v.classes[spec.name]
-        derive = getattr(cls, "resume_state_for", None)
-        state = derive(ckpt.data_position) if derive is not None and ckpt.data_position else None
+        state = cls.resume_state_for(ckpt.data_position) if ckpt.data_position else None
         if state is not None:
             out[spec.name] = [state] * spec.replicas
         elif spec.name in ckpt.stage_states:

@@ -10,6 +10,7 @@ from .errors import (
     Problem,
     ShutdownTimeout,
     StageError,
+    StateVersionError,
 )
 from .graph import Graph, InputSpec, RuntimeOptions, StageSpec
 from .metrics import MetricSet
@@ -43,6 +44,7 @@ __all__ = [
     "StageContext",
     "StageError",
     "StageSpec",
+    "StateVersionError",
     "cfg",
     "derive_seed",
     "load_graph",

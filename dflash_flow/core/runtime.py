@@ -14,7 +14,7 @@ import signal
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from .graph import Graph
 from .metrics import MetricSet
 from .routing import Router, make_router
 from .snapshot import ReplicaSnapshot, RuntimeSnapshot, StageSnapshot
-from .stage import Stage, StageContext
+from .stage import Source, Stage, StageContext
 from .validate import Validated, validated
 
 
@@ -110,6 +110,7 @@ class _Replica:
         self.blocked_out_s = 0.0
         self.setup_done = False
         self.resume_state: dict[str, Any] | None = None
+        self.state_loaded = False  # until the resume state is loaded, it is this replica's state
         self.final_state: dict[str, Any] | None = None
 
     @property
@@ -173,6 +174,9 @@ class Pipeline:
         self._warnings: list[str] = []
         self._watch_stop = threading.Event()
         self._stuck: list[str] = []
+        # The drain timer of a stop (False once shutdown began: none may start after that) and the watchdog.
+        self._drain_timer: threading.Timer | bool | None = None
+        self._watchdog: threading.Thread | None = None
         self._build(resume_state or {}, collect or [])
 
     # -- construction -----------------------------------------------------------------------------
@@ -345,7 +349,7 @@ class Pipeline:
         self._stop.set()
         with self._lock:
             # One drain timer per run: a second stop() must not start (and leak) another one.
-            if not self._started or self._done.is_set() or getattr(self, "_drain_timer", None) is not None:
+            if not self._started or self._done.is_set() or self._drain_timer is not None:
                 return
             t = threading.Timer(self.graph.runtime.drain_timeout_s, self.cancel, args=(f"{reason}: drain timed out",))
             t.name = "dflash-flow-drain-timer"
@@ -403,11 +407,10 @@ class Pipeline:
         return RuntimeSnapshot(time=now, elapsed_s=(end - self._start_time) if self._started else 0.0, stages=stages)
 
     def state_dict(self) -> dict[str, list[dict[str, Any]]]:
-        """Every replica's ``state_dict()``; after a run, the state captured when its thread ended."""
-        out = {}
-        for name, reps in self.replicas.items():
-            out[name] = [rep.final_state if rep.final_state is not None else rep.stage.state_dict() for rep in reps]
-        return out
+        """Every replica's ``state_dict()``; after a run, the state captured when its thread ended. A replica
+        that has not loaded its resume state yet (still in setup) reports that resume state; one that never
+        got one reports its initial state (``Stage.get_state`` works before setup)."""
+        return {name: [_replica_state(rep) for rep in reps] for name, reps in self.replicas.items()}
 
     # -- internals --------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -448,13 +451,14 @@ class Pipeline:
             rep.stage.setup(rep.ctx)
             if rep.resume_state is not None:
                 rep.stage.load_state_dict(rep.resume_state)
+            rep.state_loaded = True
             phase = "produce" if rep.input is None else "process"
             if rep.input is None:
                 self._run_source(rep)
             else:
                 self._run_transform(rep)
             phase = "finish"
-            outs = rep.stage.finish()
+            outs = _outputs(rep, rep.stage.finish(), "finish")
             if outs is not None:
                 for out in outs:
                     self._emit(rep, None, out)
@@ -492,10 +496,9 @@ class Pipeline:
                 self._wake.set()
 
     def _run_source(self, rep: _Replica) -> None:
-        produce = getattr(rep.stage, "produce", None)
-        if produce is None:
-            raise TypeError(f"stage '{rep.name}' has no input and no produce()")
-        it = iter(produce())
+        if not isinstance(rep.stage, Source):
+            raise TypeError(f"stage '{rep.name}' has no input: its type must be a Source with produce()")
+        it = iter(rep.stage.produce())
         seq = 0
         stop = self._stop
         while not stop.is_set():
@@ -506,9 +509,8 @@ class Pipeline:
                 break
             self._emit(rep, seq, item)
             seq += 1
-        close = getattr(it, "close", None)
-        if close is not None:
-            close()
+        if isinstance(it, Generator):
+            it.close()
 
     def _run_transform(self, rep: _Replica) -> None:
         ch = rep.input
@@ -546,7 +548,7 @@ class Pipeline:
             return
         rep.set_state("busy")
         rep.items_in += 1
-        outs = rep.stage.process(item)
+        outs = _outputs(rep, rep.stage.process(item), "process")
         n = 0
         if outs is not None:
             for out in outs:
@@ -670,13 +672,13 @@ class Pipeline:
                     if rep.thread.is_alive():
                         alive.append(rep.label)
         with self._lock:
-            timer = getattr(self, "_drain_timer", None)
+            timer = self._drain_timer
             self._drain_timer = False  # no drain timer may start after this point
         if timer:
             timer.cancel()
             timer.join()
         self._watch_stop.set()
-        wd = getattr(self, "_watchdog", None)
+        wd = self._watchdog
         if wd is not None:
             wd.join()
         self._finished = True
@@ -715,6 +717,25 @@ class Pipeline:
 
 class _UpstreamFailed(Exception):
     pass
+
+
+def _replica_state(rep: _Replica) -> dict[str, Any]:
+    if rep.final_state is not None:
+        return rep.final_state
+    if rep.resume_state is not None and not rep.state_loaded:
+        return rep.resume_state
+    return rep.stage.state_dict()
+
+
+def _outputs(rep: _Replica, outs: Any, hook: str) -> Any:
+    """What ``process`` / ``finish`` returned, if it is None, a list or tuple of outputs, or an iterator
+    (a generator); anything else is a bare item, which the runtime would otherwise iterate over."""
+    if outs is None or isinstance(outs, (list, tuple, Iterator)):
+        return outs
+    raise TypeError(
+        f"stage '{rep.name}' ({rep.type_name}).{hook}() returned a bare {type(outs).__name__}; return its outputs "
+        f"in a list or tuple (`return (item,)`), yield them, or return None for no output"
+    )
 
 
 def _raise_terminate(signum, frame):  # noqa: ARG001

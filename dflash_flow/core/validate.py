@@ -2,7 +2,7 @@
 
 ``validated`` runs small named checks over one shared ``_Check`` (the graph, a problem factory and what
 earlier checks resolved): shapes, names, types and configs, runtime options, placement (replicas,
-capacity, devices), edges, cycles and ordering.
+capacity, devices), edges, cycles, ordering, and each stage's own view of its config.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from .errors import ConfigError, Problem
 from .graph import Graph, RuntimeOptions, StageSpec
 from .routing import POLICIES
 from .sections import section_to_dict
-from .stage import Stage
+from .stage import Source, Stage
 
 
 class Validated:
@@ -106,7 +106,7 @@ def _validated(graph: Graph, *, check_devices: bool, gpu_count: int | None,
     _check_shapes(c)
     if not c.problems:  # the checks below rely on well-typed specs
         for check in (_check_names, _check_configs, _check_runtime, _check_sections, _check_placement,
-                      _check_edges, _check_cycles, _check_ordering):
+                      _check_edges, _check_cycles, _check_ordering, _check_stage_configs):
             check(c)
     if c.problems:
         raise ConfigError(c.problems)
@@ -321,9 +321,28 @@ def _check_stage_devices(c: _Check, spec: StageSpec, conf: Stage, groups: list[l
         c.add(message, spec, *path, field=field)
 
 
+def _check_stage_configs(c: _Check) -> None:
+    """Each stage's own judgement of its settings (``Stage.config_problems``); a failing check is reported."""
+    for spec in c.graph.stages:
+        conf = c.configs.get(spec.name)
+        if conf is None:
+            continue
+        try:
+            found = conf.config_problems()
+        except Exception as exc:
+            c.add(f"stage type '{spec.type}' failed to check its config: {type(exc).__name__}: {exc}", spec,
+                  "config", field="config")
+            continue
+        for field, message in found:
+            c.add(message, spec, "config", field, field=field)
+
+
 def _check_edges(c: _Check) -> None:
     for spec in c.graph.stages:
         cls = c.classes.get(spec.name)
+        if cls is not None and cls.is_source() and not issubclass(cls, Source):
+            c.add(f"stage type '{spec.type}' takes no input (input_type None) but is not a Source: subclass "
+                  "dflash_flow.core.Source and implement produce()", spec, "type", field="type")
         if cls is not None and cls.is_source() and spec.inputs:
             c.add(f"stage type '{spec.type}' is a source and takes no inputs", spec, "inputs", field="inputs")
         if cls is not None and not cls.is_source() and not spec.inputs:

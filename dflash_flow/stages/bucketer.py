@@ -47,8 +47,8 @@ class Bucketer(Stage):
 
         from dflash_flow.data.plan import BatchPlanner, PlanConfig
 
-        if not self._samples:
-            return
+        if not self._samples or self._ctx.stop_requested.is_set():
+            return  # nothing to plan, or stopping: no epoch is packed for a run that ends now
         # Arrival order can depend on thread timing upstream; the plan must not.
         self._samples.sort(key=lambda s: s.sample_id)
         ids = np.fromiter((s.sample_id for s in self._samples), dtype=np.int64, count=len(self._samples))
@@ -79,10 +79,5 @@ class Bucketer(Stage):
             yield EpochBatches(epoch=epoch, packed=packed, samples=self._samples, num_epochs=self.epochs)
 
     # Re-packing is cheap and a pure function of the samples, so every run packs from epoch 0 and the
-    # Interleaver skips what was consumed: no state that could disagree with the Interleaver's.
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": 1}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != 1:
-            raise ValueError(f"unsupported state version {state.get('version')!r}")
+    # Interleaver skips what was consumed: no state that could disagree with the Interleaver's (the base
+    # class's empty one).

@@ -14,11 +14,8 @@ import attrs
 
 from dflash_flow.core import Stage, cfg
 from dflash_flow.items import StepReport, TargetFeatures
-from dflash_flow.services import CheckpointPayload, services_of
+from dflash_flow.services import CheckpointPayload, CheckpointSource, services_of
 from dflash_flow.util import is_within
-
-STATE_VERSION = 1
-
 
 def _refuse_outside(path: Path, root: Path) -> None:
     """What the run writes stays inside its output directory, even past a symbolic link made mid-run."""
@@ -73,7 +70,7 @@ def check_inside_output_dir(field: str, value: str) -> None:
 
 
 @attrs.define(kw_only=True, eq=False)
-class DrafterStep(Stage):
+class DrafterStep(Stage, CheckpointSource):
     """Trains the DFlash drafter on target features; checkpoints; exports the inference checkpoint."""
 
     @classmethod
@@ -160,6 +157,14 @@ class DrafterStep(Stage):
     torch_threads: int | None = cfg(None, ge=1, doc="torch intra-op threads (CPU runs).")
     trust_remote_code: bool = cfg(False, doc="Allow the target's own code when reading its config.")
 
+    # Where the data stream has got to (state; the initial values are a fresh stage's state).
+    _epoch: int = attrs.field(default=0, init=False)
+    _epoch_done: bool = attrs.field(default=False, init=False)  # the last batch trained ended its epoch
+    _plan_state: dict[str, Any] | None = attrs.field(default=None, init=False)  # the Interleaver's, after it
+    _total_consumed: int = attrs.field(default=0, init=False)  # batches trained on in the whole run (this rank)
+    _trainer: Any = attrs.field(default=None, init=False)
+    _batch_log: Any = attrs.field(default=None, init=False)
+
     @prefix_min_length.validator
     def _check_prefix_min(self, _attribute: attrs.Attribute, value: int) -> None:
         if value > self.block_size - 1:
@@ -189,7 +194,7 @@ class DrafterStep(Stage):
             "selector_rank": self.selector_rank, "selector_top_k": self.selector_top_k,
         }
 
-    def variant_problems(self) -> list[tuple[str, str]]:
+    def config_problems(self) -> list[tuple[str, str]]:
         """(field, message) for DFlash 2 settings that do not fit the target (group size against its
         hidden size, top-k against its vocabulary): needs the target's config, so the application's
         preflight asks (``validate`` and ``run``), and setup would fail the same way."""
@@ -250,10 +255,6 @@ class DrafterStep(Stage):
             selector_loss_weight=self.selector_loss_weight,
         )
         self._trainer = DrafterTrainer(drafter, head, config, device=ctx.device, dtype=dtype)
-        self._epoch = 0
-        self._epoch_done = False  # the last batch trained ended its epoch
-        self._plan_state: dict[str, Any] | None = None  # the Interleaver's state after the last batch trained
-        self._total_consumed = 0  # batches trained on in the whole run (this rank)
         # A resumed run continues the file (its lines after the checkpoint are trained again, so appear
         # twice: see the record_batches doc); a fresh run starts a new one, whatever an earlier run left.
         mode = "a" if self._services.resume is not None else "w"
@@ -330,6 +331,13 @@ class DrafterStep(Stage):
             model = drafter_from_config(config)
         return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
+    def output_dirs(self) -> list[str]:
+        return [self.export_dir]
+
+    @property
+    def inputs_per_step(self) -> int:
+        return self.grad_accum
+
     # -- checkpoints --------------------------------------------------------------------------------
     def _position(self) -> dict[str, Any]:
         """Where the data stream continues after a resume: the epoch and the plan state of the last batch
@@ -354,20 +362,16 @@ class DrafterStep(Stage):
             files={"config.json": json.dumps(drafter_config_dict(trainer.drafter.config), indent=2, sort_keys=True)},
         )
 
-    def state_dict(self) -> dict[str, Any]:
-        trainer = getattr(self, "_trainer", None)
+    def get_state(self) -> dict[str, Any]:
         return {
-            "version": STATE_VERSION,
-            "epoch": getattr(self, "_epoch", 0),
-            "epoch_done": getattr(self, "_epoch_done", False),
-            "plan": getattr(self, "_plan_state", None),
-            "total_consumed": getattr(self, "_total_consumed", 0),
-            "trainer": trainer.state_dict() if trainer is not None else None,
+            "epoch": self._epoch,
+            "epoch_done": self._epoch_done,
+            "plan": self._plan_state,
+            "total_consumed": self._total_consumed,
+            "trainer": self._trainer.state_dict() if self._trainer is not None else None,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"DrafterStep state version {state.get('version')} is not supported")
+    def set_state(self, state: dict[str, Any]) -> None:
         self._epoch = int(state["epoch"])
         self._epoch_done = bool(state.get("epoch_done", False))
         self._plan_state = state.get("plan")
@@ -405,6 +409,6 @@ class DrafterStep(Stage):
         return (StepReport(step=self._trainer.step, epoch=self._epoch, meta=None, metrics={}, final=True, artifacts={"drafter": str(out)}),)
 
     def teardown(self) -> None:
-        log = getattr(self, "_batch_log", None)
-        if log is not None:
-            log.close()
+        if self._batch_log is not None:
+            self._batch_log.close()
+            self._batch_log = None

@@ -38,6 +38,7 @@ class Monitor(Stage):
     total_steps: int | None = cfg(None, ge=1, doc="Steps expected (for the ETA); default: from the reports.")
     plots: bool = cfg(True, doc="Ask for PNG plots in the end-of-run report (and in MLflow).")
     sinks: list[str] = cfg(factory=list, doc="Stages for which being the bottleneck is the goal (default: the trainer feeding this monitor).")
+    _printer: Any = attrs.field(default=None, init=False)
 
     def setup(self, ctx) -> None:
         from dflash_flow.observe.progress import ProgressPrinter
@@ -214,5 +215,6 @@ class Monitor(Stage):
         return None
 
     def teardown(self) -> None:
-        if getattr(self, "_printer", None) is not None:
+        if self._printer is not None:
             self._printer.close()
+            self._printer = None

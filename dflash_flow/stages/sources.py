@@ -86,9 +86,10 @@ class _RecordSource(Source):
         return {}
 
     def data_files(self) -> list[str]:
-        """The files this source reads, as configured: the application hashes them so that a resume
-        notices data that changed under the same path."""
         return list(self.paths)
+
+    def longest_item(self) -> int:
+        return self.max_length
 
     def _read(self, path: str, options):  # pragma: no cover - overridden
         raise NotImplementedError
@@ -123,13 +124,8 @@ class _RecordSource(Source):
             next_id += len(tf)
         self.report = report
 
-    # Every run re-reads all samples (the plan needs all of them); resume state lives in the Interleaver.
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": 1}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != 1:
-            raise ValueError(f"unsupported state version {state.get('version')!r}")
+    # Every run re-reads all samples (the plan needs all of them): no state of its own (the base class's
+    # empty one); resume state lives in the Interleaver.
 
 
 @attrs.define(kw_only=True, eq=False)

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from faulty_stages import BUILTIN_TYPES, FAULTY, InjectedFault
+from faulty_stages import BUILTIN_TYPES, FAULTY, PLUGIN_TYPES, InjectedFault
 from reltools import (
     MASK_ID,
     VOCAB,
@@ -85,9 +85,9 @@ def _graph(victim: str, files, replicas: int, fault: dict) -> tuple[Graph, str]:
             type_, reps, conf = F, replicas, {**conf, **fault}
         g.add(name, type_, inputs=inputs, replicas=reps, config=conf)
 
-    if victim in ("Range", "Delay", "Discard"):
+    if victim in ("Range", "Delay", "Discard", "Scale"):
         add("source", "Range", [], 1, {"count": 20})
-        add("work", "Delay", ["source"], 1, {})
+        add("work", "Scale" if victim == "Scale" else "Delay", ["source"], 1, {})
         add("sink", "Discard", ["work"], 1, {})
     elif victim in ("TokenizedSource", "ChatSource", "EmbeddedChatSource"):
         conf = {
@@ -133,7 +133,7 @@ def _graph(victim: str, files, replicas: int, fault: dict) -> tuple[Graph, str]:
 
 def _cases():
     out = []
-    for t in BUILTIN_TYPES:
+    for t in BUILTIN_TYPES + PLUGIN_TYPES:
         cls = FAULTY[t]
         # Several replicas wherever the type allows them (validation rejects replicas of singletons and
         # of sources that would emit their whole output once per replica).
