@@ -128,7 +128,7 @@ def run(
     if nproc is not None:
         from dflash_flow.app.launch import launch
 
-        output_dir = Path(v.graph.output_dir or f"runs/{v.graph.name}")
+        output_dir = v.graph.run_dir
         world = nproc * (int(str(nnodes).split(":")[-1]) if str(nnodes).split(":")[-1].isdigit() else 1)
         tracking = v.graph.sections["tracking"]
         raise typer.Exit(launch(file, output_dir, world_size=world, nproc=nproc, nnodes=nnodes,

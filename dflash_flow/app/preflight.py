@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dflash_flow.core.errors import Problem
 from dflash_flow.core.validate import Validated
+from dflash_flow.util import probe_write
 
 
 def preflight_problems(v: Validated) -> list[Problem]:
@@ -54,21 +55,6 @@ _LOCK_NAME = ".dflash-flow.lock"
 _MAX_WALK = 20_000  # entries of the output directory looked at for symbolic links (a run makes a few dozen)
 
 
-def _probe_write(directory: Path) -> str | None:
-    """Create and remove a file in ``directory``: the only check that also holds for root, read-only mounts
-    and ACLs (``os.access`` answers yes to root on a read-only filesystem)."""
-    import os
-    import tempfile
-
-    try:
-        fd, name = tempfile.mkstemp(prefix=".dflash-probe-", dir=directory)
-        os.close(fd)
-        os.unlink(name)
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    return None
-
-
 def escaping_links(root: Path, limit: int = _MAX_WALK) -> list[tuple[Path, str]]:
     """Symbolic links under ``root`` that lead out of it (link, where it leads), without following any."""
     import os
@@ -99,7 +85,7 @@ def prepare_output_dir(output_dir: Path) -> None:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"cannot create output_dir {output_dir}: {exc.strerror or exc}") from None
-    why = _probe_write(output_dir)
+    why = probe_write(output_dir)
     if why:
         raise UserError(f"output_dir {output_dir} is not writable: {why}")
     links = escaping_links(output_dir)
@@ -125,7 +111,7 @@ def check_writable_dir(path: Path, what: str) -> None:
         base = base.parent
     if not base.is_dir():
         raise UserError(f"cannot create {what} {path}: {base} is not a directory")
-    why = _probe_write(base)
+    why = probe_write(base)
     if why:
         raise UserError(f"{what} {path} is not writable: {why}" if base == path else
                         f"cannot create {what} {path}: {base} is not writable ({why})")

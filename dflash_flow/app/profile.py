@@ -502,7 +502,7 @@ def profile(
         raise ProfileError(f"--step-stage: no stage named '{step_stage}' (stages: {', '.join(v.order)})")
     accum = grad_accum_of(v, step_stage)
     start_at, end_at = warmup_steps * accum, (warmup_steps + steps) * accum
-    out_dir = Path(output_dir or v.graph.output_dir or f"runs/{v.graph.name}")
+    out_dir = Path(output_dir) if output_dir else v.graph.run_dir
     services = services if services is not None else RunServices()
     tracker = _start_tracker(v, out_dir) if tracking else None
     if tracker is not None:
@@ -662,7 +662,7 @@ def profile_command(
     from dflash_flow.core.errors import PipelineInterrupted, PipelineStalled, StageError
 
     quiet_libraries()
-    out_dir = Path(v.graph.output_dir or f"runs/{v.graph.name}")
+    out_dir = v.graph.run_dir
     try:
         result = profile(v, steps, warmup_steps=warmup_steps, interval_s=interval_s, step_stage=step_stage,
                          tracking=tracking, output_dir=out_dir)

@@ -386,7 +386,7 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
     main = dist_ctx is None or dist_ctx.is_main
     logging.basicConfig(level=logging.INFO if main else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     quiet_libraries()
-    output_dir = Path(graph.output_dir or f"runs/{graph.name}")
+    output_dir = graph.run_dir
     tracking = graph.sections["tracking"]
     ck = graph.sections["checkpoint"]
     lock = None

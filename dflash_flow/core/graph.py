@@ -7,6 +7,7 @@ validates without running anything. ``Graph.add`` also accepts Stage instances f
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -114,6 +115,11 @@ class Graph:
             )
         )
         return self
+
+    @property
+    def run_dir(self) -> Path:
+        """Where the run writes: ``output_dir``, by default ``runs/<name>`` (the one place that default lives)."""
+        return Path(self.output_dir or f"runs/{self.name}")
 
     def stage(self, name: str) -> StageSpec:
         for spec in self.stages:

@@ -152,7 +152,7 @@ class Pipeline:
         self.local_world_size = (
             int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if local_world_size is None else local_world_size
         )
-        self.output_dir = Path(output_dir or self.graph.output_dir or f"runs/{self.graph.name}")
+        self.output_dir = Path(output_dir) if output_dir else self.graph.run_dir
         self.services = services if services is not None else {}
         self.view = RuntimeView(self)
         self._lock = threading.Lock()

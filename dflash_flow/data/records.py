@@ -23,7 +23,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -33,7 +32,7 @@ import attrs
 import numpy as np
 
 from dflash_flow.items import Sample
-from dflash_flow.util import sha256_file
+from dflash_flow.util import atomic_write, sha256_file
 
 from .chat import (
     ChatTemplateError,
@@ -477,25 +476,14 @@ def _cache_load(cache_dir: Path | None, path: Path, key: str) -> TokenizedFile |
     return TokenizedFile(str(path), ids, mask, offsets, lines, report)
 
 
-def _atomic_write(target: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _cache_store(cache_dir: Path | None, path: Path, key: str, tf: TokenizedFile) -> None:
     if cache_dir is None:
         return
     cache_dir.mkdir(parents=True, exist_ok=True)
     arrays, meta = _cache_paths(cache_dir, path, key)
     # Arrays first, report last: a reader only trusts an entry whose report exists.
-    _atomic_write(arrays, lambda f: np.savez(f, ids=tf.ids, mask=tf.mask, offsets=tf.offsets, lines=tf.lines))
-    _atomic_write(meta, lambda f: f.write(json.dumps(tf.report.to_json()).encode()))
+    atomic_write(arrays, lambda f: np.savez(f, ids=tf.ids, mask=tf.mask, offsets=tf.offsets, lines=tf.lines))
+    atomic_write(meta, lambda f: f.write(json.dumps(tf.report.to_json()).encode()))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ from typing import Any, Protocol
 
 import attrs
 
+from dflash_flow.util import atomic_write_text
+
 from .record import RunRecord
 
 log = logging.getLogger(__name__)
@@ -39,10 +41,8 @@ class RunReportFiles:
 
 
 def _write_json(path: Path, data: Any) -> Path:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False, allow_nan=False), encoding="utf-8")
-    os.replace(tmp, path)  # a reader never sees half a file
-    return path
+    # A reader never sees half a file.
+    return atomic_write_text(path, json.dumps(data, indent=1, ensure_ascii=False, allow_nan=False))
 
 
 def write_run_report(

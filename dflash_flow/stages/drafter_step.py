@@ -17,6 +17,7 @@ from dflash_flow.items import StepReport, TargetFeatures
 from dflash_flow.services import CheckpointPayload, CheckpointSource, services_of
 from dflash_flow.util import is_within
 
+
 def _refuse_outside(path: Path, root: Path) -> None:
     """What the run writes stays inside its output directory, even past a symbolic link made mid-run."""
     if not is_within(path, root):

@@ -11,6 +11,7 @@ from dflash_flow.core import Stage, StageContext, cfg
 from dflash_flow.data.plan import plan_field
 from dflash_flow.items import EpochBatches, PlannedBatch
 
+
 @attrs.define(kw_only=True, eq=False)
 class Interleaver(Stage):
     """Orders an epoch's bucket batches into global steps with a same-bucket run cap and an even mix;

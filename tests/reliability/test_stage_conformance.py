@@ -29,7 +29,16 @@ import pytest
 from faulty_stages import BUILTIN_TYPES, PLUGIN_TYPES
 from reltools import MASK_ID, VOCAB, wait_threads_back, write_tokenized
 
-from dflash_flow.core import Graph, Pipeline, PipelineInterrupted, Source, Stage, StageContext, StateVersionError, registry
+from dflash_flow.core import (
+    Graph,
+    Pipeline,
+    PipelineInterrupted,
+    Source,
+    Stage,
+    StageContext,
+    StateVersionError,
+    registry,
+)
 from dflash_flow.core.graph import RuntimeOptions
 from dflash_flow.core.registry import ENTRY_POINT_GROUP
 
