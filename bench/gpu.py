@@ -64,12 +64,8 @@ def correctness(device: str) -> dict:
     import torch
 
     from dflash_flow.model.objective import dflash_loss, sample_anchors
-    from dflash_flow.model.target import (
-        TargetFeatureExtractor,
-        load_shared_head,
-        load_target,
-        load_target_config,
-    )
+    from dflash_flow.model.head import load_shared_head
+    from dflash_flow.model.target import TargetFeatureExtractor, load_target, load_target_config
     from dflash_flow.model.trainer import DrafterShape, build_drafter
 
     spec = {**TINY, "seed": 3}

@@ -289,7 +289,7 @@ class DrafterTrainer:
         dtype: torch.dtype,
     ) -> None:
         self.drafter = drafter
-        self.head = head  # the target's frozen embedding and LM head (model.target.SharedHead)
+        self.head = head  # the target's frozen embedding and LM head (model.head.SharedHead)
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype

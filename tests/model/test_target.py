@@ -12,16 +12,13 @@ import threading
 import pytest
 import torch
 
+from dflash_flow.model.head import SharedHead, clear_shared_head_cache, shared_head, shared_head_from_checkpoint
 from dflash_flow.model.target import (
     TARGET_PRESETS,
-    SharedHead,
     TargetFeatureExtractor,
     TargetOfflineError,
-    clear_shared_head_cache,
     decoder_layers,
     load_target,
-    shared_head,
-    shared_head_from_checkpoint,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: 1 thread is fastest

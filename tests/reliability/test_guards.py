@@ -132,7 +132,8 @@ def test_nonfinite_weights_are_never_checkpointed_nor_exported(tmp_path):
 
 
 def _trainer(on_nonfinite: str):
-    from dflash_flow.model.target import load_shared_head, load_target_config
+    from dflash_flow.model.head import load_shared_head
+    from dflash_flow.model.target import load_target_config
     from dflash_flow.model.trainer import DrafterShape, DrafterTrainer, TrainerConfig, build_drafter
 
     tc = load_target_config("tiny-qwen3-8l")
