@@ -216,8 +216,8 @@ class DrafterStep(Stage, CheckpointSource):
         import torch
 
         from dflash_flow.embedded import resolve_target
-        from dflash_flow.model.loading import MODEL_LOAD_LOCK
         from dflash_flow.model.head import load_shared_head
+        from dflash_flow.model.loading import MODEL_LOAD_LOCK
         from dflash_flow.model.target import load_target_config, resolve_dtype
         from dflash_flow.model.trainer import DrafterShape, DrafterTrainer, TrainerConfig, build_drafter
 
