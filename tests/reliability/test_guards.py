@@ -298,7 +298,7 @@ def test_arrow_ids_that_do_not_fit_int32_are_refused_not_wrapped(tmp_path):
 def test_suspended_time_never_counts_as_no_progress_time(interval, ticks):
     """Each tick is (scheduling delay as a share of the interval, seconds the process was stopped). However
     long the suspensions, they add at most a bounded allowance per tick; delays within it count in full."""
-    from dflash_flow.core.runtime import running_time
+    from dflash_flow.core.watchdog import running_time
 
     allowance = max(0.5 * interval, 0.05)
     counted = ran = 0.0
