@@ -29,7 +29,7 @@ def _fail(message: str) -> None:
 
 
 def _load(file: Path, overrides: Optional[list[str]], check_devices: bool = True, local_world_size: Optional[int] = None,
-          gpu_count: Optional[int] = None):
+          gpu_count: Optional[int] = None, check_paths: Optional[bool] = None):
     """Load and validate; print one line per problem and exit 2 on user errors."""
     import dflash_flow.app  # noqa: F401 - registers the application sections
     from dflash_flow.app.preflight import preflight_problems
@@ -39,7 +39,7 @@ def _load(file: Path, overrides: Optional[list[str]], check_devices: bool = True
     try:
         graph = load_graph(file, overrides or [])
         v = validated(graph, check_devices=check_devices, local_world_size=local_world_size, gpu_count=gpu_count)
-        problems = preflight_problems(v)
+        problems = preflight_problems(v, check_paths=check_devices if check_paths is None else check_paths)
         if problems:
             raise ConfigError(problems)
         return v
@@ -52,13 +52,15 @@ def _load(file: Path, overrides: Optional[list[str]], check_devices: bool = True
 def validate(
     file: Path = typer.Argument(..., help="Pipeline YAML file."),
     set_: Optional[list[str]] = SetOpt,
-    no_device_check: bool = typer.Option(False, "--no-device-check", help="Check everything but device availability."),
+    no_device_check: bool = typer.Option(False, "--no-device-check", help="Validate for another machine: skip the checks of this machine's devices and files."),
+    no_path_check: bool = typer.Option(False, "--no-path-check", help="Skip only the checks that data files and model directories exist."),
     nproc: Optional[int] = typer.Option(None, "--nproc", min=1, help="Check the GPU placement for N ranks per node."),
     gpus: Optional[int] = typer.Option(None, "--gpus", min=0, help="Check the placement as if N GPUs were visible."),
 ) -> None:
     """Check a pipeline file without running it."""
     # --gpus simulates the devices, so the placement is checked against it even with --no-device-check.
-    v = _load(file, set_, check_devices=not no_device_check or gpus is not None, local_world_size=nproc, gpu_count=gpus)
+    v = _load(file, set_, check_devices=not no_device_check or gpus is not None, local_world_size=nproc, gpu_count=gpus,
+              check_paths=not (no_device_check or no_path_check))
     n = sum(s.replicas for s in v.graph.stages)
     typer.echo(f"ok: {file}: {len(v.graph.stages)} stages, {n} replicas")
 

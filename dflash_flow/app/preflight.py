@@ -13,14 +13,17 @@ from dflash_flow.core.validate import Validated
 from dflash_flow.util import probe_write
 
 
-def preflight_problems(v: Validated) -> list[Problem]:
-    """A Bucketer token budget smaller than the longest sample an upstream source may emit (it would
-    only fail after reading all the data)."""
+def preflight_problems(v: Validated, *, check_paths: bool = True) -> list[Problem]:
+    """The static checks across stages: the DFlash stages' model facts (``app.consistency``: one target,
+    matching layers, sizes, files that exist unless ``check_paths`` is false), and a Bucketer token budget
+    smaller than the longest sample an upstream source may emit (it would only fail after reading all the
+    data)."""
+    from dflash_flow.app.consistency import model_problems
     from dflash_flow.stages.bucketer import Bucketer
 
     graph = v.graph
     loc = graph.locator
-    problems = []
+    problems = model_problems(v, check_paths=check_paths)
     for i, spec in enumerate(graph.stages):
         conf = v.configs.get(spec.name)
         if not isinstance(conf, Bucketer):

@@ -23,11 +23,16 @@ log = logging.getLogger("dflash_flow")
 
 
 def resume_config_hash(graph) -> str:
-    """What must match to resume: the seed and every stage's type, shape and config."""
-    from dflash_flow.observe.runinfo import config_hash
+    """What must match to resume: the seed and every stage's type, shape and config, as the stage gets it (a
+    value declared once in a section, e.g. ``model.target``, counts as the stage's: the same pipeline written
+    the old way, with the value in each stage, resumes the same checkpoints)."""
+    from dflash_flow.core.validate import resolved_stage_configs
+    from dflash_flow.util import config_hash
 
     d = graph.to_dict()
-    return config_hash({"seed": d.get("seed"), "stages": d.get("stages")})
+    configs = resolved_stage_configs(graph)
+    stages = [{**s, "config": configs[s["name"]]} if configs.get(s["name"]) else s for s in d.get("stages", [])]
+    return config_hash({"seed": d.get("seed"), "stages": stages})
 
 
 def build_resume_state(v: Validated, ckpt) -> dict[str, list[dict[str, Any]]]:

@@ -181,6 +181,10 @@ class Stage:
     multi_device: ClassVar[bool] = False
     #: The version of what ``get_state`` returns; raise it when that layout changes.
     state_version: ClassVar[int] = 1
+    #: Config fields whose value a pipeline section declares once for every stage: ``{field: "section.key"}``
+    #: (e.g. ``{"target": "model.target"}``). Validation fills the field from the section where the stage
+    #: leaves it out, and refuses a stage that sets it to another value (the fact has one home).
+    section_fields: ClassVar[dict[str, str]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

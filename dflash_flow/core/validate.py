@@ -93,6 +93,19 @@ class _Check:
         line = self.line(*self.path(spec, *path))
         self.problems.append(Problem(message, file=self.file, line=line, stage=spec.name if spec else None, field=field))
 
+    def add_field(self, message: str, spec: StageSpec, field: str) -> None:
+        """A problem with a config field: located at the stage's own value, or at the section key that
+        declares it for the stage (``Stage.section_fields``) when the stage leaves it out."""
+        cls = self.classes.get(spec.name)
+        declared = cls.section_fields.get(field) if cls is not None else None
+        if field not in spec.config and declared is not None:
+            key, _, attr = declared.partition(".")
+            if getattr(self.graph.sections.get(key), attr, None) is not None:
+                self.problems.append(Problem(message, file=self.file, line=self.line(key, attr), stage=spec.name,
+                                             field=declared))
+                return
+        self.add(message, spec, "config", field, field=field)
+
     def add_runtime(self, message: str, key: str) -> None:
         self.problems.append(Problem(message, file=self.file, line=self.line("runtime", key), field=f"runtime.{key}"))
 
@@ -158,13 +171,16 @@ def _check_configs(c: _Check) -> None:
             c.add(f"stage type '{spec.type}' failed to load: {type(exc).__name__}: {exc}", spec, "type", field="type")
             continue
         c.classes[spec.name] = cls
+        filled, probs = section_values(c.graph, spec, cls)
+        for field, message in probs:
+            c.add(message, spec, "config", field, field=field)
         instance = c.graph.instances.get(spec.name)
-        if instance is not None and type(instance) is cls and instance.config() == spec.config:
+        if not filled and instance is not None and type(instance) is cls and instance.config() == spec.config:
             c.configs[spec.name] = instance
             continue
         obj, probs = structure(
             cls,
-            spec.config,
+            {**filled, **spec.config},
             locate=lambda path, spec=spec: c.line(*c.path(spec, "config", *path)),
             file=c.file,
             stage=spec.name,
@@ -172,6 +188,41 @@ def _check_configs(c: _Check) -> None:
         c.extend(probs)
         if obj is not None:
             c.configs[spec.name] = obj
+
+
+def section_values(graph: Graph, spec: StageSpec, cls: type[Stage]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """The config values a section declares for this stage (``Stage.section_fields``) that the stage leaves
+    out, and ``(field, message)`` for each field the stage sets to something else than its section."""
+    filled: dict[str, Any] = {}
+    problems: list[tuple[str, str]] = []
+    for field, path in cls.section_fields.items():
+        key, _, attr = path.partition(".")
+        section = graph.sections.get(key)
+        value = getattr(section, attr, None) if section is not None and attr else None
+        if value is None:
+            continue
+        value = section_to_dict(value)
+        if field not in spec.config:
+            filled[field] = value
+        elif spec.config[field] != value:
+            problems.append((field, f"'{field}' is declared once, in {path} ({short(repr(value), 60)}); this stage "
+                                    f"sets {short(repr(spec.config[field]), 60)}: remove it here, or change {path}"))
+    return filled, problems
+
+
+def resolved_stage_configs(graph: Graph) -> dict[str, dict[str, Any]]:
+    """Every stage's config as the stage gets it: its own values over those its sections declare (stages of
+    a type that does not resolve keep their own)."""
+    out = {}
+    for spec in graph.stages:
+        try:
+            cls = registry.resolve(spec.type)
+        except Exception:  # reported by validation
+            out[spec.name] = dict(spec.config)
+            continue
+        filled, _ = section_values(graph, spec, cls)
+        out[spec.name] = {**filled, **spec.config}
+    return out
 
 
 def _check_runtime(c: _Check) -> None:
@@ -317,8 +368,10 @@ def _check_stage_devices(c: _Check, spec: StageSpec, conf: Stage, groups: list[l
               field="devices")
         return
     for field, message in found:
-        path = ("devices",) if field == "devices" else ("config", field)
-        c.add(message, spec, *path, field=field)
+        if field == "devices":
+            c.add(message, spec, "devices", field=field)
+        else:
+            c.add_field(message, spec, field)
 
 
 def _check_stage_configs(c: _Check) -> None:
@@ -334,7 +387,7 @@ def _check_stage_configs(c: _Check) -> None:
                   "config", field="config")
             continue
         for field, message in found:
-            c.add(message, spec, "config", field, field=field)
+            c.add_field(message, spec, field)
 
 
 def _check_edges(c: _Check) -> None:

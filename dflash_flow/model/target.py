@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from dflash_flow.model.device import as_device, default_attn_implementation, default_dtype, resolve_dtype
+from dflash_flow.model.facts import TARGET_PRESETS
 from dflash_flow.model.features import (
     DEPTH_ATTR,
     TargetFeatureExtractor,
@@ -62,36 +63,6 @@ __all__ = [
 # Presets
 # ---------------------------------------------------------------------------------------------------
 
-# Tiny random-weight targets for CPU runs and tests. Eight or more layers, because the DFlash layer-id
-# rule (spread over [1, L-3]) repeats ids on shallower targets. `seed` fixes the random weights, so the
-# same preset always yields the same model. Any key may be overridden by passing a dict spec
-# {"preset": name, **overrides}.
-_TINY_COMMON: dict[str, Any] = {
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
-    "seed": 0,
-}
-
-TARGET_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny-qwen3-8l": {"model_type": "qwen3", **_TINY_COMMON},
-    "tiny-qwen3-8l-tied": {"model_type": "qwen3", **_TINY_COMMON, "tie_word_embeddings": True},
-    "tiny-qwen3-12l": {
-        "model_type": "qwen3",
-        **_TINY_COMMON,
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 12,
-        "head_dim": 32,
-    },
-    "tiny-llama-8l": {"model_type": "llama", **_TINY_COMMON},
-}
 
 
 

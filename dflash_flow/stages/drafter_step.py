@@ -8,7 +8,7 @@ import json
 import os
 import time
 from pathlib import Path, PurePath
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import attrs
 
@@ -83,6 +83,11 @@ class DrafterStep(Stage, CheckpointSource):
     input_type = TargetFeatures
     output_type = StepReport
     singleton = True
+    section_fields: ClassVar[dict[str, str]] = {
+        "target": "model.target", "tokenizer": "model.tokenizer", "trust_remote_code": "model.trust_remote_code",
+        "num_layers": "model.num_draft_layers", "target_layer_ids": "model.target_layer_ids",
+        "block_size": "model.block_size", "mask_token_id": "model.mask_token_id",
+    }
 
     target: str | dict[str, Any] = cfg(doc="The same target as TargetForward (its embedding and LM head are shared, frozen).")
     tokenizer: str | None = cfg(None, doc="Tokenizer path, used to pick the mask token (default: the target directory).")

@@ -4,7 +4,7 @@ one or more horizons) and the teacher-forced walk on held-out conversations with
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
@@ -63,6 +63,7 @@ class SpecDecodeEval(Stage):
     output_type = EvalReport
     cardinality = "1:n"
     singleton = True
+    section_fields: ClassVar[dict[str, str]] = {"target": "model.target", "tokenizer": "model.tokenizer"}
 
     target: str | dict[str, Any] = cfg(doc="The target model (as in TargetForward).")
     prompts: str = cfg(doc="JSONL of held-out prompts ({'prompt': ...} or {'conversations': [...]}); 'embedded' for the built-in set.")

@@ -34,6 +34,10 @@ class TargetForward(Stage):
     input_type = PaddedBatch
     output_type = TargetFeatures
     multi_device: ClassVar[bool] = True
+    section_fields: ClassVar[dict[str, str]] = {
+        "target": "model.target", "trust_remote_code": "model.trust_remote_code",
+        "num_draft_layers": "model.num_draft_layers", "target_layer_ids": "model.target_layer_ids",
+    }
 
     target: str | dict[str, Any] = cfg(doc="Target model: local path, hub id (online only), preset name or a config mapping.")
     target_layer_ids: list[int] | None = cfg(None, doc="Target layers whose outputs feed the drafter (default: the DFlash rule for num_draft_layers).")
@@ -60,10 +64,15 @@ class TargetForward(Stage):
         spec = resolve_target(self.target)
         if _absent_local_path(spec):
             return []  # e.g. a cluster's /models/... checked on a laptop: nothing to read (and no torch import)
-        from dflash_flow.model.drafter import build_target_layer_ids
-        from dflash_flow.model.target import peek_target_depth
+        from dflash_flow.model.facts import build_target_layer_ids, target_facts
 
-        depth = peek_target_depth(spec, trust_remote_code=self.trust_remote_code)
+        facts = target_facts(spec)  # a preset or a local config.json: no torch, no transformers
+        if facts is not None:
+            depth = facts.depth
+        else:
+            from dflash_flow.model.target import peek_target_depth
+
+            depth = peek_target_depth(spec, trust_remote_code=self.trust_remote_code)
         if depth is None:
             return []  # not readable here: setup reports what is wrong
         if ids is None:
@@ -88,7 +97,7 @@ class TargetForward(Stage):
 
         from dflash_flow.core.errors import ConfigError, Problem
         from dflash_flow.embedded import resolve_target
-        from dflash_flow.model.drafter import build_target_layer_ids
+        from dflash_flow.model.facts import build_target_layer_ids
         from dflash_flow.model.loading import MODEL_LOAD_LOCK
         from dflash_flow.model.target import (
             TargetFeatureExtractor,
