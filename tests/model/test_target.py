@@ -12,7 +12,12 @@ import threading
 import pytest
 import torch
 
-from dflash_flow.model.head import SharedHead, clear_shared_head_cache, shared_head, shared_head_from_checkpoint
+from dflash_flow.model.head import (
+    SharedHead,
+    clear_shared_head_cache,
+    shared_head,
+    shared_head_from_checkpoint,
+)
 from dflash_flow.model.target import (
     TARGET_PRESETS,
     TargetFeatureExtractor,
