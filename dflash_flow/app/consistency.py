@@ -159,7 +159,9 @@ def _path_problems(v: Validated, w: _Where, resolve_target) -> list[Problem]:
             if field == "target" and value is not None:
                 value = resolve_target(value)
             if value is not None and _looks_local(value) and not Path(value).expanduser().is_dir():
-                out.append(w.problem(name, field, f"{field} {value} is not a directory here"))
+                found = w.problem(name, field, f"{field} {value} is not a directory here")
+                if not any((p.line, p.message) == (found.line, found.message) for p in out):  # one model: line
+                    out.append(found)
         for field in ("prompts", "walk_data"):
             value = getattr(conf, field, None) if field in {a.name for a in type(conf).config_fields()} else None
             if isinstance(value, str) and value != "embedded" and not Path(value).expanduser().is_file():

@@ -658,7 +658,7 @@ def profile_command(
         EXIT_USER_ERROR,
         is_user_input_error,
     )
-    from dflash_flow.app.run import quiet_libraries
+    from dflash_flow.app.session import quiet_libraries
     from dflash_flow.core.errors import PipelineInterrupted, PipelineStalled, StageError
 
     quiet_libraries()

@@ -67,8 +67,12 @@ class RunResult:
 
 
 class Pipeline:
-    """Runs a validated graph. Use ``run()`` for pipelines that end in sinks, ``iterate(stage)`` to consume
-    a stage's output in the calling thread."""
+    """The bare runtime: runs a graph (validated here unless it is already) on a thread per replica. Use
+    ``run()`` for pipelines that end in sinks, ``iterate(stage)`` (with ``collect=[stage]``) to consume a
+    stage's output in the calling thread. ``services``: opaque to the core, handed to every stage in its
+    context (the application passes ``RunServices``); ``resume_state``: ``{stage: [state per replica]}``
+    as ``state_dict()`` returned; ``rank``/``world_size``/...: default from the torchrun environment.
+    Tracking, checkpoints and the end-of-run report are the application's: ``dflash_flow.app.run``."""
 
     def __init__(
         self,
@@ -315,6 +319,7 @@ class Pipeline:
             ch.cancel()
 
     def snapshot(self) -> RuntimeSnapshot:
+        """Every replica's state, counts, busy/blocked time, metrics and queue, as of now (lock-free reads)."""
         now = time.monotonic()
         stages = {}
         for spec in self.graph.stages:

@@ -118,7 +118,7 @@ def _validated(graph: Graph, *, check_devices: bool, gpu_count: int | None,
     c = _Check(graph, check_devices, gpu_count, local_world_size)
     _check_shapes(c)
     if not c.problems:  # the checks below rely on well-typed specs
-        for check in (_check_names, _check_configs, _check_runtime, _check_sections, _check_placement,
+        for check in (_check_names, _check_sections, _check_configs, _check_runtime, _check_placement,
                       _check_edges, _check_cycles, _check_ordering, _check_stage_configs):
             check(c)
     if c.problems:
@@ -255,18 +255,27 @@ def _check_runtime(c: _Check) -> None:
 
 
 def _check_sections(c: _Check) -> None:
-    """Sections set in Python get the YAML checks (types, finite numbers, validators) too."""
+    """Sections set in Python get the YAML checks (types, finite numbers, validators) too; one given as a
+    plain mapping (``Graph(sections={"tracking": {"enabled": False}})``) is structured into its class here."""
     from .sections import registered_sections
 
-    for key, cls in registered_sections().items():
+    known = registered_sections()
+    for key in c.graph.sections:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; known sections: {', '.join(sorted(known))}"
+            c.problems.append(Problem(f"unknown section '{short(key)}'{hint}", file=c.file, field=str(key)))
+    for key, cls in known.items():
         obj = c.graph.sections.get(key)
-        if obj is None or not attrs.has(type(obj)):
+        if obj is None or not (attrs.has(type(obj)) or isinstance(obj, dict)):
             continue
-        _, probs = structure(
+        built, probs = structure(
             cls, section_to_dict(obj), locate=lambda path, key=key: c.line(key, *path), file=c.file,
             field_prefix=f"{key}.", what=key,
         )
         c.extend(probs)
+        if isinstance(obj, dict) and built is not None:
+            c.graph.sections[key] = built
 
 
 def _capacity_limit(what: str, value: int) -> str:
