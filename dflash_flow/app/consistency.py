@@ -45,6 +45,9 @@ class _Where:
 
 
 def _key(target: Any) -> str:
+    """One spelling per target: ``embedded`` and its directory, ``~/m`` and ``/home/u/m`` are the same."""
+    if isinstance(target, str) and _looks_local(target):
+        target = str(Path(target).expanduser().resolve())
     return json.dumps(target, sort_keys=True, default=str)
 
 
@@ -72,7 +75,7 @@ def model_problems(v: Validated, *, check_paths: bool = True) -> list[Problem]:
     ref_name, ref = (trainers or forwards or evals)[0]
     same_target = True
     for name, conf in with_target:
-        if _key(conf.target) != _key(ref.target):
+        if _key(resolve_target(conf.target)) != _key(resolve_target(ref.target)):
             same_target = False
             problems.append(w.problem(name, "target", (
                 f"stage '{name}' ({type(conf).__name__}) uses target {conf.target!r}, but stage '{ref_name}' "
@@ -153,7 +156,7 @@ def _path_problems(v: Validated, w: _Where, resolve_target) -> list[Problem]:
     for name, conf in v.configs.items():
         for j, f in enumerate(conf.data_files()):
             if not Path(f).expanduser().is_file():
-                out.append(w.problem(name, "paths", f"data file {f} does not exist (or is not a file)", item=j))
+                out.append(w.problem(name, "paths", f"{f}: no such file (a data file {name} reads)", item=j))
         for field in ("target", "tokenizer", "init_from"):
             value = getattr(conf, field, None) if field in {a.name for a in type(conf).config_fields()} else None
             if field == "target" and value is not None:

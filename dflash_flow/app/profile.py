@@ -31,7 +31,7 @@ from typing import Any
 
 import attrs
 
-from dflash_flow.core.snapshot import ReplicaSnapshot, RuntimeSnapshot, StageSnapshot
+from dflash_flow.core.snapshot import ReplicaSnapshot, ReplicaState, RuntimeSnapshot, StageSnapshot
 from dflash_flow.core.validate import Validated
 from dflash_flow.observe.bottleneck import Bottleneck, StageLoad, find_bottleneck
 from dflash_flow.observe.schema import metric
@@ -39,7 +39,8 @@ from dflash_flow.observe.schema import metric
 PROFILE_VERSION = 1
 DEFAULT_INTERVAL_S = 0.1
 MAX_SERIES_POINTS = 400  # the queue-depth series kept in profile.json (evenly thinned)
-ACTIVE = frozenset({"waiting", "busy", "blocked", "teardown", "finished"})  # past setup
+ACTIVE = frozenset({ReplicaState.WAITING, ReplicaState.BUSY, ReplicaState.BLOCKED, ReplicaState.TEARDOWN,
+                    ReplicaState.FINISHED})  # past setup
 
 
 class ProfileError(Exception):

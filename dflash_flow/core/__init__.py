@@ -18,7 +18,7 @@ from .registry import register_stage, resolve
 from .runtime import Pipeline, RunResult
 from .sections import register_section
 from .seeding import derive_seed
-from .snapshot import RuntimeSnapshot
+from .snapshot import ReplicaState, RuntimeSnapshot
 from .stage import Source, Stage, StageContext, cfg
 from .validate import validate, validated
 
@@ -35,6 +35,7 @@ __all__ = [
     "PipelineInterrupted",
     "PipelineStalled",
     "Problem",
+    "ReplicaState",
     "RunResult",
     "RuntimeOptions",
     "RuntimeSnapshot",

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from .channel import END_OF_STREAM, Channel, ChannelCancelled, ErrorItem
 from .routing import Router
+from .snapshot import ReplicaState
 from .stage import Source, Stage, StageContext
 
 
@@ -55,7 +56,7 @@ class Replica:
         self.ordered = False
         self.send_tombstones = False
         self.thread: threading.Thread | None = None
-        self.state = "pending"
+        self.state = ReplicaState.PENDING
         self.state_since = time.monotonic()
         self.started_at: float | None = None
         self.ended_at: float | None = None
@@ -71,7 +72,7 @@ class Replica:
     def label(self) -> str:
         return f"{self.name}[{self.index}]"
 
-    def set_state(self, state: str) -> None:
+    def set_state(self, state: ReplicaState) -> None:
         self.state = state
         self.state_since = time.monotonic()
 
@@ -82,7 +83,7 @@ class Replica:
 def main(rep: Replica, sup: Supervisor) -> None:
     phase = "setup"
     rep.started_at = time.monotonic()
-    rep.set_state("setup")
+    rep.set_state(ReplicaState.SETUP)
     try:
         rep.setup_done = True
         rep.stage.setup(rep.ctx)
@@ -112,7 +113,7 @@ def main(rep: Replica, sup: Supervisor) -> None:
         sup.fail(rep, phase, exc)
     finally:
         if rep.setup_done:
-            rep.set_state("teardown")
+            rep.set_state(ReplicaState.TEARDOWN)
             try:
                 rep.stage.teardown()
             except BaseException as exc:  # noqa: BLE001
@@ -123,7 +124,7 @@ def main(rep: Replica, sup: Supervisor) -> None:
             except BaseException:  # noqa: BLE001 - a broken state_dict must not hide the real error
                 rep.final_state = None
         rep.ended_at = time.monotonic()
-        rep.set_state("failed" if sup.has_failed(rep) else "finished")
+        rep.set_state(ReplicaState.FAILED if sup.has_failed(rep) else ReplicaState.FINISHED)
         sup.replica_ended(rep)
 
 
@@ -134,7 +135,7 @@ def _run_source(rep: Replica, sup: Supervisor) -> None:
     seq = 0
     stop = sup.stop_event
     while not stop.is_set():
-        rep.set_state("busy")
+        rep.set_state(ReplicaState.BUSY)
         try:
             item = next(it)
         except StopIteration:
@@ -153,7 +154,7 @@ def _run_transform(rep: Replica) -> None:
     expected = 0
     tie = itertools.count()
     while True:
-        rep.set_state("waiting")
+        rep.set_state(ReplicaState.WAITING)
         env = ch.get()
         if env is END_OF_STREAM:
             break
@@ -178,7 +179,7 @@ def _handle(rep: Replica, seq: Any, item: Any, one_to_one: bool, counter) -> Non
         if rep.send_tombstones:
             emit(rep, seq, TOMBSTONE)
         return
-    rep.set_state("busy")
+    rep.set_state(ReplicaState.BUSY)
     rep.items_in += 1
     outs = outputs(rep, rep.stage.process(item), "process")
     n = 0
@@ -201,7 +202,7 @@ def emit(rep: Replica, seq: Any, item: Any) -> None:
     env = (seq, item)
     blocked = 0.0
     state, since = rep.state, rep.state_since
-    rep.state = "blocked"  # a put that waits shows as blocked on output, not busy, to the watchdog
+    rep.state = ReplicaState.BLOCKED  # a put that waits shows as blocked on output, not busy, to the watchdog
     for router in rep.routers:
         target = router.targets()
         if isinstance(target, list):

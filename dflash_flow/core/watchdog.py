@@ -9,6 +9,7 @@ from typing import Any
 
 from .errors import PipelineStalled
 from .replica import Replica
+from .snapshot import ReplicaState
 
 
 def running_time(gap_s: float, interval_s: float) -> float:
@@ -67,9 +68,9 @@ def _stall_error(replicas: dict[str, list[Replica]], idle: float) -> PipelineSta
             if rep.input is not None:
                 depths[rep.label] = f"{rep.input.depth}/{rep.input.capacity}"
             age = time.monotonic() - rep.state_since
-            if rep.state in ("busy", "setup"):
-                busy.append((age, f"{rep.label} ({'in setup' if rep.state == 'setup' else 'in process'} for {age:.0f}s)"))
-            elif rep.state == "waiting":
+            if rep.state in (ReplicaState.BUSY, ReplicaState.SETUP):
+                busy.append((age, f"{rep.label} ({'in setup' if rep.state is ReplicaState.SETUP else 'in process'} for {age:.0f}s)"))
+            elif rep.state is ReplicaState.WAITING:
                 blocked.append(f"{rep.label} (waiting for input)")
     if busy:
         busy.sort(reverse=True)

@@ -68,28 +68,26 @@ def is_dflash2_config(config: Any) -> bool:
 
 def dflash2_problems(
     settings: dict[str, Any], *, hidden_size: int, vocab_size: int, block_size: int | None = None
-) -> list[str]:
-    """What is wrong with DFlash 2 settings for a drafter of this hidden and vocabulary size (and block
-    size, when given); each message names the setting."""
+) -> list[tuple[str, str]]:
+    """``(setting, message)`` for what is wrong with DFlash 2 settings for a drafter of this hidden and
+    vocabulary size (and block size, when given); each message also names the setting."""
     problems = []
     for key in DFLASH2_KEYS:
         value = settings.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            problems.append(f"{key} must be a positive integer, got {value!r}")
+            problems.append((key, f"{key} must be a positive integer, got {value!r}"))
     kernel, group = settings.get("conv_kernel_size"), settings.get("conv_group_size")
     top_k = settings.get("selector_top_k")
     if isinstance(group, int) and group >= 1 and hidden_size % group:
-        problems.append(
+        problems.append(("conv_group_size", (
             f"conv_group_size {group} must divide the hidden size {hidden_size} (channels are split into "
-            "groups that share one dynamic tap)"
-        )
+            "groups that share one dynamic tap)")))
     if isinstance(top_k, int) and top_k > vocab_size:
-        problems.append(f"selector_top_k {top_k} exceeds the vocabulary ({vocab_size} tokens)")
+        problems.append(("selector_top_k", f"selector_top_k {top_k} exceeds the vocabulary ({vocab_size} tokens)"))
     if block_size is not None and isinstance(kernel, int) and kernel > block_size:
-        problems.append(
+        problems.append(("conv_kernel_size", (
             f"conv_kernel_size {kernel} is longer than the block ({block_size} slots): taps past the block's "
-            "first slot read nothing"
-        )
+            "first slot read nothing")))
     return problems
 
 
@@ -129,7 +127,7 @@ def make_dflash2_config(
         block_size=int(draft_value(config, "block_size", 16)),
     )
     if problems:
-        raise ValueError("invalid DFlash 2 settings: " + "; ".join(problems))
+        raise ValueError("invalid DFlash 2 settings: " + "; ".join(message for _, message in problems))
     config.dflash_config = {**config.dflash_config, **settings}
     config.architectures = [ARCHITECTURE]
     config.auto_map = {"AutoModel": f"dflash.{ARCHITECTURE}"}

@@ -154,7 +154,7 @@ def _validate_config_dict(d: dict[str, Any], where: Path) -> None:
             found = dflash2.dflash2_problems(
                 {k: dcfg.get(k) for k in dflash2.DFLASH2_KEYS}, hidden_size=hidden, vocab_size=vocab
             )
-            problems.extend(f"dflash_config.{p}" for p in found)
+            problems.extend(f"dflash_config.{message}" for _, message in found)
     layer_types = d.get("layer_types")
     if layer_types is not None:
         if not isinstance(layer_types, list) or len(layer_types) != d.get("num_hidden_layers"):

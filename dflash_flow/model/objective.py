@@ -121,7 +121,14 @@ class DFlashLossOutput:
         return float(self.acceptance_sum.item() / n) if n else 0.0
 
     def metrics(self, prefix: str = "") -> dict[str, float]:
-        """All statistics as floats, fetched from the device in one transfer."""
+        """All statistics as one flat mapping (slot k's accuracy as ``accuracy_pos<k>``), from :meth:`values`."""
+        scalars, positions = self.values()
+        out = {f"{prefix}{k}": v for k, v in scalars.items()}
+        out.update({f"{prefix}accuracy_pos{k}": v for k, v in enumerate(positions, start=1)})
+        return out
+
+    def values(self) -> tuple[dict[str, float], list[float]]:
+        """(scalar statistics, accuracy of slots k = 1..B-1), fetched from the device in one transfer."""
         names = list(self.extra)
         flat = torch.cat(
             [
@@ -139,18 +146,17 @@ class DFlashLossOutput:
         ratios = flat[3 + 2 * block :]
         total = sum(supervised)
         out = {
-            f"{prefix}loss": loss,
-            f"{prefix}accuracy": sum(correct) / total if total else 0.0,
-            f"{prefix}acceptance_length": accept / blocks if blocks else 0.0,
-            f"{prefix}num_tokens": total,
-            f"{prefix}num_blocks": blocks,
+            "loss": loss,
+            "accuracy": sum(correct) / total if total else 0.0,
+            "acceptance_length": accept / blocks if blocks else 0.0,
+            "num_tokens": total,
+            "num_blocks": blocks,
         }
-        for k in range(1, block):
-            out[f"{prefix}accuracy_pos{k}"] = correct[k] / supervised[k] if supervised[k] else 0.0
         for i, name in enumerate(names):
             num, den = ratios[2 * i], ratios[2 * i + 1]
-            out[f"{prefix}{name}"] = num / den if den else 0.0
-        return out
+            out[name] = num / den if den else 0.0
+        positions = [correct[k] / supervised[k] if supervised[k] else 0.0 for k in range(1, block)]
+        return out, positions
 
 
 

@@ -306,6 +306,8 @@ class DrafterTrainer:
         self.step = 0
         self.total_steps = config.total_steps
         self._sums: dict[str, float] = {}
+        self._pos_sums: list[float] = []  # per block slot, summed over the step's micro-batches
+        self.position_accuracy: tuple[float, ...] = ()  # the last step's, per block slot k = 1..B-1
         self._counted = 0  # micro-batches of the current step that are not fillers
         self._tokens = 0
         self._samples = 0
@@ -369,8 +371,12 @@ class DrafterTrainer:
         if syncs and self.allreduce_clock is not None:
             self._allreduce_wait += self.allreduce_clock.take() or 0.0
         if not feats.meta.filler:  # a filler keeps data-parallel ranks in step; it trains nothing
-            for k, v in out.metrics().items():
+            scalars, positions = out.values()
+            for k, v in scalars.items():
                 self._sums[k] = self._sums.get(k, 0.0) + v
+            if len(self._pos_sums) != len(positions):
+                self._pos_sums = [0.0] * len(positions)
+            self._pos_sums = [a + b for a, b in zip(self._pos_sums, positions, strict=True)]
             self._counted += 1
             self._tokens += feats.meta.real_tokens
             self._samples += feats.meta.num_samples
@@ -418,8 +424,11 @@ class DrafterTrainer:
             lr=float(self.schedule.get_last_lr()[0]),
             tokens_per_s=self._tokens / dt,
             samples_per_s=self._samples / dt,
-            total_steps=float(self.total_steps or 0),
         )
+        # The step's accuracy per block slot (k = 1..B-1): a sequence of its own, not keys in the metrics.
+        pos = [v / n for v in self._pos_sums]
+        self.position_accuracy = tuple(pos) if all(math.isfinite(v) for v in pos) else ()
+        self._pos_sums = []
         if self.allreduce_clock is not None:
             metrics["allreduce_wait_s"] = self._allreduce_wait
             self._allreduce_wait = 0.0
@@ -437,6 +446,7 @@ class DrafterTrainer:
             self.step += 1
             self.accumulator.reset()
             self._sums = {}
+            self._pos_sums = []
             self._counted = 0
 
     # -- state -------------------------------------------------------------------------------------

@@ -38,27 +38,6 @@ def _open_log(path: Path, root: Path, append: bool):
     return os.fdopen(fd, "a" if append else "w")
 
 
-def _target_sizes(spec: Any) -> tuple[int, int] | None:
-    """(hidden size, vocabulary size) of a target read from its ``config.json`` (a local directory) or
-    preset mapping, without loading transformers; None when neither says (a hub id: setup checks)."""
-    d: Any = None
-    if isinstance(spec, dict):
-        d = spec
-    elif isinstance(spec, str) and (Path(spec) / "config.json").is_file():
-        try:
-            d = json.loads((Path(spec) / "config.json").read_text())
-        except (OSError, ValueError):
-            return None
-    if isinstance(d, dict) and isinstance(d.get("text_config"), dict):
-        d = d["text_config"]
-    if not isinstance(d, dict):
-        return None
-    hidden, vocab = d.get("hidden_size"), d.get("vocab_size")
-    if isinstance(hidden, int) and isinstance(vocab, int) and hidden > 0 and vocab > 0:
-        return hidden, vocab
-    return None
-
-
 def check_inside_output_dir(field: str, value: str) -> None:
     """A stage's output path is relative to the run's output directory and must stay inside it: a YAML
     cannot make the run write elsewhere (the user chooses where a run writes with ``output_dir``)."""
@@ -208,13 +187,14 @@ class DrafterStep(Stage, CheckpointSource):
             return []
         from dflash_flow.embedded import resolve_target
         from dflash_flow.model.dflash2 import dflash2_problems, dflash2_settings
+        from dflash_flow.model.facts import target_facts
 
-        size = _target_sizes(resolve_target(self.target))
-        if size is None:
+        facts = target_facts(resolve_target(self.target))
+        if facts is None:
             return []
         settings = dflash2_settings(self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k)
-        found = dflash2_problems(settings, hidden_size=size[0], vocab_size=size[1], block_size=self.block_size)
-        return [(msg.split(" ", 1)[0], msg) for msg in found]
+        return dflash2_problems(settings, hidden_size=facts.hidden_size, vocab_size=facts.vocab_size,
+                                block_size=self.block_size)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def setup(self, ctx) -> None:
@@ -299,11 +279,11 @@ class DrafterStep(Stage, CheckpointSource):
                 raise OSError(exc.errno, exc.strerror, str(self._batch_log_path)) from exc
         if metrics is None:
             return None
-        metrics["epoch"] = float(meta.epoch)
         self._m_steps.inc()
         if "loss" in metrics:  # a step of filler batches only has no loss
             self._m_loss.set(metrics["loss"])
-        report = StepReport(step=self._trainer.step, epoch=meta.epoch, meta=meta, metrics=metrics)
+        report = StepReport(step=self._trainer.step, epoch=meta.epoch, meta=meta, metrics=metrics,
+                            position_accuracy=self._trainer.position_accuracy, total_steps=self._trainer.total_steps)
         if self._services.checkpoints is not None:
             # An epoch's end and the run's last planned batch are both checkpoint points (at_epoch_end).
             self._services.checkpoints.after_step(self, step=self._trainer.step, epoch_end=epoch_end or meta.last_of_run)

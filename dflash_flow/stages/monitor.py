@@ -100,33 +100,27 @@ class Monitor(Stage):
 
     def _on_step(self, item: StepReport, due: bool) -> bool:
         """Record one step report; returns whether to sample now (under torchrun: whether any rank wants to)."""
-        from dflash_flow.observe.sample import UNLOGGED_TRAIN, WINDOWED_TRAIN_PREFIXES, TrainPoint
+        from dflash_flow.items import position_accuracy_name
+        from dflash_flow.observe.sample import TrainPoint
         from dflash_flow.observe.schema import mlflow_metrics
 
         if self._dist is not None:
-            reduced = self._dist.reduce_train({**item.metrics, "_sample": float(due)})
-            due = bool(reduced.pop("_sample", 0.0))
-            item = StepReport(step=item.step, epoch=item.epoch, meta=item.meta, metrics=reduced,
-                              final=item.final, artifacts=item.artifacts)
+            reduced, positions, due = self._dist.reduce_train(item.metrics, item.position_accuracy, due)
+            item = attrs.evolve(item, metrics=reduced, position_accuracy=positions)
         record = self._record
         if item.artifacts:
             record.artifacts.update(item.artifacts)
-        total = item.metrics.get("total_steps")
-        if total and not self.total_steps:
-            record.total_steps = int(total)
+        if item.total_steps and not self.total_steps:
+            record.total_steps = item.total_steps
             if self._printer is not None:
-                self._printer.total_steps = int(total)
-        logged, windowed = {}, {}
-        for k, v in item.metrics.items():
-            if k in UNLOGGED_TRAIN:
-                continue
-            if k.startswith(WINDOWED_TRAIN_PREFIXES):
-                windowed[k] = v
-                acc = self._window.setdefault(k, [0.0, 0])
-                acc[0] += v
-                acc[1] += 1
-            else:
-                logged[k] = v
+                self._printer.total_steps = item.total_steps
+        logged = dict(item.metrics)
+        # Per block slot: noisy per step and many, so logged as their mean over each sampling window.
+        windowed = {position_accuracy_name(k): v for k, v in enumerate(item.position_accuracy, start=1)}
+        for name, v in windowed.items():
+            acc = self._window.setdefault(name, [0.0, 0])
+            acc[0] += v
+            acc[1] += 1
         point = TrainPoint(step=item.step, epoch=item.epoch, metrics=logged, windowed=windowed)
         if self._open_epoch is not None and (logged or windowed) and item.epoch != self._open_epoch[0]:
             self._log_epoch_mean()  # the first step of the next epoch ends the previous one
@@ -163,7 +157,8 @@ class Monitor(Stage):
         from dflash_flow.observe.sample import EvalPoint
         from dflash_flow.observe.schema import mlflow_metrics
 
-        point = EvalPoint(step=self._record.step, results={item.name: dict(item.metrics)})
+        point = EvalPoint(step=self._record.step, results={item.name: dict(item.metrics)},
+                          horizons={item.name: tuple(item.horizons)})
         self._record.add_eval(point)
         if self._tracker is not None:
             self._tracker.log_metrics(mlflow_metrics(point), step=point.step)

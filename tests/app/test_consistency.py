@@ -137,7 +137,7 @@ def test_drafter_to_start_from_made_for_another_target(tmp_path, data):
 def test_missing_files_and_directories_unless_validating_elsewhere(tmp_path, data):
     doc = _pipeline(data, model={"target": str(tmp_path / "no-such-model")}, source={"paths": [str(tmp_path / "gone.jsonl")]})
     code, text, file = _validate(tmp_path, doc)
-    _located(code, text, file, _line_of(file, "gone.jsonl"), "data file", "does not exist")
+    _located(code, text, file, _line_of(file, "gone.jsonl"), "gone.jsonl: no such file")
     assert f"{file}:{_line_of(file, 'no-such-model')}," in text and "is not a directory here" in text
     for opt in ("--no-path-check", "--no-device-check"):
         assert _validate(tmp_path, doc, opt)[0] == 0

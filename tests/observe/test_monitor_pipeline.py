@@ -39,9 +39,9 @@ class StepReporter(Stage):
         self._buckets.inc(128 if item % 3 else 512)
         self._tokens.inc(100)
         self._wait.observe(0.001 * (item % 5))
-        metrics = {"loss": 1.0 / (item + 1), "tokens_per_s": 1000.0, "total_steps": float(self.count)}
-        metrics.update({f"accuracy_pos{k}": 0.5 for k in range(1, POSITIONS + 1)})
-        out = [StepReport(step=item + 1, epoch=0, meta=None, metrics=metrics)]
+        metrics = {"loss": 1.0 / (item + 1), "tokens_per_s": 1000.0}
+        out = [StepReport(step=item + 1, epoch=0, meta=None, metrics=metrics, position_accuracy=(0.5,) * POSITIONS,
+                          total_steps=self.count)]
         if item + 1 == self.count:
             out.append(StepReport(step=item + 1, epoch=0, meta=None, final=True, artifacts={"drafter": "/tmp/drafter"}))
             out.append(EvalReport(name="val", metrics={"tau": 2.5, "val_loss": 0.7}))
