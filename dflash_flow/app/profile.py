@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -400,7 +399,8 @@ def grad_accum_of(v: Validated, step_stage: str) -> int:
 
 
 class _Sampler:
-    """Polls snapshots on its own thread, opens and closes the window, then cancels the pipeline."""
+    """Reads the runtime's sampler (``core.sampler``: the one the Monitor reads too) every ``interval_s``,
+    opens and closes the window, then cancels the pipeline."""
 
     def __init__(self, pipeline: Any, step_stage: str, start_at: int, end_at: int, interval_s: float):
         self.pipeline = pipeline
@@ -415,30 +415,25 @@ class _Sampler:
         self.series: dict[tuple[str, int], list[int]] = {}
         self.window_depths: dict[str, dict[int, list[int]]] = {}
         self.cancelled = False
-        self._quit = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="dflash-flow-profile-sampler")
+        self._subscription: Any = None
 
     def __enter__(self) -> _Sampler:
-        self._thread.start()
+        self._subscription = self.pipeline.sampler.subscribe(self._tick, self.interval_s, owner="profile")
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._quit.set()
-        self._thread.join()
+        self.pipeline.sampler.unsubscribe(self._subscription)
 
     def _taken(self, snap: RuntimeSnapshot) -> int:
         return sum(r.items_in for r in snap.stages[self.step_stage].replicas)
 
-    def _loop(self) -> None:
-        while not self._quit.wait(self.interval_s):
-            snap = self.pipeline.snapshot()
-            if not snap.elapsed_s:
-                continue  # not started yet
-            self.observe(snap)
-            if self.end is not None:
-                self.cancelled = True
-                self.pipeline.cancel(f"profile: {self.end_at - self.start_at} batches measured")
-                return
+    def _tick(self, snap: RuntimeSnapshot) -> None:
+        if not snap.elapsed_s or self.end is not None:
+            return  # not started yet, or the window is closed
+        self.observe(snap)
+        if self.end is not None:
+            self.cancelled = True
+            self.pipeline.cancel(f"profile: {self.end_at - self.start_at} batches measured")
 
     def observe(self, snap: RuntimeSnapshot) -> None:
         """One poll: the queue depths, and the window's start or end when this poll reaches it."""

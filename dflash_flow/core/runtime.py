@@ -26,6 +26,7 @@ from .metrics import MetricSet
 from .replica import TOMBSTONE, Replica, replica_state
 from .replica import main as replica_main
 from .routing import make_router
+from .sampler import Sampler
 from .snapshot import ReplicaSnapshot, RuntimeSnapshot, StageSnapshot
 from .stage import StageContext
 from .validate import Validated, validated
@@ -55,6 +56,14 @@ class RuntimeView:
     def request_stop(self, reason: str) -> None:
         """Stop the pipeline gracefully, as SIGINT would (e.g. because another rank of the job stops)."""
         self._p.stop(reason)
+
+    def subscribe(self, callback: Any, interval_s: float, *, owner: str) -> Any:
+        """Have the runtime's sampler call ``callback(snapshot)`` every ``interval_s`` on its own thread
+        (also while no item moves); returns the subscription for :meth:`unsubscribe`."""
+        return self._p.sampler.subscribe(callback, interval_s, owner=owner)
+
+    def unsubscribe(self, subscription: Any) -> None:
+        self._p.sampler.unsubscribe(subscription)
 
 
 @attrs.define
@@ -122,6 +131,8 @@ class Pipeline:
         # The drain timer of a stop (False once shutdown began: none may start after that) and the watchdog.
         self._drain_timer: threading.Timer | bool | None = None
         self._watchdog: threading.Thread | None = None
+        # The one sampler of the run (core.sampler): the Monitor and `profile` subscribe to it.
+        self.sampler = Sampler(self.snapshot, self._subscriber_failed)
         self._build(resume_state or {}, collect or [])
 
     # -- construction -----------------------------------------------------------------------------
@@ -383,6 +394,7 @@ class Pipeline:
             rep.thread = threading.Thread(
                 target=replica_main, args=(rep, self), name=f"dflash-flow:{rep.label}", daemon=False
             )
+        self.sampler.start()
         for rep in all_reps:
             rep.thread.start()
         self._watchdog = threading.Thread(
@@ -403,6 +415,18 @@ class Pipeline:
 
     def _watch_should_end(self, interval_s: float) -> bool:
         return self._done.wait(interval_s) or self._watch_stop.is_set()
+
+    def _subscriber_failed(self, owner: str, exc: BaseException) -> None:
+        """A sampler subscriber raised: the run fails as its owner's (a stage's) failure."""
+        reps = self.replicas.get(owner)
+        if reps:
+            self.fail(reps[0], "sample", exc)
+            return
+        err = StageError(owner, 0, "sample", exc)
+        err.__cause__ = exc
+        with self._lock:
+            self._errors.append(err)
+        self.cancel(f"'{owner}' failed while sampling")
 
     def _on_stall(self, err: PipelineStalled) -> None:
         self._stall = err
@@ -451,6 +475,7 @@ class Pipeline:
         if timer:
             timer.cancel()
             timer.join()
+        self.sampler.stop()
         self._watch_stop.set()
         wd = self._watchdog
         if wd is not None:

@@ -42,6 +42,10 @@ class RuntimeAccess(Protocol):
 
     def request_stop(self, reason: str) -> None: ...
 
+    def subscribe(self, callback: Any, interval_s: float, *, owner: str) -> Any: ...
+
+    def unsubscribe(self, subscription: Any) -> None: ...
+
 
 _MISSING = attrs.NOTHING
 

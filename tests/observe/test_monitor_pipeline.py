@@ -53,7 +53,7 @@ def _graph(tmp_path: Path, names: tuple[str, str, str] = ("numbers", "fast", "sl
     g = Graph(name="bottleneck", output_dir=str(tmp_path / "out"))
     g.add(src, Range(count=60, service_s=0.002))
     g.add(fast, Delay(service_s=0.002), inputs=src, replicas=2)
-    g.add(slow, Delay(service_s=0.03), inputs=fast)  # the deliberately slow stage
+    g.add(slow, Delay(service_s=0.03), inputs=fast, ordered=True)  # the deliberately slow stage (in order: the last report is step 60)
     g.add("report", StepReporter(), inputs=slow)
     g.add("monitor", Monitor(interval_s=0.3, progress=False), inputs="report")
     return g
@@ -176,3 +176,18 @@ def test_monitor_in_a_pipeline_built_without_services(tmp_path: Path) -> None:
     record = pipe.replicas["monitor"][0].stage._record
     assert isinstance(record, RunRecord) and record.step == 20 and not record.plots
     assert record.history.samples[-1].whole_run
+
+
+def test_the_monitor_samples_during_a_stall(tmp_path: Path) -> None:
+    """No report arrives for a second: the Monitor's samples (from the runtime's sampler) still come."""
+    services = RunServices()
+    g = Graph(name="stall", output_dir=str(tmp_path / "out"))
+    g.add("numbers", Range(count=2))
+    g.add("slow", Delay(service_s=0.8), inputs="numbers")
+    g.add("report", StepReporter(count=2), inputs="slow")
+    g.add("monitor", Monitor(interval_s=0.1, progress=False), inputs="report")
+    Pipeline(g, services=services).run()
+    windows = [s for s in services.record.history.samples if not s.whole_run]
+    assert len(windows) >= 5, len(windows)
+    stalled = [s for s in windows if s.step == 0]  # taken before the first report reached the Monitor
+    assert stalled and all(s.stages["slow"].busy > 0.5 for s in stalled[1:])
