@@ -96,6 +96,15 @@ class RunServices:
     dist: Collective | None = None  # set when the pipeline runs as one rank of a torchrun job
 
 
+def agree_to_stop(dist: Collective | None, stop_requested: bool) -> bool:
+    """Whether any rank of the job was asked to stop (Ctrl-C, SIGTERM), agreed by every rank at the same
+    step (collective on the control group; the trainer's thread): the data position then is one for all of
+    them and no collective waits in vain. In one process: ``stop_requested``."""
+    if dist is None:
+        return stop_requested
+    return any(dist.all_gather_object(stop_requested))
+
+
 def services_of(ctx: Any) -> RunServices:
     """The run services of a stage context (empty ones when the pipeline was built without them)."""
     services = ctx.services

@@ -4,10 +4,10 @@ of the batch and a generator; nothing here knows the drafter (``model.objective`
 
 from __future__ import annotations
 
-import math
-
 import attrs
 import torch
+
+from dflash_flow.model.strategies import prefix_bounds
 
 
 @attrs.define(eq=False)
@@ -132,21 +132,9 @@ class PrefixPrior:
     max_length: int | None = None
 
     def bounds(self, block_size: int) -> tuple[int, int]:
-        """``(lo, hi)``: the support of the prior for blocks of ``block_size``; raises on a bad setting."""
-        base = self.weight_base
-        if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 0:
-            raise ValueError(f"prefix_weight_base must be a finite number > 0, got {base!r}")
-        hi = block_size - 1 if self.max_length is None else self.max_length
-        if not 1 <= self.min_length <= block_size - 1:
-            raise ValueError(
-                f"prefix_min_length must be in [1, block_size - 1] = [1, {block_size - 1}], got {self.min_length}"
-            )
-        if not self.min_length <= hi <= block_size - 1:
-            raise ValueError(
-                f"prefix_max_length must be in [prefix_min_length, block_size - 1] = "
-                f"[{self.min_length}, {block_size - 1}], got {hi}"
-            )
-        return int(self.min_length), int(hi)
+        """``(lo, hi)``: the support of the prior for blocks of ``block_size``; raises on a bad setting
+        (``model.strategies.prefix_bounds``: the one check)."""
+        return prefix_bounds(block_size, self.weight_base, self.min_length, self.max_length)
 
     def probabilities(self, block_size: int) -> torch.Tensor:
         """``[hi - lo + 1]`` float64 on the CPU: ``Pr(l)`` for ``l = lo..hi``."""

@@ -72,6 +72,7 @@ from dflash_flow.model.layout import (  # noqa: F401 - re-exported
     group_spans,
     read_bounds,
 )
+from dflash_flow.model.strategies import SELECTOR_EXTRAS
 
 # The block plan and the layouts live in model.blockplan and model.layout; these names are re-exported for
 # the callers of the objective.
@@ -293,7 +294,6 @@ def _selector_extra(plan, parts, loss_sum, weight_sum, selector_sum, selector_we
     }
 
 
-SELECTOR_EXTRAS = ("dflash_loss", "selector_loss", "selector_accuracy", "candidate_recall", "selector_accept_len")
 
 
 def _check_block_settings(

@@ -24,6 +24,7 @@ from dflash_flow.model.dflash2 import drafter_from_config, drafter_variant, make
 from dflash_flow.model.drafter import DFlashDrafter
 from dflash_flow.model.objective import PrefixPrior, dflash_loss
 from dflash_flow.model.optim import GradientAccumulator, NonFiniteError, build_optimizer
+from dflash_flow.model.strategies import OBJECTIVES, objective_of
 
 STATE_VERSION = 1
 
@@ -131,7 +132,7 @@ class TrainerConfig:
     # VP-Drafter: each block shows a visible prefix of l real tokens, Pr(l) ~ prefix_weight_base ** l on
     # [prefix_min_length, prefix_max_length or block_size - 1]; only the masked suffix is supervised).
     objective: Literal["dflash", "variable_prefix"] = attrs.field(
-        default="dflash", validator=attrs.validators.in_(("dflash", "variable_prefix"))
+        default="dflash", validator=attrs.validators.in_(OBJECTIVES)
     )
     prefix_weight_base: float = 0.9
     prefix_min_length: int = 1
@@ -175,14 +176,12 @@ class DFlashObjective(nn.Module):
         self.activation_budget_mb = config.activation_budget_mb if config.chunk_blocks is None else None
         self.needs_input_grad = False  # set under fsdp
         self.selector_loss_weight = config.selector_loss_weight
+        objective = objective_of(config)  # the strategy (model.strategies): its knobs, its one check
+        objective.bounds(drafter.block_size)  # fails here, naming the field, not at the first step
         self.prefix_prior = None
-        if config.objective == "variable_prefix":
-            self.prefix_prior = PrefixPrior(
-                weight_base=config.prefix_weight_base,
-                min_length=config.prefix_min_length,
-                max_length=config.prefix_max_length,
-            )
-            self.prefix_prior.bounds(drafter.block_size)  # fails here, naming the field, not at the first step
+        if objective.name == "variable_prefix":
+            self.prefix_prior = PrefixPrior(weight_base=objective.weight_base, min_length=objective.min_length,
+                                            max_length=objective.max_length)
 
     def forward(self, input_ids, loss_mask, hidden_states, attention_mask, generator):
         return dflash_loss(

@@ -3,9 +3,7 @@ reports out; the data position it has reached; checkpoints through the run servi
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import time
 from pathlib import Path, PurePath
 from typing import Any, ClassVar, Literal
@@ -14,28 +12,7 @@ import attrs
 
 from dflash_flow.core import Stage, cfg
 from dflash_flow.items import StepReport, TargetFeatures
-from dflash_flow.services import CheckpointPayload, CheckpointSource, services_of
-from dflash_flow.util import is_within
-
-
-def _refuse_outside(path: Path, root: Path) -> None:
-    """What the run writes stays inside its output directory, even past a symbolic link made mid-run."""
-    if not is_within(path, root):
-        raise PermissionError(errno.EACCES, f"refusing to write outside output_dir {root} (a symbolic link leads to "
-                              f"{os.path.realpath(path)})", str(path))
-
-
-def _open_log(path: Path, root: Path, append: bool):
-    """The batch log, opened without following a link (O_NOFOLLOW) in a directory inside ``root``."""
-    _refuse_outside(path.parent, root)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_APPEND if append else os.O_TRUNC)
-    try:
-        fd = os.open(path, flags, 0o644)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise PermissionError(errno.EACCES, "refusing to follow a symbolic link in output_dir", str(path)) from None
-        raise
-    return os.fdopen(fd, "a" if append else "w")
+from dflash_flow.services import CheckpointPayload, CheckpointSource, agree_to_stop, services_of
 
 
 def check_inside_output_dir(field: str, value: str) -> None:
@@ -150,18 +127,16 @@ class DrafterStep(Stage, CheckpointSource):
     _trainer: Any = attrs.field(default=None, init=False)
     _batch_log: Any = attrs.field(default=None, init=False)
 
-    @prefix_min_length.validator
-    def _check_prefix_min(self, _attribute: attrs.Attribute, value: int) -> None:
-        if value > self.block_size - 1:
-            raise ValueError(f"'prefix_min_length' must be <= block_size - 1 = {self.block_size - 1}: {value}")
-
     @prefix_max_length.validator
-    def _check_prefix_max(self, _attribute: attrs.Attribute, value: int | None) -> None:
-        if value is not None and not self.prefix_min_length <= value <= self.block_size - 1:
-            raise ValueError(
-                f"'prefix_max_length' must be in [prefix_min_length, block_size - 1] = "
-                f"[{self.prefix_min_length}, {self.block_size - 1}]: {value}"
-            )
+    def _check_prefix(self, _attribute: attrs.Attribute, _value: int | None) -> None:
+        """The prefix bounds against the block size, by the one check (``strategies.prefix_bounds``); the
+        fields' own bounds (``ge``, ``gt``, finite) were checked already: a value they refuse is not
+        reported twice."""
+        from dflash_flow.model.strategies import prefix_bounds
+
+        base, lo = self.prefix_weight_base, self.prefix_min_length
+        if isinstance(base, (int, float)) and base > 0 and isinstance(lo, int) and lo >= 1:
+            prefix_bounds(self.block_size, base, lo, self.prefix_max_length)
 
     @conv_kernel_size.validator
     @conv_group_size.validator
@@ -174,10 +149,17 @@ class DrafterStep(Stage, CheckpointSource):
             raise ValueError(f"'conv_kernel_size' must be <= block_size = {self.block_size}: {value}")
 
     def _variant_kw(self) -> dict[str, Any]:
-        return {
-            "variant": self.variant, "conv_kernel_size": self.conv_kernel_size, "conv_group_size": self.conv_group_size,
-            "selector_rank": self.selector_rank, "selector_top_k": self.selector_top_k,
-        }
+        from dflash_flow.model.strategies import variant_of
+
+        variant = variant_of(self)
+        return {"variant": variant.name, **variant.settings}
+
+    def _trainer_config(self):
+        """The trainer's recipe: every ``TrainerConfig`` field is one of this stage's (same name, declared
+        here with its YAML doc and bounds); a field missing here fails loudly."""
+        from dflash_flow.model.trainer import TrainerConfig
+
+        return TrainerConfig(**{f.name: getattr(self, f.name) for f in attrs.fields(TrainerConfig) if f.name != "time_allreduce"})
 
     def config_problems(self) -> list[tuple[str, str]]:
         """(field, message) for DFlash 2 settings that do not fit the target (group size against its
@@ -186,15 +168,14 @@ class DrafterStep(Stage, CheckpointSource):
         if self.variant != "dflash2" or self.init_from:
             return []
         from dflash_flow.embedded import resolve_target
-        from dflash_flow.model.dflash2 import dflash2_problems, dflash2_settings
         from dflash_flow.model.facts import target_facts
+        from dflash_flow.model.strategies import variant_of
 
         facts = target_facts(resolve_target(self.target))
         if facts is None:
             return []
-        settings = dflash2_settings(self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k)
-        return dflash2_problems(settings, hidden_size=facts.hidden_size, vocab_size=facts.vocab_size,
-                                block_size=self.block_size)
+        return variant_of(self).problems(hidden_size=facts.hidden_size, vocab_size=facts.vocab_size,
+                                         block_size=self.block_size)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def setup(self, ctx) -> None:
@@ -204,7 +185,7 @@ class DrafterStep(Stage, CheckpointSource):
         from dflash_flow.model.head import load_shared_head
         from dflash_flow.model.loading import MODEL_LOAD_LOCK
         from dflash_flow.model.target import load_target_config, resolve_dtype
-        from dflash_flow.model.trainer import DrafterShape, DrafterTrainer, TrainerConfig, build_drafter
+        from dflash_flow.model.trainer import DrafterShape, DrafterTrainer, build_drafter
 
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
@@ -231,24 +212,12 @@ class DrafterStep(Stage, CheckpointSource):
                 tokenizer_path=tok_path, init_from=self.init_from,
             )
             head = load_shared_head(spec, ctx.device, dtype, trust_remote_code=self.trust_remote_code)
-        config = TrainerConfig(
-            num_anchors=self.num_anchors, gamma=self.gamma, objective=self.objective,
-            prefix_weight_base=self.prefix_weight_base, prefix_min_length=self.prefix_min_length,
-            prefix_max_length=self.prefix_max_length, chunk_blocks=self.chunk_blocks,
-            activation_budget_mb=self.activation_budget_mb, lr=self.lr,
-            warmup_ratio=self.warmup_ratio, min_lr_ratio=self.min_lr_ratio, weight_decay=self.weight_decay,
-            max_grad_norm=self.max_grad_norm, grad_accum=self.grad_accum, total_steps=self.total_steps,
-            data_parallel=self.data_parallel, on_nonfinite=self.on_nonfinite,
-            selector_loss_weight=self.selector_loss_weight,
-        )
-        self._trainer = DrafterTrainer(drafter, head, config, device=ctx.device, dtype=dtype)
-        # A resumed run continues the file (its lines after the checkpoint are trained again, so appear
-        # twice: see the record_batches doc); a fresh run starts a new one, whatever an earlier run left.
-        mode = "a" if self._services.resume is not None else "w"
-        log_name = "batches.jsonl" if ctx.world_size == 1 else f"batches.rank{ctx.rank}.jsonl"
-        out = Path(ctx.output_dir)
-        self._batch_log_path = out / log_name
-        self._batch_log = _open_log(self._batch_log_path, out, mode == "a") if self.record_batches else None
+        self._trainer = DrafterTrainer(drafter, head, self._trainer_config(), device=ctx.device, dtype=dtype)
+        if self.record_batches:
+            from dflash_flow.observe.batchlog import BatchLog
+
+            self._batch_log = BatchLog(Path(ctx.output_dir), rank=ctx.rank, world_size=ctx.world_size,
+                                       append=self._services.resume is not None)
         m = ctx.metrics
         self._m_steps = m.counter("steps", "steps", "Optimizer steps")
         self._m_tokens = m.counter("tokens", "tokens", "Real tokens trained on")
@@ -272,11 +241,7 @@ class DrafterStep(Stage, CheckpointSource):
         self._m_samples.inc(meta.num_samples)
         self._m_step_s.observe(time.perf_counter() - t0)
         if self._batch_log is not None and not meta.filler:
-            try:
-                self._batch_log.write(json.dumps({"epoch": meta.epoch, "index": meta.index, "sample_ids": list(meta.sample_ids)}) + "\n")
-                self._batch_log.flush()
-            except OSError as exc:  # e.g. a full disk: name the file (a failed write does not)
-                raise OSError(exc.errno, exc.strerror, str(self._batch_log_path)) from exc
+            self._batch_log.write(meta)
         if metrics is None:
             return None
         self._m_steps.inc()
@@ -287,9 +252,8 @@ class DrafterStep(Stage, CheckpointSource):
         if self._services.checkpoints is not None:
             # An epoch's end and the run's last planned batch are both checkpoint points (at_epoch_end).
             self._services.checkpoints.after_step(self, step=self._trainer.step, epoch_end=epoch_end or meta.last_of_run)
-        if self._dist is not None and any(self._dist.all_gather_object(self._ctx.stop_requested.is_set())):
-            # One rank was asked to stop (Ctrl-C, SIGTERM): every rank stops after this same step, so the
-            # data position in the checkpoint is one for all of them and no collective waits in vain.
+        if self._dist is not None and agree_to_stop(self._dist, self._ctx.stop_requested.is_set()):
+            # One rank was asked to stop: every rank stops after this same step.
             self._stopping = True
             if not self._ctx.stop_requested.is_set() and self._ctx.runtime is not None:
                 self._ctx.runtime.request_stop("another rank of the job is stopping")
@@ -378,6 +342,7 @@ class DrafterStep(Stage, CheckpointSource):
 
     def finish(self):
         from dflash_flow.model.export import save_drafter
+        from dflash_flow.observe.batchlog import refuse_outside
 
         self._trainer.flush()
         if self._ctx.stop_requested.is_set():
@@ -390,7 +355,7 @@ class DrafterStep(Stage, CheckpointSource):
         state = self._trainer.full_model_state()  # collective under fsdp: every rank takes part
         if self._ctx.rank != 0:  # one export per job, by rank 0 (the weights are the same on every rank)
             return (StepReport(step=self._trainer.step, epoch=self._epoch, meta=None, metrics={}, final=True),)
-        _refuse_outside(out, Path(self._ctx.output_dir))
+        refuse_outside(out, Path(self._ctx.output_dir))
         save_drafter(self._trainer.drafter, out, state=state)
         self._services.record.artifacts["drafter"] = str(out)
         return (StepReport(step=self._trainer.step, epoch=self._epoch, meta=None, metrics={}, final=True, artifacts={"drafter": str(out)}),)
