@@ -193,7 +193,7 @@ def test_on_nonfinite_skip_leaves_the_weights_finite_and_goes_on(caplog):
 def test_uploads_never_follow_a_link_out_of_the_output_directory(tmp_path, caplog):
     from mlflow import MlflowClient
 
-    from dflash_flow.app.session import ContainedUploads
+    from dflash_flow.app.endrun import ContainedUploads
     from dflash_flow.observe.tracking import Tracker
 
     out = tmp_path / "out"
