@@ -114,8 +114,11 @@ class _ToDevice:
 def place_on_devices(model: nn.Module, devices: Sequence[str | torch.device]) -> nn.Module:
     """Split ``model`` over ``devices`` by :func:`split_device_map` (each module moved straight to its
     own device, so the whole model never sits on one) and hook every module after the first device's
-    run so that its inputs follow it (what accelerate's ``dispatch_model`` does; accelerate is not a
-    dependency). The map is kept as ``model.dflash_device_map``.
+    run so that its inputs follow it. The map is kept as ``model.dflash_device_map``.
+
+    Ours, not accelerate's ``dispatch_model`` (tried: same features, also on CPU with ``force_hooks``),
+    for one thing it cannot: the inputs every layer shares (mask, rotary cos/sin, position ids) cross to a
+    device once per run of layers there, not once per layer (``test_target_split`` counts the copies).
 
     The hooks are installed by position in the map, not by whether two devices differ: a split over
     ``cpu`` entries (the tests' CPU "devices") runs exactly this path, its moves being no-ops."""
