@@ -97,6 +97,16 @@ def probe_write(directory: str | os.PathLike) -> str | None:
     return None
 
 
+def local_dirs(*fields: tuple[str, Any]) -> list[tuple[str, str, str]]:
+    """``(field, path, "dir")`` for the values that name a local directory (a path: ``/``, ``.``, ``~``, or
+    one that exists), not a preset name, a config mapping or a hub id (``Stage.input_paths``)."""
+    out = []
+    for field, value in fields:
+        if isinstance(value, str) and value and (value.startswith(("/", ".", "~")) or Path(value).expanduser().exists()):
+            out.append((field, value, "dir"))
+    return out
+
+
 def config_hash(obj: Any, *, compact: bool = True) -> str:
     """A stable short hash of plain data: sha256 of its sorted-key JSON, 16 hex characters. ``compact=False``
     hashes JSON with the default separators: the keys of the embedded target and dataset were made so

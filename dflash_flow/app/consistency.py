@@ -59,6 +59,7 @@ def model_problems(v: Validated, *, check_paths: bool = True) -> list[Problem]:
     from dflash_flow.embedded import resolve_target
     from dflash_flow.model.facts import build_target_layer_ids, target_facts
     from dflash_flow.stages.drafter_step import DrafterStep
+    from dflash_flow.stages.sources import TokenizedSource
     from dflash_flow.stages.spec_eval import SpecDecodeEval
     from dflash_flow.stages.target_forward import TargetForward
 
@@ -68,7 +69,7 @@ def model_problems(v: Validated, *, check_paths: bool = True) -> list[Problem]:
                for cls in (TargetForward, DrafterStep, SpecDecodeEval)}
     forwards, trainers, evals = by_type[TargetForward], by_type[DrafterStep], by_type[SpecDecodeEval]
     if check_paths:
-        problems += _path_problems(v, w, resolve_target)
+        problems += _path_problems(v, w)
     with_target = forwards + trainers + evals
     if not with_target:
         return problems
@@ -88,12 +89,13 @@ def model_problems(v: Validated, *, check_paths: bool = True) -> list[Problem]:
         return problems
     ids_of: dict[str, tuple[list[int], str]] = {}
     for name, conf in forwards + trainers:
-        depth_field = "num_draft_layers" if isinstance(conf, TargetForward) else "num_layers"
+        depth_field, depth = (("num_draft_layers", conf.num_draft_layers) if isinstance(conf, TargetForward)
+                              else ("num_layers", conf.num_layers))
         if conf.target_layer_ids:
             ids, field = list(conf.target_layer_ids), "target_layer_ids"
         else:
             try:
-                ids, field = build_target_layer_ids(facts.depth, getattr(conf, depth_field)), depth_field
+                ids, field = build_target_layer_ids(facts.depth, depth), depth_field
             except ValueError as exc:
                 problems.append(w.problem(name, depth_field, str(exc)))
                 continue
@@ -103,16 +105,15 @@ def model_problems(v: Validated, *, check_paths: bool = True) -> list[Problem]:
                 f"target layer {bad[0]} does not exist: the target has {facts.depth} decoder layers (ids 0-"
                 f"{facts.depth - 1})")))
             continue
-        ids_of[name] = (ids, field)
-    for fname, fconf in forwards:
+        ids_of[name] = (ids, field, conf.target_layer_ids if field == "target_layer_ids" else depth)
+    for fname, _ in forwards:
         for tname, _ in trainers:
             if fname in ids_of and tname in ids_of and ids_of[fname][0] != ids_of[tname][0]:
-                (emit, efield), (fuse, tfield) = ids_of[fname], ids_of[tname]
+                (emit, efield, evalue), (fuse, tfield, tvalue) = ids_of[fname], ids_of[tname]
                 problems.append(w.problem(tname, tfield, (
-                    f"stage '{fname}' (TargetForward) emits target layers {emit} ({efield}="
-                    f"{getattr(fconf, efield)}) but stage '{tname}' (DrafterStep) fuses {fuse} ({tfield}="
-                    f"{getattr(v.configs[tname], tfield)}): declare the drafter's depth once, in "
-                    "model.num_draft_layers (or the layers in model.target_layer_ids)")))
+                    f"stage '{fname}' (TargetForward) emits target layers {emit} ({efield}={evalue}) but stage "
+                    f"'{tname}' (DrafterStep) fuses {fuse} ({tfield}={tvalue}): declare the drafter's depth "
+                    "once, in model.num_draft_layers (or the layers in model.target_layer_ids)")))
     for name, conf in trainers:
         if conf.mask_token_id is not None and conf.mask_token_id >= facts.vocab_size:
             problems.append(w.problem(name, "mask_token_id", (
@@ -120,8 +121,8 @@ def model_problems(v: Validated, *, check_paths: bool = True) -> list[Problem]:
                 "tokens (ids 0-{})".format(facts.vocab_size - 1))))
         problems += _init_from_problems(w, name, conf, facts)
     for name, conf in v.configs.items():
-        vocab = getattr(type(conf), "vocab_size", None) is not None and getattr(conf, "vocab_size", None)
-        if isinstance(vocab, int) and vocab > facts.vocab_size:
+        vocab = conf.vocab_size if isinstance(conf, TokenizedSource) else None
+        if vocab is not None and vocab > facts.vocab_size:
             problems.append(w.problem(name, "vocab_size", (
                 f"vocab_size {vocab} admits token ids the target cannot embed: its vocabulary has "
                 f"{facts.vocab_size} tokens; use {facts.vocab_size} (or the data's tokenizer's target)")))
@@ -150,23 +151,21 @@ def _init_from_problems(w: _Where, name: str, conf: Any, facts: Any) -> list[Pro
     return out
 
 
-def _path_problems(v: Validated, w: _Where, resolve_target) -> list[Problem]:
+def _path_problems(v: Validated, w: _Where) -> list[Problem]:
     """Data files and model directories that do not exist here."""
     out = []
     for name, conf in v.configs.items():
         for j, f in enumerate(conf.data_files()):
             if not Path(f).expanduser().is_file():
                 out.append(w.problem(name, "paths", f"{f}: no such file (a data file {name} reads)", item=j))
-        for field in ("target", "tokenizer", "init_from"):
-            value = getattr(conf, field, None) if field in {a.name for a in type(conf).config_fields()} else None
-            if field == "target" and value is not None:
-                value = resolve_target(value)
-            if value is not None and _looks_local(value) and not Path(value).expanduser().is_dir():
+        for field, value, kind in conf.input_paths():
+            path = Path(value).expanduser()
+            if kind == "dir" and not path.is_dir():
                 found = w.problem(name, field, f"{field} {value} is not a directory here")
-                if not any((p.line, p.message) == (found.line, found.message) for p in out):  # one model: line
-                    out.append(found)
-        for field in ("prompts", "walk_data"):
-            value = getattr(conf, field, None) if field in {a.name for a in type(conf).config_fields()} else None
-            if isinstance(value, str) and value != "embedded" and not Path(value).expanduser().is_file():
-                out.append(w.problem(name, field, f"{field} file {value} does not exist"))
+            elif kind == "file" and not path.is_file():
+                found = w.problem(name, field, f"{field} file {value} does not exist")
+            else:
+                continue
+            if not any((p.line, p.message) == (found.line, found.message) for p in out):  # one model: line
+                out.append(found)
     return out

@@ -264,6 +264,11 @@ class Stage:
         """The data files this stage reads, as configured (hashed, so that a resume notices changed data)."""
         return []
 
+    def input_paths(self) -> list[tuple[str, str, str]]:
+        """``(field, path, "dir" | "file")`` for the model directories and files (other than
+        ``data_files``) this stage reads, as configured: validation checks that they exist here."""
+        return []
+
     def output_dirs(self) -> list[str]:
         """Directories (relative to the output directory) this stage writes at the end of the run: the
         application refuses a run where one of them is an existing file before it starts."""

@@ -285,6 +285,13 @@ class DrafterStep(Stage, CheckpointSource):
     def output_dirs(self) -> list[str]:
         return [self.export_dir]
 
+    def input_paths(self) -> list[tuple[str, str, str]]:
+        from dflash_flow.embedded import resolve_target
+        from dflash_flow.util import local_dirs
+
+        return local_dirs(("target", resolve_target(self.target)), ("tokenizer", self.tokenizer),
+                          ("init_from", self.init_from))
+
     @property
     def inputs_per_step(self) -> int:
         return self.grad_accum

@@ -158,6 +158,11 @@ class ChatSource(_RecordSource):
         else:
             raise ValueError(f"stage '{ctx.name}': set 'tokenizer' or provide the run service 'tokenizer'")
 
+    def input_paths(self) -> list[tuple[str, str, str]]:
+        from dflash_flow.util import local_dirs
+
+        return local_dirs(("tokenizer", self.tokenizer))
+
     def _extra_options(self) -> dict[str, Any]:
         template = self.chat_template
         if template and "{" not in template and Path(template).expanduser().is_file():

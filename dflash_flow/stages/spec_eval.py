@@ -84,6 +84,14 @@ class SpecDecodeEval(Stage):
     baseline: bool = cfg(True, doc="Also evaluate an untrained drafter of the same shape.")
     torch_threads: int | None = cfg(None, ge=1, doc="torch intra-op threads for the evaluation (CPU runs; batch-1 decoding of a small model is fastest on 1).")
 
+    def input_paths(self) -> list[tuple[str, str, str]]:
+        from dflash_flow.embedded import resolve_target
+        from dflash_flow.util import local_dirs
+
+        files = [(f, p, "file") for f, p in (("prompts", self.prompts), ("walk_data", self.walk_data))
+                 if p is not None and p != "embedded"]
+        return local_dirs(("target", resolve_target(self.target)), ("tokenizer", self.tokenizer)) + files
+
     def setup(self, ctx) -> None:
         self._ctx = ctx
         if self.walk_data == "embedded" and self.target != "embedded":

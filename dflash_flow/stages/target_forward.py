@@ -47,6 +47,12 @@ class TargetForward(Stage):
     trust_remote_code: bool = cfg(False, doc="Allow the target's own Python code (off unless asked).")
     torch_threads: int | None = cfg(None, ge=1, doc="torch intra-op threads for this process (CPU runs).")
 
+    def input_paths(self) -> list[tuple[str, str, str]]:
+        from dflash_flow.embedded import resolve_target
+        from dflash_flow.util import local_dirs
+
+        return local_dirs(("target", resolve_target(self.target)))
+
     def device_problems(self, replica_devices: list[list[str]]) -> list[tuple[str, str]]:
         """The deepest requested layer exists in the target, and no replica has more devices than layers
         to run. The target's config is read (without weights, never from the network) only when it
