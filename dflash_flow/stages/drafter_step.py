@@ -45,7 +45,7 @@ class DrafterStep(Stage, CheckpointSource):
         "block_size": "model.block_size", "mask_token_id": "model.mask_token_id",
     }
 
-    target: str | dict[str, Any] = cfg(doc="The same target as TargetForward (its embedding and LM head are shared, frozen).")
+    target: str | dict[str, Any] = cfg(doc="The target (its embedding and LM head are shared, frozen); one home: model.target.")
     tokenizer: str | None = cfg(None, doc="Tokenizer path, used to pick the mask token (default: the target directory).")
     num_layers: int = cfg(1, ge=1, doc="Drafter decoder layers.")
     block_size: int = cfg(16, ge=2, doc="Block size B: one anchor token + B-1 mask tokens.")

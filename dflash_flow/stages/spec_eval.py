@@ -65,7 +65,7 @@ class SpecDecodeEval(Stage):
     singleton = True
     section_fields: ClassVar[dict[str, str]] = {"target": "model.target", "tokenizer": "model.tokenizer"}
 
-    target: str | dict[str, Any] = cfg(doc="The target model (as in TargetForward).")
+    target: str | dict[str, Any] = cfg(doc="The target model (the drafter's own; one home: model.target).")
     prompts: str = cfg(doc="JSONL of held-out prompts ({'prompt': ...} or {'conversations': [...]}); 'embedded' for the built-in set.")
     tokenizer: str | None = cfg(None, doc="Tokenizer path (default: the target directory).")
     limit: int = cfg(32, ge=1, doc="Prompts to evaluate.")
