@@ -26,7 +26,7 @@ def resume_config_hash(graph) -> str:
     """What must match to resume: the seed and every stage's type, shape and config, as the stage gets it (a
     value declared once in a section, e.g. ``model.target``, counts as the stage's: the same pipeline written
     the old way, with the value in each stage, resumes the same checkpoints)."""
-    from dflash_flow.core.validate import resolved_stage_configs
+    from dflash_flow.core.fill import resolved_stage_configs
     from dflash_flow.util import config_hash
 
     d = graph.to_dict()

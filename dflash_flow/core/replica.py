@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from .channel import END_OF_STREAM, Channel, ChannelCancelled, ErrorItem
 from .routing import Router
-from .snapshot import ReplicaState
+from .snapshot import ReplicaSnapshot, ReplicaState
 from .stage import Source, Stage, StageContext
 
 
@@ -78,6 +78,27 @@ class Replica:
 
     def blocked_in_s(self) -> float:
         return self.input.blocked_get_s if self.input is not None else 0.0
+
+    def snapshot(self, now: float) -> ReplicaSnapshot:
+        """Its cumulative readings as of ``now`` (lock-free reads of fields its thread writes)."""
+        start = self.started_at or now
+        end = self.ended_at or now
+        alive = max(end - start, 0.0)
+        bin_ = self.blocked_in_s()
+        bout = self.blocked_out_s
+        return ReplicaSnapshot(
+            replica=self.index,
+            device=self.ctx.device,
+            state=self.state,
+            items_in=self.items_in,
+            items_out=self.items_out,
+            busy_s=max(alive - bin_ - bout, 0.0),
+            blocked_in_s=bin_,
+            blocked_out_s=bout,
+            alive_s=alive,
+            metrics=self.ctx.metrics.read(),
+            channel=self.input.stats() if self.input is not None else None,
+        )
 
 
 def main(rep: Replica, sup: Supervisor) -> None:

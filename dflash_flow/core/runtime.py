@@ -25,12 +25,12 @@ from .graph import Graph
 from .metrics import MetricSet
 from .replica import TOMBSTONE, Replica, replica_state
 from .replica import main as replica_main
-from .routing import make_router
 from .sampler import Sampler
-from .snapshot import ReplicaSnapshot, RuntimeSnapshot, StageSnapshot
+from .snapshot import RuntimeSnapshot, StageSnapshot
 from .stage import StageContext
 from .validate import Validated, validated
 from .watchdog import watch
+from .wiring import wire
 
 
 class _Terminate(KeyboardInterrupt):
@@ -187,43 +187,7 @@ class Pipeline:
                     rep.resume_state = states[i] if i < len(states) else states[-1]
                 reps.append(rep)
             self.replicas[spec.name] = reps
-        # Channels: one per consumer replica, fed by every producer replica of every input edge.
-        for spec in g.stages:
-            if not spec.inputs:
-                continue
-            producers = sum(g.stage(i.stage).replicas for i in spec.inputs)
-            cap = spec.capacity or g.runtime.capacity
-            for rep in self.replicas[spec.name]:
-                rep.input = Channel(cap, name=rep.label, producers=producers)
-                rep.ordered = spec.ordered
-        for name in collect:
-            reps = self.replicas[name]
-            self._collect[name] = Channel(max(g.runtime.capacity, 1), name=f"collect:{name}", producers=len(reps))
-        # Routers: one per edge, shared by all producer replicas (one round-robin counter per edge).
-        for spec in g.stages:
-            for inp in spec.inputs:
-                router = make_router(inp.policy, [r.input for r in self.replicas[spec.name]])
-                for prod in self.replicas[inp.stage]:
-                    prod.routers.append(router)
-        for name, ch in self._collect.items():
-            router = make_router("round_robin", [ch])
-            for prod in self.replicas[name]:
-                prod.routers.append(router)
-        # Tombstones are only needed where an ordered consumer lies downstream through 1:1 stages.
-        for spec in g.stages:
-            if spec.ordered:
-                todo = [i.stage for i in spec.inputs]
-                seen = set()
-                while todo:
-                    n = todo.pop()
-                    if n in seen:
-                        continue
-                    seen.add(n)
-                    for rep in self.replicas[n]:
-                        rep.send_tombstones = True
-                    cls = self.validated.classes[n]
-                    if cls.cardinality == "1:1" and not cls.is_source():
-                        todo.extend(i.stage for i in g.stage(n).inputs)
+        self._collect = wire(g, self.validated.classes, self.replicas, collect)
 
     # -- public API -------------------------------------------------------------------------------
     @property
@@ -334,31 +298,8 @@ class Pipeline:
         now = time.monotonic()
         stages = {}
         for spec in self.graph.stages:
-            reps = []
-            kinds: dict[str, str] = {}
-            for rep in self.replicas[spec.name]:
-                start = rep.started_at or now
-                end = rep.ended_at or now
-                alive = max(end - start, 0.0)
-                bin_ = rep.blocked_in_s()
-                bout = rep.blocked_out_s
-                for m in rep.ctx.metrics:
-                    kinds[m.name] = m.kind
-                reps.append(
-                    ReplicaSnapshot(
-                        replica=rep.index,
-                        device=rep.ctx.device,
-                        state=rep.state,
-                        items_in=rep.items_in,
-                        items_out=rep.items_out,
-                        busy_s=max(alive - bin_ - bout, 0.0),
-                        blocked_in_s=bin_,
-                        blocked_out_s=bout,
-                        alive_s=alive,
-                        metrics=rep.ctx.metrics.read(),
-                        channel=rep.input.stats() if rep.input is not None else None,
-                    )
-                )
+            reps = [rep.snapshot(now) for rep in self.replicas[spec.name]]
+            kinds = {m.name: m.kind for rep in self.replicas[spec.name] for m in rep.ctx.metrics}
             stages[spec.name] = StageSnapshot(spec.name, spec.type, reps, kinds)
         end = self._end_time or now
         return RuntimeSnapshot(time=now, elapsed_s=(end - self._start_time) if self._started else 0.0, stages=stages)

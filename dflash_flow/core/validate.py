@@ -25,10 +25,11 @@ from .devices import (
     visible_gpu_count,
 )
 from .errors import ConfigError, Problem
+from .fill import section_values
 from .graph import Graph, RuntimeOptions, StageSpec
-from .routing import POLICIES
 from .sections import section_to_dict
-from .stage import Source, Stage
+from .stage import Stage
+from .validate_graph import check_cycles, check_edges, check_ordering
 
 
 class Validated:
@@ -119,7 +120,7 @@ def _validated(graph: Graph, *, check_devices: bool, gpu_count: int | None,
     _check_shapes(c)
     if not c.problems:  # the checks below rely on well-typed specs
         for check in (_check_names, _check_sections, _check_configs, _check_runtime, _check_placement,
-                      _check_edges, _check_cycles, _check_ordering, _check_stage_configs):
+                      check_edges, check_cycles, check_ordering, _check_stage_configs):
             check(c)
     if c.problems:
         raise ConfigError(c.problems)
@@ -188,41 +189,6 @@ def _check_configs(c: _Check) -> None:
         c.extend(probs)
         if obj is not None:
             c.configs[spec.name] = obj
-
-
-def section_values(graph: Graph, spec: StageSpec, cls: type[Stage]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
-    """The config values a section declares for this stage (``Stage.section_fields``) that the stage leaves
-    out, and ``(field, message)`` for each field the stage sets to something else than its section."""
-    filled: dict[str, Any] = {}
-    problems: list[tuple[str, str]] = []
-    for field, path in cls.section_fields.items():
-        key, _, attr = path.partition(".")
-        section = graph.sections.get(key)
-        value = getattr(section, attr, None) if section is not None and attr else None
-        if value is None:
-            continue
-        value = section_to_dict(value)
-        if field not in spec.config:
-            filled[field] = value
-        elif spec.config[field] != value:
-            problems.append((field, f"'{field}' is declared once, in {path} ({short(repr(value), 60)}); this stage "
-                                    f"sets {short(repr(spec.config[field]), 60)}: remove it here, or change {path}"))
-    return filled, problems
-
-
-def resolved_stage_configs(graph: Graph) -> dict[str, dict[str, Any]]:
-    """Every stage's config as the stage gets it: its own values over those its sections declare (stages of
-    a type that does not resolve keep their own)."""
-    out = {}
-    for spec in graph.stages:
-        try:
-            cls = registry.resolve(spec.type)
-        except Exception:  # reported by validation
-            out[spec.name] = dict(spec.config)
-            continue
-        filled, _ = section_values(graph, spec, cls)
-        out[spec.name] = {**filled, **spec.config}
-    return out
 
 
 def _check_runtime(c: _Check) -> None:
@@ -399,153 +365,3 @@ def _check_stage_configs(c: _Check) -> None:
             c.add_field(message, spec, field)
 
 
-def _check_edges(c: _Check) -> None:
-    for spec in c.graph.stages:
-        cls = c.classes.get(spec.name)
-        if cls is not None and cls.is_source() and not issubclass(cls, Source):
-            c.add(f"stage type '{spec.type}' takes no input (input_type None) but is not a Source: subclass "
-                  "dflash_flow.core.Source and implement produce()", spec, "type", field="type")
-        if cls is not None and cls.is_source() and spec.inputs:
-            c.add(f"stage type '{spec.type}' is a source and takes no inputs", spec, "inputs", field="inputs")
-        if cls is not None and not cls.is_source() and not spec.inputs:
-            c.add(f"missing input: stage type '{spec.type}' needs an input (inputs: [STAGE])", spec, field="inputs")
-        seen_inputs: set[str] = set()
-        for j, inp in enumerate(spec.inputs):
-            if inp.stage in seen_inputs:
-                c.add(f"input '{inp.stage}' listed twice", spec, "inputs", j, field="inputs")
-            seen_inputs.add(inp.stage)
-            if inp.policy not in POLICIES:
-                c.add(f"unknown fan-out policy '{short(inp.policy)}'; expected one of {', '.join(POLICIES)}", spec, "inputs", j, field="inputs")
-            _check_edge(c, spec, cls, j)
-
-
-def _check_edge(c: _Check, spec: StageSpec, cls: type[Stage] | None, j: int) -> None:
-    inp = spec.inputs[j]
-    if inp.stage == spec.name:
-        c.add("a stage cannot be its own input", spec, "inputs", j, field="inputs")
-        return
-    if inp.stage not in c.names:
-        close = difflib.get_close_matches(inp.stage, sorted(c.names), n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        c.add(f"dangling input: no stage named '{short(inp.stage)}'{hint}", spec, "inputs", j, field="inputs")
-        return
-    prod = c.classes.get(inp.stage)
-    if prod is None or cls is None:
-        return
-    if prod.is_sink():
-        c.add(f"stage '{inp.stage}' ({prod.__name__}) has no output", spec, "inputs", j, field="inputs")
-    elif not _accepts(cls.input_type, prod.output_type):
-        c.add(
-            f"type mismatch: '{inp.stage}' emits {_tname(prod.output_type)} but "
-            f"'{spec.name}' ({cls.__name__}) accepts {_tname(cls.input_type)}",
-            spec,
-            "inputs",
-            j,
-            field="inputs",
-        )
-
-
-def _check_cycles(c: _Check) -> None:
-    c.order, c.cycle = _toposort(c.graph)
-    if c.cycle:
-        spec = c.graph.stage(c.cycle[0]) if c.cycle[0] in c.names else None
-        c.add("cycle: " + _show_cycle(c.cycle), spec, "inputs", field="inputs")
-
-
-def _show_cycle(cycle: list[str]) -> str:
-    """``a -> b -> a``; a long cycle shows its ends and its length."""
-    names = cycle if len(cycle) <= 8 else [*cycle[:3], "...", *cycle[-2:]]
-    text = " -> ".join([*names, cycle[0]])
-    return text if len(cycle) <= 8 else f"{text} ({len(cycle)} stages)"
-
-
-def _check_ordering(c: _Check) -> None:
-    if c.cycle:
-        return
-    for spec in c.graph.stages:
-        if spec.ordered:
-            err = _ordering_problem(c.graph, spec, c.classes)
-            if err:
-                c.add(err, spec, "ordered", field="ordered")
-
-
-def _accepts(consumer_in: type | None, producer_out: type | None) -> bool:
-    if consumer_in is None or producer_out is None:
-        return False
-    if consumer_in is object:
-        return True
-    if producer_out is object:
-        return True  # a generic producer: checked at run time by the consumer
-    return issubclass(producer_out, consumer_in)
-
-
-def _tname(t: type | None) -> str:
-    if t is None:
-        return "nothing"
-    return "any item" if t is object else t.__name__
-
-
-def _toposort(graph: Graph) -> tuple[list[str], list[str]]:
-    """(topological order, []) or ([], one cycle). Iterative: a chain of thousands of stages is fine."""
-    names = [s.name for s in graph.stages]
-    known = set(names)
-    # Self-loops are reported on their own; here they would only repeat that.
-    deps = {s.name: [i.stage for i in s.inputs if i.stage in known and i.stage != s.name] for s in graph.stages}
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    order: list[str] = []
-    for root in names:
-        if root in state:
-            continue
-        state[root] = 1
-        path = [root]
-        todo = [iter(deps.get(root, []))]
-        while todo:
-            nxt = next(todo[-1], None)
-            if nxt is None:
-                todo.pop()
-                done = path.pop()
-                state[done] = 2
-                order.append(done)
-            elif state.get(nxt) == 1:
-                return [], list(reversed(path[path.index(nxt):]))
-            elif nxt not in state:
-                state[nxt] = 1
-                path.append(nxt)
-                todo.append(iter(deps.get(nxt, [])))
-    return order, []
-
-
-def _ordering_problem(graph: Graph, spec: StageSpec, classes: dict[str, type[Stage]]) -> str | None:
-    if spec.replicas != 1:
-        return "ordered input needs replicas: 1 (one consumer restores one order)"
-    origins: set[str] = set()
-    todo = list(dict.fromkeys(i.stage for i in spec.inputs))  # an input listed twice is reported elsewhere
-    seen = set()
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            # A diamond: every item of this stage reaches the consumer more than once.
-            return f"ordered input: items of stage '{name}' arrive by more than one path; there is no single order to restore"
-        seen.add(name)
-        try:
-            up = graph.stage(name)
-        except KeyError:
-            return None
-        cls = classes.get(name)
-        if cls is None:
-            return None
-        if cls.cardinality != "1:1" or cls.is_source():
-            origins.add(name)
-            if up.replicas != 1:
-                return (
-                    f"ordered input: stage '{name}' starts the order but has {up.replicas} replicas; "
-                    "it needs replicas: 1"
-                )
-        else:
-            for inp in up.inputs:
-                if inp.policy == "broadcast" and up.replicas > 1:
-                    return f"ordered input: '{name}' receives '{inp.stage}' by broadcast to {up.replicas} replicas, so every item arrives {up.replicas} times"
-            todo.extend(dict.fromkeys(inp.stage for inp in up.inputs))
-    if len(origins) > 1:
-        return f"ordered input merges items from several origins ({', '.join(sorted(origins))}); there is no single order to restore"
-    return None

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from dflash_flow.model.device import as_device, default_attn_implementation, default_dtype, resolve_dtype
-from dflash_flow.model.facts import TARGET_PRESETS
+from dflash_flow.model.facts import TARGET_PRESETS, preset_params
 from dflash_flow.model.features import (
     DEPTH_ATTR,
     TargetFeatureExtractor,
@@ -78,15 +78,9 @@ def _preset_config(spec: Mapping[str, Any] | str) -> tuple[Any, int]:
     """Resolve a preset name or dict into (transformers config, seed)."""
     from transformers import AutoConfig
 
-    if isinstance(spec, str):
-        params = dict(TARGET_PRESETS[spec])
-    else:
-        params = dict(spec)
-        base = params.pop("preset", None)
-        if base is not None:
-            if base not in TARGET_PRESETS:
-                raise ValueError(f"unknown target preset {base!r}; known: {sorted(TARGET_PRESETS)}")
-            params = {**TARGET_PRESETS[base], **params}
+    params = preset_params(spec)
+    if params is None:
+        raise ValueError(f"unknown target preset {spec!r}; known: {sorted(TARGET_PRESETS)}")
     seed = int(params.pop("seed", 0))
     params.pop("init_device", None)
     model_type = params.pop("model_type", "qwen3")
