@@ -240,7 +240,7 @@ def test_the_run_lock_refuses_a_second_holder_and_is_released(tmp_path):
 
 
 def test_the_batch_log_is_never_written_through_a_link(tmp_path):
-    from dflash_flow.stages.drafter_step import _open_log
+    from dflash_flow.observe.batchlog import BatchLog
 
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
@@ -248,7 +248,7 @@ def test_the_batch_log_is_never_written_through_a_link(tmp_path):
     out.mkdir()
     (out / "batches.jsonl").symlink_to(victim)
     with pytest.raises(PermissionError, match="refusing to follow a symbolic link in output_dir"):
-        _open_log(out / "batches.jsonl", out, append=False)
+        BatchLog(out, rank=0, world_size=1, append=False)  # OUTPUT/batches.jsonl
     assert victim.read_text() == "precious\n"
 
 
