@@ -9,7 +9,6 @@ check the exit code, the message, MLflow's FAILED status and that the last check
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from reltools import (
     summary,
     train_pipeline,
     wait_threads_back,
+    write_chat,
     write_tokenized,
     write_yaml,
 )
@@ -44,12 +44,7 @@ def files(tmp_path_factory):
     tokens = write_tokenized(root / "tokens.jsonl", 8, seed=1)
     # Embedded-target ids (vocab 768) for the SpecDecodeEval pipeline, which needs a tokenizer.
     chat = root / "chat.jsonl"
-    with open(chat, "w") as f:
-        for i in range(4):
-            f.write(json.dumps({"conversations": [
-                {"role": "user", "content": f"What is {i} plus {i}?"},
-                {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."},
-            ]}) + "\n")
+    write_chat(chat, 4)
     # tqdm (the embedded dataset's regeneration progress) starts a process-wide monitor daemon that
     # outlives the run by up to 10 s; it is the library's, not a runtime thread: switch it off here.
     import tqdm

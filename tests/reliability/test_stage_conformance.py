@@ -27,7 +27,7 @@ from typing import Any
 import attrs
 import pytest
 from faulty_stages import BUILTIN_TYPES, PLUGIN_TYPES
-from reltools import MASK_ID, VOCAB, wait_threads_back, write_tokenized
+from reltools import MASK_ID, VOCAB, wait_threads_back, write_chat, write_tokenized
 
 from dflash_flow.core import (
     Graph,
@@ -148,12 +148,7 @@ def files(tmp_path_factory):
     tqdm.tqdm.monitor_interval = 0  # the regeneration's progress bar starts no monitor thread
     root = tmp_path_factory.mktemp("conformance")
     chat = root / "chat.jsonl"
-    with open(chat, "w") as f:
-        for i in range(4):
-            f.write(json.dumps({"conversations": [
-                {"role": "user", "content": f"What is {i} plus {i}?"},
-                {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."},
-            ]}) + "\n")
+    write_chat(chat, 4)
     return {"root": root, "tokens": write_tokenized(root / "tokens.jsonl", 12, seed=2), "chat": chat,
             "embedded": embedded_target_path()}
 
