@@ -63,13 +63,9 @@ def correctness(device: str) -> dict:
     """DFlash loss of one batch on ``device`` in bf16 (fp32 on a CPU) vs the CPU in fp32, same anchors."""
     import torch
 
+    from dflash_flow.model.head import load_shared_head
     from dflash_flow.model.objective import dflash_loss, sample_anchors
-    from dflash_flow.model.target import (
-        TargetFeatureExtractor,
-        load_shared_head,
-        load_target,
-        load_target_config,
-    )
+    from dflash_flow.model.target import TargetFeatureExtractor, load_target, load_target_config
     from dflash_flow.model.trainer import DrafterShape, build_drafter
 
     spec = {**TINY, "seed": 3}

@@ -44,7 +44,7 @@ import attrs
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dflash_flow.core import Graph, Pipeline, RuntimeOptions, Stage, cfg, register_stage  # noqa: E402
+from dflash_flow.core import Graph, Pipeline, RuntimeOptions, Source, Stage, cfg, register_stage  # noqa: E402
 from dflash_flow.core.channel import END_OF_STREAM, Channel  # noqa: E402
 
 # The efficiency DAG: (stage, service seconds, replicas). Slow stages are replicated so that every stage
@@ -126,11 +126,9 @@ def bench_hops(n: int, reps: int) -> dict[str, Any]:
 # -- 2. efficiency DAG, ours ------------------------------------------------------------------------------
 @register_stage("BenchSleepSource")
 @attrs.define(kw_only=True, eq=False)
-class BenchSleepSource(Stage):
+class BenchSleepSource(Source):
     """Emits 0..count-1, sleeping service_s before each."""
 
-    input_type = None
-    cardinality = "1:n"
     count: int = cfg(100, ge=0)
     service_s: float = cfg(0.0, ge=0)
 

@@ -29,20 +29,14 @@ def _fail(message: str) -> None:
 
 
 def _load(file: Path, overrides: Optional[list[str]], check_devices: bool = True, local_world_size: Optional[int] = None,
-          gpu_count: Optional[int] = None):
-    """Load and validate; print one line per problem and exit 2 on user errors."""
-    import dflash_flow.app  # noqa: F401 - registers the application sections
-    from dflash_flow.app.preflight import preflight_problems
-    from dflash_flow.core import ConfigError, load_graph
-    from dflash_flow.core.validate import validated
+          gpu_count: Optional[int] = None, check_paths: Optional[bool] = None):
+    """Load and validate (``app.runner.load``); print one line per problem and exit 2 on user errors."""
+    from dflash_flow.app.runner import load
+    from dflash_flow.core import ConfigError
 
     try:
-        graph = load_graph(file, overrides or [])
-        v = validated(graph, check_devices=check_devices, local_world_size=local_world_size, gpu_count=gpu_count)
-        problems = preflight_problems(v)
-        if problems:
-            raise ConfigError(problems)
-        return v
+        return load(file, overrides=overrides, check_devices=check_devices, check_paths=check_paths,
+                    local_world_size=local_world_size, gpu_count=gpu_count)
     except ConfigError as exc:
         lines = [p.format() for p in exc.problems]
         _fail(f"error: {file}: {len(lines)} problem(s)\n" + "\n".join(lines))
@@ -52,13 +46,15 @@ def _load(file: Path, overrides: Optional[list[str]], check_devices: bool = True
 def validate(
     file: Path = typer.Argument(..., help="Pipeline YAML file."),
     set_: Optional[list[str]] = SetOpt,
-    no_device_check: bool = typer.Option(False, "--no-device-check", help="Check everything but device availability."),
+    no_device_check: bool = typer.Option(False, "--no-device-check", help="Validate for another machine: skip the checks of this machine's devices and files."),
+    no_path_check: bool = typer.Option(False, "--no-path-check", help="Skip only the checks that data files and model directories exist."),
     nproc: Optional[int] = typer.Option(None, "--nproc", min=1, help="Check the GPU placement for N ranks per node."),
-    gpus: Optional[int] = typer.Option(None, "--gpus", min=0, help="Check the placement as if N GPUs were visible."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", min=0, help="Check the placement as if N GPUs were visible (another machine: files are not checked)."),
 ) -> None:
     """Check a pipeline file without running it."""
     # --gpus simulates the devices, so the placement is checked against it even with --no-device-check.
-    v = _load(file, set_, check_devices=not no_device_check or gpus is not None, local_world_size=nproc, gpu_count=gpus)
+    v = _load(file, set_, check_devices=not no_device_check or gpus is not None, local_world_size=nproc, gpu_count=gpus,
+              check_paths=not (no_device_check or no_path_check or gpus is not None))
     n = sum(s.replicas for s in v.graph.stages)
     typer.echo(f"ok: {file}: {len(v.graph.stages)} stages, {n} replicas")
 
@@ -128,16 +124,16 @@ def run(
     if nproc is not None:
         from dflash_flow.app.launch import launch
 
-        output_dir = Path(v.graph.output_dir or f"runs/{v.graph.name}")
+        output_dir = v.graph.run_dir
         world = nproc * (int(str(nnodes).split(":")[-1]) if str(nnodes).split(":")[-1].isdigit() else 1)
         tracking = v.graph.sections["tracking"]
         raise typer.Exit(launch(file, output_dir, world_size=world, nproc=nproc, nnodes=nnodes,
                                 tracking_uri=tracking.tracking_uri if tracking.enabled else None,
                                 rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts,
                                 overrides=set_ or [], resume=resume))
-    from dflash_flow.app.run import run_validated
+    from dflash_flow.app.session import run_validated
 
-    code = run_validated(v, config_path=file, resume=resume, overrides=set_ or [])
+    code = run_validated(v, config_path=file, resume=resume, overrides=set_ or []).exit_code
     _exit_now_if_threads_stuck(code)
     raise typer.Exit(code)
 

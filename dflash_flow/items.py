@@ -115,24 +115,50 @@ class TargetFeatures:
     target_layer_ids: list[int] = attrs.field(factory=list)
 
 
+#: How a trainer metric of a StepReport combines over the ranks of a job, declared once: the ones listed
+#: here; every other metric (losses, accuracies, acceptance, the learning rate, a variant's or an
+#: objective's own terms) is averaged.
+TRAIN_METRIC_REDUCTIONS: dict[str, str] = {
+    "tokens": "sum", "samples": "sum", "num_tokens": "sum", "tokens_per_s": "sum", "samples_per_s": "sum",
+    "allreduce_wait_s": "max", "step_s": "max",
+}
+
+
+def position_accuracy_name(k: int) -> str:
+    """The name under which block slot ``k``'s accuracy is recorded and logged (``accuracy_pos<k>``): made
+    here from the typed sequence, never parsed back."""
+    return f"accuracy_pos{k}"
+
+
 @attrs.define(eq=False)
 class StepReport:
-    """What one optimizer step of the drafter reports."""
+    """What one optimizer step of the drafter reports: ``metrics`` are its scalar curves (loss, accuracy,
+    ``sim_accept_len``, ``grad_norm``, ``lr``, throughput, a variant's terms); the per-slot accuracies and
+    the run's facts are typed fields of their own."""
 
     step: int
     epoch: int
     meta: BatchMeta | None
     metrics: dict[str, float] = attrs.field(factory=dict)
+    position_accuracy: tuple[float, ...] = ()  # accuracy of block slots k = 1..B-1 (0.0: none supervised)
+    total_steps: int | None = None  # the schedule's length in optimizer steps (a run fact, not a curve)
     final: bool = False  # the last report of the run
     artifacts: dict[str, str] = attrs.field(factory=dict)  # e.g. {"drafter": "/path/to/export"}
 
 
 @attrs.define(eq=False)
 class EvalReport:
-    """Result of a speculative-decoding evaluation."""
+    """Result of a speculative-decoding evaluation: ``metrics`` (``tau``, ``speedup_forwards``, ...) and, for
+    every new-token horizon in ``horizons`` (a typed fact, never read back from the keys), ``tau_h<H>``."""
 
     name: str
     metrics: dict[str, float] = attrs.field(factory=dict)
+    horizons: tuple[int, ...] = ()
+
+
+def horizon_name(metric: str, horizon: int) -> str:
+    """The name of ``metric`` at a new-token horizon (``tau_h448``): made from the typed horizon."""
+    return f"{metric}_h{int(horizon)}"
 
 
 @attrs.define(eq=False)

@@ -8,6 +8,7 @@ checkpoints, no resume). The core runtime treats ``services`` as opaque.
 
 from __future__ import annotations
 
+import abc
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -39,7 +40,11 @@ class CheckpointPayload:
     files: dict[str, str] = attrs.field(factory=dict)  # small text files, e.g. the drafter's config.json
 
 
-class CheckpointSource(Protocol):
+class CheckpointSource(abc.ABC):
+    """A stage that hands the checkpoint service its payload (DrafterStep); a base class, not a name looked
+    up: a subclass that does not implement ``checkpoint_payload`` cannot be built."""
+
+    @abc.abstractmethod
     def checkpoint_payload(self, epoch_end: bool = False) -> CheckpointPayload: ...
 
 
@@ -75,7 +80,8 @@ class Collective(Protocol):
 
     def barrier(self) -> None: ...
 
-    def reduce_train(self, metrics: dict[str, float]) -> dict[str, float]: ...
+    def reduce_train(self, metrics: dict[str, float], position_accuracy: tuple[float, ...],
+                     sample: bool) -> tuple[dict[str, float], tuple[float, ...], bool]: ...
 
     def gather_to_main(self, obj: Any) -> list[Any] | None: ...
 
@@ -90,7 +96,16 @@ class RunServices:
     dist: Collective | None = None  # set when the pipeline runs as one rank of a torchrun job
 
 
+def agree_to_stop(dist: Collective | None, stop_requested: bool) -> bool:
+    """Whether any rank of the job was asked to stop (Ctrl-C, SIGTERM), agreed by every rank at the same
+    step (collective on the control group; the trainer's thread): the data position then is one for all of
+    them and no collective waits in vain. In one process: ``stop_requested``."""
+    if dist is None:
+        return stop_requested
+    return any(dist.all_gather_object(stop_requested))
+
+
 def services_of(ctx: Any) -> RunServices:
     """The run services of a stage context (empty ones when the pipeline was built without them)."""
-    services = getattr(ctx, "services", None)
+    services = ctx.services
     return services if isinstance(services, RunServices) else RunServices()

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import os
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, BinaryIO
 
 CACHE_ENV = "DFLASH_FLOW_CACHE"
 
@@ -29,22 +33,88 @@ def is_within(path: str | os.PathLike, root: str | os.PathLike) -> bool:
     return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write ``data`` to a temporary file beside ``path``, fsync it and rename it into place: a crash
-    leaves the old file or the new one, never half of one."""
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, *, mode: int = 0o644, durable: bool = True) -> Iterator[Path]:
+    """The one atomic write: yields a new temporary file beside ``path`` (created with O_EXCL, so never an
+    existing file or a link someone put there) for the block to fill; when the block ends without an
+    error the file is fsynced and renamed onto ``path`` (else removed). A crash leaves the old file or the
+    new one, never half of one, and a link at ``path`` is replaced, never written through. ``mode``: the
+    file's permissions (mkstemp's are private; an export is read by inference servers). ``durable=False``
+    skips the fsync, for files rewritten often whose loss in a crash costs nothing (progress notes)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = Path(name)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        os.fchmod(fd, mode)
+        os.close(fd)
+        yield tmp
+        if durable:
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
-    return path
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    return atomic_write_bytes(path, text.encode("utf-8"))
+def atomic_write(
+    path: str | os.PathLike, write: Callable[[BinaryIO], Any], *, mode: int = 0o644, durable: bool = True
+) -> Path:
+    """``write(f)`` fills ``path`` atomically (:func:`atomic_path`)."""
+    with atomic_path(path, mode=mode, durable=durable) as tmp, open(tmp, "wb") as f:
+        write(f)
+    return Path(path)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, durable: bool = True) -> Path:
+    return atomic_write(path, lambda f: f.write(data), durable=durable)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, *, durable: bool = True) -> Path:
+    return atomic_write_bytes(path, text.encode("utf-8"), durable=durable)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename inside ``path`` durable (where the platform allows opening a directory)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def probe_write(directory: str | os.PathLike) -> str | None:
+    """Create and remove a file in ``directory``: None when that works, else why not. The only check that
+    also holds for root, read-only mounts and ACLs (``os.access`` answers yes to root on a read-only
+    filesystem)."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".dflash-probe-", dir=directory)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def local_dirs(*fields: tuple[str, Any]) -> list[tuple[str, str, str]]:
+    """``(field, path, "dir")`` for the values that name a local directory (a path: ``/``, ``.``, ``~``, or
+    one that exists), not a preset name, a config mapping or a hub id (``Stage.input_paths``)."""
+    out = []
+    for field, value in fields:
+        if isinstance(value, str) and value and (value.startswith(("/", ".", "~")) or Path(value).expanduser().exists()):
+            out.append((field, value, "dir"))
+    return out
+
+
+def config_hash(obj: Any, *, compact: bool = True) -> str:
+    """A stable short hash of plain data: sha256 of its sorted-key JSON, 16 hex characters. ``compact=False``
+    hashes JSON with the default separators: the keys of the embedded target and dataset were made so
+    (changing them would orphan the shipped copies)."""
+    separators = (",", ":") if compact else None
+    blob = json.dumps(obj, sort_keys=True, default=str, separators=separators)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]

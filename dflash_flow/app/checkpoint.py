@@ -33,7 +33,7 @@ from typing import Any
 import attrs
 
 from dflash_flow.core.errors import CheckpointError
-from dflash_flow.util import atomic_write_text, is_within, sha256_file
+from dflash_flow.util import atomic_write_text, fsync_dir, is_within, sha256_file
 
 FORMAT_VERSION = 1
 LATEST = "latest"
@@ -116,19 +116,6 @@ class Checkpoint:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class _RecordingFile(io.FileIO):
@@ -265,7 +252,7 @@ class Checkpointer:
             elif final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -51,14 +51,18 @@ class Distributed:
 
         dist.barrier(group=self.control)
 
-    def reduce_train(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Per-step metrics combined over ranks (``combine_metrics``); every rank gets the result. Called
-        by each rank's Monitor for the same steps in the same order (the ranks take the same steps)."""
+    def reduce_train(self, metrics: dict[str, float], position_accuracy: tuple[float, ...],
+                     sample: bool) -> tuple[dict[str, float], tuple[float, ...], bool]:
+        """One step's report combined over ranks; every rank gets the result: the scalar metrics
+        (``combine_metrics``), the per-slot accuracies (the mean over the ranks that trained), and whether
+        any rank wants to sample now. Called by each rank's Monitor for the same steps in the same order."""
         import torch.distributed as dist
 
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, dict(metrics), group=self.metrics)
-        return combine_metrics(gathered)
+        dist.all_gather_object(gathered, (dict(metrics), tuple(position_accuracy), bool(sample)), group=self.metrics)
+        positions = [p for _, p, _ in gathered if p]
+        mean = tuple(math.fsum(col) / len(col) for col in zip(*positions, strict=True)) if positions else ()
+        return combine_metrics([m for m, _, _ in gathered]), mean, any(s for _, _, s in gathered)
 
     def gather_to_main(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` on rank 0 (None elsewhere), on the metrics group."""
@@ -70,8 +74,8 @@ class Distributed:
 
 
 def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """One dict from every rank's step metrics, each key reduced as the metric schema declares
-    (``observe.schema.train_reduction``: sums for tokens and samples, max for times, means otherwise).
+    """One dict from every rank's step metrics, each key reduced as declared (``items.TRAIN_METRIC_REDUCTIONS``
+    through ``observe.schema.train_reduction``: sums for tokens and samples, max for times, means otherwise).
     A rank that has no value for a key (a step of filler batches only has no loss) is left out of it."""
     from dflash_flow.observe.schema import train_reduction
 

@@ -10,17 +10,20 @@ from pathlib import Path
 
 from dflash_flow.core.errors import Problem
 from dflash_flow.core.validate import Validated
+from dflash_flow.util import probe_write
 
 
-def preflight_problems(v: Validated) -> list[Problem]:
-    """A Bucketer token budget smaller than the longest sample an upstream source may emit (it would
-    only fail after reading all the data), and a stage's settings its target's sizes rule out
-    (``variant_problems``: DrafterStep's DFlash 2 group size and top-k)."""
+def preflight_problems(v: Validated, *, check_paths: bool = True) -> list[Problem]:
+    """The static checks across stages: the DFlash stages' model facts (``app.consistency``: one target,
+    matching layers, sizes, files that exist unless ``check_paths`` is false), and a Bucketer token budget
+    smaller than the longest sample an upstream source may emit (it would only fail after reading all the
+    data)."""
+    from dflash_flow.app.consistency import model_problems
     from dflash_flow.stages.bucketer import Bucketer
 
     graph = v.graph
     loc = graph.locator
-    problems = []
+    problems = model_problems(v, check_paths=check_paths)
     for i, spec in enumerate(graph.stages):
         conf = v.configs.get(spec.name)
         if not isinstance(conf, Bucketer):
@@ -32,9 +35,9 @@ def preflight_problems(v: Validated) -> list[Problem]:
                 continue
             seen.add(name)
             up = v.configs.get(name)
-            max_length = getattr(up, "max_length", None)
-            if isinstance(max_length, int):
-                multiple = max(int(getattr(conf, "pad_to_multiple", 1)), 1)
+            max_length = up.longest_item() if up is not None else None
+            if max_length is not None:
+                multiple = max(conf.pad_to_multiple, 1)
                 padded = math.ceil(max_length / multiple) * multiple
                 if conf.max_tokens < padded:
                     problems.append(Problem(
@@ -47,38 +50,12 @@ def preflight_problems(v: Validated) -> list[Problem]:
                     ))
                 continue
             todo.extend(inp.stage for inp in graph.stage(name).inputs)
-    for i, spec in enumerate(graph.stages):
-        # Settings that only the target can judge (DrafterStep's DFlash 2 sizes against its hidden size).
-        check = getattr(v.configs.get(spec.name), "variant_problems", None)
-        for field, message in check() if callable(check) else ():
-            problems.append(Problem(
-                message,
-                file=loc.filename if loc is not None else None,
-                line=loc.line("stages", i, "config", field) if loc is not None else None,
-                stage=spec.name,
-                field=field,
-            ))
     return problems
 
 
 # -- the environment of a run: checked in the main thread before any stage thread or MLflow run exists ----
 _LOCK_NAME = ".dflash-flow.lock"
 _MAX_WALK = 20_000  # entries of the output directory looked at for symbolic links (a run makes a few dozen)
-
-
-def _probe_write(directory: Path) -> str | None:
-    """Create and remove a file in ``directory``: the only check that also holds for root, read-only mounts
-    and ACLs (``os.access`` answers yes to root on a read-only filesystem)."""
-    import os
-    import tempfile
-
-    try:
-        fd, name = tempfile.mkstemp(prefix=".dflash-probe-", dir=directory)
-        os.close(fd)
-        os.unlink(name)
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    return None
 
 
 def escaping_links(root: Path, limit: int = _MAX_WALK) -> list[tuple[Path, str]]:
@@ -111,7 +88,7 @@ def prepare_output_dir(output_dir: Path) -> None:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"cannot create output_dir {output_dir}: {exc.strerror or exc}") from None
-    why = _probe_write(output_dir)
+    why = probe_write(output_dir)
     if why:
         raise UserError(f"output_dir {output_dir} is not writable: {why}")
     links = escaping_links(output_dir)
@@ -137,20 +114,19 @@ def check_writable_dir(path: Path, what: str) -> None:
         base = base.parent
     if not base.is_dir():
         raise UserError(f"cannot create {what} {path}: {base} is not a directory")
-    why = _probe_write(base)
+    why = probe_write(base)
     if why:
         raise UserError(f"{what} {path} is not writable: {why}" if base == path else
                         f"cannot create {what} {path}: {base} is not writable ({why})")
 
 
 def check_stage_outputs(v: Validated, output_dir: Path) -> None:
-    """Directories stages write into at the end of the run (``export_dir``) must not be files: found now,
-    not after hours of training."""
+    """Directories stages write into at the end of the run (``Stage.output_dirs``, e.g. DrafterStep's
+    ``export_dir``) must not be files: found now, not after hours of training."""
     from dflash_flow.app.exits import UserError
 
     for name, conf in v.configs.items():
-        sub = getattr(conf, "export_dir", None)
-        if isinstance(sub, str) and sub:
+        for sub in conf.output_dirs():
             target = output_dir / sub
             if target.exists() and not target.is_dir():
                 raise UserError(f"stage '{name}': export_dir {target} is an existing file, not a directory")
@@ -220,10 +196,7 @@ def data_fingerprint(v: Validated) -> dict[str, str]:
 
     out: dict[str, str] = {}
     for conf in v.configs.values():
-        files = getattr(conf, "data_files", None)
-        if not callable(files):
-            continue
-        for name in files():
+        for name in conf.data_files():
             try:
                 out[str(name)] = file_sha256(Path(name).expanduser())
             except OSError:
@@ -241,13 +214,12 @@ def checkpoint_bytes(v: Validated) -> tuple[int, int]:
 
     ckpt = export = 0
     for name, conf in v.configs.items():
-        count = getattr(conf, "parameter_count", None)
-        if not callable(count):
-            continue
         try:
-            n = int(count())
+            n = int(conf.parameter_count())
         except Exception as exc:  # noqa: BLE001
             logging.getLogger("dflash_flow").debug("no checkpoint size estimate for stage '%s': %s", name, exc)
+            continue
+        if not n:
             continue
         ckpt += checkpoint_size_estimate(n)
         export += 4 * n

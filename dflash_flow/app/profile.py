@@ -1,8 +1,8 @@
 """``dflash-flow profile``: where the time of a pipeline goes, measured over N trainer steps.
 
 The runtime already keeps cumulative per-replica readings (seconds busy / blocked on input / blocked on
-output, items in and out, its input queue: ``Pipeline.snapshot()``). A profile runs the pipeline, polls
-snapshots every ``interval_s`` on a thread of its own and measures one *window*: from the poll at which
+output, items in and out, its input queue: ``Pipeline.snapshot()``). A profile runs the pipeline, reads
+the runtime's sampler (``core.sampler``) every ``interval_s`` and measures one *window*: from the poll at which
 the trainer (the *step stage*) has taken ``warmup`` optimizer steps' worth of batches and every replica is
 past its setup (model loading and the first step's lazy initialisation stay out), to the poll at which it
 has taken ``steps`` more; then it cancels the pipeline (nothing after the window, such as an export or an
@@ -24,382 +24,42 @@ from __future__ import annotations
 import json
 import math
 import sys
-import threading
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from dflash_flow.core.snapshot import ReplicaSnapshot, RuntimeSnapshot, StageSnapshot
+# The profile's data and its building live in app.profile_data; these names are re-exported for callers.
+from dflash_flow.app.profile_data import (  # noqa: E402,F401
+    ACTIVE,
+    DEFAULT_INTERVAL_S,
+    MAX_SERIES_POINTS,
+    PROFILE_VERSION,
+    Profile,
+    ProfileError,
+    QueueSeries,
+    QueueStats,
+    ReplicaProfile,
+    StageProfile,
+    balanced_replicas,
+    build_profile,
+    direct_feeders,
+    find_step_stage,
+    grad_accum_of,
+    is_replicable,
+    observer_stages,
+    queue_stats,
+    stage_profile,
+)
+from dflash_flow.core.snapshot import RuntimeSnapshot
 from dflash_flow.core.validate import Validated
-from dflash_flow.observe.bottleneck import Bottleneck, StageLoad, find_bottleneck
-from dflash_flow.observe.schema import metric
-
-PROFILE_VERSION = 1
-DEFAULT_INTERVAL_S = 0.1
-MAX_SERIES_POINTS = 400  # the queue-depth series kept in profile.json (evenly thinned)
-ACTIVE = frozenset({"waiting", "busy", "blocked", "teardown", "finished"})  # past setup
-
-
-class ProfileError(Exception):
-    """The profile could not measure what was asked (the pipeline ended too early, no trainer stage...)."""
-
-
-# ------------------------------------------------------------------------------------------ results
-
-
-@attrs.frozen
-class QueueStats:
-    """Depth of one input queue (or of a stage's queues together) over the window's polls."""
-
-    capacity: int
-    min: int = metric("min", reduce="min", doc="Smallest depth seen")
-    mean: float = metric("mean", reduce="mean", doc="Mean depth over the polls")
-    max: int = metric("max", reduce="max", doc="Largest depth seen")
-    polls: int = 0
-
-
-@attrs.frozen
-class ReplicaProfile:
-    replica: int
-    device: str
-    busy_s: float = metric("busy_s", reduce="sum", doc="Seconds running its own work in the window")
-    blocked_in_s: float = metric("blocked_in_s", reduce="sum", doc="Seconds waiting for input")
-    blocked_out_s: float = metric("blocked_out_s", reduce="sum", doc="Seconds waiting to put output")
-    busy: float = metric("busy_frac", reduce="mean", doc="Window fraction busy")
-    blocked_in: float = metric("blocked_in_frac", reduce="mean", doc="Window fraction waiting for input")
-    blocked_out: float = metric("blocked_out_frac", reduce="mean", doc="Window fraction waiting to put output")
-    items_in: int = metric("items_in", reduce="sum", doc="Items taken in the window")
-    items_out: int = metric("items_out", reduce="sum", doc="Items emitted in the window")
-    items_per_s: float = metric("items_per_s", reduce="sum", doc="Items handled per second")
-    queue: QueueStats | None = metric("queue", default=None, doc="Its input queue")
-
-
-@attrs.frozen
-class StageProfile:
-    """One stage over the window. ``service_s``: replica-seconds of work per item handled (taken; emitted
-    for a source). ``work_s_per_batch``: replica-seconds per trained batch, whatever the stage's item is
-    (a sample, an epoch, a batch): what a throughput model needs."""
-
-    name: str
-    type: str
-    replicas: int
-    replicable: bool
-    observer: bool  # the Monitor: its load is its own sampling, left out of the analysis
-    busy: float = metric("busy_frac", reduce="mean", doc="Window fraction busy, mean over replicas")
-    blocked_in: float = metric("blocked_in_frac", reduce="mean", doc="Window fraction starved")
-    blocked_out: float = metric("blocked_out_frac", reduce="mean", doc="Window fraction back-pressured")
-    items_in: int = metric("items_in", reduce="sum", doc="Items taken in the window")
-    items_out: int = metric("items_out", reduce="sum", doc="Items emitted in the window")
-    items_per_s: float = metric("items_per_s", reduce="sum", doc="Items handled per second")
-    service_s: float | None = metric("service_s", reduce="max", default=None, doc="Replica-seconds of work per item")
-    items_per_batch: float = metric("items_per_batch", reduce="mean", default=0.0, doc="Items handled per trained batch")
-    work_s_per_batch: float = metric("work_s_per_batch", reduce="max", default=0.0, doc="Replica-seconds of work per trained batch")
-    queue: QueueStats | None = metric("queue", default=None, doc="Its input queues together")
-    per_replica: tuple[ReplicaProfile, ...] = metric("replica", factory=tuple, doc="The same per replica")
-
-    @property
-    def max_batches_per_s(self) -> float:
-        """The trained batches per second this stage alone allows with its replicas."""
-        return self.replicas / self.work_s_per_batch if self.work_s_per_batch > 0 else math.inf
-
-
-@attrs.frozen
-class QueueSeries:
-    """Every poll's queue depths: ``t`` seconds since the run started, ``depth[label][i]`` at ``t[i]``."""
-
-    t: list[float] = attrs.field(factory=list)
-    depth: dict[str, list[int]] = attrs.field(factory=dict)
-    window: tuple[float, float] = (0.0, 0.0)
-
-
-@attrs.frozen
-class Profile:
-    """The measured window of one run (see the module docstring)."""
-
-    pipeline: str
-    step_stage: str
-    steps: int  # optimizer steps asked for
-    grad_accum: int
-    warmup_batches: int
-    complete: bool  # False: the pipeline ended before the window held `steps` steps
-    batches: int = metric("profile/batches", reduce="sum", doc="Batches the trainer took in the window")
-    window_s: float = metric("profile/window_s", reduce="max", doc="Seconds of the window")
-    elapsed_s: float = metric("profile/elapsed_s", reduce="max", doc="Seconds of the whole run")
-    batches_per_s: float = metric("profile/batches_per_s", reduce="sum", doc="Trained batches per second")
-    steps_per_s: float = metric("profile/steps_per_s", reduce="mean", doc="Optimizer steps per second")
-    samples_per_batch: float | None = metric("profile/samples_per_batch", reduce="mean", default=None, doc="Samples per trained batch")
-    tokens_per_batch: float | None = metric("profile/tokens_per_batch", reduce="mean", default=None, doc="Real tokens per trained batch")
-    samples_per_s: float | None = metric("profile/samples_per_s", reduce="sum", default=None, doc="Samples trained per second")
-    tokens_per_s: float | None = metric("profile/tokens_per_s", reduce="sum", default=None, doc="Real tokens trained per second")
-    stages: dict[str, StageProfile] = metric("profile/stage", factory=dict, doc="Per stage")
-    bottleneck: Bottleneck | None = metric("profile/bottleneck", default=None, doc="The verdict over the window")
-    balanced_replicas: dict[str, int] = metric("profile/balanced_replicas", reduce="max", factory=dict, doc="Replicas that balance the pipeline")
-    interval_s: float = DEFAULT_INTERVAL_S
-    queues: QueueSeries = attrs.field(factory=QueueSeries)
-    version: int = PROFILE_VERSION
-
-    def stage(self, name: str) -> StageProfile:
-        return self.stages[name]
-
-
-# ------------------------------------------------------------------------------------ computation
-
-
-def _delta(cur: ReplicaSnapshot, prev: ReplicaSnapshot | None) -> tuple[float, float, float, int, int]:
-    if prev is None:
-        return cur.busy_s, cur.blocked_in_s, cur.blocked_out_s, cur.items_in, cur.items_out
-    return (
-        max(cur.busy_s - prev.busy_s, 0.0),
-        max(cur.blocked_in_s - prev.blocked_in_s, 0.0),
-        max(cur.blocked_out_s - prev.blocked_out_s, 0.0),
-        cur.items_in - prev.items_in,
-        cur.items_out - prev.items_out,
-    )
-
-
-def _counter(st: StageSnapshot | None, name: str) -> float | None:
-    if st is None or st.metric_kinds.get(name) != "counter":
-        return None
-    value = st.metric(name)
-    return float(value) if isinstance(value, (int, float)) else None
-
-
-def _per_batch(cur: StageSnapshot, prev: StageSnapshot, name: str, batches: int) -> float | None:
-    a, b = _counter(cur, name), _counter(prev, name)
-    if a is None or batches <= 0:
-        return None
-    return (a - (b or 0.0)) / batches
-
-
-def queue_stats(depths: list[int], capacity: int) -> QueueStats | None:
-    if not depths:
-        return None
-    return QueueStats(capacity=capacity, min=min(depths), mean=sum(depths) / len(depths), max=max(depths), polls=len(depths))
-
-
-def _merge_queues(stats: list[QueueStats | None]) -> QueueStats | None:
-    got = [q for q in stats if q is not None]
-    if not got:
-        return None
-    return QueueStats(
-        capacity=sum(q.capacity for q in got),
-        min=min(q.min for q in got),
-        mean=sum(q.mean for q in got) / len(got),
-        max=max(q.max for q in got),
-        polls=min(q.polls for q in got),
-    )
-
-
-def stage_profile(
-    cur: StageSnapshot,
-    prev: StageSnapshot,
-    window_s: float,
-    batches: int,
-    *,
-    is_source: bool,
-    replicable: bool,
-    observer: bool,
-    per_batch: float | None = None,
-    depths: Mapping[int, list[int]] | None = None,
-) -> StageProfile:
-    """One stage's figures from the window's two snapshots (``depths``: replica -> polled queue depths).
-
-    ``per_batch``: the items it handles per trained batch when that is known exactly (a stage that feeds
-    the trainer through 1:1 stages handles one item per batch; counting them in a short window would also
-    count what it queued ahead). Otherwise the window's ratio."""
-    before = {r.replica: r for r in prev.replicas}
-    reps = []
-    window = max(window_s, 1e-9)
-    for r in cur.replicas:
-        busy, bin_, bout, n_in, n_out = _delta(r, before.get(r.replica))
-        handled = n_out if is_source else n_in
-        q = queue_stats(list((depths or {}).get(r.replica, [])), r.channel.capacity) if r.channel is not None else None
-        reps.append(ReplicaProfile(
-            replica=r.replica, device=r.device, busy_s=busy, blocked_in_s=bin_, blocked_out_s=bout,
-            busy=min(busy / window, 1.0), blocked_in=min(bin_ / window, 1.0), blocked_out=min(bout / window, 1.0),
-            items_in=n_in, items_out=n_out, items_per_s=handled / window, queue=q,
-        ))
-    n = max(len(reps), 1)
-    busy_s = sum(r.busy_s for r in reps)
-    items_in = sum(r.items_in for r in reps)
-    items_out = sum(r.items_out for r in reps)
-    handled = items_out if is_source else items_in
-    service = busy_s / handled if handled else None
-    if per_batch is None:
-        per_batch = handled / batches if batches else 0.0
-    work = service * per_batch if service is not None else (busy_s / batches if batches else 0.0)
-    return StageProfile(
-        name=cur.name,
-        type=cur.type,
-        replicas=len(reps),
-        replicable=replicable,
-        observer=observer,
-        busy=sum(r.busy for r in reps) / n,
-        blocked_in=sum(r.blocked_in for r in reps) / n,
-        blocked_out=sum(r.blocked_out for r in reps) / n,
-        items_in=items_in,
-        items_out=items_out,
-        items_per_s=handled / window,
-        service_s=service,
-        items_per_batch=per_batch,
-        work_s_per_batch=work,
-        queue=_merge_queues([r.queue for r in reps]),
-        per_replica=tuple(reps),
-    )
-
-
-def balanced_replicas(stages: Mapping[str, StageProfile]) -> dict[str, int]:
-    """Replica counts that balance the pipeline (see the module docstring); fixed stages keep theirs.
-
-    The throughput to balance for is ``X* = min(cap, budget)``: ``cap`` is what the fixed stages allow,
-    ``budget`` what today's replicas of the replicable stages would allow if spread by their work (so a
-    trainer that costs nothing, as in a test pipeline, does not ask for hundreds of replicas)."""
-    active = [s for s in stages.values() if not s.observer]
-    cap = min((s.max_batches_per_s for s in active if not s.replicable), default=math.inf)
-    free = [s for s in active if s.replicable]
-    work = sum(s.work_s_per_batch for s in free)
-    budget = sum(s.replicas for s in free) / work if work > 0 else math.inf
-    target = min(cap, budget)
-    if not math.isfinite(target):
-        return {}
-    # The epsilon keeps float noise (2.0000000001) from adding a replica.
-    return {
-        s.name: max(1, math.ceil(s.work_s_per_batch * target - 1e-6)) if s.replicable else s.replicas
-        for s in active
-    }
-
-
-def _edges(v: Validated) -> dict[str, list[str]]:
-    edges: dict[str, list[str]] = {}
-    for s in v.graph.stages:
-        for i in s.inputs:
-            edges.setdefault(i.stage, []).append(s.name)
-    return edges
-
-
-def build_profile(
-    v: Validated,
-    start: RuntimeSnapshot,
-    end: RuntimeSnapshot,
-    *,
-    step_stage: str,
-    steps: int,
-    warmup_batches: int,
-    complete: bool,
-    elapsed_s: float,
-    depths: Mapping[str, Mapping[int, list[int]]] | None = None,
-    series: QueueSeries | None = None,
-    interval_s: float = DEFAULT_INTERVAL_S,
-) -> Profile:
-    """The profile of the window from ``start`` to ``end`` (pure: the tests feed it snapshots)."""
-    window = max(end.time - start.time, 1e-9)
-    trainer_end, trainer_start = end.stages[step_stage], start.stages[step_stage]
-    batches = sum(r.items_in for r in trainer_end.replicas) - sum(r.items_in for r in trainer_start.replicas)
-    observers = observer_stages(v)
-    feeders = direct_feeders(v, step_stage)
-    stages = {}
-    for name, cur in end.stages.items():
-        cls = v.classes[name]
-        stages[name] = stage_profile(
-            cur, start.stages[name], window, batches,
-            is_source=cls.is_source(), replicable=is_replicable(v, name, step_stage),
-            observer=name in observers, per_batch=1.0 if name in feeders else None,
-            depths=(depths or {}).get(name),
-        )
-    loads = {
-        s.name: StageLoad(s.name, s.replicas, s.busy, s.blocked_in, s.blocked_out)
-        for s in stages.values() if not s.observer
-    }
-    sinks = {step_stage}
-    verdict = find_bottleneck(loads, sinks=sinks, edges=_edges(v)) if loads else None
-    grad_accum = grad_accum_of(v, step_stage)
-    samples = _per_batch(trainer_end, trainer_start, "samples", batches)
-    tokens = _per_batch(trainer_end, trainer_start, "tokens", batches)
-    rate = batches / window
-    return Profile(
-        pipeline=v.graph.name,
-        step_stage=step_stage,
-        steps=steps,
-        grad_accum=grad_accum,
-        warmup_batches=warmup_batches,
-        complete=complete,
-        batches=batches,
-        window_s=window,
-        elapsed_s=elapsed_s,
-        batches_per_s=rate,
-        steps_per_s=rate / grad_accum,
-        samples_per_batch=samples,
-        tokens_per_batch=tokens,
-        samples_per_s=samples * rate if samples is not None else None,
-        tokens_per_s=tokens * rate if tokens is not None else None,
-        stages=stages,
-        bottleneck=verdict,
-        balanced_replicas=balanced_replicas(stages),
-        interval_s=interval_s,
-        queues=series or QueueSeries(),
-    )
-
-
-# --------------------------------------------------------------------------------------- the graph
-
-
-def observer_stages(v: Validated) -> set[str]:
-    from dflash_flow.stages.monitor import Monitor
-
-    return {name for name, cls in v.classes.items() if issubclass(cls, Monitor)}
-
-
-def find_step_stage(v: Validated) -> str:
-    """The trainer: the DrafterStep stage; else the one sink that is not a Monitor."""
-    from dflash_flow.stages.drafter_step import DrafterStep
-
-    trainers = [n for n in v.order if issubclass(v.classes[n], DrafterStep)]
-    if len(trainers) == 1:
-        return trainers[0]
-    observers = observer_stages(v)
-    sinks = [n for n in v.order if v.classes[n].is_sink() and n not in observers]
-    if len(trainers) > 1 or len(sinks) != 1:
-        found = trainers if len(trainers) > 1 else sinks
-        raise ProfileError(
-            f"cannot tell which stage is the trainer (found {', '.join(found) or 'no sink'}); name it with --step-stage"
-        )
-    return sinks[0]
-
-
-def direct_feeders(v: Validated, step_stage: str) -> set[str]:
-    """The trainer and the stages that feed it through 1:1 stages only: one item per trained batch each."""
-    out = {step_stage}
-    todo = [i.stage for i in v.graph.stage(step_stage).inputs]
-    while todo:
-        name = todo.pop()
-        cls = v.classes[name]
-        if name in out or cls.is_source() or cls.cardinality != "1:1":
-            continue
-        out.add(name)
-        todo.extend(i.stage for i in v.graph.stage(name).inputs)
-    return out
-
-
-def is_replicable(v: Validated, name: str, step_stage: str) -> bool:
-    """Whether more replicas of ``name`` would share its work (not a singleton, a sharding source, or the
-    trainer, which grows by data-parallel ranks instead)."""
-    cls = v.classes[name]
-    if name == step_stage or cls.singleton:
-        return False
-    return not cls.is_source() or cls.shards_by_replica
-
-
-def grad_accum_of(v: Validated, step_stage: str) -> int:
-    return max(1, int(getattr(v.configs[step_stage], "grad_accum", 1) or 1))
-
 
 # ------------------------------------------------------------------------------------------ running
 
 
 class _Sampler:
-    """Polls snapshots on its own thread, opens and closes the window, then cancels the pipeline."""
+    """Reads the runtime's sampler (``core.sampler``: the one the Monitor reads too) every ``interval_s``,
+    opens and closes the window, then cancels the pipeline."""
 
     def __init__(self, pipeline: Any, step_stage: str, start_at: int, end_at: int, interval_s: float):
         self.pipeline = pipeline
@@ -414,30 +74,25 @@ class _Sampler:
         self.series: dict[tuple[str, int], list[int]] = {}
         self.window_depths: dict[str, dict[int, list[int]]] = {}
         self.cancelled = False
-        self._quit = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="dflash-flow-profile-sampler")
+        self._subscription: Any = None
 
     def __enter__(self) -> _Sampler:
-        self._thread.start()
+        self._subscription = self.pipeline.sampler.subscribe(self._tick, self.interval_s, owner="profile")
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._quit.set()
-        self._thread.join()
+        self.pipeline.sampler.unsubscribe(self._subscription)
 
     def _taken(self, snap: RuntimeSnapshot) -> int:
         return sum(r.items_in for r in snap.stages[self.step_stage].replicas)
 
-    def _loop(self) -> None:
-        while not self._quit.wait(self.interval_s):
-            snap = self.pipeline.snapshot()
-            if not snap.elapsed_s:
-                continue  # not started yet
-            self.observe(snap)
-            if self.end is not None:
-                self.cancelled = True
-                self.pipeline.cancel(f"profile: {self.end_at - self.start_at} batches measured")
-                return
+    def _tick(self, snap: RuntimeSnapshot) -> None:
+        if not snap.elapsed_s or self.end is not None:
+            return  # not started yet, or the window is closed
+        self.observe(snap)
+        if self.end is not None:
+            self.cancelled = True
+            self.pipeline.cancel(f"profile: {self.end_at - self.start_at} batches measured")
 
     def observe(self, snap: RuntimeSnapshot) -> None:
         """One poll: the queue depths, and the window's start or end when this poll reaches it."""
@@ -502,7 +157,7 @@ def profile(
         raise ProfileError(f"--step-stage: no stage named '{step_stage}' (stages: {', '.join(v.order)})")
     accum = grad_accum_of(v, step_stage)
     start_at, end_at = warmup_steps * accum, (warmup_steps + steps) * accum
-    out_dir = Path(output_dir or v.graph.output_dir or f"runs/{v.graph.name}")
+    out_dir = Path(output_dir) if output_dir else v.graph.run_dir
     services = services if services is not None else RunServices()
     tracker = _start_tracker(v, out_dir) if tracking else None
     if tracker is not None:
@@ -658,11 +313,11 @@ def profile_command(
         EXIT_USER_ERROR,
         is_user_input_error,
     )
-    from dflash_flow.app.run import quiet_libraries
+    from dflash_flow.app.session import quiet_libraries
     from dflash_flow.core.errors import PipelineInterrupted, PipelineStalled, StageError
 
     quiet_libraries()
-    out_dir = Path(v.graph.output_dir or f"runs/{v.graph.name}")
+    out_dir = v.graph.run_dir
     try:
         result = profile(v, steps, warmup_steps=warmup_steps, interval_s=interval_s, step_stage=step_stage,
                          tracking=tracking, output_dir=out_dir)

@@ -208,7 +208,7 @@ def plan_command(
     from dflash_flow.app.exits import EXIT_OK, EXIT_USER_ERROR
     from dflash_flow.app.profile import load_profile, profile_command
 
-    out_dir = Path(v.graph.output_dir or f"runs/{v.graph.name}")
+    out_dir = v.graph.run_dir
     path = profile_path or out_dir / "profile.json"
     if profile_path is None and not path.is_file():
         print(f"no profile at {path}: profiling {steps} steps first", file=sys.stderr)

@@ -10,6 +10,7 @@ from .errors import (
     Problem,
     ShutdownTimeout,
     StageError,
+    StateVersionError,
 )
 from .graph import Graph, InputSpec, RuntimeOptions, StageSpec
 from .metrics import MetricSet
@@ -17,7 +18,7 @@ from .registry import register_stage, resolve
 from .runtime import Pipeline, RunResult
 from .sections import register_section
 from .seeding import derive_seed
-from .snapshot import RuntimeSnapshot
+from .snapshot import ReplicaState, RuntimeSnapshot
 from .stage import Source, Stage, StageContext, cfg
 from .validate import validate, validated
 
@@ -34,6 +35,7 @@ __all__ = [
     "PipelineInterrupted",
     "PipelineStalled",
     "Problem",
+    "ReplicaState",
     "RunResult",
     "RuntimeOptions",
     "RuntimeSnapshot",
@@ -43,6 +45,7 @@ __all__ = [
     "StageContext",
     "StageError",
     "StageSpec",
+    "StateVersionError",
     "cfg",
     "derive_seed",
     "load_graph",

@@ -49,6 +49,10 @@ class CheckpointError(DflashFlowError, ValueError):
     """A checkpoint (training or exported drafter) is missing, corrupted, or from another configuration."""
 
 
+class StateVersionError(DflashFlowError, ValueError):
+    """A saved stage state that this stage cannot load: another ``state_version``, or not a state at all."""
+
+
 class StageError(DflashFlowError):
     """A stage replica raised. The original exception is chained as ``__cause__``."""
 

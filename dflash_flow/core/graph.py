@@ -7,6 +7,7 @@ validates without running anything. ``Graph.add`` also accepts Stage instances f
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -19,12 +20,17 @@ DEFAULT_CAPACITY = 8
 
 @attrs.define
 class InputSpec:
+    """One input edge: the producing stage and the fan-out policy over this stage's replicas
+    (``round_robin``, ``least_loaded`` or ``broadcast``)."""
+
     stage: str
     policy: str = "round_robin"
 
 
 @attrs.define
 class StageSpec:
+    """One stage of a graph as written: its name, registered type, config mapping and placement."""
+
     name: str
     type: str
     config: dict[str, Any] = attrs.field(factory=dict)
@@ -54,6 +60,12 @@ class RuntimeOptions:
 
 @attrs.define
 class Graph:
+    """A pipeline: stages (``StageSpec``), runtime options and application sections (``tracking``,
+    ``checkpoint``, ``model``... as attrs objects or plain mappings). Built with :meth:`add` in Python or
+    loaded from YAML (``core.load_graph``); the two are equal and :meth:`to_yaml` writes one back. Run it with
+    ``dflash_flow.app.run(graph)`` (what ``dflash-flow run`` does) or ``core.Pipeline(graph).run()`` (the
+    bare runtime: no tracking, no checkpoints)."""
+
     name: str = "pipeline"
     seed: int = 0
     output_dir: str | None = None
@@ -90,6 +102,17 @@ class Graph:
         policy: str | None = None,
         config: Mapping[str, Any] | None = None,
     ) -> Graph:
+        """Add stage ``name`` and return the graph (calls chain).
+
+        ``stage``: a Stage instance (its config fields become the stage's config; the instance itself is
+        replica 0's object, so attributes that are not config, e.g. items handed to a source, travel with
+        it), a Stage class, or a registered type name. ``inputs``: a stage name, or a list of names,
+        ``InputSpec``, ``(name, policy)`` pairs or ``{"stage": name, "policy": ...}`` mappings; ``policy``
+        is the default fan-out policy of the named inputs. ``replicas``, ``devices``, ``capacity`` (this
+        stage's per-replica queue; default ``runtime.capacity``) and ``ordered`` (restore the origin's
+        order; needs ``replicas=1``) are as in YAML. ``config`` adds to, or overrides, the instance's
+        config. Nothing is checked here: validation (``core.validate``, or running) reports every problem.
+        """
         from .registry import type_name
 
         conf = dict(config or {})
@@ -115,16 +138,24 @@ class Graph:
         )
         return self
 
+    @property
+    def run_dir(self) -> Path:
+        """Where the run writes: ``output_dir``, by default ``runs/<name>`` (the one place that default lives)."""
+        return Path(self.output_dir or f"runs/{self.name}")
+
     def stage(self, name: str) -> StageSpec:
+        """The spec of stage ``name`` (KeyError when there is none)."""
         for spec in self.stages:
             if spec.name == name:
                 return spec
         raise KeyError(name)
 
     def consumers(self, name: str) -> list[tuple[StageSpec, InputSpec]]:
+        """Every (stage, edge) that takes ``name`` as an input."""
         return [(s, i) for s in self.stages for i in s.inputs if i.stage == name]
 
     def to_dict(self) -> dict[str, Any]:
+        """The graph as the plain mapping a YAML file holds (defaults left out of the stages)."""
         out: dict[str, Any] = {"name": self.name, "seed": self.seed}
         if self.output_dir is not None:
             out["output_dir"] = self.output_dir
@@ -154,6 +185,7 @@ class Graph:
         return out
 
     def to_yaml(self) -> str:
+        """The graph as YAML text that loads back into an equal graph."""
         import yaml
 
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=100)

@@ -7,8 +7,6 @@ A supervisor thread watches for lack of progress and names the stalled stage.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import os
 import signal
 import threading
@@ -25,37 +23,18 @@ from .devices import RankLayout, place_replicas, visible_gpu_count
 from .errors import PipelineInterrupted, PipelineStalled, ShutdownTimeout, StageError
 from .graph import Graph
 from .metrics import MetricSet
-from .routing import Router, make_router
-from .snapshot import ReplicaSnapshot, RuntimeSnapshot, StageSnapshot
-from .stage import Stage, StageContext
+from .replica import TOMBSTONE, Replica, replica_state
+from .replica import main as replica_main
+from .sampler import Sampler
+from .snapshot import RuntimeSnapshot, StageSnapshot
+from .stage import StageContext
 from .validate import Validated, validated
-
-
-class _Tombstone:
-    """Stands for an input that produced no output, so an ordered consumer does not wait for it."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "TOMBSTONE"
-
-
-TOMBSTONE = _Tombstone()
+from .watchdog import watch
+from .wiring import wire
 
 
 class _Terminate(KeyboardInterrupt):
     """SIGTERM, delivered like Ctrl-C."""
-
-
-def running_time(gap_s: float, interval_s: float) -> float:
-    """How much of the wall time between two watchdog ticks counts as time the pipeline had to make
-    progress. The watchdog waits ``interval_s`` between ticks; a tick that comes much later than that means
-    the process could not run (SIGSTOP until SIGCONT, a debugger, a frozen VM): that suspended time is not
-    no-progress time. A late tick counts for at most ``interval_s`` plus a jitter allowance (half an interval,
-    at least 50 ms), so a suspension of any length adds at most that allowance, and ordinary scheduling
-    delays on a busy machine still count in full."""
-    cap = interval_s + max(0.5 * interval_s, 0.05)
-    return min(max(gap_s, 0.0), cap)
 
 
 class RuntimeView:
@@ -78,6 +57,14 @@ class RuntimeView:
         """Stop the pipeline gracefully, as SIGINT would (e.g. because another rank of the job stops)."""
         self._p.stop(reason)
 
+    def subscribe(self, callback: Any, interval_s: float, *, owner: str) -> Any:
+        """Have the runtime's sampler call ``callback(snapshot)`` every ``interval_s`` on its own thread
+        (also while no item moves); returns the subscription for :meth:`unsubscribe`."""
+        return self._p.sampler.subscribe(callback, interval_s, owner=owner)
+
+    def unsubscribe(self, subscription: Any) -> None:
+        self._p.sampler.unsubscribe(subscription)
+
 
 @attrs.define
 class RunResult:
@@ -88,45 +75,13 @@ class RunResult:
     states: dict[str, list[dict[str, Any]]]
 
 
-# -- replicas ---------------------------------------------------------------------------------------
-class _Replica:
-    def __init__(self, spec_name: str, type_name: str, index: int, stage: Stage, ctx: StageContext):
-        self.name = spec_name
-        self.type_name = type_name
-        self.index = index
-        self.stage = stage
-        self.ctx = ctx
-        self.input: Channel | None = None
-        self.routers: list[Router] = []
-        self.ordered = False
-        self.send_tombstones = False
-        self.thread: threading.Thread | None = None
-        self.state = "pending"
-        self.state_since = time.monotonic()
-        self.started_at: float | None = None
-        self.ended_at: float | None = None
-        self.items_in = 0
-        self.items_out = 0
-        self.blocked_out_s = 0.0
-        self.setup_done = False
-        self.resume_state: dict[str, Any] | None = None
-        self.final_state: dict[str, Any] | None = None
-
-    @property
-    def label(self) -> str:
-        return f"{self.name}[{self.index}]"
-
-    def set_state(self, state: str) -> None:
-        self.state = state
-        self.state_since = time.monotonic()
-
-    def blocked_in_s(self) -> float:
-        return self.input.blocked_get_s if self.input is not None else 0.0
-
-
 class Pipeline:
-    """Runs a validated graph. Use ``run()`` for pipelines that end in sinks, ``iterate(stage)`` to consume
-    a stage's output in the calling thread."""
+    """The bare runtime: runs a graph (validated here unless it is already) on a thread per replica. Use
+    ``run()`` for pipelines that end in sinks, ``iterate(stage)`` (with ``collect=[stage]``) to consume a
+    stage's output in the calling thread. ``services``: opaque to the core, handed to every stage in its
+    context (the application passes ``RunServices``); ``resume_state``: ``{stage: [state per replica]}``
+    as ``state_dict()`` returned; ``rank``/``world_size``/...: default from the torchrun environment.
+    Tracking, checkpoints and the end-of-run report are the application's: ``dflash_flow.app.run``."""
 
     def __init__(
         self,
@@ -151,7 +106,7 @@ class Pipeline:
         self.local_world_size = (
             int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if local_world_size is None else local_world_size
         )
-        self.output_dir = Path(output_dir or self.graph.output_dir or f"runs/{self.graph.name}")
+        self.output_dir = Path(output_dir) if output_dir else self.graph.run_dir
         self.services = services if services is not None else {}
         self.view = RuntimeView(self)
         self._lock = threading.Lock()
@@ -173,6 +128,11 @@ class Pipeline:
         self._warnings: list[str] = []
         self._watch_stop = threading.Event()
         self._stuck: list[str] = []
+        # The drain timer of a stop (False once shutdown began: none may start after that) and the watchdog.
+        self._drain_timer: threading.Timer | bool | None = None
+        self._watchdog: threading.Thread | None = None
+        # The one sampler of the run (core.sampler): the Monitor and `profile` subscribe to it.
+        self.sampler = Sampler(self.snapshot, self._subscriber_failed)
         self._build(resume_state or {}, collect or [])
 
     # -- construction -----------------------------------------------------------------------------
@@ -187,7 +147,7 @@ class Pipeline:
             gpus_per_rank=g.runtime.gpus_per_rank,
             shared=g.runtime.share_gpus,
         )
-        self.replicas: dict[str, list[_Replica]] = {}
+        self.replicas: dict[str, list[Replica]] = {}
         devices: dict[str, list[list[str]]] = {}  # stage -> the devices of each replica, first one first
         for spec in g.stages:
             placed, warning = place_replicas(spec.devices, spec.replicas, self.layout)
@@ -221,49 +181,13 @@ class Pipeline:
                     stop_requested=self._stop,
                     runtime=self.view,
                 )
-                rep = _Replica(spec.name, spec.type, i, stage, ctx)
+                rep = Replica(spec.name, spec.type, i, stage, ctx)
                 states = resume_state.get(spec.name)
                 if states:
                     rep.resume_state = states[i] if i < len(states) else states[-1]
                 reps.append(rep)
             self.replicas[spec.name] = reps
-        # Channels: one per consumer replica, fed by every producer replica of every input edge.
-        for spec in g.stages:
-            if not spec.inputs:
-                continue
-            producers = sum(g.stage(i.stage).replicas for i in spec.inputs)
-            cap = spec.capacity or g.runtime.capacity
-            for rep in self.replicas[spec.name]:
-                rep.input = Channel(cap, name=rep.label, producers=producers)
-                rep.ordered = spec.ordered
-        for name in collect:
-            reps = self.replicas[name]
-            self._collect[name] = Channel(max(g.runtime.capacity, 1), name=f"collect:{name}", producers=len(reps))
-        # Routers: one per edge, shared by all producer replicas (one round-robin counter per edge).
-        for spec in g.stages:
-            for inp in spec.inputs:
-                router = make_router(inp.policy, [r.input for r in self.replicas[spec.name]])
-                for prod in self.replicas[inp.stage]:
-                    prod.routers.append(router)
-        for name, ch in self._collect.items():
-            router = make_router("round_robin", [ch])
-            for prod in self.replicas[name]:
-                prod.routers.append(router)
-        # Tombstones are only needed where an ordered consumer lies downstream through 1:1 stages.
-        for spec in g.stages:
-            if spec.ordered:
-                todo = [i.stage for i in spec.inputs]
-                seen = set()
-                while todo:
-                    n = todo.pop()
-                    if n in seen:
-                        continue
-                    seen.add(n)
-                    for rep in self.replicas[n]:
-                        rep.send_tombstones = True
-                    cls = self.validated.classes[n]
-                    if cls.cardinality == "1:1" and not cls.is_source():
-                        todo.extend(i.stage for i in g.stage(n).inputs)
+        self._collect = wire(g, self.validated.classes, self.replicas, collect)
 
     # -- public API -------------------------------------------------------------------------------
     @property
@@ -345,7 +269,7 @@ class Pipeline:
         self._stop.set()
         with self._lock:
             # One drain timer per run: a second stop() must not start (and leak) another one.
-            if not self._started or self._done.is_set() or getattr(self, "_drain_timer", None) is not None:
+            if not self._started or self._done.is_set() or self._drain_timer is not None:
                 return
             t = threading.Timer(self.graph.runtime.drain_timeout_s, self.cancel, args=(f"{reason}: drain timed out",))
             t.name = "dflash-flow-drain-timer"
@@ -370,44 +294,21 @@ class Pipeline:
             ch.cancel()
 
     def snapshot(self) -> RuntimeSnapshot:
+        """Every replica's state, counts, busy/blocked time, metrics and queue, as of now (lock-free reads)."""
         now = time.monotonic()
         stages = {}
         for spec in self.graph.stages:
-            reps = []
-            kinds: dict[str, str] = {}
-            for rep in self.replicas[spec.name]:
-                start = rep.started_at or now
-                end = rep.ended_at or now
-                alive = max(end - start, 0.0)
-                bin_ = rep.blocked_in_s()
-                bout = rep.blocked_out_s
-                for m in rep.ctx.metrics:
-                    kinds[m.name] = m.kind
-                reps.append(
-                    ReplicaSnapshot(
-                        replica=rep.index,
-                        device=rep.ctx.device,
-                        state=rep.state,
-                        items_in=rep.items_in,
-                        items_out=rep.items_out,
-                        busy_s=max(alive - bin_ - bout, 0.0),
-                        blocked_in_s=bin_,
-                        blocked_out_s=bout,
-                        alive_s=alive,
-                        metrics=rep.ctx.metrics.read(),
-                        channel=rep.input.stats() if rep.input is not None else None,
-                    )
-                )
+            reps = [rep.snapshot(now) for rep in self.replicas[spec.name]]
+            kinds = {m.name: m.kind for rep in self.replicas[spec.name] for m in rep.ctx.metrics}
             stages[spec.name] = StageSnapshot(spec.name, spec.type, reps, kinds)
         end = self._end_time or now
         return RuntimeSnapshot(time=now, elapsed_s=(end - self._start_time) if self._started else 0.0, stages=stages)
 
     def state_dict(self) -> dict[str, list[dict[str, Any]]]:
-        """Every replica's ``state_dict()``; after a run, the state captured when its thread ended."""
-        out = {}
-        for name, reps in self.replicas.items():
-            out[name] = [rep.final_state if rep.final_state is not None else rep.stage.state_dict() for rep in reps]
-        return out
+        """Every replica's ``state_dict()``; after a run, the state captured when its thread ended. A replica
+        that has not loaded its resume state yet (still in setup) reports that resume state; one that never
+        got one reports its initial state (``Stage.get_state`` works before setup)."""
+        return {name: [replica_state(rep) for rep in reps] for name, reps in self.replicas.items()}
 
     # -- internals --------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -432,157 +333,17 @@ class Pipeline:
         self._running = len(all_reps)
         for rep in all_reps:
             rep.thread = threading.Thread(
-                target=self._thread_main, args=(rep,), name=f"dflash-flow:{rep.label}", daemon=False
+                target=replica_main, args=(rep, self), name=f"dflash-flow:{rep.label}", daemon=False
             )
+        self.sampler.start()
         for rep in all_reps:
             rep.thread.start()
-        self._watchdog = threading.Thread(target=self._watch, name="dflash-flow:supervisor", daemon=False)
+        self._watchdog = threading.Thread(
+            target=watch, args=(self.replicas, self.graph.runtime, self._watch_should_end, lambda: self._cancelled,
+                                self._on_stall), name="dflash-flow:supervisor", daemon=False)
         self._watchdog.start()
 
-    def _thread_main(self, rep: _Replica) -> None:
-        phase = "setup"
-        rep.started_at = time.monotonic()
-        rep.set_state("setup")
-        try:
-            rep.setup_done = True
-            rep.stage.setup(rep.ctx)
-            if rep.resume_state is not None:
-                rep.stage.load_state_dict(rep.resume_state)
-            phase = "produce" if rep.input is None else "process"
-            if rep.input is None:
-                self._run_source(rep)
-            else:
-                self._run_transform(rep)
-            phase = "finish"
-            outs = rep.stage.finish()
-            if outs is not None:
-                for out in outs:
-                    self._emit(rep, None, out)
-            for router in rep.routers:
-                for ch in router.channels:
-                    ch.close()
-            phase = "state_dict"
-            rep.final_state = rep.stage.state_dict()
-        except ChannelCancelled:
-            pass
-        except _UpstreamFailed:
-            pass
-        except BaseException as exc:  # noqa: BLE001 - every failure must reach the supervisor
-            self._fail(rep, phase, exc)
-        finally:
-            if rep.setup_done:
-                rep.set_state("teardown")
-                try:
-                    rep.stage.teardown()
-                except BaseException as exc:  # noqa: BLE001
-                    self._fail(rep, "teardown", exc)
-            if rep.final_state is None:
-                try:
-                    rep.final_state = rep.stage.state_dict()
-                except BaseException:  # noqa: BLE001 - a broken state_dict must not hide the real error
-                    rep.final_state = None
-            rep.ended_at = time.monotonic()
-            rep.set_state("failed" if any(e.stage == rep.name and e.replica == rep.index for e in self._errors) else "finished")
-            with self._lock:
-                self._running -= 1
-                last = self._running == 0
-            if last:
-                self._end_time = time.monotonic()
-                self._done.set()
-                self._wake.set()
-
-    def _run_source(self, rep: _Replica) -> None:
-        produce = getattr(rep.stage, "produce", None)
-        if produce is None:
-            raise TypeError(f"stage '{rep.name}' has no input and no produce()")
-        it = iter(produce())
-        seq = 0
-        stop = self._stop
-        while not stop.is_set():
-            rep.set_state("busy")
-            try:
-                item = next(it)
-            except StopIteration:
-                break
-            self._emit(rep, seq, item)
-            seq += 1
-        close = getattr(it, "close", None)
-        if close is not None:
-            close()
-
-    def _run_transform(self, rep: _Replica) -> None:
-        ch = rep.input
-        stage = rep.stage
-        one_to_one = type(stage).cardinality == "1:1"
-        counter = itertools.count()
-        heap: list[tuple[int, int, Any]] = []
-        expected = 0
-        tie = itertools.count()
-        while True:
-            rep.set_state("waiting")
-            env = ch.get()
-            if env is END_OF_STREAM:
-                break
-            if isinstance(env, ErrorItem):
-                raise _UpstreamFailed()
-            seq, item = env
-            if rep.ordered and seq is not None:
-                heapq.heappush(heap, (seq, next(tie), item))
-                while heap and heap[0][0] <= expected:
-                    s, _, it = heapq.heappop(heap)
-                    expected = max(expected, s + 1)
-                    self._handle(rep, s, it, one_to_one, counter)
-                continue
-            self._handle(rep, seq, item, one_to_one, counter)
-        # Anything still held (gaps can only come from a cancelled upstream) goes out in order.
-        while heap:
-            s, _, it = heapq.heappop(heap)
-            self._handle(rep, s, it, one_to_one, counter)
-
-    def _handle(self, rep: _Replica, seq: Any, item: Any, one_to_one: bool, counter) -> None:
-        if item is TOMBSTONE:
-            if rep.send_tombstones:
-                self._emit(rep, seq, TOMBSTONE)
-            return
-        rep.set_state("busy")
-        rep.items_in += 1
-        outs = rep.stage.process(item)
-        n = 0
-        if outs is not None:
-            for out in outs:
-                n += 1
-                if one_to_one:
-                    if n > 1:
-                        raise RuntimeError(
-                            f"stage type '{rep.type_name}' is declared 1:1 but emitted more than one item "
-                            "for one input (declare cardinality = '1:n')"
-                        )
-                    self._emit(rep, seq, out)
-                else:
-                    self._emit(rep, next(counter), out)
-        if n == 0 and one_to_one and rep.send_tombstones:
-            self._emit(rep, seq, TOMBSTONE)
-
-    def _emit(self, rep: _Replica, seq: Any, item: Any) -> None:
-        env = (seq, item)
-        blocked = 0.0
-        state, since = rep.state, rep.state_since
-        rep.state = "blocked"  # a put that waits shows as blocked on output, not busy, to the watchdog
-        for router in rep.routers:
-            target = router.targets()
-            if isinstance(target, list):
-                for ch in target:
-                    blocked += ch.put(env)
-            else:
-                blocked += target.put(env)
-        rep.state, rep.state_since = state, since
-        if item is not TOMBSTONE:
-            rep.items_out += 1
-        if blocked:
-            rep.blocked_out_s += blocked
-            rep.state_since = time.monotonic()
-
-    def _fail(self, rep: _Replica, phase: str, exc: BaseException) -> None:
+    def fail(self, rep: Replica, phase: str, exc: BaseException) -> None:
         err = StageError(rep.name, rep.index, phase, exc)
         err.__cause__ = exc
         with self._lock:
@@ -593,61 +354,41 @@ class Pipeline:
                 ch.put_error(ErrorItem(rep.name, rep.index, exc))
         self.cancel(f"stage '{rep.name}' failed")
 
-    def _watch(self) -> None:
-        rt = self.graph.runtime
-        timeout = rt.stall_timeout_s
-        interval = rt.watchdog_interval_s
-        last_progress = None
-        idle = 0.0  # time the process ran without progress (suspended time excluded: running_time)
-        last_tick = time.monotonic()
-        while not self._done.wait(interval) and not self._watch_stop.is_set():
-            now = time.monotonic()
-            ran = running_time(now - last_tick, interval)
-            last_tick = now
-            if timeout <= 0 or self._cancelled:
-                continue
-            progress = self._progress()
-            if progress != last_progress:
-                last_progress = progress
-                idle = 0.0
-                continue
-            idle += ran
-            if idle >= timeout:
-                self._stall = self._stall_error(idle)
-                self.cancel("stalled")
-                return
+    def _watch_should_end(self, interval_s: float) -> bool:
+        return self._done.wait(interval_s) or self._watch_stop.is_set()
 
-    def _progress(self) -> tuple:
-        total = 0
-        for reps in self.replicas.values():
-            for rep in reps:
-                total += rep.items_in + rep.items_out + rep.ctx.heartbeats
-                if rep.input is not None:
-                    total += rep.input.items_in
-        return (total,)
+    def _subscriber_failed(self, owner: str, exc: BaseException) -> None:
+        """A sampler subscriber raised: the run fails as its owner's (a stage's) failure."""
+        reps = self.replicas.get(owner)
+        if reps:
+            self.fail(reps[0], "sample", exc)
+            return
+        err = StageError(owner, 0, "sample", exc)
+        err.__cause__ = exc
+        with self._lock:
+            self._errors.append(err)
+        self.cancel(f"'{owner}' failed while sampling")
 
-    def _stall_error(self, idle: float) -> PipelineStalled:
-        depths = {}
-        busy = []
-        blocked = []
-        for reps in self.replicas.values():
-            for rep in reps:
-                if rep.input is not None:
-                    depths[rep.label] = f"{rep.input.depth}/{rep.input.capacity}"
-                age = time.monotonic() - rep.state_since
-                if rep.state in ("busy", "setup"):
-                    busy.append((age, f"{rep.label} ({'in setup' if rep.state == 'setup' else 'in process'} for {age:.0f}s)"))
-                elif rep.state == "waiting":
-                    blocked.append(f"{rep.label} (waiting for input)")
-        if busy:
-            busy.sort(reverse=True)
-            stalled = [b[1] for b in busy]
-            head = f"no progress for {idle:.0f}s; stalled stage: {stalled[0]}"
-        else:
-            stalled = blocked
-            head = f"no progress for {idle:.0f}s and no stage is working (deadlock?): " + ", ".join(blocked)
-        depth_text = ", ".join(f"{k}={v}" for k, v in depths.items())
-        return PipelineStalled(f"{head}; queue depths: {depth_text}", stalled, depths)
+    def _on_stall(self, err: PipelineStalled) -> None:
+        self._stall = err
+        self.cancel("stalled")
+
+    # -- what a replica's thread tells the supervisor (replica.Supervisor) ----------------------------
+    @property
+    def stop_event(self) -> threading.Event:
+        return self._stop
+
+    def has_failed(self, rep: Replica) -> bool:
+        return any(e.stage == rep.name and e.replica == rep.index for e in self._errors)
+
+    def replica_ended(self, rep: Replica) -> None:
+        with self._lock:
+            self._running -= 1
+            last = self._running == 0
+        if last:
+            self._end_time = time.monotonic()
+            self._done.set()
+            self._wake.set()
 
     def _shutdown(self) -> None:
         if self._finished:
@@ -670,13 +411,14 @@ class Pipeline:
                     if rep.thread.is_alive():
                         alive.append(rep.label)
         with self._lock:
-            timer = getattr(self, "_drain_timer", None)
+            timer = self._drain_timer
             self._drain_timer = False  # no drain timer may start after this point
         if timer:
             timer.cancel()
             timer.join()
+        self.sampler.stop()
         self._watch_stop.set()
-        wd = getattr(self, "_watchdog", None)
+        wd = self._watchdog
         if wd is not None:
             wd.join()
         self._finished = True
@@ -711,10 +453,6 @@ class Pipeline:
     @property
     def errors(self) -> list[StageError]:
         return list(self._errors)
-
-
-class _UpstreamFailed(Exception):
-    pass
 
 
 def _raise_terminate(signum, frame):  # noqa: ARG001

@@ -6,6 +6,7 @@ flat key form here: MLflow keys are made only at the MLflow boundary (``observe.
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import attrs
@@ -14,11 +15,24 @@ from .channel import ChannelStats
 from .metrics import merge_values
 
 
+class ReplicaState(enum.StrEnum):
+    """Where a replica's thread is. String-valued, so a snapshot's state prints and compares as its name."""
+
+    PENDING = "pending"  # its thread has not started
+    SETUP = "setup"  # in the stage's setup (and loading its resume state)
+    WAITING = "waiting"  # waiting for input
+    BUSY = "busy"  # in the stage's own code (process, produce, finish)
+    BLOCKED = "blocked"  # waiting to put an output (backpressure)
+    TEARDOWN = "teardown"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
 @attrs.define
 class ReplicaSnapshot:
     replica: int
     device: str
-    state: str
+    state: ReplicaState
     items_in: int
     items_out: int
     busy_s: float

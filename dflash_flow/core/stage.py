@@ -1,7 +1,13 @@
 """The Stage contract: typed config fields (attrs), declared item types, a small lifecycle.
 
-Subclasses fill in hooks (`setup`, `process`/`produce`, `finish`, `teardown`, `state_dict`,
-`load_state_dict`); the runtime implements threading, routing, ordering and accounting once.
+Subclasses fill in hooks (`setup`, `process`/`produce`, `finish`, `teardown`, `get_state`, `set_state`);
+the base class implements the versioned state once (``state_dict`` / ``load_state_dict``: the version
+stamp, the refusal of another version, the initial state of a stage that was never set up), and the
+runtime implements threading, routing, ordering and accounting once. What the application asks of a
+stage beyond that (the files it reads, the directories it writes, problems only it can judge, the state
+that continues after a trainer's position) are declared methods here with neutral defaults, never
+attributes looked up by name: renaming one breaks loudly. ``tests/core/test_stage_conformance.py`` runs
+one conformance test over every registered type.
 """
 
 from __future__ import annotations
@@ -16,8 +22,12 @@ from typing import Any, ClassVar, Protocol
 
 import attrs
 
+from .errors import StateVersionError
 from .metrics import MetricSet
 from .seeding import derive_seed
+
+#: Methods the base class implements once; a subclass implements ``get_state`` / ``set_state`` instead.
+_FINAL = ("state_dict", "load_state_dict")
 
 
 class RuntimeAccess(Protocol):
@@ -31,6 +41,10 @@ class RuntimeAccess(Protocol):
     def stage_states(self) -> dict[str, list[dict[str, Any]]]: ...
 
     def request_stop(self, reason: str) -> None: ...
+
+    def subscribe(self, callback: Any, interval_s: float, *, owner: str) -> Any: ...
+
+    def unsubscribe(self, subscription: Any) -> None: ...
 
 
 _MISSING = attrs.NOTHING
@@ -153,6 +167,11 @@ class Stage:
     ``None`` means no such port). ``cardinality`` is ``"1:1"`` when each input yields at most one output
     (this keeps the source's ordering key, so an ordered consumer downstream can restore order), or
     ``"1:n"`` when a stage may emit any number of items per input (it starts a new ordering).
+
+    State: ``get_state()`` returns plain nested data (what JSON holds) and ``set_state(state)`` restores
+    it; ``state_dict()`` adds ``{"version": state_version}`` and ``load_state_dict()`` refuses any other
+    version (:class:`StateVersionError`). ``get_state()`` must also work on an instance that was never set
+    up: it then returns the initial state (what a checkpoint taken before the stage started holds).
     """
 
     input_type: ClassVar[type | None] = object
@@ -164,6 +183,21 @@ class Stage:
     shards_by_replica: ClassVar[bool] = False
     #: True when one replica may span several devices (``devices: [[cuda:0, cuda:1], ...]``, ``ctx.devices``).
     multi_device: ClassVar[bool] = False
+    #: The version of what ``get_state`` returns; raise it when that layout changes.
+    state_version: ClassVar[int] = 1
+    #: Config fields whose value a pipeline section declares once for every stage: ``{field: "section.key"}``
+    #: (e.g. ``{"target": "model.target"}``). Validation fills the field from the section where the stage
+    #: leaves it out, and refuses a stage that sets it to another value (the fact has one home).
+    section_fields: ClassVar[dict[str, str]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in _FINAL:
+            if name in cls.__dict__:
+                raise TypeError(
+                    f"{cls.__qualname__} defines {name}(): the base class implements it (the version stamp and "
+                    "check); implement get_state() / set_state(state) and declare state_version instead"
+                )
 
     @classmethod
     def preload(cls) -> None:
@@ -173,31 +207,85 @@ class Stage:
         can see it half-initialised), so heavy imports belong here rather than only in ``setup``.
         """
 
+    # -- lifecycle (the runtime calls these on the replica's own thread) ---------------------------
+    def setup(self, ctx: StageContext) -> None:
+        """Acquire resources. Runs on the replica's own thread before any item."""
+
+    def process(self, item: Any) -> Iterable[Any] | None:
+        """Handle one input item; return None, a list or tuple of outputs, or yield outputs."""
+        raise NotImplementedError(f"{type(self).__name__} must implement process()")
+
+    def finish(self) -> Iterable[Any] | None:
+        """End of input reached: emit anything held back (None, a list or tuple, or yield)."""
+        return None
+
+    def teardown(self) -> None:
+        """Release resources. Called once after setup started, also after a failure."""
+
+    # -- state (implemented once here; subclasses implement get_state / set_state) -----------------
+    def get_state(self) -> dict[str, Any]:
+        """This stage's resumable state without the version: plain nested data. Works before ``setup``."""
+        return {}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Restore what ``get_state`` returned (the version already checked). Called after ``setup``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"version": state_version, **get_state()}``."""
+        body = self.get_state()
+        if not isinstance(body, dict) or "version" in body:
+            raise TypeError(f"{type(self).__name__}.get_state() must return a dict without a 'version' key")
+        return {"version": type(self).state_version, **body}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Check the version, then ``set_state``. Another version raises :class:`StateVersionError`."""
+        check_state(type(self), state)
+        self.set_state({k: v for k, v in state.items() if k != "version"})
+
+    # -- what the application may ask of a stage (neutral defaults; declared, never looked up by name) --
+    @classmethod
+    def resume_state_for(cls, position: dict[str, Any]) -> dict[str, Any] | None:
+        """The state (``state_dict`` form) that continues right after a trainer's data ``position``, for a
+        stage that runs ahead of the trainer (the Interleaver); None: resume from its own saved state."""
+        return None
+
     def device_problems(self, replica_devices: list[list[str]]) -> list[tuple[str, str]]:
         """``(field, message)`` for each reason this config cannot run on these device lists (each replica
         runs on one of them, as written in the file); ``field`` is ``"devices"`` or a config field. Called
         by validation once the generic device checks passed; only a ``multi_device`` stage needs it."""
         return []
 
-    def setup(self, ctx: StageContext) -> None:
-        """Acquire resources. Runs on the replica's own thread before any item."""
+    def config_problems(self) -> list[tuple[str, str]]:
+        """``(field, message)`` for settings that only this stage can judge from files it can read here
+        (e.g. DrafterStep's DFlash 2 sizes against its target's hidden size). Called by validation."""
+        return []
 
-    def process(self, item: Any) -> Iterable[Any] | None:
-        """Handle one input item; return None, a list of outputs, or yield outputs."""
-        raise NotImplementedError(f"{type(self).__name__} must implement process()")
+    def data_files(self) -> list[str]:
+        """The data files this stage reads, as configured (hashed, so that a resume notices changed data)."""
+        return []
 
-    def finish(self) -> Iterable[Any] | None:
-        """End of input reached: emit anything held back."""
+    def input_paths(self) -> list[tuple[str, str, str]]:
+        """``(field, path, "dir" | "file")`` for the model directories and files (other than
+        ``data_files``) this stage reads, as configured: validation checks that they exist here."""
+        return []
+
+    def output_dirs(self) -> list[str]:
+        """Directories (relative to the output directory) this stage writes at the end of the run: the
+        application refuses a run where one of them is an existing file before it starts."""
+        return []
+
+    def longest_item(self) -> int | None:
+        """An upper bound on the length (tokens) of the items this stage emits; None: unknown."""
         return None
 
-    def teardown(self) -> None:
-        """Release resources. Called once after setup started, also after a failure."""
+    def parameter_count(self) -> int:
+        """Trainable parameters this stage checkpoints (sizes the free space a checkpoint needs); 0: none."""
+        return 0
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": 1}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from ``state_dict``. Called after ``setup``."""
+    @property
+    def inputs_per_step(self) -> int:
+        """Input items one of this stage's steps consumes (a trainer's gradient accumulation); 1 otherwise."""
+        return 1
 
     # -- helpers shared by every stage ------------------------------------------------------------
     @classmethod
@@ -214,6 +302,18 @@ class Stage:
     @classmethod
     def is_sink(cls) -> bool:
         return cls.output_type is None
+
+
+def check_state(cls: type[Stage], state: Any) -> None:
+    """Raise :class:`StateVersionError` unless ``state`` is a ``state_dict`` of ``cls``'s version."""
+    if not isinstance(state, dict):
+        raise StateVersionError(f"{cls.__name__}: a saved state must be a mapping, got {type(state).__name__}")
+    found = state.get("version")
+    if found != cls.state_version:
+        raise StateVersionError(
+            f"{cls.__name__} state version {found!r} is not supported (this version of the stage reads version "
+            f"{cls.state_version}); resume with the dflash-flow version that wrote the checkpoint, or start afresh"
+        )
 
 
 @attrs.define(kw_only=True, eq=False)

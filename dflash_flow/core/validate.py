@@ -2,7 +2,7 @@
 
 ``validated`` runs small named checks over one shared ``_Check`` (the graph, a problem factory and what
 earlier checks resolved): shapes, names, types and configs, runtime options, placement (replicas,
-capacity, devices), edges, cycles and ordering.
+capacity, devices), edges, cycles, ordering, and each stage's own view of its config.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from .devices import (
     visible_gpu_count,
 )
 from .errors import ConfigError, Problem
+from .fill import section_values
 from .graph import Graph, RuntimeOptions, StageSpec
-from .routing import POLICIES
 from .sections import section_to_dict
 from .stage import Stage
+from .validate_graph import check_cycles, check_edges, check_ordering
 
 
 class Validated:
@@ -93,6 +94,19 @@ class _Check:
         line = self.line(*self.path(spec, *path))
         self.problems.append(Problem(message, file=self.file, line=line, stage=spec.name if spec else None, field=field))
 
+    def add_field(self, message: str, spec: StageSpec, field: str) -> None:
+        """A problem with a config field: located at the stage's own value, or at the section key that
+        declares it for the stage (``Stage.section_fields``) when the stage leaves it out."""
+        cls = self.classes.get(spec.name)
+        declared = cls.section_fields.get(field) if cls is not None else None
+        if field not in spec.config and declared is not None:
+            key, _, attr = declared.partition(".")
+            if getattr(self.graph.sections.get(key), attr, None) is not None:
+                self.problems.append(Problem(message, file=self.file, line=self.line(key, attr), stage=spec.name,
+                                             field=declared))
+                return
+        self.add(message, spec, "config", field, field=field)
+
     def add_runtime(self, message: str, key: str) -> None:
         self.problems.append(Problem(message, file=self.file, line=self.line("runtime", key), field=f"runtime.{key}"))
 
@@ -105,8 +119,8 @@ def _validated(graph: Graph, *, check_devices: bool, gpu_count: int | None,
     c = _Check(graph, check_devices, gpu_count, local_world_size)
     _check_shapes(c)
     if not c.problems:  # the checks below rely on well-typed specs
-        for check in (_check_names, _check_configs, _check_runtime, _check_sections, _check_placement,
-                      _check_edges, _check_cycles, _check_ordering):
+        for check in (_check_names, _check_sections, _check_configs, _check_runtime, _check_placement,
+                      check_edges, check_cycles, check_ordering, _check_stage_configs):
             check(c)
     if c.problems:
         raise ConfigError(c.problems)
@@ -158,13 +172,16 @@ def _check_configs(c: _Check) -> None:
             c.add(f"stage type '{spec.type}' failed to load: {type(exc).__name__}: {exc}", spec, "type", field="type")
             continue
         c.classes[spec.name] = cls
+        filled, probs = section_values(c.graph, spec, cls)
+        for field, message in probs:
+            c.add(message, spec, "config", field, field=field)
         instance = c.graph.instances.get(spec.name)
-        if instance is not None and type(instance) is cls and instance.config() == spec.config:
+        if not filled and instance is not None and type(instance) is cls and instance.config() == spec.config:
             c.configs[spec.name] = instance
             continue
         obj, probs = structure(
             cls,
-            spec.config,
+            {**filled, **spec.config},
             locate=lambda path, spec=spec: c.line(*c.path(spec, "config", *path)),
             file=c.file,
             stage=spec.name,
@@ -204,18 +221,27 @@ def _check_runtime(c: _Check) -> None:
 
 
 def _check_sections(c: _Check) -> None:
-    """Sections set in Python get the YAML checks (types, finite numbers, validators) too."""
+    """Sections set in Python get the YAML checks (types, finite numbers, validators) too; one given as a
+    plain mapping (``Graph(sections={"tracking": {"enabled": False}})``) is structured into its class here."""
     from .sections import registered_sections
 
-    for key, cls in registered_sections().items():
+    known = registered_sections()
+    for key in c.graph.sections:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; known sections: {', '.join(sorted(known))}"
+            c.problems.append(Problem(f"unknown section '{short(key)}'{hint}", file=c.file, field=str(key)))
+    for key, cls in known.items():
         obj = c.graph.sections.get(key)
-        if obj is None or not attrs.has(type(obj)):
+        if obj is None or not (attrs.has(type(obj)) or isinstance(obj, dict)):
             continue
-        _, probs = structure(
+        built, probs = structure(
             cls, section_to_dict(obj), locate=lambda path, key=key: c.line(key, *path), file=c.file,
             field_prefix=f"{key}.", what=key,
         )
         c.extend(probs)
+        if isinstance(obj, dict) and built is not None:
+            c.graph.sections[key] = built
 
 
 def _capacity_limit(what: str, value: int) -> str:
@@ -317,154 +343,25 @@ def _check_stage_devices(c: _Check, spec: StageSpec, conf: Stage, groups: list[l
               field="devices")
         return
     for field, message in found:
-        path = ("devices",) if field == "devices" else ("config", field)
-        c.add(message, spec, *path, field=field)
-
-
-def _check_edges(c: _Check) -> None:
-    for spec in c.graph.stages:
-        cls = c.classes.get(spec.name)
-        if cls is not None and cls.is_source() and spec.inputs:
-            c.add(f"stage type '{spec.type}' is a source and takes no inputs", spec, "inputs", field="inputs")
-        if cls is not None and not cls.is_source() and not spec.inputs:
-            c.add(f"missing input: stage type '{spec.type}' needs an input (inputs: [STAGE])", spec, field="inputs")
-        seen_inputs: set[str] = set()
-        for j, inp in enumerate(spec.inputs):
-            if inp.stage in seen_inputs:
-                c.add(f"input '{inp.stage}' listed twice", spec, "inputs", j, field="inputs")
-            seen_inputs.add(inp.stage)
-            if inp.policy not in POLICIES:
-                c.add(f"unknown fan-out policy '{short(inp.policy)}'; expected one of {', '.join(POLICIES)}", spec, "inputs", j, field="inputs")
-            _check_edge(c, spec, cls, j)
-
-
-def _check_edge(c: _Check, spec: StageSpec, cls: type[Stage] | None, j: int) -> None:
-    inp = spec.inputs[j]
-    if inp.stage == spec.name:
-        c.add("a stage cannot be its own input", spec, "inputs", j, field="inputs")
-        return
-    if inp.stage not in c.names:
-        close = difflib.get_close_matches(inp.stage, sorted(c.names), n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        c.add(f"dangling input: no stage named '{short(inp.stage)}'{hint}", spec, "inputs", j, field="inputs")
-        return
-    prod = c.classes.get(inp.stage)
-    if prod is None or cls is None:
-        return
-    if prod.is_sink():
-        c.add(f"stage '{inp.stage}' ({prod.__name__}) has no output", spec, "inputs", j, field="inputs")
-    elif not _accepts(cls.input_type, prod.output_type):
-        c.add(
-            f"type mismatch: '{inp.stage}' emits {_tname(prod.output_type)} but "
-            f"'{spec.name}' ({cls.__name__}) accepts {_tname(cls.input_type)}",
-            spec,
-            "inputs",
-            j,
-            field="inputs",
-        )
-
-
-def _check_cycles(c: _Check) -> None:
-    c.order, c.cycle = _toposort(c.graph)
-    if c.cycle:
-        spec = c.graph.stage(c.cycle[0]) if c.cycle[0] in c.names else None
-        c.add("cycle: " + _show_cycle(c.cycle), spec, "inputs", field="inputs")
-
-
-def _show_cycle(cycle: list[str]) -> str:
-    """``a -> b -> a``; a long cycle shows its ends and its length."""
-    names = cycle if len(cycle) <= 8 else [*cycle[:3], "...", *cycle[-2:]]
-    text = " -> ".join([*names, cycle[0]])
-    return text if len(cycle) <= 8 else f"{text} ({len(cycle)} stages)"
-
-
-def _check_ordering(c: _Check) -> None:
-    if c.cycle:
-        return
-    for spec in c.graph.stages:
-        if spec.ordered:
-            err = _ordering_problem(c.graph, spec, c.classes)
-            if err:
-                c.add(err, spec, "ordered", field="ordered")
-
-
-def _accepts(consumer_in: type | None, producer_out: type | None) -> bool:
-    if consumer_in is None or producer_out is None:
-        return False
-    if consumer_in is object:
-        return True
-    if producer_out is object:
-        return True  # a generic producer: checked at run time by the consumer
-    return issubclass(producer_out, consumer_in)
-
-
-def _tname(t: type | None) -> str:
-    if t is None:
-        return "nothing"
-    return "any item" if t is object else t.__name__
-
-
-def _toposort(graph: Graph) -> tuple[list[str], list[str]]:
-    """(topological order, []) or ([], one cycle). Iterative: a chain of thousands of stages is fine."""
-    names = [s.name for s in graph.stages]
-    known = set(names)
-    # Self-loops are reported on their own; here they would only repeat that.
-    deps = {s.name: [i.stage for i in s.inputs if i.stage in known and i.stage != s.name] for s in graph.stages}
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    order: list[str] = []
-    for root in names:
-        if root in state:
-            continue
-        state[root] = 1
-        path = [root]
-        todo = [iter(deps.get(root, []))]
-        while todo:
-            nxt = next(todo[-1], None)
-            if nxt is None:
-                todo.pop()
-                done = path.pop()
-                state[done] = 2
-                order.append(done)
-            elif state.get(nxt) == 1:
-                return [], list(reversed(path[path.index(nxt):]))
-            elif nxt not in state:
-                state[nxt] = 1
-                path.append(nxt)
-                todo.append(iter(deps.get(nxt, [])))
-    return order, []
-
-
-def _ordering_problem(graph: Graph, spec: StageSpec, classes: dict[str, type[Stage]]) -> str | None:
-    if spec.replicas != 1:
-        return "ordered input needs replicas: 1 (one consumer restores one order)"
-    origins: set[str] = set()
-    todo = list(dict.fromkeys(i.stage for i in spec.inputs))  # an input listed twice is reported elsewhere
-    seen = set()
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            # A diamond: every item of this stage reaches the consumer more than once.
-            return f"ordered input: items of stage '{name}' arrive by more than one path; there is no single order to restore"
-        seen.add(name)
-        try:
-            up = graph.stage(name)
-        except KeyError:
-            return None
-        cls = classes.get(name)
-        if cls is None:
-            return None
-        if cls.cardinality != "1:1" or cls.is_source():
-            origins.add(name)
-            if up.replicas != 1:
-                return (
-                    f"ordered input: stage '{name}' starts the order but has {up.replicas} replicas; "
-                    "it needs replicas: 1"
-                )
+        if field == "devices":
+            c.add(message, spec, "devices", field=field)
         else:
-            for inp in up.inputs:
-                if inp.policy == "broadcast" and up.replicas > 1:
-                    return f"ordered input: '{name}' receives '{inp.stage}' by broadcast to {up.replicas} replicas, so every item arrives {up.replicas} times"
-            todo.extend(dict.fromkeys(inp.stage for inp in up.inputs))
-    if len(origins) > 1:
-        return f"ordered input merges items from several origins ({', '.join(sorted(origins))}); there is no single order to restore"
-    return None
+            c.add_field(message, spec, field)
+
+
+def _check_stage_configs(c: _Check) -> None:
+    """Each stage's own judgement of its settings (``Stage.config_problems``); a failing check is reported."""
+    for spec in c.graph.stages:
+        conf = c.configs.get(spec.name)
+        if conf is None:
+            continue
+        try:
+            found = conf.config_problems()
+        except Exception as exc:
+            c.add(f"stage type '{spec.type}' failed to check its config: {type(exc).__name__}: {exc}", spec,
+                  "config", field="config")
+            continue
+        for field, message in found:
+            c.add_field(message, spec, field)
+
+

@@ -44,6 +44,8 @@ from typing import Any
 
 import numpy as np
 
+from dflash_flow.util import atomic_write_text
+
 __all__ = [
     "ARRAYS",
     "EntryWriter",
@@ -201,13 +203,8 @@ def _write_stamp(entry: Path) -> None:
     """Record the files' identity after a successful check (or a build): while it holds, opening the entry
     skips hashing the arrays."""
     stamp = {name: _stat_sig(entry / _FILES[name]) for name in ARRAYS}
-    tmp = entry / f".{_STAMP}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
-    try:
-        tmp.write_text(json.dumps(stamp))
-        os.replace(tmp, entry / _STAMP)
-    except OSError:  # a read-only cache still works; it is checked in full each time
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+    with contextlib.suppress(OSError):  # a read-only cache still works; it is checked in full each time
+        atomic_write_text(entry / _STAMP, json.dumps(stamp), durable=False)
 
 
 def _stamp_holds(entry: Path) -> bool:
@@ -285,11 +282,9 @@ def _progress_path(cache_dir: Path, name: str) -> Path:
 
 
 def write_progress(cache_dir: Path, name: str, progress: dict[str, Any]) -> None:
-    path = _progress_path(cache_dir, name)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}")
-    with contextlib.suppress(OSError):
-        tmp.write_text(json.dumps({**progress, "pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}))
-        os.replace(tmp, path)
+    note = {**progress, "pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}
+    with contextlib.suppress(OSError):  # a progress note lost in a crash costs nothing: not fsynced
+        atomic_write_text(_progress_path(cache_dir, name), json.dumps(note), durable=False)
 
 
 def read_progress(cache_dir: Path, name: str) -> dict[str, Any] | None:

@@ -15,14 +15,12 @@ where regeneration stopped.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_flow.util import atomic_write_text, sha256_file
+from dflash_flow.util import atomic_write_text, config_hash, sha256_file
 
 BUILD_VERSION = "1"
 
@@ -49,15 +47,14 @@ def _write_jsonl_atomic(path: Path, records: list[dict]) -> None:
 def dataset_key(n_train: int, n_eval: int, seed: int, target_path: Path, max_new_tokens: int) -> str:
     from .corpus import CORPUS_VERSION
 
-    blob = json.dumps({
+    return config_hash({
         "build": BUILD_VERSION, "corpus": CORPUS_VERSION, "n_train": n_train, "n_eval": n_eval, "seed": seed,
         "max_new_tokens": max_new_tokens,
         "weights": sha256_file(target_path / "model.safetensors"),
         "tokenizer": sha256_file(target_path / "tokenizer.json"),
         "template": (target_path / "chat_template.jinja").read_text()
         if (target_path / "chat_template.jinja").exists() else "",
-    }, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    }, compact=False)
 
 
 def build_default_dataset(out_dir: str | Path, n_train: int = 1024, n_eval: int = 64, seed: int = 0, *,
@@ -124,9 +121,7 @@ def build_default_dataset(out_dir: str | Path, n_train: int = 1024, n_eval: int 
     manifest = {"key": key, "n_train": n_train, "n_eval": n_eval, "seed": seed, "max_new_tokens": max_new_tokens,
                 "target": str(target), "build_seconds": round(time.perf_counter() - t0, 1), "regeneration": figures,
                 "files": {k: p.name for k, p in paths.items()}}
-    tmp = manifest_path.with_name("manifest.json.tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, manifest_path)
+    atomic_write_text(manifest_path, json.dumps(manifest, indent=2) + "\n")
     building.unlink(missing_ok=True)
     result.manifest = manifest
     return result

@@ -18,7 +18,6 @@ of the recipe), so a checkout without the asset still works offline.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -28,6 +27,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from dflash_flow.util import config_hash
 
 ASSET_DIR = Path(__file__).resolve().parent / "assets" / "target"
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -64,8 +65,7 @@ class TargetRecipe:
     def key(self) -> str:
         from .corpus import CORPUS_VERSION
 
-        blob = json.dumps({"recipe": asdict(self), "corpus": CORPUS_VERSION}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return config_hash({"recipe": asdict(self), "corpus": CORPUS_VERSION}, compact=False)
 
 
 def target_config(tokenizer, recipe: TargetRecipe = TargetRecipe()):

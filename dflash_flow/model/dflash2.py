@@ -51,62 +51,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_flow.model.drafter import DFlashDrafter, DrafterLayer, draft_value, make_drafter_config
+from dflash_flow.model.strategies import (  # noqa: F401 - re-exported: the settings live with the strategies
+    DFLASH2_DEFAULTS,
+    DFLASH2_KEYS,
+    VARIANTS,
+    dflash2_problems,
+    dflash2_settings,
+)
 
 ARCHITECTURE = "DFlash2DraftModel"
-VARIANTS = ("dflash", "dflash2")
-DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-# The published DFlash 2 settings (NeMo AutoModel's and speculators' defaults; z-lab reads them from
-# the checkpoint's dflash_config and has none of its own): two taps, 16 channels per dynamic group, a
-# rank-256 selector over 16 candidates.
-DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 
 
 def is_dflash2_config(config: Any) -> bool:
     """Whether a drafter config describes a DFlash 2 drafter (its ``architectures``)."""
     return ARCHITECTURE in (getattr(config, "architectures", None) or [])
-
-
-def dflash2_problems(
-    settings: dict[str, Any], *, hidden_size: int, vocab_size: int, block_size: int | None = None
-) -> list[str]:
-    """What is wrong with DFlash 2 settings for a drafter of this hidden and vocabulary size (and block
-    size, when given); each message names the setting."""
-    problems = []
-    for key in DFLASH2_KEYS:
-        value = settings.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            problems.append(f"{key} must be a positive integer, got {value!r}")
-    kernel, group = settings.get("conv_kernel_size"), settings.get("conv_group_size")
-    top_k = settings.get("selector_top_k")
-    if isinstance(group, int) and group >= 1 and hidden_size % group:
-        problems.append(
-            f"conv_group_size {group} must divide the hidden size {hidden_size} (channels are split into "
-            "groups that share one dynamic tap)"
-        )
-    if isinstance(top_k, int) and top_k > vocab_size:
-        problems.append(f"selector_top_k {top_k} exceeds the vocabulary ({vocab_size} tokens)")
-    if block_size is not None and isinstance(kernel, int) and kernel > block_size:
-        problems.append(
-            f"conv_kernel_size {kernel} is longer than the block ({block_size} slots): taps past the block's "
-            "first slot read nothing"
-        )
-    return problems
-
-
-def dflash2_settings(
-    conv_kernel_size: int | None = None,
-    conv_group_size: int | None = None,
-    selector_rank: int | None = None,
-    selector_top_k: int | None = None,
-) -> dict[str, int]:
-    """The four DFlash 2 settings, None replaced by the published defaults (``DFLASH2_DEFAULTS``)."""
-    given = {
-        "conv_kernel_size": conv_kernel_size,
-        "conv_group_size": conv_group_size,
-        "selector_rank": selector_rank,
-        "selector_top_k": selector_top_k,
-    }
-    return {k: DFLASH2_DEFAULTS[k] if v is None else v for k, v in given.items()}
 
 
 def make_dflash2_config(
@@ -129,7 +87,7 @@ def make_dflash2_config(
         block_size=int(draft_value(config, "block_size", 16)),
     )
     if problems:
-        raise ValueError("invalid DFlash 2 settings: " + "; ".join(problems))
+        raise ValueError("invalid DFlash 2 settings: " + "; ".join(message for _, message in problems))
     config.dflash_config = {**config.dflash_config, **settings}
     config.architectures = [ARCHITECTURE]
     config.auto_map = {"AutoModel": f"dflash.{ARCHITECTURE}"}

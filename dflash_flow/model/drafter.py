@@ -43,6 +43,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
+from dflash_flow.model.facts import build_target_layer_ids  # noqa: F401 - re-exported (the DFlash rule)
+
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
@@ -51,26 +53,6 @@ LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 # ---------------------------------------------------------------------------------------------------
 # Config helpers
 # ---------------------------------------------------------------------------------------------------
-
-
-def build_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
-    """Target layers whose outputs feed the drafter: ``[L//2]`` for one, else n points over [1, L-3].
-
-    Uses Python's ``round`` (banker's rounding) on purpose: released checkpoints were made with it.
-    """
-    if n < 1:
-        raise ValueError(f"need at least one target layer, got n={n}")
-    if num_target_layers < 1:
-        raise ValueError(f"num_target_layers must be >= 1, got {num_target_layers}")
-    if n == 1:
-        return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    if end < start:
-        raise ValueError(
-            f"a target with {num_target_layers} layers is too shallow for {n} feature layers "
-            "(the rule spreads them over [1, L-3]); pass target_layer_ids explicitly"
-        )
-    return [round(start + i * (end - start) / (n - 1)) for i in range(n)]
 
 
 def draft_value(config: Any, name: str, default: Any = None) -> Any:

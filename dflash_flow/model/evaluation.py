@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dflash_flow.items import horizon_name
+
 __all__ = [
     "decoding_metrics",
     "evaluate_exported",
@@ -111,6 +113,10 @@ def read_walk_conversations(
     return out
 
 
+#: The name of the teacher-forced walk's results.
+WALK = "walk"
+
+
 def temperature_tag(temperature: float) -> str:
     """``T1``, ``T0_7``: a temperature in an evaluation name, with only characters MLflow keys keep."""
     return "T" + f"{temperature:g}".replace(".", "_")
@@ -149,9 +155,8 @@ def decoding_metrics(
             out["max_new_tokens"] = float(h)
         elif "lossless" in m:
             out["lossless"] = min(out["lossless"], m["lossless"])
-        out[f"tau_h{h}"] = m["tau"]
-        out[f"speedup_forwards_h{h}"] = m["speedup_forwards"]
-        out[f"tokens_generated_h{h}"] = m["tokens_generated"]
+        for name in ("tau", "speedup_forwards", "tokens_generated"):
+            out[horizon_name(name, h)] = m[name]
     return out
 
 
@@ -224,7 +229,7 @@ def evaluate_exported(
                 model, d, prompts, horizons=horizons, sampling=s, stop_token_ids=stops, seed=seed
             )
             if walk_set is not None and name == "trained" and s is samplings[0]:  # beside real decoding
-                results["walk"] = evaluate_walk(
+                results[WALK] = evaluate_walk(
                     model, d, walk_set, horizons=list(walk_horizons or horizons), stop_token_ids=stops
                 )
     return results

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from dflash_flow.model.drafter import (
     DFlashDrafter,
     draft_value,
 )
+from dflash_flow.util import atomic_path, atomic_write_text
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -89,17 +89,6 @@ def _nonfinite_tensor(state: dict[str, torch.Tensor]) -> str | None:
     return None
 
 
-def _temp_beside(final: Path) -> Path:
-    """A new, uniquely named file beside ``final`` (created with O_EXCL: never an existing file or a link
-    someone put there), to be written and renamed onto ``final``."""
-    fd, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp makes it private; an export is read by inference servers
-    finally:
-        os.close(fd)
-    return Path(name)
-
-
 def save_drafter(drafter: DFlashDrafter, path: str | os.PathLike, *, state: dict[str, Any] | None = None) -> Path:
     """Write ``config.json`` and ``model.safetensors`` into ``path`` (created); returns the directory.
 
@@ -124,17 +113,9 @@ def save_drafter(drafter: DFlashDrafter, path: str | os.PathLike, *, state: dict
             "diverged); export an earlier checkpoint instead"
         )
     out.mkdir(parents=True, exist_ok=True)
-    tmp_w = _temp_beside(out / WEIGHTS_NAME)
-    tmp_c = _temp_beside(out / CONFIG_NAME)
-    try:
-        write_safetensors(state, tmp_w, metadata={"format": "pt"})
-        tmp_c.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp_w, out / WEIGHTS_NAME)
-        os.replace(tmp_c, out / CONFIG_NAME)
-    except BaseException:
-        tmp_w.unlink(missing_ok=True)
-        tmp_c.unlink(missing_ok=True)
-        raise
+    with atomic_path(out / WEIGHTS_NAME) as tmp:
+        write_safetensors(state, tmp, metadata={"format": "pt"})
+    atomic_write_text(out / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
 
 
@@ -173,7 +154,7 @@ def _validate_config_dict(d: dict[str, Any], where: Path) -> None:
             found = dflash2.dflash2_problems(
                 {k: dcfg.get(k) for k in dflash2.DFLASH2_KEYS}, hidden_size=hidden, vocab_size=vocab
             )
-            problems.extend(f"dflash_config.{p}" for p in found)
+            problems.extend(f"dflash_config.{message}" for _, message in found)
     layer_types = d.get("layer_types")
     if layer_types is not None:
         if not isinstance(layer_types, list) or len(layer_types) != d.get("num_hidden_layers"):

@@ -125,11 +125,13 @@ class MasterAdamW:
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
 
-class WarmupCosineSchedule:
-    """Linear warmup to the base lr, then cosine decay to ``min_lr_ratio * base`` (0 by default).
+class WarmupCosineSchedule(torch.optim.lr_scheduler.LambdaLR):
+    """torch's ``LambdaLR`` with the recipe's factor: linear warmup to the base lr, then cosine decay to
+    ``min_lr_ratio * base`` (0 by default), reaching the floor at ``total_steps``.
 
-    Step s (0-based, the s-th optimizer update) uses factor ``(s+1)/warmup`` during warmup, so the
-    first update is not wasted at lr 0; the cosine then reaches its floor at ``total_steps``.
+    The factor is ours, not transformers' ``get_cosine_with_min_lr_schedule_with_warmup``, for one reason:
+    step s of the warmup runs at ``(s+1)/warmup`` of the lr, so the first update is not wasted at lr 0.
+    ``optimizer``: a torch optimizer or ``MasterAdamW`` (its torch AdamW is scheduled).
     """
 
     def __init__(
@@ -145,15 +147,12 @@ class WarmupCosineSchedule:
             raise ValueError(f"total_steps must be >= 1, got {total_steps}")
         if not 0.0 <= warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}")
-        self.optimizer = optimizer
         self.total_steps = int(total_steps)
         self.warmup_steps = int(
             warmup_steps if warmup_steps is not None else math.ceil(total_steps * warmup_ratio)
         )
         self.min_lr_ratio = float(min_lr_ratio)
-        self.base_lrs = [g["lr"] for g in optimizer.param_groups]
-        self.step_count = 0
-        self._apply()
+        super().__init__(getattr(optimizer, "optimizer", optimizer), lr_lambda=self.factor)
 
     def factor(self, step: int) -> float:
         if step < self.warmup_steps:
@@ -162,38 +161,34 @@ class WarmupCosineSchedule:
         progress = min(1.0, (step - self.warmup_steps) / span)
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
-    def _apply(self) -> None:
-        f = self.factor(self.step_count)
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
-            group["lr"] = base * f
-
-    def step(self) -> None:
-        """Call after each optimizer update; sets the lr of the next one."""
-        self.step_count += 1
-        self._apply()
-
-    def get_last_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
+    @property
+    def step_count(self) -> int:
+        """Optimizer updates scheduled so far (torch's ``last_epoch``)."""
+        return int(self.last_epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": STATE_VERSION,
-            "step_count": self.step_count,
-            "total_steps": self.total_steps,
-            "warmup_steps": self.warmup_steps,
-            "min_lr_ratio": self.min_lr_ratio,
-            "base_lrs": list(self.base_lrs),
-        }
+        """torch's state (the step count and lrs) and the schedule's shape, plain values only."""
+        state = {k: v for k, v in super().state_dict().items() if k != "lr_lambdas"}
+        return {**state, "version": STATE_VERSION + 1, "total_steps": self.total_steps,
+                "warmup_steps": self.warmup_steps, "min_lr_ratio": self.min_lr_ratio}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"unsupported scheduler state version {state.get('version')}")
-        self.step_count = int(state["step_count"])
+        version = state.get("version")
+        if version == STATE_VERSION:  # written before the schedule ran on torch's LambdaLR: step_count, base_lrs
+            count = int(state["step_count"])
+            state = {"last_epoch": count, "_step_count": count + 1, "base_lrs": list(state["base_lrs"]),
+                     "version": STATE_VERSION + 1, "total_steps": state["total_steps"],
+                     "warmup_steps": state["warmup_steps"], "min_lr_ratio": state["min_lr_ratio"]}
+        elif version != STATE_VERSION + 1:
+            raise ValueError(f"unsupported scheduler state version {version}")
         self.total_steps = int(state["total_steps"])
         self.warmup_steps = int(state["warmup_steps"])
         self.min_lr_ratio = float(state["min_lr_ratio"])
-        self.base_lrs = list(state["base_lrs"])
-        self._apply()
+        torch_state = {k: v for k, v in state.items() if k not in ("version", "total_steps", "warmup_steps", "min_lr_ratio")}
+        super().load_state_dict({**torch_state, "lr_lambdas": [None] * len(self.base_lrs)})
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+            group["lr"] = base * self.factor(self.last_epoch)
+        self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
 
 class GradientAccumulator:

@@ -24,6 +24,7 @@ from dflash_flow.model.dflash2 import drafter_from_config, drafter_variant, make
 from dflash_flow.model.drafter import DFlashDrafter
 from dflash_flow.model.objective import PrefixPrior, dflash_loss
 from dflash_flow.model.optim import GradientAccumulator, NonFiniteError, build_optimizer
+from dflash_flow.model.strategies import OBJECTIVES, objective_of
 
 STATE_VERSION = 1
 
@@ -131,7 +132,7 @@ class TrainerConfig:
     # VP-Drafter: each block shows a visible prefix of l real tokens, Pr(l) ~ prefix_weight_base ** l on
     # [prefix_min_length, prefix_max_length or block_size - 1]; only the masked suffix is supervised).
     objective: Literal["dflash", "variable_prefix"] = attrs.field(
-        default="dflash", validator=attrs.validators.in_(("dflash", "variable_prefix"))
+        default="dflash", validator=attrs.validators.in_(OBJECTIVES)
     )
     prefix_weight_base: float = 0.9
     prefix_min_length: int = 1
@@ -175,14 +176,12 @@ class DFlashObjective(nn.Module):
         self.activation_budget_mb = config.activation_budget_mb if config.chunk_blocks is None else None
         self.needs_input_grad = False  # set under fsdp
         self.selector_loss_weight = config.selector_loss_weight
+        objective = objective_of(config)  # the strategy (model.strategies): its knobs, its one check
+        objective.bounds(drafter.block_size)  # fails here, naming the field, not at the first step
         self.prefix_prior = None
-        if config.objective == "variable_prefix":
-            self.prefix_prior = PrefixPrior(
-                weight_base=config.prefix_weight_base,
-                min_length=config.prefix_min_length,
-                max_length=config.prefix_max_length,
-            )
-            self.prefix_prior.bounds(drafter.block_size)  # fails here, naming the field, not at the first step
+        if objective.name == "variable_prefix":
+            self.prefix_prior = PrefixPrior(weight_base=objective.weight_base, min_length=objective.min_length,
+                                            max_length=objective.max_length)
 
     def forward(self, input_ids, loss_mask, hidden_states, attention_mask, generator):
         return dflash_loss(
@@ -289,7 +288,7 @@ class DrafterTrainer:
         dtype: torch.dtype,
     ) -> None:
         self.drafter = drafter
-        self.head = head  # the target's frozen embedding and LM head (model.target.SharedHead)
+        self.head = head  # the target's frozen embedding and LM head (model.head.SharedHead)
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -306,6 +305,8 @@ class DrafterTrainer:
         self.step = 0
         self.total_steps = config.total_steps
         self._sums: dict[str, float] = {}
+        self._pos_sums: list[float] = []  # per block slot, summed over the step's micro-batches
+        self.position_accuracy: tuple[float, ...] = ()  # the last step's, per block slot k = 1..B-1
         self._counted = 0  # micro-batches of the current step that are not fillers
         self._tokens = 0
         self._samples = 0
@@ -369,8 +370,12 @@ class DrafterTrainer:
         if syncs and self.allreduce_clock is not None:
             self._allreduce_wait += self.allreduce_clock.take() or 0.0
         if not feats.meta.filler:  # a filler keeps data-parallel ranks in step; it trains nothing
-            for k, v in out.metrics().items():
+            scalars, positions = out.values()
+            for k, v in scalars.items():
                 self._sums[k] = self._sums.get(k, 0.0) + v
+            if len(self._pos_sums) != len(positions):
+                self._pos_sums = [0.0] * len(positions)
+            self._pos_sums = [a + b for a, b in zip(self._pos_sums, positions, strict=True)]
             self._counted += 1
             self._tokens += feats.meta.real_tokens
             self._samples += feats.meta.num_samples
@@ -418,8 +423,11 @@ class DrafterTrainer:
             lr=float(self.schedule.get_last_lr()[0]),
             tokens_per_s=self._tokens / dt,
             samples_per_s=self._samples / dt,
-            total_steps=float(self.total_steps or 0),
         )
+        # The step's accuracy per block slot (k = 1..B-1): a sequence of its own, not keys in the metrics.
+        pos = [v / n for v in self._pos_sums]
+        self.position_accuracy = tuple(pos) if all(math.isfinite(v) for v in pos) else ()
+        self._pos_sums = []
         if self.allreduce_clock is not None:
             metrics["allreduce_wait_s"] = self._allreduce_wait
             self._allreduce_wait = 0.0
@@ -437,6 +445,7 @@ class DrafterTrainer:
             self.step += 1
             self.accumulator.reset()
             self._sums = {}
+            self._pos_sums = []
             self._counted = 0
 
     # -- state -------------------------------------------------------------------------------------

@@ -35,6 +35,8 @@ import attrs
 import torch
 from torch import nn
 
+from dflash_flow.items import horizon_name
+
 from .speculative import BlockDrafter, draft_settings, features
 
 __all__ = ["WalkResult", "evaluate_walk", "reply_until_stop", "teacher_forced_walk"]
@@ -188,7 +190,7 @@ def evaluate_walk(
     first = int(horizons[0])
     metrics = {"tau": committed[first] / steps[first] if steps[first] else 1.0}
     for h in steps:
-        metrics[f"tau_h{h}"] = committed[h] / steps[h] if steps[h] else 1.0
+        metrics[horizon_name("tau", h)] = committed[h] / steps[h] if steps[h] else 1.0
         metrics[f"verify_steps_h{h}"] = float(steps[h])
         metrics[f"tokens_walked_h{h}"] = float(tokens[h])
         metrics[f"complete_frac_h{h}"] = complete[h] / n

@@ -79,7 +79,7 @@ class History:
             "schema": 1,
             "train": self.train.to_json(),
             "samples": [jsonable(attrs.asdict(s, filter=_not_loads)) for s in self.samples],
-            "evals": [jsonable(attrs.asdict(e)) for e in self.evals],
+            "evals": [jsonable(attrs.asdict(e, filter=lambda a, _v: a.name != "horizons")) for e in self.evals],
         }
 
 
@@ -99,6 +99,7 @@ class RunRecord:
     history: History = attrs.field(factory=History)
     train: dict[str, float] = attrs.field(factory=dict)  # the last step's trainer metrics
     evals: dict[str, dict[str, float]] = attrs.field(factory=dict)  # the last result of each evaluation
+    eval_horizons: dict[str, tuple[int, ...]] = attrs.field(factory=dict)  # the horizons each one measured
     artifacts: dict[str, str] = attrs.field(factory=dict)  # named by the trainer's final report
     bottleneck: Bottleneck | None = None  # the latest verdict; after the Monitor's finish, the whole run's
     total_steps: int | None = None
@@ -125,6 +126,7 @@ class RunRecord:
     def add_eval(self, point: EvalPoint) -> None:
         for name, metrics in point.results.items():
             self.evals[name] = dict(metrics)
+            self.eval_horizons[name] = tuple(point.horizons.get(name, ()))
         self.history.evals.append(point)
 
     def add_sample(self, sample: MonitorSample) -> None:

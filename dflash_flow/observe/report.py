@@ -15,6 +15,8 @@ from typing import Any, Protocol
 
 import attrs
 
+from dflash_flow.util import atomic_write_text
+
 from .record import RunRecord
 
 log = logging.getLogger(__name__)
@@ -39,10 +41,8 @@ class RunReportFiles:
 
 
 def _write_json(path: Path, data: Any) -> Path:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False, allow_nan=False), encoding="utf-8")
-    os.replace(tmp, path)  # a reader never sees half a file
-    return path
+    # A reader never sees half a file.
+    return atomic_write_text(path, json.dumps(data, indent=1, ensure_ascii=False, allow_nan=False))
 
 
 def write_run_report(
@@ -90,13 +90,16 @@ _TRAIN_SHOWN = ("loss", "accuracy", "sim_accept_len", "grad_norm", "lr", "tokens
 
 def _acceptance(record: RunRecord, mean: dict[str, float]) -> tuple[list[list[Any]], list[str]] | None:
     """Every acceptance figure side by side: the trainer's simulated one (the last epoch's mean, not one
-    batch's), then each evaluation's ``tau`` and ``tau_h<H>`` per horizon (real decoding, the walk)."""
+    batch's), then each evaluation's ``tau`` and its ``tau`` at every horizon it measured (real decoding,
+    the walk; the horizons are the reports' typed ``horizons``)."""
+    from dflash_flow.items import horizon_name
+
     evals = {name: m for name, m in record.evals.items() if "tau" in m}
-    horizons = sorted({int(k[5:]) for m in evals.values() for k in m if k.startswith("tau_h") and k[5:].isdigit()})
+    horizons = sorted({h for name in evals for h in record.eval_horizons.get(name, ())})
     rows: list[list[Any]] = []
     if "sim_accept_len" in mean and evals:
         rows.append(["training (simulated, epoch mean)", mean["sim_accept_len"]] + [None] * len(horizons))
-    rows += [[name, m["tau"]] + [m.get(f"tau_h{h}") for h in horizons] for name, m in evals.items()]
+    rows += [[name, m["tau"]] + [m.get(horizon_name("tau", h)) for h in horizons] for name, m in evals.items()]
     return (rows, ["source", "tau"] + [f"{h} new tokens" for h in horizons]) if rows else None
 
 

@@ -6,7 +6,6 @@ Pure functions, no mlflow import.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -15,6 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
+
+from dflash_flow.util import config_hash as util_config_hash
 
 # mlflow's limits (mlflow.utils.validation); duplicated so that they are usable without importing mlflow.
 MAX_METRICS_PER_BATCH = 1000
@@ -147,10 +148,7 @@ def flatten_params(params: Mapping[str, Any] | None, *, prefix: str = "") -> dic
     return out
 
 
-def config_hash(config: Mapping[str, Any]) -> str:
-    """Stable short hash of a resolved config (sorted-key JSON, sha256, 16 hex chars)."""
-    blob = json.dumps(config, sort_keys=True, default=str, separators=(",", ":"))
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+config_hash = util_config_hash  # the one copy lives in dflash_flow.util
 
 
 def git_commit(cwd: str | os.PathLike | None = None) -> str | None:

@@ -23,11 +23,6 @@ from .schema import metric, train_reduction
 
 # The Interleaver's labeled metric (batches dispatched per bucket): the source of the bucket mix.
 BUCKET_METRIC = "bucket_dispatch"
-# Trainer metrics that are noisy per step and many (one per block position): logged as their mean over
-# each sampling window instead of every step.
-WINDOWED_TRAIN_PREFIXES = ("accuracy_pos",)
-# Trainer metrics that are run facts, not curves.
-UNLOGGED_TRAIN = frozenset({"total_steps"})
 
 
 @attrs.frozen
@@ -135,6 +130,7 @@ class EvalPoint:
 
     step: int
     results: dict[str, dict[str, float]] = metric("eval", reduce="mean", doc="Per evaluation")
+    horizons: dict[str, tuple[int, ...]] = attrs.field(factory=dict)  # per evaluation: the horizons measured
 
 
 # ------------------------------------------------------------------------------------ from snapshots

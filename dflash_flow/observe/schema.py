@@ -31,6 +31,8 @@ from typing import Any
 
 import attrs
 
+from dflash_flow.items import TRAIN_METRIC_REDUCTIONS
+
 REDUCTIONS = frozenset({"sum", "mean", "max", "min", "last"})
 _SPEC = "dflash_flow.metric"
 
@@ -154,15 +156,9 @@ def reduce_ranks(per_rank: Sequence[Sequence[MetricPoint]]) -> dict[str, float]:
 
 # -------------------------------------------------------------------------- train metric reductions
 
-_SUMMED_TRAIN = ("tokens", "samples", "tokens_per_s", "samples_per_s")
-
 
 def train_reduction(name: str) -> str:
-    """How a trainer metric combines over ranks: sums for tokens and samples (and their rates), max for
-    times (``*_s`` that are not rates: the slowest rank sets the step time), means for the rest (loss,
-    accuracies, acceptance length, learning rate)."""
-    if name in _SUMMED_TRAIN or name.endswith(("_tokens", "_samples", "tokens_per_s", "samples_per_s")):
-        return "sum"
-    if name.endswith("_s") and not name.endswith("_per_s"):
-        return "max"
-    return "mean"
+    """How a trainer metric combines over ranks, as ``items.TRAIN_METRIC_REDUCTIONS`` declares it: sums for
+    tokens and samples (and their rates), max for times (the slowest rank sets the step time), means for
+    the rest (loss, accuracies, acceptance length, learning rate, a variant's terms)."""
+    return TRAIN_METRIC_REDUCTIONS.get(name, "mean")

@@ -24,6 +24,8 @@ import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from dflash_flow.util import atomic_write_text
+
 from .runinfo import REDACTED, redact_uri, uri_secrets
 from .store import (
     RUN_OPS,
@@ -88,11 +90,7 @@ class SpoolFile:
             with contextlib.suppress(OSError):  # only removed when empty (all stashed copies sent)
                 self.stash_dir.rmdir()
             return
-        tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            for rec in self._header() + pending:
-                f.write(self._line(rec))
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, "".join(self._line(rec) for rec in self._header() + pending))
 
     def stash(self, op: dict) -> dict:
         """Copy a spooled artifact into the stash so the upload later sees today's file. Raises OSError."""
@@ -170,12 +168,8 @@ def _keep_rest(spool: Path, meta: dict | None, run_id: str | None, rest: list[di
     head = [meta] if meta else []
     if run_id and (not rest or rest[0].get("op") not in RUN_OPS[:2]):
         head.append({"op": "run", "run_id": run_id})
-    tmp = spool.with_suffix(".tmp")
     with contextlib.suppress(OSError):
-        with open(tmp, "w", encoding="utf-8") as f:
-            for rec in head + rest:
-                f.write(json.dumps(rec) + "\n")
-        os.replace(tmp, spool)
+        atomic_write_text(spool, "".join(json.dumps(rec) + "\n" for rec in head + rest))
 
 
 def import_spool(path: str | os.PathLike, tracking_uri: str | os.PathLike | None = None) -> str:

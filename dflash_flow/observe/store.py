@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
+
+from dflash_flow.util import probe_write
 
 from .runinfo import redact_text, redact_uri
 
@@ -73,13 +74,8 @@ def sqlite_path(uri: str) -> Path | None:
 def _probe_dir(directory: Path, target: Path) -> str | None:
     """Create and remove a file in ``directory``: the only check that also holds for root, read-only
     mounts and ACLs (``os.access`` answers yes to root on a read-only filesystem)."""
-    try:
-        fd, name = tempfile.mkstemp(prefix=".dflash-probe-", dir=directory)
-        os.close(fd)
-        os.unlink(name)
-    except OSError as exc:
-        return f"cannot write {target}: {directory} is not writable ({exc.strerror or exc})"
-    return None
+    why = probe_write(directory)
+    return f"cannot write {target}: {directory} is not writable ({why})" if why else None
 
 
 def _existing_ancestor(path: Path) -> Path:

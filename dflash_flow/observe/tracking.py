@@ -1,8 +1,9 @@
 """MLflow tracking for a pipeline run, robust to a tracking server that goes away: the :class:`Tracker`.
 
 The rest of tracking lives next to it, one job a module: ``runinfo`` (params, tags, redaction),
-``store`` (URIs, the pre-flight check, transient errors, the store ops), ``spool`` (the local outbox
-and ``import_spool``).
+``store`` (URIs, the pre-flight check, transient errors, the store ops), ``delivery`` (ops sent in order,
+spooled and replayed through an outage: the Tracker's base class), ``spool`` (the local outbox and
+``import_spool``).
 
 Design (why it looks like this):
 
@@ -44,7 +45,6 @@ import logging
 import os
 import tempfile
 import threading
-import time
 import uuid
 from collections import deque
 from collections.abc import Mapping
@@ -53,6 +53,8 @@ from typing import Any
 
 import attrs
 
+from .delivery import SpooledDelivery
+from .delivery import ctrl_c_after_write as _ctrl_c_after_write  # noqa: F401 - the tests hold Ctrl-C through it
 from .runinfo import (
     MAX_METRICS_PER_BATCH,
     MAX_PARAMS_TAGS_PER_BATCH,
@@ -67,14 +69,10 @@ from .runinfo import (
 from .schema import metric, mlflow_metrics
 from .spool import SpoolFile
 from .store import (
-    RUN_OPS,
-    apply_op,
-    bounded_http,
     check_tracking_uri,
     chunks,
     default_artifact_location,
     first_line,
-    is_transient_error,
     now_ms,
     resolve_tracking_uri,
 )
@@ -102,7 +100,7 @@ class SystemSample:
     process_cpu_percent: float | None = metric("system/process_cpu_percent", reduce="sum", default=None, doc="This process's CPU use, % of one core")
 
 
-class Tracker:
+class Tracker(SpooledDelivery):
     """One MLflow run. Construct with :meth:`start`; ``Tracker(enabled=False)`` is a no-op tracker.
 
     Thread-safety: ``log_metrics`` may be called from any thread (it only appends under a lock);
@@ -427,150 +425,6 @@ class Tracker:
     def __exit__(self, exc_type, exc, tb) -> None:
         self.end(status_for_exception(exc))
 
-    # ---------------------------------------------------------------- internals
-    def _submit(self, ops: list[dict], *, force_retry: bool = False) -> None:
-        """Send ops in order; on a transient failure spool the failing op and all later ones."""
-        if not ops and not self._pending:
-            return
-        with self._io_lock:
-            if self._pending:
-                self._spool_append(ops)
-                if force_retry or time.monotonic() >= self._retry_at:
-                    self._drain(None if force_retry else self.drain_budget_s)
-                return
-            for i, op in enumerate(ops):
-                try:
-                    self._send(op)
-                except Exception as exc:
-                    if not is_transient_error(exc):
-                        if op["op"] in RUN_OPS:
-                            raise  # e.g. resuming a run that does not exist: a config error, say so
-                        log.warning("MLflow rejected a %s operation (dropped): %s", op["op"], first_line(exc, secrets=self._secrets))
-                        continue
-                    self._enter_spool(ops[i:], exc)
-                    return
-
-    def _send(self, op: dict) -> None:
-        timeout = self.artifact_timeout_s if op["op"] == "artifact" else self.http_timeout_s
-        with _ctrl_c_after_write(), bounded_http(self.tracking_uri or "", timeout, self.http_max_retries):
-            apply_op(self._client, op, self._state)
-
-    def _enter_spool(self, ops: list[dict], exc: BaseException) -> None:
-        self._outages += 1
-        self._retry_delay = self.retry_initial_s
-        self._retry_at = time.monotonic() + self._retry_delay
-        self._spool_append(ops)
-        # One warning per outage (not per step); the recovery is logged at INFO.
-        log.warning(
-            "MLflow tracking at %s is unreachable (%s). Training continues; metrics are spooled "
-            "to %s and sent when the store is back.",
-            self.display_uri,
-            first_line(exc, 200, self._secrets),
-            self.spool_path,
-        )
-
-    def _drain(self, budget_s: float | None = None) -> None:
-        """Replay spooled ops from the oldest; stop at the first transient failure (then back off)
-        or when ``budget_s`` is spent (the rest goes out on the next flush, so a long backlog never
-        holds the Monitor for long). Consecutive metric ops are merged into batches of <= 1000."""
-        sent = 0
-        t_end = None if budget_s is None else time.monotonic() + budget_s
-        try:
-            while self._pending:
-                if t_end is not None and sent and time.monotonic() >= t_end:
-                    return
-                group = self._head_group()
-                op = (
-                    group[0]
-                    if len(group) == 1
-                    else {"op": "metrics", "metrics": [m for g in group for m in g["metrics"]]}
-                )
-                try:
-                    self._send(op)
-                except Exception as exc:
-                    if is_transient_error(exc):
-                        self._retry_delay = min(self.retry_max_s, self._retry_delay * 2)
-                        self._retry_at = time.monotonic() + self._retry_delay
-                        return
-                    if op["op"] in RUN_OPS:
-                        # Nothing after it can be applied to this store; keep the spool for import_spool.
-                        log.error(
-                            "MLflow rejected the spooled %s operation (%s); tracking stops, the spool stays in %s",
-                            op["op"],
-                            first_line(exc, secrets=self._secrets),
-                            self.spool_path,
-                        )
-                        self._retry_at = float("inf")
-                        return
-                    log.warning("MLflow rejected a spooled %s operation (dropped): %s", op["op"], first_line(exc, secrets=self._secrets))
-                for _ in group:
-                    SpoolFile.discard(self._pending.popleft())
-                    sent += 1
-        finally:
-            if sent:
-                self._rewrite_spool()
-        log.info("MLflow tracking at %s is back: replayed %d spooled operations.", self.display_uri, sent)
-        self._retry_delay = self.retry_initial_s
-
-    def _head_group(self) -> list[dict]:
-        """The head op, or the run of consecutive metric ops at the head that fits one log_batch."""
-        head = self._pending[0]
-        if head["op"] != "metrics":
-            return [head]
-        group, n = [], 0
-        for op in self._pending:
-            if op["op"] != "metrics" or n + len(op["metrics"]) > MAX_METRICS_PER_BATCH:
-                break
-            group.append(op)
-            n += len(op["metrics"])
-        return group or [head]
-
-    def _spool_file(self) -> SpoolFile:
-        if self._spool is None:
-            assert self.spool_dir is not None
-            path = self.spool_dir / f"spool-{self.run_id or self._local_id}.jsonl"
-            self._spool = SpoolFile(path, self._header)
-        return self._spool
-
-    def _header(self) -> list[dict]:
-        head = {"op": "meta", "tracking_uri": self.display_uri, "experiment": self.experiment}
-        return [head] + ([{"op": "run", "run_id": self.run_id}] if self.run_id else [])
-
-    def _spool_append(self, ops: list[dict]) -> None:
-        if not ops:
-            return
-        spool = self._spool_file()
-        new = not spool.path.exists() or not self._pending
-        ops = [self._stash(spool, op) for op in ops]
-        self._pending.extend(ops)
-        try:
-            spool.append(ops, new=new)
-        except OSError as exc:
-            # The ops are still held in memory and replayed from there; only the crash-safety of the
-            # file is lost. Say so once, never stop training over it.
-            self._warn_spool_write(spool.path, exc)
-
-    def _rewrite_spool(self) -> None:
-        if self._spool is None:
-            return
-        try:
-            self._spool.rewrite(self._pending)
-        except OSError as exc:
-            self._warn_spool_write(self._spool.path, exc)
-
-    def _warn_spool_write(self, path: Path, exc: OSError) -> None:
-        if not self._spool_write_failed:
-            self._spool_write_failed = True
-            log.warning("cannot write the MLflow spool file %s (%s); spooling in memory only", path, exc)
-
-    @staticmethod
-    def _stash(spool: SpoolFile, op: dict) -> dict:
-        try:
-            return spool.stash(op)
-        except OSError as exc:
-            log.warning("could not stash artifact %s for later upload: %s", op.get("path"), exc)
-            return op
-
     # ---------------------------------------------------------------- system metrics
     def _init_system_metrics(self) -> None:
         try:
@@ -600,33 +454,6 @@ class Tracker:
             process_cpu_percent=cpu,
         )
         return mlflow_metrics(sample)
-
-
-@contextlib.contextmanager
-def _ctrl_c_after_write():
-    """Hold Ctrl-C until the store write in progress has finished. A KeyboardInterrupt raised inside a
-    sqlite transaction leaves it open with the database locked, so the run's final status could never be
-    written (it stayed RUNNING). Only where Python's default SIGINT handler is installed on the main
-    thread (a program using the Tracker directly); pipeline runs handle signals themselves."""
-    import signal
-
-    if threading.current_thread() is not threading.main_thread() or (
-        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    ):
-        yield
-        return
-    received: list[int] = []
-    signal.signal(signal.SIGINT, lambda signum, _frame: received.append(signum))
-    try:
-        yield
-    except BaseException as exc:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        if received:
-            raise KeyboardInterrupt from exc
-        raise
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    if received:
-        raise KeyboardInterrupt
 
 
 def status_for_exception(exc: BaseException | None) -> str:

@@ -107,8 +107,8 @@ class Bucketer(Stage):
         from dflash_flow.data.corpus import EpochView, describe_mixture, draw_epoch
         from dflash_flow.data.plan import BatchPlanner, PlanConfig, bucket_boundaries
 
-        if not self._samples and not self._tables:
-            return
+        if (not self._samples and not self._tables) or self._ctx.stop_requested.is_set():
+            return  # nothing to plan, or stopping: no epoch is packed for a run that ends now
         corpus = self._corpus()
         if len(corpus) == 0:
             return
@@ -151,10 +151,5 @@ class Bucketer(Stage):
             yield EpochBatches(epoch=epoch, packed=packed, samples=samples, num_epochs=self.epochs)
 
     # Re-packing is cheap and a pure function of the samples, so every run packs from epoch 0 and the
-    # Interleaver skips what was consumed: no state that could disagree with the Interleaver's.
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": 1}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != 1:
-            raise ValueError(f"unsupported state version {state.get('version')!r}")
+    # Interleaver skips what was consumed: no state that could disagree with the Interleaver's (the base
+    # class's empty one).

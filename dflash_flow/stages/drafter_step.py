@@ -3,62 +3,16 @@ reports out; the data position it has reached; checkpoints through the run servi
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import time
 from pathlib import Path, PurePath
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import attrs
 
 from dflash_flow.core import Stage, cfg
 from dflash_flow.items import StepReport, TargetFeatures
-from dflash_flow.services import CheckpointPayload, services_of
-from dflash_flow.util import is_within
-
-STATE_VERSION = 1
-
-
-def _refuse_outside(path: Path, root: Path) -> None:
-    """What the run writes stays inside its output directory, even past a symbolic link made mid-run."""
-    if not is_within(path, root):
-        raise PermissionError(errno.EACCES, f"refusing to write outside output_dir {root} (a symbolic link leads to "
-                              f"{os.path.realpath(path)})", str(path))
-
-
-def _open_log(path: Path, root: Path, append: bool):
-    """The batch log, opened without following a link (O_NOFOLLOW) in a directory inside ``root``."""
-    _refuse_outside(path.parent, root)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_APPEND if append else os.O_TRUNC)
-    try:
-        fd = os.open(path, flags, 0o644)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise PermissionError(errno.EACCES, "refusing to follow a symbolic link in output_dir", str(path)) from None
-        raise
-    return os.fdopen(fd, "a" if append else "w")
-
-
-def _target_sizes(spec: Any) -> tuple[int, int] | None:
-    """(hidden size, vocabulary size) of a target read from its ``config.json`` (a local directory) or
-    preset mapping, without loading transformers; None when neither says (a hub id: setup checks)."""
-    d: Any = None
-    if isinstance(spec, dict):
-        d = spec
-    elif isinstance(spec, str) and (Path(spec) / "config.json").is_file():
-        try:
-            d = json.loads((Path(spec) / "config.json").read_text())
-        except (OSError, ValueError):
-            return None
-    if isinstance(d, dict) and isinstance(d.get("text_config"), dict):
-        d = d["text_config"]
-    if not isinstance(d, dict):
-        return None
-    hidden, vocab = d.get("hidden_size"), d.get("vocab_size")
-    if isinstance(hidden, int) and isinstance(vocab, int) and hidden > 0 and vocab > 0:
-        return hidden, vocab
-    return None
+from dflash_flow.services import CheckpointPayload, CheckpointSource, agree_to_stop, services_of
 
 
 def check_inside_output_dir(field: str, value: str) -> None:
@@ -73,7 +27,7 @@ def check_inside_output_dir(field: str, value: str) -> None:
 
 
 @attrs.define(kw_only=True, eq=False)
-class DrafterStep(Stage):
+class DrafterStep(Stage, CheckpointSource):
     """Trains the DFlash drafter on target features; checkpoints; exports the inference checkpoint."""
 
     @classmethod
@@ -85,8 +39,13 @@ class DrafterStep(Stage):
     input_type = TargetFeatures
     output_type = StepReport
     singleton = True
+    section_fields: ClassVar[dict[str, str]] = {
+        "target": "model.target", "tokenizer": "model.tokenizer", "trust_remote_code": "model.trust_remote_code",
+        "num_layers": "model.num_draft_layers", "target_layer_ids": "model.target_layer_ids",
+        "block_size": "model.block_size", "mask_token_id": "model.mask_token_id",
+    }
 
-    target: str | dict[str, Any] = cfg(doc="The same target as TargetForward (its embedding and LM head are shared, frozen).")
+    target: str | dict[str, Any] = cfg(doc="The target (its embedding and LM head are shared, frozen); one home: model.target.")
     tokenizer: str | None = cfg(None, doc="Tokenizer path, used to pick the mask token (default: the target directory).")
     num_layers: int = cfg(1, ge=1, doc="Drafter decoder layers.")
     block_size: int = cfg(16, ge=2, doc="Block size B: one anchor token + B-1 mask tokens.")
@@ -160,18 +119,24 @@ class DrafterStep(Stage):
     torch_threads: int | None = cfg(None, ge=1, doc="torch intra-op threads (CPU runs).")
     trust_remote_code: bool = cfg(False, doc="Allow the target's own code when reading its config.")
 
-    @prefix_min_length.validator
-    def _check_prefix_min(self, _attribute: attrs.Attribute, value: int) -> None:
-        if value > self.block_size - 1:
-            raise ValueError(f"'prefix_min_length' must be <= block_size - 1 = {self.block_size - 1}: {value}")
+    # Where the data stream has got to (state; the initial values are a fresh stage's state).
+    _epoch: int = attrs.field(default=0, init=False)
+    _epoch_done: bool = attrs.field(default=False, init=False)  # the last batch trained ended its epoch
+    _plan_state: dict[str, Any] | None = attrs.field(default=None, init=False)  # the Interleaver's, after it
+    _total_consumed: int = attrs.field(default=0, init=False)  # batches trained on in the whole run (this rank)
+    _trainer: Any = attrs.field(default=None, init=False)
+    _batch_log: Any = attrs.field(default=None, init=False)
 
     @prefix_max_length.validator
-    def _check_prefix_max(self, _attribute: attrs.Attribute, value: int | None) -> None:
-        if value is not None and not self.prefix_min_length <= value <= self.block_size - 1:
-            raise ValueError(
-                f"'prefix_max_length' must be in [prefix_min_length, block_size - 1] = "
-                f"[{self.prefix_min_length}, {self.block_size - 1}]: {value}"
-            )
+    def _check_prefix(self, _attribute: attrs.Attribute, _value: int | None) -> None:
+        """The prefix bounds against the block size, by the one check (``strategies.prefix_bounds``); the
+        fields' own bounds (``ge``, ``gt``, finite) were checked already: a value they refuse is not
+        reported twice."""
+        from dflash_flow.model.strategies import prefix_bounds
+
+        base, lo = self.prefix_weight_base, self.prefix_min_length
+        if isinstance(base, (int, float)) and base > 0 and isinstance(lo, int) and lo >= 1:
+            prefix_bounds(self.block_size, base, lo, self.prefix_max_length)
 
     @conv_kernel_size.validator
     @conv_group_size.validator
@@ -184,35 +149,43 @@ class DrafterStep(Stage):
             raise ValueError(f"'conv_kernel_size' must be <= block_size = {self.block_size}: {value}")
 
     def _variant_kw(self) -> dict[str, Any]:
-        return {
-            "variant": self.variant, "conv_kernel_size": self.conv_kernel_size, "conv_group_size": self.conv_group_size,
-            "selector_rank": self.selector_rank, "selector_top_k": self.selector_top_k,
-        }
+        from dflash_flow.model.strategies import variant_of
 
-    def variant_problems(self) -> list[tuple[str, str]]:
+        variant = variant_of(self)
+        return {"variant": variant.name, **variant.settings}
+
+    def _trainer_config(self):
+        """The trainer's recipe: every ``TrainerConfig`` field is one of this stage's (same name, declared
+        here with its YAML doc and bounds); a field missing here fails loudly."""
+        from dflash_flow.model.trainer import TrainerConfig
+
+        return TrainerConfig(**{f.name: getattr(self, f.name) for f in attrs.fields(TrainerConfig) if f.name != "time_allreduce"})
+
+    def config_problems(self) -> list[tuple[str, str]]:
         """(field, message) for DFlash 2 settings that do not fit the target (group size against its
         hidden size, top-k against its vocabulary): needs the target's config, so the application's
         preflight asks (``validate`` and ``run``), and setup would fail the same way."""
         if self.variant != "dflash2" or self.init_from:
             return []
         from dflash_flow.embedded import resolve_target
-        from dflash_flow.model.dflash2 import dflash2_problems, dflash2_settings
+        from dflash_flow.model.facts import target_facts
+        from dflash_flow.model.strategies import variant_of
 
-        size = _target_sizes(resolve_target(self.target))
-        if size is None:
+        facts = target_facts(resolve_target(self.target))
+        if facts is None:
             return []
-        settings = dflash2_settings(self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k)
-        found = dflash2_problems(settings, hidden_size=size[0], vocab_size=size[1], block_size=self.block_size)
-        return [(msg.split(" ", 1)[0], msg) for msg in found]
+        return variant_of(self).problems(hidden_size=facts.hidden_size, vocab_size=facts.vocab_size,
+                                         block_size=self.block_size)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def setup(self, ctx) -> None:
         import torch
 
         from dflash_flow.embedded import resolve_target
+        from dflash_flow.model.head import load_shared_head
         from dflash_flow.model.loading import MODEL_LOAD_LOCK
-        from dflash_flow.model.target import load_shared_head, load_target_config, resolve_dtype
-        from dflash_flow.model.trainer import DrafterShape, DrafterTrainer, TrainerConfig, build_drafter
+        from dflash_flow.model.target import load_target_config, resolve_dtype
+        from dflash_flow.model.trainer import DrafterShape, DrafterTrainer, build_drafter
 
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
@@ -239,28 +212,12 @@ class DrafterStep(Stage):
                 tokenizer_path=tok_path, init_from=self.init_from,
             )
             head = load_shared_head(spec, ctx.device, dtype, trust_remote_code=self.trust_remote_code)
-        config = TrainerConfig(
-            num_anchors=self.num_anchors, gamma=self.gamma, objective=self.objective,
-            prefix_weight_base=self.prefix_weight_base, prefix_min_length=self.prefix_min_length,
-            prefix_max_length=self.prefix_max_length, chunk_blocks=self.chunk_blocks,
-            activation_budget_mb=self.activation_budget_mb, lr=self.lr,
-            warmup_ratio=self.warmup_ratio, min_lr_ratio=self.min_lr_ratio, weight_decay=self.weight_decay,
-            max_grad_norm=self.max_grad_norm, grad_accum=self.grad_accum, total_steps=self.total_steps,
-            data_parallel=self.data_parallel, on_nonfinite=self.on_nonfinite,
-            selector_loss_weight=self.selector_loss_weight,
-        )
-        self._trainer = DrafterTrainer(drafter, head, config, device=ctx.device, dtype=dtype)
-        self._epoch = 0
-        self._epoch_done = False  # the last batch trained ended its epoch
-        self._plan_state: dict[str, Any] | None = None  # the Interleaver's state after the last batch trained
-        self._total_consumed = 0  # batches trained on in the whole run (this rank)
-        # A resumed run continues the file (its lines after the checkpoint are trained again, so appear
-        # twice: see the record_batches doc); a fresh run starts a new one, whatever an earlier run left.
-        mode = "a" if self._services.resume is not None else "w"
-        log_name = "batches.jsonl" if ctx.world_size == 1 else f"batches.rank{ctx.rank}.jsonl"
-        out = Path(ctx.output_dir)
-        self._batch_log_path = out / log_name
-        self._batch_log = _open_log(self._batch_log_path, out, mode == "a") if self.record_batches else None
+        self._trainer = DrafterTrainer(drafter, head, self._trainer_config(), device=ctx.device, dtype=dtype)
+        if self.record_batches:
+            from dflash_flow.observe.batchlog import BatchLog
+
+            self._batch_log = BatchLog(Path(ctx.output_dir), rank=ctx.rank, world_size=ctx.world_size,
+                                       append=self._services.resume is not None)
         m = ctx.metrics
         self._m_steps = m.counter("steps", "steps", "Optimizer steps")
         self._m_tokens = m.counter("tokens", "tokens", "Real tokens trained on")
@@ -284,24 +241,19 @@ class DrafterStep(Stage):
         self._m_samples.inc(meta.num_samples)
         self._m_step_s.observe(time.perf_counter() - t0)
         if self._batch_log is not None and not meta.filler:
-            try:
-                self._batch_log.write(json.dumps({"epoch": meta.epoch, "index": meta.index, "sample_ids": list(meta.sample_ids)}) + "\n")
-                self._batch_log.flush()
-            except OSError as exc:  # e.g. a full disk: name the file (a failed write does not)
-                raise OSError(exc.errno, exc.strerror, str(self._batch_log_path)) from exc
+            self._batch_log.write(meta)
         if metrics is None:
             return None
-        metrics["epoch"] = float(meta.epoch)
         self._m_steps.inc()
         if "loss" in metrics:  # a step of filler batches only has no loss
             self._m_loss.set(metrics["loss"])
-        report = StepReport(step=self._trainer.step, epoch=meta.epoch, meta=meta, metrics=metrics)
+        report = StepReport(step=self._trainer.step, epoch=meta.epoch, meta=meta, metrics=metrics,
+                            position_accuracy=self._trainer.position_accuracy, total_steps=self._trainer.total_steps)
         if self._services.checkpoints is not None:
             # An epoch's end and the run's last planned batch are both checkpoint points (at_epoch_end).
             self._services.checkpoints.after_step(self, step=self._trainer.step, epoch_end=epoch_end or meta.last_of_run)
-        if self._dist is not None and any(self._dist.all_gather_object(self._ctx.stop_requested.is_set())):
-            # One rank was asked to stop (Ctrl-C, SIGTERM): every rank stops after this same step, so the
-            # data position in the checkpoint is one for all of them and no collective waits in vain.
+        if self._dist is not None and agree_to_stop(self._dist, self._ctx.stop_requested.is_set()):
+            # One rank was asked to stop: every rank stops after this same step.
             self._stopping = True
             if not self._ctx.stop_requested.is_set() and self._ctx.runtime is not None:
                 self._ctx.runtime.request_stop("another rank of the job is stopping")
@@ -330,6 +282,20 @@ class DrafterStep(Stage):
             model = drafter_from_config(config)
         return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
+    def output_dirs(self) -> list[str]:
+        return [self.export_dir]
+
+    def input_paths(self) -> list[tuple[str, str, str]]:
+        from dflash_flow.embedded import resolve_target
+        from dflash_flow.util import local_dirs
+
+        return local_dirs(("target", resolve_target(self.target)), ("tokenizer", self.tokenizer),
+                          ("init_from", self.init_from))
+
+    @property
+    def inputs_per_step(self) -> int:
+        return self.grad_accum
+
     # -- checkpoints --------------------------------------------------------------------------------
     def _position(self) -> dict[str, Any]:
         """Where the data stream continues after a resume: the epoch and the plan state of the last batch
@@ -354,20 +320,16 @@ class DrafterStep(Stage):
             files={"config.json": json.dumps(drafter_config_dict(trainer.drafter.config), indent=2, sort_keys=True)},
         )
 
-    def state_dict(self) -> dict[str, Any]:
-        trainer = getattr(self, "_trainer", None)
+    def get_state(self) -> dict[str, Any]:
         return {
-            "version": STATE_VERSION,
-            "epoch": getattr(self, "_epoch", 0),
-            "epoch_done": getattr(self, "_epoch_done", False),
-            "plan": getattr(self, "_plan_state", None),
-            "total_consumed": getattr(self, "_total_consumed", 0),
-            "trainer": trainer.state_dict() if trainer is not None else None,
+            "epoch": self._epoch,
+            "epoch_done": self._epoch_done,
+            "plan": self._plan_state,
+            "total_consumed": self._total_consumed,
+            "trainer": self._trainer.state_dict() if self._trainer is not None else None,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"DrafterStep state version {state.get('version')} is not supported")
+    def set_state(self, state: dict[str, Any]) -> None:
         self._epoch = int(state["epoch"])
         self._epoch_done = bool(state.get("epoch_done", False))
         self._plan_state = state.get("plan")
@@ -387,6 +349,7 @@ class DrafterStep(Stage):
 
     def finish(self):
         from dflash_flow.model.export import save_drafter
+        from dflash_flow.observe.batchlog import refuse_outside
 
         self._trainer.flush()
         if self._ctx.stop_requested.is_set():
@@ -399,12 +362,12 @@ class DrafterStep(Stage):
         state = self._trainer.full_model_state()  # collective under fsdp: every rank takes part
         if self._ctx.rank != 0:  # one export per job, by rank 0 (the weights are the same on every rank)
             return (StepReport(step=self._trainer.step, epoch=self._epoch, meta=None, metrics={}, final=True),)
-        _refuse_outside(out, Path(self._ctx.output_dir))
+        refuse_outside(out, Path(self._ctx.output_dir))
         save_drafter(self._trainer.drafter, out, state=state)
         self._services.record.artifacts["drafter"] = str(out)
         return (StepReport(step=self._trainer.step, epoch=self._epoch, meta=None, metrics={}, final=True, artifacts={"drafter": str(out)}),)
 
     def teardown(self) -> None:
-        log = getattr(self, "_batch_log", None)
-        if log is not None:
-            log.close()
+        if self._batch_log is not None:
+            self._batch_log.close()
+            self._batch_log = None

@@ -39,10 +39,10 @@ class Range(Source):
             self._next += self._stride
             yield value
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": 1, "next": self._next}
+    def get_state(self) -> dict[str, Any]:
+        return {"next": self._next}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def set_state(self, state: dict[str, Any]) -> None:
         self._next = int(state["next"])
 
 
@@ -73,8 +73,8 @@ class Discard(Stage):
         self._items.inc()
         return None
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": 1, "count": self._count}
+    def get_state(self) -> dict[str, Any]:
+        return {"count": self._count}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def set_state(self, state: dict[str, Any]) -> None:
         self._count = int(state["count"])

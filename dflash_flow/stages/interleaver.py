@@ -11,8 +11,6 @@ from dflash_flow.core import Stage, StageContext, cfg
 from dflash_flow.data.plan import plan_field
 from dflash_flow.items import EpochBatches, PlannedBatch
 
-STATE_VERSION = 2
-
 
 @attrs.define(kw_only=True, eq=False)
 class Interleaver(Stage):
@@ -23,6 +21,7 @@ class Interleaver(Stage):
     output_type = PlannedBatch
     cardinality = "1:n"
     singleton = True  # one ordered stream per rank
+    state_version = 2
 
     max_run: int = plan_field("max_run")
     repeat_penalty: float = plan_field("repeat_penalty")
@@ -120,10 +119,10 @@ class Interleaver(Stage):
             self._max_run = self._run
             self._m_run.set(self._run)
 
-    def state_dict(self) -> dict[str, Any]:
+    def get_state(self) -> dict[str, Any]:
         if self._resume is not None:  # restored but not reached yet: keep it unchanged
             return dict(self._resume)
-        return {"version": STATE_VERSION, "epoch": self._epoch, "plan": self._plan_state, "emitted": self._emitted}
+        return {"epoch": self._epoch, "plan": self._plan_state, "emitted": self._emitted}
 
     @classmethod
     def resume_state_for(cls, position: dict[str, Any]) -> dict[str, Any]:
@@ -134,14 +133,12 @@ class Interleaver(Stage):
         batch it trained (None at an epoch's start) and the run's total of batches on this rank.
         """
         return {
-            "version": STATE_VERSION,
+            "version": cls.state_version,
             "epoch": int(position["epoch"]),
             "plan": position.get("plan"),
             "emitted": int(position.get("total", 0)),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"unsupported Interleaver state version {state.get('version')!r}")
+    def set_state(self, state: dict[str, Any]) -> None:
         self._resume = dict(state)
         self._emitted = int(state.get("emitted", 0))

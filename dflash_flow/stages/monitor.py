@@ -1,6 +1,10 @@
 """Monitor: samples the whole pipeline every `interval_s`, keeps the run's structured record, logs it to
 MLflow, shows progress and names the bottleneck.
 
+Sampling runs on the runtime's sampler (``core.sampler``, ``ctx.runtime.subscribe``): on the clock, also
+while no report arrives (a stall is sampled like any window). Under torchrun the ranks sample together
+instead, at the step reports where any rank's interval ran out (the samples are gathered collectively).
+
 What it records (``services.record``, an ``observe.record.RunRecord``) is structured; it is flattened to
 MLflow keys only when logged (``observe.schema.mlflow_metrics``; the keys are in docs/metrics.md). At each
 epoch's end (the first step of the next epoch, the trainer's final report, or the end of input) it also
@@ -14,6 +18,7 @@ when the pipeline failed.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from typing import Any
 
@@ -38,6 +43,8 @@ class Monitor(Stage):
     total_steps: int | None = cfg(None, ge=1, doc="Steps expected (for the ETA); default: from the reports.")
     plots: bool = cfg(True, doc="Ask for PNG plots in the end-of-run report (and in MLflow).")
     sinks: list[str] = cfg(factory=list, doc="Stages for which being the bottleneck is the goal (default: the trainer feeding this monitor).")
+    _printer: Any = attrs.field(default=None, init=False)
+    _subscription: Any = attrs.field(default=None, init=False)
 
     def setup(self, ctx) -> None:
         from dflash_flow.observe.progress import ProgressPrinter
@@ -73,17 +80,22 @@ class Monitor(Stage):
             if not self._sinks:
                 self._sinks = {i.stage for i in graph.stage(ctx.name).inputs}
         self._samples = ctx.metrics.counter("samples", "samples", "Monitor samples taken")
+        self._lock = threading.Lock()  # the window and the record's samples: this thread and the sampler's
+        if ctx.runtime is not None and self._dist is None:
+            self._subscription = ctx.runtime.subscribe(self._tick, self.interval_s, owner=ctx.name)
 
     def process(self, item: Any):
         now = time.monotonic()
-        due = now - self._last_sample >= self.interval_s
+        # Under torchrun the ranks sample together at step reports; in one process the sampler does it.
+        due = self._dist is not None and now - self._last_sample >= self.interval_s
         if isinstance(item, StepReport):
             due = self._on_step(item, due)
         elif isinstance(item, EvalReport):
             self._on_eval(item)
-            due = due and self._dist is None  # ranks sample together at step reports only
+            due = False
         if due:
-            self._sample(now)
+            with self._lock:
+                self._sample(now)
         if self._printer is not None and isinstance(item, StepReport):
             r, m = self._record, self._record.train
             self._printer.update(
@@ -99,33 +111,28 @@ class Monitor(Stage):
 
     def _on_step(self, item: StepReport, due: bool) -> bool:
         """Record one step report; returns whether to sample now (under torchrun: whether any rank wants to)."""
-        from dflash_flow.observe.sample import UNLOGGED_TRAIN, WINDOWED_TRAIN_PREFIXES, TrainPoint
+        from dflash_flow.items import position_accuracy_name
+        from dflash_flow.observe.sample import TrainPoint
         from dflash_flow.observe.schema import mlflow_metrics
 
         if self._dist is not None:
-            reduced = self._dist.reduce_train({**item.metrics, "_sample": float(due)})
-            due = bool(reduced.pop("_sample", 0.0))
-            item = StepReport(step=item.step, epoch=item.epoch, meta=item.meta, metrics=reduced,
-                              final=item.final, artifacts=item.artifacts)
+            reduced, positions, due = self._dist.reduce_train(item.metrics, item.position_accuracy, due)
+            item = attrs.evolve(item, metrics=reduced, position_accuracy=positions)
         record = self._record
         if item.artifacts:
             record.artifacts.update(item.artifacts)
-        total = item.metrics.get("total_steps")
-        if total and not self.total_steps:
-            record.total_steps = int(total)
+        if item.total_steps and not self.total_steps:
+            record.total_steps = item.total_steps
             if self._printer is not None:
-                self._printer.total_steps = int(total)
-        logged, windowed = {}, {}
-        for k, v in item.metrics.items():
-            if k in UNLOGGED_TRAIN:
-                continue
-            if k.startswith(WINDOWED_TRAIN_PREFIXES):
-                windowed[k] = v
-                acc = self._window.setdefault(k, [0.0, 0])
+                self._printer.total_steps = item.total_steps
+        logged = dict(item.metrics)
+        # Per block slot: noisy per step and many, so logged as their mean over each sampling window.
+        windowed = {position_accuracy_name(k): v for k, v in enumerate(item.position_accuracy, start=1)}
+        with self._lock:
+            for name, v in windowed.items():
+                acc = self._window.setdefault(name, [0.0, 0])
                 acc[0] += v
                 acc[1] += 1
-            else:
-                logged[k] = v
         point = TrainPoint(step=item.step, epoch=item.epoch, metrics=logged, windowed=windowed)
         if self._open_epoch is not None and (logged or windowed) and item.epoch != self._open_epoch[0]:
             self._log_epoch_mean()  # the first step of the next epoch ends the previous one
@@ -162,7 +169,8 @@ class Monitor(Stage):
         from dflash_flow.observe.sample import EvalPoint
         from dflash_flow.observe.schema import mlflow_metrics
 
-        point = EvalPoint(step=self._record.step, results={item.name: dict(item.metrics)})
+        point = EvalPoint(step=self._record.step, results={item.name: dict(item.metrics)},
+                          horizons={item.name: tuple(item.horizons)})
         self._record.add_eval(point)
         if self._tracker is not None:
             self._tracker.log_metrics(mlflow_metrics(point), step=point.step)
@@ -171,14 +179,20 @@ class Monitor(Stage):
             self._printer.message(f"eval {item.name}: " + ", ".join(f"{k} {v:.4g}" for k, v in item.metrics.items()))
 
     # -- sampling ---------------------------------------------------------------------------------
-    def _sample(self, now: float, whole_run: bool = False) -> None:
+    def _tick(self, snap: Any) -> None:
+        """The runtime sampler's call (its thread), every ``interval_s``."""
+        with self._lock:
+            self._sample(time.monotonic(), snap=snap)
+
+    def _sample(self, now: float, whole_run: bool = False, snap: Any = None) -> None:
+        """One sample of the whole pipeline into the record (and MLflow); the caller holds ``_lock``."""
         from dflash_flow.observe.sample import Throughput, take_sample
         from dflash_flow.observe.schema import metric_points, mlflow_metrics, reduce_ranks
 
         runtime = self._ctx.runtime
         if runtime is None:
             return
-        snap = runtime.snapshot()
+        snap = snap if snap is not None else runtime.snapshot()
         train = {k: total / n for k, (total, n) in self._window.items()}
         self._window = {}
         m = self._record.train
@@ -209,10 +223,19 @@ class Monitor(Stage):
         self._last_sample = now
 
     def finish(self):
+        self._unsubscribe()  # the closing sample is the last one
         self._log_epoch_mean()
-        self._sample(time.monotonic(), whole_run=True)
+        with self._lock:
+            self._sample(time.monotonic(), whole_run=True)
         return None
 
+    def _unsubscribe(self) -> None:
+        if self._subscription is not None and self._ctx.runtime is not None:
+            self._ctx.runtime.unsubscribe(self._subscription)
+        self._subscription = None
+
     def teardown(self) -> None:
-        if getattr(self, "_printer", None) is not None:
+        self._unsubscribe()
+        if self._printer is not None:
             self._printer.close()
+            self._printer = None

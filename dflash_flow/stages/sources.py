@@ -112,9 +112,10 @@ class _RecordSource(Source):
         return {}
 
     def data_files(self) -> list[str]:
-        """The files this source reads, as configured: the application hashes them so that a resume
-        notices data that changed under the same path."""
         return list(self.paths)
+
+    def longest_item(self) -> int:
+        return self.max_length
 
     def _read(self, path: str, options, **hooks):  # pragma: no cover - overridden
         raise NotImplementedError
@@ -182,13 +183,8 @@ class _RecordSource(Source):
         if not ctx.stop_requested.is_set():
             yield table
 
-    # Every run re-reads all samples (the plan needs all of them); resume state lives in the Interleaver.
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": 1}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != 1:
-            raise ValueError(f"unsupported state version {state.get('version')!r}")
+    # Every run re-reads all samples (the plan needs all of them): no state of its own (the base class's
+    # empty one); resume state lives in the Interleaver.
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -220,6 +216,11 @@ class ChatSource(_RecordSource):
             self._tokenizer = services_of(ctx).tokenizer
         else:
             raise ValueError(f"stage '{ctx.name}': set 'tokenizer' or provide the run service 'tokenizer'")
+
+    def input_paths(self) -> list[tuple[str, str, str]]:
+        from dflash_flow.util import local_dirs
+
+        return local_dirs(("tokenizer", self.tokenizer))
 
     def _extra_options(self) -> dict[str, Any]:
         template = self.chat_template

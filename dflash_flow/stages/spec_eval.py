@@ -4,7 +4,7 @@ one or more horizons) and the teacher-forced walk on held-out conversations with
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
@@ -63,8 +63,9 @@ class SpecDecodeEval(Stage):
     output_type = EvalReport
     cardinality = "1:n"
     singleton = True
+    section_fields: ClassVar[dict[str, str]] = {"target": "model.target", "tokenizer": "model.tokenizer"}
 
-    target: str | dict[str, Any] = cfg(doc="The target model (as in TargetForward).")
+    target: str | dict[str, Any] = cfg(doc="The target model (the drafter's own; one home: model.target).")
     prompts: str = cfg(doc="JSONL of held-out prompts ({'prompt': ...} or {'conversations': [...]}); 'embedded' for the built-in set.")
     tokenizer: str | None = cfg(None, doc="Tokenizer path (default: the target directory).")
     limit: int = cfg(32, ge=1, doc="Prompts to evaluate.")
@@ -83,6 +84,14 @@ class SpecDecodeEval(Stage):
     baseline: bool = cfg(True, doc="Also evaluate an untrained drafter of the same shape.")
     torch_threads: int | None = cfg(None, ge=1, doc="torch intra-op threads for the evaluation (CPU runs; batch-1 decoding of a small model is fastest on 1).")
 
+    def input_paths(self) -> list[tuple[str, str, str]]:
+        from dflash_flow.embedded import resolve_target
+        from dflash_flow.util import local_dirs
+
+        files = [(f, p, "file") for f, p in (("prompts", self.prompts), ("walk_data", self.walk_data))
+                 if p is not None and p != "embedded"]
+        return local_dirs(("target", resolve_target(self.target)), ("tokenizer", self.tokenizer)) + files
+
     def setup(self, ctx) -> None:
         self._ctx = ctx
         if self.walk_data == "embedded" and self.target != "embedded":
@@ -94,7 +103,7 @@ class SpecDecodeEval(Stage):
         if not report.final or "drafter" not in report.artifacts:
             return None
         from dflash_flow.embedded import resolve_target, write_eval_prompts
-        from dflash_flow.model.evaluation import evaluate_exported
+        from dflash_flow.model.evaluation import WALK, evaluate_exported
         from dflash_flow.model.loading import MODEL_LOAD_LOCK
 
         prompts = self.prompts
@@ -106,6 +115,8 @@ class SpecDecodeEval(Stage):
 
             torch.set_num_threads(self.torch_threads)
         # Evaluation builds models (target, drafters): hold the process-wide model lock.
+        decoded = [self.max_new_tokens, *(h for h in self.horizons if h != self.max_new_tokens)]
+        walked = list(self.walk_horizons or decoded)
         with MODEL_LOAD_LOCK:
             results = evaluate_exported(
                 target=resolve_target(self.target),
@@ -113,7 +124,7 @@ class SpecDecodeEval(Stage):
                 prompts_path=prompts,
                 tokenizer_path=self.tokenizer,
                 limit=self.limit,
-                max_new_tokens=[self.max_new_tokens, *(h for h in self.horizons if h != self.max_new_tokens)],
+                max_new_tokens=decoded,
                 baseline=self.baseline,
                 temperatures=self.temperatures,
                 top_p=self.top_p,
@@ -124,4 +135,5 @@ class SpecDecodeEval(Stage):
                 seed=self._ctx.seed_for(0, "evaluation"),
                 device=self._ctx.device,
             )
-        return [EvalReport(name=name, metrics=m) for name, m in results.items()]
+        return [EvalReport(name=name, metrics=m, horizons=tuple(walked if name == WALK else decoded))
+                for name, m in results.items()]

@@ -34,6 +34,10 @@ class TargetForward(Stage):
     input_type = PaddedBatch
     output_type = TargetFeatures
     multi_device: ClassVar[bool] = True
+    section_fields: ClassVar[dict[str, str]] = {
+        "target": "model.target", "trust_remote_code": "model.trust_remote_code",
+        "num_draft_layers": "model.num_draft_layers", "target_layer_ids": "model.target_layer_ids",
+    }
 
     target: str | dict[str, Any] = cfg(doc="Target model: local path, hub id (online only), preset name or a config mapping.")
     target_layer_ids: list[int] | None = cfg(None, doc="Target layers whose outputs feed the drafter (default: the DFlash rule for num_draft_layers).")
@@ -42,6 +46,12 @@ class TargetForward(Stage):
     attn_implementation: str | None = cfg(None, doc="Default: flash_attention_2 when flash-attn imports on CUDA, else sdpa.")
     trust_remote_code: bool = cfg(False, doc="Allow the target's own Python code (off unless asked).")
     torch_threads: int | None = cfg(None, ge=1, doc="torch intra-op threads for this process (CPU runs).")
+
+    def input_paths(self) -> list[tuple[str, str, str]]:
+        from dflash_flow.embedded import resolve_target
+        from dflash_flow.util import local_dirs
+
+        return local_dirs(("target", resolve_target(self.target)))
 
     def device_problems(self, replica_devices: list[list[str]]) -> list[tuple[str, str]]:
         """The deepest requested layer exists in the target, and no replica has more devices than layers
@@ -60,10 +70,15 @@ class TargetForward(Stage):
         spec = resolve_target(self.target)
         if _absent_local_path(spec):
             return []  # e.g. a cluster's /models/... checked on a laptop: nothing to read (and no torch import)
-        from dflash_flow.model.drafter import build_target_layer_ids
-        from dflash_flow.model.target import peek_target_depth
+        from dflash_flow.model.facts import build_target_layer_ids, target_facts
 
-        depth = peek_target_depth(spec, trust_remote_code=self.trust_remote_code)
+        facts = target_facts(spec)  # a preset or a local config.json: no torch, no transformers
+        if facts is not None:
+            depth = facts.depth
+        else:
+            from dflash_flow.model.target import peek_target_depth
+
+            depth = peek_target_depth(spec, trust_remote_code=self.trust_remote_code)
         if depth is None:
             return []  # not readable here: setup reports what is wrong
         if ids is None:
@@ -88,7 +103,7 @@ class TargetForward(Stage):
 
         from dflash_flow.core.errors import ConfigError, Problem
         from dflash_flow.embedded import resolve_target
-        from dflash_flow.model.drafter import build_target_layer_ids
+        from dflash_flow.model.facts import build_target_layer_ids
         from dflash_flow.model.loading import MODEL_LOAD_LOCK
         from dflash_flow.model.target import (
             TargetFeatureExtractor,

@@ -1,7 +1,9 @@
-"""Register the user stage, then load the YAML that names it and run it through the normal runner."""
+"""Register the user stage, then run the YAML that names it through the full runner (what `dflash-flow run`
+does: output directory, summary, tracking as the file says)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -9,10 +11,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import my_stages  # noqa: E402,F401 - registers `Scale`
 
-import dflash_flow.app  # noqa: E402,F401 - registers the `tracking:` section
-from dflash_flow.core import Pipeline, load_graph  # noqa: E402
+from dflash_flow.app import run  # noqa: E402
 
 if __name__ == "__main__":
-    graph = load_graph(Path(__file__).parent / "pipeline.yaml")
-    result = Pipeline(graph).run()
-    print("sink consumed", result.states["sink"][0]["count"], "items")
+    report = run(Path(__file__).parent / "pipeline.yaml")
+    stages = json.loads((report.output_dir / "summary.json").read_text())["stages"]
+    print(report.status, "- sink consumed", stages["sink"]["items_in"], "items")
+    sys.exit(report.exit_code)

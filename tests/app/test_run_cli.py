@@ -47,8 +47,11 @@ def _pipeline(tmp: Path, *, fail_stage: bool = False) -> Path:
         {"name": "monitor", "type": "Monitor", "inputs": ["drafter", "evaluate"], "config": {"interval_s": 0.5, "progress": True}},
     ]
     if fail_stage:
-        # A real failure mid-stream: the drafter's config names layers the target does not emit.
-        stages[5]["config"]["target_layer_ids"] = [2]
+        # A failure mid-stream in the drafter's own work (the real stage, a fault raised after its third batch;
+        # tests/reliability/faulty_stages.py). The layer mismatch this test used to provoke is now refused by
+        # validation before anything runs (tests/app/test_consistency.py).
+        stages[5]["type"] = "FaultyDrafterStep"
+        stages[5]["config"].update(fault_phase="process", fault_at=2)
     doc = {
         "name": "app-e2e",
         "seed": 3,
@@ -62,9 +65,11 @@ def _pipeline(tmp: Path, *, fail_stage: bool = False) -> Path:
     return path
 
 
-def _run(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+def _run(args: list[str], cwd: Path, timeout: int = 300, *, faulty: bool = False) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "dflash_flow.cli", *args], cwd=cwd, env=env, capture_output=True,
+    # With the test-only Faulty<Type> stages registered: tests/reliability/launch.py == dflash-flow.
+    cmd = [str(Path(__file__).resolve().parents[1] / "reliability" / "launch.py")] if faulty else ["-m", "dflash_flow.cli"]
+    return subprocess.run([sys.executable, *cmd, *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -136,7 +141,7 @@ def test_run_writes_mlflow_checkpoint_export_and_eval(tmp_path: Path) -> None:
 
 def test_failed_stage_marks_run_failed_and_names_stage(tmp_path: Path) -> None:
     pipeline = _pipeline(tmp_path, fail_stage=True)
-    proc = _run(["run", str(pipeline)], tmp_path)
+    proc = _run(["run", str(pipeline)], tmp_path, faulty=True)
     assert proc.returncode == 1
     assert "stage 'drafter' replica 0 failed" in proc.stderr
     assert "Original traceback" in proc.stderr

@@ -51,8 +51,8 @@ class TestSource(Source):
             self._next += 1
             yield k if self.plain else (ctx.name, ctx.replica, k)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": 1, "next": self._next}
+    def get_state(self) -> dict[str, Any]:
+        return {"next": self._next}
 
 
 @register_stage

@@ -12,12 +12,8 @@ TARGET = "tiny-qwen3-8l"
 
 
 def make_trainer(*, grad_accum: int, data_parallel: str = "ddp"):
-    from dflash_flow.model.target import (
-        TargetFeatureExtractor,
-        load_shared_head,
-        load_target,
-        load_target_config,
-    )
+    from dflash_flow.model.head import load_shared_head
+    from dflash_flow.model.target import TargetFeatureExtractor, load_target, load_target_config
     from dflash_flow.model.trainer import DrafterShape, DrafterTrainer, TrainerConfig, build_drafter
 
     torch.set_num_threads(1)

@@ -367,7 +367,7 @@ def _problems(config):
 def test_drafter_step_validates_the_dflash2_fields():
     obj, problems = _problems({"variant": "dflash2", "conv_group_size": 16, "selector_top_k": 8})
     assert not problems and obj.variant == "dflash2"
-    assert obj.variant_problems() == []
+    assert obj.config_problems() == []
     _, problems = _problems({"conv_kernel_size": 2})
     assert any("'conv_kernel_size' only applies to variant: dflash2" in p for p in problems), problems
     _, problems = _problems({"variant": "dflash3"})
@@ -378,7 +378,7 @@ def test_drafter_step_validates_the_dflash2_fields():
     assert any("'conv_kernel_size' must be <= block_size = 4" in p for p in problems), problems
     # Sizes only the target knows (the embedded target: hidden 128, 768 tokens).
     obj, _ = _problems({"variant": "dflash2", "conv_group_size": 48, "selector_top_k": 1000})
-    found = dict(obj.variant_problems())
+    found = dict(obj.config_problems())
     assert "must divide the hidden size 128" in found["conv_group_size"]
     assert "exceeds the vocabulary (768 tokens)" in found["selector_top_k"]
 

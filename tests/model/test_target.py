@@ -12,16 +12,18 @@ import threading
 import pytest
 import torch
 
-from dflash_flow.model.target import (
-    TARGET_PRESETS,
+from dflash_flow.model.head import (
     SharedHead,
-    TargetFeatureExtractor,
-    TargetOfflineError,
     clear_shared_head_cache,
-    decoder_layers,
-    load_target,
     shared_head,
     shared_head_from_checkpoint,
+)
+from dflash_flow.model.target import (
+    TARGET_PRESETS,
+    TargetFeatureExtractor,
+    TargetOfflineError,
+    decoder_layers,
+    load_target,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: 1 thread is fastest

@@ -38,11 +38,11 @@ class EpochReporter(Stage):
         step = item + 1
         epoch = item // STEPS_PER_EPOCH
         out = [StepReport(step=step, epoch=epoch, meta=None,
-                          metrics={"loss": 1.0 / step, "sim_accept_len": _accept(step), "accuracy_pos1": 0.5})]
+                          metrics={"loss": 1.0 / step, "sim_accept_len": _accept(step)}, position_accuracy=(0.5,))]
         if step == STEPS_PER_EPOCH * EPOCHS:
             out.append(StepReport(step=step, epoch=epoch, meta=None, final=True, artifacts={"drafter": "/tmp/d"}))
-            out.append(EvalReport(name="trained", metrics={"tau": 1.7, "tau_h64": 1.7, "tau_h448": 1.8}))
-            out.append(EvalReport(name="walk", metrics={"tau": 1.69, "tau_h64": 1.69, "tau_h448": 1.79}))
+            out.append(EvalReport(name="trained", metrics={"tau": 1.7, "tau_h64": 1.7, "tau_h448": 1.8}, horizons=(64, 448)))
+            out.append(EvalReport(name="walk", metrics={"tau": 1.69, "tau_h64": 1.69, "tau_h448": 1.79}, horizons=(64, 448)))
         return out
 
 

@@ -39,9 +39,9 @@ class StepReporter(Stage):
         self._buckets.inc(128 if item % 3 else 512)
         self._tokens.inc(100)
         self._wait.observe(0.001 * (item % 5))
-        metrics = {"loss": 1.0 / (item + 1), "tokens_per_s": 1000.0, "total_steps": float(self.count)}
-        metrics.update({f"accuracy_pos{k}": 0.5 for k in range(1, POSITIONS + 1)})
-        out = [StepReport(step=item + 1, epoch=0, meta=None, metrics=metrics)]
+        metrics = {"loss": 1.0 / (item + 1), "tokens_per_s": 1000.0}
+        out = [StepReport(step=item + 1, epoch=0, meta=None, metrics=metrics, position_accuracy=(0.5,) * POSITIONS,
+                          total_steps=self.count)]
         if item + 1 == self.count:
             out.append(StepReport(step=item + 1, epoch=0, meta=None, final=True, artifacts={"drafter": "/tmp/drafter"}))
             out.append(EvalReport(name="val", metrics={"tau": 2.5, "val_loss": 0.7}))
@@ -53,7 +53,7 @@ def _graph(tmp_path: Path, names: tuple[str, str, str] = ("numbers", "fast", "sl
     g = Graph(name="bottleneck", output_dir=str(tmp_path / "out"))
     g.add(src, Range(count=60, service_s=0.002))
     g.add(fast, Delay(service_s=0.002), inputs=src, replicas=2)
-    g.add(slow, Delay(service_s=0.03), inputs=fast)  # the deliberately slow stage
+    g.add(slow, Delay(service_s=0.03), inputs=fast, ordered=True)  # the deliberately slow stage (in order: the last report is step 60)
     g.add("report", StepReporter(), inputs=slow)
     g.add("monitor", Monitor(interval_s=0.3, progress=False), inputs="report")
     return g
@@ -176,3 +176,18 @@ def test_monitor_in_a_pipeline_built_without_services(tmp_path: Path) -> None:
     record = pipe.replicas["monitor"][0].stage._record
     assert isinstance(record, RunRecord) and record.step == 20 and not record.plots
     assert record.history.samples[-1].whole_run
+
+
+def test_the_monitor_samples_during_a_stall(tmp_path: Path) -> None:
+    """No report arrives for a second: the Monitor's samples (from the runtime's sampler) still come."""
+    services = RunServices()
+    g = Graph(name="stall", output_dir=str(tmp_path / "out"))
+    g.add("numbers", Range(count=2))
+    g.add("slow", Delay(service_s=0.8), inputs="numbers")
+    g.add("report", StepReporter(count=2), inputs="slow")
+    g.add("monitor", Monitor(interval_s=0.1, progress=False), inputs="report")
+    Pipeline(g, services=services).run()
+    windows = [s for s in services.record.history.samples if not s.whole_run]
+    assert len(windows) >= 5, len(windows)
+    stalled = [s for s in windows if s.step == 0]  # taken before the first report reached the Monitor
+    assert stalled and all(s.stages["slow"].busy > 0.5 for s in stalled[1:])

@@ -15,11 +15,16 @@ imports this module, then calls the real ``dflash_flow.cli.main``).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import attrs
 
 from dflash_flow.core import cfg, register_stage, registry
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "custom_stage"))
+import my_stages  # noqa: E402,F401 - registers the plugin stage `Scale`
 
 BUILTIN_TYPES = [
     "Range",
@@ -36,6 +41,8 @@ BUILTIN_TYPES = [
     "SpecDecodeEval",
     "Monitor",
 ]
+# User stages (examples/custom_stage), held to the same contract.
+PLUGIN_TYPES = ["Scale"]
 
 
 class InjectedFault(RuntimeError):
@@ -109,5 +116,5 @@ def _make(base: type) -> type:
 
 
 FAULTY: dict[str, type] = {}
-for _name in BUILTIN_TYPES:
+for _name in BUILTIN_TYPES + PLUGIN_TYPES:
     FAULTY[_name] = _make(registry.resolve(_name))

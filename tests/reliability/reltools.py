@@ -90,6 +90,17 @@ def write_tokenized(path: Path, n: int, seed: int = 0, *, min_len: int = 12, max
     return path
 
 
+def write_chat(path: Path, n: int) -> Path:
+    """``n`` tiny chat conversations (one user turn, one assistant reply) as JSONL."""
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"conversations": [
+                {"role": "user", "content": f"What is {i} plus {i}?"},
+                {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."},
+            ]}) + "\n")
+    return path
+
+
 def train_pipeline(
     root: Path,
     *,

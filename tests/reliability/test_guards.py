@@ -132,7 +132,8 @@ def test_nonfinite_weights_are_never_checkpointed_nor_exported(tmp_path):
 
 
 def _trainer(on_nonfinite: str):
-    from dflash_flow.model.target import load_shared_head, load_target_config
+    from dflash_flow.model.head import load_shared_head
+    from dflash_flow.model.target import load_target_config
     from dflash_flow.model.trainer import DrafterShape, DrafterTrainer, TrainerConfig, build_drafter
 
     tc = load_target_config("tiny-qwen3-8l")
@@ -192,7 +193,7 @@ def test_on_nonfinite_skip_leaves_the_weights_finite_and_goes_on(caplog):
 def test_uploads_never_follow_a_link_out_of_the_output_directory(tmp_path, caplog):
     from mlflow import MlflowClient
 
-    from dflash_flow.app.run import ContainedUploads
+    from dflash_flow.app.endrun import ContainedUploads
     from dflash_flow.observe.tracking import Tracker
 
     out = tmp_path / "out"
@@ -239,7 +240,7 @@ def test_the_run_lock_refuses_a_second_holder_and_is_released(tmp_path):
 
 
 def test_the_batch_log_is_never_written_through_a_link(tmp_path):
-    from dflash_flow.stages.drafter_step import _open_log
+    from dflash_flow.observe.batchlog import BatchLog
 
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
@@ -247,7 +248,7 @@ def test_the_batch_log_is_never_written_through_a_link(tmp_path):
     out.mkdir()
     (out / "batches.jsonl").symlink_to(victim)
     with pytest.raises(PermissionError, match="refusing to follow a symbolic link in output_dir"):
-        _open_log(out / "batches.jsonl", out, append=False)
+        BatchLog(out, rank=0, world_size=1, append=False)  # OUTPUT/batches.jsonl
     assert victim.read_text() == "precious\n"
 
 
@@ -297,7 +298,7 @@ def test_arrow_ids_that_do_not_fit_int32_are_refused_not_wrapped(tmp_path):
 def test_suspended_time_never_counts_as_no_progress_time(interval, ticks):
     """Each tick is (scheduling delay as a share of the interval, seconds the process was stopped). However
     long the suspensions, they add at most a bounded allowance per tick; delays within it count in full."""
-    from dflash_flow.core.runtime import running_time
+    from dflash_flow.core.watchdog import running_time
 
     allowance = max(0.5 * interval, 0.05)
     counted = ran = 0.0

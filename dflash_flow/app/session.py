@@ -23,11 +23,16 @@ log = logging.getLogger("dflash_flow")
 
 
 def resume_config_hash(graph) -> str:
-    """What must match to resume: the seed and every stage's type, shape and config."""
-    from dflash_flow.observe.runinfo import config_hash
+    """What must match to resume: the seed and every stage's type, shape and config, as the stage gets it (a
+    value declared once in a section, e.g. ``model.target``, counts as the stage's: the same pipeline written
+    the old way, with the value in each stage, resumes the same checkpoints)."""
+    from dflash_flow.core.fill import resolved_stage_configs
+    from dflash_flow.util import config_hash
 
     d = graph.to_dict()
-    return config_hash({"seed": d.get("seed"), "stages": d.get("stages")})
+    configs = resolved_stage_configs(graph)
+    stages = [{**s, "config": configs[s["name"]]} if configs.get(s["name"]) else s for s in d.get("stages", [])]
+    return config_hash({"seed": d.get("seed"), "stages": stages})
 
 
 def build_resume_state(v: Validated, ckpt) -> dict[str, list[dict[str, Any]]]:
@@ -38,8 +43,7 @@ def build_resume_state(v: Validated, ckpt) -> dict[str, list[dict[str, Any]]]:
     out: dict[str, list[dict[str, Any]]] = {}
     for spec in v.graph.stages:
         cls = v.classes[spec.name]
-        derive = getattr(cls, "resume_state_for", None)
-        state = derive(ckpt.data_position) if derive is not None and ckpt.data_position else None
+        state = cls.resume_state_for(ckpt.data_position) if ckpt.data_position else None
         if state is not None:
             out[spec.name] = [state] * spec.replicas
         elif spec.name in ckpt.stage_states:
@@ -68,6 +72,25 @@ def _device_summary(pipeline) -> str:
         for r in reps:
             devs[r.ctx.device] = devs.get(r.ctx.device, 0) + 1
     return ", ".join(f"{d} x{n}" for d, n in sorted(devs.items()))
+
+
+@attrs.define
+class RunReport:
+    """What a run did: how it ended (MLflow status, the exit code ``dflash-flow run`` ends with, the error
+    shown), where it wrote, its MLflow run, the last checkpoint, and the structured record the Monitor kept
+    (``record.evals``: the evaluation results; ``record.train``: the last training metrics)."""
+
+    status: str
+    exit_code: int
+    error: str | None = None
+    output_dir: Path | None = None
+    mlflow_run_id: str | None = None
+    checkpoint: Path | None = None
+    record: Any = None  # observe.record.RunRecord
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == EXIT_OK
 
 
 @attrs.define
@@ -106,116 +129,6 @@ def _outcome(exc: BaseException | None) -> Outcome:
     if is_user_input_error(exc):  # e.g. the disk filled up while the run's own files were written
         return Outcome("FAILED", EXIT_USER_ERROR, full, str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
     return Outcome("FAILED", EXIT_FAILED, full)
-
-
-def _write_pictures(graph, output_dir: Path) -> list[tuple[Path, str]]:
-    """The resolved YAML and the DAG (Mermaid text, a PNG), as (file, artifact folder) pairs."""
-    from dflash_flow.app.exits import UserError, describe_os_error
-    from dflash_flow.core.render import render_image, to_mermaid
-
-    files = [(output_dir / "pipeline.resolved.yaml", "config"), (output_dir / "pipeline.mmd", "dag")]
-    try:
-        files[0][0].write_text(graph.to_yaml())
-        files[1][0].write_text(to_mermaid(graph))
-    except OSError as exc:
-        raise UserError(f"cannot write into output_dir: {describe_os_error(exc)}") from None
-    try:
-        image = render_image(graph, output_dir / "pipeline.png")
-        if image is None:  # no graphviz: draw it ourselves
-            from dflash_flow.observe.dagplot import render_dag_png
-
-            image = render_dag_png(graph, output_dir / "pipeline.png")
-        files.append((image, "dag"))
-    except Exception as exc:  # a picture must never stop a run; the Mermaid file is there
-        log.warning("could not draw the DAG image: %s", exc)
-    return files
-
-
-class ContainedUploads:
-    """The run's tracker, seen by everything that uploads: a file or directory whose real location (links
-    followed) is outside the output directory is not uploaded (a warning names it). Everything else is the
-    tracker's own."""
-
-    def __init__(self, tracker: Any, root: Path) -> None:
-        self._tracker = tracker
-        self._root = root
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._tracker, name)
-
-    def escapes(self, path: Path) -> Path | None:
-        """The first path (``path`` itself, or a link under it) that leads out of the root, if any."""
-        import os
-
-        from dflash_flow.util import is_within
-
-        if not is_within(path, self._root):
-            return path
-        if path.is_dir():
-            for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
-                for name in (*dirnames, *filenames):
-                    p = Path(dirpath) / name
-                    if p.is_symlink() and not is_within(p, self._root):
-                        return p
-        return None
-
-    def log_artifact(self, path: Any, artifact_path: str | None = None) -> None:
-        import os
-
-        bad = self.escapes(Path(path))
-        if bad is not None:
-            log.warning("not uploading %s: it leads outside output_dir %s (to %s)", path, self._root, os.path.realpath(bad))
-            return
-        self._tracker.log_artifact(path, artifact_path)
-
-
-def _end_of_run(pipeline, services, outcome: Outcome, output_dir: Path, late: DeferredSignals | None = None) -> None:
-    """Everything after the last stage thread ended: run summary, the Monitor's record turned into report
-    files and plots, artifact uploads, the printed table. Nothing here may change the run's outcome: a file
-    that cannot be written (a full disk) is a warning; a signal (``late``) cuts the rest short."""
-    from dflash_flow.app.exits import describe_os_error
-    from dflash_flow.observe.report import summary_table, write_run_report
-
-    def interrupted() -> bool:
-        return late is not None and bool(late.received)
-
-    tracker = services.tracker
-    snapshot = pipeline.snapshot()
-    summary = {
-        "status": outcome.status,
-        "elapsed_s": snapshot.elapsed_s,
-        "error": outcome.error,
-        "stages": {
-            name: {"replicas": len(st.replicas), **{k: round(v, 4) for k, v in st.fractions().items()},
-                   "items_in": sum(r.items_in for r in st.replicas), "items_out": sum(r.items_out for r in st.replicas)}
-            for name, st in snapshot.stages.items()
-        },
-        "mlflow_run_id": tracker.run_id,
-    }
-    try:
-        (output_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-        tracker.log_artifact(output_dir / "summary.json")
-    except OSError as exc:
-        log.warning("could not write the run summary: %s", describe_os_error(exc))
-    record = services.record
-    if interrupted():
-        return
-    try:
-        write_run_report(record, output_dir=output_dir, tracker=tracker)
-    except Exception as exc:  # the run's outcome stands; a report that cannot be drawn is a warning
-        log.warning("could not write the run report: %s", exc)
-    for name, path in record.artifacts.items():
-        if interrupted():
-            return
-        if Path(path).exists():
-            tracker.log_artifact(path, name)
-    if record.history or record.evals or record.train:
-        print(summary_table(record), file=sys.stderr)
-    for name, m in record.evals.items():
-        if "lossless" in m:  # real greedy decoding; the walk and sampled runs are in the summary table
-            print(f"speculative decoding ({name} drafter): acceptance length {m['tau']:.2f}, target forwards "
-                  f"{m.get('speedup_forwards', float('nan')):.2f}x fewer, lossless={bool(m.get('lossless'))}",
-                  file=sys.stderr)
 
 
 class DeferredSignals:
@@ -366,9 +279,10 @@ def _prepare(v: Validated, dist_ctx, output_dir: Path, resume: str | None):
         raise
 
 
-def run_validated(v: Validated, *, config_path: Path | None = None, resume: str | None = None, overrides: list[str] | None = None) -> int:
-    """Run ``v`` with tracking and checkpoints (one rank of a torchrun job, or the whole job). Returns
-    the process exit code. Under torchrun rank 0 owns the MLflow run, the console and the end of run;
+def run_validated(v: Validated, *, config_path: Path | None = None, resume: str | None = None,
+                  overrides: list[str] | None = None) -> RunReport:
+    """Run ``v`` with tracking and checkpoints (one rank of a torchrun job, or the whole job). Returns a
+    :class:`RunReport` (its ``exit_code`` is the process's). Under torchrun rank 0 owns the MLflow run, the console and the end of run;
     the other ranks print nothing but errors.
 
     Order: the output directory is made, checked and locked, the checkpoint and the data verified and the
@@ -376,6 +290,7 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
     with signals deferred, and every path after that ends it."""
     from dflash_flow.app.checkpoint import CheckpointService
     from dflash_flow.app.distributed import init_distributed, shutdown_distributed
+    from dflash_flow.app.endrun import ContainedUploads, end_of_run, write_pictures
     from dflash_flow.app.exits import EXIT_USER_ERROR, UserError, report_user_error
     from dflash_flow.core.runtime import Pipeline
     from dflash_flow.observe.runinfo import redact_uri, run_tags
@@ -387,7 +302,7 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
     main = dist_ctx is None or dist_ctx.is_main
     logging.basicConfig(level=logging.INFO if main else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     quiet_libraries()
-    output_dir = Path(graph.output_dir or f"runs/{graph.name}")
+    output_dir = graph.run_dir
     tracking = graph.sections["tracking"]
     ck = graph.sections["checkpoint"]
     lock = None
@@ -399,7 +314,7 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
             services = RunServices(resume=ckpt, dist=dist_ctx)
             pipeline = Pipeline(v, services=services, resume_state=build_resume_state(v, ckpt), output_dir=output_dir)
             services.checkpoints = CheckpointService(checkpointer, ck, stage_states=pipeline.state_dict, dist=dist_ctx)
-            pictures = _write_pictures(graph, output_dir) if main else []
+            pictures = write_pictures(graph, output_dir) if main else []
             resolved = graph.to_dict()
             if resolved.get("tracking", {}).get("tracking_uri"):
                 resolved["tracking"]["tracking_uri"] = redact_uri(resolved["tracking"]["tracking_uri"])
@@ -410,7 +325,7 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
             }
         except UserError as exc:
             shutdown_distributed(dist_ctx, failed=True)
-            return report_user_error(exc)
+            return RunReport("FAILED", report_user_error(exc), str(exc), output_dir=output_dir)
         # The MLflow run is created last, right before the pipeline starts, with Ctrl-C and SIGTERM held
         # back (recorded, not raised) until the pipeline runs: every path after this line ends the run, and no
         # signal lands in the middle of a store write (a connection or a lock left taken would hang the end).
@@ -430,7 +345,7 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
         except TrackingError as exc:
             startup.restore()
             shutdown_distributed(dist_ctx, failed=True)
-            return report_user_error(f"tracking: {exc}")
+            return RunReport("FAILED", report_user_error(f"tracking: {exc}"), f"tracking: {exc}", output_dir=output_dir)
         except BaseException:
             startup.restore()
             raise
@@ -459,7 +374,7 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
                     except OSError as exc:
                         log.warning("could not write this rank's outcome: %s", exc)
                     if main:
-                        _end_of_run(pipeline, services, outcome, output_dir, late)
+                        end_of_run(pipeline, services, outcome, output_dir, late)
                 finally:
                     if late.received and outcome.code == EXIT_OK:
                         outcome = Outcome("KILLED", EXIT_INTERRUPTED, "interrupted at the end of the run")
@@ -477,7 +392,8 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
             print(f"checkpoint saved to {last}; resume with --resume latest", file=sys.stderr)
         if tracker.run_id:
             print(f"mlflow run: {tracker.run_id} ({tracker.display_uri})", file=sys.stderr)
-        return outcome.code
+        return RunReport(outcome.status, outcome.code, outcome.shown or outcome.error, output_dir=output_dir,
+                         mlflow_run_id=tracker.run_id, checkpoint=last, record=services.record)
     finally:
         if lock is not None:
             lock.release()

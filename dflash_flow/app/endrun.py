@@ -1,0 +1,123 @@
+"""The end of a run, and what it uploads: the resolved YAML and the DAG pictures, the run summary, the
+Monitor's record turned into report files and plots, artifact uploads (never of files outside the output
+directory), the printed table. Nothing here changes a run's outcome."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("dflash_flow")
+
+
+def write_pictures(graph, output_dir: Path) -> list[tuple[Path, str]]:
+    """The resolved YAML and the DAG (Mermaid text, a PNG), as (file, artifact folder) pairs."""
+    from dflash_flow.app.exits import UserError, describe_os_error
+    from dflash_flow.core.render import render_image, to_mermaid
+
+    files = [(output_dir / "pipeline.resolved.yaml", "config"), (output_dir / "pipeline.mmd", "dag")]
+    try:
+        files[0][0].write_text(graph.to_yaml())
+        files[1][0].write_text(to_mermaid(graph))
+    except OSError as exc:
+        raise UserError(f"cannot write into output_dir: {describe_os_error(exc)}") from None
+    try:
+        image = render_image(graph, output_dir / "pipeline.png")
+        if image is None:  # no graphviz: draw it ourselves
+            from dflash_flow.observe.dagplot import render_dag_png
+
+            image = render_dag_png(graph, output_dir / "pipeline.png")
+        files.append((image, "dag"))
+    except Exception as exc:  # a picture must never stop a run; the Mermaid file is there
+        log.warning("could not draw the DAG image: %s", exc)
+    return files
+
+
+class ContainedUploads:
+    """The run's tracker, seen by everything that uploads: a file or directory whose real location (links
+    followed) is outside the output directory is not uploaded (a warning names it). Everything else is the
+    tracker's own."""
+
+    def __init__(self, tracker: Any, root: Path) -> None:
+        self._tracker = tracker
+        self._root = root
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tracker, name)
+
+    def escapes(self, path: Path) -> Path | None:
+        """The first path (``path`` itself, or a link under it) that leads out of the root, if any."""
+        import os
+
+        from dflash_flow.util import is_within
+
+        if not is_within(path, self._root):
+            return path
+        if path.is_dir():
+            for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
+                for name in (*dirnames, *filenames):
+                    p = Path(dirpath) / name
+                    if p.is_symlink() and not is_within(p, self._root):
+                        return p
+        return None
+
+    def log_artifact(self, path: Any, artifact_path: str | None = None) -> None:
+        import os
+
+        bad = self.escapes(Path(path))
+        if bad is not None:
+            log.warning("not uploading %s: it leads outside output_dir %s (to %s)", path, self._root, os.path.realpath(bad))
+            return
+        self._tracker.log_artifact(path, artifact_path)
+
+
+def end_of_run(pipeline, services, outcome: Any, output_dir: Path, late: Any = None) -> None:
+    """Everything after the last stage thread ended: run summary, the Monitor's record turned into report
+    files and plots, artifact uploads, the printed table. Nothing here may change the run's outcome: a file
+    that cannot be written (a full disk) is a warning; a signal (``late``) cuts the rest short."""
+    from dflash_flow.app.exits import describe_os_error
+    from dflash_flow.observe.report import summary_table, write_run_report
+
+    def interrupted() -> bool:
+        return late is not None and bool(late.received)
+
+    tracker = services.tracker
+    snapshot = pipeline.snapshot()
+    summary = {
+        "status": outcome.status,
+        "elapsed_s": snapshot.elapsed_s,
+        "error": outcome.error,
+        "stages": {
+            name: {"replicas": len(st.replicas), **{k: round(v, 4) for k, v in st.fractions().items()},
+                   "items_in": sum(r.items_in for r in st.replicas), "items_out": sum(r.items_out for r in st.replicas)}
+            for name, st in snapshot.stages.items()
+        },
+        "mlflow_run_id": tracker.run_id,
+    }
+    try:
+        (output_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        tracker.log_artifact(output_dir / "summary.json")
+    except OSError as exc:
+        log.warning("could not write the run summary: %s", describe_os_error(exc))
+    record = services.record
+    if interrupted():
+        return
+    try:
+        write_run_report(record, output_dir=output_dir, tracker=tracker)
+    except Exception as exc:  # the run's outcome stands; a report that cannot be drawn is a warning
+        log.warning("could not write the run report: %s", exc)
+    for name, path in record.artifacts.items():
+        if interrupted():
+            return
+        if Path(path).exists():
+            tracker.log_artifact(path, name)
+    if record.history or record.evals or record.train:
+        print(summary_table(record), file=sys.stderr)
+    for name, m in record.evals.items():
+        if "lossless" in m:  # real greedy decoding; the walk and sampled runs are in the summary table
+            print(f"speculative decoding ({name} drafter): acceptance length {m['tau']:.2f}, target forwards "
+                  f"{m.get('speedup_forwards', float('nan')):.2f}x fewer, lossless={bool(m.get('lossless'))}",
+                  file=sys.stderr)

@@ -1,0 +1,264 @@
+"""A stage replica and the work of its thread: setup, the resume state, produce or process (in order where
+asked), finish, teardown, emitting into its routers. The supervisor (``runtime.Pipeline``) owns the thread
+and is told of failures and of the end through the small :class:`Supervisor` interface."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections.abc import Generator, Iterator
+from typing import Any, Protocol
+
+from .channel import END_OF_STREAM, Channel, ChannelCancelled, ErrorItem
+from .routing import Router
+from .snapshot import ReplicaSnapshot, ReplicaState
+from .stage import Source, Stage, StageContext
+
+
+class _Tombstone:
+    """Stands for an input that produced no output, so an ordered consumer does not wait for it."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "TOMBSTONE"
+
+
+TOMBSTONE = _Tombstone()
+
+
+class Supervisor(Protocol):
+    """What a replica's thread tells the supervisor, and the stop it watches."""
+
+    stop_event: threading.Event
+
+    def fail(self, rep: Replica, phase: str, exc: BaseException) -> None: ...
+
+    def has_failed(self, rep: Replica) -> bool: ...
+
+    def replica_ended(self, rep: Replica) -> None: ...
+
+
+class Replica:
+    """One stage replica: its stage object and context, its input channel and routers, and what it has done
+    (the supervisor's snapshot reads these fields)."""
+
+    def __init__(self, spec_name: str, type_name: str, index: int, stage: Stage, ctx: StageContext):
+        self.name = spec_name
+        self.type_name = type_name
+        self.index = index
+        self.stage = stage
+        self.ctx = ctx
+        self.input: Channel | None = None
+        self.routers: list[Router] = []
+        self.ordered = False
+        self.send_tombstones = False
+        self.thread: threading.Thread | None = None
+        self.state = ReplicaState.PENDING
+        self.state_since = time.monotonic()
+        self.started_at: float | None = None
+        self.ended_at: float | None = None
+        self.items_in = 0
+        self.items_out = 0
+        self.blocked_out_s = 0.0
+        self.setup_done = False
+        self.resume_state: dict[str, Any] | None = None
+        self.state_loaded = False  # until the resume state is loaded, it is this replica's state
+        self.final_state: dict[str, Any] | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}[{self.index}]"
+
+    def set_state(self, state: ReplicaState) -> None:
+        self.state = state
+        self.state_since = time.monotonic()
+
+    def blocked_in_s(self) -> float:
+        return self.input.blocked_get_s if self.input is not None else 0.0
+
+    def snapshot(self, now: float) -> ReplicaSnapshot:
+        """Its cumulative readings as of ``now`` (lock-free reads of fields its thread writes)."""
+        start = self.started_at or now
+        end = self.ended_at or now
+        alive = max(end - start, 0.0)
+        bin_ = self.blocked_in_s()
+        bout = self.blocked_out_s
+        return ReplicaSnapshot(
+            replica=self.index,
+            device=self.ctx.device,
+            state=self.state,
+            items_in=self.items_in,
+            items_out=self.items_out,
+            busy_s=max(alive - bin_ - bout, 0.0),
+            blocked_in_s=bin_,
+            blocked_out_s=bout,
+            alive_s=alive,
+            metrics=self.ctx.metrics.read(),
+            channel=self.input.stats() if self.input is not None else None,
+        )
+
+
+def main(rep: Replica, sup: Supervisor) -> None:
+    phase = "setup"
+    rep.started_at = time.monotonic()
+    rep.set_state(ReplicaState.SETUP)
+    try:
+        rep.setup_done = True
+        rep.stage.setup(rep.ctx)
+        if rep.resume_state is not None:
+            rep.stage.load_state_dict(rep.resume_state)
+        rep.state_loaded = True
+        phase = "produce" if rep.input is None else "process"
+        if rep.input is None:
+            _run_source(rep, sup)
+        else:
+            _run_transform(rep)
+        phase = "finish"
+        outs = outputs(rep, rep.stage.finish(), "finish")
+        if outs is not None:
+            for out in outs:
+                emit(rep, None, out)
+        for router in rep.routers:
+            for ch in router.channels:
+                ch.close()
+        phase = "state_dict"
+        rep.final_state = rep.stage.state_dict()
+    except ChannelCancelled:
+        pass
+    except _UpstreamFailed:
+        pass
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the supervisor
+        sup.fail(rep, phase, exc)
+    finally:
+        if rep.setup_done:
+            rep.set_state(ReplicaState.TEARDOWN)
+            try:
+                rep.stage.teardown()
+            except BaseException as exc:  # noqa: BLE001
+                sup.fail(rep, "teardown", exc)
+        if rep.final_state is None:
+            try:
+                rep.final_state = rep.stage.state_dict()
+            except BaseException:  # noqa: BLE001 - a broken state_dict must not hide the real error
+                rep.final_state = None
+        rep.ended_at = time.monotonic()
+        rep.set_state(ReplicaState.FAILED if sup.has_failed(rep) else ReplicaState.FINISHED)
+        sup.replica_ended(rep)
+
+
+def _run_source(rep: Replica, sup: Supervisor) -> None:
+    if not isinstance(rep.stage, Source):
+        raise TypeError(f"stage '{rep.name}' has no input: its type must be a Source with produce()")
+    it = iter(rep.stage.produce())
+    seq = 0
+    stop = sup.stop_event
+    while not stop.is_set():
+        rep.set_state(ReplicaState.BUSY)
+        try:
+            item = next(it)
+        except StopIteration:
+            break
+        emit(rep, seq, item)
+        seq += 1
+    if isinstance(it, Generator):
+        it.close()
+
+def _run_transform(rep: Replica) -> None:
+    ch = rep.input
+    stage = rep.stage
+    one_to_one = type(stage).cardinality == "1:1"
+    counter = itertools.count()
+    heap: list[tuple[int, int, Any]] = []
+    expected = 0
+    tie = itertools.count()
+    while True:
+        rep.set_state(ReplicaState.WAITING)
+        env = ch.get()
+        if env is END_OF_STREAM:
+            break
+        if isinstance(env, ErrorItem):
+            raise _UpstreamFailed()
+        seq, item = env
+        if rep.ordered and seq is not None:
+            heapq.heappush(heap, (seq, next(tie), item))
+            while heap and heap[0][0] <= expected:
+                s, _, it = heapq.heappop(heap)
+                expected = max(expected, s + 1)
+                _handle(rep, s, it, one_to_one, counter)
+            continue
+        _handle(rep, seq, item, one_to_one, counter)
+    # Anything still held (gaps can only come from a cancelled upstream) goes out in order.
+    while heap:
+        s, _, it = heapq.heappop(heap)
+        _handle(rep, s, it, one_to_one, counter)
+
+def _handle(rep: Replica, seq: Any, item: Any, one_to_one: bool, counter) -> None:
+    if item is TOMBSTONE:
+        if rep.send_tombstones:
+            emit(rep, seq, TOMBSTONE)
+        return
+    rep.set_state(ReplicaState.BUSY)
+    rep.items_in += 1
+    outs = outputs(rep, rep.stage.process(item), "process")
+    n = 0
+    if outs is not None:
+        for out in outs:
+            n += 1
+            if one_to_one:
+                if n > 1:
+                    raise RuntimeError(
+                        f"stage type '{rep.type_name}' is declared 1:1 but emitted more than one item "
+                        "for one input (declare cardinality = '1:n')"
+                    )
+                emit(rep, seq, out)
+            else:
+                emit(rep, next(counter), out)
+    if n == 0 and one_to_one and rep.send_tombstones:
+        emit(rep, seq, TOMBSTONE)
+
+def emit(rep: Replica, seq: Any, item: Any) -> None:
+    env = (seq, item)
+    blocked = 0.0
+    state, since = rep.state, rep.state_since
+    rep.state = ReplicaState.BLOCKED  # a put that waits shows as blocked on output, not busy, to the watchdog
+    for router in rep.routers:
+        target = router.targets()
+        if isinstance(target, list):
+            for ch in target:
+                blocked += ch.put(env)
+        else:
+            blocked += target.put(env)
+    rep.state, rep.state_since = state, since
+    if item is not TOMBSTONE:
+        rep.items_out += 1
+    if blocked:
+        rep.blocked_out_s += blocked
+        rep.state_since = time.monotonic()
+
+
+class _UpstreamFailed(Exception):
+    pass
+
+
+def replica_state(rep: Replica) -> dict[str, Any]:
+    if rep.final_state is not None:
+        return rep.final_state
+    if rep.resume_state is not None and not rep.state_loaded:
+        return rep.resume_state
+    return rep.stage.state_dict()
+
+
+def outputs(rep: Replica, outs: Any, hook: str) -> Any:
+    """What ``process`` / ``finish`` returned, if it is None, a list or tuple of outputs, or an iterator
+    (a generator); anything else is a bare item, which the runtime would otherwise iterate over."""
+    if outs is None or isinstance(outs, (list, tuple, Iterator)):
+        return outs
+    raise TypeError(
+        f"stage '{rep.name}' ({rep.type_name}).{hook}() returned a bare {type(outs).__name__}; return its outputs "
+        f"in a list or tuple (`return (item,)`), yield them, or return None for no output"
+    )
+
+

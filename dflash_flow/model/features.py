@@ -1,0 +1,194 @@
+"""The target's DFlash context features, computed no deeper than needed (:class:`TargetFeatureExtractor`),
+and where a causal LM keeps its decoder layers."""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from dflash_flow.model.device import as_device
+
+#: Set on a target loaded only partway (``load_target(num_layers=...)``): the full target's depth.
+DEPTH_ATTR = "dflash_target_depth"
+
+
+def backbone(model: nn.Module) -> nn.Module:
+    """The decoder stack module that owns ``layers`` (``model.model`` for Qwen3/Llama ForCausalLM)."""
+    for candidate in (model, getattr(model, "model", None)):
+        if candidate is None:
+            continue
+        if isinstance(getattr(candidate, "layers", None), nn.ModuleList):
+            return candidate
+        # Multimodal wrappers (Qwen3.5-style) keep the text stack one level further down.
+        lm = getattr(candidate, "language_model", None)
+        if lm is not None and isinstance(getattr(lm, "layers", None), nn.ModuleList):
+            return lm
+    raise TypeError(f"cannot find the decoder layers of {type(model).__name__} (expected model.model.layers)")
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The target's decoder layers (``model.model.layers`` for Qwen3/Llama)."""
+    return backbone(model).layers
+
+
+
+def target_depth(model: nn.Module) -> int:
+    """Decoder layers of the full target, also when only the first few were loaded (``num_layers``)."""
+    return int(getattr(model, DEPTH_ATTR, None) or len(decoder_layers(model)))
+
+
+class _ReachedDeepestLayer(Exception):
+    """Raised by the hook on the deepest requested layer to end the target forward early."""
+
+
+class TargetFeatureExtractor:
+    """DFlash context features of a frozen target, computed no deeper than needed.
+
+    ``extractor(input_ids, attention_mask)`` returns ``[b, S, n * H]``: the concatenation, in
+    ``target_layer_ids`` order, of the residual stream after each decoder layer ``id`` (HF
+    ``output_hidden_states[id + 1]``), aligned 1:1 with ``input_ids``. Positions where ``attention_mask`` is 0
+    (right padding) are zeroed, the same value collation gives padded features.
+
+    How it stops early: the model's own backbone forward runs (so embedding scaling, rotary embedding
+    and the per-layer-type masks are exactly the model's), and forward hooks on the requested layers
+    record their outputs; the hook on the deepest one raises, which ends the forward there. Layers above
+    it, the final norm and the LM head never run. The hooks exist only during a call and act only in the
+    calling context (a ContextVar), so concurrent callers on the same model do not see each other.
+
+    On a model split over several devices (:func:`place_on_devices`) the inputs go to the embedding's
+    device and each chosen layer's output is gathered onto ``output_device`` (default: the embedding's
+    device), e.g. the drafter's GPU, before concatenation. A model loaded only partway (``num_layers``)
+    works as long as it reaches the deepest requested layer.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        target_layer_ids: Sequence[int],
+        *,
+        dtype: torch.dtype | None = None,
+        zero_padding: bool = True,
+        output_device: str | torch.device | None = None,
+    ) -> None:
+        self.model = model
+        self.backbone = backbone(model)
+        self.layers = self.backbone.layers
+        num_layers = target_depth(model)
+        ids = [int(i) for i in target_layer_ids]
+        if not ids:
+            raise ValueError("target_layer_ids must not be empty")
+        bad = [i for i in ids if not 0 <= i < num_layers]
+        if bad:
+            raise ValueError(f"target layer ids {bad} are outside [0, {num_layers - 1}] for this target")
+        unloaded = [i for i in ids if i >= len(self.layers)]
+        if unloaded:
+            raise ValueError(
+                f"target layer ids {unloaded} were not loaded: this target was loaded only {len(self.layers)} "
+                f"of its {num_layers} layers deep"
+            )
+        self.output_device = None if output_device is None else as_device(output_device)
+        self.target_layer_ids = ids
+        self.num_target_layers = num_layers
+        self.deepest = max(ids)
+        self.dtype = dtype
+        self.zero_padding = zero_padding
+        # The text stack's own config: multimodal wrappers keep hidden_size there, not at the top.
+        stack_config = getattr(self.backbone, "config", None) or getattr(model, "config", None)
+        self.hidden_size = int(getattr(stack_config, "hidden_size", 0) or 0) or None
+        # HF replaces the last entry of `hidden_states` by the final-normed `last_hidden_state`
+        # (`tie_last_hidden_states`, default on for LMs). Requesting the last layer therefore means the
+        # post-norm state; we then run the whole backbone instead of stopping, to match HF exactly.
+        config = getattr(self.backbone, "config", None)
+        self._last_is_normed = getattr(config, "tie_last_hidden_states", None) is not False
+        self._collect: contextvars.ContextVar[dict[int, torch.Tensor] | None] = contextvars.ContextVar(
+            f"dflash_flow_target_features_{id(self)}", default=None
+        )
+
+    @property
+    def feature_dim(self) -> int | None:
+        """n * H, the width of the returned features (None if the config has no hidden_size)."""
+        return None if self.hidden_size is None else self.hidden_size * len(self.target_layer_ids)
+
+    @property
+    def layers_run(self) -> int:
+        """How many decoder layers one call executes."""
+        return self.deepest + 1
+
+    def _hook(self, index: int):
+        def hook(_module, _args, output):
+            collected = self._collect.get()
+            if collected is None:  # another caller's forward on the same model: not ours
+                return None
+            collected[index] = output[0] if isinstance(output, tuple) else output
+            if index == self.deepest and not self._stops_at_end:
+                raise _ReachedDeepestLayer
+            return None
+
+        return hook
+
+    @property
+    def _stops_at_end(self) -> bool:
+        return self.deepest == self.num_target_layers - 1 and self._last_is_normed
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Features ``[b, S, n * H]`` for right-padded ``input_ids [b, S]`` (or ``[S]``).
+
+        ``position_ids`` defaults to ``0..S-1`` per row, which is right for right padding; pass them
+        only for layouts where that is not true.
+        """
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        embed = self.model.get_input_embeddings()
+        device = embed.weight.device if embed is not None else next(self.backbone.parameters()).device
+        input_ids = input_ids.to(device)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(device)
+        extra = {} if position_ids is None else {"position_ids": position_ids.to(device)}
+
+        collected: dict[int, torch.Tensor] = {}
+        wanted = sorted(set(self.target_layer_ids))
+        handles = [self.layers[i].register_forward_hook(self._hook(i)) for i in wanted]
+        token = self._collect.set(collected)
+        last_hidden = None
+        try:
+            with torch.inference_mode():
+                try:
+                    out = self.backbone(
+                        input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra
+                    )
+                    last_hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+                except _ReachedDeepestLayer:
+                    pass
+        finally:
+            self._collect.reset(token)
+            for h in handles:
+                h.remove()
+
+        if self._stops_at_end:
+            collected[self.deepest] = last_hidden
+        missing = [i for i in wanted if i not in collected]
+        if missing:
+            raise RuntimeError(
+                f"target layers {missing} did not run; is {type(self.backbone).__name__} a "
+                "decoder that calls its layers in order?"
+            )
+        # Concatenate outside inference mode: the result is then an ordinary tensor that a trainer may
+        # feed into autograd (inference tensors cannot be saved for backward).
+        # Each layer's output is gathered onto the output device first (on a split model they lie on
+        # several devices).
+        out = self.output_device or device
+        feats = torch.cat([collected[i].to(out) for i in self.target_layer_ids], dim=-1)
+        if self.dtype is not None:
+            feats = feats.to(self.dtype)
+        if self.zero_padding and attention_mask is not None:
+            feats = feats * attention_mask.to(out).unsqueeze(-1).to(feats.dtype)
+        return feats
+

@@ -1,0 +1,280 @@
+"""The target's frozen token embedding and LM head, shared with the drafter (:class:`SharedHead`): taken
+from a loaded model, read from a safetensors checkpoint without the rest of the weights, or rebuilt from a
+preset's seed; once per (target, device, dtype)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from dflash_flow.model.device import as_device
+from dflash_flow.model.target import is_preset, load_target, preset_init_device
+
+
+class SharedHead(nn.Module):
+    """The target's frozen token embedding and LM head, as used by the drafter.
+
+    ``embed(ids)`` is the raw embedding lookup (``F.embedding`` on the weight, no model-specific scaling:
+    the drafter applies its own ``input_embedding_scale``, as z-lab's inference does). ``logits(h)`` is
+    ``lm_head(h)``. With tied embeddings both modules hold the very same tensor.
+    """
+
+    def __init__(
+        self,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        lm_head_bias: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        vocab, hidden = embed_weight.shape
+        if lm_head_weight.shape[1] != hidden:
+            raise ValueError(
+                f"lm_head {tuple(lm_head_weight.shape)} does not match embedding {tuple(embed_weight.shape)}"
+            )
+        self.embed_tokens = nn.Embedding(vocab, hidden, device="meta")
+        self.embed_tokens.weight = nn.Parameter(embed_weight, requires_grad=False)
+        self.lm_head = nn.Linear(
+            hidden, lm_head_weight.shape[0], bias=lm_head_bias is not None, device="meta"
+        )
+        self.lm_head.weight = nn.Parameter(lm_head_weight, requires_grad=False)
+        if lm_head_bias is not None:
+            self.lm_head.bias = nn.Parameter(lm_head_bias, requires_grad=False)
+        self.eval()
+
+    @property
+    def tied(self) -> bool:
+        return self.embed_tokens.weight.data_ptr() == self.lm_head.weight.data_ptr()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.embed_tokens.weight.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_tokens.weight)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def train(self, mode: bool = True) -> SharedHead:
+        # Frozen by construction: there is no training mode to switch into.
+        return super().train(False)
+
+
+_HEAD_LOCK = threading.Lock()
+# Keyed by the model object itself (weakly: a freed target frees its heads, and a recycled id() can
+# never return a stale head), then by (device, dtype).
+_MODEL_HEADS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, torch.dtype], SharedHead]] = (
+    weakref.WeakKeyDictionary()
+)
+_CHECKPOINT_HEADS: dict[tuple[str, str, torch.dtype | None], SharedHead] = {}
+_PRESET_HEADS: dict[tuple[str, str, torch.dtype | None], SharedHead] = {}
+
+
+def clear_shared_head_cache() -> None:
+    with _HEAD_LOCK:
+        _MODEL_HEADS.clear()
+        _CHECKPOINT_HEADS.clear()
+        _PRESET_HEADS.clear()
+
+
+def _place(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    # `.to` returns the same storage when nothing changes: on the target's own device the head then
+    # costs no memory at all.
+    return t.detach().to(device=device, dtype=dtype)
+
+
+def shared_head_from_model(
+    model: nn.Module, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> SharedHead:
+    """The frozen embedding and LM head of a loaded target, on ``device``; built once per
+    (model, device, dtype) and then returned from the cache."""
+    dev = as_device(device)
+    embed = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    if head is None:  # some wrappers expose only `lm_head`
+        head = getattr(model, "lm_head", None)
+    if embed is None or head is None:
+        raise TypeError(f"{type(model).__name__} has no input embedding / LM head")
+    dtype = dtype or embed.weight.dtype
+    key = (str(dev), dtype)
+    with _HEAD_LOCK:
+        per_model = _MODEL_HEADS.setdefault(model, {})
+        cached = per_model.get(key)
+        if cached is not None:
+            return cached
+        embed_w = _place(embed.weight, dev, dtype)
+        # Tied: one tensor for both (HF ties by sharing the Parameter, so compare storage).
+        if head.weight.data_ptr() == embed.weight.data_ptr():
+            head_w = embed_w
+        else:
+            head_w = _place(head.weight, dev, dtype)
+        bias = getattr(head, "bias", None)
+        built = SharedHead(embed_w, head_w, None if bias is None else _place(bias, dev, dtype))
+        per_model[key] = built
+        return built
+
+
+_EMBED_KEYS = (
+    "model.embed_tokens.weight",
+    "model.language_model.embed_tokens.weight",
+    "language_model.model.embed_tokens.weight",
+    "transformer.wte.weight",
+)
+_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight")
+
+
+def _weight_map(directory: Path) -> dict[str, Path]:
+    """tensor name -> safetensors file, from the index when sharded, else by reading file headers."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        with open(index) as f:
+            return {k: directory / v for k, v in json.load(f)["weight_map"].items()}
+    from safetensors import safe_open
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {directory}")
+    mapping: dict[str, Path] = {}
+    for file in files:  # only headers are read here
+        with safe_open(str(file), framework="pt") as f:
+            for k in f.keys():
+                mapping[k] = file
+    return mapping
+
+
+def _find_key(mapping: Mapping[str, Path], preferred: Sequence[str], suffix: str) -> str | None:
+    for k in preferred:
+        if k in mapping:
+            return k
+    matches = sorted(k for k in mapping if k.endswith(suffix))
+    return matches[0] if matches else None
+
+
+def _read_tensor(file: Path, key: str, device: torch.device) -> torch.Tensor:
+    from safetensors import safe_open
+
+    # safetensors reads just this tensor (memory-mapped), straight onto the device.
+    with safe_open(str(file), framework="pt", device=str(device)) as f:
+        return f.get_tensor(key)
+
+
+def shared_head_from_checkpoint(
+    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> SharedHead:
+    """Read only the embedding and LM head tensors of a safetensors checkpoint directory (sharded or
+    not); ``tie_word_embeddings`` in config.json (or a missing ``lm_head.weight``) reuses the embedding.
+    Cached per (directory, device, dtype)."""
+    directory = Path(path).expanduser().resolve()
+    dev = as_device(device)
+    key = (str(directory), str(dev), dtype)
+    with _HEAD_LOCK:
+        cached = _CHECKPOINT_HEADS.get(key)
+        if cached is not None:
+            return cached
+        config: dict[str, Any] = {}
+        if (directory / "config.json").exists():
+            with open(directory / "config.json") as f:
+                config = json.load(f)
+        text_config = config.get("text_config") or {}
+        tied = config.get("tie_word_embeddings", text_config.get("tie_word_embeddings"))
+        mapping = _weight_map(directory)
+        embed_key = _find_key(mapping, _EMBED_KEYS, "embed_tokens.weight")
+        if embed_key is None:
+            raise KeyError(f"no embedding tensor (…embed_tokens.weight) in {directory}")
+        head_key = _find_key(mapping, _HEAD_KEYS, "lm_head.weight")
+        if head_key is None and tied is False:
+            raise KeyError(f"{directory}: tie_word_embeddings is false but there is no lm_head.weight")
+        embed_w = _read_tensor(mapping[embed_key], embed_key, dev)
+        if dtype is not None:
+            embed_w = embed_w.to(dtype)
+        if tied or head_key is None:
+            head_w = embed_w
+        else:
+            head_w = _read_tensor(mapping[head_key], head_key, dev)
+            if dtype is not None:
+                head_w = head_w.to(dtype)
+        bias_key = head_key[: -len("weight")] + "bias" if head_key else None
+        bias = None
+        if bias_key and bias_key in mapping and not tied:
+            bias = _read_tensor(mapping[bias_key], bias_key, dev)
+            if dtype is not None:
+                bias = bias.to(dtype)
+        built = SharedHead(embed_w, head_w, bias)
+        _CHECKPOINT_HEADS[key] = built
+        return built
+
+
+def shared_head_from_preset(
+    spec: str | Mapping[str, Any],
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+) -> SharedHead:
+    """The head of a config-preset target (name or dict). The preset's weights depend only on its
+    parameters and seed, so the head is cached by them: built once per (preset, device, dtype), and the
+    temporary full model is dropped after its two tensors are copied out."""
+    dev = as_device(device)
+    name = spec if isinstance(spec, str) else json.dumps(dict(spec), sort_keys=True, default=str)
+    key = (name, str(dev), dtype)
+    with _HEAD_LOCK:
+        cached = _PRESET_HEADS.get(key)
+    if cached is not None:
+        return cached
+    model = load_target(spec, device=preset_init_device(spec), dtype=dtype)
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    # Copies (clone) so that the head does not keep the whole temporary model's storage alive.
+    embed_w = embed.detach().to(dev).clone()
+    head_w = embed_w if head.weight.data_ptr() == embed.data_ptr() else head.weight.detach().to(dev).clone()
+    bias = getattr(head, "bias", None)
+    built = SharedHead(embed_w, head_w, None if bias is None else bias.detach().to(dev).clone())
+    with _HEAD_LOCK:
+        # Two threads may have built it concurrently; keep the first so every caller shares one.
+        return _PRESET_HEADS.setdefault(key, built)
+
+
+def load_shared_head(
+    spec: str | os.PathLike | Mapping[str, Any],
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    *,
+    trust_remote_code: bool = False,
+) -> SharedHead:
+    """The frozen embedding and LM head of the target named by ``spec`` on ``device``: a preset is rebuilt
+    from its seed (the TargetForward's exact weights), a directory is read for just those two tensors, a
+    hub id is loaded once on the CPU."""
+    if is_preset(spec) or Path(os.fspath(spec)).expanduser().is_dir():
+        return shared_head(spec, device, dtype)
+    model = load_target(spec, device="cpu", dtype=dtype, trust_remote_code=trust_remote_code)
+    return shared_head(model, device, dtype)
+
+
+def shared_head(
+    source: nn.Module | str | os.PathLike | Mapping[str, Any],
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+) -> SharedHead:
+    """The shared head of ``source``: a loaded model (:func:`shared_head_from_model`), a preset name or
+    dict (:func:`shared_head_from_preset`), or a safetensors checkpoint directory
+    (:func:`shared_head_from_checkpoint`). Each is built once per (source, device, dtype)."""
+    if isinstance(source, nn.Module):
+        return shared_head_from_model(source, device, dtype)
+    if is_preset(source):
+        return shared_head_from_preset(source, device, dtype)
+    return shared_head_from_checkpoint(source, device, dtype)

@@ -1,0 +1,264 @@
+"""How a chunk of blocks attends: the dense reference mask (``block_attention_mask``), the column bounds each
+block may see, blocks grouped by anchor (``group_spans``, ``auto_group_blocks``) and their compact layouts
+(``block_layouts``). Pure shape arithmetic over a ``BlockPlan``."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+from torch import nn
+
+from dflash_flow.model.blockplan import BlockPlan
+from dflash_flow.model.drafter import FULL_ATTENTION, SLIDING_ATTENTION, BlockLayout
+
+
+def _context_visibility(
+    anchors: torch.Tensor,
+    keep: torch.Tensor,
+    context_valid: torch.Tensor,
+    *,
+    block_size: int,
+    first_slot: int,
+    layer_type: str,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Which context positions the queries of blocks at ``anchors`` see: bool ``[b, N, 1, S]`` for
+    full layers (every slot of a block sees the same context), ``[b, N, B - first_slot, S]`` (slots
+    ``first_slot..B-1``) for sliding layers.
+
+    Context visibility is decided by the anchor's *position* (``c < a``), never by block index: blocks
+    overlap in position, and index-based rules leak future context. Padding blocks see no context.
+    """
+    device = anchors.device
+    c = torch.arange(context_valid.shape[1], device=device)
+    a = anchors[:, :, None, None]  # [b, N, 1, 1]
+    ctx = (c < a) & keep[:, :, None, None] & context_valid[:, None, None, :]  # [b, N, 1, S]
+    if layer_type == SLIDING_ATTENTION:
+        if sliding_window is None:
+            raise ValueError("sliding_attention needs sliding_window")
+        j = torch.arange(first_slot, block_size, device=device)
+        # Query at a+j sees positions p with a+j-p < W (inference applies the window by key position).
+        ctx = ctx & (c >= a + j[:, None] - (sliding_window - 1))
+    elif layer_type != FULL_ATTENTION:
+        raise ValueError(f"unknown layer type {layer_type!r}")
+    return ctx
+
+
+def _within_block(block_size: int, layer_type: str, sliding_window: int | None, device) -> torch.Tensor:
+    """``[B, B]`` bool (query slot, key slot) inside a block: all for full layers (bidirectional),
+    causal and windowed for sliding layers."""
+    j = torch.arange(block_size, device=device)
+    if layer_type == SLIDING_ATTENTION:
+        return (j[None, :] <= j[:, None]) & (j[:, None] - j[None, :] < sliding_window)
+    return torch.ones(block_size, block_size, dtype=torch.bool, device=device)
+
+
+def block_attention_mask(
+    anchors: torch.Tensor,
+    keep: torch.Tensor,
+    context_valid: torch.Tensor,
+    *,
+    block_size: int,
+    layer_type: str = FULL_ATTENTION,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Dense bool mask ``[b, 1, N*B, S + N*B]`` for blocks at ``anchors`` over context + the blocks.
+
+    The layout of ``DFlashDrafter.forward`` (and SpecForge's sdpa path); training uses the grouped
+    layout (``block_layouts``) with the same rules. Padding blocks see only their own block (no
+    context), so no row is fully masked (sdpa would return NaN) and nothing else sees them.
+    """
+    b, n = anchors.shape
+    ctx = _context_visibility(
+        anchors,
+        keep,
+        context_valid,
+        block_size=block_size,
+        first_slot=0,
+        layer_type=layer_type,
+        sliding_window=sliding_window,
+    )
+    ctx = ctx.expand(b, n, block_size, ctx.shape[-1]).reshape(b, n * block_size, -1)
+    within = _within_block(block_size, layer_type, sliding_window, anchors.device)
+    blk = torch.arange(n, device=anchors.device)
+    same_block = blk[:, None, None, None] == blk[None, None, :, None]  # [N, 1, N, 1]
+    own = (same_block & within[None, :, None, :]).reshape(n * block_size, n * block_size)
+    return torch.cat([ctx, own.expand(b, -1, -1)], dim=-1)[:, None]
+
+
+# ------------------------------------------------------------------------------------------ grouping
+
+
+@attrs.frozen
+class ColumnBounds:
+    """Host copy of what the grouped attention needs from the anchors, read in one transfer.
+
+    Per block column n (over the batch rows, kept blocks only): ``hi[n]`` the largest anchor (-1 if no
+    row keeps block n), ``lo[n]`` the smallest (``seq_len`` if none).
+    """
+
+    hi: list[int]
+    lo: list[int]
+    seq_len: int
+
+
+def read_bounds(
+    anchors: torch.Tensor, keep: torch.Tensor, seq_len: int, counts: torch.Tensor | None = None
+) -> tuple[ColumnBounds, int | None]:
+    hi = torch.where(keep, anchors, torch.full_like(anchors, -1)).amax(dim=0)
+    lo = torch.where(keep, anchors, torch.full_like(anchors, seq_len)).amin(dim=0)
+    parts = [hi, lo] + ([counts.max().reshape(1)] if counts is not None else [])
+    flat = torch.cat(parts).tolist()  # the step's only device->host read before the backward
+    n = anchors.shape[1]
+    count = int(flat[2 * n]) if counts is not None else None
+    return ColumnBounds(hi=flat[:n], lo=flat[n : 2 * n], seq_len=seq_len), count
+
+
+def group_spans(
+    bounds: ColumnBounds,
+    start: int,
+    stop: int,
+    *,
+    group_blocks: int,
+    layer_type: str,
+    sliding_window: int | None,
+) -> list[tuple[int, int, int, int]]:
+    """Groups ``(n0, n1, lo, hi)`` of ``group_blocks`` consecutive blocks in ``[start, stop)`` and the
+    context slice ``[lo, hi)`` that holds every position their queries can see (``c < anchor``, and for
+    sliding layers ``c > anchor - W``)."""
+    spans = []
+    for n0 in range(start, stop, group_blocks):
+        n1 = min(n0 + group_blocks, stop)
+        hi = max(bounds.hi[n0:n1])
+        if hi <= 0:  # only padding blocks, or anchors at 0: no context at all
+            spans.append((n0, n1, 0, 0))
+            continue
+        hi = min(hi, bounds.seq_len)
+        lo = 0
+        if layer_type == SLIDING_ATTENTION and sliding_window is not None:
+            lo = min(max(0, min(bounds.lo[n0:n1]) - (sliding_window - 1)), hi)
+        spans.append((n0, n1, lo, hi))
+    return spans
+
+
+# Measured on the project's 2-core CPU (torch 2.13, fp32, 2 threads): the flash kernel's forward +
+# backward costs ~7 ns per query-key pair per row and head at head_dim 64; one group's fixed cost (its
+# kernel calls, views, own-key writes and gradient adds, per layer) ~250 us. In units of
+# (query-key pair x row x head x head_dim):
+GROUP_FIXED_COST = 250e-6 / (7e-9 / 64)
+
+
+def auto_group_blocks(bounds: ColumnBounds, start: int, stop: int, *, block_size: int, pair_cost: int) -> int:
+    """Blocks per attention group for blocks ``start..stop-1``: the power of two with the least estimated
+    time, ``pair_cost`` (rows x heads x head_dim) per visible-range query-key pair plus a fixed cost per
+    group. Small groups skip more hidden context; each group costs a few kernel calls."""
+    n = stop - start
+    # Per group of `size` blocks: its context end (the largest anchor), by pairwise maxima as size doubles.
+    ends = [max(0, min(h, bounds.seq_len)) for h in bounds.hi[start:stop]]
+    best, best_cost, size = 1, None, 1
+    while True:
+        # Each query scores its group's context slice and its group's own keys (size * B).
+        pairs = sum(
+            min(size, n - i * size) * block_size * (end + min(size, n - i * size) * block_size)
+            for i, end in enumerate(ends)
+        )
+        cost = pairs * pair_cost + len(ends) * GROUP_FIXED_COST
+        if best_cost is None or cost < best_cost:
+            best, best_cost = size, cost
+        if size >= n:
+            return min(best, n)
+        ends = [max(ends[i : i + 2]) for i in range(0, len(ends), 2)]
+        size *= 2
+
+
+def block_layouts(
+    plan: BlockPlan,
+    spans: dict[str, list[tuple[int, int, int, int]]],
+    start: int,
+    stop: int,
+    *,
+    layer_types: list[str],
+    sliding_window: int | None,
+    dtype: torch.dtype,
+    last_drops_first_slot: bool = False,
+) -> list[BlockLayout]:
+    """One ``BlockLayout`` per layer for blocks ``start..stop-1`` grouped by ``spans`` (``group_spans``,
+    per layer type). Layers of a type share one layout (one mask per type and chunk).
+
+    ``last_drops_first_slot``: the last layer computes no slot-0 queries (the loss never reads them).
+    """
+    bsz = plan.block_size
+    b, n = plan.anchors.shape[0], stop - start
+    seq = plan.context_valid.shape[1]
+    made: dict[tuple[str, bool], BlockLayout] = {}
+    last = len(layer_types) - 1
+    for i, layer_type in enumerate(layer_types):
+        drop = last_drops_first_slot and i == last
+        if (layer_type, drop) in made:
+            continue
+        first = 1 if drop else 0
+        per_block = bsz - first
+        vis = _context_visibility(
+            plan.anchors[:, start:stop],
+            plan.keep[:, start:stop],
+            plan.context_valid,
+            block_size=bsz,
+            first_slot=first,
+            layer_type=layer_type,
+            sliding_window=sliding_window,
+        )
+        scratch = max(n1 - n0 for n0, n1, _lo, _hi in spans[layer_type]) * bsz
+        # Additive (sdpa would convert a bool mask in every call, forward and backward), in the key
+        # layout [scratch | context]; each group's rows get its own-block pattern next to its slice.
+        mask = torch.full((b, 1, n * per_block, scratch + seq), float("-inf"), dtype=dtype, device=vis.device)
+        zero = torch.zeros((), dtype=dtype, device=vis.device)
+        mask[:, 0, :, scratch:].view(b, n, per_block, seq).copy_(torch.where(vis, zero, float("-inf")))
+        within = _within_block(bsz, layer_type, sliding_window, vis.device)[first:]
+        own_patterns: dict[int, torch.Tensor] = {}
+        groups, views = [], []
+        for n0, n1, lo, hi in spans[layer_type]:
+            q0, q1 = (n0 - start) * per_block, (n1 - start) * per_block
+            m = n1 - n0
+            if m not in own_patterns:  # block-diagonal: each block sees only itself
+                own = torch.block_diag(*[within.to(dtype)] * m) > 0
+                own_patterns[m] = torch.where(own, zero, float("-inf"))
+            first_key = scratch + lo - m * bsz
+            mask[:, 0, q0:q1, first_key : scratch + lo] = own_patterns[m]
+            groups.append((q0, q1, lo, hi))
+            views.append(mask.narrow(2, q0, q1 - q0).narrow(3, first_key, m * bsz + hi - lo))
+        made[(layer_type, drop)] = BlockLayout(bsz, per_block, groups, scratch, mask, views)
+    return [made[(t, last_drops_first_slot and i == last)] for i, t in enumerate(layer_types)]
+
+
+# ------------------------------------------------------------------------------------------ forward
+
+
+def activation_bytes_per_block(drafter: nn.Module, *, vocab_size: int, context_len: int) -> int:
+    """Estimated bytes one block of one row keeps for the backward when its chunk is not checkpointed.
+
+    Per block token: each layer's saved activations (norm outputs, q/k/v, attention output, residuals,
+    the MLP's gate/up/product), its attention mask row, and the fp32 logits with their log-softmax.
+    An estimate for choosing chunks, within a factor ~2 of what the allocator sees.
+    """
+    cfg = drafter.config
+    elem = torch.finfo(drafter.dtype).bits // 8
+    h = int(cfg.hidden_size)
+    heads, kv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+    d = int(getattr(cfg, "head_dim", None) or h // heads)
+    per_layer = elem * (6 * h + 2 * heads * d + 2 * kv * d + 4 * int(cfg.intermediate_size))
+    # two context masks (all slots; the last layer without slot 0) and fp32 logits, log-softmax, grad
+    per_token = len(drafter.layers) * per_layer + 2 * elem * context_len + 3 * 4 * int(vocab_size)
+    selector = getattr(drafter, "candidate_selector", None)
+    if selector is not None:  # DFlash 2: four convolutions per layer (in, out, taps), the candidates' codes
+        per_token += len(drafter.layers) * elem * 16 * h + 4 * 3 * selector.top_k * selector.successor_codebook.shape[1]
+    return per_token * drafter.block_size
+
+
+def auto_chunk_blocks(
+    drafter: nn.Module, *, batch: int, num_blocks: int, context_len: int, vocab_size: int, budget_mb: float
+) -> int | None:
+    """Blocks per checkpointed chunk under an activation budget; None when all blocks fit in one pass
+    (no recomputation at all)."""
+    per_block = batch * activation_bytes_per_block(drafter, vocab_size=vocab_size, context_len=context_len)
+    fit = int(budget_mb * 2**20 // max(per_block, 1))
+    return None if fit >= num_blocks else max(1, fit)
