@@ -28,6 +28,17 @@ def _fail(message: str) -> None:
     user_error(message)
 
 
+def _check_output_file(path: Path, what: str, *, make_parents: bool = False) -> None:
+    """Exit 2 with one line, before any work, when ``path`` cannot be written as a file."""
+    from dflash_flow.app.exits import UserError
+    from dflash_flow.app.preflight import check_output_file
+
+    try:
+        check_output_file(path, what, make_parents=make_parents)
+    except UserError as exc:
+        _fail(str(exc))
+
+
 def _load(file: Path, overrides: Optional[list[str]], check_devices: bool = True, local_world_size: Optional[int] = None,
           gpu_count: Optional[int] = None, check_paths: Optional[bool] = None):
     """Load and validate (``app.runner.load``); print one line per problem and exit 2 on user errors."""
@@ -72,6 +83,8 @@ def graph(
     v = _load(file, set_, check_devices=False)
     if format not in ("mermaid", "dot"):
         _fail(f"error: --format must be mermaid or dot, got {format!r}")
+    if output is not None:
+        _check_output_file(output, "--output")
     if output is not None and output.suffix.lower() in (".png", ".svg", ".pdf"):
         if render_image(v.graph, output) is None:
             _fail("error: rendering an image needs graphviz's `dot` (apt-get install graphviz); use --format dot")
@@ -79,7 +92,12 @@ def graph(
         return
     text = to_mermaid(v.graph) if format == "mermaid" else to_dot(v.graph)
     if output is not None:
-        output.write_text(text)
+        from dflash_flow.util import atomic_write_text
+
+        try:
+            atomic_write_text(output, text, durable=False)
+        except OSError as exc:  # e.g. the disk is full
+            _fail(f"error: --output {output}: {exc.strerror or exc}")
         typer.echo(f"wrote {output}")
     else:
         typer.echo(text, nl=False)
@@ -250,6 +268,8 @@ def profile(
 
     _sigterm_as_interrupt()
     v = _load(file, set_)
+    if out is not None:  # checked now, not after the whole profile has run
+        _check_output_file(out, "--out", make_parents=True)
     code = profile_command(file, v, steps=steps, warmup_steps=warmup, interval_s=interval, step_stage=step_stage,
                            tracking=tracking, out=out)
     _exit_now_if_threads_stuck(code)

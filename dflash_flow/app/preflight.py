@@ -120,6 +120,28 @@ def check_writable_dir(path: Path, what: str) -> None:
                         f"cannot create {what} {path}: {base} is not writable ({why})")
 
 
+def check_output_file(path: Path, what: str, *, make_parents: bool = False) -> None:
+    """``path`` can be written as a file, checked before any work (raises ``UserError`` naming ``what``, e.g.
+    ``--out``): not a directory, its folder exists (or, with ``make_parents``, can be created) and is writable."""
+    from dflash_flow.app.exits import UserError
+
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise UserError(f"{what} {path} is a directory; name a file (for example one inside it)")
+    parent = path.parent
+    if not make_parents and not parent.is_dir():
+        raise UserError(f"{what} {path}: the directory {parent} does not exist (create it first)" if not parent.exists()
+                        else f"{what} {path}: {parent} is not a directory")
+    base = parent
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise UserError(f"{what} {path}: {base} is not a directory")
+    why = probe_write(base)
+    if why:
+        raise UserError(f"{what} {path}: cannot write in {base} ({why})")
+
+
 def check_stage_outputs(v: Validated, output_dir: Path) -> None:
     """Directories stages write into at the end of the run (``Stage.output_dirs``, e.g. DrafterStep's
     ``export_dir``) must not be files: found now, not after hours of training."""

@@ -47,5 +47,6 @@ class Padder(Stage):
         self._m_bs.observe(item.meta.num_samples)
         self._m_real.inc(item.meta.real_tokens)
         self._m_padded.inc(int(out.input_ids.numel()))
-        self._m_eff.set(self._m_real.value / self._m_padded.value)
+        if self._m_padded.value:  # a filler batch (no samples) may come first: no ratio before any token
+            self._m_eff.set(self._m_real.value / self._m_padded.value)
         return (out,)

@@ -1,0 +1,85 @@
+"""Issue 23, the careless user in-process: output paths that cannot be written are refused before any work
+(one line, no traceback), counts that may be zero (a Padder replica whose first batch is a filler),
+options that would be clamped silently (``eval --limit 0``), inputs that alias (a data file listed twice)."""
+
+from __future__ import annotations
+
+import textwrap
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash_flow.cli import app
+
+SLEEPY = textwrap.dedent(
+    """\
+    name: sleepy
+    output_dir: {out}
+    stages:
+      - name: src
+        type: Range
+        config: {{count: 100000}}
+      - name: work
+        type: Delay
+        inputs: [src]
+        config: {{service_s: 0.05}}
+      - name: sink
+        type: Discard
+        inputs: [work]
+    """
+)
+
+
+@pytest.fixture
+def sleepy(tmp_path):
+    f = tmp_path / "p.yaml"
+    f.write_text(SLEEPY.format(out=tmp_path / "out"))
+    return f
+
+
+def _one_clean_line(res, *needles: str) -> None:
+    text = res.output
+    assert res.exit_code == 2, text
+    assert "Traceback" not in text and len(text.strip().splitlines()) == 1, text
+    for n in needles:
+        assert n in text, text
+
+
+@pytest.mark.parametrize("where", ["dir", "missing"])
+def test_graph_output_that_cannot_be_a_file_is_one_line(sleepy, tmp_path, where):
+    target = tmp_path if where == "dir" else tmp_path / "missing" / "dir" / "x.mmd"
+    res = CliRunner().invoke(app, ["graph", str(sleepy), "-o", str(target)])
+    _one_clean_line(res, "--output", str(target), "is a directory" if where == "dir" else "does not exist")
+    assert not (tmp_path / "missing").exists()
+
+
+def test_profile_out_is_checked_before_the_profile_runs(sleepy, tmp_path):
+    t0 = time.monotonic()
+    res = CliRunner().invoke(app, ["profile", str(sleepy), "--steps", "200", "--warmup", "0", "--out", str(tmp_path)])
+    took = time.monotonic() - t0
+    _one_clean_line(res, "--out", "is a directory")
+    assert took < 5.0, took  # 200 steps of 0.05 s would take 10 s: nothing was profiled
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_padder_replica_whose_first_batch_is_a_filler_pads_it():
+    """Two ranks on 7 samples: a rank's last step is a filler, and the Padder replica it reaches may have
+    seen nothing yet (0 padded tokens so far: the efficiency gauge divided by zero)."""
+    from dflash_flow.core import StageContext
+    from dflash_flow.items import BatchMeta, PlannedBatch, Sample
+    from dflash_flow.stages.padder import Padder
+
+    pad = Padder()
+    ctx = StageContext(name="padder", rank=1, world_size=2)
+    pad.setup(ctx)
+    filler = BatchMeta(epoch=0, index=-1, bucket=0, lengths=[], real_tokens=0, padded_tokens=0, num_samples=0,
+                       filler=True, rank=1)
+    (out,) = pad.process(PlannedBatch(meta=filler, samples=[]))
+    assert out.meta.filler and out.input_ids.numel() == 0
+    real = BatchMeta(epoch=0, index=1, bucket=0, lengths=[3], real_tokens=3, padded_tokens=4, num_samples=1,
+                     padded_len=4, rank=1)
+    sample = Sample(sample_id=5, input_ids=[1, 2, 3], loss_mask=[0, 1, 1])
+    (out,) = pad.process(PlannedBatch(meta=real, samples=[sample]))
+    assert out.input_ids.shape == (1, 4)
+    assert ctx.metrics.read()["padding_efficiency"] == pytest.approx(0.75)
