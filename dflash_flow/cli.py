@@ -92,12 +92,11 @@ def graph(
         return
     text = to_mermaid(v.graph) if format == "mermaid" else to_dot(v.graph)
     if output is not None:
-        from dflash_flow.util import atomic_write_text
+        from dflash_flow.app.commands import write_output_text
 
-        try:
-            atomic_write_text(output, text, durable=False)
-        except OSError as exc:  # e.g. the disk is full
-            _fail(f"error: --output {output}: {exc.strerror or exc}")
+        code = write_output_text(output, text, "--output")
+        if code:
+            raise typer.Exit(code)
         typer.echo(f"wrote {output}")
     else:
         typer.echo(text, nl=False)

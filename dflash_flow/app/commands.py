@@ -28,6 +28,22 @@ def export_checkpoint(checkpoint: Path, out: Path) -> int:
     return EXIT_OK
 
 
+def write_output_text(path: Path, text: str, what: str) -> int:
+    """Write a command's text output file (``graph -o``); a path that cannot be one is one line, exit 2."""
+    from dflash_flow.app.exits import UserError
+    from dflash_flow.app.preflight import check_output_file
+    from dflash_flow.util import atomic_write_text
+
+    try:
+        check_output_file(path, what)
+        atomic_write_text(path, text, durable=False)
+    except UserError as exc:
+        return report_user_error(exc)
+    except OSError as exc:  # e.g. the disk is full
+        return report_user_error(f"{what} {path}: {exc.strerror or exc}")
+    return EXIT_OK
+
+
 def import_spool_command(spool: Path, tracking_uri: str | None) -> int:
     """``dflash-flow import-spool``: replay what a run spooled while its tracking store was unreachable."""
     from dflash_flow.observe.spool import SpoolError, import_spool
