@@ -70,6 +70,9 @@ class BatchMeta:
     # epoch-end checkpoints come from these, so no other stage has to repeat the plan's numbers.
     epoch_batches: int = 0
     total_batches: int = 0
+    # Batches this rank will still take from this one on, per epoch (this epoch's rest, then every later
+    # epoch's, max_batches applied): with the trainer's accumulation, the exact number of optimizer steps left.
+    batches_ahead: tuple[int, ...] = ()
     rank: int = 0
     # Where the batch sits in the epoch's plan of global steps (see data.plan.EpochPlan): filler batches
     # (no samples) keep the ranks in step; `plan_state` is the Interleaver's state right after this batch.
@@ -78,6 +81,12 @@ class BatchMeta:
     last_of_epoch: bool = False  # the epoch's last step (for this rank)
     last_of_run: bool = False  # the last batch the run plans (max_batches reached)
     plan_state: dict[str, Any] | None = None
+
+    @property
+    def ends_accumulation(self) -> bool:
+        """The optimizer steps after this batch even if its accumulation is not complete: an epoch's last
+        batch and the run's (the rule ``model.optim.planned_updates`` counts the schedule's steps by)."""
+        return self.last_of_epoch or self.last_of_run
 
     @property
     def padding_efficiency(self) -> float:
@@ -170,3 +179,6 @@ class EpochBatches:
     packed: Any  # dflash_flow.data.plan.PackedEpoch
     samples: Any  # samples[i] is the sample at plan position i (a list, or a lazy view of the corpus)
     num_epochs: int = 1  # epochs the run plans (for the trainer's schedule length)
+    # Global batches of every epoch of the run (index: epoch), exactly: the schedule's and the progress's
+    # totals are counted from these. Empty: unknown (later epochs are taken to be as large as this one).
+    epoch_sizes: tuple[int, ...] = ()

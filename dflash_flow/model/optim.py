@@ -152,14 +152,45 @@ class WarmupCosineSchedule(torch.optim.lr_scheduler.LambdaLR):
             warmup_steps if warmup_steps is not None else math.ceil(total_steps * warmup_ratio)
         )
         self.min_lr_ratio = float(min_lr_ratio)
+        self.respan_from: tuple[int, float] | None = None
         super().__init__(getattr(optimizer, "optimizer", optimizer), lr_lambda=self.factor)
 
     def factor(self, step: int) -> float:
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
-        span = max(1, self.total_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / span)
+        progress = self.progress(step)
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def progress(self, step: int) -> float:
+        """How far the cosine is at ``step`` (0 after the warmup, 1 at ``total_steps``). After a re-span
+        (``retarget(respan=True)`` at step s0, where the progress was p0) it runs linearly from p0 at s0 to 1
+        at the new total."""
+        if self.respan_from is not None:
+            s0, p0 = self.respan_from
+            if step >= s0:
+                return min(1.0, p0 + (1.0 - p0) * (step - s0) / max(1, self.total_steps - s0))
+        span = max(1, self.total_steps - self.warmup_steps)
+        return min(1.0, max(0.0, (step - self.warmup_steps) / span))
+
+    def retarget(self, total_steps: int, *, respan: bool) -> None:
+        """A new length for a run in progress (a resume that changed it, see ``DrafterTrainer.plan``).
+
+        ``respan``: the decay goes on from where it is now to the floor at the new total, with no jump in
+        the learning rate (a resume at another world size: the same data in more or fewer steps).
+        Otherwise the schedule is re-planned: from this step on the learning rate is that of a run planned
+        with the new length from the start (an extended run; a finished run's rises from its floor).
+        """
+        if total_steps < 1:
+            raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+        step = self.step_count
+        if respan and step >= self.warmup_steps and step < total_steps:
+            self.respan_from = (step, self.progress(step))
+        else:  # (the warmup stays as it was planned)
+            self.respan_from = None
+        self.total_steps = int(total_steps)
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+            group["lr"] = base * self.factor(step)
+        self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
     @property
     def step_count(self) -> int:
@@ -170,7 +201,8 @@ class WarmupCosineSchedule(torch.optim.lr_scheduler.LambdaLR):
         """torch's state (the step count and lrs) and the schedule's shape, plain values only."""
         state = {k: v for k, v in super().state_dict().items() if k != "lr_lambdas"}
         return {**state, "version": STATE_VERSION + 1, "total_steps": self.total_steps,
-                "warmup_steps": self.warmup_steps, "min_lr_ratio": self.min_lr_ratio}
+                "warmup_steps": self.warmup_steps, "min_lr_ratio": self.min_lr_ratio,
+                "respan_from": list(self.respan_from) if self.respan_from is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         version = state.get("version")
@@ -184,11 +216,31 @@ class WarmupCosineSchedule(torch.optim.lr_scheduler.LambdaLR):
         self.total_steps = int(state["total_steps"])
         self.warmup_steps = int(state["warmup_steps"])
         self.min_lr_ratio = float(state["min_lr_ratio"])
-        torch_state = {k: v for k, v in state.items() if k not in ("version", "total_steps", "warmup_steps", "min_lr_ratio")}
+        respan = state.get("respan_from")
+        self.respan_from = (int(respan[0]), float(respan[1])) if respan is not None else None
+        torch_state = {k: v for k, v in state.items()
+                       if k not in ("version", "total_steps", "warmup_steps", "min_lr_ratio", "respan_from")}
         super().load_state_dict({**torch_state, "lr_lambdas": [None] * len(self.base_lrs)})
         for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
             group["lr"] = base * self.factor(self.last_epoch)
         self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
+
+def planned_updates(batches_ahead: Iterable[int], grad_accum: int, *, accumulated: int = 0) -> int:
+    """Optimizer updates still to come: every epoch's batches make ``ceil(n / grad_accum)`` updates (an
+    epoch's last, partial accumulation is stepped early, and so is the run's last batch), the current
+    epoch's together with the ``accumulated`` micro-batches already in its open accumulation.
+
+    ``batches_ahead``: this rank's batches per epoch from now on (this epoch's rest first), as the
+    Interleaver plans them (``BatchMeta.batches_ahead``).
+    """
+    if grad_accum < 1:
+        raise ValueError(f"accumulation steps must be >= 1, got {grad_accum}")
+    total = 0
+    for i, n in enumerate(batches_ahead):
+        n = int(n) + (accumulated if i == 0 else 0)
+        total += -(-n // grad_accum)
+    return total
 
 
 class GradientAccumulator:

@@ -23,7 +23,7 @@ from dflash_flow.items import TargetFeatures
 from dflash_flow.model.dflash2 import drafter_from_config, drafter_variant, make_variant_config
 from dflash_flow.model.drafter import DFlashDrafter
 from dflash_flow.model.objective import PrefixPrior, dflash_loss
-from dflash_flow.model.optim import GradientAccumulator, NonFiniteError, build_optimizer
+from dflash_flow.model.optim import GradientAccumulator, NonFiniteError, build_optimizer, planned_updates
 from dflash_flow.model.strategies import OBJECTIVES, objective_of
 
 STATE_VERSION = 1
@@ -304,6 +304,8 @@ class DrafterTrainer:
         self.schedule: Any = None
         self.step = 0
         self.total_steps = config.total_steps
+        self._planned = False  # the schedule's length checked against the plan of the batches (see plan)
+        self.extend = False  # a resume that extends the run re-plans the schedule instead of re-spanning it
         self._sums: dict[str, float] = {}
         self._pos_sums: list[float] = []  # per block slot, summed over the step's micro-batches
         self.position_accuracy: tuple[float, ...] = ()  # the last step's, per block slot k = 1..B-1
@@ -314,15 +316,39 @@ class DrafterTrainer:
         self._last_batch: Any = None  # meta of the last micro-batch trained (named by a non-finite step)
 
     # -- schedule ----------------------------------------------------------------------------------
-    def plan(self, planned_batches: int) -> None:
+    def plan(self, planned_batches: int, batches_ahead: tuple[int, ...] = ()) -> None:
         """Build the optimizer and schedule once the run's length is known: ``total_steps`` from the
-        config, else ``ceil(planned_batches / grad_accum)``."""
+        config, else the optimizer steps the plan makes (``optim.planned_updates`` over ``batches_ahead``,
+        the batches this rank still takes per epoch), else ``ceil(planned_batches / grad_accum)``.
+
+        On the first batch after a resume the plan is counted again: a run resumed at another world size
+        (or extended, ``extend=True``) takes another number of steps, and the schedule is retargeted to it
+        (``WarmupCosineSchedule.retarget``: re-spanned, or re-planned when extended), so the learning rate
+        reaches its floor at the last step the run really takes.
+        """
+        exact = None
+        if batches_ahead and self.config.total_steps is None:
+            exact = self.step + planned_updates(batches_ahead, self.config.grad_accum, accumulated=self.accumulator.micro)
         if self.optimizer is not None:
+            if exact is not None and not self._planned:
+                self._planned = True
+                if exact != self.schedule.total_steps and exact > self.step:
+                    import logging
+
+                    logging.getLogger("dflash_flow").info(
+                        "the learning-rate schedule now ends at step %d (was %d): %s", exact, self.schedule.total_steps,
+                        "re-planned for the extended run" if self.extend else "the rest of the decay spread over the steps left")
+                    self.schedule.retarget(exact, respan=not self.extend)
+                    self.total_steps = exact
             return
         if self.total_steps is None:
-            if planned_batches <= 0:
+            if exact is not None:
+                self.total_steps = max(1, exact)
+            elif planned_batches <= 0:
                 raise ValueError("DrafterStep: set total_steps (the batches carry no plan size)")
-            self.total_steps = max(1, math.ceil(planned_batches / self.config.grad_accum))
+            else:
+                self.total_steps = max(1, math.ceil(planned_batches / self.config.grad_accum))
+        self._planned = exact is not None
         c = self.config
         self.optimizer, self.schedule = build_optimizer(
             self.drafter,
@@ -347,7 +373,7 @@ class DrafterTrainer:
         (or ``force_step``). Anchors come from a CPU generator seeded with ``anchor_seed``: the same batch
         gets the same anchors after a resume and on every device."""
         self.check_features(feats)
-        self.plan(feats.meta.total_batches)
+        self.plan(feats.meta.total_batches, feats.meta.batches_ahead)
         self._last_batch = feats.meta
         gen = torch.Generator()
         gen.manual_seed(anchor_seed)

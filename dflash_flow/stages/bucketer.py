@@ -122,20 +122,39 @@ class Bucketer(Stage):
         )
         # rank 0 on purpose: every rank must build the same global plan.
         seed = derive_seed(self._ctx.seed, 0, 0, self._ctx.name)
+        planner: Any = None
         if self.mixture is None:
             planner = BatchPlanner(corpus.lengths, config, seed=seed, sample_ids=corpus.sample_ids)
         else:  # bucket ids stay those of the whole corpus, whatever an epoch draws
             config = attrs.evolve(config, boundaries=tuple(int(b) for b in bucket_boundaries(corpus.lengths, config)))
         groups = corpus.groups
+
+        def epoch_plan(epoch: int):
+            """(planner, samples, drawn per source) of one epoch: a pure function of the corpus, seed and epoch."""
+            if self.mixture is None:
+                return planner, corpus, None
+            pos, drawn = draw_epoch(groups, self.mixture, samples_per_epoch=self.samples_per_epoch,
+                                    replacement=self.mixture_replacement, seed=seed, epoch=epoch)
+            return (BatchPlanner(corpus.lengths[pos], config, seed=seed, sample_ids=corpus.sample_ids[pos]),
+                    EpochView(corpus, pos), (pos, drawn))
+
+        # The batch count of every epoch, exactly (packing varies per epoch): the trainer's schedule and the
+        # progress total are the steps the run will take, not an estimate from the first epoch.
+        # (About half a second an epoch for a million samples; the first epoch's packing is kept.)
+        sizes: list[int] = []
+        first: Any = None
         for epoch in range(self.epochs):
             if self._ctx.stop_requested.is_set():
                 return
-            samples: Any = corpus
-            if self.mixture is not None:
-                pos, drawn = draw_epoch(groups, self.mixture, samples_per_epoch=self.samples_per_epoch,
-                                        replacement=self.mixture_replacement, seed=seed, epoch=epoch)
-                planner = BatchPlanner(corpus.lengths[pos], config, seed=seed, sample_ids=corpus.sample_ids[pos])
-                samples = EpochView(corpus, pos)
+            packed = epoch_plan(epoch)[0].pack(epoch)
+            first = packed if epoch == 0 else first
+            sizes.append(sum(packed.counts))
+        for epoch in range(self.epochs):
+            if self._ctx.stop_requested.is_set():
+                return
+            planner_e, samples, mix = epoch_plan(epoch)
+            if mix is not None:
+                pos, drawn = mix
                 src = np.searchsorted(corpus.starts, pos, side="right") - 1
                 tokens = {name: int(corpus.lengths[pos[src == k]].sum()) for k, (name, _a, _b) in enumerate(groups)}
                 for name, n in drawn.items():
@@ -143,12 +162,14 @@ class Bucketer(Stage):
                     self._m_mix_tokens.inc(name, tokens[name])
                 if epoch == 0:
                     log.info("%s: %s", self._ctx.name, describe_mixture(groups, self.mixture, drawn, tokens))
-            self._m_buckets.set(planner.num_buckets)
-            packed = planner.pack(epoch)
+            self._m_buckets.set(planner_e.num_buckets)
+            packed = first if epoch == 0 else planner_e.pack(epoch)
+            first = None
             for b, n in enumerate(packed.counts):
                 self._m_batches.inc(b, n)
             self._m_epoch.set(epoch)
-            yield EpochBatches(epoch=epoch, packed=packed, samples=samples, num_epochs=self.epochs)
+            yield EpochBatches(epoch=epoch, packed=packed, samples=samples, num_epochs=self.epochs,
+                               epoch_sizes=tuple(sizes))
 
     # Re-packing is cheap and a pure function of the samples, so every run packs from epoch 0 and the
     # Interleaver skips what was consumed: no state that could disagree with the Interleaver's (the base

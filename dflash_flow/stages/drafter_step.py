@@ -233,7 +233,7 @@ class DrafterStep(Stage, CheckpointSource):
         t0 = time.perf_counter()
         metrics = self._trainer.train_batch(
             feats, anchor_seed=self._ctx.shared_seed_for(meta.epoch, "anchors", meta.index),
-            force_step=epoch_end or meta.last_of_run,
+            force_step=meta.ends_accumulation,
         )
         self._epoch, self._plan_state, self._epoch_done = meta.epoch, meta.plan_state, epoch_end
         self._total_consumed += 1

@@ -80,14 +80,18 @@ class Interleaver(Stage):
         self._m_cap.set(plan.max_run)
         world = plan.world_size
         positions = plan.rank_positions(ctx.rank, start=start, tail=self.tail).tolist()
-        # The trainer's schedule needs the run's length in steps: this epoch's, times the epochs (packing
-        # varies a little per epoch, so later epochs are estimated from this one).
-        epoch_steps = cut = len(positions)
-        full_epoch_steps = -(-sum(item.packed.counts) // world)
-        total = self._emitted + epoch_steps + (item.num_epochs - item.epoch - 1) * full_epoch_steps
+        # The trainer's schedule and the progress need the run's length: the batches this rank takes in this
+        # epoch (from the resume point, re-dealt or not, with its tail rule) and in every later one, exactly
+        # (each epoch's global batch count comes from the Bucketer), max_batches applied.
+        cut = len(positions)
+        ahead = [cut, *(self.rank_steps(n, world) for n in self._later_sizes(item))]
         if self.max_batches is not None:
-            epoch_steps = min(epoch_steps, max(self.max_batches - self._emitted, 0))
-            total = min(total, self.max_batches)
+            budget = max(self.max_batches - self._emitted, 0)
+            for i, n in enumerate(ahead):
+                ahead[i] = min(n, budget)
+                budget -= ahead[i]
+        epoch_steps = ahead[0]
+        total = self._emitted + sum(ahead)
         first_step = start // world
         for s, pos in enumerate(positions[:epoch_steps]):
             if ctx.stop_requested.is_set():
@@ -97,6 +101,7 @@ class Interleaver(Stage):
             meta.step = first_step + s
             meta.epoch_batches = first_step + epoch_steps
             meta.total_batches = total
+            meta.batches_ahead = (epoch_steps - s, *ahead[1:])
             meta.last_of_epoch = s == cut - 1
             meta.last_of_run = self.max_batches is not None and self._emitted + 1 >= self.max_batches
             # Advance before yielding: a state taken while this batch is downstream must count it.
@@ -106,6 +111,18 @@ class Interleaver(Stage):
             self._emitted += 1
             self._count(meta)
             yield PlannedBatch(meta=meta, samples=samples)
+
+    def rank_steps(self, global_batches: int, world_size: int) -> int:
+        """Steps (batches per rank) of a whole epoch of ``global_batches`` batches under this tail rule."""
+        return -(-global_batches // world_size) if self.tail == "filler" else global_batches // world_size
+
+    @staticmethod
+    def _later_sizes(item: EpochBatches) -> list[int]:
+        """Global batch counts of the epochs after ``item``'s (taken as large as this one when not given)."""
+        later = range(item.epoch + 1, item.num_epochs)
+        if len(item.epoch_sizes) >= item.num_epochs:
+            return [int(item.epoch_sizes[e]) for e in later]
+        return [sum(item.packed.counts)] * len(later)
 
     def _count(self, meta) -> None:
         if meta.filler:

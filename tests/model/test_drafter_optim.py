@@ -151,3 +151,90 @@ def test_gradient_accumulation_matches_full_batch():
     assert restored.ready
     with pytest.raises(ValueError):
         GradientAccumulator(3).load_state_dict(acc.state_dict())
+
+
+def _lrs(sched, opt, steps):
+    out = []
+    for _ in range(steps):
+        out.append(opt.param_groups[0]["lr"])
+        sched.step()
+    return out
+
+
+def test_a_respanned_schedule_continues_without_a_jump_and_ends_at_the_floor():
+    # A resume at another world size: the same data in more steps. The lr goes on from where it was.
+    opt, sched = build_optimizer(small_model(), total_steps=40, lr=1.0, warmup_ratio=0.1, min_lr_ratio=0.1)
+    _lrs(sched, opt, 20)
+    at = opt.param_groups[0]["lr"]
+    state = sched.state_dict()
+    sched.retarget(70, respan=True)
+    assert opt.param_groups[0]["lr"] == pytest.approx(at)
+    # the state survives a checkpoint: a second resume continues the same curve
+    opt2, sched2 = build_optimizer(small_model(), total_steps=40, lr=1.0, warmup_ratio=0.1, min_lr_ratio=0.1)
+    sched2.load_state_dict(state)
+    sched2.retarget(70, respan=True)
+    sched3_state = sched2.state_dict()
+    lrs = _lrs(sched, opt, 50)
+    assert all(b <= a + 1e-12 for a, b in zip(lrs, lrs[1:], strict=False))  # still decaying, never rising
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)  # the floor exactly at the new last step
+    assert lrs[-1] > 0.1  # ... and not before it
+    opt4, sched4 = build_optimizer(small_model(), total_steps=5, lr=1.0)
+    sched4.load_state_dict(sched3_state)
+    assert sched4.respan_from == sched2.respan_from and sched4.total_steps == 70
+
+
+def test_a_replanned_schedule_is_that_of_a_run_planned_with_the_new_length():
+    # An extended run (--extend): from the resumed step on, the lr of a run planned with the new length.
+    opt, sched = build_optimizer(small_model(), total_steps=30, lr=1.0, warmup_ratio=0.1)
+    _lrs(sched, opt, 30)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.0)  # finished: at the floor
+    sched.retarget(60, respan=False)
+    ref_opt, ref = build_optimizer(small_model(), total_steps=60, lr=1.0)
+    ref.warmup_steps = sched.warmup_steps
+    ref_lrs = _lrs(ref, ref_opt, 60)
+    assert _lrs(sched, opt, 30) == pytest.approx(ref_lrs[30:])
+
+
+def test_the_trainers_schedule_ends_at_the_last_step_it_takes(tmp_path):
+    """A real drafter trained on a real Interleaver's plan (3 epochs that pack differently, grad_accum 3,
+    max_batches cutting the last epoch): the schedule's length is the steps taken, the last update runs at
+    the floor, and no step runs past the schedule (the issue: 'step 57/56', lr 0 for the last steps)."""
+    from dflash_flow.core import StageContext
+    from dflash_flow.items import Sample, TargetFeatures
+    from dflash_flow.model.head import load_shared_head
+    from dflash_flow.model.target import load_target_config
+    from dflash_flow.model.trainer import DrafterShape, DrafterTrainer, TrainerConfig, build_drafter
+    from dflash_flow.stages.bucketer import Bucketer
+    from dflash_flow.stages.interleaver import Interleaver
+
+    g = torch.Generator().manual_seed(0)
+    b = Bucketer(max_tokens=96, num_buckets=2, epochs=3, length_jitter=0.3)
+    b.setup(StageContext(name="bucket", seed=5))
+    for i, n in enumerate(torch.randint(6, 30, (40,), generator=g).tolist()):
+        b.process(Sample(sample_id=i, input_ids=[1] * n, loss_mask=[1] * n))
+    items = list(b.finish())
+    sizes = [sum(i.packed.counts) for i in items]
+    inter = Interleaver(max_batches=sum(sizes) - 2)
+    inter.setup(StageContext(name="inter", seed=5))
+    metas = [pb.meta for item in items for pb in inter.process(item)]
+
+    tc = load_target_config("tiny-qwen3-8l")
+    drafter = build_drafter(tc, DrafterShape(num_layers=1, block_size=4, mask_token_id=511), seed=0, device="cpu",
+                            dtype=torch.float32)
+    head = load_shared_head("tiny-qwen3-8l", "cpu", torch.float32)
+    trainer = DrafterTrainer(drafter, head, TrainerConfig(num_anchors=4, lr=1e-3, warmup_ratio=0.1, min_lr_ratio=0.25,
+                                                          grad_accum=3), device="cpu", dtype=torch.float32)
+    width = len(drafter.target_layer_ids) * drafter.config.hidden_size
+    last = None
+    for m in metas:
+        s = 8
+        feats = TargetFeatures(meta=m, input_ids=torch.randint(0, 500, (1, s), generator=g),
+                               loss_mask=torch.ones(1, s, dtype=torch.long), attention_mask=torch.ones(1, s, dtype=torch.long),
+                               hidden_states=torch.randn(1, s, width, generator=g),
+                               target_layer_ids=list(drafter.target_layer_ids))
+        out = trainer.train_batch(feats, anchor_seed=m.index, force_step=m.ends_accumulation)
+        last = out or last
+        assert trainer.step <= trainer.total_steps
+    assert trainer.step == trainer.total_steps
+    assert trainer.accumulator.micro == 0  # nothing left over for a flush to step
+    assert last["lr"] == pytest.approx(1e-3 * 0.25)  # the floor: reached at the last step, not before
