@@ -68,6 +68,10 @@ def eval_command(drafter: Path, target: str, prompts: Path, max_new_tokens: int,
     from dflash_flow.model.evaluation import evaluate_exported
     from dflash_flow.observe.progress import summary_table
 
+    problem = _eval_argument_problem(drafter, target, prompts, tokenizer, walk_data, limit=limit,
+                                     max_new_tokens=max_new_tokens, horizons=horizons or [], walk_limit=walk_limit)
+    if problem:
+        return report_user_error(problem)
     quiet_libraries()
     if torch_threads:
         import torch
@@ -95,6 +99,28 @@ def eval_command(drafter: Path, target: str, prompts: Path, max_new_tokens: int,
     print(f"acceptance_length at {max_new_tokens} new tokens (tokens per target step); walk = teacher-forced walk")
     print(summary_table(rows, headers, width=160))
     return EXIT_OK
+
+
+def _eval_argument_problem(drafter: Path, target: str, prompts: Path, tokenizer: str | None, walk_data: str | None,
+                           *, limit: int, max_new_tokens: int, horizons: list[int], walk_limit: int) -> str | None:
+    """What is wrong with ``eval``'s arguments, found before any model is loaded (None: nothing): counts
+    below 1 are refused, never clamped; a path that does not exist is named as such."""
+    for name, value in (("--limit", limit), ("--max-new-tokens", max_new_tokens), ("--walk-limit", walk_limit),
+                        *(("--horizon", h) for h in horizons)):
+        if int(value) < 1:
+            return f"{name} must be at least 1, got {value}"
+    for name, value in (("--target", target), ("--tokenizer", tokenizer)):
+        # A path (absolute, relative, home) must exist; anything else is a preset name or a hub id.
+        if value and value != "embedded" and value.startswith(("/", ".", "~")) and not Path(value).expanduser().exists():
+            return f"{name} {value} does not exist (a local model directory, a preset name or a hub id)"
+    if not Path(drafter).expanduser().is_dir():
+        return (f"--drafter {drafter} does not exist" if not Path(drafter).expanduser().exists()
+                else f"--drafter {drafter} is not a directory (an exported drafter is one)")
+    if not Path(prompts).expanduser().is_file():
+        return f"--prompts {prompts}: no such file"
+    if walk_data not in (None, "embedded") and not Path(walk_data).expanduser().is_file():
+        return f"--walk-data {walk_data}: no such file"
+    return None
 
 
 def regenerate_command(prompts: Path, target: str, out: Path, batch_size: int, max_new_tokens: int, resume: bool,

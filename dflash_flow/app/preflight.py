@@ -50,6 +50,41 @@ def preflight_problems(v: Validated, *, check_paths: bool = True) -> list[Proble
                     ))
                 continue
             todo.extend(inp.stage for inp in graph.stage(name).inputs)
+    if check_paths:
+        problems += aliased_data_files(v)
+    return problems
+
+
+def aliased_data_files(v: Validated) -> list[Problem]:
+    """A data file read twice -- by two stages, or once by name and once through a link or another spelling
+    (the same inode) -- would train each of its samples twice per epoch without a word: refused, naming both.
+    (One stage listing one name twice is refused by the source's own field check.)"""
+    import os
+
+    graph = v.graph
+    loc = graph.locator
+    index = {s.name: i for i, s in enumerate(graph.stages)}
+    seen: dict[tuple[int, int], tuple[str, int, str]] = {}
+    problems: list[Problem] = []
+    for name, conf in v.configs.items():
+        for j, f in enumerate(conf.data_files()):
+            try:
+                st = os.stat(Path(f).expanduser())
+            except OSError:
+                continue  # a missing file is the path check's
+            key = (st.st_dev, st.st_ino)
+            if key not in seen:
+                seen[key] = (name, j, str(f))
+                continue
+            first, k, other = seen[key]
+            where = f"stage '{first}' paths[{k}]" if first != name else f"paths[{k}]"
+            problems.append(Problem(
+                f"{f} is the same file as {other} ({where}): its samples would be trained twice per epoch; list "
+                "each file once (to weight a source, give it its own source stage and a Bucketer mixture weight)",
+                file=loc.filename if loc is not None else None,
+                line=(loc.line("stages", index[name], "config", "paths", j) or loc.line("stages", index[name]))
+                if loc is not None else None,
+                stage=name, field="paths"))
     return problems
 
 

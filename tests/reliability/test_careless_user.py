@@ -83,3 +83,54 @@ def test_a_padder_replica_whose_first_batch_is_a_filler_pads_it():
     (out,) = pad.process(PlannedBatch(meta=real, samples=[sample]))
     assert out.input_ids.shape == (1, 4)
     assert ctx.metrics.read()["padding_efficiency"] == pytest.approx(0.75)
+
+
+@pytest.fixture
+def eval_args(tmp_path):
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n{"prompt": "there"}\n')
+    return ["eval", "--drafter", str(drafter), "--prompts", str(prompts)]
+
+
+@pytest.mark.parametrize("limit", ["0", "-1"])
+def test_eval_limit_below_one_is_refused_not_clamped_to_one_prompt(eval_args, limit):
+    res = CliRunner().invoke(app, [*eval_args, "--target", "embedded", "--limit", limit])
+    _one_clean_line(res, f"--limit must be at least 1, got {limit}")
+
+
+def test_eval_target_that_does_not_exist_says_so(eval_args, tmp_path):
+    missing = tmp_path / "nonexistent"
+    res = CliRunner().invoke(app, [*eval_args, "--target", str(missing)])
+    _one_clean_line(res, f"--target {missing} does not exist")
+    assert "tokenizer" not in res.output
+
+
+def _two_source_pipeline(tmp_path, first: list[str], second: list[str] | None):
+    from reltools import train_pipeline, write_yaml
+
+    doc = train_pipeline(tmp_path, data=tmp_path / "unused", output_dir=tmp_path / "out")
+    doc["stages"][0]["config"]["paths"] = first
+    if second is not None:
+        extra = {**doc["stages"][0], "name": "source2", "config": {**doc["stages"][0]["config"], "paths": second}}
+        doc["stages"].insert(1, extra)
+        doc["stages"][2]["inputs"] = ["source", "source2"]
+    return write_yaml(tmp_path / "p.yaml", doc)
+
+
+@pytest.mark.parametrize("how", ["link", "two-stages"])
+def test_a_data_file_read_twice_is_refused_naming_both(tmp_path, how):
+    from reltools import write_tokenized
+
+    data = write_tokenized(tmp_path / "tok.jsonl", 8)
+    if how == "link":
+        (tmp_path / "alias.jsonl").symlink_to(data)
+        path = _two_source_pipeline(tmp_path, [str(data), str(tmp_path / "alias.jsonl")], None)
+    else:
+        path = _two_source_pipeline(tmp_path, [str(data)], [str(data)])
+    res = CliRunner().invoke(app, ["validate", str(path)])
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output
+    assert "is the same file as" in res.output and "trained twice per epoch" in res.output, res.output
+    assert ("stage 'source' paths[0]" in res.output) == (how == "two-stages"), res.output
