@@ -139,6 +139,19 @@ def position_accuracy_name(k: int) -> str:
     return f"accuracy_pos{k}"
 
 
+@attrs.frozen
+class HeldoutWalk:
+    """The drafter's teacher-forced walk on a fixed held-out sample, measured during training
+    (``model.heldout``): acceptance over time. ``elapsed_s``: seconds since the trainer's setup began
+    (the pipeline's start); ``probe_s``: what this measurement cost (the trainer waited for it)."""
+
+    tau: float
+    elapsed_s: float
+    probe_s: float
+    conversations: int
+    horizon: int
+
+
 @attrs.define(eq=False)
 class StepReport:
     """What one optimizer step of the drafter reports: ``metrics`` are its scalar curves (loss, accuracy,
@@ -153,6 +166,7 @@ class StepReport:
     total_steps: int | None = None  # the schedule's length in optimizer steps (a run fact, not a curve)
     final: bool = False  # the last report of the run
     artifacts: dict[str, str] = attrs.field(factory=dict)  # e.g. {"drafter": "/path/to/export"}
+    heldout: HeldoutWalk | None = None  # the held-out walk, at the steps the trainer measured it
 
 
 @attrs.define(eq=False)

@@ -9,7 +9,13 @@
 No module here imports torch or transformers at import time (the CLI's ``--help`` stays fast).
 """
 
-from .build import DefaultDataset, build_default_dataset, shipped_dataset, write_eval_prompts
+from .build import (
+    DefaultDataset,
+    build_default_dataset,
+    embedded_walk_data,
+    shipped_dataset,
+    write_eval_prompts,
+)
 from .corpus import ChatExample, iter_examples, make_split, split_of
 from .regenerate import RegenStats, regenerate
 from .tokenizer import (
@@ -46,6 +52,7 @@ __all__ = [
     "build_default_dataset",
     "build_default_tokenizer",
     "embedded_target_path",
+    "embedded_walk_data",
     "ensure_target",
     "iter_examples",
     "load_model_and_tokenizer",

@@ -164,3 +164,18 @@ def write_eval_prompts(path: str | Path, limit: int, seed: int = 0) -> Path:
         {"id": f"eval-{i:05d}", "conversations": ex.conversations(with_answer=False)} for i, ex in enumerate(evals)
     ])
     return path
+
+
+def embedded_walk_data() -> Path:
+    """The held-out split of the embedded dataset (``eval.jsonl``: corpus prompts with the shipped
+    target's greedy replies): the shipped copy, else the one ``EmbeddedChatSource`` builds and caches."""
+    from dflash_flow.util import cache_root
+
+    from .train_target import embedded_target_path
+
+    target = embedded_target_path()
+    ds = shipped_dataset(1024, 64, 0, target, 448)
+    if ds is None:
+        ds = build_default_dataset(cache_root() / "embedded-dataset", n_train=1024, n_eval=64, seed=0,
+                                   target_path=target, max_new_tokens=448)
+    return ds.eval_path

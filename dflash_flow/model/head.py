@@ -72,6 +72,14 @@ class SharedHead(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    # The two accessors of a HF causal LM that decoding asks its target for (speculative.BlockDrafter):
+    # a drafter can then be driven with the head alone (the held-out probe during training, model.heldout).
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
     def train(self, mode: bool = True) -> SharedHead:
         # Frozen by construction: there is no training mode to switch into.
         return super().train(False)

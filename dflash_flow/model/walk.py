@@ -39,7 +39,15 @@ from dflash_flow.items import horizon_name
 
 from .speculative import BlockDrafter, draft_settings, features
 
-__all__ = ["WalkResult", "evaluate_walk", "reply_until_stop", "teacher_forced_walk"]
+__all__ = [
+    "WalkInput",
+    "WalkResult",
+    "evaluate_walk",
+    "reply_until_stop",
+    "teacher_forced_walk",
+    "walk_features",
+    "walk_input",
+]
 
 
 @attrs.frozen
@@ -104,6 +112,50 @@ def _walk(
     return WalkResult(lengths, min(start + 1, max_length) - n_in, complete)
 
 
+@attrs.frozen
+class WalkInput:
+    """One conversation ready to walk: its tokens (prompt + reply, cut after the first stop token) and
+    the target's features over them, from one forward (:func:`walk_input`). Walking it again needs only
+    drafter calls: a probe during training keeps a fixed held-out sample of these."""
+
+    seq: torch.Tensor
+    feats: torch.Tensor
+    n_in: int
+    reply_len: int
+    stopped: bool
+
+
+@torch.inference_mode()
+def walk_input(
+    target: nn.Module,
+    prompt_ids: Sequence[int],
+    reply_ids: Sequence[int],
+    *,
+    longest: int,
+    layer_ids: Sequence[int],
+    stop_token_ids: Sequence[int] | None = None,
+) -> WalkInput:
+    """The target's side of a walk up to ``longest`` new tokens: one forward over prompt + reply."""
+    if not len(prompt_ids) or not len(reply_ids):
+        raise ValueError("the walk needs a non-empty prompt and reply")
+    reply, stopped = reply_until_stop(reply_ids, stop_token_ids)
+    device = next(target.parameters()).device
+    n_in = len(prompt_ids)
+    longest = min(int(longest), len(reply))
+    seq = torch.tensor([*map(int, prompt_ids), *reply], dtype=torch.long, device=device)
+    # Features are needed up to the last position a block can start at: n_in + longest - 2 (the
+    # reply's last token only ever is a bonus).
+    width = n_in + max(longest - 1, 0)
+    out = target(input_ids=seq[None, : max(width, n_in)], output_hidden_states=True, use_cache=False)
+    return WalkInput(seq, features(out.hidden_states, layer_ids), n_in, len(reply), stopped)
+
+
+@torch.inference_mode()
+def walk_features(proposer: BlockDrafter, inp: WalkInput, horizon: int) -> WalkResult:
+    """Walk one prepared conversation at ``horizon`` with ``proposer`` (a fresh :class:`BlockDrafter`)."""
+    return _walk(proposer, inp.feats, inp.seq, inp.n_in, inp.reply_len, int(horizon), inp.stopped)
+
+
 @torch.inference_mode()
 def teacher_forced_walk(
     target: nn.Module,
@@ -132,23 +184,15 @@ def teacher_forced_walk(
     )
     if settings.block_size < 2:
         raise ValueError("the walk needs block_size >= 2 (a drafter that proposes)")
-    reply, stopped = reply_until_stop(reply_ids, stop_token_ids)
-    device = next(target.parameters()).device
-    n_in = len(prompt_ids)
-    longest = min(max(horizons), len(reply))
-    seq = torch.tensor([*map(int, prompt_ids), *reply], dtype=torch.long, device=device)
-    # Features are needed up to the last position a block can start at: n_in + longest - 2 (the
-    # reply's last token only ever is a bonus).
-    width = n_in + max(longest - 1, 0)
-    out = target(input_ids=seq[None, : max(width, n_in)], output_hidden_states=True, use_cache=False)
-    feats = features(out.hidden_states, settings.layer_ids)
+    inp = walk_input(target, prompt_ids, reply_ids, longest=max(horizons), layer_ids=settings.layer_ids,
+                     stop_token_ids=stop_token_ids)
     was_training = drafter.training
     drafter.eval()
     try:
         results = {}
         for h in horizons:
             proposer = BlockDrafter(target, drafter, settings)  # a fresh draft cache per horizon
-            results[int(h)] = _walk(proposer, feats, seq, n_in, len(reply), int(h), stopped)
+            results[int(h)] = walk_features(proposer, inp, int(h))
     finally:
         drafter.train(was_training)
     return results

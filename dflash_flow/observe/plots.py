@@ -1,5 +1,5 @@
 """PNG plots of a run from its structured history (``observe.record.History``): loss, throughput, queue
-depths, bucket mix, stage load.
+depths, bucket mix, stage load, held-out acceptance over steps and wall time.
 
 Series are read from the typed history (trainer columns, Monitor samples, evaluations), never picked
 out of metric names. A plot without data is skipped (its function returns None); NaN points are
@@ -214,12 +214,37 @@ def plot_bucket_mix(history: History, path: str | Path) -> Path | None:
     return _save(fig, path)
 
 
+def plot_heldout(history: History, path: str | Path) -> Path | None:
+    """Acceptance over time: the trainer's held-out walk against steps and against wall time."""
+    points = [(p.step, p.values.elapsed_s, p.values.tau) for p in history.heldout if math.isfinite(p.values.tau)]
+    if not points:
+        return None
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    by_step = fig.add_subplot(1, 2, 1)
+    by_time = fig.add_subplot(1, 2, 2, sharey=by_step)
+    fig.suptitle("held-out acceptance (teacher-forced walk) during training")
+    steps, secs, taus = zip(*points, strict=True)
+    by_step.plot(steps, taus, marker="o", markersize=3, linewidth=1.2, color="C0")
+    by_step.set_xlabel("step")
+    by_step.set_ylabel("tokens per block")
+    by_time.plot(secs, taus, marker="o", markersize=3, linewidth=1.2, color="C1")
+    by_time.set_xlabel("seconds since the trainer started")
+    for ax in (by_step, by_time):
+        ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
 PLOTS = {
     "loss": plot_loss,
     "throughput": plot_throughput,
     "queue_depths": plot_queue_depths,
     "bucket_mix": plot_bucket_mix,
     "stage_load": plot_stage_load,
+    "heldout_acceptance": plot_heldout,
 }
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 from .bottleneck import Bottleneck
-from .sample import EvalPoint, MonitorSample, TrainPoint
+from .sample import EvalPoint, HeldoutPoint, MonitorSample, TrainPoint
 
 
 @attrs.define(eq=False)
@@ -69,10 +69,11 @@ class History:
     train: TrainSeries = attrs.field(factory=TrainSeries)
     samples: list[MonitorSample] = attrs.field(factory=list)
     evals: list[EvalPoint] = attrs.field(factory=list)
+    heldout: list[HeldoutPoint] = attrs.field(factory=list)  # acceptance over time (the trainer's probe)
 
     def __bool__(self) -> bool:
         """Whether anything was recorded."""
-        return bool(len(self.train) or self.samples or self.evals)
+        return bool(len(self.train) or self.samples or self.evals or self.heldout)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -80,6 +81,7 @@ class History:
             "train": self.train.to_json(),
             "samples": [jsonable(attrs.asdict(s, filter=_not_loads)) for s in self.samples],
             "evals": [jsonable(attrs.asdict(e, filter=lambda a, _v: a.name != "horizons")) for e in self.evals],
+            "heldout": [jsonable(attrs.asdict(h)) for h in self.heldout],
         }
 
 
@@ -129,6 +131,9 @@ class RunRecord:
             self.eval_horizons[name] = tuple(point.horizons.get(name, ()))
         self.history.evals.append(point)
 
+    def add_heldout(self, point: HeldoutPoint) -> None:
+        self.history.heldout.append(point)
+
     def add_sample(self, sample: MonitorSample) -> None:
         self.history.samples.append(sample)
         if sample.bottleneck is not None:
@@ -158,6 +163,7 @@ class RunRecord:
                 "last_train_metrics": self.train,
                 "epoch_mean_train_metrics": self.epoch_mean(),
                 "eval": self.evals,
+                "heldout": None if not self.history.heldout else _heldout_summary(self.history.heldout),
                 "artifacts": self.artifacts,
                 "bottleneck": None
                 if b is None
@@ -185,6 +191,20 @@ class RunRecord:
                 "stage_load_window": None if last is None else ("whole run" if last.whole_run else f"last {last.window_s:.1f} s"),
             }
         )
+
+
+def _heldout_summary(points: list[HeldoutPoint]) -> dict[str, Any]:
+    """The held-out walk's last value and its curve (step, seconds, tau), for summary.json."""
+    last = points[-1]
+    return {
+        "tau": last.values.tau,
+        "step": last.step,
+        "elapsed_s": last.values.elapsed_s,
+        "conversations": last.conversations,
+        "horizon": last.horizon,
+        "probe_s_total": math.fsum(p.values.probe_s for p in points),
+        "curve": [[p.step, p.values.elapsed_s, p.values.tau] for p in points],
+    }
 
 
 def _not_loads(attribute: attrs.Attribute, value: Any) -> bool:

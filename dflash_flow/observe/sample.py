@@ -125,6 +125,30 @@ class EpochPoint:
 
 
 @attrs.frozen
+class HeldoutValues:
+    """The held-out walk measured during training (``items.HeldoutWalk``), as logged."""
+
+    tau: float = metric("tau", reduce="mean", doc="Tokens per block of the teacher-forced walk on the held-out sample")
+    elapsed_s: float = metric("elapsed_s", reduce="max", doc="Seconds since the trainer's setup began")
+    probe_s: float = metric("probe_s", reduce="max", doc="Seconds this measurement cost the trainer")
+
+
+@attrs.frozen
+class HeldoutPoint:
+    """Acceptance over time: the trainer's held-out walk at ``step`` (logged as ``heldout/<value>``)."""
+
+    step: int
+    values: HeldoutValues = metric("heldout", doc="The held-out walk during training")
+    conversations: int = 0
+    horizon: int = 0
+
+    @classmethod
+    def of(cls, step: int, walk: Any) -> HeldoutPoint:
+        """From the trainer's ``items.HeldoutWalk``."""
+        return cls(step, HeldoutValues(walk.tau, walk.elapsed_s, walk.probe_s), walk.conversations, walk.horizon)
+
+
+@attrs.frozen
 class EvalPoint:
     """Evaluation results at ``step``: ``{eval name: {metric: value}}``."""
 

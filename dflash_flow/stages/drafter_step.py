@@ -117,6 +117,20 @@ class DrafterStep(Stage, CheckpointSource):
         doc="A NaN/inf loss or gradient norm: stop the run naming the step and batch, or skip that update (warned).",
     )
     torch_threads: int | None = cfg(None, ge=1, doc="torch intra-op threads (CPU runs).")
+    heldout_data: str | None = cfg(
+        None, doc="Acceptance over time: JSONL of held-out conversations whose last turn is the target's own greedy "
+        "reply ('embedded': the embedded dataset's eval split; null: off). The teacher-forced walk on a fixed sample "
+        "of them is measured during training and logged as heldout/tau (one target forward per conversation at "
+        "setup, then drafter calls only).",
+    )
+    heldout_limit: int = cfg(8, ge=1, doc="Held-out conversations walked at each measurement (the first ones of heldout_data).")
+    heldout_horizon: int = cfg(64, ge=1, doc="New tokens each held-out walk covers (real decoding's max_new_tokens).")
+    heldout_every_steps: int | None = cfg(
+        None, ge=1, doc="Measure the held-out walk every this many optimizer steps (also at the first and last step).",
+    )
+    heldout_every_s: float | None = cfg(
+        60.0, gt=0, doc="... and whenever this many seconds passed since the last measurement (null: by steps only).",
+    )
     trust_remote_code: bool = cfg(False, doc="Allow the target's own code when reading its config.")
 
     # Where the data stream has got to (state; the initial values are a fresh stage's state).
@@ -126,6 +140,7 @@ class DrafterStep(Stage, CheckpointSource):
     _total_consumed: int = attrs.field(default=0, init=False)  # batches trained on in the whole run (this rank)
     _trainer: Any = attrs.field(default=None, init=False)
     _batch_log: Any = attrs.field(default=None, init=False)
+    _probe: Any = attrs.field(default=None, init=False)  # model.heldout.HeldoutProbe, when heldout_data is set
 
     @prefix_max_length.validator
     def _check_prefix(self, _attribute: attrs.Attribute, _value: int | None) -> None:
@@ -213,6 +228,11 @@ class DrafterStep(Stage, CheckpointSource):
             )
             head = load_shared_head(spec, ctx.device, dtype, trust_remote_code=self.trust_remote_code)
         self._trainer = DrafterTrainer(drafter, head, self._trainer_config(), device=ctx.device, dtype=dtype)
+        self._t_start = time.perf_counter()
+        self._last_probe: tuple[int, float] | None = None  # (step, perf_counter) of the last measurement
+        if self.heldout_data is not None and ctx.rank == 0 and not self._trainer.sharded:
+            with MODEL_LOAD_LOCK, ctx.busy("preparing the held-out sample (one target forward per conversation)"):
+                self._probe = self._prepare_probe(spec, tok_path, drafter, dtype)
         if self.record_batches:
             from dflash_flow.observe.batchlog import BatchLog
 
@@ -224,6 +244,54 @@ class DrafterStep(Stage, CheckpointSource):
         self._m_samples = m.counter("samples", "samples", "Samples trained on")
         self._m_loss = m.gauge("loss", "nats", "Last step's loss")
         self._m_step_s = m.summary("step_s", "s", "Seconds of compute per micro-batch")
+        self._m_probe_s = m.counter("heldout_probe_s", "s", "Seconds spent measuring the held-out walk")
+
+    def _prepare_probe(self, spec: Any, tok_path: str | None, drafter: Any, dtype: Any):
+        """The fixed held-out sample: the first ``heldout_limit`` conversations, the target's features over
+        them (the target is loaded for this and freed)."""
+        from transformers import AutoTokenizer
+
+        from dflash_flow.data.chat import stop_token_ids
+        from dflash_flow.embedded import embedded_walk_data
+        from dflash_flow.model.evaluation import read_walk_conversations
+        from dflash_flow.model.heldout import HeldoutProbe
+        from dflash_flow.model.target import load_target
+
+        if self.heldout_data == "embedded" and self.target != "embedded":
+            raise ValueError(f"stage '{self._ctx.name}': heldout_data 'embedded' holds the embedded target's "
+                             "replies; with another target, give a JSONL of that target's own replies")
+        if tok_path is None:
+            raise ValueError(f"stage '{self._ctx.name}': heldout_data needs a tokenizer (set model.tokenizer)")
+        path = embedded_walk_data() if self.heldout_data == "embedded" else Path(self.heldout_data)
+        tokenizer = AutoTokenizer.from_pretrained(tok_path, local_files_only=True)
+        conversations = read_walk_conversations(path, tokenizer, self.heldout_limit, stop_token_ids(tokenizer))
+        target = load_target(spec, device=self._ctx.device, dtype=dtype, trust_remote_code=self.trust_remote_code)
+        try:
+            return HeldoutProbe.prepare(target, conversations, horizon=self.heldout_horizon,
+                                        layer_ids=drafter.target_layer_ids, stop_token_ids=stop_token_ids(tokenizer),
+                                        device=self._ctx.device, dtype=dtype)
+        finally:
+            del target
+
+    def _heldout(self, *, last: bool) -> Any:
+        """The held-out walk now, when it is due: at the first step, every ``heldout_every_steps`` steps or
+        ``heldout_every_s`` seconds, and at the last step."""
+        if self._probe is None:
+            return None
+        from dflash_flow.items import HeldoutWalk
+
+        step, now = self._trainer.step, time.perf_counter()
+        if self._last_probe is not None and not last:
+            prev_step, prev_t = self._last_probe
+            by_steps = self.heldout_every_steps is not None and step - prev_step >= self.heldout_every_steps
+            by_time = self.heldout_every_s is not None and now - prev_t >= self.heldout_every_s
+            if not (by_steps or by_time):
+                return None
+        r = self._probe.measure(self._trainer.drafter, self._trainer.head)
+        self._last_probe = (step, time.perf_counter())
+        self._m_probe_s.inc(r.seconds)
+        return HeldoutWalk(tau=r.tau, elapsed_s=now - self._t_start, probe_s=r.seconds,
+                           conversations=len(self._probe.inputs), horizon=self._probe.horizon)
 
     def process(self, feats: TargetFeatures):
         if self._stopping:
@@ -248,7 +316,8 @@ class DrafterStep(Stage, CheckpointSource):
         if "loss" in metrics:  # a step of filler batches only has no loss
             self._m_loss.set(metrics["loss"])
         report = StepReport(step=self._trainer.step, epoch=meta.epoch, meta=meta, metrics=metrics,
-                            position_accuracy=self._trainer.position_accuracy, total_steps=self._trainer.total_steps)
+                            position_accuracy=self._trainer.position_accuracy, total_steps=self._trainer.total_steps,
+                            heldout=self._heldout(last=meta.last_of_run))
         if self._services.checkpoints is not None:
             # An epoch's end and the run's last planned batch are both checkpoint points (at_epoch_end).
             self._services.checkpoints.after_step(self, step=self._trainer.step, epoch_end=epoch_end or meta.last_of_run)

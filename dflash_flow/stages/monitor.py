@@ -139,11 +139,27 @@ class Monitor(Stage):
         record.add_train(point)  # the final report carries artifacts, not metrics: it only moves the step
         if self._tracker is not None and logged:
             self._tracker.log_metrics(mlflow_metrics(point), step=item.step)
+        if item.heldout is not None:
+            self._on_heldout(item)
         if (logged or windowed) and item.epoch is not None:
             self._open_epoch = (item.epoch, item.step)
         if item.final:
             self._log_epoch_mean()
         return due
+
+    def _on_heldout(self, item: StepReport) -> None:
+        """Acceptance over time: the trainer's held-out walk into the record, MLflow and the console."""
+        from dflash_flow.observe.sample import HeldoutPoint
+        from dflash_flow.observe.schema import mlflow_metrics
+
+        point = HeldoutPoint.of(item.step, item.heldout)
+        self._record.add_heldout(point)
+        if self._tracker is not None:
+            self._tracker.log_metrics(mlflow_metrics(point), step=item.step)
+        if self._printer is not None:
+            v = point.values
+            self._printer.message(f"held-out walk at step {item.step} ({v.elapsed_s:.0f} s): tau {v.tau:.3f} "
+                                  f"over {point.conversations} conversations ({v.probe_s:.2f} s)")
 
     def _log_epoch_mean(self) -> None:
         """Log the open epoch's means (once): ``train_epoch/<metric>`` at the epoch's last step."""

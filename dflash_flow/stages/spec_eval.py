@@ -3,12 +3,12 @@ one or more horizons) and the teacher-forced walk on held-out conversations with
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, ClassVar
 
 import attrs
 
 from dflash_flow.core import Stage, cfg
+from dflash_flow.embedded import embedded_walk_data
 from dflash_flow.items import EvalReport, StepReport
 
 
@@ -32,20 +32,6 @@ def _list_field(default: list | None, check, what: str, doc: str, *, nonempty: b
         return attrs.field(default=None, validator=validator, kw_only=True, metadata=metadata)
     return attrs.field(factory=lambda: list(default), validator=_each(check, what, nonempty), kw_only=True,
                        metadata=metadata)
-
-
-def embedded_walk_data() -> Path:
-    """The held-out split of the embedded dataset (``eval.jsonl``: corpus prompts with the shipped
-    target's greedy replies): the shipped copy, else the one ``EmbeddedChatSource`` builds and caches."""
-    from dflash_flow.embedded import build_default_dataset, embedded_target_path, shipped_dataset
-    from dflash_flow.util import cache_root
-
-    target = embedded_target_path()
-    ds = shipped_dataset(1024, 64, 0, target, 448)
-    if ds is None:
-        ds = build_default_dataset(cache_root() / "embedded-dataset", n_train=1024, n_eval=64, seed=0,
-                                   target_path=target, max_new_tokens=448)
-    return ds.eval_path
 
 
 @attrs.define(kw_only=True, eq=False)

@@ -16,6 +16,8 @@ from dflash_flow.observe.sample import (
     BucketSample,
     EpochPoint,
     EvalPoint,
+    HeldoutPoint,
+    HeldoutValues,
     MonitorSample,
     ReplicaSample,
     StageSample,
@@ -144,6 +146,7 @@ def test_docs_metrics_md_lists_every_key():
         + list(mlflow_metrics(TrainPoint(1, 0, {"loss": 1.0})))
         + list(mlflow_metrics(EpochPoint(1, 0, {"loss": 1.0})))
         + list(mlflow_metrics(EvalPoint(1, {"val": {"tau": 1.0}})))
+        + list(mlflow_metrics(HeldoutPoint(1, HeldoutValues(2.0, 3.0, 0.1))))
         + list(mlflow_metrics(SystemSample(1.0, 2.0, 3.0, 4.0, 5.0)))
         + list(mlflow_metrics(LoadPoint(0, {"src": SourceLoad(1, 1, 1, 1.0, 1.0, 0.5, 1.0, 1, 0.0)})))
     )
@@ -151,6 +154,6 @@ def test_docs_metrics_md_lists_every_key():
     documented = set(re.findall(r"^\| `([^`]+)` \|", text, flags=re.M))
     assert produced == documented, (sorted(produced - documented), sorted(documented - produced))
     for cls in (ReplicaSample, StageSample, SummaryStats, BucketSample, Throughput, MonitorSample, SystemSample,
-                SourceLoad, LoadPoint):
+                SourceLoad, LoadPoint, HeldoutValues, HeldoutPoint):
         for _name, spec in declared(cls):
             assert spec.doc, f"{cls.__name__}.{_name} has no doc"

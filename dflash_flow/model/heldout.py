@@ -1,0 +1,92 @@
+"""Acceptance over time: the teacher-forced walk (``model.walk``) on a fixed held-out sample, measured
+while the drafter trains, so a run shows its time-to-acceptance and can be stopped when it is enough.
+
+The target's side of the walk does not change during training: :meth:`HeldoutProbe.prepare` runs the
+target once over the sample (one forward per conversation) and keeps the features; every measurement
+after that is drafter calls only (one per block, with the head the trainer already holds). The walk is
+real greedy decoding's acceptance on the target's own replies (see ``model.walk``), so the last value
+is the final evaluation's walk on the same conversations.
+
+A measurement draws no random numbers and leaves the drafter's weights, mode and gradients as they
+were: a run with the probe trains exactly as one without it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from .speculative import BlockDrafter, DraftSettings, draft_settings
+from .walk import WalkInput, walk_features, walk_input
+
+__all__ = ["HeldoutProbe", "ProbeResult"]
+
+
+@attrs.frozen
+class ProbeResult:
+    """One measurement: ``tau`` (tokens per block, bonus included, over all blocks of the sample, as the
+    walk's ``tau``), the blocks walked, and the seconds it took."""
+
+    tau: float
+    blocks: int
+    seconds: float
+
+
+class HeldoutProbe:
+    """A fixed held-out sample, ready to walk any number of times."""
+
+    def __init__(self, inputs: Sequence[WalkInput], *, horizon: int, layer_ids: Sequence[int]) -> None:
+        if not inputs:
+            raise ValueError("the held-out probe needs at least one conversation")
+        if horizon < 1:
+            raise ValueError(f"heldout horizon must be >= 1, got {horizon}")
+        self.inputs = list(inputs)
+        self.horizon = int(horizon)
+        self.layer_ids = [int(i) for i in layer_ids]
+
+    @classmethod
+    def prepare(
+        cls,
+        target: nn.Module,
+        conversations: Sequence[tuple[Sequence[int], Sequence[int]]],
+        *,
+        horizon: int,
+        layer_ids: Sequence[int],
+        stop_token_ids: Sequence[int] | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> HeldoutProbe:
+        """Run ``target`` once over each ``(prompt ids, reply ids)`` and keep what the walks need, on
+        ``device`` in ``dtype`` (the drafter's); the target can be freed afterwards."""
+        dev = torch.device(device)
+        inputs = []
+        for prompt, reply in conversations:
+            inp = walk_input(target, prompt, reply, longest=horizon, layer_ids=layer_ids,
+                             stop_token_ids=stop_token_ids)
+            inputs.append(attrs.evolve(inp, seq=inp.seq.to(dev), feats=inp.feats.to(device=dev, dtype=dtype)))
+        return cls(inputs, horizon=horizon, layer_ids=layer_ids)
+
+    def settings(self, drafter: nn.Module) -> DraftSettings:
+        return draft_settings(drafter, target_layer_ids=self.layer_ids)
+
+    def measure(self, drafter: nn.Module, head: Any) -> ProbeResult:
+        """Walk the sample with ``drafter`` (in eval mode for the walk, restored after) and ``head`` (the
+        target's embedding and LM head: a ``model.head.SharedHead`` or the target itself)."""
+        t0 = time.perf_counter()
+        settings = self.settings(drafter)
+        was_training = drafter.training
+        drafter.eval()
+        committed = blocks = 0
+        try:
+            for inp in self.inputs:
+                r = walk_features(BlockDrafter(head, drafter, settings), inp, self.horizon)
+                committed += sum(r.accept_lengths)
+                blocks += len(r.accept_lengths)
+        finally:
+            drafter.train(was_training)
+        return ProbeResult(committed / blocks if blocks else 1.0, blocks, time.perf_counter() - t0)
