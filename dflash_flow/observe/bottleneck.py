@@ -26,6 +26,15 @@ bottleneck), so::
 ``min_util`` (default 0.05) keeps the answer finite when every other stage is nearly idle. The number
 assumes replicas scale linearly (work that releases the GIL, or a device per replica); for a sink
 (the trainer) the sentence says the pipeline is doing what it should: keeping the trainer fed.
+
+Only what the user can change is advised. A stage named in ``fixed`` cannot take more replicas (a
+singleton such as the trainer, an ``ordered`` stage, a source that does not shard): its
+``replicas_needed`` is its replica count and the sentence names the lever that exists instead (more
+data-parallel ranks for the trainer, a cheaper stage otherwise).
+
+Which stages are judged is the caller's choice (``observe.sample``): the run's verdict is taken over the
+steady state (first to last training step), among the stages alive for most of it, so a one-shot reader
+that finished before training started is never named.
 """
 
 from __future__ import annotations
@@ -67,6 +76,7 @@ class Bottleneck:
     next_stage: str | None = None
     next_busy: float = metric("next_busy", reduce="max", default=0.0, doc="Busy fraction of the next-busiest stage")
     is_sink: bool = False
+    replicable: bool = metric("replicable", reduce="min", default=True, doc="1 when more replicas of it are possible (0: a singleton, ordered or non-sharding source; grow it by ranks or make it cheaper)")
     saturated: bool = metric("saturated", reduce="max", default=False, doc="1 when its busy fraction is at least `saturation`")
     sentence: str = ""
     loads: dict[str, StageLoad] = attrs.field(factory=dict, repr=False)
@@ -125,13 +135,15 @@ def find_bottleneck(
     tie_tolerance: float = 0.02,
     saturation: float = 0.8,
     min_util: float = 0.05,
+    fixed: Iterable[str] = (),
 ) -> Bottleneck | None:
     """Name the bottleneck stage, the replicas it needs to stop being one, and a sentence.
 
     ``stages``: ``{stage: {"replicas": r, "busy": f, "blocked_in": f, "blocked_out": f}}`` (or
     ``StageLoad`` values). ``sinks``: stages that end the pipeline (the trainer), for which being the
     bottleneck is the goal. ``edges``: optional ``{stage: [downstream stages]}`` used as tie-break
-    evidence. Returns None for an empty mapping.
+    evidence. ``fixed``: stages that cannot take more replicas (see the module docstring). Returns None
+    for an empty mapping.
     """
     if not stages:
         return None
@@ -148,10 +160,11 @@ def find_bottleneck(
     others = [ld for ld in loads.values() if ld.name != best.name]
     nxt = max(others, key=lambda ld: ld.busy) if others else None
     next_busy = nxt.busy if nxt else 0.0
-    need = replicas_needed(best.replicas, best.busy, next_busy, min_util=min_util)
+    replicable = best.name not in set(fixed)
+    need = replicas_needed(best.replicas, best.busy, next_busy, min_util=min_util) if replicable else best.replicas
     saturated = best.busy >= saturation
     is_sink = best.name in sinks
-    sentence = _sentence(best, nxt, need, is_sink, saturated, loads, min_util)
+    sentence = _sentence(best, nxt, need, is_sink, saturated, loads, min_util, replicable)
     return Bottleneck(
         stage=best.name,
         busy=best.busy,
@@ -160,6 +173,7 @@ def find_bottleneck(
         next_stage=nxt.name if nxt else None,
         next_busy=next_busy,
         is_sink=is_sink,
+        replicable=replicable,
         saturated=saturated,
         sentence=sentence,
         loads=loads,
@@ -178,6 +192,7 @@ def _sentence(
     saturated: bool,
     loads: Mapping[str, StageLoad],
     min_util: float,
+    replicable: bool = True,
 ) -> str:
     reps = f"{b.replicas} replica" + ("s" if b.replicas != 1 else "")
     waiting = sorted(
@@ -199,12 +214,22 @@ def _sentence(
             f"the pipeline is limited by latency or by its source, not by one stage's capacity."
         )
     if is_sink:
+        lever = (
+            " To go faster, add data-parallel ranks (`--nproc N`): it cannot be replicated within a rank."
+            if not replicable
+            else ""
+        )
         return (
             f"{b.name} is the bottleneck, busy {_pct(b.busy)} on {reps}{wait_txt}: the input pipeline keeps it fed, "
-            f"which is the goal."
+            f"which is the goal.{lever}"
         )
     if nxt is None:
         return f"{b.name} is the only stage, busy {_pct(b.busy)} on {reps}."
+    if not replicable:
+        return (
+            f"{b.name} is the bottleneck: busy {_pct(b.busy)} on {reps}{wait_txt}. It cannot be replicated "
+            f"within a rank: make its work cheaper, or add data-parallel ranks (`--nproc N`), each with its own {b.name}."
+        )
     nb = max(nxt.busy, min_util)
     return (
         f"{b.name} is the bottleneck: busy {_pct(b.busy)} on {reps}{wait_txt}. "

@@ -188,7 +188,7 @@ class RunRecord:
                     }
                     for name, st in (last.stages.items() if last is not None else ())
                 },
-                "stage_load_window": None if last is None else ("whole run" if last.whole_run else f"last {last.window_s:.1f} s"),
+                "stage_load_window": None if last is None else last.window_label,
             }
         )
 

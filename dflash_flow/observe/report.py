@@ -128,7 +128,7 @@ def summary_table(record: RunRecord, *, width: int = 100) -> str:
         parts.append(table(evals, ["evaluation", "metric", "value"], title="evaluations"))
     last = record.last_sample
     if last is not None and last.stages:
-        window = "whole run" if last.whole_run else f"last {last.window_s:.0f} s"
+        window = last.window_label
         rows = [
             [name, st.replicas, _pct(st.busy), _pct(st.blocked_in), _pct(st.blocked_out), st.items_out]
             for name, st in last.stages.items()

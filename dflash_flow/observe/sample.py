@@ -101,6 +101,16 @@ class MonitorSample:
     throughput: Throughput = metric("throughput", factory=Throughput, doc="Trainer throughput")
     bottleneck: Bottleneck | None = metric("bottleneck", default=None, doc="The verdict for this window")
 
+    @property
+    def window_label(self) -> str:
+        """What the window covers, for tables: ``last 5 s``, ``whole run``, or the training steady state
+        (the closing sample's window when training ran)."""
+        if not self.whole_run:
+            return f"last {self.window_s:.0f} s"
+        if self.window_s >= self.elapsed_s - 1e-6:
+            return "whole run"
+        return f"training steady state, {self.window_s:.0f} s"
+
 
 @attrs.frozen
 class TrainPoint:
@@ -273,11 +283,17 @@ def take_sample(
     sinks: Iterable[str] = (),
     edges: Mapping[str, Sequence[str]] | None = None,
     exclude: Iterable[str] = (),
+    fixed: Iterable[str] = (),
+    whole_run: bool | None = None,
+    min_alive: float = 0.5,
 ) -> MonitorSample:
     """The window from ``prev`` to ``cur`` (``prev=None``: the whole run so far).
 
     ``exclude``: stages left out of the bottleneck analysis (the Monitor itself, whose load is its own
-    sampling). ``sinks``/``edges``: see ``find_bottleneck``.
+    sampling). ``sinks``/``edges``/``fixed``: see ``find_bottleneck``. Only stages alive for at least
+    ``min_alive`` of the window are judged (:func:`alive_fraction`): a reader that finished early is not
+    a bottleneck. ``whole_run`` (default: ``prev is None``) marks the run's closing sample, whose verdict
+    is the run's (the Monitor passes the steady state, first to last training step, as the window).
     """
     whole = prev is None
     window = cur.elapsed_s if whole else max(cur.time - prev.time, 1e-9)
@@ -285,15 +301,30 @@ def take_sample(
         name: _stage(st, None if whole else prev.stages.get(name), window) for name, st in cur.stages.items()
     }
     skip = set(exclude)
-    loads = {name: s.load() for name, s in stages.items() if name not in skip}
+    loads = {
+        name: s.load()
+        for name, s in stages.items()
+        if name not in skip and alive_fraction(cur.stages[name], None if whole else prev.stages.get(name), window) >= min_alive
+    }
     return MonitorSample(
         step=int(step),
         elapsed_s=cur.elapsed_s,
         window_s=window,
-        whole_run=whole,
+        whole_run=whole if whole_run is None else bool(whole_run),
         stages=stages,
         buckets=_buckets(_bucket_counts(cur), _bucket_counts(prev)),
         train=dict(train or {}),
         throughput=throughput or Throughput(),
-        bottleneck=find_bottleneck(loads, sinks=sinks, edges=edges) if loads else None,
+        bottleneck=find_bottleneck(loads, sinks=sinks, edges=edges, fixed=fixed) if loads else None,
     )
+
+
+def alive_fraction(cur: StageSnapshot, prev: StageSnapshot | None, window: float) -> float:
+    """The fraction of the window the stage's replicas were alive (started, not yet ended), mean over
+    replicas: ``alive_s`` stops growing when a replica ends, so the difference of two readings is its
+    life inside the window."""
+    if window <= 0 or not cur.replicas:
+        return 0.0
+    before = {r.replica: r.alive_s for r in prev.replicas} if prev is not None else {}
+    lives = [max(0.0, r.alive_s - before.get(r.replica, 0.0)) for r in cur.replicas]
+    return min(1.0, sum(lives) / len(lives) / window)

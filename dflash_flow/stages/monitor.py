@@ -73,10 +73,22 @@ class Monitor(Stage):
         graph = ctx.runtime.graph if ctx.runtime is not None else None
         self._edges: dict[str, list[str]] = {}
         self._sinks = set(self.sinks)
+        self._fixed: set[str] = set()  # stages that cannot take more replicas (the verdict advises ranks)
+        # The steady state the run's verdict covers: snapshots at the first and the latest training step.
+        self._steady: list[Any] = [None, None]
+        self._steady_at = 0.0
         if graph is not None:
+            from dflash_flow.core.registry import resolve
+
             for s in graph.stages:
                 for i in s.inputs:
                     self._edges.setdefault(i.stage, []).append(s.name)
+                try:
+                    cls = resolve(s.type)
+                except Exception:  # noqa: BLE001 - a type the registry cannot name: assume it replicates
+                    continue
+                if cls.singleton or s.ordered or (cls.is_source() and not cls.shards_by_replica):
+                    self._fixed.add(s.name)
             if not self._sinks:
                 self._sinks = {i.stage for i in graph.stage(ctx.name).inputs}
         self._samples = ctx.metrics.counter("samples", "samples", "Monitor samples taken")
@@ -90,6 +102,7 @@ class Monitor(Stage):
         due = self._dist is not None and now - self._last_sample >= self.interval_s
         if isinstance(item, StepReport):
             due = self._on_step(item, due)
+            self._note_steady(item, now)
         elif isinstance(item, EvalReport):
             self._on_eval(item)
             due = False
@@ -161,6 +174,19 @@ class Monitor(Stage):
             self._printer.message(f"held-out walk at step {item.step} ({v.elapsed_s:.0f} s): tau {v.tau:.3f} "
                                   f"over {point.conversations} conversations ({v.probe_s:.2f} s)")
 
+    def _note_steady(self, item: StepReport, now: float) -> None:
+        """Keep the snapshots that bound the training steady state (the first step's, and the latest
+        step's at most every half second and always at the final report)."""
+        runtime = self._ctx.runtime
+        if runtime is None or (not item.metrics and not item.final):
+            return
+        if self._steady[0] is None:
+            self._steady[0] = runtime.snapshot()
+            self._steady_at = now
+        elif item.final or now - self._steady_at >= 0.5:
+            self._steady[1] = runtime.snapshot()
+            self._steady_at = now
+
     def _log_epoch_mean(self) -> None:
         """Log the open epoch's means (once): ``train_epoch/<metric>`` at the epoch's last step."""
         from dflash_flow.observe.sample import EpochPoint
@@ -208,19 +234,30 @@ class Monitor(Stage):
         runtime = self._ctx.runtime
         if runtime is None:
             return
+        prev = self._prev
+        if whole_run:
+            # The closing verdict is the run's: over the steady state (first to last training step), not
+            # the loading before it or the evaluation after it; the whole run when there was none.
+            first, last = self._steady
+            if first is not None and last is not None and last.time - first.time > 1e-3:
+                snap, prev = last, first
+            else:
+                prev = None
         snap = snap if snap is not None else runtime.snapshot()
         train = {k: total / n for k, (total, n) in self._window.items()}
         self._window = {}
         m = self._record.train
         sample = take_sample(
             snap,
-            None if whole_run else self._prev,  # the closing verdict covers the whole run, not the wind-down
+            prev,
             step=self._record.step,
             train=train,
             throughput=Throughput(tokens_per_s=m.get("tokens_per_s"), samples_per_s=m.get("samples_per_s")),
             sinks=self._sinks,
             edges=self._edges,
             exclude={self._ctx.name},
+            fixed=self._fixed,
+            whole_run=whole_run,
         )
         self._prev = snap
         per_rank = self._dist.gather_to_main(sample) if self._dist is not None else None

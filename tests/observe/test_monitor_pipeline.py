@@ -5,11 +5,12 @@ the Monitor itself writes nothing at the end (the end-of-run report does)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import attrs
 
-from dflash_flow.core import Graph, Pipeline, Stage, register_stage
+from dflash_flow.core import Graph, Pipeline, Source, Stage, register_stage
 from dflash_flow.items import EvalReport, StepReport
 from dflash_flow.observe.record import RunRecord
 from dflash_flow.observe.report import summary_table, write_run_report
@@ -65,7 +66,9 @@ def test_slow_stage_is_named_the_bottleneck_and_nothing_written_at_teardown(tmp_
     assert not (tmp_path / "out" / "monitor").exists(), "the Monitor must leave the end of run to the application"
     record = services.record
     verdict = record.bottleneck
-    assert verdict.stage == "slow" and verdict.replicas_needed >= 2 and "slow" in verdict.sentence
+    # "slow" restores the plan order, so it cannot take replicas: the verdict advises what can change.
+    assert verdict.stage == "slow" and not verdict.replicable and verdict.replicas_needed == 1
+    assert "cannot be replicated" in verdict.sentence and "replicas it" not in verdict.sentence
     assert record.step == 60 and record.total_steps == 60 and record.artifacts == {"drafter": "/tmp/drafter"}
     assert record.evals == {"val": {"tau": 2.5, "val_loss": 0.7}}
     assert len(record.history.train) == 60 and "accuracy_pos1" not in record.history.train.columns
@@ -88,6 +91,48 @@ def test_slow_stage_is_named_the_bottleneck_and_nothing_written_at_teardown(tmp_
     table = summary_table(record)
     assert "bottleneck: slow is the bottleneck" in " ".join(table.split())
     assert "val" in table and "/tmp/drafter" in table
+
+
+@register_stage("TestOneShotReader")
+@attrs.define(kw_only=True, eq=False)
+class OneShotReader(Source):
+    """A reader that is busy all its (short) life and ends before training does."""
+
+    count: int = 30
+
+    def produce(self):
+        time.sleep(0.4)  # reading and tokenizing
+        yield from range(self.count)
+
+
+@register_stage("TestSlowReporter")
+@attrs.define(kw_only=True, eq=False)
+class SlowReporter(StepReporter):
+    def process(self, item: int):
+        time.sleep(0.02)  # the training step
+        return super().process(item)
+
+
+def test_run_verdict_is_the_steady_state_among_live_stages(tmp_path: Path) -> None:
+    """A one-shot reader busy 100% of its short life finished before training: the run's verdict (and
+    the summary, and the tag) names the trainer, judged over the training steady state."""
+    services = RunServices()
+    g = Graph(name="steady", output_dir=str(tmp_path / "out"))
+    g.add("source", OneShotReader(count=30))
+    g.add("report", SlowReporter(count=30), inputs="source", capacity=64)  # the reader never waits
+    g.add("monitor", Monitor(interval_s=0.1, progress=False, plots=False), inputs="report")
+    Pipeline(g, services=services).run()
+    record = services.record
+    closing = record.history.samples[-1]
+    assert closing.whole_run and closing.window_s < closing.elapsed_s - 0.3  # the loading is not in it
+    assert closing.window_label.startswith("training steady state")
+    assert record.bottleneck.stage == "report" and record.bottleneck.is_sink, record.bottleneck.sentence
+    assert "source" not in record.bottleneck.loads  # finished before the steady state: not judged
+    # Windows taken while training ran never name the finished reader either.
+    training = [s for s in record.history.samples[:-1] if s.step >= 2 and s.bottleneck is not None]
+    assert training and all(s.bottleneck.stage == "report" for s in training)
+    table = " ".join(summary_table(record).split())
+    assert "bottleneck: report is the bottleneck" in table and "training steady state" in table
 
 
 def test_monitor_metrics_reach_mlflow_under_the_schema(tmp_path: Path) -> None:

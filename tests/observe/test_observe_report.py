@@ -56,7 +56,7 @@ def test_write_run_report_files_and_uploads(sqlite_uri, tmp_path):
     assert summary["eval"] == {"val": {"tau": 3.25, "val_loss": 0.5}}
     assert summary["artifacts"] == {"drafter": "/runs/x/drafter"}
     assert summary["bottleneck"]["stage"] == record.bottleneck.stage and summary["bottleneck"]["sentence"]
-    assert summary["stage_load"]["padder"]["replicas"] == 2 and summary["stage_load_window"] == "whole run"
+    assert summary["stage_load"]["padder"]["replicas"] == 2 and summary["stage_load_window"] == "training steady state, 5 s"
     history = json.loads(files.history.read_text())
     assert history["train"]["step"] == list(range(1, 41)) and len(history["train"]["loss"]) == 40
     assert len(history["samples"]) == 5 and history["samples"][0]["stages"]["padder"]["per_replica"][1]["busy"] == 0.7
