@@ -187,12 +187,13 @@ def _exit_now_if_threads_stuck(code: int) -> None:
 @app.command()
 def export(
     checkpoint: Path = typer.Argument(..., help="Training checkpoint directory."),
-    out: Path = typer.Argument(..., help="Output directory (Hugging Face layout)."),
+    out: Path = typer.Argument(..., help="Output directory (Hugging Face layout); new, empty or an earlier export."),
+    target: Optional[str] = typer.Option(None, "--target", help="Target path for the printed serve commands (default: the run's)."),
 ) -> None:
-    """Turn a training checkpoint into the checkpoint layout inference engines load."""
+    """Turn a training checkpoint into the layout vLLM and SGLang load; prints the commands that serve it."""
     from dflash_flow.app.commands import export_checkpoint
 
-    code = export_checkpoint(checkpoint, out)
+    code = export_checkpoint(checkpoint, out, target)
     raise typer.Exit(code)
 
 

@@ -48,6 +48,8 @@ def atomic_path(path: str | os.PathLike, *, mode: int = 0o644, durable: bool = T
         os.fchmod(fd, mode)
         os.close(fd)
         yield tmp
+        # Again: a writer may have replaced the file (safetensors writes a new one and renames it over).
+        os.chmod(tmp, mode)
         if durable:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
@@ -66,12 +68,12 @@ def atomic_write(
     return Path(path)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, durable: bool = True) -> Path:
-    return atomic_write(path, lambda f: f.write(data), durable=durable)
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, mode: int = 0o644, durable: bool = True) -> Path:
+    return atomic_write(path, lambda f: f.write(data), mode=mode, durable=durable)
 
 
-def atomic_write_text(path: str | os.PathLike, text: str, *, durable: bool = True) -> Path:
-    return atomic_write_bytes(path, text.encode("utf-8"), durable=durable)
+def atomic_write_text(path: str | os.PathLike, text: str, *, mode: int = 0o644, durable: bool = True) -> Path:
+    return atomic_write_bytes(path, text.encode("utf-8"), mode=mode, durable=durable)
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

@@ -8,23 +8,58 @@ from pathlib import Path
 from dflash_flow.app.exits import EXIT_OK, report_user_error
 
 
-def export_checkpoint(checkpoint: Path, out: Path) -> int:
+def _run_target(checkpoint: Path) -> str | None:
+    """The target of the run that wrote ``checkpoint``, from its output directory's resolved YAML (the
+    checkpoint's parents), as a path the engines take; None when that cannot be told."""
+    import yaml
+
+    for parent in list(checkpoint.resolve().parents)[:3]:
+        resolved = parent / "pipeline.resolved.yaml"
+        if not resolved.is_file():
+            continue
+        try:
+            doc = yaml.safe_load(resolved.read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            return None
+        target = (doc.get("model") or {}).get("target")
+        for stage in doc.get("stages") or []:
+            if target is None and isinstance(stage, dict) and stage.get("type") == "DrafterStep":
+                target = (stage.get("config") or {}).get("target")
+        if target == "embedded":
+            from dflash_flow.embedded import embedded_target_path
+
+            return embedded_target_path()
+        return target if isinstance(target, str) else None
+    return None
+
+
+def export_checkpoint(checkpoint: Path, out: Path, target: str | None = None) -> int:
     """``dflash-flow export``: a training checkpoint (or a checkpoints directory: its latest) into the
-    layout inference engines load (config.json + model.safetensors with the drafter weights only)."""
-    from dflash_flow.app.checkpoint import Checkpointer, CheckpointError, load_checkpoint
-    from dflash_flow.model.export import load_drafter, save_drafter
+    layout inference engines load (config.json + model.safetensors with the drafter weights only), checked
+    against the serving contract; prints the commands that serve it with vLLM and SGLang. Never writes into
+    the checkpoint, inside the input, or over a directory holding anything but an earlier export."""
+    from dflash_flow.app.checkpoint import LATEST, Checkpointer, CheckpointError, load_checkpoint
+    from dflash_flow.model.export import check_destination, load_drafter, save_drafter
+    from dflash_flow.model.export_contract import format_serve_commands, serve_commands
 
     try:
+        check_destination(out, (checkpoint,))  # before anything slow: a mistaken command fails at once
         path = Checkpointer(checkpoint).resolve(checkpoint)
+        inputs = (checkpoint, path)
+        if (path.parent / LATEST).is_file():  # and the checkpoints directory it lies in
+            inputs += (path.parent,)
+        check_destination(out, inputs)
         load_checkpoint(path)  # verifies every checksum before anything is read
         if not (path / "config.json").is_file():
             raise CheckpointError(f"{path}: no config.json (written by an older version?)")
         drafter = load_drafter(path)
-        save_drafter(drafter, out)
+        save_drafter(drafter, out, inputs=inputs)
     except (CheckpointError, OSError) as exc:  # OSError: OUT cannot be written (read-only, full, a file)
         return report_user_error(exc)
     n = sum(p.numel() for p in drafter.parameters())
-    print(f"exported {path} -> {out} ({n / 1e6:.2f} M drafter parameters)")
+    print(f"exported {path} -> {out} ({n / 1e6:.2f} M drafter parameters; checked against the vLLM and SGLang "
+          "contract)")
+    print(format_serve_commands(serve_commands(out, target or _run_target(path))))
     return EXIT_OK
 
 

@@ -121,3 +121,7 @@ def end_of_run(pipeline, services, outcome: Any, output_dir: Path, late: Any = N
             print(f"speculative decoding ({name} drafter): acceptance length {m['tau']:.2f}, target forwards "
                   f"{m.get('speedup_forwards', float('nan')):.2f}x fewer, lossless={bool(m.get('lossless'))}",
                   file=sys.stderr)
+    if record.serve_commands:
+        from dflash_flow.model.export_contract import format_serve_commands
+
+        print(format_serve_commands(record.serve_commands), file=sys.stderr)

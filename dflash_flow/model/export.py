@@ -5,9 +5,14 @@ A checkpoint directory holds ``config.json`` (a Qwen3 config plus ``block_size``
 ``model.safetensors`` with the drafter's own weights only (no embedding, no LM head). Loading never
 unpickles anything.
 
+No ``auto_map``: the engines load their own DFlash model (``model/export_contract.py`` states and checks
+everything vLLM and SGLang read; every export is checked against it). Files are world-readable (0644):
+an inference server often runs as another user. An export never writes into a directory that holds
+anything but an earlier drafter export (a training checkpoint, another model): see ``check_destination``.
+
 A DFlash 2 drafter (``dflash2``) is written as z-lab's ``DFlash2DraftModel`` reads it:
-``architectures: [DFlash2DraftModel]``, ``auto_map`` to ``dflash.DFlash2DraftModel``, ``dflash_config``
-also holding ``conv_kernel_size``, ``conv_group_size``, ``selector_rank`` and ``selector_top_k``, and the
+``architectures: [DFlash2DraftModel]``, ``dflash_config`` also holding ``block_size``,
+``conv_kernel_size``, ``conv_group_size``, ``selector_rank`` and ``selector_top_k``, and the
 selector's codebooks stored as ``candidate_selector.{predecessor,successor}_codebook`` (no ``.weight``:
 the names z-lab's ``from_pretrained`` maps onto its embeddings). ``load_drafter`` builds either variant
 from ``architectures`` and also accepts codebooks saved with ``.weight`` (a z-lab module's state dict).
@@ -36,18 +41,17 @@ from dflash_flow.util import atomic_path, atomic_write_text
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 ARCHITECTURE = "DFlashDraftModel"
-AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
+EXPORT_FILES = (CONFIG_NAME, WEIGHTS_NAME)
+FILE_MODE = 0o644  # read by inference servers, often another user
+DIR_MODE = 0o755
 
 
 def drafter_config_dict(config: Any) -> dict[str, Any]:
     """The ``config.json`` content for a drafter config, with the keys inference engines require."""
     d = config.to_dict()
-    if dflash2.is_dflash2_config(config):
-        d["architectures"] = [dflash2.ARCHITECTURE]
-        d["auto_map"] = {"AutoModel": f"dflash.{dflash2.ARCHITECTURE}"}
-    else:
-        d["architectures"] = [ARCHITECTURE]
-        d["auto_map"] = dict(AUTO_MAP)
+    d.pop("auto_map", None)  # the engines refuse or strip it (export_contract)
+    variant2 = dflash2.is_dflash2_config(config)
+    d["architectures"] = [dflash2.ARCHITECTURE if variant2 else ARCHITECTURE]
     d["model_type"] = "qwen3"
     d["block_size"] = int(draft_value(config, "block_size", 16))
     d["num_target_layers"] = int(config.num_target_layers)
@@ -58,6 +62,10 @@ def drafter_config_dict(config: Any) -> dict[str, Any]:
         raise CheckpointError("drafter config has no dflash_config.mask_token_id; inference would guess it")
     dcfg["mask_token_id"] = int(dcfg["mask_token_id"])
     dcfg["target_layer_ids"] = [int(i) for i in draft_value(config, "target_layer_ids")]
+    if variant2:
+        dcfg["block_size"] = d["block_size"]  # DFlash 2 readers look there
+    else:
+        dcfg.pop("block_size", None)
     d["dflash_config"] = dcfg
     return d
 
@@ -89,14 +97,75 @@ def _nonfinite_tensor(state: dict[str, torch.Tensor]) -> str | None:
     return None
 
 
-def save_drafter(drafter: DFlashDrafter, path: str | os.PathLike, *, state: dict[str, Any] | None = None) -> Path:
+def _is_ours(name: str) -> bool:
+    """An export's file, or the temporary file of an export cut short (``atomic_path``'s names)."""
+    return name in EXPORT_FILES or any(name.startswith(f".{f}.") and name.endswith(".tmp") for f in EXPORT_FILES)
+
+
+def check_destination(out: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] | list = ()) -> None:
+    """Refuse (CheckpointError) an export into ``out`` when that would destroy something: ``out`` is, or
+    lies inside, one of ``inputs`` (links followed: a checkpoint being exported, its checkpoints
+    directory), or ``out`` holds anything but an earlier drafter export (a training checkpoint, another
+    model, any other file). A missing or empty directory, or an earlier export, is fine."""
+    from dflash_flow.util import is_within
+
+    out = Path(out)
+    for src in inputs:
+        if is_within(out, src):
+            raise CheckpointError(
+                f"refusing to export into {out}: it is {'' if os.path.realpath(out) == os.path.realpath(src) else 'inside '}"
+                f"the input {src}; choose an output directory outside it"
+            )
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise CheckpointError(f"refusing to export into {out}: it is not a directory")
+    if not out.is_dir():
+        return
+    foreign = sorted(p.name for p in out.iterdir() if not _is_ours(p.name))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        kind = "a training checkpoint" if {"MANIFEST.json", "state.json"} & set(foreign) else "other files"
+        raise CheckpointError(
+            f"refusing to export into {out}: it holds {kind} ({shown}), not an earlier drafter export; "
+            "choose a new or empty directory"
+        )
+    config = out / CONFIG_NAME
+    weights = out / WEIGHTS_NAME
+    if weights.is_file() and not weights.is_symlink() and not config.is_file():  # a link is replaced: harmless
+        from dflash_flow.model.export_contract import read_safetensors_header
+
+        try:
+            drafterish = "fc.weight" in read_safetensors_header(weights)
+        except CheckpointError:
+            drafterish = False
+        if not drafterish:
+            raise CheckpointError(f"refusing to export into {out}: its {WEIGHTS_NAME} is not a drafter's (no "
+                                  "config.json beside it); choose a new or empty directory")
+    if config.is_file():
+        try:
+            archs = json.loads(config.read_text()).get("architectures")
+        except (OSError, ValueError, AttributeError):
+            archs = None
+        if not isinstance(archs, list) or not {ARCHITECTURE, dflash2.ARCHITECTURE} & set(archs):
+            raise CheckpointError(
+                f"refusing to export into {out}: its config.json is another model's (architectures {archs!r}), "
+                "not a drafter's; choose a new or empty directory"
+            )
+
+
+def save_drafter(drafter: DFlashDrafter, path: str | os.PathLike, *, state: dict[str, Any] | None = None,
+                 inputs: tuple = ()) -> Path:
     """Write ``config.json`` and ``model.safetensors`` into ``path`` (created); returns the directory.
 
     Files are written to fresh temporary names and renamed, so a crash never leaves a half-written
     checkpoint under the final names and a link at a final name is replaced, never written through.
     Weights holding NaN or infinity are refused (CheckpointError): an inference engine would load them.
+    ``path`` must pass ``check_destination`` (with ``inputs``); the result is checked against the serving
+    contract (``export_contract.check_export``): files world-readable, fields as the engines read them.
     """
+    from dflash_flow.model.export_contract import check_export
+
     out = Path(path)
+    check_destination(out, inputs)
     config = drafter_config_dict(drafter.config)
     # The instance may have been built from a config whose ids were defaulted; what the module trained
     # with is the truth.
@@ -112,10 +181,13 @@ def save_drafter(drafter: DFlashDrafter, path: str | os.PathLike, *, state: dict
             f"refusing to export the drafter to {out}: weight {bad} holds NaN or infinite values (the training "
             "diverged); export an earlier checkpoint instead"
         )
-    out.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out / WEIGHTS_NAME) as tmp:
+    if not out.is_dir():
+        out.mkdir(parents=True, exist_ok=True)
+        os.chmod(out, DIR_MODE)  # whatever the umask: a server running as another user must enter it
+    with atomic_path(out / WEIGHTS_NAME, mode=FILE_MODE) as tmp:
         write_safetensors(state, tmp, metadata={"format": "pt"})
-    atomic_write_text(out / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(out / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n", mode=FILE_MODE)
+    check_export(out)
     return out
 
 

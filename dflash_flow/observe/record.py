@@ -103,6 +103,7 @@ class RunRecord:
     evals: dict[str, dict[str, float]] = attrs.field(factory=dict)  # the last result of each evaluation
     eval_horizons: dict[str, tuple[int, ...]] = attrs.field(factory=dict)  # the horizons each one measured
     artifacts: dict[str, str] = attrs.field(factory=dict)  # named by the trainer's final report
+    serve_commands: dict[str, str] = attrs.field(factory=dict)  # engine -> the command serving the export
     bottleneck: Bottleneck | None = None  # the latest verdict; after the Monitor's finish, the whole run's
     total_steps: int | None = None
     plots: bool = True  # whether the run asked for plots (the Monitor's ``plots`` option)

@@ -432,9 +432,17 @@ class DrafterStep(Stage, CheckpointSource):
         if self._ctx.rank != 0:  # one export per job, by rank 0 (the weights are the same on every rank)
             return (StepReport(step=self._trainer.step, epoch=self._epoch, meta=None, metrics={}, final=True),)
         refuse_outside(out, Path(self._ctx.output_dir))
-        save_drafter(self._trainer.drafter, out, state=state)
+        save_drafter(self._trainer.drafter, out, state=state)  # checked against the serving contract
         self._services.record.artifacts["drafter"] = str(out)
+        self._services.record.serve_commands = self._serve_commands(out)
         return (StepReport(step=self._trainer.step, epoch=self._epoch, meta=None, metrics={}, final=True, artifacts={"drafter": str(out)}),)
+
+    def _serve_commands(self, out: Path) -> dict[str, str]:
+        from dflash_flow.embedded import resolve_target
+        from dflash_flow.model.export_contract import serve_commands
+
+        target = resolve_target(self.target)
+        return serve_commands(out, target if isinstance(target, str) else None)
 
     def teardown(self) -> None:
         if self._batch_log is not None:

@@ -85,6 +85,8 @@ def test_run_writes_mlflow_checkpoint_export_and_eval(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert "acceptance length" in proc.stderr  # printed by the evaluation
+    # ... and how to serve the export: num_speculative_tokens = B - 1 for vLLM, B draft tokens for SGLang
+    assert '"num_speculative_tokens": 3}' in proc.stderr and "--speculative-num-draft-tokens 4" in proc.stderr
 
     out = tmp_path / "out"
     # the export inference engines load
@@ -133,6 +135,7 @@ def test_run_writes_mlflow_checkpoint_export_and_eval(tmp_path: Path) -> None:
     exported = tmp_path / "exported"
     proc = _run(["export", str(out / "checkpoints"), str(exported)], tmp_path)
     assert proc.returncode == 0, proc.stderr
+    assert "vllm serve " in proc.stdout and "TARGET" not in proc.stdout  # the run's target, from its YAML
     from dflash_flow.model.export import load_drafter
 
     drafter = load_drafter(exported)

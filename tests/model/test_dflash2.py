@@ -102,7 +102,7 @@ def test_export_loads_into_zlab_with_no_missing_or_unexpected_keys(target, tmp_p
     path = save_drafter(ours, tmp_path / "ckpt")
     config = json.loads((path / "config.json").read_text())
     assert config["architectures"] == ["DFlash2DraftModel"]
-    assert config["auto_map"] == {"AutoModel": "dflash.DFlash2DraftModel"}
+    assert "auto_map" not in config and config["dflash_config"]["block_size"] == config["block_size"] == 8
     assert {k: config["dflash_config"][k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")} == {
         "conv_kernel_size": 3, "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 6
     }
