@@ -194,7 +194,9 @@ def _build(writer, path: Path, fmt: InputFormat, kind: str, options: ReadOptions
             on_chunk(report, position)
     report.files = [str(path)]
     report.from_cache = False
-    if report.records and not report.samples:
+    if not report.records:  # a file with a schema and no rows (Arrow, Parquet) is as empty as a 0-byte one
+        raise DataError(f"{path}: no records (0 rows): an empty data file trains nothing")
+    if not report.samples:
         raise DataError(f"{path}: no usable records ({report.summary()})")
     return report
 

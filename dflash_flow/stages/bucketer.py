@@ -101,17 +101,26 @@ class Bucketer(Stage):
                 seen.setdefault(digest, t.name)
         return corpus
 
+    def _no_samples(self):
+        """An empty dataset trains nothing: an error naming what each source read, never a run of 0 steps."""
+        from dflash_flow.data.reports import DataError
+
+        read = [f"source '{t.name}' read 0 samples from {', '.join(t.inputs) or 'its inputs'}" for t in self._tables]
+        what = "; ".join(read) if read else "no source emitted a sample"
+        return DataError(f"stage '{self._ctx.name}': nothing to train on: {what} (an empty file, or every record "
+                         "skipped or too long: see the source's report)")
+
     def finish(self):
         import numpy as np
 
         from dflash_flow.data.corpus import EpochView, describe_mixture, draw_epoch
         from dflash_flow.data.plan import BatchPlanner, PlanConfig, bucket_boundaries
 
-        if (not self._samples and not self._tables) or self._ctx.stop_requested.is_set():
-            return  # nothing to plan, or stopping: no epoch is packed for a run that ends now
-        corpus = self._corpus()
-        if len(corpus) == 0:
-            return
+        if self._ctx.stop_requested.is_set():
+            return  # stopping: no epoch is packed for a run that ends now
+        corpus = self._corpus() if self._samples or self._tables else None
+        if corpus is None or len(corpus) == 0:
+            raise self._no_samples()
         config = PlanConfig(
             max_tokens=self.max_tokens,
             max_batch_size=self.max_batch_size,

@@ -141,6 +141,7 @@ class DrafterStep(Stage, CheckpointSource):
     _trainer: Any = attrs.field(default=None, init=False)
     _batch_log: Any = attrs.field(default=None, init=False)
     _probe: Any = attrs.field(default=None, init=False)  # model.heldout.HeldoutProbe, when heldout_data is set
+    _planned_total: int | None = attrs.field(default=None, init=False)  # the plan's batches for this rank
 
     @prefix_max_length.validator
     def _check_prefix(self, _attribute: attrs.Attribute, _value: int | None) -> None:
@@ -305,6 +306,7 @@ class DrafterStep(Stage, CheckpointSource):
         )
         self._epoch, self._plan_state, self._epoch_done = meta.epoch, meta.plan_state, epoch_end
         self._total_consumed += 1
+        self._planned_total = meta.total_batches or None
         self._m_tokens.inc(meta.real_tokens)
         self._m_samples.inc(meta.num_samples)
         self._m_step_s.observe(time.perf_counter() - t0)
@@ -427,6 +429,7 @@ class DrafterStep(Stage, CheckpointSource):
             if checkpoints is not None and checkpoints.on_signal:
                 checkpoints.save(self)
             return None
+        self._check_trained()
         out = Path(self._ctx.output_dir) / self.export_dir
         state = self._trainer.full_model_state()  # collective under fsdp: every rank takes part
         if self._ctx.rank != 0:  # one export per job, by rank 0 (the weights are the same on every rank)
@@ -443,6 +446,22 @@ class DrafterStep(Stage, CheckpointSource):
 
         target = resolve_target(self.target)
         return serve_commands(out, target if isinstance(target, str) else None)
+
+    def _check_trained(self) -> None:
+        """A run that ends without a stop must have trained what its plan holds: no optimizer step at all,
+        or a stream that ended before the plan's last batch, fails here -- before a drafter that is not
+        the planned result is exported as one."""
+        from dflash_flow.data.reports import DataError
+
+        if self._trainer.step == 0:
+            raise DataError(
+                f"stage '{self._ctx.name}' trained no optimizer step: the pipeline delivered no batch to train on "
+                "(an empty dataset, or every record skipped); nothing is exported")
+        planned = self._planned_total
+        if planned is not None and self._total_consumed < planned:
+            raise RuntimeError(
+                f"stage '{self._ctx.name}': the data stream ended after {self._total_consumed} of the {planned} "
+                "batches its plan holds for this rank; nothing is exported (an upstream stage stopped early)")
 
     def teardown(self) -> None:
         if self._batch_log is not None:

@@ -134,3 +134,89 @@ def test_a_data_file_read_twice_is_refused_naming_both(tmp_path, how):
     assert "Traceback" not in res.output
     assert "is the same file as" in res.output and "trained twice per epoch" in res.output, res.output
     assert ("stage 'source' paths[0]" in res.output) == (how == "two-stages"), res.output
+
+
+# -- 23.2: a run that trains nothing (or less than its plan) fails, and exports nothing -------------------
+def _write_empty_arrow(path, stream: bool):
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    table = pa.table({"input_ids": pa.array([], pa.list_(pa.int64())), "loss_mask": pa.array([], pa.list_(pa.int64()))})
+    opener = ipc.new_stream if stream else ipc.new_file
+    with opener(str(path), table.schema) as w:
+        w.write_table(table)
+    return path
+
+
+def _run_in_process(tmp_path, doc):
+    from reltools import write_yaml
+
+    from dflash_flow.app import run
+
+    return run(write_yaml(tmp_path / "p.yaml", doc), check_devices=False)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["arrow-file", "arrow-stream"])
+def test_an_empty_dataset_fails_clearly_and_exports_no_drafter(tmp_path, stream):
+    """A 0-row Arrow file or stream (a schema, no rows): exit 2 naming the file, MLflow FAILED, no drafter."""
+    from reltools import mlflow_runs, train_pipeline
+
+    data = _write_empty_arrow(tmp_path / "empty.arrow", stream=stream)
+    out = tmp_path / "out"
+    report = _run_in_process(tmp_path, train_pipeline(tmp_path, data=data, output_dir=out, epochs=1))
+    assert report.status == "FAILED" and report.exit_code == 2, (report.status, report.error)
+    assert f"{data}: no records (0 rows)" in report.error, report.error
+    assert not (out / "drafter").exists()
+    (run,) = mlflow_runs(tmp_path / "mlflow.db")
+    assert run.info.status == "FAILED"
+
+
+def test_a_bucketer_that_received_no_sample_fails_instead_of_planning_nothing():
+    """Whatever the source (a plugin emitting nothing, an empty table), no samples is an error, not 0 steps."""
+    import numpy as np
+
+    from dflash_flow.core import StageContext
+    from dflash_flow.data.reports import DataError
+    from dflash_flow.items import SampleTable
+    from dflash_flow.stages.bucketer import Bucketer
+
+    empty = SampleTable(name="src", lengths=np.zeros(0, np.int64), sample_ids=np.zeros(0, np.int64), fetch=None,
+                        inputs=["a.arrow"])
+    for items in ([], [empty]):
+        b = Bucketer()
+        b.setup(StageContext(name="bucketer"))
+        for it in items:
+            b.process(it)
+        with pytest.raises(DataError, match="nothing to train on"):
+            list(b.finish() or [])
+
+
+def test_a_stream_that_ends_before_its_plan_fails_and_exports_nothing(tmp_path):
+    import attrs
+    from reltools import mlflow_runs, train_pipeline, write_tokenized
+
+    from dflash_flow.core import Stage, register_stage
+    from dflash_flow.items import PlannedBatch
+
+    @register_stage(name="RelDropAfterTwo")
+    @attrs.define(kw_only=True, eq=False)
+    class Gate(Stage):
+        input_type = PlannedBatch
+        output_type = PlannedBatch
+        _seen: int = attrs.field(default=0, init=False)
+
+        def process(self, item):
+            self._seen += 1
+            return (item,) if self._seen <= 2 else None
+
+    data = write_tokenized(tmp_path / "tok.jsonl", 24, seed=2)
+    out = tmp_path / "out"
+    doc = train_pipeline(tmp_path, data=data, output_dir=out, epochs=1, every_steps=0)
+    doc["stages"].insert(3, {"name": "gate", "type": "RelDropAfterTwo", "inputs": ["interleaver"]})
+    doc["stages"][4]["inputs"] = ["gate"]
+    report = _run_in_process(tmp_path, doc)
+    assert report.status == "FAILED" and report.exit_code == 1, (report.status, report.error)
+    assert "the data stream ended after 2 of the" in report.error and "nothing is exported" in report.error
+    assert not (out / "drafter").exists()
+    (run,) = mlflow_runs(tmp_path / "mlflow.db")
+    assert run.info.status == "FAILED"

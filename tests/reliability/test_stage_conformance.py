@@ -169,9 +169,7 @@ def chain(files, tmp_path_factory):
                            ("TargetForward", "features", "padded"), ("DrafterStep", "reports", "features")):
         stage = _build(name, files)
         stage.setup(_ctx(name, out))
-        inputs = items[src] if src else None
-        if key == "features":
-            inputs = inputs[:4]
+        inputs = items[src] if src else None  # every batch of the plan: a trainer refuses to end short of it
         items[key] = _drive(stage, inputs, None)
         stage.teardown()
     items["steps"] = [r for r in items["reports"] if not r.final][:2]
