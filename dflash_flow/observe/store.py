@@ -222,6 +222,47 @@ def bounded_http(uri: str, timeout_s: int, max_retries: int) -> Iterator[None]:
 # ----------------------------------------------------------------------------------------------- ops
 
 
+@contextlib.contextmanager
+def store_creation_lock(uri: str, timeout_s: float = 120.0) -> Iterator[None]:
+    """Held while a process first opens a sqlite store: mlflow creates (or upgrades) the tables of a new
+    database on first use, and two runs starting at once on one fresh file would both try ("table
+    experiments already exists"). A file lock next to the database serializes that; other URIs: no-op."""
+    db = sqlite_path(uri)
+    if db is None:
+        yield
+        return
+    import fcntl
+
+    lock_path = db.parent / f".{db.name}.create-lock"
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{lock_path}: another process has held the store's creation lock "
+                                       f"for {timeout_s:.0f} s") from None
+                time.sleep(0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def open_client(uri: str) -> Any:
+    """An MlflowClient on ``uri`` whose store exists: a sqlite database is created (tables made or
+    upgraded) under :func:`store_creation_lock`, so runs started together on one new file all work."""
+    from mlflow import MlflowClient
+
+    with store_creation_lock(uri):
+        return MlflowClient(tracking_uri=uri)  # opens the store: a new database's tables are made here
+
+
 def _ensure_experiment(client: Any, name: str, artifact_location: str | None) -> str:
     from mlflow.exceptions import MlflowException
 

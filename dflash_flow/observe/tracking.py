@@ -196,13 +196,13 @@ class Tracker(SpooledDelivery):
         problem = check_tracking_uri(tracking_uri)
         if problem:
             raise TrackingError(problem)
-        from mlflow import MlflowClient
+        from .store import open_client
 
         self.tracking_uri = resolve_tracking_uri(tracking_uri)
         self._secrets = uri_secrets(self.tracking_uri)
         self.experiment = experiment
         self.spool_dir = Path(spool_dir) if spool_dir is not None else Path.cwd() / "mlflow-spool"
-        self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        self._client = open_client(self.tracking_uri)
         self._system_metrics = bool(system_metrics)
         if self._system_metrics:
             self._init_system_metrics()
