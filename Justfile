@@ -16,22 +16,12 @@ test *ARGS:
 lint:
     {{python}} -m ruff check dflash_flow tests bench examples
 
-# Benchmarks: each writes bench/results/NAME.json and prints it (scale before profile: the split plan
-# reads the all-reduce wait scale.json measured). About 10 minutes on 2 cores.
-bench:
-    {{python}} bench/runtime_bench.py
-    {{python}} bench/batching_bench.py
-    {{python}} bench/data_scale_bench.py
-    {{python}} bench/model_bench.py
-    {{python}} bench/monitor_bench.py
-    {{python}} bench/peer_step.py
-    {{python}} bench/peer_train.py
-    {{python}} bench/variants_bench.py
-    {{python}} bench/scale_bench.py
-    {{python}} bench/profile_bench.py
-    {{python}} bench/e2e_bench.py
-    {{python}} bench/fanout_bench.py
-    {{python}} bench/torchdata_bench.py
+# Benchmarks (bench/run_all.py): each writes bench/results/NAME.json, with the command and the machine's
+# load; the SpecForge wheel (by hash) and the torchdata extra are fetched / installed first. The default set
+# takes ~15 min on 2 cores; `just bench --long` adds the long comparisons (same-data training against
+# SpecForge, the variants, data at scale: ~1 h more); `just bench --list`, `just bench --only peer_step,e2e`.
+bench *ARGS:
+    {{python}} bench/run_all.py {{ARGS}}
 
 # Train the embedded default drafter on CPU.
 run FILE="pipelines/dflash.yaml" *ARGS:

@@ -6,12 +6,13 @@ common.dflash_family_model`` and ``specforge.modeling.draft.dflash``; their impo
 transformers only). Nothing of its math is replaced: the one override is the anchor draw, which returns the
 anchors both implementations get in that round (so both do the same work on identical inputs).
 
-    pip download --no-deps specforge==0.2.0 -d /tmp/sf
-    python -m zipfile -e /tmp/sf/specforge-0.2.0-py3-none-any.whl ~/.cache/dflash-flow/specforge-0.2.0
-    python bench/peer_step.py                       # SpecForge from $DFLASH_SPECFORGE_DIR or the dir above
+    python bench/peer_step.py                       # fetches SpecForge first when it is not there (bench/peers.py)
     python bench/peer_step.py --baseline 2a747d7    # also our implementation at a git revision ("before")
+    python bench/peer_step.py --no-specforge --baseline 2a747d7   # ours against a revision only
 
-Without SpecForge it prints how to get it and exits 0 (``--baseline`` still runs without it).
+SpecForge's wheel is downloaded by the hash pinned in ``requirements/bench.txt`` and unpacked into the cache
+(or taken from ``$DFLASH_SPECFORGE_DIR`` / ``--specforge``); when that fails, the benchmark exits 2 naming
+the one command that would fetch it (never a silent skip).
 
 Workloads (fp32, 2 intra-op threads, sdpa, 2-layer drafter, block 8, 64 anchors, gamma 4):
 
@@ -51,7 +52,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "peer_step.json"
-DEFAULT_SPECFORGE = Path.home() / ".cache" / "dflash-flow" / "specforge-0.2.0"
 THREADS = 2
 
 PEER_TARGET = dict(vocab=384, hidden=128, layers=8, heads=2, kv_heads=2, head_dim=64, intermediate=384)
@@ -68,11 +68,21 @@ CASES = {
 
 
 def specforge_dir(path: str | os.PathLike | None = None) -> Path:
-    return Path(path or os.environ.get("DFLASH_SPECFORGE_DIR") or DEFAULT_SPECFORGE).expanduser()
+    import peers
+
+    return peers.specforge_dir(path)
 
 
-def import_specforge(path: str | os.PathLike | None = None):
-    """``(OnlineDFlashModel, DFlashDraftModel)`` from an unpacked SpecForge wheel, or ``(None, reason)``."""
+def import_specforge(path: str | os.PathLike | None = None, *, fetch: bool = False):
+    """``(OnlineDFlashModel, DFlashDraftModel)`` from an unpacked SpecForge wheel, or ``(None, reason)``;
+    ``fetch``: download and unpack the pinned wheel first when it is not there (``peers.ensure_specforge``)."""
+    import peers
+
+    if fetch:
+        try:
+            peers.ensure_specforge(path)
+        except peers.Missing as exc:
+            return None, str(exc)
     root = specforge_dir(path)
     if not (root / "specforge" / "algorithms" / "common" / "dflash_family_model.py").is_file():
         return None, f"no unpacked SpecForge wheel at {root} (set DFLASH_SPECFORGE_DIR or --specforge)"
@@ -382,6 +392,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {list(CASES)}")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument("--no-specforge", action="store_true", help="do not compare against SpecForge (with --baseline)")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--memory-worker", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--baseline-dir", help=argparse.SUPPRESS)
@@ -394,15 +405,15 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(THREADS)
-    classes, reason = import_specforge(args.specforge)
-    if classes is None:
-        print(f"peer_step: SpecForge not available, skipping the comparison ({reason}).")
-        print(
-            "  get it with: pip download --no-deps specforge==0.2.0 -d /tmp/sf && python -m zipfile -e "
-            f"/tmp/sf/specforge-0.2.0-py3-none-any.whl {DEFAULT_SPECFORGE}"
-        )
-        if not args.baseline:
-            return 0
+    classes = None
+    if not args.no_specforge:
+        classes, reason = import_specforge(args.specforge, fetch=True)
+        if classes is None:
+            print(f"peer_step: SpecForge is not available: {reason}", file=sys.stderr)
+            return 2
+    elif not args.baseline:
+        print("peer_step: --no-specforge leaves nothing to compare: give --baseline REV", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory() as tmp:
         baseline = load_baseline(args.baseline, Path(tmp)) if args.baseline else None
         cases = [

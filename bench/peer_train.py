@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -127,10 +128,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     from dflash_flow.model.speculative import greedy_generate
     from dflash_flow.model.target import load_target
 
-    classes, reason = peer_step.import_specforge(args.specforge)
+    classes, reason = peer_step.import_specforge(args.specforge, fetch=True)
     if classes is None:
-        print(f"peer_train: SpecForge not available, skipping ({reason}); see bench/peer_step.py for how to get it.")
-        return None
+        print(f"peer_train: SpecForge is not available: {reason}", file=sys.stderr)
+        raise SystemExit(2)
     torch.set_num_threads(args.threads)
     out_dir = common.SCRATCH / "peer_train"
     v = common.embedded_validated(out_dir, "stages.drafter.record_batches=false", *args.set)

@@ -1,8 +1,8 @@
 """torchdata.nodes benchmark: our pipeline against the same bucketing, padding and fan-out built from
 torchdata.nodes (torchdata 0.11), on the same batches.
 
-Writes bench/results/torchdata.json (also printed). Skips with a message (and writes that) when torchdata
-is not installed (``pip install -e ".[torchdata]"``).
+Writes bench/results/torchdata.json (also printed). Installs the package's ``torchdata`` extra when it
+is missing (``bench/peers.py``), or exits 2 naming the command that would.
 
 The work: ``--samples`` synthetic tokenized samples (lengths from bench/data/lengths-chat-100k.txt),
 planned into length-bucketed batches under a padded-token budget (our ``BatchPlanner`` + ``order_packed``:
@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -195,10 +195,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--unit-ms", type=float, default=20.0, help="Target seconds for a full batch (MAX_TOKENS padded).")
     args = ap.parse_args(argv)
-    if importlib.util.find_spec("torchdata") is None:
-        msg = 'torchdata is not installed: pip install -e ".[torchdata]" (torchdata==0.11.0); skipped'
-        print(msg)
-        return common.write_result(args.out, {"skipped": msg})
+    import peers
+
+    try:
+        peers.ensure_torchdata()  # the package's torchdata extra, installed when missing
+    except peers.Missing as exc:
+        print(f"torchdata_bench: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     import torchdata
 
     data = samples(args.samples)
