@@ -151,6 +151,7 @@ def run(
     from dflash_flow.app.session import run_validated
 
     code = run_validated(v, config_path=file, resume=resume, overrides=set_ or []).exit_code
+    _DECIDED[0] = code  # a signal from here on ends the process with this code (the status already written)
     _exit_now_if_threads_stuck(code)
     raise typer.Exit(code)
 
@@ -297,16 +298,20 @@ def plan(
 
 def _exit_interrupted_on_late_signals() -> None:
     """Once the command has decided how it ends, a late SIGINT/SIGTERM (while the interpreter shuts down:
-    library exit hooks, thread joins) ends the process at once with 130, never with the signal's default
-    death (-15) or a traceback from whatever exit hook it landed in."""
+    library exit hooks, thread joins) ends the process at once, never with the signal's default death
+    (-15) or a traceback from whatever exit hook it landed in: with the code the run decided (its status is
+    written already: summary.json and MLflow say the same), else 130."""
+    import contextlib
     import os
     import signal
     import threading
 
     def now(signum, frame):  # noqa: ARG001
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(130)
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.flush()
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.flush()
+        os._exit(130 if _DECIDED[0] is None else _DECIDED[0])
 
     def ignore() -> None:
         # Registered first, so the last exit hook: Python resets handlers to the default death right after
@@ -327,6 +332,7 @@ def _exit_interrupted_on_late_signals() -> None:
 
 
 _LATE_HOOK = False
+_DECIDED: list[int | None] = [None]  # the exit code `run` decided, once its status is written
 
 
 def _forget_handled_interrupt() -> None:

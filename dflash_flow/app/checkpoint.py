@@ -508,6 +508,10 @@ class CheckpointService:
         self.stage_states = stage_states  # () -> {stage: [state per replica]}; set once the pipeline exists
         self.dist = dist  # app.distributed.Distributed under torchrun: rank 0 writes, every rank waits
         self.last_path: Path | None = None
+        # (step) -> None, called by the writing rank before a checkpoint of ``step`` is written: the
+        # application puts the metrics of every step up to it into MLflow first (session.flush_tracking),
+        # so that a run killed after the checkpoint has, after its resume, each step's metrics exactly once.
+        self.before_commit: Any = None
 
     def due(self, step: int, epoch_end: bool) -> bool:
         every = self.policy.every_steps
@@ -531,6 +535,8 @@ class CheckpointService:
         states = self.stage_states() if self.stage_states is not None else {}
         states[payload.stage] = [payload.stage_state]
         try:
+            if self.before_commit is not None:
+                self.before_commit(payload.step)
             self.last_path = self.checkpointer.save(
                 step=payload.step,
                 epoch=payload.epoch,

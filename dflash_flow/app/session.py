@@ -174,6 +174,15 @@ class DeferredSignals:
             raise KeyboardInterrupt()
 
 
+def flush_tracking(record, tracker, step: int, timeout_s: float = 30.0) -> None:
+    """Before a checkpoint of ``step`` commits: the Monitor has handed the tracker the metrics of every
+    step up to it, and they are written to the store (or its spool). A run killed after the checkpoint
+    then has them, and its resume logs only the steps after it."""
+    if not record.wait_logged(step, timeout_s):
+        log.warning("the Monitor had not logged step %d after %.0fs; checkpointing without waiting for it", step, timeout_s)
+    tracker.flush()
+
+
 def _uses_cuda(v: Validated) -> bool:
     return any("cuda" in str(spec.devices) or spec.devices == "auto" for spec in v.graph.stages)
 
@@ -352,6 +361,8 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
         uploads = ContainedUploads(tracker, output_dir)
         checkpointer.tracker = tracker
         services.tracker = uploads
+        if tracker.enabled:
+            services.checkpoints.before_commit = lambda step: flush_tracking(services.record, tracker, step)
         outcome = Outcome()
         try:
             _write_rank_outcome(output_dir, dist_ctx, None, tracker.run_id)
@@ -365,8 +376,9 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
                 raise
         finally:
             startup.restore()  # (already done when the pipeline ran; not when an upload before it failed)
-            # From here on a signal does not interrupt in the middle of a write or an upload: it is recorded,
-            # cuts the end of run short, and the run ends KILLED with exit code 130.
+            # The outcome is decided: the pipeline's. From here on a signal does not interrupt in the middle of
+            # a write or an upload: it is recorded and cuts the end of run short (the uploads left are
+            # skipped), but the status stays the one summary.json, MLflow and the exit code all carry.
             with DeferredSignals() as late:
                 try:
                     try:
@@ -376,10 +388,11 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
                     if main:
                         end_of_run(pipeline, services, outcome, output_dir, late)
                 finally:
-                    if late.received and outcome.code == EXIT_OK:
-                        outcome = Outcome("KILLED", EXIT_INTERRUPTED, "interrupted at the end of the run")
                     tracker.end(outcome.status)
                     shutdown_distributed(dist_ctx, failed=outcome.code != EXIT_OK)
+                    if late.received and main:
+                        print(f"interrupted during the end of the run: the rest of the report and uploads were "
+                              f"skipped; the run stays {outcome.status}", file=sys.stderr)
         if outcome.error:
             text = outcome.shown or outcome.error
             where = f"rank {dist_ctx.rank}: " if dist_ctx is not None else ""

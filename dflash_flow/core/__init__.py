@@ -11,6 +11,7 @@ from .errors import (
     ShutdownTimeout,
     StageError,
     StateVersionError,
+    StopRequested,
 )
 from .graph import Graph, InputSpec, RuntimeOptions, StageSpec
 from .metrics import MetricSet
@@ -46,6 +47,7 @@ __all__ = [
     "StageError",
     "StageSpec",
     "StateVersionError",
+    "StopRequested",
     "cfg",
     "derive_seed",
     "load_graph",

@@ -75,6 +75,11 @@ class PipelineStalled(DflashFlowError):
         super().__init__(message)
 
 
+class StopRequested(DflashFlowError):
+    """Raised inside a stage (``StageContext.check_stop``) to abandon the item in hand because the run is
+    stopping: the runtime treats it as no output, never as the stage's failure."""
+
+
 class PipelineInterrupted(DflashFlowError):
     """The run was stopped by SIGINT/SIGTERM (or ``Pipeline.stop``)."""
 

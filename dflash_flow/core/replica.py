@@ -12,6 +12,7 @@ from collections.abc import Generator, Iterator
 from typing import Any, Protocol
 
 from .channel import END_OF_STREAM, Channel, ChannelCancelled, ErrorItem
+from .errors import StopRequested
 from .routing import Router
 from .snapshot import ReplicaSnapshot, ReplicaState
 from .stage import Source, Stage, StageContext
@@ -67,6 +68,10 @@ class Replica:
         self.resume_state: dict[str, Any] | None = None
         self.state_loaded = False  # until the resume state is loaded, it is this replica's state
         self.final_state: dict[str, Any] | None = None
+        # Set by the supervisor when every consumer of this replica's output has stopped taking items (a
+        # trainer stopped at a consistent point): what is still queued or still to come is dropped, unprocessed.
+        self.abandoned = False
+        self.items_dropped = 0
 
     @property
     def label(self) -> str:
@@ -117,10 +122,13 @@ def main(rep: Replica, sup: Supervisor) -> None:
         else:
             _run_transform(rep)
         phase = "finish"
-        outs = outputs(rep, rep.stage.finish(), "finish")
-        if outs is not None:
-            for out in outs:
-                emit(rep, None, out)
+        try:
+            outs = outputs(rep, rep.stage.finish(), "finish")
+            if outs is not None:
+                for out in _unless_abandoned(rep, outs):
+                    emit(rep, None, out)
+        except StopRequested:
+            pass  # the run is stopping: finish's work was abandoned, the outputs still close
         for router in rep.routers:
             for ch in router.channels:
                 ch.close()
@@ -155,11 +163,11 @@ def _run_source(rep: Replica, sup: Supervisor) -> None:
     it = iter(rep.stage.produce())
     seq = 0
     stop = sup.stop_event
-    while not stop.is_set():
+    while not stop.is_set() and not rep.abandoned:
         rep.set_state(ReplicaState.BUSY)
         try:
             item = next(it)
-        except StopIteration:
+        except (StopIteration, StopRequested):
             break
         emit(rep, seq, item)
         seq += 1
@@ -200,24 +208,49 @@ def _handle(rep: Replica, seq: Any, item: Any, one_to_one: bool, counter) -> Non
         if rep.send_tombstones:
             emit(rep, seq, TOMBSTONE)
         return
+    if rep.abandoned:
+        rep.items_dropped += 1
+        return
     rep.set_state(ReplicaState.BUSY)
     rep.items_in += 1
-    outs = outputs(rep, rep.stage.process(item), "process")
-    n = 0
-    if outs is not None:
-        for out in outs:
-            n += 1
-            if one_to_one:
-                if n > 1:
-                    raise RuntimeError(
-                        f"stage type '{rep.type_name}' is declared 1:1 but emitted more than one item "
-                        "for one input (declare cardinality = '1:n')"
-                    )
-                emit(rep, seq, out)
-            else:
-                emit(rep, next(counter), out)
-    if n == 0 and one_to_one and rep.send_tombstones:
+    emitted = [0]
+    try:
+        outs = outputs(rep, rep.stage.process(item), "process")
+        if outs is not None:
+            _emit_outputs(rep, seq, outs, one_to_one, counter, emitted)
+    except StopRequested:
+        pass  # the item was abandoned because the run is stopping: no (further) output
+    if emitted[0] == 0 and one_to_one and rep.send_tombstones:
         emit(rep, seq, TOMBSTONE)
+
+
+def _unless_abandoned(rep: Replica, outs: Any) -> Iterator[Any]:
+    """The outputs of one call, until the replica is abandoned (a generator is closed then, unfinished)."""
+    it = iter(outs)
+    try:
+        for out in it:
+            if rep.abandoned:
+                rep.items_dropped += 1
+                break
+            yield out
+    finally:
+        if isinstance(it, Generator):
+            it.close()
+
+
+def _emit_outputs(rep: Replica, seq: Any, outs: Any, one_to_one: bool, counter, emitted: list[int]) -> None:
+    for out in _unless_abandoned(rep, outs):
+        emitted[0] += 1
+        if one_to_one:
+            if emitted[0] > 1:
+                raise RuntimeError(
+                    f"stage type '{rep.type_name}' is declared 1:1 but emitted more than one item "
+                    "for one input (declare cardinality = '1:n')"
+                )
+            emit(rep, seq, out)
+        else:
+            emit(rep, next(counter), out)
+
 
 def emit(rep: Replica, seq: Any, item: Any) -> None:
     env = (seq, item)

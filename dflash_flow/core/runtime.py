@@ -1,8 +1,10 @@
 """The supervisor: one thread per stage replica, channels between them, and nothing left behind.
 
 Shutdown is explicit: end-of-stream closes channels; an error or a stop cancels every channel, which wakes
-every blocked put/get; every thread is joined. No daemon threads and no timeout polling on the data path.
-A supervisor thread watches for lack of progress and names the stalled stage.
+every blocked put/get; every thread is joined, no timeout polling on the data path. A thread stuck in a
+stage's own code past ``shutdown_grace_s`` cannot be interrupted from Python: it is abandoned, named in the
+error (``Pipeline.abandoned``), and being a daemon it does not keep the process from exiting. A supervisor
+thread watches for lack of progress and names the stalled stage.
 """
 
 from __future__ import annotations
@@ -56,6 +58,11 @@ class RuntimeView:
     def request_stop(self, reason: str) -> None:
         """Stop the pipeline gracefully, as SIGINT would (e.g. because another rank of the job stops)."""
         self._p.stop(reason)
+
+    def abandon_upstream(self, stage: str) -> list[str]:
+        """``stage`` takes no more input (a trainer stopped at a consistent point): the stages that only
+        feed it drop what is queued and still to come, unprocessed; returns their names."""
+        return self._p.abandon_upstream(stage)
 
     def subscribe(self, callback: Any, interval_s: float, *, owner: str) -> Any:
         """Have the runtime's sampler call ``callback(snapshot)`` every ``interval_s`` on its own thread
@@ -276,6 +283,31 @@ class Pipeline:
             self._drain_timer = t
             t.start()
 
+    def abandon_upstream(self, stage: str) -> list[str]:
+        """Stop work that can only reach ``stage``, which takes no more input: every stage all of whose
+        consumers are ``stage`` or stages abandoned here drops its queued and later inputs without
+        processing them (a source stops producing); end-of-stream still flows, so every stage finishes
+        and closes normally. A stage that also feeds another branch keeps working for it."""
+        g = self.graph
+        gone = {stage}
+        changed = True
+        while changed:
+            changed = False
+            for spec in g.stages:
+                if spec.name in gone:
+                    continue
+                consumers = {c.name for c, _ in g.consumers(spec.name)}
+                if spec.name in self._collect:
+                    consumers.add("<collect>")
+                if consumers and consumers <= gone:
+                    gone.add(spec.name)
+                    changed = True
+        gone.discard(stage)
+        for name in gone:
+            for rep in self.replicas[name]:
+                rep.abandoned = True
+        return sorted(gone)
+
     def cancel(self, reason: str = "cancelled") -> None:
         """Immediate stop: every channel wakes its waiters with ChannelCancelled. Idempotent."""
         with self._lock:
@@ -332,8 +364,10 @@ class Pipeline:
         all_reps = [r for reps in self.replicas.values() for r in reps]
         self._running = len(all_reps)
         for rep in all_reps:
+            # Joined on every path (_shutdown); a daemon only so that one stuck in a stage's own code past the
+            # grace period (abandoned, named in the error) does not keep the interpreter from exiting.
             rep.thread = threading.Thread(
-                target=replica_main, args=(rep, self), name=f"dflash-flow:{rep.label}", daemon=False
+                target=replica_main, args=(rep, self), name=f"dflash-flow:{rep.label}", daemon=True
             )
         self.sampler.start()
         for rep in all_reps:
@@ -423,13 +457,26 @@ class Pipeline:
             wd.join()
         self._finished = True
         self._stuck = alive
+        if alive:
+            import logging
+
+            logging.getLogger("dflash_flow").warning(
+                "abandoned stage threads still running %.0fs after the stop: %s (stuck in the stage's own code; "
+                "daemon threads, so the process can still exit)", grace, ", ".join(alive))
+
+    @property
+    def abandoned(self) -> list[str]:
+        """The stage threads (``stage[replica]``) still running after the shutdown grace period: stuck in
+        the stage's own code, left behind as daemon threads (the process can still exit). Empty normally."""
+        return list(self._stuck)
 
     def _raise_if_failed(self) -> None:
         stuck = None
         if self._stuck:
             stuck = (
                 f"stage threads still running {self.graph.runtime.shutdown_grace_s:.0f}s after the stop: "
-                f"{', '.join(self._stuck)} (blocked outside the runtime's channels)"
+                f"{', '.join(self._stuck)} (blocked outside the runtime's channels; abandoned as daemon threads, "
+                "the process can still exit)"
             )
         if self._errors:
             if stuck:

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Protocol
 
 import attrs
 
-from .errors import StateVersionError
+from .errors import StateVersionError, StopRequested
 from .metrics import MetricSet
 from .seeding import derive_seed
 
@@ -41,6 +41,8 @@ class RuntimeAccess(Protocol):
     def stage_states(self) -> dict[str, list[dict[str, Any]]]: ...
 
     def request_stop(self, reason: str) -> None: ...
+
+    def abandon_upstream(self, stage: str) -> list[str]: ...
 
     def subscribe(self, callback: Any, interval_s: float, *, owner: str) -> Any: ...
 
@@ -127,6 +129,14 @@ class StageContext:
 
         return np.random.default_rng(self.seed_for(epoch, *salt))
 
+    def check_stop(self) -> None:
+        """Between the units of a long computation inside one item (decoding a prompt, a batch of the
+        walk, a file of an export): raise :class:`~dflash_flow.core.errors.StopRequested` once the run is
+        stopping, so the item is abandoned at once instead of holding the stop up (the runtime counts it
+        as no output, not as a failure)."""
+        if self.stop_requested.is_set():
+            raise StopRequested(f"stage '{self.name}': stopped")
+
     def heartbeat(self) -> None:
         """Tell the watchdog that a long computation inside one item is still making progress."""
         self._heartbeats += 1
@@ -148,7 +158,7 @@ class StageContext:
                 self.heartbeat()
 
         self.busy_with = what
-        t = threading.Thread(target=beat, name=f"dflash-flow-busy:{self.name}", daemon=False)
+        t = threading.Thread(target=beat, name=f"dflash-flow-busy:{self.name}", daemon=True)
         t.start()
         try:
             yield

@@ -492,7 +492,41 @@ class DrafterTrainer:
         return self.full_model_state()
 
     def optimizer_state(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.schedule.state_dict()}
+        """Optimizer and schedule; mid-accumulation (a stop between the micro-batches of a step) also the
+        partial accumulation: the gradients summed so far and the step's metric sums, so that a resumed
+        run completes that step exactly as an uninterrupted one would."""
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.schedule.state_dict()}
+        if self.accumulator.micro:
+            state["accumulation"] = self._accumulation_state()
+        return state
+
+    def _accumulation_state(self) -> dict[str, Any]:
+        if self.sharded or self.ddp:
+            # Data-parallel ranks stop at an agreed optimizer step (services.agree_to_stop): never in between.
+            raise RuntimeError("a data-parallel trainer cannot checkpoint in the middle of an accumulation")
+        grads = {name: p.grad.detach().clone() for name, p in self.drafter.named_parameters() if p.grad is not None}
+        return {
+            "micro": self.accumulator.micro,
+            "grads": grads,
+            "sums": dict(self._sums),
+            "pos_sums": list(self._pos_sums),
+            "counted": self._counted,
+            "tokens": self._tokens,
+            "samples": self._samples,
+        }
+
+    def _load_accumulation(self, acc: dict[str, Any]) -> None:
+        params = dict(self.drafter.named_parameters())
+        unknown = sorted(set(acc["grads"]) - set(params))
+        if unknown:
+            raise ValueError(f"the checkpoint's partial accumulation has gradients of unknown parameters: {unknown[:3]}")
+        for name, p in params.items():
+            g = acc["grads"].get(name)
+            p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype).clone()
+        self.accumulator.micro = int(acc["micro"])
+        self._sums = {str(k): float(v) for k, v in acc["sums"].items()}
+        self._pos_sums = [float(v) for v in acc["pos_sums"]]
+        self._counted, self._tokens, self._samples = int(acc["counted"]), int(acc["tokens"]), int(acc["samples"])
 
     def restore(self, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> None:
         """Weights and optimizer from a checkpoint (after ``load_state_dict``)."""
@@ -505,6 +539,11 @@ class DrafterTrainer:
         self.plan(0 if self.total_steps else 1)
         self.optimizer.load_state_dict(optimizer_state["optimizer"])
         self.schedule.load_state_dict(optimizer_state["scheduler"])
+        acc = optimizer_state.get("accumulation")
+        if acc:
+            self._load_accumulation(acc)
+        elif self.accumulator.micro:
+            raise ValueError("the checkpoint says it stopped mid-accumulation but holds no partial accumulation")
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -8,6 +8,7 @@ only when logging (``observe.schema``). Importing this module costs nothing heav
 from __future__ import annotations
 
 import math
+import threading
 from array import array
 from collections.abc import Mapping
 from typing import Any
@@ -108,6 +109,35 @@ class RunRecord:
     total_steps: int | None = None
     plots: bool = True  # whether the run asked for plots (the Monitor's ``plots`` option)
     _epoch_means: dict[int, dict[str, _Mean]] = attrs.field(factory=dict, init=False, repr=False)
+    # The hand-off that puts a step's metrics in MLflow before a checkpoint of that step commits: the
+    # Monitor says which step it has logged (``mark_logged``), the checkpoint service waits for it.
+    _logged_step: int = attrs.field(default=-1, init=False, repr=False)
+    _logger_live: bool = attrs.field(default=False, init=False, repr=False)
+    _logged: threading.Condition = attrs.field(factory=threading.Condition, init=False, repr=False)
+
+    # -- the logging hand-off -----------------------------------------------------------------------
+    def logging_started(self) -> None:
+        """A Monitor will log every step report it gets (until ``logging_ended``)."""
+        with self._logged:
+            self._logger_live = True
+
+    def logging_ended(self) -> None:
+        with self._logged:
+            self._logger_live = False
+            self._logged.notify_all()
+
+    def mark_logged(self, step: int) -> None:
+        """Every step report up to ``step`` has been handed to the tracker."""
+        with self._logged:
+            if step > self._logged_step:
+                self._logged_step = step
+                self._logged.notify_all()
+
+    def wait_logged(self, step: int, timeout_s: float) -> bool:
+        """Wait until the step reports up to ``step`` were handed to the tracker (at once when no Monitor
+        logs them); False when ``timeout_s`` ran out first."""
+        with self._logged:
+            return self._logged.wait_for(lambda: not self._logger_live or self._logged_step >= step, timeout_s)
 
     # -- filled by the Monitor ----------------------------------------------------------------------
     def add_train(self, point: TrainPoint) -> None:

@@ -281,6 +281,30 @@ def _ensure_experiment(client: Any, name: str, artifact_location: str | None) ->
         return exp.experiment_id
 
 
+def logged_steps(client: Any, run_id: str) -> dict[str, int]:
+    """The last step the run has of each of its metrics (what a resumed run must not log again)."""
+    run = client.get_run(run_id)
+    out = {}
+    for key in run.data.metrics:
+        steps = [m.step for m in client.get_metric_history(run_id, key)]
+        if steps:
+            out[key] = max(steps)
+    return out
+
+
+def new_metric_rows(rows: list, last_steps: dict[str, int]) -> list:
+    """Each (metric, step) goes to the store once: a row at a step the metric already has (a resumed run
+    training again past its checkpoint, a second sample at one step) is dropped; within ``rows`` the last
+    value of a (metric, step) wins. Rows are ``[key, value, timestamp, step]``; steps rise per metric."""
+    latest: dict[tuple[str, int], list] = {}
+    for row in rows:
+        key, step = row[0], int(row[3])
+        if step > last_steps.get(key, -1):
+            latest.pop((key, step), None)
+            latest[(key, step)] = row
+    return list(latest.values())
+
+
 def apply_op(client: Any, op: dict, state: dict) -> None:
     """Perform one op against the store; ``state["run_id"]`` carries the run between ops."""
     from mlflow.entities import Metric, Param, RunTag
@@ -301,9 +325,14 @@ def apply_op(client: Any, op: dict, state: dict) -> None:
         raise RuntimeError(f"spool op {kind!r} has no run (missing create_run/run record)")
     if kind == "resume":
         client.update_run(run_id, status="RUNNING")
+        state["last_steps"] = logged_steps(client, run_id)
     elif kind == "metrics":
-        metrics = [Metric(k, float(v), int(ts), int(step)) for k, v, ts, step in op["metrics"]]
-        client.log_batch(run_id, metrics=metrics, synchronous=True)
+        rows = new_metric_rows(op["metrics"], state.setdefault("last_steps", {}))
+        if rows:
+            metrics = [Metric(k, float(v), int(ts), int(step)) for k, v, ts, step in rows]
+            client.log_batch(run_id, metrics=metrics, synchronous=True)
+            for k, _, _, step in rows:
+                state["last_steps"][k] = max(int(step), state["last_steps"].get(k, -1))
     elif kind == "params":
         client.log_batch(run_id, params=[Param(k, v) for k, v in op["params"].items()], synchronous=True)
     elif kind == "tags":

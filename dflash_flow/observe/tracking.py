@@ -148,6 +148,7 @@ class Tracker(SpooledDelivery):
         self._local_id = uuid.uuid4().hex[:12]
         self._writer: threading.Thread | None = None
         self._writer_lock = threading.Lock()
+        self._order_lock = threading.Lock()  # taking rows from the buffer and queueing or sending them: one step
         self._writer_warned = False
         self._spool_write_failed = False
         self._secrets: tuple[str, ...] = ()
@@ -290,8 +291,9 @@ class Tracker(SpooledDelivery):
         """
         if not self.enabled:
             return
-        self._wait_writer()
-        self._submit(self._take_metric_ops())
+        with self._order_lock:
+            self._wait_writer()
+            self._submit(self._take_metric_ops())
 
     def flush_async(self) -> None:
         """Like ``flush`` but the store writes happen on the tracker's writer thread.
@@ -301,17 +303,18 @@ class Tracker(SpooledDelivery):
         """
         if not self.enabled or self._ended:
             return
-        ops = self._take_metric_ops()
-        if not ops:
-            return
-        with self._writer_lock:
-            if self._writer is None:
-                import queue
+        with self._order_lock:  # rows reach the store in the order they were taken (steps rise per metric)
+            ops = self._take_metric_ops()
+            if not ops:
+                return
+            with self._writer_lock:
+                if self._writer is None:
+                    import queue
 
-                self._writes = queue.Queue()
-                self._writer = threading.Thread(target=self._writer_loop, name="mlflow-writer", daemon=False)
-                self._writer.start()
-        self._writes.put(ops)
+                    self._writes = queue.Queue()
+                    self._writer = threading.Thread(target=self._writer_loop, name="mlflow-writer", daemon=False)
+                    self._writer.start()
+            self._writes.put(ops)
 
     def _writer_loop(self) -> None:
         while True:

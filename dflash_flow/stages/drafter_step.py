@@ -138,6 +138,7 @@ class DrafterStep(Stage, CheckpointSource):
     _epoch_done: bool = attrs.field(default=False, init=False)  # the last batch trained ended its epoch
     _plan_state: dict[str, Any] | None = attrs.field(default=None, init=False)  # the Interleaver's, after it
     _total_consumed: int = attrs.field(default=0, init=False)  # batches trained on in the whole run (this rank)
+    _trained: int = attrs.field(default=0, init=False)  # batches trained since the last checkpoint (this process)
     _trainer: Any = attrs.field(default=None, init=False)
     _batch_log: Any = attrs.field(default=None, init=False)
     _probe: Any = attrs.field(default=None, init=False)  # model.heldout.HeldoutProbe, when heldout_data is set
@@ -295,8 +296,18 @@ class DrafterStep(Stage, CheckpointSource):
                            conversations=len(self._probe.inputs), horizon=self._probe.horizon)
 
     def process(self, feats: TargetFeatures):
+        """Train one micro-batch; after an optimizer step, emit its report, then checkpoint when due (the
+        Monitor has the report before the checkpoint commits: its metrics are in MLflow by then).
+
+        A stop (Ctrl-C, SIGTERM) trains at most the micro-batch in flight: from then on batches are dropped
+        and the stages that only feed this one drop theirs (``abandon_upstream``); the data position stays
+        the last batch trained, so a resume trains the dropped ones. In one process the stop takes effect
+        at once (a partial accumulation goes into the stop checkpoint); under torchrun the ranks agree on
+        the optimizer step after which they all stop (``agree_to_stop``)."""
+        if not self._stopping and self._dist is None and self._ctx.stop_requested.is_set():
+            self._begin_stop()
         if self._stopping:
-            return None  # the job is stopping at a step all ranks agreed on: the rest drains untrained
+            return None  # stopping: the rest drains untrained
         meta = feats.meta
         epoch_end = meta.last_of_epoch
         t0 = time.perf_counter()
@@ -307,6 +318,7 @@ class DrafterStep(Stage, CheckpointSource):
         self._epoch, self._plan_state, self._epoch_done = meta.epoch, meta.plan_state, epoch_end
         self._total_consumed += 1
         self._planned_total = meta.total_batches or None
+        self._trained += 1
         self._m_tokens.inc(meta.real_tokens)
         self._m_samples.inc(meta.num_samples)
         self._m_step_s.observe(time.perf_counter() - t0)
@@ -314,21 +326,29 @@ class DrafterStep(Stage, CheckpointSource):
             self._batch_log.write(meta)
         if metrics is None:
             return None
+        return self._after_step(meta, metrics, epoch_end)
+
+    def _after_step(self, meta, metrics: dict[str, float], epoch_end: bool):
         self._m_steps.inc()
         if "loss" in metrics:  # a step of filler batches only has no loss
             self._m_loss.set(metrics["loss"])
-        report = StepReport(step=self._trainer.step, epoch=meta.epoch, meta=meta, metrics=metrics,
-                            position_accuracy=self._trainer.position_accuracy, total_steps=self._trainer.total_steps,
-                            heldout=self._heldout(last=meta.last_of_run))
+        yield StepReport(step=self._trainer.step, epoch=meta.epoch, meta=meta, metrics=metrics,
+                         position_accuracy=self._trainer.position_accuracy, total_steps=self._trainer.total_steps,
+                         heldout=self._heldout(last=meta.last_of_run))
         if self._services.checkpoints is not None:
             # An epoch's end and the run's last planned batch are both checkpoint points (at_epoch_end).
-            self._services.checkpoints.after_step(self, step=self._trainer.step, epoch_end=epoch_end or meta.last_of_run)
+            if self._services.checkpoints.after_step(self, step=self._trainer.step, epoch_end=epoch_end or meta.last_of_run):
+                self._trained = 0
         if self._dist is not None and agree_to_stop(self._dist, self._ctx.stop_requested.is_set()):
             # One rank was asked to stop: every rank stops after this same step.
-            self._stopping = True
+            self._begin_stop()
             if not self._ctx.stop_requested.is_set() and self._ctx.runtime is not None:
                 self._ctx.runtime.request_stop("another rank of the job is stopping")
-        return (report,)
+
+    def _begin_stop(self) -> None:
+        self._stopping = True
+        if self._ctx.runtime is not None:
+            self._ctx.runtime.abandon_upstream(self._ctx.name)
 
     def parameter_count(self) -> int:
         """Trainable parameters of the drafter this stage builds, counted on the meta device (no memory, no
@@ -422,11 +442,11 @@ class DrafterStep(Stage, CheckpointSource):
         from dflash_flow.model.export import save_drafter
         from dflash_flow.observe.batchlog import refuse_outside
 
-        self._trainer.flush()
         if self._ctx.stop_requested.is_set():
-            # Stopped by a signal: the pipeline drained, so this state is consistent. Save it to resume.
+            # Stopped: the state is that of the last batch trained, a partial accumulation included (no
+            # early optimizer step: a resumed run completes that step as an uninterrupted run would).
             checkpoints = self._services.checkpoints
-            if checkpoints is not None and checkpoints.on_signal:
+            if checkpoints is not None and checkpoints.on_signal and (self._trained or self._dist is not None):
                 checkpoints.save(self)
             return None
         self._check_trained()

@@ -92,6 +92,7 @@ class Monitor(Stage):
             if not self._sinks:
                 self._sinks = {i.stage for i in graph.stage(ctx.name).inputs}
         self._samples = ctx.metrics.counter("samples", "samples", "Monitor samples taken")
+        self._record.logging_started()  # a checkpoint of step S waits until step S's metrics are handed over
         self._lock = threading.Lock()  # the window and the record's samples: this thread and the sampler's
         if ctx.runtime is not None and self._dist is None:
             self._subscription = ctx.runtime.subscribe(self._tick, self.interval_s, owner=ctx.name)
@@ -103,6 +104,7 @@ class Monitor(Stage):
         if isinstance(item, StepReport):
             due = self._on_step(item, due)
             self._note_steady(item, now)
+            self._record.mark_logged(item.step)
         elif isinstance(item, EvalReport):
             self._on_eval(item)
             due = False
@@ -289,6 +291,8 @@ class Monitor(Stage):
 
     def teardown(self) -> None:
         self._unsubscribe()
+        if getattr(self, "_record", None) is not None:
+            self._record.logging_ended()
         if self._printer is not None:
             self._printer.close()
             self._printer = None

@@ -221,6 +221,29 @@ def test_resume_continues_the_same_run(sqlite_uri, tmp_path):
     assert sorted(m.step for m in c.get_metric_history(first.run_id, "loss")) == list(range(9))
 
 
+def test_each_metric_step_reaches_the_store_once_across_a_resume(sqlite_uri, tmp_path):
+    """A resumed run trains again the steps between its checkpoint and the kill: the store keeps the
+    first copy of each (metric, step), as it keeps one of a second sample at one step (issue 23.6)."""
+    first = Tracker.start(tracking_uri=sqlite_uri, experiment="observe-tests", spool_dir=tmp_path, system_metrics=False)
+    for s in range(1, 7):
+        first.log_metrics({"loss": float(s), "eval/tau": 2.0}, step=s)
+        first.flush()
+    first.log_metrics({"loss": 99.0}, step=6)  # a second sample at one step: not a second point
+    first.end("KILLED")
+    # Resumed from a checkpoint at step 4: steps 5 and 6 come again, then new ones.
+    second = Tracker.start(tracking_uri=sqlite_uri, experiment="observe-tests", resume_run_id=first.run_id,
+                           spool_dir=tmp_path, system_metrics=False)
+    for s in range(5, 9):
+        second.log_metrics({"loss": float(s) + 0.5, "eval/tau": 3.0}, step=s)
+        second.log_metrics({"loss": float(s) + 0.25}, step=s)  # within one flush the last value wins
+        second.flush()
+    second.end("FINISHED")
+    history = client_for(sqlite_uri).get_metric_history(first.run_id, "loss")
+    assert sorted(m.step for m in history) == list(range(1, 9))
+    assert {m.step: m.value for m in history}[6] == 6.0 and {m.step: m.value for m in history}[7] == 7.25
+    assert sorted(m.step for m in client_for(sqlite_uri).get_metric_history(first.run_id, "eval/tau")) == list(range(1, 9))
+
+
 def test_resume_unknown_run_raises(sqlite_uri, tmp_path):
     from mlflow.exceptions import MlflowException
 
