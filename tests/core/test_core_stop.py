@@ -14,7 +14,7 @@ import attrs
 import pytest
 from stages_for_tests import fast_runtime, wait_threads_back
 
-from dflash_flow.core import Graph, Pipeline, PipelineInterrupted, PipelineStalled, Stage, register_stage
+from dflash_flow.core import Graph, Pipeline, PipelineInterrupted, Stage, register_stage
 
 
 @register_stage
