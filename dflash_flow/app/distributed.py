@@ -73,6 +73,30 @@ class Distributed:
         return out
 
 
+def disagreement(per_rank: list[dict[str, Any]]) -> str | None:
+    """What the ranks of one job disagree on (None: nothing): each rank's start-up facts (the config hash,
+    the data fingerprints, the package version), compared with rank 0's, naming the field and the ranks.
+    The multi-node recipe runs the command on every node separately: another YAML, ``--set``, data copy or
+    code version on one node would otherwise train silently wrong (samples skipped or trained twice)."""
+    if not per_rank:
+        return None
+    base = per_rank[0]
+    for field in sorted({k for facts in per_rank for k in facts}):
+        odd = [r for r, facts in enumerate(per_rank) if facts.get(field) != base.get(field)]
+        if not odd:
+            continue
+        if isinstance(base.get(field), dict):
+            keys = sorted({k for r in (0, *odd) for k in per_rank[r].get(field, {})})
+            diff = [k for k in keys if any(per_rank[r].get(field, {}).get(k) != base[field].get(k) for r in odd)]
+            what = f"{field} ({', '.join(diff[:3])}{' ...' if len(diff) > 3 else ''})"
+        else:
+            what = f"{field} ({base.get(field)!r} on rank 0, {per_rank[odd[0]].get(field)!r} on rank {odd[0]})"
+        ranks = ", ".join(map(str, odd))
+        return (f"the ranks of this job disagree on {what}: rank(s) {ranks} differ from rank 0; every node must "
+                "run the same pipeline file, --set overrides, data and dflash-flow version")
+    return None
+
+
 def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """One dict from every rank's step metrics, each key reduced as declared (``items.TRAIN_METRIC_REDUCTIONS``
     through ``observe.schema.train_reduction``: sums for tokens and samples, max for times, means otherwise).

@@ -234,6 +234,15 @@ def _prepare(v: Validated, dist_ctx, output_dir: Path, resume: str | None):
 
     graph = v.graph
     main = dist_ctx is None or dist_ctx.is_main
+    if dist_ctx is not None:  # every rank, before anything is written: one job, one config, one data set
+        import dflash_flow
+        from dflash_flow.app.distributed import disagreement
+
+        facts = {"config_hash": resume_config_hash(graph), "data_files": data_fingerprint(v),
+                 "version": dflash_flow.__version__}
+        problem = disagreement(dist_ctx.all_gather_object(facts))
+        if problem:
+            raise UserError(f"rank {dist_ctx.rank}: {problem}")
     lock = None
     if main:
         prepare_output_dir(output_dir)

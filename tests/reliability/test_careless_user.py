@@ -220,3 +220,15 @@ def test_a_stream_that_ends_before_its_plan_fails_and_exports_nothing(tmp_path):
     assert not (out / "drafter").exists()
     (run,) = mlflow_runs(tmp_path / "mlflow.db")
     assert run.info.status == "FAILED"
+
+
+def test_rank_disagreement_names_the_field_and_the_ranks():
+    from dflash_flow.app.distributed import disagreement
+
+    same = {"config_hash": "a", "data_files": {"d.jsonl": "1"}, "version": "0.1.0"}
+    assert disagreement([same, dict(same), dict(same)]) is None
+    seed = disagreement([same, {**same, "config_hash": "b"}, dict(same)])
+    assert "disagree on config_hash ('a' on rank 0, 'b' on rank 1)" in seed and "rank(s) 1 differ" in seed
+    data = disagreement([same, dict(same), {**same, "data_files": {"d.jsonl": "2"}}])
+    assert "disagree on data_files (d.jsonl)" in data and "rank(s) 2 differ" in data
+    assert "version" in disagreement([same, {**same, "version": "0.2.0"}])
