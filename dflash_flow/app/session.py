@@ -235,11 +235,12 @@ def _prepare(v: Validated, dist_ctx, output_dir: Path, resume: str | None):
     graph = v.graph
     main = dist_ctx is None or dist_ctx.is_main
     if dist_ctx is not None:  # every rank, before anything is written: one job, one config, one data set
-        import dflash_flow
+        from importlib.metadata import version
+
         from dflash_flow.app.distributed import disagreement
 
         facts = {"config_hash": resume_config_hash(graph), "data_files": data_fingerprint(v),
-                 "version": dflash_flow.__version__}
+                 "version": version("dflash-flow")}
         problem = disagreement(dist_ctx.all_gather_object(facts))
         if problem:
             raise UserError(f"rank {dist_ctx.rank}: {problem}")
