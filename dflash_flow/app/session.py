@@ -174,7 +174,7 @@ class DeferredSignals:
             raise KeyboardInterrupt()
 
 
-def flush_tracking(record, tracker, step: int, timeout_s: float = 30.0) -> None:
+def flush_tracking(record, tracker, step: int, timeout_s: float = 5.0) -> None:
     """Before a checkpoint of ``step`` commits: the Monitor has handed the tracker the metrics of every
     step up to it, and they are written to the store (or its spool). A run killed after the checkpoint
     then has them, and its resume logs only the steps after it."""
