@@ -36,6 +36,7 @@ from dflash_flow.model.drafter import (
     DFlashDrafter,
     draft_value,
 )
+from dflash_flow.model.export_contract import read_json_object
 from dflash_flow.util import atomic_path, atomic_write_text
 
 CONFIG_NAME = "config.json"
@@ -246,12 +247,7 @@ def load_drafter_config(path: str | os.PathLike):
     where = Path(path) / CONFIG_NAME
     if not where.is_file():
         raise CheckpointError(f"no {CONFIG_NAME} in {Path(path)}")
-    try:
-        d = json.loads(where.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{where} is not valid JSON: {e}") from e
-    if not isinstance(d, dict):
-        raise CheckpointError(f"{where} does not hold a JSON object")
+    d = read_json_object(where)
     _validate_config_dict(d, where)
     if SLIDING_ATTENTION in (d.get("layer_types") or []):
         d["use_sliding_window"] = True  # else Qwen3Config silently drops sliding_window

@@ -48,6 +48,18 @@ KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention")
 _HEADER_LIMIT = 100 * 2**20  # safetensors' own header cap
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """An exported ``config.json`` as a dict, or a CheckpointError naming the file (bad JSON, not an object)."""
+    try:
+        d = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object")
+    return d
+
+
+
 def read_safetensors_header(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     """``{tensor name: shape}`` from a safetensors file's JSON header, without reading the weights."""
     path = Path(path)
@@ -206,12 +218,7 @@ def check_export(path: str | os.PathLike) -> dict[str, Any]:
     unreadable = [m for m in (_readable_by_others(root, directory=True), _readable_by_others(cfg_path),
                               _readable_by_others(weights)) if m]
     problems.extend(unreadable)
-    try:
-        d = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{cfg_path} is not valid JSON: {exc}") from exc
-    if not isinstance(d, dict):
-        raise CheckpointError(f"{cfg_path} does not hold a JSON object")
+    d = read_json_object(cfg_path)
     problems.extend(config_problems(d))
     problems.extend(weight_problems(d, read_safetensors_header(weights)))
     if problems:

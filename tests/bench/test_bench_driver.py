@@ -4,30 +4,19 @@ every README benchmark is in some set; each result file gets the command and the
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import time
 import zipfile
 from pathlib import Path
 
 import pytest
+from benchtools import BENCH, load_bench
 
 REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "bench"
-
-
-def _load(name: str):
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_a_wheel_that_does_not_match_the_pin_is_refused_with_the_command(tmp_path, monkeypatch):
-    peers = _load("peers")
+    peers = load_bench("peers")
     monkeypatch.setenv("DFLASH_FLOW_CACHE", str(tmp_path))
     monkeypatch.delenv("DFLASH_SPECFORGE_DIR", raising=False)
     requirement, digest = peers.specforge_pin()
@@ -39,20 +28,20 @@ def test_a_wheel_that_does_not_match_the_pin_is_refused_with_the_command(tmp_pat
     with pytest.raises(peers.Missing, match=r"does not match the sha256 pinned.*pip download --no-deps --require-hashes -r"):
         peers.ensure_specforge()
     assert not (tmp_path / "specforge-0.2.0").exists()  # nothing unpacked from it
-    peer_step = _load("peer_step")
+    peer_step = load_bench("peer_step")
     classes, reason = peer_step.import_specforge(fetch=True)
     assert classes is None and "require-hashes" in reason
 
 
 def test_a_named_specforge_dir_that_is_empty_says_so(tmp_path, monkeypatch):
-    peers = _load("peers")
+    peers = load_bench("peers")
     monkeypatch.setenv("DFLASH_SPECFORGE_DIR", str(tmp_path / "nowhere"))
     with pytest.raises(peers.Missing, match="no unpacked SpecForge wheel at .*nowhere"):
         peers.ensure_specforge()
 
 
 def test_the_default_set_is_short_and_every_readme_benchmark_is_run(tmp_path):
-    run_all = _load("run_all")
+    run_all = load_bench("run_all")
     default = run_all.selected(long=False, only=None)
     assert sum(b.minutes for b in default) <= 16
     assert {"peer_train", "variants"} <= {b.name for b in run_all.BENCHES if b.long}
@@ -65,8 +54,8 @@ def test_the_default_set_is_short_and_every_readme_benchmark_is_run(tmp_path):
         run_all.selected(long=False, only="peer_stepp")
 
 
-def test_each_result_file_gets_the_command_and_the_load(tmp_path):
-    run_all = _load("run_all")
+def test_each_result_file_gets_the_command_and_theload_bench(tmp_path):
+    run_all = load_bench("run_all")
     out = tmp_path / "x.json"
     run = {"command": "python bench/x.py", "started_unix": int(time.time()), "load_avg_before": run_all.load_avg()}
     assert not run_all.stamp(out, run)  # not written: nothing to stamp

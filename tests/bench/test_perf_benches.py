@@ -3,23 +3,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def _load(name: str):
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from benchtools import load_bench
 
 
 def _on_disk(out: Path, result: dict) -> dict:
@@ -31,7 +19,7 @@ def _on_disk(out: Path, result: dict) -> dict:
 
 def test_profile_bench_sleep_validation(tmp_path):
     out = tmp_path / "profile.json"
-    data = _on_disk(out, _load("profile_bench").main(["--out", str(out), "--sleep-steps", "40", "--no-embedded"]))
+    data = _on_disk(out, load_bench("profile_bench").main(["--out", str(out), "--sleep-steps", "40", "--no-embedded"]))
     rows = data["sleep"]["rows"]
     assert [r["mix"] for r in rows][0] == {"a": 1, "b": 1} and len(rows) == 5
     assert all(r["predicted_batches_per_s"] > 0 and r["measured_batches_per_s"] > 0 for r in rows)
@@ -40,7 +28,7 @@ def test_profile_bench_sleep_validation(tmp_path):
 
 def test_fanout_bench_runs_every_cell(tmp_path):
     out = tmp_path / "fanout.json"
-    data = _on_disk(out, _load("fanout_bench").main(["--out", str(out), "--samples", "600", "--reps", "1", "--unit-ms", "6"]))
+    data = _on_disk(out, load_bench("fanout_bench").main(["--out", str(out), "--samples", "600", "--reps", "1", "--unit-ms", "6"]))
     assert set(data["summary"]) == {"shuffle/round_robin", "shuffle/least_loaded", "interleaver/round_robin",
                                     "interleaver/least_loaded"}
     w = data["workload"]
@@ -54,14 +42,14 @@ def test_fanout_bench_runs_every_cell(tmp_path):
 def test_torchdata_bench_trains_the_same_batches(tmp_path):
     pytest.importorskip("torchdata", reason='torchdata is an optional extra: pip install -e ".[torchdata]"')
     out = tmp_path / "torchdata.json"
-    data = _on_disk(out, _load("torchdata_bench").main(["--out", str(out), "--samples", "400", "--reps", "1", "--unit-ms", "4"]))
+    data = _on_disk(out, load_bench("torchdata_bench").main(["--out", str(out), "--samples", "400", "--reps", "1", "--unit-ms", "4"]))
     assert data["same_batches"] is True and data["batches"] > 10  # main() raises when they differ
     assert data["ours_over_torchdata"] > 0
 
 
 def test_torchdata_bench_planned_batches_match_the_stages(tmp_path):
     """The torchdata side's batches are the Bucketer + Interleaver's: the same plan, sample for sample."""
-    td = _load("torchdata_bench")
+    td = load_bench("torchdata_bench")
     data = td.samples(300)
     theirs = [tuple(b.meta.sample_ids) for b in td.planned_batches(data)]
     from dflash_flow.core import Graph, Pipeline
@@ -81,7 +69,7 @@ def test_torchdata_bench_planned_batches_match_the_stages(tmp_path):
 @pytest.mark.slow
 def test_e2e_bench_same_batches_both_ways(tmp_path):
     out = tmp_path / "e2e.json"
-    data = _on_disk(out, _load("e2e_bench").main(["--out", str(out), "--steps", "3", "--pairs", "1"]))
+    data = _on_disk(out, load_bench("e2e_bench").main(["--out", str(out), "--steps", "3", "--pairs", "1"]))
     assert data["same_batches"] is True
     assert set(data["variants"]) == {"default", "one_thread"}
     assert 0.0 <= data["drafter_data_wait"] <= 1.0 and data["pipelined_tokens_per_s"] > 0
@@ -90,7 +78,7 @@ def test_e2e_bench_same_batches_both_ways(tmp_path):
 @pytest.mark.slow
 def test_scale_bench_measures_the_allreduce_wait(tmp_path):
     out = tmp_path / "scale.json"
-    data = _on_disk(out, _load("scale_bench").main(["--out", str(out), "--steps", "6"]))
+    data = _on_disk(out, load_bench("scale_bench").main(["--out", str(out), "--steps", "6"]))
     assert data["one_process"]["steps"] == 6 and data["two_ranks"]["steps"] == 6
     assert data["one_process"]["allreduce_wait_s_per_step"] is None  # no DDP, no hook
     assert data["allreduce_wait_s_per_step"] is not None and data["allreduce_wait_s_per_step"] >= 0.0
@@ -100,7 +88,7 @@ def test_scale_bench_measures_the_allreduce_wait(tmp_path):
 def test_data_scale_bench_runs_and_ranks_tokenize_once(tmp_path):
     """A tiny corpus through every measurement of bench/data_scale_bench.py (not its speed)."""
     out = tmp_path / "data_scale.json"
-    data = _on_disk(out, _load("data_scale_bench").main(["--n", "40", "--out", str(out), "--workdir", str(tmp_path / "w"),
+    data = _on_disk(out, load_bench("data_scale_bench").main(["--n", "40", "--out", str(out), "--workdir", str(tmp_path / "w"),
                                                               "--plan-samples", "5000"]))
     assert data["corpus"]["conversations"] == 40 and data["corpus"]["tokens"] > 0
     assert sorted(r["built"] for r in data["cold_2ranks"]) == [False, True]  # one rank tokenized, one waited or mapped
