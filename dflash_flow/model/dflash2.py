@@ -55,8 +55,11 @@ from dflash_flow.model.strategies import (  # noqa: F401 - re-exported: the sett
     DFLASH2_DEFAULTS,
     DFLASH2_KEYS,
     VARIANTS,
+    Variant,
+    as_variant,
     dflash2_problems,
     dflash2_settings,
+    knobs,
 )
 
 ARCHITECTURE = "DFlash2DraftModel"
@@ -94,18 +97,24 @@ def make_dflash2_config(
     return config
 
 
+def variant_config(target_config: Any, variant: Variant, **drafter_kw: Any):
+    """The drafter config of a variant strategy (``strategies.Variant`` or ``DFlash2``): its export settings go
+    into ``dflash_config``."""
+    if variant.name == "dflash2":
+        return make_dflash2_config(target_config, **variant.export_settings(), **drafter_kw)
+    return make_drafter_config(target_config, **drafter_kw)
+
+
 def make_variant_config(target_config: Any, *, variant: str = "dflash", **kw: Any):
-    """The drafter config of ``variant`` (``dflash`` or ``dflash2``); the DFlash 2 settings are refused
-    for a plain DFlash drafter rather than silently dropped."""
-    extra = {k: kw.pop(k) for k in DFLASH2_KEYS if k in kw}
-    if variant == "dflash2":
-        return make_dflash2_config(target_config, **extra, **kw)
-    if variant != "dflash":
-        raise ValueError(f"unknown drafter variant {variant!r}; expected one of {list(VARIANTS)}")
-    set_ = sorted(k for k, v in extra.items() if v is not None)
-    if set_:
-        raise ValueError(f"{', '.join(set_)} only apply to variant: dflash2 (variant is dflash)")
-    return make_drafter_config(target_config, **kw)
+    """The drafter config of ``variant`` (``dflash`` or ``dflash2``) with its knobs given flat; a knob of
+    another variant is refused rather than silently dropped."""
+    given = {k: kw.pop(k) for k in DFLASH2_KEYS if k in kw}
+    cls = as_variant(variant).__class__
+    own = {f.name for f in knobs(cls)}
+    wrong = sorted(k for k, v in given.items() if v is not None and k not in own)
+    if wrong:
+        raise ValueError(f"{', '.join(wrong)} only apply to variant: dflash2 (variant is {variant})")
+    return variant_config(target_config, cls(**{k: v for k, v in given.items() if k in own}), **kw)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -386,6 +395,7 @@ __all__ = [
     "drafter_variant",
     "dflash2_settings",
     "make_variant_config",
+    "variant_config",
     "is_dflash2_config",
     "make_dflash2_config",
     "select_path",

@@ -1,30 +1,29 @@
 """The drafter's variants (``dflash``, ``dflash2``) and training objectives (``dflash``, ``variable_prefix``)
-as small strategies, torch-free: which settings (knobs) belong to which, their checks (each once), and the
-strategy objects the trainer and the export read.
+as small strategies, torch-free. Each strategy is an attrs class that owns its knobs (their one
+declaration, with doc and bounds: the DrafterStep's YAML fields and its ``dflash-flow stages`` lines are
+included from here, ``core.fields.include``), their checks (each once), its loss term, the metrics it adds
+and, for a variant, the keys it writes into the exported ``dflash_config``.
 
-A knob is a DrafterStep config field (the YAML's one declaration, with its doc and bounds); ``KNOBS`` says
-which strategy it belongs to, so a knob set for another strategy is refused by one rule, and the strategy
-is built from the stage's fields by name (``variant_of`` / ``objective_of``). The variants' settings go
-into the exported ``dflash_config`` (``Variant.settings``); the objectives' prior is ``model.blockplan``'s.
+``VARIANTS`` and ``OBJECTIVES`` map each name to its class; ``variant_of`` / ``objective_of`` build the
+chosen one from a config that carries the knobs flat (the stage), and ``misplaced_knobs`` is the one rule
+that refuses a knob set for a strategy that is not the chosen one.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
-VARIANTS = ("dflash", "dflash2")
-OBJECTIVES = ("dflash", "variable_prefix")
-DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+from dflash_flow.core.stage import cfg
+
 # The published DFlash 2 settings (NeMo AutoModel's and speculators' defaults; z-lab reads them from
 # the checkpoint's dflash_config and has none of its own): two taps, 16 channels per dynamic group, a
 # rank-256 selector over 16 candidates.
 DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
-PREFIX_KEYS = ("prefix_weight_base", "prefix_min_length", "prefix_max_length")
-#: The knobs of each strategy (the base ``dflash`` variant and objective have none).
-KNOBS: dict[str, tuple[str, ...]] = {"dflash2": (*DFLASH2_KEYS, "selector_loss_weight"), "variable_prefix": PREFIX_KEYS}
+#: The DFlash 2 settings written into the exported ``dflash_config`` (``DFlash2.export_settings``).
+DFLASH2_KEYS = tuple(DFLASH2_DEFAULTS)
 #: The metrics a DFlash 2 drafter's loss adds (``DFlashLossOutput.extra``).
 SELECTOR_EXTRAS = ("dflash_loss", "selector_loss", "selector_accuracy", "candidate_recall", "selector_accept_len")
 
@@ -33,7 +32,9 @@ def dflash2_problems(
     settings: dict[str, Any], *, hidden_size: int, vocab_size: int, block_size: int | None = None
 ) -> list[tuple[str, str]]:
     """``(setting, message)`` for what is wrong with DFlash 2 settings for a drafter of this hidden and
-    vocabulary size (and block size, when given); each message also names the setting."""
+    vocabulary size (and block size, when given); each message also names the setting. The one check of
+    the settings against the sizes (the stage's preflight, the drafter's config and an exported
+    checkpoint's all ask it)."""
     problems = []
     for key in DFLASH2_KEYS:
         value = settings.get(key)
@@ -47,11 +48,17 @@ def dflash2_problems(
             "groups that share one dynamic tap)")))
     if isinstance(top_k, int) and top_k > vocab_size:
         problems.append(("selector_top_k", f"selector_top_k {top_k} exceeds the vocabulary ({vocab_size} tokens)"))
-    if block_size is not None and isinstance(kernel, int) and kernel > block_size:
-        problems.append(("conv_kernel_size", (
-            f"conv_kernel_size {kernel} is longer than the block ({block_size} slots): taps past the block's "
-            "first slot read nothing")))
+    if block_size is not None:
+        problems += kernel_problems(kernel, block_size)
     return problems
+
+
+def kernel_problems(kernel: Any, block_size: int) -> list[tuple[str, str]]:
+    """The in-block convolution's taps against the block (the one check of it)."""
+    if isinstance(kernel, int) and kernel > block_size:
+        return [("conv_kernel_size", f"'conv_kernel_size' must be <= block_size = {block_size}: {kernel} taps, and "
+                                     "taps past the block's first slot read nothing")]
+    return []
 
 
 def dflash2_settings(
@@ -70,92 +77,195 @@ def dflash2_settings(
     return {k: DFLASH2_DEFAULTS[k] if v is None else v for k, v in given.items()}
 
 
-def prefix_bounds(block_size: int, weight_base: Any, min_length: int, max_length: int | None) -> tuple[int, int]:
-    """``(lo, hi)``: the visible prefix lengths the variable-prefix prior draws from for blocks of
-    ``block_size``; the one check of its settings (ValueError naming the config field)."""
+def prefix_problems(block_size: int, weight_base: Any, min_length: Any, max_length: Any) -> list[tuple[str, str]]:
+    """``(field, message)``: what is wrong with the variable-prefix settings for blocks of ``block_size``;
+    the one check of them (the stage's validation, the trainer's and the loss's all come here)."""
     if isinstance(weight_base, bool) or not isinstance(weight_base, (int, float)) or not math.isfinite(weight_base) \
             or weight_base <= 0:
-        raise ValueError(f"prefix_weight_base must be a finite number > 0, got {weight_base!r}")
+        return [("prefix_weight_base", f"prefix_weight_base must be a finite number > 0, got {weight_base!r}")]
     hi = block_size - 1 if max_length is None else max_length
     if not 1 <= min_length <= block_size - 1:
-        raise ValueError(f"prefix_min_length must be in [1, block_size - 1] = [1, {block_size - 1}], got {min_length}")
+        return [("prefix_min_length",
+                 f"prefix_min_length must be in [1, block_size - 1] = [1, {block_size - 1}], got {min_length}")]
     if not min_length <= hi <= block_size - 1:
-        raise ValueError(
+        return [("prefix_max_length", (
             f"prefix_max_length must be in [prefix_min_length, block_size - 1] = [{min_length}, {block_size - 1}], "
-            f"got {hi}"
-        )
-    return int(min_length), int(hi)
+            f"got {hi}"))]
+    return []
 
 
-@attrs.frozen
+def prefix_bounds(block_size: int, weight_base: Any, min_length: int, max_length: int | None) -> tuple[int, int]:
+    """``(lo, hi)``: the visible prefix lengths the variable-prefix prior draws from for blocks of
+    ``block_size``; ValueError naming the config field when ``prefix_problems`` finds one."""
+    problems = prefix_problems(block_size, weight_base, min_length, max_length)
+    if problems:
+        raise ValueError(problems[0][1])
+    return int(min_length), int(block_size - 1 if max_length is None else max_length)
+
+
+# -- variants --------------------------------------------------------------------------------------------
+@attrs.frozen(kw_only=True)
 class Variant:
-    """A drafter variant: its settings (``dflash2``: the four DFlash 2 settings, None for the published
-    defaults) and the weight of its own loss term."""
+    """The DFlash drafter (z-lab's architecture): no knobs, no loss term or metrics of its own."""
 
-    name: str = "dflash"
-    settings: dict[str, int | None] = attrs.field(factory=dict)
-    selector_loss_weight: float = 1.0
+    name: ClassVar[str] = "dflash"
+    #: The metrics its loss adds to a step's (``DFlashLossOutput.extra``).
+    metric_names: ClassVar[tuple[str, ...]] = ()
 
-    def problems(self, *, hidden_size: int, vocab_size: int, block_size: int) -> list[tuple[str, str]]:
-        """What this variant's settings cannot do with a target of these sizes."""
-        if self.name != "dflash2":
-            return []
-        full = dflash2_settings(**{k: self.settings.get(k) for k in DFLASH2_KEYS})
-        return dflash2_problems(full, hidden_size=hidden_size, vocab_size=vocab_size, block_size=block_size)
+    def export_settings(self) -> dict[str, int]:
+        """What it writes into the exported ``dflash_config`` (None knobs filled with their defaults)."""
+        return {}
 
     @property
-    def metric_names(self) -> tuple[str, ...]:
-        return SELECTOR_EXTRAS if self.name == "dflash2" else ()
+    def loss_weight(self) -> float:
+        """The weight of its own loss term (0: none)."""
+        return 0.0
+
+    def problems(self, *, hidden_size: int, vocab_size: int, block_size: int) -> list[tuple[str, str]]:
+        """``(knob, message)``: what its knobs cannot do with a target of these sizes."""
+        return []
+
+    def block_problems(self, block_size: int) -> list[tuple[str, str]]:
+        """``(knob, message)``: what its knobs cannot do with blocks of ``block_size`` (known before any
+        target is read)."""
+        return []
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
+class DFlash2(Variant):
+    """DFlash 2 (docs/dflash2.md): in-block convolutions and a candidate selector."""
+
+    name: ClassVar[str] = "dflash2"
+    metric_names: ClassVar[tuple[str, ...]] = SELECTOR_EXTRAS
+
+    conv_kernel_size: int | None = cfg(None, ge=1, doc="dflash2: taps of the in-block convolutions (null: 2).")
+    conv_group_size: int | None = cfg(
+        None, ge=1, doc="dflash2: channels sharing one dynamic tap; must divide the hidden size (null: 16)."
+    )
+    selector_rank: int | None = cfg(None, ge=1, doc="dflash2: rank of the selector's codebooks (null: 256).")
+    selector_top_k: int | None = cfg(
+        None, ge=1, doc="dflash2: candidates the selector reranks per slot, at most the vocabulary (null: 16)."
+    )
+    selector_loss_weight: float = cfg(
+        1.0, ge=0, doc="dflash2: loss = DFlash loss + this x the selector's candidate cross-entropy."
+    )
+
+    def export_settings(self) -> dict[str, int]:
+        return dflash2_settings(self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k)
+
+    @property
+    def loss_weight(self) -> float:
+        return float(self.selector_loss_weight)
+
+    def problems(self, *, hidden_size: int, vocab_size: int, block_size: int) -> list[tuple[str, str]]:
+        return dflash2_problems(self.export_settings(), hidden_size=hidden_size, vocab_size=vocab_size,
+                                block_size=block_size)
+
+    def block_problems(self, block_size: int) -> list[tuple[str, str]]:
+        return kernel_problems(self.conv_kernel_size, block_size)
+
+
+# -- objectives ------------------------------------------------------------------------------------------
+@attrs.frozen(kw_only=True)
 class Objective:
-    """A training objective: ``dflash`` (one real token per block) or ``variable_prefix`` (a visible prefix
-    of ``l`` real tokens, ``Pr(l) ~ weight_base ** l`` on ``[min_length, max_length]``)."""
+    """DFlash's objective: one real token (the anchor) per block, every other slot supervised."""
 
-    name: str = "dflash"
-    weight_base: float = 0.9
-    min_length: int = 1
-    max_length: int | None = None
+    name: ClassVar[str] = "dflash"
+    metric_names: ClassVar[tuple[str, ...]] = ()
+
+    def block_problems(self, block_size: int) -> list[tuple[str, str]]:
+        """``(knob, message)``: what its knobs cannot do with blocks of ``block_size``."""
+        return []
 
     def bounds(self, block_size: int) -> tuple[int, int] | None:
-        """The prefix lengths drawn (None for ``dflash``); raises on a bad setting, naming the field."""
-        if self.name != "variable_prefix":
-            return None
-        return prefix_bounds(block_size, self.weight_base, self.min_length, self.max_length)
+        """The visible prefix lengths it draws for blocks of ``block_size`` (None: always 1); raises on a bad
+        setting, naming the field."""
+        return None
 
 
-def misplaced_knobs(conf: Any, variant: str, objective: str) -> list[tuple[str, str]]:
-    """``(field, message)`` for each knob set (not None) for a strategy other than the chosen one."""
-    out = []
-    for owner, knobs in KNOBS.items():
-        if owner in (variant, objective):
-            continue
-        kind = "variant" if owner in VARIANTS else "objective"
-        chosen = variant if kind == "variant" else objective
-        for k in knobs:
-            if k in _DEFAULTED:
-                continue  # a knob with a plain default (not None) cannot tell set from unset
-            if getattr(conf, k) is not None:
-                out.append((k, f"'{k}' only applies to {kind}: {owner} ({kind} is {chosen})"))
-    return out
+@attrs.frozen(kw_only=True)
+class VariablePrefix(Objective):
+    """D2SD's VP-Drafter (docs/objectives.md): each block shows ``l`` real tokens, ``Pr(l) ~ base ** l`` on
+    ``[prefix_min_length, prefix_max_length]``; only the masked suffix is supervised."""
+
+    name: ClassVar[str] = "variable_prefix"
+    metric_names: ClassVar[tuple[str, ...]] = ("prefix_length", "sim_accept_len_prefix1")
+
+    prefix_weight_base: float = cfg(
+        0.9, gt=0, doc="variable_prefix: truncated geometric prior Pr(l) ~ base**l (< 1 favours short prefixes)."
+    )
+    prefix_min_length: int = cfg(1, ge=1, doc="variable_prefix: shortest visible prefix l (counts the anchor slot).")
+    prefix_max_length: int | None = cfg(
+        None, ge=1, doc="variable_prefix: longest visible prefix l (default block_size - 1: one masked slot at least)."
+    )
+
+    def block_problems(self, block_size: int) -> list[tuple[str, str]]:
+        return prefix_problems(block_size, self.prefix_weight_base, self.prefix_min_length, self.prefix_max_length)
+
+    def bounds(self, block_size: int) -> tuple[int, int]:
+        return prefix_bounds(block_size, self.prefix_weight_base, self.prefix_min_length, self.prefix_max_length)
 
 
-_DEFAULTED = frozenset({"selector_loss_weight", "prefix_weight_base", "prefix_min_length"})
+VARIANTS: dict[str, type[Variant]] = {cls.name: cls for cls in (Variant, DFlash2)}
+OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (Objective, VariablePrefix)}
+
+
+def knobs(cls: type) -> tuple[attrs.Attribute, ...]:
+    """A strategy's knobs (its init fields)."""
+    return tuple(f for f in attrs.fields(cls) if f.init)
+
+
+def _build(registry: dict[str, type], kind: str, name: Any, conf: Any) -> Any:
+    if name not in registry:
+        raise ValueError(f"unknown {kind} {name!r}; expected one of {list(registry)}")
+    cls = registry[name]
+    return cls(**{f.name: getattr(conf, f.name) for f in knobs(cls)})
 
 
 def variant_of(conf: Any) -> Variant:
-    """The variant a DrafterStep config (or anything with the same fields) asks for."""
-    if conf.variant not in VARIANTS:
-        raise ValueError(f"unknown drafter variant {conf.variant!r}; expected one of {list(VARIANTS)}")
-    if conf.variant == "dflash":
-        return Variant()
-    return Variant("dflash2", {k: getattr(conf, k) for k in DFLASH2_KEYS}, float(conf.selector_loss_weight))
+    """The variant a config that carries the knobs flat (DrafterStep) asks for (``conf.variant``)."""
+    return _build(VARIANTS, "drafter variant", conf.variant, conf)
 
 
 def objective_of(conf: Any) -> Objective:
-    if conf.objective not in OBJECTIVES:
-        raise ValueError(f"unknown objective {conf.objective!r}; expected one of {list(OBJECTIVES)}")
-    if conf.objective == "dflash":
-        return Objective()
-    return Objective("variable_prefix", conf.prefix_weight_base, conf.prefix_min_length, conf.prefix_max_length)
+    """The objective such a config asks for (``conf.objective``)."""
+    return _build(OBJECTIVES, "objective", conf.objective, conf)
+
+
+def as_variant(value: Variant | str) -> Variant:
+    """A variant strategy, or a variant's name (its knobs at their defaults)."""
+    if isinstance(value, Variant):
+        return value
+    if value not in VARIANTS:
+        raise ValueError(f"unknown drafter variant {value!r}; expected one of {list(VARIANTS)}")
+    return VARIANTS[value]()
+
+
+def as_objective(value: Objective | str) -> Objective:
+    """An objective strategy, or an objective's name (its knobs at their defaults)."""
+    if isinstance(value, Objective):
+        return value
+    if value not in OBJECTIVES:
+        raise ValueError(f"unknown objective {value!r}; expected one of {list(OBJECTIVES)}")
+    return OBJECTIVES[value]()
+
+
+def misplaced_knobs(conf: Any) -> list[tuple[str, str]]:
+    """``(knob, message)`` for each knob of a strategy other than the chosen one (``conf.variant``,
+    ``conf.objective``) that is not at its default: it would silently do nothing."""
+    out = []
+    for kind, registry, chosen in (("variant", VARIANTS, conf.variant), ("objective", OBJECTIVES, conf.objective)):
+        for name, cls in registry.items():
+            if name == chosen:
+                continue
+            for f in knobs(cls):
+                if getattr(conf, f.name) != f.default:
+                    out.append((f.name, f"'{f.name}' only applies to {kind}: {name} ({kind} is {chosen})"))
+    return out
+
+
+def strategy_problems(conf: Any) -> list[tuple[str, str]]:
+    """Everything the chosen strategies refuse in a flat config before any target is read: knobs of
+    another strategy, then the chosen ones' checks against ``conf.block_size``."""
+    return [*misplaced_knobs(conf), *variant_of(conf).block_problems(conf.block_size),
+            *objective_of(conf).block_problems(conf.block_size)]

@@ -13,18 +13,22 @@ import contextlib
 import math
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import attrs
 import torch
 from torch import nn
 
 from dflash_flow.items import TargetFeatures
-from dflash_flow.model.dflash2 import drafter_from_config, drafter_variant, make_variant_config
+from dflash_flow.model.dflash2 import drafter_from_config, drafter_variant, variant_config
 from dflash_flow.model.drafter import DFlashDrafter
 from dflash_flow.model.objective import PrefixPrior, dflash_loss
 from dflash_flow.model.optim import GradientAccumulator, NonFiniteError, build_optimizer, planned_updates
-from dflash_flow.model.strategies import OBJECTIVES, objective_of
+from dflash_flow.model.recipe import DrafterShape, TrainerConfig
+from dflash_flow.model.strategies import VARIANTS
+
+__all__ = [
+    "DrafterShape", "DrafterTrainer", "TrainerConfig", "build_drafter", "default_gamma", "drafter_config", "parameter_count",
+]
 
 STATE_VERSION = 1
 
@@ -60,22 +64,24 @@ def resolve_mask_token_id(explicit: int | None, tokenizer_path: str | None, voca
     )
 
 
-@attrs.frozen(kw_only=True)
-class DrafterShape:
-    """What a fresh drafter is made of (the rest comes from the target's config)."""
+def drafter_config(target_config: Any, shape: DrafterShape, *, mask_token_id: int) -> Any:
+    """The config of a fresh drafter of ``shape`` for ``target_config``."""
+    return variant_config(
+        target_config, shape.variant, num_layers=shape.num_layers, block_size=shape.block_size,
+        mask_token_id=mask_token_id, target_layer_ids=shape.target_layer_ids, layer_types=shape.layer_types,
+        sliding_window=shape.sliding_window,
+    )
 
-    num_layers: int = 1
-    block_size: int = 16
-    mask_token_id: int | None = None
-    target_layer_ids: list[int] | None = None
-    layer_types: list[str] | None = None
-    sliding_window: int | None = None
-    # "dflash" or "dflash2" (model.dflash2); the DFlash 2 settings, None: the published defaults.
-    variant: str = "dflash"
-    conv_kernel_size: int | None = None
-    conv_group_size: int | None = None
-    selector_rank: int | None = None
-    selector_top_k: int | None = None
+
+def parameter_count(target_config: Any, shape: DrafterShape, *, init_from: str | Path | None = None) -> int:
+    """Trainable parameters of the drafter ``build_drafter`` would make, counted on the meta device (no
+    memory, no weights)."""
+    from dflash_flow.model.export import load_drafter_config
+
+    config = load_drafter_config(init_from) if init_from else drafter_config(target_config, shape, mask_token_id=0)
+    with torch.device("meta"):
+        model = drafter_from_config(config)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def build_drafter(
@@ -95,70 +101,18 @@ def build_drafter(
     if init_from:
         drafter = load_drafter(init_from, device=device, dtype=dtype, target_config=target_config)
         found = drafter_variant(drafter.config)
-        if found != shape.variant:
-            raise ValueError(f"init_from {init_from} holds a {found} drafter, but variant is {shape.variant}")
+        if found != shape.variant.name:
+            raise ValueError(f"init_from {init_from} holds a {found} drafter, but variant is {shape.variant.name}")
     else:
         tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         mask_id = resolve_mask_token_id(shape.mask_token_id, tokenizer_path, int(tc.vocab_size))
-        config = make_variant_config(
-            target_config,
-            variant=shape.variant,
-            num_layers=shape.num_layers,
-            block_size=shape.block_size,
-            mask_token_id=mask_id,
-            target_layer_ids=shape.target_layer_ids,
-            layer_types=shape.layer_types,
-            sliding_window=shape.sliding_window,
-            conv_kernel_size=shape.conv_kernel_size,
-            conv_group_size=shape.conv_group_size,
-            selector_rank=shape.selector_rank,
-            selector_top_k=shape.selector_top_k,
-        )
+        config = drafter_config(target_config, shape, mask_token_id=mask_id)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             drafter = drafter_from_config(config)
         drafter.to(device=torch.device(device), dtype=dtype)
     drafter.train()
     return drafter
-
-
-@attrs.frozen(kw_only=True)
-class TrainerConfig:
-    """The optimisation recipe (defaults: SpecForge's DFlash recipe)."""
-
-    num_anchors: int = 512
-    gamma: float | None = None  # None: default_gamma(block_size)
-    # The objective (docs/objectives.md): "dflash" (one real token per block) or "variable_prefix" (D2SD
-    # VP-Drafter: each block shows a visible prefix of l real tokens, Pr(l) ~ prefix_weight_base ** l on
-    # [prefix_min_length, prefix_max_length or block_size - 1]; only the masked suffix is supervised).
-    objective: Literal["dflash", "variable_prefix"] = attrs.field(
-        default="dflash", validator=attrs.validators.in_(OBJECTIVES)
-    )
-    prefix_weight_base: float = 0.9
-    prefix_min_length: int = 1
-    prefix_max_length: int | None = None
-    # DFlash 2 drafters: loss = DFlash loss + selector_loss_weight * selector loss (model.dflash2).
-    selector_loss_weight: float = 1.0
-    # Chunking of the loss: by default from an activation budget (one pass, no recomputation, when the
-    # step's activations fit; checkpointed chunks that fit otherwise). A fixed chunk_blocks overrides it.
-    chunk_blocks: int | None = None
-    activation_budget_mb: float | None = 4096.0
-    lr: float = 6e-4
-    warmup_ratio: float = 0.04
-    min_lr_ratio: float = 0.0
-    weight_decay: float = 0.0
-    max_grad_norm: float | None = 1.0
-    grad_accum: int = 1
-    total_steps: int | None = None  # None: from the batch plan (see DrafterTrainer.plan)
-    # Under torch.distributed (initialised by the application): ddp replicates the drafter and averages
-    # gradients; fsdp shards parameters, gradients and optimizer state (for drafters too large to copy).
-    data_parallel: Literal["ddp", "fsdp"] = "ddp"
-    # A NaN/inf loss or gradient norm: "stop" raises NonFiniteError (the update is not applied), "skip"
-    # leaves the weights as they were for that step and goes on (with a warning).
-    on_nonfinite: Literal["stop", "skip"] = "stop"
-    # Under ddp: time the gradient all-reduce with a comm hook around the default one (step metric
-    # `allreduce_wait_s`); a clock read per bucket, nothing else changes.
-    time_allreduce: bool = True
 
 
 class DFlashObjective(nn.Module):
@@ -175,13 +129,15 @@ class DFlashObjective(nn.Module):
         self.chunk_blocks = config.chunk_blocks
         self.activation_budget_mb = config.activation_budget_mb if config.chunk_blocks is None else None
         self.needs_input_grad = False  # set under fsdp
-        self.selector_loss_weight = config.selector_loss_weight
-        objective = objective_of(config)  # the strategy (model.strategies): its knobs, its one check
-        objective.bounds(drafter.block_size)  # fails here, naming the field, not at the first step
-        self.prefix_prior = None
-        if objective.name == "variable_prefix":
-            self.prefix_prior = PrefixPrior(weight_base=objective.weight_base, min_length=objective.min_length,
-                                            max_length=objective.max_length)
+        # The strategies (model.strategies): the variant's loss term, the objective's prior.
+        variant = config.variant or VARIANTS[drafter_variant(drafter.config)]()
+        if variant.name != drafter_variant(drafter.config):
+            raise ValueError(f"the trainer's variant is {variant.name} but the drafter is a {drafter_variant(drafter.config)}")
+        self.selector_loss_weight = variant.loss_weight
+        objective = config.objective
+        bounds = objective.bounds(drafter.block_size)  # a bad setting fails here, naming the field
+        self.prefix_prior = None if bounds is None else PrefixPrior(
+            weight_base=objective.prefix_weight_base, min_length=bounds[0], max_length=bounds[1])
 
     def forward(self, input_ids, loss_mask, hidden_states, attention_mask, generator):
         return dflash_loss(

@@ -11,7 +11,10 @@ from typing import Any, ClassVar, Literal
 import attrs
 
 from dflash_flow.core import Stage, cfg
+from dflash_flow.core.fields import field_errors, include, values_of
 from dflash_flow.items import StepReport, TargetFeatures
+from dflash_flow.model.recipe import NOT_IN_YAML, DrafterShape, TrainerConfig
+from dflash_flow.model.strategies import OBJECTIVES, VARIANTS, objective_of, strategy_problems, variant_of
 from dflash_flow.services import CheckpointPayload, CheckpointSource, agree_to_stop, services_of
 
 
@@ -27,6 +30,7 @@ def check_inside_output_dir(field: str, value: str) -> None:
 
 
 @attrs.define(kw_only=True, eq=False)
+@include(DrafterShape, TrainerConfig, *VARIANTS.values(), *OBJECTIVES.values(), exclude=NOT_IN_YAML)
 class DrafterStep(Stage, CheckpointSource):
     """Trains the DFlash drafter on target features; checkpoints; exports the inference checkpoint."""
 
@@ -47,55 +51,17 @@ class DrafterStep(Stage, CheckpointSource):
 
     target: str | dict[str, Any] = cfg(doc="The target (its embedding and LM head are shared, frozen); one home: model.target.")
     tokenizer: str | None = cfg(None, doc="Tokenizer path, used to pick the mask token (default: the target directory).")
-    num_layers: int = cfg(1, ge=1, doc="Drafter decoder layers.")
-    block_size: int = cfg(16, ge=2, doc="Block size B: one anchor token + B-1 mask tokens.")
-    mask_token_id: int | None = cfg(None, ge=0, doc="Mask token id (default: tokenizer mask, else first free embedding row).")
-    target_layer_ids: list[int] | None = cfg(None, doc="Target layers fused as context (default: the DFlash rule).")
-    layer_types: list[str] | None = cfg(None, doc="Per-layer full_attention / sliding_attention (default: all full).")
-    sliding_window: int | None = cfg(None, ge=1, doc="Window of sliding_attention layers.")
+    # The shape's knobs (model.recipe.DrafterShape), the recipe's (TrainerConfig) and every strategy's
+    # (model.strategies) are included below: declared there once, with their docs and bounds.
     variant: Literal["dflash", "dflash2"] = cfg(
-        "dflash", choices=("dflash", "dflash2"),
+        "dflash", choices=tuple(VARIANTS),
         doc="dflash, or dflash2: in-block convolutions and a candidate selector (docs/dflash2.md).",
     )
-    conv_kernel_size: int | None = cfg(None, ge=1, doc="dflash2: taps of the in-block convolutions (null: 2).")
-    conv_group_size: int | None = cfg(
-        None, ge=1, doc="dflash2: channels sharing one dynamic tap; must divide the hidden size (null: 16)."
-    )
-    selector_rank: int | None = cfg(None, ge=1, doc="dflash2: rank of the selector's codebooks (null: 256).")
-    selector_top_k: int | None = cfg(
-        None, ge=1, doc="dflash2: candidates the selector reranks per slot, at most the vocabulary (null: 16)."
-    )
-    selector_loss_weight: float = cfg(
-        1.0, ge=0, doc="dflash2: loss = DFlash loss + this x the selector's candidate cross-entropy."
-    )
-    num_anchors: int = cfg(512, ge=1, doc="Anchors (blocks) drawn per sequence each step.")
-    gamma: float | None = cfg(None, gt=0, doc="Loss decay exp(-(k-1)/gamma) (default 7 for B=16, 5 for B=10, 4 for B=8).")
     objective: Literal["dflash", "variable_prefix"] = cfg(
-        "dflash", choices=("dflash", "variable_prefix"),
+        "dflash", choices=tuple(OBJECTIVES),
         doc="dflash: one real token per block; variable_prefix: D2SD VP-Drafter, each block shows l real tokens, "
         "only the masked suffix is supervised (docs/objectives.md).",
     )
-    prefix_weight_base: float = cfg(
-        0.9, gt=0, doc="variable_prefix: truncated geometric prior Pr(l) ~ base**l (< 1 favours short prefixes)."
-    )
-    prefix_min_length: int = cfg(1, ge=1, doc="variable_prefix: shortest visible prefix l (counts the anchor slot).")
-    prefix_max_length: int | None = cfg(
-        None, ge=1, doc="variable_prefix: longest visible prefix l (default block_size - 1: one masked slot at least)."
-    )
-    chunk_blocks: int | None = cfg(
-        None, ge=1, doc="Blocks per checkpointed loss chunk; null: chosen from activation_budget_mb."
-    )
-    activation_budget_mb: float = cfg(
-        4096.0, gt=0, le=1e7, doc="Activation memory one step may use: one pass (no recomputation) when it fits, "
-        "else the largest checkpointed chunks that do.",
-    )
-    lr: float = cfg(6e-4, gt=0, doc="Peak learning rate.")
-    warmup_ratio: float = cfg(0.04, ge=0, le=1, doc="Linear warmup share of all steps.")
-    min_lr_ratio: float = cfg(0.0, ge=0, le=1, doc="Cosine floor as a share of lr.")
-    weight_decay: float = cfg(0.0, ge=0, doc="AdamW weight decay.")
-    max_grad_norm: float | None = cfg(1.0, gt=0, doc="Global gradient-norm clip.")
-    grad_accum: int = cfg(1, ge=1, doc="Micro-batches per optimizer step.")
-    total_steps: int | None = cfg(None, ge=1, doc="Schedule length (default: from the batch plan).")
     dtype: str = cfg("auto", choices=("auto", "float32", "bfloat16"), doc="auto: bf16 (fp32 masters) on GPU, fp32 on CPU.")
     init_from: str | None = cfg(None, doc="Start from an exported drafter directory instead of random weights.")
     export_dir: str = attrs.field(
@@ -108,13 +74,6 @@ class DrafterStep(Stage, CheckpointSource):
         False,
         doc="Write every trained batch (epoch, index, sample ids) to OUTPUT/batches.jsonl; a resumed run appends "
         "(after a hard kill, the lines past the checkpoint's data_position.total appear again).",
-    )
-    data_parallel: Literal["ddp", "fsdp"] = cfg(
-        "ddp", choices=("ddp", "fsdp"), doc="Under torchrun: ddp replicates the drafter per rank; fsdp shards it."
-    )
-    on_nonfinite: Literal["stop", "skip"] = cfg(
-        "stop", choices=("stop", "skip"),
-        doc="A NaN/inf loss or gradient norm: stop the run naming the step and batch, or skip that update (warned).",
     )
     torch_threads: int | None = cfg(None, ge=1, doc="torch intra-op threads (CPU runs).")
     heldout_data: str | None = cfg(
@@ -144,39 +103,21 @@ class DrafterStep(Stage, CheckpointSource):
     _probe: Any = attrs.field(default=None, init=False)  # model.heldout.HeldoutProbe, when heldout_data is set
     _planned_total: int | None = attrs.field(default=None, init=False)  # the plan's batches for this rank
 
-    @prefix_max_length.validator
-    def _check_prefix(self, _attribute: attrs.Attribute, _value: int | None) -> None:
-        """The prefix bounds against the block size, by the one check (``strategies.prefix_bounds``); the
-        fields' own bounds (``ge``, ``gt``, finite) were checked already: a value they refuse is not
-        reported twice."""
-        from dflash_flow.model.strategies import prefix_bounds
+    @objective.validator
+    def _check_strategies(self, _attribute: attrs.Attribute, _value: str) -> None:
+        """The chosen strategies' one check (``strategies.strategy_problems``: a knob of another strategy, the
+        knobs against the block size), each problem located at its own field (runs once every field is set)."""
+        problems = strategy_problems(self)
+        if problems:
+            raise field_errors(type(self), problems)
 
-        base, lo = self.prefix_weight_base, self.prefix_min_length
-        if isinstance(base, (int, float)) and base > 0 and isinstance(lo, int) and lo >= 1:
-            prefix_bounds(self.block_size, base, lo, self.prefix_max_length)
-
-    @conv_kernel_size.validator
-    @conv_group_size.validator
-    @selector_rank.validator
-    @selector_top_k.validator
-    def _check_dflash2_field(self, attribute: attrs.Attribute, value: int | None) -> None:
-        if value is not None and self.variant != "dflash2":
-            raise ValueError(f"'{attribute.name}' only applies to variant: dflash2 (variant is {self.variant})")
-        if attribute.name == "conv_kernel_size" and value is not None and value > self.block_size:
-            raise ValueError(f"'conv_kernel_size' must be <= block_size = {self.block_size}: {value}")
-
-    def _variant_kw(self) -> dict[str, Any]:
-        from dflash_flow.model.strategies import variant_of
-
-        variant = variant_of(self)
-        return {"variant": variant.name, **variant.settings}
+    def _shape(self):
+        return values_of(DrafterShape, self, variant=variant_of(self))
 
     def _trainer_config(self):
-        """The trainer's recipe: every ``TrainerConfig`` field is one of this stage's (same name, declared
-        here with its YAML doc and bounds); a field missing here fails loudly."""
-        from dflash_flow.model.trainer import TrainerConfig
-
-        return TrainerConfig(**{f.name: getattr(self, f.name) for f in attrs.fields(TrainerConfig) if f.name != "time_allreduce"})
+        """The trainer's recipe: its fields are this stage's (included from ``TrainerConfig``)."""
+        return values_of(TrainerConfig, self, exclude=("time_allreduce",), variant=variant_of(self),
+                         objective=objective_of(self))
 
     def config_problems(self) -> list[tuple[str, str]]:
         """(field, message) for DFlash 2 settings that do not fit the target (group size against its
@@ -186,7 +127,6 @@ class DrafterStep(Stage, CheckpointSource):
             return []
         from dflash_flow.embedded import resolve_target
         from dflash_flow.model.facts import target_facts
-        from dflash_flow.model.strategies import variant_of
 
         facts = target_facts(resolve_target(self.target))
         if facts is None:
@@ -202,7 +142,7 @@ class DrafterStep(Stage, CheckpointSource):
         from dflash_flow.model.head import load_shared_head
         from dflash_flow.model.loading import MODEL_LOAD_LOCK
         from dflash_flow.model.target import load_target_config, resolve_dtype
-        from dflash_flow.model.trainer import DrafterShape, DrafterTrainer, build_drafter
+        from dflash_flow.model.trainer import DrafterTrainer, build_drafter
 
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
@@ -219,13 +159,8 @@ class DrafterStep(Stage, CheckpointSource):
             tok_path = spec
         with MODEL_LOAD_LOCK, ctx.busy("building the drafter and loading the target's head"):
             target_config = load_target_config(spec, trust_remote_code=self.trust_remote_code)
-            shape = DrafterShape(
-                num_layers=self.num_layers, block_size=self.block_size, mask_token_id=self.mask_token_id,
-                target_layer_ids=self.target_layer_ids, layer_types=self.layer_types, sliding_window=self.sliding_window,
-                **self._variant_kw(),
-            )
             drafter = build_drafter(
-                target_config, shape, seed=ctx.shared_seed_for(0, "init"), device=ctx.device, dtype=dtype,
+                target_config, self._shape(), seed=ctx.shared_seed_for(0, "init"), device=ctx.device, dtype=dtype,
                 tokenizer_path=tok_path, init_from=self.init_from,
             )
             head = load_shared_head(spec, ctx.device, dtype, trust_remote_code=self.trust_remote_code)
@@ -353,25 +288,13 @@ class DrafterStep(Stage, CheckpointSource):
     def parameter_count(self) -> int:
         """Trainable parameters of the drafter this stage builds, counted on the meta device (no memory, no
         weights): the application sizes the free space one checkpoint needs from it before the run starts."""
-        import torch
-
         from dflash_flow.embedded import resolve_target
-        from dflash_flow.model.dflash2 import drafter_from_config, make_variant_config
-        from dflash_flow.model.export import load_drafter_config
         from dflash_flow.model.target import load_target_config
+        from dflash_flow.model.trainer import parameter_count
 
-        if self.init_from:
-            config = load_drafter_config(self.init_from)
-        else:
-            target_config = load_target_config(resolve_target(self.target), trust_remote_code=self.trust_remote_code)
-            config = make_variant_config(
-                target_config, num_layers=self.num_layers, block_size=self.block_size, mask_token_id=0,
-                target_layer_ids=self.target_layer_ids, layer_types=self.layer_types, sliding_window=self.sliding_window,
-                **self._variant_kw(),
-            )
-        with torch.device("meta"):
-            model = drafter_from_config(config)
-        return sum(p.numel() for p in model.parameters() if p.requires_grad)
+        target_config = None if self.init_from else load_target_config(
+            resolve_target(self.target), trust_remote_code=self.trust_remote_code)
+        return parameter_count(target_config, self._shape(), init_from=self.init_from)
 
     def output_dirs(self) -> list[str]:
         return [self.export_dir]

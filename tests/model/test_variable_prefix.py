@@ -31,6 +31,7 @@ from dflash_flow.model.objective import (
     sample_anchors,
     sample_prefix_lengths,
 )
+from dflash_flow.model.strategies import VariablePrefix
 from dflash_flow.model.trainer import DFlashObjective, TrainerConfig
 from dflash_flow.stages.drafter_step import DrafterStep
 
@@ -347,8 +348,8 @@ def test_bad_prior_settings_name_the_field(target):
     head = type("Head", (), modules(target))()
     for kw, field in (({"prefix_weight_base": -1.0}, "prefix_weight_base"), ({"prefix_max_length": 9}, "prefix_max_length")):
         with pytest.raises(ValueError, match=field):
-            DFlashObjective(drafter, head, gamma=4.0, config=TrainerConfig(objective="variable_prefix", **kw))
-    DFlashObjective(drafter, head, gamma=4.0, config=TrainerConfig(prefix_weight_base=-1.0))  # dflash: unused
+            DFlashObjective(drafter, head, gamma=4.0, config=TrainerConfig(objective=VariablePrefix(**kw)))
+    DFlashObjective(drafter, head, gamma=4.0, config=TrainerConfig(objective="dflash"))  # dflash: no prefix knobs
     with pytest.raises(ValueError, match="objective"):
         TrainerConfig(objective="vp")
     ids, lm, _ = make_batch(b=1)
