@@ -441,3 +441,20 @@ def test_pipeline_trains_exports_and_zlab_loads_a_dflash2_drafter(tmp_path):
     got = dflash_generate(theirs.eval(), tgt, prompt, 12, None, return_stats=True)
     assert torch.equal(got.output_ids, want.output_ids)
     assert got.acceptance_lengths == want.accept_lengths
+
+
+def test_strategy_knob_problems_name_their_own_field_and_line():
+    """A knob checked against another field (the block size) or refused for another strategy is located at
+    its own YAML line and field, not at the stage's ``config:`` line (the one declaration is the strategy's)."""
+    from dflash_flow.core.config import parse_yaml
+
+    text = ("stages:\n  - name: d\n    type: DrafterStep\n    config:\n      target: embedded\n      block_size: 4\n"
+            "      variant: dflash2\n      conv_kernel_size: 5\n      prefix_min_length: 2\n")
+    data, loc = parse_yaml(text, "p.yaml")
+    obj, problems = structure(DrafterStep, data["stages"][0]["config"], stage="d", file="p.yaml",
+                              locate=lambda path: loc.line("stages", 0, "config", *path))
+    found = {p.field: p for p in problems}
+    assert obj is None and len(problems) == 2, problems
+    assert found["conv_kernel_size"].line == 8 and "must be <= block_size = 4" in found["conv_kernel_size"].message
+    assert found["prefix_min_length"].line == 9
+    assert "only applies to objective: variable_prefix" in found["prefix_min_length"].message
