@@ -39,6 +39,12 @@ def _check_output_file(path: Path, what: str, *, make_parents: bool = False) -> 
         _fail(str(exc))
 
 
+def _guard_console() -> None:
+    from dflash_flow.app.exits import guard_console
+
+    guard_console()
+
+
 def _load(file: Path, overrides: Optional[list[str]], check_devices: bool = True, local_world_size: Optional[int] = None,
           gpu_count: Optional[int] = None, check_paths: Optional[bool] = None):
     """Load and validate (``app.runner.load``); print one line per problem and exit 2 on user errors."""
@@ -137,6 +143,7 @@ def run(
 ) -> None:
     """Run a pipeline (in this process, or under torchrun with --nproc)."""
     _sigterm_as_interrupt()
+    _guard_console()
     v = _load(file, set_, local_world_size=nproc)
     if nproc is not None:
         from dflash_flow.app.launch import launch
@@ -194,6 +201,7 @@ def export(
     """Turn a training checkpoint into the layout vLLM and SGLang load; prints the commands that serve it."""
     from dflash_flow.app.commands import export_checkpoint
 
+    _guard_console()
     code = export_checkpoint(checkpoint, out, target)
     raise typer.Exit(code)
 
@@ -219,6 +227,7 @@ def eval_(
     """Measure real speculative decoding: acceptance length and speedup in target forward passes."""
     from dflash_flow.app.commands import eval_command
 
+    _guard_console()
     raise typer.Exit(eval_command(
         drafter, target, prompts, max_new_tokens, limit, baseline, tokenizer, temperature=temperature, top_p=top_p,
         top_k=top_k, horizons=horizon or [], walk_data=walk_data, walk_limit=walk_limit, seed=seed,
@@ -239,6 +248,7 @@ def regenerate(
     """Regenerate assistant replies with the target (greedy), as the DFlash recipe does."""
     from dflash_flow.app.commands import regenerate_command
 
+    _guard_console()
     raise typer.Exit(regenerate_command(prompts, target, out, batch_size, max_new_tokens, resume, system_prompt))
 
 
@@ -268,6 +278,7 @@ def profile(
     from dflash_flow.app.profile import profile_command
 
     _sigterm_as_interrupt()
+    _guard_console()
     v = _load(file, set_)
     if out is not None:  # checked now, not after the whole profile has run
         _check_output_file(out, "--out", make_parents=True)

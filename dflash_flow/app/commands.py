@@ -3,9 +3,10 @@ exit code (user errors are one line and exit 2)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-from dflash_flow.app.exits import EXIT_OK, report_user_error
+from dflash_flow.app.exits import EXIT_INTERRUPTED, EXIT_OK, report_user_error
 
 
 def _run_target(checkpoint: Path) -> str | None:
@@ -180,8 +181,32 @@ def regenerate_command(prompts: Path, target: str, out: Path, batch_size: int, m
                            resume=resume, progress=progress, system_prompt=system_prompt)
     except (ValueError, OSError) as exc:
         return report_user_error(exc)
+    except KeyboardInterrupt:
+        if bar is not None:
+            bar.close()
+            bar = None
+        print(f"stopped: {out} holds every reply finished so far; the same command continues from there",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
     finally:
         if bar is not None:
             bar.close()
     print(f"wrote {out}: {stats.total} records ({stats.generated} generated now)")
+    for line in regenerate_warnings(stats, max_new_tokens):
+        print(f"warning: {line}", file=sys.stderr)
     return EXIT_OK
+
+
+def regenerate_warnings(stats, max_new_tokens: int) -> list[str]:
+    """What a finished regeneration should tell the user: empty replies (nothing for a drafter to learn
+    from; usually a chat template or system prompt that makes the target end its turn at once) and
+    replies cut at ``--max-new-tokens``."""
+    lines = []
+    if stats.empty:
+        lines.append(f"{stats.empty} of {stats.generated} replies generated now are empty (the target ended its "
+                     "turn at once): they teach the drafter nothing; check the chat template and --system-prompt, "
+                     "or drop those records")
+    if stats.truncated:
+        lines.append(f"{stats.truncated} of {stats.generated} replies stopped at --max-new-tokens {max_new_tokens} "
+                     "(finish_reason \"length\"); raise it for whole replies")
+    return lines

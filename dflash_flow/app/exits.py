@@ -25,6 +25,14 @@ ENVIRONMENT_ERRNOS = frozenset({
 })
 
 
+def guard_console() -> None:
+    """Console output survives a reader that went away (``dflash-flow run ... | head``): printing stops,
+    the command goes on and ends as it would have (``observe.console.PipeSafeStream``)."""
+    from dflash_flow.observe.console import guard_console_streams
+
+    guard_console_streams()
+
+
 class UserError(Exception):
     """Raised by application code for a problem with the user's input; the CLI prints it and exits 2."""
 

@@ -112,7 +112,15 @@ def main(rep: Replica, sup: Supervisor) -> None:
     rep.set_state(ReplicaState.SETUP)
     try:
         rep.setup_done = True
-        rep.stage.setup(rep.ctx)
+        try:
+            rep.stage.setup(rep.ctx)
+        except StopRequested:
+            # The run stopped during a long setup (a regeneration, a model load that checks): the replica
+            # does no work; its outputs close, so everything downstream ends as a stopped run does.
+            for router in rep.routers:
+                for ch in router.channels:
+                    ch.close()
+            return
         if rep.resume_state is not None:
             rep.stage.load_state_dict(rep.resume_state)
         rep.state_loaded = True

@@ -60,12 +60,13 @@ def dataset_key(n_train: int, n_eval: int, seed: int, target_path: Path, max_new
 def build_default_dataset(out_dir: str | Path, n_train: int = 1024, n_eval: int = 64, seed: int = 0, *,
                           target_path: str | Path | None = None, cache_dir: str | Path | None = None,
                           batch_size: int = 32, max_new_tokens: int = 448, progress=None,
-                          num_threads: int | None = None, log=print) -> DefaultDataset:
+                          num_threads: int | None = None, log=print, check_stop=None) -> DefaultDataset:
     """Build (or return the cached) default dataset in ``out_dir``. See the module docstring.
 
     ``target_path=None`` uses the shipped target (``ensure_target(cache_dir)``). Note the batch size does
     not enter the cache key: greedy replies do not depend on it. ``progress`` is regeneration's callback
-    (``embedded.regenerate.ProgressFn``), called for each split in turn.
+    (``embedded.regenerate.ProgressFn``), called for each split in turn; ``check_stop`` is regeneration's
+    too (called between batches; it raises to stop, and the next call resumes the build).
     """
     from .corpus import make_split
     from .regenerate import regenerate
@@ -114,9 +115,9 @@ def build_default_dataset(out_dir: str | Path, n_train: int = 1024, n_eval: int 
         log(f"[dataset] regenerating {split} split with the target ({target.name}) ...")
         s = regenerate(paths[f"{split}_prompts"], target, paths[split], batch_size=batch_size,
                        max_new_tokens=max_new_tokens, resume=True, progress=progress, num_threads=num_threads,
-                       model=model, tokenizer=tokenizer)
+                       model=model, tokenizer=tokenizer, check_stop=check_stop)
         figures[split] = {"records": s.total, "generated_now": s.generated, "new_tokens_now": s.new_tokens,
-                          "truncated_now": s.truncated, "seconds": round(s.seconds, 1),
+                          "truncated_now": s.truncated, "empty_now": s.empty, "seconds": round(s.seconds, 1),
                           "tokens_per_s": round(s.tokens_per_s, 1)}
     manifest = {"key": key, "n_train": n_train, "n_eval": n_eval, "seed": seed, "max_new_tokens": max_new_tokens,
                 "target": str(target), "build_seconds": round(time.perf_counter() - t0, 1), "regeneration": figures,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -91,8 +92,10 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike,
         raise OSError(code, os.strerror(code), str(path)) from exc
 
 
-def _nonfinite_tensor(state: dict[str, torch.Tensor]) -> str | None:
+def _nonfinite_tensor(state: dict[str, torch.Tensor], check_stop: Callable[[], None] | None = None) -> str | None:
     for name, t in state.items():
+        if check_stop is not None:
+            check_stop()
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             return name
     return None
@@ -154,7 +157,7 @@ def check_destination(out: str | os.PathLike, inputs: tuple[str | os.PathLike, .
 
 
 def save_drafter(drafter: DFlashDrafter, path: str | os.PathLike, *, state: dict[str, Any] | None = None,
-                 inputs: tuple = ()) -> Path:
+                 inputs: tuple = (), check_stop: Callable[[], None] | None = None) -> Path:
     """Write ``config.json`` and ``model.safetensors`` into ``path`` (created); returns the directory.
 
     Files are written to fresh temporary names and renamed, so a crash never leaves a half-written
@@ -162,6 +165,9 @@ def save_drafter(drafter: DFlashDrafter, path: str | os.PathLike, *, state: dict
     Weights holding NaN or infinity are refused (CheckpointError): an inference engine would load them.
     ``path`` must pass ``check_destination`` (with ``inputs``); the result is checked against the serving
     contract (``export_contract.check_export``): files world-readable, fields as the engines read them.
+    ``check_stop()`` (a run's ``StageContext.check_stop``: it raises to stop) is called between tensors
+    while the weights are gathered and checked, and before the files are written: a stop abandons the
+    export before anything is written (the run's last checkpoint holds the same weights).
     """
     from dflash_flow.model.export_contract import check_export
 
@@ -175,13 +181,19 @@ def save_drafter(drafter: DFlashDrafter, path: str | os.PathLike, *, state: dict
             f"config target_layer_ids {config['dflash_config']['target_layer_ids']} differ from the "
             f"drafter's {drafter.target_layer_ids}"
         )
-    state = {k: v.detach().contiguous().cpu() for k, v in (state if state is not None else drafter.state_dict()).items()}
-    bad = _nonfinite_tensor(state)
+    stop = check_stop if check_stop is not None else (lambda: None)
+    gathered: dict[str, torch.Tensor] = {}
+    for k, v in (state if state is not None else drafter.state_dict()).items():
+        stop()
+        gathered[k] = v.detach().contiguous().cpu()
+    state = gathered
+    bad = _nonfinite_tensor(state, stop)
     if bad is not None:
         raise CheckpointError(
             f"refusing to export the drafter to {out}: weight {bad} holds NaN or infinite values (the training "
             "diverged); export an earlier checkpoint instead"
         )
+    stop()  # the last point before files are written: from here the export completes
     if not out.is_dir():
         out.mkdir(parents=True, exist_ok=True)
         os.chmod(out, DIR_MODE)  # whatever the umask: a server running as another user must enter it

@@ -7,10 +7,90 @@ highlighting, colour only on a real terminal, and never Jupyter widgets.
 
 from __future__ import annotations
 
+import errno
 import io
 import math
+import os
+import sys
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
+
+# A reader that went away: the pipe's other end is closed (``run ... | head``), or a socket was shut down.
+_GONE_ERRNOS = frozenset({errno.EPIPE, errno.ESHUTDOWN, errno.ECONNRESET})
+
+
+class PipeSafeStream:
+    """A text stream whose writes never fail because its reader went away.
+
+    ``dflash-flow run ... | head`` closes the pipe after a few lines; every later write would raise
+    ``BrokenPipeError`` in whichever thread prints next (the progress line, a warning, the summary) and
+    fail a run that is training fine. The first such write instead points the stream's file descriptor
+    at ``/dev/null`` (so every other writer of that descriptor, the interpreter's flush at exit included,
+    is silent too) and from then on output is dropped: printing stops, the run goes on and ends as it
+    would have. Every other attribute is the wrapped stream's.
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._lock = threading.Lock()
+        self.reader_gone = False
+
+    @property
+    def wrapped(self) -> TextIO:
+        return self._stream
+
+    def _gone(self) -> None:
+        with self._lock:
+            if self.reader_gone:
+                return
+            self.reader_gone = True
+            try:
+                fd = self._stream.fileno()
+                null = os.open(os.devnull, os.O_WRONLY)
+                try:
+                    os.dup2(null, fd)
+                finally:
+                    os.close(null)
+            except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+                return  # no descriptor of its own (a StringIO, a closed file): dropping output is enough
+            try:
+                self._stream.flush()  # what was buffered goes to /dev/null, not into the next write
+            except (OSError, ValueError):
+                pass
+
+    def _guard(self, call, *args):
+        if self.reader_gone:
+            return None
+        try:
+            return call(*args)
+        except OSError as exc:
+            if exc.errno not in _GONE_ERRNOS:
+                raise
+            self._gone()
+            return None
+
+    def write(self, text: str) -> int:
+        out = self._guard(self._stream.write, text)
+        return len(text) if out is None else out
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        self._guard(self._stream.flush)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def guard_console_streams() -> None:
+    """Make ``sys.stdout`` and ``sys.stderr`` :class:`PipeSafeStream` (once; a command's first call)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, PipeSafeStream):
+            setattr(sys, name, PipeSafeStream(stream))
 
 
 def stream_console(stream: TextIO, *, tty: bool, width: int | None = None):

@@ -378,7 +378,8 @@ class DrafterStep(Stage, CheckpointSource):
         if self._ctx.rank != 0:  # one export per job, by rank 0 (the weights are the same on every rank)
             return (StepReport(step=self._trainer.step, epoch=self._epoch, meta=None, metrics={}, final=True),)
         refuse_outside(out, Path(self._ctx.output_dir))
-        save_drafter(self._trainer.drafter, out, state=state)  # checked against the serving contract
+        # Checked against the serving contract; a stop while the weights are gathered abandons the export.
+        save_drafter(self._trainer.drafter, out, state=state, check_stop=self._ctx.check_stop)
         self._services.record.artifacts["drafter"] = str(out)
         self._services.record.serve_commands = self._serve_commands(out)
         return (StepReport(step=self._trainer.step, epoch=self._epoch, meta=None, metrics={}, final=True, artifacts={"drafter": str(out)}),)

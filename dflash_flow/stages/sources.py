@@ -290,7 +290,7 @@ class EmbeddedChatSource(ChatSource):
                 ds = build_default_dataset(
                     root, n_train=self.n_train, n_eval=self.n_eval, seed=self.data_seed, target_path=target,
                     batch_size=self.generation_batch_size, max_new_tokens=self.max_new_tokens,
-                    progress=progress, log=log.info,
+                    progress=progress, log=log.info, check_stop=ctx.check_stop,
                 )
         self.paths = [str(ds.train_path)]
         if not self.tokenizer:

@@ -146,3 +146,35 @@ def test_after_a_stall_the_python_api_returns_and_the_process_exits(tmp_path):
     assert proc.returncode == 0, err[-2000:]
     assert "STALLED ['deaf[0]']" in out, out + err
     assert "abandoned" in out and "the process can still exit" in out
+
+
+def test_a_stop_during_a_long_setup_ends_the_run_as_stopped_not_failed(thread_baseline):
+    from dflash_flow.core import Source
+
+    @register_stage
+    @attrs.define(kw_only=True, eq=False)
+    class RegeneratingSource(Source):
+        def setup(self, ctx) -> None:
+            ctx.services["setup_started"].set()
+            for _ in range(6000):  # 60 s if nothing stops it
+                ctx.check_stop()  # raises StopRequested once the run stops
+                time.sleep(0.01)
+
+        def produce(self):
+            yield 1
+
+    g = Graph(runtime=fast_runtime(drain_timeout_s=30.0))
+    g.add("src", "RegeneratingSource")
+    g.add("sink", "TestSink", inputs=["src"])
+    started = threading.Event()
+    p = Pipeline(g, services={"setup_started": started}, check_devices=False)
+
+    def stop_when_set_up() -> None:
+        started.wait(30)
+        p.stop("test stop")
+
+    threading.Thread(target=stop_when_set_up, daemon=True).start()
+    with pytest.raises(PipelineInterrupted):  # a stop, not StageError(src, setup, StopRequested)
+        p.run()
+    assert started.is_set()
+    assert wait_threads_back(thread_baseline) == []

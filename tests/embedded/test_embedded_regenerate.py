@@ -154,3 +154,64 @@ def test_prompt_turns_and_ids_validation(tmp_path):
     dup.write_text('{"id": 1, "prompt": "x"}\n{"id": 1, "prompt": "y"}\n')
     with pytest.raises(ValueError, match="duplicate id"):
         read_prompts(dup)
+
+
+def test_a_stop_between_batches_keeps_every_batch_written_and_the_next_call_resumes(
+        prompts_file, uninterrupted, target, tmp_path):
+    """The in-process regeneration (a run's embedded dataset) checks for a stop before every batch: what
+    it wrote is complete, and the next call resumes to the uninterrupted bytes."""
+    from dflash_flow.core import StopRequested
+
+    model, tok = target
+    out = tmp_path / "stopped.jsonl"
+    calls = []
+
+    def check_stop() -> None:
+        calls.append(len(out.read_text().splitlines()) if out.exists() else 0)
+        if len(calls) == 3:  # two batches of 3 written, the stop comes before the third
+            raise StopRequested("stage 'source': stopped")
+
+    with pytest.raises(StopRequested):
+        regenerate(prompts_file, None, out, batch_size=3, max_new_tokens=MAX_NEW, model=model, tokenizer=tok,
+                   check_stop=check_stop)
+    assert calls == [0, 3, 6]
+    assert out.read_bytes() == b"".join(uninterrupted.splitlines(keepends=True)[:6])
+    stats = regenerate(prompts_file, None, out, batch_size=3, max_new_tokens=MAX_NEW, model=model, tokenizer=tok)
+    assert stats.skipped == 6 and stats.generated == N_RECORDS - 6
+    assert out.read_bytes() == uninterrupted
+
+
+def _silent_target(tok):
+    """A tiny Qwen3 built from a config whose every logit is 0 (final norm weight 0): greedy picks token 0,
+    the tokenizer's <|pad|>, a special token, so every decoded reply is empty."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        model.model.norm.weight.zero_()
+    assert tok.convert_ids_to_tokens(0) in tok.all_special_tokens
+    return model
+
+
+def test_empty_replies_are_counted_and_the_command_warns(prompts_file, target, tmp_path):
+    from dflash_flow.app.commands import regenerate_warnings
+
+    _, tok = target
+    model = _silent_target(tok)
+    stats = regenerate(prompts_file, None, tmp_path / "o.jsonl", batch_size=4, max_new_tokens=3, model=model,
+                       tokenizer=tok)
+    recs = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert all(r["conversations"][-1]["content"] == "" for r in recs)
+    assert stats.empty == N_RECORDS == stats.generated
+    warnings = regenerate_warnings(stats, 3)
+    assert f"{N_RECORDS} of {N_RECORDS} replies generated now are empty" in warnings[0]
+    assert "--max-new-tokens 3" in warnings[1]
+    # The shipped target answers every prompt: nothing to warn about empty replies.
+    model, tok = target
+    ok = regenerate(prompts_file, None, tmp_path / "ok.jsonl", batch_size=4, max_new_tokens=MAX_NEW, model=model,
+                    tokenizer=tok)
+    assert ok.empty == 0 and not any("empty" in w for w in regenerate_warnings(ok, MAX_NEW))

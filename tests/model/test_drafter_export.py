@@ -113,3 +113,27 @@ def test_target_or_mask_mismatch_raises(tmp_path):
     wide = build_target(hidden_size=128)
     with pytest.raises(CheckpointError, match="hidden_size"):
         load_drafter(path, target_config=wide.config)
+
+
+def test_a_stop_while_the_weights_are_gathered_abandons_the_export_before_any_file(target, tmp_path):
+    """A run's export checks for a stop between tensors: a stop writes nothing (no half export)."""
+    from dflash_flow.core import StopRequested
+
+    d = build_drafter(target, num_layers=1)
+    calls = []
+
+    def check_stop() -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            raise StopRequested("stage 'drafter': stopped")
+
+    out = tmp_path / "export"
+    with pytest.raises(StopRequested):
+        save_drafter(d, out, check_stop=check_stop)
+    assert len(calls) == 3 and len(d.state_dict()) > 3  # it stopped between tensors, not at the end
+    assert not out.exists() or not any(out.iterdir())
+    # Not stopped: every tensor and the point before the files are checked, and the export is complete.
+    calls.clear()
+    save_drafter(d, out, check_stop=lambda: calls.append(1))
+    assert len(calls) == 2 * len(d.state_dict()) + 1
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()

@@ -174,3 +174,44 @@ def test_render_table_aligns_numbers_right():
     plain = render_table([("loss", 1.5), ("steps", 10)]).splitlines()
     assert [ln.split() for ln in plain] == [["loss", "1.5"], ["steps", "10"]]
     assert render_table([]) == ""
+
+
+def test_a_closed_pipe_stops_printing_and_never_raises():
+    """`dflash-flow run ... | head`: the reader closes the pipe; the progress line and messages keep
+    being called, nothing raises, and the descriptor now writes to /dev/null (so the interpreter's flush
+    at exit and any other writer of it are silent too)."""
+    import os
+
+    from dflash_flow.observe.console import PipeSafeStream
+
+    r, w = os.pipe()
+    raw = os.fdopen(w, "w", buffering=1)
+    stream = PipeSafeStream(raw)
+    p = ProgressPrinter(stream, total_steps=10, interval_s=0.0, tty=False)
+    p.update(1)
+    assert os.read(r, 4096).startswith(b"[")
+    os.close(r)
+    for step in range(2, 6):
+        p.update(step, loss=0.5)
+        p.message("eval trained: tau 2.0")
+    p.close()
+    assert stream.reader_gone
+    assert os.path.samestat(os.fstat(raw.fileno()), os.stat(os.devnull))
+    raw.write("after\n")
+    raw.flush()  # the wrapped stream itself no longer fails either
+    raw.close()
+
+
+def test_other_write_errors_still_raise():
+    import errno
+
+    import pytest
+
+    from dflash_flow.observe.console import PipeSafeStream
+
+    class Full(io.StringIO):
+        def write(self, s):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        PipeSafeStream(Full()).write("x")
