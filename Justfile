@@ -7,10 +7,15 @@ setup:
     {{python}} -m pip install -e ".[dev]"
     {{python}} -m pip install --no-deps -r requirements/reference.txt
 
-# Run the whole test suite (unit, property and end-to-end tests).
+# Unit, property and fast end-to-end tests (~10 min on 2 cores); `just test-slow` runs the rest; CI runs both.
 test *ARGS:
     {{python}} -c "import dflash" 2>/dev/null || {{python}} -m pip install -q --no-deps -r requirements/reference.txt
-    {{python}} -m pytest -q {{ARGS}}
+    {{python}} -m pytest -q -m "not slow" {{ARGS}}
+
+# The slow end-to-end tests: real CLI runs, torchrun jobs, the SIGKILL/resume matrix, the benches' smoke runs.
+test-slow *ARGS:
+    {{python}} -c "import dflash" 2>/dev/null || {{python}} -m pip install -q --no-deps -r requirements/reference.txt
+    {{python}} -m pytest -q -m slow {{ARGS}}
 
 # Lint and check formatting-level problems.
 lint:

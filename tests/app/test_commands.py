@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -61,6 +63,7 @@ def test_examples_run(tmp_path: Path) -> None:
     assert "sink consumed 100 items" in custom.stdout
 
 
+@pytest.mark.slow
 def test_regenerate_and_eval_commands(tmp_path: Path) -> None:
     from dflash_flow.embedded import embedded_target_path
     from dflash_flow.embedded import write_eval_prompts as write_embedded_eval_prompts

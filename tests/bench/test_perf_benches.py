@@ -85,6 +85,7 @@ def test_scale_bench_measures_the_allreduce_wait(tmp_path):
     assert data["two_over_one"] > 0
 
 
+@pytest.mark.slow
 def test_data_scale_bench_runs_and_ranks_tokenize_once(tmp_path):
     """A tiny corpus through every measurement of bench/data_scale_bench.py (not its speed)."""
     out = tmp_path / "data_scale.json"

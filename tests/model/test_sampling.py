@@ -178,6 +178,7 @@ def _resample_from_p(drafts, draft_probs, target_probs, generator):
     return accepted, nxt
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrong_rule", [_accept_every_draft, _resample_from_p])
 def test_the_distribution_test_catches_a_wrong_acceptance_rule(small, monkeypatch, wrong_rule):
     target, drafter, ids = small

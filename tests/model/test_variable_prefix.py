@@ -384,6 +384,7 @@ def _greedy(target, ids, new_tokens, stop):
     return ids
 
 
+@pytest.mark.slow
 def test_pipeline_trains_and_exports_a_vp_drafter_zlab_decodes_losslessly(tmp_path):
     out = tmp_path / "out"
     cmd = [

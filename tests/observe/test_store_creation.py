@@ -27,6 +27,7 @@ WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_runs_starting_together_on_a_fresh_sqlite_store_all_succeed(tmp_path):
     from mlflow import MlflowClient

@@ -281,7 +281,7 @@ def test_every_hostile_input_gets_a_clear_message_and_the_right_exit_code(tmp_pa
     assert (HOSTILE / "ckpt_corrupted" / "step-00000002" / "model.safetensors").is_file()
 
 
-HANG_BOUND_S = 5.0  # a generous bound on purpose: it detects hangs, it does not measure speed
+HANG_BOUND_S = 60.0  # a generous bound on purpose: it detects hangs, it does not measure speed
 
 
 @pytest.mark.slow
