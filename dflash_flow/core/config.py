@@ -79,7 +79,8 @@ def _apply_one(data: dict, item: str) -> Problem | None:
         nxt = _descend(node, part)
         if nxt is None:
             if not isinstance(node, dict):
-                return Problem(f"--set {short(key)}: no element '{short(part)}' in {'.'.join(parts[:i]) or 'the file'}")
+                where = '.'.join(parts[:i]) or 'the file'
+                return Problem(f"--set {short(key)}: no element '{short(part)}' in {where}{_suggest(node, part)}")
             nxt = node.setdefault(part, {})
         # A stage mapping: unknown keys go into its config.
         if _is_stage(nxt) and i + 2 == len(parts) and parts[-1] not in STAGE_KEYS:
@@ -91,7 +92,7 @@ def _apply_one(data: dict, item: str) -> Problem | None:
     if isinstance(node, list):
         idx = _index(node, last)
         if idx is None:
-            return Problem(f"--set {short(key)}: no element '{short(last)}'")
+            return Problem(f"--set {short(key)}: no element '{short(last)}'{_suggest(node, last)}")
         node[idx] = value
     elif isinstance(node, dict):
         node[last] = value
@@ -121,6 +122,15 @@ def _index(node: list, part: str) -> int | None:
     if part.lstrip("-").isdigit() and len(part) < 20 and -len(node) <= int(part) < len(node):
         return int(part)
     return None
+
+
+def _suggest(node: list, part: str) -> str:
+    """'; did you mean ...' for a name missing from a list of named mappings, else the names there."""
+    names = [str(el["name"]) for el in node if isinstance(el, dict) and "name" in el]
+    if not names:
+        return f" (a list of {len(node)}: use an index)"
+    close = difflib.get_close_matches(part, names, n=1)
+    return f"; did you mean '{close[0]}'?" if close else f"; names there: {', '.join(names)}"
 
 
 def _descend(node: Any, part: str) -> Any:

@@ -122,7 +122,17 @@ def test_bad_overrides_are_reported_together(tmp_path):
     msgs = [p.message for p in info.value.problems]
     assert len(msgs) == 3
     assert any("'novalue'" in m and "key.path=value" in m for m in msgs)
-    assert any("no element 'nosuch'" in m for m in msgs)
+    assert any("no element 'nosuch'" in m and "names there: src, sink" in m for m in msgs)
+
+
+def test_a_misspelt_stage_in_set_gets_the_close_name(tmp_path):
+    path = tmp_path / "o.yaml"
+    path.write_text(BASE)
+    with pytest.raises(ConfigError) as info:
+        load_graph(path, ["stages.sinkk.replicas=2", "stages.srcc=1"])
+    msgs = [p.message for p in info.value.problems]
+    assert any("no element 'sinkk' in stages; did you mean 'sink'?" in m for m in msgs), msgs
+    assert any("no element 'srcc'; did you mean 'src'?" in m for m in msgs), msgs
 
 
 PLUGIN = textwrap.dedent(
