@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 
 from .bottleneck import Bottleneck
-from .sample import EvalPoint, HeldoutPoint, MonitorSample, TrainPoint
+from .sample import EvalPoint, HeldoutPoint, MonitorSample, TrainPoint, data_quality
 
 
 @attrs.define(eq=False)
@@ -220,6 +220,7 @@ class RunRecord:
                     for name, st in (last.stages.items() if last is not None else ())
                 },
                 "stage_load_window": None if last is None else last.window_label,
+                "data_quality": [{"stage": st, "records": n, "what": what} for st, n, what in data_quality(last)],
             }
         )
 

@@ -18,6 +18,7 @@ import attrs
 from dflash_flow.util import atomic_write_text
 
 from .record import RunRecord
+from .sample import data_quality
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +137,9 @@ def summary_table(record: RunRecord, *, width: int = 100) -> str:
         parts.append(
             table(rows, ["stage", "replicas", "busy", "starved", "blocked out", "items out"], title=f"stage load ({window})")
         )
+    quality = data_quality(last)
+    if quality:
+        parts.append(table(quality, ["stage", "records", "what happened"], title="data: records not trained as read (see the log for file:line)"))
     if record.bottleneck is not None:
         parts.append(Text(f"bottleneck: {record.bottleneck.sentence}"))
     if record.artifacts:

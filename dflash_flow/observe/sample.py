@@ -23,6 +23,11 @@ from .schema import metric, train_reduction
 
 # The Interleaver's labeled metric (batches dispatched per bucket): the source of the bucket mix.
 BUCKET_METRIC = "bucket_dispatch"
+# A source's labeled metric (unusable records by reason) and its counters of samples it changed or dropped:
+# what the end-of-run summary reports as the data's quality.
+BAD_RECORDS_METRIC = "bad_records"
+DATA_COUNTERS = {"truncated": "truncated to max_length", "dropped_overlong": "dropped (over max_length)",
+                 "too_few_supervised": "dropped (too few supervised tokens)"}
 
 
 @attrs.frozen
@@ -328,3 +333,20 @@ def alive_fraction(cur: StageSnapshot, prev: StageSnapshot | None, window: float
     before = {r.replica: r.alive_s for r in prev.replicas} if prev is not None else {}
     lives = [max(0.0, r.alive_s - before.get(r.replica, 0.0)) for r in cur.replicas]
     return min(1.0, sum(lives) / len(lives) / window)
+
+
+def data_quality(sample: MonitorSample | None) -> list[list[Any]]:
+    """Each source's unusable records by reason and the samples it cut or dropped, from the run's last
+    sample: ``[[stage, count, what]]`` (empty when every record was used as read)."""
+    rows: list[list[Any]] = []
+    for name, st in (sample.stages.items() if sample is not None else ()):
+        if BAD_RECORDS_METRIC not in st.labeled:
+            continue  # not a record reader
+        for reason, n in sorted(st.labeled[BAD_RECORDS_METRIC].items()):
+            if n:
+                rows.append([name, int(n), f"unusable, skipped: {reason}"])
+        for counter, what in DATA_COUNTERS.items():
+            n = st.counters.get(counter)
+            if n:
+                rows.append([name, int(n), what])
+    return rows

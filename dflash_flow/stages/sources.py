@@ -18,6 +18,7 @@ import attrs
 
 from dflash_flow.core import Source, StageContext, cfg
 from dflash_flow.items import SampleTable
+from dflash_flow.observe.sample import BAD_RECORDS_METRIC
 from dflash_flow.services import services_of
 from dflash_flow.util import cache_root
 
@@ -90,7 +91,7 @@ class _RecordSource(Source):
         self._m_unsupervised = m.counter(
             "too_few_supervised", "samples", "Samples with fewer than min_loss_tokens supervised tokens"
         )
-        self._m_bad = m.labeled("bad_records", "records", "Unusable records by reason")
+        self._m_bad = m.labeled(BAD_RECORDS_METRIC, "records", "Unusable records by reason")
         self._m_cached = m.counter("files_from_cache", "files", "Files read from the tokenization cache")
         self.report = None
 
