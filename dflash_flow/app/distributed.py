@@ -97,6 +97,44 @@ def disagreement(per_rank: list[dict[str, Any]]) -> str | None:
     return None
 
 
+# What a collective raises on a rank whose peer went away (gloo, NCCL, the TCP store): that rank only
+# stopped because another one failed first, and must not be blamed for the job's failure.
+PEER_LOST_MARKERS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "remote worker crashing",
+    "communicator was aborted",
+    "nccl error",
+    "ncclremoteerror",
+    "socket timeout",
+    "timed out waiting",
+    "dist_network_error",
+    "distnetworkerror",
+    "distbackenderror",
+)
+
+
+def lost_peer(exc: BaseException | str | None) -> bool:
+    """Whether ``exc`` (an exception, its chain, or an error text) is a collective failing because another
+    rank of the job went away: a consequence of that rank's fault, not a fault of its own."""
+    if exc is None:
+        return False
+    if isinstance(exc, str):
+        low = exc.lower()
+        return any(m in low for m in PEER_LOST_MARKERS)
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        names = {c.__name__ for c in type(exc).__mro__}
+        if names & {"DistNetworkError", "DistBackendError", "DistStoreError"}:
+            return True
+        if lost_peer(f"{type(exc).__name__}: {exc}"):
+            return True
+        exc = getattr(exc, "original", None) or exc.__cause__ or exc.__context__
+    return False
+
+
 def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """One dict from every rank's step metrics, each key reduced as declared (``items.TRAIN_METRIC_REDUCTIONS``
     through ``observe.schema.train_reduction``: sums for tokens and samples, max for times, means otherwise).

@@ -2,8 +2,10 @@
 
 torchrun (``torch.distributed.run``) starts the processes, runs the rendezvous and restarts workers
 (``--max-restarts``); this wrapper only builds its command line, passes the pipeline's arguments
-through, and afterwards reads each rank's outcome file (``OUTPUT/ranks/rankR.json``) to name the rank
-and stage that failed in one line. A rank that died without writing one (SIGKILL, OOM) is named too.
+through, and afterwards reads each rank's outcome record (written into a folder of this job's own,
+``$DFLASH_FLOW_OUTCOME_DIR``) to name the rank where the fault was, with its stage and error, in one line:
+the earliest failure that is not a lost connection to a failed peer. A rank that died without writing
+one (SIGKILL, OOM) is named too.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dflash_flow.app.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+from dflash_flow.app.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USER_ERROR
 
 
 def torchrun_command(
@@ -46,10 +48,14 @@ def torchrun_command(
     return cmd
 
 
-def rank_outcomes(output_dir: Path, world_size: int | None = None) -> dict[int, dict]:
-    """Each rank's outcome record (rank -> {status, code, error}); missing ranks are absent."""
+OUTCOME_DIR_ENV = "DFLASH_FLOW_OUTCOME_DIR"  # where each rank writes its outcome record (set by `launch`)
+
+
+def rank_outcomes(folder: Path) -> dict[int, dict]:
+    """Each rank's outcome record in ``folder`` (rank -> {status, code, error, stage, time, lost_peer});
+    ranks without one are absent."""
     out = {}
-    for f in sorted((output_dir / "ranks").glob("rank*.json")):
+    for f in sorted(folder.glob("rank*.json")):
         try:
             rec = json.loads(f.read_text())
             out[int(rec["rank"])] = rec
@@ -58,20 +64,50 @@ def rank_outcomes(output_dir: Path, world_size: int | None = None) -> dict[int, 
     return out
 
 
-def summarize(outcomes: dict[int, dict], world_size: int, returncode: int) -> str | None:
-    """One line naming the rank that failed (and its stage), or None when no rank failed.
+def _failed(rec: dict) -> bool:
+    return rec.get("code") not in (EXIT_OK, EXIT_INTERRUPTED, None)
 
-    A rank whose record still says RUNNING (or that has none) died outright; it is the cause, ranks that
-    ended KILLED were stopped because of it. A rank that reported an error is named with that error."""
-    died = [r for r in range(world_size) if outcomes.get(r, {}).get("status", "RUNNING") == "RUNNING"]
+
+def blame(outcomes: dict[int, dict], ranks: list[int], returncode: int) -> tuple[int, dict] | None:
+    """The rank where the job's fault was, with its record (None when no rank failed).
+
+    A rank whose record still says RUNNING (or that has none, of ``ranks``) died outright: it is the cause.
+    Otherwise the earliest failure that is not a lost peer: a rank whose collective broke because another
+    rank went away ("Connection closed by peer") only stopped because of that one."""
+    died = [r for r in ranks if outcomes.get(r, {}).get("status", "RUNNING") == "RUNNING"]
     if returncode != 0 and died:
-        return (f"rank {died[0]} died without reporting (killed by a signal, or out of memory; torchrun exit "
+        return died[0], outcomes.get(died[0], {"rank": died[0], "status": "RUNNING"})
+    failed = [(r, rec) for r, rec in outcomes.items() if _failed(rec)]
+    if not failed:
+        return None
+
+    def order(item: tuple[int, dict]) -> tuple:
+        r, rec = item
+        at = rec.get("time")
+        return (bool(rec.get("lost_peer")), at if isinstance(at, (int, float)) else float("inf"), r)
+
+    return min(failed, key=order)
+
+
+def summarize(outcomes: dict[int, dict], ranks: list[int], returncode: int) -> str | None:
+    """One line naming the rank that failed, its stage and its error (see ``blame``), or None."""
+    found = blame(outcomes, ranks, returncode)
+    if found is None:
+        return None
+    r, rec = found
+    if rec.get("status", "RUNNING") == "RUNNING":
+        return (f"rank {r} died without reporting (killed by a signal, or out of memory; torchrun exit "
                 f"code {returncode}); the other ranks were stopped")
-    failed = sorted((r, rec) for r, rec in outcomes.items() if rec.get("code") not in (EXIT_OK, EXIT_INTERRUPTED, None))
-    if failed:
-        r, rec = failed[0]
-        return f"rank {r} failed: {rec.get('error') or rec.get('status')}"
-    return None
+    error = str(rec.get("error") or rec.get("status"))
+    if error.startswith(f"rank {r}: "):
+        error = error[len(f"rank {r}: "):]
+    line = f"rank {r} failed: {error}"
+    followers = sorted(o for o, other in outcomes.items() if o != r and _failed(other) and other.get("lost_peer"))
+    if rec.get("lost_peer"):
+        line += " (it lost its connection to another rank: that rank's log, on its node, names the fault)"
+    elif followers:
+        line += f" (rank(s) {', '.join(map(str, followers))} then lost their connection to it)"
+    return line
 
 
 def mark_failed(tracking_uri: str | None, outcomes: dict[int, dict]) -> None:
@@ -91,22 +127,34 @@ def mark_failed(tracking_uri: str | None, outcomes: dict[int, dict]) -> None:
 
 def launch(file: Path, output_dir: Path, *, world_size: int, tracking_uri: str | None = None, **kwargs) -> int:
     """Run torchrun in the foreground and return the job's exit code (see the module docstring)."""
-    ranks_dir = output_dir / "ranks"
-    for old in ranks_dir.glob("rank*.json"):  # an earlier job's outcomes must not speak for this one
-        old.unlink(missing_ok=True)
-    cmd = torchrun_command(file, **kwargs)
-    proc = subprocess.Popen(cmd)
-    try:
-        returncode = proc.wait()
-    except KeyboardInterrupt:
-        proc.send_signal(signal.SIGINT)  # torchrun forwards it to the workers, which checkpoint and stop
-        returncode = proc.wait()
-    outcomes = rank_outcomes(output_dir)
-    line = summarize(outcomes, world_size, returncode)
+    import os
+    import tempfile
+
+    multi_node = str(kwargs.get("nnodes", "1")) != "1"
+    with tempfile.TemporaryDirectory(prefix="dflash-flow-ranks-") as folder:
+        # This job's own folder for the rank records: never an earlier or concurrent job's, and there even
+        # when a rank refuses to start before the output directory exists.
+        env = {**os.environ, OUTCOME_DIR_ENV: folder}
+        cmd = torchrun_command(file, **kwargs)
+        proc = subprocess.Popen(cmd, env=env)
+        try:
+            returncode = proc.wait()
+        except KeyboardInterrupt:
+            proc.send_signal(signal.SIGINT)  # torchrun forwards it to the workers, which checkpoint and stop
+            returncode = proc.wait()
+        outcomes = rank_outcomes(Path(folder))
+    # On several nodes this launcher sees only its own node's ranks, whichever global ranks they are.
+    ranks = sorted(outcomes) if multi_node else list(range(world_size))
+    if multi_node and returncode != 0 and not outcomes:
+        print(f"error: the ranks of this node ended without reporting (torchrun exit code {returncode})", file=sys.stderr)
+        return EXIT_FAILED
+    line = summarize(outcomes, ranks, returncode)
     if line:
         print(f"error: {line}", file=sys.stderr)
         mark_failed(tracking_uri, outcomes)
-        return EXIT_FAILED
+        found = blame(outcomes, ranks, returncode)
+        code = found[1].get("code") if found else None
+        return code if code in (EXIT_FAILED, EXIT_USER_ERROR) else EXIT_FAILED
     if returncode == 0:
         return EXIT_OK
     codes = {rec.get("code") for rec in outcomes.values()}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -102,9 +103,25 @@ class Outcome:
     code: int = EXIT_OK
     error: str | None = None
     shown: str | None = None
+    # Where and when it failed (the launcher blames the rank whose fault came first, not the ranks that
+    # only lost their connection to it): the stage, the wall-clock time, whether it was a lost peer.
+    stage: str | None = None
+    at: float | None = None
+    lost_peer: bool = False
 
 
 def _outcome(exc: BaseException | None) -> Outcome:
+    from dflash_flow.app.distributed import lost_peer
+
+    out = _classify(exc)
+    if exc is not None:
+        out.stage = getattr(exc, "stage", None)
+        out.at = time.time()
+        out.lost_peer = lost_peer(exc)
+    return out
+
+
+def _classify(exc: BaseException | None) -> Outcome:
     from dflash_flow.core import PipelineInterrupted, PipelineStalled, StageError
 
     if exc is None:
@@ -198,10 +215,18 @@ def _write_rank_outcome(output_dir: Path, dist_ctx, outcome: Outcome | None, run
         record = {"rank": dist_ctx.rank, "status": "RUNNING", "code": None, "error": None}
     else:
         first = (outcome.shown or outcome.error or "").strip().splitlines()
-        record = {"rank": dist_ctx.rank, "status": outcome.status, "code": outcome.code, "error": first[0] if first else None}
+        record = {"rank": dist_ctx.rank, "status": outcome.status, "code": outcome.code, "error": first[0] if first else None,
+                  "stage": outcome.stage, "time": outcome.at, "lost_peer": outcome.lost_peer}
     if run_id:
         record["mlflow_run_id"] = run_id
-    folder = output_dir / "ranks"
+    import os
+
+    from dflash_flow.app.launch import OUTCOME_DIR_ENV
+
+    # `dflash-flow run --nproc` gives its job a folder of its own (an earlier or concurrent job's records,
+    # or an output directory that cannot be made, never mix in); plain torchrun: OUTPUT/ranks.
+    own = os.environ.get(OUTCOME_DIR_ENV)
+    folder = Path(own) if own else output_dir / "ranks"
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write_text(folder / f"rank{dist_ctx.rank}.json", json.dumps(record) + "\n")
 
@@ -343,6 +368,12 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
                 "config_file": str(config_path) if config_path else "",
             }
         except UserError as exc:
+            if dist_ctx is not None:  # the launcher names this rank and its reason, not a rank that "died"
+                try:
+                    _write_rank_outcome(output_dir, dist_ctx, Outcome("FAILED", EXIT_USER_ERROR, str(exc),
+                                                                      at=time.time()))
+                except OSError:
+                    pass
             shutdown_distributed(dist_ctx, failed=True)
             return RunReport("FAILED", report_user_error(exc), str(exc), output_dir=output_dir)
         # The MLflow run is created last, right before the pipeline starts, with Ctrl-C and SIGTERM held

@@ -54,10 +54,12 @@ def _make(base: type) -> type:
 
     def _fire(self, where: str) -> None:
         ctx = self._fault_ctx
-        raise InjectedFault(f"injected fault in {where} of {ctx.name}[{ctx.replica}]")
+        raise InjectedFault(f"injected fault in {where} of {ctx.name}[{ctx.replica}]"
+                            + (f" on rank {ctx.rank}" if ctx.world_size > 1 else ""))
 
     def _armed(self) -> bool:
-        return self._fault_ctx is not None and self._fault_ctx.replica == self.fault_replica
+        ctx = self._fault_ctx
+        return ctx is not None and ctx.replica == self.fault_replica and self.fault_rank in (-1, ctx.rank)
 
     def setup(self, ctx) -> None:
         self._fault_ctx = ctx
@@ -94,10 +96,11 @@ def _make(base: type) -> type:
     ns: dict[str, Any] = {
         "__doc__": f"{base.__name__} with an injected fault (tests only).",
         "__module__": __name__,
-        "__annotations__": {"fault_phase": str, "fault_replica": int, "fault_at": int},
+        "__annotations__": {"fault_phase": str, "fault_replica": int, "fault_at": int, "fault_rank": int},
         "fault_phase": cfg("none", choices=("none", "setup", "process", "teardown")),
         "fault_replica": cfg(0, ge=0),
         "fault_at": cfg(0, ge=0),
+        "fault_rank": cfg(-1, ge=-1),  # under torchrun: only this rank's replica (-1: every rank's)
         "_fault_ctx": attrs.field(default=None, init=False),
         "_fault_n": attrs.field(default=0, init=False),
         "_fire": _fire,

@@ -232,3 +232,31 @@ def test_rank_disagreement_names_the_field_and_the_ranks():
     data = disagreement([same, dict(same), {**same, "data_files": {"d.jsonl": "2"}}])
     assert "disagree on data_files (d.jsonl)" in data and "rank(s) 2 differ" in data
     assert "version" in disagreement([same, {**same, "version": "0.2.0"}])
+
+
+def test_the_launcher_blames_the_first_real_fault_not_a_rank_that_lost_its_peer():
+    from dflash_flow.app.distributed import lost_peer
+    from dflash_flow.app.launch import summarize
+
+    gloo = ("stage 'drafter' replica 0 failed in process: RuntimeError: [pair.cc:553] Connection closed by peer "
+            "[127.0.0.1]:64646. This is typically caused by a remote worker crashing.")
+    assert lost_peer(gloo) and lost_peer(RuntimeError("x")) is False
+    assert lost_peer(ValueError("wrapped")) is False
+    chained = RuntimeError("outer")
+    chained.__cause__ = RuntimeError("Connection reset by peer")
+    assert lost_peer(chained)
+    fault = "stage 'target' replica 0 failed in process: InjectedFault: boom"
+    records = {0: {"rank": 0, "status": "FAILED", "code": 1, "error": gloo, "stage": "drafter", "time": 5.0, "lost_peer": True},
+               1: {"rank": 1, "status": "FAILED", "code": 1, "error": fault, "stage": "target", "time": 6.0, "lost_peer": False}}
+    line = summarize(records, [0, 1], 1)
+    assert line.startswith(f"rank 1 failed: {fault}") and "rank(s) 0 then lost their connection" in line, line
+    # Two real faults: the earlier one; only lost peers: the earliest of those, said to be a consequence.
+    records[0] = {**records[1], "rank": 0, "time": 7.0}
+    assert summarize(records, [0, 1], 1).startswith("rank 1 failed")
+    only_peers = {r: {**records[1], "rank": r, "error": gloo, "lost_peer": True, "time": 9.0 - r} for r in (0, 1)}
+    assert "lost its connection to another rank" in summarize(only_peers, [0, 1], 1)
+    # A rank refused at start-up (a user error): named without repeating its own "rank N:" prefix.
+    refused = {0: {"rank": 0, "status": "FAILED", "code": 2, "error": "rank 0: the ranks of this job disagree"}}
+    assert summarize(refused, [0], 2) == "rank 0 failed: the ranks of this job disagree"
+    assert summarize({0: {"rank": 0, "status": "RUNNING"}}, [0, 1], 1).startswith("rank 0 died without reporting")
+    assert summarize({0: {"rank": 0, "status": "FINISHED", "code": 0}, 1: {"rank": 1, "status": "FINISHED", "code": 0}}, [0, 1], 0) is None
