@@ -53,6 +53,29 @@ class SampleTable(SampleSet):
         return Sample(sample_id=int(self.sample_ids[i]), input_ids=ids, loss_mask=mask, source=source)
 
 
+@attrs.frozen
+class RunPlan:
+    """What the run will train, known once the first epoch is planned: the console's start banner.
+    Shared by every batch of the run (one object, not copied)."""
+
+    samples: int  # samples in the run's data (each trained once per epoch)
+    epochs: int
+    batches: int  # batches this rank takes over the whole run (max_batches applied)
+    world_size: int = 1
+    max_tokens: int | None = None  # each batch's token budget (the Bucketer's)
+    buckets: int | None = None
+    from_epoch: int = 0  # the first epoch this process trains (after a resume: the checkpoint's)
+
+    def sentence(self, optimizer_steps: int | None) -> str:
+        per = f" of at most {self.max_tokens:,} tokens" if self.max_tokens else ""
+        ranks = f" on each of {self.world_size} ranks" if self.world_size > 1 else ""
+        buckets = f" in {self.buckets} length buckets" if self.buckets else ""
+        resumed = f", resuming in epoch {self.from_epoch}" if self.from_epoch else ""
+        steps = f" -> {optimizer_steps:,} optimizer steps" if optimizer_steps else ""
+        return (f"training {self.samples:,} samples{buckets} x {self.epochs} epoch{'s' if self.epochs != 1 else ''}"
+                f"{resumed}: {self.batches:,} batches{per}{ranks}{steps}")
+
+
 @attrs.define(eq=False)
 class BatchMeta:
     """What a batch is, carried with it from the planner to the trainer."""
@@ -81,6 +104,7 @@ class BatchMeta:
     last_of_epoch: bool = False  # the epoch's last step (for this rank)
     last_of_run: bool = False  # the last batch the run plans (max_batches reached)
     plan_state: dict[str, Any] | None = None
+    plan: RunPlan | None = None  # the run's plan (the same object for every batch of an epoch)
 
     @property
     def ends_accumulation(self) -> bool:
@@ -196,3 +220,4 @@ class EpochBatches:
     # Global batches of every epoch of the run (index: epoch), exactly: the schedule's and the progress's
     # totals are counted from these. Empty: unknown (later epochs are taken to be as large as this one).
     epoch_sizes: tuple[int, ...] = ()
+    max_tokens: int | None = None  # each batch's token budget

@@ -178,7 +178,7 @@ class Bucketer(Stage):
                 self._m_batches.inc(b, n)
             self._m_epoch.set(epoch)
             yield EpochBatches(epoch=epoch, packed=packed, samples=samples, num_epochs=self.epochs,
-                               epoch_sizes=tuple(sizes))
+                               epoch_sizes=tuple(sizes), max_tokens=self.max_tokens)
 
     # Re-packing is cheap and a pure function of the samples, so every run packs from epoch 0 and the
     # Interleaver skips what was consumed: no state that could disagree with the Interleaver's (the base

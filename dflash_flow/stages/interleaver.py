@@ -9,7 +9,7 @@ import attrs
 
 from dflash_flow.core import Stage, StageContext, cfg
 from dflash_flow.data.plan import plan_field
-from dflash_flow.items import EpochBatches, PlannedBatch
+from dflash_flow.items import EpochBatches, PlannedBatch, RunPlan
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -92,6 +92,8 @@ class Interleaver(Stage):
                 budget -= ahead[i]
         epoch_steps = ahead[0]
         total = self._emitted + sum(ahead)
+        run_plan = RunPlan(samples=len(item.samples), epochs=item.num_epochs, batches=total, world_size=world,
+                           max_tokens=item.max_tokens, buckets=len(item.packed.counts), from_epoch=item.epoch)
         first_step = start // world
         for s, pos in enumerate(positions[:epoch_steps]):
             if ctx.stop_requested.is_set():
@@ -107,6 +109,7 @@ class Interleaver(Stage):
             # Advance before yielding: a state taken while this batch is downstream must count it.
             self._plan_state = plan.state_dict(min(start + (s + 1) * world, len(plan)))
             meta.plan_state = self._plan_state
+            meta.plan = run_plan
             samples = [] if meta.filler else [item.samples[i] for i in plan.batch(pos).tolist()]
             self._emitted += 1
             self._count(meta)

@@ -44,6 +44,7 @@ class Monitor(Stage):
     plots: bool = cfg(True, doc="Ask for PNG plots in the end-of-run report (and in MLflow).")
     sinks: list[str] = cfg(factory=list, doc="Stages for which being the bottleneck is the goal (default: the trainer feeding this monitor).")
     _printer: Any = attrs.field(default=None, init=False)
+    _bannered: bool = attrs.field(default=False, init=False)  # the run's plan was shown
     _subscription: Any = attrs.field(default=None, init=False)
 
     def setup(self, ctx) -> None:
@@ -140,6 +141,11 @@ class Monitor(Stage):
             record.total_steps = item.total_steps
             if self._printer is not None:
                 self._printer.total_steps = item.total_steps
+        plan = item.meta.plan if item.meta is not None else None
+        if plan is not None and not self._bannered:
+            self._bannered = True  # once, before the first step's line
+            if self._printer is not None:
+                self._printer.message(plan.sentence(item.total_steps))
         logged = dict(item.metrics)
         # Per block slot: noisy per step and many, so logged as their mean over each sampling window.
         windowed = {position_accuracy_name(k): v for k, v in enumerate(item.position_accuracy, start=1)}
