@@ -11,7 +11,8 @@ JSONL of prompts into a JSONL of conversations whose last turn is the target's g
 * batched with left padding through transformers' ``generate`` (greedy; it gives the same tokens as a
   hand-written KV-cache loop, measured on the shipped dataset, and runs ~5x faster here);
 * resumable: ids already in the output are skipped, each batch is appended and flushed, and a last line
-  cut short by a kill is detected and rewritten;
+  cut short by a kill is detected and rewritten -- only when this tool was writing it, and never into the
+  input (:mod:`.regen_io`);
 * progress is reported through a callback (the CLI draws a bar, a pipeline stage also feeds the
   watchdog's heartbeat), so a long regeneration never looks like a stall.
 
@@ -22,13 +23,16 @@ with ``finish_reason`` ``"stop"`` (a stop token ended the reply) or ``"length"``
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_flow.data.chat import prompt_turns, stop_token_ids
+
+from .regen_io import OutputWriter, check_output_is_not_input, read_prompts, scan_output
+
+__all__ = ["ProgressFn", "RegenStats", "read_prompts", "regenerate", "scan_output"]
 
 #: ``progress(done_records, total_records, new_tokens)`` after every batch.
 ProgressFn = Callable[[int, int, int], None]
@@ -47,67 +51,6 @@ class RegenStats:
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.seconds if self.seconds else 0.0
-
-
-# ---------------------------------------------------------------------------------------------------
-# Records
-# ---------------------------------------------------------------------------------------------------
-
-
-def read_prompts(path: str | Path) -> list[tuple[object, dict]]:
-    """(id, record) for every non-empty line; the id is the record's ``"id"`` or its index."""
-    out = []
-    seen: set[str] = set()
-    with open(path, encoding="utf-8") as f:
-        index = 0
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-            rid = rec.get("id", index)
-            if str(rid) in seen:
-                raise ValueError(f"{path}:{lineno}: duplicate id {rid!r} (resume needs unique ids)")
-            seen.add(str(rid))
-            out.append((rid, rec))
-            index += 1
-    return out
-
-
-def scan_output(path: str | Path) -> set[str]:
-    """Ids already written to ``path``; repairs a last line cut short by a kill (truncates it away).
-
-    Only the last line may be damaged (writes are appends); damage elsewhere is an error, not something
-    to paper over.
-    """
-    path = Path(path)
-    if not path.exists():
-        return set()
-    data = path.read_bytes()
-    done: set[str] = set()
-    good_end = 0
-    pos = 0
-    while pos < len(data):
-        nl = data.find(b"\n", pos)
-        end = len(data) if nl < 0 else nl + 1
-        line = data[pos:end]
-        try:
-            if nl < 0:
-                raise ValueError("no newline")  # a complete record always ends with "\n"
-            if line.strip():
-                done.add(str(json.loads(line)["id"]))
-        except (ValueError, KeyError, TypeError):
-            if end < len(data):
-                raise ValueError(f"{path}: damaged record at byte {pos} that is not the last line") from None
-            break
-        good_end = end
-        pos = end
-    if good_end < len(data):
-        with open(path, "r+b") as f:
-            f.truncate(good_end)
-    return done
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -151,22 +94,24 @@ def regenerate(prompts_jsonl: str | Path, target_path: str | Path | None, out_js
 
 def _regenerate(prompts_jsonl, target_path, out_jsonl, batch_size, max_new_tokens, resume, progress,
                 system_prompt, device, limit, model, tokenizer, check_stop=None) -> RegenStats:
-    from dflash_flow.model.speculative import greedy_continuations
-
     t0 = time.perf_counter()
+    check_output_is_not_input(prompts_jsonl, out_jsonl)
     records = read_prompts(prompts_jsonl)
     if limit is not None:
         records = records[:limit]
-    out_jsonl = Path(out_jsonl)
-    out_jsonl.parent.mkdir(parents=True, exist_ok=True)
-    done = scan_output(out_jsonl) if resume else set()
-    if not resume and out_jsonl.exists():
-        out_jsonl.unlink()
-    todo = [(rid, rec) for rid, rec in records if str(rid) not in done]
-    stats = RegenStats(total=len(records), skipped=len(records) - len(todo))
-    if not todo:
-        stats.seconds = time.perf_counter() - t0
-        return stats
+    with OutputWriter(out_jsonl, resume=resume) as writer:
+        todo = [(rid, rec) for rid, rec in records if str(rid) not in writer.done]
+        stats = RegenStats(total=len(records), skipped=len(records) - len(todo))
+        if todo:
+            _generate(todo, writer, stats, target_path, batch_size, max_new_tokens, progress, system_prompt, device,
+                      model, tokenizer, check_stop)
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def _generate(todo, writer, stats, target_path, batch_size, max_new_tokens, progress, system_prompt, device, model,
+              tokenizer, check_stop) -> None:
+    from dflash_flow.model.speculative import greedy_continuations
 
     if model is None or tokenizer is None:
         model, tokenizer = _load(target_path, device)
@@ -176,39 +121,34 @@ def _regenerate(prompts_jsonl, target_path, out_jsonl, batch_size, max_new_token
 
     report = progress or (lambda *_: None)
     report(stats.skipped, stats.total, 0)
-    with open(out_jsonl, "a", encoding="utf-8") as f:
-        for b in range(0, len(todo), batch_size):
-            if check_stop is not None:
-                check_stop()  # between batches: everything written so far is complete and resumable
-            chunk = todo[b : b + batch_size]
-            turns = [prompt_turns(rec, system_prompt) for _, rec in chunk]
-            texts = [tokenizer.apply_chat_template(t, tokenize=False, add_generation_prompt=True) for t in turns]
-            prompt_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-            results = greedy_continuations(model, prompt_ids, max_new_tokens=max_new_tokens, stop_ids=stops,
-                                           pad_id=pad_id)
-            lines = []
-            n_tok = 0
-            for (rid, _), t, (gen, reason) in zip(chunk, turns, results, strict=True):
-                if reason == "stop":
-                    gen = gen[:-1]  # the chat template writes the end of turn itself
-                # Special tokens inside a reply would break the template's turn structure downstream.
-                reply = tokenizer.decode(gen, skip_special_tokens=True)
-                rec = {"id": rid, "conversations": t + [{"role": "assistant", "content": reply}],
-                       "finish_reason": reason}
-                lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
-                n_tok += len(gen) + (reason == "stop")
-                stats.truncated += reason == "length"
-                stats.empty += not reply.strip()
-            # One write + flush + fsync per batch: a kill loses at most this batch (and maybe cuts its
-            # last line, which the next run's scan repairs).
-            f.write("".join(lines))
-            f.flush()
-            os.fsync(f.fileno())
-            stats.generated += len(chunk)
-            stats.new_tokens += n_tok
-            report(stats.skipped + stats.generated, stats.total, n_tok)
-    stats.seconds = time.perf_counter() - t0
-    return stats
+    for b in range(0, len(todo), batch_size):
+        if check_stop is not None:
+            check_stop()  # between batches: everything written so far is complete and resumable
+        chunk = todo[b : b + batch_size]
+        turns = [prompt_turns(rec, system_prompt) for _, rec in chunk]
+        texts = [tokenizer.apply_chat_template(t, tokenize=False, add_generation_prompt=True) for t in turns]
+        prompt_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        results = greedy_continuations(model, prompt_ids, max_new_tokens=max_new_tokens, stop_ids=stops,
+                                       pad_id=pad_id)
+        lines = []
+        n_tok = 0
+        for (rid, _), t, (gen, reason) in zip(chunk, turns, results, strict=True):
+            if reason == "stop":
+                gen = gen[:-1]  # the chat template writes the end of turn itself
+            # Special tokens inside a reply would break the template's turn structure downstream.
+            reply = tokenizer.decode(gen, skip_special_tokens=True)
+            rec = {"id": rid, "conversations": t + [{"role": "assistant", "content": reply}],
+                   "finish_reason": reason}
+            lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
+            n_tok += len(gen) + (reason == "stop")
+            stats.truncated += reason == "length"
+            stats.empty += not reply.strip()
+        # One write + flush + fsync per batch: a kill loses at most this batch (and maybe cuts its
+        # last line, which the next run's scan repairs: the journal says this tool was writing it).
+        writer.write_lines(lines)
+        stats.generated += len(chunk)
+        stats.new_tokens += n_tok
+        report(stats.skipped + stats.generated, stats.total, n_tok)
 
 
 def _load(target_path, device: str):

@@ -7,6 +7,7 @@ import time
 
 from dflash_flow.embedded.build import build_default_dataset
 from dflash_flow.embedded.corpus import split_of
+from dflash_flow.embedded.regen_io import OutputWriter
 
 
 def _read(path):
@@ -38,7 +39,12 @@ def test_build_cache_and_resume(tmp_path, target_dir):
     (tmp_path / "manifest.json").unlink()
     (tmp_path / ".building").write_text(ds.key + "\n")
     lines = before.splitlines(keepends=True)
-    ds.train_path.write_bytes(b"".join(lines[:2]) + lines[2][:10])
+    ds.train_path.write_bytes(b"".join(lines[:2]))
+    writer = OutputWriter(ds.train_path).__enter__()  # regenerate appending, killed mid-line (its journal stays)
+    writer._clean = False
+    writer.__exit__(None, None, None)
+    with open(ds.train_path, "ab") as f:
+        f.write(lines[2][:10])
     resumed = build_default_dataset(tmp_path, **kw)
     assert not resumed.cached and resumed.manifest["regeneration"]["train"]["generated_now"] == 3
     assert resumed.train_path.read_bytes() == before

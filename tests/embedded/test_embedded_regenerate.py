@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -81,7 +82,11 @@ def test_resume_gives_the_same_file(prompts_file, uninterrupted, target, tmp_pat
     if cut:  # a kill in the middle of writing the next record
         partial += lines[kept_lines][: len(lines[kept_lines]) // 2]
     out = tmp_path / "resumed.jsonl"
-    out.write_bytes(partial)
+    out.write_bytes(b"".join(lines[:kept_lines]))
+    if cut:  # a kill in the middle of writing the next record: the journal says regenerate was appending
+        _journal_from_here(out)
+        with open(out, "ab") as f:
+            f.write(partial[len(b"".join(lines[:kept_lines])):])
     stats = regenerate(prompts_file, None, out, batch_size=3, max_new_tokens=MAX_NEW, progress=None,
                        model=model, tokenizer=tok)
     assert stats.skipped == kept_lines and stats.generated == N_RECORDS - kept_lines
@@ -103,19 +108,70 @@ def test_no_resume_overwrites(prompts_file, uninterrupted, target, tmp_path):
 
 def test_damage_before_the_last_line_is_an_error(tmp_path):
     out = tmp_path / "o.jsonl"
-    out.write_text('{"id": 1}\n{"id": 2, "conv\n{"id": 3}\n')
+    out.write_text(R1 + '{"id": 2, "conv\n' + R1)
     with pytest.raises(ValueError, match="not the last line"):
         scan_output(out)
 
 
-def test_truncated_last_line_is_cut(tmp_path):
+def _journal_from_here(out):
+    """What regenerate leaves beside its output while appending: the journal of the region it writes."""
+    from dflash_flow.embedded.regen_io import OutputWriter
+
+    w = OutputWriter(out).__enter__()
+    w._clean = False  # as if killed: the journal stays
+    w.__exit__(None, None, None)
+
+
+R1 = '{"id": 1, "finish_reason": "stop"}\n'
+R2 = '{"id": 2, "finish_reason": "length"}'
+
+
+def test_truncated_last_line_is_cut_when_regenerate_was_writing_it(tmp_path):
     out = tmp_path / "o.jsonl"
-    out.write_text('{"id": 1}\n{"id": 2}\n{"id": 3, "conversa')
-    assert scan_output(out) == {"1", "2"}
-    assert out.read_text() == '{"id": 1}\n{"id": 2}\n'
+    out.write_text(R1)
+    _journal_from_here(out)
+    with open(out, "a") as f:
+        f.write(R2 + '\n{"id": 3, "conversa')
+    assert scan_output(out) == {"1": "stop", "2": "length"}
+    assert out.read_text() == R1 + R2 + "\n"
     # a complete JSON line that only lacks its newline is also rewritten (it may be a cut prefix)
-    out.write_text('{"id": 1}\n{"id": 2}')
-    assert scan_output(out) == {"1"}
+    out.write_text(R1)
+    _journal_from_here(out)
+    with open(out, "a") as f:
+        f.write(R2)
+    assert scan_output(out) == {"1": "stop"}
+    assert out.read_text() == R1
+
+
+def test_a_torn_line_regenerate_did_not_write_is_never_truncated(tmp_path):
+    """Issue 23.4: a foreign file (no journal, a journal of another file, or a tear before the region the
+    journal names) keeps every byte; the call is refused with what to do."""
+    from dflash_flow.embedded.regen_io import journal_path
+
+    out = tmp_path / "o.jsonl"
+    foreign = R1 + R2  # a hand-written file whose last line lacks its newline
+    out.write_text(foreign)
+    with pytest.raises(ValueError, match="regenerate was not writing it"):
+        scan_output(out)
+    assert out.read_text() == foreign
+    # the journal of a file that has since been replaced by another one (another inode)
+    out.write_text(R1)
+    _journal_from_here(out)
+    (tmp_path / "other").write_text(foreign)
+    os.replace(tmp_path / "other", out)
+    with pytest.raises(ValueError, match="regenerate was not writing it"):
+        scan_output(out)
+    assert out.read_text() == foreign
+    # a journal of this file whose region begins after the torn line: that line was there before
+    st = out.stat()
+    journal_path(out).write_text(json.dumps({"dev": st.st_dev, "ino": st.st_ino, "from": st.st_size}))
+    with pytest.raises(ValueError, match="regenerate was not writing it"):
+        scan_output(out)
+    assert out.read_text() == foreign
+    # complete lines that regenerate never writes (no finish_reason): not appended to
+    out.write_text('{"id": 1, "prompt": "x"}\n')
+    with pytest.raises(ValueError, match="not a record written by dflash-flow regenerate"):
+        scan_output(out)
 
 
 def test_input_formats(tmp_path, target):
@@ -215,3 +271,52 @@ def test_empty_replies_are_counted_and_the_command_warns(prompts_file, target, t
     ok = regenerate(prompts_file, None, tmp_path / "ok.jsonl", batch_size=4, max_new_tokens=MAX_NEW, model=model,
                     tokenizer=tok)
     assert ok.empty == 0 and not any("empty" in w for w in regenerate_warnings(ok, MAX_NEW))
+
+
+@pytest.mark.parametrize("how", ["same path", "other spelling", "symlink", "hard link"])
+def test_an_output_that_is_the_input_is_refused_and_the_input_kept(tmp_path, how, monkeypatch):
+    """Issue 23.4: `regenerate X --out X` used to read X's last line (no final newline) as a torn record,
+    truncate it and append replies to the prompts. The input is the same file by path or by inode."""
+    from dflash_flow.embedded.regen_io import journal_path
+
+    src = tmp_path / "prompts.jsonl"
+    body = '{"id": "a", "prompt": "Count to 3."}\n{"id": "b", "prompt": "Name a day."}'  # no final newline
+    src.write_text(body)
+    monkeypatch.chdir(tmp_path)
+    out = {"same path": src, "other spelling": tmp_path / "." / "prompts.jsonl", "symlink": tmp_path / "link.jsonl",
+           "hard link": tmp_path / "hard.jsonl"}[how]
+    if how == "symlink":
+        out.symlink_to(src)
+    if how == "hard link":
+        out.hardlink_to(src)
+    for resume in (True, False):
+        with pytest.raises(ValueError, match="is the input file .* choose another --out"):
+            # the model is never needed: refused before anything is loaded, read or written
+            regenerate(src, None, out, max_new_tokens=4, resume=resume, model=object(), tokenizer=object())
+        assert src.read_text() == body
+    assert not journal_path(src).exists() and not journal_path(out).exists()
+
+
+def test_the_cli_refuses_an_output_that_is_the_input_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    src = tmp_path / "p.jsonl"
+    body = '{"id": "a", "prompt": "Count to 3."}'
+    src.write_text(body)
+    r = subprocess.run([sys.executable, "-m", "dflash_flow", "regenerate", str(src), "--target", "embedded",
+                        "--out", str(src)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and "is the input file" in r.stderr and "Traceback" not in r.stderr
+    assert src.read_text() == body
+
+
+def test_a_second_writer_is_refused_while_one_appends(tmp_path):
+    from dflash_flow.embedded.regen_io import OutputWriter
+
+    out = tmp_path / "o.jsonl"
+    with OutputWriter(out) as w:
+        w.write_lines([R1])
+        with pytest.raises(ValueError, match="being written by another dflash-flow regenerate"):
+            OutputWriter(out).__enter__()
+    assert out.read_text() == R1

@@ -1,0 +1,207 @@
+"""The files of a regeneration: the prompts it reads and the JSONL of replies it appends to.
+
+Shared by the in-process regeneration (:mod:`.regenerate`) and the one through serving engines
+(:mod:`.served`). The output is precious (hours of a target's time) and so is the input, so:
+
+* an output that *is* the input (the same path, or the same file through a symlink or a hard link) is
+  refused before anything is read or written;
+* every record this tool writes carries ``"id"`` and ``"finish_reason"``: a file whose complete lines lack
+  them was not written by ``regenerate`` and is never appended to;
+* while appending, a small journal beside the output (``OUT.regen-journal``: the output's device, inode and
+  size when appending began) says which bytes this tool is writing. A last line cut short by a kill is
+  truncated only when it lies inside that region of that very file; a torn line anywhere else (a foreign
+  file, a file copied or replaced since) is an error, never "repaired". The journal is removed when the
+  appending ends cleanly;
+* one writer at a time: the output is locked (``flock``) while appended to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+JOURNAL_SUFFIX = ".regen-journal"
+
+
+def journal_path(out: str | Path) -> Path:
+    out = Path(out)
+    return out.with_name(out.name + JOURNAL_SUFFIX)
+
+
+def read_prompts(path: str | Path) -> list[tuple[object, dict]]:
+    """(id, record) for every non-empty line; the id is the record's ``"id"`` or its index."""
+    out = []
+    seen: set[str] = set()
+    with open(path, encoding="utf-8") as f:
+        index = 0
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+            if not isinstance(rec, dict):
+                raise ValueError(f"{path}:{lineno}: a record is a JSON object, got {type(rec).__name__}")
+            rid = rec.get("id", index)
+            if str(rid) in seen:
+                raise ValueError(f"{path}:{lineno}: duplicate id {rid!r} (resume needs unique ids)")
+            seen.add(str(rid))
+            out.append((rid, rec))
+            index += 1
+    return out
+
+
+def check_output_is_not_input(prompts: str | Path, out: str | Path) -> None:
+    """Refuse an output that is the input: the same path, or the same file (inode) by a symlink or a hard
+    link. Appending to, truncating or overwriting it would destroy the prompts."""
+    prompts, out = Path(prompts), Path(out)
+    same = False
+    if out.exists() and prompts.exists():
+        same = os.path.samefile(prompts, out)
+    elif os.path.abspath(prompts) == os.path.abspath(out) or prompts.resolve() == out.resolve():
+        same = True
+    if same:
+        raise ValueError(f"--out {out} is the input file {prompts} (the same file); writing replies there would "
+                         "destroy the prompts: choose another --out")
+
+
+def _read_journal(out: Path) -> dict | None:
+    try:
+        data = json.loads(journal_path(out).read_text())
+        return data if isinstance(data, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _ours(out: Path, offset: int) -> bool:
+    """Whether byte ``offset`` of ``out`` lies in what this tool was appending when it was interrupted."""
+    j = _read_journal(out)
+    if j is None:
+        return False
+    st = out.stat()
+    return j.get("dev") == st.st_dev and j.get("ino") == st.st_ino and isinstance(j.get("from"), int) \
+        and 0 <= j["from"] <= offset
+
+
+def scan_output(path: str | Path, *, repair: bool = True) -> dict[str, str]:
+    """``{id: finish_reason}`` of the records already written to ``path``.
+
+    Only the last line may be damaged (writes are appends). A damaged last line is truncated away when this
+    tool was writing it (the journal says so; ``repair=False`` never truncates); otherwise it is an error, as
+    is damage elsewhere and a complete record that this tool did not write (no ``id`` or ``finish_reason``).
+    """
+    path = Path(path)
+    if not path.exists():
+        return {}
+    data = path.read_bytes()
+    done: dict[str, str] = {}
+    good_end = 0
+    pos = 0
+    lineno = 0
+    while pos < len(data):
+        lineno += 1
+        nl = data.find(b"\n", pos)
+        end = len(data) if nl < 0 else nl + 1
+        line = data[pos:end]
+        try:
+            if nl < 0:
+                raise ValueError("no newline")  # a complete record always ends with "\n"
+            rec = json.loads(line) if line.strip() else None
+        except ValueError:
+            if end < len(data):
+                raise ValueError(f"{path}: damaged record at byte {pos} that is not the last line") from None
+            break
+        if rec is not None:
+            if not isinstance(rec, dict) or "id" not in rec or "finish_reason" not in rec:
+                raise ValueError(f"{path}:{lineno}: not a record written by dflash-flow regenerate (no 'id' and "
+                                 "'finish_reason'): choose another --out")
+            done[str(rec["id"])] = str(rec["finish_reason"])
+        good_end = end
+        pos = end
+    if good_end < len(data):
+        if not (repair and _ours(path, good_end)):
+            raise ValueError(f"{path}: the last line (byte {good_end}) is not a complete record and regenerate was "
+                             "not writing it; this file is left as it is: choose another --out, or fix or remove "
+                             "that line yourself")
+        with open(path, "r+b") as f:
+            f.truncate(good_end)
+            f.flush()
+            os.fsync(f.fileno())
+    return done
+
+
+class OutputWriter:
+    """Appends complete lines to the output, under a lock and a journal (see the module docstring).
+
+    Entering locks the output, reads the ids already there (``done``, repairing a torn last line this tool
+    wrote) -- or, with ``resume=False``, starts a new file -- and writes the journal.
+    """
+
+    def __init__(self, out: str | Path, *, resume: bool = True):
+        self.out = Path(out)
+        self.resume = resume
+        self.done: dict[str, str] = {}
+        self._f = None
+        self._clean = True
+
+    def __enter__(self) -> OutputWriter:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        if not self.resume and self.out.exists():
+            with open(self.out, "rb") as old:
+                _lock(old, self.out)  # not while another regenerate writes it
+                self.out.unlink()
+            journal_path(self.out).unlink(missing_ok=True)
+        f = open(self.out, "ab")
+        try:
+            _lock(f, self.out)
+            self.done = scan_output(self.out)
+            st = os.fstat(f.fileno())
+            f.seek(0, os.SEEK_END)
+            j = journal_path(self.out)
+            tmp = j.with_name(j.name + ".tmp")
+            tmp.write_text(json.dumps({"dev": st.st_dev, "ino": st.st_ino, "from": f.tell(), "pid": os.getpid()})
+                           + "\n")
+            os.replace(tmp, j)
+        except BaseException:
+            f.close()
+            raise
+        self._f = f
+        return self
+
+    def write_lines(self, lines: list[str], *, fsync: bool = True) -> None:
+        """One write of whole lines, flushed (and fsynced); a failure leaves the journal in place so that
+        a torn line is repaired on the next call."""
+        self._clean = False
+        self._f.write("".join(lines).encode("utf-8"))
+        self._f.flush()
+        if fsync:
+            os.fsync(self._f.fileno())
+        self._clean = True
+
+    def sync(self) -> None:
+        os.fsync(self._f.fileno())
+
+    def __exit__(self, *exc) -> None:
+        f, self._f = self._f, None
+        try:
+            if self._clean:
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            if self._clean:
+                journal_path(self.out).unlink(missing_ok=True)
+            f.close()
+
+
+def _lock(f, out: Path) -> None:
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        return
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ValueError(f"{out} is being written by another dflash-flow regenerate; wait for it to finish or "
+                         "choose another --out") from None
