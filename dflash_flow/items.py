@@ -153,7 +153,7 @@ class TargetFeatures:
 #: objective's own terms) is averaged.
 TRAIN_METRIC_REDUCTIONS: dict[str, str] = {
     "tokens": "sum", "samples": "sum", "num_tokens": "sum", "tokens_per_s": "sum", "samples_per_s": "sum",
-    "allreduce_wait_s": "max", "step_s": "max",
+    "allreduce_wait_s": "max", "allreduce_wait_frac": "max", "step_s": "max",
 }
 
 

@@ -412,6 +412,7 @@ class DrafterTrainer:
         self._pos_sums = []
         if self.allreduce_clock is not None:
             metrics["allreduce_wait_s"] = self._allreduce_wait
+            metrics["allreduce_wait_frac"] = min(1.0, self._allreduce_wait / dt)  # of the step's wall time
             self._allreduce_wait = 0.0
         self._sums = {}
         self._tokens = self._samples = 0

@@ -86,7 +86,8 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
 
-_TRAIN_SHOWN = ("loss", "accuracy", "sim_accept_len", "grad_norm", "lr", "tokens_per_s", "samples_per_s")
+_TRAIN_SHOWN = ("loss", "accuracy", "sim_accept_len", "grad_norm", "lr", "tokens_per_s", "samples_per_s",
+                "allreduce_wait_s", "allreduce_wait_frac")  # the last two: multi-rank DDP runs only
 
 
 def _acceptance(record: RunRecord, mean: dict[str, float]) -> tuple[list[list[Any]], list[str]] | None:
