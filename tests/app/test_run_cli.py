@@ -43,7 +43,8 @@ def _pipeline(tmp: Path, *, fail_stage: bool = False) -> Path:
          "config": {"target": "embedded", "num_layers": 1, "block_size": 4, "num_anchors": 16, "lr": 3e-3,
                     "torch_threads": 1, "record_batches": True}},
         {"name": "evaluate", "type": "SpecDecodeEval", "inputs": ["drafter"],
-         "config": {"target": "embedded", "prompts": "embedded", "limit": 2, "max_new_tokens": 12}},
+         "config": {"target": "embedded", "prompts": "embedded", "limit": 2, "max_new_tokens": 12,
+                    "baseline": True}},
         {"name": "monitor", "type": "Monitor", "inputs": ["drafter", "evaluate"], "config": {"interval_s": 0.5, "progress": True}},
     ]
     if fail_stage:
