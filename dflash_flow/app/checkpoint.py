@@ -3,7 +3,8 @@
 Layout of one checkpoint directory ``step-00000123/``:
   model.safetensors   trainable weights (safetensors: loading never runs code)
   optimizer.pt        optimizer + scheduler state (loaded with ``torch.load(weights_only=True)``)
-  state.json          step, epoch, data position, every stage's state_dict, MLflow run id, config hash,
+  state.json          step, epoch, data position, every stage's state_dict, MLflow run id, the settings
+                      that can change the result (``core.identity.result_settings``) and their hash,
                       the run's lineage id and the sha256 of every data file
   MANIFEST.json       sha256 of every file above; written last
 A checkpoint is first written to a hidden temporary directory and renamed into place, so a crash
@@ -84,6 +85,7 @@ class Checkpoint:
     extra: dict[str, Any]
     run_uid: str | None = None
     data_files: dict[str, str] = attrs.field(factory=dict)
+    settings: dict[str, Any] | None = None  # None: written before checkpoints recorded them
 
     def model_state(self, device: str = "cpu") -> dict[str, Any]:
         from safetensors.torch import load_file
@@ -157,14 +159,19 @@ class Checkpointer:
     ``root``: the directory every write must stay in once symbolic links are followed (the run's output
     directory, or the checkpoint directory itself when the user chose one). ``run_uid``: this run's
     lineage, the only checkpoints it prunes. ``data_files``: sha256 per data file, recorded for resume.
+    ``settings`` (``core.identity.result_settings``) and ``config_hash`` (their hash): what a checkpoint must
+    match to be resumed (``load``); ``legacy_hash``: what a checkpoint written before checkpoints recorded
+    their settings carries when it matches this configuration.
     """
 
     def __init__(self, directory: str | Path, *, keep_last: int = 3, config_hash: str = "",
                  run_uid: str | None = None, data_files: dict[str, str] | None = None,
-                 root: str | Path | None = None):
+                 root: str | Path | None = None, settings: dict[str, Any] | None = None, legacy_hash: str = ""):
         self.dir = Path(directory)
         self.keep_last = keep_last
         self.config_hash = config_hash
+        self.settings = settings
+        self.legacy_hash = legacy_hash
         self.run_uid = run_uid or new_run_uid()
         self.data_files = dict(data_files or {})
         self.root = Path(root) if root is not None else None
@@ -231,6 +238,7 @@ class Checkpointer:
                 "stage_states": stage_states or {},
                 "mlflow_run_id": getattr(self.tracker, "run_id", None) or self.mlflow_run_id,
                 "config_hash": self.config_hash,
+                "settings": self.settings,
                 "run_uid": self.run_uid,
                 "data_files": self.data_files,
                 "extra": extra or {},
@@ -322,7 +330,7 @@ class Checkpointer:
     def load(self, spec: str | Path, *, check_config: bool = True) -> Checkpoint:
         """Load ``spec``. For ``latest`` (or a directory of checkpoints) an invalid newest checkpoint is
         skipped with one warning and the newest valid one is loaded; a single checkpoint path must be valid."""
-        expected = self.config_hash if check_config else None
+        expected = Expected(self.config_hash, self.settings, self.legacy_hash) if check_config else None
         p = Path(spec)
         if str(spec) == LATEST:
             return _load_newest_valid(self, LATEST, expected)
@@ -330,17 +338,52 @@ class Checkpointer:
             (p / LATEST).is_file() or any(p.glob("step-*"))
         ):
             return _load_newest_valid(Checkpointer(p), str(p), expected)
-        return load_checkpoint(self.resolve(spec), expected_config_hash=expected)
+        return load_checkpoint(self.resolve(spec), expected=expected)
 
 
-def _load_newest_valid(ck: Checkpointer, spec: str, expected: str | None) -> Checkpoint:
+@attrs.frozen
+class Expected:
+    """What a checkpoint must match to be resumed: the settings that can change the result (None: compare
+    ``config_hash`` only), their hash, and the hash an older checkpoint of the same configuration carries."""
+
+    config_hash: str = ""
+    settings: dict[str, Any] | None = None
+    legacy_hash: str = ""
+
+
+def _check_identity(path: Path, state: dict[str, Any], expected: Expected) -> None:
+    from dflash_flow.core.identity import settings_differences
+
+    recorded = state.get("settings")
+    if recorded is not None and expected.settings is not None:
+        diffs = settings_differences(recorded, expected.settings)
+        if diffs:
+            shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
+            raise CheckpointError(
+                f"cannot resume from {path}: the checkpoint was written by another configuration ({shown}); "
+                "these change the trained weights or the data order: resume with the checkpoint's values, or drop "
+                "--resume to start a fresh run (in another output_dir)"
+            )
+        return
+    have = state.get("config_hash")
+    if not expected.config_hash or have in (expected.config_hash, expected.legacy_hash):
+        return
+    raise CheckpointError(
+        f"cannot resume from {path}: the checkpoint was written by another configuration (config hash {have} != "
+        f"{expected.config_hash}; it predates checkpoints that record their settings, so the fields that differ "
+        "cannot be named): resume with the pipeline file and --set options it was written with, or drop --resume "
+        "to start a fresh run (in another output_dir)"
+    )
+
+
+def _load_newest_valid(ck: Checkpointer, spec: str, expected: Expected | None) -> Checkpoint:
     found = ck.candidates()
     if not found:
         raise CheckpointError(f"--resume {spec}: no checkpoint in {ck.dir}")
     skipped: list[InvalidCheckpoint] = []
     for path in found:
         try:
-            loaded = load_checkpoint(path, expected_config_hash=expected)
+            loaded = load_checkpoint(path, expected=expected)
         except InvalidCheckpoint as exc:
             skipped.append(exc)
             continue
@@ -409,7 +452,7 @@ def _check_state(path: Path, state: Any) -> dict[str, Any]:
     for key in ("step", "epoch"):
         need(key in state, f"has no '{key}'")
         need(_is_int(state[key]) and state[key] >= 0, f"'{key}' must be a non-negative integer, got {state[key]!r:.80}")
-    for key in ("data_position", "extra", "data_files"):
+    for key in ("data_position", "extra", "data_files", "settings"):
         need(state.get(key) is None or isinstance(state[key], dict), f"'{key}' must be an object")
     stage_states = state.get("stage_states") or {}
     need(isinstance(stage_states, dict), "'stage_states' must be an object")
@@ -423,9 +466,12 @@ def _check_state(path: Path, state: Any) -> dict[str, Any]:
     return state
 
 
-def load_checkpoint(path: str | Path, *, expected_config_hash: str | None = None) -> Checkpoint:
+def load_checkpoint(path: str | Path, *, expected_config_hash: str | None = None,
+                    expected: Expected | None = None) -> Checkpoint:
     """Read and verify one checkpoint directory (nothing is unpickled here; the weights and the optimizer
-    state are loaded on demand, from safetensors and with ``weights_only``)."""
+    state are loaded on demand, from safetensors and with ``weights_only``). ``expected`` (or just
+    ``expected_config_hash``): the configuration it must have been written by, else CheckpointError naming
+    each setting that differs."""
     path = Path(path)
     if not (path / "MANIFEST.json").is_file():
         raise _invalid(path, "no MANIFEST.json (an incomplete checkpoint, or not a checkpoint)")
@@ -441,11 +487,10 @@ def load_checkpoint(path: str | Path, *, expected_config_hash: str | None = None
         if actual != digest:
             raise _invalid(path, f"{name} is corrupted (checksum mismatch)")
     state = _check_state(path, _read_json(path, "state.json", MAX_STATE_BYTES))
-    if expected_config_hash and state.get("config_hash") != expected_config_hash:
-        raise CheckpointError(
-            f"{path}: checkpoint was written by another configuration (config hash "
-            f"{state.get('config_hash')} != {expected_config_hash}); the stages section must match to resume"
-        )
+    if expected is None and expected_config_hash:
+        expected = Expected(expected_config_hash)
+    if expected is not None:
+        _check_identity(path, state, expected)
     _check_safetensors_header(path)
     return Checkpoint(
         path=path,
@@ -458,6 +503,7 @@ def load_checkpoint(path: str | Path, *, expected_config_hash: str | None = None
         extra=state.get("extra") or {},
         run_uid=state.get("run_uid"),
         data_files=state.get("data_files") or {},
+        settings=state.get("settings"),
     )
 
 

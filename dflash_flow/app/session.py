@@ -24,9 +24,18 @@ log = logging.getLogger("dflash_flow")
 
 
 def resume_config_hash(graph) -> str:
-    """What must match to resume: the seed and every stage's type, shape and config, as the stage gets it (a
-    value declared once in a section, e.g. ``model.target``, counts as the stage's: the same pipeline written
-    the old way, with the value in each stage, resumes the same checkpoints)."""
+    """The hash of what must match to resume: the settings that can change the trained weights or the data
+    order (``core.identity.result_settings``: declared at each field and stage, defaults filled in; a value
+    declared once in a section, e.g. ``model.target``, counts as the stage's)."""
+    from dflash_flow.core.identity import result_settings
+    from dflash_flow.util import config_hash
+
+    return config_hash(result_settings(graph))
+
+
+def legacy_config_hash(graph) -> str:
+    """The hash checkpoints written before they recorded their settings carry (the seed and every stage's
+    spec as written, placement and capacity included): such a checkpoint resumes when it matches."""
     from dflash_flow.core.fill import resolved_stage_configs
     from dflash_flow.util import config_hash
 
@@ -294,7 +303,10 @@ def _prepare(v: Validated, dist_ctx, output_dir: Path, resume: str | None):
                 link, target = escaping_links(ck_dir)[0]
                 raise UserError(f"checkpoint.dir {ck_dir}: {link.relative_to(ck_dir)} is a symbolic link to {target}, "
                                 "outside it; checkpoints are written and pruned only inside their directory")
+        from dflash_flow.core.identity import result_settings
+
         checkpointer = Checkpointer(ck_dir, keep_last=ck.keep_last, config_hash=resume_config_hash(graph),
+                                    settings=result_settings(graph), legacy_hash=legacy_config_hash(graph),
                                     data_files=data_fingerprint(v) if main else {}, root=ck_root)
         ckpt = None
         if resume == "auto":  # torchrun --max-restarts: the first attempt starts fresh, a restart continues

@@ -62,6 +62,7 @@ def cfg(
     lt: float | None = None,
     choices: Iterable[Any] | None = None,
     finite: bool = True,
+    result: bool = True,
     doc: str = "",
 ) -> Any:
     """Declare a config field (of a stage or an application section): default, bounds and a doc line
@@ -70,6 +71,9 @@ def cfg(
     Bounds hold against NaN too (NaN compares false, so it fails every bound). A float field refuses NaN
     and infinity unless it says ``finite=False``; use ``le=`` to bound budgets by what a machine can hold.
     ``None`` passes the bounds: whether a field may be null is its type's business (``int | None``).
+    ``result=False`` declares that the value cannot change what a run trains (its weights or its data
+    order): a thread count, a cache location, a logging knob. A resume then accepts another value
+    (``core.identity.result_settings`` leaves it out).
     """
     bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
     validators: list[Any] = [getattr(attrs.validators, k)(v) for k, v in bounds.items()]
@@ -78,7 +82,7 @@ def cfg(
         validators.append(attrs.validators.in_(options))
     if finite:
         validators.append(_finite)
-    metadata = {"doc": doc, "config": True, "bounds": bounds, "choices": options, "finite": finite}
+    metadata = {"doc": doc, "config": True, "bounds": bounds, "choices": options, "finite": finite, "result": result}
     validator = attrs.validators.optional(validators)
     if factory is not None:
         return attrs.field(factory=factory, validator=validator, metadata=metadata, kw_only=True)
@@ -193,6 +197,14 @@ class Stage:
     shards_by_replica: ClassVar[bool] = False
     #: True when one replica may span several devices (``devices: [[cuda:0, cuda:1], ...]``, ``ctx.devices``).
     multi_device: ClassVar[bool] = False
+    #: False for a stage that only observes or evaluates what was trained (a monitor, an evaluation of the
+    #: final drafter): nothing in its spec can change the trained weights or the data order, so a resume
+    #: accepts any change to it (``core.identity.result_settings``). Per field: ``cfg(result=False)``.
+    affects_result: ClassVar[bool] = True
+    #: False when the number of replicas cannot change the result: each replica transforms items on its own
+    #: and keeps no state (its consumer restores the order), e.g. a target forward. A resume onto fewer
+    #: GPUs then accepts fewer replicas.
+    replicas_affect_result: ClassVar[bool] = True
     #: The version of what ``get_state`` returns; raise it when that layout changes.
     state_version: ClassVar[int] = 1
     #: Config fields whose value a pipeline section declares once for every stage: ``{field: "section.key"}``

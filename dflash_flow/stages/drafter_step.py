@@ -67,28 +67,30 @@ class DrafterStep(Stage, CheckpointSource):
     export_dir: str = attrs.field(
         default="drafter",
         validator=lambda _inst, _attr, value: check_inside_output_dir("export_dir", value),
-        metadata={"doc": "Where the final inference checkpoint goes (a path inside output_dir).", "config": True},
+        metadata={"doc": "Where the final inference checkpoint goes (a path inside output_dir).", "config": True,
+                  "result": False},
         kw_only=True,
     )
     record_batches: bool = cfg(
-        False,
+        False, result=False,
         doc="Write every trained batch (epoch, index, sample ids) to OUTPUT/batches.jsonl; a resumed run appends "
         "(after a hard kill, the lines past the checkpoint's data_position.total appear again).",
     )
-    torch_threads: int | None = cfg(None, ge=1, doc="torch intra-op threads (CPU runs).")
+    torch_threads: int | None = cfg(None, ge=1, result=False, doc="torch intra-op threads (CPU runs).")
+    # The held-out walk draws no random numbers and leaves the weights as they were: result=False.
     heldout_data: str | None = cfg(
-        None, doc="Acceptance over time: JSONL of held-out conversations whose last turn is the target's own greedy "
+        None, result=False, doc="Acceptance over time: JSONL of held-out conversations whose last turn is the target's own greedy "
         "reply ('embedded': the embedded dataset's eval split; null: off). The teacher-forced walk on a fixed sample "
         "of them is measured during training and logged as heldout/tau (one target forward per conversation at "
         "setup, then drafter calls only).",
     )
-    heldout_limit: int = cfg(8, ge=1, doc="Held-out conversations walked at each measurement (the first ones of heldout_data).")
-    heldout_horizon: int = cfg(64, ge=1, doc="New tokens each held-out walk covers (real decoding's max_new_tokens).")
+    heldout_limit: int = cfg(8, ge=1, result=False, doc="Held-out conversations walked at each measurement (the first ones of heldout_data).")
+    heldout_horizon: int = cfg(64, ge=1, result=False, doc="New tokens each held-out walk covers (real decoding's max_new_tokens).")
     heldout_every_steps: int | None = cfg(
-        None, ge=1, doc="Measure the held-out walk every this many optimizer steps (also at the first and last step).",
+        None, ge=1, result=False, doc="Measure the held-out walk every this many optimizer steps (also at the first and last step).",
     )
     heldout_every_s: float | None = cfg(
-        60.0, gt=0, doc="... and whenever this many seconds passed since the last measurement (null: by steps only).",
+        60.0, gt=0, result=False, doc="... and whenever this many seconds passed since the last measurement (null: by steps only).",
     )
     trust_remote_code: bool = cfg(False, doc="Allow the target's own code when reading its config.")
 

@@ -22,7 +22,7 @@ class Range(Source):
     shards_by_replica = True
 
     count: int = cfg(10, ge=0, doc="How many integers to emit.")
-    service_s: float = cfg(0.0, ge=0, le=limits.MAX_SECONDS, doc="Seconds of (GIL-free) work per item.")
+    service_s: float = cfg(0.0, ge=0, le=limits.MAX_SECONDS, result=False, doc="Seconds of (GIL-free) work per item.")
     _next: int = attrs.field(default=0, init=False)
 
     def setup(self, ctx) -> None:
@@ -50,7 +50,7 @@ class Range(Source):
 class Delay(Stage):
     """Passes items through after `service_s` seconds of GIL-free work (a stand-in for a GPU kernel)."""
 
-    service_s: float = cfg(0.0, ge=0, le=limits.MAX_SECONDS, doc="Seconds per item.")
+    service_s: float = cfg(0.0, ge=0, le=limits.MAX_SECONDS, result=False, doc="Seconds per item.")
 
     def process(self, item):
         if self.service_s:

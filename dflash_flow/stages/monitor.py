@@ -36,6 +36,7 @@ class Monitor(Stage):
     input_type = object  # StepReport and EvalReport
     output_type = None
     singleton = True
+    affects_result = False  # it observes: a resume may change any of its settings
 
     interval_s: float = cfg(30.0, gt=0, le=limits.MAX_SECONDS, doc="Seconds between samples of the whole pipeline.")
     progress: bool = cfg(True, doc="Show live progress on the console.")

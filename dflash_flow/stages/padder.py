@@ -21,11 +21,12 @@ class Padder(Stage):
     input_type = PlannedBatch
     output_type = PaddedBatch
     cardinality = "1:1"
+    replicas_affect_result = False  # stateless, per batch; the trainer restores the plan's order
 
     pad_id: int = cfg(0, ge=0, doc="Token id written into padding (masked out everywhere).")
     pad_to_multiple: int = cfg(1, ge=1, doc="Round padded length up to a multiple of this.")
     pin_memory: Optional[bool] = cfg(
-        None, doc="Pin host memory for non-blocking device copies; null: when CUDA is available."
+        None, result=False, doc="Pin host memory for non-blocking device copies; null: when CUDA is available."
     )
 
     def setup(self, ctx: StageContext) -> None:

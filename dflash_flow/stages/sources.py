@@ -69,12 +69,12 @@ class _RecordSource(Source):
         doc="Longest JSONL record (line) in bytes; a longer one is a bad record (read in bounded memory).",
     )
     cache_dir: Optional[str] = cfg(
-        "auto",
+        "auto", result=False,
         doc="Token store (memory-mapped, shared by the ranks of a node and by runs); 'auto' = "
         "$DFLASH_FLOW_CACHE/tokenized or ~/.cache/dflash-flow/tokenized; empty or null: off (held in memory).",
     )
     num_workers: Optional[int] = cfg(
-        None, ge=0, le=1024,
+        None, ge=0, le=1024, result=False,
         doc="Tokenizing processes; null: every core, for inputs of a few MiB or more; 0: in this process.",
     )
 
@@ -271,7 +271,7 @@ class EmbeddedChatSource(ChatSource):
     data_seed: int = cfg(0, ge=0, doc="Seed of the prompt generator.")
     max_new_tokens: int = cfg(448, ge=1, doc="Longest regenerated reply.")
     generation_batch_size: int = cfg(32, ge=1, doc="Prompts per regeneration batch.")
-    dataset_dir: str = cfg("auto", doc="Where the dataset is built and cached; 'auto' = CACHE/embedded-dataset.")
+    dataset_dir: str = cfg("auto", result=False, doc="Where the dataset is built and cached; 'auto' = CACHE/embedded-dataset.")
 
     def setup(self, ctx: StageContext) -> None:
         from dflash_flow.embedded import build_default_dataset, embedded_target_path, shipped_dataset

@@ -49,6 +49,7 @@ class SpecDecodeEval(Stage):
     output_type = EvalReport
     cardinality = "1:n"
     singleton = True
+    affects_result = False  # it evaluates the trained drafter: a resume may change how
     section_fields: ClassVar[dict[str, str]] = {"target": "model.target", "tokenizer": "model.tokenizer"}
 
     target: str | dict[str, Any] = cfg(doc="The target model (the drafter's own; one home: model.target).")

@@ -34,6 +34,7 @@ class TargetForward(Stage):
     input_type = PaddedBatch
     output_type = TargetFeatures
     multi_device: ClassVar[bool] = True
+    replicas_affect_result: ClassVar[bool] = False  # stateless, per batch; the trainer restores the plan's order
     section_fields: ClassVar[dict[str, str]] = {
         "target": "model.target", "trust_remote_code": "model.trust_remote_code",
         "num_draft_layers": "model.num_draft_layers", "target_layer_ids": "model.target_layer_ids",
@@ -45,7 +46,7 @@ class TargetForward(Stage):
     dtype: str = cfg("auto", choices=("auto", "float32", "bfloat16", "float16"), doc="auto: bf16 on GPU, fp32 on CPU.")
     attn_implementation: str | None = cfg(None, doc="Default: flash_attention_2 when flash-attn imports on CUDA, else sdpa.")
     trust_remote_code: bool = cfg(False, doc="Allow the target's own Python code (off unless asked).")
-    torch_threads: int | None = cfg(None, ge=1, doc="torch intra-op threads for this process (CPU runs).")
+    torch_threads: int | None = cfg(None, ge=1, result=False, doc="torch intra-op threads for this process (CPU runs).")
 
     def input_paths(self) -> list[tuple[str, str, str]]:
         from dflash_flow.embedded import resolve_target

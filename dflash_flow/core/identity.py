@@ -1,0 +1,96 @@
+"""What identifies a run's result: the settings that can change the trained weights or the data order.
+
+A resume must continue the same computation, so it is refused when one of these differs; everything
+else (thread counts, queue capacities, devices, how often a monitor samples, evaluation settings) may
+change between a run and its resume. The rule is declared where the setting is, never listed here:
+
+* a config field: ``cfg(..., result=False)`` when its value cannot change the result (default: it can);
+* a stage: ``Stage.affects_result = False`` when nothing in its spec can (a monitor, an evaluation of
+  the trained drafter); ``Stage.replicas_affect_result = False`` when its replica count cannot;
+* a stage's name, type, inputs (with their fan-out policy) and ``ordered`` always count, and so does the
+  graph's ``seed``; devices, ``capacity``, the runtime options and the application sections never do
+  (a section value a stage takes, e.g. ``model.target``, counts as the stage's own).
+
+:func:`result_settings` returns them flat, keyed the way ``--set`` names them (``stages.drafter.lr``), with
+every default filled in, so two pipelines that differ only in writing a default out compare equal and a
+refused resume can name each field that differs, with both values (:func:`settings_differences`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+
+from .fill import resolved_stage_configs
+from .registry import resolve
+
+
+def _canonical(value: Any) -> Any:
+    """The value as JSON holds it (tuples become lists, paths strings): what a checkpoint reads back."""
+    return json.loads(json.dumps(value, default=str, sort_keys=True))
+
+
+def _field_default(f: attrs.Attribute) -> Any:
+    if isinstance(f.default, attrs.Factory):  # type: ignore[arg-type]
+        return f.default.factory() if not f.default.takes_self else None
+    return None if f.default is attrs.NOTHING else f.default
+
+
+def result_settings(graph: Any) -> dict[str, Any]:
+    """``{"seed": 7, "stages.drafter.type": "DrafterStep", "stages.drafter.lr": 0.003, ...}``: every
+    setting of ``graph`` that can change what it trains (see the module doc), JSON-plain."""
+    out: dict[str, Any] = {"seed": graph.seed}
+    configs = resolved_stage_configs(graph)
+    for spec in graph.stages:
+        key = f"stages.{spec.name}"
+        config = configs.get(spec.name, dict(spec.config))
+        try:
+            cls = resolve(spec.type)
+        except Exception:  # noqa: BLE001 - a type that does not resolve (validation reports it): all of it counts
+            cls = None
+        if cls is not None and not cls.affects_result:
+            continue  # an observer: adding, removing or changing it leaves the trained weights alone
+        out[f"{key}.type"] = spec.type
+        out[f"{key}.inputs"] = [i.stage if i.policy == "round_robin" else f"{i.stage} ({i.policy})" for i in spec.inputs]
+        out[f"{key}.ordered"] = spec.ordered
+        if cls is None:
+            out[f"{key}.replicas"] = spec.replicas
+            out[f"{key}.config"] = config
+            continue
+        if cls.replicas_affect_result:
+            out[f"{key}.replicas"] = spec.replicas
+        for f in cls.config_fields():
+            if f.metadata.get("result", True) is False:
+                continue
+            out[f"{key}.{f.name}"] = config[f.name] if f.name in config else _field_default(f)
+        # A key the class does not declare (validation refuses it; here it still counts).
+        known = {f.name for f in cls.config_fields()}
+        for name in sorted(set(config) - known):
+            out[f"{key}.{name}"] = config[name]
+    return _canonical(out)
+
+
+_ABSENT = object()
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def settings_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """One phrase per setting that differs: ``stages.drafter.lr: 0.0006 in the checkpoint, 0.001 now``."""
+    out = []
+    for key in sorted(set(recorded) | set(current), key=lambda k: (k != "seed", k)):
+        old, new = recorded.get(key, _ABSENT), current.get(key, _ABSENT)
+        if old == new:
+            continue
+        if old is _ABSENT:
+            out.append(f"{key}: not in the checkpoint, {_show(new)} now")
+        elif new is _ABSENT:
+            out.append(f"{key}: {_show(old)} in the checkpoint, not in this pipeline")
+        else:
+            out.append(f"{key}: {_show(old)} in the checkpoint, {_show(new)} now")
+    return out
