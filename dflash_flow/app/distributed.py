@@ -73,6 +73,11 @@ class Distributed:
         return out
 
 
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def disagreement(per_rank: list[dict[str, Any]]) -> str | None:
     """What the ranks of one job disagree on (None: nothing): each rank's start-up facts (the config hash,
     the data fingerprints, the package version), compared with rank 0's, naming the field and the ranks.
@@ -88,9 +93,13 @@ def disagreement(per_rank: list[dict[str, Any]]) -> str | None:
         if isinstance(base.get(field), dict):
             keys = sorted({k for r in (0, *odd) for k in per_rank[r].get(field, {})})
             diff = [k for k in keys if any(per_rank[r].get(field, {}).get(k) != base[field].get(k) for r in odd)]
-            what = f"{field} ({', '.join(diff[:3])}{' ...' if len(diff) > 3 else ''})"
+            first = diff[0]
+            values = (f"{_short(base[field].get(first, '(none)'))} on rank 0, "
+                      f"{_short(per_rank[odd[0]].get(field, {}).get(first, '(none)'))} on rank {odd[0]}")
+            more = f"; also {', '.join(diff[1:4])}{' ...' if len(diff) > 4 else ''}" if len(diff) > 1 else ""
+            what = f"{field} ({first}: {values}{more})"
         else:
-            what = f"{field} ({base.get(field)!r} on rank 0, {per_rank[odd[0]].get(field)!r} on rank {odd[0]})"
+            what = f"{field} ({_short(base.get(field))} on rank 0, {_short(per_rank[odd[0]].get(field))} on rank {odd[0]})"
         ranks = ", ".join(map(str, odd))
         return (f"the ranks of this job disagree on {what}: rank(s) {ranks} differ from rank 0; every node must "
                 "run the same pipeline file, --set overrides, data and dflash-flow version")

@@ -272,8 +272,10 @@ def _prepare(v: Validated, dist_ctx, output_dir: Path, resume: str | None):
         from importlib.metadata import version
 
         from dflash_flow.app.distributed import disagreement
+        from dflash_flow.core.identity import result_settings
 
-        facts = {"config_hash": resume_config_hash(graph), "data_files": data_fingerprint(v),
+        # The settings field by field (not their hash), so that a disagreement names the field: "seed".
+        facts = {"config": result_settings(graph), "data_files": data_fingerprint(v),
                  "version": version("dflash-flow")}
         problem = disagreement(dist_ctx.all_gather_object(facts))
         if problem:

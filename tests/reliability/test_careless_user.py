@@ -230,8 +230,12 @@ def test_rank_disagreement_names_the_field_and_the_ranks():
     seed = disagreement([same, {**same, "config_hash": "b"}, dict(same)])
     assert "disagree on config_hash ('a' on rank 0, 'b' on rank 1)" in seed and "rank(s) 1 differ" in seed
     data = disagreement([same, dict(same), {**same, "data_files": {"d.jsonl": "2"}}])
-    assert "disagree on data_files (d.jsonl)" in data and "rank(s) 2 differ" in data
+    assert "disagree on data_files (d.jsonl: '1' on rank 0, '2' on rank 2)" in data and "rank(s) 2 differ" in data
     assert "version" in disagreement([same, {**same, "version": "0.2.0"}])
+    # The config is compared field by field (core.identity.result_settings): the message names the field.
+    flat = {"seed": 7, "stages.source.type": "T", "stages.source.paths": ["a"]}
+    seed = disagreement([{"config": flat}, {"config": {**flat, "seed": 8}}])
+    assert "disagree on config (seed: 7 on rank 0, 8 on rank 1)" in seed, seed
 
 
 def test_the_launcher_blames_the_first_real_fault_not_a_rank_that_lost_its_peer():
