@@ -5,7 +5,8 @@ Layout of one checkpoint directory ``step-00000123/``:
   optimizer.pt        optimizer + scheduler state (loaded with ``torch.load(weights_only=True)``)
   state.json          step, epoch, data position, every stage's state_dict, MLflow run id, the settings
                       that can change the result (``core.identity.result_settings``) and their hash,
-                      the run's lineage id and the sha256 of every data file
+                      the run's lineage id, the directory it was written into (a copy elsewhere is a
+                      fork: ``Checkpointer.holds``) and the sha256 of every data file
   MANIFEST.json       sha256 of every file above; written last
 A checkpoint is first written to a hidden temporary directory and renamed into place, so a crash
 mid-write (or a full disk) leaves either the previous checkpoints or a complete new one, never a
@@ -86,6 +87,7 @@ class Checkpoint:
     run_uid: str | None = None
     data_files: dict[str, str] = attrs.field(factory=dict)
     settings: dict[str, Any] | None = None  # None: written before checkpoints recorded them
+    checkpoint_dir: str | None = None  # the directory (resolved) it was written into; None: not recorded
 
     def model_state(self, device: str = "cpu") -> dict[str, Any]:
         from safetensors.torch import load_file
@@ -239,6 +241,7 @@ class Checkpointer:
                 "mlflow_run_id": getattr(self.tracker, "run_id", None) or self.mlflow_run_id,
                 "config_hash": self.config_hash,
                 "settings": self.settings,
+                "checkpoint_dir": os.path.realpath(self.dir),
                 "run_uid": self.run_uid,
                 "data_files": self.data_files,
                 "extra": extra or {},
@@ -278,6 +281,12 @@ class Checkpointer:
                 shutil.rmtree(leftover, ignore_errors=True)
 
     # -- finding ------------------------------------------------------------------------------------
+    def holds(self, ckpt: Checkpoint) -> bool:
+        """Whether ``ckpt`` is one of this directory's own: it lies here and was written here (not copied or
+        moved in from elsewhere). A resume from one continues its run; from any other, it forks a new one."""
+        here = os.path.realpath(self.dir)
+        return os.path.realpath(ckpt.path.parent) == here and ckpt.checkpoint_dir in (None, here)
+
     def list(self) -> list[Path]:
         if not self.dir.is_dir():
             return []
@@ -459,7 +468,7 @@ def _check_state(path: Path, state: Any) -> dict[str, Any]:
     for name, reps in stage_states.items():
         need(isinstance(reps, list) and all(isinstance(r, dict) for r in reps),
              f"'stage_states.{name}' must be a list of objects (one per replica)")
-    for key in ("mlflow_run_id", "run_uid", "config_hash"):
+    for key in ("mlflow_run_id", "run_uid", "config_hash", "checkpoint_dir"):
         need(state.get(key) is None or isinstance(state[key], str), f"'{key}' must be a string")
     files = state.get("data_files") or {}
     need(all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()), "'data_files' must map names to sha256")
@@ -504,6 +513,7 @@ def load_checkpoint(path: str | Path, *, expected_config_hash: str | None = None
         run_uid=state.get("run_uid"),
         data_files=state.get("data_files") or {},
         settings=state.get("settings"),
+        checkpoint_dir=state.get("checkpoint_dir"),
     )
 
 

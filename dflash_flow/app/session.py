@@ -23,6 +23,12 @@ from dflash_flow.core.validate import Validated
 log = logging.getLogger("dflash_flow")
 
 
+#: MLflow tags of a run resumed from another run directory's checkpoint (a fork): the run it continues
+#: from and that checkpoint. Only a resume in place continues the checkpoint's own MLflow run.
+PARENT_RUN_TAG = "dflash_flow.parent_run_id"
+PARENT_CHECKPOINT_TAG = "dflash_flow.parent_checkpoint"
+
+
 def resume_config_hash(graph) -> str:
     """The hash of what must match to resume: the settings that can change the trained weights or the data
     order (``core.identity.result_settings``: declared at each field and stage, defaults filled in; a value
@@ -367,8 +373,11 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
     try:
         try:
             lock, checkpointer, ckpt = _prepare(v, dist_ctx, output_dir, resume)
+            fork = ckpt is not None and not checkpointer.holds(ckpt)
             if ckpt is not None and main:
-                print(f"resuming from {ckpt.path} (step {ckpt.step}, epoch {ckpt.epoch})", file=sys.stderr)
+                print(f"resuming from {ckpt.path} (step {ckpt.step}, epoch {ckpt.epoch})"
+                      + (" as a new run: the checkpoint is another run directory's, whose MLflow run stays as it is"
+                         if fork else ""), file=sys.stderr)
             services = RunServices(resume=ckpt, dist=dist_ctx)
             pipeline = Pipeline(v, services=services, resume_state=build_resume_state(v, ckpt), output_dir=output_dir)
             services.checkpoints = CheckpointService(checkpointer, ck, stage_states=pipeline.state_dict, dist=dist_ctx)
@@ -381,6 +390,10 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
                 "config_hash": checkpointer.config_hash,
                 "config_file": str(config_path) if config_path else "",
             }
+            if fork:  # a resume into another directory: a run of its own, tagged with where it came from
+                tags[PARENT_CHECKPOINT_TAG] = str(ckpt.path.resolve())
+                if ckpt.mlflow_run_id:
+                    tags[PARENT_RUN_TAG] = ckpt.mlflow_run_id
         except UserError as exc:
             if dist_ctx is not None:  # the launcher names this rank and its reason, not a rank that "died"
                 try:
@@ -402,7 +415,7 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
                 run_name=tracking.run_name or graph.name,
                 params=resolved,
                 tags=tags,
-                resume_run_id=ckpt.mlflow_run_id if ckpt else None,
+                resume_run_id=ckpt.mlflow_run_id if ckpt is not None and not fork else None,
                 system_metrics=tracking.system_metrics,
                 spool_dir=output_dir / "mlflow-spool",
             )
