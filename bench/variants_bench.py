@@ -55,14 +55,19 @@ def run_variant(name: str, extra: list[str], sets: list[str]) -> dict[str, Any]:
     summary = json.loads((out / "monitor" / "summary.json").read_text())
     history = json.loads((out / "monitor" / "history.json").read_text())
     evals = summary.get("eval") or {}
-    pick = ("tau", "tau_h64", "tau_h448", "lossless", "speedup_forwards")
+    # summary.json holds each evaluation typed: facts as fields, figures per horizon under "by_horizon".
+    def pick(res: dict[str, Any]) -> dict[str, Any]:
+        out = {m: res["metrics"][m] for m in ("tau", "speedup_forwards") if m in res.get("metrics", {})}
+        out.update({f"tau_h{h}": f["tau"] for h, f in res.get("by_horizon", {}).items() if h in ("64", "448")})
+        return out | ({"lossless": res["lossless"]} if "lossless" in res else {})
+
     return {
         "variant": name,
         "overrides": extra,
         "wall_s": round(wall, 1),
         "steps": summary.get("step"),
         "s_per_step": round(step_seconds(history) or float("nan"), 4),
-        "eval": {k: {m: v for m, v in res.items() if m in pick} for k, res in evals.items()},
+        "eval": {k: pick(res) for k, res in evals.items()},
         "final_epoch_mean": {
             k: round(v, 4) for k, v in (summary.get("epoch_mean_train_metrics") or {}).items()
             if k in ("loss", "accuracy", "sim_accept_len", "sim_accept_len_prefix1")

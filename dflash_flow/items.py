@@ -157,12 +157,6 @@ TRAIN_METRIC_REDUCTIONS: dict[str, str] = {
 }
 
 
-def position_accuracy_name(k: int) -> str:
-    """The name under which block slot ``k``'s accuracy is recorded and logged (``accuracy_pos<k>``): made
-    here from the typed sequence, never parsed back."""
-    return f"accuracy_pos{k}"
-
-
 @attrs.frozen
 class HeldoutWalk:
     """The drafter's teacher-forced walk on a fixed held-out sample, measured during training
@@ -195,17 +189,44 @@ class StepReport:
 
 @attrs.define(eq=False)
 class EvalReport:
-    """Result of a speculative-decoding evaluation: ``metrics`` (``tau``, ``speedup_forwards``, ...) and, for
-    every new-token horizon in ``horizons`` (a typed fact, never read back from the keys), ``tau_h<H>``."""
+    """One evaluation's result, typed: what was measured at each new-token horizon (``by_horizon``, keyed by
+    the horizon, in the order measured: the first is the one ``metrics`` reports), how it decoded
+    (``temperature``: 0 = greedy, None: not a decoding) and the run's facts (``lossless``, the prompt or
+    conversation counts) as fields. Nothing here is a composed name: the MLflow keys (``tau_h448``,
+    ``trained-T0_7``) are made from these fields in one place, ``observe.names``, when a run is logged.
+
+    ``name``: what was evaluated -- ``trained`` / ``untrained`` (a drafter's real decoding), ``walk`` (the
+    teacher-forced walk) or a custom evaluation's own name. ``metrics``: figures at the first horizon and
+    those tied to none (``tau``, ``speedup_forwards``, ``verify_steps``, ``spec_s``, a custom ``val_loss``).
+    ``by_horizon``: ``{H: {"tau": ..., "speedup_forwards": ...}}`` for every horizon measured."""
 
     name: str
     metrics: dict[str, float] = attrs.field(factory=dict)
-    horizons: tuple[int, ...] = ()
+    by_horizon: dict[int, dict[str, float]] = attrs.field(factory=dict)
+    temperature: float | None = None  # real decoding's temperature: 0 greedy, > 0 speculative sampling
+    top_p: float | None = None  # sampling settings (None when greedy or not a decoding)
+    top_k: int | None = None
+    lossless: bool | None = None  # greedy decoding: every output identical to the target's greedy output
+    num_prompts: int | None = None  # prompts decoded
+    num_conversations: int | None = None  # conversations walked (the teacher-forced walk)
 
+    @property
+    def horizons(self) -> tuple[int, ...]:
+        """The new-token horizons measured, the first being the one ``metrics`` reports."""
+        return tuple(self.by_horizon)
 
-def horizon_name(metric: str, horizon: int) -> str:
-    """The name of ``metric`` at a new-token horizon (``tau_h448``): made from the typed horizon."""
-    return f"{metric}_h{int(horizon)}"
+    @property
+    def max_new_tokens(self) -> int | None:
+        """The first horizon (None: the evaluation has none)."""
+        return next(iter(self.by_horizon), None)
+
+    @property
+    def sampled(self) -> bool:
+        return self.temperature is not None and self.temperature > 0
+
+    def at(self, horizon: int, metric: str = "tau") -> float | None:
+        """``metric`` measured at ``horizon`` new tokens (None: not measured there)."""
+        return self.by_horizon.get(int(horizon), {}).get(metric)
 
 
 @attrs.define(eq=False)

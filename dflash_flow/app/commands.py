@@ -127,9 +127,11 @@ def eval_command(drafter: Path, target: str, prompts: Path, max_new_tokens: int,
         )
     except (CheckpointError, ValueError, OSError) as exc:
         return report_user_error(exc)
-    keys = ["tau", *(f"tau_h{h}" for h in extra), "speedup_forwards", "lossless", "tokens_generated", "num_prompts",
-            "speedup_wall"]
-    rows = [[name] + [m.get(k) for k in keys] for name, m in results.items()]
+    from dflash_flow.observe.names import eval_label
+
+    rows = [[eval_label(r), r.metrics.get("tau"), *(r.at(h) for h in extra), r.metrics.get("speedup_forwards"),
+             r.lossless, r.metrics.get("tokens_generated"), r.num_prompts if r.num_prompts is not None
+             else r.num_conversations, r.metrics.get("speedup_wall")] for r in results]
     headers = ["drafter", "acceptance_length", *(f"acceptance@{h}" for h in extra), "forward_speedup", "lossless",
                "tokens", "prompts", "wall_speedup"]
     print(f"acceptance_length at {max_new_tokens} new tokens (tokens per target step); walk = teacher-forced walk")

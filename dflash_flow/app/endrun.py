@@ -116,10 +116,10 @@ def end_of_run(pipeline, services, outcome: Any, output_dir: Path, late: Any = N
             tracker.log_artifact(path, name)
     if record.history or record.evals or record.train:
         print(summary_table(record), file=sys.stderr)
-    for name, m in record.evals.items():
-        if "lossless" in m:  # real greedy decoding; the walk and sampled runs are in the summary table
-            print(f"speculative decoding ({name} drafter): acceptance length {m['tau']:.2f}, target forwards "
-                  f"{m.get('speedup_forwards', float('nan')):.2f}x fewer, lossless={bool(m.get('lossless'))}",
+    for label, r in record.evals.items():
+        if r.lossless is not None:  # real greedy decoding; the walk and sampled runs are in the summary table
+            print(f"speculative decoding ({label} drafter): acceptance length {r.metrics['tau']:.2f}, target "
+                  f"forwards {r.metrics.get('speedup_forwards', float('nan')):.2f}x fewer, lossless={r.lossless}",
                   file=sys.stderr)
     if record.serve_commands:
         from dflash_flow.model.export_contract import format_serve_commands

@@ -2,14 +2,15 @@
 at one or more horizons) beside an untrained drafter of the same shape (the baseline that says how much
 training bought), and the teacher-forced walk on held-out conversations (``model.walk``).
 
-Names of the results (``evaluate_exported``), in the order they are reported:
+The results (``evaluate_exported``), typed ``items.EvalReport``s, in the order they are reported:
 
-* ``trained`` / ``untrained``: real greedy decoding (temperature 0), lossless-checked against plain
+* ``trained`` / ``untrained`` at temperature 0: real greedy decoding, lossless-checked against plain
   greedy decoding;
 * ``walk``: the trained drafter's teacher-forced walk over the target's own held-out replies;
-* ``trained-T<t>`` / ``untrained-T<t>``: real sampled decoding at temperature ``t`` (``T1``, ``T0_7``).
+* ``trained`` / ``untrained`` at temperature ``t`` > 0: real speculative sampling.
 
-Each carries ``tau`` at the first horizon and ``tau_h<H>`` for every horizon (new tokens per prompt).
+Each carries its figures per horizon (new tokens per prompt) keyed by the horizon; the names MLflow shows
+(``trained-T0_7``, ``tau_h448``) are made from these fields by ``observe.names``, not here.
 """
 
 from __future__ import annotations
@@ -19,14 +20,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dflash_flow.items import horizon_name
+from dflash_flow.items import EvalReport
+
+from .walk import WALK
 
 __all__ = [
-    "decoding_metrics",
+    "WALK",
+    "decoding_report",
     "evaluate_exported",
     "read_prompt_ids",
     "read_walk_conversations",
-    "temperature_tag",
 ]
 
 
@@ -113,16 +116,15 @@ def read_walk_conversations(
     return out
 
 
-#: The name of the teacher-forced walk's results.
-WALK = "walk"
+#: What a decoding measures at every horizon (``by_horizon``); the rest of ``evaluate_drafter``'s figures
+#: are reported at the first horizon only.
+PER_HORIZON = ("tau", "speedup_forwards", "tokens_generated")
+#: ``evaluate_drafter``'s entries that are settings or facts of the run, typed fields of the report.
+_FACTS = ("lossless", "num_prompts", "temperature", "top_p", "top_k")
 
 
-def temperature_tag(temperature: float) -> str:
-    """``T1``, ``T0_7``: a temperature in an evaluation name, with only characters MLflow keys keep."""
-    return "T" + f"{temperature:g}".replace(".", "_")
-
-
-def decoding_metrics(
+def decoding_report(
+    name: str,
     target: Any,
     drafter: Any,
     prompts: Sequence[Sequence[int]],
@@ -131,15 +133,19 @@ def decoding_metrics(
     sampling: Any = None,
     stop_token_ids: Sequence[int] | None = None,
     seed: int = 0,
-) -> dict[str, float]:
-    """``speculative.evaluate_drafter`` at each horizon: the first horizon's metrics as they are (plus
-    ``max_new_tokens``), and ``tau_h<H>``, ``speedup_forwards_h<H>``, ``tokens_generated_h<H>`` for every
-    horizon; greedy ``lossless`` is 1.0 only when every horizon was lossless."""
-    from .speculative import evaluate_drafter
+) -> EvalReport:
+    """``speculative.evaluate_drafter`` at each horizon, as the typed report ``name``: the first horizon's
+    figures in ``metrics``, every horizon's ``PER_HORIZON`` figures in ``by_horizon``; greedy ``lossless``
+    only when every horizon was lossless."""
+    from .speculative import Sampling, evaluate_drafter
 
     if not horizons:
         raise ValueError("no horizons")
-    out: dict[str, float] = {}
+    sampling = sampling if sampling is not None else Sampling()
+    metrics: dict[str, float] = {}
+    by_horizon: dict[int, dict[str, float]] = {}
+    lossless: bool | None = None
+    num_prompts = 0
     for i, h in enumerate(horizons):
         m = evaluate_drafter(
             target,
@@ -150,14 +156,22 @@ def decoding_metrics(
             sampling=sampling,
             seed=seed,
         )
+        if "lossless" in m:
+            lossless = bool(m["lossless"]) and lossless is not False
         if i == 0:
-            out.update(m)
-            out["max_new_tokens"] = float(h)
-        elif "lossless" in m:
-            out["lossless"] = min(out["lossless"], m["lossless"])
-        for name in ("tau", "speedup_forwards", "tokens_generated"):
-            out[horizon_name(name, h)] = m[name]
-    return out
+            metrics = {k: v for k, v in m.items() if k not in _FACTS}
+            num_prompts = int(m["num_prompts"])
+        by_horizon[int(h)] = {k: m[k] for k in PER_HORIZON}
+    return EvalReport(
+        name=name,
+        metrics=metrics,
+        by_horizon=by_horizon,
+        temperature=float(sampling.temperature) if not sampling.greedy else 0.0,
+        top_p=None if sampling.greedy else float(sampling.top_p),
+        top_k=None if sampling.greedy else int(sampling.top_k),
+        lossless=lossless,
+        num_prompts=num_prompts,
+    )
 
 
 def evaluate_exported(
@@ -177,7 +191,7 @@ def evaluate_exported(
     walk_horizons: Sequence[int] | None = None,
     seed: int = 0,
     device: str = "cpu",
-) -> dict[str, dict[str, float]]:
+) -> list[EvalReport]:
     """The results named in the module docstring. ``target`` is a model spec as ``model.target.load_target``
     takes it (a directory, preset or hub id); ``max_new_tokens`` one horizon or several (the first is
     the one ``tau`` reports); ``walk_horizons`` the walk's (None: the same; the walk is cheap at any
@@ -221,15 +235,14 @@ def evaluate_exported(
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             drafters["untrained"] = drafter_from_config(drafter.config).to(device=device, dtype=torch.float32)
-    results: dict[str, dict[str, float]] = {}
+    results: list[EvalReport] = []
     for name, d in drafters.items():
         for s in samplings:
-            key = name if s.greedy else f"{name}-{temperature_tag(s.temperature)}"
-            results[key] = decoding_metrics(
-                model, d, prompts, horizons=horizons, sampling=s, stop_token_ids=stops, seed=seed
-            )
+            results.append(decoding_report(
+                name, model, d, prompts, horizons=horizons, sampling=s, stop_token_ids=stops, seed=seed
+            ))
             if walk_set is not None and name == "trained" and s is samplings[0]:  # beside real decoding
-                results[WALK] = evaluate_walk(
+                results.append(evaluate_walk(
                     model, d, walk_set, horizons=list(walk_horizons or horizons), stop_token_ids=stops
-                )
+                ))
     return results

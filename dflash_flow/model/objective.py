@@ -122,11 +122,9 @@ class DFlashLossOutput:
         return float(self.acceptance_sum.item() / n) if n else 0.0
 
     def metrics(self, prefix: str = "") -> dict[str, float]:
-        """All statistics as one flat mapping (slot k's accuracy as ``accuracy_pos<k>``), from :meth:`values`."""
-        scalars, positions = self.values()
-        out = {f"{prefix}{k}": v for k, v in scalars.items()}
-        out.update({f"{prefix}accuracy_pos{k}": v for k, v in enumerate(positions, start=1)})
-        return out
+        """The scalar statistics (the per-slot accuracies are :meth:`values`' typed sequence), from :meth:`values`."""
+        scalars, _positions = self.values()
+        return {f"{prefix}{k}": v for k, v in scalars.items()}
 
     def values(self) -> tuple[dict[str, float], list[float]]:
         """(scalar statistics, accuracy of slots k = 1..B-1), fetched from the device in one transfer."""

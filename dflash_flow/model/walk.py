@@ -35,11 +35,15 @@ import attrs
 import torch
 from torch import nn
 
-from dflash_flow.items import horizon_name
+from dflash_flow.items import EvalReport
 
 from .speculative import BlockDrafter, draft_settings, features
 
+#: The name of the teacher-forced walk's results.
+WALK = "walk"
+
 __all__ = [
+    "WALK",
     "WalkInput",
     "WalkResult",
     "evaluate_walk",
@@ -206,13 +210,13 @@ def evaluate_walk(
     horizons: Sequence[int],
     stop_token_ids: Sequence[int] | None = None,
     **settings: Any,
-) -> dict[str, float]:
-    """The walk over held-out ``(prompt ids, reply ids)`` pairs, as metrics.
+) -> EvalReport:
+    """The walk over held-out ``(prompt ids, reply ids)`` pairs, as the typed report ``walk``.
 
-    ``tau`` (at the first horizon) and ``tau_h<H>`` per horizon: tokens per block over all blocks of all
-    conversations, as ``evaluate_drafter``'s ``tau``; ``verify_steps_h<H>``, ``tokens_walked_h<H>``,
-    ``complete_frac_h<H>`` (conversations whose walk reached the horizon or a stop token), and
-    ``num_conversations``, ``drafter_forwards``.
+    Per horizon (``by_horizon``): ``tau``, tokens per block over all blocks of all conversations, as
+    ``evaluate_drafter``'s ``tau``; ``verify_steps``, ``tokens_walked``, ``complete_frac`` (conversations
+    whose walk reached the horizon or a stop token). ``metrics``: ``tau`` at the first horizon and
+    ``drafter_forwards``; ``num_conversations`` a field.
     """
     if not conversations:
         raise ValueError("no conversations to walk")
@@ -232,12 +236,14 @@ def evaluate_walk(
             calls += len(r.accept_lengths)
     n = len(conversations)
     first = int(horizons[0])
-    metrics = {"tau": committed[first] / steps[first] if steps[first] else 1.0}
-    for h in steps:
-        metrics[horizon_name("tau", h)] = committed[h] / steps[h] if steps[h] else 1.0
-        metrics[f"verify_steps_h{h}"] = float(steps[h])
-        metrics[f"tokens_walked_h{h}"] = float(tokens[h])
-        metrics[f"complete_frac_h{h}"] = complete[h] / n
-    metrics["num_conversations"] = float(n)
-    metrics["drafter_forwards"] = float(calls)
-    return metrics
+    by_horizon = {
+        h: {
+            "tau": committed[h] / steps[h] if steps[h] else 1.0,
+            "verify_steps": float(steps[h]),
+            "tokens_walked": float(tokens[h]),
+            "complete_frac": complete[h] / n,
+        }
+        for h in steps
+    }
+    metrics = {"tau": by_horizon[first]["tau"], "drafter_forwards": float(calls)}
+    return EvalReport(name=WALK, metrics=metrics, by_horizon=by_horizon, num_conversations=n)

@@ -17,6 +17,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from .names import eval_label
 from .record import History
 
 Series = dict[str, list[tuple[float, float]]]
@@ -46,10 +47,10 @@ def loss_series(history: History) -> Series:
             if pts:
                 out[name] = pts
     for point in history.evals:
-        for ev, metrics in point.results.items():
-            for k, v in metrics.items():
+        for report in point.reports:
+            for k, v in report.metrics.items():
                 if k.endswith("loss") and math.isfinite(v):
-                    out.setdefault(f"eval {ev} {k}", []).append((point.step, v))
+                    out.setdefault(f"eval {eval_label(report)} {k}", []).append((point.step, v))
     return out
 
 

@@ -15,7 +15,10 @@ from typing import Any
 
 import attrs
 
+from dflash_flow.items import EvalReport
+
 from .bottleneck import Bottleneck
+from .names import eval_json, eval_label
 from .sample import EvalPoint, HeldoutPoint, MonitorSample, TrainPoint, data_quality
 
 
@@ -81,7 +84,7 @@ class History:
             "schema": 1,
             "train": self.train.to_json(),
             "samples": [jsonable(attrs.asdict(s, filter=_not_loads)) for s in self.samples],
-            "evals": [jsonable(attrs.asdict(e, filter=lambda a, _v: a.name != "horizons")) for e in self.evals],
+            "evals": [{"step": e.step, "results": {eval_label(r): eval_json(r) for r in e.reports}} for e in self.evals],
             "heldout": [jsonable(attrs.asdict(h)) for h in self.heldout],
         }
 
@@ -101,8 +104,7 @@ class RunRecord:
     epoch: int | None = None
     history: History = attrs.field(factory=History)
     train: dict[str, float] = attrs.field(factory=dict)  # the last step's trainer metrics
-    evals: dict[str, dict[str, float]] = attrs.field(factory=dict)  # the last result of each evaluation
-    eval_horizons: dict[str, tuple[int, ...]] = attrs.field(factory=dict)  # the horizons each one measured
+    evals: dict[str, EvalReport] = attrs.field(factory=dict)  # the last report of each evaluation, by label
     artifacts: dict[str, str] = attrs.field(factory=dict)  # named by the trainer's final report
     serve_commands: dict[str, str] = attrs.field(factory=dict)  # engine -> the command serving the export
     bottleneck: Bottleneck | None = None  # the latest verdict; after the Monitor's finish, the whole run's
@@ -157,9 +159,8 @@ class RunRecord:
                 m.count += 1
 
     def add_eval(self, point: EvalPoint) -> None:
-        for name, metrics in point.results.items():
-            self.evals[name] = dict(metrics)
-            self.eval_horizons[name] = tuple(point.horizons.get(name, ()))
+        for report in point.reports:
+            self.evals[eval_label(report)] = report
         self.history.evals.append(point)
 
     def add_heldout(self, point: HeldoutPoint) -> None:
@@ -193,7 +194,7 @@ class RunRecord:
                 "total_steps": self.total_steps,
                 "last_train_metrics": self.train,
                 "epoch_mean_train_metrics": self.epoch_mean(),
-                "eval": self.evals,
+                "eval": {label: eval_json(r) for label, r in self.evals.items()},
                 "heldout": None if not self.history.heldout else _heldout_summary(self.history.heldout),
                 "artifacts": self.artifacts,
                 "bottleneck": None

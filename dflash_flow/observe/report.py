@@ -17,6 +17,7 @@ import attrs
 
 from dflash_flow.util import atomic_write_text
 
+from .names import eval_facts, eval_figures
 from .record import RunRecord
 from .sample import data_quality
 
@@ -93,15 +94,13 @@ _TRAIN_SHOWN = ("loss", "accuracy", "sim_accept_len", "grad_norm", "lr", "tokens
 def _acceptance(record: RunRecord, mean: dict[str, float]) -> tuple[list[list[Any]], list[str]] | None:
     """Every acceptance figure side by side: the trainer's simulated one (the last epoch's mean, not one
     batch's), then each evaluation's ``tau`` and its ``tau`` at every horizon it measured (real decoding,
-    the walk; the horizons are the reports' typed ``horizons``)."""
-    from dflash_flow.items import horizon_name
-
-    evals = {name: m for name, m in record.evals.items() if "tau" in m}
-    horizons = sorted({h for name in evals for h in record.eval_horizons.get(name, ())})
+    the walk), read from the typed reports."""
+    evals = {label: r for label, r in record.evals.items() if "tau" in r.metrics}
+    horizons = sorted({h for r in evals.values() for h in r.horizons})
     rows: list[list[Any]] = []
     if "sim_accept_len" in mean and evals:
         rows.append(["training (simulated, epoch mean)", mean["sim_accept_len"]] + [None] * len(horizons))
-    rows += [[name, m["tau"]] + [m.get(horizon_name("tau", h)) for h in horizons] for name, m in evals.items()]
+    rows += [[label, r.metrics["tau"]] + [r.at(h) for h in horizons] for label, r in evals.items()]
     return (rows, ["source", "tau"] + [f"{h} new tokens" for h in horizons]) if rows else None
 
 
@@ -125,7 +124,7 @@ def summary_table(record: RunRecord, *, width: int = 100) -> str:
     acceptance = _acceptance(record, mean)
     if acceptance is not None:
         parts.append(table(*acceptance, title="acceptance length (tokens per target step)"))
-    evals = [[name, k, v] for name, m in record.evals.items() for k, v in m.items()]
+    evals = [[label, k, v] for label, r in record.evals.items() for k, v in {**eval_facts(r), **eval_figures(r)}.items()]
     if evals:
         parts.append(table(evals, ["evaluation", "metric", "value"], title="evaluations"))
     last = record.last_sample

@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 
 from dflash_flow.core.snapshot import ReplicaSnapshot, RuntimeSnapshot, StageSnapshot
+from dflash_flow.items import EvalReport
 
 from .bottleneck import Bottleneck, StageLoad, find_bottleneck
 from .schema import metric, train_reduction
@@ -163,13 +164,23 @@ class HeldoutPoint:
         return cls(step, HeldoutValues(walk.tau, walk.elapsed_s, walk.probe_s), walk.conversations, walk.horizon)
 
 
+def _eval_results(point: EvalPoint) -> dict[str, dict[str, float]]:
+    from .names import eval_label, eval_metrics
+
+    return {eval_label(r): eval_metrics(r) for r in point.reports}
+
+
 @attrs.frozen
 class EvalPoint:
-    """Evaluation results at ``step``: ``{eval name: {metric: value}}``."""
+    """Evaluation results at ``step``: the typed reports (``items.EvalReport``). ``results`` is their
+    export form, ``{label: {name: value}}``, made from them by ``observe.names`` (never read back)."""
 
     step: int
-    results: dict[str, dict[str, float]] = metric("eval", reduce="mean", doc="Per evaluation")
-    horizons: dict[str, tuple[int, ...]] = attrs.field(factory=dict)  # per evaluation: the horizons measured
+    reports: tuple[EvalReport, ...] = attrs.field(converter=tuple, factory=tuple)
+    results: dict[str, dict[str, float]] = metric(
+        "eval", reduce="mean", init=False, default=attrs.Factory(_eval_results, takes_self=True),
+        doc="Per evaluation",
+    )
 
 
 # ------------------------------------------------------------------------------------ from snapshots

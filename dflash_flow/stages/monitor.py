@@ -128,7 +128,7 @@ class Monitor(Stage):
 
     def _on_step(self, item: StepReport, due: bool) -> bool:
         """Record one step report; returns whether to sample now (under torchrun: whether any rank wants to)."""
-        from dflash_flow.items import position_accuracy_name
+        from dflash_flow.observe.names import position_accuracies
         from dflash_flow.observe.sample import TrainPoint
         from dflash_flow.observe.schema import mlflow_metrics
 
@@ -149,7 +149,7 @@ class Monitor(Stage):
                 self._printer.message(plan.sentence(item.total_steps))
         logged = dict(item.metrics)
         # Per block slot: noisy per step and many, so logged as their mean over each sampling window.
-        windowed = {position_accuracy_name(k): v for k, v in enumerate(item.position_accuracy, start=1)}
+        windowed = position_accuracies(item.position_accuracy)
         with self._lock:
             for name, v in windowed.items():
                 acc = self._window.setdefault(name, [0.0, 0])
@@ -217,17 +217,17 @@ class Monitor(Stage):
         return {"train accept (sim, epoch mean)": mean} if mean is not None else None
 
     def _on_eval(self, item: EvalReport) -> None:
+        from dflash_flow.observe.names import eval_label
         from dflash_flow.observe.sample import EvalPoint
         from dflash_flow.observe.schema import mlflow_metrics
 
-        point = EvalPoint(step=self._record.step, results={item.name: dict(item.metrics)},
-                          horizons={item.name: tuple(item.horizons)})
+        point = EvalPoint(step=self._record.step, reports=(item,))
         self._record.add_eval(point)
         if self._tracker is not None:
             self._tracker.log_metrics(mlflow_metrics(point), step=point.step)
             self._tracker.flush_async()
         if self._printer is not None:
-            self._printer.message(f"eval {item.name}: " + ", ".join(f"{k} {v:.4g}" for k, v in item.metrics.items()))
+            self._printer.message(f"eval {eval_label(item)}: " + ", ".join(f"{k} {v:.4g}" for k, v in item.metrics.items()))
 
     # -- sampling ---------------------------------------------------------------------------------
     def _tick(self, snap: Any) -> None:

@@ -90,7 +90,7 @@ class SpecDecodeEval(Stage):
         if not report.final or "drafter" not in report.artifacts:
             return None
         from dflash_flow.embedded import resolve_target, write_eval_prompts
-        from dflash_flow.model.evaluation import WALK, evaluate_exported
+        from dflash_flow.model.evaluation import evaluate_exported
         from dflash_flow.model.loading import MODEL_LOAD_LOCK
 
         prompts = self.prompts
@@ -103,7 +103,6 @@ class SpecDecodeEval(Stage):
             torch.set_num_threads(self.torch_threads)
         # Evaluation builds models (target, drafters): hold the process-wide model lock.
         decoded = [self.max_new_tokens, *(h for h in self.horizons if h != self.max_new_tokens)]
-        walked = list(self.walk_horizons or decoded)
         with MODEL_LOAD_LOCK:
             results = evaluate_exported(
                 target=resolve_target(self.target),
@@ -122,5 +121,4 @@ class SpecDecodeEval(Stage):
                 seed=self._ctx.seed_for(0, "evaluation"),
                 device=self._ctx.device,
             )
-        return [EvalReport(name=name, metrics=m, horizons=tuple(walked if name == WALK else decoded))
-                for name, m in results.items()]
+        return results

@@ -82,7 +82,7 @@ def test_the_probe_is_the_walk_and_leaves_training_unchanged(target, conversatio
         r = probe.measure(probed.drafter, probed.head)
         assert probed.drafter.training  # the walk's eval mode is undone
         want = evaluate_walk(target, probed.drafter, conversations, horizons=[HORIZON])
-        assert r.tau == want["tau"] and r.blocks == want["verify_steps_h24"]
+        assert r.tau == want.metrics["tau"] and r.blocks == want.at(HORIZON, "verify_steps")
         assert r.seconds > 0
         taus.append(r.tau)
     for a, b in zip(probed.drafter.state_dict().values(), plain.drafter.state_dict().values(), strict=True):

@@ -117,15 +117,17 @@ def test_evaluate_walk_metrics(target):
         cont = greedy_generate(target, ids, 16).output_ids[0].tolist()
         pairs.append((cont[: ids.shape[1]], cont[ids.shape[1] :]))
     drafter = make_drafter(4, seed=2)
-    m = evaluate_walk(target, drafter, pairs, horizons=[16, 6])
+    report = evaluate_walk(target, drafter, pairs, horizons=[16, 6])
     per = [teacher_forced_walk(target, drafter, p, r, horizons=[16, 6]) for p, r in pairs]
+    assert report.name == "walk" and report.horizons == (16, 6) and report.max_new_tokens == 16
     for h in (16, 6):
         steps = sum(len(w[h].accept_lengths) for w in per)
-        assert m[f"tau_h{h}"] == pytest.approx(sum(sum(w[h].accept_lengths) for w in per) / steps)
-        assert m[f"verify_steps_h{h}"] == steps and m[f"tokens_walked_h{h}"] == 3 * h
-        assert m[f"complete_frac_h{h}"] == 1.0
-    assert m["tau"] == m["tau_h16"] and m["num_conversations"] == 3
-    assert 1.0 <= m["tau"] <= 4.0
+        m = report.by_horizon[h]
+        assert m["tau"] == pytest.approx(sum(sum(w[h].accept_lengths) for w in per) / steps)
+        assert m["verify_steps"] == steps and m["tokens_walked"] == 3 * h
+        assert m["complete_frac"] == 1.0
+    assert report.metrics["tau"] == report.at(16) and report.num_conversations == 3
+    assert 1.0 <= report.metrics["tau"] <= 4.0
     with pytest.raises(ValueError, match="no conversations"):
         evaluate_walk(target, drafter, [], horizons=[4])
 

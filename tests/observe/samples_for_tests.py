@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import attrs
 
+from dflash_flow.items import EvalReport
 from dflash_flow.observe.bottleneck import find_bottleneck
 from dflash_flow.observe.record import History
 from dflash_flow.observe.sample import (
@@ -90,6 +91,6 @@ def run_history() -> History:
                 },
             )
         )
-    h.evals.append(EvalPoint(50, {"val": {"val_loss": 2.0, "tau": 2.1}}))
-    h.evals.append(EvalPoint(150, {"val": {"val_loss": 1.0, "tau": 3.1}}))
+    h.evals.append(EvalPoint(50, (EvalReport("val", {"val_loss": 2.0, "tau": 2.1}),)))
+    h.evals.append(EvalPoint(150, (EvalReport("val", {"val_loss": 1.0, "tau": 3.1}),)))
     return h

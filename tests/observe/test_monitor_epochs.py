@@ -41,8 +41,8 @@ class EpochReporter(Stage):
                           metrics={"loss": 1.0 / step, "sim_accept_len": _accept(step)}, position_accuracy=(0.5,))]
         if step == STEPS_PER_EPOCH * EPOCHS:
             out.append(StepReport(step=step, epoch=epoch, meta=None, final=True, artifacts={"drafter": "/tmp/d"}))
-            out.append(EvalReport(name="trained", metrics={"tau": 1.7, "tau_h64": 1.7, "tau_h448": 1.8}, horizons=(64, 448)))
-            out.append(EvalReport(name="walk", metrics={"tau": 1.69, "tau_h64": 1.69, "tau_h448": 1.79}, horizons=(64, 448)))
+            out.append(EvalReport(name="trained", metrics={"tau": 1.7}, by_horizon={64: {"tau": 1.7}, 448: {"tau": 1.8}}, temperature=0.0))
+            out.append(EvalReport(name="walk", metrics={"tau": 1.69}, by_horizon={64: {"tau": 1.69}, 448: {"tau": 1.79}}))
         return out
 
 
@@ -89,7 +89,7 @@ def test_acceptance_table_only_when_there_is_an_acceptance_to_show():
     r = RunRecord()
     r.add_train(TrainPoint(1, 0, {"loss": 1.0, "sim_accept_len": 2.0}))
     assert "acceptance length" not in summary_table(r)  # a simulated figure alone has nothing to sit beside
-    r.add_eval(EvalPoint(1, {"trained": {"tau": 1.5}}))
+    r.add_eval(EvalPoint(1, (EvalReport("trained", {"tau": 1.5}),)))
     lines = summary_table(r, width=120).splitlines()
     assert any(ln.split() == ["trained", "1.5"] for ln in lines)
     assert any(ln.split() == ["training", "(simulated,", "epoch", "mean)", "2"] for ln in lines)

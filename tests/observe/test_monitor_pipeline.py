@@ -70,7 +70,7 @@ def test_slow_stage_is_named_the_bottleneck_and_nothing_written_at_teardown(tmp_
     assert verdict.stage == "slow" and not verdict.replicable and verdict.replicas_needed == 1
     assert "cannot be replicated" in verdict.sentence and "replicas it" not in verdict.sentence
     assert record.step == 60 and record.total_steps == 60 and record.artifacts == {"drafter": "/tmp/drafter"}
-    assert record.evals == {"val": {"tau": 2.5, "val_loss": 0.7}}
+    assert list(record.evals) == ["val"] and record.evals["val"].metrics == {"tau": 2.5, "val_loss": 0.7}
     assert len(record.history.train) == 60 and "accuracy_pos1" not in record.history.train.columns
     assert record.train["accuracy_pos1"] == 0.5 and "total_steps" not in record.train
     closing = record.history.samples[-1]

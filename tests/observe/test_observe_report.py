@@ -10,6 +10,7 @@ import attrs
 import pytest
 from samples_for_tests import full_sample
 
+from dflash_flow.items import EvalReport
 from dflash_flow.observe.record import RunRecord
 from dflash_flow.observe.report import summary_table, write_run_report
 from dflash_flow.observe.sample import EvalPoint, TrainPoint
@@ -22,7 +23,7 @@ def filled_record() -> RunRecord:
         r.add_train(TrainPoint(step, epoch, {"loss": 4.0 / step, "accuracy": step / 40, "tokens_per_s": 1000.0 + step}))
         if step % 10 == 0:
             r.add_sample(full_sample(step))
-    r.add_eval(EvalPoint(40, {"val": {"tau": 3.25, "val_loss": 0.5}}))
+    r.add_eval(EvalPoint(40, (EvalReport("val", {"tau": 3.25, "val_loss": 0.5}),)))
     r.add_sample(attrs.evolve(full_sample(40), whole_run=True))
     r.add_train(TrainPoint(40, 1, {}))  # the trainer's final report: artifacts, no metrics
     r.artifacts["drafter"] = "/runs/x/drafter"
@@ -35,7 +36,7 @@ def test_record_keeps_last_and_epoch_means():
     assert r.train["loss"] == pytest.approx(0.1)
     assert r.epoch_mean()["accuracy"] == pytest.approx(sum(s / 40 for s in range(21, 41)) / 20)
     assert r.epoch_mean(0)["accuracy"] == pytest.approx(sum(s / 40 for s in range(1, 21)) / 20)
-    assert r.evals == {"val": {"tau": 3.25, "val_loss": 0.5}}
+    assert list(r.evals) == ["val"] and r.evals["val"].metrics == {"tau": 3.25, "val_loss": 0.5}
     assert r.bottleneck is r.history.samples[-1].bottleneck and r.last_sample.whole_run
     assert bool(r.history) and not RunRecord().history
 
@@ -53,14 +54,14 @@ def test_write_run_report_files_and_uploads(sqlite_uri, tmp_path):
     summary = json.loads(files.summary.read_text())
     assert summary["step"] == 40 and summary["total_steps"] == 40
     assert summary["last_train_metrics"]["loss"] == pytest.approx(0.1)
-    assert summary["eval"] == {"val": {"tau": 3.25, "val_loss": 0.5}}
+    assert summary["eval"] == {"val": {"name": "val", "metrics": {"tau": 3.25, "val_loss": 0.5}, "by_horizon": {}}}
     assert summary["artifacts"] == {"drafter": "/runs/x/drafter"}
     assert summary["bottleneck"]["stage"] == record.bottleneck.stage and summary["bottleneck"]["sentence"]
     assert summary["stage_load"]["padder"]["replicas"] == 2 and summary["stage_load_window"] == "training steady state, 5 s"
     history = json.loads(files.history.read_text())
     assert history["train"]["step"] == list(range(1, 41)) and len(history["train"]["loss"]) == 40
     assert len(history["samples"]) == 5 and history["samples"][0]["stages"]["padder"]["per_replica"][1]["busy"] == 0.7
-    assert history["evals"] == [{"step": 40, "results": {"val": {"tau": 3.25, "val_loss": 0.5}}}]
+    assert history["evals"] == [{"step": 40, "results": {"val": {"name": "val", "metrics": {"tau": 3.25, "val_loss": 0.5}, "by_horizon": {}}}}]
     assert set(files.plots) == {"loss", "throughput", "queue_depths", "bucket_mix", "stage_load"}
 
     c = MlflowClient(tracking_uri=sqlite_uri)

@@ -10,6 +10,7 @@ import attrs
 import pytest
 from samples_for_tests import full_sample
 
+from dflash_flow.items import EvalReport
 from dflash_flow.observe.loading import LoadPoint, SourceLoad
 from dflash_flow.observe.runinfo import sanitize_key
 from dflash_flow.observe.sample import (
@@ -57,7 +58,7 @@ def test_sample_flattens_to_the_documented_keys():
     assert len({p.key for p in points}) == len(points), "two fields produced the same key"
     assert all(sanitize_key(k) == k for k in m), "schema keys must need no sanitizing"
     assert mlflow_metrics(TrainPoint(3, 0, {"loss": 2.0, "lr": 1e-4})) == {"train/loss": 2.0, "train/lr": 1e-4}
-    assert mlflow_metrics(EvalPoint(3, {"val": {"tau": 2.5}})) == {"eval/val/tau": 2.5}
+    assert mlflow_metrics(EvalPoint(3, (EvalReport("val", {"tau": 2.5}),))) == {"eval/val/tau": 2.5}
 
 
 def test_non_finite_and_missing_values_are_not_points():
@@ -145,7 +146,7 @@ def test_docs_metrics_md_lists_every_key():
         list(mlflow_metrics(attrs.evolve(full_sample(), throughput=Throughput(1.0, 2.0))))
         + list(mlflow_metrics(TrainPoint(1, 0, {"loss": 1.0})))
         + list(mlflow_metrics(EpochPoint(1, 0, {"loss": 1.0})))
-        + list(mlflow_metrics(EvalPoint(1, {"val": {"tau": 1.0}})))
+        + list(mlflow_metrics(EvalPoint(1, (EvalReport("val", {"tau": 1.0}),))))
         + list(mlflow_metrics(HeldoutPoint(1, HeldoutValues(2.0, 3.0, 0.1))))
         + list(mlflow_metrics(SystemSample(1.0, 2.0, 3.0, 4.0, 5.0)))
         + list(mlflow_metrics(LoadPoint(0, {"src": SourceLoad(1, 1, 1, 1.0, 1.0, 0.5, 1.0, 1, 0.0)})))

@@ -1,0 +1,66 @@
+"""Evaluation results are typed from the model to the console: horizons and temperatures are keys and
+fields, run facts are fields, and the ``eval`` command's table and the run summary read them (nothing
+rebuilds ``tau_h<H>`` to look a value up). A real export of a tiny drafter against the embedded target."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dflash_flow.items import EvalReport
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> tuple[Path, Path, str]:
+    import torch
+
+    from dflash_flow.embedded import embedded_target_path, write_eval_prompts
+    from dflash_flow.model.drafter import DFlashDrafter, make_drafter_config
+    from dflash_flow.model.export import save_drafter
+    from dflash_flow.model.target import load_target
+
+    root = tmp_path_factory.mktemp("eval")
+    target = embedded_target_path()
+    model = load_target(target, dtype=torch.float32)
+    torch.manual_seed(0)
+    save_drafter(DFlashDrafter(make_drafter_config(model.config, num_layers=1, block_size=4, mask_token_id=0)),
+                 root / "drafter")
+    return root / "drafter", write_eval_prompts(root / "prompts.jsonl", 2), target
+
+
+def test_evaluate_exported_reports_typed_results(exported):
+    from dflash_flow.embedded import embedded_walk_data
+    from dflash_flow.model.evaluation import evaluate_exported
+    from dflash_flow.observe.names import eval_label, eval_metrics
+
+    drafter, prompts, target = exported
+    reports = evaluate_exported(target=target, drafter_path=drafter, prompts_path=prompts, limit=2,
+                                max_new_tokens=[4, 6], baseline=False, temperatures=[0.0, 0.7],
+                                walk_data=embedded_walk_data(), walk_limit=2, walk_horizons=[4, 12])
+    assert all(isinstance(r, EvalReport) for r in reports)
+    greedy, walk, sampled = reports
+    assert (greedy.name, greedy.temperature, greedy.horizons, greedy.max_new_tokens) == ("trained", 0.0, (4, 6), 4)
+    assert greedy.lossless is True and greedy.num_prompts == 2 and greedy.metrics["tau"] == greedy.at(4)
+    assert set(greedy.by_horizon[6]) == {"tau", "speedup_forwards", "tokens_generated"}
+    assert "lossless" not in greedy.metrics and "num_prompts" not in greedy.metrics  # facts are fields
+    assert (walk.name, walk.horizons, walk.num_conversations, walk.temperature) == ("walk", (4, 12), 2, None)
+    assert (sampled.name, sampled.temperature, sampled.lossless, sampled.top_p) == ("trained", 0.7, None, 1.0)
+    # The flat names users see in MLflow, made from the typed fields in one place.
+    assert [eval_label(r) for r in reports] == ["trained", "walk", "trained-T0_7"]
+    assert eval_metrics(greedy)["tau_h6"] == greedy.at(6) and eval_metrics(walk)["tau_h12"] == walk.at(12)
+
+
+def test_eval_command_table_reads_the_typed_reports(exported, capsys):
+    from dflash_flow.app.commands import eval_command
+
+    drafter, prompts, target = exported
+    code = eval_command(drafter, target, prompts, 4, 2, False, None, temperature=1.0, horizons=[4, 6])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    header = next(line for line in out.splitlines() if "acceptance_length" in line and "drafter" in line)
+    assert "acceptance@6" in header and "acceptance@4" not in header.replace("acceptance_length", "")
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in (["trained"], ["trained-T1"])}
+    assert set(rows) == {"trained", "trained-T1"}
+    assert rows["trained"][4] == "yes"  # lossless, from the typed field
+    assert float(rows["trained"][2]) >= 1.0  # tau at 6 new tokens, from by_horizon
