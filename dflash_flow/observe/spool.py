@@ -35,6 +35,7 @@ from .store import (
     default_artifact_location,
     first_line,
     is_missing_resource,
+    quiet_store_errors,
     resolve_tracking_uri,
     sqlite_path,
 )
@@ -228,6 +229,7 @@ def import_spool(path: str | os.PathLike, tracking_uri: str | os.PathLike | None
     from mlflow import MlflowClient
 
     state: dict = {"run_id": None}
+    quiet_store_errors()
     try:
         client = MlflowClient(tracking_uri=uri)
     except Exception as exc:

@@ -8,6 +8,7 @@ Every write is an op, a small JSON-able dict (``create_run``, ``run``, ``resume`
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import threading
@@ -183,10 +184,39 @@ def is_missing_resource(exc: BaseException) -> bool:
     return getattr(exc, "error_code", None) == "RESOURCE_DOES_NOT_EXIST"
 
 
+# SQLAlchemy's advice that precedes the database's own error in its messages ("(raised as a result of
+# Query-invoked autoflush; ...)"): a one-line report skips it and shows the error, "database or disk is full".
+_SQLALCHEMY_PREAMBLE = ("(raised as a result of", "(Background on this error")
+
+
 def first_line(exc: BaseException, limit: int = 300, secrets: tuple[str, ...] = ()) -> str:
     """``Type: first line of the message`` (URLs and ``secrets`` redacted), for one-line reports."""
-    text = redact_text(str(exc), secrets).strip().splitlines()
+    text = [x for x in redact_text(str(exc), secrets).strip().splitlines() if x.strip()]
+    useful = [x for x in text if not x.lstrip().startswith(_SQLALCHEMY_PREAMBLE)]
+    text = useful or text
     return f"{type(exc).__name__}: {text[0][:limit]}" if text else type(exc).__name__
+
+
+class _CaughtDatabaseError(logging.Filter):
+    """mlflow's SQLAlchemy store logs every database error it re-raises with its whole traceback and the
+    SQL with its parameters (screens of text per metric batch while a disk is full). The error is raised
+    to the caller all the same, and the Tracker reports it in one line (its outage warning names it and
+    the spool): the log record is dropped, unless DEBUG is asked for."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("SQLAlchemy database error"):
+            return logging.getLogger("dflash_flow").isEnabledFor(logging.DEBUG)
+        return True
+
+
+_FILTER = _CaughtDatabaseError()
+
+
+def quiet_store_errors() -> None:
+    """Install the filter above (idempotent) on the logger of mlflow's database helpers."""
+    logger = logging.getLogger("mlflow.store.db.utils")
+    if _FILTER not in logger.filters:
+        logger.addFilter(_FILTER)
 
 
 @contextlib.contextmanager
@@ -259,6 +289,7 @@ def open_client(uri: str) -> Any:
     upgraded) under :func:`store_creation_lock`, so runs started together on one new file all work."""
     from mlflow import MlflowClient
 
+    quiet_store_errors()
     with store_creation_lock(uri):
         return MlflowClient(tracking_uri=uri)  # opens the store: a new database's tables are made here
 

@@ -29,6 +29,7 @@ from reltools import (
     start_cli,
     summary,
     train_pipeline,
+    wait_for_lines,
     write_tokenized,
     write_yaml,
 )
@@ -286,6 +287,32 @@ def test_disk_full_mid_checkpoint_is_one_line_the_last_checkpoint_intact_and_mlf
     s = summary(out)
     assert s["status"] == "FAILED"
     assert mlflow_run(tmp_path / "mlflow.db", s["mlflow_run_id"]).info.status == "FAILED"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_full_tracking_store_is_one_line_and_training_goes_on_spooling(tmp_path, mounts):
+    """The MLflow sqlite store's disk fills up mid-run: the run trains to its end (exit 0), the metrics go
+    to the spool, and the console says so in one line naming the cause; mlflow's own log of each failed
+    write (its traceback, the SQL and its parameters: screens per metric batch) is not printed."""
+    disk = mounts.tmpfs(tmp_path / "store", size="3m")
+    out = tmp_path / "out"
+    data = write_tokenized(tmp_path / "data.jsonl", 48, seed=4)
+    doc = train_pipeline(tmp_path, data=data, output_dir=out, every_steps=0, epochs=4)
+    doc["tracking"]["tracking_uri"] = str(disk / "mlflow.db")
+    proc = start_cli(["run", write_yaml(tmp_path / "p.yaml", doc)], cwd=tmp_path, log=tmp_path / "run.log")
+    wait_for_lines(out / "batches.jsonl", 2, proc, timeout=180)  # the MLflow run exists: training started
+    assert proc.poll() is None, "the run ended before the disk could fill: " + (tmp_path / "run.log").read_text()[-2000:]
+    _fill(disk, leave=0)
+    code = finish(proc, 240)
+    log = (tmp_path / "run.log").read_text()
+    assert code == 0, log[-3000:]
+    assert "Traceback" not in log and "[SQL:" not in log and "SQLAlchemy database error" not in log, log[-3000:]
+    outage = [x for x in log.splitlines() if "is unreachable" in x]
+    assert len(outage) == 1 and "database or disk is full" in outage[0], outage
+    assert "Training continues; metrics are spooled" in outage[0]
+    assert list((out / "mlflow-spool").glob("spool-*.jsonl")), "the metrics are kept for import-spool"
+    assert summary(out)["status"] == "FINISHED"
 
 
 # -- start-up: the MLflow run is never left RUNNING ------------------------------------------------------
