@@ -238,17 +238,32 @@ def eval_(
 @app.command()
 def regenerate(
     prompts: Path = typer.Argument(..., help="JSONL of prompts or conversations."),
-    target: str = typer.Option(..., "--target", help="Target model path."),
-    out: Path = typer.Option(..., "--out", help="Output JSONL (appended to; resumable)."),
-    batch_size: int = typer.Option(8, help="Prompts per generation batch."),
+    target: Optional[str] = typer.Option(None, "--target", help="Target model path ('embedded': the shipped one). In process: required. With --server: only read for --sampling target (its generation_config.json)."),
+    out: Path = typer.Option(..., "--out", help="Output JSONL (appended to; resumable; never the input)."),
+    batch_size: int = typer.Option(8, help="Prompts per generation batch (in process)."),
     max_new_tokens: int = typer.Option(256, help="Longest reply."),
     resume: bool = typer.Option(True, help="Skip records already in --out."),
     system_prompt: Optional[str] = typer.Option(None, help="System prompt to prepend."),
+    server: Optional[list[str]] = typer.Option(None, "--server", help="Base URL of an OpenAI-compatible server (vllm serve, SGLang), e.g. http://host:8000; repeatable. Regenerates through /v1/chat/completions instead of in process."),
+    served_model: Optional[str] = typer.Option(None, help="Model name to request (default: the one the servers list)."),
+    concurrency: int = typer.Option(32, min=1, help="Requests in flight per server."),
+    sampling: str = typer.Option("greedy", help="'greedy' (temperature 0) or 'target' (the target's generation_config.json with --target, else the server's defaults). With --server."),
+    thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking", help="Reasoning on/off for chat templates that have it (chat_template_kwargs enable_thinking); default: the template's own. With --server."),
+    timeout: float = typer.Option(900.0, min=0.001, help="Seconds one request may take. With --server."),
+    max_attempts: int = typer.Option(5, min=1, help="Attempts per row before it is written as an error. With --server."),
+    retry_errors: bool = typer.Option(False, help="Drop the rows written as errors from --out and try them again. With --server."),
+    seed: int = typer.Option(0, help="Seed of sampled regeneration (each row's seed derives from it and its id). With --server."),
 ) -> None:
-    """Regenerate assistant replies with the target (greedy), as the DFlash recipe does."""
-    from dflash_flow.app.commands import regenerate_command
+    """Regenerate assistant replies with the target (greedy), as the DFlash recipe does: in process, or
+    through OpenAI-compatible serving engines (--server)."""
+    from dflash_flow.app.commands import regenerate_command, regenerate_served_command
 
     _guard_console()
+    if server:
+        raise typer.Exit(regenerate_served_command(
+            prompts, server, out, target=target, max_new_tokens=max_new_tokens, resume=resume,
+            system_prompt=system_prompt, served_model=served_model, concurrency=concurrency, sampling=sampling,
+            thinking=thinking, timeout=timeout, max_attempts=max_attempts, retry_errors=retry_errors, seed=seed))
     raise typer.Exit(regenerate_command(prompts, target, out, batch_size, max_new_tokens, resume, system_prompt))
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from dflash_flow.app.exits import EXIT_INTERRUPTED, EXIT_OK, report_user_error
+from dflash_flow.app.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, report_user_error
 
 
 def _run_target(checkpoint: Path) -> str | None:
@@ -161,13 +161,16 @@ def _eval_argument_problem(drafter: Path, target: str, prompts: Path, tokenizer:
     return None
 
 
-def regenerate_command(prompts: Path, target: str, out: Path, batch_size: int, max_new_tokens: int, resume: bool,
+def regenerate_command(prompts: Path, target: str | None, out: Path, batch_size: int, max_new_tokens: int, resume: bool,
                        system_prompt: str | None) -> int:
     """``dflash-flow regenerate``: replies regenerated greedily by the target (batched, resumable)."""
     from dflash_flow.app.session import quiet_libraries
     from dflash_flow.embedded import regenerate, resolve_target
     from dflash_flow.observe.progress import ProgressBar
 
+    if target is None:
+        return report_user_error("regenerate needs --target (a model directory, or 'embedded'), or --server URL "
+                                 "to regenerate through serving engines")
     quiet_libraries()
     bar = None
 
@@ -197,6 +200,82 @@ def regenerate_command(prompts: Path, target: str, out: Path, batch_size: int, m
     for line in regenerate_warnings(stats, max_new_tokens):
         print(f"warning: {line}", file=sys.stderr)
     return EXIT_OK
+
+
+def regenerate_served_command(prompts: Path, servers: list[str], out: Path, *, target: str | None,
+                              max_new_tokens: int, resume: bool, system_prompt: str | None, served_model: str | None,
+                              concurrency: int, sampling: str, thinking: bool | None, timeout: float,
+                              max_attempts: int, retry_errors: bool, seed: int) -> int:
+    """``dflash-flow regenerate --server URL ...``: replies from OpenAI-compatible servers (many in flight,
+    retried, failover, resumable), with each row's finish reason counted and reported."""
+    from dflash_flow.embedded import resolve_target
+    from dflash_flow.embedded.served import AllServersDown, regenerate_served
+    from dflash_flow.observe.progress import ProgressBar
+
+    bar = None
+
+    def progress(done: int, total: int, tokens: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = ProgressBar(total, label="regenerate", unit="replies", done=done)
+        else:
+            bar.update(done - bar.done, tok=tokens)
+
+    def log(message: str) -> None:
+        if bar is not None:
+            bar.message(message)
+        else:
+            print(message, file=sys.stderr, flush=True)
+
+    try:
+        stats = regenerate_served(
+            prompts, servers, out, max_new_tokens=max_new_tokens, concurrency=concurrency, model=served_model,
+            sampling=sampling, target=None if target is None else resolve_target(target), enable_thinking=thinking,
+            seed=seed, timeout_s=timeout, max_attempts=max_attempts, resume=resume, retry_errors=retry_errors,
+            system_prompt=system_prompt, progress=progress, log=log)
+    except (ValueError, OSError) as exc:
+        return report_user_error(exc)
+    except AllServersDown as exc:
+        if bar is not None:
+            bar.close()
+            bar = None
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        if bar is not None:
+            bar.close()
+            bar = None
+        print(f"stopped: {out} holds every reply finished so far; the same command continues from there",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        if bar is not None:
+            bar.close()
+    print(served_summary(stats, out))
+    for line in regenerate_warnings(stats, max_new_tokens):
+        print(f"warning: {line}", file=sys.stderr)
+    if stats.errors:
+        shown = "; ".join(f"{rid!r}: {err}" for rid, err in stats.errors[:3])
+        more = f" (and {len(stats.errors) - 3} more)" if len(stats.errors) > 3 else ""
+        print(f"warning: {len(stats.errors)} rows failed and are written with finish_reason \"error\" and no reply "
+              f"(training counts them as bad records and skips them): {shown}{more}; --retry-errors tries them again", file=sys.stderr)
+    return EXIT_OK
+
+
+def served_summary(stats, out: Path) -> str:
+    """The accounting of a regeneration through servers, one paragraph."""
+    reasons = ", ".join(f"{r} {stats.reasons.get(r, 0)}" for r in ("stop", "length", "empty", "error"))
+    lines = [f"wrote {out}: {stats.total} records ({stats.skipped} already there, {stats.generated} now: {reasons}); "
+             f"{stats.new_tokens} tokens in {stats.seconds:.1f} s ({stats.tokens_per_s:.1f} tokens/s)"]
+    if stats.dropped_errors:
+        lines.append(f"  {stats.dropped_errors} error rows dropped to be tried again")
+    if stats.failures:
+        lines.append(f"  failed attempts: {', '.join(f'{k} {v}' for k, v in sorted(stats.failures.items()))} "
+                     f"({stats.retries} retried)")
+    for s in stats.servers:
+        fails = sum(s["failures"].values())
+        lines.append(f"  {s['url']}: {s['ok']} answered, {fails} failed, taken out {s['taken_out']}x, now {s['state']}")
+    return "\n".join(lines)
 
 
 def regenerate_warnings(stats, max_new_tokens: int) -> list[str]:

@@ -309,6 +309,10 @@ class ChatEncoder:
             pending.clear()
 
         for line, obj in records:
+            if isinstance(obj, dict) and obj.get("finish_reason") == "error":  # `regenerate` wrote no reply
+                col.bad(line, "regenerate_error", f"a row regenerate could not answer ({obj.get('error', 'no reply')}); "
+                        "`dflash-flow regenerate --retry-errors` tries it again")
+                continue
             msgs, kind, reason = parse_conversation(obj)
             if msgs is None:
                 col.bad(line, kind, reason)

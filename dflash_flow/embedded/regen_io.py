@@ -139,9 +139,11 @@ class OutputWriter:
     wrote) -- or, with ``resume=False``, starts a new file -- and writes the journal.
     """
 
-    def __init__(self, out: str | Path, *, resume: bool = True):
+    def __init__(self, out: str | Path, *, resume: bool = True, drop_errors: bool = False):
         self.out = Path(out)
         self.resume = resume
+        self.drop_errors = drop_errors
+        self.dropped = 0  # error rows dropped (drop_errors) so that they are generated again
         self.done: dict[str, str] = {}
         self._f = None
         self._clean = True
@@ -157,6 +159,8 @@ class OutputWriter:
         try:
             _lock(f, self.out)
             self.done = scan_output(self.out)
+            if self.drop_errors and "error" in self.done.values():
+                f = self._rewrite_without_errors(f)
             st = os.fstat(f.fileno())
             f.seek(0, os.SEEK_END)
             j = journal_path(self.out)
@@ -169,6 +173,27 @@ class OutputWriter:
             raise
         self._f = f
         return self
+
+    def _rewrite_without_errors(self, f):
+        """The output without its ``finish_reason: "error"`` rows, written beside it and renamed over it
+        (atomic), then locked again."""
+        keep = []
+        for line in self.out.read_bytes().splitlines(keepends=True):
+            if line.strip() and json.loads(line).get("finish_reason") == "error":
+                self.dropped += 1
+                continue
+            keep.append(line)
+        tmp = self.out.with_name(self.out.name + ".tmp")
+        with open(tmp, "wb") as t:
+            t.write(b"".join(keep))
+            t.flush()
+            os.fsync(t.fileno())
+        os.replace(tmp, self.out)
+        f.close()
+        f = open(self.out, "ab")
+        _lock(f, self.out)
+        self.done = {k: v for k, v in self.done.items() if v != "error"}
+        return f
 
     def write_lines(self, lines: list[str], *, fsync: bool = True) -> None:
         """One write of whole lines, flushed (and fsynced); a failure leaves the journal in place so that

@@ -71,6 +71,17 @@ def test_chat_jsonl_bad_records_are_counted_with_file_and_line(tmp_path, chatml_
     assert "bad records" in rep.summary() and f"{f}:2" in rep.summary()
 
 
+def test_rows_regenerate_could_not_answer_are_bad_records_that_say_so(tmp_path, chatml_tokenizer):
+    f = tmp_path / "regen.jsonl"
+    ok = {"id": 0, **convo("Hello", "Hi!"), "finish_reason": "stop"}
+    err = {"id": 1, "conversations": [{"role": "user", "content": "Hello"}], "finish_reason": "error",
+           "error": "HTTP 500 (after 5 attempts)"}
+    write_lines(f, [ok, err])
+    tf = read_chat_jsonl(f, chatml_tokenizer)
+    assert len(tf) == 1 and tf.report.bad_by_reason == {"regenerate_error": 1}
+    assert "HTTP 500" in str(tf.report.bad_records[0]) and "--retry-errors" in str(tf.report.bad_records[0])
+
+
 def test_fail_fast_names_file_and_line(tmp_path, chatml_tokenizer):
     f = tmp_path / "chat.jsonl"
     write_lines(f, [convo("a", "b"), b"[1, 2]"])

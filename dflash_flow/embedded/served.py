@@ -1,0 +1,548 @@
+"""Regenerate replies through OpenAI-compatible inference servers (``vllm serve``, SGLang, any other).
+
+The in-process :mod:`.regenerate` is right for the embedded target; an 8B target and 800K conversations
+need many servers. This module sends each prompt to ``POST /v1/chat/completions`` of one of several
+servers, many requests in flight, and appends every reply to the same JSONL the in-process path writes
+(through :mod:`.regen_io`: never into the input, resumable, torn lines repaired only when ours).
+
+Why the chat endpoint and not ``/v1/completions``: the server renders the conversation with the chat
+template of the model it serves (the one the drafter will be served beside), so nothing here needs the
+target's tokenizer or files; ``chat_template_kwargs`` (``enable_thinking``) exists only there; and the
+reply comes back split from the template's end-of-turn marker, which the training side's template writes
+itself. The drafter trains on the target's raw stream, so a reasoning block a server returns separately
+(``reasoning_content``/``reasoning``, with a reasoning parser on) is put back in front of the answer as
+``<think>\\n...\\n</think>\\n\\n`` (how Qwen3-style templates render it).
+
+Faults, and what happens:
+
+* every request has a timeout; a failed attempt (timeout, 5xx/429, malformed JSON, a connection dropped
+  mid-request) is retried after an exponential backoff whose jitter is derived from the row id and the
+  attempt (deterministic), preferably on a server that has not failed this row; a row that fails
+  ``max_attempts`` times, or gets a 4xx (the request itself is wrong, e.g. a prompt longer than the
+  context), is written with ``finish_reason: "error"`` and its last error, and reported;
+* a server that refuses connections or drops one, or fails ``fail_threshold`` times in a row, is taken out
+  of rotation for a cool-down (doubling each time), then tried with one request; after ``max_trials`` failed
+  trials it is removed. Its requests go to the others. When no server is left the run stops, with
+  everything finished so far written (the same command continues);
+* resumable: ids already in the output are skipped (an ``error`` row too, unless ``retry_errors``, which
+  drops those rows first). Output order is completion order.
+
+Each record: ``{"id", "conversations": prompt turns + [assistant reply], "finish_reason"}``, the reason
+``"stop"``, ``"length"`` (``max_new_tokens`` reached), ``"empty"`` (a blank reply: nothing to train on) or
+``"error"`` (no reply turn; ``"error"`` says why).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from dflash_flow.data.chat import prompt_turns
+
+from .regen_io import OutputWriter, check_output_is_not_input, read_prompts
+
+__all__ = ["AllServersDown", "ServedStats", "ServerPool", "backoff_delay", "regenerate_served", "sampling_params"]
+
+#: ``progress(done_records, total_records, new_tokens)`` after every row written.
+ProgressFn = Callable[[int, int, int], None]
+
+FINISH_REASONS = ("stop", "length", "empty", "error")
+# Kinds of failed attempts. "refused": the request never reached a server (not counted against the row).
+RETRYABLE = ("refused", "reset", "timeout", "server", "malformed")
+
+
+class AllServersDown(RuntimeError):
+    """Every server is out of rotation for good; what was finished is written."""
+
+
+class RequestFailed(Exception):
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class ServedStats:
+    total: int = 0  # records in the input
+    skipped: int = 0  # already in the output (resume)
+    generated: int = 0  # rows written by this call (errors included)
+    new_tokens: int = 0  # completion tokens of this call (the servers' usage counts)
+    seconds: float = 0.0
+    reasons: Counter = field(default_factory=Counter)  # finish_reason -> rows written by this call
+    failures: Counter = field(default_factory=Counter)  # failed attempts by kind (retried or not)
+    retries: int = 0
+    servers: list[dict] = field(default_factory=list)  # per server: url, ok, failures, taken_out, state
+    errors: list[tuple[object, str]] = field(default_factory=list)  # (id, last error) of the error rows
+    dropped_errors: int = 0  # error rows dropped from the output to retry them (retry_errors)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    # the names the in-process RegenStats uses (regenerate_warnings reads them)
+    @property
+    def empty(self) -> int:
+        return self.reasons["empty"]
+
+    @property
+    def truncated(self) -> int:
+        return self.reasons["length"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Deterministic retry schedule and sampling
+# ---------------------------------------------------------------------------------------------------
+
+
+def _unit(*parts: object) -> float:
+    """A number in [0, 1) derived from ``parts`` (the same everywhere, every run)."""
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def backoff_delay(row_id: object, attempt: int, base_s: float, max_s: float) -> float:
+    """Seconds to wait before attempt ``attempt + 1`` of a row: ``base * 2**(attempt-1)`` capped at
+    ``max_s``, times a jitter in [0.5, 1) derived from the row id and the attempt (spreads the retries of
+    many rows failed at once, and is reproducible)."""
+    return min(max_s, base_s * 2 ** max(0, attempt - 1)) * (0.5 + 0.5 * _unit("backoff", row_id, attempt))
+
+
+def sampling_params(sampling: str, target: str | Path | None = None) -> dict:
+    """The request's sampling fields. ``"greedy"``: temperature 0 (every engine decodes greedily then).
+    ``"target"``: the target's ``generation_config.json`` (temperature, top_p, top_k; ``do_sample: false`` is
+    greedy) when ``target`` is a directory holding one; else nothing, and the server applies its own defaults
+    (vLLM and SGLang use the served model's generation config)."""
+    if sampling == "greedy":
+        return {"temperature": 0.0}
+    if sampling != "target":
+        raise ValueError(f"--sampling {sampling!r}: use 'greedy' or 'target'")
+    if target is None:
+        return {}
+    path = Path(target) / "generation_config.json"
+    if not path.is_file():
+        if Path(target).is_dir():
+            return {}
+        raise ValueError(f"--target {target}: not a model directory (its generation_config.json gives the "
+                         "sampling settings of --sampling target)")
+    gc = json.loads(path.read_text())
+    if gc.get("do_sample") is False:
+        return {"temperature": 0.0}
+    out = {}
+    for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        if gc.get(key) is not None:
+            out[key] = gc[key]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Servers
+# ---------------------------------------------------------------------------------------------------
+
+
+class _Server:
+    def __init__(self, url: str, index: int):
+        parts = urlsplit(url if "://" in url else f"http://{url}")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"--server {url}: not an http(s) URL (e.g. http://localhost:8000)")
+        self.url = url.rstrip("/")
+        self.index = index
+        self.https = parts.scheme == "https"
+        self.host = parts.hostname
+        self.port = parts.port or (443 if self.https else 80)
+        base = parts.path.rstrip("/")
+        self.base = base[: -len("/v1")] if base.endswith("/v1") else base  # ".../v1" or not: both accepted
+        self.in_flight = 0
+        self.ok = 0
+        self.failures: Counter = Counter()
+        self.consecutive = 0
+        self.down = False  # out of rotation (until out_until, then on trial)
+        self.out_until = 0.0
+        self.trials_failed = 0
+        self.taken_out = 0
+        self.removed = False
+        self.last_error = ""
+
+    def state(self) -> str:
+        return "removed" if self.removed else "out" if self.down else "up"
+
+
+class _Lease:
+    def __init__(self, server: _Server, trial: bool):
+        self.server = server
+        self.trial = trial
+
+
+class ServerPool:
+    """Which server gets the next request: the one with the fewest in flight (ties in turn), at most
+    ``per_server`` each, never one out of rotation; health from each request's outcome."""
+
+    def __init__(self, urls: list[str], *, per_server: int = 32, fail_threshold: int = 3, cooldown_s: float = 2.0,
+                 cooldown_max_s: float = 60.0, max_trials: int = 5, log: Callable[[str], None] | None = None,
+                 clock=time.monotonic):
+        if not urls:
+            raise ValueError("no --server given")
+        self.servers = [_Server(u, i) for i, u in enumerate(urls)]
+        if len({s.url for s in self.servers}) != len(self.servers):
+            raise ValueError("a --server is listed twice")
+        self.per_server = per_server
+        self.fail_threshold = fail_threshold
+        self.cooldown_s = cooldown_s
+        self.cooldown_max_s = cooldown_max_s
+        self.max_trials = max_trials
+        self.log = log or (lambda _m: None)
+        self.clock = clock
+        self._cond = threading.Condition()
+        self._turn = 0
+
+    def acquire(self, avoid: set[str], stop: threading.Event) -> _Lease:
+        """A server for one request (blocks while all are busy or cooling down). Raises AllServersDown."""
+        with self._cond:
+            while True:
+                if stop.is_set():
+                    raise _Stopped()
+                now = self.clock()
+                alive = [s for s in self.servers if not s.removed]
+                if not alive:
+                    raise AllServersDown(self.describe())
+                # A retry waits for a server in rotation that has not failed this row, if there is one.
+                pool = [s for s in alive if s.url not in avoid and not s.down] or alive
+                ready = [s for s in pool if s.in_flight < self.per_server
+                         and (not s.down or (now >= s.out_until and s.in_flight == 0))]
+                if ready:
+                    n = len(self.servers)
+                    s = min(ready, key=lambda s: (s.in_flight, (s.index - self._turn) % n))
+                    self._turn = (s.index + 1) % n
+                    s.in_flight += 1
+                    return _Lease(s, trial=s.down)
+                waits = [s.out_until - now for s in alive if s.down and s.out_until > now]
+                self._cond.wait(timeout=min([0.5] + waits))
+
+    def release(self, lease: _Lease, failure: RequestFailed | None) -> None:
+        s = lease.server
+        with self._cond:
+            s.in_flight -= 1
+            if failure is None:
+                s.ok += 1
+                s.consecutive = 0
+                if s.down and lease.trial:  # (an answer to a request sent before it went out proves little)
+                    s.down, s.trials_failed = False, 0
+                    self.log(f"server {s.url} answers again: back in rotation")
+            elif failure.kind != "client":  # a 4xx is the request's fault, not the server's
+                s.failures[failure.kind] += 1
+                s.consecutive += 1
+                s.last_error = str(failure)
+                now = self.clock()
+                if lease.trial:
+                    s.trials_failed += 1
+                    if s.trials_failed >= self.max_trials:
+                        s.removed = True
+                        self.log(f"server {s.url} removed after {s.trials_failed} failed trials ({failure})")
+                    else:
+                        s.out_until = now + min(self.cooldown_max_s, self.cooldown_s * 2 ** s.trials_failed)
+                elif not s.down and (failure.kind in ("refused", "reset") or s.consecutive >= self.fail_threshold):
+                    s.down, s.out_until = True, now + self.cooldown_s
+                    s.taken_out += 1
+                    self.log(f"server {s.url} taken out of rotation ({failure}); its requests go to the others")
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def describe(self) -> str:
+        return "; ".join(f"{s.url}: {s.state()}" + (f" ({s.last_error})" if s.last_error else "")
+                         for s in self.servers)
+
+    def report(self) -> list[dict]:
+        with self._cond:
+            return [{"url": s.url, "ok": s.ok, "failures": dict(s.failures), "taken_out": s.taken_out,
+                     "state": s.state()} for s in self.servers]
+
+
+class _Stopped(Exception):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------------
+# HTTP (stdlib http.client; one keep-alive connection per thread and server)
+# ---------------------------------------------------------------------------------------------------
+
+
+class _Client:
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._local = threading.local()
+
+    def _conn(self, s: _Server):
+        conns = self._local.__dict__.setdefault("conns", {})
+        conn = conns.get(s.url)
+        fresh = conn is None
+        if fresh:
+            cls = http.client.HTTPSConnection if s.https else http.client.HTTPConnection
+            conn = conns[s.url] = cls(s.host, s.port, timeout=self.timeout_s)
+        return conn, fresh
+
+    def _drop(self, s: _Server) -> None:
+        conn = self._local.__dict__.get("conns", {}).pop(s.url, None)
+        if conn is not None:
+            conn.close()
+
+    def request(self, s: _Server, method: str, path: str, payload: dict | None = None) -> dict:
+        """The JSON body of a 2xx answer; raises RequestFailed with the kind of failure."""
+        body = None if payload is None else json.dumps(payload).encode()
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        for again in (False, True):
+            conn, fresh = self._conn(s)
+            try:
+                conn.request(method, s.base + path, body=body, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                status = resp.status
+                if resp.will_close:
+                    self._drop(s)
+                break
+            except TimeoutError:
+                self._drop(s)
+                raise RequestFailed("timeout", f"no answer within {self.timeout_s:g} s") from None
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
+                self._drop(s)
+                if not fresh and not again:
+                    continue  # a keep-alive connection the server had closed: once more on a new one
+                raise RequestFailed("reset", f"connection dropped ({type(e).__name__})") from None
+            except ConnectionRefusedError:
+                self._drop(s)
+                raise RequestFailed("refused", "connection refused") from None
+            except (http.client.HTTPException, OSError) as e:
+                self._drop(s)
+                kind = "reset" if isinstance(e, http.client.HTTPException) else "refused"
+                raise RequestFailed(kind, f"{type(e).__name__}: {e}") from None
+        if status >= 400:
+            text = data[:200].decode("utf-8", "replace").strip()
+            kind = "server" if status >= 500 or status in (408, 429) else "client"
+            raise RequestFailed(kind, f"HTTP {status}: {text}")
+        try:
+            out = json.loads(data)
+        except ValueError:
+            raise RequestFailed("malformed", f"HTTP {status} with a body that is not JSON: {data[:80]!r}") from None
+        if not isinstance(out, dict):
+            raise RequestFailed("malformed", f"HTTP {status} with a JSON {type(out).__name__}, not an object")
+        return out
+
+
+_STOP_REASONS = {"stop", "eos", "stop_sequence", "end_turn", "tool_calls"}
+
+
+def parse_chat_completion(resp: dict) -> tuple[str, str, int]:
+    """(reply, finish_reason, completion tokens) of a chat completion; RequestFailed('malformed') when it is
+    not one, RequestFailed('server') when the server aborted the request."""
+    try:
+        choice = resp["choices"][0]
+        msg = choice["message"]
+        content = msg.get("content") or ""
+        reasoning = msg.get("reasoning_content") or msg.get("reasoning") or ""
+        reason = choice.get("finish_reason")
+        if not isinstance(content, str) or not isinstance(reasoning, str):
+            raise TypeError("content is not text")
+    except (KeyError, IndexError, TypeError, AttributeError) as e:
+        raise RequestFailed("malformed", f"not a chat completion ({type(e).__name__}: {e})") from None
+    if reason == "length":
+        finish = "length"
+    elif reason in _STOP_REASONS:
+        finish = "stop"
+    else:
+        raise RequestFailed("server", f"the server ended the request with finish_reason {reason!r}")
+    if reasoning.strip():
+        content = f"<think>\n{reasoning.strip()}\n</think>\n\n{content.lstrip()}"
+    usage = resp.get("usage") or {}
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    tokens = int(tokens) if isinstance(tokens, int | float) else 0
+    if not content.strip():
+        finish = "empty"
+    return content, finish, tokens
+
+
+# ---------------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------------
+
+
+def discover_model(pool: ServerPool, client: _Client, model: str | None, log: Callable[[str], None]) -> str:
+    """The model name to request: ``model``, or the one the servers list (``GET /v1/models``); all servers
+    must serve it. A server that does not answer starts out of rotation."""
+    served: dict[str, list[str]] = {}
+    for s in pool.servers:
+        try:
+            resp = client.request(s, "GET", "/v1/models")
+            served[s.url] = [str(m["id"]) for m in resp.get("data", []) if isinstance(m, dict) and "id" in m]
+        except RequestFailed as e:
+            s.down, s.out_until, s.taken_out, s.last_error = True, pool.clock() + pool.cooldown_s, 1, str(e)
+            log(f"server {s.url} does not answer GET /v1/models ({e}): out of rotation, retried later")
+    if not served:
+        raise ValueError(f"no server answered GET /v1/models ({pool.describe()}); start them or check --server")
+    if model is None:
+        names = {tuple(v) for v in served.values()}
+        if len(names) != 1 or len(next(iter(names))) != 1:
+            raise ValueError("the servers do not serve one and the same model "
+                             f"({', '.join(f'{u}: {v}' for u, v in served.items())}); name it with --served-model")
+        return next(iter(names))[0]
+    missing = [u for u, v in served.items() if model not in v]
+    if missing:
+        raise ValueError(f"--served-model {model} is not served by {', '.join(missing)} "
+                         f"(they serve {', '.join(sorted({m for u in missing for m in served[u]}))})")
+    return model
+
+
+def regenerate_served(prompts_jsonl: str | Path, servers: list[str], out_jsonl: str | Path, *,
+                      max_new_tokens: int = 512, concurrency: int = 32, model: str | None = None,
+                      sampling: str = "greedy", target: str | Path | None = None, enable_thinking: bool | None = None,
+                      seed: int = 0, timeout_s: float = 900.0, max_attempts: int = 5, backoff_s: float = 1.0,
+                      backoff_max_s: float = 60.0, fail_threshold: int = 3, cooldown_s: float = 2.0,
+                      max_trials: int = 5, resume: bool = True, retry_errors: bool = False,
+                      system_prompt: str | None = None, limit: int | None = None,
+                      progress: ProgressFn | None = None, log: Callable[[str], None] | None = None,
+                      check_stop: Callable[[], None] | None = None) -> ServedStats:
+    """Write the servers' replies to the prompts of ``prompts_jsonl`` into ``out_jsonl`` (see the module
+    docstring). ``concurrency`` is the number of requests in flight per server. Raises AllServersDown when
+    every server is gone (the output holds every row finished; the same call continues), ValueError for a
+    bad argument or input."""
+    if max_new_tokens < 1 or concurrency < 1 or max_attempts < 1 or timeout_s <= 0:
+        raise ValueError("max_new_tokens, concurrency and max_attempts must be >= 1 and the timeout > 0")
+    t0 = time.perf_counter()
+    log = log or (lambda _m: None)
+    sampling_fields = sampling_params(sampling, target)
+    check_output_is_not_input(prompts_jsonl, out_jsonl)
+    records = read_prompts(prompts_jsonl)
+    if limit is not None:
+        records = records[:limit]
+    jobs = [(rid, prompt_turns(rec, system_prompt)) for rid, rec in records]  # bad records fail before any request
+    pool = ServerPool(servers, per_server=concurrency, fail_threshold=fail_threshold, cooldown_s=cooldown_s,
+                      max_trials=max_trials, log=log)
+    client = _Client(timeout_s)
+    stats = ServedStats(total=len(records))
+    with OutputWriter(out_jsonl, resume=resume, drop_errors=retry_errors) as writer:
+        stats.dropped_errors = writer.dropped
+        todo = [(rid, turns) for rid, turns in jobs if str(rid) not in writer.done]
+        stats.skipped = len(records) - len(todo)
+        if todo:
+            name = discover_model(pool, client, model, log)
+            base = {"model": name, "max_tokens": max_new_tokens, "n": 1, "stream": False, **sampling_fields}
+            if enable_thinking is not None:
+                base["chat_template_kwargs"] = {"enable_thinking": bool(enable_thinking)}
+            sampled = base.get("temperature", 1.0) != 0.0
+            try:
+                _run(todo, pool, client, base, sampled, seed, writer, stats, max_attempts, backoff_s, backoff_max_s,
+                     concurrency * len(servers), progress, check_stop)
+            finally:
+                stats.servers = pool.report()
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def _run(todo, pool, client, base, sampled, seed, writer, stats, max_attempts, backoff_s, backoff_max_s, n_threads,
+         progress, check_stop) -> None:
+    rows: queue.Queue = queue.Queue()
+    for job in todo:
+        rows.put(job)
+    results: queue.Queue = queue.Queue()
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def attempt_row(rid, turns) -> dict:
+        payload = dict(base, messages=turns)
+        if sampled:
+            payload["seed"] = int(_unit("seed", seed, rid) * 2**31)  # reproducible sampling per row
+        avoid: set[str] = set()
+        attempts = 0
+        while True:
+            lease = pool.acquire(avoid, stop)
+            try:
+                reply, finish, tokens = parse_chat_completion(
+                    client.request(lease.server, "POST", "/v1/chat/completions", payload))
+            except RequestFailed as e:
+                pool.release(lease, e)
+                with lock:
+                    stats.failures[e.kind] += 1
+                if e.kind == "refused":
+                    continue  # never reached a server: the pool takes that one out; not this row's fault
+                attempts += 1
+                avoid.add(lease.server.url)
+                if e.kind == "client" or attempts >= max_attempts:
+                    return {"id": rid, "conversations": turns, "finish_reason": "error",
+                            "error": f"{e} (after {attempts} attempt{'s' * (attempts > 1)}, last on "
+                                     f"{lease.server.url})"}, 0
+                with lock:
+                    stats.retries += 1
+                if stop.wait(backoff_delay(rid, attempts, backoff_s, backoff_max_s)):
+                    raise _Stopped() from None
+                continue
+            pool.release(lease, None)
+            return {"id": rid, "conversations": turns + [{"role": "assistant", "content": reply}],
+                    "finish_reason": finish}, tokens
+
+    def worker() -> None:
+        while not stop.is_set():
+            try:
+                rid, turns = rows.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                results.put(("row",) + attempt_row(rid, turns))
+            except _Stopped:
+                return
+            except AllServersDown as e:
+                results.put(("down", str(e), 0))
+                return
+            except BaseException as e:  # a bug: end the run with it rather than hang
+                results.put(("bug", e, 0))
+                return
+
+    threads = [threading.Thread(target=worker, name=f"regen-http-{i}", daemon=True)
+               for i in range(min(n_threads, len(todo)))]
+    for t in threads:
+        t.start()
+    report = progress or (lambda *_: None)
+    report(stats.skipped, stats.total, 0)
+    last_sync = time.monotonic()
+    finished = False
+    try:
+        for _ in range(len(todo)):
+            while True:
+                if check_stop is not None:
+                    check_stop()
+                try:
+                    kind, rec, tokens = results.get(timeout=0.2)
+                    break
+                except queue.Empty:
+                    continue
+            if kind == "down":
+                raise AllServersDown(f"every server is out of rotation ({rec}); {stats.generated} rows written now, "
+                                     "the same command continues from there once a server answers")
+            if kind == "bug":
+                raise rec
+            now = time.monotonic()
+            writer.write_lines([json.dumps(rec, ensure_ascii=False) + "\n"], fsync=now - last_sync > 1.0)
+            last_sync = now if now - last_sync > 1.0 else last_sync
+            stats.generated += 1
+            stats.new_tokens += tokens
+            stats.reasons[rec["finish_reason"]] += 1
+            if rec["finish_reason"] == "error":
+                stats.errors.append((rec["id"], rec["error"]))
+            report(stats.skipped + stats.generated, stats.total, tokens)
+        finished = True
+    finally:
+        stop.set()
+        pool.wake()
+        # Finished: every worker has returned or is returning. Stopped early: a worker blocked in a request
+        # ends at its timeout at the latest (daemon threads: never keep the process alive); its row is not
+        # written and the next call does it.
+        for t in threads:
+            t.join(timeout=None if finished else 0.05)
