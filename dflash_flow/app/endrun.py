@@ -16,11 +16,12 @@ log = logging.getLogger("dflash_flow")
 def write_pictures(graph, output_dir: Path) -> list[tuple[Path, str]]:
     """The resolved YAML and the DAG (Mermaid text, a PNG), as (file, artifact folder) pairs."""
     from dflash_flow.app.exits import UserError, describe_os_error
+    from dflash_flow.core.fill import complete_stage_configs
     from dflash_flow.core.render import render_image, to_mermaid
 
     files = [(output_dir / "pipeline.resolved.yaml", "config"), (output_dir / "pipeline.mmd", "dag")]
     try:
-        files[0][0].write_text(graph.to_yaml())
+        files[0][0].write_text(graph.to_yaml(complete_stage_configs(graph)))  # every default written out
         files[1][0].write_text(to_mermaid(graph))
     except OSError as exc:
         raise UserError(f"cannot write into output_dir: {describe_os_error(exc)}") from None

@@ -356,8 +356,10 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
     from dflash_flow.app.distributed import init_distributed, shutdown_distributed
     from dflash_flow.app.endrun import ContainedUploads, end_of_run, write_pictures
     from dflash_flow.app.exits import EXIT_USER_ERROR, UserError, report_user_error
+    from dflash_flow.core.fill import complete_stage_configs
     from dflash_flow.core.runtime import Pipeline
-    from dflash_flow.observe.runinfo import redact_uri, run_tags
+    from dflash_flow.observe.runinfo import redact_uri, run_params, run_tags
+    from dflash_flow.observe.schema import HEADLINE_METRICS
     from dflash_flow.observe.tracking import Tracker, TrackingError
     from dflash_flow.services import RunServices
 
@@ -382,13 +384,14 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
             pipeline = Pipeline(v, services=services, resume_state=build_resume_state(v, ckpt), output_dir=output_dir)
             services.checkpoints = CheckpointService(checkpointer, ck, stage_states=pipeline.state_dict, dist=dist_ctx)
             pictures = write_pictures(graph, output_dir) if main else []
-            resolved = graph.to_dict()
+            resolved = graph.to_dict(complete_stage_configs(graph))  # every default written out
             if resolved.get("tracking", {}).get("tracking_uri"):
                 resolved["tracking"]["tracking_uri"] = redact_uri(resolved["tracking"]["tracking_uri"])
             tags = {
                 **run_tags(resolved, world_size=pipeline.world_size, device_summary=_device_summary(pipeline)),
                 "config_hash": checkpointer.config_hash,
                 "config_file": str(config_path) if config_path else "",
+                "headline_metrics": ", ".join(HEADLINE_METRICS),  # docs/metrics.md: "Chart these first"
             }
             if fork:  # a resume into another directory: a run of its own, tagged with where it came from
                 tags[PARENT_CHECKPOINT_TAG] = str(ckpt.path.resolve())
@@ -413,7 +416,7 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
                 tracking_uri=tracking.tracking_uri,
                 experiment=tracking.experiment,
                 run_name=tracking.run_name or graph.name,
-                params=resolved,
+                params=run_params(resolved),
                 tags=tags,
                 resume_run_id=ckpt.mlflow_run_id if ckpt is not None and not fork else None,
                 system_metrics=tracking.system_metrics,

@@ -3,7 +3,10 @@ filled into the stages that leave them out, refused where a stage sets another v
 
 from __future__ import annotations
 
+import json
 from typing import Any
+
+import attrs
 
 from .convert import short
 from .registry import resolve
@@ -42,4 +45,34 @@ def resolved_stage_configs(graph: Any) -> dict[str, dict[str, Any]]:
             continue
         filled, _ = section_values(graph, spec, cls)
         out[spec.name] = {**filled, **spec.config}
+    return out
+
+
+def field_default(f: attrs.Attribute) -> Any:
+    """A config field's default value (None for a required field or a default computed from the instance)."""
+    if isinstance(f.default, attrs.Factory):  # type: ignore[arg-type]
+        return f.default.factory() if not f.default.takes_self else None
+    return None if f.default is attrs.NOTHING else f.default
+
+
+def complete_stage_configs(graph: Any) -> dict[str, dict[str, Any]]:
+    """Every stage's config with every field written out: its own values, those its sections declare, and
+    the defaults of every other field (a required field the stage leaves out stays out), as plain JSON
+    values (tuples become lists). What the run records (MLflow params, ``pipeline.resolved.yaml``), so two
+    runs compare field by field whether or not a YAML wrote a default out."""
+    out = {}
+    for name, config in resolved_stage_configs(graph).items():
+        try:
+            cls = resolve(graph.stage(name).type)
+        except Exception:  # noqa: BLE001 - reported by validation; its own values are all there is
+            out[name] = config
+            continue
+        full = {}
+        for f in cls.config_fields():
+            if f.name in config:
+                full[f.name] = config[f.name]
+            elif f.default is not attrs.NOTHING:
+                full[f.name] = field_default(f)
+        full.update({k: v for k, v in config.items() if k not in full})  # undeclared keys: validation's to refuse
+        out[name] = json.loads(json.dumps(full, default=str))
     return out

@@ -154,8 +154,10 @@ class Graph:
         """Every (stage, edge) that takes ``name`` as an input."""
         return [(s, i) for s in self.stages for i in s.inputs if i.stage == name]
 
-    def to_dict(self) -> dict[str, Any]:
-        """The graph as the plain mapping a YAML file holds (defaults left out of the stages)."""
+    def to_dict(self, configs: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The graph as the plain mapping a YAML file holds (defaults left out of the stages); ``configs``:
+        the stages' configs to write instead, by stage name (``core.fill.complete_stage_configs`` writes
+        every default out)."""
         out: dict[str, Any] = {"name": self.name, "seed": self.seed}
         if self.output_dir is not None:
             out["output_dir"] = self.output_dir
@@ -178,17 +180,18 @@ class Graph:
                 d["capacity"] = s.capacity
             if s.ordered:
                 d["ordered"] = True
-            if s.config:
-                d["config"] = s.config
+            config = s.config if configs is None else configs.get(s.name, s.config)
+            if config:
+                d["config"] = config
             stages.append(d)
         out["stages"] = stages
         return out
 
-    def to_yaml(self) -> str:
-        """The graph as YAML text that loads back into an equal graph."""
+    def to_yaml(self, configs: dict[str, dict[str, Any]] | None = None) -> str:
+        """The graph as YAML text that loads back into an equal graph (``configs``: as for ``to_dict``)."""
         import yaml
 
-        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=100)
+        return yaml.safe_dump(self.to_dict(configs), sort_keys=False, default_flow_style=None, width=100)
 
 
 def _inputs(inputs: Any, policy: str | None) -> list[InputSpec]:

@@ -21,21 +21,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import attrs
-
-from .fill import resolved_stage_configs
+from .fill import field_default, resolved_stage_configs
 from .registry import resolve
 
 
 def _canonical(value: Any) -> Any:
     """The value as JSON holds it (tuples become lists, paths strings): what a checkpoint reads back."""
     return json.loads(json.dumps(value, default=str, sort_keys=True))
-
-
-def _field_default(f: attrs.Attribute) -> Any:
-    if isinstance(f.default, attrs.Factory):  # type: ignore[arg-type]
-        return f.default.factory() if not f.default.takes_self else None
-    return None if f.default is attrs.NOTHING else f.default
 
 
 def result_settings(graph: Any) -> dict[str, Any]:
@@ -64,7 +56,7 @@ def result_settings(graph: Any) -> dict[str, Any]:
         for f in cls.config_fields():
             if f.metadata.get("result", True) is False:
                 continue
-            out[f"{key}.{f.name}"] = config[f.name] if f.name in config else _field_default(f)
+            out[f"{key}.{f.name}"] = config[f.name] if f.name in config else field_default(f)
         # A key the class does not declare (validation refuses it; here it still counts).
         known = {f.name for f in cls.config_fields()}
         for name in sorted(set(config) - known):

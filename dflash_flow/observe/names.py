@@ -71,11 +71,17 @@ def eval_figures(report: EvalReport) -> dict[str, float]:
 
 
 def eval_metrics(report: EvalReport) -> dict[str, float]:
-    """What MLflow gets as ``eval/<label>/<name>``: :func:`eval_figures` and, as numbers, the facts."""
-    out = eval_figures(report)
-    for k, v in eval_facts(report).items():
-        out[k] = float(v)
-    return out
+    """What MLflow gets as metrics ``eval/<label>/<name>``: the measurements (:func:`eval_figures`) only;
+    settings and facts (``max_new_tokens``, ``lossless``, ...) are tags (:func:`eval_tags`), never curves."""
+    return eval_figures(report)
+
+
+def eval_tags(report: EvalReport) -> dict[str, Any]:
+    """The evaluation's facts as MLflow tags ``eval/<label>/<fact>`` (``eval/trained/lossless``: True)."""
+    from .schema import key_part
+
+    label = key_part(eval_label(report))
+    return {f"eval/{label}/{k}": v for k, v in eval_facts(report).items()}
 
 
 def eval_json(report: EvalReport) -> dict[str, Any]:

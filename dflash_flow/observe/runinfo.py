@@ -148,6 +148,20 @@ def flatten_params(params: Mapping[str, Any] | None, *, prefix: str = "") -> dic
     return out
 
 
+def run_params(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A resolved pipeline mapping (``Graph.to_dict``) as the run's params: the stages keyed by name, each
+    stage's config fields beside its spec keys, as ``--set`` names them (``stages.drafter.lr``,
+    ``stages.padder.replicas``), so two runs of pipelines whose stages sit in another order, or that add
+    a stage, still compare key by key. Everything else as it is (``runtime.*``, ``model.*``, ...)."""
+    out = {k: v for k, v in config.items() if k != "stages"}
+    stages: dict[str, Any] = {}
+    for stage in config.get("stages", []):
+        spec = {k: v for k, v in stage.items() if k not in ("name", "config")}
+        stages[str(stage["name"])] = {**spec, **stage.get("config", {})}
+    out["stages"] = stages
+    return out
+
+
 config_hash = util_config_hash  # the one copy lives in dflash_flow.util
 
 

@@ -34,6 +34,20 @@ import attrs
 from dflash_flow.items import TRAIN_METRIC_REDUCTIONS
 
 REDUCTIONS = frozenset({"sum", "mean", "max", "min", "last"})
+
+#: The metrics a person charts first, in that order (docs/metrics.md "Chart these first" lists the same; a
+#: run carries them in its ``headline_metrics`` tag). The rest are grouped by their first key segment.
+HEADLINE_METRICS: tuple[str, ...] = (
+    "train/loss",
+    "train_epoch/sim_accept_len",
+    "heldout/tau",
+    "eval/trained/tau",
+    "eval/trained/speedup_forwards",
+    "eval/walk/tau",
+    "train/tokens_per_s",
+    "train/lr",
+    "bottleneck/busy",
+)
 _SPEC = "dflash_flow.metric"
 
 Reduce = str | Callable[[str], str]  # a reduction, or one per mapping key (train metrics)

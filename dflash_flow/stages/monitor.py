@@ -217,7 +217,7 @@ class Monitor(Stage):
         return {"train accept (sim, epoch mean)": mean} if mean is not None else None
 
     def _on_eval(self, item: EvalReport) -> None:
-        from dflash_flow.observe.names import eval_label
+        from dflash_flow.observe.names import eval_label, eval_tags
         from dflash_flow.observe.sample import EvalPoint
         from dflash_flow.observe.schema import mlflow_metrics
 
@@ -225,6 +225,7 @@ class Monitor(Stage):
         self._record.add_eval(point)
         if self._tracker is not None:
             self._tracker.log_metrics(mlflow_metrics(point), step=point.step)
+            self._tracker.set_tags(eval_tags(item))  # settings and facts (max_new_tokens, lossless): not curves
             self._tracker.flush_async()
         if self._printer is not None:
             self._printer.message(f"eval {eval_label(item)}: " + ", ".join(f"{k} {v:.4g}" for k, v in item.metrics.items()))

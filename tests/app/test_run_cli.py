@@ -118,15 +118,19 @@ def test_run_writes_mlflow_checkpoint_export_and_eval(tmp_path: Path) -> None:
     assert len(runs) == 1
     run = runs[0]
     assert run.info.status == "FINISHED"
-    assert run.data.params["stages.3.type"] == "Padder"
+    assert run.data.params["stages.padder.type"] == "Padder"  # keyed by stage name, not position
+    assert run.data.params["stages.padder.pad_to_multiple"] == "1"  # a default the pipeline never wrote
+    assert run.data.params["stages.evaluate.max_new_tokens"] == "12"
     assert run.data.params["seed"] == "3"
     assert {"git_commit", "config_hash", "world_size", "device_summary"} <= set(run.data.tags) or "config_hash" in run.data.tags
     steps_logged = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
     n_batches = len((out / "batches.jsonl").read_text().splitlines())
     assert steps_logged == list(range(1, n_batches + 1))
-    for key in ("eval/trained/tau", "eval/untrained/tau", "eval/trained/lossless"):
+    for key in ("eval/trained/tau", "eval/untrained/tau"):
         assert client.get_metric_history(run.info.run_id, key), key
-    assert client.get_metric_history(run.info.run_id, "eval/trained/lossless")[-1].value == 1.0
+    # Settings and facts are tags, never curves: no metric named after one.
+    assert not [k for k in run.data.metrics if k.rsplit("/", 1)[-1] in ("lossless", "max_new_tokens", "num_prompts")]
+    assert run.data.tags["eval/trained/lossless"] == "True" and run.data.tags["eval/trained/max_new_tokens"] == "12"
     names = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config", "dag", "plots", "drafter", "summary.json", "monitor"} <= names
     plots = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}

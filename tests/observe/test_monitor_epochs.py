@@ -41,7 +41,8 @@ class EpochReporter(Stage):
                           metrics={"loss": 1.0 / step, "sim_accept_len": _accept(step)}, position_accuracy=(0.5,))]
         if step == STEPS_PER_EPOCH * EPOCHS:
             out.append(StepReport(step=step, epoch=epoch, meta=None, final=True, artifacts={"drafter": "/tmp/d"}))
-            out.append(EvalReport(name="trained", metrics={"tau": 1.7}, by_horizon={64: {"tau": 1.7}, 448: {"tau": 1.8}}, temperature=0.0))
+            out.append(EvalReport(name="trained", metrics={"tau": 1.7}, by_horizon={64: {"tau": 1.7}, 448: {"tau": 1.8}},
+                                  temperature=0.0, lossless=True, num_prompts=16))
             out.append(EvalReport(name="walk", metrics={"tau": 1.69}, by_horizon={64: {"tau": 1.69}, 448: {"tau": 1.79}}))
         return out
 
@@ -77,6 +78,12 @@ def test_epoch_means_reach_mlflow_at_each_epochs_end(tmp_path: Path) -> None:
     assert loss[10] == pytest.approx(_mean(1, lambda s: 1.0 / s))
     assert {m.step for m in client.get_metric_history(rid, "train_epoch/accuracy_pos1")} == {5, 10, 15}
     assert len(client.get_metric_history(rid, "train/sim_accept_len")) == STEPS_PER_EPOCH * EPOCHS
+    # An evaluation's measurements are curves; its settings and facts are tags, never metrics.
+    got = client.get_run(rid).data
+    assert got.metrics["eval/trained/tau_h448"] == pytest.approx(1.8) and got.metrics["eval/walk/tau"] == 1.69
+    assert not {"eval/trained/lossless", "eval/trained/max_new_tokens", "eval/trained/num_prompts"} & set(got.metrics)
+    assert (got.tags["eval/trained/lossless"], got.tags["eval/trained/max_new_tokens"]) == ("True", "64")
+    assert got.tags["eval/trained/num_prompts"] == "16" and got.tags["eval/walk/max_new_tokens"] == "64"
 
     table = summary_table(services.record, width=120)
     row = next(ln for ln in table.splitlines() if ln.startswith("training (simulated, epoch mean)"))

@@ -158,3 +158,14 @@ def test_docs_metrics_md_lists_every_key():
                 SourceLoad, LoadPoint, HeldoutValues, HeldoutPoint):
         for _name, spec in declared(cls):
             assert spec.doc, f"{cls.__name__}.{_name} has no doc"
+
+
+def test_docs_chart_these_first_lists_the_headline_metrics():
+    from dflash_flow.observe.schema import HEADLINE_METRICS
+
+    text = (REPO / "docs" / "metrics.md").read_text()
+    section = text.split("## Chart these first", 1)[1].split("\n## ", 1)[0]
+    assert tuple(re.findall(r"^\d+\. `([^`]+)`", section, flags=re.M)) == HEADLINE_METRICS
+    # Each headline is a key the schema produces (by its documented template).
+    groups = {k.split("/", 1)[0] for k in set(re.findall(r"^\| `([^`]+)` \|", text, flags=re.M))}
+    assert {k.split("/", 1)[0] for k in HEADLINE_METRICS} <= groups
