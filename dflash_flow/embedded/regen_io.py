@@ -95,32 +95,28 @@ def scan_output(path: str | Path, *, repair: bool = True) -> dict[str, str]:
     path = Path(path)
     if not path.exists():
         return {}
-    data = path.read_bytes()
     done: dict[str, str] = {}
-    good_end = 0
-    pos = 0
-    lineno = 0
-    while pos < len(data):
-        lineno += 1
-        nl = data.find(b"\n", pos)
-        end = len(data) if nl < 0 else nl + 1
-        line = data[pos:end]
-        try:
-            if nl < 0:
-                raise ValueError("no newline")  # a complete record always ends with "\n"
-            rec = json.loads(line) if line.strip() else None
-        except ValueError:
-            if end < len(data):
-                raise ValueError(f"{path}: damaged record at byte {pos} that is not the last line") from None
-            break
-        if rec is not None:
-            if not isinstance(rec, dict) or "id" not in rec or "finish_reason" not in rec:
-                raise ValueError(f"{path}:{lineno}: not a record written by dflash-flow regenerate (no 'id' and "
-                                 "'finish_reason'): choose another --out")
-            done[str(rec["id"])] = str(rec["finish_reason"])
-        good_end = end
-        pos = end
-    if good_end < len(data):
+    good_end = 0  # end of the last complete record
+    torn = False
+    with open(path, "rb") as f:  # streamed: an output of 800K long replies does not fit in memory
+        for lineno, line in enumerate(f, 1):
+            if torn:  # a damaged line followed by more: not a kill's tear
+                raise ValueError(f"{path}: damaged record at byte {good_end} that is not the last line")
+            try:
+                if not line.endswith(b"\n"):
+                    raise ValueError("no newline")  # a complete record always ends with "\n"
+                rec = json.loads(line) if line.strip() else None
+            except ValueError:
+                torn = True
+                continue
+            if rec is not None:
+                if not isinstance(rec, dict) or "id" not in rec or "finish_reason" not in rec:
+                    raise ValueError(f"{path}:{lineno}: not a record written by dflash-flow regenerate (no 'id' and "
+                                     "'finish_reason'): choose another --out")
+                done[str(rec["id"])] = str(rec["finish_reason"])
+            good_end += len(line)
+        size = f.tell()
+    if good_end < size:
         if not (repair and _ours(path, good_end)):
             raise ValueError(f"{path}: the last line (byte {good_end}) is not a complete record and regenerate was "
                              "not writing it; this file is left as it is: choose another --out, or fix or remove "
@@ -177,15 +173,13 @@ class OutputWriter:
     def _rewrite_without_errors(self, f):
         """The output without its ``finish_reason: "error"`` rows, written beside it and renamed over it
         (atomic), then locked again."""
-        keep = []
-        for line in self.out.read_bytes().splitlines(keepends=True):
-            if line.strip() and json.loads(line).get("finish_reason") == "error":
-                self.dropped += 1
-                continue
-            keep.append(line)
         tmp = self.out.with_name(self.out.name + ".tmp")
-        with open(tmp, "wb") as t:
-            t.write(b"".join(keep))
+        with open(self.out, "rb") as src, open(tmp, "wb") as t:
+            for line in src:  # streamed, like the scan
+                if line.strip() and json.loads(line).get("finish_reason") == "error":
+                    self.dropped += 1
+                    continue
+                t.write(line)
             t.flush()
             os.fsync(t.fileno())
         os.replace(tmp, self.out)
