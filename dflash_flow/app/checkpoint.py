@@ -449,7 +449,31 @@ def _check_manifest(path: Path, manifest: Any) -> dict[str, str]:
     return manifest
 
 
+def _out_of_range(value: Any, where: str, depth: int = 0) -> str | None:
+    """The first number under ``value`` that no checkpoint writes (NaN, infinity, an integer beyond 2**63),
+    named by its path (``data_position.total (1e+30)``); None if there is none."""
+    if isinstance(value, bool) or depth > 64:
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"'{where}' ({value})"
+    if isinstance(value, int) and abs(value) >= 2**63:
+        return f"'{where}' ({value:.3g})"
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = ((str(i), v) for i, v in enumerate(value))
+    else:
+        return None
+    for k, v in items:
+        found = _out_of_range(v, f"{where}.{k}", depth + 1)
+        if found:
+            return found
+    return None
+
+
 def _check_state(path: Path, state: Any) -> dict[str, Any]:
+    from dflash_flow.data.plan import MAX_POSITION, plan_state_problem
+
     def need(ok: bool, why: str) -> None:
         if not ok:
             raise _invalid(path, f"state.json: {why}")
@@ -460,10 +484,25 @@ def _check_state(path: Path, state: Any) -> dict[str, Any]:
         raise _invalid(path, f"checkpoint format {version!r} is not supported (this version reads {FORMAT_VERSION})")
     for key in ("step", "epoch"):
         need(key in state, f"has no '{key}'")
-        need(_is_int(state[key]) and state[key] >= 0, f"'{key}' must be a non-negative integer, got {state[key]!r:.80}")
+        v = state[key]
+        need(_is_int(v) and 0 <= v <= MAX_POSITION, f"'{key}' must be a non-negative integer, got {v!r:.80}"
+             + (" (beyond 2**53: no run is that long)" if _is_int(v) and v > MAX_POSITION else ""))
     for key in ("data_position", "extra", "data_files", "settings"):
         need(state.get(key) is None or isinstance(state[key], dict), f"'{key}' must be an object")
-    stage_states = state.get("stage_states") or {}
+    position = state.get("data_position") or {}
+    if position:
+        need(_is_int(position.get("epoch")) and 0 <= position["epoch"] <= MAX_POSITION,
+             f"'data_position.epoch' must be a non-negative integer, got {position.get('epoch')!r:.80}")
+        need(position.get("total") is None or (_is_int(position["total"]) and 0 <= position["total"] <= MAX_POSITION),
+             f"'data_position.total' must be a non-negative integer, got {position.get('total')!r:.80}")
+        if position.get("plan") is not None:
+            problem = plan_state_problem(position["plan"])
+            need(problem is None, f"'data_position.plan': {problem}")
+    for where, value in (("data_position", position), ("stage_states", state.get("stage_states"))):
+        bad = _out_of_range(value, where)
+        need(bad is None, f"{bad} is not a number a checkpoint holds")
+    need("stage_states" in state, "has no 'stage_states'")  # every writer records it ({} when there are none)
+    stage_states = state["stage_states"]
     need(isinstance(stage_states, dict), "'stage_states' must be an object")
     for name, reps in stage_states.items():
         need(isinstance(reps, list) and all(isinstance(r, dict) for r in reps),

@@ -54,16 +54,28 @@ def legacy_config_hash(graph) -> str:
 def build_resume_state(v: Validated, ckpt) -> dict[str, list[dict[str, Any]]]:
     """Per-stage resume states. Stages that plan data ahead of the trainer resume from the trainer's
     position (``resume_state_for``), not from how far they had run ahead when the checkpoint was taken."""
+    from dflash_flow.app.checkpoint import InvalidCheckpoint
+    from dflash_flow.core import Stage
+
     if ckpt is None:
         return {}
     out: dict[str, list[dict[str, Any]]] = {}
     for spec in v.graph.stages:
         cls = v.classes[spec.name]
-        state = cls.resume_state_for(ckpt.data_position) if ckpt.data_position else None
+        try:
+            state = cls.resume_state_for(ckpt.data_position) if ckpt.data_position else None
+        except (TypeError, ValueError, KeyError, IndexError, OverflowError) as exc:
+            raise InvalidCheckpoint(f"not a valid checkpoint: {ckpt.path}: state.json: 'data_position' does not give "
+                                    f"stage '{spec.name}' a state ({type(exc).__name__}: {exc})") from None
         if state is not None:
             out[spec.name] = [state] * spec.replicas
         elif spec.name in ckpt.stage_states:
             out[spec.name] = ckpt.stage_states[spec.name]
+        elif ckpt.stage_states and cls.affects_result and cls.get_state is not Stage.get_state:
+            # The checkpoint has the other stages' states but not this one's, which keeps a state (the
+            # trainer's step and weights): it would start over while the data continues from the checkpoint.
+            raise InvalidCheckpoint(f"not a valid checkpoint: {ckpt.path}: state.json has no state for stage "
+                                    f"'{spec.name}' ({spec.type})")
     return out
 
 
@@ -161,6 +173,18 @@ def _classify(exc: BaseException | None) -> Outcome:
     if is_user_input_error(exc):  # e.g. the disk filled up while the run's own files were written
         return Outcome("FAILED", EXIT_USER_ERROR, full, str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
     return Outcome("FAILED", EXIT_FAILED, full)
+
+
+def _blame_checkpoint(outcome: Outcome, exc: BaseException, path: Path) -> Outcome:
+    """A stage that could not continue from the resumed checkpoint's state (a ``SavedStateError`` raised
+    while restoring it: a crafted or damaged ``state.json``) says so as the loader does, naming the file."""
+    from dflash_flow.core import StageError
+    from dflash_flow.core.errors import SavedStateError
+
+    if not (isinstance(exc, StageError) and isinstance(exc.original, SavedStateError)):
+        return outcome
+    line = f"not a valid checkpoint: {path}: stage '{exc.stage}' replica {exc.replica}: {exc.original}"
+    return attrs.evolve(outcome, shown=line)
 
 
 class DeferredSignals:
@@ -327,6 +351,10 @@ def _prepare(v: Validated, dist_ctx, output_dir: Path, resume: str | None):
             change = ckpt.data_change(checkpointer.data_files)
             if change:
                 raise UserError(change)
+            try:
+                build_resume_state(v, ckpt)  # every stage's state can be derived from it (built again later)
+            except CheckpointError as exc:
+                raise UserError(str(exc)) from None
             if ckpt.run_uid:
                 checkpointer.run_uid = ckpt.run_uid  # the resumed run prunes the checkpoints of its lineage
         if main:
@@ -443,6 +471,8 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
             pipeline.run()
         except BaseException as exc:
             outcome = _outcome(exc)
+            if ckpt is not None:
+                outcome = _blame_checkpoint(outcome, exc, ckpt.path)
             if not isinstance(exc, Exception) and not isinstance(exc, KeyboardInterrupt):
                 raise
         finally:

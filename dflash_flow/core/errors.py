@@ -53,6 +53,11 @@ class StateVersionError(DflashFlowError, ValueError):
     """A saved stage state that this stage cannot load: another ``state_version``, or not a state at all."""
 
 
+class SavedStateError(CheckpointError):
+    """A saved stage state (a resumed checkpoint's) that does not have the shape the stage writes, or that
+    cannot continue the run rebuilt from this data and config: the checkpoint's fault, not the stage's."""
+
+
 class StageError(DflashFlowError):
     """A stage replica raised. The original exception is chained as ``__cause__``."""
 

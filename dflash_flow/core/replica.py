@@ -12,7 +12,7 @@ from collections.abc import Generator, Iterator
 from typing import Any, Protocol
 
 from .channel import END_OF_STREAM, Channel, ChannelCancelled, ErrorItem
-from .errors import StopRequested
+from .errors import DflashFlowError, SavedStateError, StopRequested
 from .routing import Router
 from .snapshot import ReplicaSnapshot, ReplicaState
 from .stage import Source, Stage, StageContext
@@ -122,7 +122,14 @@ def main(rep: Replica, sup: Supervisor) -> None:
                     ch.close()
             return
         if rep.resume_state is not None:
-            rep.stage.load_state_dict(rep.resume_state)
+            try:
+                rep.stage.load_state_dict(rep.resume_state)
+            except DflashFlowError:
+                raise
+            except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as exc:
+                # A saved state that does not have the shape the stage writes (a crafted or damaged file):
+                # the checkpoint's fault, said in one line, not a crash of the stage.
+                raise SavedStateError(f"its saved state cannot be restored ({type(exc).__name__}: {exc})") from exc
         rep.state_loaded = True
         phase = "produce" if rep.input is None else "process"
         if rep.input is None:

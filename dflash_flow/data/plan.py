@@ -522,6 +522,35 @@ class EpochPlan:
         return pos
 
 
+MAX_POSITION = 2**53  # no real plan holds more batches (or epochs, or ranks) than this
+
+
+def plan_state_problem(state: object) -> str | None:
+    """What is wrong with the shape of an ``EpochPlan.state_dict`` read back from a file (None: nothing):
+    the types and ranges ``resume_plan`` relies on, checked before anything is rebuilt from it. Whether it
+    fits the rebuilt plan (its fingerprint) is ``check_state``'s question."""
+    def count(v: object, lo: int = 0) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= MAX_POSITION
+
+    if not isinstance(state, dict):
+        return f"must be an object, got {type(state).__name__}"
+    if state.get("version") != 2:
+        return f"plan state version {state.get('version')!r:.40} is not supported (2 is)"
+    if not count(state.get("epoch")):
+        return f"'epoch' must be a non-negative integer, got {state.get('epoch')!r:.40}"
+    chain = state.get("chain")
+    if chain is not None:
+        if not isinstance(chain, list) or not chain:
+            return f"'chain' must be a non-empty list of [ranks, position] pairs, got {chain!r:.60}"
+        for seg in chain:
+            if not (isinstance(seg, list) and len(seg) == 2 and count(seg[0], 1) and count(seg[1])):
+                return f"'chain' must hold [ranks >= 1, position >= 0] pairs of integers, got {seg!r:.60}"
+    fp = state.get("fingerprint")
+    if fp is not None and not isinstance(fp, str):
+        return f"'fingerprint' must be a string, got {type(fp).__name__}"
+    return None
+
+
 def resume_plan(base: EpochPlan, state: dict, world_size: int) -> tuple[EpochPlan, int]:
     """The plan to continue an epoch with ``world_size`` ranks, and the global position to start from.
 

@@ -8,6 +8,7 @@ from typing import Any, Literal
 import attrs
 
 from dflash_flow.core import Stage, StageContext, cfg
+from dflash_flow.core.errors import SavedStateError
 from dflash_flow.data.plan import plan_field
 from dflash_flow.items import EpochBatches, PlannedBatch, RunPlan
 
@@ -59,8 +60,13 @@ class Interleaver(Stage):
         if state is not None and item.epoch == state["epoch"] and state.get("plan"):
             # Rebuilt from the same data, config and seed (the fingerprint is checked), re-dealt if the
             # number of ranks changed.
-            base = self._order(order_packed, item, world_size=int(state["plan"]["chain"][0][0]))
-            return resume_plan(base, state["plan"], world)
+            try:
+                base = self._order(order_packed, item, world_size=int(state["plan"]["chain"][0][0]))
+                return resume_plan(base, state["plan"], world)
+            except (TypeError, ValueError, KeyError, IndexError) as exc:
+                # The checkpoint's data position does not fit the plan rebuilt from this data and config.
+                raise SavedStateError(f"the checkpoint's data position cannot continue this run's plan of epoch "
+                                      f"{item.epoch}: {exc}") from exc
         return self._order(order_packed, item, world_size=world), 0
 
     def _order(self, order_packed, item: EpochBatches, *, world_size: int):

@@ -239,6 +239,82 @@ def test_bad_environments_get_one_line_and_exit_2(tmp_path, mounts):
     assert (tmp_path / "a_file").read_text() == "not a directory\n"
 
 
+# -- a crafted state.json -------------------------------------------------------------------------------
+def _crafted(src: Path, root: Path, name: str, edit) -> Path:
+    """A copy of checkpoint ``src`` whose state.json is ``edit(state)`` (or the text ``edit``), with a
+    MANIFEST that agrees (an attacker rewrites both): only the state's content is wrong."""
+    import shutil
+
+    from dflash_flow.util import sha256_file
+
+    d = root / name / src.name
+    shutil.copytree(src, d)
+    if isinstance(edit, str):
+        text = edit
+    else:
+        state = json.loads((src / "state.json").read_text())
+        edit(state)
+        text = json.dumps(state)
+    (d / "state.json").write_text(text)
+    manifest = json.loads((d / "MANIFEST.json").read_text())
+    manifest["state.json"] = sha256_file(d / "state.json")
+    (d / "MANIFEST.json").write_text(json.dumps(manifest))
+    return d
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_crafted_state_json_is_not_a_valid_checkpoint_for_run_resume_and_export(tmp_path):
+    """A real run's checkpoint with its state.json rewritten (wrong types, missing keys, huge numbers, NaN,
+    not JSON, states that do not fit the rebuilt plan): `run --resume` and `export` say "not a valid
+    checkpoint: PATH: what" in one line, exit 2 (old main: tracebacks, one escaping the CLI, or a run
+    resumed from a position that does not exist)."""
+    doc = train_pipeline(tmp_path, data=write_tokenized(tmp_path / "tok.jsonl", 16, seed=3), output_dir=tmp_path / "run",
+                         every_steps=2, epochs=1, tracking=False)
+    path = write_yaml(tmp_path / "p.yaml", doc)
+    res = cli(["run", path], cwd=tmp_path, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    src = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))[0]
+
+    def put(where: str, value):
+        def edit(state):
+            *head, last = where.split("/")
+            node = state
+            for k in head:
+                node = node[int(k)] if isinstance(node, list) else node[k]
+            if value is KeyError:
+                del node[last]
+            else:
+                node[last] = value
+        return edit
+
+    crafted = {  # name: (edit, what the message says, also through `export`)
+        "not_json": ("{not json", "state.json is not valid JSON", True),
+        "step_huge": (put("step", 10**30), "'step' must be a non-negative integer", True),
+        "no_epoch": (put("epoch", KeyError), "state.json: has no 'epoch'", True),
+        "position_epoch_str": (put("data_position/epoch", "zero"), "'data_position.epoch' must be a non-negative integer", True),
+        "position_total_nan": (put("data_position/total", float("nan")), "'data_position.total' must be", True),
+        "position_plan_list": (put("data_position/plan", [1, 2]), "'data_position.plan': must be an object", True),
+        "position_chain_str": (put("data_position/plan/chain", "x"), "'chain' must be a non-empty list", True),
+        "stage_states_null": (put("stage_states", None), "'stage_states' must be an object", True),
+        "trainer_state_missing": (put("stage_states/drafter", KeyError), "state.json has no state for stage 'drafter'", False),
+        "trainer_step_str": (put("stage_states/drafter/0/trainer/step", "x"),
+                             "stage 'drafter' replica 0: its saved state cannot be restored (ValueError", False),
+        "plan_fingerprint": (put("data_position/plan/fingerprint", "00" * 16),
+                             "stage 'interleaver' replica 0: the checkpoint's data position cannot continue", False),
+    }
+    cases = []
+    for name, (edit, what, export) in crafted.items():
+        ck = _crafted(src, tmp_path / "crafted", name, edit)
+        expected = [f"error: not a valid checkpoint: {ck}: ", what]
+        cases.append((f"run --resume {name}", ["run", path, "--resume", ck, "--set", f"output_dir={tmp_path / 'res' / name}"],
+                      2, expected))
+        if export:
+            cases.append((f"export {name}", ["export", ck, tmp_path / "exp" / name], 2, expected))
+    failures = run_batch(tmp_path, cases)
+    assert not failures, "\n".join(failures)
+
+
 # -- a disk that fills up mid-run -------------------------------------------------------------------------
 def _fill(directory: Path, leave: int) -> Path:
     """Take the whole filesystem of ``directory`` with one file (the run keeps writing meanwhile), then give
