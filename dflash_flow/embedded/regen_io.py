@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 JOURNAL_SUFFIX = ".regen-journal"
@@ -135,8 +137,10 @@ class OutputWriter:
     wrote) -- or, with ``resume=False``, starts a new file -- and writes the journal.
     """
 
-    def __init__(self, out: str | Path, *, resume: bool = True, drop_errors: bool = False):
+    def __init__(self, out: str | Path, *, resume: bool = True, drop_errors: bool = False,
+                 wait: Callable[[], None] | None = None):
         self.out = Path(out)
+        self.wait = wait  # called every 0.5 s while another process holds the lock; None: refuse at once
         self.resume = resume
         self.drop_errors = drop_errors
         self.dropped = 0  # error rows dropped (drop_errors) so that they are generated again
@@ -153,7 +157,7 @@ class OutputWriter:
             journal_path(self.out).unlink(missing_ok=True)
         f = open(self.out, "ab")
         try:
-            _lock(f, self.out)
+            _lock(f, self.out, self.wait)
             self.done = scan_output(self.out)
             if self.drop_errors and "error" in self.done.values():
                 f = self._rewrite_without_errors(f)
@@ -214,13 +218,48 @@ class OutputWriter:
             f.close()
 
 
-def _lock(f, out: Path) -> None:
+def _lock(f, out: Path, wait: Callable[[], None] | None = None) -> None:
     try:
         import fcntl
     except ImportError:  # not POSIX: no lock
         return
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise ValueError(f"{out} is being written by another dflash-flow regenerate; wait for it to finish or "
-                         "choose another --out") from None
+    while True:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if wait is None:
+                break
+        wait()
+        time.sleep(0.5)
+    raise ValueError(f"{out} is being written by another dflash-flow regenerate; wait for it to finish or "
+                     "choose another --out")
+
+
+def write_in_input_order(prompts: str | Path, work: str | Path, final: str | Path) -> int:
+    """``final``: the records of ``work`` (a regeneration's output, in completion order) in the order of the
+    prompts, written beside it and renamed over it (atomic). Every node that regenerates the same prompts
+    the same way then reads the same file, whatever the servers' timing. Streams ``work`` twice (an index of
+    offsets, then the copy); returns the number of records."""
+    offsets: dict[str, int] = {}
+    with open(work, "rb") as f:
+        pos = 0
+        for line in f:
+            if line.strip():
+                offsets[str(json.loads(line)["id"])] = pos
+            pos += len(line)
+    final = Path(final)
+    tmp = final.with_name(final.name + ".tmp")
+    n = 0
+    with open(work, "rb") as src, open(tmp, "wb") as out:
+        for rid, _rec in read_prompts(prompts):
+            at = offsets.get(str(rid))
+            if at is None:
+                raise ValueError(f"{work}: no record for id {rid!r} of {prompts}; regenerate it first")
+            src.seek(at)
+            out.write(src.readline())
+            n += 1
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, final)
+    return n

@@ -48,7 +48,7 @@ from urllib.parse import urlsplit
 
 from dflash_flow.data.chat import prompt_turns
 
-from .regen_io import OutputWriter, check_output_is_not_input, read_prompts
+from .regen_io import OutputWriter, check_output_is_not_input, read_prompts, write_in_input_order
 
 __all__ = ["AllServersDown", "ServedStats", "ServerPool", "backoff_delay", "regenerate_served", "sampling_params"]
 
@@ -401,7 +401,8 @@ def discover_model(pool: ServerPool, client: _Client, model: str | None, log: Ca
     return model
 
 
-def regenerate_served(prompts_jsonl: str | Path, servers: list[str], out_jsonl: str | Path, *,
+def regenerate_served(prompts_jsonl: str | Path, servers: list[str], out_jsonl: str | Path | None = None, *,
+                      out: str | Path | None = None, ordered_out: str | Path | None = None,
                       max_new_tokens: int = 512, concurrency: int = 32, model: str | None = None,
                       sampling: str = "greedy", target: str | Path | None = None, enable_thinking: bool | None = None,
                       seed: int = 0, timeout_s: float = 900.0, max_attempts: int = 5, backoff_s: float = 1.0,
@@ -409,15 +410,23 @@ def regenerate_served(prompts_jsonl: str | Path, servers: list[str], out_jsonl: 
                       max_trials: int = 5, resume: bool = True, retry_errors: bool = False,
                       system_prompt: str | None = None, limit: int | None = None,
                       progress: ProgressFn | None = None, log: Callable[[str], None] | None = None,
-                      check_stop: Callable[[], None] | None = None) -> ServedStats:
+                      check_stop: Callable[[], None] | None = None,
+                      wait: Callable[[], None] | None = None) -> ServedStats:
     """Write the servers' replies to the prompts of ``prompts_jsonl`` into ``out_jsonl`` (see the module
     docstring). ``concurrency`` is the number of requests in flight per server. Raises AllServersDown when
     every server is gone (the output holds every row finished; the same call continues), ValueError for a
-    bad argument or input."""
+    bad argument or input. ``ordered_out``: also write the records in input order there once all are
+    written (what a pipeline's source reads: the same file on every node). ``wait``: called while another process writes ``out_jsonl`` (then this call waits
+    for it and continues with what it left); None: refused at once."""
     if max_new_tokens < 1 or concurrency < 1 or max_attempts < 1 or timeout_s <= 0:
         raise ValueError("max_new_tokens, concurrency and max_attempts must be >= 1 and the timeout > 0")
+    out_jsonl = out_jsonl if out_jsonl is not None else out
+    if out_jsonl is None:
+        raise ValueError("regenerate_served needs an output path")
     t0 = time.perf_counter()
     log = log or (lambda _m: None)
+    if ordered_out is not None:
+        check_output_is_not_input(prompts_jsonl, ordered_out)
     sampling_fields = sampling_params(sampling, target)
     check_output_is_not_input(prompts_jsonl, out_jsonl)
     records = read_prompts(prompts_jsonl)
@@ -428,7 +437,7 @@ def regenerate_served(prompts_jsonl: str | Path, servers: list[str], out_jsonl: 
                       max_trials=max_trials, log=log)
     client = _Client(timeout_s)
     stats = ServedStats(total=len(records))
-    with OutputWriter(out_jsonl, resume=resume, drop_errors=retry_errors) as writer:
+    with OutputWriter(out_jsonl, resume=resume, drop_errors=retry_errors, wait=wait) as writer:
         stats.dropped_errors = writer.dropped
         todo = [(rid, turns) for rid, turns in jobs if str(rid) not in writer.done]
         stats.skipped = len(records) - len(todo)
@@ -443,6 +452,8 @@ def regenerate_served(prompts_jsonl: str | Path, servers: list[str], out_jsonl: 
                      concurrency * len(servers), progress, check_stop)
             finally:
                 stats.servers = pool.report()
+        if ordered_out is not None and (stats.generated or stats.dropped_errors or not Path(ordered_out).exists()):
+            write_in_input_order(prompts_jsonl, out_jsonl, ordered_out)  # under the lock: one writer
     stats.seconds = time.perf_counter() - t0
     return stats
 

@@ -45,6 +45,37 @@ def _cache_dir(value: Optional[str]) -> Optional[Path]:
     return Path(value).expanduser()
 
 
+_REGENERATE_KEYS = {"servers", "out_dir", "max_new_tokens", "concurrency", "sampling", "target", "thinking",
+                    "timeout_s", "max_attempts", "served_model", "seed", "system_prompt"}
+
+
+def _regenerate_ok(inst, _attr, value) -> None:
+    """ChatSource's ``regenerate``: known keys, at least one server, an out_dir outside the inputs' names."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise ValueError("'regenerate' is a mapping: {servers: [URL, ...], out_dir: DIR, ...}")
+    unknown = sorted(set(value) - _REGENERATE_KEYS)
+    if unknown:
+        raise ValueError(f"'regenerate' has unknown keys {unknown}; known: {sorted(_REGENERATE_KEYS)}")
+    servers = value.get("servers")
+    if not isinstance(servers, list) or not servers or not all(isinstance(u, str) for u in servers):
+        raise ValueError("'regenerate.servers' must be a non-empty list of server URLs (e.g. http://host:8000)")
+    if not isinstance(value.get("out_dir"), str) or not value["out_dir"]:
+        raise ValueError("'regenerate.out_dir' must name the directory the regenerated replies are written to")
+    names = [Path(p).name for p in inst.paths]
+    if len(set(names)) != len(names):
+        raise ValueError("with 'regenerate', the inputs need distinct file names (each is answered into "
+                         "out_dir/<name>)")
+    out_dir = Path(value["out_dir"]).expanduser().resolve()
+    for p in inst.paths:
+        if not str(p).endswith(".jsonl"):
+            raise ValueError(f"'regenerate' reads JSONL prompts; {p} is not a .jsonl file")
+        if Path(p).expanduser().resolve().parent == out_dir:
+            raise ValueError(f"'regenerate.out_dir' {value['out_dir']} holds the input {p}: the answers would be "
+                             "written over it; choose another out_dir")
+
+
 @attrs.define(kw_only=True, eq=False)
 class _RecordSource(Source):
     output_type = SampleTable
@@ -207,6 +238,16 @@ class ChatSource(_RecordSource):
         factory=dict, doc="Extra template variables, e.g. {enable_thinking: false}; must match serving."
     )
 
+    regenerate: Optional[dict[str, Any]] = attrs.field(
+        default=None, validator=_regenerate_ok, kw_only=True,
+        metadata={"config": True, "doc": "Regenerate the replies through OpenAI-compatible servers before reading "
+                  "(on first use; later runs find them written): {servers: [URL, ...], out_dir: DIR, and optionally "
+                  "max_new_tokens, concurrency, sampling (greedy|target), target, thinking, timeout_s, "
+                  "max_attempts, served_model, seed, system_prompt}. Each input P (JSONL) is answered into "
+                  "OUT_DIR/<name of P>.regen.jsonl and read, in P's order, from OUT_DIR/<name of P>; thinking "
+                  "defaults to template_kwargs.enable_thinking."},
+    )
+
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
         if self.tokenizer:
@@ -217,6 +258,47 @@ class ChatSource(_RecordSource):
             self._tokenizer = services_of(ctx).tokenizer
         else:
             raise ValueError(f"stage '{ctx.name}': set 'tokenizer' or provide the run service 'tokenizer'")
+        self._regenerated = self._regenerate_inputs(ctx) if self.regenerate else {}
+
+    def _regenerate_inputs(self, ctx: StageContext) -> dict[str, str]:
+        """Each input answered by the servers (resumed), as a file in input order: {input: file to read}."""
+        from dflash_flow.embedded.served import regenerate_served
+
+        r = dict(self.regenerate)
+        out_dir = Path(r.pop("out_dir")).expanduser()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if "thinking" not in r and "enable_thinking" in self.template_kwargs:
+            r["thinking"] = bool(self.template_kwargs["enable_thinking"])  # the data must match serving
+        kw = {"servers": r.pop("servers"), "enable_thinking": r.pop("thinking", None), **r}
+        out: dict[str, str] = {}
+        for path in self.paths:
+            name = Path(path).name
+            final, work = out_dir / name, out_dir / f"{name}.regen.jsonl"
+            grew = [-1]
+
+            def waiting(work=work, path=path, grew=grew) -> None:  # another process (rank) regenerates it: its progress
+                size = work.stat().st_size if work.exists() else 0
+                if size != grew[0]:
+                    grew[0] = size
+                    ctx.heartbeat()
+                ctx.busy_with = f"waiting for another process regenerating {path}"
+
+            def progress(done: int, total: int, _tokens: int, path=path) -> None:
+                ctx.heartbeat()  # regeneration takes hours: progress, not a stall
+                if done == total or done % 1000 == 0:
+                    log.info("%s: regenerated %d/%d replies of %s", ctx.name, done, total, path)
+
+            ctx.busy_with = f"regenerating {path} through {len(kw['servers'])} server(s)"
+            try:
+                stats = regenerate_served(Path(path).expanduser(), out=work, ordered_out=final, progress=progress,
+                                          log=lambda m: log.warning("%s: %s", ctx.name, m), check_stop=ctx.check_stop,
+                                          wait=waiting, **kw)
+            finally:
+                ctx.busy_with = ""
+            log.info("%s: %s: %d replies (%d now: %s), read from %s", ctx.name, path, stats.total, stats.generated,
+                     dict(stats.reasons), final)
+            out[path] = str(final)
+        return out
 
     def input_paths(self) -> list[tuple[str, str, str]]:
         from dflash_flow.util import local_dirs
@@ -232,6 +314,7 @@ class ChatSource(_RecordSource):
     def _read(self, path: str, options, **hooks):
         from dflash_flow.data.records import read_records
 
+        path = getattr(self, "_regenerated", {}).get(path, path)
         return read_records(path, tokenizer=self._tokenizer, options=options, kind="chat", **hooks)
 
 

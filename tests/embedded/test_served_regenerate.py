@@ -359,3 +359,78 @@ def test_pool_health_threshold_cooldown_trials_and_removal():
         pool.acquire(set(), stop)
     with pytest.raises(ValueError, match="not an http"):
         ServerPool(["ftp://x"])
+
+
+def test_a_chat_source_regenerates_through_servers_on_first_use(tmp_path, servers, target_dir):
+    """ChatSource(regenerate={servers, out_dir}) in a real pipeline: the first run has the servers answer
+    every prompt (one of them dies after 3) and trains on the replies, read in input order; the second run
+    finds them written and sends no request."""
+    from dflash_flow.core import Graph, Pipeline, RuntimeOptions
+    from dflash_flow.stages.sources import ChatSource
+
+    dying, good = servers("die-after:3"), servers()
+    users = _prompts(tmp_path / "prompts.jsonl", 12, {4: "[POISON]"})
+    regen = {"servers": [dying.url, good.url], "out_dir": str(tmp_path / "regen"), "max_new_tokens": 32,
+             "concurrency": 2, "max_attempts": 2, "timeout_s": 30}
+    for attempt in range(2):
+        g = Graph(name="regen", seed=1, runtime=RuntimeOptions(stall_timeout_s=600))
+        g.add("src", ChatSource(paths=[str(tmp_path / "prompts.jsonl")], tokenizer=str(target_dir),
+                                cache_dir=str(tmp_path / "cache"), regenerate=regen,
+                                template_kwargs={"enable_thinking": False}))
+        pipe = Pipeline(g, collect=["src"], check_devices=False, output_dir=tmp_path / f"r{attempt}")
+        [table] = list(pipe.iterate("src"))
+        assert len(table) == 11  # the poisoned row is an error row: a bad record, not a sample
+        metrics = pipe.snapshot().stages["src"].replicas[0].metrics
+        assert metrics["records"] == 12
+        final = [json.loads(x) for x in (tmp_path / "regen" / "prompts.jsonl").read_text().splitlines()]
+        assert [r["id"] for r in final] == [f"p{i}" for i in range(12)]  # input order, whatever the timing
+        assert final[4]["finish_reason"] == "error"
+        assert all(r["conversations"][-1] == {"role": "assistant", "content": f"reply to: {users[i]}"}
+                   for i, r in enumerate(final) if i != 4)
+        if attempt == 0:
+            sent = len(dying.requests()) + len(good.requests())
+            assert all(r["payload"]["chat_template_kwargs"] == {"enable_thinking": False}
+                       for r in good.requests())
+    assert len(dying.requests()) + len(good.requests()) == sent  # the second run sent nothing
+    assert (tmp_path / "prompts.jsonl").read_text().count("old") == 12  # the input is untouched
+
+
+def test_chat_source_regenerate_config_is_checked(tmp_path):
+    from dflash_flow.stages.sources import ChatSource
+
+    p = str(tmp_path / "a.jsonl")
+    for bad, match in [({"out_dir": "x"}, "servers"), ({"servers": ["http://h:1"]}, "out_dir"),
+                       ({"servers": ["http://h:1"], "out_dir": "x", "tempreature": 0}, "unknown keys"),
+                       ({"servers": ["http://h:1"], "out_dir": str(tmp_path)}, "holds the input")]:
+        with pytest.raises(ValueError, match=match):
+            ChatSource(paths=[p], regenerate=bad)
+    with pytest.raises(ValueError, match="not a .jsonl"):
+        ChatSource(paths=[str(tmp_path / "a.parquet")], regenerate={"servers": ["http://h:1"], "out_dir": "x"})
+
+
+def test_a_second_process_waits_for_the_writer_and_then_finds_its_rows(tmp_path, servers):
+    """Two ranks of a node regenerate into one out_dir: the second waits on the first's lock (its wait
+    callback is told), then continues from what the first wrote."""
+    from dflash_flow.embedded.regen_io import OutputWriter
+
+    a = servers()
+    _prompts(tmp_path / "p.jsonl", 5)
+    out = tmp_path / "o.jsonl"
+    first = regenerate_served(tmp_path / "p.jsonl", [a.url], out, limit=3, **FAST)
+    assert first.generated == 3
+    holder = OutputWriter(out).__enter__()  # "another process" is writing
+    calls = []
+
+    def wait() -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            holder.__exit__(None, None, None)
+
+    with pytest.raises(ValueError, match="being written by another"):
+        regenerate_served(tmp_path / "p.jsonl", [a.url], out, **FAST)  # no wait: refused at once
+    stats = regenerate_served(tmp_path / "p.jsonl", [a.url], out, wait=wait, ordered_out=tmp_path / "final.jsonl",
+                              **FAST)
+    assert len(calls) == 2 and (stats.skipped, stats.generated) == (3, 2)
+    assert [json.loads(x)["id"] for x in (tmp_path / "final.jsonl").read_text().splitlines()] == \
+        [f"p{i}" for i in range(5)]
+    assert len(a.requests()) == 5
