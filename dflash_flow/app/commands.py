@@ -39,12 +39,13 @@ def export_checkpoint(checkpoint: Path, out: Path, target: str | None = None) ->
     layout inference engines load (config.json + model.safetensors with the drafter weights only), checked
     against the serving contract; prints the commands that serve it with vLLM and SGLang. Never writes into
     the checkpoint, inside the input, or over a directory holding anything but an earlier export."""
+    # torch and transformers (seconds to import) only once the checkpoint and the destination checked out:
+    # a mistaken command (no checkpoint there, an output that is an input) fails at once.
     from dflash_flow.app.checkpoint import LATEST, Checkpointer, CheckpointError, load_checkpoint
-    from dflash_flow.model.export import check_destination, load_drafter, save_drafter
-    from dflash_flow.model.export_contract import format_serve_commands, serve_commands
+    from dflash_flow.model.export_contract import check_destination, format_serve_commands, serve_commands
 
     try:
-        check_destination(out, (checkpoint,))  # before anything slow: a mistaken command fails at once
+        check_destination(out, (checkpoint,))
         path = Checkpointer(checkpoint).resolve(checkpoint)
         inputs = (checkpoint, path)
         if (path.parent / LATEST).is_file():  # and the checkpoints directory it lies in
@@ -53,6 +54,8 @@ def export_checkpoint(checkpoint: Path, out: Path, target: str | None = None) ->
         load_checkpoint(path)  # verifies every checksum before anything is read
         if not (path / "config.json").is_file():
             raise CheckpointError(f"{path}: no config.json (written by an older version?)")
+        from dflash_flow.model.export import load_drafter, save_drafter
+
         drafter = load_drafter(path)
         save_drafter(drafter, out, inputs=inputs)
     except (CheckpointError, OSError) as exc:  # OSError: OUT cannot be written (read-only, full, a file)

@@ -254,3 +254,60 @@ def serve_commands(drafter: str | os.PathLike, target: str | os.PathLike | None 
 def format_serve_commands(commands: dict[str, str]) -> str:
     names = {"vllm": "vLLM", "sglang": "SGLang"}
     return "\n".join(f"serve it with {names.get(k, k)}:\n  {v}" for k, v in commands.items())
+
+
+# -- where an export may go (torch-free: `dflash-flow export` checks it before loading anything) --------
+EXPORT_FILES = (CONFIG_NAME, WEIGHTS_NAME)
+
+
+def _is_ours(name: str) -> bool:
+    """An export's file, or the temporary file of an export cut short (``atomic_path``'s names)."""
+    return name in EXPORT_FILES or any(name.startswith(f".{f}.") and name.endswith(".tmp") for f in EXPORT_FILES)
+
+
+def check_destination(out: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] | list = ()) -> None:
+    """Refuse (CheckpointError) an export into ``out`` when that would destroy something: ``out`` is, or
+    lies inside, one of ``inputs`` (links followed: a checkpoint being exported, its checkpoints
+    directory), or ``out`` holds anything but an earlier drafter export (a training checkpoint, another
+    model, any other file). A missing or empty directory, or an earlier export, is fine."""
+    from dflash_flow.util import is_within
+
+    out = Path(out)
+    for src in inputs:
+        if is_within(out, src):
+            raise CheckpointError(
+                f"refusing to export into {out}: it is {'' if os.path.realpath(out) == os.path.realpath(src) else 'inside '}"
+                f"the input {src}; choose an output directory outside it"
+            )
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise CheckpointError(f"refusing to export into {out}: it is not a directory")
+    if not out.is_dir():
+        return
+    foreign = sorted(p.name for p in out.iterdir() if not _is_ours(p.name))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        kind = "a training checkpoint" if {"MANIFEST.json", "state.json"} & set(foreign) else "other files"
+        raise CheckpointError(
+            f"refusing to export into {out}: it holds {kind} ({shown}), not an earlier drafter export; "
+            "choose a new or empty directory"
+        )
+    config = out / CONFIG_NAME
+    weights = out / WEIGHTS_NAME
+    if weights.is_file() and not weights.is_symlink() and not config.is_file():  # a link is replaced: harmless
+        try:
+            drafterish = "fc.weight" in read_safetensors_header(weights)
+        except CheckpointError:
+            drafterish = False
+        if not drafterish:
+            raise CheckpointError(f"refusing to export into {out}: its {WEIGHTS_NAME} is not a drafter's (no "
+                                  "config.json beside it); choose a new or empty directory")
+    if config.is_file():
+        try:
+            archs = json.loads(config.read_text()).get("architectures")
+        except (OSError, ValueError, AttributeError):
+            archs = None
+        if not isinstance(archs, list) or not {DFLASH, DFLASH2} & set(archs):
+            raise CheckpointError(
+                f"refusing to export into {out}: its config.json is another model's (architectures {archs!r}), "
+                "not a drafter's; choose a new or empty directory"
+            )

@@ -264,3 +264,36 @@ def test_the_launcher_blames_the_first_real_fault_not_a_rank_that_lost_its_peer(
     assert summarize(refused, [0], 2) == "rank 0 failed: the ranks of this job disagree"
     assert summarize({0: {"rank": 0, "status": "RUNNING"}}, [0, 1], 1).startswith("rank 0 died without reporting")
     assert summarize({0: {"rank": 0, "status": "FINISHED", "code": 0}, 1: {"rank": 1, "status": "FINISHED", "code": 0}}, [0, 1], 0) is None
+
+
+def test_export_says_no_checkpoint_before_importing_torch(tmp_path):
+    """`dflash-flow export` with nothing to export answers before torch and transformers are imported
+    (they took 13-23 s on a busy machine to say "no checkpoint"): the checkpoint is resolved and checked,
+    the destination too, and only then are the model libraries loaded."""
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "ck" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "ck" / "checkpoints" / "step-00000002").mkdir()
+    probe = (
+        "import json, sys\n"
+        "from dflash_flow.cli import main\n"
+        "sys.argv = ['dflash-flow', 'export', *sys.argv[1:]]\n"
+        "try:\n    main()\nexcept SystemExit as exc:\n    code = exc.code\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'safetensors.torch') if m in sys.modules)\n"
+        "print(json.dumps({'code': code, 'heavy': heavy}))\n"
+    )
+    cases = [
+        ([tmp_path / "missing", tmp_path / "out"], "error: no checkpoint at " + str(tmp_path / "missing")),
+        ([tmp_path / "empty", tmp_path / "out"], "error: no checkpoint at " + str(tmp_path / "empty")),
+        ([tmp_path / "ck" / "checkpoints", tmp_path / "out"], "no checkpoint in " + str(tmp_path / "ck" / "checkpoints")),
+        ([tmp_path / "ck", tmp_path / "ck" / "x"], "refusing to export into " + str(tmp_path / "ck" / "x") + ": it is inside the input"),
+    ]
+    for args, message in cases:
+        proc = subprocess.run([sys.executable, "-c", probe, *map(str, args)], capture_output=True, text=True, timeout=120)
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert result["code"] == 2, proc.stderr
+        assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert result["heavy"] == [], (args, result)
