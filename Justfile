@@ -28,6 +28,13 @@ lint:
 bench *ARGS:
     {{python}} bench/run_all.py {{ARGS}}
 
+# Real-engine interop (not part of `test`): vLLM's CPU build, hash-pinned, in its own environment ($INTEROP_VENV,
+# default .venv-interop; first time ~5 min, 3.5 GB); trains a short drafter (or `--export DIR`), then vLLM's DFlash
+# speculative decoding of 16 held-out prompts against plain vLLM, transformers and ours, drafts step by step, and
+# both exports through vLLM's weight loaders. Writes bench/results/interop.json. ~8 min on 2 cores.
+interop *ARGS:
+    {{python}} interop/check.py {{ARGS}}
+
 # Train the embedded default drafter on CPU.
 run FILE="pipelines/dflash.yaml" *ARGS:
     dflash-flow run {{FILE}} {{ARGS}}

@@ -486,6 +486,7 @@ def spec_generate(
     stop_token_ids: Sequence[int] | None = None,
     sampling: Sampling | None = None,
     generator: torch.Generator | None = None,
+    trace: list[tuple[int, list[int]]] | None = None,
 ) -> SpecResult:
     """Speculative decoding of one prompt with a DFlash drafter (see the module docstring).
 
@@ -493,7 +494,9 @@ def spec_generate(
     (``drafter.block_size`` / ``config.dflash_config``); pass them to override. Greedy by default: the
     output is then identical to :func:`greedy_generate` (lossless) whatever the drafter proposes. With
     ``sampling`` at a temperature > 0 every random draw comes from ``generator`` (a generator on the
-    target's device; None: a fresh one seeded 0, so a call is reproducible by default).
+    target's device; None: a fresh one seeded 0, so a call is reproducible by default). ``trace``, when
+    given, gets one ``(start, drafts)`` per verify step: the position of the block's first token and the
+    drafts the target verified (what an engine's drafts are compared against, step by step).
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
@@ -563,6 +566,8 @@ def spec_generate(
                 draft_probs = sampling_probs(logits[0], sampling)
                 block[0, 1:] = sample_from(draft_probs, generator)
 
+        if trace is not None:
+            trace.append((start, block[0, 1:].tolist()))
         out = target(
             input_ids=block,
             position_ids=positions[:, start : start + verify],

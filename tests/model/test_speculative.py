@@ -403,3 +403,37 @@ def test_our_drafter_in_our_loop_equals_zlab_drafter_in_zlab_loop(target, wrong)
     plain_ref = zlab_generate(zl, target, ids, 18)
     assert plain.output_ids.tolist() == plain_ref.output_ids.tolist()
     assert plain.accept_lengths == plain_ref.acceptance_lengths
+
+
+# ------------------------------------------------------------------- the trace the interop check reads
+
+
+@pytest.mark.parametrize(
+    "block_size, max_new_tokens, wrong, stop_at",
+    [(4, 24, {10, 11, 17}, None), (8, 30, {9, 13, 14, 20, 28}, None), (8, 30, {11}, 5), (5, 21, set(range(0, 64, 3)), None)],
+)
+def test_trace_replayed_from_the_output_gives_our_steps(target, block_size, max_new_tokens, wrong, stop_at):
+    """``trace`` records each verify step's block start and drafts; the interop check's ``replay`` rebuilds
+    the same steps from the output and the drafts alone (what it knows of vLLM), an extra proposal for the
+    finished request (vLLM makes one) dropped."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "interop"))
+    from interoptools import load_interop
+
+    acc = load_interop("accounting")
+    ids = prompt(4)
+    n_in = ids.shape[1]
+    continuation = greedy_generate(target, ids, max_new_tokens).output_ids[0].tolist()
+    stops = [continuation[n_in + stop_at]] if stop_at is not None else None
+    trace: list = []
+    res = spec_generate(target, ScriptedDrafter(make_drafter(block_size, seed=1), continuation, wrong), ids,
+                        max_new_tokens=max_new_tokens, stop_token_ids=stops, trace=trace)
+    starts = [n_in + sum(res.accept_lengths[:i]) for i in range(len(res.accept_lengths))]
+    assert [s for s, _ in trace] == starts
+    assert all(len(d) == min(block_size, n_in + max_new_tokens - s) - 1 for s, d in trace)
+    steps = acc.replay(res.output_ids[0].tolist(), n_in, [d for _, d in trace] + [[MASK] * (block_size - 1)])
+    assert [s.committed for s in steps] == res.accept_lengths
+    assert acc.compare_drafts(trace, steps) == {"steps": len(trace), "equal": len(trace), "first_difference": None}
+    assert acc.tau(steps) == res.mean_accept_length
