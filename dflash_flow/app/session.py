@@ -91,6 +91,9 @@ def quiet_libraries() -> None:
         hf_logging.set_verbosity_warning()
     except ImportError:  # pragma: no cover
         pass
+    # mlflow sets its loggers' level from MLFLOW_LOGGING_LEVEL when it is imported (later than this, for
+    # the store's "Creating initial MLflow database tables..." lines): both, so neither order prints them.
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     logging.getLogger("mlflow").setLevel(logging.WARNING)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 import attrs
 
@@ -230,7 +230,12 @@ class ChatSource(_RecordSource):
 
         import dflash_flow.data.records  # noqa: F401
 
-    tokenizer: str = cfg("", doc="Tokenizer directory (AutoTokenizer); empty: the run service 'tokenizer'.")
+    # One home for the tokenizer: model.tokenizer, else the target's directory (model.target).
+    section_fields: ClassVar[dict[str, str]] = {"tokenizer": "model.tokenizer", "target": "model.target"}
+
+    tokenizer: str = cfg("", doc="Tokenizer directory (AutoTokenizer); empty: the target's directory, else the run service 'tokenizer'.")
+    target: str | dict[str, Any] | None = cfg(
+        None, doc="The target whose tokenizer renders the chats when tokenizer is empty (one home: model.target).")
     chat_template: Optional[str] = cfg(
         None, doc="Chat template text, or a path to a .jinja file; null: the tokenizer's own template."
     )
@@ -248,16 +253,30 @@ class ChatSource(_RecordSource):
                   "defaults to template_kwargs.enable_thinking."},
     )
 
+    def _tokenizer_dir(self) -> str | None:
+        """The directory the tokenizer loads from: ``tokenizer``, else a target that is a directory."""
+        if self.tokenizer:
+            return self.tokenizer
+        if isinstance(self.target, str) and self.target:
+            from dflash_flow.embedded import resolve_target
+
+            target = resolve_target(self.target)
+            if isinstance(target, str) and Path(target).expanduser().is_dir():
+                return target
+        return None
+
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
-        if self.tokenizer:
+        path = self._tokenizer_dir()
+        if path is not None:
             from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer)
+            self._tokenizer = AutoTokenizer.from_pretrained(path)
         elif services_of(ctx).tokenizer is not None:
             self._tokenizer = services_of(ctx).tokenizer
         else:
-            raise ValueError(f"stage '{ctx.name}': set 'tokenizer' or provide the run service 'tokenizer'")
+            raise ValueError(f"stage '{ctx.name}': no tokenizer to render the chats with: set model.target to a "
+                             "model directory, or model.tokenizer (or this stage's 'tokenizer')")
         self._regenerated = self._regenerate_inputs(ctx) if self.regenerate else {}
 
     def _regenerate_inputs(self, ctx: StageContext) -> dict[str, str]:
@@ -303,7 +322,7 @@ class ChatSource(_RecordSource):
     def input_paths(self) -> list[tuple[str, str, str]]:
         from dflash_flow.util import local_dirs
 
-        return local_dirs(("tokenizer", self.tokenizer))
+        return local_dirs(("tokenizer", self._tokenizer_dir()))
 
     def _extra_options(self) -> dict[str, Any]:
         template = self.chat_template
