@@ -105,6 +105,8 @@ class BatchMeta:
     last_of_run: bool = False  # the last batch the run plans (max_batches reached)
     plan_state: dict[str, Any] | None = None
     plan: RunPlan | None = None  # the run's plan (the same object for every batch of an epoch)
+    # The sample lengths its bucket holds, (shortest, longest): for the bucket mix's legend (None: a filler).
+    bucket_range: tuple[int, int] | None = None
 
     @property
     def ends_accumulation(self) -> bool:

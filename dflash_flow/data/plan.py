@@ -375,6 +375,7 @@ class EpochPlan:
     chain: tuple[tuple[int, int], ...] = ()
     interleave: tuple[int, float, float] = (3, 0.5, 3.0)  # max_run, repeat_penalty, evenness
     _fingerprint: str | None = attrs.field(default=None, init=False, repr=False)
+    _longest: int | None = attrs.field(default=None, init=False, repr=False)
 
     def __len__(self) -> int:
         return int(self.buckets.size)
@@ -387,6 +388,16 @@ class EpochPlan:
     def steps(self) -> int:
         """Global steps of this plan (every rank takes this many batches, fillers included)."""
         return -(-len(self) // self.world_size)
+
+    def bucket_range(self, bucket: int) -> tuple[int, int]:
+        """The sample lengths bucket ``bucket`` holds, ``(shortest, longest)``: above the previous boundary
+        up to its own (``assign_buckets``); the last bucket up to the longest sample of the plan."""
+        lo = int(self.boundaries[bucket - 1]) + 1 if bucket > 0 else 1
+        if bucket < self.boundaries.size:
+            return lo, max(lo, int(self.boundaries[bucket]))
+        if self._longest is None:
+            self._longest = int(self.lengths.max(initial=lo))
+        return lo, max(lo, self._longest)
 
     def batch(self, position: int) -> np.ndarray:
         """Sample positions of the batch at ``position``."""
@@ -402,10 +413,12 @@ class EpochPlan:
         idx = self.batch(position)
         lens = self.lengths[idx]
         padded_len = int(self.padded_lens[position])
+        bucket = int(self.buckets[position])
         return BatchMeta(
             epoch=self.epoch,
             index=position,
-            bucket=int(self.buckets[position]),
+            bucket=bucket,
+            bucket_range=self.bucket_range(bucket),
             lengths=lens.tolist(),
             real_tokens=int(lens.sum()),
             padded_tokens=padded_len * int(idx.size),

@@ -1,6 +1,11 @@
 """PNG plots of a run from its structured history (``observe.record.History``): loss, throughput, queue
 depths, bucket mix, stage load, held-out acceptance over steps and wall time.
 
+Read at a glance: noisy per-step curves (loss, throughput) are drawn smoothed with the raw values faint
+behind; the bucket mix covers the whole run (the trained steps' buckets) and names each bucket's length
+range; legends sit beside the axes, never over the data. ``<name>_figure(history)`` returns the
+matplotlib figure (None without data), ``plot_<name>(history, path)`` writes it.
+
 Series are read from the typed history (trainer columns, Monitor samples, evaluations), never picked
 out of metric names. A plot without data is skipped (its function returns None); NaN points are
 dropped. Window plots leave out the Monitor's closing whole-run sample, which is not a window.
@@ -84,13 +89,57 @@ def stage_load_series(history: History) -> Series:
 
 
 def bucket_mix(history: History) -> tuple[list[float], dict[str, list[float]]]:
-    """Per-window share of each bucket among the batches dispatched: ``(steps, {bucket: [share]})``.
-    Windows without a dispatch are left out, so the shares sum to 1 at every step shown."""
+    """Per-window share of each bucket among the batches the Interleaver dispatched: ``(steps, {bucket:
+    [share]})``. Windows without a dispatch are left out, so the shares sum to 1 at every step shown. The
+    plot prefers :func:`trained_bucket_mix` (the whole run); this is its fallback."""
     windows = [s for s in _windows(history) if any(b.share is not None for b in s.buckets.values())]
     names = sorted({b for s in windows for b in s.buckets}, key=_natural_key)
     steps = [float(s.step) for s in windows]
     shares = {b: [(s.buckets[b].share or 0.0) if b in s.buckets else 0.0 for s in windows] for b in names}
     return steps, shares
+
+
+def trained_bucket_mix(history: History, bins: int = 50) -> tuple[list[float], dict[int, list[float]]]:
+    """The share of each length bucket among the steps trained, over the whole run: the run's steps cut
+    into at most ``bins`` equal spans, ``(span starts, {bucket: [share per span]})`` (span ``i`` covers the
+    steps after its start up to the next one's); spans without a trained step are left out, so the shares
+    sum to 1 at every step shown."""
+    points = history.trained_buckets
+    if not points:
+        return [], {}
+    last = max(step for step, _ in points)
+    width = max(1, -(-last // bins))
+    counts: dict[int, dict[int, int]] = {}
+    for step, bucket in points:
+        span = counts.setdefault(max(0, step - 1) // width, {})
+        span[bucket] = span.get(bucket, 0) + 1
+    names = sorted({b for _, b in points})
+    order = sorted(counts)
+    starts = [float(i * width) for i in order]
+    shares = {b: [counts[i].get(b, 0) / sum(counts[i].values()) for i in order] for b in names}
+    return starts, shares
+
+
+def bucket_label(bucket: int, ranges: dict[int, tuple[int, int]]) -> str:
+    """``bucket 2: 129-256 tokens`` (the lengths it holds, when known)."""
+    r = ranges.get(bucket)
+    return f"bucket {bucket}: {r[0]}-{r[1]} tokens" if r is not None else f"bucket {bucket}"
+
+
+def smoothed(ys: Sequence[float], span: int | None = None) -> list[float]:
+    """An exponential moving average of ``ys``, bias-corrected at the start (it does not begin at 0), over
+    about ``span`` points (default: a twentieth of the series, at least 1: no smoothing for short runs)."""
+    n = len(ys)
+    span = max(1, n // 20) if span is None else max(1, int(span))
+    if span == 1:
+        return [float(y) for y in ys]
+    keep = 1.0 - 2.0 / (span + 1)
+    out, avg, weight = [], 0.0, 0.0
+    for y in ys:
+        avg = keep * avg + (1.0 - keep) * float(y)
+        weight = keep * weight + (1.0 - keep)
+        out.append(avg / weight)
+    return out
 
 
 # ----------------------------------------------------------------------------------------- drawing
@@ -107,6 +156,15 @@ def _figure(title: str):
     ax.set_xlabel("step")
     ax.grid(True, alpha=0.3)
     return fig, ax
+
+
+def _legend(ax, handles=None, *, fontsize: int = 8, ncol: int = 1, right: float = 1.02):
+    """The legend beside the axes, never over the data (``tight_layout`` makes room for it)."""
+    kwargs = {"loc": "upper left", "bbox_to_anchor": (right, 1.0), "borderaxespad": 0.0, "fontsize": fontsize,
+              "ncol": ncol, "frameon": False}
+    if handles is not None:
+        return ax.legend(handles, [h.get_label() for h in handles], **kwargs)
+    return ax.legend(**kwargs)
 
 
 def _save(fig, path: str | Path) -> Path:
@@ -145,20 +203,35 @@ def _lines(ax, series: Series, **style) -> list:
     return drawn
 
 
-def plot_loss(history: History, path: str | Path) -> Path | None:
+def _smoothed_line(ax, pts: Sequence[tuple[float, float]], name: str, color: str, **style) -> list:
+    """The raw values faint behind, their moving average in front (the one in the legend)."""
+    xs, ys = zip(*pts, strict=True)
+    smooth = smoothed(ys)
+    if smooth != list(ys):
+        ax.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8, label="_nolegend_")
+        name = f"{name} (smoothed)"
+    return ax.plot(xs, smooth, color=color, linewidth=1.5, label=name, **style)
+
+
+def loss_figure(history: History):
+    """The loss curves (smoothed, raw faint behind), or None without data."""
     series = loss_series(history)
     if not series:
         return None
     fig, ax = _figure("loss")
-    _lines(ax, series, linewidth=1.2)
+    for i, name in enumerate(sorted(series, key=_natural_key)):
+        pts = _finite_points(series[name])
+        if pts:
+            _smoothed_line(ax, pts, label(name), f"C{i % 10}")
     ys = [v for pts in series.values() for _, v in pts]
     if min(ys) > 0 and max(ys) / min(ys) > 30:
         ax.set_yscale("log")  # early losses dwarf the rest otherwise
-    ax.legend(loc="best", fontsize=8)
-    return _save(fig, path)
+    _legend(ax)
+    return fig
 
 
-def plot_throughput(history: History, path: str | Path) -> Path | None:
+def throughput_figure(history: History):
+    """Tokens/s and samples/s (smoothed, raw faint behind), or None without data."""
     series = throughput_series(history)
     if not series:
         return None
@@ -166,19 +239,17 @@ def plot_throughput(history: History, path: str | Path) -> Path | None:
     # Tokens/s and samples/s differ by about the mean length: separate y axes keep both readable.
     lines = []
     if "tokens_per_s" in series:
-        xs, ys = zip(*series["tokens_per_s"], strict=True)
-        lines += ax.plot(xs, ys, label="tokens/s", linewidth=1.2, color="C0")
+        lines += _smoothed_line(ax, series["tokens_per_s"], "tokens/s", "C0")
         ax.set_ylabel("tokens/s")
     if "samples_per_s" in series:
         target = ax.twinx() if lines else ax
-        xs, ys = zip(*series["samples_per_s"], strict=True)
-        lines += target.plot(xs, ys, label="samples/s", linewidth=1.2, linestyle="--", color="C1")
+        lines += _smoothed_line(target, series["samples_per_s"], "samples/s", "C1", linestyle="--")
         target.set_ylabel("samples/s")
-    ax.legend(lines, [ln.get_label() for ln in lines], loc="best", fontsize=8)
-    return _save(fig, path)
+    _legend(ax, lines, right=1.12 if len(lines) > 1 else 1.02)  # past the second y axis's labels
+    return fig
 
 
-def plot_queue_depths(history: History, path: str | Path) -> Path | None:
+def queue_depths_figure(history: History):
     series = queue_depth_series(history)
     if not series:
         return None
@@ -186,11 +257,11 @@ def plot_queue_depths(history: History, path: str | Path) -> Path | None:
     _lines(ax, series, linewidth=1.0, drawstyle="steps-post")
     ax.set_ylabel("items waiting")
     if len(series) <= 16:
-        ax.legend(loc="best", fontsize=7, ncol=2 if len(series) > 8 else 1)
-    return _save(fig, path)
+        _legend(ax, fontsize=7, ncol=2 if len(series) > 8 else 1)
+    return fig
 
 
-def plot_stage_load(history: History, path: str | Path) -> Path | None:
+def stage_load_figure(history: History):
     series = stage_load_series(history)
     if not series:
         return None
@@ -199,20 +270,52 @@ def plot_stage_load(history: History, path: str | Path) -> Path | None:
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("busy")
     if len(series) <= 16:
-        ax.legend(loc="best", fontsize=7, ncol=2 if len(series) > 8 else 1)
-    return _save(fig, path)
+        _legend(ax, fontsize=7, ncol=2 if len(series) > 8 else 1)
+    return fig
 
 
-def plot_bucket_mix(history: History, path: str | Path) -> Path | None:
-    steps, shares = bucket_mix(history)
-    if not steps:
-        return None
-    fig, ax = _figure("bucket mix (share of dispatches per window)")
-    ax.stackplot(steps, *shares.values(), labels=[label(f"bucket {b}") for b in shares], alpha=0.85)
+def bucket_mix_figure(history: History):
+    """The bucket mix of the trained steps over the whole run, each bucket's length range in the legend;
+    without trained steps, the Interleaver's dispatch windows. None without data."""
+    steps, shares = trained_bucket_mix(history)
+    if steps:
+        labels = [bucket_label(b, history.bucket_ranges) for b in shares]
+        title = "bucket mix (share of the steps trained)"
+        # Each span's shares hold until the next span; the last one until the run's last step.
+        end = float(max(step for step, _ in history.trained_buckets))
+        steps = [*steps, max(end, steps[-1])]
+        shares = {b: [*v, v[-1]] for b, v in shares.items()}
+    else:
+        steps, named = bucket_mix(history)
+        if not steps:
+            return None
+        shares = named  # type: ignore[assignment]
+        labels = [label(f"bucket {b}") for b in named]
+        title = "bucket mix (share of dispatches per window)"
+    fig, ax = _figure(title)
+    ax.stackplot(steps, *shares.values(), labels=labels, alpha=0.85, step="post")
+    last = max([*steps, *(float(s) for s in history.train.steps)])
+    ax.set_xlim(0, max(last, 1.0))  # the whole run, not only the part a window saw
     ax.set_ylim(0, 1)
     ax.set_ylabel("share")
-    ax.legend(loc="upper left", fontsize=7, ncol=2 if len(shares) > 6 else 1)
-    return _save(fig, path)
+    _legend(ax, fontsize=7, ncol=2 if len(shares) > 12 else 1)
+    return fig
+
+
+def _plot(draw):
+    def plot(history: History, path: str | Path) -> Path | None:
+        fig = draw(history)
+        return None if fig is None else _save(fig, path)
+
+    plot.__doc__ = f"Draw ``{draw.__name__}`` into the PNG ``path`` (None: nothing to draw)."
+    return plot
+
+
+plot_loss = _plot(loss_figure)
+plot_throughput = _plot(throughput_figure)
+plot_queue_depths = _plot(queue_depths_figure)
+plot_stage_load = _plot(stage_load_figure)
+plot_bucket_mix = _plot(bucket_mix_figure)
 
 
 def plot_heldout(history: History, path: str | Path) -> Path | None:

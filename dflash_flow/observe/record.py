@@ -74,6 +74,10 @@ class History:
     samples: list[MonitorSample] = attrs.field(factory=list)
     evals: list[EvalPoint] = attrs.field(factory=list)
     heldout: list[HeldoutPoint] = attrs.field(factory=list)  # acceptance over time (the trainer's probe)
+    # The length bucket of every trained step, (step, bucket), and the lengths each bucket holds: the
+    # bucket mix over the whole run (the Interleaver's dispatch windows run ahead of training).
+    trained_buckets: list[tuple[int, int]] = attrs.field(factory=list)
+    bucket_ranges: dict[int, tuple[int, int]] = attrs.field(factory=dict)
 
     def __bool__(self) -> bool:
         """Whether anything was recorded."""
@@ -86,6 +90,8 @@ class History:
             "samples": [jsonable(attrs.asdict(s, filter=_not_loads)) for s in self.samples],
             "evals": [{"step": e.step, "results": {eval_label(r): eval_json(r) for r in e.reports}} for e in self.evals],
             "heldout": [jsonable(attrs.asdict(h)) for h in self.heldout],
+            "trained_buckets": [list(p) for p in self.trained_buckets],
+            "bucket_ranges": {str(b): list(r) for b, r in self.bucket_ranges.items()},
         }
 
 
@@ -146,6 +152,10 @@ class RunRecord:
         self.step = point.step
         if point.epoch is not None:
             self.epoch = point.epoch
+        if point.bucket is not None:
+            self.history.trained_buckets.append((point.step, point.bucket))
+            if point.bucket_range is not None:
+                self.history.bucket_ranges[point.bucket] = (int(point.bucket_range[0]), int(point.bucket_range[1]))
         if not point.metrics and not point.windowed:
             return
         self.train = {**point.metrics, **point.windowed}

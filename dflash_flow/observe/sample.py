@@ -128,6 +128,8 @@ class TrainPoint:
     epoch: int | None
     metrics: dict[str, float] = metric("train", reduce=train_reduction, doc="The trainer's step metrics")
     windowed: dict[str, float] = attrs.field(factory=dict)
+    bucket: int | None = None  # the length bucket of the step's (last) batch; None: a filler or no batch
+    bucket_range: tuple[int, int] | None = None  # the sample lengths that bucket holds
 
 
 @attrs.frozen

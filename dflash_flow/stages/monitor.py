@@ -155,7 +155,10 @@ class Monitor(Stage):
                 acc = self._window.setdefault(name, [0.0, 0])
                 acc[0] += v
                 acc[1] += 1
-        point = TrainPoint(step=item.step, epoch=item.epoch, metrics=logged, windowed=windowed)
+        meta = item.meta if item.meta is not None and not item.meta.filler and item.meta.bucket >= 0 else None
+        point = TrainPoint(step=item.step, epoch=item.epoch, metrics=logged, windowed=windowed,
+                           bucket=meta.bucket if meta is not None else None,
+                           bucket_range=meta.bucket_range if meta is not None else None)
         if self._open_epoch is not None and (logged or windowed) and item.epoch != self._open_epoch[0]:
             self._log_epoch_mean()  # the first step of the next epoch ends the previous one
         record.add_train(point)  # the final report carries artifacts, not metrics: it only moves the step

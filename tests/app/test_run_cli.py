@@ -126,6 +126,11 @@ def test_run_writes_mlflow_checkpoint_export_and_eval(tmp_path: Path) -> None:
     steps_logged = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
     n_batches = len((out / "batches.jsonl").read_text().splitlines())
     assert steps_logged == list(range(1, n_batches + 1))
+    # Every trained step's length bucket, and the lengths each bucket holds (the bucket-mix plot's legend).
+    history = json.loads((out / "monitor" / "history.json").read_text())
+    assert [s for s, _ in history["trained_buckets"]] == steps_logged
+    assert set(history["bucket_ranges"]) == {str(b) for _, b in history["trained_buckets"]}
+    assert all(1 <= lo <= hi <= 128 for lo, hi in history["bucket_ranges"].values())
     for key in ("eval/trained/tau", "eval/untrained/tau"):
         assert client.get_metric_history(run.info.run_id, key), key
     # Settings and facts are tags, never curves: no metric named after one.

@@ -101,6 +101,8 @@ def test_plan_properties(lengths, extra_budget, max_bs, multiple, buckets, max_r
         assert max_bs is None or m.num_samples <= max_bs
         assert set(planner.bucket_of[idx].tolist()) == {m.bucket}
         assert m.real_tokens == int(lengths[idx].sum())
+        lo, hi = m.bucket_range  # the lengths its bucket holds (the bucket-mix plot's legend)
+        assert all(lo <= n <= hi for n in m.lengths) and lo >= 1
     # Run cap: holds whenever the mix allows it, else the smallest feasible cap is met exactly.
     run = max_same_bucket_run(plan.buckets)
     if max(counts) * (max_run + 1) <= max_run * (len(plan) + 1):

@@ -124,3 +124,66 @@ def test_stage_names_the_font_cannot_draw_get_distinct_labels(tmp_path):
         warnings.simplefilter("error")  # a missing glyph would warn (and draw boxes)
         made = write_plots(h, tmp_path)
     assert {"queue_depths", "stage_load"} <= set(made)
+
+
+def _trained_history(steps: int = 200) -> History:
+    """A run as the Monitor records it: a noisy loss and throughput per step, each step's length bucket."""
+    from dflash_flow.observe.record import RunRecord
+    from dflash_flow.observe.sample import TrainPoint
+
+    ranges = {0: (1, 128), 1: (129, 512), 2: (513, 2048)}
+    record = RunRecord()
+    for step in range(1, steps + 1):
+        bucket = (0, 0, 1, 2)[step % 4] if step <= steps // 2 else (0, 1)[step % 2]
+        noise = 0.3 * math.sin(step * 1.7)
+        record.add_train(TrainPoint(step, 0, {"loss": 4.0 * math.exp(-step / 60) + 1 + noise,
+                                              "tokens_per_s": 9000 + 900 * noise, "samples_per_s": 30 + 3 * noise},
+                                    bucket=bucket, bucket_range=ranges[bucket]))
+    return record.history
+
+
+def _legend_beside_the_data(fig, ax) -> None:
+    fig.canvas.draw()
+    legend = ax.get_legend() or fig.axes[-1].get_legend()
+    assert legend is not None
+    assert legend.get_window_extent().x0 >= ax.get_window_extent().x1  # right of the axes: never on a curve
+
+
+def test_loss_and_throughput_are_smoothed_with_the_raw_values_faint_behind(tmp_path):
+    from dflash_flow.observe.plots import loss_figure, smoothed, throughput_figure
+
+    h = _trained_history()
+    fig = loss_figure(h)
+    ax = fig.axes[0]
+    raw, smooth = ax.get_lines()
+    assert raw.get_alpha() < 0.5 and smooth.get_alpha() in (None, 1.0)  # raw first (behind), faint
+    assert list(raw.get_ydata()) == [v for _, v in h.train.series("loss")]
+    assert list(smooth.get_ydata()) == smoothed(raw.get_ydata()) != list(raw.get_ydata())
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["loss (smoothed)"]
+    _legend_beside_the_data(fig, ax)
+    fig = throughput_figure(h)
+    texts = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert texts == ["tokens/s (smoothed)", "samples/s (smoothed)"]
+    _legend_beside_the_data(fig, fig.axes[0])
+    # Smoothing: a constant stays itself (bias-corrected), a short series is left alone.
+    assert smoothed([2.0] * 100) == pytest.approx([2.0] * 100) and smoothed([1.0, 5.0]) == [1.0, 5.0]
+    assert png_size(plot_loss(h, tmp_path / "l.png")) == (800, 450)
+    assert png_size(plot_throughput(h, tmp_path / "t.png")) == (800, 450)
+
+
+def test_bucket_mix_spans_the_whole_run_with_each_buckets_length_range(tmp_path):
+    from dflash_flow.observe.plots import bucket_mix_figure, trained_bucket_mix
+
+    h = _trained_history()
+    starts, shares = trained_bucket_mix(h)
+    assert starts[0] == 0.0 and list(shares) == [0, 1, 2]
+    for j in range(len(starts)):
+        assert sum(s[j] for s in shares.values()) == pytest.approx(1.0)
+    assert shares[2][0] > 0 and shares[2][-1] == 0  # the second half trains no bucket-2 batch
+    fig = bucket_mix_figure(h)
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["bucket 0: 1-128 tokens", "bucket 1: 129-512 tokens", "bucket 2: 513-2048 tokens"]
+    assert ax.get_xlim() == (0.0, 200.0)  # the whole run, first step to last
+    _legend_beside_the_data(fig, ax)
+    assert png_size(plot_bucket_mix(h, tmp_path / "b.png")) == (800, 450)
