@@ -11,6 +11,8 @@ from typing import Optional
 
 import typer
 
+from dflash_flow.app.session import EXTEND_RULE
+
 app = typer.Typer(
     name="dflash-flow",
     help="Train DFlash speculative-decoding drafters as a typed dataflow pipeline.",
@@ -20,6 +22,7 @@ app = typer.Typer(
 )
 
 SetOpt = typer.Option(None, "--set", "-s", help="Override a value: key.path=value (repeatable).")
+EXTEND_HELP = EXTEND_RULE
 
 
 def _fail(message: str) -> None:
@@ -133,8 +136,10 @@ def run(
     file: Path = typer.Argument(..., help="Pipeline YAML file."),
     set_: Optional[list[str]] = SetOpt,
     resume: Optional[str] = typer.Option(
-        None, "--resume", help="Resume from a checkpoint path, 'latest', or 'auto' (latest if there is one)."
+        None, "--resume", help="Resume from a checkpoint path, 'latest', or 'auto' (latest if there is one). A "
+        "checkpoint of another output_dir starts a new MLflow run tagged with its parent."
     ),
+    extend: bool = typer.Option(False, "--extend", help=EXTEND_HELP),
     nproc: Optional[int] = typer.Option(None, "--nproc", min=1, help="Start the job under torchrun with N processes per node."),
     nnodes: str = typer.Option("1", "--nnodes", help="With --nproc: nodes (or MIN:MAX), passed to torchrun."),
     rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="With --nproc: HOST:PORT of the rendezvous."),
@@ -154,10 +159,10 @@ def run(
         raise typer.Exit(launch(file, output_dir, world_size=world, nproc=nproc, nnodes=nnodes,
                                 tracking_uri=tracking.tracking_uri if tracking.enabled else None,
                                 rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts,
-                                overrides=set_ or [], resume=resume))
+                                overrides=set_ or [], resume=resume, extend=extend))
     from dflash_flow.app.session import run_validated
 
-    code = run_validated(v, config_path=file, resume=resume, overrides=set_ or []).exit_code
+    code = run_validated(v, config_path=file, resume=resume, overrides=set_ or [], extend=extend).exit_code
     _DECIDED[0] = code  # a signal from here on ends the process with this code (the status already written)
     _exit_now_if_threads_stuck(code)
     raise typer.Exit(code)

@@ -64,6 +64,7 @@ class Resume(Protocol):
     step: int
     epoch: int
     data_position: dict[str, Any]
+    extend: bool  # asked to extend the run (--extend): a new length re-plans the learning-rate schedule
 
     def model_state(self, device: str = "cpu") -> dict[str, Any]: ...
 

@@ -88,6 +88,7 @@ class Checkpoint:
     data_files: dict[str, str] = attrs.field(factory=dict)
     settings: dict[str, Any] | None = None  # None: written before checkpoints recorded them
     checkpoint_dir: str | None = None  # the directory (resolved) it was written into; None: not recorded
+    extend: bool = False  # the resume was asked to extend the run (--extend): its length may differ
 
     def model_state(self, device: str = "cpu") -> dict[str, Any]:
         from safetensors.torch import load_file
@@ -163,17 +164,21 @@ class Checkpointer:
     lineage, the only checkpoints it prunes. ``data_files``: sha256 per data file, recorded for resume.
     ``settings`` (``core.identity.result_settings``) and ``config_hash`` (their hash): what a checkpoint must
     match to be resumed (``load``); ``legacy_hash``: what a checkpoint written before checkpoints recorded
-    their settings carries when it matches this configuration.
+    their settings carries when it matches this configuration. ``length_keys`` (``core.identity.run_length_keys``)
+    may differ when ``extend`` (``--extend``): the run is then extended, not refused.
     """
 
     def __init__(self, directory: str | Path, *, keep_last: int = 3, config_hash: str = "",
                  run_uid: str | None = None, data_files: dict[str, str] | None = None,
-                 root: str | Path | None = None, settings: dict[str, Any] | None = None, legacy_hash: str = ""):
+                 root: str | Path | None = None, settings: dict[str, Any] | None = None, legacy_hash: str = "",
+                 length_keys: frozenset[str] | set[str] = frozenset(), extend: bool = False):
         self.dir = Path(directory)
         self.keep_last = keep_last
         self.config_hash = config_hash
         self.settings = settings
         self.legacy_hash = legacy_hash
+        self.length_keys = frozenset(length_keys)
+        self.extend = extend
         self.run_uid = run_uid or new_run_uid()
         self.data_files = dict(data_files or {})
         self.root = Path(root) if root is not None else None
@@ -339,7 +344,8 @@ class Checkpointer:
     def load(self, spec: str | Path, *, check_config: bool = True) -> Checkpoint:
         """Load ``spec``. For ``latest`` (or a directory of checkpoints) an invalid newest checkpoint is
         skipped with one warning and the newest valid one is loaded; a single checkpoint path must be valid."""
-        expected = Expected(self.config_hash, self.settings, self.legacy_hash) if check_config else None
+        expected = (Expected(self.config_hash, self.settings, self.legacy_hash, self.length_keys, self.extend)
+                    if check_config else None)
         p = Path(spec)
         if str(spec) == LATEST:
             return _load_newest_valid(self, LATEST, expected)
@@ -358,6 +364,8 @@ class Expected:
     config_hash: str = ""
     settings: dict[str, Any] | None = None
     legacy_hash: str = ""
+    length_keys: frozenset[str] = frozenset()  # settings an extended resume may change
+    extend: bool = False
 
 
 def _check_identity(path: Path, state: dict[str, Any], expected: Expected) -> None:
@@ -365,13 +373,23 @@ def _check_identity(path: Path, state: dict[str, Any], expected: Expected) -> No
 
     recorded = state.get("settings")
     if recorded is not None and expected.settings is not None:
-        diffs = settings_differences(recorded, expected.settings)
+        length = expected.length_keys
+        diffs = settings_differences({k: v for k, v in recorded.items() if k not in length},
+                                     {k: v for k, v in expected.settings.items() if k not in length})
+        longer = settings_differences({k: v for k, v in recorded.items() if k in length},
+                                      {k: v for k, v in expected.settings.items() if k in length})
         if diffs:
             shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
             raise CheckpointError(
                 f"cannot resume from {path}: the checkpoint was written by another configuration ({shown}); "
                 "these change the trained weights or the data order: resume with the checkpoint's values, or drop "
                 "--resume to start a fresh run (in another output_dir)"
+            )
+        if longer and not expected.extend:
+            raise CheckpointError(
+                f"cannot resume from {path}: the checkpoint was written by another configuration, with another run "
+                f"length ({'; '.join(longer)}); pass --extend to train on to the new length (the learning-rate "
+                "schedule is re-planned for the new total), or resume with the checkpoint's values"
             )
         return
     have = state.get("config_hash")

@@ -29,6 +29,7 @@ def torchrun_command(
     max_restarts: int = 0,
     overrides: list[str] | None = None,
     resume: str | None = None,
+    extend: bool = False,
 ) -> list[str]:
     """The torchrun command line that runs ``file`` on ``nproc`` processes per node."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
@@ -45,6 +46,8 @@ def torchrun_command(
         cmd += ["--set", item]
     if resume:
         cmd += ["--resume", resume]
+    if extend:
+        cmd.append("--extend")
     return cmd
 
 

@@ -60,13 +60,15 @@ def run(
     *,
     overrides: list[str] | None = None,
     resume: str | None = None,
+    extend: bool = False,
     check_devices: bool = True,
 ) -> Any:
     """Run a pipeline as ``dflash-flow run`` does (in this process; under torchrun, as this rank) and return
     its :class:`~dflash_flow.app.session.RunReport`. ``resume``: a checkpoint path, ``"latest"``, or ``"auto"``
-    (latest if there is one). Raises ConfigError before anything runs when the pipeline is invalid."""
+    (latest if there is one); ``extend``: with ``resume``, train a finished or stopped run on to a new length
+    (``session.EXTEND_RULE``). Raises ConfigError before anything runs when the pipeline is invalid."""
     from dflash_flow.app.session import run_validated
 
     v = load(source, overrides=overrides, check_devices=check_devices)
     config_path = None if isinstance(source, Graph) else Path(source)
-    return run_validated(v, config_path=config_path, resume=resume, overrides=overrides or [])
+    return run_validated(v, config_path=config_path, resume=resume, overrides=overrides or [], extend=extend)

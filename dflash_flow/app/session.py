@@ -29,6 +29,16 @@ PARENT_RUN_TAG = "dflash_flow.parent_run_id"
 PARENT_CHECKPOINT_TAG = "dflash_flow.parent_checkpoint"
 
 
+#: What ``--extend`` does (the CLI's help and the docs say the same).
+EXTEND_RULE = (
+    "Extend a finished or stopped run: with --resume, accept a longer (or shorter) run length than the "
+    "checkpoint's (stages.bucketer.epochs, stages.interleaver.max_batches) and train on to it. The "
+    "learning-rate schedule is re-planned over the new total: from the resumed step on, the learning rate "
+    "is the one a run planned with the new total from the start has at that step (same warmup steps, the "
+    "cosine reaching its floor at the new last step), so a finished run's rises from its floor."
+)
+
+
 def resume_config_hash(graph) -> str:
     """The hash of what must match to resume: the settings that can change the trained weights or the data
     order (``core.identity.result_settings``: declared at each field and stage, defaults filled in; a value
@@ -282,7 +292,7 @@ def _resolve_checkpoint_dir(ck, output_dir: Path) -> tuple[Path, Path]:
     return output_dir / "checkpoints", output_dir
 
 
-def _prepare(v: Validated, dist_ctx, output_dir: Path, resume: str | None):
+def _prepare(v: Validated, dist_ctx, output_dir: Path, resume: str | None, extend: bool = False):
     """Everything before the MLflow run that can fail on the user's input or machine; raises UserError.
     Returns (lock, checkpointer, checkpoint or None)."""
     from dflash_flow.app.checkpoint import Checkpointer, CheckpointError
@@ -338,14 +348,24 @@ def _prepare(v: Validated, dist_ctx, output_dir: Path, resume: str | None):
                 link, target = escaping_links(ck_dir)[0]
                 raise UserError(f"checkpoint.dir {ck_dir}: {link.relative_to(ck_dir)} is a symbolic link to {target}, "
                                 "outside it; checkpoints are written and pruned only inside their directory")
-        from dflash_flow.core.identity import result_settings
+        from dflash_flow.core.identity import result_settings, run_length_keys
 
         checkpointer = Checkpointer(ck_dir, keep_last=ck.keep_last, config_hash=resume_config_hash(graph),
                                     settings=result_settings(graph), legacy_hash=legacy_config_hash(graph),
+                                    length_keys=run_length_keys(graph), extend=extend,
                                     data_files=data_fingerprint(v) if main else {}, root=ck_root)
         ckpt = None
         if resume == "auto":  # torchrun --max-restarts: the first attempt starts fresh, a restart continues
             resume = "latest" if checkpointer.list() else None
+        if extend and not resume:
+            raise UserError("--extend lengthens a resumed run: pass it with --resume latest (or a checkpoint path)")
+        if not resume and main:
+            earlier = checkpointer.candidates()
+            if earlier:  # a fresh run would mix its checkpoints with another run's
+                raise UserError(
+                    f"{ck_dir} holds the checkpoints of an earlier run (newest: {earlier[0].name}); pass --resume latest "
+                    "to continue it (with --extend to train it longer), or choose another output_dir "
+                    "(--set output_dir=...)")
         if resume:
             try:
                 ckpt = checkpointer.load(resume)
@@ -358,6 +378,7 @@ def _prepare(v: Validated, dist_ctx, output_dir: Path, resume: str | None):
                 build_resume_state(v, ckpt)  # every stage's state can be derived from it (built again later)
             except CheckpointError as exc:
                 raise UserError(str(exc)) from None
+            ckpt.extend = extend
             if ckpt.run_uid:
                 checkpointer.run_uid = ckpt.run_uid  # the resumed run prunes the checkpoints of its lineage
         if main:
@@ -375,14 +396,16 @@ def _prepare(v: Validated, dist_ctx, output_dir: Path, resume: str | None):
 
 
 def run_validated(v: Validated, *, config_path: Path | None = None, resume: str | None = None,
-                  overrides: list[str] | None = None) -> RunReport:
+                  overrides: list[str] | None = None, extend: bool = False) -> RunReport:
     """Run ``v`` with tracking and checkpoints (one rank of a torchrun job, or the whole job). Returns a
     :class:`RunReport` (its ``exit_code`` is the process's). Under torchrun rank 0 owns the MLflow run, the console and the end of run;
     the other ranks print nothing but errors.
 
     Order: the output directory is made, checked and locked, the checkpoint and the data verified and the
     free space measured; then the services and the pipeline are built; the MLflow run is created last,
-    with signals deferred, and every path after that ends it."""
+    with signals deferred, and every path after that ends it.
+
+    ``extend`` (with ``resume``): :data:`EXTEND_RULE`."""
     from dflash_flow.app.checkpoint import CheckpointService
     from dflash_flow.app.distributed import init_distributed, shutdown_distributed
     from dflash_flow.app.endrun import ContainedUploads, end_of_run, write_pictures
@@ -405,7 +428,7 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
     lock = None
     try:
         try:
-            lock, checkpointer, ckpt = _prepare(v, dist_ctx, output_dir, resume)
+            lock, checkpointer, ckpt = _prepare(v, dist_ctx, output_dir, resume, extend)
             fork = ckpt is not None and not checkpointer.holds(ckpt)
             if ckpt is not None and main:
                 print(f"resuming from {ckpt.path} (step {ckpt.step}, epoch {ckpt.epoch})"

@@ -7,6 +7,7 @@ change between a run and its resume. The rule is declared where the setting is, 
 * a config field: ``cfg(..., result=False)`` when its value cannot change the result (default: it can);
 * a stage: ``Stage.affects_result = False`` when nothing in its spec can (a monitor, an evaluation of
   the trained drafter); ``Stage.replicas_affect_result = False`` when its replica count cannot;
+* ``cfg(..., run_length=True)`` marks a field that only sets how long the run trains (``--extend``);
 * a stage's name, type, inputs (with their fan-out policy) and ``ordered`` always count, and so does the
   graph's ``seed``; devices, ``capacity``, the runtime options and the application sections never do
   (a section value a stage takes, e.g. ``model.target``, counts as the stage's own).
@@ -23,6 +24,20 @@ from typing import Any
 
 from .fill import field_default, resolved_stage_configs
 from .registry import resolve
+
+
+def run_length_keys(graph: Any) -> set[str]:
+    """The keys of :func:`result_settings` that only set how long the run trains (``cfg(run_length=True)``:
+    epochs, a batch budget, a schedule length): what a resume that extends the run may change."""
+    out = set()
+    for spec in graph.stages:
+        try:
+            cls = resolve(spec.type)
+        except Exception:  # noqa: BLE001 - validation reports it
+            continue
+        if cls.affects_result:
+            out.update(f"stages.{spec.name}.{f.name}" for f in cls.config_fields() if f.metadata.get("run_length"))
+    return out
 
 
 def _canonical(value: Any) -> Any:

@@ -63,6 +63,7 @@ def cfg(
     choices: Iterable[Any] | None = None,
     finite: bool = True,
     result: bool = True,
+    run_length: bool = False,
     doc: str = "",
 ) -> Any:
     """Declare a config field (of a stage or an application section): default, bounds and a doc line
@@ -73,7 +74,8 @@ def cfg(
     ``None`` passes the bounds: whether a field may be null is its type's business (``int | None``).
     ``result=False`` declares that the value cannot change what a run trains (its weights or its data
     order): a thread count, a cache location, a logging knob. A resume then accepts another value
-    (``core.identity.result_settings`` leaves it out).
+    (``core.identity.result_settings`` leaves it out). ``run_length=True``: the value sets how long the run
+    trains (epochs, a batch budget); a resume asked to extend the run (``--extend``) accepts another value.
     """
     bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
     validators: list[Any] = [getattr(attrs.validators, k)(v) for k, v in bounds.items()]
@@ -82,7 +84,8 @@ def cfg(
         validators.append(attrs.validators.in_(options))
     if finite:
         validators.append(_finite)
-    metadata = {"doc": doc, "config": True, "bounds": bounds, "choices": options, "finite": finite, "result": result}
+    metadata = {"doc": doc, "config": True, "bounds": bounds, "choices": options, "finite": finite, "result": result,
+                "run_length": run_length}
     validator = attrs.validators.optional(validators)
     if factory is not None:
         return attrs.field(factory=factory, validator=validator, metadata=metadata, kw_only=True)

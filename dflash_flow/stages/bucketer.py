@@ -49,7 +49,7 @@ class Bucketer(Stage):
     boundaries: Optional[list[int]] = plan_field("boundaries")
     num_buckets: int = plan_field("num_buckets")
     length_jitter: float = plan_field("length_jitter")
-    epochs: int = cfg(1, ge=1, doc="Epochs to plan.")
+    epochs: int = cfg(1, ge=1, run_length=True, doc="Epochs to plan.")
     mixture: Optional[dict[str, float]] = attrs.field(
         default=None, validator=_weights_ok, kw_only=True,
         metadata={"config": True, "doc": "Weight per source stage, e.g. {chat: 0.6, code: 0.3, math: 0.1}: each epoch "

@@ -355,6 +355,7 @@ class DrafterStep(Stage, CheckpointSource):
         resume = self._services.resume
         if resume is None:
             return
+        self._trainer.extend = resume.extend
         # Weights and optimizer come from the checkpoint files (safetensors / weights_only torch.load).
         self._trainer.restore(resume.model_state(str(self._trainer.device)), resume.optimizer_state())
         pos = resume.data_position

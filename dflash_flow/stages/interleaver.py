@@ -33,7 +33,7 @@ class Interleaver(Stage):
         doc="The last step of an epoch with fewer batches than ranks: filler batches (train nothing) for the "
         "short ranks, or drop the step.",
     )
-    max_batches: int | None = cfg(None, ge=1, doc="Stop after this many batches (steps) in all, per rank; null: every epoch in full.")
+    max_batches: int | None = cfg(None, ge=1, run_length=True, doc="Stop after this many batches (steps) in all, per rank; null: every epoch in full.")
 
     _epoch: int = attrs.field(default=0, init=False)
     _emitted: int = attrs.field(default=0, init=False)

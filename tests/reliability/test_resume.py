@@ -198,12 +198,17 @@ def test_sigint_then_sigterm_stop_gracefully_and_resume_identically(reference):
     db = reference["root"] / "mlflow.db"
     n = len(reference["batches"])
     # The output directory still holds an earlier, finished run of the same pipeline: its batch log and
-    # its (higher-step) checkpoints. A fresh run starts its own log, keeps its own checkpoints, and
-    # `--resume latest` must find those, not the earlier run's.
+    # its (higher-step) checkpoints. A fresh run there is refused (it would mix its checkpoints with the
+    # earlier run's), naming the directory; once they are gone it starts its own log.
     import shutil
 
     shutil.copytree(reference["root"] / "reference" / "checkpoints", out / "checkpoints")
     (out / "batches.jsonl").write_text('{"stale": "line from an earlier run"}\n')
+    res = cli(["run", path], cwd=root, timeout=60)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert f"{out / 'checkpoints'} holds the checkpoints of an earlier run" in res.stderr and "Traceback" not in res.stderr
+    assert read_lines(out / "batches.jsonl") == ['{"stale": "line from an earlier run"}']
+    shutil.rmtree(out / "checkpoints")
 
     # 1. Ctrl-C mid-epoch 0: drain, checkpoint of everything trained, exit 130, MLflow KILLED.
     proc = start_cli(["run", path], cwd=root, log=root / "sigint.log")
