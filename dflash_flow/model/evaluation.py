@@ -16,7 +16,7 @@ Each carries its figures per horizon (new tokens per prompt) keyed by the horizo
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +133,7 @@ def decoding_report(
     sampling: Any = None,
     stop_token_ids: Sequence[int] | None = None,
     seed: int = 0,
+    on_unit: Callable[[int], None] | None = None,
 ) -> EvalReport:
     """``speculative.evaluate_drafter`` at each horizon, as the typed report ``name``: the first horizon's
     figures in ``metrics``, every horizon's ``PER_HORIZON`` figures in ``by_horizon``; greedy ``lossless``
@@ -155,6 +156,7 @@ def decoding_report(
             stop_token_ids=stop_token_ids,
             sampling=sampling,
             seed=seed,
+            on_unit=on_unit,
         )
         if "lossless" in m:
             lossless = bool(m["lossless"]) and lossless is not False
@@ -191,13 +193,16 @@ def evaluate_exported(
     walk_horizons: Sequence[int] | None = None,
     seed: int = 0,
     device: str = "cpu",
+    progress: Callable[[int, int, int], None] | None = None,
 ) -> list[EvalReport]:
     """The results named in the module docstring. ``target`` is a model spec as ``model.target.load_target``
     takes it (a directory, preset or hub id); ``max_new_tokens`` one horizon or several (the first is
     the one ``tau`` reports); ``walk_horizons`` the walk's (None: the same; the walk is cheap at any
     horizon, one target forward per conversation, real decoding is not); ``temperatures`` the decodings to run (0 = greedy); ``walk_data`` a JSONL of
     held-out conversations whose last turn is the target's own greedy reply (None: no walk). Sampled
-    decoding draws from generators seeded by ``seed`` (the same for both drafters: common random numbers)."""
+    decoding draws from generators seeded by ``seed`` (the same for both drafters: common random numbers).
+    ``progress(done, total, tokens)`` is called once the work is known (``done`` 0) and after each unit
+    (a prompt decoded at one horizon, a conversation walked); it may raise (a stop) to abandon the rest."""
     import torch
     from transformers import AutoTokenizer
 
@@ -235,14 +240,26 @@ def evaluate_exported(
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             drafters["untrained"] = drafter_from_config(drafter.config).to(device=device, dtype=torch.float32)
+    total = len(drafters) * len(samplings) * len(prompts) * len(horizons) + (len(walk_set) if walk_set else 0)
+    done = [0]
+
+    def on_unit(tokens: int) -> None:
+        done[0] += 1
+        if progress is not None:
+            progress(done[0], total, tokens)
+
+    if progress is not None:
+        progress(0, total, 0)
     results: list[EvalReport] = []
     for name, d in drafters.items():
         for s in samplings:
             results.append(decoding_report(
-                name, model, d, prompts, horizons=horizons, sampling=s, stop_token_ids=stops, seed=seed
+                name, model, d, prompts, horizons=horizons, sampling=s, stop_token_ids=stops, seed=seed,
+                on_unit=on_unit,
             ))
             if walk_set is not None and name == "trained" and s is samplings[0]:  # beside real decoding
                 results.append(evaluate_walk(
-                    model, d, walk_set, horizons=list(walk_horizons or horizons), stop_token_ids=stops
+                    model, d, walk_set, horizons=list(walk_horizons or horizons), stop_token_ids=stops,
+                    on_unit=on_unit,
                 ))
     return results

@@ -51,7 +51,7 @@ from __future__ import annotations
 import inspect
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -623,8 +623,10 @@ def evaluate_drafter(
     stop_token_ids: Sequence[int] | None = None,
     sampling: Sampling | None = None,
     seed: int = 0,
+    on_unit: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
     """Run speculative decoding on every prompt (greedy: beside plain greedy decoding, and compare).
+    ``on_unit(tokens)`` is called after each prompt (progress; it may raise to abandon the evaluation).
 
     Returns (all numbers, so the dict logs as metrics):
 
@@ -681,6 +683,8 @@ def evaluate_drafter(
             if ref is not None:
                 fwd_greedy += ref.target_forwards
                 mismatched += int(res.output_ids.tolist() != ref.output_ids.tolist())
+            if on_unit is not None:
+                on_unit(res.num_new_tokens)
     finally:
         drafter.train(was_training)
     metrics = {

@@ -28,7 +28,7 @@ where real decoding would go on (``WalkResult.complete`` says whether it reached
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -209,9 +209,11 @@ def evaluate_walk(
     *,
     horizons: Sequence[int],
     stop_token_ids: Sequence[int] | None = None,
+    on_unit: Callable[[int], None] | None = None,
     **settings: Any,
 ) -> EvalReport:
     """The walk over held-out ``(prompt ids, reply ids)`` pairs, as the typed report ``walk``.
+    ``on_unit(tokens)`` is called after each conversation (progress; it may raise to abandon the walk).
 
     Per horizon (``by_horizon``): ``tau``, tokens per block over all blocks of all conversations, as
     ``evaluate_drafter``'s ``tau``; ``verify_steps``, ``tokens_walked``, ``complete_frac`` (conversations
@@ -234,6 +236,8 @@ def evaluate_walk(
             tokens[h] += r.tokens
             complete[h] += int(r.complete)
             calls += len(r.accept_lengths)
+        if on_unit is not None:
+            on_unit(len(reply))
     n = len(conversations)
     first = int(horizons[0])
     by_horizon = {

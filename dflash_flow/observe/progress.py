@@ -241,6 +241,18 @@ class ProgressPrinter:
             self._line.draw(line, now)
             return True
 
+    def show(self, text: str, *, force: bool = False) -> bool:
+        """Draw ``text`` as the progress line (work after training, which no step measures), rate-limited
+        like ``update``. Returns whether it drew."""
+        now = self._clock()
+        with self._line.lock:
+            if self._line.closed or not self._line.due(now, force):
+                return False
+            if self._t0 is not None and not self.tty:
+                text = f"[{format_duration(now - self._t0):>6}] {text}"
+            self._line.draw(text, now)
+            return True
+
     def message(self, text: str) -> None:
         """Print a full line (a warning, an eval result) without mangling the progress line."""
         self._line.message(text)

@@ -95,6 +95,29 @@ class History:
         }
 
 
+@attrs.frozen
+class PhaseProgress:
+    """Counted work of a phase after training (the evaluation): what the console's progress line shows
+    while no step advances."""
+
+    label: str  # e.g. "evaluate: decoding and walking held-out data"
+    done: int
+    total: int
+    tokens: int  # tokens produced or walked so far
+    elapsed_s: float
+    unit: str = "units"
+
+    def line(self) -> str:
+        from .progress import format_duration, format_rate
+
+        parts = [f"{self.label} {self.done}/{self.total} {self.unit}"]
+        if self.elapsed_s > 0 and self.tokens:
+            parts.append(f"{format_rate(self.tokens / self.elapsed_s)} tok/s")
+        eta = self.elapsed_s / self.done * (self.total - self.done) if self.done else None
+        parts.append(f"ETA {format_duration(eta)}")
+        return " | ".join(parts)
+
+
 @attrs.define(eq=False)
 class _Mean:
     total: float = 0.0
@@ -122,6 +145,18 @@ class RunRecord:
     _logged_step: int = attrs.field(default=-1, init=False, repr=False)
     _logger_live: bool = attrs.field(default=False, init=False, repr=False)
     _logged: threading.Condition = attrs.field(factory=threading.Condition, init=False, repr=False)
+    phase: PhaseProgress | None = None  # the latest progress of the work after training
+    _phase_watchers: list[Any] = attrs.field(factory=list, init=False, repr=False)
+
+    # -- progress after training --------------------------------------------------------------------
+    def watch_phase(self, fn: Any) -> None:
+        """Call ``fn(PhaseProgress)`` at every ``note_phase`` (the Monitor's console line)."""
+        self._phase_watchers.append(fn)
+
+    def note_phase(self, progress: PhaseProgress) -> None:
+        self.phase = progress
+        for fn in list(self._phase_watchers):
+            fn(progress)
 
     # -- the logging hand-off -----------------------------------------------------------------------
     def logging_started(self) -> None:

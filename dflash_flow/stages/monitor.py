@@ -72,6 +72,9 @@ class Monitor(Stage):
             if self.progress and self._main
             else None
         )
+        if self._printer is not None:
+            printer = self._printer
+            self._record.watch_phase(lambda p: printer.show(p.line(), force=p.done in (0, p.total)))
         graph = ctx.runtime.graph if ctx.runtime is not None else None
         self._edges: dict[str, list[str]] = {}
         self._sinks = set(self.sinks)

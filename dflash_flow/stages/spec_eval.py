@@ -3,6 +3,7 @@ one or more horizons) and the teacher-forced walk on held-out conversations with
 
 from __future__ import annotations
 
+import time
 from typing import Any, ClassVar
 
 import attrs
@@ -85,6 +86,24 @@ class SpecDecodeEval(Stage):
             raise ValueError(f"stage '{ctx.name}': walk_data 'embedded' holds the embedded target's replies; "
                              "with another target, give a JSONL of that target's own replies")
 
+    def _progress_hook(self):
+        """Between units of the evaluation: the watchdog hears of progress, a stop abandons the rest, and the
+        console's progress line shows prompts, tokens/s and the ETA (``RunRecord.note_phase``)."""
+        from dflash_flow.observe.record import PhaseProgress
+        from dflash_flow.services import services_of
+
+        ctx, record, t0, tokens = self._ctx, services_of(self._ctx).record, time.monotonic(), [0]
+
+        def hook(done: int, total: int, new_tokens: int) -> None:
+            ctx.check_stop()
+            ctx.heartbeat()
+            tokens[0] += new_tokens
+            if record is not None:
+                record.note_phase(PhaseProgress(label=f"{ctx.name}: held-out decoding and walk", done=done,
+                                                total=total, tokens=tokens[0], elapsed_s=time.monotonic() - t0))
+
+        return hook
+
     def process(self, report: StepReport):
         # Under torchrun only rank 0's final report names the export: one evaluation per job.
         if not report.final or "drafter" not in report.artifacts:
@@ -105,6 +124,7 @@ class SpecDecodeEval(Stage):
         decoded = [self.max_new_tokens, *(h for h in self.horizons if h != self.max_new_tokens)]
         with MODEL_LOAD_LOCK:
             results = evaluate_exported(
+                progress=self._progress_hook(),
                 target=resolve_target(self.target),
                 drafter_path=report.artifacts["drafter"],
                 prompts_path=prompts,
