@@ -11,7 +11,6 @@ from it (``tests/architecture/test_no_name_parsing.py`` holds app/ and observe/ 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from dflash_flow.items import EvalReport
@@ -38,11 +37,6 @@ def horizon_name(metric: str, horizon: int) -> str:
 def position_accuracy_name(k: int) -> str:
     """The name of block slot ``k``'s accuracy (``accuracy_pos<k>``, k from 1)."""
     return f"accuracy_pos{int(k)}"
-
-
-def position_accuracies(values: Sequence[float]) -> dict[str, float]:
-    """Per-slot accuracies (slot 1 first) under their names."""
-    return {position_accuracy_name(k): float(v) for k, v in enumerate(values, start=1)}
 
 
 def eval_facts(report: EvalReport) -> dict[str, Any]:

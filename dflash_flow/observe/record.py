@@ -133,6 +133,7 @@ class RunRecord:
     epoch: int | None = None
     history: History = attrs.field(factory=History)
     train: dict[str, float] = attrs.field(factory=dict)  # the last step's trainer metrics
+    positions: tuple[float, ...] = ()  # the last step's per-position accuracies (block slot 1 first)
     evals: dict[str, EvalReport] = attrs.field(factory=dict)  # the last report of each evaluation, by label
     artifacts: dict[str, str] = attrs.field(factory=dict)  # named by the trainer's final report
     serve_commands: dict[str, str] = attrs.field(factory=dict)  # engine -> the command serving the export
@@ -140,6 +141,7 @@ class RunRecord:
     total_steps: int | None = None
     plots: bool = True  # whether the run asked for plots (the Monitor's ``plots`` option)
     _epoch_means: dict[int, dict[str, _Mean]] = attrs.field(factory=dict, init=False, repr=False)
+    _epoch_positions: dict[int, list[_Mean]] = attrs.field(factory=dict, init=False, repr=False)
     # The hand-off that puts a step's metrics in MLflow before a checkpoint of that step commits: the
     # Monitor says which step it has logged (``mark_logged``), the checkpoint service waits for it.
     _logged_step: int = attrs.field(default=-1, init=False, repr=False)
@@ -191,11 +193,21 @@ class RunRecord:
             self.history.trained_buckets.append((point.step, point.bucket))
             if point.bucket_range is not None:
                 self.history.bucket_ranges[point.bucket] = (int(point.bucket_range[0]), int(point.bucket_range[1]))
-        if not point.metrics and not point.windowed:
+        if not point.metrics and not point.positions:
             return
-        self.train = {**point.metrics, **point.windowed}
+        self.train = dict(point.metrics)
         self.history.train.append(point.step, point.metrics)
-        acc = self._epoch_means.setdefault(point.epoch if point.epoch is not None else -1, {})
+        epoch = point.epoch if point.epoch is not None else -1
+        if point.positions:
+            self.positions = tuple(point.positions)
+            slots = self._epoch_positions.setdefault(epoch, [])
+            slots.extend(_Mean() for _ in range(len(point.positions) - len(slots)))
+            for m, v in zip(slots, point.positions, strict=False):
+                x = _finite(v)
+                if x is not None:
+                    m.total += x
+                    m.count += 1
+        acc = self._epoch_means.setdefault(epoch, {})
         for name, value in self.train.items():
             x = _finite(value)
             if x is not None:
@@ -224,6 +236,13 @@ class RunRecord:
         key = epoch if epoch is not None else (self.epoch if self.epoch in self._epoch_means else max(self._epoch_means))
         return {k: m.total / m.count for k, m in self._epoch_means.get(key, {}).items() if m.count}
 
+    def epoch_positions(self, epoch: int | None = None) -> tuple[float, ...]:
+        """Mean of each per-position accuracy over the steps of ``epoch`` (default: the last epoch trained)."""
+        if not self._epoch_positions:
+            return ()
+        key = epoch if epoch is not None else (self.epoch if self.epoch in self._epoch_positions else max(self._epoch_positions))
+        return tuple(m.total / m.count if m.count else math.nan for m in self._epoch_positions.get(key, []))
+
     @property
     def last_sample(self) -> MonitorSample | None:
         return self.history.samples[-1] if self.history.samples else None
@@ -239,6 +258,8 @@ class RunRecord:
                 "total_steps": self.total_steps,
                 "last_train_metrics": self.train,
                 "epoch_mean_train_metrics": self.epoch_mean(),
+                # Accuracy of block slots 1, 2, ...: the last step's and the last epoch's mean.
+                "position_accuracy": {"last": list(self.positions), "epoch_mean": list(self.epoch_positions())},
                 "eval": {label: eval_json(r) for label, r in self.evals.items()},
                 "heldout": None if not self.history.heldout else _heldout_summary(self.history.heldout),
                 "artifacts": self.artifacts,

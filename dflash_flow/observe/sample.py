@@ -20,7 +20,12 @@ from dflash_flow.core.snapshot import ReplicaSnapshot, RuntimeSnapshot, StageSna
 from dflash_flow.items import EvalReport
 
 from .bottleneck import Bottleneck, StageLoad, find_bottleneck
+from .names import position_accuracy_name
 from .schema import metric, train_reduction
+
+
+def _slot_name(i: int) -> str:
+    return position_accuracy_name(i + 1)  # element 0 is block slot 1
 
 # The Interleaver's labeled metric (batches dispatched per bucket): the source of the bucket mix.
 BUCKET_METRIC = "bucket_dispatch"
@@ -103,7 +108,8 @@ class MonitorSample:
     whole_run: bool
     stages: dict[str, StageSample] = metric("stage", doc="Per stage")
     buckets: dict[str, BucketSample] = metric("bucket", factory=dict, doc="Per length bucket")
-    train: dict[str, float] = metric("train", reduce=train_reduction, factory=dict, doc="Windowed trainer metrics (per-position accuracies)")
+    positions: tuple[float, ...] = metric("train", reduce="mean", element=_slot_name, factory=tuple,
+                                          doc="Per-position accuracies, mean over the window (slot 1 first)")
     throughput: Throughput = metric("throughput", factory=Throughput, doc="Trainer throughput")
     bottleneck: Bottleneck | None = metric("bottleneck", default=None, doc="The verdict for this window")
 
@@ -120,14 +126,14 @@ class MonitorSample:
 
 @attrs.frozen
 class TrainPoint:
-    """One optimizer step's report: ``metrics`` are logged every step; ``windowed`` ones (per-position
-    accuracies) only as their mean over each Monitor sample (``MonitorSample.train``), but they are
-    part of the run's last and epoch-mean values."""
+    """One optimizer step's report: ``metrics`` are logged every step; the per-position accuracies
+    (``positions``, block slot 1 first) only as their mean over each Monitor sample
+    (``MonitorSample.positions``), but they are part of the run's last and epoch-mean values."""
 
     step: int
     epoch: int | None
     metrics: dict[str, float] = metric("train", reduce=train_reduction, doc="The trainer's step metrics")
-    windowed: dict[str, float] = attrs.field(factory=dict)
+    positions: tuple[float, ...] = ()
     bucket: int | None = None  # the length bucket of the step's (last) batch; None: a filler or no batch
     bucket_range: tuple[int, int] | None = None  # the sample lengths that bucket holds
 
@@ -140,6 +146,8 @@ class EpochPoint:
     step: int
     epoch: int
     means: dict[str, float] = metric("train_epoch", reduce=train_reduction, doc="Epoch means of the trainer's metrics")
+    positions: tuple[float, ...] = metric("train_epoch", reduce="mean", element=_slot_name, factory=tuple,
+                                          doc="Epoch means of the per-position accuracies (slot 1 first)")
 
 
 @attrs.frozen
@@ -296,7 +304,7 @@ def take_sample(
     prev: RuntimeSnapshot | None,
     *,
     step: int,
-    train: Mapping[str, float] | None = None,
+    positions: Sequence[float] = (),
     throughput: Throughput | None = None,
     sinks: Iterable[str] = (),
     edges: Mapping[str, Sequence[str]] | None = None,
@@ -331,7 +339,7 @@ def take_sample(
         whole_run=whole if whole_run is None else bool(whole_run),
         stages=stages,
         buckets=_buckets(_bucket_counts(cur), _bucket_counts(prev)),
-        train=dict(train or {}),
+        positions=tuple(float(v) for v in positions),
         throughput=throughput or Throughput(),
         bottleneck=find_bottleneck(loads, sinks=sinks, edges=edges, fixed=fixed) if loads else None,
     )

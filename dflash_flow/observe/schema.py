@@ -58,13 +58,16 @@ class MetricSpec:
     key: str
     reduce: Reduce
     doc: str
+    element: Callable[[int], str] | None = None  # the segment of a sequence's element i (default: str(i))
 
 
-def metric(key: str, *, reduce: Reduce = "mean", doc: str = "", **field_kwargs: Any) -> Any:
-    """An attrs field exported as ``<path>/<key>`` (``key`` is a constant of ours, never user input)."""
+def metric(key: str, *, reduce: Reduce = "mean", doc: str = "", element: Callable[[int], str] | None = None,
+           **field_kwargs: Any) -> Any:
+    """An attrs field exported as ``<path>/<key>`` (``key`` is a constant of ours, never user input);
+    ``element`` names a sequence's elements (``observe.names.position_accuracy_name``: slot accuracies)."""
     if isinstance(reduce, str) and reduce not in REDUCTIONS:
         raise ValueError(f"reduce must be one of {sorted(REDUCTIONS)}, got {reduce!r}")
-    return attrs.field(metadata={_SPEC: MetricSpec(key, reduce, doc)}, **field_kwargs)
+    return attrs.field(metadata={_SPEC: MetricSpec(key, reduce, doc, element)}, **field_kwargs)
 
 
 def declared(cls: type) -> list[tuple[str, MetricSpec]]:
@@ -121,7 +124,8 @@ def _walk(value: Any, path: str, spec: MetricSpec | None, leaf: str | None) -> I
         return
     if isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
-            yield from _walk(v, f"{path}/{i}", spec, leaf)
+            part = spec.element(i) if spec.element is not None else str(i)
+            yield from _walk(v, f"{path}/{part}", spec, leaf)
         return
     if isinstance(value, (int, float)):
         x = float(value)

@@ -17,6 +17,7 @@ when the pipeline failed.
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
@@ -65,7 +66,7 @@ class Monitor(Stage):
         self._last_sample = time.monotonic()
         # The snapshot that opens the current window (each sample's snapshot opens the next one).
         self._prev = ctx.runtime.snapshot() if ctx.runtime is not None else None
-        self._window: dict[str, list[float]] = {}
+        self._window: list[list[float]] = []  # per block slot: [sum, count] over the sampling window
         self._open_epoch: tuple[int, int] | None = None  # (epoch, its last step) whose mean is not logged yet
         self._printer = (
             ProgressPrinter(sys.stderr, total_steps=self.total_steps, interval_s=self.progress_interval_s or self.interval_s)
@@ -131,7 +132,6 @@ class Monitor(Stage):
 
     def _on_step(self, item: StepReport, due: bool) -> bool:
         """Record one step report; returns whether to sample now (under torchrun: whether any rank wants to)."""
-        from dflash_flow.observe.names import position_accuracies
         from dflash_flow.observe.sample import TrainPoint
         from dflash_flow.observe.schema import mlflow_metrics
 
@@ -152,14 +152,14 @@ class Monitor(Stage):
                 self._printer.message(plan.sentence(item.total_steps))
         logged = dict(item.metrics)
         # Per block slot: noisy per step and many, so logged as their mean over each sampling window.
-        windowed = position_accuracies(item.position_accuracy)
+        windowed = tuple(item.position_accuracy)
         with self._lock:
-            for name, v in windowed.items():
-                acc = self._window.setdefault(name, [0.0, 0])
+            self._window.extend([0.0, 0] for _ in range(len(windowed) - len(self._window)))
+            for acc, v in zip(self._window, windowed, strict=False):
                 acc[0] += v
                 acc[1] += 1
         meta = item.meta if item.meta is not None and not item.meta.filler and item.meta.bucket >= 0 else None
-        point = TrainPoint(step=item.step, epoch=item.epoch, metrics=logged, windowed=windowed,
+        point = TrainPoint(step=item.step, epoch=item.epoch, metrics=logged, positions=windowed,
                            bucket=meta.bucket if meta is not None else None,
                            bucket_range=meta.bucket_range if meta is not None else None)
         if self._open_epoch is not None and (logged or windowed) and item.epoch != self._open_epoch[0]:
@@ -212,8 +212,10 @@ class Monitor(Stage):
         epoch, step = self._open_epoch
         self._open_epoch = None
         means = self._record.epoch_mean(epoch)
-        if self._tracker is not None and means:
-            self._tracker.log_metrics(mlflow_metrics(EpochPoint(step=step, epoch=epoch, means=means)), step=step)
+        positions = self._record.epoch_positions(epoch)
+        if self._tracker is not None and (means or positions):
+            point = EpochPoint(step=step, epoch=epoch, means=means, positions=positions)
+            self._tracker.log_metrics(mlflow_metrics(point), step=step)
 
     def _accept_extra(self) -> dict[str, float] | None:
         """The progress line's acceptance: the current epoch's running mean (one batch's value is noise)."""
@@ -260,14 +262,14 @@ class Monitor(Stage):
             else:
                 prev = None
         snap = snap if snap is not None else runtime.snapshot()
-        train = {k: total / n for k, (total, n) in self._window.items()}
-        self._window = {}
+        positions = [total / n if n else math.nan for total, n in self._window]
+        self._window = []
         m = self._record.train
         sample = take_sample(
             snap,
             prev,
             step=self._record.step,
-            train=train,
+            positions=positions,
             throughput=Throughput(tokens_per_s=m.get("tokens_per_s"), samples_per_s=m.get("samples_per_s")),
             sinks=self._sinks,
             edges=self._edges,

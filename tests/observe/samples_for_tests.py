@@ -63,7 +63,7 @@ def full_sample(step: int = 7, names=("padder", "target")) -> MonitorSample:
         whole_run=False,
         stages=stages,
         buckets={"128": BucketSample(3.0, 0.75), "512": BucketSample(1.0, 0.25)},
-        train={"accuracy_pos1": 0.5},
+        positions=(0.5,),
         throughput=Throughput(tokens_per_s=1234.0, samples_per_s=None),
         bottleneck=find_bottleneck(loads),
     )

@@ -72,7 +72,8 @@ def test_slow_stage_is_named_the_bottleneck_and_nothing_written_at_teardown(tmp_
     assert record.step == 60 and record.total_steps == 60 and record.artifacts == {"drafter": "/tmp/drafter"}
     assert list(record.evals) == ["val"] and record.evals["val"].metrics == {"tau": 2.5, "val_loss": 0.7}
     assert len(record.history.train) == 60 and "accuracy_pos1" not in record.history.train.columns
-    assert record.train["accuracy_pos1"] == 0.5 and "total_steps" not in record.train
+    assert record.positions == (0.5,) * POSITIONS and "total_steps" not in record.train  # a sequence, not names
+    assert not any(k.startswith("accuracy") and k != "accuracy" for k in record.train)
     closing = record.history.samples[-1]
     assert closing.whole_run and not any(s.whole_run for s in record.history.samples[:-1])
     slow = closing.stages["slow"]
@@ -82,10 +83,11 @@ def test_slow_stage_is_named_the_bottleneck_and_nothing_written_at_teardown(tmp_
     assert report.counters["tokens"] == 6000 and report.summaries["step_s"].count == 60
     assert closing.buckets["128"].dispatched == 40 and closing.buckets["512"].dispatched == 20
     windows = [s for s in record.history.samples if not s.whole_run]
-    assert windows and all(s.train.keys() <= {f"accuracy_pos{k}" for k in range(1, POSITIONS + 1)} for s in windows)
+    assert windows and all(s.positions in ((), (0.5,) * POSITIONS) for s in windows)
 
     files = write_run_report(record, output_dir=tmp_path / "out", plots=False)
     summary = json.loads(files.summary.read_text())
+    assert summary["position_accuracy"] == {"last": [0.5] * POSITIONS, "epoch_mean": [0.5] * POSITIONS}
     assert summary["bottleneck"]["stage"] == "slow" and summary["artifacts"] == {"drafter": "/tmp/drafter"}
     assert summary["stage_load"]["slow"]["items_out"] == 60
     table = summary_table(record)

@@ -51,7 +51,9 @@ def test_sample_flattens_to_the_documented_keys():
     assert m["stage/padder/metric/seq_len/mean"] == 100.0 and m["stage/padder/metric/seq_len/count"] == 10
     assert m["stage/padder/metric/bucket_dispatch/512"] == 1.0
     assert m["bucket/128/share"] == 0.75 and m["bucket/512/dispatched"] == 1.0
-    assert m["train/accuracy_pos1"] == 0.5
+    assert m["train/accuracy_pos1"] == 0.5  # named from the sequence's position, here at the boundary
+    epoch = mlflow_metrics(EpochPoint(9, 0, {"loss": 1.0}, positions=(0.25, 0.5)))
+    assert epoch == {"train_epoch/loss": 1.0, "train_epoch/accuracy_pos1": 0.25, "train_epoch/accuracy_pos2": 0.5}
     assert m["throughput/tokens_per_s"] == 1234.0 and "throughput/samples_per_s" not in m
     assert m["bottleneck/busy"] == pytest.approx(0.8) and m["bottleneck/saturated"] == 1.0
     points = metric_points(full_sample())
@@ -62,9 +64,9 @@ def test_sample_flattens_to_the_documented_keys():
 
 
 def test_non_finite_and_missing_values_are_not_points():
-    s = attrs.evolve(full_sample(), train={"a": float("nan"), "b": float("inf"), "c": 1.0}, bottleneck=None)
+    s = attrs.evolve(full_sample(), positions=(float("nan"), float("inf"), 1.0), bottleneck=None)
     m = mlflow_metrics(s)
-    assert "train/a" not in m and "train/b" not in m and m["train/c"] == 1.0
+    assert "train/accuracy_pos1" not in m and "train/accuracy_pos2" not in m and m["train/accuracy_pos3"] == 1.0
     assert not any(k.startswith("bottleneck/") for k in m)
 
 
