@@ -170,9 +170,8 @@ def summarize(ours: dict, plain: dict, spec: dict, loads: dict, prompts: list[li
             "as_vllm_counts": round(accounting.engine_tau(run["counters"]), 4),
             "our_way": round(accounting.tau(flat), 4), "steps": len(flat),
             "vllm_drafts": run["counters"].get("num_drafts"), "decode_s": run["decode_s"]}
-        figures["drafts_equal_ours"][name] = {"equal": equal, "steps": total,
-                                              "first_difference": next((c["first_difference"] for c in compared
-                                                                        if c["first_difference"]), None)}
+        first = next(({"prompt": i, **c["first_difference"]} for i, c in enumerate(compared) if c["first_difference"]), None)
+        figures["drafts_equal_ours"][name] = {"equal": equal, "steps": total, "first_difference": first}
         if len(flat) != run["counters"].get("num_drafts"):
             failed.append(f"vLLM {name}: {len(flat)} steps replayed but vLLM counted {run['counters'].get('num_drafts')} drafts")
     knorm = figures["drafts_equal_ours"]["per_layer_knorm"]
@@ -198,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULT, help=f"result file (default {RESULT.relative_to(ROOT)})")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs, jobs, exports)")
     args = ap.parse_args(argv)
+    from common import machine, write_result
     from run_all import load_avg, stamp
+
+    host = machine()  # the load before anything here runs
 
     started = {"command": "just interop" + "".join(f" {shlex.quote(a)}" for a in (argv if argv is not None else sys.argv[1:])),
                "started_unix": int(time.time()), "load_avg_before": load_avg()}
@@ -212,10 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    from common import machine, write_result
-
     figures["failed"] = failed
-    figures["machine"] = machine()
+    figures["machine"] = host
     write_result(args.out, figures)
     stamp(args.out, {**started, "wall_s": round(time.perf_counter() - t0, 1), "load_avg_after": load_avg(),
                      "returncode": 1 if failed else 0})
@@ -227,10 +227,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def check(args, work: Path) -> tuple[dict, list[str]]:
     import torch
+    from transformers import AutoTokenizer
 
     from dflash_flow.core.errors import CheckpointError
     from dflash_flow.data.chat import stop_token_ids
-    from dflash_flow.embedded import load_tokenizer, write_eval_prompts
+    from dflash_flow.embedded import write_eval_prompts
     from dflash_flow.embedded.train_target import embedded_target_path
     from dflash_flow.model.evaluation import read_prompt_ids
     from dflash_flow.model.export import load_drafter
@@ -245,7 +246,9 @@ def check(args, work: Path) -> tuple[dict, list[str]]:
     if args.export is None and args.target:
         raise Failed("--target needs --export (the training here is the embedded target's)")
     python = ensure_venv(args.venv.resolve())
+    t0 = time.perf_counter()
     export = args.export.resolve() if args.export else train_export(work)
+    train_s = None if args.export else round(time.perf_counter() - t0, 1)
     try:
         facts = check_export(export)
         if facts["variant"] != "dflash":
@@ -257,7 +260,7 @@ def check(args, work: Path) -> tuple[dict, list[str]]:
         raise Failed(str(exc).splitlines()[0] + " (run `dflash-flow export` on a checkpoint)") from None
     torch.set_num_threads(1)  # the machine is shared
     target = load_target(target_dir, dtype=torch.float32)
-    tokenizer = load_tokenizer(target_dir)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)  # as evaluate_exported
     drafter = load_drafter(export, dtype=torch.float32, target_config=target.config)
     prompts_path = args.prompts or write_eval_prompts(work / "eval_prompts.jsonl", args.limit)
     try:
@@ -280,7 +283,7 @@ def check(args, work: Path) -> tuple[dict, list[str]]:
         "vllm": spec["vllm"], "export": str(export) if args.export else "trained here (pipelines/dflash.yaml, 2 epochs)",
         "export2": str(export2) if args.export2 else "written here (seeded, perturbed DFlash 2 drafter)",
         "target": target_dir, "max_new_tokens": args.max_new_tokens, "block_size": facts["block_size"],
-        "ours_s": ours["seconds"], "vllm_wall_s": {n: r["wall_s"] for n, r in
+        "train_s": train_s, "ours_s": ours["seconds"], "vllm_wall_s": {n: r["wall_s"] for n, r in
                                                    (("plain", plain), ("dflash", spec), ("dflash2_load", load2))},
     })
     print_figures(figures)
