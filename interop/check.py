@@ -141,8 +141,9 @@ def run_vllm(python: Path, job: dict, work: Path) -> dict:
         rc = subprocess.run(["nice", "-n", "10", str(python), str(HERE / "vllm_side.py"), str(job_path), str(out_path)],
                             stdout=log, stderr=subprocess.STDOUT).returncode
     if rc != 0 or not out_path.is_file():
-        tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or [""]
-        raise Failed(f"vLLM {name} exited {rc} ({tail[0][:200]}); full log: {log_path}")
+        lines = log_path.read_text(errors="replace").strip().splitlines() or [""]
+        why = next((ln for ln in reversed(lines) if "Error" in ln or "error:" in ln), lines[-1])
+        raise Failed(f"vLLM {name} exited {rc} ({why.strip()[:300]}); full log: {log_path} (rerun with --keep)")
     out = json.loads(out_path.read_text())
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     return out
