@@ -293,6 +293,7 @@ def profile(
     step_stage: Optional[str] = typer.Option(None, "--step-stage", help="The trainer stage (default: DrafterStep, else the sink)."),
     tracking: bool = typer.Option(False, "--tracking/--no-tracking", help="Also log the run and the profile to MLflow."),
     out: Optional[Path] = typer.Option(None, "--out", help="Where the JSON goes (default: OUTPUT_DIR/profile.json)."),
+    windows: int = typer.Option(6, "--windows", min=1, max=1000, help="Equal parts of the window; their spread gives `plan` its interval (2 or more)."),
 ) -> None:
     """Run N trainer steps and show where the time goes: per-replica load, items/s, queues, bottleneck."""
     from dflash_flow.app.profile import profile_command
@@ -303,7 +304,7 @@ def profile(
     if out is not None:  # checked now, not after the whole profile has run
         _check_output_file(out, "--out", make_parents=True)
     code = profile_command(file, v, steps=steps, warmup_steps=warmup, interval_s=interval, step_stage=step_stage,
-                           tracking=tracking, out=out)
+                           tracking=tracking, out=out, windows=windows)
     _exit_now_if_threads_stuck(code)
     raise typer.Exit(code)
 
@@ -317,14 +318,17 @@ def plan(
     steps: int = typer.Option(20, "--steps", min=1, help="Steps to profile when there is no profile."),
     target_stage: Optional[str] = typer.Option(None, "--target-stage", help="The stage placed one replica per GPU (default: the TargetForward)."),
     padder_stage: Optional[str] = typer.Option(None, "--padder-stage", help="The CPU stage sized per rank (default: the Padder)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write the plan (every split, its 90% interval, the notes) as JSON here."),
     set_: Optional[list[str]] = SetOpt,
 ) -> None:
-    """Predict steps/s and samples/s for each split of N GPUs and recommend one."""
+    """Predict steps/s and samples/s (with a 90% interval) for each split of N GPUs and recommend one."""
     from dflash_flow.app.splitplan import plan_command
 
     v = _load(file, set_, check_devices=False)
+    if out is not None:
+        _check_output_file(out, "--out", make_parents=True)
     raise typer.Exit(plan_command(file, v, gpus=gpus, profile_path=profile_path, allreduce_at_two=allreduce_s,
-                                  steps=steps, target_stage=target_stage, padder_stage=padder_stage))
+                                  steps=steps, target_stage=target_stage, padder_stage=padder_stage, out=out))
 
 
 def _exit_interrupted_on_late_signals() -> None:

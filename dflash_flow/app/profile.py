@@ -12,6 +12,11 @@ the replica-seconds of work per trained batch (``work_s_per_batch``) and the ite
 batch. Every poll also records each input queue's depth: min/mean/max per queue over the window, and
 the series. The bottleneck verdict is the Monitor's (``observe.bottleneck``) over the window.
 
+Repeated windows: the window is also cut into ``windows`` equal parts by trainer batches (the first poll
+past each cut), and each part's busy seconds and items are kept (``Profile.windows``), with each stage's
+standard deviation of work per batch over them (``work_s_sd``): ``app.splitplan`` turns the parts into
+an interval for every prediction (batch means). A version-1 profile (no parts) still loads and plans.
+
 Balanced replica counts: the stages that cannot be replicated (sources that do not shard, singletons,
 the trainer) cap the pipeline at ``min r / work_s_per_batch`` batches/s; every other stage gets
 ``ceil(work_s_per_batch * X*)`` replicas, just enough not to limit it at ``X*``, that cap (or less, when
@@ -33,14 +38,17 @@ import attrs
 from dflash_flow.app.profile_data import (  # noqa: E402,F401
     ACTIVE,
     DEFAULT_INTERVAL_S,
+    DEFAULT_WINDOWS,
     MAX_SERIES_POINTS,
     PROFILE_VERSION,
+    READABLE_VERSIONS,
     Profile,
     ProfileError,
     QueueSeries,
     QueueStats,
     ReplicaProfile,
     StageProfile,
+    Window,
     balanced_replicas,
     build_profile,
     direct_feeders,
@@ -61,8 +69,13 @@ class _Sampler:
     """Reads the runtime's sampler (``core.sampler``: the one the Monitor reads too) every ``interval_s``,
     opens and closes the window, then cancels the pipeline."""
 
-    def __init__(self, pipeline: Any, step_stage: str, start_at: int, end_at: int, interval_s: float):
+    def __init__(self, pipeline: Any, step_stage: str, start_at: int, end_at: int, interval_s: float,
+                 windows: int = 1):
         self.pipeline = pipeline
+        self.windows = max(1, min(int(windows), end_at - start_at))
+        self.cut_at: list[int] = []  # trainer batches at which the parts after the first open
+        self.cuts: list[RuntimeSnapshot] = []
+        self._next_cut = 0
         self.step_stage = step_stage
         self.start_at = start_at
         self.end_at = end_at
@@ -114,9 +127,15 @@ class _Sampler:
                 self.start = snap
                 # The window holds the asked-for steps from where it really opened (a poll can land
                 # past start_at, e.g. while a replica was still setting up).
-                self.end_at = taken + (self.end_at - self.start_at)
+                n = self.end_at - self.start_at
+                self.end_at = taken + n
+                self.cut_at = [taken + round(j * n / self.windows) for j in range(1, self.windows)]
         elif taken >= self.end_at:
             self.end = snap
+        elif self._next_cut < len(self.cut_at) and taken >= self.cut_at[self._next_cut]:
+            self.cuts.append(snap)  # one cut even when a poll passes several (slow polls: fewer parts)
+            while self._next_cut < len(self.cut_at) and taken >= self.cut_at[self._next_cut]:
+                self._next_cut += 1
 
     def queue_series(self) -> QueueSeries:
         n = len(self.times)
@@ -139,8 +158,10 @@ def profile(
     tracking: bool = False,
     output_dir: str | Path | None = None,
     services: Any = None,
+    windows: int = DEFAULT_WINDOWS,
 ) -> Profile:
-    """Run ``v`` for ``warmup_steps + steps`` optimizer steps of its trainer and profile the last ``steps``.
+    """Run ``v`` for ``warmup_steps + steps`` optimizer steps of its trainer and profile the last ``steps``,
+    cut into ``windows`` equal parts (fewer when the window has fewer batches).
 
     ``tracking``: log the run (the Monitor's samples) and the profile to the pipeline's MLflow store
     (``tracking:`` section). Raises ``ProfileError`` when the pipeline ends before the window opens, and
@@ -152,6 +173,8 @@ def profile(
 
     if steps < 1 or warmup_steps < 0:
         raise ProfileError(f"steps must be >= 1 and warmup >= 0, got steps={steps}, warmup={warmup_steps}")
+    if windows < 1:
+        raise ProfileError(f"--windows must be >= 1 (2 or more for an interval), got {windows}")
     step_stage = step_stage or find_step_stage(v)
     if step_stage not in v.classes:
         raise ProfileError(f"--step-stage: no stage named '{step_stage}' (stages: {', '.join(v.order)})")
@@ -165,7 +188,7 @@ def profile(
     pipeline = Pipeline(v, services=services, output_dir=out_dir)
     status = "FAILED"
     try:
-        with _Sampler(pipeline, step_stage, start_at, end_at, interval_s) as sampler:
+        with _Sampler(pipeline, step_stage, start_at, end_at, interval_s, windows) as sampler:
             try:
                 pipeline.run()
             except PipelineInterrupted:
@@ -181,7 +204,7 @@ def profile(
         result = build_profile(
             v, sampler.start, sampler.end or final, step_stage=step_stage, steps=steps, warmup_batches=start_at,
             complete=sampler.end is not None, elapsed_s=final.elapsed_s, depths=sampler.window_depths,
-            series=sampler.queue_series(), interval_s=interval_s,
+            series=sampler.queue_series(), interval_s=interval_s, cuts=sampler.cuts,
         )
         status = "FINISHED"
         if tracker is not None:
@@ -242,9 +265,10 @@ def load_profile(path: str | Path) -> Profile:
         raise ProfileError(f"{path}: cannot read the profile: {exc.strerror or exc}") from exc
     except ValueError as exc:
         raise ProfileError(f"{path}: not a profile (invalid JSON: {exc})") from exc
-    if not isinstance(data, dict) or data.get("version") != PROFILE_VERSION:
+    if not isinstance(data, dict) or data.get("version") not in READABLE_VERSIONS:
         found = data.get("version") if isinstance(data, dict) else type(data).__name__
-        raise ProfileError(f"{path}: not a profile of version {PROFILE_VERSION} (found {found!r}); "
+        known = " or ".join(str(n) for n in READABLE_VERSIONS)
+        raise ProfileError(f"{path}: not a profile of version {known} (found {found!r}); "
                            "write one with `dflash-flow profile`")
     try:
         return cattrs.Converter().structure(data, Profile)
@@ -268,17 +292,21 @@ def render_profile(p: Profile, *, width: int = 110) -> str:
         head += f", {p.tokens_per_s:,.0f} tokens/s"
     if not p.complete:
         head += f"; the pipeline ended before {p.steps} steps"
+    head += (f"; spread over {len(p.windows)} parts of the window" if len(p.windows) > 1 else
+             "; no spread measured (one part)" if p.version >= 2 else
+             "; no spread measured: re-profile with this version for an interval")
     rows = []
     for s in p.stages.values():
+        sd = _pct(s.work_s_sd / s.work_s_per_batch) if s.work_s_sd is not None and s.work_s_per_batch > 0 else None
         rows.append([s.name, s.replicas, _pct(s.busy), _pct(s.blocked_in), _pct(s.blocked_out), s.items_per_s,
-                     s.service_s, s.items_per_batch, s.work_s_per_batch])
+                     s.service_s, s.items_per_batch, s.work_s_per_batch, sd])
         if s.replicas > 1:
             for r in s.per_replica:
                 handled = r.items_in or r.items_out
                 rows.append([f"  [{r.replica}] {r.device}", None, _pct(r.busy), _pct(r.blocked_in), _pct(r.blocked_out),
-                             r.items_per_s, r.busy_s / handled if handled else None, None, None])
+                             r.items_per_s, r.busy_s / handled if handled else None, None, None, None])
     parts = [head, render_table(rows, ["stage", "replicas", "busy", "starved", "blocked out", "items/s", "s/item",
-                                       "items/batch", "work s/batch"], width=width)]
+                                       "items/batch", "work s/batch", "sd"], width=width)]
     qrows = []
     for s in p.stages.values():
         for r in s.per_replica:
@@ -304,6 +332,7 @@ def profile_command(
     step_stage: str | None,
     tracking: bool,
     out: Path | None,
+    windows: int = DEFAULT_WINDOWS,
 ) -> int:
     """``dflash-flow profile``: run, print the tables, write the JSON; an exit code."""
     from dflash_flow.app.exits import (
@@ -320,7 +349,7 @@ def profile_command(
     out_dir = v.graph.run_dir
     try:
         result = profile(v, steps, warmup_steps=warmup_steps, interval_s=interval_s, step_stage=step_stage,
-                         tracking=tracking, output_dir=out_dir)
+                         tracking=tracking, output_dir=out_dir, windows=windows)
     except ProfileError as exc:
         print(f"error: {file}: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR

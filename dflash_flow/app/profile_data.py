@@ -1,7 +1,8 @@
 """What a profile holds and how it is built from two snapshots (``app.profile`` runs one): per stage and
 replica the window fractions, items/s, seconds per item and per trained batch, the queue depths, the
-bottleneck, and the balanced replica counts; and the graph facts a profile needs (the trainer, its feeders,
-what can be replicated)."""
+bottleneck, and the balanced replica counts; the window's equal parts (``Window``: each part's trainer
+batches and every stage's busy seconds and items, from which ``app.splitplan`` makes an interval); and the
+graph facts a profile needs (the trainer, its feeders, what can be replicated)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from dflash_flow.core.validate import Validated
 from dflash_flow.observe.bottleneck import Bottleneck, StageLoad, find_bottleneck
 from dflash_flow.observe.schema import metric
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: the window's parts (``windows``) and each stage's spread over them
+READABLE_VERSIONS = (1, 2)  # version 1 has no parts: it plans, without an interval
+DEFAULT_WINDOWS = 6  # parts of the measured window (an interval needs at least 2)
 DEFAULT_INTERVAL_S = 0.1
 MAX_SERIES_POINTS = 400  # the queue-depth series kept in profile.json (evenly thinned)
 ACTIVE = frozenset({ReplicaState.WAITING, ReplicaState.BUSY, ReplicaState.BLOCKED, ReplicaState.TEARDOWN,
@@ -76,6 +79,8 @@ class StageProfile:
     service_s: float | None = metric("service_s", reduce="max", default=None, doc="Replica-seconds of work per item")
     items_per_batch: float = metric("items_per_batch", reduce="mean", default=0.0, doc="Items handled per trained batch")
     work_s_per_batch: float = metric("work_s_per_batch", reduce="max", default=0.0, doc="Replica-seconds of work per trained batch")
+    work_s_sd: float | None = metric("work_s_sd", reduce="max", default=None,
+                                     doc="Standard deviation of work_s_per_batch over the window's parts (None: one part, or a version-1 profile)")
     queue: QueueStats | None = metric("queue", default=None, doc="Its input queues together")
     per_replica: tuple[ReplicaProfile, ...] = metric("replica", factory=tuple, doc="The same per replica")
 
@@ -83,6 +88,21 @@ class StageProfile:
     def max_batches_per_s(self) -> float:
         """The trained batches per second this stage alone allows with its replicas."""
         return self.replicas / self.work_s_per_batch if self.work_s_per_batch > 0 else math.inf
+
+
+@attrs.frozen
+class Window:
+    """One of the equal parts (by trainer batches) of the measured window: what an interval is made of.
+    ``busy_s[stage]``: replica-seconds busy in the part; ``handled[stage]``: items it took (emitted, for a
+    source); ``samples`` / ``tokens``: what the trainer's batches held (None without those counters)."""
+
+    start_s: float  # seconds since the window opened
+    window_s: float
+    batches: int
+    samples: float | None = None
+    tokens: float | None = None
+    busy_s: dict[str, float] = attrs.field(factory=dict)
+    handled: dict[str, int] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -118,10 +138,28 @@ class Profile:
     balanced_replicas: dict[str, int] = metric("profile/balanced_replicas", reduce="max", factory=dict, doc="Replicas that balance the pipeline")
     interval_s: float = DEFAULT_INTERVAL_S
     queues: QueueSeries = attrs.field(factory=QueueSeries)
+    windows: list[Window] = attrs.field(factory=list)
     version: int = PROFILE_VERSION
 
     def stage(self, name: str) -> StageProfile:
         return self.stages[name]
+
+    def window_work(self, w: Window) -> dict[str, float]:
+        return window_work(self.stages, w)
+
+
+def window_work(stages: Mapping[str, StageProfile], w: Window) -> dict[str, float]:
+    """Every stage's replica-seconds of work per trained batch in the part ``w``: its seconds per item
+    there times its items per batch over the whole window (a part's own item count would also count what
+    a stage queued ahead), or its busy seconds per batch when it took no item in the part."""
+    out = {}
+    for name, s in stages.items():
+        busy, handled = w.busy_s.get(name, 0.0), w.handled.get(name, 0)
+        if handled > 0:
+            out[name] = busy / handled * s.items_per_batch
+        else:
+            out[name] = busy / w.batches if w.batches else s.work_s_per_batch
+    return out
 
 
 # ------------------------------------------------------------------------------------ computation
@@ -272,8 +310,10 @@ def build_profile(
     depths: Mapping[str, Mapping[int, list[int]]] | None = None,
     series: QueueSeries | None = None,
     interval_s: float = DEFAULT_INTERVAL_S,
+    cuts: list[RuntimeSnapshot] | None = None,
 ) -> Profile:
-    """The profile of the window from ``start`` to ``end`` (pure: the tests feed it snapshots)."""
+    """The profile of the window from ``start`` to ``end`` (pure: the tests feed it snapshots); ``cuts``:
+    the snapshots inside it that part it (``Window``), in order."""
     window = max(end.time - start.time, 1e-9)
     trainer_end, trainer_start = end.stages[step_stage], start.stages[step_stage]
     batches = sum(r.items_in for r in trainer_end.replicas) - sum(r.items_in for r in trainer_start.replicas)
@@ -294,6 +334,9 @@ def build_profile(
     }
     sinks = {step_stage}
     verdict = find_bottleneck(loads, sinks=sinks, edges=_edges(v)) if loads else None
+    windows = window_parts(v, [start, *(cuts or []), end], step_stage)
+    if len(windows) > 1:
+        stages = _with_spread(stages, windows)
     grad_accum = grad_accum_of(v, step_stage)
     samples = _per_batch(trainer_end, trainer_start, "samples", batches)
     tokens = _per_batch(trainer_end, trainer_start, "tokens", batches)
@@ -319,7 +362,45 @@ def build_profile(
         balanced_replicas=balanced_replicas(stages),
         interval_s=interval_s,
         queues=series or QueueSeries(),
+        windows=windows,
     )
+
+
+def _handled(st: StageSnapshot, is_source: bool) -> int:
+    return sum(r.items_out if is_source else r.items_in for r in st.replicas)
+
+
+def window_parts(v: Validated, snaps: list[RuntimeSnapshot], step_stage: str) -> list[Window]:
+    """The parts between consecutive snapshots (a part with no trainer batch is dropped)."""
+    out = []
+    t0 = snaps[0].time
+    for a, b in zip(snaps, snaps[1:], strict=False):
+        batches = _handled(b.stages[step_stage], False) - _handled(a.stages[step_stage], False)
+        if batches <= 0:
+            continue
+        busy, handled = {}, {}
+        for name, cur in b.stages.items():
+            prev = {r.replica: r for r in a.stages[name].replicas}
+            src = v.classes[name].is_source()
+            busy[name] = sum(_delta(r, prev.get(r.replica))[0] for r in cur.replicas)
+            handled[name] = _handled(cur, src) - _handled(a.stages[name], src)
+        samples = _counter(b.stages[step_stage], "samples")
+        tokens = _counter(b.stages[step_stage], "tokens")
+        out.append(Window(
+            start_s=a.time - t0, window_s=max(b.time - a.time, 1e-9), batches=batches,
+            samples=samples - (_counter(a.stages[step_stage], "samples") or 0.0) if samples is not None else None,
+            tokens=tokens - (_counter(a.stages[step_stage], "tokens") or 0.0) if tokens is not None else None,
+            busy_s=busy, handled=handled,
+        ))
+    return out
+
+
+def _with_spread(stages: dict[str, StageProfile], windows: list[Window]) -> dict[str, StageProfile]:
+    """``stages`` with each one's ``work_s_sd`` over ``windows``."""
+    import statistics
+
+    works = [window_work(stages, w) for w in windows]
+    return {n: attrs.evolve(s, work_s_sd=statistics.stdev(w[n] for w in works)) for n, s in stages.items()}
 
 
 # --------------------------------------------------------------------------------------- the graph

@@ -20,14 +20,25 @@ Splits: every D with at least two GPUs per rank (``T = N // D - 1`` targets; lef
 per rank just enough not to limit (``ceil(w_padder * X)``). The recommendation is the split with the most
 samples/s; within 2% of it, the one using fewer GPUs, then fewer ranks (less memory, no all-reduce).
 Validation against real runs: ``bench/profile_bench.py`` and ``tests/app/test_splitplan.py``.
+
+The confidence. A profile of version 2 keeps its window cut into k equal parts (``Profile.windows``).
+Every prediction is also made from each part's own work per batch (and, for samples/s, the part's own
+samples per batch), which gives k values x_i; the 90% interval is the batch-means one,
+``x +- t(0.95, k-1) * sd(x_i) / sqrt(k)`` about the prediction x from the whole window: an interval for the
+steady-state rate of this machine's pipeline while it was profiled (not for a later run's drift in the
+machine's load). Two splits are *within the noise* when the same interval of their per-part difference
+holds 0. A profile without parts (version 1, or one part) plans as before, with a note instead.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import statistics
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -36,15 +47,74 @@ from dflash_flow.app.profile import Profile, ProfileError
 TARGET_TYPE = "TargetForward"
 PADDER_TYPE = "Padder"
 TIE = 0.02  # splits within 2% of the best count as equal
+LEVEL = 0.90  # the intervals' confidence
+# Student's t, one-sided 0.95 quantile (a two-sided 90% interval), 1..30 degrees of freedom.
+_T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753,
+        1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697)
+NO_SPREAD = "no spread measured: re-profile with this version (`dflash-flow profile`) for an interval"
+
+
+def t95(df: int) -> float:
+    """The 0.95 quantile of Student's t with ``df`` degrees of freedom (past 30: a one-term expansion)."""
+    if df < 1:
+        raise ValueError("df must be >= 1")
+    if df <= len(_T95):
+        return _T95[df - 1]
+    z = 1.6449
+    return z + (z**3 + z) / (4 * df)
+
+
+@attrs.frozen
+class Interval:
+    """A ``LEVEL`` interval from ``windows`` parts of the profile's window."""
+
+    low: float
+    high: float
+    windows: int
+    level: float = LEVEL
+
+    def __contains__(self, x: float) -> bool:
+        return self.low <= x <= self.high
+
+    @property
+    def half_width(self) -> float:
+        return (self.high - self.low) / 2
+
+
+def batch_means(centre: float, per_window: Sequence[float]) -> Interval | None:
+    """``centre +- t(0.95, k-1) * sd / sqrt(k)`` over the ``k`` per-part values; None below two parts or
+    when a value is not finite."""
+    k = len(per_window)
+    if k < 2 or not math.isfinite(centre) or not all(math.isfinite(x) for x in per_window):
+        return None
+    half = t95(k - 1) * statistics.stdev(per_window) / math.sqrt(k)
+    return Interval(low=centre - half, high=centre + half, windows=k)
 
 
 @attrs.frozen
 class Prediction:
-    """Predicted batches per second of one rank, the stage that sets it and every stage's own limit."""
+    """Predicted batches per second of one rank, the stage that sets it and every stage's own limit;
+    ``per_window``: the same prediction from each part of the profile's window (empty without parts)."""
 
     batches_per_s: float
     limit: str
     rates: dict[str, float]
+    per_window: tuple[float, ...] = ()
+
+    @property
+    def interval(self) -> Interval | None:
+        return batch_means(self.batches_per_s, self.per_window)
+
+
+def _min_rate(work: Mapping[str, float], profile: Profile, replicas: Mapping[str, int],
+              extra: Mapping[str, float]) -> dict[str, float]:
+    rates = {}
+    for name, s in profile.stages.items():
+        if s.observer:
+            continue
+        w = work[name] + float(extra.get(name, 0.0))
+        rates[name] = replicas.get(name, s.replicas) / w if w > 0 else math.inf
+    return rates
 
 
 def predict(
@@ -60,14 +130,11 @@ def predict(
     unknown = sorted(set(replicas) - set(profile.stages))
     if unknown:
         raise ProfileError(f"no stage named {', '.join(unknown)} in the profile of {profile.pipeline}")
-    rates = {}
-    for name, s in profile.stages.items():
-        if s.observer:
-            continue
-        w = s.work_s_per_batch + float(extra.get(name, 0.0))
-        rates[name] = replicas.get(name, s.replicas) / w if w > 0 else math.inf
+    rates = _min_rate({n: s.work_s_per_batch for n, s in profile.stages.items()}, profile, replicas, extra)
     limit = min(rates, key=lambda n: rates[n])
-    return Prediction(batches_per_s=rates[limit], limit=limit, rates=rates)
+    per_window = tuple(min(_min_rate(profile.window_work(w), profile, replicas, extra).values())
+                       for w in profile.windows)
+    return Prediction(batches_per_s=rates[limit], limit=limit, rates=rates, per_window=per_window)
 
 
 def allreduce_s(ranks: int, at_two: float) -> float:
@@ -88,10 +155,36 @@ class Split:
     samples_per_s: float | None
     tokens_per_s: float | None
     limit: str
+    per_window: tuple[float, ...] = ()  # the score (samples/s, else batches/s of the job) from each part
 
     @property
     def score(self) -> float:
         return self.samples_per_s if self.samples_per_s is not None else self.batches_per_s_rank * self.ranks
+
+    @property
+    def interval(self) -> Interval | None:
+        """The score's ``LEVEL`` interval (None without parts)."""
+        return batch_means(self.score, self.per_window)
+
+
+def within_noise(a: Split, b: Split) -> bool | None:
+    """Whether the interval of the per-part difference of two splits' scores holds 0 (the parts cannot
+    rank them); None without parts."""
+    if len(a.per_window) < 2 or len(a.per_window) != len(b.per_window):
+        return None
+    diff = batch_means(a.score - b.score, [x - y for x, y in zip(a.per_window, b.per_window, strict=True)])
+    return None if diff is None else 0.0 in diff
+
+
+def _per_window_score(profile: Profile, per_window: Sequence[float], ranks: int) -> tuple[float, ...]:
+    out = []
+    for x, w in zip(per_window, profile.windows, strict=True):
+        if profile.samples_per_batch is None:
+            out.append(x * ranks)
+        else:
+            spb = w.samples / w.batches if w.samples is not None and w.batches else profile.samples_per_batch
+            out.append(x * ranks * spb)
+    return tuple(out)
 
 
 def stage_of_type(profile: Profile, type_name: str) -> str | None:
@@ -137,6 +230,7 @@ def evaluate_split(
         samples_per_s=x * ranks * profile.samples_per_batch if profile.samples_per_batch is not None else None,
         tokens_per_s=x * ranks * profile.tokens_per_batch if profile.tokens_per_batch is not None else None,
         limit=pred.limit,
+        per_window=_per_window_score(profile, pred.per_window, ranks),
     )
 
 
@@ -173,23 +267,83 @@ def recommend(splits: list[Split]) -> Split:
     return min(close, key=lambda s: (s.gpus_used, s.ranks))
 
 
+def _num(x: float | None) -> str:
+    if x is None or not math.isfinite(x):
+        return "-"
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+def _name(s: Split) -> str:
+    return f"{s.ranks} x {s.targets_per_rank}"
+
+
+def unit(profile: Profile) -> str:
+    return "samples/s" if profile.samples_per_batch is not None else "batches/s"
+
+
+def confidence(profile: Profile, s: Split) -> str:
+    """``312 samples/s, 90% interval 290-335, from 6 windows`` (or the no-spread note)."""
+    iv = s.interval
+    head = f"{_num(s.score)} {unit(profile)}"
+    if iv is None:
+        return f"{head}; " + (NO_SPREAD if len(profile.windows) < 2 else "no interval (a stage costs nothing)")
+    pct = 100 * iv.half_width / s.score if s.score else math.inf
+    return f"{head}, {iv.level:.0%} interval {_num(iv.low)}-{_num(iv.high)} (+-{pct:.0f}%), from {iv.windows} windows"
+
+
+def noise_notes(profile: Profile, splits: list[Split], chosen: Split) -> list[str]:
+    """The splits the parts cannot rank apart from the recommended one."""
+    close = [s for s in splits if s != chosen and within_noise(chosen, s)]
+    if not close:
+        return []
+    names = ", ".join(f"{_name(s)} ({_num(s.score)})" for s in close)
+    return [f"within the noise: splits {_name(chosen)} and {names} cannot be ranked apart "
+            f"(the {LEVEL:.0%} interval of their difference over the windows holds 0); profile more steps to tell"]
+
+
 def render_plan(profile: Profile, splits: list[Split], chosen: Split, gpus: int, *, width: int = 120) -> str:
     from dflash_flow.observe.console import render_table
 
+    def iv(s: Split) -> str:
+        i = s.interval
+        return f"{_num(i.low)}-{_num(i.high)}" if i is not None else "-"
+
     rows = [
-        ["*" if s == chosen else "", s.ranks, s.targets_per_rank, s.padders_per_rank, s.gpus_used, s.idle_gpus,
-         s.limit, s.batches_per_s_rank, s.steps_per_s, s.samples_per_s, s.tokens_per_s, s.allreduce_s]
+        ["*" if s == chosen else "", _name(s), s.padders_per_rank, s.gpus_used, s.idle_gpus,
+         s.limit, s.batches_per_s_rank, s.steps_per_s, s.samples_per_s, iv(s), s.tokens_per_s, s.allreduce_s]
         for s in splits
     ]
-    cols = ["", "ranks", "targets", "padders", "GPUs", "idle", "limit", "batches/s", "steps/s", "samples/s",
-            "tokens/s", "all-reduce s"]
+    cols = ["", "ranks x targets", "padders", "GPUs", "idle", "limit", "batches/s", "steps/s", "samples/s",
+            f"{unit(profile)} {LEVEL:.0%}", "tokens/s", "all-reduce s"]
     head = (f"plan for {gpus} GPUs from the profile of {profile.pipeline} ({profile.batches} batches, "
             f"{profile.batches_per_s:.3g} batches/s measured). Each rank: its TargetForward GPUs (targets) + "
             "one DrafterStep GPU, padders on CPU; batches/s per rank, steps/s and samples/s of the job")
     pad = f", {chosen.padders_per_rank} padder(s)" if chosen.padders_per_rank is not None else ""
     tail = (f"recommended: {chosen.ranks} rank(s) x ({chosen.targets_per_rank} TargetForward + 1 DrafterStep){pad}; "
-            f"limited by {chosen.limit}")
-    return "\n".join([head, render_table(rows, cols, width=width), tail])
+            f"limited by {chosen.limit}; {confidence(profile, chosen)}")
+    return "\n".join([head, render_table(rows, cols, width=width), tail, *noise_notes(profile, splits, chosen)])
+
+
+def plan_to_json(profile: Profile, splits: list[Split], chosen: Split, gpus: int) -> dict[str, Any]:
+    """The plan as data: every split with its interval, the recommendation and the notes."""
+
+    def one(s: Split) -> dict[str, Any]:
+        i = s.interval
+        out = {k: v for k, v in attrs.asdict(s).items() if k != "per_window"}
+        out.update(score=s.score, unit=unit(profile), interval=None if i is None else attrs.asdict(i),
+                   within_noise_of_recommended=None if s == chosen else within_noise(chosen, s))
+        return out
+
+    return {
+        "gpus": gpus,
+        "pipeline": profile.pipeline,
+        "profile_version": profile.version,
+        "windows": len(profile.windows),
+        "splits": [one(s) for s in splits],
+        "recommended": one(chosen),
+        "summary": confidence(profile, chosen),
+        "notes": noise_notes(profile, splits, chosen),
+    }
 
 
 def plan_command(
@@ -202,9 +356,11 @@ def plan_command(
     steps: int,
     target_stage: str | None,
     padder_stage: str | None,
+    out: Path | None = None,
 ) -> int:
-    """``dflash-flow plan``: the table and the recommendation; profiles first when there is no profile
-    (``--profile``, else OUTPUT/profile.json, else a new ``steps``-step profile)."""
+    """``dflash-flow plan``: the table and the recommendation with its interval (``out``: also as JSON);
+    profiles first when there is no profile (``--profile``, else OUTPUT/profile.json, else a new
+    ``steps``-step profile)."""
     from dflash_flow.app.exits import EXIT_OK, EXIT_USER_ERROR
     from dflash_flow.app.profile import load_profile, profile_command
 
@@ -223,5 +379,11 @@ def plan_command(
     except ProfileError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
-    print(render_plan(prof, splits, recommend(splits), gpus))
+    chosen = recommend(splits)
+    print(render_plan(prof, splits, chosen, gpus))
+    if out is not None:
+        from dflash_flow.util import atomic_write_text
+
+        atomic_write_text(out, json.dumps(plan_to_json(prof, splits, chosen, gpus), indent=1) + "\n")
+        print(f"wrote {out}", file=sys.stderr)
     return EXIT_OK

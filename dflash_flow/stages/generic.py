@@ -48,13 +48,25 @@ class Range(Source):
 
 @attrs.define(kw_only=True, eq=False)
 class Delay(Stage):
-    """Passes items through after `service_s` seconds of GIL-free work (a stand-in for a GPU kernel)."""
+    """Passes items through after `service_s` seconds of GIL-free work (a stand-in for a GPU kernel), each
+    item's time drawn uniformly from `service_s +- jitter_s` when `jitter_s` is set (seeded per replica)."""
 
     service_s: float = cfg(0.0, ge=0, le=limits.MAX_SECONDS, result=False, doc="Seconds per item.")
+    jitter_s: float = cfg(0.0, ge=0, le=limits.MAX_SECONDS, result=False,
+                          doc="Each item's time is uniform in service_s +- jitter_s (at most service_s).")
+
+    def setup(self, ctx) -> None:
+        import random
+
+        self._rng = random.Random(ctx.seed_for(0, "jitter"))
 
     def process(self, item):
-        if self.service_s:
-            time.sleep(self.service_s)
+        delay = self.service_s
+        if self.jitter_s:
+            j = min(self.jitter_s, self.service_s)
+            delay += self._rng.uniform(-j, j)
+        if delay > 0:
+            time.sleep(delay)
         return (item,)
 
 

@@ -129,7 +129,7 @@ def test_load_profile_names_the_file(tmp_path):
     with pytest.raises(ProfileError, match=r"bad\.json: not a profile \(invalid JSON"):
         load_profile(bad)
     bad.write_text(json.dumps({"version": 99}))
-    with pytest.raises(ProfileError, match="not a profile of version 1"):
+    with pytest.raises(ProfileError, match="not a profile of version 1 or 2"):
         load_profile(bad)
     with pytest.raises(ProfileError, match="cannot read"):
         load_profile(tmp_path / "missing.json")
