@@ -7,8 +7,8 @@ instead, at the step reports where any rank's interval ran out (the samples are 
 
 What it records (``services.record``, an ``observe.record.RunRecord``) is structured; it is flattened to
 MLflow keys only when logged (``observe.schema.mlflow_metrics``; the keys are in docs/metrics.md). At each
-epoch's end (the first step of the next epoch, the trainer's final report, or the end of input) it also
-logs the epoch's mean of every trainer metric under ``train_epoch/<metric>`` (``observe.sample.EpochPoint``):
+epoch's end (its last step; else the first step of the next epoch, the trainer's final report, or the end
+of input) it also logs the epoch's mean of every trainer metric under ``train_epoch/<metric>`` (``observe.sample.EpochPoint``):
 per-step values such as ``sim_accept_len`` swing from batch to batch, the epoch mean is the trend. It
 writes nothing at the end of the run: summary files, plots, uploads and the printed table are the
 application's end of run (``observe.report.write_run_report`` / ``summary_table``), which also runs
@@ -171,7 +171,9 @@ class Monitor(Stage):
             self._on_heldout(item)
         if (logged or windowed) and item.epoch is not None:
             self._open_epoch = (item.epoch, item.step)
-        if item.final:
+        if item.final or (item.meta is not None and item.meta.last_of_epoch and (logged or windowed)):
+            # The epoch's last step: its means go out with it, before a checkpoint of that step commits (a
+            # run killed after such a checkpoint resumes in the next epoch and would never log them).
             self._log_epoch_mean()
         return due
 

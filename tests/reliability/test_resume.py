@@ -185,6 +185,103 @@ def test_sigkill_at_random_steps_then_resume_is_exactly_once(reference):
         assert run.data.metrics["train/loss"] > 0
 
 
+def _metric_steps(db: Path, run_id: str) -> dict[str, list[int]]:
+    """Every metric of the run with the steps it was logged at, one entry per logged point."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    keys = client.get_run(run_id).data.metrics
+    return {k: sorted(m.step for m in client.get_metric_history(run_id, k)) for k in keys}
+
+
+def test_sigkill_with_grad_accum_3_and_tracking_logs_every_metric_step_exactly_once(reference):
+    """The matrix with gradient accumulation (3 micro-batches an optimizer step, so a checkpoint falls
+    between accumulations' ends only) and tracking on: two runs SIGKILLed (right after the epoch-end
+    checkpoint, and at a random batch), each resumed
+    with `--resume latest`, side by side with an uninterrupted run of the same pipeline. The batches splice
+    exactly, the weights equal the uninterrupted run's, and in MLflow every (metric, step) of the run is
+    there exactly once: no step logged twice (the steps between the checkpoint and the kill are trained
+    again), none of the uninterrupted run's training steps missing (buffered metrics were flushed before
+    each checkpoint committed)."""
+    seed = int(os.environ.get("DFLASH_RELIABILITY_SEED", time.time_ns() % 10**6))
+    rng = random.Random(seed)
+    n = len(reference["batches"])  # grad_accum does not change the plan: the same batches, in the same order
+    db = reference["root"] / "mlflow.db"
+
+    def start(name: str):
+        root = reference["root"] / name
+        root.mkdir()
+        doc = train_pipeline(reference["root"], data=reference["data"], output_dir=root / "out",
+                             overrides={"drafter": {"grad_accum": 3}})
+        path = write_yaml(root / "pipeline.yaml", doc)
+        return {"root": root, "out": root / "out", "path": path,
+                "proc": start_cli(["run", path], cwd=root, log=root / "first.log")}
+
+    ref = start("accum3-reference")
+    # Trial 0 is killed as soon as the checkpoint of epoch 0's last step is there (the resumed run starts in
+    # epoch 1: epoch 0's means must already be in MLflow); trial 1 at a random batch of the second half.
+    trials = [start("accum3-kill0"), start("accum3-kill1")]
+    trials[0]["kill_at"] = None
+    trials[0]["where"] = f"(seed {seed}, trial 0, kill right after the epoch-end checkpoint)"
+    trials[1]["kill_at"] = rng.randint(n // 2 + 1, n - 2)
+    trials[1]["where"] = f"(seed {seed}, trial 1, kill after {trials[1]['kill_at']} batches)"
+
+    def due(t) -> bool:
+        if t["kill_at"] is not None:
+            return count_complete_lines(t["out"] / "batches.jsonl") >= t["kill_at"]
+        try:
+            return _checkpoint(t["out"])["stage_states"]["drafter"][0]["epoch_done"] is True
+        except (OSError, ValueError, KeyError):
+            return False
+
+    try:
+        deadline = time.monotonic() + 180
+        pending = list(trials)
+        while pending and time.monotonic() < deadline:
+            for t in list(pending):
+                if due(t) or t["proc"].poll() is not None:
+                    kill_hard(t["proc"])
+                    pending.remove(t)
+            time.sleep(0.005)
+        assert not pending, "runs did not reach their kill points in time"
+    finally:
+        for t in trials:
+            if t["proc"].returncode is None:
+                kill_hard(t["proc"])
+    for t in trials:
+        assert t["proc"].returncode == -signal.SIGKILL, f"the run ended before the kill {t['where']}: " + (t["root"] / "first.log").read_text()[-2000:]
+        t["before"] = read_lines(t["out"] / "batches.jsonl")
+        t["ck"] = ck = _checkpoint(t["out"])
+        assert ck["data_position"]["total"] == 3 * ck["step"], f"grad_accum 3: three batches a step {t['where']}"
+        t["proc"] = start_cli(["run", t["path"], "--resume", "latest"], cwd=t["root"], log=t["root"] / "resume.log")
+    code = finish(ref["proc"], 240)
+    assert code == 0, (ref["root"] / "first.log").read_text()[-3000:]
+    ref_batches = read_lines(ref["out"] / "batches.jsonl")
+    assert ref_batches == reference["batches"]
+    ref_steps = _metric_steps(db, summary(ref["out"])["mlflow_run_id"])
+    assert all(len(v) == len(set(v)) for v in ref_steps.values()), "the uninterrupted run logs each step once"
+    # The trainer's metrics of each step (not the per-position accuracies: a mean over each Monitor sample
+    # window, logged when the Monitor samples, so at steps that depend on timing).
+    trained = {k: v for k, v in ref_steps.items() if k.startswith(("train/", "train_epoch/")) and "accuracy_pos" not in k}
+    assert "train/loss" in trained and len(trained["train/loss"]) >= 5
+
+    for t in trials:
+        code = finish(t["proc"], 240)
+        where, out, ck, before = t["where"], t["out"], t["ck"], t["before"]
+        assert code == 0, f"{where}\n{(t['root'] / 'resume.log').read_text()[-3000:]}"
+        total = ck["data_position"]["total"]
+        after = read_lines(out / "batches.jsonl")[len(before):]
+        assert before[:total] + after == ref_batches, f"batch sequence after resume differs {where}"
+        _assert_same_weights(load_weights(ref["out"] / "drafter" / "model.safetensors"), out / "drafter" / "model.safetensors")
+        run_id = summary(out)["mlflow_run_id"]
+        assert run_id == ck["mlflow_run_id"] and mlflow_run(db, run_id).info.status == "FINISHED", where
+        steps = _metric_steps(db, run_id)
+        twice = {k: sorted({s for s in v if v.count(s) > 1}) for k, v in steps.items() if len(v) != len(set(v))}
+        assert not twice, f"(metric, step) logged more than once {where}: {dict(list(twice.items())[:5])}"
+        missing = {k: sorted(set(v) - set(steps.get(k, []))) for k, v in trained.items() if set(v) - set(steps.get(k, []))}
+        assert not missing, f"training steps never reached MLflow {where}: {dict(list(missing.items())[:5])}"
+
+
 def _stop_with(proc, sig: int, out: Path, at: int) -> int:
     wait_for_lines(out / "batches.jsonl", at, proc)
     assert proc.poll() is None, "the run ended before the signal"
