@@ -57,6 +57,8 @@ class Checkpoints(Protocol):
 
     def save(self, source: CheckpointSource, *, epoch_end: bool = False) -> Path | None: ...
 
+    def at_stop(self, source: CheckpointSource, *, trained: bool) -> Path | None: ...
+
 
 class Resume(Protocol):
     """The checkpoint a run continues from (``dflash_flow.app.checkpoint.Checkpoint``)."""
@@ -87,6 +89,34 @@ class Collective(Protocol):
     def gather_to_main(self, obj: Any) -> list[Any] | None: ...
 
 
+class StopConsensus(Protocol):
+    """The job's ranks agreeing on a stop (``dflash_flow.app.distributed.Distributed`` under torchrun; a
+    run in one process has none: its stop takes effect at once)."""
+
+    def agree_to_stop(self, stop_requested: bool) -> bool: ...
+
+
+class BatchLog(Protocol):
+    """The trained-batch log (``dflash_flow.observe.batchlog.BatchLog``)."""
+
+    def write(self, meta: Any) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Exported(Protocol):
+    path: Path
+    serve_commands: dict[str, str]  # engine -> the command that serves the export
+
+
+class Exporter(Protocol):
+    """Writes the final inference checkpoint inside the run's output directory
+    (``dflash_flow.model.export.DrafterExporter``)."""
+
+    def export(self, drafter: Any, state: dict[str, Any], out: str, *, target: str | None,
+               check_stop: Any = None) -> Exported: ...
+
+
 @attrs.define(eq=False, kw_only=True)
 class RunServices:
     tracker: MetricSink | None = None
@@ -95,15 +125,16 @@ class RunServices:
     record: RunRecord = attrs.field(factory=RunRecord)
     tokenizer: Any = None  # a tokenizer object for ChatSource stages given no tokenizer path
     dist: Collective | None = None  # set when the pipeline runs as one rank of a torchrun job
+    stop_consensus: StopConsensus | None = None  # under torchrun: the ranks agree on the step they stop after
+    exporter: Exporter | None = None  # None: the trainer stage exports into its context's output_dir
 
+    def open_batch_log(self, ctx: Any) -> BatchLog:
+        """The trained-batch log of a trainer stage: ``OUTPUT/batches.jsonl`` (one file per rank under
+        torchrun), continued by a resumed run, started afresh otherwise; refused through a link."""
+        from dflash_flow.observe.batchlog import BatchLog as FileBatchLog
 
-def agree_to_stop(dist: Collective | None, stop_requested: bool) -> bool:
-    """Whether any rank of the job was asked to stop (Ctrl-C, SIGTERM), agreed by every rank at the same
-    step (collective on the control group; the trainer's thread): the data position then is one for all of
-    them and no collective waits in vain. In one process: ``stop_requested``."""
-    if dist is None:
-        return stop_requested
-    return any(dist.all_gather_object(stop_requested))
+        return FileBatchLog(Path(ctx.output_dir), rank=ctx.rank, world_size=ctx.world_size,
+                            append=self.resume is not None)
 
 
 def services_of(ctx: Any) -> RunServices:

@@ -33,6 +33,15 @@ def is_within(path: str | os.PathLike, root: str | os.PathLike) -> bool:
     return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
 
 
+def refuse_outside(path: str | os.PathLike, root: str | os.PathLike) -> None:
+    """What the run writes stays inside its output directory, even past a symbolic link made mid-run."""
+    import errno
+
+    if not is_within(path, root):
+        raise PermissionError(errno.EACCES, f"refusing to write outside output_dir {root} (a symbolic link leads to "
+                              f"{os.path.realpath(path)})", str(path))
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, *, mode: int = 0o644, durable: bool = True) -> Iterator[Path]:
     """The one atomic write: yields a new temporary file beside ``path`` (created with O_EXCL, so never an

@@ -633,6 +633,13 @@ class CheckpointService:
     def after_step(self, source: Any, *, step: int, epoch_end: bool) -> Path | None:
         return self.save(source, epoch_end=epoch_end) if self.due(step, epoch_end) else None
 
+    def at_stop(self, source: Any, *, trained: bool) -> Path | None:
+        """The stop checkpoint (``on_signal``), when the trainer trained since its last one; under torchrun
+        every rank writes it regardless (the save is collective: no rank may skip it)."""
+        if self.on_signal and (trained or self.dist is not None):
+            return self.save(source)
+        return None
+
     def save(self, source: Any, *, epoch_end: bool = False) -> Path | None:
         """Write a checkpoint. Under torchrun every rank calls this at the same step (it is collective):
         the ranks' data positions are gathered, rank 0 writes once, and nobody goes on before it is done."""

@@ -51,6 +51,12 @@ class Distributed:
 
         dist.barrier(group=self.control)
 
+    def agree_to_stop(self, stop_requested: bool) -> bool:
+        """Whether any rank of the job was asked to stop (Ctrl-C, SIGTERM), agreed by every rank at the same
+        step (``RunServices.stop_consensus``; on the control group, from the trainer's thread): the data
+        position then is one for all of them and no collective waits in vain."""
+        return any(self.all_gather_object(stop_requested))
+
     def reduce_train(self, metrics: dict[str, float], position_accuracy: tuple[float, ...],
                      sample: bool) -> tuple[dict[str, float], tuple[float, ...], bool]:
         """One step's report combined over ranks; every rank gets the result: the scalar metrics

@@ -412,6 +412,7 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
     from dflash_flow.app.exits import EXIT_USER_ERROR, UserError, report_user_error
     from dflash_flow.core.fill import complete_stage_configs
     from dflash_flow.core.runtime import Pipeline
+    from dflash_flow.model.export import DrafterExporter
     from dflash_flow.observe.runinfo import redact_uri, run_params, run_tags
     from dflash_flow.observe.schema import HEADLINE_METRICS
     from dflash_flow.observe.tracking import Tracker, TrackingError
@@ -434,7 +435,10 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
                 print(f"resuming from {ckpt.path} (step {ckpt.step}, epoch {ckpt.epoch})"
                       + (" as a new run: the checkpoint is another run directory's, whose MLflow run stays as it is"
                          if fork else ""), file=sys.stderr)
-            services = RunServices(resume=ckpt, dist=dist_ctx)
+            # Under torchrun the ranks agree on the step they stop after (the Distributed is the consensus);
+            # the export is written inside the output directory only.
+            services = RunServices(resume=ckpt, dist=dist_ctx, stop_consensus=dist_ctx,
+                                   exporter=DrafterExporter(output_dir))
             pipeline = Pipeline(v, services=services, resume_state=build_resume_state(v, ckpt), output_dir=output_dir)
             services.checkpoints = CheckpointService(checkpointer, ck, stage_states=pipeline.state_dict, dist=dist_ctx)
             pictures = write_pictures(graph, output_dir) if main else []

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from dflash_flow.core.errors import CheckpointError
@@ -38,7 +39,7 @@ from dflash_flow.model.drafter import (
     draft_value,
 )
 from dflash_flow.model.export_contract import check_destination, read_json_object  # noqa: F401 - part of this API
-from dflash_flow.util import atomic_path, atomic_write_text
+from dflash_flow.util import atomic_path, atomic_write_text, refuse_outside
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -147,6 +148,31 @@ def save_drafter(drafter: DFlashDrafter, path: str | os.PathLike, *, state: dict
     atomic_write_text(out / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n", mode=FILE_MODE)
     check_export(out)
     return out
+
+
+@attrs.define(frozen=True)
+class Exported:
+    path: Path
+    serve_commands: dict[str, str]  # engine -> the command that serves the export beside its target
+
+
+@attrs.define(frozen=True)
+class DrafterExporter:
+    """A run's final export (``services.Exporter``): the drafter written to ``root/out`` by ``save_drafter``,
+    never outside ``root`` (the run's output directory, a symbolic link followed), and the commands that
+    serve it."""
+
+    root: Path
+
+    def export(self, drafter: DFlashDrafter, state: dict[str, Any], out: str, *, target: str | None,
+               check_stop: Callable[[], None] | None = None) -> Exported:
+        from dflash_flow.model.export_contract import serve_commands
+
+        path = self.root / out
+        refuse_outside(path, self.root)
+        # Checked against the serving contract; a stop while the weights are gathered abandons the export.
+        save_drafter(drafter, path, state=state, check_stop=check_stop)
+        return Exported(path, serve_commands(path, target))
 
 
 def _validate_config_dict(d: dict[str, Any], where: Path) -> None:

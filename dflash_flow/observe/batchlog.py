@@ -9,14 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dflash_flow.util import is_within
-
-
-def refuse_outside(path: Path, root: Path) -> None:
-    """What the run writes stays inside its output directory, even past a symbolic link made mid-run."""
-    if not is_within(path, root):
-        raise PermissionError(errno.EACCES, f"refusing to write outside output_dir {root} (a symbolic link leads to "
-                              f"{os.path.realpath(path)})", str(path))
+from dflash_flow.util import refuse_outside
 
 
 class BatchLog:

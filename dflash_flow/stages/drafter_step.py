@@ -15,7 +15,7 @@ from dflash_flow.core.fields import field_errors, include, values_of
 from dflash_flow.items import StepReport, TargetFeatures
 from dflash_flow.model.recipe import NOT_IN_YAML, DrafterShape, TrainerConfig
 from dflash_flow.model.strategies import OBJECTIVES, VARIANTS, objective_of, strategy_problems, variant_of
-from dflash_flow.services import CheckpointPayload, CheckpointSource, agree_to_stop, services_of
+from dflash_flow.services import CheckpointPayload, CheckpointSource, services_of
 
 
 def check_inside_output_dir(field: str, value: str) -> None:
@@ -152,7 +152,6 @@ class DrafterStep(Stage, CheckpointSource):
             torch.cuda.set_device(torch.device(ctx.device))  # this thread's collectives run on its GPU
         self._ctx = ctx
         self._services = services_of(ctx)
-        self._dist = self._services.dist
         self._stopping = False
         dtype = resolve_dtype(self.dtype, ctx.device)
         spec = resolve_target(self.target)
@@ -173,10 +172,7 @@ class DrafterStep(Stage, CheckpointSource):
             with MODEL_LOAD_LOCK, ctx.busy("preparing the held-out sample (one target forward per conversation)"):
                 self._probe = self._prepare_probe(spec, tok_path, drafter, dtype)
         if self.record_batches:
-            from dflash_flow.observe.batchlog import BatchLog
-
-            self._batch_log = BatchLog(Path(ctx.output_dir), rank=ctx.rank, world_size=ctx.world_size,
-                                       append=self._services.resume is not None)
+            self._batch_log = self._services.open_batch_log(ctx)
         m = ctx.metrics
         self._m_steps = m.counter("steps", "steps", "Optimizer steps")
         self._m_tokens = m.counter("tokens", "tokens", "Real tokens trained on")
@@ -240,8 +236,8 @@ class DrafterStep(Stage, CheckpointSource):
         and the stages that only feed this one drop theirs (``abandon_upstream``); the data position stays
         the last batch trained, so a resume trains the dropped ones. In one process the stop takes effect
         at once (a partial accumulation goes into the stop checkpoint); under torchrun the ranks agree on
-        the optimizer step after which they all stop (``agree_to_stop``)."""
-        if not self._stopping and self._dist is None and self._ctx.stop_requested.is_set():
+        the optimizer step after which they all stop (``services.stop_consensus``)."""
+        if not self._stopping and self._services.stop_consensus is None and self._ctx.stop_requested.is_set():
             self._begin_stop()
         if self._stopping:
             return None  # stopping: the rest drains untrained
@@ -276,16 +272,17 @@ class DrafterStep(Stage, CheckpointSource):
             # An epoch's end and the run's last planned batch are both checkpoint points (at_epoch_end).
             if self._services.checkpoints.after_step(self, step=self._trainer.step, epoch_end=epoch_end or meta.last_of_run):
                 self._trained = 0
-        if self._dist is not None and agree_to_stop(self._dist, self._ctx.stop_requested.is_set()):
-            # One rank was asked to stop: every rank stops after this same step.
-            self._begin_stop()
-            if not self._ctx.stop_requested.is_set() and self._ctx.runtime is not None:
-                self._ctx.runtime.request_stop("another rank of the job is stopping")
+        consensus = self._services.stop_consensus
+        if consensus is not None and consensus.agree_to_stop(self._ctx.stop_requested.is_set()):
+            self._begin_stop(reason="another rank of the job is stopping")  # every rank stops after this step
 
-    def _begin_stop(self) -> None:
+    def _begin_stop(self, reason: str | None = None) -> None:
         self._stopping = True
-        if self._ctx.runtime is not None:
-            self._ctx.runtime.abandon_upstream(self._ctx.name)
+        runtime = self._ctx.runtime
+        if runtime is not None:
+            runtime.abandon_upstream(self._ctx.name)
+            if reason is not None and not self._ctx.stop_requested.is_set():
+                runtime.request_stop(reason)
 
     def parameter_count(self) -> int:
         """Trainable parameters of the drafter this stage builds, counted on the meta device (no memory, no
@@ -365,34 +362,27 @@ class DrafterStep(Stage, CheckpointSource):
             self._total_consumed = int(pos.get("total", self._total_consumed))
 
     def finish(self):
-        from dflash_flow.model.export import save_drafter
-        from dflash_flow.observe.batchlog import refuse_outside
+        from dflash_flow.embedded import resolve_target
+        from dflash_flow.model.export import DrafterExporter
 
         if self._ctx.stop_requested.is_set():
             # Stopped: the state is that of the last batch trained, a partial accumulation included (no
             # early optimizer step: a resumed run completes that step as an uninterrupted run would).
-            checkpoints = self._services.checkpoints
-            if checkpoints is not None and checkpoints.on_signal and (self._trained or self._dist is not None):
-                checkpoints.save(self)
+            if self._services.checkpoints is not None:
+                self._services.checkpoints.at_stop(self, trained=bool(self._trained))
             return None
         self._check_trained()
-        out = Path(self._ctx.output_dir) / self.export_dir
         state = self._trainer.full_model_state()  # collective under fsdp: every rank takes part
         if self._ctx.rank != 0:  # one export per job, by rank 0 (the weights are the same on every rank)
             return (StepReport(step=self._trainer.step, epoch=self._epoch, meta=None, metrics={}, final=True),)
-        refuse_outside(out, Path(self._ctx.output_dir))
-        # Checked against the serving contract; a stop while the weights are gathered abandons the export.
-        save_drafter(self._trainer.drafter, out, state=state, check_stop=self._ctx.check_stop)
-        self._services.record.artifacts["drafter"] = str(out)
-        self._services.record.serve_commands = self._serve_commands(out)
-        return (StepReport(step=self._trainer.step, epoch=self._epoch, meta=None, metrics={}, final=True, artifacts={"drafter": str(out)}),)
-
-    def _serve_commands(self, out: Path) -> dict[str, str]:
-        from dflash_flow.embedded import resolve_target
-        from dflash_flow.model.export_contract import serve_commands
-
+        exporter = self._services.exporter or DrafterExporter(Path(self._ctx.output_dir))
         target = resolve_target(self.target)
-        return serve_commands(out, target if isinstance(target, str) else None)
+        done = exporter.export(self._trainer.drafter, state, self.export_dir, check_stop=self._ctx.check_stop,
+                               target=target if isinstance(target, str) else None)
+        self._services.record.artifacts["drafter"] = str(done.path)
+        self._services.record.serve_commands = done.serve_commands
+        return (StepReport(step=self._trainer.step, epoch=self._epoch, meta=None, metrics={}, final=True,
+                           artifacts={"drafter": str(done.path)}),)
 
     def _check_trained(self) -> None:
         """A run that ends without a stop must have trained what its plan holds: no optimizer step at all,

@@ -252,6 +252,19 @@ def test_the_batch_log_is_never_written_through_a_link(tmp_path):
     assert victim.read_text() == "precious\n"
 
 
+def test_the_export_is_never_written_through_a_link_out_of_the_output_directory(tmp_path):
+    from dflash_flow.model.export import DrafterExporter
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "drafter").symlink_to(elsewhere, target_is_directory=True)  # made mid-run, after validate
+    with pytest.raises(PermissionError, match="refusing to write outside output_dir"):
+        DrafterExporter(out).export(None, {}, "drafter", target=None)  # refused before the weights are read
+    assert list(elsewhere.iterdir()) == []
+
+
 # -- readers ---------------------------------------------------------------------------------------------
 def test_an_overlong_record_is_skipped_in_bounded_memory(tmp_path):
     import resource
