@@ -35,6 +35,12 @@ bench *ARGS:
 interop *ARGS:
     {{python}} interop/check.py {{ARGS}}
 
+# Regeneration through a real vLLM server (vLLM's CPU build, the same environment): `regenerate --server` vs
+# in process on the same prompts (replies equal, tokens/s of both), a server SIGKILLed mid-run and a resume.
+# Writes bench/results/regenerate_vllm.json. ~6 min on 2 cores (two server starts); --no-kill: one.
+interop-regenerate *ARGS:
+    {{python}} interop/regenerate_check.py {{ARGS}}
+
 # Train the embedded default drafter on CPU.
 run FILE="pipelines/dflash.yaml" *ARGS:
     dflash-flow run {{FILE}} {{ARGS}}
