@@ -80,15 +80,16 @@ def embedded_validated(output_dir: Path, *extra: str):
 
 
 def sleep_graph(mix: dict[str, int], costs: dict[str, float], *, name: str = "sleep", count: int = 100_000,
-                output_dir: Path | None = None, capacity: int = 8):
+                output_dir: Path | None = None, capacity: int = 8, jitter: float = 0.0, seed: int = 0):
     """``src`` (Range) -> ``a`` -> ``b`` (Delay) -> ``sink`` (Discard): a pipeline whose per-item costs are
-    ``costs`` seconds of GIL-free sleep and whose replica counts are ``mix``."""
+    ``costs`` seconds of GIL-free sleep and whose replica counts are ``mix``; ``jitter``: each ``a`` and
+    ``b`` item's sleep is uniform in cost * (1 +- jitter), drawn from ``seed``."""
     from dflash_flow.core import Graph, RuntimeOptions
     from dflash_flow.stages.generic import Delay, Discard, Range
 
-    g = Graph(name=name, seed=0, output_dir=str(output_dir or SCRATCH / name), runtime=RuntimeOptions(capacity=capacity))
+    g = Graph(name=name, seed=seed, output_dir=str(output_dir or SCRATCH / name), runtime=RuntimeOptions(capacity=capacity))
     g.add("src", Range(count=count, service_s=costs["src"]), replicas=mix.get("src", 1))
-    g.add("a", Delay(service_s=costs["a"]), inputs="src", replicas=mix.get("a", 1))
-    g.add("b", Delay(service_s=costs["b"]), inputs="a", replicas=mix.get("b", 1))
+    g.add("a", Delay(service_s=costs["a"], jitter_s=costs["a"] * jitter), inputs="src", replicas=mix.get("a", 1))
+    g.add("b", Delay(service_s=costs["b"], jitter_s=costs["b"] * jitter), inputs="a", replicas=mix.get("b", 1))
     g.add("sink", Discard(), inputs="b")
     return g

@@ -3,8 +3,14 @@
 Writes bench/results/profile.json (also printed):
 
 * ``sleep``: a pipeline of sleep stages with known costs (``common.sleep_graph``: src 2 ms -> a 30 ms ->
-  b 12 ms -> sink) is profiled at one replica mix; the profile predicts the batches/s of other mixes,
-  each of which is then run and profiled; error = predicted / measured - 1.
+  b 12 ms -> sink, a's and b's sleeps jittered uniformly by +-``--sleep-jitter`` of their cost, seeded)
+  is profiled at one replica mix; the profile predicts the batches/s of other mixes, each of which is then
+  run and profiled; error = predicted / measured - 1.
+
+Every prediction comes with the plan's 90% interval (``app.splitplan``: batch means over the profile's
+``--windows`` parts) and every row says whether the measured rate falls inside it (``measured_in_interval``)
+and whether the measured run's own interval overlaps it (``intervals_overlap``): the interval is for the
+steady state of the profiled run, so a later run's drift in the machine's load can fall outside it.
 * ``embedded``: ``pipelines/dflash.yaml`` shortened (drafter ``torch_threads`` 1), with 1 and 2
   TargetForward replicas, alternating, twice each; each setting's profiles predict the other's throughput
   (and its own); means over the runs.
@@ -13,7 +19,8 @@ Writes bench/results/profile.json (also printed):
 * ``profile``: the embedded profile itself (2 TargetForward replicas), and ``plan``: the split table
   for 8 GPUs it gives (CPU costs, so only the shape of the table carries over to a GPU machine).
 
-Usage: python bench/profile_bench.py [--out FILE] [--sleep-steps 150] [--embedded-steps 15] [--embedded-reps 2] [--no-embedded]
+Usage: python bench/profile_bench.py [--out FILE] [--sleep-steps 150] [--sleep-jitter 0.5] [--windows 6]
+       [--embedded-steps 15] [--embedded-reps 2] [--no-embedded]
 """
 
 from __future__ import annotations
@@ -36,29 +43,59 @@ TARGET = "target"
 # time by 50%: see docs/benchmarks.md).
 # 2,048-token micro-batches: the workload of scale_bench, whose two-rank run the data-parallel row predicts.
 EMBEDDED_THREADS = ("stages.drafter.torch_threads=1", "stages.bucketer.max_tokens=2048")
+WINDOWS = 6
+JITTER = 0.5
 
 
 def _error(predicted: float, measured: float) -> float:
     return predicted / measured - 1.0
 
 
-def _profile(v, steps: int, warmup: int = 1, interval_s: float = 0.05):
+def _profile(v, steps: int, warmup: int = 1, interval_s: float = 0.05, windows: int = WINDOWS):
     from dflash_flow.app.profile import profile
 
-    return profile(v, steps, warmup_steps=warmup, interval_s=interval_s)
+    return profile(v, steps, warmup_steps=warmup, interval_s=interval_s, windows=windows)
 
 
-def validate_sleep(steps: int, mixes: list[dict[str, int]] | None = None, base: dict[str, int] | None = None) -> dict[str, Any]:
-    """Profile ``base``, predict every mix, run every mix: rows of predicted vs measured batches/s."""
+def _iv(interval) -> list[float] | None:
+    return None if interval is None else [round(interval.low, 4), round(interval.high, 4)]
+
+
+def _check(pred, measured) -> dict[str, Any]:
+    """The prediction's interval against a measured profile: the measured rate inside it, and the measured
+    run's own interval (its rate predicted for its own mix) overlapping it."""
+    from dflash_flow.app.splitplan import predict
+
+    iv, own = pred.interval, predict(measured).interval
+    return {
+        "predicted_interval": _iv(iv),
+        "interval_half_width": round(iv.half_width / pred.batches_per_s, 4) if iv is not None else None,
+        "measured_interval": _iv(own),
+        "measured_in_interval": None if iv is None else measured.batches_per_s in iv,
+        "intervals_overlap": None if iv is None or own is None else (iv.low <= own.high and own.low <= iv.high),
+    }
+
+
+def _inside(rows: list[dict[str, Any]]) -> str:
+    got = [r["measured_in_interval"] for r in rows if r["measured_in_interval"] is not None]
+    return f"{sum(got)} of {len(got)}"
+
+
+def validate_sleep(steps: int, mixes: list[dict[str, int]] | None = None, base: dict[str, int] | None = None,
+                   *, jitter: float = JITTER, windows: int = WINDOWS) -> dict[str, Any]:
+    """Profile ``base``, predict every mix, run every mix: rows of predicted (with the interval) vs
+    measured batches/s."""
     from dflash_flow.app.splitplan import predict
     from dflash_flow.core import validated
 
     base = base or BASE_MIX
-    prof = _profile(validated(common.sleep_graph(base, COSTS, name="sleep-base")), steps, warmup=5)
+    prof = _profile(validated(common.sleep_graph(base, COSTS, name="sleep-base", jitter=jitter, seed=0)), steps,
+                    warmup=5, windows=windows)
     rows = []
-    for mix in [base, *(mixes or MIXES)]:
+    for i, mix in enumerate([base, *(mixes or MIXES)]):
         pred = predict(prof, mix)
-        measured = _profile(validated(common.sleep_graph(mix, COSTS, name="sleep-mix")), steps, warmup=5)
+        measured = _profile(validated(common.sleep_graph(mix, COSTS, name="sleep-mix", jitter=jitter, seed=i + 1)),
+                            steps, warmup=5, windows=windows)
         rows.append({
             "mix": dict(mix),
             "predicted_batches_per_s": round(pred.batches_per_s, 3),
@@ -66,28 +103,34 @@ def validate_sleep(steps: int, mixes: list[dict[str, int]] | None = None, base: 
             "measured_batches_per_s": round(measured.batches_per_s, 3),
             "measured_bottleneck": measured.bottleneck.stage if measured.bottleneck else None,
             "error": round(_error(pred.batches_per_s, measured.batches_per_s), 4),
+            **_check(pred, measured),
         })
     return {
         "costs_s": COSTS,
+        "jitter": jitter,
+        "windows": windows,
         "base_mix": base,
         "work_s_per_batch": {n: round(s.work_s_per_batch, 5) for n, s in prof.stages.items()},
+        "work_s_sd": {n: round(s.work_s_sd, 5) if s.work_s_sd is not None else None for n, s in prof.stages.items()},
         "rows": rows,
         "max_abs_error": max(abs(r["error"]) for r in rows),
+        "measured_in_interval": _inside(rows),
     }
 
 
-def validate_embedded(steps: int, root: Path, reps: int = 2) -> tuple[dict[str, Any], dict[int, Any]]:
+def validate_embedded(steps: int, root: Path, reps: int = 2, windows: int = WINDOWS) -> tuple[dict[str, Any], dict[int, Any]]:
     """Profiles of the embedded pipeline with 1 and 2 target replicas, ``reps`` each, alternating (the
     load of a shared machine drifts between runs); each setting's profiles predict both settings, and
-    predictions and measurements are means over the runs."""
+    predictions and measurements are means over the runs; ``pairs``: every single profile's prediction
+    with its interval against every single measured run."""
     from dflash_flow.app.splitplan import predict
 
     profiles: dict[int, list[Any]] = {2: [], 1: []}
     for rep in range(reps):
         for n in (2, 1):
             v = common.embedded_validated(root / f"targets{n}-{rep}", f"stages.{TARGET}.replicas={n}", *EMBEDDED_THREADS)
-            profiles[n].append(_profile(v, steps, warmup=2, interval_s=0.1))
-    rows = []
+            profiles[n].append(_profile(v, steps, warmup=2, interval_s=0.1, windows=windows))
+    rows, pairs = [], []
     for source, profs in profiles.items():
         for n, measured in profiles.items():
             preds = [predict(p, {TARGET: n}) for p in profs]
@@ -102,6 +145,17 @@ def validate_embedded(steps: int, root: Path, reps: int = 2) -> tuple[dict[str, 
                 "measured_runs": [round(p.batches_per_s, 4) for p in measured],
                 "error": round(_error(pred, meas), 4),
             })
+            for i, (p_, pr) in enumerate(zip(profs, preds, strict=True)):
+                for j, m in enumerate(measured):
+                    if p_ is m:
+                        continue  # a profile always holds its own rate
+                    pairs.append({
+                        "profiled_with_targets": source, "profile_run": i, "predicted_for_targets": n, "measured_run": j,
+                        "predicted_batches_per_s": round(pr.batches_per_s, 4),
+                        "measured_batches_per_s": round(m.batches_per_s, 4),
+                        "error": round(_error(pr.batches_per_s, m.batches_per_s), 4),
+                        **_check(pr, m),
+                    })
     summary = {
         n: {
             "batches_per_s": [round(p.batches_per_s, 4) for p in profs],
@@ -118,8 +172,12 @@ def validate_embedded(steps: int, root: Path, reps: int = 2) -> tuple[dict[str, 
     return {
         "steps": steps,
         "reps": reps,
+        "windows": windows,
         "overrides": list(EMBEDDED_THREADS),
         "rows": rows,
+        "pairs": pairs,
+        "measured_in_interval": _inside(pairs),
+        "max_abs_pair_error": max((abs(r["error"]) for r in pairs), default=None),
         "settings": summary,
         "max_abs_error": max(abs(r["error"]) for r in rows),
         "max_abs_cross_error": max(abs(r["error"]) for r in cross),
@@ -151,19 +209,23 @@ def data_parallel_check(prof, scale: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from dflash_flow.app.profile import to_json
-    from dflash_flow.app.splitplan import plan_splits, recommend
+    from dflash_flow.app.splitplan import confidence, noise_notes, plan_splits, recommend
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=common.RESULTS / "profile.json")
     ap.add_argument("--sleep-steps", type=int, default=150)
+    ap.add_argument("--sleep-jitter", type=float, default=JITTER, help="a's and b's sleeps uniform in cost * (1 +- this)")
+    ap.add_argument("--windows", type=int, default=WINDOWS, help="Parts of each profile's window (the interval's)")
     ap.add_argument("--embedded-steps", type=int, default=15)
     ap.add_argument("--embedded-reps", type=int, default=2)
     ap.add_argument("--no-embedded", action="store_true", help="Only the sleep-stage validation.")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    result: dict[str, Any] = {"machine": common.machine(), "sleep": validate_sleep(args.sleep_steps)}
+    result: dict[str, Any] = {"machine": common.machine(),
+                              "sleep": validate_sleep(args.sleep_steps, jitter=args.sleep_jitter, windows=args.windows)}
     if not args.no_embedded:
-        embedded, profiles = validate_embedded(args.embedded_steps, common.SCRATCH / "profile-bench", args.embedded_reps)
+        embedded, profiles = validate_embedded(args.embedded_steps, common.SCRATCH / "profile-bench", args.embedded_reps,
+                                               args.windows)
         result["embedded"] = embedded
         prof = profiles[2]
         scale = _scale()
@@ -176,8 +238,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "gpus": 8,
             "allreduce_s_at_two": allreduce,
             "rows": [{**{k: getattr(s, k) for k in ("ranks", "targets_per_rank", "padders_per_rank", "gpus_used",
-                                                     "limit", "steps_per_s", "samples_per_s")}} for s in splits],
+                                                     "limit", "steps_per_s", "samples_per_s")},
+                      "samples_per_s_interval": _iv(s.interval)} for s in splits],
             "recommended": {"ranks": chosen.ranks, "targets_per_rank": chosen.targets_per_rank},
+            "recommended_with_confidence": confidence(prof, chosen),
+            "notes": noise_notes(prof, splits, chosen),
         }
         prof_json = to_json(prof)
         prof_json.pop("queues", None)  # the series is long; `dflash-flow profile` writes it

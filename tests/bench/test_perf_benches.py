@@ -24,6 +24,12 @@ def test_profile_bench_sleep_validation(tmp_path):
     assert [r["mix"] for r in rows][0] == {"a": 1, "b": 1} and len(rows) == 5
     assert all(r["predicted_batches_per_s"] > 0 and r["measured_batches_per_s"] > 0 for r in rows)
     assert data["sleep"]["max_abs_error"] == max(abs(r["error"]) for r in rows)
+    # Every prediction carries the plan's interval and says whether the measured rate fell inside it.
+    for r in rows:
+        low, high = r["predicted_interval"]
+        assert low <= r["predicted_batches_per_s"] <= high and isinstance(r["measured_in_interval"], bool)
+    inside = sum(r["measured_in_interval"] for r in rows)
+    assert data["sleep"]["measured_in_interval"] == f"{inside} of 5" and data["sleep"]["windows"] == 6
 
 
 def test_fanout_bench_runs_every_cell(tmp_path):
