@@ -432,7 +432,12 @@ def regenerate_served(prompts_jsonl: str | Path, servers: list[str], out_jsonl: 
     records = read_prompts(prompts_jsonl)
     if limit is not None:
         records = records[:limit]
-    jobs = [(rid, prompt_turns(rec, system_prompt)) for rid, rec in records]  # bad records fail before any request
+    jobs = []
+    for rid, rec in records:  # a record that cannot be a prompt fails the call before any request
+        try:
+            jobs.append((rid, prompt_turns(rec, system_prompt)))
+        except ValueError as e:
+            raise ValueError(f"{prompts_jsonl}: record {rid!r}: {e}") from None
     pool = ServerPool(servers, per_server=concurrency, fail_threshold=fail_threshold, cooldown_s=cooldown_s,
                       max_trials=max_trials, log=log)
     client = _Client(timeout_s)

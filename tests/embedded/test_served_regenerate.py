@@ -285,6 +285,9 @@ def test_sampling_thinking_and_model_fields(tmp_path, servers):
         regenerate_served(tmp_path / "p.jsonl", [a.url, b.url], tmp_path / "o4.jsonl", **FAST)
     with pytest.raises(ValueError, match="is the input file"):
         regenerate_served(tmp_path / "p.jsonl", [a.url], tmp_path / "p.jsonl", **FAST)
+    (tmp_path / "bad.jsonl").write_text('{"id": "x1", "conversations": [{"role": "assistant", "content": "hi"}]}\n')
+    with pytest.raises(ValueError, match="record 'x1': conversation has no user turn"):
+        regenerate_served(tmp_path / "bad.jsonl", [a.url], tmp_path / "o5.jsonl", **FAST)
 
 
 def test_sampling_params_and_backoff_are_deterministic(target_dir):
