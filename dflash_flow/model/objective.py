@@ -72,7 +72,7 @@ from dflash_flow.model.layout import (  # noqa: F401 - re-exported
     group_spans,
     read_bounds,
 )
-from dflash_flow.model.strategies import SELECTOR_EXTRAS
+from dflash_flow.model.strategies import DFlash2, VariablePrefix
 
 # The block plan and the layouts live in model.blockplan and model.layout; these names are re-exported for
 # the callers of the objective.
@@ -353,7 +353,7 @@ def dflash_loss(
     (mean ``l`` of kept blocks) and ``sim_accept_len_prefix1`` (the acceptance of the blocks drawn with
     ``l = 1``, the inference regime) are reported beside it.
     ``selector_loss_weight``: a DFlash 2 drafter's loss is the DFlash loss plus this times its selector's
-    (``dflash2`` module docstring); its statistics come in ``extra`` (``SELECTOR_EXTRAS``).
+    (``dflash2`` module docstring); its statistics come in ``extra`` (``DFlash2.metric_names``).
     ``block_size``/``mask_token_id`` default to the drafter config's; passing different values raises,
     because the exported config is what inference will use (pitfall 8).
 
@@ -415,9 +415,9 @@ def dflash_loss(
         z = torch.zeros(block_size, device=device)
         extra = {}
         if plan.prefix_lengths is not None:
-            extra = {name: (z.sum(), z.sum()) for name in ("prefix_length", "sim_accept_len_prefix1")}
+            extra = {name: (z.sum(), z.sum()) for name in VariablePrefix.metric_names}
         if getattr(drafter, "candidate_selector", None) is not None:
-            extra.update({name: (z.sum(), z.sum()) for name in SELECTOR_EXTRAS})
+            extra.update({name: (z.sum(), z.sum()) for name in DFlash2.metric_names})
         return DFlashLossOutput(zero, z.sum(), z, z.clone(), z.sum(), z.sum(), extra=extra)
 
     if activation_budget_mb is not None:

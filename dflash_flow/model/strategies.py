@@ -24,8 +24,6 @@ from dflash_flow.core.stage import cfg
 DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 #: The DFlash 2 settings written into the exported ``dflash_config`` (``DFlash2.export_settings``).
 DFLASH2_KEYS = tuple(DFLASH2_DEFAULTS)
-#: The metrics a DFlash 2 drafter's loss adds (``DFlashLossOutput.extra``).
-SELECTOR_EXTRAS = ("dflash_loss", "selector_loss", "selector_accuracy", "candidate_recall", "selector_accept_len")
 
 
 def dflash2_problems(
@@ -136,7 +134,8 @@ class DFlash2(Variant):
     """DFlash 2 (docs/dflash2.md): in-block convolutions and a candidate selector."""
 
     name: ClassVar[str] = "dflash2"
-    metric_names: ClassVar[tuple[str, ...]] = SELECTOR_EXTRAS
+    metric_names: ClassVar[tuple[str, ...]] = (
+        "dflash_loss", "selector_loss", "selector_accuracy", "candidate_recall", "selector_accept_len")
 
     conv_kernel_size: int | None = cfg(None, ge=1, doc="dflash2: taps of the in-block convolutions (null: 2).")
     conv_group_size: int | None = cfg(

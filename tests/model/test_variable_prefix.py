@@ -102,6 +102,7 @@ def test_prefix_length_one_is_the_dflash_objective(target):
     assert torch.equal(v.correct_per_position, d.correct_per_position)
     assert torch.equal(v.supervised_per_position, d.supervised_per_position)
     assert v.acceptance_sum.item() == d.acceptance_sum.item() and v.kept_blocks.item() == d.kept_blocks.item()
+    assert set(v.extra) == set(VariablePrefix.metric_names)  # what the loss reports is what the objective declares
     m = v.metrics()
     assert m["prefix_length"] == 1.0
     assert m["sim_accept_len_prefix1"] == pytest.approx(d.acceptance_length)  # every block has l = 1
@@ -367,6 +368,7 @@ def test_no_valid_anchor_reports_the_extras(target):
     out = dflash_loss(drafter, input_ids=ids, loss_mask=lm, hidden_states=feats, prefix_prior=PrefixPrior(),
                       **modules(target))
     assert out.loss.item() == 0.0
+    assert set(out.extra) == set(VariablePrefix.metric_names)
     m = out.metrics()
     assert m["prefix_length"] == 0.0 and m["sim_accept_len_prefix1"] == 0.0
 
