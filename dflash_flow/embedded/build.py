@@ -57,6 +57,15 @@ def dataset_key(n_train: int, n_eval: int, seed: int, target_path: Path, max_new
     }, compact=False)
 
 
+def _our_manifest(path: Path) -> dict | None:
+    """The manifest a build wrote (a JSON object with its "key" and "files"), else None."""
+    try:
+        m = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return m if isinstance(m, dict) and isinstance(m.get("key"), str) and isinstance(m.get("files"), dict) else None
+
+
 def build_default_dataset(out_dir: str | Path, n_train: int = 1024, n_eval: int = 64, seed: int = 0, *,
                           target_path: str | Path | None = None, cache_dir: str | Path | None = None,
                           batch_size: int = 32, max_new_tokens: int = 448, progress=None,
@@ -85,15 +94,21 @@ def build_default_dataset(out_dir: str | Path, n_train: int = 1024, n_eval: int 
     result = DefaultDataset(root=out, train_path=paths["train"], eval_path=paths["eval"],
                             eval_prompts_path=paths["eval_prompts"], target_path=target, key=key)
 
-    if manifest_path.exists():
-        manifest = json.loads(manifest_path.read_text())
-        if manifest.get("key") == key and all(p.exists() for p in paths.values()):
-            result.manifest, result.cached = manifest, True
-            return result
+    manifest = _our_manifest(manifest_path)
+    if manifest is not None and manifest.get("key") == key and all(p.exists() for p in paths.values()):
+        result.manifest, result.cached = manifest, True
+        return result
 
     # A partial build with the same key resumes (regenerate skips finished ids); any other content in
-    # out_dir is from different inputs and is discarded.
+    # out_dir is from different inputs and is discarded -- when this build wrote it (its manifest or its
+    # ".building" marker is there): files of the same names that something else wrote are never deleted.
     building = out / ".building"
+    if manifest is None and not building.exists():
+        foreign = [p.name for p in list(paths.values()) + [manifest_path] if p.exists()]
+        if foreign:
+            raise ValueError(f"{out} holds {', '.join(foreign)}, which the embedded dataset build did not write "
+                             "(no manifest.json of its own, no .building marker); building there would delete "
+                             "them: choose a new or empty dataset_dir")
     if not (building.exists() and building.read_text().strip() == key):
         for p in list(paths.values()) + [manifest_path]:
             p.unlink(missing_ok=True)

@@ -58,3 +58,17 @@ def test_build_cache_and_resume(tmp_path, target_dir):
 
 def _read_prefix(data: bytes, n: int):
     return [json.loads(line) for line in data.decode().splitlines()[:n]]
+
+
+def test_a_dataset_dir_holding_files_the_build_did_not_write_is_refused_and_kept(tmp_path, target_dir):
+    """Same class as issue 23.4: `dataset_dir: data` where the user's own data/train.jsonl lives used to
+    delete it (and eval.jsonl, manifest.json...) as "content from different inputs"."""
+    import pytest
+
+    mine = tmp_path / "train.jsonl"
+    mine.write_text('{"conversations": [{"role": "user", "content": "my data"}]}\n')
+    (tmp_path / "manifest.json").write_text('{"name": "my project"}\n')
+    with pytest.raises(ValueError, match="did not write .* choose a new or empty dataset_dir"):
+        build_default_dataset(tmp_path, n_train=2, n_eval=1, seed=0, target_path=target_dir, batch_size=2,
+                              max_new_tokens=4, progress=None, num_threads=1, log=lambda m: None)
+    assert "my data" in mine.read_text() and "my project" in (tmp_path / "manifest.json").read_text()
