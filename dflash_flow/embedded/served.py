@@ -48,7 +48,7 @@ from urllib.parse import urlsplit
 
 from dflash_flow.data.chat import prompt_turns
 
-from .regen_io import OutputWriter, check_output_is_not_input, read_prompts, write_in_input_order
+from .regen_io import OutputWriter, check_output_is_not_input, read_prompts, scan_output, write_in_input_order
 
 __all__ = ["AllServersDown", "ServedStats", "ServerPool", "backoff_delay", "regenerate_served", "sampling_params"]
 
@@ -427,6 +427,8 @@ def regenerate_served(prompts_jsonl: str | Path, servers: list[str], out_jsonl: 
     log = log or (lambda _m: None)
     if ordered_out is not None:
         check_output_is_not_input(prompts_jsonl, ordered_out)
+        if Path(ordered_out).exists():
+            scan_output(ordered_out, repair=False)  # replaced at the end: only when regenerate wrote it
     sampling_fields = sampling_params(sampling, target)
     check_output_is_not_input(prompts_jsonl, out_jsonl)
     records = read_prompts(prompts_jsonl)

@@ -407,6 +407,15 @@ def test_chat_source_regenerate_config_is_checked(tmp_path):
                        ({"servers": ["http://h:1"], "out_dir": str(tmp_path)}, "holds the input")]:
         with pytest.raises(ValueError, match=match):
             ChatSource(paths=[p], regenerate=bad)
+    # an out_dir holding a file of the input's name that regenerate did not write: never replaced
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text('{"id": 1, "prompt": "x"}\n')
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "a.jsonl").write_text('{"mine": true}\n')
+    with pytest.raises(ValueError, match="not a record written by dflash-flow regenerate"):
+        regenerate_served(tmp_path / "in" / "a.jsonl", ["http://127.0.0.1:1"], tmp_path / "out" / "a.jsonl.regen.jsonl",
+                          ordered_out=tmp_path / "out" / "a.jsonl", **FAST)
+    assert (tmp_path / "out" / "a.jsonl").read_text() == '{"mine": true}\n'
     with pytest.raises(ValueError, match="not a .jsonl"):
         ChatSource(paths=[str(tmp_path / "a.parquet")], regenerate={"servers": ["http://h:1"], "out_dir": "x"})
 
