@@ -7,7 +7,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from dflash_flow.model.strategies import prefix_bounds
+from dflash_flow.model.strategies import VariablePrefix
 
 
 @attrs.define(eq=False)
@@ -133,12 +133,15 @@ class PrefixPrior:
 
     def bounds(self, block_size: int) -> tuple[int, int]:
         """``(lo, hi)``: the support of the prior for blocks of ``block_size``; raises on a bad setting
-        (``model.strategies.prefix_bounds``: the one check)."""
-        return prefix_bounds(block_size, self.weight_base, self.min_length, self.max_length)
+        (the objective's own check, ``strategies.VariablePrefix.block_problems``)."""
+        return VariablePrefix(prefix_weight_base=self.weight_base, prefix_min_length=self.min_length,
+                              prefix_max_length=self.max_length).bounds(block_size)
 
     def probabilities(self, block_size: int) -> torch.Tensor:
         """``[hi - lo + 1]`` float64 on the CPU: ``Pr(l)`` for ``l = lo..hi``."""
-        lo, hi = self.bounds(block_size)
+        return self._probabilities(*self.bounds(block_size))
+
+    def _probabilities(self, lo: int, hi: int) -> torch.Tensor:
         # Relative to the first term, so large bases or long blocks cannot overflow.
         w = torch.tensor([float(self.weight_base) ** (n - lo) for n in range(lo, hi + 1)], dtype=torch.float64)
         return w / w.sum()
@@ -160,7 +163,7 @@ def sample_prefix_lengths(
     """
     lo, hi = prior.bounds(block_size)
     draw_on = generator.device if generator is not None else torch.device("cpu")
-    cdf = prior.probabilities(block_size).cumsum(0).to(draw_on)
+    cdf = prior._probabilities(lo, hi).cumsum(0).to(draw_on)
     u = torch.rand(tuple(shape), generator=generator, device=draw_on, dtype=torch.float64)
     idx = torch.searchsorted(cdf, u, right=True).clamp(max=hi - lo)
     return (idx + lo).to(device if device is not None else draw_on)

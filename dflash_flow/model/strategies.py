@@ -75,32 +75,6 @@ def dflash2_settings(
     return {k: DFLASH2_DEFAULTS[k] if v is None else v for k, v in given.items()}
 
 
-def prefix_problems(block_size: int, weight_base: Any, min_length: Any, max_length: Any) -> list[tuple[str, str]]:
-    """``(field, message)``: what is wrong with the variable-prefix settings for blocks of ``block_size``;
-    the one check of them (the stage's validation, the trainer's and the loss's all come here)."""
-    if isinstance(weight_base, bool) or not isinstance(weight_base, (int, float)) or not math.isfinite(weight_base) \
-            or weight_base <= 0:
-        return [("prefix_weight_base", f"prefix_weight_base must be a finite number > 0, got {weight_base!r}")]
-    hi = block_size - 1 if max_length is None else max_length
-    if not 1 <= min_length <= block_size - 1:
-        return [("prefix_min_length",
-                 f"prefix_min_length must be in [1, block_size - 1] = [1, {block_size - 1}], got {min_length}")]
-    if not min_length <= hi <= block_size - 1:
-        return [("prefix_max_length", (
-            f"prefix_max_length must be in [prefix_min_length, block_size - 1] = [{min_length}, {block_size - 1}], "
-            f"got {hi}"))]
-    return []
-
-
-def prefix_bounds(block_size: int, weight_base: Any, min_length: int, max_length: int | None) -> tuple[int, int]:
-    """``(lo, hi)``: the visible prefix lengths the variable-prefix prior draws from for blocks of
-    ``block_size``; ValueError naming the config field when ``prefix_problems`` finds one."""
-    problems = prefix_problems(block_size, weight_base, min_length, max_length)
-    if problems:
-        raise ValueError(problems[0][1])
-    return int(min_length), int(block_size - 1 if max_length is None else max_length)
-
-
 # -- variants --------------------------------------------------------------------------------------------
 @attrs.frozen(kw_only=True)
 class Variant:
@@ -199,10 +173,29 @@ class VariablePrefix(Objective):
     )
 
     def block_problems(self, block_size: int) -> list[tuple[str, str]]:
-        return prefix_problems(block_size, self.prefix_weight_base, self.prefix_min_length, self.prefix_max_length)
+        """The one check of the prefix settings against the block (the stage's validation reads it through
+        ``strategy_problems``; the trainer's and the loss's prior through ``bounds``)."""
+        base, lo = self.prefix_weight_base, self.prefix_min_length
+        if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 0:
+            return [("prefix_weight_base", f"prefix_weight_base must be a finite number > 0, got {base!r}")]
+        hi = block_size - 1 if self.prefix_max_length is None else self.prefix_max_length
+        if not 1 <= lo <= block_size - 1:
+            return [("prefix_min_length",
+                     f"prefix_min_length must be in [1, block_size - 1] = [1, {block_size - 1}], got {lo}")]
+        if not lo <= hi <= block_size - 1:
+            return [("prefix_max_length", (
+                f"prefix_max_length must be in [prefix_min_length, block_size - 1] = [{lo}, {block_size - 1}], "
+                f"got {hi}"))]
+        return []
 
     def bounds(self, block_size: int) -> tuple[int, int]:
-        return prefix_bounds(block_size, self.prefix_weight_base, self.prefix_min_length, self.prefix_max_length)
+        """``(lo, hi)``: the visible prefix lengths drawn for blocks of ``block_size``; ValueError with the
+        first of ``block_problems`` (naming its field)."""
+        problems = self.block_problems(block_size)
+        if problems:
+            raise ValueError(problems[0][1])
+        hi = block_size - 1 if self.prefix_max_length is None else self.prefix_max_length
+        return int(self.prefix_min_length), int(hi)
 
 
 VARIANTS: dict[str, type[Variant]] = {cls.name: cls for cls in (Variant, DFlash2)}
