@@ -123,7 +123,7 @@ def validate_embedded(steps: int, root: Path, reps: int = 2, windows: int = WIND
     load of a shared machine drifts between runs); each setting's profiles predict both settings, and
     predictions and measurements are means over the runs; ``pairs``: every single profile's prediction
     with its interval against every single measured run."""
-    from dflash_flow.app.splitplan import predict
+    from dflash_flow.app.splitplan import evaluate_split, predict
 
     profiles: dict[int, list[Any]] = {2: [], 1: []}
     for rep in range(reps):
@@ -149,12 +149,20 @@ def validate_embedded(steps: int, root: Path, reps: int = 2, windows: int = WIND
                 for j, m in enumerate(measured):
                     if p_ is m:
                         continue  # a profile always holds its own rate
+                    # samples/s, the plan's own figure: each part's rate times that part's samples per batch
+                    split = evaluate_split(p_, 1, n, target_stage=TARGET, padder_stage="padder")
+                    iv = split.interval
                     pairs.append({
                         "profiled_with_targets": source, "profile_run": i, "predicted_for_targets": n, "measured_run": j,
                         "predicted_batches_per_s": round(pr.batches_per_s, 4),
                         "measured_batches_per_s": round(m.batches_per_s, 4),
                         "error": round(_error(pr.batches_per_s, m.batches_per_s), 4),
                         **_check(pr, m),
+                        "predicted_samples_per_s": round(split.samples_per_s, 3),
+                        "predicted_samples_interval": _iv(iv),
+                        "measured_samples_per_s": round(m.samples_per_s, 3),
+                        "samples_error": round(_error(split.samples_per_s, m.samples_per_s), 4),
+                        "samples_in_interval": None if iv is None else m.samples_per_s in iv,
                     })
     summary = {
         n: {
@@ -177,7 +185,9 @@ def validate_embedded(steps: int, root: Path, reps: int = 2, windows: int = WIND
         "rows": rows,
         "pairs": pairs,
         "measured_in_interval": _inside(pairs),
+        "samples_in_interval": f"{sum(bool(r['samples_in_interval']) for r in pairs)} of {len(pairs)}",
         "max_abs_pair_error": max((abs(r["error"]) for r in pairs), default=None),
+        "median_interval_half_width": statistics.median(r["interval_half_width"] for r in pairs) if pairs else None,
         "settings": summary,
         "max_abs_error": max(abs(r["error"]) for r in rows),
         "max_abs_cross_error": max(abs(r["error"]) for r in cross),
