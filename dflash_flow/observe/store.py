@@ -336,6 +336,10 @@ def new_metric_rows(rows: list, last_steps: dict[str, int]) -> list:
     return list(latest.values())
 
 
+#: Tag prefix of a param whose value a resume changed (``resumed_with/<param>``: the value from then on).
+RESUMED_WITH = "resumed_with/"
+
+
 def apply_op(client: Any, op: dict, state: dict) -> None:
     """Perform one op against the store; ``state["run_id"]`` carries the run between ops."""
     from mlflow.entities import Metric, Param, RunTag
@@ -357,6 +361,7 @@ def apply_op(client: Any, op: dict, state: dict) -> None:
     if kind == "resume":
         client.update_run(run_id, status="RUNNING")
         state["last_steps"] = logged_steps(client, run_id)
+        state["params"] = dict(client.get_run(run_id).data.params)  # a param, once logged, cannot change
     elif kind == "metrics":
         rows = new_metric_rows(op["metrics"], state.setdefault("last_steps", {}))
         if rows:
@@ -365,7 +370,16 @@ def apply_op(client: Any, op: dict, state: dict) -> None:
             for k, _, _, step in rows:
                 state["last_steps"][k] = max(int(step), state["last_steps"].get(k, -1))
     elif kind == "params":
-        client.log_batch(run_id, params=[Param(k, v) for k, v in op["params"].items()], synchronous=True)
+        # A resumed run already has its params: new keys are logged, a value that differs now (a setting a
+        # resume may change, e.g. the Monitor's interval) goes to a tag, since MLflow refuses to change a param.
+        known = state.get("params", {})
+        new = {k: v for k, v in op["params"].items() if k not in known}
+        changed = {f"{RESUMED_WITH}{k}": v for k, v in op["params"].items() if k in known and str(v) != known[k]}
+        if new:
+            client.log_batch(run_id, params=[Param(k, v) for k, v in new.items()], synchronous=True)
+            known.update({k: str(v) for k, v in new.items()})
+        if changed:
+            client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in changed.items()], synchronous=True)
     elif kind == "tags":
         client.log_batch(run_id, tags=[RunTag(k, v) for k, v in op["tags"].items()], synchronous=True)
     elif kind == "artifact":

@@ -221,6 +221,25 @@ def test_resume_continues_the_same_run(sqlite_uri, tmp_path):
     assert sorted(m.step for m in c.get_metric_history(first.run_id, "loss")) == list(range(9))
 
 
+def test_a_resume_with_a_changed_setting_keeps_every_param_and_tags_the_change(sqlite_uri, tmp_path, caplog):
+    """A resume may change a setting that cannot change the result (the Monitor's interval): MLflow refuses
+    to change a param, which used to drop the whole batch with a warning; now the new keys are logged and
+    the changed value is a tag ``resumed_with/<param>``."""
+    params = {"stages": {"monitor": {"interval_s": 5}, "drafter": {"lr": 0.001}}}
+    first = Tracker.start(tracking_uri=sqlite_uri, experiment="observe-tests", params=params, spool_dir=tmp_path,
+                          system_metrics=False)
+    first.end("KILLED")
+    changed = {"stages": {"monitor": {"interval_s": 30}, "drafter": {"lr": 0.001, "grad_accum": 1}}}
+    second = Tracker.start(tracking_uri=sqlite_uri, experiment="observe-tests", resume_run_id=first.run_id,
+                           params=changed, spool_dir=tmp_path, system_metrics=False)
+    second.end("FINISHED")
+    run = client_for(sqlite_uri).get_run(first.run_id)
+    assert run.data.params == {"stages.monitor.interval_s": "5", "stages.drafter.lr": "0.001",
+                               "stages.drafter.grad_accum": "1"}
+    assert run.data.tags["resumed_with/stages.monitor.interval_s"] == "30"
+    assert not [r for r in caplog.records if "rejected" in r.getMessage()]
+
+
 def test_each_metric_step_reaches_the_store_once_across_a_resume(sqlite_uri, tmp_path):
     """A resumed run trains again the steps between its checkpoint and the kill: the store keeps the
     first copy of each (metric, step), as it keeps one of a second sample at one step (issue 23.6)."""
