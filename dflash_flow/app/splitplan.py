@@ -52,6 +52,7 @@ LEVEL = 0.90  # the intervals' confidence
 _T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753,
         1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697)
 NO_SPREAD = "no spread measured: re-profile with this version (`dflash-flow profile`) for an interval"
+WIDE = 0.10  # an interval wider than +-10% of its figure gets a note saying how to narrow it
 
 
 def t95(df: int) -> float:
@@ -301,6 +302,16 @@ def noise_notes(profile: Profile, splits: list[Split], chosen: Split) -> list[st
             f"(the {LEVEL:.0%} interval of their difference over the windows holds 0); profile more steps to tell"]
 
 
+def width_notes(profile: Profile, chosen: Split) -> list[str]:
+    """A note when the recommendation's interval is wider than ``WIDE`` of its figure."""
+    iv = chosen.interval
+    if iv is None or not chosen.score or iv.half_width <= WIDE * chosen.score:
+        return []
+    return [f"the interval is wider than +-{WIDE:.0%}: profile more steps (`dflash-flow profile --steps`), on a "
+            "machine with nothing else running, for a figure good to 10% (the interval covers the profiled run; "
+            "a change in the machine's load moves a later run)"]
+
+
 def render_plan(profile: Profile, splits: list[Split], chosen: Split, gpus: int, *, width: int = 120) -> str:
     from dflash_flow.observe.console import render_table
 
@@ -321,7 +332,8 @@ def render_plan(profile: Profile, splits: list[Split], chosen: Split, gpus: int,
     pad = f", {chosen.padders_per_rank} padder(s)" if chosen.padders_per_rank is not None else ""
     tail = (f"recommended: {chosen.ranks} rank(s) x ({chosen.targets_per_rank} TargetForward + 1 DrafterStep){pad}; "
             f"limited by {chosen.limit}; {confidence(profile, chosen)}")
-    return "\n".join([head, render_table(rows, cols, width=width), tail, *noise_notes(profile, splits, chosen)])
+    return "\n".join([head, render_table(rows, cols, width=width), tail, *noise_notes(profile, splits, chosen),
+                      *width_notes(profile, chosen)])
 
 
 def plan_to_json(profile: Profile, splits: list[Split], chosen: Split, gpus: int) -> dict[str, Any]:
@@ -342,7 +354,7 @@ def plan_to_json(profile: Profile, splits: list[Split], chosen: Split, gpus: int
         "splits": [one(s) for s in splits],
         "recommended": one(chosen),
         "summary": confidence(profile, chosen),
-        "notes": noise_notes(profile, splits, chosen),
+        "notes": noise_notes(profile, splits, chosen) + width_notes(profile, chosen),
     }
 
 

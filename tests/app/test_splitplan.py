@@ -119,6 +119,12 @@ def test_samples_interval_and_splits_within_the_noise():
     assert one.interval is not None and one.samples_per_s in one.interval and one.interval.windows == 6
     text = render_plan(p, [one], one, 2)
     assert "samples/s, 90% interval" in text and "from 6 windows" in text
+    # +-13% from 6 parts of 20 batches: the plan says how to narrow it; 24 parts: +-6%, no note.
+    assert one.interval.half_width > 0.1 * one.score
+    assert "the interval is wider than +-10%: profile more steps" in text
+    many = _jittered(0, 24)
+    s24 = evaluate_split(many, 1, 1, target_stage="a", padder_stage=None)
+    assert s24.interval.half_width < 0.1 * s24.score and "wider than" not in render_plan(many, [s24], s24, 2)
     # 4 GPUs, a trainer of 10 ms +- 8 ms: 1 rank x 3 targets is trainer-bound at ~100 batches/s and
     # 2 ranks x 1 target are target-bound at 2 x ~50: equal up to the noise of two different stages.
     tie = _jittered(1, 6, other=0.01, other_jitter=0.008)
