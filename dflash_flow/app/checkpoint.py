@@ -332,7 +332,7 @@ class Checkpointer:
         if str(spec) == LATEST:
             found = self.candidates()
             if not found:
-                raise CheckpointError(f"--resume latest: no checkpoint in {self.dir}")
+                raise CheckpointError(f"no checkpoint in {self.dir}")  # said by export too: no --resume here
             return found[0]
         p = Path(spec)
         if (p / "MANIFEST.json").is_file() or (p / "state.json").is_file():

@@ -288,7 +288,7 @@ def test_export_says_no_checkpoint_before_importing_torch(tmp_path):
     cases = [
         ([tmp_path / "missing", tmp_path / "out"], "error: no checkpoint at " + str(tmp_path / "missing")),
         ([tmp_path / "empty", tmp_path / "out"], "error: no checkpoint at " + str(tmp_path / "empty")),
-        ([tmp_path / "ck" / "checkpoints", tmp_path / "out"], "no checkpoint in " + str(tmp_path / "ck" / "checkpoints")),
+        ([tmp_path / "ck" / "checkpoints", tmp_path / "out"], "error: no checkpoint in " + str(tmp_path / "ck" / "checkpoints")),
         ([tmp_path / "ck", tmp_path / "ck" / "x"], "refusing to export into " + str(tmp_path / "ck" / "x") + ": it is inside the input"),
     ]
     for args, message in cases:
