@@ -279,7 +279,8 @@ def _name(s: Split) -> str:
 
 
 def unit(profile: Profile) -> str:
-    return "samples/s" if profile.samples_per_batch is not None else "batches/s"
+    """What a split's score counts: samples/s of the job, else batches/s of all its ranks together."""
+    return "samples/s" if profile.samples_per_batch is not None else "batches/s (all ranks)"
 
 
 def confidence(profile: Profile, s: Split) -> str:
@@ -325,10 +326,11 @@ def render_plan(profile: Profile, splits: list[Split], chosen: Split, gpus: int,
         for s in splits
     ]
     cols = ["", "ranks x targets", "padders", "GPUs", "idle", "limit", "batches/s", "steps/s", "samples/s",
-            f"{unit(profile)} {LEVEL:.0%}", "tokens/s", "all-reduce s"]
+            f"{LEVEL:.0%} interval", "tokens/s", "all-reduce s"]
     head = (f"plan for {gpus} GPUs from the profile of {profile.pipeline} ({profile.batches} batches, "
             f"{profile.batches_per_s:.3g} batches/s measured). Each rank: its TargetForward GPUs (targets) + "
-            "one DrafterStep GPU, padders on CPU; batches/s per rank, steps/s and samples/s of the job")
+            "one DrafterStep GPU, padders on CPU; batches/s per rank, steps/s and samples/s of the job; "
+            f"the {LEVEL:.0%} interval of the job's {unit(profile)}")
     pad = f", {chosen.padders_per_rank} padder(s)" if chosen.padders_per_rank is not None else ""
     tail = (f"recommended: {chosen.ranks} rank(s) x ({chosen.targets_per_rank} TargetForward + 1 DrafterStep){pad}; "
             f"limited by {chosen.limit}; {confidence(profile, chosen)}")

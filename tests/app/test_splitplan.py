@@ -287,7 +287,7 @@ def test_cli_plan_from_a_profile(tmp_path):
                 "--out", str(tmp_path / "plan.json"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "plan for 6 GPUs" in proc.stdout and "recommended:" in proc.stdout
-    assert "batches/s, 90% interval" in proc.stdout and "from 6 windows" in proc.stdout
+    assert "batches/s (all ranks), 90% interval" in proc.stdout and "from 6 windows" in proc.stdout
     doc = json.loads((tmp_path / "plan.json").read_text())
     assert doc["windows"] == 6 and all(s["interval"]["low"] <= s["score"] <= s["interval"]["high"] for s in doc["splits"])
     # A profile written before the window had parts still plans, and says how to get an interval.
