@@ -184,7 +184,7 @@ class Checkpointer:
         self.root = Path(root) if root is not None else None
         self.mlflow_run_id: str | None = None
         # The tracker may create its run late (store unreachable at start): ask it at save time.
-        self.tracker: Any = None
+        self.tracker: Any = None  # observe.tracking.Tracker, once the run has one
 
     # -- writing ------------------------------------------------------------------------------------
     def save(
@@ -243,7 +243,7 @@ class Checkpointer:
                 "epoch": epoch,
                 "data_position": data_position,
                 "stage_states": stage_states or {},
-                "mlflow_run_id": getattr(self.tracker, "run_id", None) or self.mlflow_run_id,
+                "mlflow_run_id": (self.tracker.run_id if self.tracker is not None else None) or self.mlflow_run_id,
                 "config_hash": self.config_hash,
                 "settings": self.settings,
                 "checkpoint_dir": os.path.realpath(self.dir),

@@ -133,6 +133,8 @@ PEER_LOST_MARKERS = (
 def lost_peer(exc: BaseException | str | None) -> bool:
     """Whether ``exc`` (an exception, its chain, or an error text) is a collective failing because another
     rank of the job went away: a consequence of that rank's fault, not a fault of its own."""
+    from dflash_flow.core.errors import StageError
+
     if exc is None:
         return False
     if isinstance(exc, str):
@@ -146,7 +148,7 @@ def lost_peer(exc: BaseException | str | None) -> bool:
             return True
         if lost_peer(f"{type(exc).__name__}: {exc}"):
             return True
-        exc = getattr(exc, "original", None) or exc.__cause__ or exc.__context__
+        exc = (exc.original if isinstance(exc, StageError) else None) or exc.__cause__ or exc.__context__
     return False
 
 

@@ -152,10 +152,11 @@ class Outcome:
 
 def _outcome(exc: BaseException | None) -> Outcome:
     from dflash_flow.app.distributed import lost_peer
+    from dflash_flow.core import StageError
 
     out = _classify(exc)
     if exc is not None:
-        out.stage = getattr(exc, "stage", None)
+        out.stage = exc.stage if isinstance(exc, StageError) else None
         out.at = time.time()
         out.lost_peer = lost_peer(exc)
     return out

@@ -249,6 +249,9 @@ def test_the_launcher_blames_the_first_real_fault_not_a_rank_that_lost_its_peer(
     chained = RuntimeError("outer")
     chained.__cause__ = RuntimeError("Connection reset by peer")
     assert lost_peer(chained)
+    from dflash_flow.core import StageError
+
+    assert lost_peer(StageError("drafter", 0, "process", RuntimeError("Connection reset by peer")))  # its original
     fault = "stage 'target' replica 0 failed in process: InjectedFault: boom"
     records = {0: {"rank": 0, "status": "FAILED", "code": 1, "error": gloo, "stage": "drafter", "time": 5.0, "lost_peer": True},
                1: {"rank": 1, "status": "FAILED", "code": 1, "error": fault, "stage": "target", "time": 6.0, "lost_peer": False}}
