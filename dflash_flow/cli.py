@@ -268,8 +268,14 @@ def regenerate(
         raise typer.Exit(regenerate_served_command(
             prompts, server, out, target=target, max_new_tokens=max_new_tokens, resume=resume,
             system_prompt=system_prompt, served_model=served_model, concurrency=concurrency, sampling=sampling,
-            thinking=thinking, timeout=timeout, max_attempts=max_attempts, retry_errors=retry_errors, seed=seed))
-    raise typer.Exit(regenerate_command(prompts, target, out, batch_size, max_new_tokens, resume, system_prompt))
+            thinking=thinking, timeout=timeout, max_attempts=max_attempts, retry_errors=retry_errors, seed=seed,
+            in_process_only=["--batch-size"] if batch_size != 8 else []))
+    given = {"--served-model": served_model is not None, "--concurrency": concurrency != 32,
+             "--sampling": sampling != "greedy", "--thinking/--no-thinking": thinking is not None,
+             "--timeout": timeout != 900.0, "--max-attempts": max_attempts != 5, "--retry-errors": retry_errors,
+             "--seed": seed != 0}
+    raise typer.Exit(regenerate_command(prompts, target, out, batch_size, max_new_tokens, resume, system_prompt,
+                                        server_only=[k for k, v in given.items() if v]))
 
 
 @app.command(name="import-spool")

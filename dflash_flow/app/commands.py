@@ -165,12 +165,15 @@ def _eval_argument_problem(drafter: Path, target: str, prompts: Path, tokenizer:
 
 
 def regenerate_command(prompts: Path, target: str | None, out: Path, batch_size: int, max_new_tokens: int, resume: bool,
-                       system_prompt: str | None) -> int:
+                       system_prompt: str | None, server_only: list[str] | None = None) -> int:
     """``dflash-flow regenerate``: replies regenerated greedily by the target (batched, resumable)."""
     from dflash_flow.app.session import quiet_libraries
     from dflash_flow.embedded import regenerate, resolve_target
     from dflash_flow.observe.progress import ProgressBar
 
+    if server_only:
+        return report_user_error(f"{', '.join(server_only)} only apply with --server (regeneration through serving "
+                                 "engines); drop them, or add --server URL")
     if target is None:
         return report_user_error("regenerate needs --target (a model directory, or 'embedded'), or --server URL "
                                  "to regenerate through serving engines")
@@ -208,13 +211,17 @@ def regenerate_command(prompts: Path, target: str | None, out: Path, batch_size:
 def regenerate_served_command(prompts: Path, servers: list[str], out: Path, *, target: str | None,
                               max_new_tokens: int, resume: bool, system_prompt: str | None, served_model: str | None,
                               concurrency: int, sampling: str, thinking: bool | None, timeout: float,
-                              max_attempts: int, retry_errors: bool, seed: int) -> int:
+                              max_attempts: int, retry_errors: bool, seed: int,
+                              in_process_only: list[str] | None = None) -> int:
     """``dflash-flow regenerate --server URL ...``: replies from OpenAI-compatible servers (many in flight,
     retried, failover, resumable), with each row's finish reason counted and reported."""
     from dflash_flow.embedded import resolve_target
     from dflash_flow.embedded.served import AllServersDown, regenerate_served
     from dflash_flow.observe.progress import ProgressBar
 
+    if in_process_only:
+        return report_user_error(f"{', '.join(in_process_only)} only applies in process (without --server); the "
+                                 "servers batch requests themselves: use --concurrency")
     bar = None
 
     def progress(done: int, total: int, tokens: int) -> None:

@@ -257,6 +257,17 @@ def test_cli_reports_error_rows_and_a_missing_server_in_one_line(tmp_path, serve
     proc = _cli(str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o3.jsonl"))  # neither --target nor --server
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 2 and stderr.count("\n") == 1 and "--server" in stderr
+    # options of the server path without --server are refused, not ignored
+    proc = _cli(str(tmp_path / "p.jsonl"), "--target", "embedded", "--out", str(tmp_path / "o3.jsonl"), "--no-thinking",
+                "--sampling", "target")
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and stderr.count("\n") == 1
+    assert "--sampling, --thinking/--no-thinking only apply with --server" in stderr
+    assert not (tmp_path / "o3.jsonl").exists()
+    proc = _cli(str(tmp_path / "p.jsonl"), "--server", "http://127.0.0.1:1", "--out", str(tmp_path / "o3.jsonl"),
+                "--batch-size", "32")
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and "--batch-size only applies in process" in stderr
 
 
 def test_sampling_thinking_and_model_fields(tmp_path, servers):
