@@ -4,29 +4,14 @@ rebuilds ``tau_h<H>`` to look a value up). A real export of a tiny drafter again
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from dflash_flow.items import EvalReport
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory) -> tuple[Path, Path, str]:
-    import torch
-
-    from dflash_flow.embedded import embedded_target_path, write_eval_prompts
-    from dflash_flow.model.drafter import DFlashDrafter, make_drafter_config
-    from dflash_flow.model.export import save_drafter
-    from dflash_flow.model.target import load_target
-
-    root = tmp_path_factory.mktemp("eval")
-    target = embedded_target_path()
-    model = load_target(target, dtype=torch.float32)
-    torch.manual_seed(0)
-    save_drafter(DFlashDrafter(make_drafter_config(model.config, num_layers=1, block_size=4, mask_token_id=0)),
-                 root / "drafter")
-    return root / "drafter", write_eval_prompts(root / "prompts.jsonl", 2), target
+@pytest.fixture
+def exported(tiny_export):
+    return tiny_export
 
 
 def test_evaluate_exported_reports_typed_results(exported):
