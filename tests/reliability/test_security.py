@@ -80,7 +80,8 @@ def test_a_checkpoint_with_a_malicious_pickle_is_refused_not_executed(tmp_path, 
     save_file({"w": torch.zeros(1)}, str(d / "model.safetensors"))
     with open(d / "optimizer.pt", "wb") as f:  # a pickle that runs a command when unpickled
         pickle.dump({"optimizer": _Exploit(), "scheduler": {}}, f, protocol=2)
-    (d / "state.json").write_text(json.dumps({"format_version": 1, "step": 1, "epoch": 0, "config_hash": "x"}))
+    (d / "state.json").write_text(json.dumps({"format_version": 1, "step": 1, "epoch": 0, "config_hash": "x",
+                                              "stage_states": {}}))
     (d / "MANIFEST.json").write_text(json.dumps({n: _sha(d / n) for n in ("model.safetensors", "optimizer.pt", "state.json")}))
     ck = load_checkpoint(d, expected_config_hash="x")  # the checksums are right: the content is hostile
     assert set(ck.model_state()) == {"w"}  # safetensors: tensors only
