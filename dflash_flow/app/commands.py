@@ -164,12 +164,44 @@ def _eval_argument_problem(drafter: Path, target: str, prompts: Path, tokenizer:
     return None
 
 
+class _ReplyProgress:
+    """The regenerate commands' progress bar (made at the first report, when the total is known), their
+    log lines above it, and what a Ctrl-C prints."""
+
+    def __init__(self) -> None:
+        self.bar = None
+
+    def __call__(self, done: int, total: int, tokens: int) -> None:
+        from dflash_flow.observe.progress import ProgressBar
+
+        if self.bar is None:
+            self.bar = ProgressBar(total, label="regenerate", unit="replies", done=done)
+        else:
+            self.bar.update(done - self.bar.done, tok=tokens)
+
+    def message(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.message(text)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def stopped(self, out: Path) -> int:
+        self.close()
+        print(f"stopped: {out} holds every reply finished so far; the same command continues from there",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
 def regenerate_command(prompts: Path, target: str | None, out: Path, batch_size: int, max_new_tokens: int, resume: bool,
                        system_prompt: str | None, server_only: list[str] | None = None) -> int:
     """``dflash-flow regenerate``: replies regenerated greedily by the target (batched, resumable)."""
     from dflash_flow.app.session import quiet_libraries
     from dflash_flow.embedded import regenerate, resolve_target
-    from dflash_flow.observe.progress import ProgressBar
 
     if server_only:
         return report_user_error(f"{', '.join(server_only)} only apply with --server (regeneration through serving "
@@ -178,30 +210,16 @@ def regenerate_command(prompts: Path, target: str | None, out: Path, batch_size:
         return report_user_error("regenerate needs --target (a model directory, or 'embedded'), or --server URL "
                                  "to regenerate through serving engines")
     quiet_libraries()
-    bar = None
-
-    def progress(done: int, total: int, tokens: int) -> None:
-        nonlocal bar
-        if bar is None:
-            bar = ProgressBar(total, label="regenerate", unit="replies", done=done)
-        else:
-            bar.update(done - bar.done, tokens=tokens)
-
+    replies = _ReplyProgress()
     try:
         stats = regenerate(prompts, resolve_target(target), out, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                           resume=resume, progress=progress, system_prompt=system_prompt)
+                           resume=resume, progress=replies, system_prompt=system_prompt)
     except (ValueError, OSError) as exc:
         return report_user_error(exc)
     except KeyboardInterrupt:
-        if bar is not None:
-            bar.close()
-            bar = None
-        print(f"stopped: {out} holds every reply finished so far; the same command continues from there",
-              file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return replies.stopped(out)
     finally:
-        if bar is not None:
-            bar.close()
+        replies.close()
     print(f"wrote {out}: {stats.total} records ({stats.generated} generated now)")
     for line in regenerate_warnings(stats, max_new_tokens):
         print(f"warning: {line}", file=sys.stderr)
@@ -217,50 +235,27 @@ def regenerate_served_command(prompts: Path, servers: list[str], out: Path, *, t
     retried, failover, resumable), with each row's finish reason counted and reported."""
     from dflash_flow.embedded import resolve_target
     from dflash_flow.embedded.served import AllServersDown, regenerate_served
-    from dflash_flow.observe.progress import ProgressBar
 
     if in_process_only:
         return report_user_error(f"{', '.join(in_process_only)} only applies in process (without --server); the "
                                  "servers batch requests themselves: use --concurrency")
-    bar = None
-
-    def progress(done: int, total: int, tokens: int) -> None:
-        nonlocal bar
-        if bar is None:
-            bar = ProgressBar(total, label="regenerate", unit="replies", done=done)
-        else:
-            bar.update(done - bar.done, tok=tokens)
-
-    def log(message: str) -> None:
-        if bar is not None:
-            bar.message(message)
-        else:
-            print(message, file=sys.stderr, flush=True)
-
+    replies = _ReplyProgress()
     try:
         stats = regenerate_served(
             prompts, servers, out, max_new_tokens=max_new_tokens, concurrency=concurrency, model=served_model,
             sampling=sampling, target=None if target is None else resolve_target(target), enable_thinking=thinking,
             seed=seed, timeout_s=timeout, max_attempts=max_attempts, resume=resume, retry_errors=retry_errors,
-            system_prompt=system_prompt, progress=progress, log=log)
+            system_prompt=system_prompt, progress=replies, log=replies.message)
     except (ValueError, OSError) as exc:
         return report_user_error(exc)
     except AllServersDown as exc:
-        if bar is not None:
-            bar.close()
-            bar = None
+        replies.close()
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
-        if bar is not None:
-            bar.close()
-            bar = None
-        print(f"stopped: {out} holds every reply finished so far; the same command continues from there",
-              file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return replies.stopped(out)
     finally:
-        if bar is not None:
-            bar.close()
+        replies.close()
     print(served_summary(stats, out))
     for line in regenerate_warnings(stats, max_new_tokens):
         print(f"warning: {line}", file=sys.stderr)

@@ -320,3 +320,34 @@ def test_a_second_writer_is_refused_while_one_appends(tmp_path):
         with pytest.raises(ValueError, match="being written by another dflash-flow regenerate"):
             OutputWriter(out).__enter__()
     assert out.read_text() == R1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ctrl_c_keeps_the_replies_written_and_says_how_to_continue(prompts_file, uninterrupted, tmp_path):
+    """SIGINT during ``dflash-flow regenerate``: exit 130, the replies finished so far kept, one line saying
+    the same command continues; the same command then writes the rest, equal to an uninterrupted run."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "dflash_flow.cli", "regenerate", str(prompts_file), "--target", "embedded",
+           "--out", str(out), "--batch-size", "1", "--max-new-tokens", str(MAX_NEW)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while (not out.exists() or out.read_text().count("\n") < 1) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert f"stopped: {out} holds every reply finished so far; the same command continues from there" in err
+    assert "Traceback" not in err
+    kept = out.read_text().count("\n")
+    assert kept >= 1
+    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"({N_RECORDS - kept} generated now)" in again.stdout
+    assert out.read_bytes() == uninterrupted
