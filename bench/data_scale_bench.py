@@ -135,7 +135,9 @@ def rank_main(args) -> None:
     r1, c1 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     after = rss()
     t1 = time.perf_counter()
-    from dflash_flow.data.plan import BatchPlanner, PlanConfig, order_packed
+    from dflash_flow.data.epoch import order_packed
+    from dflash_flow.data.packing import PlanConfig
+    from dflash_flow.data.plan import BatchPlanner
 
     plan = order_packed(BatchPlanner(table.lengths, PlanConfig(max_tokens=16384), seed=1).pack(0), world_size=2)
     plan.state_dict(len(plan) // 2)
@@ -220,7 +222,9 @@ def plan_at_scale(lengths: np.ndarray, n: int) -> dict:
     lengths follow the file: what a million-conversation run builds before its first step."""
     import json as _json
 
-    from dflash_flow.data.plan import BatchPlanner, PlanConfig, order_packed
+    from dflash_flow.data.epoch import order_packed
+    from dflash_flow.data.packing import PlanConfig
+    from dflash_flow.data.plan import BatchPlanner
 
     lens = np.clip(lengths[np.arange(n) % lengths.size], 1, 8192)
     t0 = time.perf_counter()

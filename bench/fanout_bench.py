@@ -91,7 +91,9 @@ def _solve_c(buckets: np.ndarray, tokens: np.ndarray, lens: np.ndarray) -> float
 
 def workload(n_samples: int, unit_s: float) -> dict[str, Any]:
     """The epoch's batches with their costs, and the two orders (lists of (bucket, target_s, train_s))."""
-    from dflash_flow.data.plan import BatchPlanner, PlanConfig, epoch_rng, order_packed
+    from dflash_flow.data.epoch import order_packed
+    from dflash_flow.data.packing import PlanConfig, epoch_rng
+    from dflash_flow.data.plan import BatchPlanner
     from dflash_flow.data.stats import max_same_bucket_run
 
     lengths = np.loadtxt(common.ROOT / "bench" / "data" / "lengths-chat-100k.txt", dtype=np.int64)[:n_samples]

@@ -155,7 +155,9 @@ def ours(data: list[Sample], costs: Costs, tag: str) -> tuple[float, list[tuple]
 def planned_batches(data: list[Sample]):
     """The epoch's planned batches exactly as Bucketer + Interleaver make them (same config and seed)."""
     from dflash_flow.core import derive_seed
-    from dflash_flow.data.plan import BatchPlanner, PlanConfig, order_packed
+    from dflash_flow.data.epoch import order_packed
+    from dflash_flow.data.packing import PlanConfig
+    from dflash_flow.data.plan import BatchPlanner
     from dflash_flow.items import PlannedBatch
 
     lengths = np.array([len(s) for s in data], dtype=np.int64)

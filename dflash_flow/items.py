@@ -97,7 +97,7 @@ class BatchMeta:
     # epoch's, max_batches applied): with the trainer's accumulation, the exact number of optimizer steps left.
     batches_ahead: tuple[int, ...] = ()
     rank: int = 0
-    # Where the batch sits in the epoch's plan of global steps (see data.plan.EpochPlan): filler batches
+    # Where the batch sits in the epoch's plan of global steps (see data.epoch.EpochPlan): filler batches
     # (no samples) keep the ranks in step; `plan_state` is the Interleaver's state right after this batch.
     filler: bool = False
     step: int = 0
@@ -237,7 +237,7 @@ class EpochBatches:
     Interleaver, with the samples they index (shared, not copied, between epochs)."""
 
     epoch: int
-    packed: Any  # dflash_flow.data.plan.PackedEpoch
+    packed: Any  # dflash_flow.data.packing.PackedEpoch
     samples: Any  # samples[i] is the sample at plan position i (a list, or a lazy view of the corpus)
     num_epochs: int = 1  # epochs the run plans (for the trainer's schedule length)
     # Global batches of every epoch of the run (index: epoch), exactly: the schedule's and the progress's

@@ -490,7 +490,7 @@ def _out_of_range(value: Any, where: str, depth: int = 0) -> str | None:
 
 
 def _check_state(path: Path, state: Any) -> dict[str, Any]:
-    from dflash_flow.data.plan import MAX_POSITION, plan_state_problem
+    from dflash_flow.data.epoch import MAX_POSITION, plan_state_problem
 
     def need(ok: bool, why: str) -> None:
         if not ok:

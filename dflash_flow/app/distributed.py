@@ -1,6 +1,6 @@
 """Data-parallel runs under torchrun: the process group, the per-rank services, and one run per job.
 
-Every rank runs the same DAG on its share of one global plan (``data.plan``: global steps of one batch per
+Every rank runs the same DAG on its share of one global plan (``data.epoch``: global steps of one batch per
 rank). This module owns what makes the ranks one job: ``torch.distributed`` initialised once per process
 with a timeout (a collective that waits on a dead rank fails instead of hanging), two extra gloo groups
 so that threads never interleave collectives on one group (the trainer's checkpoint gathers; the

@@ -5,16 +5,10 @@ Importing this package does not import torch (only `collate`'s functions do, whe
 
 from .chat import ChatEncoding, ChatTemplateError, TemplateInfo, encode_chat, probe_template, render_chat
 from .collate import pad_arrays, pad_batch, pad_samples, to_device
-from .plan import (
-    BatchPlanner,
-    EpochPlan,
-    PackedEpoch,
-    PlanConfig,
-    assign_buckets,
-    bucket_boundaries,
-    interleave_buckets,
-    order_packed,
-)
+from .epoch import EpochPlan, order_packed
+from .interleave import interleave_buckets
+from .packing import PackedEpoch, PlanConfig, assign_buckets, bucket_boundaries
+from .plan import BatchPlanner
 from .records import (
     BadRecord,
     DataError,

@@ -21,7 +21,7 @@ import numpy as np
 
 from dflash_flow.items import Sample, SampleTable
 
-from .plan import epoch_rng
+from .packing import epoch_rng
 from .reports import TokenizedFile
 
 __all__ = ["Corpus", "EpochView", "describe_mixture", "draw_epoch", "file_table", "mixture_counts"]

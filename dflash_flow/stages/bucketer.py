@@ -15,7 +15,7 @@ from typing import Any, Optional
 import attrs
 
 from dflash_flow.core import Stage, StageContext, cfg, derive_seed
-from dflash_flow.data.plan import plan_field
+from dflash_flow.data.packing import plan_field
 from dflash_flow.items import EpochBatches, Sample, SampleSet, SampleTable
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,8 @@ class Bucketer(Stage):
         import numpy as np
 
         from dflash_flow.data.corpus import EpochView, describe_mixture, draw_epoch
-        from dflash_flow.data.plan import BatchPlanner, PlanConfig, bucket_boundaries
+        from dflash_flow.data.packing import PlanConfig, bucket_boundaries
+        from dflash_flow.data.plan import BatchPlanner
 
         if self._ctx.stop_requested.is_set():
             return  # stopping: no epoch is packed for a run that ends now

@@ -1,5 +1,5 @@
 """Interleaver: orders each epoch's batches into global steps (diversity-first) and deals this rank its
-batch of every step. A thin adapter over ``data.plan`` (``order_packed``, ``resume_plan``)."""
+batch of every step. A thin adapter over ``data.epoch`` (``order_packed``, ``resume_plan``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import attrs
 
 from dflash_flow.core import Stage, StageContext, cfg
 from dflash_flow.core.errors import SavedStateError
-from dflash_flow.data.plan import plan_field
+from dflash_flow.data.packing import plan_field
 from dflash_flow.items import EpochBatches, PlannedBatch, RunPlan
 
 
@@ -53,7 +53,7 @@ class Interleaver(Stage):
 
     def _plan(self, item: EpochBatches):
         """(plan, first global position) for this epoch, continuing a checkpoint's plan if there is one."""
-        from dflash_flow.data.plan import order_packed, resume_plan
+        from dflash_flow.data.epoch import order_packed, resume_plan
 
         world = self._ctx.world_size
         state = self._resume

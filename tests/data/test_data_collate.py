@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from dflash_flow.data.collate import pad_arrays, pad_batch, pad_samples, to_device
-from dflash_flow.data.plan import BatchPlanner, PlanConfig
+from dflash_flow.data.packing import PlanConfig
+from dflash_flow.data.plan import BatchPlanner
 from dflash_flow.items import PlannedBatch, Sample
 
 

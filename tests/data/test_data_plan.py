@@ -11,18 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash_flow.data.plan import (
-    FILLER,
-    BatchPlanner,
-    PlanConfig,
-    _run_cap_ok,
-    assign_buckets,
-    bucket_boundaries,
-    epoch_rng,
-    interleave_buckets,
-    min_feasible_run,
-    resume_plan,
-)
+from dflash_flow.data.epoch import FILLER, resume_plan
+from dflash_flow.data.interleave import _run_cap_ok, interleave_buckets, min_feasible_run
+from dflash_flow.data.packing import PlanConfig, assign_buckets, bucket_boundaries, epoch_rng
+from dflash_flow.data.plan import BatchPlanner
 from dflash_flow.data.stats import max_same_bucket_run, padding_efficiency, window_mix_max_deviation
 
 # ------------------------------------------------------------------------------------------------ buckets
@@ -157,7 +149,7 @@ def test_interleave_never_breaks_a_feasible_cap(counts, max_run, seed):
 
 def test_infeasible_cap_warns_once_and_does_its_best(caplog):
     counts = [30, 2, 1]  # 30 of 33: a cap of 3 would need at least 10 separators
-    with caplog.at_level(logging.WARNING, logger="dflash_flow.data.plan"):
+    with caplog.at_level(logging.WARNING, logger="dflash_flow.data.interleave"):
         for e in range(3):
             seq, cap = interleave_buckets(counts, max_run=3, rng=epoch_rng(0, e))
             assert cap == min_feasible_run(counts) == 8

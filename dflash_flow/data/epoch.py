@@ -1,0 +1,408 @@
+"""The epoch's plan and its dealing: EpochPlan, global steps of one batch per rank, order_packed, resume."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from typing import Literal
+
+import attrs
+import numpy as np
+
+from dflash_flow.items import BatchMeta
+
+from .interleave import interleave_buckets
+from .packing import PackedEpoch, PlanConfig, epoch_rng
+
+__all__ = ["FILLER", "MAX_POSITION", "EpochPlan", "order_packed", "plan_state_problem", "resume_plan"]
+
+# Salts that keep the generators of the plan's steps independent of each other (data.plan has the others).
+_SALT_INTERLEAVE = 0x494E5452
+_SALT_REDEAL = 0x5245444C
+
+_DEFAULTS = PlanConfig()
+
+
+FILLER = -1  # the position of a filler batch in a rank's schedule
+
+
+@attrs.define(eq=False)
+class EpochPlan:
+    """The ordered batches of one epoch. Positions are global (all ranks together).
+
+    ``order[offsets[i]:offsets[i+1]]`` are the sample positions (indices into the planner's lengths) of
+    batch ``i``; ``sample_ids`` maps a position to the sample's id. With ``world_size`` W, global step s is
+    positions ``s*W .. s*W+W-1`` (rank r takes ``s*W + r``); a last step with fewer batches than ranks
+    gives the short ranks filler batches (``FILLER``), which train nothing. ``chain`` records the
+    segments of the epoch consumed before this plan was re-dealt (``redeal``): ``((W0, p0), ...)``.
+    """
+
+    epoch: int
+    seed: int
+    order: np.ndarray
+    offsets: np.ndarray
+    buckets: np.ndarray
+    padded_lens: np.ndarray
+    lengths: np.ndarray
+    sample_ids: np.ndarray
+    boundaries: np.ndarray
+    max_run: int  # the cap that was enforced (on consecutive global steps of one bucket)
+    run_cap_feasible: bool  # False when the configured cap was impossible for this bucket mix
+    world_size: int = 1  # the world size the order was made for
+    padded: np.ndarray | None = None  # padded length of every sample (for re-dealing)
+    chain: tuple[tuple[int, int], ...] = ()
+    interleave: tuple[int, float, float] = (3, 0.5, 3.0)  # max_run, repeat_penalty, evenness
+    _fingerprint: str | None = attrs.field(default=None, init=False, repr=False)
+    _longest: int | None = attrs.field(default=None, init=False, repr=False)
+
+    def __len__(self) -> int:
+        return int(self.buckets.size)
+
+    @property
+    def num_buckets(self) -> int:
+        return int(self.boundaries.size) + 1
+
+    @property
+    def steps(self) -> int:
+        """Global steps of this plan (every rank takes this many batches, fillers included)."""
+        return -(-len(self) // self.world_size)
+
+    def bucket_range(self, bucket: int) -> tuple[int, int]:
+        """The sample lengths bucket ``bucket`` holds, ``(shortest, longest)``: above the previous boundary
+        up to its own (``assign_buckets``); the last bucket up to the longest sample of the plan."""
+        lo = int(self.boundaries[bucket - 1]) + 1 if bucket > 0 else 1
+        if bucket < self.boundaries.size:
+            return lo, max(lo, int(self.boundaries[bucket]))
+        if self._longest is None:
+            self._longest = int(self.lengths.max(initial=lo))
+        return lo, max(lo, self._longest)
+
+    def batch(self, position: int) -> np.ndarray:
+        """Sample positions of the batch at ``position``."""
+        if not 0 <= position < len(self):
+            raise IndexError(f"batch position {position} outside the epoch's {len(self)} batches")
+        return self.order[self.offsets[position] : self.offsets[position + 1]]
+
+    def meta(self, position: int) -> BatchMeta:
+        """What the batch at ``position`` is (``FILLER``: a filler batch with no samples)."""
+        if position == FILLER:
+            return BatchMeta(epoch=self.epoch, index=FILLER, bucket=-1, lengths=[], real_tokens=0, padded_tokens=0,
+                             num_samples=0, filler=True)
+        idx = self.batch(position)
+        lens = self.lengths[idx]
+        padded_len = int(self.padded_lens[position])
+        bucket = int(self.buckets[position])
+        return BatchMeta(
+            epoch=self.epoch,
+            index=position,
+            bucket=bucket,
+            bucket_range=self.bucket_range(bucket),
+            lengths=lens.tolist(),
+            real_tokens=int(lens.sum()),
+            padded_tokens=padded_len * int(idx.size),
+            num_samples=int(idx.size),
+            sample_ids=self.sample_ids[idx].tolist(),
+            padded_len=padded_len,
+        )
+
+    def metas(self, start: int = 0) -> Iterator[BatchMeta]:
+        """Batches from global position ``start`` on: resuming mid-epoch is ``plan.metas(consumed)``."""
+        if not 0 <= start <= len(self):
+            raise ValueError(f"resume position {start} outside 0..{len(self)}")
+        for p in range(start, len(self)):
+            yield self.meta(p)
+
+    resume = metas
+
+    def rank_positions(
+        self, rank: int, world_size: int | None = None, *, start: int = 0, tail: Literal["filler", "drop"] = "filler"
+    ) -> np.ndarray:
+        """Global positions that ``rank`` consumes, step by step, from global position ``start`` on.
+
+        At step s rank r takes position ``start + s*W + r``; every rank takes the same number of steps,
+        so collectives never wait on a rank that ran out. ``tail="filler"`` (default) gives the short
+        ranks of the last step ``FILLER`` entries (batches that train nothing); ``tail="drop"`` leaves the
+        last partial step out. ``start`` is counted in global batches and must be a step boundary.
+        """
+        world_size = self.world_size if world_size is None else world_size
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world_size {world_size}")
+        if tail not in ("filler", "drop"):
+            raise ValueError(f"tail must be 'filler' or 'drop', got {tail!r}")
+        n = len(self)
+        if not 0 <= start <= n:
+            raise ValueError(f"start position {start} outside 0..{n}")
+        left = n - start
+        steps = -(-left // world_size) if tail == "filler" else left // world_size
+        pos = start + rank + world_size * np.arange(steps, dtype=np.int64)
+        return np.where(pos < n, pos, FILLER)
+
+    def batches_for_rank(
+        self, rank: int, world_size: int | None = None, *, start: int = 0, tail: Literal["filler", "drop"] = "filler"
+    ) -> list[BatchMeta]:
+        """This rank's share of the epoch as `BatchMeta` (see `rank_positions`)."""
+        return [self.meta(int(p)) for p in self.rank_positions(rank, world_size, start=start, tail=tail)]
+
+    def redeal(self, start: int, world_size: int) -> EpochPlan:
+        """The rest of the epoch, from global position ``start`` on, ordered into global steps of
+        ``world_size`` (an elastic resume: the batches not yet trained, each exactly once, for the new
+        number of ranks). The result's ``chain`` records this plan's segment."""
+        if not 0 <= start <= len(self):
+            raise ValueError(f"re-deal position {start} outside 0..{len(self)}")
+        if self.padded is None:
+            raise ValueError("this plan cannot be re-dealt (it carries no padded lengths)")
+        rest = list(range(start, len(self)))
+        batches = [self.batch(p) for p in rest]
+        labels = self.buckets[start:]
+        max_run, repeat_penalty, evenness = self.interleave
+        if world_size == 1 or not rest:
+            perm, cap = np.arange(len(rest), dtype=np.int64), self.max_run
+        else:
+            rng = epoch_rng(self.seed, self.epoch, _SALT_REDEAL, len(self.chain), start, world_size)
+            perm, cap = _step_groups(labels, world_size, rng, max_run=max_run, repeat_penalty=repeat_penalty,
+                                     evenness=evenness)
+        plan = _plan_from_batches(
+            batches, labels, perm, like=self, epoch=self.epoch, seed=self.seed, cap=cap, max_run=max_run,
+            world_size=world_size, chain=(*self.chain, (self.world_size, int(start))),
+        )
+        plan.interleave = self.interleave
+        return plan
+
+    def fingerprint(self) -> str:
+        """Hash of the plan's content: equal plans on every rank and across resumes, or a bug. Computed
+        once per plan (a plan is not changed after it is made; every batch's state carries it)."""
+        if self._fingerprint is not None:
+            return self._fingerprint
+        h = hashlib.blake2b(digest_size=16)
+        for arr in (self.order, self.offsets, self.buckets, self.padded_lens, self.sample_ids):
+            h.update(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
+        h.update(f"{self.epoch}|{self.seed}|{self.world_size}|{list(self.chain)}".encode())
+        self._fingerprint = h.hexdigest()
+        return self._fingerprint
+
+    def state_dict(self, position: int) -> dict:
+        """Resume state after ``position`` global batches of this plan were consumed."""
+        return {
+            "version": 2,
+            "epoch": self.epoch,
+            "chain": [list(c) for c in self.chain] + [[self.world_size, int(position)]],
+            "fingerprint": self.fingerprint(),
+        }
+
+    def check_state(self, state: dict) -> int:
+        """Validate a `state_dict` of this very plan; returns the position to resume from."""
+        if state.get("version") != 2:
+            raise ValueError(f"unsupported plan state version {state.get('version')!r}")
+        if state.get("epoch") != self.epoch:
+            raise ValueError(f"plan state is for epoch {state.get('epoch')}, this plan is epoch {self.epoch}")
+        chain = [tuple(c) for c in state.get("chain") or [(self.world_size, 0)]]
+        if tuple(chain[:-1]) != self.chain or chain[-1][0] != self.world_size:
+            raise ValueError(
+                f"plan state belongs to a plan dealt as {chain}, this one is {[*self.chain, (self.world_size, '?')]}: "
+                "rebuild it with resume_plan()"
+            )
+        fp = state.get("fingerprint")
+        if fp is not None and fp != self.fingerprint():
+            raise ValueError(
+                "the rebuilt epoch plan differs from the one the checkpoint was taken from "
+                "(data, plan config or seed changed); resuming would repeat or skip samples"
+            )
+        pos = int(chain[-1][1])
+        if not 0 <= pos <= len(self):
+            raise ValueError(f"plan state position {pos} outside 0..{len(self)}")
+        return pos
+
+
+MAX_POSITION = 2**53  # no real plan holds more batches (or epochs, or ranks) than this
+
+
+def plan_state_problem(state: object) -> str | None:
+    """What is wrong with the shape of an ``EpochPlan.state_dict`` read back from a file (None: nothing):
+    the types and ranges ``resume_plan`` relies on, checked before anything is rebuilt from it. Whether it
+    fits the rebuilt plan (its fingerprint) is ``check_state``'s question."""
+    def count(v: object, lo: int = 0) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= MAX_POSITION
+
+    if not isinstance(state, dict):
+        return f"must be an object, got {type(state).__name__}"
+    if state.get("version") != 2:
+        return f"plan state version {state.get('version')!r:.40} is not supported (2 is)"
+    if not count(state.get("epoch")):
+        return f"'epoch' must be a non-negative integer, got {state.get('epoch')!r:.40}"
+    chain = state.get("chain")
+    if chain is not None:
+        if not isinstance(chain, list) or not chain:
+            return f"'chain' must be a non-empty list of [ranks, position] pairs, got {chain!r:.60}"
+        for seg in chain:
+            if not (isinstance(seg, list) and len(seg) == 2 and count(seg[0], 1) and count(seg[1])):
+                return f"'chain' must hold [ranks >= 1, position >= 0] pairs of integers, got {seg!r:.60}"
+    fp = state.get("fingerprint")
+    if fp is not None and not isinstance(fp, str):
+        return f"'fingerprint' must be a string, got {type(fp).__name__}"
+    return None
+
+
+def resume_plan(base: EpochPlan, state: dict, world_size: int) -> tuple[EpochPlan, int]:
+    """The plan to continue an epoch with ``world_size`` ranks, and the global position to start from.
+
+    ``base`` is the epoch's plan for the world size it started with; ``state`` is an `EpochPlan.state_dict`
+    of the plan the checkpointed run was consuming: its ``chain`` lists the segments consumed so far,
+    ``[[W0, p0], [W1, p1], ...]`` (a world size and the global batches consumed of that segment's plan),
+    and its fingerprint must match the rebuilt segment (same data, config and seed). Every segment but
+    the last was re-dealt at its position; the last continues as is when ``world_size`` equals its own,
+    else it is re-dealt too. So a run may change its number of ranks any number of times and still
+    trains every batch of the epoch exactly once.
+    """
+    chain = [(int(w), int(p)) for w, p in state.get("chain") or []] or [(base.world_size, 0)]
+    if chain[0][0] != base.world_size:
+        raise ValueError(f"the epoch started with {chain[0][0]} ranks but the base plan is for {base.world_size}")
+    plan = base
+    for (_w, p), (w_next, _p) in zip(chain[:-1], chain[1:], strict=True):
+        plan = plan.redeal(p, w_next)
+    position = plan.check_state({**state, "version": 2, "epoch": plan.epoch, "chain": [list(c) for c in chain]})
+    if plan.world_size == world_size:
+        return plan, position
+    return plan.redeal(position, world_size), 0
+
+
+def _step_groups(
+    labels: np.ndarray,
+    world_size: int,
+    rng: np.random.Generator,
+    *,
+    max_run: int,
+    repeat_penalty: float,
+    evenness: float,
+) -> tuple[np.ndarray, int]:
+    """Order items (batches, whose buckets are ``labels``) into global steps of ``world_size``.
+
+    A global step is the batches the ranks train on together; it waits for its slowest rank, so its
+    batches should have similar lengths. Each bucket's batches are cut into groups of ``world_size``
+    (one step each, one bucket); what is left of each bucket is pooled in bucket order (neighbouring
+    buckets have neighbouring lengths) and cut into mixed steps. Steps are then interleaved with the run
+    cap on consecutive steps of one bucket, the partial step (fewer batches than ranks: the short ranks
+    get filler batches) last. Returns (item indices in plan order, the enforced cap).
+    """
+    w = world_size
+    groups: list[tuple[int, list[int]]] = []
+    leftovers: list[int] = []
+    for b in range(int(labels.max()) + 1 if labels.size else 0):
+        items = np.flatnonzero(labels == b).tolist()
+        full = len(items) // w
+        groups += [(b, items[g * w : (g + 1) * w]) for g in range(full)]
+        leftovers += items[full * w :]
+    partial: list[int] = []
+    for j in range(0, len(leftovers), w):
+        chunk = leftovers[j : j + w]
+        if len(chunk) == w:
+            groups.append((int(labels[chunk[0]]), chunk))
+        else:
+            partial = chunk
+    n_labels = int(labels.max()) + 1 if labels.size else 0
+    counts = [0] * n_labels
+    queues: list[list[list[int]]] = [[] for _ in range(n_labels)]
+    for label, members in groups:
+        counts[label] += 1
+        queues[label].append(members)
+    seq, cap = interleave_buckets(
+        counts, max_run=max_run, rng=rng, repeat_penalty=repeat_penalty, evenness=evenness
+    )
+    cursor = [0] * n_labels
+    order: list[int] = []
+    for label in seq.tolist():
+        order += queues[label][cursor[label]]
+        cursor[label] += 1
+    order += partial
+    return np.asarray(order, dtype=np.int64), cap
+
+
+def _plan_from_batches(
+    batches: list[np.ndarray],
+    buckets: np.ndarray,
+    perm: np.ndarray,
+    *,
+    like: PackedEpoch | EpochPlan,
+    epoch: int,
+    seed: int,
+    cap: int,
+    max_run: int,
+    world_size: int,
+    chain: tuple[tuple[int, int], ...] = (),
+) -> EpochPlan:
+    ordered = [batches[i] for i in perm.tolist()]
+    sizes = np.fromiter((a.size for a in ordered), dtype=np.int64, count=len(ordered))
+    offsets = np.zeros(len(ordered) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    order = np.concatenate(ordered) if ordered else np.zeros(0, dtype=np.int64)
+    padded = like.padded
+    padded_max = np.maximum.reduceat(padded[order], offsets[:-1]) if ordered else np.zeros(0, dtype=np.int64)
+    return EpochPlan(
+        epoch=epoch,
+        seed=seed,
+        order=order,
+        offsets=offsets,
+        buckets=np.asarray(buckets, dtype=np.int64)[perm] if perm.size else np.zeros(0, dtype=np.int64),
+        padded_lens=padded_max.astype(np.int64),
+        lengths=like.lengths,
+        sample_ids=like.sample_ids,
+        boundaries=like.boundaries,
+        max_run=cap,
+        run_cap_feasible=cap == max_run,
+        world_size=world_size,
+        padded=padded,
+        chain=chain,
+    )
+
+
+def order_packed(
+    packed: PackedEpoch,
+    *,
+    max_run: int = _DEFAULTS.max_run,
+    repeat_penalty: float = _DEFAULTS.repeat_penalty,
+    evenness: float = _DEFAULTS.evenness,
+    world_size: int = 1,
+) -> EpochPlan:
+    """Interleave a packed epoch into its `EpochPlan` (the Interleaver's half of the plan).
+
+    With ``world_size`` ranks the plan is a sequence of global steps of ``world_size`` batches
+    (``_step_groups``): rank r trains position ``s * world_size + r`` at step s. The batches are the same
+    for every world size, their order is not; a resume with another world size re-deals the rest of the
+    epoch (`EpochPlan.redeal`).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if max_run < 1:
+        raise ValueError(f"max_run must be >= 1, got {max_run}")
+    counts = packed.counts
+    batches = [b for bucket in packed.per_bucket for b in bucket]
+    buckets = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    if world_size == 1:
+        seq, cap = interleave_buckets(
+            counts,
+            max_run=max_run,
+            rng=epoch_rng(packed.seed, packed.epoch, _SALT_INTERLEAVE),
+            repeat_penalty=repeat_penalty,
+            evenness=evenness,
+        )
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64) if counts else np.zeros(0, np.int64)
+        cursor = [0] * len(counts)
+        perm_list = []
+        for b in seq.tolist():
+            perm_list.append(int(starts[b]) + cursor[b])
+            cursor[b] += 1
+        perm = np.asarray(perm_list, dtype=np.int64)
+    else:
+        perm, cap = _step_groups(
+            buckets,
+            world_size,
+            epoch_rng(packed.seed, packed.epoch, _SALT_INTERLEAVE, world_size),
+            max_run=max_run,
+            repeat_penalty=repeat_penalty,
+            evenness=evenness,
+        )
+    plan = _plan_from_batches(
+        batches, buckets, perm, like=packed, epoch=packed.epoch, seed=packed.seed, cap=cap, max_run=max_run,
+        world_size=world_size,
+    )
+    plan.interleave = (max_run, repeat_penalty, evenness)
+    return plan
