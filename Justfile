@@ -31,9 +31,11 @@ bench *ARGS:
 # Real-engine interop (not part of `test`): vLLM's CPU build, hash-pinned, in its own environment ($INTEROP_VENV,
 # default .venv-interop; first time ~5 min, 3.5 GB); trains a short drafter (or `--export DIR`), then vLLM's DFlash
 # speculative decoding of 16 held-out prompts against plain vLLM, transformers and ours, drafts step by step, and
-# both exports through vLLM's weight loaders. Writes bench/results/interop.json. ~8 min on 2 cores.
+# both exports through vLLM's weight loaders (bench/results/interop.json, ~8 min on 2 cores); then the
+# regeneration check below (~6 min more). ARGS go to the decoding check; `just interop-regenerate` runs the other.
 interop *ARGS:
     {{python}} interop/check.py {{ARGS}}
+    {{python}} interop/regenerate_check.py
 
 # Regeneration through a real vLLM server (vLLM's CPU build, the same environment): `regenerate --server` vs
 # in process on the same prompts (replies equal, tokens/s of both), a server SIGKILLed mid-run and a resume.
