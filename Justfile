@@ -31,8 +31,8 @@ bench *ARGS:
 # Real-engine interop (not part of `test`): vLLM's CPU build, hash-pinned, in its own environment ($INTEROP_VENV,
 # default .venv-interop; first time ~5 min, 3.5 GB); trains a short drafter (or `--export DIR`), then vLLM's DFlash
 # speculative decoding of 16 held-out prompts against plain vLLM, transformers and ours, drafts step by step, and
-# both exports through vLLM's weight loaders (bench/results/interop.json, ~8 min on 2 cores); then the
-# regeneration check below (~6 min more). ARGS go to the decoding check; `just interop-regenerate` runs the other.
+# both exports through vLLM's weight loaders (bench/results/interop.json, ~8 min on 2 cores).
+# Then regeneration through a real vLLM server (as interop-regenerate, ~6 min); ARGS go to the first check.
 interop *ARGS:
     {{python}} interop/check.py {{ARGS}}
     {{python}} interop/regenerate_check.py
