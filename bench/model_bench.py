@@ -42,7 +42,8 @@ def worker(cfg: dict) -> dict:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     sys.path.insert(0, str(ROOT))
-    from dflash_flow.model.drafter import DFlashDrafter, make_drafter_config
+    from dflash_flow.model.drafter import DFlashDrafter
+    from dflash_flow.model.drafter_config import make_drafter_config
     from dflash_flow.model.objective import dflash_loss
     from dflash_flow.model.optim import build_optimizer
 

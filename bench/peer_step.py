@@ -138,7 +138,8 @@ def build_case(case: dict, seed: int = 0) -> dict[str, Any]:
     """Drafter config and weights, frozen embedding / LM head, a batch and target-shaped features."""
     import torch
 
-    from dflash_flow.model.drafter import DFlashDrafter, make_drafter_config
+    from dflash_flow.model.drafter import DFlashDrafter
+    from dflash_flow.model.drafter_config import make_drafter_config
 
     t = case["target"]
     tcfg = target_config(t)

@@ -24,7 +24,8 @@ def tiny_export(tmp_path_factory) -> tuple[Path, Path, str]:
     import torch
 
     from dflash_flow.embedded import embedded_target_path, write_eval_prompts
-    from dflash_flow.model.drafter import DFlashDrafter, make_drafter_config
+    from dflash_flow.model.drafter import DFlashDrafter
+    from dflash_flow.model.drafter_config import make_drafter_config
     from dflash_flow.model.export import save_drafter
     from dflash_flow.model.target import load_target
 

@@ -50,7 +50,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_flow.model.drafter import DFlashDrafter, DrafterLayer, draft_value, make_drafter_config
+from dflash_flow.model.drafter import DFlashDrafter
+from dflash_flow.model.drafter_config import draft_value, make_drafter_config
+from dflash_flow.model.drafter_layers import DrafterLayer
 from dflash_flow.model.strategies import (  # noqa: F401 - re-exported: the settings live with the strategies
     DFLASH2_DEFAULTS,
     DFLASH2_KEYS,

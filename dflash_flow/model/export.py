@@ -32,12 +32,8 @@ import torch
 
 from dflash_flow.core.errors import CheckpointError
 from dflash_flow.model import dflash2
-from dflash_flow.model.drafter import (
-    LAYER_TYPES,
-    SLIDING_ATTENTION,
-    DFlashDrafter,
-    draft_value,
-)
+from dflash_flow.model.drafter import DFlashDrafter
+from dflash_flow.model.drafter_config import LAYER_TYPES, SLIDING_ATTENTION, draft_value
 from dflash_flow.model.export_contract import check_destination, read_json_object  # noqa: F401 - part of this API
 from dflash_flow.util import atomic_path, atomic_write_text, refuse_outside
 

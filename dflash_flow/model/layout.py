@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from dflash_flow.model.blockplan import BlockPlan
-from dflash_flow.model.drafter import FULL_ATTENTION, SLIDING_ATTENTION, BlockLayout
+from dflash_flow.model.drafter_config import FULL_ATTENTION, SLIDING_ATTENTION
+from dflash_flow.model.drafter_layers import BlockLayout
 
 
 def _context_visibility(

@@ -61,7 +61,7 @@ from dflash_flow.model.blockplan import (
     sample_prefix_lengths,
     valid_anchor_mask,
 )
-from dflash_flow.model.drafter import SlotRows
+from dflash_flow.model.drafter_layers import SlotRows
 from dflash_flow.model.layout import (  # noqa: F401 - re-exported
     ColumnBounds,
     activation_bytes_per_block,

@@ -85,7 +85,8 @@ def test_regenerate_and_eval_commands(tmp_path: Path) -> None:
     # eval: an untrained drafter of the target's shape, exported, then measured against the target.
     import torch
 
-    from dflash_flow.model.drafter import DFlashDrafter, make_drafter_config
+    from dflash_flow.model.drafter import DFlashDrafter
+    from dflash_flow.model.drafter_config import make_drafter_config
     from dflash_flow.model.export import save_drafter
     from dflash_flow.model.target import load_target
 

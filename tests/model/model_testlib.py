@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash_flow.model.drafter import DFlashDrafter, make_drafter_config
+from dflash_flow.model.drafter import DFlashDrafter
+from dflash_flow.model.drafter_config import make_drafter_config
 
 VOCAB = 96
 HIDDEN = 64

@@ -8,12 +8,10 @@ from dflash.model import DFlashDraftModel
 from dflash.model import build_target_layer_ids as zlab_layer_ids
 from model_testlib import HIDDEN, MASK_ID, TARGET_LAYERS, build_drafter, randomize
 
-from dflash_flow.model.drafter import (
-    DFlashDrafter,
-    build_target_layer_ids,
-    index_mask,
-    make_drafter_config,
-)
+from dflash_flow.model.drafter import DFlashDrafter
+from dflash_flow.model.drafter_config import make_drafter_config
+from dflash_flow.model.drafter_layers import index_mask
+from dflash_flow.model.facts import build_target_layer_ids
 
 
 def test_target_layer_ids_reference_examples():
@@ -126,7 +124,7 @@ def test_layers_are_transformers_qwen3_building_blocks(target):
 def test_fused_fp32_norm_equals_transformers_and_bf16_keeps_its_rounding():
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-    from dflash_flow.model.drafter import RMSNorm
+    from dflash_flow.model.drafter_layers import RMSNorm
 
     g = torch.Generator().manual_seed(0)
     ours, ref = RMSNorm(32, eps=1e-6), Qwen3RMSNorm(32, eps=1e-6)

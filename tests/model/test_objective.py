@@ -12,7 +12,7 @@ import pytest
 import torch
 from model_testlib import MASK_ID, VOCAB, build_drafter, randomize, target_features
 
-from dflash_flow.model.drafter import FULL_ATTENTION, SLIDING_ATTENTION
+from dflash_flow.model.drafter_config import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_flow.model.objective import (
     ColumnBounds,
     activation_bytes_per_block,

@@ -1,0 +1,427 @@
+"""The drafter's layers: RoPE, RMSNorm, masks, the training block layout and its attention, DrafterLayer."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    apply_rotary_pos_emb,
+    rotate_half,
+)
+
+from dflash_flow.model.drafter_config import FULL_ATTENTION, SLIDING_ATTENTION
+
+__all__ = [
+    "BlockLayout",
+    "DrafterAttention",
+    "DrafterLayer",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SlotRows",
+    "drop_first_slot",
+    "index_mask",
+]
+
+
+class RotaryEmbedding(Qwen3RotaryEmbedding):
+    """transformers' Qwen3 RoPE (every static RoPE type it knows), with fp32 tables under ``.to(bf16)``."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        params = getattr(config, "rope_parameters", None) or {}
+        if params.get("rope_type", "default") == "dynamic":
+            # Dynamic NTK rescales with the longest position in the call: training rows and inference
+            # prefixes would use different frequencies.
+            raise ValueError("dynamic RoPE rescales with sequence length and is not supported by the drafter")
+        super().__init__(config)
+
+    def _apply(self, fn, recurse=True):
+        # Kept from our own module: model.to(bfloat16) must not round the frequencies (positions in the
+        # thousands would drift); transformers relies on PreTrainedModel's fp32 rules, which we do not have.
+        before = dict(self._buffers)
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers.get(name)
+            if old is not None and new is not None and not old.is_meta and new.dtype != torch.float32:
+                self._buffers[name] = old.to(new.device, torch.float32)
+        return self
+
+
+class RMSNorm(Qwen3RMSNorm):
+    """transformers' Qwen3RMSNorm; fp32 goes through torch's fused ``rms_norm``.
+
+    Our one change, for speed: the fused kernel gives the same fp32 values (bit-equal in our checks) in
+    one op forward and one backward instead of six and ten (about 2x on CPU, and 12 norms run per step).
+    Other dtypes keep transformers' arithmetic (normalise in fp32, round, then scale), as z-lab does.
+    """
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
+        return super().forward(hidden_states)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Our own one-liner for keys alone: transformers' apply_rotary_pos_emb rotates a (q, k) pair at the
+    # same positions, and the context keys have positions of their own. x: [b, heads, T, d]; cos: [b, T, d]
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+def index_mask(
+    q_len: int, kv_len: int, *, causal: bool, window: int | None, device: torch.device
+) -> torch.Tensor:
+    """Mask used when no mask is passed: queries are the last ``q_len`` keys, positions are key indices.
+
+    At inference the cache holds exactly the committed context, so key index equals absolute position.
+    """
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    k_pos = torch.arange(kv_len, device=device)[None, :]
+    visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+    if causal:
+        visible &= k_pos <= q_pos
+    if window is not None:
+        visible &= q_pos - k_pos < window
+        if not causal:
+            visible &= k_pos - q_pos < window
+    return visible[None, None]
+
+
+class BlockLayout(NamedTuple):
+    """How the block queries of the training layout attend (one per layer).
+
+    A block needs the context before its anchor and its own block, nothing else; a dense mask over all
+    context and all blocks spends most of its work on keys it hides. Blocks are grouped by anchor:
+    group ``(q0, q1, lo, hi)`` = queries ``[q0, q1)`` (whole blocks) seeing context keys ``[lo, hi)``
+    and the keys of the group's own blocks. Key layout: ``scratch`` slots, then the S context
+    positions; a group's own keys are placed just before its context slice, so the group attends to
+    one contiguous key range ``[scratch + lo - own, scratch + hi)``. ``mask`` is additive
+    ``[b, 1, Q, scratch + S]`` in that layout (each group's rows hold its own-block pattern in its own
+    columns); ``group_masks`` are the groups' views of it. ``queries_per_block`` is B, or B - 1 when
+    the layer's slot-0 queries are dropped (the last layer: slot 0 is never supervised, so only its key
+    and value are needed).
+    """
+
+    block_size: int
+    queries_per_block: int
+    groups: list[tuple[int, int, int, int]]
+    scratch: int
+    mask: torch.Tensor
+    group_masks: list[torch.Tensor]
+
+    @property
+    def drops_first_slot(self) -> bool:
+        return self.queries_per_block < self.block_size
+
+    def own_keys(self, q0: int, q1: int) -> tuple[int, int]:
+        """The own-block key range (in block-key slots) of queries ``[q0, q1)``."""
+        return q0 // self.queries_per_block * self.block_size, q1 // self.queries_per_block * self.block_size
+
+
+def drop_first_slot(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[b, N*B, ...]`` -> ``[b, N*(B-1), ...]``: slots 1..B-1 of every block."""
+    b, t = x.shape[:2]
+    n = t // block_size
+    return x.view(b, n, block_size, *x.shape[2:])[:, :, 1:].reshape(b, n * (block_size - 1), *x.shape[2:])
+
+
+class SlotRows(NamedTuple):
+    """Block-token rows in factored form: ``first`` ``[b, N, H]`` for slot 0 of every block and one row
+    ``rest`` ``[H]`` shared by slots 1..B-1. The first layer's input is this (slots 1..B-1 all hold the
+    mask token), so its norm and q/k/v projections run on N + 1 rows per sequence instead of N*B."""
+
+    first: torch.Tensor
+    rest: torch.Tensor
+
+
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _Keys:
+    """Keys or values in the ``BlockLayout`` key layout: [scratch | context], with one group's own
+    keys written just before its context slice while that group is computed (then put back)."""
+
+    def __init__(self, ctx: torch.Tensor, scratch: int) -> None:
+        b, kv, s, d = ctx.shape
+        self.ctx, self.scratch = ctx, scratch
+        self.buf = ctx.new_empty(b, scratch + s, kv, d).transpose(1, 2)  # memory as the projections'
+        self.buf.narrow(2, scratch, s).copy_(ctx)
+
+    def group(self, own: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        n = own.shape[2]
+        start = self.scratch + lo - n
+        self.buf.narrow(2, start, n).copy_(own)
+        return self.buf.narrow(2, start, n + hi - lo)
+
+    def restore(self, own_len: int, lo: int) -> None:
+        if lo > 0:  # the own keys covered context positions [lo - own_len, lo)
+            first = max(0, lo - own_len)
+            self.buf.narrow(2, self.scratch + first, lo - first).copy_(self.ctx.narrow(2, first, lo - first))
+
+
+class _BlockAttention(torch.autograd.Function):
+    """Attention of block queries over [their group's own blocks; their group's context slice], one CPU
+    flash kernel call per group on a view: no key is copied per group, no hidden range is scored.
+
+    Our own code: no library kernel attends to "a slice of one key tensor plus a block of another". The
+    context keys sit once in a buffer with scratch slots before them (``_Keys``); each group writes its
+    own blocks' keys next to its context slice, calls the kernel on that contiguous range, and puts the
+    context back. The backward redoes the same writes around the kernel's backward.
+    Shapes: q [b, h, Q, d]; ctx_k, ctx_v [b, kv, S, d]; own_k, own_v [b, kv, N*B, d].
+    """
+
+    @staticmethod
+    def _groups(layout, q, ctx_k, ctx_v, own_k, own_v, kernel):
+        """``kernel(group index, q, k, v)`` for each group, with its keys in place; yields its results."""
+        keys, values = _Keys(ctx_k, layout.scratch), _Keys(ctx_v, layout.scratch)
+        for g, (q0, q1, lo, hi) in enumerate(layout.groups):
+            k0, k1 = layout.own_keys(q0, q1)
+            own = k1 - k0
+            result = kernel(
+                g,
+                q0,
+                q1,
+                keys.group(own_k.narrow(2, k0, own), lo, hi),
+                values.group(own_v.narrow(2, k0, own), lo, hi),
+            )
+            keys.restore(own, lo)
+            values.restore(own, lo)
+            yield (own, lo, hi), result
+
+    @staticmethod
+    def forward(ctx, q, ctx_k, ctx_v, own_k, own_v, layout, scale):
+        def kernel(g, q0, q1, k, v):
+            qg = q.narrow(2, q0, q1 - q0)
+            return _flash_cpu(qg, k, v, 0.0, False, attn_mask=layout.group_masks[g], scale=scale)
+
+        results = [r for _g, r in _BlockAttention._groups(layout, q, ctx_k, ctx_v, own_k, own_v, kernel)]
+        # Kept in the kernel's [b, Q, h, d] memory order, so o_proj reads the result without a copy.
+        out = torch.cat([o.transpose(1, 2) for o, _lse in results], dim=1).transpose(1, 2)
+        lse = torch.cat([lse for _o, lse in results], dim=2)
+        ctx.save_for_backward(q, ctx_k, ctx_v, own_k, own_v, out, lse)
+        ctx.layout, ctx.scale = layout, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, ctx_k, ctx_v, own_k, own_v, out, lse = ctx.saved_tensors
+        layout, scale = ctx.layout, ctx.scale
+
+        def kernel(g, q0, q1, k, v):
+            n = q1 - q0
+            return _flash_cpu_backward(
+                grad_out.narrow(2, q0, n),
+                q.narrow(2, q0, n),
+                k,
+                v,
+                out.narrow(2, q0, n),
+                lse.narrow(2, q0, n),
+                0.0,
+                False,
+                attn_mask=layout.group_masks[g],
+                scale=scale,
+            )
+
+        dq, dk_own, dv_own = [], [], []
+        dk_ctx, dv_ctx = torch.zeros_like(ctx_k), torch.zeros_like(ctx_v)
+        for (own, lo, hi), (gq, gk, gv) in _BlockAttention._groups(
+            layout, q, ctx_k, ctx_v, own_k, own_v, kernel
+        ):
+            dq.append(gq.transpose(1, 2))
+            dk_own.append(gk.narrow(2, 0, own).transpose(1, 2))
+            dv_own.append(gv.narrow(2, 0, own).transpose(1, 2))
+            if hi > lo:
+                dk_ctx.narrow(2, lo, hi - lo).add_(gk.narrow(2, own, hi - lo))
+                dv_ctx.narrow(2, lo, hi - lo).add_(gv.narrow(2, own, hi - lo))
+
+        def join(parts):
+            return torch.cat(parts, dim=1).transpose(1, 2)
+
+        return join(dq), dk_ctx, dv_ctx, join(dk_own), join(dv_own), None, None
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads} heads are not a multiple of {self.num_kv_heads} KV heads")
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+        bias = bool(getattr(config, "attention_bias", False))
+        h = config.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        layer_types = getattr(config, "layer_types", None)
+        self.layer_type = layer_types[layer_idx] if layer_types else FULL_ATTENTION
+        # An explicit config.is_causal overrides the per-type default, exactly as z-lab reads it.
+        forced = getattr(config, "is_causal", None)
+        self.is_causal = self.layer_type == SLIDING_ATTENTION if forced is None else bool(forced)
+        self.sliding_window = config.sliding_window if self.layer_type == SLIDING_ATTENTION else None
+
+    def _heads(
+        self, x: torch.Tensor, proj: nn.Linear, heads: int, norm: nn.Module | None = None
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        y = proj(x).view(b, t, heads, self.head_dim)
+        if norm is not None:
+            y = norm(y)
+        return y.transpose(1, 2)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
+        groups = self.num_heads // self.num_kv_heads
+        # The CPU kernel shares KV heads itself (enable_gqa); elsewhere masked attention falls back to
+        # kernels without GQA support, so the KV heads are repeated there.
+        gqa = groups > 1 and q.device.type == "cpu"
+        if groups > 1 and not gqa:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            scale=self.scaling,
+            enable_gqa=gqa,
+        )
+
+    def context_kv(
+        self, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (k_norm, RoPE at the context positions) and values of the fused context, ``[b, kv, T, d]``.
+
+        The same ``k_proj``/``v_proj`` as the block tokens; the context never goes through the MLP.
+        """
+        k = self._heads(context, self.k_proj, self.num_kv_heads, self.k_norm)
+        v = self._heads(context, self.v_proj, self.num_kv_heads)
+        return _rope(k, cos, sin), v
+
+    def _block_qkv(self, x, cos, sin):
+        q = self._heads(x, self.q_proj, self.num_heads, self.q_norm)
+        k = self._heads(x, self.k_proj, self.num_kv_heads, self.k_norm)
+        v = self._heads(x, self.v_proj, self.num_kv_heads)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        past_key_values: Any = None,
+    ) -> torch.Tensor:
+        """Inference layout: keys/values are [context; block], cos/sin cover context then block."""
+        b, q_len, _ = x.shape
+        ctx_len = context.shape[1]
+        q, k, v = self._block_qkv(x, cos[:, ctx_len:], sin[:, ctx_len:])
+        k_ctx, v_ctx = self.context_kv(context, cos[:, :ctx_len], sin[:, :ctx_len])
+        k = torch.cat([k_ctx, k], dim=2)
+        v = torch.cat([v_ctx, v], dim=2)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        if attention_mask is None and (self.is_causal or self.sliding_window is not None):
+            attention_mask = index_mask(
+                q_len, k.shape[-2], causal=self.is_causal, window=self.sliding_window, device=q.device
+            )
+        out = self._attend(q, k, v, attention_mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
+
+    def _slot_heads(self, h, proj: nn.Linear, heads: int, norm: nn.Module | None, bsz: int, drop: bool):
+        """``_heads`` of block rows ``h`` (a tensor ``[b, N*B, H]`` or ``SlotRows``), without slot 0 if
+        ``drop``."""
+        d = self.head_dim
+        if not isinstance(h, SlotRows):
+            return self._heads(drop_first_slot(h, bsz) if drop else h, proj, heads, norm)
+        b, n, _ = h.first.shape
+        rest = proj(h.rest).view(1, 1, 1, heads, d)
+        rest = (norm(rest) if norm is not None else rest).expand(b, n, bsz - 1, heads, d)
+        if drop:
+            y = rest
+        else:
+            first = proj(h.first).view(b, n, 1, heads, d)
+            y = torch.cat([norm(first) if norm is not None else first, rest], dim=2)
+        return y.reshape(b, -1, heads, d).transpose(1, 2)
+
+    def forward_blocks(
+        self,
+        h: torch.Tensor | SlotRows,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layout: BlockLayout,
+    ) -> torch.Tensor:
+        """Training layout: normed block tokens ``h`` (``[b, N*B, H]`` or ``SlotRows``; cos/sin at the
+        block positions) attend to the precomputed context keys and their own block as ``layout``
+        says; returns one output per query (``[b, N*queries_per_block, H]``)."""
+        bsz, drop = layout.block_size, layout.drops_first_slot
+        q = self._slot_heads(h, self.q_proj, self.num_heads, self.q_norm, bsz, drop)
+        k = self._slot_heads(h, self.k_proj, self.num_kv_heads, self.k_norm, bsz, False)
+        v = self._slot_heads(h, self.v_proj, self.num_kv_heads, None, bsz, False)
+        if drop:
+            q, k = _rope(q, drop_first_slot(cos, bsz), drop_first_slot(sin, bsz)), _rope(k, cos, sin)
+        else:
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        b, _h, q_len, _d = q.shape
+        if q.device.type == "cpu" and not (self.training and self.attention_dropout > 0):
+            out = _BlockAttention.apply(q, ctx_k, ctx_v, k, v, layout, self.scaling)
+        else:
+            out = self.grouped_attention(q, ctx_k, ctx_v, k, v, layout)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
+
+    def grouped_attention(self, q, ctx_k, ctx_v, own_k, own_v, layout: BlockLayout) -> torch.Tensor:
+        """The same attention as ``_BlockAttention`` through ``scaled_dot_product_attention``: one call
+        per group over [its own blocks; its context slice] (copies those keys; any device, dropout)."""
+        parts = []
+        for g, (q0, q1, lo, hi) in enumerate(layout.groups):
+            k0, k1 = layout.own_keys(q0, q1)
+            kg = torch.cat([own_k[:, :, k0:k1], ctx_k[:, :, lo:hi]], dim=2)
+            vg = torch.cat([own_v[:, :, k0:k1], ctx_v[:, :, lo:hi]], dim=2)
+            parts.append(self._attend(q[:, :, q0:q1], kg, vg, layout.group_masks[g]))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = DrafterAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    @property
+    def layer_type(self) -> str:
+        return self.self_attn.layer_type
+
+    def forward(self, x, context, cos, sin, attention_mask, past_key_values=None):
+        # The fused context is *not* normalised here: it only enters as keys/values (k_norm handles it).
+        x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, attention_mask, past_key_values)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_blocks(self, x, ctx_k, ctx_v, cos, sin, layout, rows: SlotRows | None = None):
+        """``rows``: ``x`` in factored form (the first layer), so the norm and projections run per row."""
+        if rows is None:
+            h = self.input_layernorm(x)
+        else:
+            h = SlotRows(self.input_layernorm(rows.first), self.input_layernorm(rows.rest))
+        attn = self.self_attn.forward_blocks(h, ctx_k, ctx_v, cos, sin, layout)
+        if layout.drops_first_slot:
+            x = drop_first_slot(x, layout.block_size)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x))
