@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     from dflash_flow.data.chat import stop_token_ids
     from dflash_flow.embedded import embedded_target_path
     from dflash_flow.model.evaluation import read_prompt_ids
-    from dflash_flow.model.speculative import greedy_generate
+    from dflash_flow.model.generation import greedy_generate
     from dflash_flow.model.target import load_target
 
     classes, reason = peer_step.import_specforge(args.specforge, fetch=True)

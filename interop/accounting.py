@@ -2,7 +2,7 @@
 
 An engine's speculative decoding of one request is known from outside by two things: the tokens it
 output and the drafts it proposed, in order (one list per verify step). From those, :func:`replay`
-rebuilds its verify steps as our decoding counts them (``speculative.spec_generate``): step ``i``'s block
+rebuilds its verify steps as our decoding counts them (``generation.spec_generate``): step ``i``'s block
 opens at ``start`` (the first at the prompt's length: the prefill's token), its accepted drafts are the
 longest prefix equal to the output after ``start``, and it commits those plus the target's own token,
 capped at the output's end. vLLM counts differently (:func:`engine_tau`: every draft it accepted, past

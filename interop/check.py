@@ -117,7 +117,8 @@ def dflash2_export(target, mask_token_id: int, block_size: int, work: Path) -> P
 def our_side(target, drafter, prompts: list[list[int]], max_new: int, stops: list[int]) -> dict:
     """Transformers' greedy outputs; our speculative outputs and acceptance at ``max_new``; our drafts step
     by step from a run ``block_size - 1`` tokens longer (vLLM's block never shrinks at the horizon, ours does)."""
-    from dflash_flow.model.speculative import draft_settings, greedy_generate, spec_generate
+    from dflash_flow.model.block_drafter import draft_settings
+    from dflash_flow.model.generation import greedy_generate, spec_generate
 
     block = draft_settings(drafter).block_size
     greedy, spec, accept, traces = [], [], [], []

@@ -111,7 +111,7 @@ def _regenerate(prompts_jsonl, target_path, out_jsonl, batch_size, max_new_token
 
 def _generate(todo, writer, stats, target_path, batch_size, max_new_tokens, progress, system_prompt, device, model,
               tokenizer, check_stop) -> None:
-    from dflash_flow.model.speculative import greedy_continuations
+    from dflash_flow.model.generation import greedy_continuations
 
     if model is None or tokenizer is None:
         model, tokenizer = _load(target_path, device)

@@ -138,7 +138,8 @@ def decoding_report(
     """``speculative.evaluate_drafter`` at each horizon, as the typed report ``name``: the first horizon's
     figures in ``metrics``, every horizon's ``PER_HORIZON`` figures in ``by_horizon``; greedy ``lossless``
     only when every horizon was lossless."""
-    from .speculative import Sampling, evaluate_drafter
+    from .sampling import Sampling
+    from .speculative import evaluate_drafter
 
     if not horizons:
         raise ValueError("no horizons")
@@ -210,7 +211,7 @@ def evaluate_exported(
 
     from .dflash2 import drafter_from_config
     from .export import load_drafter
-    from .speculative import Sampling
+    from .sampling import Sampling
     from .target import load_target
     from .walk import evaluate_walk
 

@@ -72,7 +72,7 @@ class SharedHead(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    # The two accessors of a HF causal LM that decoding asks its target for (speculative.BlockDrafter):
+    # The two accessors of a HF causal LM that decoding asks its target for (block_drafter.BlockDrafter):
     # a drafter can then be driven with the head alone (the held-out probe during training, model.heldout).
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens

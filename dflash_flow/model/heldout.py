@@ -21,7 +21,7 @@ import attrs
 import torch
 from torch import nn
 
-from .speculative import BlockDrafter, DraftSettings, draft_settings
+from .block_drafter import BlockDrafter, DraftSettings, draft_settings
 from .walk import WalkInput, walk_features, walk_input
 
 __all__ = ["HeldoutProbe", "ProbeResult"]

@@ -8,7 +8,7 @@ decoding from the prompt would produce exactly that reply. The walk replays it w
    features at once (causal attention: the features of a prefix do not depend on what follows it).
 2. ``start`` = the first reply token (real decoding takes it from the prefill). Loop: the drafter gets
    the block ``[token at start, MASK x (B-1)]`` with the features of the committed prefix, exactly as in
-   :func:`speculative.spec_generate` (the same :class:`speculative.BlockDrafter`); its longest prefix
+   :func:`generation.spec_generate` (the same :class:`block_drafter.BlockDrafter`); its longest prefix
    of drafts equal to the reference, plus one (the bonus the target would add), is committed; advance.
 3. The end rules are real decoding's: the block shrinks near the horizon, the step's count is capped by
    the horizon, and the reply's stop token ends the walk.
@@ -37,7 +37,7 @@ from torch import nn
 
 from dflash_flow.items import EvalReport
 
-from .speculative import BlockDrafter, draft_settings, features
+from .block_drafter import BlockDrafter, draft_settings, features
 
 #: The name of the teacher-forced walk's results.
 WALK = "walk"

@@ -63,7 +63,7 @@ def test_default_pipeline_shortened(tmp_path: Path) -> None:
     from dflash_flow.data.chat import stop_token_ids as stop_ids
     from dflash_flow.embedded import embedded_target_path
     from dflash_flow.model.evaluation import read_prompt_ids
-    from dflash_flow.model.speculative import spec_generate
+    from dflash_flow.model.generation import spec_generate
     from dflash_flow.model.target import load_target
 
     target_dir = embedded_target_path()

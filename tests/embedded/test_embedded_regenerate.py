@@ -10,7 +10,7 @@ import pytest
 from dflash_flow.data.chat import prompt_turns
 from dflash_flow.embedded.corpus import make_split
 from dflash_flow.embedded.regenerate import read_prompts, regenerate, scan_output
-from dflash_flow.model.speculative import greedy_continuations
+from dflash_flow.model.generation import greedy_continuations
 
 N_RECORDS = 7
 MAX_NEW = 48

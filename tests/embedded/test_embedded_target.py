@@ -47,7 +47,7 @@ def test_target_is_predictable_on_heldout_and_own_text(target, heldout):
     import torch
 
     from dflash_flow.data.chat import stop_token_ids
-    from dflash_flow.model.speculative import greedy_continuations
+    from dflash_flow.model.generation import greedy_continuations
 
     model, tok = target
     # 1. teacher-forced next-token accuracy on held-out reference answers vs a uniform guess (1/V)

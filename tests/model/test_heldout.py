@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from dflash_flow.items import BatchMeta, TargetFeatures
+from dflash_flow.model.block_drafter import features
+from dflash_flow.model.generation import greedy_generate
 from dflash_flow.model.head import load_shared_head
 from dflash_flow.model.heldout import HeldoutProbe
-from dflash_flow.model.speculative import features, greedy_generate
 from dflash_flow.model.target import load_target, load_target_config
 from dflash_flow.model.trainer import DrafterShape, DrafterTrainer, TrainerConfig, build_drafter
 from dflash_flow.model.walk import evaluate_walk

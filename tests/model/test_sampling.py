@@ -27,15 +27,10 @@ import torch
 from test_speculative import make_drafter, prompt
 from transformers import Qwen3Config
 
-from dflash_flow.model import speculative
-from dflash_flow.model.speculative import (
-    Sampling,
-    evaluate_drafter,
-    sample_from,
-    sampling_probs,
-    spec_generate,
-    verify_sampled,
-)
+from dflash_flow.model import generation
+from dflash_flow.model.generation import spec_generate
+from dflash_flow.model.sampling import Sampling, sample_from, sampling_probs, verify_sampled
+from dflash_flow.model.speculative import evaluate_drafter
 from dflash_flow.model.target import load_target
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")]
@@ -183,7 +178,7 @@ def _resample_from_p(drafts, draft_probs, target_probs, generator):
 def test_the_distribution_test_catches_a_wrong_acceptance_rule(small, monkeypatch, wrong_rule):
     target, drafter, ids = small
     sampling = Sampling(1.0)
-    monkeypatch.setattr(speculative, "verify_sampled", wrong_rule)
+    monkeypatch.setattr(generation, "verify_sampled", wrong_rule)
     counts, _ = _speculative_counts(target, drafter, ids, sampling)
     assert _chi_square_p(counts, _exact_distribution(target, ids, sampling)) < ALPHA
 

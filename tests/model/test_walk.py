@@ -22,7 +22,7 @@ from test_speculative import (
     prompt,
 )
 
-from dflash_flow.model.speculative import greedy_generate, spec_generate
+from dflash_flow.model.generation import greedy_generate, spec_generate
 from dflash_flow.model.target import load_target
 from dflash_flow.model.walk import evaluate_walk, reply_until_stop, teacher_forced_walk
 
