@@ -61,7 +61,7 @@ class Checkpoints(Protocol):
 
 
 class Resume(Protocol):
-    """The checkpoint a run continues from (``dflash_flow.app.checkpoint.Checkpoint``)."""
+    """The checkpoint a run continues from (``dflash_flow.app.checkpoint_format.Checkpoint``)."""
 
     step: int
     epoch: int

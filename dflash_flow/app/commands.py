@@ -41,7 +41,9 @@ def export_checkpoint(checkpoint: Path, out: Path, target: str | None = None) ->
     the checkpoint, inside the input, or over a directory holding anything but an earlier export."""
     # torch and transformers (seconds to import) only once the checkpoint and the destination checked out:
     # a mistaken command (no checkpoint there, an output that is an input) fails at once.
-    from dflash_flow.app.checkpoint import LATEST, Checkpointer, CheckpointError, load_checkpoint
+    from dflash_flow.app.checkpoint_format import LATEST, load_checkpoint
+    from dflash_flow.app.checkpointer import Checkpointer
+    from dflash_flow.core.errors import CheckpointError
     from dflash_flow.model.export_contract import check_destination, format_serve_commands, serve_commands
 
     try:

@@ -267,7 +267,7 @@ def checkpoint_bytes(v: Validated) -> tuple[int, int]:
     before the models are built (the stage's own setup then reports a bad target, located)."""
     import logging
 
-    from dflash_flow.app.checkpoint import checkpoint_size_estimate
+    from dflash_flow.app.checkpoint_format import checkpoint_size_estimate
 
     ckpt = export = 0
     for name, conf in v.configs.items():

@@ -64,7 +64,7 @@ def legacy_config_hash(graph) -> str:
 def build_resume_state(v: Validated, ckpt) -> dict[str, list[dict[str, Any]]]:
     """Per-stage resume states. Stages that plan data ahead of the trainer resume from the trainer's
     position (``resume_state_for``), not from how far they had run ahead when the checkpoint was taken."""
-    from dflash_flow.app.checkpoint import InvalidCheckpoint
+    from dflash_flow.app.checkpoint_format import InvalidCheckpoint
     from dflash_flow.core import Stage
 
     if ckpt is None:
@@ -296,7 +296,7 @@ def _resolve_checkpoint_dir(ck, output_dir: Path) -> tuple[Path, Path]:
 def _prepare(v: Validated, dist_ctx, output_dir: Path, resume: str | None, extend: bool = False):
     """Everything before the MLflow run that can fail on the user's input or machine; raises UserError.
     Returns (lock, checkpointer, checkpoint or None)."""
-    from dflash_flow.app.checkpoint import Checkpointer, CheckpointError
+    from dflash_flow.app.checkpointer import Checkpointer
     from dflash_flow.app.exits import UserError
     from dflash_flow.app.preflight import (
         OutputLock,
@@ -308,6 +308,7 @@ def _prepare(v: Validated, dist_ctx, output_dir: Path, resume: str | None, exten
         escaping_links,
         prepare_output_dir,
     )
+    from dflash_flow.core.errors import CheckpointError
     from dflash_flow.observe.store import check_tracking_uri
 
     graph = v.graph

@@ -16,7 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_flow.app.checkpoint import Checkpointer, CheckpointError, InvalidCheckpoint
+from dflash_flow.app.checkpoint_format import InvalidCheckpoint
+from dflash_flow.app.checkpointer import Checkpointer
+from dflash_flow.core.errors import CheckpointError
 
 GiB = 2**30
 

@@ -71,7 +71,7 @@ def test_a_checkpoint_with_a_malicious_pickle_is_refused_not_executed(tmp_path, 
     import torch
     from safetensors.torch import save_file
 
-    from dflash_flow.app.checkpoint import load_checkpoint
+    from dflash_flow.app.checkpoint_format import load_checkpoint
 
     marker = tmp_path / "pwned"
     monkeypatch.setenv("DFLASH_EXPLOIT_MARKER", str(marker))
