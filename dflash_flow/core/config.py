@@ -14,10 +14,12 @@ from typing import Any
 import yaml
 
 from . import limits
-from .convert import STAGE_KEYS, describe_type, field_types, short, structure
+from .convert import structure
+from .convert_errors import STAGE_KEYS
 from .errors import ConfigError, Problem
 from .graph import Graph, RuntimeOptions, StageSpec
 from .sections import registered_sections
+from .wording import describe_type, field_types, short
 from .yaml_load import Locator, YAMLLimitError, load_value, parse_yaml, read_yaml_file, yaml_problem
 
 TOP_LEVEL_KEYS = ("name", "seed", "output_dir", "runtime", "stages")

@@ -7,7 +7,7 @@ import inspect
 import attrs
 
 from . import registry
-from .convert import describe_type, field_types
+from .wording import describe_type, field_types
 
 
 def describe_stage(name: str) -> str:

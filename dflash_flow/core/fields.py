@@ -54,7 +54,7 @@ def values_of(cls: type, source: typing.Any, *, exclude: Iterable[str] = (), **e
 def field_errors(cls: type, problems: list[tuple[str, str]]) -> Exception:
     """One error for ``(field, message)`` problems found by a check that needs the whole instance (a
     validator run once every field is set): each is reported at its own field, and so at its own YAML
-    line (``convert.problems_of`` reads the attribute notes cattrs puts on field errors)."""
+    line (``convert_errors.problems_of`` reads the attribute notes cattrs puts on field errors)."""
     from cattrs.errors import AttributeValidationNote, ClassValidationError
 
     errors = []

@@ -8,9 +8,9 @@ from typing import Any
 
 import attrs
 
-from .convert import short
 from .registry import resolve
 from .sections import section_to_dict
+from .wording import short
 
 
 def section_values(graph: Any, spec: Any, cls: Any) -> tuple[dict[str, Any], list[tuple[str, str]]]:

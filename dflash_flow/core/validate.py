@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from . import limits, registry
-from .convert import short, structure, unstructure
+from .convert import structure, unstructure
 from .devices import (
     RankLayout,
     check_device_string,
@@ -30,6 +30,7 @@ from .graph import Graph, RuntimeOptions, StageSpec
 from .sections import section_to_dict
 from .stage import Stage
 from .validate_graph import check_cycles, check_edges, check_ordering
+from .wording import short
 
 
 class Validated:

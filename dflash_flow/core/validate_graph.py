@@ -6,10 +6,10 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from .convert import short
 from .graph import Graph, StageSpec
 from .routing import POLICIES
 from .stage import Source, Stage
+from .wording import short
 
 
 def check_edges(c: Any) -> None:

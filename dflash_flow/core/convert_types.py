@@ -1,0 +1,257 @@
+"""Type conversion: the strict structure hooks of primitives, containers and unions (no coercion)."""
+
+from __future__ import annotations
+
+import collections.abc as abc
+import math
+import types
+import typing
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cattrs
+from cattrs.cols import homogenous_tuple_structure_factory, list_structure_factory
+from cattrs.errors import IterableValidationError, IterableValidationNote
+from cattrs.gen import make_mapping_structure_fn
+
+from .wording import Invalid, NoneType, describe_type, show
+
+__all__ = ["base_converter", "is_int", "list_factory"]
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _structure_int(value: Any, _: Any) -> int:
+    if not is_int(value):
+        raise Invalid(f"expected an integer, got {show(value)}")
+    return value
+
+
+def _structure_float(value: Any, _: Any) -> float:
+    number = _structure_any_float(value, _)
+    if not math.isfinite(number):
+        raise Invalid(f"expected a finite number, got {show(number)} (this field takes no .inf or .nan)")
+    return number
+
+
+def _structure_any_float(value: Any, _: Any) -> float:
+    """A float that may be NaN or infinite: for ``cfg(finite=False)`` fields only."""
+    if isinstance(value, float):
+        return value
+    if is_int(value):
+        try:
+            return float(value)
+        except OverflowError:
+            raise Invalid(f"expected a finite number, got {show(value)} (too large for a float)") from None
+    raise Invalid(f"expected a number, got {show(value)}")
+
+
+def _structure_bool(value: Any, _: Any) -> bool:
+    if not isinstance(value, bool):
+        raise Invalid(f"expected a boolean, got {show(value)}")
+    return value
+
+
+def _structure_str(value: Any, _: Any) -> str:
+    if not isinstance(value, str):
+        raise Invalid(f"expected a string, got {show(value)}")
+    return value
+
+
+def _structure_path(value: Any, _: Any) -> Path:
+    if not isinstance(value, (str, Path)):
+        raise Invalid(f"expected a string, got {show(value)}")
+    return Path(value)
+
+
+def _structure_none(value: Any, _: Any) -> None:
+    if value is not None:
+        raise Invalid(f"expected null, got {show(value)}")
+
+
+def _structure_literal(value: Any, tp: Any) -> Any:
+    # ``type(...) is``: True must not pass for Literal[1], nor 1 for Literal[True].
+    if any(value == a and type(value) is type(a) for a in typing.get_args(tp)):
+        return value
+    options = ", ".join(repr(a) for a in typing.get_args(tp))
+    raise Invalid(f"expected one of {options}, got {show(value)}")
+
+
+# -- container and union hooks ----------------------------------------------------------------------
+def _origin(tp: Any) -> Any:
+    return typing.get_origin(tp)
+
+
+def _is_union(tp: Any) -> bool:
+    return _origin(tp) in (typing.Union, types.UnionType)
+
+
+def _is_literal(tp: Any) -> bool:
+    return _origin(tp) is typing.Literal
+
+
+def _is_list(tp: Any) -> bool:
+    return tp is list or _origin(tp) in (list, abc.Sequence, abc.MutableSequence)
+
+
+def _is_tuple(tp: Any) -> bool:
+    return tp is tuple or _origin(tp) is tuple
+
+
+def _is_set(tp: Any) -> bool:
+    return tp in (set, frozenset) or _origin(tp) in (set, frozenset, abc.Set, abc.MutableSet)
+
+
+def _is_mapping(tp: Any) -> bool:
+    return tp is dict or _origin(tp) in (dict, abc.Mapping, abc.MutableMapping)
+
+
+def _need_list(value: Any) -> None:
+    if not isinstance(value, (list, tuple)):
+        raise Invalid(f"expected a list, got {show(value)}")
+
+
+def list_factory(tp: Any, conv: cattrs.Converter) -> Callable:
+    inner = list_structure_factory(tp, conv)  # cattrs' own, with per-index errors
+
+    def structure_list(value: Any, _: Any) -> list:
+        _need_list(value)
+        return inner(value, tp)
+
+    return structure_list
+
+
+def _set_factory(tp: Any, conv: cattrs.Converter) -> Callable:
+    args = typing.get_args(tp)
+    inner = list_structure_factory(list[args[0]] if args else list, conv)
+    make = frozenset if frozenset in (tp, _origin(tp)) else set
+
+    def structure_set(value: Any, _: Any) -> Any:
+        if not isinstance(value, (list, tuple, set, frozenset)):
+            raise Invalid(f"expected a list, got {show(value)}")
+        return make(inner(list(value), tp))
+
+    return structure_set
+
+
+def _tuple_factory(tp: Any, conv: cattrs.Converter) -> Callable:
+    args = typing.get_args(tp)
+    if not args or (len(args) == 2 and args[1] is Ellipsis):
+        inner = homogenous_tuple_structure_factory(tuple[args[0], ...] if args else tuple, conv)
+
+        def structure_tuple(value: Any, _: Any) -> tuple:
+            _need_list(value)
+            return inner(value, tp)
+
+        return structure_tuple
+    hooks = [conv.get_structure_hook(a) for a in args]
+
+    def structure_fixed_tuple(value: Any, _: Any) -> tuple:
+        _need_list(value)
+        if len(value) != len(args):
+            raise Invalid(f"expected a list of {len(args)} items ({describe_type(tp)}), got {len(value)}")
+        out, errors = [], []
+        for i, (hook, a, v) in enumerate(zip(hooks, args, value, strict=True)):
+            try:
+                out.append(hook(v, a))
+            except Exception as exc:
+                exc.__notes__ = [*getattr(exc, "__notes__", []), IterableValidationNote(f"item {i}", i, a)]
+                errors.append(exc)
+        if errors:
+            raise IterableValidationError(f"While structuring {tp!r}", errors, tuple)
+        return tuple(out)
+
+    return structure_fixed_tuple
+
+
+def _mapping_factory(tp: Any, conv: cattrs.Converter) -> Callable:
+    inner = make_mapping_structure_fn(tp, conv)  # cattrs' own, with per-key errors
+
+    def structure_mapping(value: Any, _: Any) -> dict:
+        if not isinstance(value, Mapping):
+            raise Invalid(f"expected a mapping, got {show(value)}")
+        return inner(value, tp)
+
+    return structure_mapping
+
+
+def _fits(value: Any, tp: Any) -> bool:
+    """A cheap look at the outer shape: which members of a union are worth trying."""
+    if tp is Any or tp is object:
+        return True
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return is_int(value)
+    if tp is float:
+        return is_int(value) or isinstance(value, float)
+    if tp in (str, Path):
+        return isinstance(value, str)
+    if _is_literal(tp):
+        return value in typing.get_args(tp)
+    if _is_list(tp) or _is_tuple(tp) or _is_set(tp):
+        return isinstance(value, (list, tuple))
+    if _is_mapping(tp) or (isinstance(tp, type) and attrs.has(tp)):
+        return isinstance(value, Mapping)
+    return not isinstance(tp, type) or isinstance(value, tp)
+
+
+def _union_factory(tp: Any, conv: cattrs.Converter) -> Callable:
+    args = typing.get_args(tp)
+    nullable = NoneType in args
+    members = [(a, conv.get_structure_hook(a)) for a in args if a is not NoneType]
+
+    def structure_union(value: Any, _: Any) -> Any:
+        if value is None and nullable:
+            return None
+        # ``X | None`` given something: X's own message ("expected an integer") says more than the union's.
+        fitting = members if len(members) == 1 else [(a, h) for a, h in members if _fits(value, a)]
+        # The member of the value's own type first: 3 stays an int in ``float | int``.
+        fitting.sort(key=lambda m: m[0] is not type(value))
+        if len(fitting) == 1:
+            return fitting[0][1](value, fitting[0][0])  # its own detailed errors are the useful ones
+        for a, hook in fitting:
+            try:
+                return hook(value, a)
+            except Exception:  # noqa: S112 - the next member may fit
+                continue
+        raise Invalid(f"expected {describe_type(tp)}, got {show(value)}")
+
+    return structure_union
+
+
+def _fallback_factory(tp: Any) -> Callable:
+    """Types without a hook of their own (a custom class): the value must already be one."""
+    if isinstance(tp, type):
+
+        def structure_instance(value: Any, _: Any) -> Any:
+            if not isinstance(value, tp):
+                raise Invalid(f"expected {tp.__name__}, got {show(value)}")
+            return value
+
+        return structure_instance
+    return lambda value, _: value
+
+
+def base_converter(*, finite: bool) -> cattrs.Converter:
+    """A strict converter with this module's hooks (``convert`` adds attrs classes and the pipeline's shapes)."""
+    conv = cattrs.Converter(
+        forbid_extra_keys=True, detailed_validation=True, structure_fallback_factory=_fallback_factory
+    )
+    conv.register_structure_hook(int, _structure_int)
+    conv.register_structure_hook(float, _structure_float if finite else _structure_any_float)
+    conv.register_structure_hook(bool, _structure_bool)
+    conv.register_structure_hook(str, _structure_str)
+    conv.register_structure_hook(Path, _structure_path)
+    conv.register_structure_hook(NoneType, _structure_none)
+    conv.register_structure_hook_func(_is_literal, _structure_literal)
+    conv.register_structure_hook_factory(_is_list, list_factory)
+    conv.register_structure_hook_factory(_is_set, _set_factory)
+    conv.register_structure_hook_factory(_is_tuple, _tuple_factory)
+    conv.register_structure_hook_factory(_is_mapping, _mapping_factory)
+    conv.register_structure_hook_factory(_is_union, _union_factory)
+    return conv
