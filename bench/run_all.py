@@ -42,6 +42,10 @@ class Bench:
 
 
 # Order matters: scale before profile (the split plan reads the all-reduce wait scale.json measured).
+#: Result files under bench/results written by other commands than these benchmarks (and who writes them).
+WRITTEN_ELSEWHERE = {"interop.json": "interop/check.py (just interop)",
+                     "regenerate_vllm.json": "interop/regenerate_check.py (just interop)"}
+
 BENCHES = (
     Bench("runtime", ("runtime_bench.py",), ("runtime.json",), 0.3),
     Bench("batching", ("batching_bench.py",), ("batching.json",), 0.1),

@@ -49,7 +49,7 @@ def test_params_are_keyed_by_stage_name_with_every_default(tmp_path: Path) -> No
 
     resolved = yaml.safe_load((tmp_path / "out" / "pipeline.resolved.yaml").read_text())
     slow = next(s for s in resolved["stages"] if s["name"] == "slow")
-    assert slow["config"] == {"service_s": 0.0}  # the default, written out
+    assert slow["config"] == {"service_s": 0.0, "jitter_s": 0.0}  # the defaults, written out
     # ... and it loads back: the resolved file is a pipeline of its own.
     again = run(tmp_path / "out" / "pipeline.resolved.yaml", overrides=[f"output_dir={tmp_path / 'again'}",
                                                                         "tracking.enabled=false"])

@@ -425,7 +425,7 @@ def test_pipeline_trains_exports_and_zlab_loads_a_dflash2_drafter(tmp_path):
     assert run.info.status == "FINISHED"
     for name in DFlash2.metric_names:
         assert client.get_metric_history(run.info.run_id, f"train/{name}"), name
-    assert client.get_metric_history(run.info.run_id, "eval/trained/lossless")[-1].value == 1.0
+    assert run.data.tags["eval/trained/lossless"] == "True"  # a fact of the evaluation: a tag, not a metric
 
     theirs, info = DFlash2DraftModel.from_pretrained(out / "drafter", dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
