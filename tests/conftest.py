@@ -4,12 +4,18 @@ never skipped: a missing oracle would turn the interop tests into no tests)."""
 from __future__ import annotations
 
 import importlib.util
+import signal
 from pathlib import Path
 
 import pytest
 
 
 def pytest_configure(config):
+    # A shell starts a background job (`cmd &`, a CI runner's) with SIGINT ignored, and every process the
+    # tests start would inherit that: the Ctrl-C tests would see their pipelines ignore Ctrl-C. The tests
+    # play a user at a terminal, so they get Python's own Ctrl-C (the children then start with the default).
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if importlib.util.find_spec("dflash") is None:
         raise pytest.UsageError(
             "the z-lab reference package `dflash` is missing; install it with "
