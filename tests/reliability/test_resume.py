@@ -99,6 +99,27 @@ def _trial_root(reference, name: str, tracking: bool = True, **runtime) -> tuple
     return root, out, write_yaml(root / "pipeline.yaml", doc)
 
 
+def _kill_when(trials: list[dict], due, timeout_s: float = 180) -> None:
+    """SIGKILL each trial's run once ``due(trial)`` holds; every run must still be running then."""
+    try:
+        deadline = time.monotonic() + timeout_s
+        pending = list(trials)
+        while pending and time.monotonic() < deadline:
+            for t in list(pending):
+                if due(t) or t["proc"].poll() is not None:
+                    kill_hard(t["proc"])
+                    pending.remove(t)
+            time.sleep(0.005)
+        assert not pending, "runs did not reach their kill points in time"
+    finally:
+        for t in trials:
+            if t["proc"].returncode is None:
+                kill_hard(t["proc"])
+    for t in trials:
+        assert t["proc"].returncode == -signal.SIGKILL, f"the run ended before the kill {t['where']}: " + (
+            t["root"] / "first.log").read_text()[-2000:]
+
+
 def test_uninterrupted_run_is_deterministic_in_its_batches(reference):
     # Every batch once per epoch: the recorded sample ids of an epoch are a partition of the data.
     per_epoch: dict[int, list[int]] = {}
@@ -129,24 +150,9 @@ def test_sigkill_at_random_steps_then_resume_is_exactly_once(reference):
         proc = start_cli(["run", path], cwd=root, log=root / "first.log")
         trials.append({"where": f"(seed {seed}, trial {trial}, kill after {kill_at} batches)", "kill_at": kill_at,
                        "root": root, "out": out, "path": path, "proc": proc, "tracked": tracked})
-    try:
-        deadline = time.monotonic() + 180
-        pending = list(trials)
-        while pending and time.monotonic() < deadline:
-            for t in list(pending):
-                if count_complete_lines(t["out"] / "batches.jsonl") >= t["kill_at"] or t["proc"].poll() is not None:
-                    kill_hard(t["proc"])
-                    pending.remove(t)
-            time.sleep(0.005)
-        assert not pending, "runs did not reach their kill points in time"
-    finally:
-        for t in trials:
-            if t["proc"].returncode is None:
-                kill_hard(t["proc"])
-
+    _kill_when(trials, lambda t: count_complete_lines(t["out"] / "batches.jsonl") >= t["kill_at"])
     for t in trials:
         where, out = t["where"], t["out"]
-        assert t["proc"].returncode == -signal.SIGKILL, f"the run ended before the kill {where}: " + (t["root"] / "first.log").read_text()[-2000:]
         raw = (out / "batches.jsonl").read_bytes()
         assert raw.endswith(b"\n"), f"a batch line was cut by the kill {where}"
         t["before"] = before = raw.decode().splitlines()
@@ -234,22 +240,8 @@ def test_sigkill_with_grad_accum_3_and_tracking_logs_every_metric_step_exactly_o
         except (OSError, ValueError, KeyError):
             return False
 
-    try:
-        deadline = time.monotonic() + 180
-        pending = list(trials)
-        while pending and time.monotonic() < deadline:
-            for t in list(pending):
-                if due(t) or t["proc"].poll() is not None:
-                    kill_hard(t["proc"])
-                    pending.remove(t)
-            time.sleep(0.005)
-        assert not pending, "runs did not reach their kill points in time"
-    finally:
-        for t in trials:
-            if t["proc"].returncode is None:
-                kill_hard(t["proc"])
+    _kill_when(trials, due)
     for t in trials:
-        assert t["proc"].returncode == -signal.SIGKILL, f"the run ended before the kill {t['where']}: " + (t["root"] / "first.log").read_text()[-2000:]
         t["before"] = read_lines(t["out"] / "batches.jsonl")
         t["ck"] = ck = _checkpoint(t["out"])
         assert ck["data_position"]["total"] == 3 * ck["step"], f"grad_accum 3: three batches a step {t['where']}"
