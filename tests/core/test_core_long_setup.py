@@ -61,16 +61,20 @@ def test_busy_is_bounded_a_call_that_never_returns_still_stalls():
 def test_regenerating_the_embedded_dataset_under_a_short_stall_timeout(tmp_path):
     """The embedded source regenerates a dataset of a size that is not shipped (the case that was killed
     at 601 s with the default stall timeout): with a stall timeout far below the regeneration time the
-    run still completes, because regeneration reports progress."""
-    g = Graph(runtime=fast_runtime(stall_timeout_s=1.0, watchdog_interval_s=0.1))
+    run still completes, because regeneration reports progress. The stall timeout is half a second: CI's
+    machine regenerated 6 replies in 0.77 s (the 1 s timeout this test had made it vacuous there), so it
+    regenerates 12 (6 batches) to stay well above the timeout on a fast machine too."""
+    stall_timeout_s = 0.5
+    g = Graph(runtime=fast_runtime(stall_timeout_s=stall_timeout_s, watchdog_interval_s=0.05))
     g.add("source", "EmbeddedChatSource", config={
-        "n_train": 6, "n_eval": 0, "max_new_tokens": 96, "generation_batch_size": 2,
+        "n_train": 12, "n_eval": 0, "max_new_tokens": 96, "generation_batch_size": 2,
         "dataset_dir": str(tmp_path / "ds"), "max_length": 256, "cache_dir": None,
     })
     g.add("sink", "TestSink", inputs=["source"])
     services: dict = {}
     t0 = time.monotonic()
     Pipeline(g, services=services, check_devices=False).run()
-    assert time.monotonic() - t0 > 1.0  # regeneration took longer than the stall timeout ...
+    elapsed = time.monotonic() - t0
+    assert elapsed > stall_timeout_s, f"regeneration took {elapsed:.2f} s: the test needs it longer than the timeout"
     (table,) = [item for _seq, item in services["sink:sink"]]  # the source emits one table of its samples
-    assert len(table) == 6  # ... and every sample arrived
+    assert len(table) == 12  # ... and every sample arrived
