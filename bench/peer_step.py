@@ -67,8 +67,17 @@ CASES = {
 # ------------------------------------------------------------------------------------------ SpecForge
 
 
-def specforge_dir(path: str | os.PathLike | None = None) -> Path:
+def _peers():
+    """``bench/peers.py`` (this script may be loaded from a file path, without bench/ on sys.path)."""
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.insert(0, str(ROOT / "bench"))
     import peers
+
+    return peers
+
+
+def specforge_dir(path: str | os.PathLike | None = None) -> Path:
+    peers = _peers()
 
     return peers.specforge_dir(path)
 
@@ -76,7 +85,7 @@ def specforge_dir(path: str | os.PathLike | None = None) -> Path:
 def import_specforge(path: str | os.PathLike | None = None, *, fetch: bool = False):
     """``(OnlineDFlashModel, DFlashDraftModel)`` from an unpacked SpecForge wheel, or ``(None, reason)``;
     ``fetch``: download and unpack the pinned wheel first when it is not there (``peers.ensure_specforge``)."""
-    import peers
+    peers = _peers()
 
     if fetch:
         try:

@@ -51,6 +51,7 @@ from dflash_flow.model.drafter_layers import (
     SlotRows,
     drop_first_slot,
     index_mask,
+    maybe_compiled,
 )
 from dflash_flow.model.facts import build_target_layer_ids
 
@@ -105,6 +106,7 @@ class DFlashDrafter(nn.Module):
         self.block_size = int(draft_value(config, "block_size", 16))
         self.mask_token_id = draft_value(config, "mask_token_id")
         self.gradient_checkpointing = False
+        self._compiled = False
         self.reset_parameters()
 
     # -- properties used by decoding loops ---------------------------------------------------------
@@ -180,9 +182,32 @@ class DFlashDrafter(nn.Module):
 
         Training computes them once per step: every block and every chunk of blocks reads slices of them.
         """
-        positions = torch.arange(context.shape[1], device=context.device)[None]
-        cos, sin = self.rotary_emb(context, positions)
+        cos, sin = self.rotary_emb.table(context.shape[1], context)
+        return self._context_kv(context, cos, sin)
+
+    def _context_kv(self, context, cos, sin):
+        s = context.shape[1]
+        cos, sin = cos[None, :s], sin[None, :s]
         return [layer.self_attn.context_kv(context, cos, sin) for layer in self.layers]
+
+    def training_context(self, target_hidden: torch.Tensor) -> list[torch.Tensor]:
+        """``context_kv(fuse_context(target_hidden))`` flattened ``[k0, v0, k1, v1, ...]`` (compiled with
+        ``compiled``)."""
+        cos, sin = self.rotary_emb.table(target_hidden.shape[1], self.fc.weight)
+        return maybe_compiled(_training_context, self.compiled)(self, target_hidden, cos, sin)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the training step's work outside the attention kernels runs through ``torch.compile``
+        (the context projections, each layer before and after its attention, the loss head); the attention
+        itself (``_BlockAttention``) and the block plan stay eager. Same values to float rounding."""
+        return self._compiled
+
+    @compiled.setter
+    def compiled(self, value: bool) -> None:
+        self._compiled = bool(value)
+        for layer in self.layers:
+            layer.compiled = self._compiled
 
     def decode_blocks(
         self,
@@ -199,7 +224,9 @@ class DFlashDrafter(nn.Module):
         comes from ``context_kv``, ``layouts`` has one layout per layer (only the last may drop slot 0).
         ``rows``: ``noise_embedding`` in factored form (``SlotRows``), when slots 1..B-1 share one row.
         """
-        cos, sin = self.rotary_emb(noise_embedding, block_positions)
+        # Block positions are anchor + k < context length + B: looked up in the RoPE table.
+        limit = context_kv[0][0].shape[-2] + self.block_size if context_kv else 0
+        cos, sin = self.rotary_emb.at(block_positions, noise_embedding, limit)
         x = noise_embedding
         for i, (layer, (k, v), layout) in enumerate(zip(self.layers, context_kv, layouts, strict=True)):
             args = (x, k, v, cos, sin, layout, rows if i == 0 else None)
@@ -240,3 +267,8 @@ class DFlashDrafter(nn.Module):
         if softcap is not None and float(softcap) > 0:
             logits = torch.tanh(logits / float(softcap)) * float(softcap)
         return logits
+
+
+def _training_context(drafter: DFlashDrafter, target_hidden, cos, sin) -> list[torch.Tensor]:
+    context = drafter.fuse_context(target_hidden.to(drafter.fc.weight.dtype))
+    return [t for kv in drafter._context_kv(context, cos, sin) for t in kv]

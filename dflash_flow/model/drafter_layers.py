@@ -13,9 +13,10 @@ from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3RMSNorm,
     Qwen3RotaryEmbedding,
     apply_rotary_pos_emb,
-    rotate_half,
 )
 
+from dflash_flow.model import fused
+from dflash_flow.model.block_attention import _block_attention
 from dflash_flow.model.drafter_config import FULL_ATTENTION, SLIDING_ATTENTION
 
 __all__ = [
@@ -40,11 +41,32 @@ class RotaryEmbedding(Qwen3RotaryEmbedding):
             # prefixes would use different frequencies.
             raise ValueError("dynamic RoPE rescales with sequence length and is not supported by the drafter")
         super().__init__(config)
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def table(self, length: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` ``[L, d]`` (``L >= length``) at positions 0..L-1, in ``like``'s dtype and device; made
+        once and grown by doubling. Each entry is ``forward``'s arithmetic for that position alone (one
+        product per frequency), so lookups equal ``forward`` bit for bit."""
+        key = (like.device, like.dtype)
+        cached = self._tables.get(key)
+        if cached is None or cached[0].shape[0] < length:
+            size = max(int(length), 2 * cached[0].shape[0] if cached is not None else 1024)
+            cos, sin = self.forward(like, torch.arange(size, device=like.device)[None])
+            cached = self._tables[key] = (cos[0], sin[0])
+        return cached
+
+    def at(self, positions: torch.Tensor, like: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward(like, positions)`` from the table, for positions known to be below ``limit``."""
+        cos, sin = self.table(limit, like)
+        flat = positions.reshape(-1)
+        shape = (*positions.shape, cos.shape[-1])
+        return cos.index_select(0, flat).view(shape), sin.index_select(0, flat).view(shape)
 
     def _apply(self, fn, recurse=True):
         # Kept from our own module: model.to(bfloat16) must not round the frequencies (positions in the
         # thousands would drift); transformers relies on PreTrainedModel's fp32 rules, which we do not have.
         before = dict(self._buffers)
+        self._tables = {}  # remade on the new device / from the new frequencies when next needed
         super()._apply(fn, recurse)
         for name, old in before.items():
             new = self._buffers.get(name)
@@ -57,20 +79,20 @@ class RMSNorm(Qwen3RMSNorm):
     """transformers' Qwen3RMSNorm; fp32 goes through torch's fused ``rms_norm``.
 
     Our one change, for speed: the fused kernel gives the same fp32 values (bit-equal in our checks) in
-    one op forward and one backward instead of six and ten (about 2x on CPU, and 12 norms run per step).
-    Other dtypes keep transformers' arithmetic (normalise in fp32, round, then scale), as z-lab does.
+    one op forward, and ``fused.rms_norm`` gives it a hand-written backward (autograd differentiates the
+    kernel's six-op decomposition; 12 norms run per step). Other dtypes keep transformers' arithmetic (normalise in fp32, round, then scale), as z-lab does.
     """
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if hidden_states.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
+            return fused.rms_norm(hidden_states, self.weight, self.variance_epsilon)
         return super().forward(hidden_states)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # Our own one-liner for keys alone: transformers' apply_rotary_pos_emb rotates a (q, k) pair at the
     # same positions, and the context keys have positions of their own. x: [b, heads, T, d]; cos: [b, T, d]
-    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+    return fused.rope(x, cos[:, None], sin[:, None])
 
 
 def index_mask(
@@ -137,113 +159,6 @@ class SlotRows(NamedTuple):
 
     first: torch.Tensor
     rest: torch.Tensor
-
-
-_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-
-class _Keys:
-    """Keys or values in the ``BlockLayout`` key layout: [scratch | context], with one group's own
-    keys written just before its context slice while that group is computed (then put back)."""
-
-    def __init__(self, ctx: torch.Tensor, scratch: int) -> None:
-        b, kv, s, d = ctx.shape
-        self.ctx, self.scratch = ctx, scratch
-        self.buf = ctx.new_empty(b, scratch + s, kv, d).transpose(1, 2)  # memory as the projections'
-        self.buf.narrow(2, scratch, s).copy_(ctx)
-
-    def group(self, own: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        n = own.shape[2]
-        start = self.scratch + lo - n
-        self.buf.narrow(2, start, n).copy_(own)
-        return self.buf.narrow(2, start, n + hi - lo)
-
-    def restore(self, own_len: int, lo: int) -> None:
-        if lo > 0:  # the own keys covered context positions [lo - own_len, lo)
-            first = max(0, lo - own_len)
-            self.buf.narrow(2, self.scratch + first, lo - first).copy_(self.ctx.narrow(2, first, lo - first))
-
-
-class _BlockAttention(torch.autograd.Function):
-    """Attention of block queries over [their group's own blocks; their group's context slice], one CPU
-    flash kernel call per group on a view: no key is copied per group, no hidden range is scored.
-
-    Our own code: no library kernel attends to "a slice of one key tensor plus a block of another". The
-    context keys sit once in a buffer with scratch slots before them (``_Keys``); each group writes its
-    own blocks' keys next to its context slice, calls the kernel on that contiguous range, and puts the
-    context back. The backward redoes the same writes around the kernel's backward.
-    Shapes: q [b, h, Q, d]; ctx_k, ctx_v [b, kv, S, d]; own_k, own_v [b, kv, N*B, d].
-    """
-
-    @staticmethod
-    def _groups(layout, q, ctx_k, ctx_v, own_k, own_v, kernel):
-        """``kernel(group index, q, k, v)`` for each group, with its keys in place; yields its results."""
-        keys, values = _Keys(ctx_k, layout.scratch), _Keys(ctx_v, layout.scratch)
-        for g, (q0, q1, lo, hi) in enumerate(layout.groups):
-            k0, k1 = layout.own_keys(q0, q1)
-            own = k1 - k0
-            result = kernel(
-                g,
-                q0,
-                q1,
-                keys.group(own_k.narrow(2, k0, own), lo, hi),
-                values.group(own_v.narrow(2, k0, own), lo, hi),
-            )
-            keys.restore(own, lo)
-            values.restore(own, lo)
-            yield (own, lo, hi), result
-
-    @staticmethod
-    def forward(ctx, q, ctx_k, ctx_v, own_k, own_v, layout, scale):
-        def kernel(g, q0, q1, k, v):
-            qg = q.narrow(2, q0, q1 - q0)
-            return _flash_cpu(qg, k, v, 0.0, False, attn_mask=layout.group_masks[g], scale=scale)
-
-        results = [r for _g, r in _BlockAttention._groups(layout, q, ctx_k, ctx_v, own_k, own_v, kernel)]
-        # Kept in the kernel's [b, Q, h, d] memory order, so o_proj reads the result without a copy.
-        out = torch.cat([o.transpose(1, 2) for o, _lse in results], dim=1).transpose(1, 2)
-        lse = torch.cat([lse for _o, lse in results], dim=2)
-        ctx.save_for_backward(q, ctx_k, ctx_v, own_k, own_v, out, lse)
-        ctx.layout, ctx.scale = layout, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, ctx_k, ctx_v, own_k, own_v, out, lse = ctx.saved_tensors
-        layout, scale = ctx.layout, ctx.scale
-
-        def kernel(g, q0, q1, k, v):
-            n = q1 - q0
-            return _flash_cpu_backward(
-                grad_out.narrow(2, q0, n),
-                q.narrow(2, q0, n),
-                k,
-                v,
-                out.narrow(2, q0, n),
-                lse.narrow(2, q0, n),
-                0.0,
-                False,
-                attn_mask=layout.group_masks[g],
-                scale=scale,
-            )
-
-        dq, dk_own, dv_own = [], [], []
-        dk_ctx, dv_ctx = torch.zeros_like(ctx_k), torch.zeros_like(ctx_v)
-        for (own, lo, hi), (gq, gk, gv) in _BlockAttention._groups(
-            layout, q, ctx_k, ctx_v, own_k, own_v, kernel
-        ):
-            dq.append(gq.transpose(1, 2))
-            dk_own.append(gk.narrow(2, 0, own).transpose(1, 2))
-            dv_own.append(gv.narrow(2, 0, own).transpose(1, 2))
-            if hi > lo:
-                dk_ctx.narrow(2, lo, hi - lo).add_(gk.narrow(2, own, hi - lo))
-                dv_ctx.narrow(2, lo, hi - lo).add_(gv.narrow(2, own, hi - lo))
-
-        def join(parts):
-            return torch.cat(parts, dim=1).transpose(1, 2)
-
-        return join(dq), dk_ctx, dv_ctx, join(dk_own), join(dv_own), None, None
 
 
 class DrafterAttention(nn.Module):
@@ -358,6 +273,25 @@ class DrafterAttention(nn.Module):
             y = torch.cat([norm(first) if norm is not None else first, rest], dim=2)
         return y.reshape(b, -1, heads, d).transpose(1, 2)
 
+    def block_qkv(self, h: torch.Tensor | SlotRows, cos: torch.Tensor, sin: torch.Tensor, bsz: int, drop: bool):
+        """Queries (without slot 0 if ``drop``), keys and values of normed block rows ``h`` (``[b, N*B, H]``
+        or ``SlotRows``), q_norm / k_norm and RoPE at the block positions applied."""
+        q = self._slot_heads(h, self.q_proj, self.num_heads, self.q_norm, bsz, drop)
+        k = self._slot_heads(h, self.k_proj, self.num_kv_heads, self.k_norm, bsz, False)
+        v = self._slot_heads(h, self.v_proj, self.num_kv_heads, None, bsz, False)
+        q_cos, q_sin = (drop_first_slot(cos, bsz), drop_first_slot(sin, bsz)) if drop else (cos, sin)
+        return _rope(q, q_cos, q_sin), _rope(k, cos, sin), v
+
+    def attend_blocks(self, q, ctx_k, ctx_v, k, v, layout: BlockLayout) -> torch.Tensor:
+        """``[b, heads, Q, d]``: block queries over their group's own blocks and context slice."""
+        if q.device.type == "cpu" and not (self.training and self.attention_dropout > 0):
+            return _block_attention(q, ctx_k, ctx_v, k, v, layout, self.scaling)
+        return self.grouped_attention(q, ctx_k, ctx_v, k, v, layout)
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
+        b, _h, q_len, _d = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
+
     def forward_blocks(
         self,
         h: torch.Tensor | SlotRows,
@@ -370,20 +304,8 @@ class DrafterAttention(nn.Module):
         """Training layout: normed block tokens ``h`` (``[b, N*B, H]`` or ``SlotRows``; cos/sin at the
         block positions) attend to the precomputed context keys and their own block as ``layout``
         says; returns one output per query (``[b, N*queries_per_block, H]``)."""
-        bsz, drop = layout.block_size, layout.drops_first_slot
-        q = self._slot_heads(h, self.q_proj, self.num_heads, self.q_norm, bsz, drop)
-        k = self._slot_heads(h, self.k_proj, self.num_kv_heads, self.k_norm, bsz, False)
-        v = self._slot_heads(h, self.v_proj, self.num_kv_heads, None, bsz, False)
-        if drop:
-            q, k = _rope(q, drop_first_slot(cos, bsz), drop_first_slot(sin, bsz)), _rope(k, cos, sin)
-        else:
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        b, _h, q_len, _d = q.shape
-        if q.device.type == "cpu" and not (self.training and self.attention_dropout > 0):
-            out = _BlockAttention.apply(q, ctx_k, ctx_v, k, v, layout, self.scaling)
-        else:
-            out = self.grouped_attention(q, ctx_k, ctx_v, k, v, layout)
-        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
+        q, k, v = self.block_qkv(h, cos, sin, layout.block_size, layout.drops_first_slot)
+        return self.project_out(self.attend_blocks(q, ctx_k, ctx_v, k, v, layout))
 
     def grouped_attention(self, q, ctx_k, ctx_v, own_k, own_v, layout: BlockLayout) -> torch.Tensor:
         """The same attention as ``_BlockAttention`` through ``scaled_dot_product_attention``: one call
@@ -405,6 +327,8 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
+    compiled: bool = False
+
     @property
     def layer_type(self) -> str:
         return self.self_attn.layer_type
@@ -416,12 +340,44 @@ class DrafterLayer(nn.Module):
 
     def forward_blocks(self, x, ctx_k, ctx_v, cos, sin, layout, rows: SlotRows | None = None):
         """``rows``: ``x`` in factored form (the first layer), so the norm and projections run per row."""
-        if rows is None:
-            h = self.input_layernorm(x)
-        else:
-            h = SlotRows(self.input_layernorm(rows.first), self.input_layernorm(rows.rest))
-        attn = self.self_attn.forward_blocks(h, ctx_k, ctx_v, cos, sin, layout)
-        if layout.drops_first_slot:
-            x = drop_first_slot(x, layout.block_size)
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x))
+        bsz, drop = layout.block_size, layout.drops_first_slot
+        q, k, v = maybe_compiled(_layer_in, self.compiled)(self, x, rows, cos, sin, bsz, drop)
+        out = self.self_attn.attend_blocks(q, ctx_k, ctx_v, k, v, layout)
+        return maybe_compiled(_layer_out, self.compiled)(self, x, out, bsz, drop)
+
+
+def _layer_in(layer: DrafterLayer, x, rows: SlotRows | None, cos, sin, bsz: int, drop: bool):
+    """A layer's work before the attention: input norm, q / k / v, their norms and RoPE."""
+    if rows is None:
+        h = layer.input_layernorm(x)
+    else:
+        h = SlotRows(layer.input_layernorm(rows.first), layer.input_layernorm(rows.rest))
+    return layer.self_attn.block_qkv(h, cos, sin, bsz, drop)
+
+
+def _layer_out(layer: DrafterLayer, x, out, bsz: int, drop: bool):
+    """A layer's work after the attention: o_proj, the residual (slots 1..B-1 if ``drop``), the MLP."""
+    attn = layer.self_attn.project_out(out)
+    if drop:
+        x = drop_first_slot(x, bsz)
+    x = x + attn
+    return x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
+
+
+def _mlp(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """Qwen3's MLP, its SiLU gate through ``fused.silu_mul`` (the same values, a smaller backward)."""
+    if getattr(getattr(mlp, "config", None), "hidden_act", None) in ("silu", "swish"):
+        return mlp.down_proj(fused.silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+    return mlp(h)
+
+
+_COMPILED: dict[Any, Any] = {}
+
+
+def maybe_compiled(fn, compiled: bool):
+    """``fn``, or its ``torch.compile`` (made once per function, shared by every module) when ``compiled``."""
+    if not compiled:
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=None)
+    return _COMPILED[fn]

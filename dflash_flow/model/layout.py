@@ -211,7 +211,8 @@ def block_layouts(
         scratch = max(n1 - n0 for n0, n1, _lo, _hi in spans[layer_type]) * bsz
         # Additive (sdpa would convert a bool mask in every call, forward and backward), in the key
         # layout [scratch | context]; each group's rows get its own-block pattern next to its slice.
-        mask = torch.full((b, 1, n * per_block, scratch + seq), float("-inf"), dtype=dtype, device=vis.device)
+        mask = torch.empty((b, 1, n * per_block, scratch + seq), dtype=dtype, device=vis.device)
+        mask[..., :scratch] = float("-inf")
         zero = torch.zeros((), dtype=dtype, device=vis.device)
         mask[:, 0, :, scratch:].view(b, n, per_block, seq).copy_(torch.where(vis, zero, float("-inf")))
         within = _within_block(bsz, layer_type, sliding_window, vis.device)[first:]

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import attrs
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -61,7 +60,8 @@ from dflash_flow.model.blockplan import (
     sample_prefix_lengths,
     valid_anchor_mask,
 )
-from dflash_flow.model.drafter_layers import SlotRows
+from dflash_flow.model.drafter_layers import SlotRows, maybe_compiled
+from dflash_flow.model.fused import weighted_cross_entropy
 from dflash_flow.model.layout import (  # noqa: F401 - re-exported
     ColumnBounds,
     activation_bytes_per_block,
@@ -246,14 +246,16 @@ def _chunk_terms(drafter, lm_head, embed_tokens, plan, start, stop, spans, *cont
     if not independent:
         h = h.view(b, n, bsz, -1)[:, :, 1:]
     h = h.reshape(b * n * (bsz - 1), -1)
-    logits = drafter.compute_logits(h, lm_head).float()
     labels = plan.labels[:, start:stop, 1:].reshape(-1)
     weights = plan.weights[:, start:stop, 1:].reshape(-1)
-    ce = F.cross_entropy(logits, labels, reduction="none")
-    terms = ((ce * weights).sum(), logits.argmax(dim=-1).view(b, n, bsz - 1))
     selector = getattr(drafter, "candidate_selector", None)
     if selector is None:
-        return terms
+        loss_sum, pred = maybe_compiled(_head_terms, getattr(drafter, "compiled", False))(
+            drafter, lm_head, h, labels, weights
+        )
+        return loss_sum, pred.view(b, n, bsz - 1)
+    logits = drafter.compute_logits(h, lm_head).float()
+    terms = (weighted_cross_entropy(logits, labels, weights), logits.argmax(dim=-1).view(b, n, bsz - 1))
     from dflash_flow.model.dflash2 import selector_terms
 
     sel_sum, sel_weight, hits, present = selector_terms(
@@ -266,6 +268,12 @@ def _chunk_terms(drafter, lm_head, embed_tokens, plan, start, stop, spans, *cont
         plan.supervised[:, start:stop, 1:].reshape(-1),
     )
     return (*terms, sel_sum, sel_weight, hits.view(b, n, bsz - 1), present.view(b, n, bsz - 1))
+
+
+def _head_terms(drafter, lm_head, h, labels, weights):
+    """Weighted cross-entropy sum and argmax of the LM head's logits for rows ``h``."""
+    logits = drafter.compute_logits(h, lm_head).float()
+    return weighted_cross_entropy(logits, labels, weights), logits.argmax(dim=-1)
 
 
 def _selector_extra(plan, parts, loss_sum, weight_sum, selector_sum, selector_weight):
@@ -429,10 +437,9 @@ def dflash_loss(
             vocab_size=int(getattr(lm_head, "out_features", None) or drafter.config.vocab_size),
             budget_mb=activation_budget_mb,
         )
-    context = drafter.fuse_context(hidden_states.to(drafter.fc.weight.dtype))
     # Context keys/values once per layer: every chunk reads slices of them (checkpointing recomputes
     # the blocks only).
-    context_kv = [t for kv in drafter.context_kv(context) for t in kv]
+    context_kv = drafter.training_context(hidden_states)
     grad = torch.is_grad_enabled()
     step = n if not chunk_blocks or chunk_blocks >= n else int(chunk_blocks)
     loss_sum = torch.zeros((), device=device)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from model_testlib import MASK_ID, build_drafter, build_target
 
-from dflash_flow.model.drafter_layers import _BlockAttention
+from dflash_flow.model.block_attention import _BlockAttention
 from dflash_flow.model.objective import (
     ColumnBounds,
     block_attention_mask,
