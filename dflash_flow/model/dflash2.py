@@ -124,6 +124,56 @@ def make_variant_config(target_config: Any, *, variant: str = "dflash", **kw: An
 # ---------------------------------------------------------------------------------------------------
 
 
+class _BlockCausalConv(torch.autograd.Function):
+    """``block_causal_conv`` on ``xs`` ``[b, N, B, G, gs]``, ``dyn`` ``[b, N, B, K, G, 1]``, ``w`` ``[K, G, gs]``.
+
+    Forward: tap 0 is ``addcmul(w[0] * x, dyn[0], x)``; tap ``o`` adds ``w[o] * x[t - o]`` and then
+    ``dyn[o] * x[t - o]`` to slots ``t >= o`` in place (slots before ``o`` read the block's zeros, which add
+    exactly nothing): the same roundings as z-lab's zero-initialised, zero-padded sum, without the zeros,
+    the padding and the autograd bookkeeping of the in-place writes. Backward: the gradients autograd gives
+    that formulation, bit for bit (``tests/model/test_dflash2_conv.py``): each ``grad * x`` product once for
+    both its reductions (the kernel's over the zero-padded slots, the correction's over the group), and the
+    input's gradient summed in autograd's order (the shifted taps, then the correction, then the base).
+    """
+
+    @staticmethod
+    def forward(ctx, xs, dyn, w):
+        out = torch.addcmul(w[0] * xs, dyn[:, :, :, 0], xs)
+        for o in range(1, min(w.shape[0], xs.shape[2])):
+            prev = xs[:, :, :-o]
+            out[:, :, o:].add_(w[o] * prev).addcmul_(dyn[:, :, o:, o], prev)
+        ctx.save_for_backward(xs, dyn, w)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        xs, dyn, w = ctx.saved_tensors
+        grad_dyn, grad_w = torch.empty_like(dyn, memory_format=torch.contiguous_format), torch.empty_like(w)
+        product = grad * xs
+        grad_dyn[:, :, :, 0] = product.sum(-1, keepdim=True)
+        grad_w[0] = product.sum((0, 1, 2))
+        grad_x = None
+        for o in range(1, w.shape[0]):
+            if o >= xs.shape[2]:  # the tap never reaches into the block
+                grad_dyn[:, :, :, o] = 0
+                grad_w[o] = 0
+                continue
+            prev, tail = xs[:, :, :-o], grad[:, :, o:]
+            product[:, :, :o] = 0  # the kernel's gradient sums over the padded slots, as autograd's does
+            torch.mul(tail, prev, out=product[:, :, o:])
+            grad_w[o] = product.sum((0, 1, 2))
+            grad_dyn[:, :, :o, o] = 0
+            grad_dyn[:, :, o:, o] = product[:, :, o:].sum(-1, keepdim=True)
+            shifted = torch.empty_like(xs)
+            shifted[:, :, -o:] = 0
+            torch.add(tail * dyn[:, :, o:, o], tail * w[o], out=shifted[:, :, :-o])
+            grad_x = shifted if grad_x is None else grad_x + shifted
+        correction = grad * dyn[:, :, :, 0]
+        grad_x = correction if grad_x is None else grad_x + correction
+        return grad_x + grad * w[0], grad_dyn, grad_w
+
+
 def block_causal_conv(
     x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, group_size: int, block: int
 ) -> torch.Tensor:
@@ -132,20 +182,17 @@ def block_causal_conv(
     ``x`` ``[b, T, H]`` holds ``T / block`` blocks end to end; tap ``o`` reads slot ``t - o`` of the
     same block (zero before the block's first slot), so blocks laid side by side (training) give what
     each block alone gives (inference). ``dynamic`` ``[b, T, K, G]`` is shared by the ``group_size``
-    channels of a group; ``base`` ``[K, H]``.
+    channels of a group; ``base`` ``[K, H]``. Accumulated tap by tap, base then correction (a multiply
+    and an add each): z-lab's rounding, so our drafter's outputs are bit-equal to its reference model's
+    (one product of the summed kernel is not); ``_BlockCausalConv`` computes it.
     """
     b, t, h = x.shape
     groups = h // group_size
     taps = base.shape[0]
     xs = x.view(b, t // block, block, groups, group_size)
     dyn = dynamic.reshape(b, t // block, block, taps, groups, 1)
-    # Accumulated tap by tap, base then correction (a fused multiply-add): z-lab's rounding, so our
-    # drafter's outputs are bit-equal to its reference model's (one product of the summed kernel is not).
-    out = torch.zeros_like(xs)
-    for o in range(min(taps, block)):
-        shifted = xs if o == 0 else F.pad(xs[:, :, :-o], (0, 0, 0, 0, o, 0))
-        out = torch.addcmul(out + base[o].view(groups, group_size).to(x.dtype) * shifted, dyn[:, :, :, o], shifted)
-    return out.view(b, t, h)
+    w = base.view(taps, groups, group_size).to(x.dtype)
+    return _BlockCausalConv.apply(xs, dyn, w).view(b, t, h)
 
 
 class GroupedDynamicConv(nn.Module):
