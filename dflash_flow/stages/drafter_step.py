@@ -77,6 +77,11 @@ class DrafterStep(Stage, CheckpointSource):
         "(after a hard kill, the lines past the checkpoint's data_position.total appear again).",
     )
     torch_threads: int | None = cfg(None, ge=1, result=False, doc="torch intra-op threads (CPU runs).")
+    torch_threads_after_first_epoch: int | None = cfg(
+        None, ge=1, result=False,
+        doc="torch intra-op threads from the second epoch on (default: torch_threads): with TargetForward's "
+        "cache_features the target is idle after the first epoch, and its cores can go to the drafter.",
+    )
     # The held-out walk draws no random numbers and leaves the weights as they were: result=False.
     heldout_data: str | None = cfg(
         None, result=False, doc="Acceptance over time: JSONL of held-out conversations whose last turn is the target's own greedy "
@@ -146,8 +151,8 @@ class DrafterStep(Stage, CheckpointSource):
         from dflash_flow.model.target import load_target_config, resolve_dtype
         from dflash_flow.model.trainer import DrafterTrainer, build_drafter
 
-        if self.torch_threads:
-            torch.set_num_threads(self.torch_threads)
+        self._threads = None
+        self._set_threads(epoch=0)
         if ctx.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(ctx.device))  # this thread's collectives run on its GPU
         self._ctx = ctx
@@ -180,6 +185,17 @@ class DrafterStep(Stage, CheckpointSource):
         self._m_loss = m.gauge("loss", "nats", "Last step's loss")
         self._m_step_s = m.summary("step_s", "s", "Seconds of compute per micro-batch")
         self._m_probe_s = m.counter("heldout_probe_s", "s", "Seconds spent measuring the held-out walk")
+
+    def _set_threads(self, epoch: int) -> None:
+        """This thread's torch intra-op threads for a batch of ``epoch`` (a function of the epoch alone, so a
+        resumed run computes each step with the threads the uninterrupted run used)."""
+        later = self.torch_threads_after_first_epoch
+        want = later if later and epoch >= 1 else self.torch_threads
+        if want and want != self._threads:
+            import torch
+
+            torch.set_num_threads(want)
+            self._threads = want
 
     def _prepare_probe(self, spec: Any, tok_path: str | None, drafter: Any, dtype: Any):
         """The fixed held-out sample: the first ``heldout_limit`` conversations, the target's features over
@@ -243,6 +259,7 @@ class DrafterStep(Stage, CheckpointSource):
             return None  # stopping: the rest drains untrained
         meta = feats.meta
         epoch_end = meta.last_of_epoch
+        self._set_threads(meta.epoch)
         t0 = time.perf_counter()
         metrics = self._trainer.train_batch(
             feats, anchor_seed=self._ctx.shared_seed_for(meta.epoch, "anchors", meta.index),

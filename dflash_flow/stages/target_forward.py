@@ -22,6 +22,12 @@ def _absent_local_path(spec: Any) -> bool:
     return isinstance(spec, str) and spec.startswith(("/", ".", "~")) and not Path(spec).expanduser().exists()
 
 
+def _new_cache():
+    from dflash_flow.model.feature_cache import FeatureCache
+
+    return FeatureCache()
+
+
 @attrs.define(kw_only=True, eq=False)
 class TargetForward(Stage):
     """Frozen target forward: emits the hidden states of `target_layer_ids`, aligned 1:1 with input_ids."""
@@ -47,6 +53,17 @@ class TargetForward(Stage):
     attn_implementation: str | None = cfg(None, doc="Default: flash_attention_2 when flash-attn imports on CUDA, else sdpa.")
     trust_remote_code: bool = cfg(False, doc="Allow the target's own Python code (off unless asked).")
     torch_threads: int | None = cfg(None, ge=1, result=False, doc="torch intra-op threads for this process (CPU runs).")
+    cache_features: bool = cfg(
+        False, doc="Keep each sample's features in memory after its first forward: later epochs read them instead "
+        "of running the target, freeing its cores (CPU runs; each sample is then computed alone, unpadded, so "
+        "results do not depend on the cache).",
+    )
+    cache_budget_mb: float = cfg(
+        4096.0, gt=0, result=False,
+        doc="Memory the feature cache may hold (samples past it are computed again every epoch).",
+    )
+    # One cache for all replicas (they are deep copies of this stage, and a copy of a cache is the cache).
+    _cache: Any = attrs.field(factory=lambda: _new_cache(), init=False)
 
     def input_paths(self) -> list[tuple[str, str, str]]:
         from dflash_flow.embedded import resolve_target
@@ -137,6 +154,7 @@ class TargetForward(Stage):
             except (TargetOfflineError, ValueError, OSError) as exc:
                 # A target that is not there is the user's input, not a crash: exit 2 with the reason.
                 raise ConfigError(Problem(str(exc), stage=ctx.name, field="target")) from exc
+        self._ctx_name = ctx.name
         self._vocab = int(self._model.get_input_embeddings().num_embeddings)
         self._layer_ids = list(ids)
         # Outputs go straight to the consumer's device when there is exactly one.
@@ -149,6 +167,35 @@ class TargetForward(Stage):
         self._tokens = ctx.metrics.counter("tokens", "tokens", "Real (unpadded) tokens forwarded")
         self._batches = ctx.metrics.counter("batches", "batches", "Batches forwarded")
         self._seconds = ctx.metrics.summary("forward_s", "s", "Seconds per target forward")
+        if self.cache_features:
+            self._setup_cache(ctx)
+
+    def _setup_cache(self, ctx) -> None:
+        self._cache.budget_bytes = int(self.cache_budget_mb * 2**20)
+        self._m_cached = ctx.metrics.gauge("cached_samples", "samples", "Samples whose features are cached")
+        self._m_cache_mb = ctx.metrics.gauge("cache_mb", "MiB", "Memory the feature cache holds")
+        self._m_hits = ctx.metrics.counter("cache_hits", "samples", "Samples read from the feature cache")
+        self._m_misses = ctx.metrics.counter("cache_misses", "samples", "Samples the target ran for (cache on)")
+        self._warned_full = False
+
+    def _cached_forward(self, batch: PaddedBatch, input_ids):
+        from dflash_flow.model.feature_cache import per_sample_features
+
+        cache = self._cache
+        hidden, computed = per_sample_features(self._extractor, input_ids, batch.meta.lengths,
+                                               batch.meta.sample_ids, cache, device=self._out_device)
+        self._m_hits.inc(len(batch.meta.lengths) - computed)
+        self._m_misses.inc(computed)
+        self._m_cached.set(len(cache))
+        self._m_cache_mb.set(cache.bytes / 2**20)
+        if cache.full and not self._warned_full:
+            self._warned_full = True
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "%s: the feature cache is full (%.0f MiB, %d samples): the samples past it run the target every "
+                "epoch; raise cache_budget_mb if memory allows", self._ctx_name, cache.bytes / 2**20, len(cache))
+        return hidden
 
     def process(self, batch: PaddedBatch):
         import time
@@ -178,7 +225,10 @@ class TargetForward(Stage):
         t0 = time.perf_counter()
         # The extractor runs the model under inference_mode and returns an ordinary tensor, which the
         # drafter's autograd graph may use.
-        hidden = self._extractor(input_ids, attention_mask)  # on the output device already
+        if self.cache_features:
+            hidden = self._cached_forward(batch, input_ids)
+        else:
+            hidden = self._extractor(input_ids, attention_mask)  # on the output device already
         for dev in {*self._devices, self._out_device}:
             if dev.type == "cuda":
                 torch.cuda.current_stream(dev).synchronize()

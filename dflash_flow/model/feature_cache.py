@@ -1,0 +1,107 @@
+"""Target features kept in memory across epochs, so that later epochs do not run the target again.
+
+On a CPU run the frozen target's forward competes with the drafter for the same cores; from the second
+epoch on every sample's features are already known, so :class:`FeatureCache` keeps them (up to a byte
+budget) and ``TargetForward`` reads them back instead of running the target, which leaves its cores to the
+drafter (``DrafterStep.torch_threads_after_first_epoch``).
+
+What makes a cached run reproducible and its resume exact: each sample's features are computed alone (a
+batch of one, its own length, no padding) whether or not they are cached, so they do not depend on which
+batch, epoch, replica or process computed them. A run that resumes with an empty cache computes the same
+values again. Padded positions are zeros, as the extractor gives them.
+
+One cache serves every replica of a stage in a process: a stage's replicas are deep copies of one
+template, and a copy of a cache is the cache itself.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch is imported where features are computed: a stage's config needs none
+    import torch
+
+
+class FeatureCache:
+    """Per-sample features ``[length, F]`` by sample id, up to ``budget_bytes`` (what does not fit is
+    computed again each time it is needed; nothing is evicted, so the hits are the same every epoch)."""
+
+    def __init__(self, budget_bytes: int = 0) -> None:
+        self.budget_bytes = int(budget_bytes)
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.full = False  # a sample did not fit: it (and any later one that does not fit) is recomputed
+        self._rows: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def __deepcopy__(self, memo: dict) -> FeatureCache:
+        return self  # shared by a stage's replicas (copies of one template)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def get(self, sample_id: int, length: int) -> torch.Tensor | None:
+        row = self._rows.get(sample_id)
+        if row is None or row.shape[0] != length:
+            return None
+        return row
+
+    def count(self, hits: int, misses: int) -> None:
+        with self._lock:
+            self.hits += hits
+            self.misses += misses
+
+    def put(self, sample_id: int, row: torch.Tensor) -> bool:
+        """Keep ``row``; False (and ``full`` set) when it would exceed the budget."""
+        size = row.numel() * row.element_size()
+        with self._lock:
+            if sample_id in self._rows:
+                return True
+            if self.bytes + size > self.budget_bytes:
+                self.full = True
+                return False
+            self._rows[sample_id] = row
+            self.bytes += size
+            return True
+
+
+def per_sample_features(
+    extract: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    input_ids: torch.Tensor,
+    lengths: Sequence[int],
+    sample_ids: Sequence[int],
+    cache: FeatureCache | None,
+    *,
+    device: Any = None,
+) -> tuple[torch.Tensor, int]:
+    """Features ``[b, S, F]`` of a right-padded batch, each row computed alone (``extract(ids [1, L],
+    mask [1, L])``) or read from ``cache``; padded positions zero. Returns the features and how many rows
+    ran the target."""
+    import torch
+
+    b, s = input_ids.shape
+    if len(lengths) != b:
+        raise ValueError(f"{len(lengths)} lengths for a batch of {b} rows")
+    if len(sample_ids) != b:
+        cache, sample_ids = None, [None] * b  # rows without ids: computed alone, not kept
+    out: torch.Tensor | None = None
+    computed = 0
+    for i, (length, sid) in enumerate(zip(lengths, sample_ids, strict=True)):
+        length = int(length)
+        row = cache.get(int(sid), length) if cache is not None else None
+        if row is None:
+            ids = input_ids[i : i + 1, :length]
+            row = extract(ids, torch.ones_like(ids))[0]
+            computed += 1
+            if cache is not None:
+                cache.put(int(sid), row)
+        if out is None:
+            out = torch.zeros((b, s, row.shape[-1]), dtype=row.dtype, device=device or row.device)
+        out[i, :length] = row
+    if cache is not None:
+        cache.count(b - computed, computed)
+    assert out is not None, "a batch with no rows has no features"
+    return out, computed

@@ -1,0 +1,163 @@
+"""The target-feature cache (``TargetForward.cache_features``): each sample's features computed alone,
+kept after the first epoch, read back in later ones; a run's result does not depend on what the cache
+holds (so a resumed run, whose cache starts empty, trains what the uninterrupted run trained).
+
+Real tiny transformers targets built from a config (random weights, no hub), real pipelines in this
+process."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_flow.model.feature_cache import FeatureCache, per_sample_features
+from dflash_flow.model.features import TargetFeatureExtractor
+from dflash_flow.model.target import load_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def extractor():
+    return TargetFeatureExtractor(load_target("tiny-qwen3-8l"), [1, 5])
+
+
+def _batch(lengths, s: int, seed: int = 0):
+    ids = torch.randint(1, 500, (len(lengths), s), generator=torch.Generator().manual_seed(seed))
+    mask = (torch.arange(s)[None] < torch.tensor(lengths)[:, None]).long()
+    return ids * mask, mask
+
+
+def test_rows_are_each_samples_own_features_padding_zero_and_cached_rows_come_back(extractor):
+    lengths = [20, 13, 7]
+    ids, mask = _batch(lengths, 20)
+    cache = FeatureCache(budget_bytes=2**30)
+    got, computed = per_sample_features(extractor, ids, lengths, [10, 11, 12], cache)
+    assert computed == 3 and len(cache) == 3 and cache.misses == 3 and cache.hits == 0
+    batched = extractor(ids, mask)
+    assert got.shape == batched.shape
+    for i, n in enumerate(lengths):
+        alone = extractor(ids[i : i + 1, :n], mask[i : i + 1, :n])[0]
+        assert torch.equal(got[i, :n], alone)  # computed alone: independent of the batch it came in
+        assert torch.allclose(got[i, :n], batched[i, :n], atol=1e-5)  # ... and the batched forward's values
+        assert not got[i, n:].any()  # padding is zero, as the extractor gives it
+    assert cache.bytes == sum(lengths) * got.shape[-1] * 4
+    # Another batch (another epoch): the same samples in another order and padding, none recomputed.
+    ids2 = torch.zeros(2, 24, dtype=torch.long)
+    ids2[0, :7], ids2[1, :20] = ids[2, :7], ids[0, :20]
+    again, computed = per_sample_features(extractor, ids2, [7, 20], [12, 10], cache)
+    assert computed == 0 and cache.hits == 2
+    assert torch.equal(again[0, :7], got[2, :7]) and torch.equal(again[1, :20], got[0, :20])
+    assert not again[0, 7:].any()
+
+
+def test_a_full_cache_recomputes_what_does_not_fit_with_the_same_values(extractor):
+    lengths = [16, 16]
+    ids, _ = _batch(lengths, 16, seed=1)
+    row_bytes = 16 * 2 * 64 * 4  # tokens x (2 layers x hidden 64) x fp32
+    small = FeatureCache(budget_bytes=row_bytes)  # room for one sample
+    first, computed = per_sample_features(extractor, ids, lengths, [0, 1], small)
+    assert computed == 2 and len(small) == 1 and small.full
+    second, computed = per_sample_features(extractor, ids, lengths, [0, 1], small)
+    assert computed == 1  # the one that did not fit runs again; nothing is evicted
+    assert torch.equal(first, second)
+    unchanged, _ = per_sample_features(extractor, ids, lengths, [0, 1], None)
+    assert torch.equal(first, unchanged)
+
+
+def test_a_sample_whose_length_changed_is_not_read_from_the_cache(extractor):
+    ids, _ = _batch([12], 12, seed=2)
+    cache = FeatureCache(budget_bytes=2**30)
+    per_sample_features(extractor, ids, [12], [5], cache)
+    assert cache.get(5, 12) is not None and cache.get(5, 11) is None
+
+
+def test_the_replicas_of_a_stage_share_one_cache():
+    from dflash_flow.stages.target_forward import TargetForward
+
+    stage = TargetForward(target="tiny-qwen3-8l", cache_features=True)
+    replica = copy.deepcopy(stage)  # how the runtime makes a stage's replicas
+    assert replica._cache is stage._cache
+    assert TargetForward(target="tiny-qwen3-8l")._cache is not stage._cache  # but not two stages
+
+
+def _doc(tmp_path: Path, data: Path, name: str, **target) -> dict:
+    out = tmp_path / name
+    return {
+        "name": name, "seed": 3, "output_dir": str(out), "tracking": {"enabled": False},
+        "checkpoint": {"every_steps": 0, "at_epoch_end": False},
+        "stages": [
+            {"name": "source", "type": "TokenizedSource", "config": {"paths": [str(data)], "cache_dir": None, "max_length": 48}},
+            {"name": "bucketer", "type": "Bucketer", "inputs": ["source"],
+             "config": {"max_tokens": 96, "num_buckets": 2, "epochs": 3}},
+            {"name": "interleaver", "type": "Interleaver", "inputs": ["bucketer"]},
+            {"name": "padder", "type": "Padder", "inputs": ["interleaver"]},
+            {"name": "target", "type": "TargetForward", "inputs": ["padder"], "replicas": 2,
+             "config": {"target": "tiny-qwen3-8l", "torch_threads": 1, "cache_features": True, **target}},
+            {"name": "drafter", "type": "DrafterStep", "inputs": ["target"], "ordered": True,
+             "config": {"target": "tiny-qwen3-8l", "num_layers": 1, "block_size": 4, "mask_token_id": 511,
+                        "num_anchors": 8, "torch_threads": 1, "torch_threads_after_first_epoch": 2}},
+            {"name": "monitor", "type": "Monitor", "inputs": ["drafter"],
+             "config": {"interval_s": 0.2, "progress": False, "plots": False}},
+        ],
+    }
+
+
+def test_a_cached_run_skips_the_target_after_the_first_epoch_and_trains_what_an_uncached_one_does(tmp_path):
+    import yaml
+    from safetensors.torch import load_file
+
+    from dflash_flow.app import run
+
+    data = tmp_path / "tokens.jsonl"
+    g = torch.Generator().manual_seed(0)
+    with data.open("w") as f:
+        for n in torch.randint(10, 40, (24,), generator=g).tolist():
+            ids = torch.randint(1, 500, (n,), generator=g).tolist()
+            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * 3 + [1] * (n - 3)}) + "\n")
+    weights, stages = {}, {}
+    # Everything cached, against a budget too small for any sample (every forward runs, every epoch).
+    for name, budget in (("cached", 4096.0), ("recomputed", 1e-6)):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(_doc(tmp_path, data, name, cache_budget_mb=budget)))
+        report = run(path)
+        assert report.ok, report
+        out = tmp_path / name
+        weights[name] = load_file(str(out / "drafter" / "model.safetensors"))
+        last = json.loads((out / "monitor" / "history.json").read_text())["samples"][-1]
+        stages[name] = last["stages"]["target"]
+    counters = stages["cached"]["counters"]
+    assert counters["cache_hits"] + counters["cache_misses"] == 3 * 24
+    # Epochs 2 and 3 read every sample from the cache, but for a sample of an epoch's first batch that is
+    # still in flight in the other replica at the end of the epoch before (it runs again, same values).
+    assert counters["cache_hits"] >= 2 * 24 - 12
+    assert stages["cached"]["gauges"]["cached_samples"] == 24
+    assert stages["recomputed"]["counters"].get("cache_hits", 0) == 0
+    assert weights["cached"].keys() == weights["recomputed"].keys()
+    for k, w in weights["cached"].items():
+        assert torch.equal(w, weights["recomputed"][k]), k  # bit-equal: the cache changes no value
+
+
+def test_the_drafters_threads_follow_the_epoch(monkeypatch):
+    from dflash_flow.stages.drafter_step import DrafterStep
+
+    before = torch.get_num_threads()
+    try:
+        step = DrafterStep(target="tiny-qwen3-8l", torch_threads=1, torch_threads_after_first_epoch=2)
+        step._threads = None
+        step._set_threads(0)
+        assert torch.get_num_threads() == 1
+        step._set_threads(1)
+        assert torch.get_num_threads() == 2
+        step._set_threads(3)
+        assert torch.get_num_threads() == 2
+        plain = DrafterStep(target="tiny-qwen3-8l", torch_threads=1)
+        plain._threads = None
+        plain._set_threads(4)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
