@@ -44,6 +44,11 @@ class TrainerConfig:
         4096.0, gt=0, le=1e7, doc="Activation memory one step may use: one pass (no recomputation) when it fits, "
         "else the largest checkpointed chunks that do (null: always one pass).",
     )
+    compile: bool = cfg(
+        False, doc="torch.compile the step's work outside the attention kernels (the drafter's layers, the context "
+        "projections, the loss head): same loss, ~10-15% faster steps on CPU after ~15-25 s of compiling per batch "
+        "shape (docs/benchmarks.md); off: no start-up cost, for short runs and tests.",
+    )
     lr: float = cfg(6e-4, gt=0, doc="Peak learning rate.")
     warmup_ratio: float = cfg(0.04, ge=0, le=1, doc="Linear warmup share of all steps.")
     min_lr_ratio: float = cfg(0.0, ge=0, le=1, doc="Cosine floor as a share of lr.")

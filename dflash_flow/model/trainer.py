@@ -123,6 +123,7 @@ class DFlashObjective(nn.Module):
     def __init__(self, drafter: DFlashDrafter, head: Any, *, gamma: float, config: TrainerConfig) -> None:
         super().__init__()
         self.drafter = drafter
+        drafter.compiled = config.compile  # torch.compile outside the attention (DFlashDrafter.compiled)
         object.__setattr__(self, "_head", head)  # not a submodule: frozen, shared, never synced
         self.gamma = gamma
         self.num_anchors = config.num_anchors
