@@ -52,7 +52,7 @@ from torch import nn
 
 from dflash_flow.model.drafter import DFlashDrafter
 from dflash_flow.model.drafter_config import draft_value, make_drafter_config
-from dflash_flow.model.drafter_layers import DrafterLayer
+from dflash_flow.model.drafter_layers import DrafterLayer, SlotRows, _mlp
 from dflash_flow.model.strategies import (  # noqa: F401 - re-exported: the settings live with the strategies
     DFLASH2_DEFAULTS,
     DFLASH2_KEYS,
@@ -243,11 +243,27 @@ class DFlash2Layer(DrafterLayer):
         # blocks (NeMo AutoModel's rule: a multiple of block_size is that many blocks).
         return self.block_size if length % self.block_size == 0 else length
 
-    def _sublayers(self, x, attend, block: int):
-        h, dyn = self.attention_conv.prepare(self.input_layernorm(x), block)
+    def _sublayers(self, x, attend, block: int, prepared=None):
+        h, dyn = prepared or self.attention_conv.prepare(self.input_layernorm(x), block)
         x = x + self.attention_conv.finish(attend(h), dyn, block)
         h, dyn = self.mlp_conv.prepare(self.post_attention_layernorm(x), block)
-        return x + self.mlp_conv.finish(self.mlp(h), dyn, block)
+        # drafter_layers._mlp: Qwen3's MLP with the training path's fused SiLU gate (the same values).
+        return x + self.mlp_conv.finish(_mlp(self.mlp, h), dyn, block)
+
+    def _prepare_rows(self, rows: SlotRows, block: int):
+        """``attention_conv.prepare`` of the first layer's input given as ``rows`` (slots 1..B-1 hold the
+        mask token): ``(SlotRows, dynamic)``. The convolution reads slots t-K+1..t, so only slots 0..K-1
+        of a block differ and slots K..B-1 are one row; each is the convolution of a block of K rows
+        (slot t depends on slots <= t only), normed and projected once."""
+        taps = min(self.attention_conv.kernel_size, block)
+        b, n, hidden = rows.first.shape
+        rest = self.input_layernorm(rows.rest)
+        head = torch.cat([self.input_layernorm(rows.first)[:, :, None], rest.expand(b, n, taps - 1, hidden)], dim=2)
+        h_head, dyn_head = self.attention_conv.prepare(head.view(b, n * taps, hidden), taps)
+        h_rest, dyn_rest = self.attention_conv.prepare(rest.expand(1, taps, hidden), taps)
+        dyn_head = dyn_head.view(b, n, taps, *dyn_head.shape[2:])
+        dyn = torch.cat([dyn_head, dyn_rest[:, -1:, None].expand(b, n, block - taps, -1, -1)], dim=2)
+        return SlotRows(h_head.view(b, n, taps, hidden), h_rest[0, -1]), dyn.view(b, n * block, *dyn.shape[3:])
 
     def forward(self, x, context, cos, sin, attention_mask, past_key_values=None):
         def attend(h):
@@ -255,14 +271,18 @@ class DFlash2Layer(DrafterLayer):
 
         return self._sublayers(x, attend, self._block(x.shape[1]))
 
-    def forward_blocks(self, x, ctx_k, ctx_v, cos, sin, layout, rows=None):
-        if rows is not None or layout.drops_first_slot:
+    def forward_blocks(self, x, ctx_k, ctx_v, cos, sin, layout, rows: SlotRows | None = None):
+        """``rows``: ``x`` in factored form (``SlotRows``; the first layer), so the input norm, the first
+        convolution and the q/k/v projections run on K rows per block and one shared row."""
+        if layout.drops_first_slot:
             raise ValueError("DFlash 2 layers need every slot of every block (the convolution mixes neighbours)")
 
         def attend(h):
             return self.self_attn.forward_blocks(h, ctx_k, ctx_v, cos, sin, layout)
 
-        return self._sublayers(x, attend, layout.block_size)
+        block = layout.block_size
+        factored = rows is not None and self.attention_conv.kernel_size < block
+        return self._sublayers(x, attend, block, self._prepare_rows(rows, block) if factored else None)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -273,6 +293,10 @@ class DFlash2Layer(DrafterLayer):
 def _table(weight: Any) -> torch.Tensor:
     """A codebook's ``[V, r]`` table: ours is a parameter, z-lab's an ``nn.Embedding``."""
     return weight.weight if isinstance(weight, nn.Embedding) else weight
+
+
+def _lookup(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return table.index_select(0, ids.reshape(-1)).view(*ids.shape, table.shape[-1])
 
 
 class CandidateSelector(nn.Module):
@@ -302,8 +326,9 @@ class CandidateSelector(nn.Module):
     ) -> torch.Tensor:
         """``[..., k]`` scores of ``candidates`` (``[..., k]``, unary logits ``unary``) after
         ``predecessors`` (``[...]``), at slots with normed hidden states ``hidden`` (``[..., H]``)."""
-        gate = F.embedding(predecessors, self.predecessor_codebook) * self.hidden_projection(hidden)
-        return unary + torch.einsum("...r,...kr->...k", gate, F.embedding(candidates, self.successor_codebook))
+        # index_select: F.embedding's values and gradients (checked bit for bit), a cheaper backward on CPU.
+        gate = _lookup(self.predecessor_codebook, predecessors) * self.hidden_projection(hidden)
+        return unary + torch.einsum("...r,...kr->...k", gate, _lookup(self.successor_codebook, candidates))
 
 
 def select_path(
@@ -345,6 +370,27 @@ def select_path(
     return torch.stack(path, dim=1), candidates, torch.stack(probs, dim=1) if probs else None
 
 
+def top_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk(logits, k, dim=-1)`` of ``[M, V]`` logits: the same values, descending, at the same
+    indices (but for ties, which may come in another order), with the values' gradient.
+
+    In two small top-k's (CPU ``topk`` over a 768-token vocabulary costs twice these): the vocabulary is cut
+    into ``V / 8`` columns of 8 tokens ``j, j + V/8, ...``; the k columns with the largest maxima hold k
+    distinct tokens at least as large as the k-th of those maxima, and every other column is at most that,
+    so the top k are among those k columns' 8k tokens."""
+    rows, vocab = logits.shape
+    parts = 8
+    if vocab % parts or 2 * k * parts > vocab:
+        return torch.topk(logits, k, dim=-1)
+    with torch.no_grad():
+        flat = logits.detach()
+        width = vocab // parts
+        columns = flat.view(rows, parts, width).amax(dim=1).topk(k, dim=-1).indices
+        tokens = (columns[:, :, None] + torch.arange(0, vocab, width, device=flat.device)).view(rows, k * parts)
+        candidates = tokens.gather(-1, flat.gather(-1, tokens).topk(k, dim=-1).indices)
+    return logits.gather(-1, candidates), candidates
+
+
 def selector_terms(
     selector: CandidateSelector,
     hidden: torch.Tensor,
@@ -364,7 +410,7 @@ def selector_terms(
     masks (no gradient) of supervised slots where the teacher-forced selector picks the true token, and
     where the true token is a candidate.
     """
-    unary, candidates = torch.topk(logits, selector.top_k, dim=-1)
+    unary, candidates = top_candidates(logits, selector.top_k)
     scores = selector.pair_scores(hidden, unary, candidates, predecessors).float()
     match = candidates == labels[:, None]
     present = match.any(dim=-1)
@@ -449,4 +495,5 @@ __all__ = [
     "make_dflash2_config",
     "select_path",
     "selector_terms",
+    "top_candidates",
 ]

@@ -155,7 +155,9 @@ def drop_first_slot(x: torch.Tensor, block_size: int) -> torch.Tensor:
 class SlotRows(NamedTuple):
     """Block-token rows in factored form: ``first`` ``[b, N, H]`` for slot 0 of every block and one row
     ``rest`` ``[H]`` shared by slots 1..B-1. The first layer's input is this (slots 1..B-1 all hold the
-    mask token), so its norm and q/k/v projections run on N + 1 rows per sequence instead of N*B."""
+    mask token), so its norm and q/k/v projections run on N + 1 rows per sequence instead of N*B.
+    ``first`` may be ``[b, N, f, H]``, slots 0..f-1 (DFlash 2's first layer, whose convolution makes the
+    first ``kernel size`` slots distinct), then ``rest`` is shared by slots f..B-1."""
 
     first: torch.Tensor
     rest: torch.Tensor
@@ -263,14 +265,16 @@ class DrafterAttention(nn.Module):
         d = self.head_dim
         if not isinstance(h, SlotRows):
             return self._heads(drop_first_slot(h, bsz) if drop else h, proj, heads, norm)
-        b, n, _ = h.first.shape
+        b, n = h.first.shape[:2]
+        f = h.first.shape[2] if h.first.dim() == 4 else 1  # DFlash 2's first layer: f distinct slots
         rest = proj(h.rest).view(1, 1, 1, heads, d)
-        rest = (norm(rest) if norm is not None else rest).expand(b, n, bsz - 1, heads, d)
-        if drop:
+        rest = (norm(rest) if norm is not None else rest).expand(b, n, bsz - f, heads, d)
+        if drop and f == 1:
             y = rest
         else:
-            first = proj(h.first).view(b, n, 1, heads, d)
-            y = torch.cat([norm(first) if norm is not None else first, rest], dim=2)
+            first = proj(h.first).view(b, n, f, heads, d)
+            first = norm(first) if norm is not None else first
+            y = torch.cat([first[:, :, 1:] if drop else first, rest], dim=2)
         return y.reshape(b, -1, heads, d).transpose(1, 2)
 
     def block_qkv(self, h: torch.Tensor | SlotRows, cos: torch.Tensor, sin: torch.Tensor, bsz: int, drop: bool):

@@ -185,9 +185,9 @@ def _decode_span(drafter, plan, embed_tokens, context_kv, start, stop, spans, dt
     noise = embed(ids.reshape(b, -1))
     # Slots 1..B-1 all hold the mask token (plan_blocks): the first layer works on N + 1 rows per row.
     # Not under the variable-prefix objective: its slots 1..l-1 hold real tokens.
-    # Nor for a drafter whose slots interact outside attention (DFlash 2's in-block convolutions).
+    # (DFlash 2's first layer takes them too: its convolution makes slots 0..K-1 differ, DFlash2Layer.)
     rows = None
-    if plan.prefix_lengths is None and getattr(drafter, "independent_slots", True):
+    if plan.prefix_lengths is None:
         rows = SlotRows(embed(ids[:, :, 0]), embed(ids[:1, :1, 1]).reshape(-1))
     layouts = block_layouts(
         plan,
