@@ -255,7 +255,8 @@ def _chunk_terms(drafter, lm_head, embed_tokens, plan, start, stop, spans, *cont
         )
         return loss_sum, pred.view(b, n, bsz - 1)
     logits = drafter.compute_logits(h, lm_head).float()
-    terms = (weighted_cross_entropy(logits, labels, weights), logits.argmax(dim=-1).view(b, n, bsz - 1))
+    # max's indices: argmax's (the first maximum, checked with ties), in under half its CPU time.
+    terms = (weighted_cross_entropy(logits, labels, weights), logits.max(dim=-1).indices.view(b, n, bsz - 1))
     from dflash_flow.model.dflash2 import selector_terms
 
     sel_sum, sel_weight, hits, present = selector_terms(
