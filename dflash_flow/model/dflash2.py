@@ -138,7 +138,7 @@ class _BlockCausalConv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xs, dyn, w):
-        out = torch.addcmul(w[0] * xs, dyn[:, :, :, 0], xs)
+        out = (w[0] * xs).addcmul_(dyn[:, :, :, 0], xs)
         for o in range(1, min(w.shape[0], xs.shape[2])):
             prev = xs[:, :, :-o]
             out[:, :, o:].add_(w[o] * prev).addcmul_(dyn[:, :, o:, o], prev)
@@ -148,11 +148,13 @@ class _BlockCausalConv(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
+        # Written into few buffers (each fresh one costs its page faults): ``scratch`` holds one product
+        # at a time.
         xs, dyn, w = ctx.saved_tensors
         grad_dyn, grad_w = torch.empty_like(dyn, memory_format=torch.contiguous_format), torch.empty_like(w)
-        product = grad * xs
-        grad_dyn[:, :, :, 0] = product.sum(-1, keepdim=True)
-        grad_w[0] = product.sum((0, 1, 2))
+        scratch = grad * xs
+        grad_dyn[:, :, :, 0] = scratch.sum(-1, keepdim=True)
+        grad_w[0] = scratch.sum((0, 1, 2))
         grad_x = None
         for o in range(1, w.shape[0]):
             if o >= xs.shape[2]:  # the tap never reaches into the block
@@ -160,18 +162,19 @@ class _BlockCausalConv(torch.autograd.Function):
                 grad_w[o] = 0
                 continue
             prev, tail = xs[:, :, :-o], grad[:, :, o:]
-            product[:, :, :o] = 0  # the kernel's gradient sums over the padded slots, as autograd's does
-            torch.mul(tail, prev, out=product[:, :, o:])
-            grad_w[o] = product.sum((0, 1, 2))
+            scratch[:, :, :o] = 0  # the kernel's gradient sums over the padded slots, as autograd's does
+            torch.mul(tail, prev, out=scratch[:, :, o:])
+            grad_w[o] = scratch.sum((0, 1, 2))
             grad_dyn[:, :, :o, o] = 0
-            grad_dyn[:, :, o:, o] = product[:, :, o:].sum(-1, keepdim=True)
+            grad_dyn[:, :, o:, o] = scratch[:, :, o:].sum(-1, keepdim=True)
             shifted = torch.empty_like(xs)
             shifted[:, :, -o:] = 0
-            torch.add(tail * dyn[:, :, o:, o], tail * w[o], out=shifted[:, :, :-o])
-            grad_x = shifted if grad_x is None else grad_x + shifted
-        correction = grad * dyn[:, :, :, 0]
-        grad_x = correction if grad_x is None else grad_x + correction
-        return grad_x + grad * w[0], grad_dyn, grad_w
+            torch.mul(tail, dyn[:, :, o:, o], out=shifted[:, :, :-o]).add_(torch.mul(tail, w[o], out=scratch[:, :, o:]))
+            grad_x = shifted if grad_x is None else grad_x.add_(shifted)
+        if grad_x is None:
+            return torch.mul(grad, dyn[:, :, :, 0]).add_(torch.mul(grad, w[0], out=scratch)), grad_dyn, grad_w
+        grad_x.add_(torch.mul(grad, dyn[:, :, :, 0], out=scratch))
+        return grad_x.add_(torch.mul(grad, w[0], out=scratch)), grad_dyn, grad_w
 
 
 def block_causal_conv(
