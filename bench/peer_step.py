@@ -207,8 +207,9 @@ def draw_anchors(c: dict, seed: int):
     )
 
 
-def make_ours(c: dict, drafter_mod=None, objective_mod=None, **loss_kw):
-    """``step(anchors) -> loss`` (forward + backward) for our implementation (or a baseline's modules)."""
+def make_ours(c: dict, drafter_mod=None, objective_mod=None, *, compiled: bool = False, **loss_kw):
+    """``step(anchors) -> loss`` (forward + backward) for our implementation (or a baseline's modules);
+    ``compiled``: the ``compile`` recipe field (``DFlashDrafter.compiled``)."""
     if drafter_mod is None:
         from dflash_flow.model import drafter as drafter_mod
         from dflash_flow.model import objective as objective_mod
@@ -222,6 +223,8 @@ def make_ours(c: dict, drafter_mod=None, objective_mod=None, **loss_kw):
     model = drafter_mod.DFlashDrafter(c["config"])
     model.load_state_dict(c["state"])
     model.train()
+    if compiled:
+        model.compiled = True
 
     def step(anchors, backward=True):
         out = objective_mod.dflash_loss(
@@ -277,8 +280,8 @@ def make_specforge(c: dict, classes):
     return model, step
 
 
-def implementations(c: dict, *, sf_classes=None, baseline=None) -> dict[str, tuple]:
-    impls = {"ours": make_ours(c)}
+def implementations(c: dict, *, sf_classes=None, baseline=None, compiled=False) -> dict[str, tuple]:
+    impls = {"ours": make_ours(c, compiled=compiled)}
     if sf_classes is not None:
         impls["specforge"] = make_specforge(c, sf_classes)
     if baseline is not None:
@@ -293,6 +296,7 @@ def time_rounds(impls: dict, c: dict, rounds: int) -> dict[str, dict[str, float]
     names = list(impls)
     wall = {n: [] for n in names}
     cpu = {n: [] for n in names}
+    first = {}
     for r in range(rounds + 1):
         anchors = draw_anchors(c, seed=1000 + r)
         order = names[r % len(names) :] + names[: r % len(names)]
@@ -302,14 +306,17 @@ def time_rounds(impls: dict, c: dict, rounds: int) -> dict[str, dict[str, float]
             t0, c0 = time.perf_counter(), time.process_time()
             step(anchors)
             t1, c1 = time.perf_counter(), time.process_time()
-            if r:  # round 0 warms up every implementation
+            if r:  # round 0 warms up every implementation (and compiles, with --compile)
                 wall[name].append(1000 * (t1 - t0))
                 cpu[name].append(1000 * (c1 - c0))
+            else:
+                first[name] = round(t1 - t0, 2)
     return {
         n: dict(
             ms=round(statistics.median(wall[n]), 2),
             cpu_ms=round(statistics.median(cpu[n]), 2),
             min_ms=round(min(wall[n]), 2),
+            first_step_s=first[n],
         )
         for n in names
     }
@@ -327,15 +334,16 @@ def _status_kib(field: str) -> int:
     return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
 
 
-def memory_worker(case_name: str, impl: str, sf_path: str | None, baseline_dir: str | None, rev: str | None):
+def memory_worker(case_name: str, impl: str, sf_path: str | None, baseline_dir: str | None, rev: str | None,
+                  compiled: bool = False):
     """Peak RSS (MiB) over the pre-step RSS for two steps of one implementation (run in a subprocess)."""
     import torch
 
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(int(os.environ.get("DFLASH_PEER_THREADS", THREADS)))
     c = build_case(CASES[case_name])
     classes = import_specforge(sf_path)[0] if impl == "specforge" else None
     baseline = load_baseline(rev, Path(baseline_dir)) if impl == "before" else None
-    model, step = implementations(c, sf_classes=classes, baseline=baseline)[impl]
+    model, step = implementations(c, sf_classes=classes, baseline=baseline, compiled=compiled)[impl]
     anchors = draw_anchors(c, seed=7)
     step(anchors)  # warm-up: one-time allocations (thread pools, kernels' scratch) are not the step's
     model.zero_grad(set_to_none=True)
@@ -356,6 +364,8 @@ def measure_memory(case_name: str, impl: str, args, baseline_dir: str | None) ->
         cmd += ["--specforge", str(args.specforge)]
     if baseline_dir:
         cmd += ["--baseline", args.baseline, "--baseline-dir", baseline_dir]
+    if args.compile:
+        cmd += ["--compile"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     if proc.returncode != 0:
         return dict(error=proc.stderr[-1500:])
@@ -364,9 +374,9 @@ def measure_memory(case_name: str, impl: str, args, baseline_dir: str | None) ->
 
 def run_case(name: str, args, sf_classes, baseline, baseline_dir) -> dict:
     c = build_case(CASES[name])
-    impls = implementations(c, sf_classes=sf_classes, baseline=baseline)
+    impls = implementations(c, sf_classes=sf_classes, baseline=baseline, compiled=args.compile)
+    times = time_rounds(impls, c, args.rounds)  # first: round 0's time is the start-up (compiling) cost
     losses = losses_on_same_anchors(impls, c)
-    times = time_rounds(impls, c, args.rounds)
     result: dict[str, Any] = dict(
         case=name,
         batch=CASES[name]["batch"],
@@ -403,18 +413,21 @@ def main() -> int:
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {list(CASES)}")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     parser.add_argument("--no-specforge", action="store_true", help="do not compare against SpecForge (with --baseline)")
+    parser.add_argument("--threads", type=int, default=THREADS, help="intra-op threads (1: steadier on a busy box)")
+    parser.add_argument("--compile", action="store_true", help="ours with the compile recipe field on")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--memory-worker", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--baseline-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_worker:
         case_name, impl = args.memory_worker
-        print(json.dumps(memory_worker(case_name, impl, args.specforge, args.baseline_dir, args.baseline)))
+        print(json.dumps(memory_worker(case_name, impl, args.specforge, args.baseline_dir, args.baseline, args.compile)))
         return 0
 
     import torch
 
-    torch.set_num_threads(THREADS)
+    os.environ["DFLASH_PEER_THREADS"] = str(args.threads)  # the memory subprocesses use the same
+    torch.set_num_threads(args.threads)
     classes = None
     if not args.no_specforge:
         classes, reason = import_specforge(args.specforge, fetch=True)
@@ -434,10 +447,11 @@ def main() -> int:
         created_unix=int(time.time()),
         machine=dict(python=platform.python_version(), cpus=os.cpu_count(), platform=platform.platform()),
         torch=torch.__version__,
-        threads=THREADS,
+        threads=args.threads,
         draft=DRAFT,
         specforge=str(specforge_dir(args.specforge)) if classes else None,
         baseline=args.baseline,
+        compile=args.compile,
         rounds=args.rounds,
         note=(
             "ms / cpu_ms / min_ms: median wall, median process-CPU and fastest wall milliseconds per "
