@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results"
-DFLASH_YAML = ROOT / "pipelines" / "dflash.yaml"
+DFLASH_YAML = ROOT / "pipelines" / "dflash.yaml"  # the embedded default: a DFlash 2 drafter
+DFLASH1_YAML = ROOT / "pipelines" / "dflash1.yaml"  # its DFlash recipe: what the peer comparisons train
 # Pipelines create their output directory; keep it out of the working tree.
 SCRATCH = Path(tempfile.gettempdir()) / "dflash-flow-bench"
 
@@ -72,11 +73,11 @@ def embedded_overrides(output_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-def embedded_validated(output_dir: Path, *extra: str):
+def embedded_validated(output_dir: Path, *extra: str, pipeline: Path = DFLASH_YAML):
     import dflash_flow.app  # noqa: F401 - registers the application sections
     from dflash_flow.core import load_graph, validated
 
-    return validated(load_graph(DFLASH_YAML, embedded_overrides(output_dir, *extra)))
+    return validated(load_graph(pipeline, embedded_overrides(output_dir, *extra)))
 
 
 def sleep_graph(mix: dict[str, int], costs: dict[str, float], *, name: str = "sleep", count: int = 100_000,

@@ -5,7 +5,7 @@ Optional peer benchmark (SpecForge from its unpacked wheel, as ``bench/peer_step
 this prints how to get it and exits 0). One process, one thread of work, so both trainers see the same
 machine:
 
-* the embedded default (``pipelines/dflash.yaml``, overrides with ``--set``) is planned and fed by its own
+* the embedded DFlash recipe (``pipelines/dflash1.yaml``, overrides with ``--set``) is planned and fed by its own
   stage objects (source, bucketer, interleaver, padder, target forward), batch by batch;
 * every batch's target features go to **ours** (the ``DrafterStep`` stage object: ``DrafterTrainer`` with
   our defaults) and to **SpecForge's** ``OnlineDFlashModel`` (sdpa, its own anchor sampling from the global
@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         raise SystemExit(2)
     torch.set_num_threads(args.threads)
     out_dir = common.SCRATCH / "peer_train"
-    v = common.embedded_validated(out_dir, "stages.drafter.record_batches=false", *args.set)
+    v = common.embedded_validated(out_dir, "stages.drafter.record_batches=false", *args.set,
+                                 pipeline=common.DFLASH1_YAML)
     stages = stage_objects(v, out_dir, STAGES)
     torch.set_num_threads(args.threads)
     source, bucketer, interleaver, padder, target_stage, ours = (stages[n] for n in STAGES)

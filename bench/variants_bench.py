@@ -1,7 +1,7 @@
 """DFlash, DFlash 2 and the variable-prefix objective on the embedded setup: same data, batches, steps,
 schedule and seed; held-out acceptance at T = 0 and T = 1 and the drafter's step time.
 
-Each variant is one ``dflash-flow run pipelines/dflash.yaml`` (no tracking, evaluation included, the
+Each variant is one ``dflash-flow run pipelines/dflash1.yaml`` (the DFlash recipe; no tracking, evaluation included, the
 recipe as shipped unless ``--set`` changes it), one after another in this command. From each run's
 ``monitor/summary.json`` and ``monitor/history.json``: real speculative decoding of the trained drafter on
 the held-out prompts (greedy, lossless-checked, and sampled at T = 1), the teacher-forced walk at its
@@ -44,7 +44,7 @@ def step_seconds(history: dict[str, Any]) -> float | None:
 def run_variant(name: str, extra: list[str], sets: list[str]) -> dict[str, Any]:
     out = common.SCRATCH / "variants" / name
     overrides = [*common.embedded_overrides(out), *extra, *sets]
-    cmd = [sys.executable, "-m", "dflash_flow", "run", str(common.DFLASH_YAML)]
+    cmd = [sys.executable, "-m", "dflash_flow", "run", str(common.DFLASH1_YAML)]
     for o in overrides:
         cmd += ["--set", o]
     t0 = time.perf_counter()

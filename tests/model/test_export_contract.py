@@ -118,6 +118,12 @@ def test_serve_commands_carry_the_block_size_each_engine_wants(target, tmp_path)
     assert cmds["sglang"] == ("python -m sglang.launch_server --model-path /models/target --speculative-algorithm "
                               f"DFLASH --speculative-draft-model-path {out.resolve()} --speculative-num-draft-tokens 8")
     assert set(serve_commands(save_drafter(_dflash2(target), tmp_path / "d2"))) == {"vllm"}  # no SGLang DFlash 2
+    from dflash_flow.model.export_contract import format_serve_commands
+
+    assert "DFlash 2" not in format_serve_commands(cmds)
+    d2 = format_serve_commands(serve_commands(save_drafter(_dflash2(target), tmp_path / "d2b")))
+    # The engines that do not load it are named, with the recipe that trains one they do.
+    assert "vLLM's GPU runner serves it" in d2 and "pipelines/dflash1.yaml" in d2
 
 
 # ------------------------------------------------------------------------------ refusals (issue 23.3)

@@ -390,7 +390,7 @@ def _greedy(target, ids, new_tokens, stop):
 def test_pipeline_trains_and_exports_a_vp_drafter_zlab_decodes_losslessly(tmp_path):
     out = tmp_path / "out"
     cmd = [
-        sys.executable, "-m", "dflash_flow.cli", "run", str(REPO / "pipelines" / "dflash.yaml"),
+        sys.executable, "-m", "dflash_flow.cli", "run", str(REPO / "pipelines" / "dflash1.yaml"),
         "--set", f"output_dir={out}",
         "--set", "tracking.enabled=false",
         "--set", "stages.interleaver.max_batches=4",
