@@ -4,6 +4,7 @@ reports out; the data position it has reached; checkpoints through the run servi
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path, PurePath
 from typing import Any, ClassVar, Literal
@@ -15,7 +16,10 @@ from dflash_flow.core.fields import field_errors, include, values_of
 from dflash_flow.items import StepReport, TargetFeatures
 from dflash_flow.model.recipe import NOT_IN_YAML, DrafterShape, TrainerConfig
 from dflash_flow.model.strategies import OBJECTIVES, VARIANTS, objective_of, strategy_problems, variant_of
+from dflash_flow.model.threads import ThreadSwitchWatch
 from dflash_flow.services import CheckpointPayload, CheckpointSource, services_of
+
+log = logging.getLogger(__name__)
 
 
 def check_inside_output_dir(field: str, value: str) -> None:
@@ -152,6 +156,7 @@ class DrafterStep(Stage, CheckpointSource):
         from dflash_flow.model.trainer import DrafterTrainer, build_drafter
 
         self._threads = None
+        self._thread_watch = ThreadSwitchWatch()
         self._set_threads(epoch=0)
         if ctx.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(ctx.device))  # this thread's collectives run on its GPU
@@ -195,6 +200,8 @@ class DrafterStep(Stage, CheckpointSource):
             import torch
 
             torch.set_num_threads(want)
+            if self._threads is not None:
+                self._thread_watch.switched(self._threads, want)
             self._threads = want
 
     def _prepare_probe(self, spec: Any, tok_path: str | None, drafter: Any, dtype: Any):
@@ -271,7 +278,12 @@ class DrafterStep(Stage, CheckpointSource):
         self._trained += 1
         self._m_tokens.inc(meta.real_tokens)
         self._m_samples.inc(meta.num_samples)
-        self._m_step_s.observe(time.perf_counter() - t0)
+        step_s = time.perf_counter() - t0
+        self._m_step_s.observe(step_s)
+        if not meta.filler:
+            warning = self._thread_watch.observe(step_s)
+            if warning:
+                log.warning("%s: %s", self._ctx.name, warning)
         if self._batch_log is not None and not meta.filler:
             self._batch_log.write(meta)
         if metrics is None:

@@ -143,12 +143,13 @@ def test_a_cached_run_skips_the_target_after_the_first_epoch_and_trains_what_an_
 
 
 def test_the_drafters_threads_follow_the_epoch(monkeypatch):
+    from dflash_flow.model.threads import ThreadSwitchWatch
     from dflash_flow.stages.drafter_step import DrafterStep
 
     before = torch.get_num_threads()
     try:
         step = DrafterStep(target="tiny-qwen3-8l", torch_threads=1, torch_threads_after_first_epoch=2)
-        step._threads = None
+        step._threads, step._thread_watch = None, ThreadSwitchWatch()
         step._set_threads(0)
         assert torch.get_num_threads() == 1
         step._set_threads(1)
@@ -156,8 +157,27 @@ def test_the_drafters_threads_follow_the_epoch(monkeypatch):
         step._set_threads(3)
         assert torch.get_num_threads() == 2
         plain = DrafterStep(target="tiny-qwen3-8l", torch_threads=1)
-        plain._threads = None
+        plain._threads, plain._thread_watch = None, ThreadSwitchWatch()
         plain._set_threads(4)
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_thread_switch_that_made_steps_slower_is_reported_once_with_what_to_set():
+    from dflash_flow.model.threads import ThreadSwitchWatch
+
+    watch = ThreadSwitchWatch(window=4)
+    assert [watch.observe(0.10) for _ in range(6)] == [None] * 6
+    watch.switched(1, 2)
+    said = [watch.observe(0.30) for _ in range(4)]
+    assert said[:3] == [None] * 3 and "torch_threads_after_first_epoch: 1" in said[3] and "100 -> 300 ms" in said[3]
+    assert [watch.observe(0.30) for _ in range(8)] == [None] * 8  # once
+    faster = ThreadSwitchWatch(window=4)
+    for _ in range(4):
+        faster.observe(0.10)
+    faster.switched(1, 2)
+    assert [faster.observe(0.06) for _ in range(8)] == [None] * 8  # the switch paid: nothing to say
+    early = ThreadSwitchWatch(window=4)
+    early.switched(1, 2)  # no steps before the switch to compare with (a resumed run): nothing to say
+    assert [early.observe(0.30) for _ in range(8)] == [None] * 8
