@@ -252,7 +252,9 @@ def misplaced_knobs(conf: Any) -> list[tuple[str, str]]:
                 continue
             for f in knobs(cls):
                 if getattr(conf, f.name) != f.default:
-                    out.append((f.name, f"'{f.name}' only applies to {kind}: {name} ({kind} is {chosen})"))
+                    default = "null" if f.default is None else f.default
+                    out.append((f.name, f"'{f.name}' only applies to {kind}: {name} ({kind} is {chosen}): remove "
+                                f"it, or set it to {default}"))
     return out
 
 

@@ -371,6 +371,7 @@ def test_drafter_step_validates_the_dflash2_fields():
     assert obj.config_problems() == []
     _, problems = _problems({"conv_kernel_size": 2})
     assert any("'conv_kernel_size' only applies to variant: dflash2" in p for p in problems), problems
+    assert any("remove it, or set it to null" in p for p in problems), problems  # what to do next
     _, problems = _problems({"variant": "dflash3"})
     assert any("variant" in p for p in problems), problems
     _, problems = _problems({"variant": "dflash2", "selector_rank": 0})
