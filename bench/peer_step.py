@@ -9,12 +9,17 @@ anchors both implementations get in that round (so both do the same work on iden
     python bench/peer_step.py                       # fetches SpecForge first when it is not there (bench/peers.py)
     python bench/peer_step.py --baseline 2a747d7    # also our implementation at a git revision ("before")
     python bench/peer_step.py --no-specforge --baseline 2a747d7   # ours against a revision only
+    python bench/peer_step.py --threads 1           # one intra-op thread (steadier when the box is shared)
+    python bench/peer_step.py --compile             # ours with the ``compile`` recipe field on
+
+(``--baseline`` swaps in that revision's ``drafter`` and ``objective`` modules only; the layers, the block
+attention and ``fused`` are this tree's.)
 
 SpecForge's wheel is downloaded by the hash pinned in ``requirements/bench.txt`` and unpacked into the cache
 (or taken from ``$DFLASH_SPECFORGE_DIR`` / ``--specforge``); when that fails, the benchmark exits 2 naming
 the one command that would fetch it (never a silent skip).
 
-Workloads (fp32, 2 intra-op threads, sdpa, 2-layer drafter, block 8, 64 anchors, gamma 4):
+Workloads (fp32, 2 intra-op threads unless ``--threads``, sdpa, 2-layer drafter, block 8, 64 anchors, gamma 4):
 
 * ``peer``: tiny Qwen3 target shape (vocab 384, hidden 128, 2 heads, head_dim 64, intermediate 384),
   batch 4 x 512, loss mask on the second half of every row;
