@@ -6,9 +6,10 @@ recipe as shipped unless ``--set`` changes it), one after another in this comman
 ``monitor/summary.json`` and ``monitor/history.json``: real speculative decoding of the trained drafter on
 the held-out prompts (greedy, lossless-checked, and sampled at T = 1), the teacher-forced walk at its
 horizons, and seconds per optimizer step over the steady part of training (Monitor samples after the first
-10% of the steps). Writes ``bench/results/variants.json``.
+10% of the steps). ``default`` is ``pipelines/dflash.yaml`` as shipped (the DFlash 2 default: the README's
+"embedded default" row, its acceptance and whole-run wall). Writes ``bench/results/variants.json``.
 
-Usage: python bench/variants_bench.py [--variants dflash,dflash2,variable_prefix] [--set KEY=VALUE ...]
+Usage: python bench/variants_bench.py [--variants dflash,dflash2,variable_prefix,default] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ VARIANTS: dict[str, list[str]] = {
     "dflash2": ["stages.drafter.variant=dflash2"],
     "variable_prefix": ["stages.drafter.objective=variable_prefix"],
 }
+#: Variants of another pipeline than the DFlash recipe: the embedded default as shipped (DFlash 2, 4 epochs).
+PIPELINES = {"default": common.DFLASH_YAML}
+VARIANTS["default"] = []
 
 
 def step_seconds(history: dict[str, Any]) -> float | None:
@@ -44,7 +48,7 @@ def step_seconds(history: dict[str, Any]) -> float | None:
 def run_variant(name: str, extra: list[str], sets: list[str]) -> dict[str, Any]:
     out = common.SCRATCH / "variants" / name
     overrides = [*common.embedded_overrides(out), *extra, *sets]
-    cmd = [sys.executable, "-m", "dflash_flow", "run", str(common.DFLASH1_YAML)]
+    cmd = [sys.executable, "-m", "dflash_flow", "run", str(PIPELINES.get(name, common.DFLASH1_YAML))]
     for o in overrides:
         cmd += ["--set", o]
     t0 = time.perf_counter()
