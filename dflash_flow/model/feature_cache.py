@@ -34,6 +34,7 @@ class FeatureCache:
         self.hits = 0
         self.misses = 0
         self.full = False  # a sample did not fit: it (and any later one that does not fit) is recomputed
+        self.warned_full = False  # the stage said so (once for all its replicas)
         self._rows: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
 
@@ -76,9 +77,9 @@ def per_sample_features(
     cache: FeatureCache | None,
     *,
     device: Any = None,
-) -> tuple[torch.Tensor, int]:
+) -> tuple[torch.Tensor, list[int]]:
     """Features ``[b, S, F]`` of a right-padded batch, each row computed alone (``extract(ids [1, L],
-    mask [1, L])``) or read from ``cache``; padded positions zero. Returns the features and how many rows
+    mask [1, L])``) or read from ``cache``; padded positions zero. Returns the features and the rows that
     ran the target."""
     import torch
 
@@ -88,20 +89,20 @@ def per_sample_features(
     if len(sample_ids) != b:
         cache, sample_ids = None, [None] * b  # rows without ids: computed alone, not kept
     out: torch.Tensor | None = None
-    computed = 0
+    computed: list[int] = []
     for i, (length, sid) in enumerate(zip(lengths, sample_ids, strict=True)):
         length = int(length)
         row = cache.get(int(sid), length) if cache is not None else None
         if row is None:
             ids = input_ids[i : i + 1, :length]
             row = extract(ids, torch.ones_like(ids))[0]
-            computed += 1
+            computed.append(i)
             if cache is not None:
                 cache.put(int(sid), row)
         if out is None:
             out = torch.zeros((b, s, row.shape[-1]), dtype=row.dtype, device=device or row.device)
         out[i, :length] = row
     if cache is not None:
-        cache.count(b - computed, computed)
+        cache.count(b - len(computed), len(computed))
     assert out is not None, "a batch with no rows has no features"
     return out, computed

@@ -176,7 +176,6 @@ class TargetForward(Stage):
         self._m_cache_mb = ctx.metrics.gauge("cache_mb", "MiB", "Memory the feature cache holds")
         self._m_hits = ctx.metrics.counter("cache_hits", "samples", "Samples read from the feature cache")
         self._m_misses = ctx.metrics.counter("cache_misses", "samples", "Samples the target ran for (cache on)")
-        self._warned_full = False
 
     def _cached_forward(self, batch: PaddedBatch, input_ids):
         from dflash_flow.model.feature_cache import per_sample_features
@@ -184,18 +183,18 @@ class TargetForward(Stage):
         cache = self._cache
         hidden, computed = per_sample_features(self._extractor, input_ids, batch.meta.lengths,
                                                batch.meta.sample_ids, cache, device=self._out_device)
-        self._m_hits.inc(len(batch.meta.lengths) - computed)
-        self._m_misses.inc(computed)
+        self._m_hits.inc(len(batch.meta.lengths) - len(computed))
+        self._m_misses.inc(len(computed))
         self._m_cached.set(len(cache))
         self._m_cache_mb.set(cache.bytes / 2**20)
-        if cache.full and not self._warned_full:
-            self._warned_full = True
+        if cache.full and not cache.warned_full:
+            cache.warned_full = True
             import logging
 
             logging.getLogger(__name__).warning(
                 "%s: the feature cache is full (%.0f MiB, %d samples): the samples past it run the target every "
                 "epoch; raise cache_budget_mb if memory allows", self._ctx_name, cache.bytes / 2**20, len(cache))
-        return hidden
+        return hidden, sum(int(batch.meta.lengths[i]) for i in computed)
 
     def process(self, batch: PaddedBatch):
         import time
@@ -226,14 +225,15 @@ class TargetForward(Stage):
         # The extractor runs the model under inference_mode and returns an ordinary tensor, which the
         # drafter's autograd graph may use.
         if self.cache_features:
-            hidden = self._cached_forward(batch, input_ids)
+            hidden, forwarded = self._cached_forward(batch, input_ids)
         else:
             hidden = self._extractor(input_ids, attention_mask)  # on the output device already
+            forwarded = batch.meta.real_tokens
         for dev in {*self._devices, self._out_device}:
             if dev.type == "cuda":
                 torch.cuda.current_stream(dev).synchronize()
         self._seconds.observe(time.perf_counter() - t0)
-        self._tokens.inc(batch.meta.real_tokens)
+        self._tokens.inc(forwarded)  # a cached row ran no target
         self._batches.inc()
         move = self._out_device != self._device
         nb = self._out_device.type == "cuda" or non_blocking

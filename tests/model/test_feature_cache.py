@@ -37,7 +37,7 @@ def test_rows_are_each_samples_own_features_padding_zero_and_cached_rows_come_ba
     ids, mask = _batch(lengths, 20)
     cache = FeatureCache(budget_bytes=2**30)
     got, computed = per_sample_features(extractor, ids, lengths, [10, 11, 12], cache)
-    assert computed == 3 and len(cache) == 3 and cache.misses == 3 and cache.hits == 0
+    assert computed == [0, 1, 2] and len(cache) == 3 and cache.misses == 3 and cache.hits == 0
     batched = extractor(ids, mask)
     assert got.shape == batched.shape
     for i, n in enumerate(lengths):
@@ -50,7 +50,7 @@ def test_rows_are_each_samples_own_features_padding_zero_and_cached_rows_come_ba
     ids2 = torch.zeros(2, 24, dtype=torch.long)
     ids2[0, :7], ids2[1, :20] = ids[2, :7], ids[0, :20]
     again, computed = per_sample_features(extractor, ids2, [7, 20], [12, 10], cache)
-    assert computed == 0 and cache.hits == 2
+    assert computed == [] and cache.hits == 2
     assert torch.equal(again[0, :7], got[2, :7]) and torch.equal(again[1, :20], got[0, :20])
     assert not again[0, 7:].any()
 
@@ -61,9 +61,9 @@ def test_a_full_cache_recomputes_what_does_not_fit_with_the_same_values(extracto
     row_bytes = 16 * 2 * 64 * 4  # tokens x (2 layers x hidden 64) x fp32
     small = FeatureCache(budget_bytes=row_bytes)  # room for one sample
     first, computed = per_sample_features(extractor, ids, lengths, [0, 1], small)
-    assert computed == 2 and len(small) == 1 and small.full
+    assert computed == [0, 1] and len(small) == 1 and small.full
     second, computed = per_sample_features(extractor, ids, lengths, [0, 1], small)
-    assert computed == 1  # the one that did not fit runs again; nothing is evicted
+    assert computed == [1]  # the one that did not fit runs again; nothing is evicted
     assert torch.equal(first, second)
     unchanged, _ = per_sample_features(extractor, ids, lengths, [0, 1], None)
     assert torch.equal(first, unchanged)
@@ -136,6 +136,8 @@ def test_a_cached_run_skips_the_target_after_the_first_epoch_and_trains_what_an_
     # still in flight in the other replica at the end of the epoch before (it runs again, same values).
     assert counters["cache_hits"] >= 2 * 24 - 12
     assert stages["cached"]["gauges"]["cached_samples"] == 24
+    # Tokens forwarded count only the rows that ran the target.
+    assert stages["cached"]["counters"]["tokens"] < stages["recomputed"]["counters"]["tokens"]
     assert stages["recomputed"]["counters"].get("cache_hits", 0) == 0
     assert weights["cached"].keys() == weights["recomputed"].keys()
     for k, w in weights["cached"].items():
