@@ -129,5 +129,5 @@ class _BlockAttention(torch.autograd.Function):
         return join(dq), dk_ctx, dv_ctx, join(dk_own), join(dv_own), None, None
 
 
-def _block_attention(q, ctx_k, ctx_v, own_k, own_v, layout, scale):
+def block_attention(q, ctx_k, ctx_v, own_k, own_v, layout, scale):
     return _BlockAttention.apply(q, ctx_k, ctx_v, own_k, own_v, layout, scale)

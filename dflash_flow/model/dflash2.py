@@ -53,7 +53,7 @@ from torch import nn
 from dflash_flow.model.dflash2_conv import GroupedDynamicConv, block_causal_conv
 from dflash_flow.model.drafter import DFlashDrafter
 from dflash_flow.model.drafter_config import draft_value, make_drafter_config
-from dflash_flow.model.drafter_layers import DrafterLayer, SlotRows, _mlp
+from dflash_flow.model.drafter_layers import DrafterLayer, SlotRows, gated_mlp
 from dflash_flow.model.strategies import (  # noqa: F401 - re-exported: the settings live with the strategies
     DFLASH2_DEFAULTS,
     DFLASH2_KEYS,
@@ -140,8 +140,8 @@ class DFlash2Layer(DrafterLayer):
         h, dyn = prepared or self.attention_conv.prepare(self.input_layernorm(x), block)
         x = x + self.attention_conv.finish(attend(h), dyn, block)
         h, dyn = self.mlp_conv.prepare(self.post_attention_layernorm(x), block)
-        # drafter_layers._mlp: Qwen3's MLP with the training path's fused SiLU gate (the same values).
-        return x + self.mlp_conv.finish(_mlp(self.mlp, h), dyn, block)
+        # drafter_layers.gated_mlp: Qwen3's MLP with the training path's fused SiLU gate (the same values).
+        return x + self.mlp_conv.finish(gated_mlp(self.mlp, h), dyn, block)
 
     def _prepare_rows(self, rows: SlotRows, block: int):
         """``attention_conv.prepare`` of the first layer's input given as ``rows`` (slots 1..B-1 hold the

@@ -16,7 +16,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from dflash_flow.model import fused
-from dflash_flow.model.block_attention import _block_attention
+from dflash_flow.model.block_attention import block_attention
 from dflash_flow.model.drafter_config import FULL_ATTENTION, SLIDING_ATTENTION
 
 __all__ = [
@@ -289,7 +289,7 @@ class DrafterAttention(nn.Module):
     def attend_blocks(self, q, ctx_k, ctx_v, k, v, layout: BlockLayout) -> torch.Tensor:
         """``[b, heads, Q, d]``: block queries over their group's own blocks and context slice."""
         if q.device.type == "cpu" and not (self.training and self.attention_dropout > 0):
-            return _block_attention(q, ctx_k, ctx_v, k, v, layout, self.scaling)
+            return block_attention(q, ctx_k, ctx_v, k, v, layout, self.scaling)
         return self.grouped_attention(q, ctx_k, ctx_v, k, v, layout)
 
     def project_out(self, out: torch.Tensor) -> torch.Tensor:
@@ -365,10 +365,10 @@ def _layer_out(layer: DrafterLayer, x, out, bsz: int, drop: bool):
     if drop:
         x = drop_first_slot(x, bsz)
     x = x + attn
-    return x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
+    return x + gated_mlp(layer.mlp, layer.post_attention_layernorm(x))
 
 
-def _mlp(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
+def gated_mlp(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
     """Qwen3's MLP, its SiLU gate through ``fused.silu_mul`` (the same values, a smaller backward)."""
     if getattr(getattr(mlp, "config", None), "hidden_act", None) in ("silu", "swish"):
         return mlp.down_proj(fused.silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
