@@ -1,6 +1,14 @@
-"""The training layout's attention on CPU: block queries over their group's own blocks and context slice,
-one flash-kernel call per group on a view of one key buffer (``_BlockAttention``); ``BlockLayout``
-(``drafter_layers``) says which queries form a group and which keys they see."""
+"""The training layout's attention on CPU. ``_SplitAttention`` (the training path when the layout carries
+context masks, as ``block_layouts`` makes them): each group's queries over its context slice, one flash
+kernel call per group on a view of the context keys, and every block over its own keys in one more call,
+joined by log-sum-exp. ``_BlockAttention`` (kept as its reference): one call per group over the group's own
+blocks and context slice in one key buffer. ``BlockLayout`` (``drafter_layers``) says which queries form a
+group and which keys they see.
+
+Measured (torch 2.13, fp32, one thread, ``bench/peer_step.py`` shapes, both in one process): the
+log-sum-exp form is 4-5% faster on the whole peer step (4 x 512, head_dim 64: each group's keys stay
+within the kernel's 512-key tile, no other block's own keys are scored) and even on the embedded shapes.
+"""
 
 from __future__ import annotations
 
@@ -131,3 +139,124 @@ class _BlockAttention(torch.autograd.Function):
 
 def block_attention(q, ctx_k, ctx_v, own_k, own_v, layout, scale):
     return _BlockAttention.apply(q, ctx_k, ctx_v, own_k, own_v, layout, scale)
+
+
+def _per_block(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``[b, heads, n*m, d]`` -> ``[b*n, heads, m, d]``: each block a batch entry (a view when ``t``'s
+    memory is ``[b, n*m, heads, d]``, as the projections and the kernel leave it)."""
+    b, heads, t_len, d = t.shape
+    return t.transpose(1, 2).reshape(b * n, t_len // n, heads, d).transpose(1, 2)
+
+
+def _per_row(t: torch.Tensor, b: int) -> torch.Tensor:
+    """``_per_block``'s inverse: ``[b*n, heads, m, d]`` -> ``[b, heads, n*m, d]``."""
+    bn, heads, m, d = t.shape
+    return t.transpose(1, 2).reshape(b, bn // b * m, heads, d).transpose(1, 2)
+
+
+def _lse_per_block(lse: torch.Tensor, n: int) -> torch.Tensor:
+    """``[b, h, n*m]`` -> ``[b*n, h, m]`` (contiguous, as the kernel's backward reads it)."""
+    b, h, t_len = lse.shape
+    return lse.view(b, h, n, t_len // n).transpose(1, 2).reshape(b * n, h, t_len // n)
+
+
+class _SplitAttention(torch.autograd.Function):
+    """The same attention as ``_BlockAttention``, computed in two parts joined by log-sum-exp: each group's
+    queries over its context slice (one CPU flash kernel call per group, on a view of the context keys:
+    no own keys in the call, so no other block's own keys are scored and masked, and a group's keys
+    stay within one of the kernel's 512-key tiles up to 512 positions), and every block's queries over
+    its own block's keys (one kernel call for all blocks, each block a batch entry). The two normalised
+    outputs are mixed by their log-sum-exps; the backward hands both kernels the final output and
+    log-sum-exp, which gives each part its exact share of the gradient. Queries that see no context
+    (padding blocks, anchor 0, sliding slots past the window: ``layout.has_context``) get the own part
+    alone. Shapes as ``_BlockAttention``: q [b, h, Q, d]; ctx_k, ctx_v [b, kv, S, d]; own_k, own_v
+    [b, kv, N*B, d].
+    """
+
+    @staticmethod
+    def forward(ctx, q, ctx_k, ctx_v, own_k, own_v, layout, scale):
+        b, h, nq, d = q.shape
+        n = nq // layout.queries_per_block
+        outs, lses = [], []
+        for g, (q0, q1, lo, hi) in enumerate(layout.groups):
+            if hi > lo:
+                o, lse = _flash_cpu(
+                    q.narrow(2, q0, q1 - q0),
+                    ctx_k.narrow(2, lo, hi - lo),
+                    ctx_v.narrow(2, lo, hi - lo),
+                    0.0,
+                    False,
+                    attn_mask=layout.context_masks[g],
+                    scale=scale,
+                )
+            else:  # no query of the group sees any context
+                o = q.new_zeros(b, q1 - q0, h, d).transpose(1, 2)
+                lse = q.new_full((b, h, q1 - q0), float("-inf"))
+            outs.append(o)
+            lses.append(lse)
+        # [b, Q, h, d] memory order (the kernel's), so o_proj reads the result without a copy.
+        out = torch.cat([o.transpose(1, 2) for o in outs], dim=1).transpose(1, 2)
+        lse_ctx = torch.cat(lses, dim=2) if len(lses) > 1 else lses[0]
+        if layout.has_context is not None:  # the kernel gives fully masked rows lse 0 (and output 0)
+            lse_ctx = lse_ctx.masked_fill(~layout.has_context, float("-inf"))
+        own_out, own_lse = _flash_cpu(
+            _per_block(q, n), _per_block(own_k, n), _per_block(own_v, n), 0.0, False,
+            attn_mask=layout.own_mask, scale=scale,
+        )
+        own_lse = own_lse.view(b, n, h, -1).transpose(1, 2).reshape(b, h, nq)
+        lse = torch.logaddexp(lse_ctx, own_lse)
+        out.mul_(lse_ctx.sub_(lse).exp_()[..., None])
+        out.addcmul_(_per_row(own_out, b), own_lse.sub_(lse).exp_()[..., None])
+        ctx.save_for_backward(q, ctx_k, ctx_v, own_k, own_v, out, lse)
+        ctx.layout, ctx.scale = layout, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, ctx_k, ctx_v, own_k, own_v, out, lse = ctx.saved_tensors
+        layout, scale = ctx.layout, ctx.scale
+        b, h, nq, d = q.shape
+        n = nq // layout.queries_per_block
+        dq_parts = []
+        dk_ctx = torch.zeros_like(ctx_k)
+        dv_ctx = torch.zeros_like(ctx_v)
+        for g, (q0, q1, lo, hi) in enumerate(layout.groups):
+            m = q1 - q0
+            if hi <= lo:
+                dq_parts.append(q.new_zeros(b, m, h, d))
+                continue
+            gq, gk, gv = _flash_cpu_backward(
+                grad_out.narrow(2, q0, m),
+                q.narrow(2, q0, m),
+                ctx_k.narrow(2, lo, hi - lo),
+                ctx_v.narrow(2, lo, hi - lo),
+                out.narrow(2, q0, m),
+                lse.narrow(2, q0, m),
+                0.0,
+                False,
+                attn_mask=layout.context_masks[g],
+                scale=scale,
+            )
+            dq_parts.append(gq.transpose(1, 2))
+            dk_ctx.narrow(2, lo, hi - lo).add_(gk)
+            dv_ctx.narrow(2, lo, hi - lo).add_(gv)
+        dq = torch.cat(dq_parts, dim=1).transpose(1, 2) if len(dq_parts) > 1 else dq_parts[0].transpose(1, 2)
+        gq, gk, gv = _flash_cpu_backward(
+            _per_block(grad_out, n),
+            _per_block(q, n),
+            _per_block(own_k, n),
+            _per_block(own_v, n),
+            _per_block(out, n),
+            _lse_per_block(lse, n),
+            0.0,
+            False,
+            attn_mask=layout.own_mask,
+            scale=scale,
+        )
+        dq.add_(_per_row(gq, b))
+        return dq, dk_ctx, dv_ctx, _per_row(gk, b), _per_row(gv, b), None, None
+
+
+def split_block_attention(q, ctx_k, ctx_v, own_k, own_v, layout, scale):
+    """``block_attention``'s values through ``_SplitAttention`` (needs ``layout.context_masks``)."""
+    return _SplitAttention.apply(q, ctx_k, ctx_v, own_k, own_v, layout, scale)

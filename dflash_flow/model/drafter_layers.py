@@ -16,7 +16,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from dflash_flow.model import fused
-from dflash_flow.model.block_attention import block_attention
+from dflash_flow.model.block_attention import block_attention, split_block_attention
 from dflash_flow.model.drafter_config import FULL_ATTENTION, SLIDING_ATTENTION
 
 __all__ = [
@@ -135,6 +135,12 @@ class BlockLayout(NamedTuple):
     scratch: int
     mask: torch.Tensor
     group_masks: list[torch.Tensor]
+    # For the split attention (``block_attention``): each group's view of ``mask`` over its context slice
+    # alone ``[b, 1, q1 - q0, hi - lo]``, the own-block pattern ``[1, 1, queries_per_block, B]`` (additive; None:
+    # every slot sees its whole block) and which queries see any context at all (bool ``[b, 1, Q]``).
+    context_masks: list[torch.Tensor] | None = None
+    own_mask: torch.Tensor | None = None
+    has_context: torch.Tensor | None = None
 
     @property
     def drops_first_slot(self) -> bool:
@@ -289,6 +295,8 @@ class DrafterAttention(nn.Module):
     def attend_blocks(self, q, ctx_k, ctx_v, k, v, layout: BlockLayout) -> torch.Tensor:
         """``[b, heads, Q, d]``: block queries over their group's own blocks and context slice."""
         if q.device.type == "cpu" and not (self.training and self.attention_dropout > 0):
+            if layout.context_masks is not None:
+                return split_block_attention(q, ctx_k, ctx_v, k, v, layout, self.scaling)
             return block_attention(q, ctx_k, ctx_v, k, v, layout, self.scaling)
         return self.grouped_attention(q, ctx_k, ctx_v, k, v, layout)
 

@@ -217,10 +217,12 @@ def block_layouts(
         mask[:, 0, :, scratch:].view(b, n, per_block, seq).copy_(torch.where(vis, zero, float("-inf")))
         within = _within_block(bsz, layer_type, sliding_window, vis.device)[first:]
         own_patterns: dict[int, torch.Tensor] = {}
-        groups, views = [], []
+        groups, views, context_views = [], [], []
         for n0, n1, lo, hi in spans[layer_type]:
             q0, q1 = (n0 - start) * per_block, (n1 - start) * per_block
             m = n1 - n0
+            # The group's context columns, read before its own-block pattern is written left of them.
+            context_views.append(mask.narrow(2, q0, q1 - q0).narrow(3, scratch + lo, hi - lo))
             if m not in own_patterns:  # block-diagonal: each block sees only itself
                 own = torch.block_diag(*[within.to(dtype)] * m) > 0
                 own_patterns[m] = torch.where(own, zero, float("-inf"))
@@ -228,7 +230,11 @@ def block_layouts(
             mask[:, 0, q0:q1, first_key : scratch + lo] = own_patterns[m]
             groups.append((q0, q1, lo, hi))
             views.append(mask.narrow(2, q0, q1 - q0).narrow(3, first_key, m * bsz + hi - lo))
-        made[(layer_type, drop)] = BlockLayout(bsz, per_block, groups, scratch, mask, views)
+        own_mask = torch.where(within, zero, float("-inf"))[None, None] if layer_type == SLIDING_ATTENTION else None
+        has_context = vis.any(dim=-1).expand(b, n, per_block).reshape(b, 1, n * per_block)
+        made[(layer_type, drop)] = BlockLayout(
+            bsz, per_block, groups, scratch, mask, views, context_views, own_mask, has_context
+        )
     return [made[(t, last_drops_first_slot and i == last)] for i, t in enumerate(layer_types)]
 
 

@@ -1,5 +1,6 @@
-"""The training layout's attention: the split (context + own block) kernel and the grouped fallback,
-against plain sdpa over the dense mask, values and gradients, in float64."""
+"""The training layout's attention: the split (context + own block) kernel, its log-sum-exp form (context
+and own blocks in separate kernel calls) and the grouped fallback, against plain sdpa over the dense mask,
+values and gradients, in float64."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 from model_testlib import MASK_ID, build_drafter, build_target
 
-from dflash_flow.model.block_attention import _BlockAttention
+from dflash_flow.model.block_attention import _BlockAttention, _SplitAttention
 from dflash_flow.model.objective import (
     ColumnBounds,
     block_attention_mask,
@@ -78,6 +79,7 @@ def test_split_kernel_and_grouped_fallback_equal_dense_attention(layer_type, win
     attn = build_drafter(build_target(), num_layers=1).layers[0].self_attn.double()
     for name, fn in (
         ("split", lambda *x: _BlockAttention.apply(*x, layout, x[0].shape[-1] ** -0.5)),
+        ("log-sum-exp", lambda *x: _SplitAttention.apply(*x, layout, x[0].shape[-1] ** -0.5)),
         ("grouped", lambda *x: attn.grouped_attention(*x, layout)),
     ):
         got = fn(*inputs)
@@ -98,3 +100,19 @@ def test_groups_cover_only_visible_context():
             assert lo <= int(seen.min()) and int(seen.max()) < hi
     assert sum(hi - lo for *_q, lo, hi in layout.groups) < len(layout.groups) * s
     assert layout.mask.shape[1] == 1  # one mask for all heads
+
+
+def test_cpu_training_path_takes_the_log_sum_exp_attention(monkeypatch):
+    # The layouts carry the context-only masks, so DrafterAttention.attend_blocks (the training path that
+    # test_objective's fast-path tests compare with the dense reference) runs _SplitAttention on CPU.
+    from dflash_flow.model import block_attention
+
+    layout, inputs, dense = setup_case("full_attention", None, 3)
+    assert layout.context_masks is not None and len(layout.context_masks) == len(layout.groups)
+    calls = []
+    real = block_attention._SplitAttention.apply
+    monkeypatch.setattr(block_attention._SplitAttention, "apply", lambda *a: calls.append(1) or real(*a))
+    attn = build_drafter(build_target(), num_layers=1).layers[0].self_attn.double()
+    got = attn.attend_blocks(*inputs, layout)
+    assert calls
+    torch.testing.assert_close(got, dense_attention(*inputs, dense), atol=1e-12, rtol=1e-10)
