@@ -265,7 +265,14 @@ def select_path(
 
 def top_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.topk(logits, k, dim=-1)`` of ``[M, V]`` logits: the same values, descending, at the same
-    indices (but for ties, which may come in another order), with the values' gradient.
+    indices (but for ties, which may come in another order), with the values' gradient
+    (``logits.gather`` at ``top_candidate_indices``)."""
+    candidates = top_candidate_indices(logits, k)
+    return logits.gather(-1, candidates), candidates
+
+
+def top_candidate_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of ``top_candidates`` (no gradient).
 
     In two small top-k's (CPU ``topk`` over a 768-token vocabulary costs twice these): the vocabulary is cut
     into ``V / 8`` columns of 8 tokens ``j, j + V/8, ...``; the k columns with the largest maxima hold k
@@ -273,15 +280,14 @@ def top_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     so the top k are among those k columns' 8k tokens."""
     rows, vocab = logits.shape
     parts = 8
-    if vocab % parts or 2 * k * parts > vocab:
-        return torch.topk(logits, k, dim=-1)
     with torch.no_grad():
         flat = logits.detach()
+        if vocab % parts or 2 * k * parts > vocab:
+            return torch.topk(flat, k, dim=-1).indices
         width = vocab // parts
         columns = flat.view(rows, parts, width).amax(dim=1).topk(k, dim=-1).indices
         tokens = (columns[:, :, None] + torch.arange(0, vocab, width, device=flat.device)).view(rows, k * parts)
-        candidates = tokens.gather(-1, flat.gather(-1, tokens).topk(k, dim=-1).indices)
-    return logits.gather(-1, candidates), candidates
+        return tokens.gather(-1, flat.gather(-1, tokens).topk(k, dim=-1).indices)
 
 
 def selector_terms(
@@ -292,6 +298,7 @@ def selector_terms(
     predecessors: torch.Tensor,
     weights: torch.Tensor,
     supervised: torch.Tensor,
+    candidates: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The selector's training terms over ``M`` draft slots (see the module docstring).
 
@@ -301,9 +308,11 @@ def selector_terms(
     in_candidates)``: the weighted candidate cross-entropy summed over the slots whose true token is a
     candidate, those slots' weight sum (the selector loss is ``loss_sum / weight_sum``), and ``[M]`` bool
     masks (no gradient) of supervised slots where the teacher-forced selector picks the true token, and
-    where the true token is a candidate.
+    where the true token is a candidate. ``candidates``: ``(unary, indices)`` already taken from ``logits``
+    (``top_candidates``' values and indices; the training loss gathers them in its cross-entropy,
+    ``fused.weighted_cross_entropy``), else taken here.
     """
-    unary, candidates = top_candidates(logits, selector.top_k)
+    unary, candidates = candidates if candidates is not None else top_candidates(logits, selector.top_k)
     scores = selector.pair_scores(hidden, unary, candidates, predecessors).float()
     match = candidates == labels[:, None]
     present = match.any(dim=-1)
@@ -388,5 +397,6 @@ __all__ = [
     "make_dflash2_config",
     "select_path",
     "selector_terms",
+    "top_candidate_indices",
     "top_candidates",
 ]

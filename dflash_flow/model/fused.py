@@ -102,23 +102,32 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 class _WeightedCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels, weights):
+    def forward(ctx, logits, labels, weights, gather):
         lse = torch.logsumexp(logits, dim=-1)
         picked = logits.gather(-1, labels[:, None]).squeeze(-1)
-        ctx.save_for_backward(logits, labels, weights, lse)
-        return ((lse - picked) * weights).sum()
+        ctx.save_for_backward(logits, labels, weights, lse, gather)
+        loss = ((lse - picked) * weights).sum()
+        if gather is None:
+            return loss
+        return loss, logits.gather(-1, gather)
 
     @staticmethod
-    def backward(ctx, grad):
-        logits, labels, weights, lse = ctx.saved_tensors
+    def backward(ctx, grad, grad_gathered=None):
+        logits, labels, weights, lse, gather = ctx.saved_tensors
         scale = weights * grad
         # d/dlogits of w * (lse - logit[label]) = w * (softmax - onehot)
         d = logits.sub(lse[:, None]).exp_().mul_(scale[:, None])
         d.scatter_add_(-1, labels[:, None], -scale[:, None])
-        return d, None, None
+        if grad_gathered is not None:  # the gathered logits' gradient, into the same tensor
+            d.scatter_add_(-1, gather, grad_gathered)
+        return d, None, None, None
 
 
-def weighted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def weighted_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, gather: torch.Tensor | None = None
+):
     """``(F.cross_entropy(logits, labels, reduction="none") * weights).sum()`` for fp32 ``logits`` ``[n, V]``:
-    no log-softmax kept, the gradient written into one tensor."""
-    return _WeightedCE.apply(logits, labels, weights)
+    no log-softmax kept, the gradient written into one tensor. ``gather`` (indices ``[n, k]``): also
+    ``logits.gather(-1, gather)`` (DFlash 2's candidates' unary logits), returned as ``(loss, gathered)``,
+    whose gradient lands in the same tensor (autograd would zero-fill a ``[n, V]`` one and add it)."""
+    return _WeightedCE.apply(logits, labels, weights, gather)

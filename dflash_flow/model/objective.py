@@ -254,10 +254,13 @@ def _chunk_terms(drafter, lm_head, embed_tokens, plan, start, stop, spans, *cont
             drafter, lm_head, h, labels, weights
         )
         return loss_sum, pred.view(b, n, bsz - 1)
+    from dflash_flow.model.dflash2 import selector_terms, top_candidate_indices
+
     logits = drafter.compute_logits(h, lm_head).float()
+    candidates = top_candidate_indices(logits, selector.top_k)
+    ce_sum, unary = weighted_cross_entropy(logits, labels, weights, gather=candidates)
     # max's indices: argmax's (the first maximum, checked with ties), in under half its CPU time.
-    terms = (weighted_cross_entropy(logits, labels, weights), logits.max(dim=-1).indices.view(b, n, bsz - 1))
-    from dflash_flow.model.dflash2 import selector_terms
+    terms = (ce_sum, logits.max(dim=-1).indices.view(b, n, bsz - 1))
 
     sel_sum, sel_weight, hits, present = selector_terms(
         selector,
@@ -267,6 +270,7 @@ def _chunk_terms(drafter, lm_head, embed_tokens, plan, start, stop, spans, *cont
         plan.labels[:, start:stop, :-1].reshape(-1),  # the true previous token of each slot
         weights,
         plan.supervised[:, start:stop, 1:].reshape(-1),
+        candidates=(unary, candidates),
     )
     return (*terms, sel_sum, sel_weight, hits.view(b, n, bsz - 1), present.view(b, n, bsz - 1))
 

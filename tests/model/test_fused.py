@@ -69,6 +69,27 @@ def test_weighted_cross_entropy_equals_f_cross_entropy():
     _same(ours, ref, atol=1e-5)
 
 
+def test_weighted_cross_entropy_with_gather_equals_autograd_of_both():
+    # DFlash 2's head: the loss and the candidates' logits from one Function, one gradient tensor.
+    g = torch.Generator().manual_seed(4)
+    logits = (3 * torch.randn(40, 96, generator=g)).requires_grad_()
+    labels = torch.randint(0, 96, (40,), generator=g)
+    weights = torch.rand(40, generator=g) * (torch.rand(40, generator=g) > 0.3)
+    index = torch.argsort(torch.rand(40, 96, generator=g), dim=-1)[:, :6]
+    mix = torch.randn(40, 6, generator=g)
+
+    def ours(a):
+        loss, gathered = fused.weighted_cross_entropy(a, labels, weights, gather=index)
+        return loss + (gathered * mix).sum()
+
+    def ref(a):
+        return (F.cross_entropy(a, labels, reduction="none") * weights).sum() + (a.gather(-1, index) * mix).sum()
+
+    _same(_grads(ours, logits), _grads(ref, logits), atol=1e-5)
+    loss, gathered = fused.weighted_cross_entropy(logits, labels, weights, gather=index)
+    assert torch.equal(gathered, logits.gather(-1, index))
+
+
 def test_rope_table_lookup_is_bit_equal_to_forward_and_grows():
     config = Qwen3Config(hidden_size=64, num_attention_heads=2, head_dim=32, max_position_embeddings=8192)
     rope = RotaryEmbedding(config)
