@@ -186,7 +186,7 @@ class _SplitAttention(torch.autograd.Function):
                     ctx_v.narrow(2, lo, hi - lo),
                     0.0,
                     False,
-                    attn_mask=layout.context_masks[g],
+                    attn_mask=layout.context_mask(g),
                     scale=scale,
                 )
             else:  # no query of the group sees any context
@@ -234,7 +234,7 @@ class _SplitAttention(torch.autograd.Function):
                 lse.narrow(2, q0, m),
                 0.0,
                 False,
-                attn_mask=layout.context_masks[g],
+                attn_mask=layout.context_mask(g),
                 scale=scale,
             )
             dq_parts.append(gq.transpose(1, 2))
@@ -258,5 +258,5 @@ class _SplitAttention(torch.autograd.Function):
 
 
 def split_block_attention(q, ctx_k, ctx_v, own_k, own_v, layout, scale):
-    """``block_attention``'s values through ``_SplitAttention`` (needs ``layout.context_masks``)."""
+    """``block_attention``'s values through ``_SplitAttention`` (needs ``layout.has_context``)."""
     return _SplitAttention.apply(q, ctx_k, ctx_v, own_k, own_v, layout, scale)

@@ -133,14 +133,28 @@ class BlockLayout(NamedTuple):
     queries_per_block: int
     groups: list[tuple[int, int, int, int]]
     scratch: int
-    mask: torch.Tensor
-    group_masks: list[torch.Tensor]
-    # For the split attention (``block_attention``): each group's view of ``mask`` over its context slice
-    # alone ``[b, 1, q1 - q0, hi - lo]``, the own-block pattern ``[1, 1, queries_per_block, B]`` (additive; None:
-    # every slot sees its whole block) and which queries see any context at all (bool ``[b, 1, Q]``).
-    context_masks: list[torch.Tensor] | None = None
+    mask: torch.Tensor | None
+    group_masks: list[torch.Tensor] | None
+    # For the split attention (``block_attention``): each group's additive context mask (``context_mask``),
+    # made from ``visible`` (bool ``[b, N, 1 or queries_per_block, S]``: which context positions each block's
+    # queries see) when the layout was made without ``mask`` (``block_layouts(split=True)``: the training
+    # path on CPU), else a view of ``mask``; the own-block pattern ``[1, 1, queries_per_block, B]``
+    # (additive; None: every slot sees its whole block) and which queries see any context (bool ``[b, 1, Q]``).
+    visible: torch.Tensor | None = None
     own_mask: torch.Tensor | None = None
     has_context: torch.Tensor | None = None
+
+    def context_mask(self, g: int) -> torch.Tensor:
+        """Group ``g``'s additive mask over its context slice alone, ``[b, 1, q1 - q0, hi - lo]``."""
+        q0, q1, lo, hi = self.groups[g]
+        if self.visible is None:
+            return self.mask.narrow(2, q0, q1 - q0).narrow(3, self.scratch + lo, hi - lo)
+        b, per = self.visible.shape[0], self.queries_per_block
+        seen = self.visible[:, q0 // per : q1 // per, :, lo:hi].expand(b, (q1 - q0) // per, per, hi - lo)
+        zero = torch.zeros((), dtype=self.dtype, device=seen.device)
+        return torch.where(seen, zero, float("-inf")).view(b, 1, q1 - q0, hi - lo)
+
+    dtype: torch.dtype = torch.float32  # of the masks
 
     @property
     def drops_first_slot(self) -> bool:
@@ -294,11 +308,18 @@ class DrafterAttention(nn.Module):
 
     def attend_blocks(self, q, ctx_k, ctx_v, k, v, layout: BlockLayout) -> torch.Tensor:
         """``[b, heads, Q, d]``: block queries over their group's own blocks and context slice."""
-        if q.device.type == "cpu" and not (self.training and self.attention_dropout > 0):
-            if layout.context_masks is not None:
+        if self.splits_on(q.device):
+            if layout.has_context is not None:
                 return split_block_attention(q, ctx_k, ctx_v, k, v, layout, self.scaling)
             return block_attention(q, ctx_k, ctx_v, k, v, layout, self.scaling)
+        if layout.mask is None:
+            raise ValueError("this layout was made for the split attention (block_layouts(split=True)), which runs on CPU without attention dropout")
         return self.grouped_attention(q, ctx_k, ctx_v, k, v, layout)
+
+    def splits_on(self, device: torch.device) -> bool:
+        """Whether ``attend_blocks`` takes the CPU kernels on ``device`` (no attention dropout in training),
+        which need no ``[scratch | context]`` mask (``block_layouts(split=True)``)."""
+        return device.type == "cpu" and not (self.training and self.attention_dropout > 0)
 
     def project_out(self, out: torch.Tensor) -> torch.Tensor:
         b, _h, q_len, _d = out.shape

@@ -182,11 +182,15 @@ def block_layouts(
     sliding_window: int | None,
     dtype: torch.dtype,
     last_drops_first_slot: bool = False,
+    split: bool = False,
 ) -> list[BlockLayout]:
     """One ``BlockLayout`` per layer for blocks ``start..stop-1`` grouped by ``spans`` (``group_spans``,
     per layer type). Layers of a type share one layout (one mask per type and chunk).
 
     ``last_drops_first_slot``: the last layer computes no slot-0 queries (the loss never reads them).
+    ``split``: only what the split attention reads (``block_attention._SplitAttention``, the CPU training
+    path): no ``mask`` in the [scratch | context] key layout (``[b, 1, Q, scratch + S]``, 19 MB per layout
+    at 4 x 512 with 64 anchors), each group's context mask made when its kernel call needs it.
     """
     bsz = plan.block_size
     b, n = plan.anchors.shape[0], stop - start
@@ -209,31 +213,34 @@ def block_layouts(
             sliding_window=sliding_window,
         )
         scratch = max(n1 - n0 for n0, n1, _lo, _hi in spans[layer_type]) * bsz
+        zero = torch.zeros((), dtype=dtype, device=vis.device)
+        within = _within_block(bsz, layer_type, sliding_window, vis.device)[first:]
+        groups = [((n0 - start) * per_block, (n1 - start) * per_block, lo, hi) for n0, n1, lo, hi in spans[layer_type]]
+        own_mask = torch.where(within, zero, float("-inf"))[None, None] if layer_type == SLIDING_ATTENTION else None
+        has_context = vis.any(dim=-1).expand(b, n, per_block).reshape(b, 1, n * per_block)
+        if split:  # each group's context mask is made when its kernel call needs it (BlockLayout.context_mask)
+            made[(layer_type, drop)] = BlockLayout(
+                bsz, per_block, groups, scratch, None, None, vis, own_mask, has_context, dtype
+            )
+            continue
         # Additive (sdpa would convert a bool mask in every call, forward and backward), in the key
         # layout [scratch | context]; each group's rows get its own-block pattern next to its slice.
         mask = torch.empty((b, 1, n * per_block, scratch + seq), dtype=dtype, device=vis.device)
         mask[..., :scratch] = float("-inf")
-        zero = torch.zeros((), dtype=dtype, device=vis.device)
         mask[:, 0, :, scratch:].view(b, n, per_block, seq).copy_(torch.where(vis, zero, float("-inf")))
-        within = _within_block(bsz, layer_type, sliding_window, vis.device)[first:]
         own_patterns: dict[int, torch.Tensor] = {}
-        groups, views, context_views = [], [], []
-        for n0, n1, lo, hi in spans[layer_type]:
-            q0, q1 = (n0 - start) * per_block, (n1 - start) * per_block
-            m = n1 - n0
-            # The group's context columns, read before its own-block pattern is written left of them.
-            context_views.append(mask.narrow(2, q0, q1 - q0).narrow(3, scratch + lo, hi - lo))
+        views = []
+        for q0, q1, lo, hi in groups:
+            m = (q1 - q0) // per_block
             if m not in own_patterns:  # block-diagonal: each block sees only itself
                 own = torch.block_diag(*[within.to(dtype)] * m) > 0
                 own_patterns[m] = torch.where(own, zero, float("-inf"))
             first_key = scratch + lo - m * bsz
+            # (BlockLayout.context_mask reads the columns from scratch + lo on: none of these writes)
             mask[:, 0, q0:q1, first_key : scratch + lo] = own_patterns[m]
-            groups.append((q0, q1, lo, hi))
             views.append(mask.narrow(2, q0, q1 - q0).narrow(3, first_key, m * bsz + hi - lo))
-        own_mask = torch.where(within, zero, float("-inf"))[None, None] if layer_type == SLIDING_ATTENTION else None
-        has_context = vis.any(dim=-1).expand(b, n, per_block).reshape(b, 1, n * per_block)
         made[(layer_type, drop)] = BlockLayout(
-            bsz, per_block, groups, scratch, mask, views, context_views, own_mask, has_context
+            bsz, per_block, groups, scratch, mask, views, None, own_mask, has_context, dtype
         )
     return [made[(t, last_drops_first_slot and i == last)] for i, t in enumerate(layer_types)]
 

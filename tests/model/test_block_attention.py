@@ -18,7 +18,7 @@ from dflash_flow.model.objective import (
 )
 
 
-def setup_case(layer_type, window, group_blocks, drop=False, seed=0):
+def setup_case(layer_type, window, group_blocks, drop=False, seed=0, split=False):
     g = torch.Generator().manual_seed(seed)
     b, h, kv, s, n, bsz, d = 2, 4, 2, 30, 7, 4, 16  # heads and head_dim of the test target
     anchors = torch.tensor([[0, 3, 9, 12, 20, 26, 29], [2, 5, 7, 18, 25, 0, 0]])
@@ -44,6 +44,7 @@ def setup_case(layer_type, window, group_blocks, drop=False, seed=0):
         sliding_window=window,
         dtype=torch.float64,
         last_drops_first_slot=drop,
+        split=split,
     )[0]
     q = torch.randn(b, h, n * bsz, d, generator=g, dtype=torch.float64)
     ck, cv = (torch.randn(b, kv, s, d, generator=g, dtype=torch.float64) for _ in range(2))
@@ -70,6 +71,8 @@ def dense_attention(q, ck, cv, ok, ov, mask):
 @pytest.mark.parametrize("group_blocks,drop", [(1, False), (3, False), (7, False), (3, True)])
 def test_split_kernel_and_grouped_fallback_equal_dense_attention(layer_type, window, group_blocks, drop):
     layout, inputs, dense = setup_case(layer_type, window, group_blocks, drop)
+    split_layout = setup_case(layer_type, window, group_blocks, drop, split=True)[0]
+    assert split_layout.mask is None and split_layout.groups == layout.groups
     # Some queries see no context at all (anchor 0, padding blocks): their own block only.
     s = layout.mask.shape[-1] - layout.scratch
     assert not dense[:, 0, :, :s].any(dim=-1).all()
@@ -80,6 +83,7 @@ def test_split_kernel_and_grouped_fallback_equal_dense_attention(layer_type, win
     for name, fn in (
         ("split", lambda *x: _BlockAttention.apply(*x, layout, x[0].shape[-1] ** -0.5)),
         ("log-sum-exp", lambda *x: _SplitAttention.apply(*x, layout, x[0].shape[-1] ** -0.5)),
+        ("log-sum-exp, masks made per group", lambda *x: _SplitAttention.apply(*x, split_layout, x[0].shape[-1] ** -0.5)),
         ("grouped", lambda *x: attn.grouped_attention(*x, layout)),
     ):
         got = fn(*inputs)
@@ -107,8 +111,8 @@ def test_cpu_training_path_takes_the_log_sum_exp_attention(monkeypatch):
     # test_objective's fast-path tests compare with the dense reference) runs _SplitAttention on CPU.
     from dflash_flow.model import block_attention
 
-    layout, inputs, dense = setup_case("full_attention", None, 3)
-    assert layout.context_masks is not None and len(layout.context_masks) == len(layout.groups)
+    layout, inputs, dense = setup_case("full_attention", None, 3, split=True)
+    assert layout.has_context is not None and layout.mask is None
     calls = []
     real = block_attention._SplitAttention.apply
     monkeypatch.setattr(block_attention._SplitAttention, "apply", lambda *a: calls.append(1) or real(*a))
