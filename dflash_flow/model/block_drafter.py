@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,6 +90,14 @@ class BlockDrafter:
         self.lm_head = head if head is not None else target.lm_head
         self.cache = new_cache(drafter.config) if hasattr(drafter, "config") else None
         self.calls = 0
+
+    def fork(self) -> BlockDrafter:
+        """A copy that shares the models and owns a copy of the cache: driven from here on, it computes
+        exactly what this one would (the teacher-forced walk forks its longest horizon's walk where a
+        shorter horizon starts to differ, instead of walking that one again from the start)."""
+        twin = copy.copy(self)
+        twin.cache = copy.deepcopy(self.cache)
+        return twin
 
     @property
     def selects(self) -> bool:

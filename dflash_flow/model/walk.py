@@ -80,6 +80,19 @@ def reply_until_stop(reply: Sequence[int], stop_token_ids: Sequence[int] | None)
     return out, False
 
 
+@attrs.define
+class _Position:
+    """Where a walk stands: the next block starts at ``start`` with ``pending`` features not yet given
+    to the drafter; ``lengths`` the tokens each block so far committed."""
+
+    start: int
+    pending: torch.Tensor
+    lengths: list[int]
+
+    def copy(self) -> _Position:
+        return _Position(self.start, self.pending, list(self.lengths))
+
+
 def _walk(
     proposer: BlockDrafter,
     feats: torch.Tensor,
@@ -88,32 +101,67 @@ def _walk(
     reply_len: int,
     horizon: int,
     stopped_ref: bool,
+    at: _Position | None = None,
+    forks: dict[int, Callable[[BlockDrafter, _Position], None]] | None = None,
 ) -> WalkResult:
-    """Walk one horizon over precomputed features ``feats`` ``[1, >= n_in + reply_len - 1, F]``."""
+    """Walk one horizon over precomputed features ``feats`` ``[1, >= n_in + reply_len - 1, F]``, from the
+    start or from ``at``. ``forks``: shorter horizons to hand over, each called once with a fork of the
+    proposer and the position where that horizon's walk first differs from this one's (see
+    :func:`_walk_horizons`)."""
     settings = proposer.settings
     block_size = settings.block_size
     max_length = n_in + horizon
     end = n_in + reply_len - 1  # the last reference position
-    start = n_in
-    pending = feats[:, :n_in]
-    lengths: list[int] = []
+    pos = at or _Position(n_in, feats[:, :n_in], [])
+    pending = dict(forks or {})
     mask = settings.mask_token_id if settings.mask_token_id is not None else 0
-    while start + 1 < max_length and start < end:
+    while True:
+        start = pos.start
+        # A shorter horizon h takes the same step as this one while start + block_size + 1 <= n_in + h
+        # (its block is not shortened, nor its count capped, nor its loop ended): hand it over before
+        # the first step where that fails.
+        for h in [h for h in pending if start + block_size + 1 > n_in + h]:
+            pending.pop(h)(proposer.fork(), pos.copy())
+        if not (start + 1 < max_length and start < end):
+            break
         verify = min(block_size, max_length - start)
         accepted = 0
         if verify > 1:
             block = torch.full((1, verify), mask, dtype=torch.long, device=seq.device)
             block[0, 0] = seq[start]
             # The drafts real greedy decoding would verify: the argmax, or a DFlash 2 selector's walk.
-            drafts = proposer.greedy_drafts(block, pending, start).to(seq.device)
+            drafts = proposer.greedy_drafts(block, pos.pending, start).to(seq.device)
             ref = seq[start + 1 : min(start + verify, end + 1)]
             accepted = int((drafts[: ref.numel()] == ref).int().cumprod(0).sum())
         produced = min(accepted + 1, max_length - start - 1, end - start)
-        pending = feats[:, start : start + produced]
-        start += produced
-        lengths.append(produced)
+        pos.pending = feats[:, start : start + produced]
+        pos.start = start + produced
+        pos.lengths.append(produced)
+    for hand_over in pending.values():  # the loop ended before their turn (a stop, the reply's end)
+        hand_over(proposer.fork(), pos.copy())
+    start = pos.start
     complete = start + 1 >= max_length or (start == end and stopped_ref)
-    return WalkResult(lengths, min(start + 1, max_length) - n_in, complete)
+    return WalkResult(pos.lengths, min(start + 1, max_length) - n_in, complete)
+
+
+def _walk_horizons(
+    proposer: BlockDrafter, inp: WalkInput, horizons: Sequence[int]
+) -> tuple[dict[int, WalkResult], int]:
+    """The walk at every horizon, and the drafter calls it took: the longest horizon is walked from the
+    start; each shorter one forks from it where its first step would differ and walks on alone from
+    there, so the blocks they share are drafted once. Each result is exactly what a walk of that horizon
+    alone gives (the fork carries the drafter's cache as it stands)."""
+    longest, *shorter = sorted({int(h) for h in horizons}, reverse=True)
+    results: dict[int, WalkResult] = {}
+    calls = [0]
+
+    def walk(h: int, prop: BlockDrafter, at: _Position | None, forks=None) -> None:
+        before = prop.calls
+        results[h] = _walk(prop, inp.feats, inp.seq, inp.n_in, inp.reply_len, h, inp.stopped, at, forks)
+        calls[0] += prop.calls - before
+
+    walk(longest, proposer, None, {h: (lambda p, at, h=h: walk(h, p, at)) for h in shorter})
+    return results, calls[0]
 
 
 @attrs.frozen
@@ -174,18 +222,27 @@ def teacher_forced_walk(
     target_layer_ids: Sequence[int] | None = None,
 ) -> dict[int, WalkResult]:
     """Walk the reference ``reply_ids`` after ``prompt_ids`` at each horizon (new tokens, as
-    ``max_new_tokens`` of real decoding); one target forward for all of them (see the module docstring).
+    ``max_new_tokens`` of real decoding); one target forward for all of them (see the module docstring),
+    and the blocks the horizons share drafted once.
 
     The reply is cut after its first stop token (``stop_token_ids``), as real decoding stops there.
     Greedy only: the reference is one greedy continuation; a sampled decoding has no single reference.
     """
+    return _teacher_forced_walk(
+        target, drafter, prompt_ids, reply_ids, horizons=horizons, stop_token_ids=stop_token_ids,
+        block_size=block_size, mask_token_id=mask_token_id, target_layer_ids=target_layer_ids,
+    )[0]
+
+
+def _teacher_forced_walk(
+    target, drafter, prompt_ids, reply_ids, *, horizons, stop_token_ids, **settings: Any
+) -> tuple[dict[int, WalkResult], int]:
+    """:func:`teacher_forced_walk`'s results and the drafter calls they took."""
     if not horizons or min(horizons) < 1:
         raise ValueError("horizons must be a non-empty list of integers >= 1")
     if not len(prompt_ids) or not len(reply_ids):
         raise ValueError("the walk needs a non-empty prompt and reply")
-    settings = draft_settings(
-        drafter, block_size=block_size, mask_token_id=mask_token_id, target_layer_ids=target_layer_ids
-    )
+    settings = draft_settings(drafter, **settings)
     if settings.block_size < 2:
         raise ValueError("the walk needs block_size >= 2 (a drafter that proposes)")
     inp = walk_input(target, prompt_ids, reply_ids, longest=max(horizons), layer_ids=settings.layer_ids,
@@ -193,13 +250,11 @@ def teacher_forced_walk(
     was_training = drafter.training
     drafter.eval()
     try:
-        results = {}
-        for h in horizons:
-            proposer = BlockDrafter(target, drafter, settings)  # a fresh draft cache per horizon
-            results[int(h)] = walk_features(proposer, inp, int(h))
+        with torch.inference_mode():
+            results, calls = _walk_horizons(BlockDrafter(target, drafter, settings), inp, horizons)
     finally:
         drafter.train(was_training)
-    return results
+    return {int(h): results[int(h)] for h in horizons}, calls
 
 
 def evaluate_walk(
@@ -218,7 +273,8 @@ def evaluate_walk(
     Per horizon (``by_horizon``): ``tau``, tokens per block over all blocks of all conversations, as
     ``evaluate_drafter``'s ``tau``; ``verify_steps``, ``tokens_walked``, ``complete_frac`` (conversations
     whose walk reached the horizon or a stop token). ``metrics``: ``tau`` at the first horizon and
-    ``drafter_forwards``; ``num_conversations`` a field.
+    ``drafter_forwards`` (the drafter calls made: the horizons share their common blocks);
+    ``num_conversations`` a field.
     """
     if not conversations:
         raise ValueError("no conversations to walk")
@@ -228,14 +284,15 @@ def evaluate_walk(
     complete = dict(steps)
     calls = 0
     for prompt, reply in conversations:
-        for h, r in teacher_forced_walk(
+        results, n_calls = _teacher_forced_walk(
             target, drafter, prompt, reply, horizons=horizons, stop_token_ids=stop_token_ids, **settings
-        ).items():
+        )
+        for h, r in results.items():
             steps[h] += len(r.accept_lengths)
             committed[h] += sum(r.accept_lengths)
             tokens[h] += r.tokens
             complete[h] += int(r.complete)
-            calls += len(r.accept_lengths)
+        calls += n_calls
         if on_unit is not None:
             on_unit(len(reply))
     n = len(conversations)

@@ -171,3 +171,62 @@ def test_read_walk_conversations_locates_the_reply(tmp_path):
     bad.write_text(json.dumps({"conversations": [user]}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:1: the last turn must be the target's reply"):
         read_walk_conversations(bad, tok, 10, stops)
+
+
+def _alone(target, drafter, prompt_ids, reply, h, stops=None):
+    """The walk of one horizon by itself: a fresh proposer from the start (no fork)."""
+    from dflash_flow.model.block_drafter import BlockDrafter, draft_settings
+    from dflash_flow.model.walk import walk_features, walk_input
+
+    settings = draft_settings(drafter)
+    inp = walk_input(target, prompt_ids, reply, longest=h, layer_ids=settings.layer_ids, stop_token_ids=stops)
+    proposer = BlockDrafter(target, drafter, settings)
+    return walk_features(proposer, inp, h), proposer.calls
+
+
+@pytest.mark.parametrize(("block_size", "wrong"), [(4, {10, 11, 17}), (8, {9, 13, 14, 20, 28}), (8, set())])
+def test_horizons_walked_together_equal_each_walked_alone_with_fewer_drafter_calls(target, block_size, wrong):
+    # The longest horizon is walked once; every shorter one forks from it where its first step differs
+    # (its block shortened or its count capped near its end). Horizons at and around block boundaries,
+    # one below the block size, one past the reply's end, a stop token inside the reply.
+    ids = prompt(9)
+    n_in = ids.shape[1]
+    free = greedy_generate(target, ids, 40).output_ids[0].tolist()
+    stop = free[n_in + 33]
+    reply = _greedy_reply(target, ids, 40, [stop])
+    horizons = [45, 33, 17, 16, 15, block_size + 1, block_size, block_size - 1, 2, 1]
+    drafter = ScriptedDrafter(make_drafter(block_size, seed=3), free, wrong)
+    report = evaluate_walk(target, drafter, [(ids[0].tolist(), reply)], horizons=horizons, stop_token_ids=[stop])
+    together, calls = {}, 0
+    for h in horizons:
+        walk, n = _alone(target, drafter, ids[0].tolist(), reply, h, [stop])
+        together[h] = walk
+        calls += n
+        m = report.by_horizon[h]
+        assert m["verify_steps"] == len(walk.accept_lengths) and m["tokens_walked"] == walk.tokens, h
+        assert m["tau"] == pytest.approx(walk.mean_accept_length or 1.0), h  # no block at horizon 1: 1.0
+    walks = teacher_forced_walk(target, drafter, ids[0].tolist(), reply, horizons=horizons, stop_token_ids=[stop])
+    for h in horizons:
+        assert walks[h] == together[h], h
+    # Every horizon alone drafts its shared blocks again; together they are drafted once.
+    assert report.metrics["drafter_forwards"] < calls
+    assert report.metrics["drafter_forwards"] >= _alone(target, drafter, ids[0].tolist(), reply, 45, [stop])[1]
+
+
+def test_horizons_walked_together_equal_each_alone_for_a_dflash2_drafter(target):
+    from dflash_flow.model.dflash2 import drafter_from_config, make_variant_config
+
+    torch = pytest.importorskip("torch")
+    config = make_variant_config(target.config, num_layers=2, block_size=8, mask_token_id=MASK,
+                                 target_layer_ids=list(LAYER_IDS), variant="dflash2", selector_rank=8)
+    torch.manual_seed(0)
+    drafter = drafter_from_config(config).eval()
+    with torch.no_grad():  # a selector and convolutions away from their start, so drafts vary
+        for p in drafter.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    ids = prompt(3)
+    reply = _greedy_reply(target, ids, 40)
+    horizons = [40, 24, 9, 8, 3]
+    walks = teacher_forced_walk(target, drafter, ids[0].tolist(), reply, horizons=horizons)
+    for h in horizons:
+        assert walks[h] == _alone(target, drafter, ids[0].tolist(), reply, h)[0], h
