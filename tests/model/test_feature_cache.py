@@ -180,6 +180,14 @@ def test_a_thread_switch_that_made_steps_slower_is_reported_once_with_what_to_se
         faster.observe(0.10)
     faster.switched(1, 2)
     assert [faster.observe(0.06) for _ in range(8)] == [None] * 8  # the switch paid: nothing to say
+    later = ThreadSwitchWatch(window=4)  # the cores were free at the switch and taken later on
+    for _ in range(4):
+        later.observe(0.10)
+    later.switched(1, 2)
+    assert [later.observe(0.06) for _ in range(12)] == [None] * 12
+    said = [later.observe(0.50) for _ in range(4)]
+    assert said[:3] == [None] * 3 and "100 -> 500 ms" in said[3]
+    assert [later.observe(0.50) for _ in range(8)] == [None] * 8  # once
     early = ThreadSwitchWatch(window=4)
     early.switched(1, 2)  # no steps before the switch to compare with (a resumed run): nothing to say
     assert [early.observe(0.30) for _ in range(8)] == [None] * 8
