@@ -29,7 +29,7 @@ VARIANTS: dict[str, list[str]] = {
     "dflash2": ["stages.drafter.variant=dflash2"],
     "variable_prefix": ["stages.drafter.objective=variable_prefix"],
 }
-#: Variants of another pipeline than the DFlash recipe: the embedded default as shipped (DFlash 2, 4 epochs).
+#: Variants of another pipeline than the DFlash recipe: the embedded default as shipped (DFlash 2, 5 epochs of 32 anchors).
 PIPELINES = {"default": common.DFLASH_YAML}
 VARIANTS["default"] = []
 
