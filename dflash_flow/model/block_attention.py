@@ -1,13 +1,14 @@
-"""The training layout's attention on CPU. ``_SplitAttention`` (the training path when the layout carries
-context masks, as ``block_layouts`` makes them): each group's queries over its context slice, one flash
-kernel call per group on a view of the context keys, and every block over its own keys in one more call,
-joined by log-sum-exp. ``_BlockAttention`` (kept as its reference): one call per group over the group's own
-blocks and context slice in one key buffer. ``BlockLayout`` (``drafter_layers``) says which queries form a
-group and which keys they see.
+"""The training layout's attention on CPU, in one of two forms (``block_layouts`` picks per layout:
+``layout.split``). ``_SplitAttention``: each group's queries over its context slice, one flash kernel call
+per group on a view of the context keys, and every block over its own keys in one more call, joined by
+log-sum-exp. ``_BlockAttention``: one call per group over the group's own blocks and context slice in one
+key buffer. ``BlockLayout`` (``drafter_layers``) says which queries form a group and which keys they see.
 
-Measured (torch 2.13, fp32, one thread, ``bench/peer_step.py`` shapes, both in one process): the
-log-sum-exp form is 4-5% faster on the whole peer step (4 x 512, head_dim 64: each group's keys stay
-within the kernel's 512-key tile, no other block's own keys are scored) and even on the embedded shapes.
+Measured (torch 2.13, fp32, one thread, ``bench/peer_step.py`` shapes, both in one process): the split
+form is 4-7% faster on the peer step (4 x 512, loss on the second half, head_dim 64: each group's keys
+stay within the kernel's 512-key tile and no other block's own keys are scored) but slower where the
+context slices are short against the own keys (5% at 4 x 256, 30% at 8 x 128: the joining passes over
+every query cost more than the masked own keys), hence ``layout.split`` (``layout.split_pays``).
 """
 
 from __future__ import annotations

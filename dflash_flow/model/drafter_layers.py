@@ -155,6 +155,7 @@ class BlockLayout(NamedTuple):
         return torch.where(seen, zero, float("-inf")).view(b, 1, q1 - q0, hi - lo)
 
     dtype: torch.dtype = torch.float32  # of the masks
+    split: bool = False  # the CPU training path takes the split attention (block_layouts' choice)
 
     @property
     def drops_first_slot(self) -> bool:
@@ -309,7 +310,7 @@ class DrafterAttention(nn.Module):
     def attend_blocks(self, q, ctx_k, ctx_v, k, v, layout: BlockLayout) -> torch.Tensor:
         """``[b, heads, Q, d]``: block queries over their group's own blocks and context slice."""
         if self.splits_on(q.device):
-            if layout.has_context is not None:
+            if layout.split:
                 return split_block_attention(q, ctx_k, ctx_v, k, v, layout, self.scaling)
             return block_attention(q, ctx_k, ctx_v, k, v, layout, self.scaling)
         if layout.mask is None:

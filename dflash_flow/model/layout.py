@@ -172,6 +172,21 @@ def auto_group_blocks(bounds: ColumnBounds, start: int, stop: int, *, block_size
         size *= 2
 
 
+# Measured (torch 2.13, fp32, one thread, whole steps and the attention alone, bench/peer_step.py shapes):
+# the split attention (context and own blocks in separate kernel calls, joined by log-sum-exp) pays when
+# the groups' context slices are long against their own keys: 4-7% faster at 4 x 512 with the loss on the
+# second half (context / own keys ~6), about even at ~5, 5% slower at 4 x 256 (~2.6) and 30% slower at
+# 8 x 128 (~2.5), where the joining passes over every query cost more than the own keys it stops scoring.
+SPLIT_CONTEXT_RATIO = 4.0
+
+
+def split_pays(spans: list[tuple[int, int, int, int]], block_size: int) -> bool:
+    """Whether groups ``spans`` (``group_spans``) see at least ``SPLIT_CONTEXT_RATIO`` context keys per own key."""
+    context = sum(hi - lo for _n0, _n1, lo, hi in spans)
+    own = sum((n1 - n0) * block_size for n0, n1, _lo, _hi in spans)
+    return context >= SPLIT_CONTEXT_RATIO * own
+
+
 def block_layouts(
     plan: BlockPlan,
     spans: dict[str, list[tuple[int, int, int, int]]],
@@ -182,15 +197,17 @@ def block_layouts(
     sliding_window: int | None,
     dtype: torch.dtype,
     last_drops_first_slot: bool = False,
-    split: bool = False,
+    split: bool | None = False,
 ) -> list[BlockLayout]:
     """One ``BlockLayout`` per layer for blocks ``start..stop-1`` grouped by ``spans`` (``group_spans``,
     per layer type). Layers of a type share one layout (one mask per type and chunk).
 
     ``last_drops_first_slot``: the last layer computes no slot-0 queries (the loss never reads them).
-    ``split``: only what the split attention reads (``block_attention._SplitAttention``, the CPU training
-    path): no ``mask`` in the [scratch | context] key layout (``[b, 1, Q, scratch + S]``, 19 MB per layout
-    at 4 x 512 with 64 anchors), each group's context mask made when its kernel call needs it.
+    ``split``: True: layouts for the split attention (``block_attention._SplitAttention``; the CPU training
+    path takes it), carrying only what it reads: no ``mask`` in the [scratch | context] key layout
+    (``[b, 1, Q, scratch + S]``, 19 MB per layout at 4 x 512 with 64 anchors), each group's context mask
+    made when its kernel call needs it. None: those where the split attention pays (``split_pays``), the
+    others as False gives them (for ``_BlockAttention``).
     """
     bsz = plan.block_size
     b, n = plan.anchors.shape[0], stop - start
@@ -218,9 +235,10 @@ def block_layouts(
         groups = [((n0 - start) * per_block, (n1 - start) * per_block, lo, hi) for n0, n1, lo, hi in spans[layer_type]]
         own_mask = torch.where(within, zero, float("-inf"))[None, None] if layer_type == SLIDING_ATTENTION else None
         has_context = vis.any(dim=-1).expand(b, n, per_block).reshape(b, 1, n * per_block)
-        if split:  # each group's context mask is made when its kernel call needs it (BlockLayout.context_mask)
+        if split or (split is None and split_pays(spans[layer_type], bsz)):
+            # Each group's context mask is made when its kernel call needs it (BlockLayout.context_mask).
             made[(layer_type, drop)] = BlockLayout(
-                bsz, per_block, groups, scratch, None, None, vis, own_mask, has_context, dtype
+                bsz, per_block, groups, scratch, None, None, vis, own_mask, has_context, dtype, True
             )
             continue
         # Additive (sdpa would convert a bool mask in every call, forward and backward), in the key

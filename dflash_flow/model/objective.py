@@ -198,7 +198,7 @@ def _decode_span(drafter, plan, embed_tokens, context_kv, start, stop, spans, dt
         sliding_window=getattr(drafter.config, "sliding_window", None),
         dtype=dtype,
         last_drops_first_slot=drop_first_slot,
-        split=all(layer.self_attn.splits_on(ids.device) for layer in drafter.layers),
+        split=None if all(layer.self_attn.splits_on(ids.device) for layer in drafter.layers) else False,
     )
     positions = plan.block_positions[:, start:stop].reshape(b, -1)
     return drafter.decode_blocks(noise, context_kv, positions, layouts, rows)

@@ -120,3 +120,16 @@ def test_cpu_training_path_takes_the_log_sum_exp_attention(monkeypatch):
     got = attn.attend_blocks(*inputs, layout)
     assert calls
     torch.testing.assert_close(got, dense_attention(*inputs, dense), atol=1e-12, rtol=1e-10)
+
+
+def test_layouts_take_the_split_attention_where_contexts_are_long():
+    from dflash_flow.model.layout import SPLIT_CONTEXT_RATIO, split_pays
+
+    bsz = 8
+    own = 4 * bsz  # groups of 4 blocks
+    long_ctx = [(4 * i, 4 * i + 4, 0, int(SPLIT_CONTEXT_RATIO * own) + i) for i in range(4)]
+    short_ctx = [(4 * i, 4 * i + 4, 0, own + i) for i in range(4)]
+    assert split_pays(long_ctx, bsz) and not split_pays(short_ctx, bsz)
+    # The test case's contexts are short: auto gives the mask layout for _BlockAttention.
+    auto = setup_case("full_attention", None, 3, split=None)[0]
+    assert not auto.split and auto.mask is not None
