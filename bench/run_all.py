@@ -57,6 +57,7 @@ BENCHES = (
     Bench("e2e", ("e2e_bench.py",), ("e2e.json",), 1.5),
     Bench("fanout", ("fanout_bench.py",), ("fanout.json",), 1),
     Bench("torchdata", ("torchdata_bench.py",), ("torchdata.json",), 0.6, needs=("torchdata",)),
+    Bench("anchors_cost", ("anchors_cost.py",), ("anchors_cost.json",), 1),
     Bench("data_scale", ("data_scale_bench.py",), ("data_scale.json",), 7, long=True),
     Bench("data_scale_pipeline", ("data_scale_bench.py", "--pipeline", "1000000"), ("data_scale_pipeline.json",), 25,
           long=True),

@@ -73,6 +73,15 @@ def test_torchdata_bench_planned_batches_match_the_stages(tmp_path):
 
 
 @pytest.mark.slow
+def test_anchors_cost_bench_times_every_count_on_every_shape(tmp_path):
+    out = tmp_path / "anchors_cost.json"
+    data = _on_disk(out, load_bench("anchors_cost").main(["--out", str(out), "--rounds", "1", "--anchors", "64,32"]))
+    assert set(data["shapes"]) == {"2x512", "4x256", "8x128"} and data["threads"] == 1
+    for shape in data["shapes"].values():
+        assert set(shape) == {"64", "32"} and shape["64"]["x64"] == 1.0
+        assert shape["32"]["ms"] > 0 and shape["32"]["x64"] > 0
+
+
 def test_e2e_bench_same_batches_both_ways(tmp_path):
     out = tmp_path / "e2e.json"
     data = _on_disk(out, load_bench("e2e_bench").main(["--out", str(out), "--steps", "3", "--pairs", "1"]))
