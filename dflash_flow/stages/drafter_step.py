@@ -86,6 +86,13 @@ class DrafterStep(Stage, CheckpointSource):
         doc="torch intra-op threads from the second epoch on (default: torch_threads): with TargetForward's "
         "cache_features the target is idle after the first epoch, and its cores can go to the drafter.",
     )
+    threads_fallback: bool = cfg(
+        True, result=False,
+        doc="When steps after the switch to torch_threads_after_first_epoch run slower than the steps before it "
+        "(another process took a core: two threads then wait on each other, up to 100x slower on a 2-core box), "
+        "go back to torch_threads for the rest of the run. The step is kept in the checkpoint: a resumed run "
+        "uses the threads the interrupted one used at every step.",
+    )
     # The held-out walk draws no random numbers and leaves the weights as they were: result=False.
     heldout_data: str | None = cfg(
         None, result=False, doc="Acceptance over time: JSONL of held-out conversations whose last turn is the target's own greedy "
@@ -108,6 +115,8 @@ class DrafterStep(Stage, CheckpointSource):
     _epoch_done: bool = attrs.field(default=False, init=False)  # the last batch trained ended its epoch
     _plan_state: dict[str, Any] | None = attrs.field(default=None, init=False)  # the Interleaver's, after it
     _total_consumed: int = attrs.field(default=0, init=False)  # batches trained on in the whole run (this rank)
+    _fallback_at: int | None = attrs.field(default=None, init=False)  # batches consumed when threads went back
+    _initial_threads: int | None = attrs.field(default=None, init=False)
     _trained: int = attrs.field(default=0, init=False)  # batches trained since the last checkpoint (this process)
     _trainer: Any = attrs.field(default=None, init=False)
     _batch_log: Any = attrs.field(default=None, init=False)
@@ -192,17 +201,39 @@ class DrafterStep(Stage, CheckpointSource):
         self._m_probe_s = m.counter("heldout_probe_s", "s", "Seconds spent measuring the held-out walk")
 
     def _set_threads(self, epoch: int) -> None:
-        """This thread's torch intra-op threads for a batch of ``epoch`` (a function of the epoch alone, so a
-        resumed run computes each step with the threads the uninterrupted run used)."""
-        later = self.torch_threads_after_first_epoch
-        want = later if later and epoch >= 1 else self.torch_threads
-        if want and want != self._threads:
-            import torch
+        """This thread's torch intra-op threads for a batch of ``epoch``: a function of the epoch and of the
+        batch the threads went back at (``threads_fallback``, kept in the state), so a resumed run computes
+        each step with the threads the uninterrupted run used."""
+        import torch
 
+        if self._initial_threads is None:
+            self._initial_threads = torch.get_num_threads()  # the thread's own setting before any switch
+        later = self.torch_threads_after_first_epoch
+        fell_back = self._fallback_at is not None and self._total_consumed >= self._fallback_at
+        want = later if later and epoch >= 1 and not fell_back else self._base_threads
+        if want and want != self._threads:
             torch.set_num_threads(want)
             if self._threads is not None:
                 self._thread_watch.switched(self._threads, want)
             self._threads = want
+
+    @property
+    def _base_threads(self) -> int | None:
+        """The threads before any switch: ``torch_threads``, else what the thread had."""
+        return self.torch_threads or self._initial_threads
+
+    def _watch_threads(self, step_s: float) -> None:
+        """After each step: the thread-switch watch; with ``threads_fallback``, its warning also sends the
+        rest of the run back to ``torch_threads`` (from the next batch on)."""
+        warning = self._thread_watch.observe(step_s)
+        if not warning:
+            return
+        if self.threads_fallback and self.torch_threads_after_first_epoch and self._fallback_at is None:
+            self._fallback_at = self._total_consumed
+            back = self._base_threads
+            warning += (f"; going back to {back} torch thread{'s' if back != 1 else ''} from batch "
+                        f"{self._total_consumed} on, for the rest of the run (threads_fallback)")
+        log.warning("%s: %s", self._ctx.name, warning)
 
     def _prepare_probe(self, spec: Any, tok_path: str | None, drafter: Any, dtype: Any):
         """The fixed held-out sample: the first ``heldout_limit`` conversations, the target's features over
@@ -281,9 +312,7 @@ class DrafterStep(Stage, CheckpointSource):
         step_s = time.perf_counter() - t0
         self._m_step_s.observe(step_s)
         if not meta.filler:
-            warning = self._thread_watch.observe(step_s)
-            if warning:
-                log.warning("%s: %s", self._ctx.name, warning)
+            self._watch_threads(step_s)
         if self._batch_log is not None and not meta.filler:
             self._batch_log.write(meta)
         if metrics is None:
@@ -368,6 +397,7 @@ class DrafterStep(Stage, CheckpointSource):
             "epoch_done": self._epoch_done,
             "plan": self._plan_state,
             "total_consumed": self._total_consumed,
+            "threads_fallback_at": self._fallback_at,
             "trainer": self._trainer.state_dict() if self._trainer is not None else None,
         }
 
@@ -376,6 +406,8 @@ class DrafterStep(Stage, CheckpointSource):
         self._epoch_done = bool(state.get("epoch_done", False))
         self._plan_state = state.get("plan")
         self._total_consumed = int(state.get("total_consumed", 0))
+        fallback = state.get("threads_fallback_at")
+        self._fallback_at = None if fallback is None else int(fallback)
         if state.get("trainer") is not None:
             self._trainer.load_state_dict(state["trainer"])
         resume = self._services.resume

@@ -185,9 +185,82 @@ def test_a_thread_switch_that_made_steps_slower_is_reported_once_with_what_to_se
         later.observe(0.10)
     later.switched(1, 2)
     assert [later.observe(0.06) for _ in range(12)] == [None] * 12
-    said = [later.observe(0.50) for _ in range(4)]
-    assert said[:3] == [None] * 3 and "100 -> 500 ms" in said[3]
-    assert [later.observe(0.50) for _ in range(8)] == [None] * 8  # once
+    said = [later.observe(0.25) for _ in range(4)]  # 2.5x: said at the window's end
+    assert said[:3] == [None] * 3 and "100 -> 250 ms median over 4 steps" in said[3]
+    assert [later.observe(0.25) for _ in range(8)] == [None] * 8  # once
+    sudden = ThreadSwitchWatch(window=16)  # many times slower: said after 3 such steps, not a window
+    for _ in range(16):
+        sudden.observe(0.10)
+    sudden.switched(1, 2)
+    said = [sudden.observe(s) for s in (0.06, 0.9, 5.0, 4.0)]
+    assert said[:3] == [None] * 3 and "100 -> 4000 ms median over 3 steps" in said[3]
+    blip = ThreadSwitchWatch(window=16)  # one slow step among fast ones (a pause): nothing
+    for _ in range(16):
+        blip.observe(0.10)
+    blip.switched(1, 2)
+    assert [blip.observe(s) for s in (0.06, 0.9, 0.06, 0.9, 0.9, 0.06) + (0.06,) * 10] == [None] * 16
     early = ThreadSwitchWatch(window=4)
     early.switched(1, 2)  # no steps before the switch to compare with (a resumed run): nothing to say
     assert [early.observe(0.30) for _ in range(8)] == [None] * 8
+
+
+def test_two_threads_that_made_steps_slower_fall_back_to_one_for_the_rest_of_the_run_and_resume_so(caplog):
+    from dflash_flow.model.threads import ThreadSwitchWatch
+    from dflash_flow.stages.drafter_step import DrafterStep
+
+    class Ctx:
+        name = "drafter"
+
+    before = torch.get_num_threads()
+    try:
+        step = DrafterStep(target="tiny-qwen3-8l", torch_threads=1, torch_threads_after_first_epoch=2)
+        step._threads, step._thread_watch, step._ctx = None, ThreadSwitchWatch(window=4), Ctx()
+        step._set_threads(0)
+        for _ in range(4):
+            step._total_consumed += 1  # as process() does: the batch counted, then its time watched
+            step._watch_threads(0.10)
+        step._set_threads(1)
+        assert torch.get_num_threads() == 2
+        for _ in range(8):  # the cores were free: two threads pay
+            step._set_threads(1)
+            step._total_consumed += 1
+            step._watch_threads(0.06)
+        assert torch.get_num_threads() == 2 and step.get_state()["threads_fallback_at"] is None
+        with caplog.at_level("WARNING"):
+            for _ in range(3):  # a neighbour took a core: three steps 9x slower
+                step._set_threads(1)
+                step._total_consumed += 1
+                step._watch_threads(0.90)
+        assert "going back to 1 torch thread from batch 15 on" in caplog.text
+        step._set_threads(1)
+        assert torch.get_num_threads() == 1 and step.get_state()["threads_fallback_at"] == 15
+        for _ in range(8):  # and it stays there
+            step._set_threads(3)
+            step._total_consumed += 1
+            step._watch_threads(0.10)
+        assert torch.get_num_threads() == 1
+
+        # A resumed run: the state says where the threads went back; before that batch, two threads as then.
+        resumed = DrafterStep(target="tiny-qwen3-8l", torch_threads=1, torch_threads_after_first_epoch=2)
+        resumed._threads, resumed._thread_watch = None, ThreadSwitchWatch(window=4)
+        resumed._fallback_at = step.get_state()["threads_fallback_at"]
+        resumed._total_consumed = 10
+        resumed._set_threads(1)
+        assert torch.get_num_threads() == 2
+        resumed._total_consumed = 15
+        resumed._set_threads(1)
+        assert torch.get_num_threads() == 1
+
+        kept = DrafterStep(target="tiny-qwen3-8l", torch_threads=1, torch_threads_after_first_epoch=2,
+                           threads_fallback=False)
+        kept._threads, kept._thread_watch, kept._ctx = None, ThreadSwitchWatch(window=4), Ctx()
+        kept._set_threads(0)
+        for _ in range(4):
+            kept._watch_threads(0.10)
+        kept._set_threads(1)
+        for _ in range(4):
+            kept._watch_threads(0.90)
+        kept._set_threads(1)
+        assert torch.get_num_threads() == 2 and kept._fallback_at is None  # warned only
+    finally:
+        torch.set_num_threads(before)
