@@ -199,6 +199,8 @@ class DrafterStep(Stage, CheckpointSource):
         self._m_loss = m.gauge("loss", "nats", "Last step's loss")
         self._m_step_s = m.summary("step_s", "s", "Seconds of compute per micro-batch")
         self._m_probe_s = m.counter("heldout_probe_s", "s", "Seconds spent measuring the held-out walk")
+        self._m_threads = m.gauge("torch_threads", "threads", "The drafter's torch intra-op threads (CPU; "
+                                  "torch_threads_after_first_epoch, threads_fallback)")
 
     def _set_threads(self, epoch: int) -> None:
         """This thread's torch intra-op threads for a batch of ``epoch``: a function of the epoch and of the
@@ -298,6 +300,8 @@ class DrafterStep(Stage, CheckpointSource):
         meta = feats.meta
         epoch_end = meta.last_of_epoch
         self._set_threads(meta.epoch)
+        if self._threads is not None:
+            self._m_threads.set(self._threads)
         t0 = time.perf_counter()
         metrics = self._trainer.train_batch(
             feats, anchor_seed=self._ctx.shared_seed_for(meta.epoch, "anchors", meta.index),

@@ -130,6 +130,8 @@ def test_a_cached_run_skips_the_target_after_the_first_epoch_and_trains_what_an_
         weights[name] = load_file(str(out / "drafter" / "model.safetensors"))
         last = json.loads((out / "monitor" / "history.json").read_text())["samples"][-1]
         stages[name] = last["stages"]["target"]
+        # The drafter's threads after the first epoch, as MLflow sees them (stage/drafter/metric/torch_threads).
+        assert last["stages"]["drafter"]["gauges"]["torch_threads"] == 2
     counters = stages["cached"]["counters"]
     assert counters["cache_hits"] + counters["cache_misses"] == 3 * 24
     # Epochs 2 and 3 read every sample from the cache, but for a sample of an epoch's first batch that is
