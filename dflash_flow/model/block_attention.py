@@ -1,6 +1,6 @@
 """The training layout's attention on CPU, in one of two forms (``block_layouts`` picks per layout:
 ``layout.split``). ``_SplitAttention``: each group's queries over its context slice, one flash kernel call
-per group on a view of the context keys, and every block over its own keys in one more call, joined by
+per group on a view of the context keys, and every block over its own keys by two batched matmuls, joined by
 log-sum-exp. ``_BlockAttention``: one call per group over the group's own blocks and context slice in one
 key buffer. ``BlockLayout`` (``drafter_layers``) says which queries form a group and which keys they see.
 
@@ -143,22 +143,24 @@ def block_attention(q, ctx_k, ctx_v, own_k, own_v, layout, scale):
 
 
 def _per_block(t: torch.Tensor, n: int) -> torch.Tensor:
-    """``[b, heads, n*m, d]`` -> ``[b*n, heads, m, d]``: each block a batch entry (a view when ``t``'s
-    memory is ``[b, n*m, heads, d]``, as the projections and the kernel leave it)."""
+    """``[b, heads, n*m, d]`` -> ``[b*n, m*heads, d]``, each block's tokens x heads as one matrix: a view
+    when ``t``'s memory is ``[b, n*m, heads, d]``, as the projections and the kernel leave it."""
     b, heads, t_len, d = t.shape
-    return t.transpose(1, 2).reshape(b * n, t_len // n, heads, d).transpose(1, 2)
+    return t.transpose(1, 2).reshape(b * n, t_len // n * heads, d)
 
 
-def _per_row(t: torch.Tensor, b: int) -> torch.Tensor:
-    """``_per_block``'s inverse: ``[b*n, heads, m, d]`` -> ``[b, heads, n*m, d]``."""
-    bn, heads, m, d = t.shape
-    return t.transpose(1, 2).reshape(b, bn // b * m, heads, d).transpose(1, 2)
+def _per_token(t: torch.Tensor, b: int, heads: int) -> torch.Tensor:
+    """``_per_block``'s inverse: ``[b*n, m*heads, d]`` -> ``[b, heads, n*m, d]`` (a view)."""
+    return t.view(b, -1, heads, t.shape[-1]).transpose(1, 2)
 
 
-def _lse_per_block(lse: torch.Tensor, n: int) -> torch.Tensor:
-    """``[b, h, n*m]`` -> ``[b*n, h, m]`` (contiguous, as the kernel's backward reads it)."""
-    b, h, t_len = lse.shape
-    return lse.view(b, h, n, t_len // n).transpose(1, 2).reshape(b * n, h, t_len // n)
+def _block_pairs(t: torch.Tensor, m: int, kv: int) -> torch.Tensor:
+    """The head-matched entries of ``[b*n, m*h, B*kv]`` (every query head against every own key of every KV
+    head) as a view ``[b*n, m, kv, g, B]``: query head ``j*g + i`` with KV head ``j`` (``repeat_interleave``'s
+    pairing)."""
+    bn, rows, cols = t.shape
+    g, bsz = rows // (m * kv), cols // kv
+    return t.view(bn, m, kv, g, bsz, kv).diagonal(dim1=2, dim2=5).movedim(-1, 2)
 
 
 class _SplitAttention(torch.autograd.Function):
@@ -166,18 +168,32 @@ class _SplitAttention(torch.autograd.Function):
     queries over its context slice (one CPU flash kernel call per group, on a view of the context keys:
     no own keys in the call, so no other block's own keys are scored and masked, and a group's keys
     stay within one of the kernel's 512-key tiles up to 512 positions), and every block's queries over
-    its own block's keys (one kernel call for all blocks, each block a batch entry). The two normalised
-    outputs are mixed by their log-sum-exps; the backward hands both kernels the final output and
-    log-sum-exp, which gives each part its exact share of the gradient. Queries that see no context
-    (padding blocks, anchor 0, sliding slots past the window: ``layout.has_context``) get the own part
-    alone. Shapes as ``_BlockAttention``: q [b, h, Q, d]; ctx_k, ctx_v [b, kv, S, d]; own_k, own_v
-    [b, kv, N*B, d].
+    its own block's keys: one ``[m*h, B*kv]`` matrix of scores per block from a batched matmul, of which
+    the head-matched entries (``_block_pairs``) are softmaxed together with the context part's
+    log-sum-exp, and a second batched matmul with those probabilities (zero off the matched heads)
+    adds the own values into the context part's output in place. The backward hands the
+    context kernel the final output and log-sum-exp, which gives that part its exact share of the
+    gradient, and differentiates the own part by hand from its kept probabilities. Queries that see no
+    context (padding blocks, anchor 0, sliding slots past the window: ``layout.has_context``) get the
+    own part alone. Shapes as ``_BlockAttention``: q [b, h, Q, d]; ctx_k, ctx_v [b, kv, S, d]; own_k,
+    own_v [b, kv, N*B, d].
+
+    Why not the kernel for the own blocks too (as before, each block and head a batch entry of one call):
+    its cost is per (block, head) problem, not per score, ~3 us forward and ~6 us backward for 8 x 8
+    scores; the matmuls over one ``[m*h, B*kv]`` matrix per block (every head pair scored, the matched
+    ones kept: kv times the scores, still a few MFLOP) and a few passes over ``[blocks, m, h, B]`` took
+    5-8% off the whole step at the ``bench/peer_step.py`` embedded shapes and 2-3% at the peer shape (one
+    thread, in one process against the kernel version). Per-block, per-head matrices
+    (``[b*n*kv, g*m, d]``) were slower than the kernel: their transposing copies over 8-wide dimensions
+    cost more than the arithmetic.
     """
 
     @staticmethod
     def forward(ctx, q, ctx_k, ctx_v, own_k, own_v, layout, scale):
         b, h, nq, d = q.shape
-        n = nq // layout.queries_per_block
+        kv = own_k.shape[1]
+        m = layout.queries_per_block
+        n = nq // m
         outs, lses = [], []
         for g, (q0, q1, lo, hi) in enumerate(layout.groups):
             if hi > lo:
@@ -196,43 +212,58 @@ class _SplitAttention(torch.autograd.Function):
             outs.append(o)
             lses.append(lse)
         # [b, Q, h, d] memory order (the kernel's), so o_proj reads the result without a copy.
-        out = torch.cat([o.transpose(1, 2) for o in outs], dim=1).transpose(1, 2)
+        out = torch.cat([o.transpose(1, 2) for o in outs], dim=1) if len(outs) > 1 else outs[0].transpose(1, 2).contiguous()
         lse_ctx = torch.cat(lses, dim=2) if len(lses) > 1 else lses[0]
         if layout.has_context is not None:  # the kernel gives fully masked rows lse 0 (and output 0)
             lse_ctx = lse_ctx.masked_fill(~layout.has_context, float("-inf"))
-        own_out, own_lse = _flash_cpu(
-            _per_block(q, n), _per_block(own_k, n), _per_block(own_v, n), 0.0, False,
-            attn_mask=layout.own_mask, scale=scale,
-        )
-        own_lse = own_lse.view(b, n, h, -1).transpose(1, 2).reshape(b, h, nq)
-        lse = torch.logaddexp(lse_ctx, own_lse)
-        out.mul_(lse_ctx.sub_(lse).exp_()[..., None])
-        out.addcmul_(_per_row(own_out, b), own_lse.sub_(lse).exp_()[..., None])
-        ctx.save_for_backward(q, ctx_k, ctx_v, own_k, own_v, out, lse)
+        # Own blocks: one matrix per block, [m*h, B*kv] scores of every query head against every own key;
+        # the head-matched ones (_block_pairs) are the own part's scores, softmaxed with the context part.
+        g = h // kv
+        qb, kb, vb = _per_block(q, n), _per_block(own_k, n), _per_block(own_v, n)
+        pairs = torch.bmm(qb, kb.transpose(1, 2))
+        scores = _block_pairs(pairs, m, kv).mul(scale)  # [b*n, m, kv, g, B], contiguous
+        if layout.own_mask is not None:  # sliding layers: causal inside the block
+            scores.add_(layout.own_mask.view(m, 1, 1, -1))
+        lse_ctx = lse_ctx.reshape(b, kv, g, n, m).permute(0, 3, 4, 1, 2).reshape(b * n, m, kv, g)
+        top = torch.maximum(scores.amax(dim=-1), lse_ctx)  # finite: every query sees its own slot
+        probs = scores.sub_(top[..., None]).exp_()
+        share = lse_ctx.sub_(top).exp_()  # the context part's weight before normalising
+        total = probs.sum(dim=-1).add_(share)
+        probs.div_(total[..., None])
+        share.div_(total)
+        lse = top.add_(total.log_()).reshape(b, n, m, h).permute(0, 3, 1, 2).reshape(b, h, nq)
+        weights = pairs.zero_()  # [b*n, m*h, B*kv]: the probabilities, zero off the matched heads
+        _block_pairs(weights, m, kv).copy_(probs)
+        tokens = out.view(b * n, m * h, d)  # [b, Q, h, d] memory, one matrix per block
+        tokens.mul_(share.reshape(b * n, -1, 1)).baddbmm_(weights, vb)
+        out = out.transpose(1, 2)
+        ctx.save_for_backward(q, ctx_k, ctx_v, own_k, own_v, out, lse, weights)
         ctx.layout, ctx.scale = layout, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, ctx_k, ctx_v, own_k, own_v, out, lse = ctx.saved_tensors
+        q, ctx_k, ctx_v, own_k, own_v, out, lse, weights = ctx.saved_tensors
         layout, scale = ctx.layout, ctx.scale
         b, h, nq, d = q.shape
-        n = nq // layout.queries_per_block
+        kv = own_k.shape[1]
+        m = layout.queries_per_block
+        n = nq // m
         dq_parts = []
         dk_ctx = torch.zeros_like(ctx_k)
         dv_ctx = torch.zeros_like(ctx_v)
         for g, (q0, q1, lo, hi) in enumerate(layout.groups):
-            m = q1 - q0
+            rows = q1 - q0
             if hi <= lo:
-                dq_parts.append(q.new_zeros(b, m, h, d))
+                dq_parts.append(q.new_zeros(b, rows, h, d))
                 continue
             gq, gk, gv = _flash_cpu_backward(
-                grad_out.narrow(2, q0, m),
-                q.narrow(2, q0, m),
+                grad_out.narrow(2, q0, rows),
+                q.narrow(2, q0, rows),
                 ctx_k.narrow(2, lo, hi - lo),
                 ctx_v.narrow(2, lo, hi - lo),
-                out.narrow(2, q0, m),
-                lse.narrow(2, q0, m),
+                out.narrow(2, q0, rows),
+                lse.narrow(2, q0, rows),
                 0.0,
                 False,
                 attn_mask=layout.context_mask(g),
@@ -241,21 +272,20 @@ class _SplitAttention(torch.autograd.Function):
             dq_parts.append(gq.transpose(1, 2))
             dk_ctx.narrow(2, lo, hi - lo).add_(gk)
             dv_ctx.narrow(2, lo, hi - lo).add_(gv)
-        dq = torch.cat(dq_parts, dim=1).transpose(1, 2) if len(dq_parts) > 1 else dq_parts[0].transpose(1, 2)
-        gq, gk, gv = _flash_cpu_backward(
-            _per_block(grad_out, n),
-            _per_block(q, n),
-            _per_block(own_k, n),
-            _per_block(own_v, n),
-            _per_block(out, n),
-            _lse_per_block(lse, n),
-            0.0,
-            False,
-            attn_mask=layout.own_mask,
-            scale=scale,
-        )
-        dq.add_(_per_row(gq, b))
-        return dq, dk_ctx, dv_ctx, _per_row(gk, b), _per_row(gv, b), None, None
+        dq = torch.cat(dq_parts, dim=1) if len(dq_parts) > 1 else dq_parts[0].contiguous()  # [b, Q, h, d]
+
+        # Own blocks, from the kept probabilities: dS = P * (dP - rowsum(dO * O)), in the same one matrix
+        # per block as the forward (zero off the matched heads, so the products sum no other head).
+        d_out, qb, kb, vb = (_per_block(t, n) for t in (grad_out, q, own_k, own_v))
+        dot = (grad_out * out).sum(dim=-1).reshape(b, kv, h // kv, n, m).permute(0, 3, 4, 1, 2).reshape(b * n, m, kv, -1)
+        d_pairs = torch.bmm(d_out, vb.transpose(1, 2))
+        d_scores = _block_pairs(d_pairs, m, kv).sub(dot[..., None])
+        d_weights = d_pairs.zero_()
+        _block_pairs(d_weights, m, kv).copy_(d_scores.mul_(_block_pairs(weights, m, kv))).mul_(scale)
+        dq.view(b * n, m * h, d).baddbmm_(d_weights, kb)  # dq: [b, Q, h, d] memory
+        d_k = torch.bmm(d_weights.transpose(1, 2), qb)
+        d_v = torch.bmm(weights.transpose(1, 2), d_out)
+        return dq.transpose(1, 2), dk_ctx, dv_ctx, _per_token(d_k, b, kv), _per_token(d_v, b, kv), None, None
 
 
 def split_block_attention(q, ctx_k, ctx_v, own_k, own_v, layout, scale):

@@ -145,17 +145,34 @@ class BlockLayout(NamedTuple):
     has_context: torch.Tensor | None = None
 
     def context_mask(self, g: int) -> torch.Tensor:
-        """Group ``g``'s additive mask over its context slice alone, ``[b, 1, q1 - q0, hi - lo]``."""
+        """Group ``g``'s additive mask over its context slice alone, ``[b, 1, q1 - q0, hi - lo]``.
+
+        Made from ``visible`` once per layout and kept in ``masks`` (the forward and the backward of
+        every layer sharing the layout read the same tensor): the visibility goes to an additive
+        ``[b, N, 1 or queries_per_block, S]`` once, each group's rows are a copy of its slice of that."""
         q0, q1, lo, hi = self.groups[g]
         if self.visible is None:
             return self.mask.narrow(2, q0, q1 - q0).narrow(3, self.scratch + lo, hi - lo)
+        cached = self.masks.get(g) if self.masks is not None else None
+        if cached is not None:
+            return cached
+        additive = self.masks.get("additive") if self.masks is not None else None
+        if additive is None:
+            zero = torch.zeros((), dtype=self.dtype, device=self.visible.device)
+            additive = torch.where(self.visible, zero, float("-inf"))
         b, per = self.visible.shape[0], self.queries_per_block
-        seen = self.visible[:, q0 // per : q1 // per, :, lo:hi].expand(b, (q1 - q0) // per, per, hi - lo)
-        zero = torch.zeros((), dtype=self.dtype, device=seen.device)
-        return torch.where(seen, zero, float("-inf")).view(b, 1, q1 - q0, hi - lo)
+        part = additive[:, q0 // per : q1 // per, :, lo:hi].expand(b, (q1 - q0) // per, per, hi - lo)
+        mask = part.reshape(b, 1, q1 - q0, hi - lo)
+        if self.masks is not None:
+            self.masks["additive"] = additive
+            self.masks[g] = mask
+        return mask
 
     dtype: torch.dtype = torch.float32  # of the masks
     split: bool = False  # the CPU training path takes the split attention (block_layouts' choice)
+    # The context masks made so far (``context_mask``), by group, and the additive visibility they are cut
+    # from; None: made anew at every call.
+    masks: dict | None = None
 
     @property
     def drops_first_slot(self) -> bool:

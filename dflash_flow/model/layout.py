@@ -238,7 +238,7 @@ def block_layouts(
         if split or (split is None and split_pays(spans[layer_type], bsz)):
             # Each group's context mask is made when its kernel call needs it (BlockLayout.context_mask).
             made[(layer_type, drop)] = BlockLayout(
-                bsz, per_block, groups, scratch, None, None, vis, own_mask, has_context, dtype, True
+                bsz, per_block, groups, scratch, None, None, vis, own_mask, has_context, dtype, True, {}
             )
             continue
         # Additive (sdpa would convert a bool mask in every call, forward and backward), in the key
