@@ -149,21 +149,45 @@ def group_spans(
 GROUP_FIXED_COST = 250e-6 / (7e-9 / 64)
 
 
-def auto_group_blocks(bounds: ColumnBounds, start: int, stop: int, *, block_size: int, pair_cost: int) -> int:
+# The split attention (``block_attention._SplitAttention``) scores no own keys in its per-group kernel calls,
+# but each group's backward writes a gradient for every context key of its slice (the kernel zero-fills
+# its dK / dV, then they are added into the context's): per context position of a group, about the time of
+# this many query-key pairs per (row x KV head x head_dim). Fitted on whole steps, torch 2.13, fp32, one
+# thread, split form forced (``bench/peer_step.py`` shapes, 64 anchors; sizes 8-64 in one process): the
+# best group was 32 blocks at the peer shape (0.92 of the step at 8), 16 at embedded 4 x 512 (0.945 of 8)
+# and 8-32 at embedded 8 x 256 (within 2%); this cost picks 32, 16 and 16 there, the former model 8, 8, 4.
+SPLIT_KEY_COST = 16
+
+
+def auto_group_blocks(
+    bounds: ColumnBounds,
+    start: int,
+    stop: int,
+    *,
+    block_size: int,
+    pair_cost: int,
+    key_cost: int | None = None,
+) -> int:
     """Blocks per attention group for blocks ``start..stop-1``: the power of two with the least estimated
     time, ``pair_cost`` (rows x heads x head_dim) per visible-range query-key pair plus a fixed cost per
-    group. Small groups skip more hidden context; each group costs a few kernel calls."""
+    group. Small groups skip more hidden context; each group costs a few kernel calls.
+
+    ``key_cost`` (rows x KV heads x head_dim x ``SPLIT_KEY_COST``): the split attention's grouping, where a
+    group's queries score no own keys and each group costs this much per context key of its slice."""
     n = stop - start
     # Per group of `size` blocks: its context end (the largest anchor), by pairwise maxima as size doubles.
     ends = [max(0, min(h, bounds.seq_len)) for h in bounds.hi[start:stop]]
     best, best_cost, size = 1, None, 1
     while True:
-        # Each query scores its group's context slice and its group's own keys (size * B).
-        pairs = sum(
-            min(size, n - i * size) * block_size * (end + min(size, n - i * size) * block_size)
-            for i, end in enumerate(ends)
-        )
-        cost = pairs * pair_cost + len(ends) * GROUP_FIXED_COST
+        if key_cost is None:  # each query scores its group's context slice and its group's own keys
+            pairs = sum(
+                min(size, n - i * size) * block_size * (end + min(size, n - i * size) * block_size)
+                for i, end in enumerate(ends)
+            )
+            cost = pairs * pair_cost + len(ends) * GROUP_FIXED_COST
+        else:  # context only, and every group's slice once more for its keys' gradients
+            pairs = sum(min(size, n - i * size) * block_size * end for i, end in enumerate(ends))
+            cost = pairs * pair_cost + len(ends) * GROUP_FIXED_COST + sum(ends) * key_cost
         if best_cost is None or cost < best_cost:
             best, best_cost = size, cost
         if size >= n:
@@ -178,6 +202,15 @@ def auto_group_blocks(bounds: ColumnBounds, start: int, stop: int, *, block_size
 # second half (context / own keys ~6), about even at ~5, 5% slower at 4 x 256 (~2.6) and 30% slower at
 # 8 x 128 (~2.5), where the joining passes over every query cost more than the own keys it stops scoring.
 SPLIT_CONTEXT_RATIO = 4.0
+
+
+@attrs.frozen
+class Grouping:
+    """The attention groups of a chunk of blocks per layer type (``group_spans``), and the layer types whose
+    layouts take the split attention (``block_layouts``' ``split``)."""
+
+    spans: dict[str, list[tuple[int, int, int, int]]]
+    split: frozenset[str] = frozenset()
 
 
 def split_pays(spans: list[tuple[int, int, int, int]], block_size: int) -> bool:
@@ -197,7 +230,7 @@ def block_layouts(
     sliding_window: int | None,
     dtype: torch.dtype,
     last_drops_first_slot: bool = False,
-    split: bool | None = False,
+    split: bool | None | frozenset[str] = False,
 ) -> list[BlockLayout]:
     """One ``BlockLayout`` per layer for blocks ``start..stop-1`` grouped by ``spans`` (``group_spans``,
     per layer type). Layers of a type share one layout (one mask per type and chunk).
@@ -207,7 +240,8 @@ def block_layouts(
     path takes it), carrying only what it reads: no ``mask`` in the [scratch | context] key layout
     (``[b, 1, Q, scratch + S]``, 19 MB per layout at 4 x 512 with 64 anchors), each group's context mask
     made when its kernel call needs it. None: those where the split attention pays (``split_pays``), the
-    others as False gives them (for ``_BlockAttention``).
+    others as False gives them (for ``_BlockAttention``). A set of layer types: those types' layouts split
+    (the objective's choice, ``Grouping.split``, made on the block form's groups before regrouping).
     """
     bsz = plan.block_size
     b, n = plan.anchors.shape[0], stop - start
@@ -235,7 +269,11 @@ def block_layouts(
         groups = [((n0 - start) * per_block, (n1 - start) * per_block, lo, hi) for n0, n1, lo, hi in spans[layer_type]]
         own_mask = torch.where(within, zero, float("-inf"))[None, None] if layer_type == SLIDING_ATTENTION else None
         has_context = vis.any(dim=-1).expand(b, n, per_block).reshape(b, 1, n * per_block)
-        if split or (split is None and split_pays(spans[layer_type], bsz)):
+        if isinstance(split, frozenset):
+            takes_split = layer_type in split
+        else:
+            takes_split = bool(split) or (split is None and split_pays(spans[layer_type], bsz))
+        if takes_split:
             # Each group's context mask is made when its kernel call needs it (BlockLayout.context_mask).
             made[(layer_type, drop)] = BlockLayout(
                 bsz, per_block, groups, scratch, None, None, vis, own_mask, has_context, dtype, True, {}

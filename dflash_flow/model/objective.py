@@ -63,7 +63,9 @@ from dflash_flow.model.blockplan import (
 from dflash_flow.model.drafter_layers import SlotRows, maybe_compiled
 from dflash_flow.model.fused import weighted_cross_entropy
 from dflash_flow.model.layout import (  # noqa: F401 - re-exported
+    SPLIT_KEY_COST,
     ColumnBounds,
+    Grouping,
     activation_bytes_per_block,
     auto_chunk_blocks,
     auto_group_blocks,
@@ -71,6 +73,7 @@ from dflash_flow.model.layout import (  # noqa: F401 - re-exported
     block_layouts,
     group_spans,
     read_bounds,
+    split_pays,
 )
 from dflash_flow.model.strategies import DFlash2, VariablePrefix
 
@@ -159,21 +162,39 @@ class DFlashLossOutput:
 
 
 
-def _layer_spans(drafter, bounds, start, stop, group_blocks, rows):
+def _layer_spans(drafter, bounds, start, stop, group_blocks, rows) -> Grouping:
+    """Attention groups per layer type (``group_spans``) and which layer types take the split attention.
+
+    The form is decided on the block form's groups (``auto_group_blocks``, or ``group_blocks``): the split
+    attention where ``split_pays`` and the layers run it (CPU). Unless ``group_blocks`` is given, the split
+    layer types are then regrouped by the split form's own cost (``key_cost``: its groups score no own
+    keys, so larger groups pay there)."""
     window = getattr(drafter.config, "sliding_window", None)
     attn = drafter.layers[0].self_attn
-    g = group_blocks or auto_group_blocks(
-        bounds, start, stop, block_size=drafter.block_size, pair_cost=rows * attn.num_heads * attn.head_dim
-    )
-    return {
-        t: group_spans(bounds, start, stop, group_blocks=g, layer_type=t, sliding_window=window)
-        for t in sorted(set(drafter.layer_types))
-    }
+    bsz = drafter.block_size
+
+    def spans_of(g):
+        return {
+            t: group_spans(bounds, start, stop, group_blocks=g, layer_type=t, sliding_window=window)
+            for t in sorted(set(drafter.layer_types))
+        }
+
+    pair_cost = rows * attn.num_heads * attn.head_dim
+    spans = spans_of(group_blocks or auto_group_blocks(bounds, start, stop, block_size=bsz, pair_cost=pair_cost))
+    device = drafter.fc.weight.device
+    split = frozenset()
+    if all(layer.self_attn.splits_on(device) for layer in drafter.layers):
+        split = frozenset(t for t, s in spans.items() if split_pays(s, bsz))
+    if split and not group_blocks:
+        key_cost = rows * attn.num_kv_heads * attn.head_dim * SPLIT_KEY_COST
+        g = auto_group_blocks(bounds, start, stop, block_size=bsz, pair_cost=pair_cost, key_cost=key_cost)
+        spans.update({t: s for t, s in spans_of(g).items() if t in split})
+    return Grouping(spans, split)
 
 
-def _decode_span(drafter, plan, embed_tokens, context_kv, start, stop, spans, dtype, drop_first_slot=False):
+def _decode_span(drafter, plan, embed_tokens, context_kv, start, stop, grouping, dtype, drop_first_slot=False):
     """Normed drafter hidden states ``[b, n*B, H]`` of blocks ``start..stop-1`` (``[b, n*(B-1), H]``,
-    slots 1..B-1, with ``drop_first_slot``)."""
+    slots 1..B-1, with ``drop_first_slot``), attending as ``grouping`` (``_layer_spans``) says."""
     b = plan.anchors.shape[0]
     ids = plan.block_ids[:, start:stop]
     scale = float(getattr(drafter, "input_embedding_scale", 1.0))
@@ -191,14 +212,14 @@ def _decode_span(drafter, plan, embed_tokens, context_kv, start, stop, spans, dt
         rows = SlotRows(embed(ids[:, :, 0]), embed(ids[:1, :1, 1]).reshape(-1))
     layouts = block_layouts(
         plan,
-        spans,
+        grouping.spans,
         start,
         stop,
         layer_types=drafter.layer_types,
         sliding_window=getattr(drafter.config, "sliding_window", None),
         dtype=dtype,
         last_drops_first_slot=drop_first_slot,
-        split=None if all(layer.self_attn.splits_on(ids.device) for layer in drafter.layers) else False,
+        split=grouping.split,
     )
     positions = plan.block_positions[:, start:stop].reshape(b, -1)
     return drafter.decode_blocks(noise, context_kv, positions, layouts, rows)
@@ -224,13 +245,13 @@ def draft_block_hidden(
     if context is None:
         context = drafter.fuse_context(hidden_states.to(drafter.dtype))
     bounds, _ = read_bounds(plan.anchors, plan.keep, context.shape[1])
-    spans = _layer_spans(drafter, bounds, start, stop, group_blocks, plan.anchors.shape[0])
+    grouping = _layer_spans(drafter, bounds, start, stop, group_blocks, plan.anchors.shape[0])
     return _decode_span(
-        drafter, plan, embed_tokens, drafter.context_kv(context), start, stop, spans, context.dtype
+        drafter, plan, embed_tokens, drafter.context_kv(context), start, stop, grouping, context.dtype
     )
 
 
-def _chunk_terms(drafter, lm_head, embed_tokens, plan, start, stop, spans, *context_kv):
+def _chunk_terms(drafter, lm_head, embed_tokens, plan, start, stop, grouping, *context_kv):
     """Weighted CE sum and argmax ``[b, n, B-1]`` of blocks ``start..stop-1``. Slot 0 is never
     supervised: the last layer computes no slot-0 queries and the head gets no slot-0 rows.
 
@@ -241,7 +262,7 @@ def _chunk_terms(drafter, lm_head, embed_tokens, plan, start, stop, spans, *cont
     kv = list(zip(context_kv[::2], context_kv[1::2], strict=True))
     independent = getattr(drafter, "independent_slots", True)
     h = _decode_span(
-        drafter, plan, embed_tokens, kv, start, stop, spans, context_kv[0].dtype, drop_first_slot=independent
+        drafter, plan, embed_tokens, kv, start, stop, grouping, context_kv[0].dtype, drop_first_slot=independent
     )
     b, n, bsz = plan.anchors.shape[0], stop - start, plan.block_size
     if not independent:
@@ -452,8 +473,8 @@ def dflash_loss(
     preds, selector_parts = [], []
     for start in range(0, n, step):
         stop = min(start + step, n)
-        spans = _layer_spans(drafter, bounds, start, stop, group_blocks, plan.anchors.shape[0])
-        args = (drafter, lm_head, embed_tokens, plan, start, stop, spans, *context_kv)
+        grouping = _layer_spans(drafter, bounds, start, stop, group_blocks, plan.anchors.shape[0])
+        args = (drafter, lm_head, embed_tokens, plan, start, stop, grouping, *context_kv)
         if step < n and grad:
             part, pred, *selector = checkpoint(_chunk_terms, *args, use_reentrant=False)
         else:

@@ -133,3 +133,21 @@ def test_layouts_take_the_split_attention_where_contexts_are_long():
     # The test case's contexts are short: auto gives the mask layout for _BlockAttention.
     auto = setup_case("full_attention", None, 3, split=None)[0]
     assert not auto.split and auto.mask is not None
+
+
+@pytest.mark.parametrize("layer_type,window", [("full_attention", None), ("sliding_attention", 5)])
+def test_split_attention_joins_large_scores_without_overflow(layer_type, window):
+    # Scores in the thousands (exp overflows float64 past 709): the own blocks' softmax is joined with the
+    # context's log-sum-exp around their common maximum, so values and gradients stay those of dense sdpa.
+    layout, inputs, dense = setup_case(layer_type, window, 3, split=True)
+    with torch.no_grad():
+        inputs[0].mul_(600.0)
+        inputs[3].mul_(3.0)  # own keys: the own part holds the largest scores of some queries
+    want = dense_attention(*inputs, dense)
+    got = _SplitAttention.apply(*inputs, layout, inputs[0].shape[-1] ** -0.5)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-8)
+    weights = torch.randn(got.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    for g, w in zip(torch.autograd.grad((got * weights).sum(), inputs),
+                    torch.autograd.grad((want * weights).sum(), inputs), strict=True):
+        torch.testing.assert_close(g, w, atol=1e-8, rtol=1e-7)

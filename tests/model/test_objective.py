@@ -659,6 +659,47 @@ def test_auto_group_blocks_trades_hidden_keys_against_calls():
     assert 1 <= g <= 16 and g & (g - 1) == 0
 
 
+def test_split_grouping_scores_no_own_keys_and_pays_per_group_key():
+    # The split attention's groups score only their context slices (no own keys of the group's other
+    # blocks): with the same costs it groups at least as coarsely as the block form, and a cost per
+    # context key of every group's slice (its keys' gradients) merges groups further.
+    bounds = ColumnBounds(hi=[300 + 3 * i for i in range(64)], lo=[290 + 3 * i for i in range(64)], seq_len=512)
+    block = auto_group_blocks(bounds, 0, 64, block_size=8, pair_cost=512)
+    split = auto_group_blocks(bounds, 0, 64, block_size=8, pair_cost=512, key_cost=0)
+    costly_keys = auto_group_blocks(bounds, 0, 64, block_size=8, pair_cost=512, key_cost=10**6)
+    assert block <= split < costly_keys == 64
+    assert auto_group_blocks(bounds, 0, 64, block_size=8, pair_cost=10**9, key_cost=0) == 1
+
+
+def test_long_contexts_take_the_split_attention_in_larger_groups_with_the_same_result(target):
+    # Rows of 512 tokens, anchors in the last three quarters: contexts of 128-510 keys against 8 own keys per block,
+    # so the CPU path takes the split attention, regrouped by its own cost into fewer groups than the block
+    # form's; loss and gradients equal the dense reference.
+    from dflash_flow.model.objective import _layer_spans, read_bounds
+
+    drafter = randomize(build_drafter(target, num_layers=2), 23)
+    ids, lm = make_batch(target, b=2, s=512, seed=4)
+    lm[:, :128] = 0
+    feats = target_features(target, ids, drafter.target_layer_ids)
+    anchors = sample_anchors(lm, 24, generator=torch.Generator().manual_seed(9))
+    bounds, _ = read_bounds(*anchors, 512)
+    grouping = _layer_spans(drafter, bounds, 0, anchors[0].shape[1], None, 2)
+    assert grouping.split == {FULL_ATTENTION}
+    attn = drafter.layers[0].self_attn
+    block_form = auto_group_blocks(bounds, 0, anchors[0].shape[1], block_size=drafter.block_size,
+                                   pair_cost=2 * attn.num_heads * attn.head_dim)
+    assert len(grouping.spans[FULL_ATTENTION]) < -(-anchors[0].shape[1] // block_form)  # fewer, larger groups
+    mods = loss_modules(target)
+    ref_loss, _hits = reference_loss(drafter, input_ids=ids, loss_mask=lm, hidden_states=feats, anchors=anchors,
+                                     gamma=4.0, **mods)
+    ref_grads = torch.autograd.grad(ref_loss, list(drafter.parameters()))
+    out = dflash_loss(drafter, input_ids=ids, loss_mask=lm, hidden_states=feats, anchors=anchors, gamma=4.0, **mods)
+    grads = torch.autograd.grad(out.loss, list(drafter.parameters()))
+    torch.testing.assert_close(out.loss, ref_loss, atol=1e-6, rtol=1e-6)
+    for (name, _), g, r in zip(drafter.named_parameters(), grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_layer_checkpointing_gives_the_same_loss_and_gradients(target):
     drafter = randomize(build_drafter(target, num_layers=2), 31)
     ids, lm = make_batch(target, b=2, s=24)
