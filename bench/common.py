@@ -1,12 +1,16 @@
 """What the profile, e2e, fanout, torchdata and scale benchmarks share: the machine description, writing
-a result file, the embedded pipeline shortened, and pipelines of sleep stages with known costs."""
+a result file, the embedded pipeline shortened, and pipelines of sleep stages with known costs; and, for
+the step benchmarks' ``--baseline``, the package at a git revision beside this tree's (``load_package``)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import platform
+import subprocess
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -38,6 +42,21 @@ class ItemsSource(Source):
 
     def produce(self):
         yield from self.items
+
+
+def load_package(rev: str, into: Path, name: str = "dflash_flow_before") -> str:
+    """The ``dflash_flow`` package as of git revision ``rev`` (all of it), importable as ``name`` beside this
+    tree's; unpacked into ``into`` once (a second call, e.g. from a measuring subprocess, reuses it)."""
+    if not (into / name).is_dir():
+        tar = subprocess.run(["git", "archive", rev, "dflash_flow"], cwd=ROOT, check=True, capture_output=True).stdout
+        with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+            archive.extractall(into, filter="data")
+        (into / "dflash_flow").rename(into / name)
+        for path in (into / name).rglob("*.py"):
+            path.write_text(path.read_text().replace("dflash_flow", name))
+    if str(into) not in sys.path:
+        sys.path.insert(0, str(into))
+    return name
 
 
 def machine() -> dict[str, Any]:

@@ -24,11 +24,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import io
 import statistics
-import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -38,24 +35,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import peer_step as ps  # noqa: E402
+from common import load_package  # noqa: E402
 
 CASES = {
     "embedded_4x256": dict(target=ps.EMBEDDED_TARGET, batch=4, seq_len=256, ragged=True),
     "embedded_8x128": dict(target=ps.EMBEDDED_TARGET, batch=8, seq_len=128, ragged=True),
 }
 DFLASH2 = dict(variant="dflash2", selector_rank=32)
-
-
-def load_package(rev: str, into: Path, name: str = "dflash_flow_before"):
-    """The ``dflash_flow`` package as of git revision ``rev``, importable as ``name`` beside ours."""
-    tar = subprocess.run(["git", "archive", rev, "dflash_flow"], cwd=ROOT, check=True, capture_output=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
-        archive.extractall(into, filter="data")
-    (into / "dflash_flow").rename(into / name)
-    for path in (into / name).rglob("*.py"):
-        path.write_text(path.read_text().replace("dflash_flow", name))
-    sys.path.insert(0, str(into))
-    return name
 
 
 def make_step(c: dict, package: str, variant: dict, seed: int = 0):

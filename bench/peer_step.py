@@ -12,8 +12,8 @@ anchors both implementations get in that round (so both do the same work on iden
     python bench/peer_step.py --threads 1           # one intra-op thread (steadier when the box is shared)
     python bench/peer_step.py --compile             # ours with the ``compile`` recipe field on
 
-(``--baseline`` swaps in that revision's ``drafter`` and ``objective`` modules only; the layers, the block
-attention and ``fused`` are this tree's.)
+(``--baseline`` imports the whole package at that revision beside this tree's, with its own chunking
+defaults.)
 
 SpecForge's wheel is downloaded by the hash pinned in ``requirements/bench.txt`` and unpacked into the cache
 (or taken from ``$DFLASH_SPECFORGE_DIR`` / ``--specforge``); when that fails, the benchmark exits 2 naming
@@ -113,21 +113,14 @@ def import_specforge(path: str | os.PathLike | None = None, *, fetch: bool = Fal
 
 
 def load_baseline(rev: str, into: Path):
-    """Our ``objective`` module as of git revision ``rev`` (with its own copy of ``drafter``)."""
-    into.mkdir(parents=True, exist_ok=True)
-    for name in ("drafter", "objective"):
-        text = subprocess.run(
-            ["git", "show", f"{rev}:dflash_flow/model/{name}.py"],
-            cwd=ROOT,
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
-        text = text.replace("from dflash_flow.model.drafter import", "from baseline_drafter import")
-        (into / f"baseline_{name}.py").write_text(text)
-    if str(into) not in sys.path:
-        sys.path.insert(0, str(into))
-    return importlib.import_module("baseline_drafter"), importlib.import_module("baseline_objective")
+    """Our package as of git revision ``rev``, all of it (layers, attention, fused passes, trainer defaults),
+    importable beside this tree's (``common.load_package``): its ``(drafter, objective, trainer)`` modules."""
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.insert(0, str(ROOT / "bench"))
+    from common import load_package
+
+    name = load_package(rev, into)
+    return tuple(importlib.import_module(f"{name}.model.{m}") for m in ("drafter", "objective", "trainer"))
 
 
 # ------------------------------------------------------------------------------------------ workload
@@ -212,19 +205,18 @@ def draw_anchors(c: dict, seed: int):
     )
 
 
-def make_ours(c: dict, drafter_mod=None, objective_mod=None, *, compiled: bool = False, **loss_kw):
-    """``step(anchors) -> loss`` (forward + backward) for our implementation (or a baseline's modules);
-    ``compiled``: the ``compile`` recipe field (``DFlashDrafter.compiled``)."""
+def make_ours(c: dict, drafter_mod=None, objective_mod=None, trainer_mod=None, *, compiled: bool = False, **loss_kw):
+    """``step(anchors) -> loss`` (forward + backward) for our implementation (or a baseline's modules,
+    ``load_baseline``); ``compiled``: the ``compile`` recipe field (``DFlashDrafter.compiled``)."""
     if drafter_mod is None:
         from dflash_flow.model import drafter as drafter_mod
         from dflash_flow.model import objective as objective_mod
-        from dflash_flow.model.trainer import TrainerConfig
-
-        # Our defaults, as the trainer passes them: chunking chosen from the activation budget.
-        defaults = TrainerConfig()
-        loss_kw = dict(
-            dict(chunk_blocks=defaults.chunk_blocks, activation_budget_mb=defaults.activation_budget_mb), **loss_kw
-        )
+        from dflash_flow.model import trainer as trainer_mod
+    # Our defaults, as the trainer passes them: chunking chosen from the activation budget.
+    defaults = trainer_mod.TrainerConfig()
+    loss_kw = dict(
+        dict(chunk_blocks=defaults.chunk_blocks, activation_budget_mb=defaults.activation_budget_mb), **loss_kw
+    )
     model = drafter_mod.DFlashDrafter(c["config"])
     model.load_state_dict(c["state"])
     model.train()
@@ -290,7 +282,7 @@ def implementations(c: dict, *, sf_classes=None, baseline=None, compiled=False) 
     if sf_classes is not None:
         impls["specforge"] = make_specforge(c, sf_classes)
     if baseline is not None:
-        impls["before"] = make_ours(c, *baseline)
+        impls["before"] = make_ours(c, *baseline, compiled=compiled)
     return impls
 
 

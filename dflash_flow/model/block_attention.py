@@ -5,10 +5,12 @@ log-sum-exp. ``_BlockAttention``: one call per group over the group's own blocks
 key buffer. ``BlockLayout`` (``drafter_layers``) says which queries form a group and which keys they see.
 
 Measured (torch 2.13, fp32, one thread, ``bench/peer_step.py`` shapes, both in one process): the split
-form is 4-7% faster on the peer step (4 x 512, loss on the second half, head_dim 64: each group's keys
-stay within the kernel's 512-key tile and no other block's own keys are scored) but slower where the
-context slices are short against the own keys (5% at 4 x 256, 30% at 8 x 128: the joining passes over
-every query cost more than the masked own keys), hence ``layout.split`` (``layout.split_pays``).
+form is faster where the context slices are long against the own keys (the peer step: 4 x 512, loss on
+the second half, head_dim 64: no other block's own keys are scored, and its groups are larger, as
+``objective._layer_spans`` regroups it by its own cost). Where they are short it was slower (5% at 4 x 256,
+30% at 8 x 128) while its own blocks went through the kernel; forced there now it is 0-5% faster
+(``bench/dflash2_step.py``, DFlash and DFlash 2), a gain too small to move ``layout.split_pays``'
+threshold without measuring shorter rows too.
 """
 
 from __future__ import annotations

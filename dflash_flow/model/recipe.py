@@ -46,8 +46,8 @@ class TrainerConfig:
     )
     compile: bool = cfg(
         False, doc="torch.compile the step's work outside the attention kernels (the drafter's layers, the context "
-        "projections, the loss head): same loss, ~15% faster steps on CPU (1 thread) after 12-33 s of compiling per "
-        "batch shape, 5-14 s with a warm compile cache (docs/benchmarks.md); off: no start-up cost, for short runs and tests.",
+        "projections, the loss head): same loss, 10-20% faster steps on CPU (1 thread) after 12-56 s of compiling per "
+        "batch shape, 5-18 s with a warm compile cache (docs/benchmarks.md); off: no start-up cost, for short runs and tests.",
     )
     lr: float = cfg(6e-4, gt=0, doc="Peak learning rate.")
     warmup_ratio: float = cfg(0.04, ge=0, le=1, doc="Linear warmup share of all steps.")
