@@ -102,7 +102,7 @@ class BatchMeta:
     filler: bool = False
     step: int = 0
     last_of_epoch: bool = False  # the epoch's last step (for this rank)
-    last_of_run: bool = False  # the last batch the run plans (max_batches reached)
+    last_of_run: bool = False  # the last batch the run plans for this rank (max_batches reached, or the last epoch ends)
     plan_state: dict[str, Any] | None = None
     plan: RunPlan | None = None  # the run's plan (the same object for every batch of an epoch)
     # The sample lengths its bucket holds, (shortest, longest): for the bucket mix's legend (None: a filler).

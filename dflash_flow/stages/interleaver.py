@@ -111,7 +111,8 @@ class Interleaver(Stage):
             meta.total_batches = total
             meta.batches_ahead = (epoch_steps - s, *ahead[1:])
             meta.last_of_epoch = s == cut - 1
-            meta.last_of_run = self.max_batches is not None and self._emitted + 1 >= self.max_batches
+            # The run's last batch for this rank: max_batches reached, or the last epoch's last batch.
+            meta.last_of_run = sum(meta.batches_ahead) == 1
             # Advance before yielding: a state taken while this batch is downstream must count it.
             self._plan_state = plan.state_dict(min(start + (s + 1) * world, len(plan)))
             meta.plan_state = self._plan_state

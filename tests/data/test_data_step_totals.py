@@ -41,12 +41,15 @@ class _Rank:
         self.batches = 0
         self.first = None
         self.last = None
+        self.last_of_run: list[int] = []  # the batches (1-based) flagged as the run's last
 
     def take(self, meta) -> None:
         if self.first is None:
             self.first = meta
         self.last = meta
         self.batches += 1
+        if meta.last_of_run:
+            self.last_of_run.append(self.batches)
         self.acc.micro += 1
         if self.acc.ready or meta.ends_accumulation:
             self.steps += 1
@@ -94,6 +97,9 @@ def test_announced_totals_are_the_steps_taken(lengths, epochs, world, tail, grad
         assert rank.first.total_batches == rank.batches, where
         assert planned_updates(rank.first.batches_ahead, grad_accum) == rank.steps, where
         assert rank.last.ends_accumulation, where  # the run's last batch steps: no update is left over
+        # Exactly the last batch says it is the run's last (the held-out walk and a checkpoint are due
+        # there), whether max_batches or the last epoch ends the run.
+        assert rank.last_of_run == [rank.batches], where
 
 
 @settings_
