@@ -214,19 +214,20 @@ class _SplitAttention(torch.autograd.Function):
             outs.append(o)
             lses.append(lse)
         # [b, Q, h, d] memory order (the kernel's), so o_proj reads the result without a copy.
-        out = torch.cat([o.transpose(1, 2) for o in outs], dim=1) if len(outs) > 1 else outs[0].transpose(1, 2).contiguous()
+        out = torch.cat([o.transpose(1, 2) for o in outs], dim=1) if len(outs) > 1 else outs[0].transpose(1, 2)
+        out = out.contiguous()  # (a no-op unless one group's result came in another order)
         lse_ctx = torch.cat(lses, dim=2) if len(lses) > 1 else lses[0]
         if layout.has_context is not None:  # the kernel gives fully masked rows lse 0 (and output 0)
             lse_ctx = lse_ctx.masked_fill(~layout.has_context, float("-inf"))
         # Own blocks: one matrix per block, [m*h, B*kv] scores of every query head against every own key;
         # the head-matched ones (_block_pairs) are the own part's scores, softmaxed with the context part.
-        g = h // kv
+        rep = h // kv  # query heads per KV head
         qb, kb, vb = _per_block(q, n), _per_block(own_k, n), _per_block(own_v, n)
         pairs = torch.bmm(qb, kb.transpose(1, 2))
         scores = _block_pairs(pairs, m, kv).mul(scale)  # [b*n, m, kv, g, B], contiguous
         if layout.own_mask is not None:  # sliding layers: causal inside the block
             scores.add_(layout.own_mask.view(m, 1, 1, -1))
-        lse_ctx = lse_ctx.reshape(b, kv, g, n, m).permute(0, 3, 4, 1, 2).reshape(b * n, m, kv, g)
+        lse_ctx = lse_ctx.reshape(b, kv, rep, n, m).permute(0, 3, 4, 1, 2).reshape(b * n, m, kv, rep)
         top = torch.maximum(scores.amax(dim=-1), lse_ctx)  # finite: every query sees its own slot
         probs = scores.sub_(top[..., None]).exp_()
         share = lse_ctx.sub_(top).exp_()  # the context part's weight before normalising
@@ -279,7 +280,8 @@ class _SplitAttention(torch.autograd.Function):
         # Own blocks, from the kept probabilities: dS = P * (dP - rowsum(dO * O)), in the same one matrix
         # per block as the forward (zero off the matched heads, so the products sum no other head).
         d_out, qb, kb, vb = (_per_block(t, n) for t in (grad_out, q, own_k, own_v))
-        dot = (grad_out * out).sum(dim=-1).reshape(b, kv, h // kv, n, m).permute(0, 3, 4, 1, 2).reshape(b * n, m, kv, -1)
+        dot = (grad_out * out).sum(dim=-1).reshape(b, kv, h // kv, n, m)
+        dot = dot.permute(0, 3, 4, 1, 2).reshape(b * n, m, kv, -1)  # rowsum(dO * O), as _block_pairs' rows
         d_pairs = torch.bmm(d_out, vb.transpose(1, 2))
         d_scores = _block_pairs(d_pairs, m, kv).sub(dot[..., None])
         d_weights = d_pairs.zero_()
@@ -287,7 +289,8 @@ class _SplitAttention(torch.autograd.Function):
         dq.view(b * n, m * h, d).baddbmm_(d_weights, kb)  # dq: [b, Q, h, d] memory
         d_k = torch.bmm(d_weights.transpose(1, 2), qb)
         d_v = torch.bmm(weights.transpose(1, 2), d_out)
-        return dq.transpose(1, 2), dk_ctx, dv_ctx, _per_token(d_k, b, kv), _per_token(d_v, b, kv), None, None
+        d_own_k, d_own_v = _per_token(d_k, b, kv), _per_token(d_v, b, kv)
+        return dq.transpose(1, 2), dk_ctx, dv_ctx, d_own_k, d_own_v, None, None
 
 
 def split_block_attention(q, ctx_k, ctx_v, own_k, own_v, layout, scale):
