@@ -224,7 +224,7 @@ class _SplitAttention(torch.autograd.Function):
         rep = h // kv  # query heads per KV head
         qb, kb, vb = _per_block(q, n), _per_block(own_k, n), _per_block(own_v, n)
         pairs = torch.bmm(qb, kb.transpose(1, 2))
-        scores = _block_pairs(pairs, m, kv).mul(scale)  # [b*n, m, kv, g, B], contiguous
+        scores = _block_pairs(pairs, m, kv).mul(scale)  # [b*n, m, kv, rep, B], contiguous
         if layout.own_mask is not None:  # sliding layers: causal inside the block
             scores.add_(layout.own_mask.view(m, 1, 1, -1))
         lse_ctx = lse_ctx.reshape(b, kv, rep, n, m).permute(0, 3, 4, 1, 2).reshape(b * n, m, kv, rep)

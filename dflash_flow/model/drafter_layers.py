@@ -153,20 +153,15 @@ class BlockLayout(NamedTuple):
         q0, q1, lo, hi = self.groups[g]
         if self.visible is None:
             return self.mask.narrow(2, q0, q1 - q0).narrow(3, self.scratch + lo, hi - lo)
-        cached = self.masks.get(g) if self.masks is not None else None
-        if cached is not None:
-            return cached
-        additive = self.masks.get("additive") if self.masks is not None else None
-        if additive is None:
-            zero = torch.zeros((), dtype=self.dtype, device=self.visible.device)
-            additive = torch.where(self.visible, zero, float("-inf"))
-        b, per = self.visible.shape[0], self.queries_per_block
-        part = additive[:, q0 // per : q1 // per, :, lo:hi].expand(b, (q1 - q0) // per, per, hi - lo)
-        mask = part.reshape(b, 1, q1 - q0, hi - lo)
-        if self.masks is not None:
-            self.masks["additive"] = additive
-            self.masks[g] = mask
-        return mask
+        masks = self.masks if self.masks is not None else {}  # None: nothing kept between calls
+        if g not in masks:
+            if "additive" not in masks:
+                zero = torch.zeros((), dtype=self.dtype, device=self.visible.device)
+                masks["additive"] = torch.where(self.visible, zero, float("-inf"))
+            b, per = self.visible.shape[0], self.queries_per_block
+            part = masks["additive"][:, q0 // per : q1 // per, :, lo:hi].expand(b, (q1 - q0) // per, per, hi - lo)
+            masks[g] = part.reshape(b, 1, q1 - q0, hi - lo)
+        return masks[g]
 
     dtype: torch.dtype = torch.float32  # of the masks
     split: bool = False  # the CPU training path takes the split attention (block_layouts' choice)
