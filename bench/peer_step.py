@@ -211,6 +211,7 @@ def make_ours(c: dict, drafter_mod=None, objective_mod=None, trainer_mod=None, *
     if drafter_mod is None:
         from dflash_flow.model import drafter as drafter_mod
         from dflash_flow.model import objective as objective_mod
+    if trainer_mod is None:
         from dflash_flow.model import trainer as trainer_mod
     # Our defaults, as the trainer passes them: chunking chosen from the activation budget.
     defaults = trainer_mod.TrainerConfig()
