@@ -12,21 +12,26 @@ Every prediction comes with the plan's 90% interval (``app.splitplan``: batch me
 and whether the measured run's own interval overlaps it (``intervals_overlap``; the fairer test, as a
 short measured run has a sampling error of its own, about as large as the profile's): the interval is for
 the steady state of the profiled run, so a later run's drift in the machine's load can fall outside it.
+* ``noise_floor``: the machine's own drift, first: one thread's fixed matrix products timed in 1-s chunks
+  for ``--noise-s`` seconds (the spread of chunks and of 5-chunk means): no prediction of a run on this
+  machine can be closer than that.
 * ``embedded``: ``pipelines/dflash.yaml`` shortened (drafter ``torch_threads`` 1), with 1 and 2
-  TargetForward replicas, alternating, twice each; each setting's profiles predict the other's throughput
-  (and its own); means over the runs.
+  TargetForward replicas, alternating, ``--embedded-reps`` runs each; each setting's profiles predict the
+  other's throughput (and its own); means over the runs, each cross error with its own 90% interval (the
+  two means' intervals combined), and every single profile against every single other run (``pairs``).
 * ``data_parallel``: the two-rank run of bench/scale_bench.py (results/scale.json, if there) predicted
   from the one-process profile with 1 target and the all-reduce wait that run measured;
 * ``profile``: the embedded profile itself (2 TargetForward replicas), and ``plan``: the split table
   for 8 GPUs it gives (CPU costs, so only the shape of the table carries over to a GPU machine).
 
 Usage: python bench/profile_bench.py [--out FILE] [--sleep-steps 150] [--sleep-jitter 0.5] [--windows 6]
-       [--embedded-steps 15] [--embedded-reps 2] [--no-embedded]
+       [--embedded-steps 30] [--embedded-reps 5] [--noise-s 20] [--no-embedded]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from pathlib import Path
@@ -50,6 +55,49 @@ JITTER = 0.5
 
 def _error(predicted: float, measured: float) -> float:
     return predicted / measured - 1.0
+
+
+def noise_floor(seconds: float = 20.0, chunk_s: float = 1.0) -> dict[str, Any]:
+    """The machine's own drift: one thread multiplies the same 512 x 512 matrices for ``seconds``, timed in
+    chunks of about ``chunk_s``; the spread of the chunks' (and of 5-chunk means') speed is what no
+    prediction of a run on this machine can beat (nothing else of ours runs meanwhile)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(512, 512), torch.randn(512, 512)
+        t0 = time.perf_counter()
+        for _ in range(5):
+            a @ b
+        per = max(1, round(chunk_s / max((time.perf_counter() - t0) / 5, 1e-6)))
+        chunks, end = [], time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t = time.perf_counter()
+            for _ in range(per):
+                a @ b
+            chunks.append(per / (time.perf_counter() - t))
+    finally:
+        torch.set_num_threads(threads)
+
+    def spread(xs: list[float]) -> dict[str, float] | None:
+        if len(xs) < 2:
+            return None
+        m = statistics.fmean(xs)
+        return {"sd_pct": round(100 * statistics.stdev(xs) / m, 1), "min_over_mean": round(min(xs) / m, 3),
+                "max_over_mean": round(max(xs) / m, 3), "n": len(xs)}
+
+    fives = [statistics.fmean(chunks[i:i + 5]) for i in range(0, len(chunks) - 4, 5)]
+    return {"seconds": seconds, "chunk_s": chunk_s, "chunks": spread(chunks), "five_chunk_means": spread(fives)}
+
+
+def _mean_interval(xs: list[float]) -> float | None:
+    """The relative half-width of the 90% interval of the mean of ``xs`` (None below two)."""
+    from dflash_flow.app.splitplan import t95
+
+    if len(xs) < 2:
+        return None
+    return t95(len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs)) / statistics.fmean(xs)
 
 
 def _profile(v, steps: int, warmup: int = 1, interval_s: float = 0.05, windows: int = WINDOWS):
@@ -138,6 +186,8 @@ def validate_embedded(steps: int, root: Path, reps: int = 2, windows: int = WIND
             preds = [predict(p, {TARGET: n}) for p in profs]
             pred = statistics.fmean(x.batches_per_s for x in preds)
             meas = statistics.fmean(p.batches_per_s for p in measured)
+            # The error's own 90% interval: both means' relative intervals, combined (runs independent).
+            ip, im = _mean_interval([x.batches_per_s for x in preds]), _mean_interval([p.batches_per_s for p in measured])
             rows.append({
                 "profiled_with_targets": source,
                 "predicted_for_targets": n,
@@ -146,6 +196,8 @@ def validate_embedded(steps: int, root: Path, reps: int = 2, windows: int = WIND
                 "measured_batches_per_s": round(meas, 4),
                 "measured_runs": [round(p.batches_per_s, 4) for p in measured],
                 "error": round(_error(pred, meas), 4),
+                "error_interval_half_width": None if ip is None or im is None or source == n else round(
+                    math.hypot(ip, im), 4),
             })
             for i, (p_, pr) in enumerate(zip(profs, preds, strict=True)):
                 for j, m in enumerate(measured):
@@ -194,6 +246,7 @@ def validate_embedded(steps: int, root: Path, reps: int = 2, windows: int = WIND
         "intervals_overlap": _inside(pairs, "intervals_overlap"),
         "samples_intervals_overlap": _inside(pairs, "samples_intervals_overlap"),
         "max_abs_pair_error": max((abs(r["error"]) for r in pairs), default=None),
+        "pairs_within_10pct": f"{sum(abs(r['error']) <= 0.10 for r in pairs)} of {len(pairs)}",
         "median_interval_half_width": statistics.median(r["interval_half_width"] for r in pairs) if pairs else None,
         "settings": summary,
         "max_abs_error": max(abs(r["error"]) for r in rows),
@@ -233,13 +286,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--sleep-steps", type=int, default=150)
     ap.add_argument("--sleep-jitter", type=float, default=JITTER, help="a's and b's sleeps uniform in cost * (1 +- this)")
     ap.add_argument("--windows", type=int, default=WINDOWS, help="Parts of each profile's window (the interval's)")
-    ap.add_argument("--embedded-steps", type=int, default=15)
-    ap.add_argument("--embedded-reps", type=int, default=2)
+    ap.add_argument("--embedded-steps", type=int, default=30)
+    ap.add_argument("--embedded-reps", type=int, default=5, help="Runs of each setting, alternating")
+    ap.add_argument("--noise-s", type=float, default=20.0, help="Seconds of the machine's noise floor (0: none)")
     ap.add_argument("--no-embedded", action="store_true", help="Only the sleep-stage validation.")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    result: dict[str, Any] = {"machine": common.machine(),
-                              "sleep": validate_sleep(args.sleep_steps, jitter=args.sleep_jitter, windows=args.windows)}
+    result: dict[str, Any] = {"machine": common.machine()}
+    if args.noise_s > 0:
+        result["noise_floor"] = noise_floor(args.noise_s)
+    result["sleep"] = validate_sleep(args.sleep_steps, jitter=args.sleep_jitter, windows=args.windows)
     if not args.no_embedded:
         embedded, profiles = validate_embedded(args.embedded_steps, common.SCRATCH / "profile-bench", args.embedded_reps,
                                                args.windows)

@@ -300,6 +300,8 @@ def profile(
     tracking: bool = typer.Option(False, "--tracking/--no-tracking", help="Also log the run and the profile to MLflow."),
     out: Optional[Path] = typer.Option(None, "--out", help="Where the JSON goes (default: OUTPUT_DIR/profile.json)."),
     windows: int = typer.Option(6, "--windows", min=1, max=1000, help="Equal parts of the window; their spread gives `plan` its interval (2 or more)."),
+    precision: Optional[float] = typer.Option(None, "--precision", min=0.001, max=0.5, help="Measure on, a part at a time, until the rate's 90% interval is within +- this fraction (0.05: 5%)."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1, help="With --precision: the most steps to measure (default 10 x --steps)."),
 ) -> None:
     """Run N trainer steps and show where the time goes: per-replica load, items/s, queues, bottleneck."""
     from dflash_flow.app.profile import profile_command
@@ -310,7 +312,7 @@ def profile(
     if out is not None:  # checked now, not after the whole profile has run
         _check_output_file(out, "--out", make_parents=True)
     code = profile_command(file, v, steps=steps, warmup_steps=warmup, interval_s=interval, step_stage=step_stage,
-                           tracking=tracking, out=out, windows=windows)
+                           tracking=tracking, out=out, windows=windows, precision=precision, max_steps=max_steps)
     _exit_now_if_threads_stuck(code)
     raise typer.Exit(code)
 
@@ -325,6 +327,7 @@ def plan(
     target_stage: Optional[str] = typer.Option(None, "--target-stage", help="The stage placed one replica per GPU (default: the TargetForward)."),
     padder_stage: Optional[str] = typer.Option(None, "--padder-stage", help="The CPU stage sized per rank (default: the Padder)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the plan (every split, its 90% interval, the notes) as JSON here."),
+    cores: Optional[int] = typer.Option(None, "--cores", min=1, help="CPU cores the ranks share (default: the profiled machine's)."),
     set_: Optional[list[str]] = SetOpt,
 ) -> None:
     """Predict steps/s and samples/s (with a 90% interval) for each split of N GPUs and recommend one."""
@@ -334,7 +337,8 @@ def plan(
     if out is not None:
         _check_output_file(out, "--out", make_parents=True)
     raise typer.Exit(plan_command(file, v, gpus=gpus, profile_path=profile_path, allreduce_at_two=allreduce_s,
-                                  steps=steps, target_stage=target_stage, padder_stage=padder_stage, out=out))
+                                  steps=steps, target_stage=target_stage, padder_stage=padder_stage, out=out,
+                                  cores=cores))
 
 
 def _exit_interrupted_on_late_signals() -> None:

@@ -20,6 +20,15 @@ def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "dflash-flow").expanduser()
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one, as under taskset or a
+    container's cpuset), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def sha256_file(path: str | os.PathLike) -> str:
     """Hex sha256 of a file's content (hashlib reads it in chunks)."""
     with open(path, "rb") as f:

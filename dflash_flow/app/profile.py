@@ -70,8 +70,14 @@ class _Sampler:
     opens and closes the window, then cancels the pipeline."""
 
     def __init__(self, pipeline: Any, step_stage: str, start_at: int, end_at: int, interval_s: float,
-                 windows: int = 1):
+                 windows: int = 1, precision: float | None = None, max_batches: int | None = None):
         self.pipeline = pipeline
+        # Measuring until the rate is known to +-precision: the window grows by parts of the first parts'
+        # size until the interval of the per-part rates is that narrow, or it holds max_batches.
+        self.precision = precision
+        self.max_batches = max_batches
+        self.part = 0
+        self.reached: float | None = None  # the relative half-width when the window closed
         self.windows = max(1, min(int(windows), end_at - start_at))
         self.cut_at: list[int] = []  # trainer batches at which the parts after the first open
         self.cuts: list[RuntimeSnapshot] = []
@@ -130,12 +136,36 @@ class _Sampler:
                 n = self.end_at - self.start_at
                 self.end_at = taken + n
                 self.cut_at = [taken + round(j * n / self.windows) for j in range(1, self.windows)]
+                self.part = max(1, round(n / self.windows))
         elif taken >= self.end_at:
+            if self._extend(snap, taken):
+                return
             self.end = snap
         elif self._next_cut < len(self.cut_at) and taken >= self.cut_at[self._next_cut]:
             self.cuts.append(snap)  # one cut even when a poll passes several (slow polls: fewer parts)
             while self._next_cut < len(self.cut_at) and taken >= self.cut_at[self._next_cut]:
                 self._next_cut += 1
+
+    def _extend(self, snap: RuntimeSnapshot, taken: int) -> bool:
+        """With a precision asked: whether the window goes on (this poll becomes a cut) because the 90%
+        interval of the parts' batches/s is still wider than asked and the window may still grow."""
+        from dflash_flow.app.interval import batch_means
+
+        if self.precision is None or self.start is None:
+            return False
+        snaps = [self.start, *self.cuts, snap]
+        rates = [(self._taken(b) - self._taken(a)) / max(b.time - a.time, 1e-9)
+                 for a, b in zip(snaps, snaps[1:], strict=False)]
+        whole = (taken - self._taken(self.start)) / max(snap.time - self.start.time, 1e-9)
+        iv = batch_means(whole, rates)
+        self.reached = iv.half_width / whole if iv is not None and whole > 0 else None
+        opened = self._taken(self.start)
+        room = self.max_batches is None or taken - opened < self.max_batches
+        if self.reached is not None and self.reached <= self.precision or not room:
+            return False
+        self.cuts.append(snap)
+        self.end_at = taken + self.part if self.max_batches is None else min(taken + self.part, opened + self.max_batches)
+        return True
 
     def queue_series(self) -> QueueSeries:
         n = len(self.times)
@@ -159,9 +189,15 @@ def profile(
     output_dir: str | Path | None = None,
     services: Any = None,
     windows: int = DEFAULT_WINDOWS,
+    precision: float | None = None,
+    max_steps: int | None = None,
 ) -> Profile:
     """Run ``v`` for ``warmup_steps + steps`` optimizer steps of its trainer and profile the last ``steps``,
     cut into ``windows`` equal parts (fewer when the window has fewer batches).
+
+    ``precision`` (a fraction, e.g. 0.05): go on measuring, a part of the same size at a time, until the
+    90% interval of the parts' batches/s is within +-precision of the window's rate, or the window holds
+    ``max_steps`` steps (default 10 x ``steps``); the profile says what it reached (``Profile.reached``).
 
     ``tracking``: log the run (the Monitor's samples) and the profile to the pipeline's MLflow store
     (``tracking:`` section). Raises ``ProfileError`` when the pipeline ends before the window opens, and
@@ -175,6 +211,12 @@ def profile(
         raise ProfileError(f"steps must be >= 1 and warmup >= 0, got steps={steps}, warmup={warmup_steps}")
     if windows < 1:
         raise ProfileError(f"--windows must be >= 1 (2 or more for an interval), got {windows}")
+    if precision is not None and not (0 < precision < 1 and windows >= 2):
+        raise ProfileError(f"--precision must be a fraction between 0 and 1 (0.05: +-5%) with --windows 2 or more, "
+                           f"got {precision} with {windows} window(s)")
+    max_steps = max_steps if max_steps is not None else 10 * steps
+    if max_steps < steps:
+        raise ProfileError(f"--max-steps ({max_steps}) must be at least --steps ({steps})")
     step_stage = step_stage or find_step_stage(v)
     if step_stage not in v.classes:
         raise ProfileError(f"--step-stage: no stage named '{step_stage}' (stages: {', '.join(v.order)})")
@@ -188,7 +230,8 @@ def profile(
     pipeline = Pipeline(v, services=services, output_dir=out_dir)
     status = "FAILED"
     try:
-        with _Sampler(pipeline, step_stage, start_at, end_at, interval_s, windows) as sampler:
+        with _Sampler(pipeline, step_stage, start_at, end_at, interval_s, windows, precision,
+                      max_steps * accum if precision is not None else None) as sampler:
             try:
                 pipeline.run()
             except PipelineInterrupted:
@@ -206,6 +249,11 @@ def profile(
             complete=sampler.end is not None, elapsed_s=final.elapsed_s, depths=sampler.window_depths,
             series=sampler.queue_series(), interval_s=interval_s, cuts=sampler.cuts,
         )
+        if precision is not None:
+            # The steps the window grew to; a pipeline that ended while it grew is complete past the asked ones.
+            grown = (sampler.end_at - sampler._taken(sampler.start)) // accum if sampler.end is not None else steps
+            result = attrs.evolve(result, steps=max(steps, grown), precision=precision, reached=sampler.reached,
+                                  complete=result.complete or result.batches >= steps * accum)
         status = "FINISHED"
         if tracker is not None:
             from dflash_flow.observe.schema import mlflow_metrics
@@ -290,8 +338,17 @@ def render_profile(p: Profile, *, width: int = 110) -> str:
     )
     if p.tokens_per_s is not None:
         head += f", {p.tokens_per_s:,.0f} tokens/s"
+    if p.cpu_s_per_batch is not None and p.cores:
+        used = p.cpu_s_per_batch * p.batches_per_s
+        head += f"; CPU {p.cpu_s_per_batch:.3g} s per batch ({used:.2g} of {p.cores} cores busy)"
     if not p.complete:
         head += f"; the pipeline ended before {p.steps} steps"
+    if p.precision is not None:
+        got = f"+-{100 * p.reached:.1f}%" if p.reached is not None else "no interval"
+        head += (f"; measured until the rate was known to {got} (asked +-{100 * p.precision:g}%)"
+                 if p.reached is not None and p.reached <= p.precision else
+                 f"; the rate is known to {got} after {p.steps} steps, not the asked +-{100 * p.precision:g}%: "
+                 "this machine's speed varies more than that (raise --max-steps, or profile with nothing else running)")
     head += (f"; spread over {len(p.windows)} parts of the window" if len(p.windows) > 1 else
              "; no spread measured (one part)" if p.version >= 2 else
              "; no spread measured: re-profile with this version for an interval")
@@ -333,6 +390,8 @@ def profile_command(
     tracking: bool,
     out: Path | None,
     windows: int = DEFAULT_WINDOWS,
+    precision: float | None = None,
+    max_steps: int | None = None,
 ) -> int:
     """``dflash-flow profile``: run, print the tables, write the JSON; an exit code."""
     from dflash_flow.app.exits import (
@@ -349,7 +408,8 @@ def profile_command(
     out_dir = v.graph.run_dir
     try:
         result = profile(v, steps, warmup_steps=warmup_steps, interval_s=interval_s, step_stage=step_stage,
-                         tracking=tracking, output_dir=out_dir, windows=windows)
+                         tracking=tracking, output_dir=out_dir, windows=windows, precision=precision,
+                         max_steps=max_steps)
     except ProfileError as exc:
         print(f"error: {file}: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR

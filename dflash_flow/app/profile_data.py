@@ -15,6 +15,7 @@ from dflash_flow.core.snapshot import ReplicaSnapshot, ReplicaState, RuntimeSnap
 from dflash_flow.core.validate import Validated
 from dflash_flow.observe.bottleneck import Bottleneck, StageLoad, find_bottleneck
 from dflash_flow.observe.schema import metric
+from dflash_flow.util import usable_cores
 
 PROFILE_VERSION = 2  # 2: the window's parts (``windows``) and each stage's spread over them
 READABLE_VERSIONS = (1, 2)  # version 1 has no parts: it plans, without an interval
@@ -103,6 +104,7 @@ class Window:
     tokens: float | None = None
     busy_s: dict[str, float] = attrs.field(factory=dict)
     handled: dict[str, int] = attrs.field(factory=dict)
+    cpu_s: float | None = None  # the process's CPU seconds in the part (None: a profile written before)
 
 
 @attrs.frozen
@@ -120,7 +122,7 @@ class Profile:
 
     pipeline: str
     step_stage: str
-    steps: int  # optimizer steps asked for
+    steps: int  # optimizer steps asked for (with --precision: what the window grew to)
     grad_accum: int
     warmup_batches: int
     complete: bool  # False: the pipeline ended before the window held `steps` steps
@@ -136,6 +138,12 @@ class Profile:
     stages: dict[str, StageProfile] = metric("profile/stage", factory=dict, doc="Per stage")
     bottleneck: Bottleneck | None = metric("profile/bottleneck", default=None, doc="The verdict over the window")
     balanced_replicas: dict[str, int] = metric("profile/balanced_replicas", reduce="max", factory=dict, doc="Replicas that balance the pipeline")
+    cpu_s_per_batch: float | None = metric("profile/cpu_s_per_batch", reduce="mean", default=None,
+                                           doc="CPU seconds of the whole process (all its threads) per trained batch")
+    cores: int | None = metric("profile/cores", reduce="max", default=None, doc="CPU cores the process could use")
+    precision: float | None = None  # asked: measure until the rate's 90% interval is within +- this fraction
+    reached: float | None = metric("profile/reached", reduce="max", default=None,
+                                   doc="With --precision: the rate's 90% interval half-width over the rate at the end")
     interval_s: float = DEFAULT_INTERVAL_S
     queues: QueueSeries = attrs.field(factory=QueueSeries)
     windows: list[Window] = attrs.field(factory=list)
@@ -341,6 +349,7 @@ def build_profile(
     samples = _per_batch(trainer_end, trainer_start, "samples", batches)
     tokens = _per_batch(trainer_end, trainer_start, "tokens", batches)
     rate = batches / window
+    cpu = end.cpu_s - start.cpu_s if end.cpu_s is not None and start.cpu_s is not None else None
     return Profile(
         pipeline=v.graph.name,
         step_stage=step_stage,
@@ -363,6 +372,8 @@ def build_profile(
         interval_s=interval_s,
         queues=series or QueueSeries(),
         windows=windows,
+        cpu_s_per_batch=cpu / batches if cpu is not None and batches > 0 else None,
+        cores=usable_cores(),
     )
 
 
@@ -391,6 +402,7 @@ def window_parts(v: Validated, snaps: list[RuntimeSnapshot], step_stage: str) ->
             samples=samples - (_counter(a.stages[step_stage], "samples") or 0.0) if samples is not None else None,
             tokens=tokens - (_counter(a.stages[step_stage], "tokens") or 0.0) if tokens is not None else None,
             busy_s=busy, handled=handled,
+            cpu_s=b.cpu_s - a.cpu_s if a.cpu_s is not None and b.cpu_s is not None else None,
         ))
     return out
 

@@ -16,6 +16,12 @@ records it with a DDP comm hook); it grows like a ring all-reduce, ``a(D) = a(2)
 
     steps/s = X / G,  samples/s = X * D * samples_per_batch,  tokens/s likewise.
 
+The ranks share one machine's CPU cores (``C``: the profiled machine's, ``--cores`` for another). A
+profile also measures the process's CPU seconds per trained batch ``c`` (every thread: the stages' Python,
+their CPU compute, the padders); D ranks together can spend at most C CPU-seconds per second, so
+
+    X <= C / (D * c)        (the limit ``CPU_LIMIT``; it binds where the busy threads outnumber the cores)
+
 Splits: every D with at least two GPUs per rank (``T = N // D - 1`` targets; leftover GPUs idle), padders
 per rank just enough not to limit (``ceil(w_padder * X)``). The recommendation is the split with the most
 samples/s; within 2% of it, the one using fewer GPUs, then fewer ranks (less memory, no all-reduce).
@@ -34,7 +40,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -42,54 +47,15 @@ from typing import Any
 
 import attrs
 
+from dflash_flow.app.interval import LEVEL, Interval, batch_means, t95  # noqa: F401 - t95: callers import it here
 from dflash_flow.app.profile import Profile, ProfileError
 
 TARGET_TYPE = "TargetForward"
 PADDER_TYPE = "Padder"
 TIE = 0.02  # splits within 2% of the best count as equal
-LEVEL = 0.90  # the intervals' confidence
-# Student's t, one-sided 0.95 quantile (a two-sided 90% interval), 1..30 degrees of freedom.
-_T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753,
-        1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697)
 NO_SPREAD = "no spread measured: re-profile with this version (`dflash-flow profile`) for an interval"
+CPU_LIMIT = "cpu cores"  # the limit named when the ranks' CPU work fills the machine's cores
 WIDE = 0.10  # an interval wider than +-10% of its figure gets a note saying how to narrow it
-
-
-def t95(df: int) -> float:
-    """The 0.95 quantile of Student's t with ``df`` degrees of freedom (past 30: a one-term expansion)."""
-    if df < 1:
-        raise ValueError("df must be >= 1")
-    if df <= len(_T95):
-        return _T95[df - 1]
-    z = 1.6449
-    return z + (z**3 + z) / (4 * df)
-
-
-@attrs.frozen
-class Interval:
-    """A ``LEVEL`` interval from ``windows`` parts of the profile's window."""
-
-    low: float
-    high: float
-    windows: int
-    level: float = LEVEL
-
-    def __contains__(self, x: float) -> bool:
-        return self.low <= x <= self.high
-
-    @property
-    def half_width(self) -> float:
-        return (self.high - self.low) / 2
-
-
-def batch_means(centre: float, per_window: Sequence[float]) -> Interval | None:
-    """``centre +- t(0.95, k-1) * sd / sqrt(k)`` over the ``k`` per-part values; None below two parts or
-    when a value is not finite."""
-    k = len(per_window)
-    if k < 2 or not math.isfinite(centre) or not all(math.isfinite(x) for x in per_window):
-        return None
-    half = t95(k - 1) * statistics.stdev(per_window) / math.sqrt(k)
-    return Interval(low=centre - half, high=centre + half, windows=k)
 
 
 @attrs.frozen
@@ -108,14 +74,25 @@ class Prediction:
 
 
 def _min_rate(work: Mapping[str, float], profile: Profile, replicas: Mapping[str, int],
-              extra: Mapping[str, float]) -> dict[str, float]:
+              extra: Mapping[str, float], cpu_cores: float | None) -> dict[str, float]:
     rates = {}
     for name, s in profile.stages.items():
         if s.observer:
             continue
         w = work[name] + float(extra.get(name, 0.0))
         rates[name] = replicas.get(name, s.replicas) / w if w > 0 else math.inf
+    if cpu_cores is not None:
+        rates[CPU_LIMIT] = cpu_cores
     return rates
+
+
+def _cpu_rate(cpu_s: float | None, batches: float, cores: float | None, ranks: int) -> float | None:
+    """Batches/s per rank the machine's cores allow ``ranks`` ranks that each spend ``cpu_s`` CPU-seconds
+    per ``batches`` batches (None: not measured)."""
+    if cpu_s is None or cores is None or batches <= 0:
+        return None
+    per_batch = cpu_s / batches
+    return cores / (ranks * per_batch) if per_batch > 0 else math.inf
 
 
 def predict(
@@ -123,17 +100,26 @@ def predict(
     replicas: Mapping[str, int] | None = None,
     *,
     extra_work_s: Mapping[str, float] | None = None,
+    ranks: int = 1,
+    cores: int | None = None,
 ) -> Prediction:
-    """Batches/s with ``replicas`` (stage -> count; the profiled count for stages not named), each
-    stage's work per batch raised by ``extra_work_s`` (the all-reduce term)."""
+    """Batches/s of one rank with ``replicas`` (stage -> count; the profiled count for stages not named),
+    each stage's work per batch raised by ``extra_work_s`` (the all-reduce term), and ``ranks`` such ranks
+    sharing ``cores`` CPU cores (default: the profiled machine's), when the profile measured its CPU time."""
     replicas = replicas or {}
     extra = extra_work_s or {}
     unknown = sorted(set(replicas) - set(profile.stages))
     if unknown:
         raise ProfileError(f"no stage named {', '.join(unknown)} in the profile of {profile.pipeline}")
-    rates = _min_rate({n: s.work_s_per_batch for n, s in profile.stages.items()}, profile, replicas, extra)
+    cores = cores if cores is not None else profile.cores
+    cpu = profile.cpu_s_per_batch
+    rates = _min_rate({n: s.work_s_per_batch for n, s in profile.stages.items()}, profile, replicas, extra,
+                      _cpu_rate(cpu, 1.0, cores, ranks))
     limit = min(rates, key=lambda n: rates[n])
-    per_window = tuple(min(_min_rate(profile.window_work(w), profile, replicas, extra).values())
+    # A part without its CPU seconds (a profile written before they were measured) uses the window's.
+    per_window = tuple(min(_min_rate(profile.window_work(w), profile, replicas, extra,
+                                     _cpu_rate(w.cpu_s, w.batches, cores, ranks) if w.cpu_s is not None
+                                     else _cpu_rate(cpu, 1.0, cores, ranks)).values())
                        for w in profile.windows)
     return Prediction(batches_per_s=rates[limit], limit=limit, rates=rates, per_window=per_window)
 
@@ -202,8 +188,10 @@ def evaluate_split(
     padder_stage: str | None,
     allreduce_at_two: float = 0.0,
     gpus: int | None = None,
+    cores: int | None = None,
 ) -> Split:
-    """The predicted throughput of ``ranks`` ranks with ``targets`` TargetForward replicas each."""
+    """The predicted throughput of ``ranks`` ranks with ``targets`` TargetForward replicas each, sharing
+    ``cores`` CPU cores (default: the profiled machine's)."""
     trainer = profile.step_stage
     accum = profile.grad_accum
     wait = allreduce_s(ranks, allreduce_at_two)
@@ -212,11 +200,11 @@ def evaluate_split(
     padders = None
     if padder_stage is not None:
         # Padders are CPU threads: as many as the rest of the rank can use, never fewer than one.
-        rest = predict(profile, {**mix, padder_stage: 10**9}, extra_work_s=extra).batches_per_s
+        rest = predict(profile, {**mix, padder_stage: 10**9}, extra_work_s=extra, ranks=ranks, cores=cores).batches_per_s
         w = profile.stages[padder_stage].work_s_per_batch
         padders = max(1, math.ceil(w * rest - 1e-6)) if math.isfinite(rest) else profile.stages[padder_stage].replicas
         mix[padder_stage] = padders
-    pred = predict(profile, mix, extra_work_s=extra)
+    pred = predict(profile, mix, extra_work_s=extra, ranks=ranks, cores=cores)
     x = pred.batches_per_s
     used = ranks * (targets + 1)
     return Split(
@@ -242,8 +230,10 @@ def plan_splits(
     allreduce_at_two: float = 0.0,
     target_stage: str | None = None,
     padder_stage: str | None = None,
+    cores: int | None = None,
 ) -> list[Split]:
-    """Every split of ``gpus`` GPUs into ranks of (targets + one drafter GPU), fewest ranks first."""
+    """Every split of ``gpus`` GPUs into ranks of (targets + one drafter GPU), fewest ranks first, the ranks
+    sharing ``cores`` CPU cores (default: the profiled machine's)."""
     if gpus < 2:
         raise ProfileError(f"--gpus must be at least 2 (one TargetForward and one DrafterStep GPU), got {gpus}")
     target_stage = target_stage or stage_of_type(profile, TARGET_TYPE)
@@ -257,7 +247,7 @@ def plan_splits(
     for ranks in range(1, gpus // 2 + 1):
         targets = gpus // ranks - 1
         out.append(evaluate_split(profile, ranks, targets, target_stage=target_stage, padder_stage=padder_stage,
-                                  allreduce_at_two=allreduce_at_two, gpus=gpus))
+                                  allreduce_at_two=allreduce_at_two, gpus=gpus, cores=cores))
     return out
 
 
@@ -308,12 +298,26 @@ def width_notes(profile: Profile, chosen: Split) -> list[str]:
     iv = chosen.interval
     if iv is None or not chosen.score or iv.half_width <= WIDE * chosen.score:
         return []
-    return [f"the interval is wider than +-{WIDE:.0%}: profile more steps (`dflash-flow profile --steps`), on a "
+    return [f"the interval is wider than +-{WIDE:.0%}: profile until it is narrower (`dflash-flow profile "
+            "--precision 0.05`, or more --steps), on a "
             "machine with nothing else running, for a figure good to 10% (the interval covers the profiled run; "
             "a change in the machine's load moves a later run)"]
 
 
-def render_plan(profile: Profile, splits: list[Split], chosen: Split, gpus: int, *, width: int = 120) -> str:
+def cpu_notes(profile: Profile, splits: list[Split], cores: int | None = None) -> list[str]:
+    """A note when the machine's cores limit a split: what each rank spends and what would lift it."""
+    limited = [s for s in splits if s.limit == CPU_LIMIT]
+    if not limited or profile.cpu_s_per_batch is None:
+        return []
+    n = cores if cores is not None else profile.cores
+    names = ", ".join(_name(s) for s in limited)
+    return [f"the CPU limits {names}: each rank spends {profile.cpu_s_per_batch:.3g} CPU-seconds per batch "
+            f"(every thread of the profiled process) and the ranks share {n} cores; on a node with more cores "
+            "pass --cores, or move CPU work off the ranks (fewer padders, torch_threads)"]
+
+
+def render_plan(profile: Profile, splits: list[Split], chosen: Split, gpus: int, *, width: int = 120,
+                cores: int | None = None) -> str:
     from dflash_flow.observe.console import render_table
 
     def iv(s: Split) -> str:
@@ -335,10 +339,11 @@ def render_plan(profile: Profile, splits: list[Split], chosen: Split, gpus: int,
     tail = (f"recommended: {chosen.ranks} rank(s) x ({chosen.targets_per_rank} TargetForward + 1 DrafterStep){pad}; "
             f"limited by {chosen.limit}; {confidence(profile, chosen)}")
     return "\n".join([head, render_table(rows, cols, width=width), tail, *noise_notes(profile, splits, chosen),
-                      *width_notes(profile, chosen)])
+                      *width_notes(profile, chosen), *cpu_notes(profile, splits, cores)])
 
 
-def plan_to_json(profile: Profile, splits: list[Split], chosen: Split, gpus: int) -> dict[str, Any]:
+def plan_to_json(profile: Profile, splits: list[Split], chosen: Split, gpus: int,
+                 cores: int | None = None) -> dict[str, Any]:
     """The plan as data: every split with its interval, the recommendation and the notes."""
 
     def one(s: Split) -> dict[str, Any]:
@@ -356,7 +361,9 @@ def plan_to_json(profile: Profile, splits: list[Split], chosen: Split, gpus: int
         "splits": [one(s) for s in splits],
         "recommended": one(chosen),
         "summary": confidence(profile, chosen),
-        "notes": noise_notes(profile, splits, chosen) + width_notes(profile, chosen),
+        "cores": cores if cores is not None else profile.cores,
+        "cpu_s_per_batch": profile.cpu_s_per_batch,
+        "notes": noise_notes(profile, splits, chosen) + width_notes(profile, chosen) + cpu_notes(profile, splits, cores),
     }
 
 
@@ -371,6 +378,7 @@ def plan_command(
     target_stage: str | None,
     padder_stage: str | None,
     out: Path | None = None,
+    cores: int | None = None,
 ) -> int:
     """``dflash-flow plan``: the table and the recommendation with its interval (``out``: also as JSON);
     profiles first when there is no profile (``--profile``, else OUTPUT/profile.json, else a new
@@ -389,15 +397,15 @@ def plan_command(
     try:
         prof = load_profile(path)
         splits = plan_splits(prof, gpus, allreduce_at_two=allreduce_at_two, target_stage=target_stage,
-                             padder_stage=padder_stage)
+                             padder_stage=padder_stage, cores=cores)
     except ProfileError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     chosen = recommend(splits)
-    print(render_plan(prof, splits, chosen, gpus))
+    print(render_plan(prof, splits, chosen, gpus, cores=cores))
     if out is not None:
         from dflash_flow.util import atomic_write_text
 
-        atomic_write_text(out, json.dumps(plan_to_json(prof, splits, chosen, gpus), indent=1) + "\n")
+        atomic_write_text(out, json.dumps(plan_to_json(prof, splits, chosen, gpus, cores), indent=1) + "\n")
         print(f"wrote {out}", file=sys.stderr)
     return EXIT_OK

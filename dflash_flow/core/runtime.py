@@ -334,7 +334,8 @@ class Pipeline:
             kinds = {m.name: m.kind for rep in self.replicas[spec.name] for m in rep.ctx.metrics}
             stages[spec.name] = StageSnapshot(spec.name, spec.type, reps, kinds)
         end = self._end_time or now
-        return RuntimeSnapshot(time=now, elapsed_s=(end - self._start_time) if self._started else 0.0, stages=stages)
+        return RuntimeSnapshot(time=now, elapsed_s=(end - self._start_time) if self._started else 0.0, stages=stages,
+                               cpu_s=time.process_time())
 
     def state_dict(self) -> dict[str, list[dict[str, Any]]]:
         """Every replica's ``state_dict()``; after a run, the state captured when its thread ended. A replica

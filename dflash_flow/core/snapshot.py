@@ -68,3 +68,4 @@ class RuntimeSnapshot:
     time: float
     elapsed_s: float
     stages: dict[str, StageSnapshot]
+    cpu_s: float | None = None  # the process's CPU seconds so far, all its threads (None: not read)

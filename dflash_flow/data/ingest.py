@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
 import pickle
 import time
 from collections import deque
@@ -28,6 +27,8 @@ from typing import Any, Literal
 
 import attrs
 import numpy as np
+
+from dflash_flow.util import usable_cores
 
 from .formats import (
     InputFormat,
@@ -97,10 +98,7 @@ def worker_count(options: ReadOptions, size: int) -> int:
         return options.num_workers
     if size < PARALLEL_MIN_BYTES:
         return 0
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
+    cores = usable_cores()
     return cores if cores > 1 else 0
 
 

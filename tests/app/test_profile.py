@@ -94,6 +94,12 @@ def test_profile_of_a_sleep_pipeline(tmp_path):
     assert a.queue.capacity == 12 and a.queue.mean > 3  # a's input queues stay full: src waits for a
     assert p.balanced_replicas["a"] >= 3
     assert set(p.queues.depth) == {"a[0]", "a[1]", "b[0]", "sink[0]"} and len(p.queues.t) == len(p.queues.depth["b[0]"])
+    # Sleeps spend no CPU: the process's CPU seconds per batch are a small part of a's 20 ms of work, every
+    # part has its own, and the cores are this process's.
+    from dflash_flow.util import usable_cores
+
+    assert p.cpu_s_per_batch is not None and 0 < p.cpu_s_per_batch < 0.5 * a.work_s_per_batch
+    assert p.cores == usable_cores() and all(w.cpu_s is not None and w.cpu_s >= 0 for w in p.windows)
     text = render_profile(p)
     assert "bottleneck: a is the bottleneck" in text and "a[1]" in text and "balanced replicas: a 2 ->" in text
     path = save_profile(p, tmp_path / "p.json")
@@ -111,6 +117,33 @@ def test_a_pipeline_that_ends_inside_the_window_is_marked_incomplete(tmp_path):
     p = profile(v, 1000, warmup_steps=2, interval_s=0.01)
     assert not p.complete and 0 < p.batches < 60
     assert "the pipeline ended before 1000 steps" in render_profile(p)
+
+
+def test_profile_until_the_rate_is_known_to_the_asked_precision(tmp_path):
+    """A jittered sleep stage (10 ms +- 9 ms an item): 60 steps in 6 parts know the rate to about +-15%;
+    asked for +-5%, the window grows a 10-batch part at a time until its parts say so; asked for +-0.1%
+    with at most 80 steps, it stops at 80 and says it did not get there. Bad asks fail before running."""
+    g = Graph(name="jitter", seed=0, output_dir=str(tmp_path / "out"), runtime=RuntimeOptions(capacity=6))
+    g.add("src", Range(count=100_000))
+    g.add("a", Delay(service_s=0.01, jitter_s=0.009), inputs="src")
+    g.add("sink", Discard(), inputs="a")
+    v = validated(g)
+    p = profile(v, 60, warmup_steps=2, interval_s=0.01, windows=6, precision=0.05)
+    assert p.precision == 0.05 and p.reached is not None and p.reached <= 0.05 and p.complete
+    assert 60 < p.steps <= 600 and p.batches >= p.steps - 10 and len(p.windows) > 6
+    from dflash_flow.app.interval import batch_means
+
+    rates = [w.batches / w.window_s for w in p.windows]
+    assert batch_means(p.batches_per_s, rates).half_width <= 0.05 * p.batches_per_s * 1.01
+    assert "measured until the rate was known to +-" in render_profile(p)
+    short = profile(v, 20, warmup_steps=2, interval_s=0.01, windows=4, precision=0.001, max_steps=40)
+    assert short.steps == 40 and short.reached > 0.001 and 40 <= short.batches <= 45
+    assert "not the asked +-0.1%" in render_profile(short)
+    assert load_profile(save_profile(short, tmp_path / "short.json")) == short
+    with pytest.raises(ProfileError, match="--precision must be a fraction"):
+        profile(v, 10, windows=1, precision=0.05)
+    with pytest.raises(ProfileError, match=r"--max-steps \(5\) must be at least --steps \(10\)"):
+        profile(v, 10, precision=0.05, max_steps=5)
 
 
 def test_step_stage_must_be_found(tmp_path):
@@ -155,7 +188,8 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_cli_profile_writes_json_and_logs_to_mlflow(tmp_path):
     f = tmp_path / "p.yaml"
     f.write_text(SLEEP_YAML.format(out=tmp_path / "out", db=tmp_path / "mlflow.db"))
-    proc = _cli("profile", str(f), "--steps", "40", "--warmup", "3", "--interval", "0.02", "--tracking", cwd=tmp_path)
+    proc = _cli("profile", str(f), "--steps", "40", "--warmup", "3", "--interval", "0.02", "--tracking",
+                "--precision", "0.2", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "bottleneck: work is the bottleneck" in proc.stdout and "work[1]" in proc.stdout
     data = json.loads((tmp_path / "out" / "profile.json").read_text())
@@ -170,6 +204,8 @@ def test_cli_profile_writes_json_and_logs_to_mlflow(tmp_path):
     assert run.data.metrics["profile/stage/work/service_s"] == pytest.approx(data["stages"]["work"]["service_s"])
     assert run.data.metrics["profile/stage/work/replica/1/queue/max"] <= 4
     assert run.data.tags["bottleneck"] == "work"
+    assert run.data.metrics["profile/reached"] == pytest.approx(data["reached"]) and data["reached"] <= 0.2
+    assert run.data.metrics["profile/cpu_s_per_batch"] == pytest.approx(data["cpu_s_per_batch"])
     assert "profile.json" in [a.path for a in client.list_artifacts(run.info.run_id)]
 
 
@@ -181,6 +217,8 @@ def test_cli_profile_bad_input_is_one_line_and_exit_2(tmp_path):
     assert "error:" in proc.stderr and "ended before its trainer" in proc.stderr
     proc = _cli("profile", str(f), "--steps", "5", "--step-stage", "nope", cwd=tmp_path)
     assert proc.returncode == 2 and "no stage named 'nope'" in proc.stderr and "Traceback" not in proc.stderr
+    proc = _cli("profile", str(f), "--steps", "5", "--precision", "0.05", "--windows", "1", cwd=tmp_path)
+    assert proc.returncode == 2 and "--precision must be a fraction" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow
@@ -197,4 +235,7 @@ def test_cli_profile_of_the_embedded_default(tmp_path):
     assert p.tokens_per_batch > 0 and p.samples_per_batch > 0
     assert p.stage("target").replicas == 2 and p.stage("target").service_s > 0
     assert p.stage("drafter").work_s_per_batch > 0 and not p.stage("monitor").replicable
+    # The drafter's step is CPU compute here: the process's CPU seconds per batch hold at least most of it.
+    assert p.cpu_s_per_batch >= 0.5 * p.stage("drafter").work_s_per_batch and p.cores >= 1
+    assert "cores busy" in proc.stdout
     assert not (out / "drafter").exists()  # cancelled after the window: no export, no evaluation

@@ -23,6 +23,7 @@ from dflash_flow.app.profile import (
     save_profile,
 )
 from dflash_flow.app.splitplan import (
+    CPU_LIMIT,
     NO_SPREAD,
     allreduce_s,
     batch_means,
@@ -66,6 +67,35 @@ def test_predict_is_the_slowest_stage_over_its_replicas():
     assert predict(p, {"target": 4}, extra_work_s={"drafter": 0.1}).batches_per_s == pytest.approx(5.0)
     with pytest.raises(ProfileError, match="no stage named nope"):
         predict(p, {"nope": 1})
+
+
+def test_ranks_share_the_machines_cores():
+    """A profile that measured 0.2 CPU-seconds a batch on 2 cores: one rank may pass 10 batches/s on CPU
+    time, more than its target allows; 4 ranks on the same cores only 2.5 each, which the plan names, says
+    how to lift, and lifts with --cores. Each part's own CPU seconds give the interval; a profile without
+    CPU seconds (written before) plans as before."""
+    windows = [Window(start_s=i, window_s=1.0, batches=10, samples=40.0, busy_s={"padder": 0.1, "target": 3.0,
+                                                                                   "drafter": 1.0, "monitor": 0.0},
+                      handled={"padder": 10, "target": 10, "drafter": 10, "monitor": 0}, cpu_s=cpu)
+               for i, cpu in enumerate((1.8, 2.0, 2.2))]
+    p = attrs.evolve(_profile(), cpu_s_per_batch=0.2, cores=2, windows=windows)
+    one = predict(p)
+    assert one.limit == "target" and one.rates[CPU_LIMIT] == pytest.approx(10.0)
+    four = predict(p, {"target": 4}, ranks=4)
+    assert four.limit == CPU_LIMIT and four.batches_per_s == pytest.approx(2.5)
+    assert four.per_window == pytest.approx((2 / (4 * 0.18), 2 / (4 * 0.2), 2 / (4 * 0.22)))
+    assert predict(p, {"target": 4}, ranks=4, cores=64).limit == "drafter"
+    splits = plan_splits(p, 8)
+    assert [s.limit for s in splits] == ["drafter", CPU_LIMIT, CPU_LIMIT, CPU_LIMIT]
+    assert splits[1].batches_per_s_rank == pytest.approx(2 / (2 * 0.2))
+    text = render_plan(p, splits, recommend(splits), 8)
+    assert "the CPU limits 2 x 3, 3 x 1, 4 x 1: each rank spends 0.2 CPU-seconds per batch" in text
+    assert "share 2 cores" in text and "pass --cores" in text
+    wide = plan_splits(p, 8, cores=96)
+    assert CPU_LIMIT not in {s.limit for s in wide} and not plan_to_json(p, wide, recommend(wide), 8, 96)["notes"]
+    assert plan_to_json(p, splits, recommend(splits), 8)["cores"] == 2
+    old = attrs.evolve(p, cpu_s_per_batch=None, cores=None, windows=[attrs.evolve(w, cpu_s=None) for w in windows])
+    assert CPU_LIMIT not in predict(old, ranks=4).rates and CPU_LIMIT not in {s.limit for s in plan_splits(old, 8)}
 
 
 def _jittered(seed: int, k: int, *, per_window: int = 20, work: float = 0.02, jitter: float = 0.015,
@@ -121,7 +151,7 @@ def test_samples_interval_and_splits_within_the_noise():
     assert "samples/s, 90% interval" in text and "from 6 windows" in text
     # +-13% from 6 parts of 20 batches: the plan says how to narrow it; 24 parts: +-6%, no note.
     assert one.interval.half_width > 0.1 * one.score
-    assert "the interval is wider than +-10%: profile more steps" in text
+    assert "the interval is wider than +-10%: profile until it is narrower (`dflash-flow profile --precision 0.05`" in text
     many = _jittered(0, 24)
     s24 = evaluate_split(many, 1, 1, target_stage="a", padder_stage=None)
     assert s24.interval.half_width < 0.1 * s24.score and "wider than" not in render_plan(many, [s24], s24, 2)
