@@ -58,6 +58,9 @@ class ReplicaProfile:
     items_out: int = metric("items_out", reduce="sum", doc="Items emitted in the window")
     items_per_s: float = metric("items_per_s", reduce="sum", doc="Items handled per second")
     queue: QueueStats | None = metric("queue", default=None, doc="Its input queue")
+    cpu_s: float | None = metric("cpu_s", reduce="sum", default=None, doc="CPU seconds its thread ran in the window")
+    cpu_wait_s: float | None = metric("cpu_wait_s", reduce="sum", default=None,
+                                      doc="Seconds its thread waited, runnable, for a core in the window")
 
 
 @attrs.frozen
@@ -84,6 +87,10 @@ class StageProfile:
                                      doc="Standard deviation of work_s_per_batch over the window's parts (None: one part, or a version-1 profile)")
     queue: QueueStats | None = metric("queue", default=None, doc="Its input queues together")
     per_replica: tuple[ReplicaProfile, ...] = metric("replica", factory=tuple, doc="The same per replica")
+    cpu_s_per_batch: float | None = metric("cpu_s_per_batch", reduce="max", default=None,
+                                           doc="CPU seconds its threads ran per trained batch (its replicas' own threads)")
+    cpu_wait_s_per_batch: float | None = metric("cpu_wait_s_per_batch", reduce="max", default=None,
+                                                doc="Seconds its threads waited, runnable, for a core per trained batch")
 
     @property
     def max_batches_per_s(self) -> float:
@@ -185,6 +192,18 @@ def _delta(cur: ReplicaSnapshot, prev: ReplicaSnapshot | None) -> tuple[float, f
     )
 
 
+def _sched_delta(cur: ReplicaSnapshot, prev: ReplicaSnapshot | None) -> tuple[float | None, float | None]:
+    """The thread's CPU and core-wait seconds between two snapshots (None where either did not read them;
+    a replica that started inside the window counts from zero)."""
+    if cur.cpu_s is None or cur.cpu_wait_s is None:
+        return None, None
+    if prev is None:
+        return cur.cpu_s, cur.cpu_wait_s
+    if prev.cpu_s is None or prev.cpu_wait_s is None:
+        return None, None
+    return max(cur.cpu_s - prev.cpu_s, 0.0), max(cur.cpu_wait_s - prev.cpu_wait_s, 0.0)
+
+
 def _counter(st: StageSnapshot | None, name: str) -> float | None:
     if st is None or st.metric_kinds.get(name) != "counter":
         return None
@@ -240,12 +259,13 @@ def stage_profile(
     window = max(window_s, 1e-9)
     for r in cur.replicas:
         busy, bin_, bout, n_in, n_out = _delta(r, before.get(r.replica))
+        cpu, wait = _sched_delta(r, before.get(r.replica))
         handled = n_out if is_source else n_in
         q = queue_stats(list((depths or {}).get(r.replica, [])), r.channel.capacity) if r.channel is not None else None
         reps.append(ReplicaProfile(
             replica=r.replica, device=r.device, busy_s=busy, blocked_in_s=bin_, blocked_out_s=bout,
             busy=min(busy / window, 1.0), blocked_in=min(bin_ / window, 1.0), blocked_out=min(bout / window, 1.0),
-            items_in=n_in, items_out=n_out, items_per_s=handled / window, queue=q,
+            items_in=n_in, items_out=n_out, items_per_s=handled / window, queue=q, cpu_s=cpu, cpu_wait_s=wait,
         ))
     n = max(len(reps), 1)
     busy_s = sum(r.busy_s for r in reps)
@@ -256,6 +276,11 @@ def stage_profile(
     if per_batch is None:
         per_batch = handled / batches if batches else 0.0
     work = service * per_batch if service is not None else (busy_s / batches if batches else 0.0)
+
+    def per_trained_batch(total: float) -> float:  # as the work: per item handled, times items per batch
+        return total / handled * per_batch if handled else (total / batches if batches else 0.0)
+
+    measured = all(r.cpu_s is not None for r in reps) and bool(reps)
     return StageProfile(
         name=cur.name,
         type=cur.type,
@@ -273,6 +298,8 @@ def stage_profile(
         work_s_per_batch=work,
         queue=_merge_queues([r.queue for r in reps]),
         per_replica=tuple(reps),
+        cpu_s_per_batch=per_trained_batch(sum(r.cpu_s for r in reps)) if measured else None,
+        cpu_wait_s_per_batch=per_trained_batch(sum(r.cpu_wait_s for r in reps)) if measured else None,
     )
 
 

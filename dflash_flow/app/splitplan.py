@@ -47,6 +47,7 @@ from typing import Any
 
 import attrs
 
+from dflash_flow.app.contention import contended
 from dflash_flow.app.interval import LEVEL, Interval, batch_means, t95  # noqa: F401 - t95: callers import it here
 from dflash_flow.app.profile import Profile, ProfileError
 
@@ -67,6 +68,7 @@ class Prediction:
     limit: str
     rates: dict[str, float]
     per_window: tuple[float, ...] = ()
+    waits: dict[str, float] = attrs.field(factory=dict)  # stage -> predicted minus profiled core wait, s/batch
 
     @property
     def interval(self) -> Interval | None:
@@ -113,15 +115,23 @@ def predict(
         raise ProfileError(f"no stage named {', '.join(unknown)} in the profile of {profile.pipeline}")
     cores = cores if cores is not None else profile.cores
     cpu = profile.cpu_s_per_batch
-    rates = _min_rate({n: s.work_s_per_batch for n, s in profile.stages.items()}, profile, replicas, extra,
-                      _cpu_rate(cpu, 1.0, cores, ranks))
+    cap = _cpu_rate(cpu, 1.0, cores, ranks)
+    work = {n: s.work_s_per_batch for n, s in profile.stages.items()}
+
+    def with_waits(base: Mapping[str, float], waits: Mapping[str, float]) -> dict[str, float]:
+        return {n: max(w + waits.get(n, 0.0), 0.0) for n, w in base.items()}
+
+    # Each stage's wait for a core at this mix, in place of the profiled one (app.contention).
+    waits = contended(profile, replicas, ranks, cores,
+                      lambda d: min(_min_rate(with_waits(work, d), profile, replicas, extra, cap).values()))
+    rates = _min_rate(with_waits(work, waits), profile, replicas, extra, cap)
     limit = min(rates, key=lambda n: rates[n])
     # A part without its CPU seconds (a profile written before they were measured) uses the window's.
-    per_window = tuple(min(_min_rate(profile.window_work(w), profile, replicas, extra,
+    per_window = tuple(min(_min_rate(with_waits(profile.window_work(w), waits), profile, replicas, extra,
                                      _cpu_rate(w.cpu_s, w.batches, cores, ranks) if w.cpu_s is not None
-                                     else _cpu_rate(cpu, 1.0, cores, ranks)).values())
+                                     else cap).values())
                        for w in profile.windows)
-    return Prediction(batches_per_s=rates[limit], limit=limit, rates=rates, per_window=per_window)
+    return Prediction(batches_per_s=rates[limit], limit=limit, rates=rates, per_window=per_window, waits=waits)
 
 
 def allreduce_s(ranks: int, at_two: float) -> float:

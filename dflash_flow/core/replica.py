@@ -18,6 +18,20 @@ from .snapshot import ReplicaSnapshot, ReplicaState
 from .stage import Source, Stage, StageContext
 
 
+def thread_sched(native_id: int | None) -> tuple[float, float] | None:
+    """CPU seconds a thread of this process has run and seconds it has waited, runnable, for a core (the
+    kernel's run-queue wait: what other threads taking the cores cost it), by its native id; None where the
+    OS does not say (not Linux, no schedstats) or the thread has ended."""
+    if native_id is None:
+        return None
+    try:
+        with open(f"/proc/self/task/{int(native_id)}/schedstat", "rb") as f:
+            ran, waited = f.read().split()[:2]
+        return int(ran) / 1e9, int(waited) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
 class _Tombstone:
     """Stands for an input that produced no output, so an ordered consumer does not wait for it."""
 
@@ -72,6 +86,8 @@ class Replica:
         # trainer stopped at a consistent point): what is still queued or still to come is dropped, unprocessed.
         self.abandoned = False
         self.items_dropped = 0
+        self.native_id: int | None = None  # its thread's, once running
+        self.sched_at_end: tuple[float, float] | None = None  # its thread's CPU and core-wait seconds when it ended
 
     @property
     def label(self) -> str:
@@ -91,6 +107,7 @@ class Replica:
         alive = max(end - start, 0.0)
         bin_ = self.blocked_in_s()
         bout = self.blocked_out_s
+        sched = self.sched_at_end if self.ended_at is not None else thread_sched(self.native_id)
         return ReplicaSnapshot(
             replica=self.index,
             device=self.ctx.device,
@@ -103,11 +120,14 @@ class Replica:
             alive_s=alive,
             metrics=self.ctx.metrics.read(),
             channel=self.input.stats() if self.input is not None else None,
+            cpu_s=sched[0] if sched is not None else None,
+            cpu_wait_s=sched[1] if sched is not None else None,
         )
 
 
 def main(rep: Replica, sup: Supervisor) -> None:
     phase = "setup"
+    rep.native_id = threading.get_native_id()
     rep.started_at = time.monotonic()
     rep.set_state(ReplicaState.SETUP)
     try:
@@ -167,6 +187,7 @@ def main(rep: Replica, sup: Supervisor) -> None:
                 rep.final_state = rep.stage.state_dict()
             except BaseException:  # noqa: BLE001 - a broken state_dict must not hide the real error
                 rep.final_state = None
+        rep.sched_at_end = thread_sched(rep.native_id)
         rep.ended_at = time.monotonic()
         rep.set_state(ReplicaState.FAILED if sup.has_failed(rep) else ReplicaState.FINISHED)
         sup.replica_ended(rep)

@@ -41,6 +41,8 @@ class ReplicaSnapshot:
     alive_s: float
     metrics: dict[str, Any]
     channel: ChannelStats | None
+    cpu_s: float | None = None  # CPU seconds its thread has run (None: the OS does not say)
+    cpu_wait_s: float | None = None  # seconds its thread has waited, runnable, for a core
 
 
 @attrs.define
