@@ -105,12 +105,17 @@ def contended(profile: Any, replicas: Mapping[str, int], ranks: int, cores: floa
     over stages, with these changes) meets the rate the waits were predicted at; empty when the profile
     has no thread figures or no cores. At the profiled mix on one rank the change is nil."""
     threads = _threads(profile)
-    if threads is None or not cores or not profile.batches_per_s > 0:
+    if threads is None or not cores:
         return {}
     measured = {n: w for n, (_, w) in threads.items()}
-    # The model's waits as profiled (this mix, one rank, the measured rate, this machine's cores): what it
-    # leaves out (another process's load, correlated threads) stays in the work as measured.
-    base = waits(profile, {}, 1, profile.cores or cores, profile.batches_per_s, start=measured)
+    # The model's waits as profiled (this mix, one rank, this machine's cores, at the rate the measured
+    # work gives it): what the model leaves out (another process's load, correlated threads) stays in the
+    # work as measured, and the profiled mix predicts what it would without this module.
+    profiled = min((s.replicas / s.work_s_per_batch for n, s in profile.stages.items()
+                    if n in threads and s.work_s_per_batch > 0), default=math.inf)
+    if not math.isfinite(profiled):
+        return {}
+    base = waits(profile, {}, 1, profile.cores or cores, profiled, start=measured)
 
     def deltas_at(x: float) -> dict[str, float]:
         q = waits(profile, replicas, ranks, cores, x, start=measured)

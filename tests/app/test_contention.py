@@ -11,7 +11,7 @@ import os
 import attrs
 import pytest
 
-from dflash_flow.app.contention import waits, wait_per_cpu_s
+from dflash_flow.app.contention import wait_per_cpu_s, waits
 from dflash_flow.app.profile import Profile, StageProfile, profile
 from dflash_flow.app.splitplan import CPU_LIMIT, predict
 from dflash_flow.core import Graph, RuntimeOptions, Stage, cfg, register_stage, validated
