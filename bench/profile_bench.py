@@ -25,7 +25,7 @@ the steady state of the profiled run, so a later run's drift in the machine's lo
   for 8 GPUs it gives (CPU costs, so only the shape of the table carries over to a GPU machine).
 
 Usage: python bench/profile_bench.py [--out FILE] [--sleep-steps 150] [--sleep-jitter 0.5] [--windows 6]
-       [--embedded-steps 30] [--embedded-reps 5] [--noise-s 20] [--no-embedded]
+       [--embedded-steps 25] [--embedded-reps 4] [--noise-s 10] [--no-embedded]
 """
 
 from __future__ import annotations
@@ -286,9 +286,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--sleep-steps", type=int, default=150)
     ap.add_argument("--sleep-jitter", type=float, default=JITTER, help="a's and b's sleeps uniform in cost * (1 +- this)")
     ap.add_argument("--windows", type=int, default=WINDOWS, help="Parts of each profile's window (the interval's)")
-    ap.add_argument("--embedded-steps", type=int, default=30)
-    ap.add_argument("--embedded-reps", type=int, default=5, help="Runs of each setting, alternating")
-    ap.add_argument("--noise-s", type=float, default=20.0, help="Seconds of the machine's noise floor (0: none)")
+    ap.add_argument("--embedded-steps", type=int, default=25)
+    ap.add_argument("--embedded-reps", type=int, default=4, help="Runs of each setting, alternating")
+    ap.add_argument("--noise-s", type=float, default=10.0, help="Seconds of the machine's noise floor (0: none)")
     ap.add_argument("--no-embedded", action="store_true", help="Only the sleep-stage validation.")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()

@@ -54,7 +54,7 @@ BENCHES = (
     # One intra-op thread: the figures the README quotes (two threads swing by 2-10x on a shared box).
     Bench("peer_step", ("peer_step.py", "--threads", "1"), ("peer_step.json",), 3, needs=("specforge",)),
     Bench("scale", ("scale_bench.py",), ("scale.json",), 2.5),
-    Bench("profile", ("profile_bench.py",), ("profile.json",), 1),
+    Bench("profile", ("profile_bench.py",), ("profile.json",), 2),
     Bench("e2e", ("e2e_bench.py",), ("e2e.json",), 1.5),
     Bench("fanout", ("fanout_bench.py",), ("fanout.json",), 1),
     Bench("torchdata", ("torchdata_bench.py",), ("torchdata.json",), 0.6, needs=("torchdata",)),
