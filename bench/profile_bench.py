@@ -91,6 +91,14 @@ def noise_floor(seconds: float = 20.0, chunk_s: float = 1.0) -> dict[str, Any]:
     return {"seconds": seconds, "chunk_s": chunk_s, "chunks": spread(chunks), "five_chunk_means": spread(fives)}
 
 
+def _plain(prof):
+    """``prof`` without its CPU figures: what the model predicted before it knew of the cores."""
+    import attrs
+
+    stages = {n: attrs.evolve(st, cpu_s_per_batch=None, cpu_wait_s_per_batch=None) for n, st in prof.stages.items()}
+    return attrs.evolve(prof, stages=stages, cpu_s_per_batch=None)
+
+
 def _mean_interval(xs: list[float]) -> float | None:
     """The relative half-width of the 90% interval of the mean of ``xs`` (None below two)."""
     from dflash_flow.app.splitplan import t95
@@ -185,6 +193,7 @@ def validate_embedded(steps: int, root: Path, reps: int = 2, windows: int = WIND
         for n, measured in profiles.items():
             preds = [predict(p, {TARGET: n}) for p in profs]
             pred = statistics.fmean(x.batches_per_s for x in preds)
+            plain = statistics.fmean(predict(_plain(p), {TARGET: n}).batches_per_s for p in profs)
             meas = statistics.fmean(p.batches_per_s for p in measured)
             # The error's own 90% interval: both means' relative intervals, combined (runs independent).
             ip, im = _mean_interval([x.batches_per_s for x in preds]), _mean_interval([p.batches_per_s for p in measured])
@@ -196,6 +205,7 @@ def validate_embedded(steps: int, root: Path, reps: int = 2, windows: int = WIND
                 "measured_batches_per_s": round(meas, 4),
                 "measured_runs": [round(p.batches_per_s, 4) for p in measured],
                 "error": round(_error(pred, meas), 4),
+                "error_without_cpu_figures": round(_error(plain, meas), 4),
                 "error_interval_half_width": None if ip is None or im is None or source == n else round(
                     math.hypot(ip, im), 4),
             })
@@ -270,11 +280,14 @@ def data_parallel_check(prof, scale: dict[str, Any]) -> dict[str, Any]:
     predicted from the one-process profile with 1 target and the all-reduce wait that run measured."""
     from dflash_flow.app.splitplan import evaluate_split
 
-    split = evaluate_split(prof, 2, 1, target_stage=TARGET, padder_stage="padder",
-                           allreduce_at_two=float(scale["allreduce_wait_s_per_step"]))
+    at_two = float(scale["allreduce_wait_s_per_step"])
+    split = evaluate_split(prof, 2, 1, target_stage=TARGET, padder_stage="padder", allreduce_at_two=at_two)
+    plain = evaluate_split(_plain(prof), 2, 1, target_stage=TARGET, padder_stage="padder", allreduce_at_two=at_two)
     measured = float(scale["two_ranks"]["steps_per_s"])
     return {"predicted_steps_per_s": round(split.steps_per_s, 4), "measured_steps_per_s": measured,
-            "error": round(_error(split.steps_per_s, measured), 4), "limited_by": split.limit}
+            "error": round(_error(split.steps_per_s, measured), 4), "limited_by": split.limit,
+            "error_without_cpu_figures": round(_error(plain.steps_per_s, measured), 4),
+            "one_process_steps_per_s": round(prof.steps_per_s, 4)}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -328,7 +328,11 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
 
-def render_profile(p: Profile, *, width: int = 110) -> str:
+def _short(x: float | None) -> str | None:
+    return None if x is None else f"{x:.2g}"
+
+
+def render_profile(p: Profile, *, width: int = 130) -> str:
     """The profile as plain-text tables: stages (and their replicas), queues, the verdict, the balance."""
     from dflash_flow.observe.console import render_table
 
@@ -356,14 +360,15 @@ def render_profile(p: Profile, *, width: int = 110) -> str:
     for s in p.stages.values():
         sd = _pct(s.work_s_sd / s.work_s_per_batch) if s.work_s_sd is not None and s.work_s_per_batch > 0 else None
         rows.append([s.name, s.replicas, _pct(s.busy), _pct(s.blocked_in), _pct(s.blocked_out), s.items_per_s,
-                     s.service_s, s.items_per_batch, s.work_s_per_batch, sd])
+                     s.service_s, s.items_per_batch, s.work_s_per_batch, sd, _short(s.cpu_s_per_batch),
+                     _short(s.cpu_wait_s_per_batch)])
         if s.replicas > 1:
             for r in s.per_replica:
                 handled = r.items_in or r.items_out
                 rows.append([f"  [{r.replica}] {r.device}", None, _pct(r.busy), _pct(r.blocked_in), _pct(r.blocked_out),
-                             r.items_per_s, r.busy_s / handled if handled else None, None, None, None])
+                             r.items_per_s, r.busy_s / handled if handled else None, None, None, None, None, None])
     parts = [head, render_table(rows, ["stage", "replicas", "busy", "starved", "blocked out", "items/s", "s/item",
-                                       "items/batch", "work s/batch", "sd"], width=width)]
+                                       "items/batch", "work s/batch", "sd", "cpu s", "core wait s"], width=width)]
     qrows = []
     for s in p.stages.values():
         for r in s.per_replica:

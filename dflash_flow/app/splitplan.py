@@ -300,7 +300,8 @@ def noise_notes(profile: Profile, splits: list[Split], chosen: Split) -> list[st
         return []
     names = ", ".join(f"{_name(s)} ({_num(s.score)})" for s in close)
     return [f"within the noise: splits {_name(chosen)} and {names} cannot be ranked apart "
-            f"(the {LEVEL:.0%} interval of their difference over the windows holds 0); profile more steps to tell"]
+            f"(the {LEVEL:.0%} interval of their difference over the windows holds 0); profile longer to tell "
+            "(`dflash-flow profile --precision 0.05`)"]
 
 
 def width_notes(profile: Profile, chosen: Split) -> list[str]:
