@@ -12,8 +12,9 @@ the other ranks included). Each stage's work per batch is then its measured work
 its predicted wait from the profiled mix to the asked one (what the model does not cover, such as
 another process's load, stays as measured; the profiled mix predicts its own rate). The process's CPU that no replica thread ran (the sampler, torch's
 intra-op workers, the Monitor) counts as background threads, runnable in proportion. On a 2-core box the
-model foresaw the drafter's wait with a second TargetForward thread (0.020 s a batch against 0.014-0.024
-measured); it leaves out the GIL (Python-heavy threads also wait for it) and correlated threads.
+model foresaw the drafter's wait with a second TargetForward thread (0.016 s a batch from the 1-target
+profile, against 0.014-0.024 s measured in 2-target runs); it leaves out the GIL (Python-heavy threads
+also wait for it, about as long again there) and correlated threads.
 """
 
 from __future__ import annotations
