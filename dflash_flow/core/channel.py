@@ -62,6 +62,7 @@ class Channel:
         "items_out",
         "blocked_put_s",
         "blocked_get_s",
+        "_waiting_since",
     )
 
     def __init__(self, capacity: int, name: str = "", producers: int = 1):
@@ -79,6 +80,9 @@ class Channel:
         self.items_out = 0
         self.blocked_put_s = 0.0
         self.blocked_get_s = 0.0
+        # thread ident -> perf_counter() when its put or get began to wait: a reading taken during a long
+        # wait counts it so far (the totals above grow only when a wait ends)
+        self._waiting_since: dict[int, float] = {}
 
     def put(self, item: Any) -> float:
         """Append ``item``, blocking while the channel is full. Returns the seconds spent blocked."""
@@ -88,8 +92,13 @@ class Channel:
                 raise ChannelCancelled(self.name)
             if len(self._buf) >= self.capacity:
                 t0 = perf_counter()
-                while len(self._buf) >= self.capacity and not self._cancelled:
-                    self._not_full.wait()
+                me = threading.get_ident()
+                self._waiting_since[me] = t0
+                try:
+                    while len(self._buf) >= self.capacity and not self._cancelled:
+                        self._not_full.wait()
+                finally:
+                    del self._waiting_since[me]
                 blocked = perf_counter() - t0
                 self.blocked_put_s += blocked
                 if self._cancelled:
@@ -110,13 +119,18 @@ class Channel:
         with self._not_empty:
             if not self._buf:
                 t0 = perf_counter()
-                while not self._buf:
-                    if self._cancelled:
-                        raise ChannelCancelled(self.name)
-                    if self._open_producers <= 0:
-                        self.blocked_get_s += perf_counter() - t0
-                        return END_OF_STREAM
-                    self._not_empty.wait()
+                me = threading.get_ident()
+                self._waiting_since[me] = t0
+                try:
+                    while not self._buf:
+                        if self._cancelled:
+                            raise ChannelCancelled(self.name)
+                        if self._open_producers <= 0:
+                            self.blocked_get_s += perf_counter() - t0
+                            return END_OF_STREAM
+                        self._not_empty.wait()
+                finally:
+                    del self._waiting_since[me]
                 self.blocked_get_s += perf_counter() - t0
             elif self._cancelled:
                 raise ChannelCancelled(self.name)
@@ -138,6 +152,11 @@ class Channel:
             self._cancelled = True
             self._not_empty.notify_all()
             self._not_full.notify_all()
+
+    def waiting_s(self, ident: int) -> float:
+        """Seconds the thread ``ident`` has been waiting in a put or get of this channel (0: not waiting)."""
+        since = self._waiting_since.get(ident)
+        return max(perf_counter() - since, 0.0) if since is not None else 0.0
 
     @property
     def depth(self) -> int:

@@ -98,7 +98,18 @@ class Replica:
         self.state_since = time.monotonic()
 
     def blocked_in_s(self) -> float:
-        return self.input.blocked_get_s if self.input is not None else 0.0
+        """Seconds waiting for input, a wait still going on included."""
+        if self.input is None:
+            return 0.0
+        ongoing = self.input.waiting_s(self.thread.ident) if self.thread is not None and self.ended_at is None else 0.0
+        return self.input.blocked_get_s + ongoing
+
+    def blocked_out_now_s(self) -> float:
+        """Seconds waiting to put output, a put still waiting included."""
+        if self.thread is None or self.ended_at is not None or self.state is not ReplicaState.BLOCKED:
+            return self.blocked_out_s
+        ident = self.thread.ident
+        return self.blocked_out_s + sum(ch.waiting_s(ident) for router in self.routers for ch in router.channels)
 
     def snapshot(self, now: float) -> ReplicaSnapshot:
         """Its cumulative readings as of ``now`` (lock-free reads of fields its thread writes)."""
@@ -106,7 +117,7 @@ class Replica:
         end = self.ended_at or now
         alive = max(end - start, 0.0)
         bin_ = self.blocked_in_s()
-        bout = self.blocked_out_s
+        bout = self.blocked_out_now_s()
         sched = self.sched_at_end if self.ended_at is not None else thread_sched(self.native_id)
         return ReplicaSnapshot(
             replica=self.index,

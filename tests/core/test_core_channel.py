@@ -83,6 +83,7 @@ def test_put_returns_blocked_seconds_and_get_accounts_waiting():
     t = _thread(producer)
     assert _wait_until(lambda: "put" in marks)
     time.sleep(0.1)
+    assert ch.waiting_s(t.ident) >= 0.05 and ch.waiting_s(threading.get_ident()) == 0.0  # the wait so far
     marks["get"] = time.perf_counter()
     assert ch.get() == 1
     t.join(5.0)
@@ -99,11 +100,13 @@ def test_put_returns_blocked_seconds_and_get_accounts_waiting():
     t = _thread(consumer)
     assert _wait_until(lambda: "start" in got)
     time.sleep(0.1)
+    assert ch.waiting_s(t.ident) >= 0.05
     put_at = time.perf_counter()
     ch.put(3)
     t.join(5.0)
     assert got["v"] == 3
     assert ch.stats().blocked_get_s >= 0.5 * (put_at - got["start"]) > 0
+    assert ch.waiting_s(t.ident) == 0.0  # over: counted in the total, no longer as a wait
 
 
 def test_end_of_stream_only_after_every_producer_closed():
