@@ -34,6 +34,8 @@ from typing import Any
 
 import attrs
 
+from dflash_flow.app.interval import batch_means
+
 # The profile's data and its building live in app.profile_data; these names are re-exported for callers.
 from dflash_flow.app.profile_data import (  # noqa: E402,F401
     ACTIVE,
@@ -149,8 +151,6 @@ class _Sampler:
     def _extend(self, snap: RuntimeSnapshot, taken: int) -> bool:
         """With a precision asked: whether the window goes on (this poll becomes a cut) because the 90%
         interval of the parts' batches/s is still wider than asked and the window may still grow."""
-        from dflash_flow.app.interval import batch_means
-
         if self.precision is None or self.start is None:
             return False
         snaps = [self.start, *self.cuts, snap]
