@@ -215,9 +215,9 @@ def export(
 def eval_(
     drafter: Path = typer.Option(..., "--drafter", help="Exported drafter directory."),
     target: str = typer.Option(..., "--target", help="Target model path (or preset)."),
-    prompts: Path = typer.Option(..., "--prompts", help="JSONL of prompts ({'prompt': ...} or {'conversations': [...]})."),
-    max_new_tokens: int = typer.Option(64, help="Tokens to generate per prompt."),
-    limit: int = typer.Option(32, help="Evaluate at most this many prompts."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL of prompts ({'prompt': ...} or {'conversations': [...]}); or --suite."),
+    max_new_tokens: Optional[int] = typer.Option(None, help="Tokens to generate per prompt (default 64; 2048 with --suite, z-lab's)."),
+    limit: Optional[int] = typer.Option(None, help="Evaluate at most this many prompts (default 32; with --suite: every one, per suite)."),
     baseline: bool = typer.Option(True, help="Also evaluate an untrained drafter of the same shape."),
     tokenizer: Optional[str] = typer.Option(None, help="Tokenizer path (default: the target's)."),
     temperature: float = typer.Option(0.0, min=0.0, help="Also decode by speculative sampling at this temperature, beside greedy (0: greedy only)."),
@@ -228,11 +228,45 @@ def eval_(
     walk_limit: int = typer.Option(64, min=1, help="Conversations to walk."),
     seed: int = typer.Option(0, help="Seed of the sampled decoding and of the untrained baseline."),
     torch_threads: int = typer.Option(1, min=1, help="torch intra-op threads on CPU (batch-1 decoding of a small model is fastest on 1)."),
+    suite: Optional[list[str]] = typer.Option(None, "--suite", help="A standard suite as NAME=PATH (gsm8k, math500, humaneval, mbpp, mt-bench; JSONL, Parquet or a datasets directory); repeatable. See docs/eval.md."),
+    out: Optional[Path] = typer.Option(None, "--out", help="With --suite: the results JSON (the per-position plot goes beside it)."),
+    server: Optional[list[str]] = typer.Option(None, "--server", help="With --suite: base URL of a vLLM or SGLang server already serving this drafter; the same prompts go through it and its acceptance is checked against ours. Repeatable."),
+    engine: str = typer.Option("auto", help="With --server: 'vllm', 'sglang' or 'auto' (asked of the server)."),
+    served_model: Optional[str] = typer.Option(None, help="With --server: the model name to request (default: the one vLLM lists)."),
+    thinking: bool = typer.Option(False, "--thinking/--no-thinking", help="With --suite: the chat template's enable_thinking (z-lab: off); recorded in the results."),
+    device: str = typer.Option("cpu", help="With --suite: where the target and drafter run (cpu, cuda:0)."),
+    tau_tolerance: float = typer.Option(0.05, help="With --server: largest |engine tau - ours| (tokens per step) that still agrees."),
+    rate_tolerance: float = typer.Option(0.03, help="With --server: largest difference of a position's acceptance rate that still agrees."),
+    mlflow: bool = typer.Option(True, "--mlflow/--no-mlflow", help="With --suite: log the results to MLflow."),
+    tracking_uri: Optional[str] = typer.Option(None, help="With --suite: MLflow tracking URI (default: MLflow's, ./mlflow.db)."),
+    experiment: str = typer.Option("dflash-flow-eval", help="With --suite: MLflow experiment."),
 ) -> None:
-    """Measure real speculative decoding: acceptance length and speedup in target forward passes."""
+    """Measure real speculative decoding: acceptance length and speedup in target forward passes; with
+    --suite, on the standard suites, counted as vLLM, SGLang and z-lab count it, and (--server) through a
+    serving engine, checked against ours."""
     from dflash_flow.app.commands import eval_command
+    from dflash_flow.app.eval_suites import EvalSuitesOptions, eval_mode_problem, eval_suites_command
 
     _guard_console()
+    problem = eval_mode_problem(prompts=prompts, suites=suite or [], out=out, given={
+        "--baseline/--no-baseline": not baseline, "--temperature": temperature != 0.0, "--top-p": top_p != 1.0,
+        "--top-k": top_k != 0, "--horizon": bool(horizon), "--walk-data": walk_data is not None,
+        "--walk-limit": walk_limit != 64, "--seed": seed != 0, "--server": bool(server), "--engine": engine != "auto",
+        "--served-model": served_model is not None, "--thinking": thinking, "--device": device != "cpu",
+        "--tau-tolerance": tau_tolerance != 0.05, "--rate-tolerance": rate_tolerance != 0.03,
+        "--no-mlflow": not mlflow, "--tracking-uri": tracking_uri is not None,
+        "--experiment": experiment != "dflash-flow-eval"})
+    if problem:
+        _fail(problem)
+    if suite:
+        _check_output_file(out, "--out")
+        raise typer.Exit(eval_suites_command(EvalSuitesOptions(
+            drafter=drafter, target=target, suites=tuple(suite), out=out, max_new_tokens=max_new_tokens or 2048,
+            limit=limit, servers=tuple(server or ()), engine=engine, served_model=served_model, tokenizer=tokenizer,
+            thinking=thinking, device=device, tau_tolerance=tau_tolerance, rate_tolerance=rate_tolerance, mlflow=mlflow,
+            tracking_uri=tracking_uri, experiment=experiment, torch_threads=torch_threads)))
+    max_new_tokens = 64 if max_new_tokens is None else max_new_tokens
+    limit = 32 if limit is None else limit
     raise typer.Exit(eval_command(
         drafter, target, prompts, max_new_tokens, limit, baseline, tokenizer, temperature=temperature, top_p=top_p,
         top_k=top_k, horizons=horizon or [], walk_data=walk_data, walk_limit=walk_limit, seed=seed,

@@ -25,7 +25,7 @@ import attrs
 from .parse import read_lines
 from .reports import DEFAULT_MAX_RECORD_BYTES, DataError
 
-__all__ = ["InputFormat", "check_input", "data_files_of", "detect", "iter_chunks", "sniff_kind"]
+__all__ = ["InputFormat", "check_input", "data_files_of", "detect", "iter_chunks", "iter_rows", "sniff_kind"]
 
 COMPRESSED = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma", ".zst": "zstd", ".zstd": "zstd"}
 ARROW = (".arrow", ".feather", ".ipc")
@@ -285,3 +285,50 @@ def _advance(position: Position, f) -> None:
 
 def input_bytes(path: Path) -> int:
     return sum(os.path.getsize(f) for f in data_files_of(path))
+
+
+def iter_rows(path: Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Iterator[tuple[str, Any]]:
+    """Every record of any supported format as ``(location, record)``, in order: ``"line N"`` of JSONL,
+    ``"row N"`` of the columnar formats, ``"item N"`` of a ``.json`` file holding one JSON array (as some
+    benchmarks publish theirs). A record is what the file holds (a dict, normally); JSON that does not parse
+    or a line longer than ``max_record_bytes`` raises ``DataError`` naming ``path:line``."""
+    path = Path(path)
+    check_input(path)
+    fmt = detect(path)
+    if fmt.kind == "jsonl" and fmt.compression is None and path.suffix.lower() == ".json":
+        with open(path, "rb") as f:
+            head = f.read(64).lstrip()
+        if head.startswith(b"["):
+            try:
+                items = json.loads(path.read_bytes())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise DataError(f"{path}: not valid JSON ({exc})") from None
+            for i, item in enumerate(items, 1):
+                yield f"item {i}", item
+            return
+    if fmt.kind == "jsonl":
+        with _open_stream(path, fmt) as f:
+            for no, raw, _size in read_lines(f, max_record_bytes):
+                if raw is None:
+                    raise DataError(f"{path}:{no}: line longer than {max_record_bytes} bytes")
+                if not raw.strip():
+                    continue
+                try:
+                    yield f"line {no}", json.loads(raw)
+                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    raise DataError(f"{path}:{no}: invalid JSON ({exc})") from None
+        return
+    row = 1
+    if fmt.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            batches = pq.ParquetFile(str(path)).iter_batches(batch_size=CHUNK_ROWS)
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a damaged file
+            raise DataError(f"{path}: not a readable Parquet file: {exc}") from None
+    else:
+        batches = (b for table in _tables(path, fmt) for b in table.to_batches(max_chunksize=CHUNK_ROWS))
+    for batch in batches:
+        for record in batch.to_pylist():
+            yield f"row {row}", record
+            row += 1

@@ -179,6 +179,7 @@ def spec_generate(
     sampling: Sampling | None = None,
     generator: torch.Generator | None = None,
     trace: list[tuple[int, list[int]]] | None = None,
+    accepted_drafts: list[int] | None = None,
 ) -> SpecResult:
     """Speculative decoding of one prompt with a DFlash drafter (see the module docstring).
 
@@ -188,7 +189,9 @@ def spec_generate(
     ``sampling`` at a temperature > 0 every random draw comes from ``generator`` (a generator on the
     target's device; None: a fresh one seeded 0, so a call is reproducible by default). ``trace``, when
     given, gets one ``(start, drafts)`` per verify step: the position of the block's first token and the
-    drafts the target verified (what an engine's drafts are compared against, step by step).
+    drafts the target verified (what an engine's drafts are compared against, step by step);
+    ``accepted_drafts``, when given, gets each step's accepted drafts as a serving engine counts them
+    (not cut at ``max_new_tokens`` or a stop token).
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
@@ -277,6 +280,8 @@ def spec_generate(
             target_probs = sampling_probs(out.logits[0], sampling)
             q = draft_probs if draft_probs is not None else target_probs[:0]
             accepted, nxt = verify_sampled(block[0, 1:], q, target_probs, generator)
+        if accepted_drafts is not None:
+            accepted_drafts.append(int(accepted))
         # Commit the accepted drafts and the bonus (the target's token after them).
         seq[0, start + 1 : start + 1 + accepted] = block[0, 1 : 1 + accepted]
         seq[0, start + 1 + accepted] = nxt

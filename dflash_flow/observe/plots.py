@@ -342,6 +342,30 @@ def plot_heldout(history: History, path: str | Path) -> Path | None:
     return _save(fig, path)
 
 
+def plot_position_rates(ours: dict[str, Sequence[float]], path: str | Path, *,
+                        engine: dict[str, Sequence[float]] | None = None, title: str | None = None) -> Path | None:
+    """Acceptance per draft position, one line per suite (``dflash-flow eval --suite``): ours solid, the
+    serving engine's (where measured) dashed in the same colour. None when there is nothing to draw."""
+    series = {name: list(r) for name, r in ours.items() if r}
+    if not series:
+        return None
+    fig, ax = _figure(title or "acceptance rate per draft position, by suite")
+    ax.set_xlabel("draft position (1 = the first token after the block's own)")
+    ax.set_ylabel("share of verify steps accepting it")
+    for i, name in enumerate(sorted(series, key=_natural_key)):
+        color = f"C{i % 10}"
+        rates = series[name]
+        ax.plot(range(1, len(rates) + 1), rates, marker="o", markersize=3, color=color, label=label(name))
+        theirs = list((engine or {}).get(name) or [])
+        if theirs:
+            ax.plot(range(1, len(theirs) + 1), theirs, linestyle="--", marker="x", markersize=4, color=color,
+                    label=label(f"{name} (engine)"))
+    ax.set_ylim(0, 1.02)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    _legend(ax, fontsize=7)
+    return _save(fig, path)
+
+
 PLOTS = {
     "loss": plot_loss,
     "throughput": plot_throughput,

@@ -1,0 +1,198 @@
+"""The serving engine's side of ``dflash-flow eval --suite ... --server URL``: the same token ids sent to a
+server already serving the drafter, one request at a time, and its acceptance read the engine's ways.
+
+* vLLM (``vllm serve TARGET --speculative-config '{"method": "dflash", "model": DRAFTER, ...}'``):
+  ``POST /v1/completions`` with the prompt as token ids (``return_token_ids``: the reply's ids come back);
+  the spec-decode counters of ``GET /metrics`` scraped before and after each suite (summed over its
+  engines, a reset refused: ``observe.engine_metrics``); per request ``metrics.speculative_decoding``
+  when the server runs with ``--per-request-spec-decode-metrics``.
+* SGLang: ``POST /generate`` with ``input_ids``; ``meta_info`` carries ``spec_verify_ct``,
+  ``completion_tokens`` and the histogram of accepted drafts.
+
+Which one a server is: ``--engine``, or found out (``/metrics`` naming ``vllm:`` metrics: vLLM; an answer
+from ``/server_info`` or ``/get_server_info``: SGLang). Requests go one after another (the counters of a
+suite are then its own: nothing else should use the server meanwhile, and when per-request figures are
+there their sum is checked against the counters). Greedy (temperature 0), the stop tokens sent
+explicitly, prompts never rendered by the server (no template can differ). Credentials in a URL never
+appear in a message or a result.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from collections.abc import Sequence
+from urllib.parse import urlsplit
+
+import attrs
+
+from dflash_flow.observe.engine_metrics import (
+    EngineCounters,
+    RequestSpec,
+    fetch_text,
+    sglang_request,
+    spec_counters,
+    vllm_request,
+)
+from dflash_flow.observe.runinfo import redact_text, redact_uri, uri_secrets
+
+__all__ = ["EngineError", "EngineReply", "EngineServer", "scrape_all", "wait_for_counters"]
+
+KINDS = ("auto", "vllm", "sglang")
+
+
+class EngineError(RuntimeError):
+    """A server that cannot be used: one line naming it (credentials redacted) and what to do."""
+
+
+@attrs.frozen
+class EngineReply:
+    """One request's reply: the new token ids (None when the server did not return them), why it ended,
+    and the engine's per-request figures (None when it gives none)."""
+
+    new_ids: list[int] | None
+    finish: str | None
+    spec: RequestSpec | None
+
+
+class EngineServer:
+    """One server, by base URL (``http://host:port``, optionally with credentials)."""
+
+    def __init__(self, url: str, *, kind: str = "auto", model: str | None = None, timeout_s: float = 600.0) -> None:
+        if kind not in KINDS:
+            raise EngineError(f"--engine {kind!r}: expected one of {', '.join(KINDS)}")
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise EngineError(f"--server {redact_uri(url)}: expected a base URL such as http://127.0.0.1:8000")
+        self.url = url.rstrip("/")
+        self.name = redact_uri(self.url)
+        self._secrets = uri_secrets(url)
+        self.timeout_s = float(timeout_s)
+        self.kind = kind if kind != "auto" else self._detect()
+        self.model = model if model is not None or self.kind != "vllm" else self._served_model()
+
+    # ------------------------------------------------------------------------------------------ HTTP
+    def _say(self, text: str) -> str:
+        return redact_text(text, self._secrets)
+
+    def _get(self, path: str, timeout_s: float | None = None) -> str:
+        try:
+            return fetch_text(self.url + path, timeout_s=timeout_s or min(self.timeout_s, 30.0))
+        except OSError as exc:
+            raise EngineError(self._say(str(exc))) from None
+
+    def _post(self, path: str, payload: dict) -> dict:
+        parts = urlsplit(self.url)
+        conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        conn = conn_cls(parts.hostname, parts.port, timeout=self.timeout_s)
+        headers = {"Content-Type": "application/json"}
+        if parts.username is not None or parts.password is not None:
+            import base64
+
+            token = base64.b64encode(f"{parts.username or ''}:{parts.password or ''}".encode()).decode()
+            headers["Authorization"] = f"Basic {token}"
+        try:
+            conn.request("POST", (parts.path or "") + path, body=json.dumps(payload), headers=headers)
+            resp = conn.getresponse()
+            body = resp.read().decode("utf-8", errors="replace")
+        except (OSError, http.client.HTTPException) as exc:
+            raise EngineError(self._say(f"POST {self.name}{path}: {type(exc).__name__}: {exc}")) from None
+        finally:
+            conn.close()
+        if resp.status != 200:
+            raise EngineError(self._say(f"POST {self.name}{path}: HTTP {resp.status}: {body.strip()[:300]}"))
+        try:
+            out = json.loads(body)
+        except json.JSONDecodeError:
+            raise EngineError(self._say(f"POST {self.name}{path}: the reply is not JSON: {body[:200]!r}")) from None
+        if not isinstance(out, dict):
+            raise EngineError(f"POST {self.name}{path}: the reply is a JSON {type(out).__name__}, not an object")
+        return out
+
+    def _detect(self) -> str:
+        try:
+            if "vllm:" in self._get("/metrics"):
+                return "vllm"
+        except EngineError:
+            pass
+        for path in ("/server_info", "/get_server_info"):
+            try:
+                self._get(path)
+                return "sglang"
+            except EngineError:
+                continue
+        raise EngineError(f"--server {self.name}: neither a vLLM server (no vllm: metrics at /metrics) nor SGLang "
+                          "(no /server_info); is the URL right and the server up? (--engine names it)")
+
+    def _served_model(self) -> str:
+        try:
+            models = json.loads(self._get("/v1/models"))
+            return str(models["data"][0]["id"])
+        except (EngineError, ValueError, KeyError, IndexError, TypeError) as exc:
+            raise EngineError(f"--server {self.name}: cannot read the served model from /v1/models ({exc}); "
+                              "pass --served-model") from None
+
+    # ------------------------------------------------------------------------------------- requests
+    def counters(self) -> dict[str, EngineCounters]:
+        """The spec-decode counters per engine of this server (vLLM; empty for SGLang)."""
+        if self.kind != "vllm":
+            return {}
+        try:
+            return spec_counters(self._get("/metrics"))
+        except ValueError as exc:
+            raise EngineError(f"--server {self.name}: /metrics: {exc}") from None
+
+    def generate(self, prompt_ids: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int]) -> EngineReply:
+        """Greedy decoding of one prompt given as token ids."""
+        ids = [int(i) for i in prompt_ids]
+        if self.kind == "sglang":
+            out = self._post("/generate", {"input_ids": ids, "sampling_params": {
+                "temperature": 0.0, "max_new_tokens": int(max_new_tokens), "stop_token_ids": list(stop_token_ids),
+                "skip_special_tokens": False}})
+            meta = out.get("meta_info") or {}
+            finish = meta.get("finish_reason")
+            finish = finish.get("type") if isinstance(finish, dict) else finish
+            new_ids = out.get("output_ids")
+            return EngineReply([int(t) for t in new_ids] if isinstance(new_ids, list) else None,
+                               None if finish is None else str(finish), self._spec(sglang_request, meta))
+        out = self._post("/v1/completions", {
+            "model": self.model, "prompt": ids, "max_tokens": int(max_new_tokens), "temperature": 0.0,
+            "stop_token_ids": list(stop_token_ids), "return_token_ids": True, "skip_special_tokens": False})
+        try:
+            choice = out["choices"][0]
+        except (KeyError, IndexError, TypeError):
+            raise EngineError(f"POST {self.name}/v1/completions: no choices in the reply") from None
+        new_ids = choice.get("token_ids")
+        return EngineReply([int(t) for t in new_ids] if isinstance(new_ids, list) else None,
+                           choice.get("finish_reason"), self._spec(vllm_request, out))
+
+    def _spec(self, read, payload) -> RequestSpec | None:
+        try:
+            return read(payload)
+        except ValueError as exc:
+            raise EngineError(f"--server {self.name}: the reply's speculative-decoding figures: {exc}") from None
+
+
+def scrape_all(servers: Sequence[EngineServer]) -> dict[str, EngineCounters]:
+    """Every server's counters, keyed ``<server>|<engine labels>`` so engines of different servers add up."""
+    out: dict[str, EngineCounters] = {}
+    for i, s in enumerate(servers):
+        for key, c in s.counters().items():
+            out[f"server {i} ({s.name})|{key}"] = c
+    return out
+
+
+def wait_for_counters(servers: Sequence[EngineServer], expect_drafts: float | None, before: dict[str, EngineCounters],
+                      *, timeout_s: float = 10.0) -> dict[str, EngineCounters]:
+    """The counters after a suite. vLLM publishes a step's stats a moment after the reply: when the
+    per-request figures say how many drafts to expect, poll until the counters have them (or ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        after = scrape_all(servers)
+        if expect_drafts is None:
+            return after
+        drafts = sum(c.drafts for c in after.values()) - sum(c.drafts for c in before.values())
+        if drafts >= expect_drafts or time.monotonic() >= deadline:
+            return after
+        time.sleep(0.2)

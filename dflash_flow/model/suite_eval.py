@@ -1,0 +1,187 @@
+"""Speculative decoding of a standard suite in process, counted every way users count acceptance.
+
+One request is one user turn (mt-bench has two per prompt: the second is asked after the target's own
+first reply, decoded to text without special tokens and put back as the assistant turn, as z-lab does).
+Each request is decoded once by ``generation.spec_generate`` (greedy, batch size 1) and once by plain
+greedy decoding (the reference that says the output is lossless, and the wall-clock baseline).
+
+The speculative run goes ``block_size - 1`` tokens past ``max_new_tokens`` and its steps are counted up to
+the output's end at ``max_new_tokens`` (or its stop token): so the last step verifies a whole block, as a
+serving engine's does (z-lab's loop shrinks the last block to what is left, which changes that step's
+drafts; at most one step per request differs). Per step it records the tokens committed (cut at the
+output's end: our count) and the drafts accepted (not cut: vLLM's count, a draft accepted past
+``max_tokens`` or a stop token included). :func:`suite_figures` turns the requests into the figures.
+
+Batch size 1, one request after the other (the DFlash reference's contract; batching is another issue).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+from torch import nn
+
+from dflash_flow.data.suites import SuitePrompt, template_ids
+
+from .block_drafter import draft_settings
+from .generation import greedy_generate, spec_generate
+
+__all__ = ["ContextTooLong", "RequestResult", "decode_request", "decode_suite", "suite_figures"]
+
+
+class ContextTooLong(ValueError):
+    """A prompt and the new tokens asked for do not fit the target's context."""
+
+
+@attrs.define
+class RequestResult:
+    """One request (one user turn) decoded in process.
+
+    ``committed[i]``: tokens step i committed, bonus included, cut at the output's end (1..B);
+    ``accepted[i]``: drafts step i accepted, not cut (0..B-1); ``new_ids``: the speculative output (the
+    stop token that ended it included); ``greedy_ids``: plain greedy decoding's (the target's own reply),
+    equal to it when ``lossless``.
+    """
+
+    prompt_id: str
+    turn: int
+    prompt_ids: list[int]
+    new_ids: list[int]
+    greedy_ids: list[int]
+    committed: list[int]
+    accepted: list[int]
+    lossless: bool
+    finish: str
+    spec_s: float
+    spec_tokens: int
+    greedy_s: float
+    drafter_forwards: int
+
+    @property
+    def steps(self) -> int:
+        return len(self.committed)
+
+    @property
+    def target_forwards(self) -> int:
+        """The prefill and one verify forward per step (plain decoding takes one per new token)."""
+        return 1 + self.steps
+
+
+def decode_request(target: nn.Module, drafter: nn.Module, prompt_ids: Sequence[int], *, max_new_tokens: int,
+                   stop_token_ids: Sequence[int], prompt_id: str = "", turn: int = 0,
+                   max_positions: int | None = None) -> RequestResult:
+    """Decode one request both ways (see the module docstring)."""
+    settings = draft_settings(drafter)
+    block = settings.block_size
+    n = len(prompt_ids)
+    if max_positions is not None and n + max_new_tokens + block > max_positions:
+        raise ContextTooLong(
+            f"prompt {prompt_id or '?'} (turn {turn + 1}): {n} prompt tokens + {max_new_tokens} new + a block of "
+            f"{block} exceed the target's {max_positions} positions; pass a smaller --max-new-tokens")
+    stops = list(stop_token_ids)
+    t0 = time.perf_counter()
+    ref = greedy_generate(target, list(prompt_ids), max_new_tokens, stops)
+    t1 = time.perf_counter()
+    trace: list[tuple[int, list[int]]] = []
+    accepted: list[int] = []
+    res = spec_generate(target, drafter, list(prompt_ids), max_new_tokens=max_new_tokens + block - 1,
+                        stop_token_ids=stops, trace=trace, accepted_drafts=accepted)
+    t2 = time.perf_counter()
+    long_ids = res.new_ids
+    new_ids = long_ids[:max_new_tokens]
+    stop_set = set(stops)
+    finish = "stop" if new_ids and new_ids[-1] in stop_set else "length"
+    end = n + len(new_ids)  # the output's end: tokens at positions < end
+    committed, kept = [], []
+    for (start, _drafts), a in zip(trace, accepted, strict=True):
+        if start + 1 >= end:
+            break
+        committed.append(min(a + 1, end - 1 - start))
+        kept.append(a)
+    return RequestResult(prompt_id, turn, list(prompt_ids), new_ids, ref.new_ids, committed, kept, new_ids == ref.new_ids, finish,
+                         t2 - t1, len(long_ids), t1 - t0, len(kept))
+
+
+def decode_suite(target: nn.Module, drafter: nn.Module, tokenizer: Any, prompts: Sequence[SuitePrompt], *,
+                 max_new_tokens: int, stop_token_ids: Sequence[int], enable_thinking: bool = False,
+                 max_positions: int | None = None,
+                 on_request: Callable[[RequestResult], None] | None = None) -> list[RequestResult]:
+    """Every turn of every prompt, in order; a later turn follows the target's own reply to the earlier
+    ones. ``on_request`` is called after each request (progress; it may raise to stop)."""
+    was_training = drafter.training
+    drafter.eval()
+    out: list[RequestResult] = []
+    try:
+        for p in prompts:
+            messages: list[dict] = []
+            for turn, text in enumerate(p.turns):
+                messages.append({"role": "user", "content": text})
+                ids = template_ids(tokenizer, messages, enable_thinking=enable_thinking)
+                r = decode_request(target, drafter, ids, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
+                                   prompt_id=p.id, turn=turn, max_positions=max_positions)
+                out.append(r)
+                if on_request is not None:
+                    on_request(r)
+                messages.append({"role": "assistant", "content": tokenizer.decode(r.greedy_ids, skip_special_tokens=True)})
+    finally:
+        drafter.train(was_training)
+    return out
+
+
+def suite_figures(requests: Sequence[RequestResult], block_size: int) -> dict[str, Any]:
+    """Our figures for one suite, named by how they count:
+
+    * ``tau_per_step``: committed tokens per verify step over all steps (cut at the output's end; the
+      ``eval`` command's count); ``tau_per_request``: the mean of each request's own (z-lab's average);
+      ``tau_per_token``: new tokens per verify step (SpecForge's / SGLang's ``completion_tokens /
+      spec_verify_ct``); ``tau_engine_count``: ``1 + accepted drafts / steps`` with every accepted draft
+      counted (vLLM's counters);
+    * ``accept_rate_per_position``: per draft position k (1..B-1), the share of steps that accepted it
+      (vLLM's ``num_accepted_tokens_per_pos / num_drafts``);
+    * ``histogram``: steps by tokens committed, index 0..B (z-lab's layout; index 0 is always 0);
+      ``histogram_accepted_drafts``: steps by drafts accepted, index 0..B-1 (vLLM's and SGLang's layout);
+    * ``lossless`` ``"k/n"`` requests whose output equals plain greedy decoding; ``speedup_forwards``: new
+      tokens / target forwards (plain decoding takes one per token); ``speedup_wall``: speculative tokens/s
+      over plain tokens/s (the drafter's cost included);
+    * counts: ``requests``, ``verify_steps``, ``tokens``, ``target_forwards``, ``drafter_forwards``.
+    """
+    steps = sum(r.steps for r in requests)
+    tokens = sum(len(r.new_ids) for r in requests)
+    hist = [0] * (block_size + 1)
+    hist_acc = [0] * block_size
+    per_pos = [0] * (block_size - 1)
+    for r in requests:
+        for c, a in zip(r.committed, r.accepted, strict=True):
+            hist[c] += 1
+            hist_acc[min(a, block_size - 1)] += 1
+            for k in range(min(a, block_size - 1)):
+                per_pos[k] += 1
+    with_steps = [r for r in requests if r.steps]
+    spec_s = sum(r.spec_s for r in requests)
+    greedy_s = sum(r.greedy_s for r in requests)
+    spec_rate = sum(r.spec_tokens for r in requests) / spec_s if spec_s > 0 else None
+    greedy_rate = tokens / greedy_s if greedy_s > 0 else None
+    return {
+        "requests": len(requests),
+        "tau_per_step": sum(sum(r.committed) for r in requests) / steps if steps else 1.0,
+        "tau_per_request": (sum(sum(r.committed) / r.steps for r in with_steps) / len(with_steps)
+                            if with_steps else 1.0),
+        "tau_per_token": tokens / steps if steps else None,
+        "tau_engine_count": 1.0 + sum(sum(r.accepted) for r in requests) / steps if steps else 1.0,
+        "accept_rate_per_position": [x / steps if steps else 0.0 for x in per_pos],
+        "histogram": hist,
+        "histogram_accepted_drafts": hist_acc,
+        "lossless": f"{sum(r.lossless for r in requests)}/{len(requests)}",
+        "speedup_forwards": tokens / sum(r.target_forwards for r in requests) if requests else None,
+        "speedup_wall": spec_rate / greedy_rate if spec_rate and greedy_rate else None,
+        "verify_steps": steps,
+        "tokens": tokens,
+        "target_forwards": sum(r.target_forwards for r in requests),
+        "drafter_forwards": sum(r.drafter_forwards for r in requests),
+        "finish": {k: sum(r.finish == k for r in requests) for k in ("stop", "length")},
+        "spec_s": spec_s,
+        "greedy_s": greedy_s,
+    }
