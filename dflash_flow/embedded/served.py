@@ -34,8 +34,6 @@ Each record: ``{"id", "conversations": prompt turns + [assistant reply], "finish
 
 from __future__ import annotations
 
-import hashlib
-import http.client
 import json
 import queue
 import threading
@@ -44,9 +42,12 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from dflash_flow.data.chat import prompt_turns
+from dflash_flow.engine.http import AllServersDown, RequestFailed, ServerPool, backoff_delay
+from dflash_flow.engine.http import HttpClient as _Client
+from dflash_flow.engine.http import Stopped as _Stopped
+from dflash_flow.engine.http import unit as _unit
 
 from .regen_io import OutputWriter, check_output_is_not_input, read_prompts, scan_output, write_in_input_order
 
@@ -58,16 +59,6 @@ ProgressFn = Callable[[int, int, int], None]
 FINISH_REASONS = ("stop", "length", "empty", "error")
 # Kinds of failed attempts. "refused": the request never reached a server (not counted against the row).
 RETRYABLE = ("refused", "reset", "timeout", "server", "malformed")
-
-
-class AllServersDown(RuntimeError):
-    """Every server is out of rotation for good; what was finished is written."""
-
-
-class RequestFailed(Exception):
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
 
 
 @dataclass
@@ -99,21 +90,8 @@ class ServedStats:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Deterministic retry schedule and sampling
+# Sampling
 # ---------------------------------------------------------------------------------------------------
-
-
-def _unit(*parts: object) -> float:
-    """A number in [0, 1) derived from ``parts`` (the same everywhere, every run)."""
-    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64
-
-
-def backoff_delay(row_id: object, attempt: int, base_s: float, max_s: float) -> float:
-    """Seconds to wait before attempt ``attempt + 1`` of a row: ``base * 2**(attempt-1)`` capped at
-    ``max_s``, times a jitter in [0.5, 1) derived from the row id and the attempt (spreads the retries of
-    many rows failed at once, and is reproducible)."""
-    return min(max_s, base_s * 2 ** max(0, attempt - 1)) * (0.5 + 0.5 * _unit("backoff", row_id, attempt))
 
 
 def sampling_params(sampling: str, target: str | Path | None = None) -> dict:
@@ -141,201 +119,6 @@ def sampling_params(sampling: str, target: str | Path | None = None) -> dict:
         if gc.get(key) is not None:
             out[key] = gc[key]
     return out
-
-
-# ---------------------------------------------------------------------------------------------------
-# Servers
-# ---------------------------------------------------------------------------------------------------
-
-
-class _Server:
-    def __init__(self, url: str, index: int):
-        parts = urlsplit(url if "://" in url else f"http://{url}")
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"--server {url}: not an http(s) URL (e.g. http://localhost:8000)")
-        self.url = url.rstrip("/")
-        self.index = index
-        self.https = parts.scheme == "https"
-        self.host = parts.hostname
-        self.port = parts.port or (443 if self.https else 80)
-        base = parts.path.rstrip("/")
-        self.base = base[: -len("/v1")] if base.endswith("/v1") else base  # ".../v1" or not: both accepted
-        self.in_flight = 0
-        self.ok = 0
-        self.failures: Counter = Counter()
-        self.consecutive = 0
-        self.down = False  # out of rotation (until out_until, then on trial)
-        self.out_until = 0.0
-        self.trials_failed = 0
-        self.taken_out = 0
-        self.removed = False
-        self.last_error = ""
-
-    def state(self) -> str:
-        return "removed" if self.removed else "out" if self.down else "up"
-
-
-class _Lease:
-    def __init__(self, server: _Server, trial: bool):
-        self.server = server
-        self.trial = trial
-
-
-class ServerPool:
-    """Which server gets the next request: the one with the fewest in flight (ties in turn), at most
-    ``per_server`` each, never one out of rotation; health from each request's outcome."""
-
-    def __init__(self, urls: list[str], *, per_server: int = 32, fail_threshold: int = 3, cooldown_s: float = 2.0,
-                 cooldown_max_s: float = 60.0, max_trials: int = 5, log: Callable[[str], None] | None = None,
-                 clock=time.monotonic):
-        if not urls:
-            raise ValueError("no --server given")
-        self.servers = [_Server(u, i) for i, u in enumerate(urls)]
-        if len({s.url for s in self.servers}) != len(self.servers):
-            raise ValueError("a --server is listed twice")
-        self.per_server = per_server
-        self.fail_threshold = fail_threshold
-        self.cooldown_s = cooldown_s
-        self.cooldown_max_s = cooldown_max_s
-        self.max_trials = max_trials
-        self.log = log or (lambda _m: None)
-        self.clock = clock
-        self._cond = threading.Condition()
-        self._turn = 0
-
-    def acquire(self, avoid: set[str], stop: threading.Event) -> _Lease:
-        """A server for one request (blocks while all are busy or cooling down). Raises AllServersDown."""
-        with self._cond:
-            while True:
-                if stop.is_set():
-                    raise _Stopped()
-                now = self.clock()
-                alive = [s for s in self.servers if not s.removed]
-                if not alive:
-                    raise AllServersDown(self.describe())
-                # A retry waits for a server in rotation that has not failed this row, if there is one.
-                pool = [s for s in alive if s.url not in avoid and not s.down] or alive
-                ready = [s for s in pool if s.in_flight < self.per_server
-                         and (not s.down or (now >= s.out_until and s.in_flight == 0))]
-                if ready:
-                    n = len(self.servers)
-                    s = min(ready, key=lambda s: (s.in_flight, (s.index - self._turn) % n))
-                    self._turn = (s.index + 1) % n
-                    s.in_flight += 1
-                    return _Lease(s, trial=s.down)
-                waits = [s.out_until - now for s in alive if s.down and s.out_until > now]
-                self._cond.wait(timeout=min([0.5] + waits))
-
-    def release(self, lease: _Lease, failure: RequestFailed | None) -> None:
-        s = lease.server
-        with self._cond:
-            s.in_flight -= 1
-            if failure is None:
-                s.ok += 1
-                s.consecutive = 0
-                if s.down and lease.trial:  # (an answer to a request sent before it went out proves little)
-                    s.down, s.trials_failed = False, 0
-                    self.log(f"server {s.url} answers again: back in rotation")
-            elif failure.kind != "client":  # a 4xx is the request's fault, not the server's
-                s.failures[failure.kind] += 1
-                s.consecutive += 1
-                s.last_error = str(failure)
-                now = self.clock()
-                if lease.trial:
-                    s.trials_failed += 1
-                    if s.trials_failed >= self.max_trials:
-                        s.removed = True
-                        self.log(f"server {s.url} removed after {s.trials_failed} failed trials ({failure})")
-                    else:
-                        s.out_until = now + min(self.cooldown_max_s, self.cooldown_s * 2 ** s.trials_failed)
-                elif not s.down and (failure.kind in ("refused", "reset") or s.consecutive >= self.fail_threshold):
-                    s.down, s.out_until = True, now + self.cooldown_s
-                    s.taken_out += 1
-                    self.log(f"server {s.url} taken out of rotation ({failure}); its requests go to the others")
-            self._cond.notify_all()
-
-    def wake(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
-
-    def describe(self) -> str:
-        return "; ".join(f"{s.url}: {s.state()}" + (f" ({s.last_error})" if s.last_error else "")
-                         for s in self.servers)
-
-    def report(self) -> list[dict]:
-        with self._cond:
-            return [{"url": s.url, "ok": s.ok, "failures": dict(s.failures), "taken_out": s.taken_out,
-                     "state": s.state()} for s in self.servers]
-
-
-class _Stopped(Exception):
-    pass
-
-
-# ---------------------------------------------------------------------------------------------------
-# HTTP (stdlib http.client; one keep-alive connection per thread and server)
-# ---------------------------------------------------------------------------------------------------
-
-
-class _Client:
-    def __init__(self, timeout_s: float):
-        self.timeout_s = timeout_s
-        self._local = threading.local()
-
-    def _conn(self, s: _Server):
-        conns = self._local.__dict__.setdefault("conns", {})
-        conn = conns.get(s.url)
-        fresh = conn is None
-        if fresh:
-            cls = http.client.HTTPSConnection if s.https else http.client.HTTPConnection
-            conn = conns[s.url] = cls(s.host, s.port, timeout=self.timeout_s)
-        return conn, fresh
-
-    def _drop(self, s: _Server) -> None:
-        conn = self._local.__dict__.get("conns", {}).pop(s.url, None)
-        if conn is not None:
-            conn.close()
-
-    def request(self, s: _Server, method: str, path: str, payload: dict | None = None) -> dict:
-        """The JSON body of a 2xx answer; raises RequestFailed with the kind of failure."""
-        body = None if payload is None else json.dumps(payload).encode()
-        headers = {"Content-Type": "application/json"} if body is not None else {}
-        for again in (False, True):
-            conn, fresh = self._conn(s)
-            try:
-                conn.request(method, s.base + path, body=body, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
-                status = resp.status
-                if resp.will_close:
-                    self._drop(s)
-                break
-            except TimeoutError:
-                self._drop(s)
-                raise RequestFailed("timeout", f"no answer within {self.timeout_s:g} s") from None
-            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
-                self._drop(s)
-                if not fresh and not again:
-                    continue  # a keep-alive connection the server had closed: once more on a new one
-                raise RequestFailed("reset", f"connection dropped ({type(e).__name__})") from None
-            except ConnectionRefusedError:
-                self._drop(s)
-                raise RequestFailed("refused", "connection refused") from None
-            except (http.client.HTTPException, OSError) as e:
-                self._drop(s)
-                kind = "reset" if isinstance(e, http.client.HTTPException) else "refused"
-                raise RequestFailed(kind, f"{type(e).__name__}: {e}") from None
-        if status >= 400:
-            text = data[:200].decode("utf-8", "replace").strip()
-            kind = "server" if status >= 500 or status in (408, 429) else "client"
-            raise RequestFailed(kind, f"HTTP {status}: {text}")
-        try:
-            out = json.loads(data)
-        except ValueError:
-            raise RequestFailed("malformed", f"HTTP {status} with a body that is not JSON: {data[:80]!r}") from None
-        if not isinstance(out, dict):
-            raise RequestFailed("malformed", f"HTTP {status} with a JSON {type(out).__name__}, not an object")
-        return out
 
 
 _STOP_REASONS = {"stop", "eos", "stop_sequence", "end_turn", "tool_calls"}
