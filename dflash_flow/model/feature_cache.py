@@ -1,9 +1,12 @@
-"""Target features kept in memory across epochs, so that later epochs do not run the target again.
+"""The RAM tier of the target's features: what later epochs read instead of running the target again.
 
 On a CPU run the frozen target's forward competes with the drafter for the same cores; from the second
 epoch on every sample's features are already known, so :class:`FeatureCache` keeps them (up to a byte
-budget) and ``TargetForward`` reads them back instead of running the target, which leaves its cores to the
-drafter (``DrafterStep.torch_threads_after_first_epoch``).
+budget) and they are read back instead of running the target, which leaves its cores to the drafter
+(``DrafterStep.torch_threads_after_first_epoch``). It is the first tier of the feature store: the
+``StoreBackend`` (``model.store_backend``, ``model.features`` mode hybrid or offline) looks here before the
+store on disk (``model.feature_store``), and hybrid without a store path is this tier alone, which is what
+``TargetForward.cache_features`` does (through :func:`per_sample_features`).
 
 What makes a cached run reproducible and its resume exact: each sample's features are computed alone (a
 batch of one, its own length, no padding) whether or not they are cached, so they do not depend on which

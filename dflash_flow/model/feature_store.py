@@ -891,11 +891,12 @@ def _file_blake2b(path: Path) -> str:
 
 
 def _new_manifest(identity: Mapping[str, Any], codec: Codec, width: int, *, expected_samples: int | None,
-                  expected_tokens: int | None, compute_dtype: str | None) -> dict[str, Any]:
+                  expected_tokens: int | None, compute_dtype: str | None, vocab_size: int | None) -> dict[str, Any]:
     return {
         "format": FORMAT, "version": VERSION, "identity": dict(identity), "identity_digest": identity_digest(identity),
         "dtype": codec.name, "width": int(width), "bytes_per_token": codec.bytes_per_token(width),
-        "compute_dtype": compute_dtype, "expected_samples": expected_samples, "expected_tokens": expected_tokens,
+        "compute_dtype": compute_dtype, "vocab_size": vocab_size, "expected_samples": expected_samples,
+        "expected_tokens": expected_tokens,
         "complete": False, "samples": 0, "tokens": 0, "bytes": 0, "shards": [],
         "created": {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()},
     }
@@ -907,7 +908,7 @@ def _write_json(path: Path, obj: Any, durable: bool = True) -> None:
 
 def open_for_writing(root: Path, *, identity: Mapping[str, Any], codec: Codec, width: int,
                      expected_samples: int | None = None, expected_tokens: int | None = None,
-                     compute_dtype: str | None = None) -> dict[str, Any]:
+                     compute_dtype: str | None = None, vocab_size: int | None = None) -> dict[str, Any]:
     """The manifest of a store about to be written: created when there is none; else it must be the same
     identity, dtype and width (refused naming the fields)."""
     root.mkdir(parents=True, exist_ok=True)
@@ -919,7 +920,7 @@ def open_for_writing(root: Path, *, identity: Mapping[str, Any], codec: Codec, w
             raise FeatureStoreError(f"{root}/{SHARDS} holds shards but {root} has no {MANIFEST}: delete the directory "
                                     "and build again")
         m = _new_manifest(identity, codec, width, expected_samples=expected_samples, expected_tokens=expected_tokens,
-                          compute_dtype=compute_dtype)
+                          compute_dtype=compute_dtype, vocab_size=vocab_size)
         _write_json(root / MANIFEST, m)
         fsync_dir(root)
         return m
@@ -934,6 +935,9 @@ def open_for_writing(root: Path, *, identity: Mapping[str, Any], codec: Codec, w
     _fill_unknown(m["identity"], identity)
     if expected_samples is not None:
         m["expected_samples"], m["expected_tokens"] = expected_samples, expected_tokens
+    for key, value in (("vocab_size", vocab_size), ("compute_dtype", compute_dtype)):
+        if m.get(key) is None and value is not None:
+            m[key] = value
     return m
 
 
@@ -1045,6 +1049,7 @@ def build_store(
     rows_per_call: int = 1,
     wait_s: float = 0.0,
     compute_dtype: str | None = None,
+    vocab_size: int | None = None,
     on_estimate: Callable[[int, int, int, int], None] | None = None,
     on_wait: Callable[[str, float], None] | None = None,
     progress: Callable[[BuildProgress], None] | None = None,
@@ -1080,7 +1085,8 @@ def build_store(
                                   count=len(ids))
             full_identity = {**identity, "tokens": corpus_digest(ids, lengths, digests)}
             m = open_for_writing(root, identity=full_identity, codec=c, width=width, expected_samples=int(ids.size),
-                                 expected_tokens=int(lengths.sum()), compute_dtype=compute_dtype)
+                                 expected_tokens=int(lengths.sum()), compute_dtype=compute_dtype,
+                                 vocab_size=vocab_size)
             _write_json(root / MANIFEST, m)
             _remove_leftovers(root)
             shards, removed = _scan(root, m["identity_digest"], remove_damaged=True)
