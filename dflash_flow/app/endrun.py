@@ -122,6 +122,14 @@ def end_of_run(pipeline, services, outcome: Any, output_dir: Path, late: Any = N
             print(f"speculative decoding ({label} drafter): acceptance length {r.metrics['tau']:.2f}, target "
                   f"forwards {r.metrics.get('speedup_forwards', float('nan')):.2f}x fewer, lossless={r.lossless}",
                   file=sys.stderr)
+    trained = record.evals.get("trained")
+    if trained is not None and "tau" in trained.metrics:  # a drafter that barely helps never ends without a word
+        from dflash_flow.observe.engine_metrics import weak_drafter_note
+
+        note = weak_drafter_note("trained", trained.metrics["tau"])
+        if note:
+            print(note, file=sys.stderr)
+            tracker.set_tags({"verdict": note})
     if record.serve_commands:
         from dflash_flow.model.export_contract import format_serve_commands
 

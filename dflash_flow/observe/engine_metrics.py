@@ -233,7 +233,8 @@ def spec_delta(before: Mapping[str, EngineCounters], after: Mapping[str, EngineC
         for field in totals:
             a, b = getattr(now, field), getattr(was, field)
             if a < b:
-                raise CounterReset(f"engine {key}: {SPEC_PREFIX}num_{field}_total went down from {b:g} to {a:g} "
+                name = next(n for n, f in _COUNTERS.items() if f == field)
+                raise CounterReset(f"engine {key}: {SPEC_PREFIX}{name}_total went down from {b:g} to {a:g} "
                                    "between the two scrapes (the engine restarted); measure again")
             totals[field] += a - b
         lacking = tuple(k for k in positions if k not in now.per_position)
