@@ -232,13 +232,9 @@ class DrafterAttention(nn.Module):
         return y.transpose(1, 2)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
-        groups = self.num_heads // self.num_kv_heads
-        # The CPU kernel shares KV heads itself (enable_gqa); elsewhere masked attention falls back to
-        # kernels without GQA support, so the KV heads are repeated there.
-        gqa = groups > 1 and q.device.type == "cpu"
-        if groups > 1 and not gqa:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
+        # SDPA shares the KV heads (enable_gqa): the CPU kernel and, on CUDA, the memory-efficient and cuDNN
+        # kernels (masks allowed) take them as they are; only the math fallback repeats them.
+        gqa = self.num_heads > self.num_kv_heads
         return F.scaled_dot_product_attention(
             q,
             k,
@@ -325,7 +321,7 @@ class DrafterAttention(nn.Module):
             if layout.split:
                 return split_block_attention(q, ctx_k, ctx_v, k, v, layout, self.scaling)
             return block_attention(q, ctx_k, ctx_v, k, v, layout, self.scaling)
-        if layout.mask is None:
+        if layout.group_masks is None:
             raise ValueError("this layout was made for the split attention (block_layouts(split=True)), which runs on CPU without attention dropout")
         return self.grouped_attention(q, ctx_k, ctx_v, k, v, layout)
 

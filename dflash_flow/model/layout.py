@@ -149,6 +149,29 @@ def group_spans(
 GROUP_FIXED_COST = 250e-6 / (7e-9 / 64)
 
 
+# The grouped SDPA path (``DrafterAttention.grouped_attention``: every device but the CPU kernels, i.e. CUDA, and
+# the CPU under attention dropout) makes one SDPA call per group after copying the group's own keys and its
+# context slice into one key tensor (KV heads shared, not repeated: ``enable_gqa``). Not measured on a GPU yet
+# (none lent; ``bench/gpu.py`` times the attention at a few group sizes against this choice): per group and
+# layer a few kernels in the forward, the recomputation and the backward, taken as ~1 ms with their launches and
+# the Python between them, against ~14 FLOP per unit above (QK and PV in the forward, the recomputation and the
+# backward) at ~2e14 FLOP/s; at the Qwen3-8B recipe shape this picks 32-64 blocks per group (the CPU's cost
+# picked one block per group there: 512 calls per layer, each copying ~1,900 context keys).
+SDPA_GROUP_FIXED_COST = 1e-3 * 2e14 / 14
+# Each group's key copies stay saved for the backward (``chunk_activation_bytes`` counts this many per chunk).
+SDPA_MAX_GROUPS = 16
+# Columns of an SDPA path group mask are padded to this multiple: CUDA's memory-efficient kernel needs the
+# mask's pointer and row stride aligned (16 bytes; SDPA would otherwise copy a misaligned mask per call).
+MASK_ALIGN = 16
+
+
+def uses_sdpa(drafter: nn.Module) -> bool:
+    """Whether the drafter's training attention takes the grouped SDPA path on its device (CUDA; the CPU under
+    attention dropout) rather than the CPU kernels (``DrafterAttention.splits_on``)."""
+    device = drafter.fc.weight.device
+    return not all(layer.self_attn.splits_on(device) for layer in drafter.layers)
+
+
 # The split attention (``block_attention._SplitAttention``) scores no own keys in its per-group kernel calls,
 # but each group's backward writes a gradient for every context key of its slice (the kernel zero-fills
 # its dK / dV, then they are added into the context's): per context position of a group, about the time of
@@ -167,13 +190,17 @@ def auto_group_blocks(
     block_size: int,
     pair_cost: int,
     key_cost: int | None = None,
+    fixed_cost: float = GROUP_FIXED_COST,
+    max_groups: int | None = None,
 ) -> int:
     """Blocks per attention group for blocks ``start..stop-1``: the power of two with the least estimated
-    time, ``pair_cost`` (rows x heads x head_dim) per visible-range query-key pair plus a fixed cost per
+    time, ``pair_cost`` (rows x heads x head_dim) per visible-range query-key pair plus ``fixed_cost`` per
     group. Small groups skip more hidden context; each group costs a few kernel calls.
 
     ``key_cost`` (rows x KV heads x head_dim x ``SPLIT_KEY_COST``): the split attention's grouping, where a
-    group's queries score no own keys and each group costs this much per context key of its slice."""
+    group's queries score no own keys and each group costs this much per context key of its slice.
+    ``fixed_cost`` / ``max_groups``: the grouped SDPA path's (``SDPA_GROUP_FIXED_COST``, ``SDPA_MAX_GROUPS``):
+    no size that makes more than ``max_groups`` groups is chosen."""
     n = stop - start
     # Per group of `size` blocks: its context end (the largest anchor), by pairwise maxima as size doubles.
     ends = [max(0, min(h, bounds.seq_len)) for h in bounds.hi[start:stop]]
@@ -184,11 +211,12 @@ def auto_group_blocks(
                 min(size, n - i * size) * block_size * (end + min(size, n - i * size) * block_size)
                 for i, end in enumerate(ends)
             )
-            cost = pairs * pair_cost + len(ends) * GROUP_FIXED_COST
+            cost = pairs * pair_cost + len(ends) * fixed_cost
         else:  # context only, and every group's slice once more for its keys' gradients
             pairs = sum(min(size, n - i * size) * block_size * end for i, end in enumerate(ends))
-            cost = pairs * pair_cost + len(ends) * GROUP_FIXED_COST + sum(ends) * key_cost
-        if best_cost is None or cost < best_cost:
+            cost = pairs * pair_cost + len(ends) * fixed_cost + sum(ends) * key_cost
+        allowed = max_groups is None or len(ends) <= max_groups or size >= n
+        if allowed and (best_cost is None or cost < best_cost):
             best, best_cost = size, cost
         if size >= n:
             return min(best, n)
@@ -211,6 +239,7 @@ class Grouping:
 
     spans: dict[str, list[tuple[int, int, int, int]]]
     split: frozenset[str] = frozenset()
+    sdpa: bool = False  # the layers take the grouped SDPA path (``uses_sdpa``): one aligned mask per group
 
 
 def split_pays(spans: list[tuple[int, int, int, int]], block_size: int) -> bool:
@@ -231,6 +260,7 @@ def block_layouts(
     dtype: torch.dtype,
     last_drops_first_slot: bool = False,
     split: bool | None | frozenset[str] = False,
+    sdpa: bool = False,
 ) -> list[BlockLayout]:
     """One ``BlockLayout`` per layer for blocks ``start..stop-1`` grouped by ``spans`` (``group_spans``,
     per layer type). Layers of a type share one layout (one mask per type and chunk).
@@ -242,6 +272,11 @@ def block_layouts(
     made when its kernel call needs it. None: those where the split attention pays (``split_pays``), the
     others as False gives them (for ``_BlockAttention``). A set of layer types: those types' layouts split
     (the objective's choice, ``Grouping.split``, made on the block form's groups before regrouping).
+    ``sdpa``: layouts for the grouped SDPA path (``uses_sdpa``; the layer types that do not split): each group's
+    mask is a tensor of its own, ``[b, 1, q1 - q0, own + hi - lo]`` in a buffer whose rows are padded to
+    ``MASK_ALIGN`` columns (CUDA's memory-efficient kernel refuses a mask whose pointer or row stride is
+    misaligned, as a view into one ``[scratch | context]`` mask is for block sizes or window starts off 16),
+    and no ``mask``.
     """
     bsz = plan.block_size
     b, n = plan.anchors.shape[0], stop - start
@@ -279,6 +314,12 @@ def block_layouts(
                 bsz, per_block, groups, scratch, None, None, vis, own_mask, has_context, dtype, True, {}
             )
             continue
+        if sdpa:
+            made[(layer_type, drop)] = BlockLayout(
+                bsz, per_block, groups, scratch, None, _group_masks(vis, within, groups, per_block, bsz, zero),
+                None, own_mask, has_context, dtype,
+            )
+            continue
         # Additive (sdpa would convert a bool mask in every call, forward and backward), in the key
         # layout [scratch | context]; each group's rows get its own-block pattern next to its slice.
         mask = torch.empty((b, 1, n * per_block, scratch + seq), dtype=dtype, device=vis.device)
@@ -299,6 +340,27 @@ def block_layouts(
             bsz, per_block, groups, scratch, mask, views, None, own_mask, has_context, dtype
         )
     return [made[(t, last_drops_first_slot and i == last)] for i, t in enumerate(layer_types)]
+
+
+def _group_masks(vis, within, groups, per_block: int, bsz: int, zero) -> list[torch.Tensor]:
+    """The grouped SDPA path's additive mask of each group, ``[b, 1, q1 - q0, own + hi - lo]`` (its own blocks'
+    keys, block-diagonal, then its context slice), each a view at the start of a buffer whose rows are padded to
+    ``MASK_ALIGN`` columns: aligned pointer and row stride, so SDPA passes it to the kernel as it is."""
+    b = vis.shape[0]
+    out = []
+    for q0, q1, lo, hi in groups:
+        m = (q1 - q0) // per_block
+        own, cols = m * bsz, m * bsz + hi - lo
+        buf = torch.full((b, 1, q1 - q0, -(-cols // MASK_ALIGN) * MASK_ALIGN), float("-inf"), dtype=zero.dtype,
+                         device=vis.device)
+        block = torch.block_diag(*[within.to(zero.dtype)] * m) > 0
+        buf[:, 0, :, :own] = torch.where(block, zero, float("-inf"))
+        n0, n1 = q0 // per_block, q1 // per_block
+        if hi > lo:
+            ctx = torch.where(vis[:, n0:n1, :, lo:hi], zero, float("-inf"))  # [b, m, 1 or per_block, hi - lo]
+            buf[:, 0, :, own:cols].view(b, m, per_block, hi - lo).copy_(ctx.expand(b, m, per_block, hi - lo))
+        out.append(buf.narrow(3, 0, cols))
+    return out
 
 
 # ------------------------------------------------------------------------------------------ forward
@@ -325,11 +387,47 @@ def activation_bytes_per_block(drafter: nn.Module, *, vocab_size: int, context_l
     return per_token * drafter.block_size
 
 
+def chunk_activation_bytes(drafter: nn.Module, *, batch: int, blocks: int, context_len: int, vocab_size: int) -> int:
+    """Estimated bytes a chunk of ``blocks`` blocks of ``batch`` rows keeps for its backward.
+
+    The CPU kernels: ``blocks`` x ``activation_bytes_per_block``. The grouped SDPA path (``uses_sdpa``) also keeps
+    what each SDPA call saves: its group's key and value copies (own blocks and context slice, at most
+    ``SDPA_MAX_GROUPS`` slices of up to ``context_len`` keys per chunk and layer), its output and log-sum-exp,
+    and the groups' masks, whose own-key columns grow with the group (taken as the whole chunk: one group)."""
+    per_block = activation_bytes_per_block(drafter, vocab_size=vocab_size, context_len=context_len)
+    if not uses_sdpa(drafter):
+        return batch * blocks * per_block
+    cfg = drafter.config
+    elem = torch.finfo(drafter.dtype).bits // 8
+    heads, kv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+    d = int(getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads)
+    bsz, layers = drafter.block_size, len(drafter.layers)
+    # per token and layer: the SDPA output beside o_proj's copy of it, the log-sum-exp (fp32), the own keys and
+    # values in the group's key copies; per token, the two layouts' masks over the own keys (the estimate per
+    # block counts their context columns)
+    extra = layers * (heads * d * elem + 4 * heads + 2 * kv * d * elem) + 2 * elem * (blocks * bsz + MASK_ALIGN)
+    context_copies = layers * min(SDPA_MAX_GROUPS, blocks) * 2 * kv * d * elem * context_len
+    return batch * (blocks * (per_block + bsz * extra) + context_copies)
+
+
 def auto_chunk_blocks(
     drafter: nn.Module, *, batch: int, num_blocks: int, context_len: int, vocab_size: int, budget_mb: float
 ) -> int | None:
-    """Blocks per checkpointed chunk under an activation budget; None when all blocks fit in one pass
-    (no recomputation at all)."""
-    per_block = batch * activation_bytes_per_block(drafter, vocab_size=vocab_size, context_len=context_len)
-    fit = int(budget_mb * 2**20 // max(per_block, 1))
-    return None if fit >= num_blocks else max(1, fit)
+    """Blocks per checkpointed chunk under an activation budget (``chunk_activation_bytes``); None when all blocks
+    fit in one pass (no recomputation at all)."""
+    budget = budget_mb * 2**20
+    if not uses_sdpa(drafter):
+        per_block = batch * activation_bytes_per_block(drafter, vocab_size=vocab_size, context_len=context_len)
+        fit = int(budget // max(per_block, 1))
+        return None if fit >= num_blocks else max(1, fit)
+
+    def size(n: int) -> int:
+        return chunk_activation_bytes(drafter, batch=batch, blocks=n, context_len=context_len, vocab_size=vocab_size)
+
+    if size(num_blocks) <= budget:
+        return None
+    lo, hi = 1, num_blocks  # the largest n with size(n) <= budget (at least 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if size(mid) <= budget else (lo, mid)
+    return lo

@@ -63,6 +63,8 @@ from dflash_flow.model.blockplan import (
 from dflash_flow.model.drafter_layers import SlotRows, maybe_compiled
 from dflash_flow.model.fused import weighted_cross_entropy
 from dflash_flow.model.layout import (  # noqa: F401 - re-exported
+    SDPA_GROUP_FIXED_COST,
+    SDPA_MAX_GROUPS,
     SPLIT_KEY_COST,
     ColumnBounds,
     Grouping,
@@ -74,6 +76,7 @@ from dflash_flow.model.layout import (  # noqa: F401 - re-exported
     group_spans,
     read_bounds,
     split_pays,
+    uses_sdpa,
 )
 from dflash_flow.model.strategies import DFlash2, VariablePrefix
 
@@ -180,11 +183,12 @@ def _layer_spans(drafter, bounds, start, stop, group_blocks, rows) -> Grouping:
         }
 
     pair_cost = rows * attn.num_heads * attn.head_dim
-    spans = spans_of(group_blocks or auto_group_blocks(bounds, start, stop, block_size=bsz, pair_cost=pair_cost))
-    device = drafter.fc.weight.device
-    split = frozenset()
-    if all(layer.self_attn.splits_on(device) for layer in drafter.layers):
-        split = frozenset(t for t, s in spans.items() if split_pays(s, bsz))
+    sdpa = uses_sdpa(drafter)
+    costs = {"fixed_cost": SDPA_GROUP_FIXED_COST, "max_groups": SDPA_MAX_GROUPS} if sdpa else {}
+    spans = spans_of(group_blocks or auto_group_blocks(bounds, start, stop, block_size=bsz, pair_cost=pair_cost, **costs))
+    if sdpa:  # one SDPA call per group (CUDA): the CPU kernels' split form does not apply
+        return Grouping(spans, frozenset(), sdpa=True)
+    split = frozenset(t for t, s in spans.items() if split_pays(s, bsz))
     if split and not group_blocks:
         key_cost = rows * attn.num_kv_heads * attn.head_dim * SPLIT_KEY_COST
         g = auto_group_blocks(bounds, start, stop, block_size=bsz, pair_cost=pair_cost, key_cost=key_cost)
@@ -220,6 +224,7 @@ def _decode_span(drafter, plan, embed_tokens, context_kv, start, stop, grouping,
         dtype=dtype,
         last_drops_first_slot=drop_first_slot,
         split=grouping.split,
+        sdpa=grouping.sdpa,
     )
     positions = plan.block_positions[:, start:stop].reshape(b, -1)
     return drafter.decode_blocks(noise, context_kv, positions, layouts, rows)
