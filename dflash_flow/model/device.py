@@ -1,6 +1,11 @@
-"""Devices and dtypes of the models: the default dtype and attention kernel per device, ``dtype`` names."""
+"""Devices and dtypes of the models: the default dtype and attention kernel per device, ``dtype`` names, and the
+CUDA streams the stage threads run on (``side_streams``, ``take``)."""
 
 from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -41,3 +46,55 @@ def resolve_dtype(name: str | None, device: str | torch.device) -> torch.dtype:
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; expected auto, float32, bfloat16 or float16") from None
 
+
+
+# -- streams ----------------------------------------------------------------------------------------------
+# Every thread of a process starts on each GPU's legacy default stream, shared by all threads: a target replica's
+# forward and the drafter's step on one GPU then run one after the other, and a copy between two GPUs makes each
+# side's stream wait for the other's queued work (torch's device-to-device copy is a two-way barrier between the
+# two devices' current streams). A stage that runs a model enters a stream of its own per device
+# (``side_streams``) and synchronizes only those; whoever takes a tensor made there marks it used on its own
+# stream (``take``), so the caching allocator does not hand the memory back to the maker while it is read.
+
+_streams = threading.local()
+
+
+def _thread_stream(device: torch.device) -> torch.cuda.Stream:
+    """This thread's own stream on ``device`` (made once per thread and device)."""
+    table = getattr(_streams, "table", None)
+    if table is None:
+        table = _streams.table = {}
+    if device not in table:
+        table[device] = torch.cuda.Stream(device=device)
+    return table[device]
+
+
+@contextlib.contextmanager
+def side_streams(devices: Iterable[torch.device | str]) -> Iterator[None]:
+    """Run the block on this thread's own stream of each CUDA device in ``devices`` (nothing on other
+    devices). Each stream first waits for what this thread queued on the device's current stream before (the
+    inputs' copies); at the end the block's work is synchronized, on those streams only: what it made is
+    complete, and no other thread's queued work was waited for."""
+    cuda = sorted({as_device(d) for d in devices if as_device(d).type == "cuda"}, key=str)
+    if not cuda:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        streams = []
+        for dev in cuda:
+            stream = _thread_stream(dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            stack.enter_context(torch.cuda.stream(stream))
+            streams.append(stream)
+        yield
+    for stream in streams:
+        stream.synchronize()
+
+
+def take(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (made on another thread's stream, e.g. a target replica's features) marked in use on this thread's
+    current stream of its device before this thread reads or copies it, so its memory is not reused by the
+    maker's stream while that read is queued. A no-op off CUDA."""
+    if t.is_cuda:
+        t.record_stream(torch.cuda.current_stream(t.device))
+    return t

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from dflash_flow.model.device import as_device
+from dflash_flow.model.device import as_device, side_streams
 
 #: Set on a target loaded only partway (``load_target(num_layers=...)``): the full target's depth.
 DEPTH_ATTR = "dflash_target_depth"
@@ -60,8 +60,15 @@ class TargetFeatureExtractor:
 
     On a model split over several devices (:func:`place_on_devices`) the inputs go to the embedding's
     device and each chosen layer's output is gathered onto ``output_device`` (default: the embedding's
-    device), e.g. the drafter's GPU, before concatenation. A model loaded only partway (``num_layers``)
-    works as long as it reaches the deepest requested layer.
+    device) before concatenation. A model loaded only partway (``num_layers``) works as long as it reaches
+    the deepest requested layer.
+
+    On CUDA a call runs on the calling thread's own streams (``device.side_streams``: a target replica's forward
+    neither waits for nor holds up the drafter's queued work on a shared GPU) and returns once its work is done
+    on them. Features meant for another GPU (``output_device`` a GPU other than the model's) stay on the model's
+    GPU: the consumer copies them on its own stream when it takes them (``device.take``), so a copy between two
+    GPUs never makes one's queue wait for the other's, and features waiting in a queue hold the producing GPU's
+    memory, not the trainer's.
     """
 
     def __init__(
@@ -103,6 +110,7 @@ class TargetFeatureExtractor:
         # post-norm state; we then run the whole backbone instead of stopping, to match HF exactly.
         config = getattr(self.backbone, "config", None)
         self._last_is_normed = getattr(config, "tie_last_hidden_states", None) is not False
+        self._devices: set[torch.device] | None = None  # where the model's layers are (the first call looks)
         self._collect: contextvars.ContextVar[dict[int, torch.Tensor] | None] = contextvars.ContextVar(
             f"dflash_flow_target_features_{id(self)}", default=None
         )
@@ -148,10 +156,17 @@ class TargetFeatureExtractor:
             input_ids = input_ids.unsqueeze(0)
         embed = self.model.get_input_embeddings()
         device = embed.weight.device if embed is not None else next(self.backbone.parameters()).device
-        input_ids = input_ids.to(device)
+        if self._devices is None:
+            self._devices = {device, *(p.device for p in self.layers.parameters())}
+        with side_streams(self._devices):
+            return self._features(input_ids, attention_mask, position_ids, device)
+
+    def _features(self, input_ids, attention_mask, position_ids, device) -> torch.Tensor:
+        nb = device.type == "cuda"  # pinned host rows are copied without blocking (on this thread's stream)
+        input_ids = input_ids.to(device, non_blocking=nb)
         if attention_mask is not None:
-            attention_mask = attention_mask.to(device)
-        extra = {} if position_ids is None else {"position_ids": position_ids.to(device)}
+            attention_mask = attention_mask.to(device, non_blocking=nb)
+        extra = {} if position_ids is None else {"position_ids": position_ids.to(device, non_blocking=nb)}
 
         collected: dict[int, torch.Tensor] = {}
         wanted = sorted(set(self.target_layer_ids))
@@ -185,6 +200,8 @@ class TargetFeatureExtractor:
         # Each layer's output is gathered onto the output device first (on a split model they lie on
         # several devices).
         out = self.output_device or device
+        if out.type == "cuda" and device.type == "cuda" and out != device:
+            out = device  # the consumer takes them from the producing GPU (class docstring)
         feats = torch.cat([collected[i].to(out) for i in self.target_layer_ids], dim=-1)
         if self.dtype is not None:
             feats = feats.to(self.dtype)

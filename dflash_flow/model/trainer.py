@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from dflash_flow.items import TargetFeatures
+from dflash_flow.model.device import take
 from dflash_flow.model.dflash2 import drafter_from_config, drafter_variant, variant_config
 from dflash_flow.model.drafter import DFlashDrafter
 from dflash_flow.model.objective import PrefixPrior, dflash_loss
@@ -336,17 +337,18 @@ class DrafterTrainer:
         gen.manual_seed(anchor_seed)
         # Data parallel: gradients are all-reduced on the micro-batch that completes the step only.
         syncs = force_step or self.accumulator.next_is_last
-        hidden = feats.hidden_states.to(self.device, self.dtype)
+        # Made on a target replica's own CUDA stream (model.features): marked in use on ours before we read them.
+        hidden = take(feats.hidden_states).to(self.device, self.dtype)
         if self.objective.needs_input_grad:
             # FSDP registers its gradient reduction on the module inputs that require grad; without one
             # the ranks' gradients are never reduced. The price: one extra matmul (d loss / d features).
             hidden = hidden.detach().requires_grad_(True)
         with self.model.no_sync() if self.ddp and not syncs else contextlib.nullcontext():
             out = self.model(
-                feats.input_ids.to(self.device),
-                feats.loss_mask.to(self.device),
+                take(feats.input_ids).to(self.device),
+                take(feats.loss_mask).to(self.device),
                 hidden,
-                feats.attention_mask.to(self.device),
+                take(feats.attention_mask).to(self.device),
                 gen,
             )
             ready = self.accumulator.backward(out.loss)
