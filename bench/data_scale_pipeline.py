@@ -66,6 +66,7 @@ def pipeline(data: Path, cache: Path, out: Path, db: Path) -> dict:
         "tracking": {"enabled": True, "tracking_uri": str(db), "experiment": "data-scale", "system_metrics": False},
         "checkpoint": {"every_steps": 10, "keep_last": 2},
         "distributed": {"timeout_s": 900},
+        "model": {"target": "tiny-qwen3-8l", "num_draft_layers": 1, "block_size": 4, "mask_token_id": VOCAB - 1},
         "stages": [
             {"name": "source", "type": "TokenizedSource",
              "config": {"paths": [str(data)], "max_length": MAX_LENGTH, "cache_dir": str(cache), "vocab_size": VOCAB}},
@@ -74,10 +75,9 @@ def pipeline(data: Path, cache: Path, out: Path, db: Path) -> dict:
             {"name": "interleaver", "type": "Interleaver", "inputs": ["bucketer"], "config": {"max_batches": STEPS}},
             {"name": "padder", "type": "Padder", "inputs": ["interleaver"]},
             {"name": "target", "type": "TargetForward", "inputs": ["padder"],
-             "config": {"target": "tiny-qwen3-8l", "torch_threads": 1}},
+             "config": {"torch_threads": 1}},
             {"name": "drafter", "type": "DrafterStep", "inputs": ["target"], "ordered": True,
-             "config": {"target": "tiny-qwen3-8l", "num_layers": 1, "block_size": 4, "mask_token_id": VOCAB - 1,
-                        "num_anchors": 16, "record_batches": True, "torch_threads": 1}},
+             "config": {"num_anchors": 16, "record_batches": True, "torch_threads": 1}},
             {"name": "monitor", "type": "Monitor", "inputs": ["drafter"], "config": {"interval_s": 5.0, "plots": False}},
         ],
     }

@@ -37,11 +37,11 @@ LOOP_STAGES = ("source", "bucketer", "interleaver", "padder", "target", "drafter
 
 def stage_objects(v, out: Path, names: tuple[str, ...] = LOOP_STAGES) -> dict[str, Any]:
     """One fresh stage object per named stage, set up on this thread as its replica 0 would be."""
+    from dflash_flow.app import model_services
     from dflash_flow.core.metrics import MetricSet
     from dflash_flow.core.stage import StageContext
-    from dflash_flow.services import RunServices
 
-    services = RunServices()
+    services = model_services(v)
     out.mkdir(parents=True, exist_ok=True)
     stages = {}
     for name in names:

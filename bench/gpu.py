@@ -132,7 +132,7 @@ def run_pipeline(device: str, steps: int, tiny: bool, workdir: Path) -> dict:
     import torch
 
     from dflash_flow.core import Graph, Pipeline
-    from dflash_flow.services import RunServices
+    from dflash_flow.app import model_services
 
     arch = TINY if tiny else QWEN3_8B
     vocab = arch["vocab_size"]
@@ -142,6 +142,8 @@ def run_pipeline(device: str, steps: int, tiny: bool, workdir: Path) -> dict:
     layer_ids = [1, 2, 4, 5] if tiny else [1, 9, 17, 25, 33]
     g = Graph(name="gpu-bench", seed=42, output_dir=str(workdir / "out"))
     g.runtime.stall_timeout_s = 900
+    g.sections["model"] = {"target": target, "target_layer_ids": layer_ids, "num_draft_layers": 2 if tiny else 5,
+                           "block_size": 16, "mask_token_id": vocab - 1}
     g.add("source", "TokenizedSource", config={"paths": [str(data)], "max_length": max_len, "cache_dir": None,
                                               "vocab_size": vocab})
     g.add("bucketer", "Bucketer", inputs="source", config={"max_tokens": 4 * max_len, "max_batch_size": 4,
@@ -149,15 +151,14 @@ def run_pipeline(device: str, steps: int, tiny: bool, workdir: Path) -> dict:
     g.add("interleaver", "Interleaver", inputs="bucketer", config={"max_batches": steps})
     g.add("padder", "Padder", inputs="interleaver", replicas=2)
     g.add("target", "TargetForward", inputs="padder", devices=device,
-          config={"target": target, "target_layer_ids": layer_ids, "dtype": "bfloat16" if device != "cpu" else "float32"})
+          config={"dtype": "bfloat16" if device != "cpu" else "float32"})
     g.add("drafter", "DrafterStep", inputs="target", devices=device, ordered=True, config={
-        "target": target, "num_layers": 2 if tiny else 5, "block_size": 16, "num_anchors": 64 if tiny else 512,
-        "target_layer_ids": layer_ids, "mask_token_id": vocab - 1, "lr": 6e-4, "gamma": 7.0,
+        "num_anchors": 64 if tiny else 512, "lr": 6e-4, "gamma": 7.0,
         "dtype": "bfloat16" if device != "cpu" else "float32"})
     g.add("sink", "Discard", inputs="drafter")
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(torch.device(device))
-    pipeline = Pipeline(g, services=RunServices(), check_devices=device.startswith("cuda"))
+    pipeline = Pipeline(g, services=model_services(g), check_devices=device.startswith("cuda"))
     t0 = time.perf_counter()
     with _GpuSampler(device) as sampler:
         pipeline.run()

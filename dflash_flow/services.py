@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from dflash_flow.model.spec import ModelSpec
 from dflash_flow.observe.record import RunRecord
 
 
@@ -119,6 +120,7 @@ class Exporter(Protocol):
 
 @attrs.define(eq=False, kw_only=True)
 class RunServices:
+    model: ModelSpec = attrs.field(factory=ModelSpec)  # the model facts, resolved once (app.model_spec)
     tracker: MetricSink | None = None
     checkpoints: Checkpoints | None = None
     resume: Resume | None = None

@@ -1,11 +1,11 @@
 """The application layer: what turns a validated pipeline into a run.
 
-* :mod:`.sections` -- the ``tracking:`` and ``checkpoint:`` sections of a pipeline file (registered here);
+* :mod:`.sections` -- the ``model:``, ``tracking:``, ``checkpoint:`` and ``distributed:`` sections of a pipeline file (registered here);
 * :mod:`.preflight` -- checks across stages and of the environment, before any thread starts;
 * :mod:`.checkpoint` -- atomic, checksummed checkpoints and the checkpoint policy service;
 * :mod:`.runner` -- :func:`run`, the documented Python call that does what ``dflash-flow run`` does;
 * :mod:`.session` -- run services, resume, the MLflow run, statuses and exit codes (:mod:`.endrun`: the end);
-* :mod:`.consistency` -- the static checks across the DFlash stages (one target, layers, sizes, files);
+* :mod:`.model_spec` -- the model facts resolved once (``ModelSpec``, target resolution) and their checks;
 * :mod:`.commands` -- ``export``, ``eval``, ``regenerate``;
 * :mod:`.exits` -- exit codes and the one user-error path.
 
@@ -13,6 +13,6 @@ Importing the package is cheap (no torch, no mlflow): the CLI's ``--help`` and `
 """
 
 from dflash_flow.app import sections as _sections  # noqa: F401 - registers the application sections
-from dflash_flow.app.runner import load, run
+from dflash_flow.app.runner import load, model_services, run
 
-__all__ = ["load", "run"]
+__all__ = ["load", "model_services", "run"]

@@ -104,13 +104,15 @@ class Expected:
     legacy_hash: str = ""
     length_keys: frozenset[str] = frozenset()  # settings an extended resume may change
     extend: bool = False
+    moved: dict[str, str] = attrs.field(factory=dict)  # stage settings since moved into a section: their keys now
 
 
 def _check_identity(path: Path, state: dict[str, Any], expected: Expected) -> None:
-    from dflash_flow.core.identity import settings_differences
+    from dflash_flow.core.identity import recorded_as_today, settings_differences
 
     recorded = state.get("settings")
     if recorded is not None and expected.settings is not None:
+        recorded = recorded_as_today(recorded, expected.moved, expected.settings)
         length = expected.length_keys
         diffs = settings_differences({k: v for k, v in recorded.items() if k not in length},
                                      {k: v for k, v in expected.settings.items() if k not in length})

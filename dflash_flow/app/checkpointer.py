@@ -88,7 +88,8 @@ class Checkpointer:
     def __init__(self, directory: str | Path, *, keep_last: int = 3, config_hash: str = "",
                  run_uid: str | None = None, data_files: dict[str, str] | None = None,
                  root: str | Path | None = None, settings: dict[str, Any] | None = None, legacy_hash: str = "",
-                 length_keys: frozenset[str] | set[str] = frozenset(), extend: bool = False):
+                 length_keys: frozenset[str] | set[str] = frozenset(), extend: bool = False,
+                 moved: dict[str, str] | None = None):
         self.dir = Path(directory)
         self.keep_last = keep_last
         self.config_hash = config_hash
@@ -96,6 +97,7 @@ class Checkpointer:
         self.legacy_hash = legacy_hash
         self.length_keys = frozenset(length_keys)
         self.extend = extend
+        self.moved = dict(moved or {})  # core.identity.moved_setting_keys: older checkpoints' keys, read as today's
         self.run_uid = run_uid or new_run_uid()
         self.data_files = dict(data_files or {})
         self.root = Path(root) if root is not None else None
@@ -261,7 +263,8 @@ class Checkpointer:
     def load(self, spec: str | Path, *, check_config: bool = True) -> Checkpoint:
         """Load ``spec``. For ``latest`` (or a directory of checkpoints) an invalid newest checkpoint is
         skipped with one warning and the newest valid one is loaded; a single checkpoint path must be valid."""
-        expected = (Expected(self.config_hash, self.settings, self.legacy_hash, self.length_keys, self.extend)
+        expected = (Expected(self.config_hash, self.settings, self.legacy_hash, self.length_keys, self.extend,
+                             self.moved)
                     if check_config else None)
         p = Path(spec)
         if str(spec) == LATEST:

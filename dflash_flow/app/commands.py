@@ -26,11 +26,9 @@ def _run_target(checkpoint: Path) -> str | None:
         for stage in doc.get("stages") or []:
             if target is None and isinstance(stage, dict) and stage.get("type") == "DrafterStep":
                 target = (stage.get("config") or {}).get("target")
-        if target == "embedded":
-            from dflash_flow.embedded import embedded_target_path
+        from dflash_flow.app.model_spec import resolve_target
 
-            return embedded_target_path()
-        return target if isinstance(target, str) else None
+        return resolve_target(target) if isinstance(target, str) else None
     return None
 
 
@@ -105,7 +103,7 @@ def eval_command(drafter: Path, target: str, prompts: Path, max_new_tokens: int,
     (``temperature`` > 0) sampled, at each horizon; with ``walk_data``, the teacher-forced walk beside it."""
     from dflash_flow.app.session import quiet_libraries
     from dflash_flow.core.errors import CheckpointError
-    from dflash_flow.embedded import resolve_target
+    from dflash_flow.app.model_spec import resolve_target
     from dflash_flow.model.evaluation import evaluate_exported
     from dflash_flow.observe.progress import summary_table
 
@@ -203,7 +201,8 @@ def regenerate_command(prompts: Path, target: str | None, out: Path, batch_size:
                        system_prompt: str | None, server_only: list[str] | None = None) -> int:
     """``dflash-flow regenerate``: replies regenerated greedily by the target (batched, resumable)."""
     from dflash_flow.app.session import quiet_libraries
-    from dflash_flow.embedded import regenerate, resolve_target
+    from dflash_flow.app.model_spec import resolve_target
+    from dflash_flow.embedded import regenerate
 
     if server_only:
         return report_user_error(f"{', '.join(server_only)} only apply with --server (regeneration through serving "
@@ -235,7 +234,7 @@ def regenerate_served_command(prompts: Path, servers: list[str], out: Path, *, t
                               in_process_only: list[str] | None = None) -> int:
     """``dflash-flow regenerate --server URL ...``: replies from OpenAI-compatible servers (many in flight,
     retried, failover, resumable), with each row's finish reason counted and reported."""
-    from dflash_flow.embedded import resolve_target
+    from dflash_flow.app.model_spec import resolve_target
     from dflash_flow.embedded.served import AllServersDown, regenerate_served
 
     if in_process_only:

@@ -14,11 +14,11 @@ from dflash_flow.util import probe_write
 
 
 def preflight_problems(v: Validated, *, check_paths: bool = True) -> list[Problem]:
-    """The static checks across stages: the DFlash stages' model facts (``app.consistency``: one target,
-    matching layers, sizes, files that exist unless ``check_paths`` is false), and a Bucketer token budget
+    """The static checks across stages: the model facts and each stage's view of them (``app.model_spec``:
+    layers the target has, sizes, files that exist unless ``check_paths`` is false), and a Bucketer token budget
     smaller than the longest sample an upstream source may emit (it would only fail after reading all the
     data)."""
-    from dflash_flow.app.consistency import model_problems
+    from dflash_flow.app.model_spec import model_problems
     from dflash_flow.stages.bucketer import Bucketer
 
     graph = v.graph
@@ -268,11 +268,14 @@ def checkpoint_bytes(v: Validated) -> tuple[int, int]:
     import logging
 
     from dflash_flow.app.checkpoint_format import checkpoint_size_estimate
+    from dflash_flow.app.model_spec import build_model_spec
+    from dflash_flow.model.spec import UsesModel
 
     ckpt = export = 0
+    spec = build_model_spec(v.graph)
     for name, conf in v.configs.items():
         try:
-            n = int(conf.parameter_count())
+            n = int(conf.parameter_count(spec) if isinstance(conf, UsesModel) else conf.parameter_count())
         except Exception as exc:  # noqa: BLE001
             logging.getLogger("dflash_flow").debug("no checkpoint size estimate for stage '%s': %s", name, exc)
             continue

@@ -223,7 +223,10 @@ def profile(
     accum = grad_accum_of(v, step_stage)
     start_at, end_at = warmup_steps * accum, (warmup_steps + steps) * accum
     out_dir = Path(output_dir) if output_dir else v.graph.run_dir
-    services = services if services is not None else RunServices()
+    if services is None:
+        from dflash_flow.app.model_spec import build_model_spec
+
+        services = RunServices(model=build_model_spec(v.graph))
     tracker = _start_tracker(v, out_dir) if tracking else None
     if tracker is not None:
         services.tracker = tracker

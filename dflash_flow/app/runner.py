@@ -55,6 +55,15 @@ def load(
     return v
 
 
+def model_services(source: Validated | Graph):
+    """Run services holding only the model facts of ``source`` (its ``model:`` section resolved): what the
+    DFlash stages need under a bare ``Pipeline(v, services=model_services(v))`` (no tracking, no checkpoints)."""
+    from dflash_flow.app.model_spec import build_model_spec
+    from dflash_flow.services import RunServices
+
+    return RunServices(model=build_model_spec(source.graph if isinstance(source, Validated) else source))
+
+
 def run(
     source: str | Path | Graph,
     *,

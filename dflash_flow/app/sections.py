@@ -13,17 +13,16 @@ from dflash_flow.core import cfg, register_section
 
 @attrs.define(kw_only=True)
 class ModelConfig:
-    """`model:` the target and the drafter's shape, declared once: TargetForward, DrafterStep and
-    SpecDecodeEval take them from here (``Stage.section_fields``); a stage that repeats one with another
-    value is refused by validation."""
+    """`model:` the target and the drafter's shape, declared once for the whole pipeline: resolved into one
+    ``model.spec.ModelSpec`` at validation (``app.model_spec``) that every stage reads from its run services."""
 
     target: str | dict[str, Any] | None = cfg(
         None, doc="The target model: local path, hub id (online only), preset name, a config mapping, or 'embedded'.")
-    tokenizer: str | None = cfg(None, doc="Tokenizer path (default: the target directory).")
-    trust_remote_code: bool | None = cfg(None, doc="Allow the target's own Python code (off unless asked).")
-    num_draft_layers: int | None = cfg(None, ge=1, doc="Drafter decoder layers; also sets the DFlash default of target layers.")
+    tokenizer: str | None = cfg(None, doc="Tokenizer directory (default: the target directory).")
+    trust_remote_code: bool = cfg(False, result=False, doc="Allow the target's own Python code (off unless asked).")
+    num_draft_layers: int = cfg(1, ge=1, doc="Drafter decoder layers; also sets the DFlash default of target layers.")
     target_layer_ids: list[int] | None = cfg(None, doc="Target layers fused as the drafter's context (default: the DFlash rule).")
-    block_size: int | None = cfg(None, ge=2, doc="Block size B: one anchor token + B-1 mask tokens.")
+    block_size: int = cfg(16, ge=2, doc="Block size B: one anchor token + B-1 mask tokens.")
     mask_token_id: int | None = cfg(None, ge=0, doc="Mask token id (default: tokenizer mask, else first free embedding row).")
 
 
@@ -61,7 +60,7 @@ class DistributedConfig:
     )
 
 
-register_section("model", ModelConfig)
+register_section("model", ModelConfig, affects_result=True)
 register_section("tracking", TrackingConfig)
 register_section("distributed", DistributedConfig)
 register_section("checkpoint", CheckpointConfig)

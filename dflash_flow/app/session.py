@@ -52,11 +52,11 @@ def resume_config_hash(graph) -> str:
 def legacy_config_hash(graph) -> str:
     """The hash checkpoints written before they recorded their settings carry (the seed and every stage's
     spec as written, placement and capacity included): such a checkpoint resumes when it matches."""
-    from dflash_flow.core.fill import resolved_stage_configs
+    from dflash_flow.core.fill import legacy_stage_configs
     from dflash_flow.util import config_hash
 
     d = graph.to_dict()
-    configs = resolved_stage_configs(graph)
+    configs = legacy_stage_configs(graph)
     stages = [{**s, "config": configs[s["name"]]} if configs.get(s["name"]) else s for s in d.get("stages", [])]
     return config_hash({"seed": d.get("seed"), "stages": stages})
 
@@ -350,11 +350,11 @@ def _prepare(v: Validated, dist_ctx, output_dir: Path, resume: str | None, exten
                 link, target = escaping_links(ck_dir)[0]
                 raise UserError(f"checkpoint.dir {ck_dir}: {link.relative_to(ck_dir)} is a symbolic link to {target}, "
                                 "outside it; checkpoints are written and pruned only inside their directory")
-        from dflash_flow.core.identity import result_settings, run_length_keys
+        from dflash_flow.core.identity import moved_setting_keys, result_settings, run_length_keys
 
         checkpointer = Checkpointer(ck_dir, keep_last=ck.keep_last, config_hash=resume_config_hash(graph),
                                     settings=result_settings(graph), legacy_hash=legacy_config_hash(graph),
-                                    length_keys=run_length_keys(graph), extend=extend,
+                                    length_keys=run_length_keys(graph), extend=extend, moved=moved_setting_keys(graph),
                                     data_files=data_fingerprint(v) if main else {}, root=ck_root)
         ckpt = None
         if resume == "auto":  # torchrun --max-restarts: the first attempt starts fresh, a restart continues
@@ -412,6 +412,7 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
     from dflash_flow.app.distributed import init_distributed, shutdown_distributed
     from dflash_flow.app.endrun import ContainedUploads, end_of_run, write_pictures
     from dflash_flow.app.exits import EXIT_USER_ERROR, UserError, report_user_error
+    from dflash_flow.app.model_spec import build_model_spec
     from dflash_flow.core.fill import complete_stage_configs
     from dflash_flow.core.runtime import Pipeline
     from dflash_flow.model.export import DrafterExporter
@@ -439,7 +440,7 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
                          if fork else ""), file=sys.stderr)
             # Under torchrun the ranks agree on the step they stop after (the Distributed is the consensus);
             # the export is written inside the output directory only.
-            services = RunServices(resume=ckpt, dist=dist_ctx, stop_consensus=dist_ctx,
+            services = RunServices(model=build_model_spec(graph), resume=ckpt, dist=dist_ctx, stop_consensus=dist_ctx,
                                    exporter=DrafterExporter(output_dir))
             pipeline = Pipeline(v, services=services, resume_state=build_resume_state(v, ckpt), output_dir=output_dir)
             services.checkpoints = CheckpointService(checkpointer, ck, stage_states=pipeline.state_dict, dist=dist_ctx)

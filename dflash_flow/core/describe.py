@@ -31,8 +31,6 @@ def describe_stage(name: str) -> str:
             default = f"default {f.default.factory()!r}"
         else:
             default = f"default {f.default!r}"
-        if f.name in cls.section_fields:
-            default += f", or {cls.section_fields[f.name]}"  # declared once for every stage there
         doc_line = f.metadata.get("doc", "")
         rules = _rules(f)
         lines.append(

@@ -1,5 +1,6 @@
-"""Values a pipeline section declares once for every stage (``Stage.section_fields``, e.g. ``model.target``):
-filled into the stages that leave them out, refused where a stage sets another value."""
+"""Stage configs as a run records them, and the fields that moved out of the stages into a section
+(``Stage.moved_fields``, e.g. ``target`` into ``model.target``): what an old pipeline file that still sets one
+is told, and how the settings of a checkpoint written before the move read today."""
 
 from __future__ import annotations
 
@@ -10,40 +11,46 @@ import attrs
 
 from .registry import resolve
 from .sections import section_to_dict
-from .wording import short
 
 
-def section_values(graph: Any, spec: Any, cls: Any) -> tuple[dict[str, Any], list[tuple[str, str]]]:
-    """The config values a section declares for this stage (``Stage.section_fields``) that the stage leaves
-    out, and ``(field, message)`` for each field the stage sets to something else than its section."""
-    filled: dict[str, Any] = {}
-    problems: list[tuple[str, str]] = []
-    for field, path in cls.section_fields.items():
-        key, _, attr = path.partition(".")
-        section = graph.sections.get(key)
-        value = getattr(section, attr, None) if section is not None and attr else None
-        if value is None:
-            continue
-        value = section_to_dict(value)
-        if field not in spec.config:
-            filled[field] = value
-        elif spec.config[field] != value:
-            problems.append((field, f"'{field}' is declared once, in {path} ({short(repr(value), 60)}); this stage "
-                                    f"sets {short(repr(spec.config[field]), 60)}: remove it here, or change {path}"))
-    return filled, problems
+def moved_field_message(field: str, path: str) -> str:
+    """One line for a pipeline that sets a field that moved into a section."""
+    return (f"'{field}' moved to {path}, which declares it once for every stage: remove it from this stage and "
+            f"set {path} (see the README's YAML reference)")
 
 
-def resolved_stage_configs(graph: Any) -> dict[str, dict[str, Any]]:
-    """Every stage's config as the stage gets it: its own values over those its sections declare (stages of
-    a type that does not resolve keep their own)."""
+def moved_fields_of(graph: Any) -> dict[str, dict[str, str]]:
+    """``{stage name: {field: "section.key"}}`` for the stages whose type moved fields into a section."""
     out = {}
     for spec in graph.stages:
         try:
             cls = resolve(spec.type)
-        except Exception:  # reported by validation
-            out[spec.name] = dict(spec.config)
+        except Exception:  # noqa: BLE001 - reported by validation
             continue
-        filled, _ = section_values(graph, spec, cls)
+        if cls.moved_fields:
+            out[spec.name] = dict(cls.moved_fields)
+    return out
+
+
+def section_value(graph: Any, path: str) -> Any:
+    """The value of ``section.key`` in ``graph`` as plain data (None when the section or key is absent)."""
+    key, _, attr = path.partition(".")
+    section = graph.sections.get(key)
+    return section_to_dict(getattr(section, attr, None)) if section is not None and attr else None
+
+
+def legacy_stage_configs(graph: Any) -> dict[str, dict[str, Any]]:
+    """Every stage's config as releases before the move gave it to the stage: its own values, and each moved
+    field filled from its section where the section declares it. Only for the hash of checkpoints that predate
+    recorded settings (``app.session.legacy_config_hash``)."""
+    moved = moved_fields_of(graph)
+    out = {}
+    for spec in graph.stages:
+        filled = {}
+        for field, path in moved.get(spec.name, {}).items():
+            value = section_value(graph, path)
+            if value is not None:
+                filled[field] = value
         out[spec.name] = {**filled, **spec.config}
     return out
 
@@ -56,16 +63,17 @@ def field_default(f: attrs.Attribute) -> Any:
 
 
 def complete_stage_configs(graph: Any) -> dict[str, dict[str, Any]]:
-    """Every stage's config with every field written out: its own values, those its sections declare, and
-    the defaults of every other field (a required field the stage leaves out stays out), as plain JSON
-    values (tuples become lists). What the run records (MLflow params, ``pipeline.resolved.yaml``), so two
-    runs compare field by field whether or not a YAML wrote a default out."""
+    """Every stage's config with every field written out: its own values and the defaults of every other field
+    (a required field the stage leaves out stays out), as plain JSON values (tuples become lists). What the run
+    records (MLflow params, ``pipeline.resolved.yaml``), so two runs compare field by field whether or not a
+    YAML wrote a default out."""
     out = {}
-    for name, config in resolved_stage_configs(graph).items():
+    for spec in graph.stages:
+        config = dict(spec.config)
         try:
-            cls = resolve(graph.stage(name).type)
+            cls = resolve(spec.type)
         except Exception:  # noqa: BLE001 - reported by validation; its own values are all there is
-            out[name] = config
+            out[spec.name] = config
             continue
         full = {}
         for f in cls.config_fields():
@@ -74,5 +82,5 @@ def complete_stage_configs(graph: Any) -> dict[str, dict[str, Any]]:
             elif f.default is not attrs.NOTHING:
                 full[f.name] = field_default(f)
         full.update({k: v for k, v in config.items() if k not in full})  # undeclared keys: validation's to refuse
-        out[name] = json.loads(json.dumps(full, default=str))
+        out[spec.name] = json.loads(json.dumps(full, default=str))
     return out

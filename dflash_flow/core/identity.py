@@ -9,8 +9,8 @@ change between a run and its resume. The rule is declared where the setting is, 
   the trained drafter); ``Stage.replicas_affect_result = False`` when its replica count cannot;
 * ``cfg(..., run_length=True)`` marks a field that only sets how long the run trains (``--extend``);
 * a stage's name, type, inputs (with their fan-out policy) and ``ordered`` always count, and so does the
-  graph's ``seed``; devices, ``capacity``, the runtime options and the application sections never do
-  (a section value a stage takes, e.g. ``model.target``, counts as the stage's own).
+  graph's ``seed``; devices, ``capacity`` and the runtime options never do; of the application sections only
+  those registered with ``affects_result`` count (``model:``, keyed ``model.target``), field by field.
 
 :func:`result_settings` returns them flat, keyed the way ``--set`` names them (``stages.drafter.lr``), with
 every default filled in, so two pipelines that differ only in writing a default out compare equal and a
@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .fill import field_default, resolved_stage_configs
+from .fill import field_default, moved_fields_of
 from .registry import resolve
 
 
@@ -49,10 +49,10 @@ def result_settings(graph: Any) -> dict[str, Any]:
     """``{"seed": 7, "stages.drafter.type": "DrafterStep", "stages.drafter.lr": 0.003, ...}``: every
     setting of ``graph`` that can change what it trains (see the module doc), JSON-plain."""
     out: dict[str, Any] = {"seed": graph.seed}
-    configs = resolved_stage_configs(graph)
+    out.update(_section_settings(graph))
     for spec in graph.stages:
         key = f"stages.{spec.name}"
-        config = configs.get(spec.name, dict(spec.config))
+        config = dict(spec.config)
         try:
             cls = resolve(spec.type)
         except Exception:  # noqa: BLE001 - a type that does not resolve (validation reports it): all of it counts
@@ -77,6 +77,53 @@ def result_settings(graph: Any) -> dict[str, Any]:
         for name in sorted(set(config) - known):
             out[f"{key}.{name}"] = config[name]
     return _canonical(out)
+
+
+def _section_settings(graph: Any) -> dict[str, Any]:
+    """``{"model.target": ..., ...}``: the fields of the sections that can change the result, defaults filled."""
+    import attrs
+
+    from .sections import registered_sections, result_sections, section_to_dict
+
+    out: dict[str, Any] = {}
+    known = registered_sections()
+    for name in sorted(result_sections()):
+        cls = known.get(name)
+        section = graph.sections.get(name)
+        if cls is None or not attrs.has(cls):
+            continue
+        for f in attrs.fields(cls):
+            if f.metadata.get("result", True) is False:
+                continue
+            value = getattr(section, f.name) if section is not None and hasattr(section, f.name) else field_default(f)
+            out[f"{name}.{f.name}"] = section_to_dict(value)
+    return out
+
+
+def moved_setting_keys(graph: Any) -> dict[str, str]:
+    """``{"stages.drafter.target": "model.target", ...}``: the setting keys of stage fields that moved into a
+    section (``Stage.moved_fields``), for reading checkpoints written before the move."""
+    return {f"stages.{stage}.{field}": path for stage, moved in moved_fields_of(graph).items()
+            for field, path in moved.items()}
+
+
+def recorded_as_today(recorded: dict[str, Any], moved: dict[str, str], current: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's recorded settings in today's keys: a stage field that has since moved into a section
+    (``moved``, from :func:`moved_setting_keys`: ``stages.drafter.target`` -> ``model.target``) reads as that
+    section key, taken from the first stage that recorded a value ("" counts as unset); a moved field whose new
+    key is not a result setting is dropped. Settings recorded after the move pass unchanged."""
+    out = dict(recorded)
+    found: dict[str, Any] = {}
+    for key, path in moved.items():
+        if key not in out:
+            continue
+        value = out.pop(key)
+        if path not in found or (found[path] in (None, "") and value not in (None, "")):
+            found[path] = value
+    for path, value in found.items():
+        if path in current and path not in out:
+            out[path] = None if value == "" else value
+    return out
 
 
 _ABSENT = object()

@@ -9,11 +9,23 @@ from typing import Any
 import attrs
 
 _SECTIONS: dict[str, type] = {}
+_RESULT_SECTIONS: set[str] = set()
 
 
-def register_section(name: str, cls: type) -> None:
-    """Make ``name:`` a valid top-level YAML key, structured into the attrs class ``cls``."""
+def register_section(name: str, cls: type, *, affects_result: bool = False) -> None:
+    """Make ``name:`` a valid top-level YAML key, structured into the attrs class ``cls``. ``affects_result``:
+    its fields can change what a run trains (``model:``), so a resume must match them (per field,
+    ``cfg(result=False)`` says otherwise); a section that only says where things go (``tracking:``) cannot."""
     _SECTIONS[name] = cls
+    if affects_result:
+        _RESULT_SECTIONS.add(name)
+    else:
+        _RESULT_SECTIONS.discard(name)
+
+
+def result_sections() -> set[str]:
+    """The registered sections whose fields can change a run's result."""
+    return set(_RESULT_SECTIONS)
 
 
 def registered_sections() -> dict[str, type]:

@@ -210,10 +210,10 @@ class Stage:
     replicas_affect_result: ClassVar[bool] = True
     #: The version of what ``get_state`` returns; raise it when that layout changes.
     state_version: ClassVar[int] = 1
-    #: Config fields whose value a pipeline section declares once for every stage: ``{field: "section.key"}``
-    #: (e.g. ``{"target": "model.target"}``). Validation fills the field from the section where the stage
-    #: leaves it out, and refuses a stage that sets it to another value (the fact has one home).
-    section_fields: ClassVar[dict[str, str]] = {}
+    #: Config fields that moved out of this stage into a section: ``{field: "section.key"}`` (e.g.
+    #: ``{"target": "model.target"}``). A pipeline that still sets one is refused with where it moved
+    #: (``core.fill.moved_field_message``); a checkpoint written before the move reads as the section's value.
+    moved_fields: ClassVar[dict[str, str]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

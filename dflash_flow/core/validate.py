@@ -25,7 +25,7 @@ from .devices import (
     visible_gpu_count,
 )
 from .errors import ConfigError, Problem
-from .fill import section_values
+from .fill import moved_field_message
 from .graph import Graph, RuntimeOptions, StageSpec
 from .sections import section_to_dict
 from .stage import Stage
@@ -96,16 +96,7 @@ class _Check:
         self.problems.append(Problem(message, file=self.file, line=line, stage=spec.name if spec else None, field=field))
 
     def add_field(self, message: str, spec: StageSpec, field: str) -> None:
-        """A problem with a config field: located at the stage's own value, or at the section key that
-        declares it for the stage (``Stage.section_fields``) when the stage leaves it out."""
-        cls = self.classes.get(spec.name)
-        declared = cls.section_fields.get(field) if cls is not None else None
-        if field not in spec.config and declared is not None:
-            key, _, attr = declared.partition(".")
-            if getattr(self.graph.sections.get(key), attr, None) is not None:
-                self.problems.append(Problem(message, file=self.file, line=self.line(key, attr), stage=spec.name,
-                                             field=declared))
-                return
+        """A problem with a config field, located at the stage's value (or the stage when it leaves it out)."""
         self.add(message, spec, "config", field, field=field)
 
     def add_runtime(self, message: str, key: str) -> None:
@@ -173,16 +164,16 @@ def _check_configs(c: _Check) -> None:
             c.add(f"stage type '{spec.type}' failed to load: {type(exc).__name__}: {exc}", spec, "type", field="type")
             continue
         c.classes[spec.name] = cls
-        filled, probs = section_values(c.graph, spec, cls)
-        for field, message in probs:
-            c.add(message, spec, "config", field, field=field)
+        moved = [f for f in spec.config if f in cls.moved_fields]
+        for field in moved:
+            c.add(moved_field_message(field, cls.moved_fields[field]), spec, "config", field, field=field)
         instance = c.graph.instances.get(spec.name)
-        if not filled and instance is not None and type(instance) is cls and instance.config() == spec.config:
+        if instance is not None and type(instance) is cls and instance.config() == spec.config:
             c.configs[spec.name] = instance
             continue
         obj, probs = structure(
             cls,
-            {**filled, **spec.config},
+            {k: v for k, v in spec.config.items() if k not in moved},
             locate=lambda path, spec=spec: c.line(*c.path(spec, "config", *path)),
             file=c.file,
             stage=spec.name,

@@ -34,7 +34,6 @@ from .train_target import (
     embedded_target_path,
     ensure_target,
     load_model_and_tokenizer,
-    resolve_target,
     train_target,
 )
 
@@ -59,7 +58,6 @@ __all__ = [
     "load_tokenizer",
     "make_split",
     "regenerate",
-    "resolve_target",
     "shipped_dataset",
     "split_of",
     "train_target",

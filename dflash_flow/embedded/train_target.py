@@ -314,16 +314,6 @@ def embedded_target_path() -> str:
     return str(ensure_target(log=lambda *_: None))
 
 
-def resolve_target(target):
-    """A YAML ``target`` value as the model layer takes it: ``embedded`` is the target this project
-    ships; a mapping is a config preset; anything else a path, preset name or hub id."""
-    if isinstance(target, dict):
-        return dict(target)
-    if target == "embedded":
-        return embedded_target_path()
-    return str(target)
-
-
 def load_model_and_tokenizer(path: str | Path, device: str = "cpu"):
     """(model, tokenizer) of a target directory, offline, float32, in eval mode."""
     import torch

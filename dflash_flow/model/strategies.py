@@ -174,7 +174,7 @@ class VariablePrefix(Objective):
 
     def block_problems(self, block_size: int) -> list[tuple[str, str]]:
         """The one check of the prefix settings against the block (the stage's validation reads it through
-        ``strategy_problems``; the trainer's and the loss's prior through ``bounds``)."""
+        ``DrafterStep.model_problems``; the trainer's and the loss's prior through ``bounds``)."""
         base, lo = self.prefix_weight_base, self.prefix_min_length
         if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 0:
             return [("prefix_weight_base", f"prefix_weight_base must be a finite number > 0, got {base!r}")]
@@ -256,10 +256,3 @@ def misplaced_knobs(conf: Any) -> list[tuple[str, str]]:
                     out.append((f.name, f"'{f.name}' only applies to {kind}: {name} ({kind} is {chosen}): remove "
                                 f"it, or set it to {default}"))
     return out
-
-
-def strategy_problems(conf: Any) -> list[tuple[str, str]]:
-    """Everything the chosen strategies refuse in a flat config before any target is read: knobs of
-    another strategy, then the chosen ones' checks against ``conf.block_size``."""
-    return [*misplaced_knobs(conf), *variant_of(conf).block_problems(conf.block_size),
-            *objective_of(conf).block_problems(conf.block_size)]

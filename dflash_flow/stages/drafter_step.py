@@ -15,11 +15,15 @@ from dflash_flow.core import Stage, cfg
 from dflash_flow.core.fields import field_errors, include, values_of
 from dflash_flow.items import StepReport, TargetFeatures
 from dflash_flow.model.recipe import NOT_IN_YAML, DrafterShape, TrainerConfig
-from dflash_flow.model.strategies import OBJECTIVES, VARIANTS, objective_of, strategy_problems, variant_of
+from dflash_flow.model.spec import ModelSpec, UsesModel, model_of
+from dflash_flow.model.strategies import OBJECTIVES, VARIANTS, misplaced_knobs, objective_of, variant_of
 from dflash_flow.model.threads import ThreadSwitchWatch
 from dflash_flow.services import CheckpointPayload, CheckpointSource, services_of
 
 log = logging.getLogger(__name__)
+
+#: The drafter's shape fields that the model spec declares once (``model:``), not the stage.
+IN_MODEL = ("num_layers", "block_size", "mask_token_id", "target_layer_ids")
 
 
 def check_inside_output_dir(field: str, value: str) -> None:
@@ -34,8 +38,8 @@ def check_inside_output_dir(field: str, value: str) -> None:
 
 
 @attrs.define(kw_only=True, eq=False)
-@include(DrafterShape, TrainerConfig, *VARIANTS.values(), *OBJECTIVES.values(), exclude=NOT_IN_YAML)
-class DrafterStep(Stage, CheckpointSource):
+@include(DrafterShape, TrainerConfig, *VARIANTS.values(), *OBJECTIVES.values(), exclude=(*NOT_IN_YAML, *IN_MODEL))
+class DrafterStep(Stage, CheckpointSource, UsesModel):
     """Trains the DFlash drafter on target features; checkpoints; exports the inference checkpoint."""
 
     @classmethod
@@ -47,14 +51,12 @@ class DrafterStep(Stage, CheckpointSource):
     input_type = TargetFeatures
     output_type = StepReport
     singleton = True
-    section_fields: ClassVar[dict[str, str]] = {
+    moved_fields: ClassVar[dict[str, str]] = {
         "target": "model.target", "tokenizer": "model.tokenizer", "trust_remote_code": "model.trust_remote_code",
         "num_layers": "model.num_draft_layers", "target_layer_ids": "model.target_layer_ids",
         "block_size": "model.block_size", "mask_token_id": "model.mask_token_id",
     }
 
-    target: str | dict[str, Any] = cfg(doc="The target (its embedding and LM head are shared, frozen); one home: model.target.")
-    tokenizer: str | None = cfg(None, doc="Tokenizer path, used to pick the mask token (default: the target directory).")
     # The shape's knobs (model.recipe.DrafterShape), the recipe's (TrainerConfig) and every strategy's
     # (model.strategies) are included below: declared there once, with their docs and bounds.
     variant: Literal["dflash", "dflash2"] = cfg(
@@ -108,7 +110,6 @@ class DrafterStep(Stage, CheckpointSource):
     heldout_every_s: float | None = cfg(
         60.0, gt=0, result=False, doc="... and whenever this many seconds passed since the last measurement (null: by steps only).",
     )
-    trust_remote_code: bool = cfg(False, doc="Allow the target's own code when reading its config.")
 
     # Where the data stream has got to (state; the initial values are a fresh stage's state).
     _epoch: int = attrs.field(default=0, init=False)
@@ -125,40 +126,63 @@ class DrafterStep(Stage, CheckpointSource):
 
     @objective.validator
     def _check_strategies(self, _attribute: attrs.Attribute, _value: str) -> None:
-        """The chosen strategies' one check (``strategies.strategy_problems``: a knob of another strategy, the
-        knobs against the block size), each problem located at its own field (runs once every field is set)."""
-        problems = strategy_problems(self)
+        """A knob of another strategy than the chosen ones (``strategies.misplaced_knobs``), located at its own
+        field (runs once every field is set); the checks against the block size need the model spec."""
+        problems = misplaced_knobs(self)
         if problems:
             raise field_errors(type(self), problems)
 
-    def _shape(self):
-        return values_of(DrafterShape, self, variant=variant_of(self))
+    def _shape(self, spec: ModelSpec):
+        ids = spec.explicit_layer_ids
+        return values_of(DrafterShape, self, variant=variant_of(self), num_layers=spec.num_draft_layers,
+                         block_size=spec.block_size, mask_token_id=spec.mask_token_id,
+                         target_layer_ids=list(ids) if ids is not None else None)
 
     def _trainer_config(self):
         """The trainer's recipe: its fields are this stage's (included from ``TrainerConfig``)."""
         return values_of(TrainerConfig, self, exclude=("time_allreduce",), variant=variant_of(self),
                          objective=objective_of(self))
 
-    def config_problems(self) -> list[tuple[str, str]]:
-        """(field, message) for DFlash 2 settings that do not fit the target (group size against its
-        hidden size, top-k against its vocabulary): needs the target's config, so the application's
-        preflight asks (``validate`` and ``run``), and setup would fail the same way."""
-        if self.variant != "dflash2" or self.init_from:
-            return []
-        from dflash_flow.embedded import resolve_target
-        from dflash_flow.model.facts import target_facts
-
-        facts = target_facts(resolve_target(self.target))
+    def model_problems(self, spec: ModelSpec, devices: list[list[str]]) -> list[tuple[str, str]]:  # noqa: ARG002
+        """(field, message): a target declared; the strategies against the block size; DFlash 2 settings that do
+        not fit the target (group size against its hidden size, top-k against its vocabulary); a drafter to
+        start from made for this target's hidden size and this block size. Setup would fail the same way."""
+        if spec.target is None:
+            return [("model.target", "DrafterStep needs the target (its embedding and LM head are shared): set "
+                                     "model.target")]
+        blocks = [*variant_of(self).block_problems(spec.block_size), *objective_of(self).block_problems(spec.block_size)]
+        out = [("model.block_size" if f == "block_size" else f, m) for f, m in blocks]
+        facts = spec.facts
         if facts is None:
+            return out
+        if self.variant == "dflash2" and not self.init_from:
+            out += [("model.block_size" if f == "block_size" else f, m) for f, m in variant_of(self).problems(
+                hidden_size=facts.hidden_size, vocab_size=facts.vocab_size, block_size=spec.block_size)]
+        return out + self._init_from_problems(spec)
+
+    def _init_from_problems(self, spec: ModelSpec) -> list[tuple[str, str]]:
+        """A drafter to start from (``init_from``) was made for a target of this hidden size and this block size."""
+        if not self.init_from:
             return []
-        return variant_of(self).problems(hidden_size=facts.hidden_size, vocab_size=facts.vocab_size,
-                                         block_size=self.block_size)
+        try:
+            d = json.loads((Path(self.init_from).expanduser() / "config.json").read_text())
+        except (OSError, ValueError):
+            return []  # a missing directory is a path problem; an unreadable one, setup's
+        out = []
+        hidden = d.get("hidden_size")
+        if isinstance(hidden, int) and hidden != spec.facts.hidden_size:
+            out.append(("init_from", f"the drafter in {self.init_from} has hidden_size {hidden}, the target "
+                                     f"{spec.facts.hidden_size}: it was made for another target"))
+        block = (d.get("dflash_config") or {}).get("block_size", d.get("block_size"))
+        if isinstance(block, int) and block != spec.block_size:
+            out.append(("model.block_size", f"block_size {spec.block_size}, but the drafter in {self.init_from} was "
+                                            f"made with block_size {block}"))
+        return out
 
     # -- lifecycle --------------------------------------------------------------------------------
     def setup(self, ctx) -> None:
         import torch
 
-        from dflash_flow.embedded import resolve_target
         from dflash_flow.model.head import load_shared_head
         from dflash_flow.model.loading import MODEL_LOAD_LOCK
         from dflash_flow.model.target import load_target_config, resolve_dtype
@@ -173,17 +197,17 @@ class DrafterStep(Stage, CheckpointSource):
         self._services = services_of(ctx)
         self._stopping = False
         dtype = resolve_dtype(self.dtype, ctx.device)
-        spec = resolve_target(self.target)
-        tok_path = self.tokenizer
-        if tok_path is None and isinstance(spec, str) and Path(spec).is_dir():
-            tok_path = spec
+        self._spec = model_spec = model_of(ctx)
+        spec = model_spec.require_target(f"stage '{ctx.name}'")
+        tok_path = model_spec.tokenizer
+        trust = model_spec.trust_remote_code
         with MODEL_LOAD_LOCK, ctx.busy("building the drafter and loading the target's head"):
-            target_config = load_target_config(spec, trust_remote_code=self.trust_remote_code)
+            target_config = load_target_config(spec, trust_remote_code=trust)
             drafter = build_drafter(
-                target_config, self._shape(), seed=ctx.shared_seed_for(0, "init"), device=ctx.device, dtype=dtype,
-                tokenizer_path=tok_path, init_from=self.init_from,
+                target_config, self._shape(model_spec), seed=ctx.shared_seed_for(0, "init"), device=ctx.device,
+                dtype=dtype, tokenizer_path=tok_path, init_from=self.init_from,
             )
-            head = load_shared_head(spec, ctx.device, dtype, trust_remote_code=self.trust_remote_code)
+            head = load_shared_head(spec, ctx.device, dtype, trust_remote_code=trust)
         self._trainer = DrafterTrainer(drafter, head, self._trainer_config(), device=ctx.device, dtype=dtype)
         self._t_start = time.perf_counter()
         self._last_probe: tuple[int, float] | None = None  # (step, perf_counter) of the last measurement
@@ -248,7 +272,7 @@ class DrafterStep(Stage, CheckpointSource):
         from dflash_flow.model.heldout import HeldoutProbe
         from dflash_flow.model.target import load_target
 
-        if self.heldout_data == "embedded" and self.target != "embedded":
+        if self.heldout_data == "embedded" and not self._spec.is_embedded:
             raise ValueError(f"stage '{self._ctx.name}': heldout_data 'embedded' holds the embedded target's "
                              "replies; with another target, give a JSONL of that target's own replies")
         if tok_path is None:
@@ -256,7 +280,7 @@ class DrafterStep(Stage, CheckpointSource):
         path = embedded_walk_data() if self.heldout_data == "embedded" else Path(self.heldout_data)
         tokenizer = AutoTokenizer.from_pretrained(tok_path, local_files_only=True)
         conversations = read_walk_conversations(path, tokenizer, self.heldout_limit, stop_token_ids(tokenizer))
-        target = load_target(spec, device=self._ctx.device, dtype=dtype, trust_remote_code=self.trust_remote_code)
+        target = load_target(spec, device=self._ctx.device, dtype=dtype, trust_remote_code=self._spec.trust_remote_code)
         try:
             return HeldoutProbe.prepare(target, conversations, horizon=self.heldout_horizon,
                                         layer_ids=drafter.target_layer_ids, stop_token_ids=stop_token_ids(tokenizer),
@@ -346,26 +370,25 @@ class DrafterStep(Stage, CheckpointSource):
             if reason is not None and not self._ctx.stop_requested.is_set():
                 runtime.request_stop(reason)
 
-    def parameter_count(self) -> int:
-        """Trainable parameters of the drafter this stage builds, counted on the meta device (no memory, no
-        weights): the application sizes the free space one checkpoint needs from it before the run starts."""
-        from dflash_flow.embedded import resolve_target
+    def parameter_count(self, spec: ModelSpec | None = None) -> int:
+        """Trainable parameters of the drafter this stage builds with ``spec``, counted on the meta device (no
+        memory, no weights): the application sizes the free space one checkpoint needs from it before the run
+        starts."""
         from dflash_flow.model.target import load_target_config
         from dflash_flow.model.trainer import parameter_count
 
+        spec = spec or ModelSpec()
         target_config = None if self.init_from else load_target_config(
-            resolve_target(self.target), trust_remote_code=self.trust_remote_code)
-        return parameter_count(target_config, self._shape(), init_from=self.init_from)
+            spec.require_target("DrafterStep"), trust_remote_code=spec.trust_remote_code)
+        return parameter_count(target_config, self._shape(spec), init_from=self.init_from)
 
     def output_dirs(self) -> list[str]:
         return [self.export_dir]
 
     def input_paths(self) -> list[tuple[str, str, str]]:
-        from dflash_flow.embedded import resolve_target
         from dflash_flow.util import local_dirs
 
-        return local_dirs(("target", resolve_target(self.target)), ("tokenizer", self.tokenizer),
-                          ("init_from", self.init_from))
+        return local_dirs(("init_from", self.init_from))
 
     @property
     def inputs_per_step(self) -> int:
@@ -427,7 +450,6 @@ class DrafterStep(Stage, CheckpointSource):
             self._total_consumed = int(pos.get("total", self._total_consumed))
 
     def finish(self):
-        from dflash_flow.embedded import resolve_target
         from dflash_flow.model.export import DrafterExporter
 
         if self._ctx.stop_requested.is_set():
@@ -441,7 +463,7 @@ class DrafterStep(Stage, CheckpointSource):
         if self._ctx.rank != 0:  # one export per job, by rank 0 (the weights are the same on every rank)
             return (StepReport(step=self._trainer.step, epoch=self._epoch, meta=None, metrics={}, final=True),)
         exporter = self._services.exporter or DrafterExporter(Path(self._ctx.output_dir))
-        target = resolve_target(self.target)
+        target = self._spec.target
         done = exporter.export(self._trainer.drafter, state, self.export_dir, check_stop=self._ctx.check_stop,
                                target=target if isinstance(target, str) else None)
         self._services.record.artifacts["drafter"] = str(done.path)

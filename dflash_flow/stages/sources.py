@@ -18,6 +18,7 @@ import attrs
 
 from dflash_flow.core import Source, StageContext, cfg
 from dflash_flow.items import SampleTable
+from dflash_flow.model.spec import UsesModel, model_of
 from dflash_flow.observe.sample import BAD_RECORDS_METRIC
 from dflash_flow.services import services_of
 from dflash_flow.util import cache_root
@@ -231,11 +232,8 @@ class ChatSource(_RecordSource):
         import dflash_flow.data.records  # noqa: F401
 
     # One home for the tokenizer: model.tokenizer, else the target's directory (model.target).
-    section_fields: ClassVar[dict[str, str]] = {"tokenizer": "model.tokenizer", "target": "model.target"}
+    moved_fields: ClassVar[dict[str, str]] = {"tokenizer": "model.tokenizer", "target": "model.target"}
 
-    tokenizer: str = cfg("", doc="Tokenizer directory (AutoTokenizer); empty: the target's directory, else the run service 'tokenizer'.")
-    target: str | dict[str, Any] | None = cfg(
-        None, doc="The target whose tokenizer renders the chats when tokenizer is empty (one home: model.target).")
     chat_template: Optional[str] = cfg(
         None, doc="Chat template text, or a path to a .jinja file; null: the tokenizer's own template."
     )
@@ -252,22 +250,11 @@ class ChatSource(_RecordSource):
                   "OUT_DIR/<name of P>.regen.jsonl and read, in P's order, from OUT_DIR/<name of P>; thinking "
                   "defaults to template_kwargs.enable_thinking."},
     )
-
-    def _tokenizer_dir(self) -> str | None:
-        """The directory the tokenizer loads from: ``tokenizer``, else a target that is a directory."""
-        if self.tokenizer:
-            return self.tokenizer
-        if isinstance(self.target, str) and self.target:
-            from dflash_flow.embedded import resolve_target
-
-            target = resolve_target(self.target)
-            if isinstance(target, str) and Path(target).expanduser().is_dir():
-                return target
-        return None
+    _tokenizer_dir: str | None = attrs.field(default=None, init=False)  # a subclass's own tokenizer (embedded)
 
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
-        path = self._tokenizer_dir()
+        path = self._tokenizer_dir or model_of(ctx).tokenizer
         if path is not None:
             from transformers import AutoTokenizer
 
@@ -276,7 +263,7 @@ class ChatSource(_RecordSource):
             self._tokenizer = services_of(ctx).tokenizer
         else:
             raise ValueError(f"stage '{ctx.name}': no tokenizer to render the chats with: set model.target to a "
-                             "model directory, or model.tokenizer (or this stage's 'tokenizer')")
+                             "model directory, or model.tokenizer")
         self._regenerated = self._regenerate_inputs(ctx) if self.regenerate else {}
 
     def _regenerate_inputs(self, ctx: StageContext) -> dict[str, str]:
@@ -319,11 +306,6 @@ class ChatSource(_RecordSource):
             out[path] = str(final)
         return out
 
-    def input_paths(self) -> list[tuple[str, str, str]]:
-        from dflash_flow.util import local_dirs
-
-        return local_dirs(("tokenizer", self._tokenizer_dir()))
-
     def _extra_options(self) -> dict[str, Any]:
         template = self.chat_template
         if template and "{" not in template and Path(template).expanduser().is_file():
@@ -338,7 +320,7 @@ class ChatSource(_RecordSource):
 
 
 @attrs.define(kw_only=True, eq=False)
-class TokenizedSource(_RecordSource):
+class TokenizedSource(_RecordSource, UsesModel):
     """Reads pre-tokenized samples (input_ids, loss_mask) from JSONL, Parquet, Arrow or datasets directories."""
 
     @classmethod
@@ -349,6 +331,13 @@ class TokenizedSource(_RecordSource):
 
     def _extra_options(self) -> dict[str, Any]:
         return {"vocab_size": self.vocab_size}
+
+    def model_problems(self, spec, devices: list[list[str]]) -> list[tuple[str, str]]:  # noqa: ARG002
+        vocab = spec.facts.vocab_size if spec.facts is not None else None
+        if self.vocab_size is not None and vocab is not None and self.vocab_size > vocab:
+            return [("vocab_size", f"vocab_size {self.vocab_size} admits token ids the target cannot embed: its "
+                                   f"vocabulary has {vocab} tokens; use {vocab} (or the data's tokenizer's target)")]
+        return []
 
     def _read(self, path: str, options, **hooks):
         from dflash_flow.data.records import read_records
@@ -396,6 +385,5 @@ class EmbeddedChatSource(ChatSource):
                     progress=progress, log=log.info, check_stop=ctx.check_stop,
                 )
         self.paths = [str(ds.train_path)]
-        if not self.tokenizer:
-            self.tokenizer = str(ds.target_path)
+        self._tokenizer_dir = str(ds.target_path)  # the embedded target's own tokenizer rendered its replies
         super().setup(ctx)

@@ -11,6 +11,7 @@ import attrs
 from dflash_flow.core import Stage, cfg
 from dflash_flow.embedded import embedded_walk_data
 from dflash_flow.items import EvalReport, StepReport
+from dflash_flow.model.spec import UsesModel, model_of
 
 
 def _each(check, what: str, nonempty: bool):
@@ -36,7 +37,7 @@ def _list_field(default: list | None, check, what: str, doc: str, *, nonempty: b
 
 
 @attrs.define(kw_only=True, eq=False)
-class SpecDecodeEval(Stage):
+class SpecDecodeEval(Stage, UsesModel):
     """On the trainer's final report: acceptance length and target-forward speedup, trained vs untrained,
     greedy and sampled, at each horizon; and the teacher-forced walk of the trained drafter."""
 
@@ -51,11 +52,9 @@ class SpecDecodeEval(Stage):
     cardinality = "1:n"
     singleton = True
     affects_result = False  # it evaluates the trained drafter: a resume may change how
-    section_fields: ClassVar[dict[str, str]] = {"target": "model.target", "tokenizer": "model.tokenizer"}
+    moved_fields: ClassVar[dict[str, str]] = {"target": "model.target", "tokenizer": "model.tokenizer"}
 
-    target: str | dict[str, Any] = cfg(doc="The target model (the drafter's own; one home: model.target).")
     prompts: str = cfg(doc="JSONL of held-out prompts ({'prompt': ...} or {'conversations': [...]}); 'embedded' for the built-in set.")
-    tokenizer: str | None = cfg(None, doc="Tokenizer path (default: the target directory).")
     limit: int = cfg(32, ge=1, doc="Prompts to evaluate.")
     max_new_tokens: int = cfg(64, ge=1, doc="Tokens generated per prompt: the horizon 'tau' reports.")
     horizons: list[int] = _list_field([], lambda v: v >= 1, ">= 1", "More horizons (new tokens) measured beside max_new_tokens, as tau_h<H>, e.g. [448]")
@@ -73,16 +72,22 @@ class SpecDecodeEval(Stage):
     torch_threads: int | None = cfg(None, ge=1, doc="torch intra-op threads for the evaluation (CPU runs; batch-1 decoding of a small model is fastest on 1).")
 
     def input_paths(self) -> list[tuple[str, str, str]]:
-        from dflash_flow.embedded import resolve_target
-        from dflash_flow.util import local_dirs
+        return [(f, p, "file") for f, p in (("prompts", self.prompts), ("walk_data", self.walk_data))
+                if p is not None and p != "embedded"]
 
-        files = [(f, p, "file") for f, p in (("prompts", self.prompts), ("walk_data", self.walk_data))
-                 if p is not None and p != "embedded"]
-        return local_dirs(("target", resolve_target(self.target)), ("tokenizer", self.tokenizer)) + files
+    def model_problems(self, spec, devices: list[list[str]]) -> list[tuple[str, str]]:  # noqa: ARG002
+        if spec.target is None:
+            return [("model.target", "SpecDecodeEval needs the target (the drafter's own): set model.target")]
+        if self.walk_data == "embedded" and not spec.is_embedded:
+            return [("walk_data", "walk_data 'embedded' holds the embedded target's replies; with another target, "
+                                  "give a JSONL of that target's own replies")]
+        return []
 
     def setup(self, ctx) -> None:
         self._ctx = ctx
-        if self.walk_data == "embedded" and self.target != "embedded":
+        self._spec = model_of(ctx)
+        self._spec.require_target(f"stage '{ctx.name}'")
+        if self.walk_data == "embedded" and not self._spec.is_embedded:
             raise ValueError(f"stage '{ctx.name}': walk_data 'embedded' holds the embedded target's replies; "
                              "with another target, give a JSONL of that target's own replies")
 
@@ -108,7 +113,7 @@ class SpecDecodeEval(Stage):
         # Under torchrun only rank 0's final report names the export: one evaluation per job.
         if not report.final or "drafter" not in report.artifacts:
             return None
-        from dflash_flow.embedded import resolve_target, write_eval_prompts
+        from dflash_flow.embedded import write_eval_prompts
         from dflash_flow.model.evaluation import evaluate_exported
         from dflash_flow.model.loading import MODEL_LOAD_LOCK
 
@@ -125,10 +130,10 @@ class SpecDecodeEval(Stage):
         with MODEL_LOAD_LOCK:
             results = evaluate_exported(
                 progress=self._progress_hook(),
-                target=resolve_target(self.target),
+                target=self._spec.target,
                 drafter_path=report.artifacts["drafter"],
                 prompts_path=prompts,
-                tokenizer_path=self.tokenizer,
+                tokenizer_path=self._spec.tokenizer,
                 limit=self.limit,
                 max_new_tokens=decoded,
                 baseline=self.baseline,

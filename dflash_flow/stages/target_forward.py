@@ -13,6 +13,7 @@ import attrs
 
 from dflash_flow.core import Stage, cfg
 from dflash_flow.items import PaddedBatch, TargetFeatures
+from dflash_flow.model.spec import UsesModel, model_of
 
 
 def _absent_local_path(spec: Any) -> bool:
@@ -29,8 +30,8 @@ def _new_cache():
 
 
 @attrs.define(kw_only=True, eq=False)
-class TargetForward(Stage):
-    """Frozen target forward: emits the hidden states of `target_layer_ids`, aligned 1:1 with input_ids."""
+class TargetForward(Stage, UsesModel):
+    """Frozen target forward: emits the hidden states of the model's target layers, aligned 1:1 with input_ids."""
 
     @classmethod
     def preload(cls) -> None:
@@ -41,17 +42,13 @@ class TargetForward(Stage):
     output_type = TargetFeatures
     multi_device: ClassVar[bool] = True
     replicas_affect_result: ClassVar[bool] = False  # stateless, per batch; the trainer restores the plan's order
-    section_fields: ClassVar[dict[str, str]] = {
+    moved_fields: ClassVar[dict[str, str]] = {
         "target": "model.target", "trust_remote_code": "model.trust_remote_code",
         "num_draft_layers": "model.num_draft_layers", "target_layer_ids": "model.target_layer_ids",
     }
 
-    target: str | dict[str, Any] = cfg(doc="Target model: local path, hub id (online only), preset name or a config mapping.")
-    target_layer_ids: list[int] | None = cfg(None, doc="Target layers whose outputs feed the drafter (default: the DFlash rule for num_draft_layers).")
-    num_draft_layers: int = cfg(1, ge=1, doc="Drafter depth; sets the default number of target layers.")
     dtype: str = cfg("auto", choices=("auto", "float32", "bfloat16", "float16"), doc="auto: bf16 on GPU, fp32 on CPU.")
     attn_implementation: str | None = cfg(None, doc="Default: flash_attention_2 when flash-attn imports on CUDA, else sdpa.")
-    trust_remote_code: bool = cfg(False, doc="Allow the target's own Python code (off unless asked).")
     torch_threads: int | None = cfg(None, ge=1, result=False, doc="torch intra-op threads for this process (CPU runs).")
     cache_features: bool = cfg(
         False, doc="Keep each sample's features in memory after its first forward: later epochs read them instead "
@@ -65,50 +62,26 @@ class TargetForward(Stage):
     # One cache for all replicas (they are deep copies of this stage, and a copy of a cache is the cache).
     _cache: Any = attrs.field(factory=lambda: _new_cache(), init=False)
 
-    def input_paths(self) -> list[tuple[str, str, str]]:
-        from dflash_flow.embedded import resolve_target
-        from dflash_flow.util import local_dirs
-
-        return local_dirs(("target", resolve_target(self.target)))
-
-    def device_problems(self, replica_devices: list[list[str]]) -> list[tuple[str, str]]:
-        """The deepest requested layer exists in the target, and no replica has more devices than layers
-        to run. The target's config is read (without weights, never from the network) only when it
-        matters: explicit ``target_layer_ids`` or several devices per replica."""
-        ids = self.target_layer_ids
-        if ids is not None and not ids:
-            return [("target_layer_ids", "target_layer_ids must not be empty (omit it for the DFlash default)")]
-        if ids is not None and min(ids) < 0:
-            return [("target_layer_ids", f"target layer ids must be >= 0, got {min(ids)}")]
-        widest = max(len(g) for g in replica_devices)
-        if ids is None and widest == 1:
-            return []
-        from dflash_flow.embedded import resolve_target
-
-        spec = resolve_target(self.target)
-        if _absent_local_path(spec):
+    def model_problems(self, spec, devices: list[list[str]]) -> list[tuple[str, str]]:
+        """A target is declared, and no replica has more devices than layers to run. The target's config is
+        read (without weights, never from the network) only when it matters: several devices per replica."""
+        if spec.target is None:
+            return [("model.target", "TargetForward needs the target: set model.target (a local model directory, "
+                                     "a preset such as tiny-qwen3-8l, a hub id, or 'embedded')")]
+        widest = max((len(g) for g in devices), default=1)
+        if widest == 1 or _absent_local_path(spec.target):
             return []  # e.g. a cluster's /models/... checked on a laptop: nothing to read (and no torch import)
-        from dflash_flow.model.facts import build_target_layer_ids, target_facts
-
-        facts = target_facts(spec)  # a preset or a local config.json: no torch, no transformers
-        if facts is not None:
-            depth = facts.depth
-        else:
+        depth = spec.facts.depth if spec.facts is not None else None
+        if depth is None:
             from dflash_flow.model.target import peek_target_depth
 
-            depth = peek_target_depth(spec, trust_remote_code=self.trust_remote_code)
+            depth = peek_target_depth(spec.target, trust_remote_code=spec.trust_remote_code)
         if depth is None:
             return []  # not readable here: setup reports what is wrong
-        if ids is None:
-            try:
-                ids = build_target_layer_ids(depth, self.num_draft_layers)
-            except ValueError as exc:
-                return [("num_draft_layers", str(exc))]
-        deepest = max(ids)
-        if deepest >= depth:
-            return [("target_layer_ids", (
-                f"target layer {deepest} does not exist: the target has {depth} decoder layers (ids 0-{depth - 1})"
-            ))]
+        try:
+            deepest = max(spec.layer_ids(depth))
+        except ValueError:
+            return []  # the model section's own check names it
         if widest > deepest + 1:
             return [("devices", (
                 f"a replica spans {widest} devices but the target runs only {deepest + 1} layer(s) (up to layer "
@@ -120,50 +93,25 @@ class TargetForward(Stage):
         import torch
 
         from dflash_flow.core.errors import ConfigError, Problem
-        from dflash_flow.embedded import resolve_target
-        from dflash_flow.model.facts import build_target_layer_ids
-        from dflash_flow.model.loading import MODEL_LOAD_LOCK
-        from dflash_flow.model.target import (
-            TargetFeatureExtractor,
-            TargetOfflineError,
-            load_target,
-            load_target_config,
-            num_hidden_layers,
-            resolve_dtype,
-        )
+        from dflash_flow.model.backend import BackendConfigError, InProcessBackend
 
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         devices = list(ctx.devices) or [ctx.device]
         self._devices = [torch.device(d) for d in devices]
         self._device = self._devices[0]  # where the embedding is: inputs go there
-        spec = resolve_target(self.target)
-        with MODEL_LOAD_LOCK:
-            try:
-                depth = num_hidden_layers(load_target_config(spec, trust_remote_code=self.trust_remote_code))
-                ids = self.target_layer_ids or build_target_layer_ids(depth, self.num_draft_layers)
-                # Layers above the deepest requested one never run, so they are not loaded either.
-                self._model = load_target(
-                    spec,
-                    devices=devices,
-                    num_layers=min(max(ids) + 1, depth) if min(ids) >= 0 else None,
-                    dtype=resolve_dtype(self.dtype, devices[0]),
-                    trust_remote_code=self.trust_remote_code,
-                    attn_implementation=self.attn_implementation,
-                )
-            except (TargetOfflineError, ValueError, OSError) as exc:
-                # A target that is not there is the user's input, not a crash: exit 2 with the reason.
-                raise ConfigError(Problem(str(exc), stage=ctx.name, field="target")) from exc
-        self._ctx_name = ctx.name
-        self._vocab = int(self._model.get_input_embeddings().num_embeddings)
-        self._layer_ids = list(ids)
         # Outputs go straight to the consumer's device when there is exactly one.
         downstream = set(ctx.downstream_devices)
         self._out_device = torch.device(downstream.pop()) if len(downstream) == 1 else self._device
+        self._ctx_name = ctx.name
+        self._backend = InProcessBackend(model_of(ctx), dtype=self.dtype, attn_implementation=self.attn_implementation)
         try:
-            self._extractor = TargetFeatureExtractor(self._model, ids, output_device=self._out_device)
-        except ValueError as exc:  # layer ids the target does not have
-            raise ConfigError(Problem(str(exc), stage=ctx.name, field="target_layer_ids")) from exc
+            self._backend.setup(devices=devices, out_device=str(self._out_device), name=ctx.name)
+        except BackendConfigError as exc:
+            # A target that is not there is the user's input, not a crash: exit 2 with the reason.
+            raise ConfigError(Problem(str(exc), stage=ctx.name, field=exc.field)) from exc
+        self._vocab = self._backend.vocab_size
+        self._layer_ids = list(self._backend.layer_ids)
         self._tokens = ctx.metrics.counter("tokens", "tokens", "Real (unpadded) tokens forwarded")
         self._batches = ctx.metrics.counter("batches", "batches", "Batches forwarded")
         self._seconds = ctx.metrics.summary("forward_s", "s", "Seconds per target forward")
@@ -181,7 +129,12 @@ class TargetForward(Stage):
         from dflash_flow.model.feature_cache import per_sample_features
 
         cache = self._cache
-        hidden, computed = per_sample_features(self._extractor, input_ids, batch.meta.lengths,
+        backend = self._backend
+
+        def extract(ids, mask):
+            return backend.features(ids, mask, [ids.shape[1]], [None])
+
+        hidden, computed = per_sample_features(extract, input_ids, batch.meta.lengths,
                                                batch.meta.sample_ids, cache, device=self._out_device)
         self._m_hits.inc(len(batch.meta.lengths) - len(computed))
         self._m_misses.inc(len(computed))
@@ -203,7 +156,7 @@ class TargetForward(Stage):
 
         if batch.meta.filler:
             # No samples: features of the right width and no rows, so the drafter's zero step is cheap.
-            width = self._extractor.feature_dim or 0
+            width = self._backend.hidden_size * len(self._layer_ids)
             empty = torch.zeros((0, 0), dtype=torch.long, device=self._out_device)
             hidden = torch.zeros((0, 0, width), device=self._out_device)
             return (TargetFeatures(meta=batch.meta, input_ids=empty, loss_mask=empty, attention_mask=empty,
@@ -227,7 +180,7 @@ class TargetForward(Stage):
         if self.cache_features:
             hidden, forwarded = self._cached_forward(batch, input_ids)
         else:
-            hidden = self._extractor(input_ids, attention_mask)  # on the output device already
+            hidden = self._backend.features(input_ids, attention_mask, batch.meta.lengths, batch.meta.sample_ids)
             forwarded = batch.meta.real_tokens
         for dev in {*self._devices, self._out_device}:
             if dev.type == "cuda":
@@ -249,5 +202,7 @@ class TargetForward(Stage):
         )
 
     def teardown(self) -> None:
-        self._model = None
-        self._extractor = None
+        backend = getattr(self, "_backend", None)
+        if backend is not None:
+            backend.close()
+        self._backend = None

@@ -38,19 +38,19 @@ def _pipeline(tmp: Path, *, fail_stage: bool = False) -> Path:
         {"name": "interleaver", "type": "Interleaver", "inputs": ["bucketer"]},
         {"name": "padder", "type": "Padder", "inputs": ["interleaver"], "replicas": 2},
         {"name": "target", "type": "TargetForward", "inputs": ["padder"], "replicas": 2,
-         "config": {"target": "embedded", "num_draft_layers": 1, "torch_threads": 1}},
+         "config": {"torch_threads": 1}},
         {"name": "drafter", "type": "DrafterStep", "inputs": ["target"], "ordered": True,
-         "config": {"target": "embedded", "num_layers": 1, "block_size": 4, "num_anchors": 16, "lr": 3e-3,
+         "config": {"num_anchors": 16, "lr": 3e-3,
                     "torch_threads": 1, "record_batches": True}},
         {"name": "evaluate", "type": "SpecDecodeEval", "inputs": ["drafter"],
-         "config": {"target": "embedded", "prompts": "embedded", "limit": 2, "max_new_tokens": 12,
+         "config": {"prompts": "embedded", "limit": 2, "max_new_tokens": 12,
                     "baseline": True}},
         {"name": "monitor", "type": "Monitor", "inputs": ["drafter", "evaluate"], "config": {"interval_s": 0.5, "progress": True}},
     ]
     if fail_stage:
         # A failure mid-stream in the drafter's own work (the real stage, a fault raised after its third batch;
         # tests/reliability/faulty_stages.py). The layer mismatch this test used to provoke is now refused by
-        # validation before anything runs (tests/app/test_consistency.py).
+        # validation before anything runs (tests/app/test_model_spec.py).
         stages[5]["type"] = "FaultyDrafterStep"
         stages[5]["config"].update(fault_phase="process", fault_at=2)
     doc = {
@@ -59,6 +59,7 @@ def _pipeline(tmp: Path, *, fail_stage: bool = False) -> Path:
         "output_dir": str(tmp / "out"),
         "tracking": {"tracking_uri": f"sqlite:///{tmp}/mlflow.db", "experiment": "e2e"},
         "checkpoint": {"every_steps": 3, "keep_last": 2},
+        "model": {"target": "embedded", "num_draft_layers": 1, "block_size": 4},
         "stages": stages,
     }
     path = tmp / "pipeline.yaml"

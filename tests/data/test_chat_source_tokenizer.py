@@ -8,9 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from dflash_flow.app import load
+from dflash_flow.app import load, model_services
 from dflash_flow.core import Pipeline
-from dflash_flow.core.fill import resolved_stage_configs
 
 MODEL = Path(__file__).resolve().parents[2] / "dflash_flow" / "embedded" / "assets" / "target"
 
@@ -30,8 +29,9 @@ def _doc(tmp_path: Path, **model) -> Path:
 
 def test_the_source_takes_the_tokenizer_of_model_target(tmp_path: Path) -> None:
     v = load(_doc(tmp_path), check_devices=False)
-    assert resolved_stage_configs(v.graph)["src"]["target"] == str(MODEL)
-    pipe = Pipeline(v, check_devices=False)
+    services = model_services(v)
+    assert services.model.tokenizer == str(MODEL)
+    pipe = Pipeline(v, check_devices=False, services=services)
     pipe.run()
     src = pipe.snapshot().stages["src"].replicas[0].metrics
     assert src["samples"] == 6 and not src.get("bad_records")
@@ -39,4 +39,4 @@ def test_the_source_takes_the_tokenizer_of_model_target(tmp_path: Path) -> None:
 
 def test_model_tokenizer_wins_over_the_target(tmp_path: Path) -> None:
     v = load(_doc(tmp_path, tokenizer=str(MODEL)), check_devices=False)
-    assert resolved_stage_configs(v.graph)["src"]["tokenizer"] == str(MODEL)
+    assert model_services(v).model.tokenizer == str(MODEL)

@@ -71,3 +71,26 @@ def randomize(module: torch.nn.Module, seed: int, scale: float = 0.1) -> torch.n
             else:
                 p.copy_(noise)
     return module
+
+
+def drafter_stage_problems(config: dict, *, block_size: int = 16, target: str = "embedded"):
+    """A DrafterStep config checked as validation checks it: structured (its own fields), then against the
+    model spec of ``target`` with ``block_size`` (``UsesModel.model_problems``). Returns (stage or None,
+    [(field, message)])."""
+    from dflash_flow.core.convert import structure
+    from dflash_flow.model.facts import target_facts
+    from dflash_flow.model.spec import ModelSpec
+    from dflash_flow.stages.drafter_step import DrafterStep
+
+    obj, problems = structure(DrafterStep, config, stage="drafter")
+    found = [(p.field, p.message) for p in problems]
+    if obj is not None:
+        if target == "embedded":
+            from dflash_flow.embedded import embedded_target_path
+
+            path = embedded_target_path()
+        else:
+            path = target
+        spec = ModelSpec(declared=target, target=path, block_size=block_size, facts=target_facts(path))
+        found += obj.model_problems(spec, [["cpu"]])
+    return obj, found

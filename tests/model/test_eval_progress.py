@@ -17,6 +17,7 @@ from dflash_flow.core.errors import PipelineInterrupted, StopRequested
 from dflash_flow.items import StepReport
 from dflash_flow.services import RunServices
 from dflash_flow.stages.monitor import Monitor
+from dflash_flow.model.spec import ModelSpec
 from dflash_flow.stages.spec_eval import SpecDecodeEval
 
 
@@ -73,13 +74,18 @@ def _graph(tmp_path: Path, exported, **evaluate) -> Graph:
     drafter, prompts, target = exported
     g = Graph(name="evalprogress", output_dir=str(tmp_path / "out"))
     g.add("trainer", FinalReport(drafter=str(drafter)))
-    g.add("evaluate", SpecDecodeEval(target=target, prompts=str(prompts), limit=3, **evaluate), inputs="trainer")
+    g.add("evaluate", SpecDecodeEval(prompts=str(prompts), limit=3, **evaluate), inputs="trainer")
     g.add("monitor", Monitor(interval_s=60.0, progress_interval_s=0.01), inputs="evaluate")
     return g
 
 
+def _services(exported) -> RunServices:
+    target = exported[2]
+    return RunServices(model=ModelSpec(declared=target, target=target, tokenizer=target))
+
+
 def test_the_console_shows_evaluation_progress(tmp_path, exported, capsys):
-    services = RunServices()
+    services = _services(exported)
     Pipeline(_graph(tmp_path, exported, max_new_tokens=6, temperatures=[0.0]), services=services,
              check_devices=False).run()
     err = capsys.readouterr().err
@@ -90,7 +96,7 @@ def test_the_console_shows_evaluation_progress(tmp_path, exported, capsys):
 
 
 def test_a_stop_during_evaluation_ends_it_at_once(tmp_path, exported):
-    services = RunServices()
+    services = _services(exported)
     before = set(threading.enumerate())
     pipe = Pipeline(_graph(tmp_path, exported, max_new_tokens=48, temperatures=[0.0, 1.0]), services=services,
                     check_devices=False)

@@ -79,10 +79,10 @@ def test_a_sample_whose_length_changed_is_not_read_from_the_cache(extractor):
 def test_the_replicas_of_a_stage_share_one_cache():
     from dflash_flow.stages.target_forward import TargetForward
 
-    stage = TargetForward(target="tiny-qwen3-8l", cache_features=True)
+    stage = TargetForward(cache_features=True)
     replica = copy.deepcopy(stage)  # how the runtime makes a stage's replicas
     assert replica._cache is stage._cache
-    assert TargetForward(target="tiny-qwen3-8l")._cache is not stage._cache  # but not two stages
+    assert TargetForward()._cache is not stage._cache  # but not two stages
 
 
 def _doc(tmp_path: Path, data: Path, name: str, **target) -> dict:
@@ -90,6 +90,7 @@ def _doc(tmp_path: Path, data: Path, name: str, **target) -> dict:
     return {
         "name": name, "seed": 3, "output_dir": str(out), "tracking": {"enabled": False},
         "checkpoint": {"every_steps": 0, "at_epoch_end": False},
+        "model": {"target": "tiny-qwen3-8l", "num_draft_layers": 1, "block_size": 4, "mask_token_id": 511},
         "stages": [
             {"name": "source", "type": "TokenizedSource", "config": {"paths": [str(data)], "cache_dir": None, "max_length": 48}},
             {"name": "bucketer", "type": "Bucketer", "inputs": ["source"],
@@ -97,10 +98,9 @@ def _doc(tmp_path: Path, data: Path, name: str, **target) -> dict:
             {"name": "interleaver", "type": "Interleaver", "inputs": ["bucketer"]},
             {"name": "padder", "type": "Padder", "inputs": ["interleaver"]},
             {"name": "target", "type": "TargetForward", "inputs": ["padder"], "replicas": 2,
-             "config": {"target": "tiny-qwen3-8l", "torch_threads": 1, "cache_features": True, **target}},
+             "config": {"torch_threads": 1, "cache_features": True, **target}},
             {"name": "drafter", "type": "DrafterStep", "inputs": ["target"], "ordered": True,
-             "config": {"target": "tiny-qwen3-8l", "num_layers": 1, "block_size": 4, "mask_token_id": 511,
-                        "num_anchors": 8, "torch_threads": 1, "torch_threads_after_first_epoch": 2}},
+             "config": {"num_anchors": 8, "torch_threads": 1, "torch_threads_after_first_epoch": 2}},
             {"name": "monitor", "type": "Monitor", "inputs": ["drafter"],
              "config": {"interval_s": 0.2, "progress": False, "plots": False}},
         ],
@@ -152,7 +152,7 @@ def test_the_drafters_threads_follow_the_epoch(monkeypatch):
 
     before = torch.get_num_threads()
     try:
-        step = DrafterStep(target="tiny-qwen3-8l", torch_threads=1, torch_threads_after_first_epoch=2)
+        step = DrafterStep(torch_threads=1, torch_threads_after_first_epoch=2)
         step._threads, step._thread_watch = None, ThreadSwitchWatch()
         step._set_threads(0)
         assert torch.get_num_threads() == 1
@@ -160,7 +160,7 @@ def test_the_drafters_threads_follow_the_epoch(monkeypatch):
         assert torch.get_num_threads() == 2
         step._set_threads(3)
         assert torch.get_num_threads() == 2
-        plain = DrafterStep(target="tiny-qwen3-8l", torch_threads=1)
+        plain = DrafterStep(torch_threads=1)
         plain._threads, plain._thread_watch = None, ThreadSwitchWatch()
         plain._set_threads(4)
         assert torch.get_num_threads() == 1
@@ -215,7 +215,7 @@ def test_two_threads_that_made_steps_slower_fall_back_to_one_for_the_rest_of_the
 
     before = torch.get_num_threads()
     try:
-        step = DrafterStep(target="tiny-qwen3-8l", torch_threads=1, torch_threads_after_first_epoch=2)
+        step = DrafterStep(torch_threads=1, torch_threads_after_first_epoch=2)
         step._threads, step._thread_watch, step._ctx = None, ThreadSwitchWatch(window=4), Ctx()
         step._set_threads(0)
         for _ in range(4):
@@ -243,7 +243,7 @@ def test_two_threads_that_made_steps_slower_fall_back_to_one_for_the_rest_of_the
         assert torch.get_num_threads() == 1
 
         # A resumed run: the state says where the threads went back; before that batch, two threads as then.
-        resumed = DrafterStep(target="tiny-qwen3-8l", torch_threads=1, torch_threads_after_first_epoch=2)
+        resumed = DrafterStep(torch_threads=1, torch_threads_after_first_epoch=2)
         resumed._threads, resumed._thread_watch = None, ThreadSwitchWatch(window=4)
         resumed._fallback_at = step.get_state()["threads_fallback_at"]
         resumed._total_consumed = 10
@@ -253,7 +253,7 @@ def test_two_threads_that_made_steps_slower_fall_back_to_one_for_the_rest_of_the
         resumed._set_threads(1)
         assert torch.get_num_threads() == 1
 
-        kept = DrafterStep(target="tiny-qwen3-8l", torch_threads=1, torch_threads_after_first_epoch=2,
+        kept = DrafterStep(torch_threads=1, torch_threads_after_first_epoch=2,
                            threads_fallback=False)
         kept._threads, kept._thread_watch, kept._ctx = None, ThreadSwitchWatch(window=4), Ctx()
         kept._set_threads(0)

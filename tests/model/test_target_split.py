@@ -235,8 +235,13 @@ def _stage_features(devices: list[str], layer_ids: list[int]):
     from dflash_flow.items import BatchMeta, PaddedBatch
     from dflash_flow.stages.target_forward import TargetForward
 
-    stage = TargetForward(target="tiny-qwen3-8l", target_layer_ids=layer_ids)
-    stage.setup(StageContext(name="target", device=devices[0], devices=devices, downstream_devices=["cpu"]))
+    from dflash_flow.model.spec import ModelSpec
+    from dflash_flow.services import RunServices
+
+    stage = TargetForward()
+    spec = ModelSpec(declared="tiny-qwen3-8l", target="tiny-qwen3-8l", explicit_layer_ids=tuple(layer_ids))
+    stage.setup(StageContext(name="target", device=devices[0], devices=devices, downstream_devices=["cpu"],
+                             services=RunServices(model=spec)))
     ids, mask = _batch()
     meta = BatchMeta(epoch=0, index=0, bucket=0, lengths=[20, 13, 5], real_tokens=38, padded_tokens=60, num_samples=3)
     (out,) = stage.process(PaddedBatch(meta=meta, input_ids=ids, attention_mask=mask, position_ids=None, loss_mask=mask))
@@ -245,25 +250,29 @@ def _stage_features(devices: list[str], layer_ids: list[int]):
 
 def test_target_forward_splits_over_its_replicas_devices():
     split, got = _stage_features(["cpu", "cpu"], [1, 3, 5])
-    assert len(decoder_layers(split._model)) == 6  # loaded up to layer 5 only
-    assert list(split._model.dflash_device_map)[0] == "model.embed_tokens"
+    assert len(decoder_layers(split._backend.model)) == 6  # loaded up to layer 5 only
+    assert list(split._backend.model.dflash_device_map)[0] == "model.embed_tokens"
     _, ref = _stage_features(["cpu"], [1, 3, 5])
     assert torch.equal(got.hidden_states, ref.hidden_states) and got.hidden_states.shape == (3, 20, 192)
 
 
 def test_target_forward_checks_its_devices_against_the_target():
+    from dflash_flow.model.facts import target_facts
+    from dflash_flow.model.spec import ModelSpec
     from dflash_flow.stages.target_forward import TargetForward
 
+    def problems(devices, target="tiny-qwen3-8l", ids=None, n=1):
+        spec = ModelSpec(declared=target, target=target, num_draft_layers=n, facts=target_facts(target),
+                         explicit_layer_ids=tuple(ids) if ids is not None else None)
+        return TargetForward().model_problems(spec, devices)
+
     two = [["cuda:0", "cuda:1"]]
-    assert TargetForward(target="tiny-qwen3-8l", target_layer_ids=[1, 5]).device_problems(two) == []
-    assert TargetForward(target="tiny-qwen3-8l", target_layer_ids=[1, 12]).device_problems([["cpu"]]) == [
-        ("target_layer_ids", "target layer 12 does not exist: the target has 8 decoder layers (ids 0-7)")]
-    [(field, message)] = TargetForward(target="tiny-qwen3-8l", target_layer_ids=[0, 1]).device_problems(
-        [["cuda:0", "cuda:1", "cuda:2"]])
+    assert problems(two, ids=[1, 5]) == []
+    [(field, message)] = problems([["cuda:0", "cuda:1", "cuda:2"]], ids=[0, 1])
     assert field == "devices" and "spans 3 devices but the target runs only 2 layer(s)" in message
     # The default ids (DFlash rule) on a 12-layer preset reach layer 9: ten devices at most.
-    assert TargetForward(target="tiny-qwen3-12l", num_draft_layers=3).device_problems([["cpu"] * 10]) == []
-    assert TargetForward(target="tiny-qwen3-12l", num_draft_layers=3).device_problems([["cpu"] * 11])[0][0] == "devices"
-    assert TargetForward(target="tiny-qwen3-8l", target_layer_ids=[]).device_problems([["cpu"]])[0][0] == "target_layer_ids"
-    # A target whose config cannot be read here is left to setup.
-    assert TargetForward(target="/no/such/dir", target_layer_ids=[40]).device_problems(two) == []
+    assert problems([["cpu"] * 10], "tiny-qwen3-12l", n=3) == []
+    assert problems([["cpu"] * 11], "tiny-qwen3-12l", n=3)[0][0] == "devices"
+    # A target whose config cannot be read here is left to setup; none at all is named.
+    assert problems(two, "/no/such/dir", ids=[40]) == []
+    assert problems(two, None)[0][0] == "model.target"

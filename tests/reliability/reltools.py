@@ -112,8 +112,10 @@ def train_pipeline(
     overrides: dict[str, dict[str, Any]] | None = None,
     runtime: dict[str, Any] | None = None,
     name: str = "reliability",
+    model: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The fast real training pipeline of the issue, as a dict (write it with ``write_yaml``)."""
+    """The fast real training pipeline of the issue, as a dict (write it with ``write_yaml``); ``model``
+    overrides keys of its ``model:`` section."""
     stages = [
         {"name": "source", "type": "TokenizedSource",
          "config": {"paths": [str(data)], "max_length": 64, "cache_dir": None, "vocab_size": VOCAB}},
@@ -122,10 +124,9 @@ def train_pipeline(
         {"name": "interleaver", "type": "Interleaver", "inputs": ["bucketer"]},
         {"name": "padder", "type": "Padder", "inputs": ["interleaver"], "replicas": 2},
         {"name": "target", "type": "TargetForward", "inputs": ["padder"], "replicas": 2,
-         "config": {"target": "tiny-qwen3-8l", "torch_threads": 1}},
+         "config": {"torch_threads": 1}},
         {"name": "drafter", "type": "DrafterStep", "inputs": ["target"], "ordered": True,
-         "config": {"target": "tiny-qwen3-8l", "num_layers": 1, "block_size": 4, "mask_token_id": MASK_ID,
-                    "num_anchors": 16, "record_batches": True, "torch_threads": 1}},
+         "config": {"num_anchors": 16, "record_batches": True, "torch_threads": 1}},
         {"name": "monitor", "type": "Monitor", "inputs": ["drafter"],
          "config": {"interval_s": 0.5, "progress": False, "plots": False}},
     ]
@@ -144,6 +145,8 @@ def train_pipeline(
         "tracking": {"enabled": tracking, "tracking_uri": str(root / "mlflow.db"), "experiment": "reliability",
                      "system_metrics": False},
         "checkpoint": {"every_steps": every_steps, "keep_last": 2},
+        "model": {"target": "tiny-qwen3-8l", "num_draft_layers": 1, "block_size": 4, "mask_token_id": MASK_ID,
+                  **(model or {})},
         "stages": stages,
     }
 

@@ -29,6 +29,9 @@ from reltools import (
 
 from dflash_flow.core import Graph, Pipeline, StageError
 from dflash_flow.core.graph import RuntimeOptions
+from dflash_flow.model.facts import target_facts
+from dflash_flow.model.spec import ModelSpec
+from dflash_flow.services import RunServices
 
 BOUND_S = 60.0  # a failing run ends well within this on a busy 2-core box (typically < 2 s)
 HERE = Path(__file__).resolve().parent
@@ -59,11 +62,15 @@ def _tok_source(files, **extra):
     return {"paths": [str(files["tokens"])], "max_length": 64, "cache_dir": None, "vocab_size": VOCAB, **extra}
 
 
-def _drafter_conf(target="tiny-qwen3-8l", **extra):
-    conf = {"target": target, "num_layers": 1, "block_size": 4, "num_anchors": 8, "torch_threads": 1, **extra}
-    if target == "tiny-qwen3-8l":
-        conf["mask_token_id"] = MASK_ID
-    return conf
+def _drafter_conf(**extra):
+    return {"num_anchors": 8, "torch_threads": 1, **extra}
+
+
+def _model(files, target: str = "tiny-qwen3-8l") -> ModelSpec:
+    """The model facts the fault pipelines run with (what a run resolves from ``model:``)."""
+    return ModelSpec(declared=target, target=target, tokenizer=str(files["embedded"]), num_draft_layers=1,
+                     block_size=4, mask_token_id=MASK_ID if target == "tiny-qwen3-8l" else None,
+                     facts=target_facts(target))
 
 
 def _graph(victim: str, files, replicas: int, fault: dict) -> tuple[Graph, str]:
@@ -87,7 +94,7 @@ def _graph(victim: str, files, replicas: int, fault: dict) -> tuple[Graph, str]:
     elif victim in ("TokenizedSource", "ChatSource", "EmbeddedChatSource"):
         conf = {
             "TokenizedSource": _tok_source(files),
-            "ChatSource": {"paths": [str(files["chat"])], "tokenizer": files["embedded"], "cache_dir": None},
+            "ChatSource": {"paths": [str(files["chat"])], "cache_dir": None},
             "EmbeddedChatSource": {"n_train": 4, "n_eval": 1, "max_new_tokens": 8, "generation_batch_size": 4,
                                    "dataset_dir": str(files["root"] / "embedded-dataset")},
         }[victim]
@@ -103,21 +110,21 @@ def _graph(victim: str, files, replicas: int, fault: dict) -> tuple[Graph, str]:
     elif victim in ("TargetForward", "DrafterStep"):
         for spec in data:
             add(*spec)
-        add("target", "TargetForward", ["padder"], 1, {"target": "tiny-qwen3-8l", "torch_threads": 1})
+        add("target", "TargetForward", ["padder"], 1, {"torch_threads": 1})
         if victim == "TargetForward":
             add("sink", "Discard", ["target"], 1, {})
         else:
             add("drafter", "DrafterStep", ["target"], 1, _drafter_conf())
             add("sink", "Discard", ["drafter"], 1, {})
     elif victim == "SpecDecodeEval":
-        add("source", "ChatSource", [], 1, {"paths": [str(files["chat"])], "tokenizer": files["embedded"], "cache_dir": None})
+        add("source", "ChatSource", [], 1, {"paths": [str(files["chat"])], "cache_dir": None})
         add("bucketer", "Bucketer", ["source"], 1, {"max_tokens": 512, "num_buckets": 1, "epochs": 1})
         add("interleaver", "Interleaver", ["bucketer"], 1, {})
         add("padder", "Padder", ["interleaver"], 1, {})
-        add("target", "TargetForward", ["padder"], 1, {"target": files["embedded"], "torch_threads": 1})
-        add("drafter", "DrafterStep", ["target"], 1, _drafter_conf(files["embedded"]))
+        add("target", "TargetForward", ["padder"], 1, {"torch_threads": 1})
+        add("drafter", "DrafterStep", ["target"], 1, _drafter_conf())
         add("evaluate", "SpecDecodeEval", ["drafter"], 1,
-            {"target": files["embedded"], "prompts": "embedded", "limit": 1, "max_new_tokens": 4, "baseline": False})
+            {"prompts": "embedded", "limit": 1, "max_new_tokens": 4, "baseline": False})
         add("sink", "Discard", ["evaluate"], 1, {})
     else:  # pragma: no cover - a new built-in type must be added to the matrix
         raise AssertionError(f"no fault pipeline for {victim}")
@@ -160,7 +167,8 @@ def test_fault_is_contained(victim, phase, replicas, fault_replica, files, tmp_p
     g, name = _graph(victim, files, replicas, fault)
     baseline = set(threading.enumerate())
     t0 = time.monotonic()
-    p = Pipeline(g, output_dir=tmp_path / "out", check_devices=False)
+    spec = _model(files, str(files["embedded"]) if victim == "SpecDecodeEval" else "tiny-qwen3-8l")
+    p = Pipeline(g, output_dir=tmp_path / "out", check_devices=False, services=RunServices(model=spec))
     with pytest.raises(StageError) as info:
         p.run()
     elapsed = time.monotonic() - t0
@@ -211,7 +219,7 @@ def test_cli_failures_exit_code_message_mlflow_failed_checkpoint_intact(tmp_path
         procs.append((root, subprocess.Popen(cmd, cwd=root, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
     root = tmp_path / "setup"
     root.mkdir()
-    doc = train_pipeline(root, data=data, output_dir=root / "out", overrides={"target": {"target": str(root / "no-such-model")}})
+    doc = train_pipeline(root, data=data, output_dir=root / "out", model={"target": str(root / "no-such-model")})
     cmd = [sys.executable, "-m", "dflash_flow.cli", "run", str(write_yaml(root / "p.yaml", doc))]
     procs.append((root, subprocess.Popen(cmd, cwd=root, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
     t0 = time.monotonic()
@@ -245,6 +253,6 @@ def test_cli_failures_exit_code_message_mlflow_failed_checkpoint_intact(tmp_path
     # Since issue 20 `run` finds it before anything starts (validation checks model directories), so no
     # stage is set up and no MLflow run is created for it.
     assert code == 2, err[-3000:]
-    assert "stage 'target'" in err and "no-such-model is not a directory here" in err, err[-3000:]
+    assert "field 'model.target'" in err and "no-such-model is not a directory here" in err, err[-3000:]
     assert "Traceback" not in err
     assert not (root / "out" / "summary.json").exists() and not (root / "mlflow.db").exists()

@@ -69,7 +69,7 @@ PIPELINE_CASES = [
     ("devices_nested_count.yaml", 2, "devices gives 2 device lists (one per replica) but the stage has 3 replica(s)"),
     ("devices_nested_shared.yaml", 2, "devices_nested_shared.yaml:14, stage 'target', field 'devices': device lists 0 and 1 both use cuda:1"),
     ("devices_nested_twice.yaml", 2, "device cuda:0 appears twice in device list 0"),
-    ("target_layer_too_deep.yaml", 2, "field 'target_layer_ids': target layer 12 does not exist: the target has 8 decoder layers (ids 0-7)"),
+    ("target_layer_too_deep.yaml", 2, "field 'model.target_layer_ids': target layer 12 does not exist: the target has 8 decoder layers (ids 0-7)"),
     ("target_split_too_wide.yaml", 2, "a replica spans 3 devices but the target runs only 2 layer(s) (up to layer 1)"),
     # Bounded work (reliability issue): each of these once hung, recursed or crashed. They are also timed
     # one by one in test_bounded_inputs_answer_quickly.
@@ -228,7 +228,7 @@ def _commands(tmp_path: Path) -> list[tuple[str, list[str], int, str]]:
         args = ["run", HOSTILE / reader, "--set", f"stages.source.paths=[{HOSTILE / name}]",
                 "--set", f"stages.source.on_bad_record={mode}", "--set", f"output_dir={tmp_path / f'data{i}'}"]
         if reader == "read_chat.yaml":
-            args += ["--set", f"stages.source.tokenizer={tokenizer}"]
+            args += ["--set", f"model.tokenizer={tokenizer}"]
         cmds.append((f"{name} ({mode})", args, code, text))
     for i, (name, code, text) in enumerate(CHECKPOINT_CASES):
         args = ["run", HOSTILE / "read_tokens.yaml", "--set", f"stages.source.paths=[{HOSTILE / 'data_bad_rows_skipped.jsonl'}]",

@@ -100,8 +100,9 @@ stages:
   - {{name: bucketer, type: Bucketer, inputs: [source]}}
   - {{name: interleaver, type: Interleaver, inputs: [bucketer]}}
   - {{name: padder, type: Padder, inputs: [interleaver]}}
-  - {{name: target, type: TargetForward, inputs: [padder], config: {{target: tiny-qwen3-8l}}}}
-  - {{name: drafter, type: DrafterStep, inputs: [target], config: {{target: tiny-qwen3-8l, export_dir: '{value}'}}}}
+  - {{name: target, type: TargetForward, inputs: [padder]}}
+  - {{name: drafter, type: DrafterStep, inputs: [target], config: {{export_dir: '{value}'}}}}
+model: {{target: tiny-qwen3-8l}}
 """
     problems = validate(load_graph_text(text, "p.yaml"), check_devices=False)
     assert [p.field for p in problems] == ["export_dir"], [p.format() for p in problems]
@@ -116,8 +117,9 @@ stages:
   - {{name: bucketer, type: Bucketer, inputs: [source]}}
   - {{name: interleaver, type: Interleaver, inputs: [bucketer]}}
   - {{name: padder, type: Padder, inputs: [interleaver]}}
-  - {{name: target, type: TargetForward, inputs: [padder], config: {{target: tiny-qwen3-8l}}}}
-  - {{name: drafter, type: DrafterStep, inputs: [target], config: {{target: tiny-qwen3-8l, export_dir: '{value}'}}}}
+  - {{name: target, type: TargetForward, inputs: [padder]}}
+  - {{name: drafter, type: DrafterStep, inputs: [target], config: {{export_dir: '{value}'}}}}
+model: {{target: tiny-qwen3-8l}}
 """
     assert validate(load_graph_text(text, "p.yaml"), check_devices=False) == []
 

@@ -41,6 +41,9 @@ from dflash_flow.core import (
 )
 from dflash_flow.core.graph import RuntimeOptions
 from dflash_flow.core.registry import ENTRY_POINT_GROUP
+from dflash_flow.model.facts import target_facts
+from dflash_flow.model.spec import ModelSpec
+from dflash_flow.services import RunServices
 
 REPO = Path(__file__).resolve().parents[2]
 TARGET = "tiny-qwen3-8l"
@@ -73,7 +76,7 @@ CASES: dict[str, Case] = {
     "Scale": Case({"factor": 3}, inputs="ints", key=lambda x: x),
     "TokenizedSource": Case({"paths": ["{tokens}"], "max_length": 64, "cache_dir": None, "vocab_size": VOCAB},
                             take=1, replays=True, key=_table_key),
-    "ChatSource": Case({"paths": ["{chat}"], "tokenizer": "{embedded}", "cache_dir": None}, take=1, replays=True,
+    "ChatSource": Case({"paths": ["{chat}"], "cache_dir": None}, take=1, replays=True,
                        key=_table_key),
     "EmbeddedChatSource": Case({"n_train": 4, "n_eval": 1, "max_new_tokens": 8, "generation_batch_size": 4,
                                 "dataset_dir": "{root}/embedded-dataset", "cache_dir": None}, take=1, replays=True,
@@ -82,11 +85,10 @@ CASES: dict[str, Case] = {
                      feed_all=True, key=lambda e: (e.epoch, [[b.tolist() for b in bs] for bs in e.packed.per_bucket])),
     "Interleaver": Case({}, inputs="epochs", take=10, feed_all=True, key=_meta_key),
     "Padder": Case({}, inputs="planned", take=4, key=lambda b: (_meta_key(b), b.input_ids.tolist())),
-    "TargetForward": Case({"target": TARGET, "num_draft_layers": 1, "torch_threads": 1}, inputs="padded", take=3,
+    "TargetForward": Case({"torch_threads": 1}, inputs="padded", take=3,
                           key=lambda f: (_meta_key(f), round(float(f.hidden_states.double().sum()), 6))),
-    "DrafterStep": Case({"target": TARGET, "num_layers": 1, "block_size": 4, "num_anchors": 8,
-                         "mask_token_id": MASK_ID, "torch_threads": 1}, inputs="features", take=3),
-    "SpecDecodeEval": Case({"target": TARGET, "prompts": "{chat}", "limit": 1, "max_new_tokens": 4, "baseline": False},
+    "DrafterStep": Case({"num_anchors": 8, "torch_threads": 1}, inputs="features", take=3),
+    "SpecDecodeEval": Case({"prompts": "{chat}", "limit": 1, "max_new_tokens": 4, "baseline": False},
                            inputs="steps", take=2),
     "Monitor": Case({"interval_s": 0.01, "progress": False, "plots": False}, inputs="reports", take=2),
 }
@@ -107,8 +109,18 @@ def _build(name: str, files: dict[str, Any]):
     return cls(**_fill(CASES[name].config, files))
 
 
+def _services() -> RunServices:
+    """The run services every case gets: the model facts a run resolves from ``model:`` (the tiny target, its
+    tokenizer the embedded one's, the drafter's shape)."""
+    from dflash_flow.embedded import embedded_target_path
+
+    return RunServices(model=ModelSpec(declared=TARGET, target=TARGET, tokenizer=embedded_target_path(),
+                                       num_draft_layers=1, block_size=4, mask_token_id=MASK_ID,
+                                       facts=target_facts(TARGET)))
+
+
 def _ctx(name: str, out: Path) -> StageContext:
-    return StageContext(name=name.lower(), seed=5, output_dir=out, **CASES[name].ctx)
+    return StageContext(name=name.lower(), seed=5, output_dir=out, services=_services(), **CASES[name].ctx)
 
 
 def _outputs(result: Any) -> list[Any]:
@@ -295,7 +307,7 @@ def test_stop_is_honoured(name, files, chain, tmp_path):
     if not cls.is_sink():
         g.add("watch", watch, inputs="victim")
     baseline = set(threading.enumerate())
-    p = Pipeline(g, output_dir=tmp_path / "out", check_devices=False)
+    p = Pipeline(g, output_dir=tmp_path / "out", check_devices=False, services=_services())
     done: dict[str, Any] = {}
 
     def run() -> None:

@@ -1,6 +1,6 @@
-"""Cross-stage mismatches a new user made (issue 20): each is found by ``dflash-flow validate`` before anything
-runs -- exit 2, the file and line of the value to change, no traceback -- in the old form (every stage names
-the target and the drafter's depth) and the new one (``model:`` declares them once)."""
+"""The model facts are declared once (``model:``), resolved into one ``ModelSpec`` every stage reads, and checked
+before anything runs: exit 2, the file and line of the value to change, no traceback. An old pipeline that still
+sets a moved field in a stage gets one message per field saying where it moved (issue 35, item 1)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
 import pytest
 import yaml
 from typer.testing import CliRunner
@@ -68,46 +69,44 @@ def _located(code: int, text: str, file: Path, line: int, *needles: str) -> None
         assert n in text, text
 
 
-def test_the_new_form_validates_and_the_stages_get_the_model_section(tmp_path, data):
+def test_the_model_section_resolves_into_one_spec_the_stages_read(tmp_path, data):
     doc = _pipeline(data, model={"target": TARGET, "num_draft_layers": 2, "block_size": 4, "mask_token_id": 511})
     code, text, _ = _validate(tmp_path, doc)
     assert code == 0, text
-    import dflash_flow.app  # noqa: F401 - the model: section
-    from dflash_flow.core import load_graph
-    from dflash_flow.core.validate import validated
+    from dflash_flow.app import load, model_services
 
-    v = validated(load_graph(tmp_path / "pipeline.yaml"), check_devices=False)
-    assert v.configs["target"].target == v.configs["drafter"].target == v.configs["evaluate"].target == TARGET
-    assert v.configs["target"].num_draft_layers == v.configs["drafter"].num_layers == 2
-    assert (v.configs["drafter"].block_size, v.configs["drafter"].mask_token_id) == (4, 511)
+    v = load(tmp_path / "pipeline.yaml", check_devices=False)
+    spec = model_services(v).model
+    assert (spec.target, spec.num_draft_layers, spec.block_size, spec.mask_token_id) == (TARGET, 2, 4, 511)
+    assert spec.layer_ids() == [1, 5] and (spec.facts.depth, spec.facts.hidden_size) == (8, 64)
+    for name in ("target", "drafter", "evaluate"):  # no stage keeps a copy of a model fact
+        assert not {"target", "num_layers", "num_draft_layers", "block_size"} & set(attrs.asdict(v.configs[name]))
 
 
-def test_layer_count_mismatch(tmp_path, data):
+def test_an_old_pipeline_gets_one_message_per_moved_field(tmp_path, data):
     doc = _pipeline(data, target={"target": TARGET, "num_draft_layers": 3}, drafter={"target": TARGET, "num_layers": 2},
                     evaluate={"target": TARGET})
     code, text, file = _validate(tmp_path, doc)
-    _located(code, text, file, _line_of(file, "num_layers: 2"), "emits target layers [1, 3, 5]", "fuses [1, 5]",
-             "model.num_draft_layers")
+    _located(code, text, file, _line_of(file, "num_layers: 2"), "'num_layers' moved to model.num_draft_layers")
+    for needle, path in (("num_draft_layers: 3", "model.num_draft_layers"), ("target: tiny-qwen3-8l", "model.target")):
+        assert f"{file}:{_line_of(file, needle)}," in text and f"moved to {path}" in text, text
+    assert len({line for line in text.splitlines() if "moved to model.target" in line}) == 3, text  # each stage named
+    assert "unknown" not in text  # the moved field is not also reported as unknown
 
 
-def test_target_changed_in_one_stage_only(tmp_path, data):
-    doc = _pipeline(data, target={"target": "tiny-qwen3-12l"}, drafter={"target": TARGET}, evaluate={"target": TARGET})
-    code, text, file = _validate(tmp_path, doc)
-    _located(code, text, file, _line_of(file, "target: tiny-qwen3-12l"), "uses target 'tiny-qwen3-12l'",
-             "declare the target once, in model.target")
-    assert "emits layers" not in text and "fuses" not in text  # no misleading layer message
+def test_target_split_wider_than_its_layers_is_found_from_the_spec(tmp_path, data):
+    doc = _pipeline(data, model={"target": TARGET, "target_layer_ids": [0, 1]})
+    doc["stages"][4]["devices"] = [["cpu", "cpu", "cpu"]]
+    code, text, file = _validate(tmp_path, doc, "--no-path-check")
+    _located(code, text, file, _line_of(file, "devices"), "a replica spans 3 devices but the target runs only 2")
 
 
-def test_forgotten_evaluation_target(tmp_path, data):
-    doc = _pipeline(data, target={"target": TARGET}, drafter={"target": TARGET}, evaluate={"target": "embedded"})
-    code, text, file = _validate(tmp_path, doc)
-    _located(code, text, file, _line_of(file, "target: embedded"), "stage 'evaluate' (SpecDecodeEval) uses target 'embedded'")
-
-
-def test_a_stage_repeating_the_model_section_with_another_value(tmp_path, data):
-    doc = _pipeline(data, model={"target": TARGET, "num_draft_layers": 2}, drafter={"num_layers": 3})
-    code, text, file = _validate(tmp_path, doc)
-    _located(code, text, file, _line_of(file, "num_layers: 3"), "declared once, in model.num_draft_layers")
+def test_a_stage_that_needs_the_target_when_none_is_declared(tmp_path, data):
+    code, text, file = _validate(tmp_path, _pipeline(data))
+    assert code == 2 and "Traceback" not in text, text
+    for stage in ("target", "drafter", "evaluate"):
+        assert f"stage '{stage}', field 'model.target'" in text, text
+    assert "set model.target" in text
 
 
 def test_layer_ids_beyond_the_target_depth(tmp_path, data):
@@ -145,10 +144,34 @@ def test_missing_files_and_directories_unless_validating_elsewhere(tmp_path, dat
 
 def test_through_the_real_cli_one_line_per_problem_no_traceback(tmp_path, data):
     doc = _pipeline(data, target={"target": TARGET, "num_draft_layers": 3}, drafter={"target": TARGET, "num_layers": 2},
-                    evaluate={"target": "embedded"})
+                    evaluate={"target": "embedded"})  # an old pipeline: where each field moved
     file = tmp_path / "p.yaml"
     file.write_text(yaml.safe_dump(doc, sort_keys=False))
     proc = subprocess.run([sys.executable, "-m", "dflash_flow.cli", "validate", str(file)], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and f"{file}:" in proc.stderr and "model.target" in proc.stderr
+
+
+def test_a_checkpoint_written_before_the_move_reads_its_settings_as_todays(tmp_path, data):
+    """Settings recorded by a checkpoint when the stages still held the model facts (``stages.drafter.target``,
+    ``stages.drafter.num_layers``, ...) compare as ``model.*`` today: the same run resumes, another is named."""
+    from dflash_flow.app import load
+    from dflash_flow.core.identity import moved_setting_keys, recorded_as_today, result_settings, settings_differences
+
+    doc = _pipeline(data, model={"target": TARGET, "num_draft_layers": 2, "block_size": 4})
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    graph = load(tmp_path / "p.yaml", check_devices=False).graph
+    now = result_settings(graph)
+    assert now["model.target"] == TARGET and now["model.num_draft_layers"] == 2 and "model.trust_remote_code" not in now
+    old = {k: v for k, v in now.items() if not k.startswith("model.")}
+    old.update({"stages.target.target": TARGET, "stages.target.num_draft_layers": 2, "stages.target.trust_remote_code":
+                False, "stages.drafter.target": TARGET, "stages.drafter.num_layers": 2, "stages.drafter.block_size": 4,
+                "stages.drafter.mask_token_id": None, "stages.drafter.target_layer_ids": None,
+                "stages.drafter.tokenizer": None, "stages.evaluate.target": TARGET})
+    moved = moved_setting_keys(graph)
+    assert moved["stages.drafter.num_layers"] == "model.num_draft_layers"
+    assert settings_differences(recorded_as_today(old, moved, now), now) == []
+    other = {**old, "stages.drafter.block_size": 8}
+    assert settings_differences(recorded_as_today(other, moved, now), now) == [
+        "model.block_size: 8 in the checkpoint, 4 now"]

@@ -1,0 +1,94 @@
+"""Where the target's features come from: the :class:`TargetBackend` protocol ``TargetForward`` runs, and its
+in-process implementation (transformers, loaded only as deep as the deepest requested layer, on one device or
+split layer-wise over several). Other backends (an inference engine, a feature store) implement the same
+protocol, so the trainer and everything after it cannot tell them apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .spec import ModelSpec
+
+if TYPE_CHECKING:
+    import torch
+
+
+class TargetBackend(Protocol):
+    """Computes ``[b, S, n*H]`` features of right-padded token rows (our layer ids: ``hidden_states[id + 1]``)."""
+
+    layer_ids: list[int]
+    hidden_size: int  # of one layer
+    vocab_size: int  # token ids at or above it are refused before the forward
+
+    def setup(self, *, devices: Sequence[str], out_device: str, name: str) -> None: ...
+
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, lengths: Sequence[int],
+                 sample_ids: Sequence[Any]) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
+
+
+class BackendConfigError(ValueError):
+    """The backend cannot start with this model spec (a missing target, layer ids it does not have):
+    the user's input, reported as a config problem of the stage's ``field``."""
+
+    def __init__(self, message: str, field: str = "model.target") -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class InProcessBackend:
+    """The frozen transformers target in this process (``model.target.load_target``), run only up to the
+    deepest requested layer; the layers above it are never loaded."""
+
+    def __init__(self, spec: ModelSpec, *, dtype: str = "auto", attn_implementation: str | None = None) -> None:
+        self.spec = spec
+        self.dtype = dtype
+        self.attn_implementation = attn_implementation
+        self.layer_ids: list[int] = []
+        self.hidden_size = 0
+        self.vocab_size = 0
+        self.model: Any = None
+        self.extractor: Any = None
+
+    def setup(self, *, devices: Sequence[str], out_device: str, name: str) -> None:  # noqa: ARG002
+        import torch
+
+        from .features import TargetFeatureExtractor
+        from .loading import MODEL_LOAD_LOCK
+        from .spec import ModelSpecError
+        from .target import TargetOfflineError, load_target, load_target_config, num_hidden_layers, resolve_dtype
+
+        spec = self.spec
+        with MODEL_LOAD_LOCK:
+            try:
+                target = spec.require_target(f"stage '{name}'")
+                depth = num_hidden_layers(load_target_config(target, trust_remote_code=spec.trust_remote_code))
+                ids = spec.layer_ids(depth)
+                self.model = load_target(
+                    target,
+                    devices=list(devices),
+                    num_layers=min(max(ids) + 1, depth) if min(ids) >= 0 else None,
+                    dtype=resolve_dtype(self.dtype, devices[0]),
+                    trust_remote_code=spec.trust_remote_code,
+                    attn_implementation=self.attn_implementation,
+                )
+            except (TargetOfflineError, ModelSpecError, ValueError, OSError) as exc:
+                raise BackendConfigError(str(exc)) from exc
+        self.layer_ids = list(ids)
+        embed = self.model.get_input_embeddings()
+        self.vocab_size = int(embed.num_embeddings)
+        self.hidden_size = int(embed.embedding_dim)
+        try:
+            self.extractor = TargetFeatureExtractor(self.model, ids, output_device=torch.device(out_device))
+        except ValueError as exc:  # layer ids the target does not have
+            raise BackendConfigError(str(exc), field="model.target_layer_ids") from exc
+
+    def features(self, input_ids, attention_mask, lengths, sample_ids):  # noqa: ARG002 - whole rows in one forward
+        return self.extractor(input_ids, attention_mask)
+
+    def close(self) -> None:
+        self.model = None
+        self.extractor = None
