@@ -233,6 +233,9 @@ def eval_(
     server: Optional[list[str]] = typer.Option(None, "--server", help="With --suite: base URL of a vLLM or SGLang server already serving this drafter; the same prompts go through it and its acceptance is checked against ours. Repeatable."),
     engine: str = typer.Option("auto", help="With --server: 'vllm', 'sglang' or 'auto' (asked of the server)."),
     served_model: Optional[str] = typer.Option(None, help="With --server: the model name to request (default: the one vLLM lists)."),
+    launch_vllm: Optional[str] = typer.Option(None, help="With --suite: the python of an environment with vLLM (e.g. .venv-interop/bin/python): start a local server serving this drafter beside the target, measure through it, stop it."),
+    launch_arg: Optional[list[str]] = typer.Option(None, "--launch-arg", help="With --launch-vllm: one more argument for the server (e.g. --launch-arg=--gpu-memory-utilization=0.8); repeatable."),
+    api_key_env: Optional[str] = typer.Option(None, help="With --server: the environment variable holding the server's API key (sent as a Bearer token, never written)."),
     thinking: bool = typer.Option(False, "--thinking/--no-thinking", help="With --suite: the chat template's enable_thinking (z-lab: off); recorded in the results."),
     device: str = typer.Option("cpu", help="With --suite: where the target and drafter run (cpu, cuda:0)."),
     tau_tolerance: float = typer.Option(0.05, help="With --server: largest |engine tau - ours| (tokens per step) that still agrees."),
@@ -252,7 +255,8 @@ def eval_(
         "--baseline/--no-baseline": not baseline, "--temperature": temperature != 0.0, "--top-p": top_p != 1.0,
         "--top-k": top_k != 0, "--horizon": bool(horizon), "--walk-data": walk_data is not None,
         "--walk-limit": walk_limit != 64, "--seed": seed != 0, "--server": bool(server), "--engine": engine != "auto",
-        "--served-model": served_model is not None, "--thinking": thinking, "--device": device != "cpu",
+        "--served-model": served_model is not None, "--api-key-env": api_key_env is not None,
+        "--launch-vllm": launch_vllm is not None, "--launch-arg": bool(launch_arg), "--thinking": thinking, "--device": device != "cpu",
         "--tau-tolerance": tau_tolerance != 0.05, "--rate-tolerance": rate_tolerance != 0.03,
         "--no-mlflow": not mlflow, "--tracking-uri": tracking_uri is not None,
         "--experiment": experiment != "dflash-flow-eval"})
@@ -262,7 +266,9 @@ def eval_(
         _check_output_file(out, "--out")
         raise typer.Exit(eval_suites_command(EvalSuitesOptions(
             drafter=drafter, target=target, suites=tuple(suite), out=out, max_new_tokens=max_new_tokens or 2048,
-            limit=limit, servers=tuple(server or ()), engine=engine, served_model=served_model, tokenizer=tokenizer,
+            limit=limit, servers=tuple(server or ()), launch_vllm=launch_vllm,
+            launch_args=tuple(launch_arg or ()), engine=engine, served_model=served_model, api_key_env=api_key_env,
+            tokenizer=tokenizer,
             thinking=thinking, device=device, tau_tolerance=tau_tolerance, rate_tolerance=rate_tolerance, mlflow=mlflow,
             tracking_uri=tracking_uri, experiment=experiment, torch_threads=torch_threads)))
     max_new_tokens = 64 if max_new_tokens is None else max_new_tokens
@@ -373,6 +379,50 @@ def plan(
     raise typer.Exit(plan_command(file, v, gpus=gpus, profile_path=profile_path, allreduce_at_two=allreduce_s,
                                   steps=steps, target_stage=target_stage, padder_stage=padder_stage, out=out,
                                   cores=cores))
+
+
+features_app = typer.Typer(help="The target's features on disk: build a store for a pipeline, check one (docs/features.md).",
+                           no_args_is_help=True)
+app.add_typer(features_app, name="features")
+
+
+@features_app.command("build")
+def features_build(
+    file: Path = typer.Argument(..., help="Pipeline YAML file: its sources and target compute the store."),
+    store: Optional[str] = typer.Option(None, "--store", help="The store's directory (default: model.features.path)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto | fp32 | bf16 | fp16 | fp8 (default: model.features.dtype)."),
+    shard_mb: Optional[float] = typer.Option(None, "--shard-mb", min=0.001, help="Size of a shard file (default: model.features.shard_mb)."),
+    margin_mb: Optional[float] = typer.Option(None, "--margin-mb", min=0.0, help="Space to leave free (default: model.features.free_space_margin_mb)."),
+    wait: bool = typer.Option(False, "--wait", help="Wait for another build of the same store to end instead of refusing."),
+    device: Optional[str] = typer.Option(None, "--device", help="Where the target runs (default: this rank's GPU, else cpu)."),
+    set_: Optional[list[str]] = SetOpt,
+) -> None:
+    """Compute the target's features of every sample of a pipeline into a store (resumable; under torchrun each rank
+    computes its share)."""
+    from dflash_flow.app.features_commands import features_build_command
+
+    _guard_console()
+    raise typer.Exit(features_build_command(file, set_, store=store, dtype=dtype, shard_mb=shard_mb, wait=wait,
+                                            device=device, margin_mb=margin_mb))
+
+
+@features_app.command("check")
+def features_check(
+    store: Path = typer.Argument(..., help="The store's directory."),
+    pipeline: Optional[Path] = typer.Option(None, "--pipeline", help="Also compare with this pipeline: identity field by field, rows computed again."),
+    recompute: int = typer.Option(8, "--recompute", min=0, help="Rows to compute again with the pipeline's target."),
+    tolerance: Optional[float] = typer.Option(None, "--tolerance", min=0.0, help="Largest difference allowed, relative to a token's largest value (default: by dtype)."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Scan this many rows (random) instead of all."),
+    digests: bool = typer.Option(False, "--digests", help="Also read every shard against its digest."),
+    device: Optional[str] = typer.Option(None, "--device", help="Where the target runs (default: a GPU, else cpu)."),
+    set_: Optional[list[str]] = SetOpt,
+) -> None:
+    """Check a feature store: its files, every row for zeros/NaN/inf, and (--pipeline) that it is this pipeline's."""
+    from dflash_flow.app.features_commands import features_check_command
+
+    _guard_console()
+    raise typer.Exit(features_check_command(store, pipeline=pipeline, overrides=set_, recompute=recompute,
+                                            tolerance=tolerance, limit=limit, digests=digests, device=device))
 
 
 def _exit_interrupted_on_late_signals() -> None:

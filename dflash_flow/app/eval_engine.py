@@ -19,14 +19,14 @@ appear in a message or a result.
 
 from __future__ import annotations
 
-import http.client
 import json
 import time
-from collections.abc import Sequence
-from urllib.parse import urlsplit
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import attrs
 
+from dflash_flow.engine.http import HttpClient, RequestFailed, Server
 from dflash_flow.observe.engine_metrics import (
     EngineCounters,
     RequestSpec,
@@ -37,7 +37,8 @@ from dflash_flow.observe.engine_metrics import (
 )
 from dflash_flow.observe.runinfo import redact_text, redact_uri, uri_secrets
 
-__all__ = ["EngineError", "EngineReply", "EngineServer", "scrape_all", "wait_for_counters"]
+__all__ = ["EngineError", "EngineReply", "EngineServer", "free_port", "launch_vllm", "scrape_all", "vllm_drafter_argv",
+           "wait_for_counters"]
 
 KINDS = ("auto", "vllm", "sglang")
 
@@ -57,68 +58,46 @@ class EngineReply:
 
 
 class EngineServer:
-    """One server, by base URL (``http://host:port``, optionally with credentials)."""
+    """One server, by base URL (``http://host:port``); requests through ``engine.http`` (the client the
+    other engine users share), ``headers`` sent with each (an API key)."""
 
-    def __init__(self, url: str, *, kind: str = "auto", model: str | None = None, timeout_s: float = 600.0) -> None:
+    def __init__(self, url: str, *, kind: str = "auto", model: str | None = None, timeout_s: float = 600.0,
+                 headers: dict[str, str] | None = None) -> None:
         if kind not in KINDS:
             raise EngineError(f"--engine {kind!r}: expected one of {', '.join(KINDS)}")
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise EngineError(f"--server {redact_uri(url)}: expected a base URL such as http://127.0.0.1:8000")
+        try:
+            self._server = Server(url, 0)
+        except ValueError as exc:
+            raise EngineError(redact_text(str(exc), uri_secrets(url))) from None
         self.url = url.rstrip("/")
         self.name = redact_uri(self.url)
         self._secrets = uri_secrets(url)
-        self.timeout_s = float(timeout_s)
+        self._client = HttpClient(float(timeout_s), headers)
         self.kind = kind if kind != "auto" else self._detect()
         self.model = model if model is not None or self.kind != "vllm" else self._served_model()
 
     # ------------------------------------------------------------------------------------------ HTTP
-    def _say(self, text: str) -> str:
-        return redact_text(text, self._secrets)
-
-    def _get(self, path: str, timeout_s: float | None = None) -> str:
+    def _get_text(self, path: str) -> str:
         try:
-            return fetch_text(self.url + path, timeout_s=timeout_s or min(self.timeout_s, 30.0))
+            return fetch_text(self.url + path, timeout_s=min(self._client.timeout_s, 30.0))
         except OSError as exc:
-            raise EngineError(self._say(str(exc))) from None
+            raise EngineError(redact_text(str(exc), self._secrets)) from None
 
-    def _post(self, path: str, payload: dict) -> dict:
-        parts = urlsplit(self.url)
-        conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        conn = conn_cls(parts.hostname, parts.port, timeout=self.timeout_s)
-        headers = {"Content-Type": "application/json"}
-        if parts.username is not None or parts.password is not None:
-            import base64
-
-            token = base64.b64encode(f"{parts.username or ''}:{parts.password or ''}".encode()).decode()
-            headers["Authorization"] = f"Basic {token}"
+    def _request(self, method: str, path: str, payload: dict | None = None) -> dict:
         try:
-            conn.request("POST", (parts.path or "") + path, body=json.dumps(payload), headers=headers)
-            resp = conn.getresponse()
-            body = resp.read().decode("utf-8", errors="replace")
-        except (OSError, http.client.HTTPException) as exc:
-            raise EngineError(self._say(f"POST {self.name}{path}: {type(exc).__name__}: {exc}")) from None
-        finally:
-            conn.close()
-        if resp.status != 200:
-            raise EngineError(self._say(f"POST {self.name}{path}: HTTP {resp.status}: {body.strip()[:300]}"))
-        try:
-            out = json.loads(body)
-        except json.JSONDecodeError:
-            raise EngineError(self._say(f"POST {self.name}{path}: the reply is not JSON: {body[:200]!r}")) from None
-        if not isinstance(out, dict):
-            raise EngineError(f"POST {self.name}{path}: the reply is a JSON {type(out).__name__}, not an object")
-        return out
+            return self._client.request(self._server, method, path, payload)
+        except RequestFailed as exc:
+            raise EngineError(redact_text(f"{method} {self.name}{path}: {exc}", self._secrets)) from None
 
     def _detect(self) -> str:
         try:
-            if "vllm:" in self._get("/metrics"):
+            if "vllm:" in self._get_text("/metrics"):
                 return "vllm"
         except EngineError:
             pass
         for path in ("/server_info", "/get_server_info"):
             try:
-                self._get(path)
+                self._request("GET", path)
                 return "sglang"
             except EngineError:
                 continue
@@ -127,9 +106,8 @@ class EngineServer:
 
     def _served_model(self) -> str:
         try:
-            models = json.loads(self._get("/v1/models"))
-            return str(models["data"][0]["id"])
-        except (EngineError, ValueError, KeyError, IndexError, TypeError) as exc:
+            return str(self._request("GET", "/v1/models")["data"][0]["id"])
+        except (EngineError, KeyError, IndexError, TypeError) as exc:
             raise EngineError(f"--server {self.name}: cannot read the served model from /v1/models ({exc}); "
                               "pass --served-model") from None
 
@@ -139,7 +117,7 @@ class EngineServer:
         if self.kind != "vllm":
             return {}
         try:
-            return spec_counters(self._get("/metrics"))
+            return spec_counters(self._get_text("/metrics"))
         except ValueError as exc:
             raise EngineError(f"--server {self.name}: /metrics: {exc}") from None
 
@@ -147,7 +125,7 @@ class EngineServer:
         """Greedy decoding of one prompt given as token ids."""
         ids = [int(i) for i in prompt_ids]
         if self.kind == "sglang":
-            out = self._post("/generate", {"input_ids": ids, "sampling_params": {
+            out = self._request("POST", "/generate", {"input_ids": ids, "sampling_params": {
                 "temperature": 0.0, "max_new_tokens": int(max_new_tokens), "stop_token_ids": list(stop_token_ids),
                 "skip_special_tokens": False}})
             meta = out.get("meta_info") or {}
@@ -156,7 +134,7 @@ class EngineServer:
             new_ids = out.get("output_ids")
             return EngineReply([int(t) for t in new_ids] if isinstance(new_ids, list) else None,
                                None if finish is None else str(finish), self._spec(sglang_request, meta))
-        out = self._post("/v1/completions", {
+        out = self._request("POST", "/v1/completions", {
             "model": self.model, "prompt": ids, "max_tokens": int(max_new_tokens), "temperature": 0.0,
             "stop_token_ids": list(stop_token_ids), "return_token_ids": True, "skip_special_tokens": False})
         try:
@@ -196,3 +174,40 @@ def wait_for_counters(servers: Sequence[EngineServer], expect_drafts: float | No
         if drafts >= expect_drafts or time.monotonic() >= deadline:
             return after
         time.sleep(0.2)
+
+
+def vllm_drafter_argv(*, python: str, target: str, drafter: str, block_size: int, port: int, dtype: str,
+                      max_model_len: int | None = None, served_model: str = "drafter-eval",
+                      extra_args: Sequence[str] = ()) -> list[str]:
+    """The command of a vLLM server serving ``drafter`` beside ``target`` for the suites: DFlash speculative
+    decoding with ``block_size - 1`` speculative tokens (vLLM refuses anything else), per-request figures in
+    every reply (``detailed``), prefix caching off (a second turn computes its prompt afresh, as ours does).
+    ``extra_args`` last: a later flag overrides an earlier one."""
+    spec = {"method": "dflash", "model": drafter, "num_speculative_tokens": int(block_size) - 1}
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--served-model-name", served_model,
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--seed", "0",
+            "--speculative-config", json.dumps(spec, separators=(",", ":")),
+            "--per-request-spec-decode-metrics", "detailed", "--no-enable-prefix-caching"]
+    if max_model_len is not None:
+        argv += ["--max-model-len", str(max_model_len)]
+    return argv + list(extra_args)
+
+
+def launch_vllm(argv: Sequence[str], *, port: int, log_path: Path, ready_timeout_s: float = 1200.0,
+                log: Callable[[str], None] | None = None):
+    """Start a vLLM server (``engine.launch``: its own process group, stopped on every exit path) and return
+    the ``LocalServers`` holding it (wait with ``wait_ready``, stop with ``stop``) and its base URL."""
+    from dflash_flow.engine.launch import LocalServers, ServerSpec
+
+    url = f"http://127.0.0.1:{port}"
+    spec = ServerSpec(name="vllm-eval", argv=list(argv), log_path=log_path, ready_url=f"{url}/v1/models", port=port)
+    return LocalServers([spec], ready_timeout_s=ready_timeout_s, log=log).start(), url
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the launcher checks it again before the start)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -12,6 +12,7 @@ what every figure counts.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -37,8 +38,11 @@ class EvalSuitesOptions:
     max_new_tokens: int = 2048
     limit: int | None = None
     servers: tuple[str, ...] = ()
+    launch_vllm: str | None = None  # the python of a vLLM environment: start a local server, stop it at the end
+    launch_args: tuple[str, ...] = ()
     engine: str = "auto"
     served_model: str | None = None
+    api_key_env: str | None = None
     tokenizer: str | None = None
     thinking: bool = False
     device: str = "cpu"
@@ -60,12 +64,21 @@ class EvalSuitesOptions:
                 return f"{name} must be >= 0, got {value}"
         if not self.suites:
             return "--suite: give at least one, NAME=PATH"
+        if self.launch_vllm and self.servers:
+            return "--launch-vllm starts its own server: not with --server"
+        if self.launch_args and not self.launch_vllm:
+            return "--launch-arg: only with --launch-vllm"
+        if self.launch_vllm and not Path(self.launch_vllm).expanduser().is_file():
+            return (f"--launch-vllm {self.launch_vllm}: no such file (the python of an environment with vLLM, "
+                    "e.g. .venv-interop/bin/python)")
         for name, value in (("--target", self.target), ("--tokenizer", self.tokenizer)):
             if value and value != "embedded" and value.startswith(("/", ".", "~")) and not Path(value).expanduser().exists():
                 return f"{name} {value} does not exist (a local model directory, a preset name or a hub id)"
         if not Path(self.drafter).expanduser().is_dir():
             return (f"--drafter {self.drafter} does not exist" if not Path(self.drafter).expanduser().exists()
                     else f"--drafter {self.drafter} is not a directory (an exported drafter is one)")
+        if self.api_key_env and not os.environ.get(self.api_key_env):
+            return f"--api-key-env: ${self.api_key_env} is not set in this environment"
         if self.out.suffix.lower() != ".json":
             return f"--out {self.out}: name a .json file (the plot goes beside it)"
         return None
@@ -74,7 +87,7 @@ class EvalSuitesOptions:
 #: ``eval``'s options that belong to one of its two modes (the others are shared).
 PROMPTS_ONLY = ("--baseline/--no-baseline", "--temperature", "--top-p", "--top-k", "--horizon", "--walk-data",
                 "--walk-limit", "--seed")
-SUITES_ONLY = ("--server", "--engine", "--served-model", "--thinking", "--device", "--tau-tolerance",
+SUITES_ONLY = ("--server", "--engine", "--served-model", "--api-key-env", "--launch-vllm", "--launch-arg", "--thinking", "--device", "--tau-tolerance",
                "--rate-tolerance", "--no-mlflow", "--tracking-uri", "--experiment")
 
 
@@ -115,22 +128,43 @@ def eval_suites_command(opts: EvalSuitesOptions) -> int:
         prompts = {s.name: read_suite(s, p, limit=opts.limit) for s, p in suites}
     except (ValueError, DataError) as exc:
         return report_user_error(exc)
+    headers = {"Authorization": f"Bearer {os.environ[opts.api_key_env]}"} if opts.api_key_env else None
     try:  # a wrong URL fails now, not after an hour of decoding
-        servers = [EngineServer(u, kind=opts.engine, model=opts.served_model, timeout_s=opts.request_timeout_s)
-                   for u in opts.servers]
+        servers = [EngineServer(u, kind=opts.engine, model=opts.served_model, timeout_s=opts.request_timeout_s,
+                                headers=headers) for u in opts.servers]
     except EngineError as exc:
         return report_user_error(exc)
     try:
         loaded = _load(opts)
     except (CheckpointError, ValueError, OSError) as exc:
         return report_user_error(exc)
+    local = None
     try:
-        results = _measure(opts, loaded, suites, prompts, servers)
+        if opts.launch_vllm:  # started now: it warms up while we decode in process
+            local = _launch(opts, loaded)
+        results = _measure(opts, loaded, suites, prompts, servers, local)
     except EngineError as exc:
         return report_user_error(exc)
-    except (ValueError, DataError) as exc:  # ContextTooLong, CounterReset: the input or the server
+    except (ValueError, DataError) as exc:  # ContextTooLong, CounterReset, LaunchError: the input or the server
         return report_user_error(exc)
+    finally:
+        if local is not None:
+            local[0].stop()
     return _report(opts, results)
+
+
+def _launch(opts: EvalSuitesOptions, m: _Loaded):
+    """A local vLLM server serving the drafter beside the target (``engine.launch``), its log beside ``--out``."""
+    from .eval_engine import free_port, launch_vllm, vllm_drafter_argv
+
+    port = free_port()
+    argv = vllm_drafter_argv(python=str(Path(opts.launch_vllm).expanduser()), target=m.facts["target"],
+                             drafter=str(Path(opts.drafter).expanduser().resolve()), block_size=m.block_size, port=port,
+                             dtype="float32" if opts.device == "cpu" else "auto", max_model_len=m.max_positions,
+                             extra_args=opts.launch_args)
+    log_path = Path(opts.out).expanduser().with_name(Path(opts.out).stem + ".vllm.log")
+    servers, url = launch_vllm(argv, port=port, log_path=log_path, log=lambda line: print(line, file=sys.stderr))
+    return servers, url, log_path
 
 
 @attrs.frozen
@@ -180,34 +214,48 @@ def _load(opts: EvalSuitesOptions) -> _Loaded:
                    getattr(target.config, "max_position_embeddings", None), facts)
 
 
-def _measure(opts: EvalSuitesOptions, m: _Loaded, suites, prompts, servers) -> dict[str, Any]:
+def _measure(opts: EvalSuitesOptions, m: _Loaded, suites, prompts, servers, local=None) -> dict[str, Any]:
+    """Every suite decoded in process (a local server warms up meanwhile), then, with a server, the same
+    requests through it."""
     from dflash_flow.model.suite_eval import decode_suite, suite_figures
     from dflash_flow.observe.progress import ProgressBar
 
-    total = sum(len(p.turns) for ps in prompts.values() for p in ps)
+    from .eval_engine import EngineServer
+
     out: dict[str, Any] = {**m.facts, "stop_token_ids": m.stops, "suites": {}}
+    decoded = {}
+    bar = ProgressBar(sum(len(p.turns) for ps in prompts.values() for p in ps), label="eval", unit="requests",
+                      stream=sys.stderr)
+    t0 = time.perf_counter()
+    try:
+        for suite, path in suites:
+            decoded[suite.name] = decode_suite(
+                m.target, m.drafter, m.tokenizer, prompts[suite.name], max_new_tokens=opts.max_new_tokens,
+                stop_token_ids=m.stops, enable_thinking=opts.thinking, max_positions=m.max_positions,
+                on_request=lambda r: bar.update(1, tok=len(r.new_ids)))
+            out["suites"][suite.name] = {"path": str(path), "prompts": len(prompts[suite.name]),
+                                         **suite_figures(decoded[suite.name], m.block_size)}
+    finally:
+        bar.close()
+    out["seconds_in_process"] = round(time.perf_counter() - t0, 1)
+    if local is not None:
+        launched, url, log_path = local
+        print(f"eval: waiting for the local vLLM server (log {log_path})", file=sys.stderr)
+        launched.wait_ready()
+        servers = [EngineServer(url, kind="vllm", model=None, timeout_s=opts.request_timeout_s)]
+        out["launched"] = {"argv": list(launched.specs[0].argv[1:]), "log": str(log_path),
+                           "start_s": launched.start_s}
     if servers:
         out["engine"] = {"servers": [s.name for s in servers], "kinds": sorted({s.kind for s in servers}),
                          "served_model": servers[0].model, "tau_tolerance": opts.tau_tolerance,
                          "rate_tolerance": opts.rate_tolerance}
-    bar = ProgressBar(total, label="eval", unit="requests", stream=sys.stderr)
-    t0 = time.perf_counter()
-    try:
-        for suite, path in suites:
-            def on_request(r, _suite=suite.name) -> None:
-                bar.update(1, tok=len(r.new_ids))
-
-            requests = decode_suite(m.target, m.drafter, m.tokenizer, prompts[suite.name],
-                                    max_new_tokens=opts.max_new_tokens, stop_token_ids=m.stops,
-                                    enable_thinking=opts.thinking, max_positions=m.max_positions, on_request=on_request)
-            entry = {"path": str(path), "prompts": len(prompts[suite.name]), **suite_figures(requests, m.block_size)}
-            if servers:
-                bar.message(f"{suite.name}: {len(requests)} requests through {', '.join(s.name for s in servers)}")
-                entry["engine"], entry["agreement"] = _through_engine(opts, servers, requests, entry, m.stops)
-            out["suites"][suite.name] = entry
-    finally:
-        bar.close()
-    out["seconds"] = round(time.perf_counter() - t0, 1)
+        t0 = time.perf_counter()
+        for suite, _ in suites:
+            print(f"eval: {suite.name}: {len(decoded[suite.name])} requests through "
+                  f"{', '.join(s.name for s in servers)}", file=sys.stderr)
+            entry = out["suites"][suite.name]
+            entry["engine"], entry["agreement"] = _through_engine(opts, servers, decoded[suite.name], entry, m.stops)
+        out["seconds_engine"] = round(time.perf_counter() - t0, 1)
     return out
 
 
@@ -355,7 +403,7 @@ def _metrics(results: dict[str, Any]) -> tuple[dict[str, float], list[tuple[str,
 def _log_mlflow(opts: EvalSuitesOptions, results: dict[str, Any], out: Path, plot: Path | None) -> None:
     from dflash_flow.observe.tracking import Tracker, TrackingError
 
-    params = {k: v for k, v in results.items() if k not in ("suites", "engine", "seconds")}
+    params = {k: v for k, v in results.items() if k not in ("suites", "engine") and not k.startswith("seconds")}
     params["suites"] = {n: s["path"] for n, s in results["suites"].items()}
     if "engine" in results:
         params["engine"] = results["engine"]
