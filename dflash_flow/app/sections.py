@@ -9,6 +9,8 @@ from typing import Any, Literal
 import attrs
 
 from dflash_flow.core import cfg, register_section
+from dflash_flow.engine.config import EngineConfig
+from dflash_flow.model.features_config import FeaturesConfig
 
 
 @attrs.define(kw_only=True)
@@ -24,6 +26,11 @@ class ModelConfig:
     target_layer_ids: list[int] | None = cfg(None, doc="Target layers fused as the drafter's context (default: the DFlash rule).")
     block_size: int = cfg(16, ge=2, doc="Block size B: one anchor token + B-1 mask tokens.")
     mask_token_id: int | None = cfg(None, ge=0, doc="Mask token id (default: tokenizer mask, else first free embedding row).")
+    engine: EngineConfig | None = cfg(
+        None, doc="The target on vLLM servers instead of in this process (docs/engine.md): servers, or launch: to start them.")
+    features: FeaturesConfig | None = cfg(
+        None, doc="online (the target runs every epoch), offline (read a feature store; no target loaded) or hybrid "
+        "(the first epoch writes the store, later epochs read it): docs/features.md.")
 
 
 @attrs.define(kw_only=True)

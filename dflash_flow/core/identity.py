@@ -80,24 +80,46 @@ def result_settings(graph: Any) -> dict[str, Any]:
 
 
 def _section_settings(graph: Any) -> dict[str, Any]:
-    """``{"model.target": ..., ...}``: the fields of the sections that can change the result, defaults filled."""
-    import attrs
-
-    from .sections import registered_sections, result_sections, section_to_dict
+    """``{"model.target": ..., "model.features.mode": ...}``: the fields of the sections that can change the
+    result, defaults filled, a nested section field by field (an unset nested section: no keys)."""
+    from .sections import registered_sections, result_sections
 
     out: dict[str, Any] = {}
     known = registered_sections()
     for name in sorted(result_sections()):
-        cls = known.get(name)
-        section = graph.sections.get(name)
-        if cls is None or not attrs.has(cls):
-            continue
-        for f in attrs.fields(cls):
-            if f.metadata.get("result", True) is False:
-                continue
-            value = getattr(section, f.name) if section is not None and hasattr(section, f.name) else field_default(f)
-            out[f"{name}.{f.name}"] = section_to_dict(value)
+        _fields_of(known.get(name), graph.sections.get(name), name, out)
     return out
+
+
+def _fields_of(cls: Any, value: Any, prefix: str, out: dict[str, Any]) -> None:
+    import attrs
+
+    from .sections import section_to_dict
+
+    if cls is None or not attrs.has(cls):
+        return
+    try:
+        attrs.resolve_types(cls)  # string annotations (``from __future__ import annotations``) -> types
+    except Exception:  # noqa: BLE001 - unresolvable: the field is then recorded as a plain value
+        pass
+    for f in attrs.fields(cls):
+        if f.metadata.get("result", True) is False:
+            continue
+        v = getattr(value, f.name) if value is not None and hasattr(value, f.name) else field_default(f)
+        if attrs.has(type(v)):
+            _fields_of(type(v), v, f"{prefix}.{f.name}", out)
+        elif v is not None or not _is_section_type(f.type):
+            out[f"{prefix}.{f.name}"] = section_to_dict(v)
+
+
+def _is_section_type(tp: Any) -> bool:
+    """``X | None`` where X is an attrs class: a nested section (an unset one records no keys)."""
+    import typing
+
+    import attrs
+
+    args = typing.get_args(tp) if not isinstance(tp, str) else ()
+    return any(isinstance(a, type) and attrs.has(a) for a in args)
 
 
 def moved_setting_keys(graph: Any) -> dict[str, str]:

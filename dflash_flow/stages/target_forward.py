@@ -93,7 +93,7 @@ class TargetForward(Stage, UsesModel):
         import torch
 
         from dflash_flow.core.errors import ConfigError, Problem
-        from dflash_flow.model.backend import BackendConfigError, InProcessBackend
+        from dflash_flow.model.backend import BackendConfigError
 
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
@@ -104,7 +104,7 @@ class TargetForward(Stage, UsesModel):
         downstream = set(ctx.downstream_devices)
         self._out_device = torch.device(downstream.pop()) if len(downstream) == 1 else self._device
         self._ctx_name = ctx.name
-        self._backend = InProcessBackend(model_of(ctx), dtype=self.dtype, attn_implementation=self.attn_implementation)
+        self._backend = self._make_backend(ctx)
         try:
             self._backend.setup(devices=devices, out_device=str(self._out_device), name=ctx.name)
         except BackendConfigError as exc:
@@ -117,6 +117,28 @@ class TargetForward(Stage, UsesModel):
         self._seconds = ctx.metrics.summary("forward_s", "s", "Seconds per target forward")
         if self.cache_features:
             self._setup_cache(ctx)
+
+    def _make_backend(self, ctx):
+        """Where the features come from (``model.backend.TargetBackend``): the target in this process, or on
+        inference engines (``model.engine``); wrapped by the feature store when ``model.features`` reads or
+        writes one (offline: the store alone, no target loaded)."""
+        from dflash_flow.model.backend import InProcessBackend
+
+        spec = model_of(ctx)
+        features = spec.features
+        offline = features is not None and features.mode == "offline"
+        inner = None
+        if not offline and spec.engine is not None:
+            from dflash_flow.engine.backend import engine_backend
+
+            inner = engine_backend(spec, output_dir=ctx.output_dir, name=ctx.name)
+        elif not offline:
+            inner = InProcessBackend(spec, dtype=self.dtype, attn_implementation=self.attn_implementation)
+        if features is not None and features.mode != "online":
+            from dflash_flow.model.store_backend import store_backend
+
+            return store_backend(spec, inner=inner, output_dir=ctx.output_dir, name=ctx.name, rank=ctx.rank)
+        return inner
 
     def _setup_cache(self, ctx) -> None:
         self._cache.budget_bytes = int(self.cache_budget_mb * 2**20)
