@@ -169,8 +169,58 @@ def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def init_distributed(config: Any, *, use_cuda: bool) -> Distributed | None:
-    """Join the job torchrun started (None when this process is the whole job)."""
+def node_layouts(visible: int, local_world_size: int, runtime: Any = None) -> list[Any]:
+    """Every local rank's GPU slice (``core.devices.RankLayout``) under ``runtime``'s ``gpus_per_rank`` and
+    ``share_gpus`` (None: the defaults, sharing exactly when there are more ranks than GPUs, the only way such a
+    layout passes validation)."""
+    from dflash_flow.core.devices import RankLayout
+
+    ranks = max(int(local_world_size), 1)
+    per_rank = getattr(runtime, "gpus_per_rank", None)
+    shared = bool(getattr(runtime, "share_gpus", False)) if runtime is not None else ranks > visible
+    return [RankLayout(visible=visible, local_world_size=ranks, local_rank=r, gpus_per_rank=per_rank, shared=shared)
+            for r in range(ranks)]
+
+
+def shared_gpus(layouts: list[Any]) -> tuple[int, int, int] | None:
+    """``(rank, other rank, GPU)`` for two local ranks whose GPU slices meet (None: every rank has its own): NCCL
+    refuses two ranks of one communicator on one GPU ("Duplicate GPU detected"), and a rank's drafter may run on
+    any GPU of its slice."""
+    owner: dict[int, int] = {}
+    for layout in layouts:
+        for gpu in layout.gpus():
+            if gpu in owner and owner[gpu] != layout.local_rank:
+                return owner[gpu], layout.local_rank, gpu
+            owner[gpu] = layout.local_rank
+    return None
+
+
+def choose_backend(requested: str, *, cuda: bool, layouts: list[Any]) -> str:
+    """The process group's backend: ``requested`` unless it is ``auto``, which is nccl on GPUs where every local
+    rank has GPUs of its own, else gloo (CPU runs, and ranks sharing a GPU under ``runtime.share_gpus``: gloo
+    reduces CUDA tensors through the host, slower but it runs)."""
+    if requested != "auto":
+        return requested
+    return "nccl" if cuda and shared_gpus(layouts) is None else "gloo"
+
+
+def backend_problem(requested: str, layouts: list[Any]) -> str | None:
+    """Why ``distributed.backend: requested`` cannot run on ``layouts`` (None: it can): nccl with two local ranks
+    on one GPU fails in the drafter's first collective, after every target has loaded. For ``validate`` and
+    ``run`` before any thread starts (``node_layouts`` gives the layouts of ``--nproc`` ranks on ``--gpus``)."""
+    meet = shared_gpus(layouts) if requested == "nccl" else None
+    if meet is None:
+        return None
+    a, b, gpu = meet
+    return (f"distributed.backend nccl cannot run two ranks on one GPU, but local ranks {a} and {b} share GPU {gpu} "
+            "(runtime.share_gpus): set distributed.backend: gloo (or auto, which picks gloo for this layout), or "
+            "give each rank its own GPUs")
+
+
+def init_distributed(config: Any, *, use_cuda: bool, runtime: Any = None) -> Distributed | None:
+    """Join the job torchrun started (None when this process is the whole job). ``runtime``: the pipeline's
+    runtime options (``gpus_per_rank``, ``share_gpus``), which decide whether ranks share GPUs
+    (``choose_backend``)."""
     if not under_torchrun():
         return None
     import torch
@@ -180,9 +230,14 @@ def init_distributed(config: Any, *, use_cuda: bool) -> Distributed | None:
     world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    backend = config.backend
-    if backend == "auto":
-        backend = "nccl" if use_cuda and torch.cuda.is_available() else "gloo"
+    cuda = use_cuda and torch.cuda.is_available()
+    layouts = node_layouts(torch.cuda.device_count() if cuda else 0, local_world, runtime)
+    problem = backend_problem(config.backend, layouts)
+    if problem:  # before any model loads (``validate`` says the same where the application's preflight asks)
+        from dflash_flow.app.exits import user_error
+
+        user_error(problem)
+    backend = choose_backend(config.backend, cuda=cuda, layouts=layouts)
     timeout = datetime.timedelta(seconds=float(config.timeout_s))
     if backend == "nccl":
         # A collective stuck on a dead rank raises instead of blocking forever.
