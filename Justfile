@@ -36,6 +36,7 @@ bench *ARGS:
 interop *ARGS:
     {{python}} interop/check.py {{ARGS}}
     {{python}} interop/regenerate_check.py
+    {{python}} interop/eval_check.py
 
 # Regeneration through a real vLLM server (vLLM's CPU build, the same environment): `regenerate --server` vs
 # in process on the same prompts (replies equal, tokens/s of both), a server SIGKILLed mid-run and a resume.
