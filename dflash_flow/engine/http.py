@@ -25,7 +25,7 @@ from collections.abc import Callable
 from urllib.parse import urlsplit
 
 __all__ = ["AllServersDown", "HttpClient", "Lease", "RequestFailed", "Server", "ServerPool", "Stopped",
-           "backoff_delay", "redact_url", "unit"]
+           "backoff_delay", "discover_model", "redact_url", "unit"]
 
 SPREADS = ("least_loaded", "round_robin")
 
@@ -258,3 +258,36 @@ class HttpClient:
         if not isinstance(out, dict):
             raise RequestFailed("malformed", f"HTTP {status} with a JSON {type(out).__name__}, not an object")
         return out
+
+
+def discover_model(pool: ServerPool, client: HttpClient, model: str | None, log: Callable[[str], None],
+                   option: str = "--served-model", limits: dict[str, int | None] | None = None) -> str:
+    """The model name to request: ``model``, or the one the servers list (``GET /v1/models``); all servers
+    must serve it. A server that does not answer starts out of rotation. ``option`` names the setting in
+    messages; ``limits``, when given, receives each answering server's ``max_model_len`` (None if unsaid)."""
+    served: dict[str, list[str]] = {}
+    for s in pool.servers:
+        try:
+            resp = client.request(s, "GET", "/v1/models")
+            entries = [m for m in resp.get("data", []) if isinstance(m, dict) and "id" in m]
+            served[s.url] = [str(m["id"]) for m in entries]
+            if limits is not None:
+                mine = [m for m in entries if model is None or str(m["id"]) == model]
+                length = mine[0].get("max_model_len") if mine else None
+                limits[s.url] = length if isinstance(length, int) and not isinstance(length, bool) else None
+        except RequestFailed as e:
+            s.down, s.out_until, s.taken_out, s.last_error = True, pool.clock() + pool.cooldown_s, 1, str(e)
+            log(f"server {s.url} does not answer GET /v1/models ({e}): out of rotation, retried later")
+    if not served:
+        raise ValueError(f"no server answered GET /v1/models ({pool.describe()}); start them or check the server URLs")
+    if model is None:
+        names = {tuple(v) for v in served.values()}
+        if len(names) != 1 or len(next(iter(names))) != 1:
+            raise ValueError("the servers do not serve one and the same model "
+                             f"({', '.join(f'{u}: {v}' for u, v in served.items())}); name it with {option}")
+        return next(iter(names))[0]
+    missing = [u for u, v in served.items() if model not in v]
+    if missing:
+        raise ValueError(f"{option} {model} is not served by {', '.join(missing)} "
+                         f"(they serve {', '.join(sorted({m for u in missing for m in served[u]}))})")
+    return model

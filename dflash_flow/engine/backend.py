@@ -1,0 +1,444 @@
+""":class:`EngineBackend`: the target's features from vLLM servers, for TargetForward (the TargetBackend
+protocol of ``model.backend``: ``setup`` / ``features`` / ``close``, ``layer_ids``, ``hidden_size``).
+
+Per batch, every sample (its token ids, prompt only, ``max_tokens: 1``) goes to one of the servers through
+the shared pool (:mod:`.http`: ``least_loaded`` or ``round_robin``, ``concurrency`` in flight per server,
+one pool for all replicas of the process). Each reply names the file our connector wrote
+(``kv_transfer_params.hidden_states_path``); the worker thread that sent the request maps the file, checks
+that its ``token_ids`` equal those sent and that the features are sane (:func:`.checks.check_sample`), copies
+them into the batch tensor (the one copy on this side) and deletes the file. The result is ``[b, S, n*H]``
+like the transformers backend's, padding zeroed: DrafterStep cannot tell the two apart.
+
+Faults:
+
+* a failed attempt (timeout, connection dropped, 5xx, a file that never appeared or is unreadable) is retried
+  after a backoff (deterministic jitter per sample), preferably on another server; a server that refuses or
+  keeps failing leaves the rotation (its samples go to the others); ``max_attempts`` failures of one sample,
+  or every server gone, stop the run with one line naming each server and its last error
+  (:class:`EngineUnavailable`);
+* a request the server refuses as wrong (a 4xx: a sample longer than its ``--max-model-len``, another model
+  name) stops the run naming server and sample: retrying cannot help;
+* features that must not be trained on (token ids other than those sent, NaN/inf, all-zero positions, another
+  layer count or hidden size) stop the run naming server, sample and layer (:class:`.checks.FeatureFault`);
+  the offending file is kept for inspection, named in the message;
+* at start, the first ``check_samples`` samples are compared with a transformers forward (or checked by
+  statistics): :class:`.checks.StartCheck`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any
+
+from dflash_flow.util import is_within
+
+from .checks import FeatureFault, StartCheck, check_sample, reference_fits
+from .config import EngineConfig
+from .handover import HandoverError, open_features, wait_for_file
+from .http import (
+    AllServersDown,
+    HttpClient,
+    RequestFailed,
+    ServerPool,
+    Stopped,
+    backoff_delay,
+    discover_model,
+)
+from .layers import to_engine_layer_ids
+
+__all__ = ["EngineBackend", "EngineUnavailable"]
+
+
+class EngineUnavailable(RuntimeError):
+    """No server could give a sample's features (every one gone, or every attempt failed)."""
+
+
+# One pool per set of servers and settings, shared by the replicas of a process (the spread holds over all).
+_POOLS: dict[tuple, list] = {}
+_POOLS_LOCK = threading.Lock()
+# One start check per set of servers and layers: the first replica runs it, the others wait for its verdict.
+_CHECKS: dict[tuple, list] = {}  # key -> [StartCheck, lock, users]
+_CHECKS_LOCK = threading.Lock()
+
+
+def _shared_pool(urls: list[str], cfg: EngineConfig, log: Callable[[str], None]) -> tuple[ServerPool, tuple]:
+    key = (tuple(urls), cfg.spread, cfg.concurrency, cfg.fail_threshold, cfg.cooldown_s, cfg.max_trials)
+    with _POOLS_LOCK:
+        entry = _POOLS.get(key)
+        if entry is None:
+            pool = ServerPool(urls, per_server=cfg.concurrency, fail_threshold=cfg.fail_threshold,
+                              cooldown_s=cfg.cooldown_s, max_trials=cfg.max_trials, log=log, spread=cfg.spread)
+            entry = _POOLS[key] = [pool, 0]
+        entry[1] += 1
+        return entry[0], key
+
+
+def _release_pool(key: tuple) -> None:
+    with _POOLS_LOCK:
+        entry = _POOLS.get(key)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del _POOLS[key]
+
+
+class _Batch:
+    """One batch in flight: the output tensor (allocated by the first row read, in the features' dtype),
+    the stop flag its rows watch, the rows kept for the start check."""
+
+    def __init__(self, b: int, s: int, width: int, dtype: Any, pin: bool):
+        self.shape = (b, s, width)
+        self.dtype = dtype
+        self.pin = pin
+        self.out = None
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.check_rows: list[tuple[str, list[int], Any]] = []
+
+    def tensor(self, dtype: Any, where: str):
+        import torch
+
+        with self.lock:
+            if self.out is None:
+                self.out = torch.zeros(self.shape, dtype=self.dtype or dtype, pin_memory=self.pin)
+                self.first_dtype = dtype
+            elif self.dtype is None and dtype != self.first_dtype:
+                raise FeatureFault(f"{where}: features in {dtype}, other servers' in {self.first_dtype}: start every "
+                                   "server with the same --dtype")
+            return self.out
+
+
+class EngineBackend:
+    """See the module docstring. Construct with plain values (the stage passes the resolved model facts);
+    ``target`` (a local directory, hub id or preset) is loaded here only for the start check, and is the
+    model launched servers serve."""
+
+    def __init__(self, config: EngineConfig, *, layer_ids: list[int], hidden_size: int, depth: int | None = None,
+                 target: Any = None, trust_remote_code: bool = False, output_dir: str | os.PathLike | None = None,
+                 max_model_len: int | None = None, log: Callable[[str], None] | None = None):
+        problems = config.problems()
+        if problems:
+            raise ValueError("; ".join(f"model.engine.{f}: {m}" for f, m in problems))
+        self.config = config
+        self.layer_ids = [int(i) for i in layer_ids]
+        self.hidden_size = int(hidden_size)
+        self.depth = depth
+        self.engine_layer_ids = to_engine_layer_ids(self.layer_ids, depth)  # ValueError for the last layer
+        self.target = target
+        self.trust_remote_code = trust_remote_code
+        self.output_dir = Path(output_dir) if output_dir is not None else None
+        self.max_model_len = max_model_len
+        self.log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+        self.stats: Counter = Counter()
+        self.start_check: StartCheck | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._pool: ServerPool | None = None
+        self._pool_key: tuple | None = None
+        self._release_servers: Callable[[], None] | None = None
+        self._check_key: tuple | None = None
+        self._stop = threading.Event()
+        self._metrics: dict[str, Any] = {}
+        self.urls: list[str] = []
+        self.limits: dict[str, int | None] = {}
+
+    # -- setup ---------------------------------------------------------------------------------------
+
+    def setup(self, *, devices: list[str] | None = None, out_device: str = "cpu", name: str = "target") -> None:
+        import torch
+
+        cfg = self.config
+        self.name = name
+        self._out_device = torch.device(out_device)
+        self._dtype = None if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
+        try:
+            urls = list(cfg.servers)
+            if cfg.launch is not None:
+                urls += self._launch()
+            self.urls = urls
+            self._pool, self._pool_key = _shared_pool(urls, cfg, self.log)
+            headers = {}
+            if cfg.api_key_env:
+                key = os.environ.get(cfg.api_key_env)
+                if not key:
+                    raise ValueError(f"model.engine.api_key_env: ${cfg.api_key_env} is not set in this environment")
+                headers["Authorization"] = f"Bearer {key}"
+            self._client = HttpClient(cfg.timeout_s, headers)
+            self.served_model = discover_model(self._pool, self._client, cfg.served_model, self.log,
+                                               option="model.engine.served_model", limits=self.limits)
+            self._executor = ThreadPoolExecutor(cfg.concurrency * len(urls), thread_name_prefix=f"{name}-engine")
+            self.start_check = self._start_check()
+        except BaseException:
+            self.close()
+            raise
+
+    def _launch(self) -> list[str]:
+        from .command import API_KEY_VAR, vllm_server_argv, vllm_server_env
+        from .launch import LocalServers, ServerSpec, shared_servers
+
+        cfg, lc = self.config, self.config.launch
+        if not isinstance(self.target, (str, os.PathLike)):
+            raise ValueError(f"model.engine.launch: the target {self.target!r} is not a model directory or hub id "
+                             "a vLLM server can load (presets exist only in this process)")
+        python = lc.python or os.environ.get("DFLASH_FLOW_VLLM_PYTHON") or sys.executable
+        local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+        logs = (self.output_dir or Path.cwd()) / "engine"
+        specs, urls = [], []
+        headers = {}
+        extra_env = dict(lc.env)
+        if cfg.api_key_env and os.environ.get(cfg.api_key_env):
+            extra_env[API_KEY_VAR] = os.environ[cfg.api_key_env]
+            headers["Authorization"] = f"Bearer {os.environ[cfg.api_key_env]}"
+        for i in range(lc.count):
+            port = lc.port + local_rank * lc.count + i
+            env = dict(extra_env)
+            if lc.devices is not None:
+                env["CUDA_VISIBLE_DEVICES"] = lc.devices[i]
+            argv = vllm_server_argv(
+                python=python, target=os.fspath(self.target), engine_layer_ids=self.engine_layer_ids,
+                features_dir=cfg.server_features_dir(), port=port, host="127.0.0.1", tp=lc.tp, dtype=lc.dtype,
+                max_model_len=lc.max_model_len or self.max_model_len,
+                gpu_memory_utilization=lc.gpu_memory_utilization, prefix_caching=cfg.prefix_caching,
+                trust_remote_code=self.trust_remote_code, extra_args=lc.extra_args)
+            url = f"http://127.0.0.1:{port}"
+            specs.append(ServerSpec(name=f"{local_rank}-{i}", argv=argv, log_path=logs / f"server-{local_rank}-{i}.log",
+                                    ready_url=f"{url}/v1/models", env=vllm_server_env(env), port=port,
+                                    headers=headers))
+            urls.append(url)
+        key = tuple(tuple(s.argv) for s in specs)
+        self.log(f"{self.name}: starting {lc.count} vLLM server(s) on ports {lc.port + local_rank * lc.count}.. "
+                 f"(logs in {logs}; up to {lc.ready_timeout_s:g} s)")
+        self.servers, self._release_servers = shared_servers(
+            key, lambda: LocalServers(specs, ready_timeout_s=lc.ready_timeout_s, log=self.log), self._stop)
+        return urls
+
+    def _start_check(self) -> StartCheck:
+        cfg = self.config
+        mode = cfg.check_reference
+        why = ""
+        if mode == "auto":
+            fits, why = (False, "no target given") if self.target is None else reference_fits(
+                self.target, max(self.layer_ids), self.depth)
+            mode = "transformers" if fits else "statistics"
+        elif mode == "transformers" and self.target is None:
+            raise ValueError("model.engine.check_reference: transformers needs the target")
+        key = (tuple(self.urls), tuple(self.layer_ids), mode, cfg.check_samples)
+        with _CHECKS_LOCK:
+            entry = _CHECKS.get(key)
+            if entry is None:
+                check = StartCheck(mode=mode, k=cfg.check_samples, layer_ids=self.layer_ids, target=self.target,
+                                   trust_remote_code=self.trust_remote_code, depth=self.depth, rtol=cfg.check_rtol,
+                                   log=self.log)
+                entry = _CHECKS[key] = [check, threading.Lock(), 0]
+                self.log(f"{self.name}: the first {cfg.check_samples} samples' engine features are checked against "
+                         + ("a transformers forward in this process" if mode == "transformers" else
+                            f"per-layer statistics ({why})" if why else "per-layer statistics"))
+            entry[2] += 1
+        self._check_key = key
+        self._check_lock = entry[1]
+        return entry[0]
+
+    def attach_metrics(self, metrics: Any) -> None:
+        """Optional: the stage's metrics registry (``ctx.metrics``): requests, retries, failed attempts,
+        seconds per request, servers in rotation."""
+        self._metrics = {
+            "requests": metrics.counter("engine_requests", "requests", "Samples sent to the engine servers"),
+            "retries": metrics.counter("engine_retries", "requests", "Samples retried (on another server if any)"),
+            "failures": metrics.counter("engine_failures", "requests", "Failed attempts (timeouts, resets, 5xx)"),
+            "request_s": metrics.summary("engine_request_s", "s", "Seconds from sending a sample to its features"),
+            "servers_up": metrics.gauge("engine_servers_up", "servers", "Engine servers in rotation"),
+        }
+
+    def _metric(self, name: str, value: float = 1.0) -> None:
+        m = self._metrics.get(name)
+        if m is None:
+            return
+        if name == "request_s":
+            m.observe(value)
+        elif name == "servers_up":
+            m.set(value)
+        else:
+            m.inc(value)
+
+    # -- features ------------------------------------------------------------------------------------
+
+    def features(self, input_ids: Any, attention_mask: Any = None, lengths: list[int] | None = None,
+                 sample_ids: list | None = None) -> Any:
+        """``[b, S, n*H]`` for the right-padded ``input_ids [b, S]`` (rows past their length are zero)."""
+        if self._executor is None:
+            raise RuntimeError("EngineBackend.features before setup (or after close)")
+        b, s = int(input_ids.shape[0]), int(input_ids.shape[1])
+        if lengths is None:
+            lengths = ([int(x) for x in attention_mask.sum(dim=1).tolist()] if attention_mask is not None
+                       else [s] * b)
+        sample_ids = list(sample_ids) if sample_ids is not None else list(range(b))
+        rows = [input_ids[i, : int(lengths[i])].tolist() for i in range(b)]
+        batch = _Batch(b, s, len(self.layer_ids) * self.hidden_size, self._dtype,
+                       pin=self._out_device.type == "cuda")
+        futures: list[Future] = [self._executor.submit(self._row, batch, i, rows[i], sample_ids[i])
+                                 for i in range(b) if rows[i]]
+        try:
+            pending = set(futures)
+            while pending:
+                done, pending = wait(pending, timeout=0.5, return_when=FIRST_EXCEPTION)
+                errors = [f.exception() for f in done if f.exception() is not None]
+                if errors:
+                    raise min(errors, key=lambda e: not isinstance(e, FeatureFault))  # the features' fault first
+                if self._stop.is_set():
+                    raise Stopped()
+        except BaseException:
+            batch.stop.set()
+            if self._pool is not None:
+                self._pool.wake()
+            for f in futures:
+                f.cancel()
+            raise
+        if self._pool is not None:
+            self._metric("servers_up", sum(1 for srv in self._pool.servers if srv.state() == "up"))
+        if not self.start_check.done:
+            with self._check_lock:  # the other replicas wait for the verdict; nothing is trained before it
+                self.start_check.offer([r[1:] for r in sorted(batch.check_rows, key=lambda r: r[0])])
+        import torch
+
+        out = batch.out if batch.out is not None else torch.zeros(batch.shape, dtype=self._dtype or torch.float32)
+        return out.to(self._out_device, non_blocking=True) if out.device != self._out_device else out
+
+    def _row(self, batch: _Batch, i: int, ids: list[int], sid: Any) -> None:
+        cfg, pool = self.config, self._pool
+        limit = [v for v in self.limits.values() if v]
+        if limit and len(ids) >= min(limit):
+            raise EngineUnavailable(
+                f"sample {sid} has {len(ids)} tokens; the servers hold at most {min(limit)} (their --max-model-len) "
+                "with one token to generate: raise --max-model-len (model.engine.launch.max_model_len) or cut the "
+                "samples shorter")
+        payload = {"model": self.served_model, "prompt": ids, "max_tokens": 1, "temperature": 0.0}
+        avoid: set[str] = set()
+        attempts = 0
+        while True:
+            try:
+                lease = pool.acquire(avoid, batch.stop)
+            except AllServersDown as e:
+                raise EngineUnavailable(f"every engine server is gone ({e}); sample {sid} and the rest of its batch "
+                                        "were not trained on") from None
+            url = lease.server.url
+            t0 = time.perf_counter()
+            self.stats["requests"] += 1
+            self._metric("requests")
+            try:
+                resp = self._client.request(lease.server, "POST", "/v1/completions", payload)
+                path = self._path_of(resp, url, sid)
+                wait_for_file(path, cfg.timeout_s, batch.stop)
+                self._read(batch, i, ids, sid, url, path)
+            except RequestFailed as e:
+                failure = e
+            except HandoverError as e:
+                if batch.stop.is_set():
+                    raise Stopped() from None
+                failure = RequestFailed("handover", str(e))
+            except BaseException:
+                pool.release(lease, None)
+                raise
+            else:
+                pool.release(lease, None)
+                self._metric("request_s", time.perf_counter() - t0)
+                return
+            pool.release(lease, failure)
+            self.stats[f"failed_{failure.kind}"] += 1
+            self._metric("failures")
+            if failure.kind == "client":
+                raise EngineUnavailable(f"{url} refused sample {sid} ({len(ids)} tokens): {failure}; retrying cannot "
+                                        "help (a sample longer than its --max-model-len? another served model?)")
+            if failure.kind == "refused":
+                continue  # never reached a server: the pool takes that one out; not this sample's fault
+            attempts += 1
+            avoid.add(url)
+            if attempts >= cfg.max_attempts:
+                raise EngineUnavailable(f"sample {sid}: {attempts} attempts failed, the last on {url} ({failure}); "
+                                        f"servers: {pool.describe()}")
+            self.stats["retries"] += 1
+            self._metric("retries")
+            if batch.stop.wait(backoff_delay(sid, attempts, cfg.backoff_s, cfg.backoff_max_s)):
+                raise Stopped()
+
+    def _path_of(self, resp: dict, url: str, sid: Any) -> str:
+        params = resp.get("kv_transfer_params")
+        path = params.get("hidden_states_path") if isinstance(params, dict) else None
+        if not isinstance(path, str) or not path:
+            raise FeatureFault(f"{url} answered sample {sid} without kv_transfer_params.hidden_states_path: it does "
+                               "not run our connector; start it with the command `dflash-flow serve-target` prints")
+        local = self.config.local_path(path)
+        if not is_within(local, self.config.features_dir):
+            raise FeatureFault(f"{url} named a features file outside model.engine.features_dir "
+                               f"({self.config.features_dir}): {local}; set features_dir (and path_map) to the "
+                               "servers' shared_storage_path as this machine sees it")
+        return local
+
+    def _read(self, batch: _Batch, i: int, ids: list[int], sid: Any, url: str, path: str) -> None:
+        import torch
+
+        where = f"{url}, sample {sid}"
+        f = open_features(path)
+        try:
+            tok = f.token_ids
+            sent = torch.tensor(ids, dtype=tok.dtype)
+            if tok.shape != sent.shape or not torch.equal(tok, sent):
+                n = min(len(ids), int(tok.shape[0]))
+                first = next((p for p in range(n) if int(tok[p]) != ids[p]), n)
+                got = int(tok[first]) if first < tok.shape[0] else "nothing"
+                sent_p = ids[first] if first < len(ids) else "nothing"
+                raise FeatureFault(f"{where}: the features' token ids differ from those sent ({len(ids)} sent, "
+                                   f"{int(tok.shape[0])} back; first at position {first}: sent {sent_p}, got {got}); "
+                                   f"the file is kept: {path}")
+            hs = f.hidden_states
+            try:
+                check_sample(hs, layer_ids=self.layer_ids, hidden_size=self.hidden_size, n_tokens=len(ids), where=where)
+            except FeatureFault as e:
+                raise FeatureFault(f"{e} (the file is kept: {path})") from None
+            out = batch.tensor(hs.dtype, where)
+            out[i, : len(ids)].copy_(hs.reshape(len(ids), -1))
+            if i < self.config.check_samples and not self.start_check.done:  # the batch's first rows
+                with batch.lock:
+                    batch.check_rows.append((i, where, ids, hs.clone()))
+        finally:
+            f.close()
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+    # -- close ---------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._pool is not None:
+            self._pool.wake()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+        if self._pool_key is not None:
+            _release_pool(self._pool_key)
+            self._pool_key = None
+        if self._check_key is not None:
+            with _CHECKS_LOCK:
+                entry = _CHECKS.get(self._check_key)
+                if entry is not None:
+                    entry[2] -= 1
+                    if entry[2] <= 0:
+                        del _CHECKS[self._check_key]
+            self._check_key = None
+        if self._release_servers is not None:
+            release, self._release_servers = self._release_servers, None
+            release()
+
+    def finish_checks(self) -> None:
+        """At the end of the input: run the start check on what was collected when the run had fewer samples
+        than ``check_samples`` (so that even a tiny run is checked)."""
+        if self.start_check is not None and not self.start_check.done:
+            with self._check_lock:
+                self.start_check.finish_early()

@@ -1,0 +1,152 @@
+"""``model.engine``: the target's features from vLLM servers instead of an in-process forward (torch-free,
+cheap to import). The target itself stays declared once (``model.target``, ``model.target_layer_ids``);
+this section says only where the servers are and how to talk to them.
+
+    model:
+      target: /models/Qwen3-8B
+      num_draft_layers: 5
+      engine:
+        servers: [http://gpu-node-1:8000, http://gpu-node-2:8000]   # started with `dflash-flow serve-target`
+        features_dir: /shared/dflash-features                      # their shared_storage_path, seen from here
+
+    model:
+      target: embedded
+      engine:
+        launch: {count: 1, dtype: float32}    # local servers, started and stopped by the run
+
+See docs/engine.md for the deployment and the checks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from dflash_flow.core import cfg
+
+__all__ = ["DEFAULT_FEATURES_DIR", "EngineConfig", "LaunchConfig"]
+
+#: tmpfs on one node: the feature files live in shared memory (docs/engine.md, "Handing features over").
+DEFAULT_FEATURES_DIR = "/dev/shm/dflash-flow-features"
+
+
+@attrs.define(kw_only=True)
+class LaunchConfig:
+    """``model.engine.launch``: vLLM servers this run starts on its own node, keeps the logs of
+    (``OUTPUT_DIR/engine/server-<i>.log``) and stops on every exit path."""
+
+    count: int = cfg(1, ge=1, le=64, result=False, doc="Servers to start (each on its own port, devices and log).")
+    port: int = cfg(8100, ge=1024, le=65535, result=False,
+                    doc="Port of the first server; server i listens on port + i (+ count * LOCAL_RANK under torchrun).")
+    tp: int = cfg(1, ge=1, le=64, result=False, doc="Tensor parallel size of each server (--tensor-parallel-size).")
+    devices: list[str] | None = cfg(
+        None, result=False,
+        doc="CUDA_VISIBLE_DEVICES of each server, e.g. ['0,1', '2,3'] (default: consecutive groups of tp GPUs; CPU: none).")
+    python: str | None = cfg(
+        None, result=False,
+        doc="The Python that has vLLM (default: $DFLASH_FLOW_VLLM_PYTHON, else this interpreter).")
+    dtype: str = cfg("auto", choices=("auto", "float32", "bfloat16", "float16"),
+                     doc="The servers' --dtype (the features' precision: fp32 to equal an fp32 in-process run).")
+    max_model_len: int | None = cfg(None, ge=16, doc="--max-model-len (default: the longest sample the plan can hold).")
+    gpu_memory_utilization: float | None = cfg(
+        None, gt=0, le=1, result=False, doc="--gpu-memory-utilization (on CPU: the share of RAM for its KV cache).")
+    extra_args: list[str] = cfg(factory=list, result=False, doc="More server arguments, appended as given.")
+    env: dict[str, str] = cfg(factory=dict, result=False, doc="More environment variables for the servers.")
+    ready_timeout_s: float = cfg(1200.0, gt=0, le=86400, result=False,
+                                 doc="How long to wait for every server to answer GET /v1/models.")
+
+
+@attrs.define(kw_only=True)
+class EngineConfig:
+    """``model.engine``: TargetForward sends each batch's samples (token ids, prompt only) to vLLM servers
+    running our connector and reads the target's features from the files they write."""
+
+    servers: list[str] = cfg(factory=list, result=False,
+                             doc="Base URLs of running servers (started with the command `dflash-flow serve-target` prints).")
+    launch: LaunchConfig | None = cfg(None, result=False, doc="Start local servers instead of (or beside) `servers`.")
+    features_dir: str = cfg(
+        DEFAULT_FEATURES_DIR, result=False,
+        doc="Where the servers write feature files (their shared_storage_path) as this process sees it; "
+            "tmpfs on one node, a shared file system across nodes.")
+    path_map: dict[str, str] = cfg(
+        factory=dict, result=False,
+        doc="Server path prefix -> local prefix, where the shared directory is mounted elsewhere here.")
+    served_model: str | None = cfg(None, result=False, doc="Model name to request (default: the one the servers list).")
+    api_key_env: str | None = cfg(
+        None, result=False, doc="Environment variable holding the servers' API key (sent as a Bearer token; never logged).")
+    spread: str = cfg("least_loaded", choices=("least_loaded", "round_robin"), result=False,
+                      doc="Which server gets the next sample: the least loaded, or in turn (one pool for all replicas).")
+    concurrency: int = cfg(8, ge=1, le=1024, result=False, doc="Requests in flight per server.")
+    timeout_s: float = cfg(300.0, gt=0, le=86400, result=False,
+                           doc="Seconds one request (reply and file) may take before it is retried elsewhere.")
+    max_attempts: int = cfg(4, ge=1, le=100, result=False, doc="Attempts per sample before the run stops.")
+    backoff_s: float = cfg(0.5, ge=0, le=600, result=False, doc="First retry delay (doubling, jittered per sample).")
+    backoff_max_s: float = cfg(30.0, ge=0, le=3600, result=False, doc="Longest retry delay.")
+    fail_threshold: int = cfg(3, ge=1, result=False, doc="Failures in a row that take a server out of rotation.")
+    cooldown_s: float = cfg(2.0, ge=0, le=3600, result=False, doc="First cool-down of a server out of rotation.")
+    max_trials: int = cfg(5, ge=1, result=False, doc="Failed trials after which a server is removed for good.")
+    dtype: str = cfg("auto", choices=("auto", "float32", "bfloat16", "float16"),
+                     doc="Features' dtype handed to the drafter (auto: as the servers computed them).")
+    check_samples: int = cfg(4, ge=1, le=1024, result=False,
+                             doc="Samples of the first batch compared with a transformers forward (or checked by statistics).")
+    check_reference: str = cfg(
+        "auto", choices=("auto", "transformers", "statistics"), result=False,
+        doc="auto: a transformers forward on CPU when the target's layers fit in half this machine's memory, else statistics.")
+    check_rtol: float | None = cfg(
+        None, gt=0, le=1, result=False,
+        doc="Largest relative error per layer against transformers (default: 1e-4 for fp32 features, 3e-2 for 16-bit).")
+    prefix_caching: bool = cfg(False, result=False,
+                               doc="Let launched/printed servers reuse cached prefixes (later epochs skip the prefill).")
+
+    def urls(self) -> list[str]:
+        return list(self.servers)
+
+    def local_path(self, server_path: str) -> str:
+        """A path a server returned, as this process sees it (``path_map``, longest prefix first)."""
+        for prefix in sorted(self.path_map, key=len, reverse=True):
+            if server_path == prefix or server_path.startswith(prefix.rstrip("/") + "/"):
+                return self.path_map[prefix].rstrip("/") + server_path[len(prefix.rstrip("/")):]
+        return server_path
+
+    def server_features_dir(self) -> str:
+        """The directory to give the servers (``shared_storage_path``): ``features_dir`` mapped back."""
+        inverse = {v: k for k, v in self.path_map.items()}
+        for prefix in sorted(inverse, key=len, reverse=True):
+            d = self.features_dir
+            if d == prefix or d.startswith(prefix.rstrip("/") + "/"):
+                return inverse[prefix].rstrip("/") + d[len(prefix.rstrip("/")):]
+        return self.features_dir
+
+    def problems(self) -> list[tuple[str, str]]:
+        """(field, message) for what the bounds cannot say."""
+        out = []
+        if not self.servers and self.launch is None:
+            out.append(("servers", "model.engine needs servers (URLs) or launch: {count: N} (local servers)"))
+        if len(set(self.servers)) != len(self.servers):
+            out.append(("servers", "a server is listed twice"))
+        for url in self.servers:
+            if not url.startswith(("http://", "https://")):
+                out.append(("servers", f"{url!r} is not an http(s) URL (e.g. http://gpu-node-1:8000)"))
+        if self.launch is not None and self.launch.devices is not None and len(self.launch.devices) != self.launch.count:
+            out.append(("launch.devices", f"{len(self.launch.devices)} device groups for {self.launch.count} servers"))
+        if self.backoff_max_s < self.backoff_s:
+            out.append(("backoff_max_s", "backoff_max_s is below backoff_s"))
+        if not self.features_dir.startswith("/"):
+            out.append(("features_dir", f"{self.features_dir!r}: use an absolute path (the servers and this process "
+                                        "must name the same directory)"))
+        return out
+
+
+def engine_config_from(value: Any) -> EngineConfig:
+    """An EngineConfig from a mapping (tests, the interop check, the bench); the pipeline's ``model.engine``
+    is structured by the core converter like every section. Raises ValueError with every problem."""
+    from dflash_flow.core.convert import structure
+
+    cfg_, problems = structure(EngineConfig, value, what="model.engine", field_prefix="model.engine.")
+    if problems:
+        raise ValueError("; ".join(p.format() for p in problems))
+    bad = cfg_.problems()
+    if bad:
+        raise ValueError("; ".join(f"model.engine.{f}: {m}" for f, m in bad))
+    return cfg_

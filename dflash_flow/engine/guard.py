@@ -1,0 +1,73 @@
+"""The small process between a run and a server it started: ``python -m dflash_flow.engine.guard FD GRACE -- CMD...``.
+
+It is started in a session (and process group) of its own, starts ``CMD`` in that group, and reads the pipe
+``FD`` whose other end only the run holds. When that end closes -- the run stopped the server, or the run
+died, even by SIGKILL, where no handler of the run's could act -- the read returns, and the guard stops the
+whole group: SIGTERM, then after ``GRACE`` seconds SIGKILL (the guard's own group, so the server's
+children go too). When the server exits by itself the guard exits with its status. Stdlib only: it starts
+in a few milliseconds and needs nothing of the vLLM environment.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+
+def _stop_group(proc: subprocess.Popen, grace_s: float) -> None:
+    pgid = os.getpgid(0)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group's SIGTERM is for the server, not for us
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    # The server's children may outlive it; SIGKILL the whole group (this process included) in any case.
+    sys.stdout.flush()
+    os.killpg(pgid, signal.SIGKILL)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 4 or argv[2] != "--":
+        print("usage: python -m dflash_flow.engine.guard FD GRACE_S -- CMD...", file=sys.stderr)
+        return 2
+    fd, grace_s, cmd = int(argv[0]), float(argv[1]), argv[3:]
+    os.set_blocking(fd, True)
+    proc = subprocess.Popen(cmd)  # same process group as this guard (its own session)
+
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    while True:
+        if stopping:
+            _stop_group(proc, grace_s)
+        try:
+            ready, _, _ = select.select([fd], [], [], 0.2)
+        except InterruptedError:
+            continue
+        if ready:
+            try:
+                data = os.read(fd, 1)
+            except OSError:
+                data = b""
+            if not data:  # the run closed its end, or died
+                _stop_group(proc, grace_s)
+        rc = proc.poll()
+        if rc is not None:  # the server ended by itself: its children (vLLM's engine core) go with it
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            try:
+                os.killpg(os.getpgid(0), signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            return rc if rc >= 0 else 128 - rc
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
