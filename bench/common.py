@@ -99,6 +99,41 @@ def embedded_validated(output_dir: Path, *extra: str, pipeline: Path = DFLASH_YA
     return validated(load_graph(pipeline, embedded_overrides(output_dir, *extra)))
 
 
+def hash_graph(out: Path, a_replicas: int, cores: int, unit_mb: int):
+    """``src`` -> ``a`` (``cores * unit_mb`` MB hashed an item, ``a_replicas`` replicas) -> ``b`` (``unit_mb``)
+    -> ``sink``: GIL-free CPU work (hashlib lets go of the GIL on large buffers, as a kernel does), for the
+    contention model's checks (tests/app/test_contention.py, profile_bench's ``contention`` row)."""
+    import hashlib
+
+    import attrs
+
+    from dflash_flow.core import Graph, RuntimeOptions, Stage, cfg, registry
+    from dflash_flow.stages.generic import Discard, Range
+
+    if "BenchHash" not in registry.available():
+
+        @registry.register_stage("BenchHash")
+        @attrs.define(kw_only=True, eq=False)
+        class BenchHash(Stage):
+            mb: int = cfg(1, ge=0)
+
+            def setup(self, ctx) -> None:
+                self._buf = bytes(1 << 20)
+
+            def process(self, item):
+                for _ in range(self.mb):
+                    hashlib.sha256(self._buf).digest()
+                return (item,)
+
+    cls = registry.resolve("BenchHash")
+    g = Graph(name="hash", seed=0, output_dir=str(out / f"out{a_replicas}"), runtime=RuntimeOptions(capacity=8))
+    g.add("src", Range(count=1_000_000))
+    g.add("a", cls(mb=cores * unit_mb), inputs="src", replicas=a_replicas)
+    g.add("b", cls(mb=unit_mb), inputs="a")
+    g.add("sink", Discard(), inputs="b")
+    return g
+
+
 def sleep_graph(mix: dict[str, int], costs: dict[str, float], *, name: str = "sleep", count: int = 100_000,
                 output_dir: Path | None = None, capacity: int = 8, jitter: float = 0.0, seed: int = 0):
     """``src`` (Range) -> ``a`` -> ``b`` (Delay) -> ``sink`` (Discard): a pipeline whose per-item costs are

@@ -12,6 +12,8 @@ Every prediction comes with the plan's 90% interval (``app.splitplan``: batch me
 and whether the measured run's own interval overlaps it (``intervals_overlap``; the fairer test, as a
 short measured run has a sampling error of its own, about as large as the profile's): the interval is for
 the steady state of the profiled run, so a later run's drift in the machine's load can fall outside it.
+* ``contention``: threads that outnumber the cores (GIL-free hashing stages pinned to two cores), predicted
+  with and without the profile's CPU figures, then run (``contention_check``).
 * ``noise_floor``: the machine's own drift, first: one thread's fixed matrix products timed in 1-s chunks
   for ``--noise-s`` seconds (the spread of chunks and of 5-chunk means): no prediction of a run on this
   machine can be closer than that.
@@ -290,6 +292,35 @@ def data_parallel_check(prof, scale: dict[str, Any]) -> dict[str, Any]:
             "one_process_steps_per_s": round(prof.steps_per_s, 4)}
 
 
+def contention_check(out: Path, cores: int = 2, steps: int = 150) -> dict[str, Any]:
+    """Threads that outnumber the cores (``common.hash_graph``, pinned to ``cores``): profiled with one replica
+    of ``a``, the run with ``cores`` replicas predicted with and without the profile's CPU figures, then run;
+    error = predicted / measured - 1 (on the idle 2-core box: +5% to +25% with them, +40% to +80% without).
+    It needs a quiet machine, which is why it is here and not in the unit tests."""
+    import os
+
+    import attrs
+
+    from dflash_flow.app.profile import profile
+    from dflash_flow.app.splitplan import predict
+    from dflash_flow.core import validated
+
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, sorted(before)[:cores])
+    try:
+        one = profile(validated(common.hash_graph(out, 1, cores, 4)), steps, warmup_steps=5, interval_s=0.02)
+        pred = predict(one, {"a": cores})
+        plain_stages = {n: attrs.evolve(st, cpu_s_per_batch=None, cpu_wait_s_per_batch=None) for n, st in one.stages.items()}
+        plain = predict(attrs.evolve(one, stages=plain_stages, cpu_s_per_batch=None), {"a": cores})
+        two = profile(validated(common.hash_graph(out, cores, cores, 4)), steps, warmup_steps=5, interval_s=0.02)
+    finally:
+        os.sched_setaffinity(0, before)
+    return {"cores": cores, "measured_batches_per_s": two.batches_per_s, "predicted": pred.batches_per_s,
+            "predicted_without_cpu_figures": plain.batches_per_s,
+            "error": _error(pred.batches_per_s, two.batches_per_s),
+            "error_without_cpu_figures": _error(plain.batches_per_s, two.batches_per_s)}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from dflash_flow.app.profile import to_json
     from dflash_flow.app.splitplan import confidence, noise_notes, plan_splits, recommend
@@ -309,6 +340,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.noise_s > 0:
         result["noise_floor"] = noise_floor(args.noise_s)
     result["sleep"] = validate_sleep(args.sleep_steps, jitter=args.sleep_jitter, windows=args.windows)
+    result["contention"] = contention_check(common.SCRATCH / "profile-bench-hash")
     if not args.no_embedded:
         embedded, profiles = validate_embedded(args.embedded_steps, common.SCRATCH / "profile-bench", args.embedded_reps,
                                                args.windows)

@@ -83,13 +83,15 @@ def test_window_arithmetic_on_hand_made_snapshots(tmp_path):
 
 
 def test_profile_of_a_sleep_pipeline(tmp_path):
-    v = validated(_graph(tmp_path))
+    # a: 40 ms an item on 2 replicas (20 ms a batch), b: 4 ms: a stays the bottleneck however much a busy
+    # machine stretches each sleep (an overshoot adds the same to both; with 20 and 8 ms it could swap them).
+    v = validated(_graph(tmp_path, a_s=0.04, b_s=0.004))
     p = profile(v, 60, warmup_steps=4, interval_s=0.02)
     assert p.complete and p.step_stage == "sink" and p.batches >= 60
     a, b = p.stage("a"), p.stage("b")
-    # Sleeps overshoot on a loaded machine (generous upper bounds); the window's edges cut one item per
-    # replica at most (the lower bounds).
-    assert 0.018 <= a.service_s < 0.04 and 0.0072 <= b.service_s < 0.02
+    # A sleep never ends early; the window's edges cut one item per replica at most (the lower bounds). It
+    # overshoots on a loaded machine by as much as the machine likes: no upper bound but the order of the two.
+    assert a.service_s >= 0.036 and b.service_s >= 0.0036 and a.service_s > b.service_s
     assert p.bottleneck.stage == "a" and a.busy > 0.8
     assert a.queue.capacity == 12 and a.queue.mean > 3  # a's input queues stay full: src waits for a
     assert p.balanced_replicas["a"] >= 3
@@ -129,13 +131,16 @@ def test_profile_until_the_rate_is_known_to_the_asked_precision(tmp_path):
     g.add("sink", Discard(), inputs="a")
     v = validated(g)
     p = profile(v, 60, warmup_steps=2, interval_s=0.01, windows=6, precision=0.05)
-    assert p.precision == 0.05 and p.reached is not None and p.reached <= 0.05 and p.complete
+    assert p.precision == 0.05 and p.reached is not None and p.complete
     assert 60 < p.steps <= 600 and p.batches >= p.steps - 10 and len(p.windows) > 6
     from dflash_flow.app.interval import batch_means
 
     rates = [w.batches / w.window_s for w in p.windows]
-    assert batch_means(p.batches_per_s, rates).half_width <= 0.05 * p.batches_per_s * 1.01
-    assert "measured until the rate was known to +-" in render_profile(p)
+    assert batch_means(p.batches_per_s, rates).half_width <= p.reached * p.batches_per_s * 1.01  # what it says
+    if p.reached <= 0.05:  # a quiet machine: ~150 steps
+        assert "measured until the rate was known to +-" in render_profile(p)
+    else:  # a busy machine's drift can keep the rate from settling: then it stops at 10x and says so
+        assert p.steps == 600 and "not the asked +-5%" in render_profile(p), render_profile(p)
     short = profile(v, 20, warmup_steps=2, interval_s=0.01, windows=4, precision=0.001, max_steps=40)
     assert short.steps == 40 and short.reached > 0.001 and 40 <= short.batches <= 45
     assert "not the asked +-0.1%" in render_profile(short)
@@ -235,7 +240,10 @@ def test_cli_profile_of_the_embedded_default(tmp_path):
     assert p.tokens_per_batch > 0 and p.samples_per_batch > 0
     assert p.stage("target").replicas == 2 and p.stage("target").service_s > 0
     assert p.stage("drafter").work_s_per_batch > 0 and not p.stage("monitor").replicable
-    # The drafter's step is CPU compute here: the process's CPU seconds per batch hold at least most of it.
-    assert p.cpu_s_per_batch >= 0.5 * p.stage("drafter").work_s_per_batch and p.cores >= 1
+    # The drafter's step is CPU compute here: its thread ran or waited, runnable, for a core through most of it
+    # (beside other work the wait grows, not the sum).
+    d = p.stage("drafter")
+    assert d.cpu_s_per_batch + d.cpu_wait_s_per_batch >= 0.5 * d.work_s_per_batch and p.cpu_s_per_batch > 0
+    assert p.cores >= 1
     assert "cores busy" in proc.stdout
     assert not (out / "drafter").exists()  # cancelled after the window: no export, no evaluation
