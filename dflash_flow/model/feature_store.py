@@ -78,6 +78,7 @@ __all__ = [
     "compare_identity",
     "corpus_digest",
     "estimate_bytes",
+    "flatten_identity",
     "merge_store",
     "token_digest",
 ]
@@ -248,12 +249,13 @@ def _ranges(ids: Iterable[int]) -> list[list[int]]:
 # identity
 
 
-def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten_identity(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """An identity as dotted fields (``target.weights``); ``template_kwargs`` stays one field."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         name = f"{prefix}{k}"
         if isinstance(v, Mapping) and k != "template_kwargs":
-            out.update(_flatten(v, name + "."))
+            out.update(flatten_identity(v, name + "."))
         else:
             out[name] = v
     return out
@@ -263,7 +265,7 @@ def compare_identity(stored: Mapping[str, Any], expected: Mapping[str, Any]) -> 
     """(field, stored, expected) for every field (dotted: ``target.weights``) known on both sides (not None)
     whose values differ. A field the store did not record (a hybrid store knows no corpus digest) is not
     compared here: every row's token digest is (``FeatureStore.read_into``)."""
-    s, e = _flatten(stored), _flatten(expected)
+    s, e = flatten_identity(stored), flatten_identity(expected)
     return [(k, s.get(k), v) for k, v in sorted(e.items())
             if v is not None and s.get(k) is not None and _norm(s.get(k)) != _norm(v)]
 
