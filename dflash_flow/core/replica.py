@@ -74,6 +74,7 @@ class Replica:
         self.state = ReplicaState.PENDING
         self.state_since = time.monotonic()
         self.started_at: float | None = None
+        self.setup_ended_at: float | None = None  # when its setup (and resume state) was done
         self.ended_at: float | None = None
         self.items_in = 0
         self.items_out = 0
@@ -116,6 +117,7 @@ class Replica:
         start = self.started_at or now
         end = self.ended_at or now
         alive = max(end - start, 0.0)
+        setup = max((self.setup_ended_at or end) - start, 0.0)
         bin_ = self.blocked_in_s()
         bout = self.blocked_out_now_s()
         sched = self.sched_at_end if self.ended_at is not None else thread_sched(self.native_id)
@@ -133,6 +135,7 @@ class Replica:
             channel=self.input.stats() if self.input is not None else None,
             cpu_s=sched[0] if sched is not None else None,
             cpu_wait_s=sched[1] if sched is not None else None,
+            setup_s=setup,
         )
 
 
@@ -162,6 +165,7 @@ def main(rep: Replica, sup: Supervisor) -> None:
                 # the checkpoint's fault, said in one line, not a crash of the stage.
                 raise SavedStateError(f"its saved state cannot be restored ({type(exc).__name__}: {exc})") from exc
         rep.state_loaded = True
+        rep.setup_ended_at = time.monotonic()
         phase = "produce" if rep.input is None else "process"
         if rep.input is None:
             _run_source(rep, sup)

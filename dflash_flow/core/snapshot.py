@@ -43,6 +43,9 @@ class ReplicaSnapshot:
     channel: ChannelStats | None
     cpu_s: float | None = None  # CPU seconds its thread has run (None: the OS does not say)
     cpu_wait_s: float | None = None  # seconds its thread has waited, runnable, for a core
+    # Seconds from its thread's start to the end of its setup (and resume state): a setup still going on counts
+    # so far. ``busy_s`` includes it (busy is alive less blocked); a steady-state rate leaves it out.
+    setup_s: float = 0.0
 
 
 @attrs.define
