@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_flow.data.chat import prompt_turns
-from dflash_flow.engine.http import AllServersDown, RequestFailed, ServerPool, backoff_delay
+from dflash_flow.engine.http import AllServersDown, RequestFailed, ServerPool, backoff_delay, discover_model
 from dflash_flow.engine.http import HttpClient as _Client
 from dflash_flow.engine.http import Stopped as _Stopped
 from dflash_flow.engine.http import unit as _unit
@@ -156,32 +156,6 @@ def parse_chat_completion(resp: dict) -> tuple[str, str, int]:
 # ---------------------------------------------------------------------------------------------------
 # Entry point
 # ---------------------------------------------------------------------------------------------------
-
-
-def discover_model(pool: ServerPool, client: _Client, model: str | None, log: Callable[[str], None]) -> str:
-    """The model name to request: ``model``, or the one the servers list (``GET /v1/models``); all servers
-    must serve it. A server that does not answer starts out of rotation."""
-    served: dict[str, list[str]] = {}
-    for s in pool.servers:
-        try:
-            resp = client.request(s, "GET", "/v1/models")
-            served[s.url] = [str(m["id"]) for m in resp.get("data", []) if isinstance(m, dict) and "id" in m]
-        except RequestFailed as e:
-            s.down, s.out_until, s.taken_out, s.last_error = True, pool.clock() + pool.cooldown_s, 1, str(e)
-            log(f"server {s.url} does not answer GET /v1/models ({e}): out of rotation, retried later")
-    if not served:
-        raise ValueError(f"no server answered GET /v1/models ({pool.describe()}); start them or check --server")
-    if model is None:
-        names = {tuple(v) for v in served.values()}
-        if len(names) != 1 or len(next(iter(names))) != 1:
-            raise ValueError("the servers do not serve one and the same model "
-                             f"({', '.join(f'{u}: {v}' for u, v in served.items())}); name it with --served-model")
-        return next(iter(names))[0]
-    missing = [u for u, v in served.items() if model not in v]
-    if missing:
-        raise ValueError(f"--served-model {model} is not served by {', '.join(missing)} "
-                         f"(they serve {', '.join(sorted({m for u in missing for m in served[u]}))})")
-    return model
 
 
 def regenerate_served(prompts_jsonl: str | Path, servers: list[str], out_jsonl: str | Path | None = None, *,

@@ -53,7 +53,7 @@ from .http import (
 )
 from .layers import to_engine_layer_ids
 
-__all__ = ["EngineBackend", "EngineUnavailable"]
+__all__ = ["EngineBackend", "EngineUnavailable", "engine_backend"]
 
 
 class EngineUnavailable(RuntimeError):
@@ -136,6 +136,7 @@ class EngineBackend:
         self.output_dir = Path(output_dir) if output_dir is not None else None
         self.max_model_len = max_model_len
         self.log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+        self.vocab_size = 0  # set by engine_backend (the TargetBackend protocol's; the stage checks ids against it)
         self.stats: Counter = Counter()
         self.start_check: StartCheck | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -174,6 +175,11 @@ class EngineBackend:
                                                option="model.engine.served_model", limits=self.limits)
             self._executor = ThreadPoolExecutor(cfg.concurrency * len(urls), thread_name_prefix=f"{name}-engine")
             self.start_check = self._start_check()
+        except ValueError as exc:  # no server answered, a key not set, a target launch cannot serve
+            self.close()
+            from dflash_flow.model.backend import BackendConfigError
+
+            raise BackendConfigError(str(exc), field="model.engine") from exc
         except BaseException:
             self.close()
             raise
@@ -442,3 +448,33 @@ class EngineBackend:
         if self.start_check is not None and not self.start_check.done:
             with self._check_lock:
                 self.start_check.finish_early()
+
+
+def engine_backend(spec: Any, *, output_dir: str | os.PathLike | None = None, name: str = "target") -> EngineBackend:
+    """The backend TargetForward runs when ``model.engine`` is set: the run's :class:`~dflash_flow.model.spec.
+    ModelSpec` read once (target, layer ids, sizes; the config is read without weights when the spec's facts
+    are not known). A spec that does not fit (no target, the last layer, a bad ``model.engine``) raises
+    ``BackendConfigError`` (the stage reports it as a config problem)."""
+    from dflash_flow.model.backend import BackendConfigError
+    from dflash_flow.model.spec import ModelSpecError
+
+    cfg = spec.engine
+    try:
+        target = spec.require_target(f"stage '{name}'")
+        facts = spec.facts
+        if facts is None:
+            from dflash_flow.model.target import load_target_config, num_hidden_layers
+
+            conf = load_target_config(target, trust_remote_code=spec.trust_remote_code, local_only=True)
+            text = conf.get_text_config() if hasattr(conf, "get_text_config") else conf
+            depth, hidden, vocab = num_hidden_layers(conf), int(text.hidden_size), int(text.vocab_size)
+        else:
+            depth, hidden, vocab = facts.depth, facts.hidden_size, facts.vocab_size
+        layer_ids = spec.layer_ids(depth)
+        backend = EngineBackend(cfg, layer_ids=layer_ids, hidden_size=hidden, depth=depth, target=target,
+                                trust_remote_code=spec.trust_remote_code, output_dir=output_dir)
+    except (ModelSpecError, ValueError, OSError) as exc:
+        field = "model.target_layer_ids" if "layer" in str(exc) else "model.engine"
+        raise BackendConfigError(str(exc), field=field) from exc
+    backend.vocab_size = vocab
+    return backend
