@@ -30,6 +30,11 @@ class MasterAdamW:
 
     fp32 parameters are their own master (no copy). ``step()`` moves gradients to the masters, clips
     the global norm, updates, copies the masters back into the (bf16) parameters and clears gradients.
+
+    ``accumulate_in_fp32()``: each backward's gradient of a bf16 parameter is added into its master's fp32
+    gradient as soon as autograd has it (a post-accumulate-grad hook), instead of summing the micro-batches of
+    a step in the bf16 ``.grad`` (8 mantissa bits: every add of a long accumulation rounded); ``reduce``
+    then averages the masters' gradients over the data-parallel ranks in fp32 before the update.
     """
 
     def __init__(
@@ -56,6 +61,19 @@ class MasterAdamW:
             self.masters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
         )
         self.skipped_steps = 0
+        self.fp32_accumulation = False
+        self.reduce: Any = None  # callable(list of fp32 gradients): averages them over the ranks in place
+        self._hooks: list[Any] = []
+
+    def accumulate_in_fp32(self, reduce: Any = None) -> None:
+        """Add every backward's gradient of a bf16 parameter into its master's fp32 ``.grad`` right away (the
+        parameter's own ``.grad`` is then left empty); ``reduce``: see the class docstring."""
+        if self.fp32_accumulation:
+            return
+        self.fp32_accumulation, self.reduce = True, reduce
+        for p, m in zip(self.params, self.masters, strict=True):
+            if m is not p:
+                self._hooks.append(p.register_post_accumulate_grad_hook(_into_master(m)))
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -77,8 +95,13 @@ class MasterAdamW:
         into the weights: one bad batch must not end a multi-day run.
         """
         for p, m in zip(self.params, self.masters, strict=True):
-            if m is not p:
-                m.grad = None if p.grad is None else p.grad.detach().float()
+            if m is not p and p.grad is not None:  # (already in the master under fp32 accumulation)
+                m.grad = p.grad.detach().float() if m.grad is None else m.grad.add_(p.grad.detach())
+        if self.reduce is not None:
+            for m in self.masters:  # every rank reduces the same list, a parameter no loss reached as zeros
+                if m.grad is None:
+                    m.grad = torch.zeros_like(m)
+            self.reduce([m.grad for m in self.masters])
         grads = [m for m in self.masters if m.grad is not None]
         if self.max_grad_norm and self.max_grad_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
@@ -123,6 +146,52 @@ class MasterAdamW:
                     p.copy_(m)
         self.optimizer.load_state_dict(state["optimizer"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+def _into_master(master: torch.Tensor):
+    """The post-accumulate-grad hook of a bf16 parameter: its gradient goes into ``master.grad`` (fp32)."""
+
+    def hook(p: torch.Tensor) -> None:
+        g = p.grad
+        if g is None:
+            return
+        if master.grad is None:
+            master.grad = g.detach().float()
+        else:
+            master.grad.add_(g.detach())
+        p.grad = None
+
+    return hook
+
+
+def allreduce_mean(grads: list[torch.Tensor], *, bucket_bytes: int = 256 * 2**20, group: Any = None) -> None:
+    """Average ``grads`` over the ranks in place, in their own dtype (fp32 masters' gradients), a few flat
+    buckets at a time (one collective per bucket, not per tensor)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    bucket: list[torch.Tensor] = []
+    size = 0
+
+    def flush() -> None:
+        if not bucket:
+            return
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, group=group)
+        flat.div_(world)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        bucket.clear()
+
+    for g in grads:
+        bucket.append(g)
+        size += g.numel() * g.element_size()
+        if size >= bucket_bytes:
+            flush()
+            size = 0
+    flush()
 
 
 class WarmupCosineSchedule(torch.optim.lr_scheduler.LambdaLR):

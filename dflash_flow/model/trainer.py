@@ -23,7 +23,13 @@ from dflash_flow.model.device import take
 from dflash_flow.model.dflash2 import drafter_from_config, drafter_variant, variant_config
 from dflash_flow.model.drafter import DFlashDrafter
 from dflash_flow.model.objective import PrefixPrior, dflash_loss
-from dflash_flow.model.optim import GradientAccumulator, NonFiniteError, build_optimizer, planned_updates
+from dflash_flow.model.optim import (
+    GradientAccumulator,
+    NonFiniteError,
+    allreduce_mean,
+    build_optimizer,
+    planned_updates,
+)
 from dflash_flow.model.recipe import DrafterShape, TrainerConfig
 from dflash_flow.model.strategies import VARIANTS
 
@@ -317,6 +323,10 @@ class DrafterTrainer:
             warmup_ratio=c.warmup_ratio,
             min_lr_ratio=c.min_lr_ratio,
         )
+        if self.optimizer.uses_masters and not self.sharded:
+            # bf16 weights: each micro-batch's gradient is summed into the fp32 masters; under DDP the ranks then
+            # average those sums in fp32 at the step (every backward runs under no_sync), not bf16 buckets.
+            self.optimizer.accumulate_in_fp32(reduce=allreduce_mean if self.ddp else None)
 
     # -- training ----------------------------------------------------------------------------------
     def check_features(self, feats: TargetFeatures) -> None:
@@ -335,8 +345,9 @@ class DrafterTrainer:
         self._last_batch = feats.meta
         gen = torch.Generator()
         gen.manual_seed(anchor_seed)
-        # Data parallel: gradients are all-reduced on the micro-batch that completes the step only.
-        syncs = force_step or self.accumulator.next_is_last
+        # Data parallel: gradients are all-reduced on the micro-batch that completes the step only; with fp32
+        # accumulation (bf16 weights) by the optimizer at the step, so DDP never reduces in the backward.
+        syncs = (force_step or self.accumulator.next_is_last) and not self.fp32_accumulation
         # Made on a target replica's own CUDA stream (model.features): marked in use on ours before we read them.
         hidden = take(feats.hidden_states).to(self.device, self.dtype)
         if self.objective.needs_input_grad:
@@ -367,6 +378,11 @@ class DrafterTrainer:
         if not (ready or force_step):
             return None
         return self._optimizer_step()
+
+    @property
+    def fp32_accumulation(self) -> bool:
+        """Whether the step's micro-batch gradients are summed in the fp32 masters (``MasterAdamW.accumulate_in_fp32``)."""
+        return self.optimizer is not None and self.optimizer.fp32_accumulation
 
     def _nonfinite(self, what: str) -> None:
         """A non-finite loss or gradient norm at the step being taken: stop (raise) or skip (warn)."""
@@ -464,7 +480,7 @@ class DrafterTrainer:
         if self.sharded or self.ddp:
             # Data-parallel ranks stop at an agreed optimizer step (services.agree_to_stop): never in between.
             raise RuntimeError("a data-parallel trainer cannot checkpoint in the middle of an accumulation")
-        grads = {name: p.grad.detach().clone() for name, p in self.drafter.named_parameters() if p.grad is not None}
+        grads = {name: g.detach().clone() for name, g in self._partial_grads()}
         return {
             "micro": self.accumulator.micro,
             "grads": grads,
@@ -475,14 +491,25 @@ class DrafterTrainer:
             "samples": self._samples,
         }
 
+    def _grad_holders(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor whose ``.grad`` holds the step's partial sum): the fp32 master under fp32 accumulation,
+        else the parameter."""
+        masters = {}
+        if self.fp32_accumulation:
+            masters = {id(p): m for p, m in zip(self.optimizer.params, self.optimizer.masters, strict=True)}
+        return [(name, masters.get(id(p), p)) for name, p in self.drafter.named_parameters()]
+
+    def _partial_grads(self) -> list[tuple[str, torch.Tensor]]:
+        return [(name, t.grad) for name, t in self._grad_holders() if t.grad is not None]
+
     def _load_accumulation(self, acc: dict[str, Any]) -> None:
-        params = dict(self.drafter.named_parameters())
-        unknown = sorted(set(acc["grads"]) - set(params))
+        holders = dict(self._grad_holders())
+        unknown = sorted(set(acc["grads"]) - set(holders))
         if unknown:
             raise ValueError(f"the checkpoint's partial accumulation has gradients of unknown parameters: {unknown[:3]}")
-        for name, p in params.items():
+        for name, t in holders.items():
             g = acc["grads"].get(name)
-            p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype).clone()
+            t.grad = None if g is None else g.to(device=t.device, dtype=t.dtype).clone()
         self.accumulator.micro = int(acc["micro"])
         self._sums = {str(k): float(v) for k, v in acc["sums"].items()}
         self._pos_sums = [float(v) for v in acc["pos_sums"]]
