@@ -45,7 +45,7 @@ from dflash_flow.model.feature_store import (
     token_digest,
 )
 
-__all__ = ["StoreBackend"]
+__all__ = ["StoreBackend", "expected_identity", "store_backend"]
 
 MODES = ("offline", "hybrid")
 
@@ -201,8 +201,17 @@ class StoreBackend:
         out: torch.Tensor | None = None
         hits = misses = 0
         for i, (length, sid) in enumerate(zip(lengths, sample_ids, strict=True)):
-            length, sid = int(length), int(sid)
+            length = int(length)
             toks = ids_cpu[i, :length]
+            if sid is None:  # a row without an id cannot be looked up: computed (hybrid), never stored
+                if self.mode == "offline":
+                    raise FeatureStoreError(f"{self._name}: a row without a sample id cannot be read from feature store "
+                                            f"{self.path}")
+                ids = toks.unsqueeze(0)
+                out = self._place(out, b, s, i, self.inner.features(ids, torch.ones_like(ids), [length], [None])[0, :length]
+                                  .detach().to("cpu"))
+                continue
+            sid = int(sid)
             row = self.ram.get(sid, length)
             if row is not None:
                 hits += 1
@@ -307,3 +316,46 @@ class StoreBackend:
         return {"ram_hits": self.ram.hits, "disk_hits": self.disk_hits, "computed": self.computed,
                 "ram_rows": len(self.ram), "ram_mb": self.ram.bytes / 2**20,
                 "written": self._appender.rows if self._appender is not None else 0}
+
+
+def expected_identity(spec: Any, *, layer_ids: Sequence[int] | None = None) -> dict[str, Any]:
+    """The identity a store must have for this run's model spec (``model.spec.ModelSpec``): the target's config
+    and weights digest, the layer ids, the tokenizer's fingerprint. What cannot be had here (an offline run on
+    a machine without the target) is None: not compared (each row's tokens still are)."""
+    import logging
+
+    from dflash_flow.model.feature_identity import target_fingerprint
+
+    log = logging.getLogger(__name__)
+    ident: dict[str, Any] = {"layer_ids": list(layer_ids) if layer_ids is not None else None}
+    try:
+        ident["target"] = target_fingerprint(spec.target, trust_remote_code=spec.trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - not readable here: the store's own record is trusted, said once
+        log.info("the target %s cannot be read here (%s): the store's target fingerprint is not compared", spec.target, exc)
+    if ident["layer_ids"] is None:
+        try:
+            ident["layer_ids"] = spec.layer_ids()
+        except ValueError:
+            pass  # depth unknown here: the store's layer ids (offline) or the target's (hybrid)
+    if spec.tokenizer:
+        try:
+            from transformers import AutoTokenizer
+
+            from dflash_flow.data.keys import tokenizer_fingerprint
+
+            ident["tokenizer"] = tokenizer_fingerprint(AutoTokenizer.from_pretrained(spec.tokenizer))
+        except Exception as exc:  # noqa: BLE001
+            log.info("the tokenizer %s cannot be read here (%s): not compared", spec.tokenizer, exc)
+    return ident
+
+
+def store_backend(spec: Any, *, inner: Any, output_dir: Any = None, name: str = "target", rank: int = 0) -> StoreBackend:  # noqa: ARG001
+    """The backend ``TargetForward`` runs for ``model.features`` mode offline or hybrid (``spec.features``, a
+    ``FeaturesConfig``), wrapping ``inner`` (None offline: no target is loaded)."""
+    conf = spec.features
+    path = Path(conf.path).expanduser() if conf.path else None
+    layer_ids = list(spec.explicit_layer_ids) if spec.explicit_layer_ids is not None else None
+    return StoreBackend(
+        mode=conf.mode, path=path, inner=inner, identity=expected_identity(spec, layer_ids=layer_ids),
+        layer_ids=layer_ids, dtype=conf.dtype, ram_budget_bytes=conf.ram_budget_bytes,
+        shard_bytes=min(conf.shard_bytes, 256 * 2**20), verify_tokens=conf.verify_tokens)
