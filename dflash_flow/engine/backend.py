@@ -27,6 +27,7 @@ Faults:
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -135,7 +136,7 @@ class EngineBackend:
         self.trust_remote_code = trust_remote_code
         self.output_dir = Path(output_dir) if output_dir is not None else None
         self.max_model_len = max_model_len
-        self.log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+        self.log = log or logging.getLogger("dflash_flow.engine").info
         self.vocab_size = 0  # set by engine_backend (the TargetBackend protocol's; the stage checks ids against it)
         self.stats: Counter = Counter()
         self.start_check: StartCheck | None = None
