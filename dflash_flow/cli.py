@@ -318,6 +318,26 @@ def regenerate(
                                         server_only=[k for k, v in given.items() if v]))
 
 
+@app.command(name="serve-target")
+def serve_target(
+    file: Path = typer.Argument(..., help="Pipeline YAML file (its model: section names the target and its layers)."),
+    tp: int = typer.Option(1, "--tp", min=1, help="Tensor parallel size: GPUs per server."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="Port the server listens on."),
+    host: Optional[str] = typer.Option(None, "--host", help="Address to bind (default: vLLM's, all interfaces)."),
+    python: str = typer.Option("python", "--python", help="The Python that has vLLM on the server's node."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="The server's --dtype (default: model.engine.launch.dtype, else auto)."),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", min=16, help="The server's --max-model-len."),
+    set_: Optional[list[str]] = SetOpt,
+) -> None:
+    """Print the exact vLLM server command for the pipeline's target (layer ids mapped, chunked prefill off, our
+    KV connector writing features for model.engine)."""
+    from dflash_flow.app.engine_commands import serve_target_command
+
+    v = _load(file, set_, check_devices=False, check_paths=False)
+    raise typer.Exit(serve_target_command(v, tp=tp, port=port, host=host, python=python, dtype=dtype,
+                                          max_model_len=max_model_len))
+
+
 @app.command(name="import-spool")
 def import_spool(
     spool: Path = typer.Argument(..., help="Spool file left behind when the tracking server was unreachable."),
