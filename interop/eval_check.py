@@ -69,7 +69,7 @@ def write_suites(work: Path, limit: int) -> dict[str, Path]:
 
 def run_eval(args_tail: list[str], out: Path, log_path: Path, env: dict) -> tuple[int, dict | None, float]:
     cmd = ["nice", "-n", "10", sys.executable, "-m", "dflash_flow", "eval", *args_tail, "--out", str(out), "--no-mlflow"]
-    say("running: " + shlex.join(["dflash-flow", *cmd[5:]]))
+    say("running: " + shlex.join(["dflash-flow", *cmd[6:]]))
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
