@@ -379,6 +379,7 @@ def test_a_chat_source_regenerates_through_servers_on_first_use(tmp_path, server
     """ChatSource(regenerate={servers, out_dir}) in a real pipeline: the first run has the servers answer
     every prompt (one of them dies after 3) and trains on the replies, read in input order; the second run
     finds them written and sends no request."""
+    from dflash_flow.app import model_services
     from dflash_flow.core import Graph, Pipeline, RuntimeOptions
     from dflash_flow.stages.sources import ChatSource
 
@@ -388,10 +389,11 @@ def test_a_chat_source_regenerates_through_servers_on_first_use(tmp_path, server
              "concurrency": 2, "max_attempts": 2, "timeout_s": 30}
     for attempt in range(2):
         g = Graph(name="regen", seed=1, runtime=RuntimeOptions(stall_timeout_s=600))
-        g.add("src", ChatSource(paths=[str(tmp_path / "prompts.jsonl")], tokenizer=str(target_dir),
-                                cache_dir=str(tmp_path / "cache"), regenerate=regen,
-                                template_kwargs={"enable_thinking": False}))
-        pipe = Pipeline(g, collect=["src"], check_devices=False, output_dir=tmp_path / f"r{attempt}")
+        g.sections["model"] = {"tokenizer": str(target_dir)}
+        g.add("src", ChatSource(paths=[str(tmp_path / "prompts.jsonl")], cache_dir=str(tmp_path / "cache"),
+                                regenerate=regen, template_kwargs={"enable_thinking": False}))
+        pipe = Pipeline(g, collect=["src"], check_devices=False, output_dir=tmp_path / f"r{attempt}",
+                        services=model_services(g))
         [table] = list(pipe.iterate("src"))
         assert len(table) == 11  # the poisoned row is an error row: a bad record, not a sample
         metrics = pipe.snapshot().stages["src"].replicas[0].metrics
