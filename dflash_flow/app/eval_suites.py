@@ -134,6 +134,9 @@ def eval_suites_command(opts: EvalSuitesOptions) -> int:
                                 headers=headers) for u in opts.servers]
     except EngineError as exc:
         return report_user_error(exc)
+    if len({s.kind for s in servers}) > 1:
+        return report_user_error("--server: " + ", ".join(f"{s.name} is {s.kind}" for s in servers)
+                                 + "; one engine kind at a time (their counts differ)")
     try:
         loaded = _load(opts)
     except (CheckpointError, ValueError, OSError) as exc:

@@ -163,6 +163,14 @@ def test_an_engine_that_disagrees_is_impossible_to_miss(setup, ours, server, tmp
     assert engine_row.split()[1:] == ["4.000", "1.000", "1.000", "1.000"]
 
 
+def test_one_engine_kind_at_a_time(setup, server, tmp_path):
+    drafter, target, suites = setup
+    urls = [server({"kind": kind, "steps": [0]}) for kind in ("vllm", "sglang")]
+    code, _, stderr = invoke("--drafter", str(drafter), "--target", target, "--suite", f"gsm8k={suites['gsm8k']}",
+                             "--out", str(tmp_path / "r.json"), "--server", urls[0], "--server", urls[1], "--no-mlflow")
+    assert code == 2 and f"{urls[0]} is vllm, {urls[1]} is sglang; one engine kind at a time" in stderr
+
+
 def test_sglang_per_request_figures_stand_for_the_counters(setup, ours, server, tmp_path):
     drafter, target, suites = setup
     url = server(scenario(ours[0], kind="sglang"))
