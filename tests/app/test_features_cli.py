@@ -207,3 +207,95 @@ def test_two_torchrun_ranks_build_one_store_equal_to_one_process(tmp_path):
         for sid in a.sample_ids().tolist():
             assert torch.equal(a.row(sid), b.row(sid))
     shutil.rmtree(one)
+
+
+# -- training from the store --------------------------------------------------------------------------------
+
+def _weights(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "drafter" / "model.safetensors"))
+
+
+def _same_bits(a: dict, b: dict) -> bool:
+    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _train_pipeline(tmp: Path, n: int = 24) -> Path:
+    """The small pipeline with what an exact resume needs: checkpoints, recorded batches, two epochs."""
+    path = write_pipeline(tmp, n=n)
+    doc = yaml.safe_load(path.read_text())
+    doc["checkpoint"] = {"every_steps": 2, "keep_last": 2}
+    for st in doc["stages"]:
+        if st["type"] == "DrafterStep":
+            st["config"]["record_batches"] = True
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+OFFLINE = ["--set", "stages.target.cache_features=false", "--set", "model.features.mode=offline"]
+
+
+@pytest.mark.slow
+def test_training_offline_or_hybrid_equals_online_bit_for_bit_and_a_store_of_other_layers_is_refused(tmp_path):
+    pipeline = _train_pipeline(tmp_path)
+    # online, each sample's features computed alone (the cache's rule: what the store holds)
+    r = _cli(["run", str(pipeline), "--set", f"output_dir={tmp_path / 'online'}", "--set",
+              "stages.target.cache_features=true"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = _cli(["features", "build", str(pipeline), "--store", str(tmp_path / "store"), "--dtype", "fp32"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = _cli(["run", str(pipeline), "--set", f"output_dir={tmp_path / 'offline'}", *OFFLINE, "--set",
+              f"model.features.path={tmp_path / 'store'}"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = _cli(["run", str(pipeline), "--set", f"output_dir={tmp_path / 'hybrid'}", "--set", "model.features.mode=hybrid",
+              "--set", "stages.target.cache_features=false", "--set", f"model.features.path={tmp_path / 'hstore'}",
+              "--set", "model.features.ram_budget_mb=0"], tmp_path)  # later epochs read the disk
+    assert r.returncode == 0, r.stderr[-3000:]
+    online = _weights(tmp_path / "online")
+    assert _same_bits(online, _weights(tmp_path / "offline"))
+    assert _same_bits(online, _weights(tmp_path / "hybrid"))
+    with FeatureStore(tmp_path / "hstore", complete=False) as h, FeatureStore(tmp_path / "store") as s:
+        assert h.sample_ids().tolist() == s.sample_ids().tolist()
+        assert all(torch.equal(h.row(i), s.row(i)) for i in s.sample_ids().tolist())
+    r = _cli(["run", str(pipeline), "--set", f"output_dir={tmp_path / 'other'}", *OFFLINE, "--set",
+              f"model.features.path={tmp_path / 'store'}", "--set", "model.target_layer_ids=[1, 6]"], tmp_path)
+    assert r.returncode == 2
+    errors = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and "was built for another layer_ids (layer_ids: store [1, 5] vs this pipeline [1, 6])" in errors[0]
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_epoch_resumes_from_the_store_exactly(tmp_path):
+    import signal
+    import time
+
+    pipeline = _train_pipeline(tmp_path, n=32)
+    store = ["--set", f"model.features.path={tmp_path / 'store'}"]
+    assert _cli(["features", "build", str(pipeline), "--store", str(tmp_path / "store")], tmp_path).returncode == 0
+    ref = tmp_path / "ref"
+    r = _cli(["run", str(pipeline), "--set", f"output_dir={ref}", *OFFLINE, *store], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = (ref / "batches.jsonl").read_text().splitlines()
+    out = tmp_path / "killed"
+    kill_at = len(lines) // 2 - 1  # mid first epoch... or just past it: either way mid-run
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, "-m", "dflash_flow.cli", "run", str(pipeline), "--set", f"output_dir={out}", *OFFLINE, *store]
+    with open(tmp_path / "first.log", "w") as log:
+        proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            batches = out / "batches.jsonl"
+            if batches.exists() and batches.read_text().count("\n") >= kill_at:
+                break
+            time.sleep(0.01)
+        assert proc.poll() is None, "the run ended before the kill: " + (tmp_path / "first.log").read_text()[-2000:]
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    r = _cli(["run", str(pipeline), "--set", f"output_dir={out}", *OFFLINE, *store, "--resume", "latest"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming from" in r.stdout + r.stderr
+    assert _same_bits(_weights(ref), _weights(out))
