@@ -117,6 +117,7 @@ def eval_suites_command(opts: EvalSuitesOptions) -> int:
     from dflash_flow.core.errors import CheckpointError
     from dflash_flow.data.reports import DataError
     from dflash_flow.data.suites import parse_suite_args, read_suite
+    from dflash_flow.engine.launch import LaunchError
 
     from .eval_engine import EngineError, EngineServer
 
@@ -146,9 +147,9 @@ def eval_suites_command(opts: EvalSuitesOptions) -> int:
         if opts.launch_vllm:  # started now: it warms up while we decode in process
             local = _launch(opts, loaded)
         results = _measure(opts, loaded, suites, prompts, servers, local)
-    except EngineError as exc:
+    except (EngineError, LaunchError) as exc:
         return report_user_error(exc)
-    except (ValueError, DataError) as exc:  # ContextTooLong, CounterReset, LaunchError: the input or the server
+    except (ValueError, DataError) as exc:  # ContextTooLong, CounterReset: the input or the server
         return report_user_error(exc)
     finally:
         if local is not None:
