@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from dflash_flow.util import atomic_path, atomic_write_text
+
 JOURNAL_SUFFIX = ".regen-journal"
 
 
@@ -163,11 +165,8 @@ class OutputWriter:
                 f = self._rewrite_without_errors(f)
             st = os.fstat(f.fileno())
             f.seek(0, os.SEEK_END)
-            j = journal_path(self.out)
-            tmp = j.with_name(j.name + ".tmp")
-            tmp.write_text(json.dumps({"dev": st.st_dev, "ino": st.st_ino, "from": f.tell(), "pid": os.getpid()})
-                           + "\n")
-            os.replace(tmp, j)
+            atomic_write_text(journal_path(self.out), json.dumps(
+                {"dev": st.st_dev, "ino": st.st_ino, "from": f.tell(), "pid": os.getpid()}) + "\n")
         except BaseException:
             f.close()
             raise
@@ -177,16 +176,12 @@ class OutputWriter:
     def _rewrite_without_errors(self, f):
         """The output without its ``finish_reason: "error"`` rows, written beside it and renamed over it
         (atomic), then locked again."""
-        tmp = self.out.with_name(self.out.name + ".tmp")
-        with open(self.out, "rb") as src, open(tmp, "wb") as t:
+        with atomic_path(self.out) as tmp, open(self.out, "rb") as src, open(tmp, "wb") as t:
             for line in src:  # streamed, like the scan
                 if line.strip() and json.loads(line).get("finish_reason") == "error":
                     self.dropped += 1
                     continue
                 t.write(line)
-            t.flush()
-            os.fsync(t.fileno())
-        os.replace(tmp, self.out)
         f.close()
         f = open(self.out, "ab")
         _lock(f, self.out)
@@ -248,10 +243,8 @@ def write_in_input_order(prompts: str | Path, work: str | Path, final: str | Pat
             if line.strip():
                 offsets[str(json.loads(line)["id"])] = pos
             pos += len(line)
-    final = Path(final)
-    tmp = final.with_name(final.name + ".tmp")
     n = 0
-    with open(work, "rb") as src, open(tmp, "wb") as out:
+    with atomic_path(final) as tmp, open(work, "rb") as src, open(tmp, "wb") as out:
         for rid, _rec in read_prompts(prompts):
             at = offsets.get(str(rid))
             if at is None:
@@ -259,7 +252,4 @@ def write_in_input_order(prompts: str | Path, work: str | Path, final: str | Pat
             src.seek(at)
             out.write(src.readline())
             n += 1
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, final)
     return n
