@@ -147,7 +147,8 @@ def run(
     max_restarts: int = typer.Option(0, "--max-restarts", min=0, help="With --nproc: torchrun restarts (use --resume auto)."),
 ) -> None:
     """Run a pipeline (in this process, or under torchrun with --nproc)."""
-    _sigterm_as_interrupt()
+    from dflash_flow.core.stopping import controller
+
     _guard_console()
     v = _load(file, set_, local_world_size=nproc)
     if nproc is not None:
@@ -156,32 +157,18 @@ def run(
         output_dir = v.graph.run_dir
         world = nproc * (int(str(nnodes).split(":")[-1]) if str(nnodes).split(":")[-1].isdigit() else 1)
         tracking = v.graph.sections["tracking"]
-        raise typer.Exit(launch(file, output_dir, world_size=world, nproc=nproc, nnodes=nnodes,
-                                tracking_uri=tracking.tracking_uri if tracking.enabled else None,
-                                rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts,
-                                overrides=set_ or [], resume=resume, extend=extend))
+        code = launch(file, output_dir, world_size=world, nproc=nproc, nnodes=nnodes,
+                      tracking_uri=tracking.tracking_uri if tracking.enabled else None,
+                      rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts,
+                      overrides=set_ or [], resume=resume, extend=extend)
+        controller().decide(code)
+        raise typer.Exit(code)
     from dflash_flow.app.session import run_validated
 
     code = run_validated(v, config_path=file, resume=resume, overrides=set_ or [], extend=extend).exit_code
-    _DECIDED[0] = code  # a signal from here on ends the process with this code (the status already written)
+    controller().decide(code)  # a signal from here on ends the process with this code (the status is written)
     _exit_now_if_threads_stuck(code)
     raise typer.Exit(code)
-
-
-def _sigterm_as_interrupt() -> None:
-    """SIGTERM is handled like Ctrl-C for the whole command, not only while the pipeline runs: a SIGTERM
-    during start-up (imports, tracker, model loading) then still ends in exit 130 and a KILLED run,
-    instead of the default action (death without marking the MLflow run)."""
-    import signal
-    import threading
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _raise_interrupt)
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: KeyboardInterrupt, as Python's default
-
-
-def _raise_interrupt(signum, frame):  # noqa: ARG001
-    raise KeyboardInterrupt()
 
 
 def _exit_now_if_threads_stuck(code: int) -> None:
@@ -366,7 +353,6 @@ def profile(
     """Run N trainer steps and show where the time goes: per-replica load, items/s, queues, bottleneck."""
     from dflash_flow.app.profile import profile_command
 
-    _sigterm_as_interrupt()
     _guard_console()
     v = _load(file, set_)
     if out is not None:  # checked now, not after the whole profile has run
@@ -445,68 +431,17 @@ def features_check(
                                             tolerance=tolerance, limit=limit, digests=digests, device=device))
 
 
-def _exit_interrupted_on_late_signals() -> None:
-    """Once the command has decided how it ends, a late SIGINT/SIGTERM (while the interpreter shuts down:
-    library exit hooks, thread joins) ends the process at once, never with the signal's default death
-    (-15) or a traceback from whatever exit hook it landed in: with the code the run decided (its status is
-    written already: summary.json and MLflow say the same), else 130."""
-    import contextlib
-    import os
-    import signal
-    import threading
-
-    def now(signum, frame):  # noqa: ARG001
-        with contextlib.suppress(OSError, ValueError):
-            sys.stdout.flush()
-        with contextlib.suppress(OSError, ValueError):
-            sys.stderr.flush()
-        os._exit(130 if _DECIDED[0] is None else _DECIDED[0])
-
-    def ignore() -> None:
-        # Registered first, so the last exit hook: Python resets handlers to the default death right after
-        # the hooks, while it still tears modules down; ignored signals stay ignored through that teardown.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-    global _LATE_HOOK
-    _forget_handled_interrupt()
-    if threading.current_thread() is threading.main_thread():
-        if not _LATE_HOOK:
-            import atexit
-
-            atexit.register(ignore)
-            _LATE_HOOK = True
-        signal.signal(signal.SIGINT, now)
-        signal.signal(signal.SIGTERM, now)
-
-
-_LATE_HOOK = False
-_DECIDED: list[int | None] = [None]  # the exit code `run` decided, once its status is written
-
-
-def _forget_handled_interrupt() -> None:
-    """A Ctrl-C/SIGTERM that landed inside code a C extension ran through ``PyRun_String`` leaves CPython's
-    "unhandled KeyboardInterrupt" flag set even after we handled it; under ``python -m`` (torchrun starts
-    ranks that way) the interpreter then dies by SIGINT (-2) instead of exiting with our code. Running an
-    empty string through the same C entry point clears that flag (it is reset at every such call)."""
-    if sys.implementation.name != "cpython":
-        return
-    try:
-        import ctypes
-
-        ctypes.pythonapi.PyRun_SimpleString(b"")
-    except (ImportError, AttributeError, OSError):  # pragma: no cover - no ctypes or no C API
-        pass
-
-
 def main() -> None:
-    _sigterm_as_interrupt()
+    from dflash_flow.core.stopping import controller
+
+    stopping = controller()
+    stopping.install()  # the process's signal handlers, from its first line to its exit (core.stopping)
     try:
         app()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a stop signal (Ctrl-C, SIGTERM, SIGHUP) before the command handled it
         sys.exit(130)
     finally:
-        _exit_interrupted_on_late_signals()
+        stopping.end_process()
 
 
 if __name__ == "__main__":

@@ -55,17 +55,26 @@ class CheckpointService:
     (``stage_states``, the pipeline's) and writes it. ``last_path`` is what the application reports.
     """
 
-    def __init__(self, checkpointer: Checkpointer, policy: Any, stage_states: Any = None, dist: Any = None) -> None:
+    def __init__(self, checkpointer: Checkpointer, policy: Any, *, stage_states: Any = None, dist: Any = None,
+                 tracker: Any = None, before_commit: Any = None, elapsed_s: Any = None) -> None:
         self.checkpointer = checkpointer
         self.policy = policy
         self.on_signal = bool(policy.on_signal)
-        self.stage_states = stage_states  # () -> {stage: [state per replica]}; set once the pipeline exists
+        # () -> {stage: [state per replica]}: the running pipeline's, asked at each save (the service is built
+        # before the pipeline, which gets its services complete).
+        self.stage_states = stage_states
         self.dist = dist  # app.distributed.Distributed under torchrun: rank 0 writes, every rank waits
-        self.last_path: Path | None = None
+        # The run's tracker: its run id is asked at each save (it creates its run late when the store was
+        # unreachable at the start).
+        self.tracker = tracker
         # (step) -> None, called by the writing rank before a checkpoint of ``step`` is written: the
         # application puts the metrics of every step up to it into MLflow first (session.flush_tracking),
         # so that a run killed after the checkpoint has, after its resume, each step's metrics exactly once.
-        self.before_commit: Any = None
+        self.before_commit = before_commit
+        # () -> seconds the run has run, the runs it resumes included: state.json's ``extra.elapsed_s``,
+        # where a resumed run's clock goes on from.
+        self.elapsed_s = elapsed_s
+        self.last_path: Path | None = None
 
     def due(self, step: int, epoch_end: bool) -> bool:
         every = self.policy.every_steps
@@ -86,6 +95,8 @@ class CheckpointService:
         the ranks' data positions are gathered, rank 0 writes once, and nobody goes on before it is done."""
         payload = source.checkpoint_payload(epoch_end)
         extra = dict(payload.extra)
+        if self.elapsed_s is not None:
+            extra["elapsed_s"] = round(float(self.elapsed_s()), 3)
         if self.dist is not None:
             positions = self.dist.all_gather_object(payload.data_position)
             extra.update(world_size=self.dist.world_size, data_positions=positions)
@@ -107,6 +118,7 @@ class CheckpointService:
                 stage_states=states,
                 extra=extra,
                 files=payload.files,
+                mlflow_run_id=self.tracker.run_id if self.tracker is not None else None,
             )
         finally:
             if self.dist is not None:

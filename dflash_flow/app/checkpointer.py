@@ -101,9 +101,7 @@ class Checkpointer:
         self.run_uid = run_uid or new_run_uid()
         self.data_files = dict(data_files or {})
         self.root = Path(root) if root is not None else None
-        self.mlflow_run_id: str | None = None
-        # The tracker may create its run late (store unreachable at start): ask it at save time.
-        self.tracker: Any = None  # observe.tracking.Tracker, once the run has one
+        self.mlflow_run_id: str | None = None  # recorded when a save names none
 
     # -- writing ------------------------------------------------------------------------------------
     def save(
@@ -117,6 +115,7 @@ class Checkpointer:
         stage_states: dict[str, list[dict[str, Any]]] | None = None,
         extra: dict[str, Any] | None = None,
         files: dict[str, str] | None = None,
+        mlflow_run_id: str | None = None,
     ) -> Path:
         """Write one checkpoint. ``files`` adds small text files (e.g. the drafter's ``config.json``, which
         makes the checkpoint directory loadable by ``dflash-flow export``). A write that fails (a full disk,
@@ -132,7 +131,8 @@ class Checkpointer:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._check_contained()
-            path = self._write(final, step, epoch, tensors, optimizer_state, data_position, stage_states, extra, files)
+            path = self._write(final, step, epoch, tensors, optimizer_state, data_position, stage_states, extra, files,
+                               mlflow_run_id or self.mlflow_run_id)
         except OSError as exc:
             raise CheckpointError(
                 f"cannot write checkpoint {final}: {exc.strerror or exc}; the earlier checkpoints are intact"
@@ -147,7 +147,8 @@ class Checkpointer:
                 f"{os.path.realpath(self.dir)}); the run writes only inside its output directory"
             )
 
-    def _write(self, final, step, epoch, tensors, optimizer_state, data_position, stage_states, extra, files) -> Path:
+    def _write(self, final, step, epoch, tensors, optimizer_state, data_position, stage_states, extra, files,
+               mlflow_run_id) -> Path:
         import torch
 
         from dflash_flow.model.export import write_safetensors
@@ -162,7 +163,7 @@ class Checkpointer:
                 "epoch": epoch,
                 "data_position": data_position,
                 "stage_states": stage_states or {},
-                "mlflow_run_id": (self.tracker.run_id if self.tracker is not None else None) or self.mlflow_run_id,
+                "mlflow_run_id": mlflow_run_id,
                 "config_hash": self.config_hash,
                 "settings": self.settings,
                 "checkpoint_dir": os.path.realpath(self.dir),

@@ -89,7 +89,9 @@ def end_of_run(pipeline, services, outcome: Any, output_dir: Path, late: Any = N
     snapshot = pipeline.snapshot()
     summary = {
         "status": outcome.status,
-        "elapsed_s": snapshot.elapsed_s,
+        # The run's clock: a resumed run goes on from its checkpoint's (``elapsed_resumed_s`` of it).
+        "elapsed_s": services.record.elapsed_before_s + snapshot.elapsed_s,
+        "elapsed_resumed_s": services.record.elapsed_before_s,
         "error": outcome.error,
         "stages": {
             name: {"replicas": len(st.replicas), **{k: round(v, 4) for k, v in st.fractions().items()},

@@ -6,17 +6,26 @@ through, and afterwards reads each rank's outcome record (written into a folder 
 ``$DFLASH_FLOW_OUTCOME_DIR``) to name the rank where the fault was, with its stage and error, in one line:
 the earliest failure that is not a lost connection to a failed peer. A rank that died without writing
 one (SIGKILL, OOM) is named too.
+
+Stop signals (Ctrl-C, SIGTERM, a closed terminal's SIGHUP) reach this launcher only: torchrun runs in a
+session of its own, and its workers in theirs. The launcher hands the first one to torchrun, which hands
+it to every rank (each checkpoints and stops, as in one process); a second goes straight to the ranks
+still running (they force their stop), since torchrun, already stopping its workers, would die of it and
+leave them behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from dflash_flow.app.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USER_ERROR
+from dflash_flow.core.stopping import StopSignal, controller
 
 
 def torchrun_command(
@@ -130,7 +139,6 @@ def mark_failed(tracking_uri: str | None, outcomes: dict[int, dict]) -> None:
 
 def launch(file: Path, output_dir: Path, *, world_size: int, tracking_uri: str | None = None, **kwargs) -> int:
     """Run torchrun in the foreground and return the job's exit code (see the module docstring)."""
-    import os
     import tempfile
 
     multi_node = str(kwargs.get("nnodes", "1")) != "1"
@@ -139,12 +147,9 @@ def launch(file: Path, output_dir: Path, *, world_size: int, tracking_uri: str |
         # when a rank refuses to start before the output directory exists.
         env = {**os.environ, OUTCOME_DIR_ENV: folder}
         cmd = torchrun_command(file, **kwargs)
-        proc = subprocess.Popen(cmd, env=env)
-        try:
-            returncode = proc.wait()
-        except KeyboardInterrupt:
-            proc.send_signal(signal.SIGINT)  # torchrun forwards it to the workers, which checkpoint and stop
-            returncode = proc.wait()
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        returncode = _wait_handing_on_stops(proc, Path(folder))
+        controller().enter_ending()  # the job ended: a signal no longer cuts its summary (or the FAILED mark) short
         outcomes = rank_outcomes(Path(folder))
     # On several nodes this launcher sees only its own node's ranks, whichever global ranks they are.
     ranks = sorted(outcomes) if multi_node else list(range(world_size))
@@ -162,3 +167,48 @@ def launch(file: Path, output_dir: Path, *, world_size: int, tracking_uri: str |
         return EXIT_OK
     codes = {rec.get("code") for rec in outcomes.values()}
     return EXIT_INTERRUPTED if codes == {EXIT_INTERRUPTED} else (max(c for c in codes if c) if codes - {0, None} else EXIT_FAILED)
+
+
+def _wait_handing_on_stops(proc: subprocess.Popen, folder: Path) -> int:
+    """torchrun's exit code. Each stop signal this launcher gets (a StopSignal raised in the wait) is handed
+    on once: the first to torchrun, later ones to the ranks still running."""
+    received: list[int] = []
+    handed = 0
+    while True:
+        try:
+            with controller().hold():  # a signal meanwhile is handed on in its turn, never twice
+                while handed < len(received):
+                    _hand_on(proc, folder, received[handed], first=handed == 0)
+                    handed += 1
+            return proc.wait()
+        except KeyboardInterrupt as exc:
+            received.append(exc.signum if isinstance(exc, StopSignal) else signal.SIGINT)
+
+
+def _hand_on(proc: subprocess.Popen, folder: Path, sig: int, *, first: bool) -> None:
+    if first:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(sig)  # torchrun hands it to every worker: each checkpoints and stops
+        return
+    for pid in running_ranks(folder, proc.pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def running_ranks(folder: Path, parent: int) -> list[int]:
+    """The processes of the ranks whose record still says RUNNING and that are ``parent``'s children (a pid
+    that died and was reused by another process is never signalled)."""
+    pids = []
+    for rec in rank_outcomes(folder).values():
+        pid = rec.get("pid")
+        if rec.get("status") == "RUNNING" and isinstance(pid, int) and _parent_of(pid) == parent:
+            pids.append(pid)
+    return pids
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2:].split()[1])  # after "pid (comm) state": the parent's pid
+    except (OSError, ValueError, IndexError):
+        return None

@@ -10,7 +10,6 @@ thread watches for lack of progress and names the stalled stage.
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
 import warnings
@@ -30,13 +29,10 @@ from .replica import main as replica_main
 from .sampler import Sampler
 from .snapshot import RuntimeSnapshot, StageSnapshot
 from .stage import StageContext
+from .stopping import StopController, StopSignal, controller
 from .validate import Validated, validated
 from .watchdog import watch
 from .wiring import wire
-
-
-class _Terminate(KeyboardInterrupt):
-    """SIGTERM, delivered like Ctrl-C."""
 
 
 class RuntimeView:
@@ -202,34 +198,46 @@ class Pipeline:
         return list(self._warnings)
 
     def run(self) -> RunResult:
-        """Run to completion. Raises StageError, PipelineStalled or PipelineInterrupted."""
+        """Run to completion. Raises StageError, PipelineStalled or PipelineInterrupted. Stop signals are the
+        process's stop controller's (``core.stopping``): in this wait the first stops, the next force."""
         if self._collect:
             raise RuntimeError("this pipeline collects outputs; use iterate()")
-        main = threading.current_thread() is threading.main_thread()
-        previous = None
-        if main:
-            previous = signal.getsignal(signal.SIGTERM)
-            signal.signal(signal.SIGTERM, _raise_terminate)
-        try:
-            self._start()
-            interrupts = 0
-            while not self._wake.is_set():
-                try:
-                    self._wake.wait()
-                except KeyboardInterrupt as exc:
-                    interrupts += 1
-                    reason = "SIGTERM" if isinstance(exc, _Terminate) else "SIGINT"
-                    if interrupts == 1:
-                        self.stop(reason)
-                    else:
-                        self.cancel(reason)
-        finally:
+        with controller().running() as stopping:
             try:
-                self._shutdown()
+                received: list[BaseException] = []
+                try:
+                    self._start()
+                except KeyboardInterrupt as exc:
+                    if self._watchdog is None:
+                        raise  # during the stage imports (preload): nothing runs yet
+                    received.append(exc)
+                self._supervise(stopping, received)
             finally:
-                if main and previous is not None:
-                    signal.signal(signal.SIGTERM, previous)
+                stopping.wind_down()
+                self._shutdown()
         return self._result()
+
+    def _supervise(self, stopping: StopController, received: list[BaseException]) -> None:
+        """Wait until every thread ended or the run was cancelled. A stop signal lands in the wait (a StopSignal,
+        or the KeyboardInterrupt of a program's own SIGINT handler): the first drains, the next cancel. Each is
+        acted on under a hold, so that one arriving meanwhile waits for its turn instead of being lost."""
+        acted = 0
+        while received or not self._wake.is_set():
+            try:
+                with stopping.hold():
+                    if received:
+                        exc = received.pop(0)
+                        acted += 1
+                        reason = exc.name if isinstance(exc, StopSignal) else "SIGINT"
+                        if acted == 1:
+                            self.stop(reason)
+                        else:
+                            self.cancel(reason)
+                        stopping.announce_stop(reason, forced=acted > 1)
+                if not received:
+                    self._wake.wait()
+            except KeyboardInterrupt as exc:
+                received.append(exc)
 
     def iterate(self, stage: str | None = None) -> Iterator[Any]:
         """Yield the outputs of ``stage`` (declared in ``collect``) in the calling thread."""
@@ -360,23 +368,26 @@ class Pipeline:
                 self._errors.append(err)
                 self._finished = True
                 raise err from exc
-        self._start_time = time.monotonic()
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        all_reps = [r for reps in self.replicas.values() for r in reps]
-        self._running = len(all_reps)
-        for rep in all_reps:
-            # Joined on every path (_shutdown); a daemon only so that one stuck in a stage's own code past the
-            # grace period (abandoned, named in the error) does not keep the interpreter from exiting.
-            rep.thread = threading.Thread(
-                target=replica_main, args=(rep, self), name=f"dflash-flow:{rep.label}", daemon=True
-            )
-        self.sampler.start()
-        for rep in all_reps:
-            rep.thread.start()
-        self._watchdog = threading.Thread(
-            target=watch, args=(self.replicas, self.graph.runtime, self._watch_should_end, lambda: self._cancelled,
-                                self._on_stall), name="dflash-flow:supervisor", daemon=False)
-        self._watchdog.start()
+        # The threads start together: a stop signal meanwhile is held until they all run (the supervisor then
+        # stops them as it would any time later), never raised with half of them started.
+        with controller().hold():
+            self._start_time = time.monotonic()
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            all_reps = [r for reps in self.replicas.values() for r in reps]
+            self._running = len(all_reps)
+            for rep in all_reps:
+                # Joined on every path (_shutdown); a daemon only so that one stuck in a stage's own code past the
+                # grace period (abandoned, named in the error) does not keep the interpreter from exiting.
+                rep.thread = threading.Thread(
+                    target=replica_main, args=(rep, self), name=f"dflash-flow:{rep.label}", daemon=True
+                )
+            self.sampler.start()
+            for rep in all_reps:
+                rep.thread.start()
+            self._watchdog = threading.Thread(
+                target=watch, args=(self.replicas, self.graph.runtime, self._watch_should_end, lambda: self._cancelled,
+                                    self._on_stall), name="dflash-flow:supervisor", daemon=False)
+            self._watchdog.start()
 
     def fail(self, rep: Replica, phase: str, exc: BaseException) -> None:
         err = StageError(rep.name, rep.index, phase, exc)
@@ -501,7 +512,3 @@ class Pipeline:
     @property
     def errors(self) -> list[StageError]:
         return list(self._errors)
-
-
-def _raise_terminate(signum, frame):  # noqa: ARG001
-    raise _Terminate()

@@ -16,8 +16,9 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
-# A reader that went away: the pipe's other end is closed (``run ... | head``), or a socket was shut down.
-_GONE_ERRNOS = frozenset({errno.EPIPE, errno.ESHUTDOWN, errno.ECONNRESET})
+# A reader that went away: the pipe's other end is closed (``run ... | head``), a socket was shut down, or the
+# terminal hung up (a closed window, a dropped SSH session: its writes answer EIO after the SIGHUP).
+_GONE_ERRNOS = frozenset({errno.EPIPE, errno.ESHUTDOWN, errno.ECONNRESET, errno.EIO})
 
 
 class PipeSafeStream:

@@ -5,11 +5,11 @@ batches; ops leave the spool only once the store accepted them. ``tracking`` exp
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
 import time
 from pathlib import Path
+
+from dflash_flow.core.stopping import controller as stop_controller
 
 from .runinfo import MAX_METRICS_PER_BATCH
 from .spool import SpoolFile
@@ -46,7 +46,9 @@ class SpooledDelivery:
 
     def _send(self, op: dict) -> None:
         timeout = self.artifact_timeout_s if op["op"] == "artifact" else self.http_timeout_s
-        with ctrl_c_after_write(), bounded_http(self.tracking_uri or "", timeout, self.http_max_retries):
+        # A KeyboardInterrupt inside a sqlite transaction would leave it open and the database locked (the
+        # run's final status could never be written): a stop signal waits until the write is done.
+        with stop_controller().hold(), bounded_http(self.tracking_uri or "", timeout, self.http_max_retries):
             apply_op(self._client, op, self._state)
 
     def _enter_spool(self, ops: list[dict], exc: BaseException) -> None:
@@ -164,33 +166,5 @@ class SpooledDelivery:
         except OSError as exc:
             log.warning("could not stash artifact %s for later upload: %s", op.get("path"), exc)
             return op
-
-
-
-@contextlib.contextmanager
-def ctrl_c_after_write():
-    """Hold Ctrl-C until the store write in progress has finished. A KeyboardInterrupt raised inside a
-    sqlite transaction leaves it open with the database locked, so the run's final status could never be
-    written (it stayed RUNNING). Only where Python's default SIGINT handler is installed on the main
-    thread (a program using the Tracker directly); pipeline runs handle signals themselves."""
-    import signal
-
-    if threading.current_thread() is not threading.main_thread() or (
-        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    ):
-        yield
-        return
-    received: list[int] = []
-    signal.signal(signal.SIGINT, lambda signum, _frame: received.append(signum))
-    try:
-        yield
-    except BaseException as exc:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        if received:
-            raise KeyboardInterrupt from exc
-        raise
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    if received:
-        raise KeyboardInterrupt
 
 

@@ -102,6 +102,8 @@ class _StatusLine:
                     shown, console=self.console, auto_refresh=False, redirect_stdout=False, redirect_stderr=False
                 )
                 self._live.start(refresh=True)
+                with _ON_SCREEN_LOCK:
+                    _ON_SCREEN.append(self)
             else:
                 self._live.update(shown, refresh=True)
         else:
@@ -122,9 +124,32 @@ class _StatusLine:
                 return False
             self.closed = True
             if self._live is not None:
+                with _ON_SCREEN_LOCK:
+                    if self in _ON_SCREEN:
+                        _ON_SCREEN.remove(self)
                 self._live.stop()
                 self.stream.flush()
             return True
+
+
+# The live status lines on a terminal now, newest last: ``notice`` prints above the newest.
+_ON_SCREEN: list[_StatusLine] = []
+_ON_SCREEN_LOCK = threading.Lock()
+
+
+def notice(text: str) -> None:
+    """One line on stderr at once (e.g. what a stop signal does): above the live status line when one is
+    on screen (a plain print would be drawn over at its next refresh). A console that is gone is ignored."""
+    with _ON_SCREEN_LOCK:
+        line = _ON_SCREEN[-1] if _ON_SCREEN else None
+    try:
+        if line is not None:
+            line.message(text)
+        else:
+            sys.stderr.write(text + "\n")
+            sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
 
 
 class ProgressPrinter:
@@ -145,10 +170,13 @@ class ProgressPrinter:
         tty_interval_s: float = 0.2,
         width: int | None = None,
         clock=time.monotonic,
+        elapsed_before_s: float = 0.0,
     ) -> None:
         self._line = _StatusLine(stream, tty=tty, width=width, interval_s=interval_s, tty_interval_s=tty_interval_s)
         self.total_steps = total_steps
         self._clock = clock
+        # A resumed run's clock goes on from its checkpoint's (``RunRecord.elapsed_before_s``).
+        self.elapsed_before_s = float(elapsed_before_s)
         self._t0: float | None = None
         self._step0 = 0
 
@@ -235,7 +263,7 @@ class ProgressPrinter:
                 loss=loss,
                 eta_s=eta_s if eta_s is not None else self.eta_s(step, now),
                 bottleneck=bottleneck,
-                elapsed_s=now - self._t0,
+                elapsed_s=self.elapsed_before_s + now - self._t0,
                 extra=extra,
             )
             self._line.draw(line, now)
@@ -249,7 +277,7 @@ class ProgressPrinter:
             if self._line.closed or not self._line.due(now, force):
                 return False
             if self._t0 is not None and not self.tty:
-                text = f"[{format_duration(now - self._t0):>6}] {text}"
+                text = f"[{format_duration(self.elapsed_before_s + now - self._t0):>6}] {text}"
             self._line.draw(text, now)
             return True
 

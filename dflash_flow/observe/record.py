@@ -140,6 +140,9 @@ class RunRecord:
     bottleneck: Bottleneck | None = None  # the latest verdict; after the Monitor's finish, the whole run's
     total_steps: int | None = None
     plots: bool = True  # whether the run asked for plots (the Monitor's ``plots`` option)
+    # Seconds the runs this one resumes had run (their checkpoint's clock): the run's elapsed time goes on
+    # from there on the progress lines and in summary.json.
+    elapsed_before_s: float = 0.0
     _epoch_means: dict[int, dict[str, _Mean]] = attrs.field(factory=dict, init=False, repr=False)
     _epoch_positions: dict[int, list[_Mean]] = attrs.field(factory=dict, init=False, repr=False)
     # The hand-off that puts a step's metrics in MLflow before a checkpoint of that step commits: the

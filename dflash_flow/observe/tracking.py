@@ -54,7 +54,6 @@ from typing import Any
 import attrs
 
 from .delivery import SpooledDelivery
-from .delivery import ctrl_c_after_write as _ctrl_c_after_write  # noqa: F401 - the tests hold Ctrl-C through it
 from .runinfo import (
     MAX_METRICS_PER_BATCH,
     MAX_PARAMS_TAGS_PER_BATCH,

@@ -69,7 +69,8 @@ class Monitor(Stage):
         self._window: list[list[float]] = []  # per block slot: [sum, count] over the sampling window
         self._open_epoch: tuple[int, int] | None = None  # (epoch, its last step) whose mean is not logged yet
         self._printer = (
-            ProgressPrinter(sys.stderr, total_steps=self.total_steps, interval_s=self.progress_interval_s or self.interval_s)
+            ProgressPrinter(sys.stderr, total_steps=self.total_steps, interval_s=self.progress_interval_s or self.interval_s,
+                            elapsed_before_s=self._record.elapsed_before_s)
             if self.progress and self._main
             else None
         )

@@ -1,4 +1,4 @@
-"""Ctrl-C and SIGTERM against a real pipeline process: prompt, clean exit with PipelineInterrupted."""
+"""Ctrl-C, SIGTERM and SIGHUP against a real pipeline process: prompt, clean exit with PipelineInterrupted."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def _finish(proc: subprocess.Popen, timeout: float = 10.0) -> tuple[int, str, st
     return proc.returncode, out, err
 
 
-@pytest.mark.parametrize("sig,reason", [(signal.SIGINT, "SIGINT"), (signal.SIGTERM, "SIGTERM")])
+@pytest.mark.parametrize("sig,reason", [(signal.SIGINT, "SIGINT"), (signal.SIGTERM, "SIGTERM"), (signal.SIGHUP, "SIGHUP")])
 def test_signal_stops_a_running_pipeline_cleanly(tmp_path, sig, reason):
     proc = _start(tmp_path, 0.002)
     time.sleep(0.2)

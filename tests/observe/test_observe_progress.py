@@ -215,3 +215,55 @@ def test_other_write_errors_still_raise():
 
     with pytest.raises(OSError, match="No space"):
         PipeSafeStream(Full()).write("x")
+
+
+def test_a_hung_up_terminal_stops_printing_and_never_raises():
+    """A closed terminal window or a dropped SSH session: the terminal answers EIO to every write after
+    the hang-up (a real pseudo-terminal whose other side closed). Printing stops; nothing raises."""
+    import os
+    import pty
+
+    from dflash_flow.observe.console import PipeSafeStream
+
+    master, slave = pty.openpty()
+    raw = os.fdopen(slave, "w", buffering=1)
+    stream = PipeSafeStream(raw)
+    p = ProgressPrinter(stream, total_steps=10, interval_s=0.0, tty=False)
+    p.update(1)
+    assert os.read(master, 4096).startswith(b"[")
+    os.close(master)
+    for step in range(2, 6):
+        p.update(step, loss=0.5)
+        p.message("checkpoint saved")
+    p.close()
+    assert stream.reader_gone
+    raw.close()
+
+
+def test_a_resumed_run_s_clock_goes_on_from_its_checkpoint():
+    """``elapsed_before_s``: the seconds the resumed runs had run (RunRecord.elapsed_before_s, from the
+    checkpoint): the log lines' clock starts there, the rate and the ETA are this run's."""
+    out, clock = io.StringIO(), Clock()
+    p = ProgressPrinter(out, total_steps=100, interval_s=30, clock=clock, elapsed_before_s=940.0)
+    p.update(40)
+    clock.t += 30.0
+    p.update(70)
+    p.show("evaluating", force=True)
+    p.close()
+    assert out.getvalue().splitlines() == ["[15m40s] step 40/100 | ETA ?", "[16m10s] step 70/100 | ETA 30s",
+                                           "[16m10s] evaluating"]
+
+
+def test_a_notice_is_printed_at_once_above_the_live_line(capsys):
+    from dflash_flow.observe.progress import notice
+
+    out, clock = TtyStream(), Clock()
+    p = ProgressPrinter(out, total_steps=10, width=80, clock=clock)
+    p.update(3, loss=1.0)
+    notice("stopping after the batch in flight (Ctrl-C again to force)")
+    text = ANSI.sub("", out.getvalue())
+    assert "stopping after the batch in flight (Ctrl-C again to force)\n" in text
+    assert text.split("\n")[-1].replace("\r", "").startswith("step 3/10"), "the line is redrawn below the notice"
+    p.close()
+    notice("no live line now")  # nothing on screen: a plain line on stderr
+    assert capsys.readouterr().err == "no live line now\n"

@@ -543,11 +543,11 @@ def test_import_into_a_server_that_is_down_is_one_line_without_credentials(tmp_p
 def test_ctrl_c_waits_for_the_store_write_in_progress():
     """Ctrl-C inside a store write is held until the write is done (a KeyboardInterrupt inside a sqlite
     transaction left the database locked and the run RUNNING), then raised."""
-    from dflash_flow.observe.tracking import _ctrl_c_after_write
+    from dflash_flow.core.stopping import controller
 
     done = []
     with pytest.raises(KeyboardInterrupt):
-        with _ctrl_c_after_write():
+        with controller().hold():  # what every store write of the tracker is wrapped in (observe.delivery)
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.05)  # the handler has run by now: a plain KeyboardInterrupt would have come here
             done.append("write finished")

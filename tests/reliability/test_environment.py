@@ -122,7 +122,7 @@ def make_checkpoint(directory: Path, step: int, *, config_hash: str, data_files:
 def config_hash_of(args: list) -> str:
     """The resume hash of the pipeline a `run` command line describes (file plus --set overrides)."""
     import dflash_flow.app  # noqa: F401 - the application sections
-    from dflash_flow.app.session import resume_config_hash
+    from dflash_flow.app.prepare import resume_config_hash
     from dflash_flow.core import load_graph
 
     overrides = [str(args[i + 1]) for i, a in enumerate(args) if a == "--set"]

@@ -100,7 +100,7 @@ def test_a_checkpoint_without_recorded_settings_resumes_when_its_hash_matches_an
 
     from dflash_flow.app.checkpointer import Checkpointer
     from dflash_flow.app.runner import load
-    from dflash_flow.app.session import legacy_config_hash
+    from dflash_flow.app.prepare import legacy_config_hash
     from dflash_flow.core.errors import CheckpointError
     from dflash_flow.util import sha256_file
 
@@ -115,7 +115,7 @@ def test_a_checkpoint_without_recorded_settings_resumes_when_its_hash_matches_an
     manifest["state.json"] = sha256_file(old / "state.json")
     (old / "MANIFEST.json").write_text(json.dumps(manifest))
 
-    from dflash_flow.app.session import resume_config_hash
+    from dflash_flow.app.prepare import resume_config_hash
     from dflash_flow.core.identity import result_settings
 
     same = Checkpointer(tmp_path / "x", config_hash=resume_config_hash(v.graph), settings=result_settings(v.graph),

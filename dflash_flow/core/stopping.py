@@ -1,0 +1,307 @@
+"""How a process stops: the one stop controller, and the only place in dflash-flow that installs signal
+handlers (a test scans the package for any other ``signal.signal``).
+
+A stop signal is Ctrl-C (SIGINT), ``kill`` (SIGTERM) or a closed terminal / dropped SSH session (SIGHUP;
+one that was ignored when the process started, ``nohup``, stays ignored). What it does depends on the
+phase of the run:
+
+``starting``  from installation until the pipeline runs (imports, model loading, the MLflow run's
+              creation): it raises :class:`StopSignal` (a ``KeyboardInterrupt``) where the main thread is;
+              inside :meth:`StopController.hold` it is recorded and raised when the hold ends, so that a
+              store write or the creation of the MLflow run is never cut in half.
+``running``   the supervisor (``core.runtime.Pipeline.run``) waits for its stage threads: the signal is
+              raised in that wait; the first one asks for a graceful stop, the next ones force it, and
+              ``announce`` (the application's) says so at once. Once the supervisor stops waiting
+              (:meth:`StopController.wind_down`) a signal is a repeat of a stop already under way: dropped.
+``ending``    the outcome is decided: signals are recorded (``ending.received``), never raised; the end of
+              the run reads them and cuts itself short, its status unchanged.
+``late``      the exit code is decided (the status is written): a signal ends the process at once with that
+              code, never with the signal's own death or a traceback from an interpreter exit hook.
+
+The CLI installs the controller for the whole process (:meth:`StopController.install`). A Python program
+that runs a pipeline (``Pipeline.run()``, ``dflash_flow.app.run``) gets it for that stretch only
+(:meth:`StopController.scope`): it takes SIGTERM, and SIGINT / SIGHUP where Python's default is in place,
+and gives the program's handlers back afterwards. Signal handlers run in the main thread only: called from
+another thread, every method here does nothing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import enum
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+class Phase(enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    ENDING = "ending"
+    LATE = "late"
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class StopSignal(KeyboardInterrupt):
+    """A stop signal, raised in the main thread as Ctrl-C's KeyboardInterrupt is (``signum``, ``name``)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal_name(signum))
+        self.signum = signum
+
+    @property
+    def name(self) -> str:
+        return signal_name(self.signum)
+
+
+#: The signals that stop a run: Ctrl-C, ``kill``'s default, a closed terminal or dropped SSH session.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+# How a signal is taken: always; unless it is ignored (``nohup`` ignores SIGHUP: it stays ignored); only
+# where Python's default is in place (a program's own handler, or an ignored signal, stays as it is).
+_ALWAYS, _UNLESS_IGNORED, _IF_DEFAULT = "always", "unless ignored", "if default"
+_PROCESS = {signal.SIGINT: _ALWAYS, signal.SIGTERM: _ALWAYS, signal.SIGHUP: _UNLESS_IGNORED}
+_RUN = {signal.SIGINT: _IF_DEFAULT, signal.SIGTERM: _ALWAYS, signal.SIGHUP: _IF_DEFAULT}
+_WRITE = {signal.SIGINT: _IF_DEFAULT}  # a store write in a program that uses the tracker by itself
+_DEFAULTS = {signal.SIGINT: signal.default_int_handler}
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+class Ending:
+    """The end of a run: the stop signals that came while it ran (``received``; it cuts itself short)."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+
+
+class StopController:
+    """The process's stop controller (one per process: :func:`controller`). See the module docstring."""
+
+    def __init__(self) -> None:
+        self.phase = Phase.STARTING
+        self.exit_code: int | None = None  # decided by the command; the code a late signal exits with
+        self.ending = Ending()
+        # Called (reason, forced) when the supervisor acts on a stop signal: the console's one line.
+        self.announce: Callable[[str, bool], None] | None = None
+        # The phase after the supervisor's run: the application's ENDING (the outcome is decided), else
+        # the phase it started from (a command that goes on working after a pipeline of its own).
+        self.after_running: Phase | None = None
+        self._previous: dict[int, Any] = {}  # signal -> the handler ours replaced
+        self._process = False  # installed for the whole process (the CLI)
+        self._held = 0
+        self._pending: list[int] = []
+        self._winding_down = False
+        self._raised = False
+        self._exit_hook = False
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._previous)
+
+    # -- the handler -------------------------------------------------------------------------------
+    def _handle(self, signum: int, frame: Any) -> None:  # noqa: ARG002
+        if self.phase is Phase.LATE:
+            _exit_now(self.exit_code)
+        if self.phase is Phase.ENDING:
+            self.ending.received.append(signum)
+            return
+        if self._winding_down:
+            return
+        if self._held:
+            self._pending.append(signum)
+            return
+        self._raised = True
+        raise StopSignal(signum)
+
+    def _take(self, policy: dict[int, str]) -> bool:
+        took = False
+        for sig, how in policy.items():
+            if sig in self._previous:
+                continue
+            current = signal.getsignal(sig)
+            if how == _UNLESS_IGNORED and current == signal.SIG_IGN:
+                continue
+            if how == _IF_DEFAULT and current != _DEFAULTS.get(sig, signal.SIG_DFL):
+                continue
+            self._previous[sig] = signal.signal(sig, self._handle)
+            took = True
+        return took
+
+    def _give_back(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._previous = {}
+        self.phase = Phase.STARTING
+        self.ending = Ending()
+        self._pending = []
+        self._held = 0
+        self._winding_down = False
+
+    # -- installation ------------------------------------------------------------------------------
+    def install(self) -> None:
+        """For the whole process (the CLI's first act): never given back; the process ends in ``late``."""
+        if not _main_thread():
+            return
+        self._process = True
+        self._take(_PROCESS)
+        if not self._exit_hook:
+            # Registered before any library's, so it runs last: after the exit hooks Python puts the default
+            # death back on handled signals while it tears modules down; ignored ones stay ignored.
+            atexit.register(self._ignore_in_teardown)
+            self._exit_hook = True
+
+    @contextlib.contextmanager
+    def scope(self, *, announce: Callable[[str, bool], None] | None = None, after_running: Phase | None = None,
+              _policy: dict[int, str] = _RUN) -> Iterator[StopController]:
+        """The controller for one stretch of work (a run): installed for it where nobody installed it for the
+        process, the program's handlers given back after; ``announce`` and ``after_running`` hold for it."""
+        if not _main_thread():
+            yield self
+            return
+        temporary = not self._previous and self._take(_policy)
+        saved = self.announce, self.after_running
+        if announce is not None:
+            self.announce = announce
+        if after_running is not None:
+            self.after_running = after_running
+        try:
+            yield self
+        finally:
+            self.announce, self.after_running = saved
+            if temporary:
+                self._give_back()
+
+    # -- phases ------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """A stop signal is recorded until the block ends, then raised (StopSignal) where signals raise. In a
+        program that installed nothing, only Ctrl-C is held, and only where Python's default handles it."""
+        if not _main_thread():
+            yield
+            return
+        with self.scope(_policy=_WRITE):
+            if not self._previous:  # the program handles its signals itself
+                yield
+                return
+            self._held += 1
+            try:
+                yield
+            except BaseException as exc:
+                sig = self._release()
+                if sig is not None:
+                    raise StopSignal(sig) from exc
+                raise
+            sig = self._release()
+            if sig is not None:
+                raise StopSignal(sig)
+
+    def _release(self) -> int | None:
+        self._held -= 1
+        if self._held or not self._pending:
+            return None
+        sig, self._pending = self._pending[0], []
+        if self.phase is Phase.ENDING:
+            self.ending.received.append(sig)
+            return None
+        if self._winding_down or self.phase is Phase.LATE:
+            return None
+        self._raised = True
+        return sig
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[StopController]:
+        """The supervisor's stretch (``Pipeline.run``): phase ``running``; afterwards ``after_running``, else
+        the phase it started from."""
+        if not _main_thread():
+            yield self
+            return
+        with self.scope():
+            before = self.phase
+            self.phase = Phase.RUNNING
+            try:
+                yield self
+            finally:
+                self.phase = self.after_running or before
+                self._winding_down = False
+
+    def wind_down(self) -> None:
+        """The supervisor stopped waiting: until its run returns, a signal repeats a stop under way."""
+        if _main_thread() and self.phase is Phase.RUNNING:
+            self._winding_down = True
+
+    def announce_stop(self, reason: str, *, forced: bool) -> None:
+        """The supervisor acted on a stop signal (``forced``: it cancels instead of draining): say so."""
+        if self.announce is not None:
+            with contextlib.suppress(Exception):  # a notice never changes how the run stops
+                self.announce(reason, forced)
+
+    def enter_ending(self) -> Ending:
+        """The outcome is decided: from now on signals are recorded in the returned ``Ending``."""
+        if _main_thread() and self.installed and self.phase is not Phase.LATE:
+            self.phase = Phase.ENDING
+        return self.ending
+
+    def decide(self, code: int) -> None:
+        """The command's exit code is decided and its status written: for the process's controller a signal
+        from now on ends the process at once with ``code``."""
+        self.exit_code = code
+        if self._process and _main_thread():
+            self._enter_late()
+
+    def end_process(self) -> None:
+        """The command returned (its code decided, else 130 for a signal): ``late`` until the process ends."""
+        if self._process and _main_thread():
+            self._enter_late()
+
+    def _enter_late(self) -> None:
+        self.phase = Phase.LATE
+        if self._raised:
+            _forget_handled_interrupt()
+
+    def _ignore_in_teardown(self) -> None:
+        if self.phase is Phase.LATE and _main_thread():
+            for sig in self._previous:
+                signal.signal(sig, signal.SIG_IGN)
+
+
+def _exit_now(code: int | None) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            stream.flush()
+    os._exit(130 if code is None else code)
+
+
+def _forget_handled_interrupt() -> None:
+    """A StopSignal raised inside code that a C extension ran through ``PyRun_String`` leaves CPython's
+    "unhandled KeyboardInterrupt" flag set even though we handled it; under ``python -m`` (torchrun starts
+    ranks that way) the interpreter then dies by SIGINT (-2) at exit instead of exiting with our code. Running
+    an empty string through the same C entry point clears the flag (every such call resets it)."""
+    if sys.implementation.name != "cpython":
+        return
+    try:
+        import ctypes
+
+        ctypes.pythonapi.PyRun_SimpleString(b"")
+    except (ImportError, AttributeError, OSError):  # pragma: no cover - no ctypes or no C API
+        pass
+
+
+_CONTROLLER = StopController()
+
+
+def controller() -> StopController:
+    """The process's stop controller."""
+    return _CONTROLLER
