@@ -37,6 +37,7 @@ interop *ARGS:
     {{python}} interop/check.py {{ARGS}}
     {{python}} interop/regenerate_check.py
     {{python}} interop/eval_check.py
+    {{python}} interop/engine_target_check.py
 
 # Regeneration through a real vLLM server (vLLM's CPU build, the same environment): `regenerate --server` vs
 # in process on the same prompts (replies equal, tokens/s of both), a server SIGKILLed mid-run and a resume.
