@@ -243,7 +243,7 @@ class EngineBackend:
                                    trust_remote_code=self.trust_remote_code, depth=self.depth, rtol=cfg.check_rtol,
                                    log=self.log)
                 entry = _CHECKS[key] = [check, threading.Lock(), 0]
-                self.log(f"{self.name}: the first {cfg.check_samples} samples' engine features are checked against "
+                self.log(f"{self.name}: the first batch's first {cfg.check_samples} samples' engine features are checked against "
                          + ("a transformers forward in this process" if mode == "transformers" else
                             f"per-layer statistics ({why})" if why else "per-layer statistics"))
             entry[2] += 1
@@ -442,13 +442,6 @@ class EngineBackend:
         if self._release_servers is not None:
             release, self._release_servers = self._release_servers, None
             release()
-
-    def finish_checks(self) -> None:
-        """At the end of the input: run the start check on what was collected when the run had fewer samples
-        than ``check_samples`` (so that even a tiny run is checked)."""
-        if self.start_check is not None and not self.start_check.done:
-            with self._check_lock:
-                self.start_check.finish_early()
 
 
 def engine_backend(spec: Any, *, output_dir: str | os.PathLike | None = None, name: str = "target") -> EngineBackend:

@@ -115,11 +115,10 @@ def reference_fits(spec: Any, deepest: int, depth: int | None) -> tuple[bool, st
 
 
 class StartCheck:
-    """The start check over the first ``k`` samples (collected over batches until there are ``k``).
+    """The start check over the first batch's first ``k`` samples (all of them in a smaller batch).
 
-    ``offer(rows)`` with ``rows`` a list of (where, token ids, feats [S, n, H] on CPU) returns once ``k``
-    samples were checked (raising FeatureFault on a failure); :attr:`report` then holds the figures per
-    layer. ``mode``: "transformers" or "statistics" (resolved from "auto" by the caller)."""
+    ``offer(rows)`` with ``rows`` a list of (where, token ids, feats [S, n, H] on CPU) checks them before the
+    batch is returned (raising FeatureFault on a failure); :attr:`report` then holds the figures per layer. ``mode``: "transformers" or "statistics" (resolved from "auto" by the caller)."""
 
     def __init__(self, *, mode: str, k: int, layer_ids: Sequence[int], target: Any = None,
                  trust_remote_code: bool = False, depth: int | None = None, rtol: float | None = None,
@@ -151,15 +150,7 @@ class StartCheck:
                 if not self.rows:
                     self.dtype_name = str(r[2].dtype).removeprefix("torch.")
                 self.rows.append((r[0], r[1], r[2].float().clone()))
-        if len(self.rows) < self.k:
-            return
-        self._run()
-
-    def finish_early(self) -> None:
-        """Check what was collected when the run had fewer samples than ``k``."""
-        if self.failed is not None:
-            raise FeatureFault(str(self.failed))
-        if not self.done and self.rows:
+        if self.rows:  # the first batch is checked before it is returned, with up to k of its samples
             self._run()
 
     def _run(self) -> None:
