@@ -38,6 +38,7 @@ for p in (ROOT, ROOT / "bench", HERE):
         sys.path.insert(0, str(p))
 
 from check import Failed, ensure_venv, say  # noqa: E402 - after the path setup above
+from regenerate_check import free_port  # noqa: E402
 
 RESULT = ROOT / "bench" / "results" / "engine_target.json"
 PIPELINE = ROOT / "pipelines" / "dflash1.yaml"
@@ -49,14 +50,6 @@ TRAIN_OVERRIDES = (  # the recipe for one epoch, no tracking or checkpoints, the
     "stages.evaluate.temperatures=[0.0]", "stages.evaluate.walk_data=null", "stages.drafter.heldout_data=null",
     "stages.monitor.progress=false", "checkpoint.every_steps=0", "checkpoint.at_epoch_end=false",
 )
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def vllm_version(python: Path) -> str:
