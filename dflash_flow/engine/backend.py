@@ -123,7 +123,8 @@ class EngineBackend:
 
     def __init__(self, config: EngineConfig, *, layer_ids: list[int], hidden_size: int, depth: int | None = None,
                  target: Any = None, trust_remote_code: bool = False, output_dir: str | os.PathLike | None = None,
-                 max_model_len: int | None = None, log: Callable[[str], None] | None = None):
+                 max_model_len: int | None = None, log: Callable[[str], None] | None = None,
+                 heartbeat: Callable[[], None] | None = None):
         problems = config.problems()
         if problems:
             raise ValueError("; ".join(f"model.engine.{f}: {m}" for f, m in problems))
@@ -137,6 +138,7 @@ class EngineBackend:
         self.output_dir = Path(output_dir) if output_dir is not None else None
         self.max_model_len = max_model_len
         self.log = log or logging.getLogger("dflash_flow.engine").info
+        self.heartbeat = heartbeat  # called while local servers start (the stage's: not a stall)
         self.vocab_size = 0  # set by engine_backend (the TargetBackend protocol's; the stage checks ids against it)
         self.stats: Counter = Counter()
         self.start_check: StartCheck | None = None
@@ -222,7 +224,8 @@ class EngineBackend:
         self.log(f"{self.name}: starting {lc.count} vLLM server(s) on ports {lc.port + local_rank * lc.count}.. "
                  f"(logs in {logs}; up to {lc.ready_timeout_s:g} s)")
         self.servers, self._release_servers = shared_servers(
-            key, lambda: LocalServers(specs, ready_timeout_s=lc.ready_timeout_s, log=self.log), self._stop)
+            key, lambda: LocalServers(specs, ready_timeout_s=lc.ready_timeout_s, log=self.log), self._stop,
+            self.heartbeat)
         return urls
 
     def _start_check(self) -> StartCheck:
@@ -444,7 +447,8 @@ class EngineBackend:
             release()
 
 
-def engine_backend(spec: Any, *, output_dir: str | os.PathLike | None = None, name: str = "target") -> EngineBackend:
+def engine_backend(spec: Any, *, output_dir: str | os.PathLike | None = None, name: str = "target",
+                   heartbeat: Callable[[], None] | None = None) -> EngineBackend:
     """The backend TargetForward runs when ``model.engine`` is set: the run's :class:`~dflash_flow.model.spec.
     ModelSpec` read once (target, layer ids, sizes; the config is read without weights when the spec's facts
     are not known). A spec that does not fit (no target, the last layer, a bad ``model.engine``) raises
@@ -466,7 +470,7 @@ def engine_backend(spec: Any, *, output_dir: str | os.PathLike | None = None, na
             depth, hidden, vocab = facts.depth, facts.hidden_size, facts.vocab_size
         layer_ids = spec.layer_ids(depth)
         backend = EngineBackend(cfg, layer_ids=layer_ids, hidden_size=hidden, depth=depth, target=target,
-                                trust_remote_code=spec.trust_remote_code, output_dir=output_dir)
+                                trust_remote_code=spec.trust_remote_code, output_dir=output_dir, heartbeat=heartbeat)
     except (ModelSpecError, ValueError, OSError) as exc:
         field = "model.target_layer_ids" if "layer" in str(exc) else "model.engine"
         raise BackendConfigError(str(exc), field=field) from exc

@@ -153,9 +153,10 @@ class LocalServers:
             self._running.append(_Running(spec, proc, w, log))
         self.log(f"started server {spec.name} (pid {proc.pid}; log {spec.log_path})")
 
-    def wait_ready(self, stop: threading.Event | None = None) -> None:
+    def wait_ready(self, stop: threading.Event | None = None, on_wait: Callable[[], None] | None = None) -> None:
         """Return when every server answers ``GET ready_url`` with 200; LaunchError when one exits or the
-        timeout passes (saying what it waited for)."""
+        timeout passes (saying what it waited for). ``on_wait`` is called at every poll (a stage's
+        heartbeat: a long model load is not a stalled pipeline)."""
         t0 = time.monotonic()
         deadline = t0 + self.ready_timeout_s
         while True:
@@ -179,6 +180,8 @@ class LocalServers:
                     f"server {r.spec.name} did not answer GET {r.spec.ready_url} within {self.ready_timeout_s:g} s "
                     f"(raise model.engine.launch.ready_timeout_s for a large model); its log {r.spec.log_path} ends: "
                     f"{_tail(r.spec.log_path)}")
+            if on_wait is not None:
+                on_wait()
             if stop is not None:
                 if stop.wait(0.5):
                     raise LaunchError("stopped while waiting for the servers to start")
@@ -249,7 +252,8 @@ _SHARED: dict[object, _Shared] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def shared_servers(key: object, make: Callable[[], LocalServers], stop: threading.Event | None = None):
+def shared_servers(key: object, make: Callable[[], LocalServers], stop: threading.Event | None = None,
+                   on_wait: Callable[[], None] | None = None):
     """The started and ready servers for ``key``, made by ``make()`` for the first user (the others wait for
     them, and get the same error when they fail); returns ``(servers, release)``: call ``release()`` once
     per user; the last one stops them."""
@@ -265,7 +269,7 @@ def shared_servers(key: object, make: Callable[[], LocalServers], stop: threadin
             if not entry.ready:
                 try:
                     entry.servers.start()
-                    entry.servers.wait_ready(stop)
+                    entry.servers.wait_ready(stop, on_wait)
                 except BaseException as e:
                     entry.failed = e
                     raise

@@ -115,6 +115,9 @@ def test_a_server_that_never_answers_is_named_with_what_was_awaited(tmp_path):
                                       "time.sleep(600)"],
                    log_path=tmp_path / "mute.log", ready_url=f"http://127.0.0.1:{port}/v1/models")
     servers = LocalServers([s], ready_timeout_s=0.5, grace_s=5).start()
+    deadline = time.monotonic() + 90  # the process is up (its pid logged) before the wait begins
+    while not (tmp_path / "mute.log").read_text().strip() and time.monotonic() < deadline:
+        time.sleep(0.02)
     try:
         with pytest.raises(LaunchError, match=rf"server mute did not answer GET http://127.0.0.1:{port}/v1/models "
                                               r"within 0.5 s .*ready_timeout_s.*mute.log"):
