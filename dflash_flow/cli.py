@@ -274,7 +274,7 @@ def regenerate(
     out: Path = typer.Option(..., "--out", help="Output JSONL (appended to; resumable; never the input)."),
     batch_size: int = typer.Option(8, help="Prompts per generation batch (in process)."),
     max_new_tokens: int = typer.Option(256, help="Longest reply."),
-    resume: bool = typer.Option(True, help="Skip records already in --out."),
+    resume: bool = typer.Option(True, help="Skip records already in --out (--no-resume: start over; an old --out that regenerate wrote is moved aside to OUT.old, any other is refused)."),
     system_prompt: Optional[str] = typer.Option(None, help="System prompt to prepend."),
     server: Optional[list[str]] = typer.Option(None, "--server", help="Base URL of an OpenAI-compatible server (vllm serve, SGLang), e.g. http://host:8000; repeatable. Regenerates through /v1/chat/completions instead of in process."),
     served_model: Optional[str] = typer.Option(None, help="Model name to request (default: the one the servers list)."),

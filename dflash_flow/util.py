@@ -94,6 +94,19 @@ def atomic_write_text(path: str | os.PathLike, text: str, *, mode: int = 0o644, 
     return atomic_write_bytes(path, text.encode("utf-8"), mode=mode, durable=durable)
 
 
+def move_aside(path: str | os.PathLike) -> Path:
+    """Rename ``path`` to the first free ``NAME.old``, ``NAME.old.2``, ... beside it (never over anything that
+    exists) and return where it went: what a command does with a file it replaces and the user may still want."""
+    path = Path(path)
+    n = 1
+    while True:
+        dest = path.with_name(f"{path.name}.old" + (f".{n}" if n > 1 else ""))
+        if not (dest.exists() or dest.is_symlink()):
+            os.rename(path, dest)
+            return dest
+        n += 1
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make a rename inside ``path`` durable (where the platform allows opening a directory)."""
     try:

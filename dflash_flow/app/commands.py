@@ -222,6 +222,8 @@ def regenerate_command(prompts: Path, target: str | None, out: Path, batch_size:
     finally:
         replies.close()
     print(f"wrote {out}: {stats.total} records ({stats.generated} generated now)")
+    if stats.moved_aside is not None:
+        print(f"the old {out} was moved aside to {stats.moved_aside} (--no-resume)")
     for line in regenerate_warnings(stats, max_new_tokens):
         print(f"warning: {line}", file=sys.stderr)
     return EXIT_OK
@@ -273,6 +275,8 @@ def served_summary(stats, out: Path) -> str:
     reasons = ", ".join(f"{r} {stats.reasons.get(r, 0)}" for r in ("stop", "length", "empty", "error"))
     lines = [f"wrote {out}: {stats.total} records ({stats.skipped} already there, {stats.generated} now: {reasons}); "
              f"{stats.new_tokens} tokens in {stats.seconds:.1f} s ({stats.tokens_per_s:.1f} tokens/s)"]
+    if stats.moved_aside is not None:
+        lines.append(f"  the old {out} was moved aside to {stats.moved_aside} (--no-resume)")
     if stats.dropped_errors:
         lines.append(f"  {stats.dropped_errors} error rows dropped to be tried again")
     if stats.failures:

@@ -12,7 +12,9 @@ Shared by the in-process regeneration (:mod:`.regenerate`) and the one through s
   truncated only when it lies inside that region of that very file; a torn line anywhere else (a foreign
   file, a file copied or replaced since) is an error, never "repaired". The journal is removed when the
   appending ends cleanly;
-* one writer at a time: the output is locked (``flock``) while appended to.
+* one writer at a time: the output is locked (``flock``) while appended to;
+* starting over (``resume=False``) replaces only a file this tool wrote (the same check), and moves it aside
+  (``OUT.old``, ``OUT.old.2``, ...), never deletes it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from dflash_flow.util import atomic_path, atomic_write_text
+from dflash_flow.util import atomic_path, atomic_write_text, move_aside
 
 JOURNAL_SUFFIX = ".regen-journal"
 
@@ -136,7 +138,8 @@ class OutputWriter:
     """Appends complete lines to the output, under a lock and a journal (see the module docstring).
 
     Entering locks the output, reads the ids already there (``done``, repairing a torn last line this tool
-    wrote) -- or, with ``resume=False``, starts a new file -- and writes the journal.
+    wrote) -- or, with ``resume=False``, starts a new file, the old one (when regenerate wrote it: else
+    refused) moved aside to ``moved_aside`` -- and writes the journal.
     """
 
     def __init__(self, out: str | Path, *, resume: bool = True, drop_errors: bool = False,
@@ -146,6 +149,7 @@ class OutputWriter:
         self.resume = resume
         self.drop_errors = drop_errors
         self.dropped = 0  # error rows dropped (drop_errors) so that they are generated again
+        self.moved_aside: Path | None = None  # where resume=False put the old output
         self.done: dict[str, str] = {}
         self._f = None
         self._clean = True
@@ -155,7 +159,8 @@ class OutputWriter:
         if not self.resume and self.out.exists():
             with open(self.out, "rb") as old:
                 _lock(old, self.out)  # not while another regenerate writes it
-                self.out.unlink()
+                scan_output(self.out)  # ours, or refused (a torn last line of ours is cut first)
+                self.moved_aside = move_aside(self.out)  # never deleted: hours of a target's time
             journal_path(self.out).unlink(missing_ok=True)
         f = open(self.out, "ab")
         try:

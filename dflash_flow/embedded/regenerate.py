@@ -47,6 +47,7 @@ class RegenStats:
     truncated: int = 0  # replies that hit max_new_tokens
     empty: int = 0  # replies with no text (the target ended its turn at once): nothing to train a drafter on
     seconds: float = 0.0
+    moved_aside: Path | None = None  # where resume=False moved the old output (never deleted)
 
     @property
     def tokens_per_s(self) -> float:
@@ -73,7 +74,7 @@ def regenerate(prompts_jsonl: str | Path, target_path: str | Path | None, out_js
     ``target_path=None`` uses the embedded target (``ensure_target``). ``model``/``tokenizer`` may be
     passed already loaded (then ``target_path`` is ignored). ``limit`` takes the first ``limit`` records.
     ``progress(done, total, new_tokens)`` is called once before the first batch and after every batch.
-    With ``resume=False`` the output is overwritten. ``check_stop()`` is called before every batch: it raises
+    With ``resume=False`` the output starts over: an old one (only when regenerate wrote it) is moved aside. ``check_stop()`` is called before every batch: it raises
     to stop (a run's ``StageContext.check_stop``), leaving the output complete up to the last batch written,
     which a later call resumes from. Output order is input order. Deterministic for a
     fixed thread count: the same inputs give a byte-identical file, interrupted or not.
@@ -101,7 +102,7 @@ def _regenerate(prompts_jsonl, target_path, out_jsonl, batch_size, max_new_token
         records = records[:limit]
     with OutputWriter(out_jsonl, resume=resume) as writer:
         todo = [(rid, rec) for rid, rec in records if str(rid) not in writer.done]
-        stats = RegenStats(total=len(records), skipped=len(records) - len(todo))
+        stats = RegenStats(total=len(records), skipped=len(records) - len(todo), moved_aside=writer.moved_aside)
         if todo:
             _generate(todo, writer, stats, target_path, batch_size, max_new_tokens, progress, system_prompt, device,
                       model, tokenizer, check_stop)

@@ -74,6 +74,7 @@ class ServedStats:
     servers: list[dict] = field(default_factory=list)  # per server: url, ok, failures, taken_out, state
     errors: list[tuple[object, str]] = field(default_factory=list)  # (id, last error) of the error rows
     dropped_errors: int = 0  # error rows dropped from the output to retry them (retry_errors)
+    moved_aside: Path | None = None  # where resume=False moved the old output (never deleted)
 
     @property
     def tokens_per_s(self) -> float:
@@ -203,6 +204,7 @@ def regenerate_served(prompts_jsonl: str | Path, servers: list[str], out_jsonl: 
     stats = ServedStats(total=len(records))
     with OutputWriter(out_jsonl, resume=resume, drop_errors=retry_errors, wait=wait) as writer:
         stats.dropped_errors = writer.dropped
+        stats.moved_aside = writer.moved_aside
         todo = [(rid, turns) for rid, turns in jobs if str(rid) not in writer.done]
         stats.skipped = len(records) - len(todo)
         if todo:

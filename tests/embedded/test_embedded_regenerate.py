@@ -97,13 +97,14 @@ def test_resume_gives_the_same_file(prompts_file, uninterrupted, target, tmp_pat
     assert again.generated == 0 and out.read_bytes() == uninterrupted
 
 
-def test_no_resume_overwrites(prompts_file, uninterrupted, target, tmp_path):
+def test_no_resume_starts_over(prompts_file, uninterrupted, target, tmp_path):
     model, tok = target
     out = tmp_path / "o.jsonl"
-    out.write_text('{"id": "r0", "conversations": []}\n')
+    out.write_text('{"id": "r0", "conversations": [], "finish_reason": "stop"}\n')
     regenerate(prompts_file, None, out, batch_size=4, max_new_tokens=MAX_NEW, resume=False, progress=None,
                model=model, tokenizer=tok)
     assert out.read_bytes() == uninterrupted
+    assert (tmp_path / "o.jsonl.old").read_text().startswith('{"id": "r0"')  # moved aside, not deleted
 
 
 def test_damage_before_the_last_line_is_an_error(tmp_path):
