@@ -49,6 +49,7 @@ TRAIN_OVERRIDES = (  # the recipe for one epoch, no tracking or checkpoints, the
     "tracking.enabled=false", "stages.bucketer.epochs=1", "stages.evaluate.limit=8",
     "stages.evaluate.temperatures=[0.0]", "stages.evaluate.walk_data=null", "stages.drafter.heldout_data=null",
     "stages.monitor.progress=false", "checkpoint.every_steps=0", "checkpoint.at_epoch_end=false",
+    "runtime.stall_timeout_s=3600",  # a vLLM start on a busy 2-core box can outlast the recipe's 600 s
 )
 
 
