@@ -148,11 +148,29 @@ def make_handler(engine: Engine):
     return Handler
 
 
-def main(scenario_path: str) -> None:
+def main(scenario_path: str, server_args: list[str]) -> None:
+    """Serve ``scenario_path``; ``server_args`` are what a vLLM server would get (``-m MODULE --port N ...``,
+    when a test starts this as the "python" of ``--launch-vllm``): the port is taken from them, and they are
+    written beside the scenario (``<scenario>.argv.json``) for the test to read."""
     engine = Engine(json.loads(Path(scenario_path).read_text()))
-    server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(engine))
+    port = int(server_args[server_args.index("--port") + 1]) if "--port" in server_args else 0
+    if server_args:
+        Path(scenario_path + ".argv.json").write_text(json.dumps(server_args))
+        engine.s.setdefault("model", server_args[server_args.index("--served-model-name") + 1])
+    server = ThreadingHTTPServer(("127.0.0.1", port), make_handler(engine))
     print(f"port {server.server_address[1]}", flush=True)
     server.serve_forever()
+
+
+def as_vllm_python(scenario: dict, tmp_path: Path) -> Path:
+    """An executable that, run as ``PYTHON -m vllm.entrypoints.openai.api_server ARGS``, serves ``scenario``
+    on the port ARGS name: the "python" of ``--launch-vllm`` in tests."""
+    path = tmp_path / "scenario.json"
+    path.write_text(json.dumps(scenario))
+    exe = tmp_path / "python-with-fake-vllm"
+    exe.write_text(f"#!/bin/sh\nexec {sys.executable} {__file__} {path} \"$@\"\n")
+    exe.chmod(0o755)
+    return exe
 
 
 def start(scenario: dict, tmp_path: Path, name: str = "engine") -> tuple[str, subprocess.Popen]:
@@ -172,4 +190,4 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])

@@ -56,8 +56,13 @@ def ours(setup):
     tok = AutoTokenizer.from_pretrained(target, local_files_only=True)
     model = load_target(target, dtype=torch.float32)
     drafter = load_drafter(drafter_dir, dtype=torch.float32, target_config=model.config)
-    return {name: decode_suite(model, drafter, tok, read_suite(name, path), max_new_tokens=H,
-                               stop_token_ids=stop_token_ids(tok)) for name, path in suites.items()}, tok
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # batch-1 decoding of a tiny model: one thread (two spin against a busy machine)
+    try:
+        return {name: decode_suite(model, drafter, tok, read_suite(name, path), max_new_tokens=H,
+                                   stop_token_ids=stop_token_ids(tok)) for name, path in suites.items()}, tok
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_mt_bench_second_turn_follows_the_targets_own_reply(ours):
@@ -161,6 +166,43 @@ def test_an_engine_that_disagrees_is_impossible_to_miss(setup, ours, server, tmp
     assert "likely causes:" in stderr and "mask token" in stderr and "layer ids" in stderr
     engine_row = next(line for line in stderr.splitlines() if line.strip().startswith("engine"))
     assert engine_row.split()[1:] == ["4.000", "1.000", "1.000", "1.000"]
+
+
+def test_launch_vllm_starts_a_server_measures_through_it_and_stops_it(setup, ours, tmp_path):
+    """``--launch-vllm PYTHON``: the command starts ``PYTHON -m vllm.entrypoints.openai.api_server ...`` itself
+    (here a fake engine that listens where the arguments say), measures through it, and stops it."""
+    import os
+
+    drafter, target, suites = setup
+    sc = scenario(ours[0], per_request=True)
+    sc.pop("model", None)  # the fake serves the name the command asks for
+    python = fake_engine.as_vllm_python(sc, tmp_path)
+    out = tmp_path / "r.json"
+    code, _, stderr = invoke("--drafter", str(drafter), "--target", target, "--suite", f"gsm8k={suites['gsm8k']}",
+                             "--max-new-tokens", str(H), "--out", str(out), "--launch-vllm", str(python), "--no-mlflow",
+                             "--launch-arg=--max-num-seqs=1")
+    assert code == 0, stderr
+    r = json.loads(out.read_text())
+    argv = json.loads((tmp_path / "scenario.json.argv.json").read_text())
+    assert argv[:2] == ["-m", "vllm.entrypoints.openai.api_server"] and argv[-1] == "--max-num-seqs=1"
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec == {"method": "dflash", "model": str(Path(drafter).resolve()), "num_speculative_tokens": 3}
+    assert argv[argv.index("--per-request-spec-decode-metrics") + 1] == "detailed" and "--no-enable-prefix-caching" in argv
+    assert r["launched"]["log"] == str(tmp_path / "r.vllm.log") and r["suites"]["gsm8k"]["agreement"]["ok"]
+    port = int(argv[argv.index("--port") + 1])
+    assert "started server vllm-eval" in stderr and "stopped server vllm-eval" in stderr
+    import socket
+
+    with socket.socket() as sock:  # nothing listens there any more: the server was stopped
+        assert sock.connect_ex(("127.0.0.1", port)) != 0
+    assert not [p for p in os.listdir("/proc") if p.isdigit() and f"{tmp_path}/scenario.json -m" in _cmdline(p)]
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def test_one_engine_kind_at_a_time(setup, server, tmp_path):
