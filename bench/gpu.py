@@ -306,6 +306,25 @@ def alone(device: str, shape: Shape, checks: Checks) -> dict:
     _sync(device)
     step_s = (time.perf_counter() - t0) / micro
     result = {"target_forward_s": forward_s, "drafter_micro_batch_s": step_s}
+    if device.startswith("cuda"):  # finding 6: the drafter's device->host syncs, every one torch sees
+        import warnings
+
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                for i in range(micro + 1, 2 * micro + 1):  # grad_accum 4: two optimizer steps
+                    trainer.train_batch(batch(i), anchor_seed=i)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        syncs = [str(w.message).splitlines()[0] for w in seen if "synchroniz" in str(w.message)]
+        per_step = len(syncs) / (micro // 4)
+        result.update(syncs_per_optimizer_step=per_step, sync_warnings=syncs[:6])
+        checks.add("6", "device->host syncs per optimizer step of the drafter (set_sync_debug_mode)", per_step <= 1,
+                   per_step, "<= 1 (the step's one read of the norm and the statistics)")
+    else:
+        checks.add("6", "device->host syncs per optimizer step of the drafter", None, None,
+                   "<= 1 on a GPU (tests/model/test_gpu_readiness.py counts our reads on the CPU)")
     result["trainer"] = trainer  # the later checks reuse it (dropped before the JSON)
     return result
 
@@ -477,6 +496,8 @@ def pipeline_checks(device: str, pipe: dict, alone_: dict, checks: Checks) -> No
 
 def must_check(checks: Checks) -> None:
     """What no figure here decides: the first GPU run's reader looks at these."""
+    checks.look("6", "sync_warnings in alone: where any sync above one per step comes from; and in the pipeline "
+                     "a loss mask that reaches DrafterStep on the GPU costs one more per micro-batch (read back)")
     checks.look("2", "nsys / torch.profiler trace of a few steps: target replicas' kernels on their own streams, "
                      "no cudaStreamSynchronize of the drafter's stream from a TargetForward thread")
 

@@ -37,14 +37,17 @@ How it is computed (``dflash_loss``), each step the work a block actually needs 
 * the first layer projects N + 1 distinct rows per sequence (slots 1..B-1 all hold the mask token;
   not under the variable-prefix objective, whose visible prefixes put real tokens there),
   the last layer computes no slot-0 queries and the head no slot-0 logits (slot 0 is never supervised);
-* one device->host read per step (block count and anchor bounds, which set the shapes), in
-  ``dflash_loss``; ``DFlashLossOutput.metrics`` is the only other.
+* the anchors and the bounds that set the shapes are drawn from the batch's host rows (``host_plan``; the
+  trainer's path): nothing is read from the device before the backward; ``DFlashLossOutput.stat_vector`` keeps
+  the statistics on the device, so a trainer reads them once per optimizer step (otherwise ``dflash_loss``
+  reads the block count and bounds once, and ``DFlashLossOutput.metrics`` once more).
 """
 
 
 from __future__ import annotations
 
 import attrs
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -132,6 +135,32 @@ class DFlashLossOutput:
         scalars, _positions = self.values()
         return {f"{prefix}{k}": v for k, v in scalars.items()}
 
+    @property
+    def stat_names(self) -> list[str]:
+        """The names of :meth:`stat_vector`'s scalar entries, in order (the per-slot accuracies follow them)."""
+        return ["loss", "accuracy", "acceptance_length", "num_tokens", "num_blocks", *self.extra]
+
+    def stat_vector(self) -> torch.Tensor:
+        """:meth:`values` as one tensor on the statistics' device, read nowhere: the scalars (``stat_names``) then
+        the accuracy of slots k = 1..B-1, in float64 (float32 on MPS), with the arithmetic of :meth:`values`
+        (each input rounded to float32 first, a ratio 0 where its denominator is 0), so a caller can sum the
+        micro-batches of a step on the device and read them once."""
+        wide = torch.float32 if self.loss.device.type == "mps" else torch.float64
+
+        def f(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().float().to(wide).reshape(-1)
+
+        def ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+            return torch.where(den != 0, num / torch.where(den != 0, den, torch.ones_like(den)), torch.zeros_like(num))
+
+        correct, supervised = f(self.correct_per_position), f(self.supervised_per_position)
+        total, blocks = supervised.sum().reshape(1), f(self.kept_blocks)
+        parts = [f(self.loss), ratio(correct.sum().reshape(1), total), ratio(f(self.acceptance_sum), blocks), total,
+                 blocks]
+        parts += [ratio(f(num), f(den)) for num, den in self.extra.values()]
+        parts.append(ratio(correct[1:], supervised[1:]))
+        return torch.cat(parts)
+
     def values(self) -> tuple[dict[str, float], list[float]]:
         """(scalar statistics, accuracy of slots k = 1..B-1), fetched from the device in one transfer."""
         names = list(self.extra)
@@ -163,6 +192,63 @@ class DFlashLossOutput:
         positions = [correct[k] / supervised[k] if supervised[k] else 0.0 for k in range(1, block)]
         return out, positions
 
+
+
+@attrs.frozen
+class HostPlan:
+    """A micro-batch's anchors drawn on the host from its loss mask as the Padder left it (pinned CPU memory):
+    the shapes they set (the block count, each column's bounds) are known without reading the device.
+    ``dflash_loss(host_plan=...)`` copies them over without blocking; the same generator draws exactly what
+    ``dflash_loss`` draws itself from a loss mask on the CPU."""
+
+    anchors: torch.Tensor  # [b, W] long, CPU
+    keep: torch.Tensor  # [b, W] bool, CPU
+    bounds: ColumnBounds
+    prefix_lengths: torch.Tensor | None = None  # [b, W] long, CPU (the variable-prefix objective)
+
+
+def host_plan(
+    loss_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    num_anchors: int,
+    block_size: int,
+    generator: torch.Generator | None,
+    prefix_prior: PrefixPrior | None = None,
+) -> HostPlan:
+    """The anchors (and visible prefix lengths) ``dflash_loss`` would draw from ``generator``, drawn here from CPU
+    tensors; their bounds are read from host memory (numpy), never from a device."""
+    if loss_mask.device.type != "cpu" or (attention_mask is not None and attention_mask.device.type != "cpu"):
+        raise ValueError("host_plan draws from the batch's host rows: pass the CPU loss and attention masks")
+    b, s = loss_mask.shape
+    if prefix_prior is not None:
+        prefix_prior.bounds(block_size)
+    width = min(int(num_anchors), s)
+    if b and width > 0:
+        anchors, keep, counts = anchor_candidates(loss_mask, width, attention_mask=attention_mask, generator=generator)
+        a, k = anchors.numpy(), keep.numpy()
+        w = min(width, int(counts.numpy().max()))
+        anchors, keep = anchors[:, :w], keep[:, :w]
+        bounds = ColumnBounds(hi=np.where(k, a, -1).max(axis=0)[:w].tolist(),
+                              lo=np.where(k, a, s).min(axis=0)[:w].tolist(), seq_len=s)
+    else:
+        anchors = torch.zeros(b, 0, dtype=torch.long)
+        keep = anchors.bool()
+        bounds = ColumnBounds(hi=[], lo=[], seq_len=s)
+    lengths = None
+    if prefix_prior is not None:
+        lengths = sample_prefix_lengths(keep.shape, prefix_prior, block_size=block_size, device="cpu",
+                                        generator=generator)
+    return HostPlan(anchors, keep, bounds, lengths)
+
+
+def _to_device(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """A host tensor on ``device``: through pinned memory without blocking on CUDA (no stream sync)."""
+    if t is None or t.device == device:
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _layer_spans(drafter, bounds, start, stop, group_blocks, rows) -> Grouping:
@@ -373,6 +459,7 @@ def dflash_loss(
     prefix_prior: PrefixPrior | None = None,
     prefix_lengths: torch.Tensor | None = None,
     selector_loss_weight: float = 1.0,
+    host_plan: HostPlan | None = None,
 ) -> DFlashLossOutput:
     """Token-weighted DFlash loss for one micro-batch.
 
@@ -397,7 +484,10 @@ def dflash_loss(
     ``block_size``/``mask_token_id`` default to the drafter config's; passing different values raises,
     because the exported config is what inference will use (pitfall 8).
 
-    One device->host read per call before the backward (the block count and the anchors' column
+    ``host_plan``: the anchors (and prefix lengths) drawn on the host (``host_plan()``), replacing ``anchors``,
+    ``generator``'s draws and ``prefix_lengths``: then nothing is read from the device before the backward.
+
+    Otherwise one device->host read per call before the backward (the block count and the anchors' column
     bounds, which set the attention shapes); ``DFlashLossOutput.metrics`` is the second.
     """
     block_size, mask_token_id = _check_block_settings(drafter, block_size, mask_token_id)
@@ -416,7 +506,11 @@ def dflash_loss(
     device = input_ids.device
     if prefix_prior is not None:
         prefix_prior.bounds(block_size)  # a bad setting fails before anything is drawn
-    if anchors is not None:
+    if host_plan is not None:
+        anchors_t, keep = _to_device(host_plan.anchors, device), _to_device(host_plan.keep, device)
+        bounds = host_plan.bounds
+        prefix_lengths = _to_device(host_plan.prefix_lengths, device)
+    elif anchors is not None:
         anchors_t, keep = anchors
         bounds, _ = read_bounds(anchors_t, keep, s)
     elif b and min(int(num_anchors), s) > 0:

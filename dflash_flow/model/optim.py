@@ -92,8 +92,15 @@ class MasterAdamW:
         """One update; returns the global gradient norm before clipping (a 0-d tensor).
 
         A non-finite norm skips the update (and counts it in ``skipped_steps``) instead of writing NaN
-        into the weights: one bad batch must not end a multi-day run.
-        """
+        into the weights: one bad batch must not end a multi-day run. ``prepare`` then ``apply`` are the same
+        in two halves, for a caller that reads the norm together with other values (one device read)."""
+        norm = self.prepare()
+        self.apply(bool(torch.isfinite(norm)))
+        return norm
+
+    def prepare(self) -> torch.Tensor:
+        """The first half of ``step``: gradients onto the masters (averaged over the ranks where ``reduce`` is
+        set), clipped; returns their norm before clipping, unread (a 0-d tensor on their device)."""
         for p, m in zip(self.params, self.masters, strict=True):
             if m is not p and p.grad is not None:  # (already in the master under fp32 accumulation)
                 m.grad = p.grad.detach().float() if m.grad is None else m.grad.add_(p.grad.detach())
@@ -107,17 +114,21 @@ class MasterAdamW:
             norm = torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
         else:
             norm = torch.nn.utils.get_total_norm([m.grad for m in grads]) if grads else torch.zeros(())
-        if self.skip_nonfinite and not bool(torch.isfinite(norm)):
+        return norm
+
+    def apply(self, finite: bool) -> None:
+        """The second half of ``step``: the update (skipped, and counted, when the norm was not ``finite`` and
+        ``skip_nonfinite``), the masters copied into the parameters, the gradients cleared."""
+        if self.skip_nonfinite and not finite:
             self.skipped_steps += 1
             self.zero_grad()
-            return norm
+            return
         self.optimizer.step()
         with torch.no_grad():
             for p, m in zip(self.params, self.masters, strict=True):
                 if m is not p:
                     p.copy_(m)
         self.zero_grad()
-        return norm
 
     def state_dict(self) -> dict[str, Any]:
         return {

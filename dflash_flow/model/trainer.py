@@ -22,7 +22,7 @@ from dflash_flow.items import TargetFeatures
 from dflash_flow.model.device import take
 from dflash_flow.model.dflash2 import drafter_from_config, drafter_variant, variant_config
 from dflash_flow.model.drafter import DFlashDrafter
-from dflash_flow.model.objective import PrefixPrior, dflash_loss
+from dflash_flow.model.objective import HostPlan, PrefixPrior, dflash_loss, host_plan
 from dflash_flow.model.optim import (
     GradientAccumulator,
     NonFiniteError,
@@ -147,7 +147,12 @@ class DFlashObjective(nn.Module):
         self.prefix_prior = None if bounds is None else PrefixPrior(
             weight_base=objective.prefix_weight_base, min_length=bounds[0], max_length=bounds[1])
 
-    def forward(self, input_ids, loss_mask, hidden_states, attention_mask, generator):
+    def plan_on_host(self, loss_mask, attention_mask, generator) -> HostPlan:
+        """This micro-batch's anchors (and prefix lengths) drawn from its host rows (``objective.host_plan``)."""
+        return host_plan(loss_mask, attention_mask, num_anchors=self.num_anchors, block_size=self.drafter.block_size,
+                         generator=generator, prefix_prior=self.prefix_prior)
+
+    def forward(self, input_ids, loss_mask, hidden_states, attention_mask, generator, plan=None):
         return dflash_loss(
             self.drafter,
             embed_tokens=self._head.embed_tokens,
@@ -165,7 +170,18 @@ class DFlashObjective(nn.Module):
             activation_budget_mb=self.activation_budget_mb,
             prefix_prior=self.prefix_prior,
             selector_loss_weight=self.selector_loss_weight,
+            host_plan=plan,
         )
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A batch tensor in host memory (the Padder's pinned rows as they are; a device tensor is read back)."""
+    return t if t.device.type == "cpu" else t.cpu()
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``, a host tensor copied without blocking (pinned rows: no stream sync)."""
+    return take(t).to(device, non_blocking=True)
 
 
 def _is_distributed() -> bool:
@@ -270,8 +286,10 @@ class DrafterTrainer:
         self.total_steps = config.total_steps
         self._planned = False  # the schedule's length checked against the plan of the batches (see plan)
         self.extend = False  # a resume that extends the run re-plans the schedule instead of re-spanning it
-        self._sums: dict[str, float] = {}
-        self._pos_sums: list[float] = []  # per block slot, summed over the step's micro-batches
+        # The step's statistics summed over its micro-batches on the device (DFlashLossOutput.stat_vector), read
+        # once at the step together with the gradient norm; their names (the rest: accuracy per block slot).
+        self._stat_sum: torch.Tensor | None = None
+        self._stat_names: list[str] = []
         self.position_accuracy: tuple[float, ...] = ()  # the last step's, per block slot k = 1..B-1
         self._counted = 0  # micro-batches of the current step that are not fillers
         self._tokens = 0
@@ -345,6 +363,9 @@ class DrafterTrainer:
         self._last_batch = feats.meta
         gen = torch.Generator()
         gen.manual_seed(anchor_seed)
+        # Anchors from the host rows: the shapes they set are known without reading the device (one read per
+        # optimizer step, in _optimizer_step; a loss mask that arrives on the device is read back here).
+        plan = self.objective.plan_on_host(_host(feats.loss_mask), _host(feats.attention_mask), gen)
         # Data parallel: gradients are all-reduced on the micro-batch that completes the step only; with fp32
         # accumulation (bf16 weights) by the optimizer at the step, so DDP never reduces in the backward.
         syncs = (force_step or self.accumulator.next_is_last) and not self.fp32_accumulation
@@ -356,22 +377,20 @@ class DrafterTrainer:
             hidden = hidden.detach().requires_grad_(True)
         with self.model.no_sync() if self.ddp and not syncs else contextlib.nullcontext():
             out = self.model(
-                take(feats.input_ids).to(self.device),
-                take(feats.loss_mask).to(self.device),
+                _on(feats.input_ids, self.device),
+                _on(feats.loss_mask, self.device),
                 hidden,
-                take(feats.attention_mask).to(self.device),
+                _on(feats.attention_mask, self.device),
                 gen,
+                plan,
             )
             ready = self.accumulator.backward(out.loss)
         if syncs and self.allreduce_clock is not None:
             self._allreduce_wait += self.allreduce_clock.take() or 0.0
         if not feats.meta.filler:  # a filler keeps data-parallel ranks in step; it trains nothing
-            scalars, positions = out.values()
-            for k, v in scalars.items():
-                self._sums[k] = self._sums.get(k, 0.0) + v
-            if len(self._pos_sums) != len(positions):
-                self._pos_sums = [0.0] * len(positions)
-            self._pos_sums = [a + b for a, b in zip(self._pos_sums, positions, strict=True)]
+            stats = out.stat_vector()
+            self._stat_names = out.stat_names
+            self._stat_sum = stats if self._stat_sum is None else self._stat_sum + stats
             self._counted += 1
             self._tokens += feats.meta.real_tokens
             self._samples += feats.meta.num_samples
@@ -402,9 +421,24 @@ class DrafterTrainer:
 
         logging.getLogger("dflash_flow").warning("skipping the update of non-finite %s (on_nonfinite: skip)", where)
 
+    def _read_step(self, norm: torch.Tensor | None = None) -> tuple[float | None, dict[str, float], list[float]]:
+        """(gradient norm, the step's statistic sums by name, per-slot accuracy sums), read from the device in one
+        transfer: the step's one device->host read."""
+        wide = torch.float32 if self.device.type == "mps" else torch.float64
+        if norm is not None and hasattr(norm, "full_tensor"):  # FSDP: a DTensor, every rank's same value
+            norm = norm.full_tensor()
+        parts = [] if norm is None else [norm.detach().reshape(1).to(self.device, wide)]
+        if self._stat_sum is not None:
+            parts.append(self._stat_sum.to(self.device, wide))
+        flat = torch.cat(parts).tolist() if parts else []
+        grad_norm = flat.pop(0) if norm is not None else None
+        names = self._stat_names if self._stat_sum is not None else []
+        return grad_norm, dict(zip(names, flat[: len(names)], strict=True)), flat[len(names) :]
+
     def _optimizer_step(self) -> dict[str, float]:
-        grad_norm = float(self.optimizer.step())
-        mean_loss = self._sums.get("loss", 0.0) / max(self._counted, 1)
+        grad_norm, sums, pos_sums = self._read_step(self.optimizer.prepare())
+        self.optimizer.apply(math.isfinite(grad_norm))
+        mean_loss = sums.get("loss", 0.0) / max(self._counted, 1)
         if not math.isfinite(grad_norm) or not math.isfinite(mean_loss):
             self._nonfinite(f"loss ({mean_loss})" if not math.isfinite(mean_loss) else f"gradient norm ({grad_norm})")
         self.schedule.step()
@@ -415,7 +449,7 @@ class DrafterTrainer:
         now = time.perf_counter()
         dt = max(now - self._last_step_t, 1e-9)
         # A skipped non-finite step reports no NaN (reports and plots refuse NaN): its values are left out.
-        metrics = {k: v / n for k, v in self._sums.items() if math.isfinite(v)}
+        metrics = {k: v / n for k, v in sums.items() if math.isfinite(v)}
         if "acceptance_length" in metrics:
             metrics["sim_accept_len"] = metrics.pop("acceptance_length")
         if math.isfinite(grad_norm):
@@ -426,14 +460,13 @@ class DrafterTrainer:
             samples_per_s=self._samples / dt,
         )
         # The step's accuracy per block slot (k = 1..B-1): a sequence of its own, not keys in the metrics.
-        pos = [v / n for v in self._pos_sums]
+        pos = [v / n for v in pos_sums]
         self.position_accuracy = tuple(pos) if all(math.isfinite(v) for v in pos) else ()
-        self._pos_sums = []
         if self.allreduce_clock is not None:
             metrics["allreduce_wait_s"] = self._allreduce_wait
             metrics["allreduce_wait_frac"] = min(1.0, self._allreduce_wait / dt)  # of the step's wall time
             self._allreduce_wait = 0.0
-        self._sums = {}
+        self._stat_sum = None
         self._tokens = self._samples = 0
         self._last_step_t = now
         return metrics
@@ -446,8 +479,7 @@ class DrafterTrainer:
             self.schedule.step()
             self.step += 1
             self.accumulator.reset()
-            self._sums = {}
-            self._pos_sums = []
+            self._stat_sum = None
             self._counted = 0
 
     # -- state -------------------------------------------------------------------------------------
@@ -481,11 +513,12 @@ class DrafterTrainer:
             # Data-parallel ranks stop at an agreed optimizer step (services.agree_to_stop): never in between.
             raise RuntimeError("a data-parallel trainer cannot checkpoint in the middle of an accumulation")
         grads = {name: g.detach().clone() for name, g in self._partial_grads()}
+        _norm, sums, pos_sums = self._read_step()
         return {
             "micro": self.accumulator.micro,
             "grads": grads,
-            "sums": dict(self._sums),
-            "pos_sums": list(self._pos_sums),
+            "sums": sums,
+            "pos_sums": pos_sums,
             "counted": self._counted,
             "tokens": self._tokens,
             "samples": self._samples,
@@ -511,8 +544,11 @@ class DrafterTrainer:
             g = acc["grads"].get(name)
             t.grad = None if g is None else g.to(device=t.device, dtype=t.dtype).clone()
         self.accumulator.micro = int(acc["micro"])
-        self._sums = {str(k): float(v) for k, v in acc["sums"].items()}
-        self._pos_sums = [float(v) for v in acc["pos_sums"]]
+        sums = {str(k): float(v) for k, v in acc["sums"].items()}
+        wide = torch.float32 if self.device.type == "mps" else torch.float64
+        self._stat_names = list(sums)
+        values = list(sums.values()) + [float(v) for v in acc["pos_sums"]]
+        self._stat_sum = torch.tensor(values, dtype=wide, device=self.device) if values else None
         self._counted, self._tokens, self._samples = int(acc["counted"]), int(acc["tokens"]), int(acc["samples"])
 
     def restore(self, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> None:
