@@ -294,10 +294,10 @@ def regenerate_warnings(stats, max_new_tokens: int) -> list[str]:
     replies cut at ``--max-new-tokens``."""
     lines = []
     if stats.empty:
-        lines.append(f"{stats.empty} of {stats.generated} replies generated now are empty (the target ended its "
+        lines.append(f"{stats.empty} of {stats.replies} replies generated now are empty (the target ended its "
                      "turn at once): they teach the drafter nothing; check the chat template and --system-prompt, "
                      "or drop those records")
     if stats.truncated:
-        lines.append(f"{stats.truncated} of {stats.generated} replies stopped at --max-new-tokens {max_new_tokens} "
+        lines.append(f"{stats.truncated} of {stats.replies} replies stopped at --max-new-tokens {max_new_tokens} "
                      "(finish_reason \"length\"); raise it for whole replies")
     return lines

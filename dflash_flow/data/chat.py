@@ -33,6 +33,7 @@ __all__ = [
     "parse_conversation",
     "probe_template",
     "prompt_turns",
+    "regeneration_plan",
     "render_chat",
     "stop_token_ids",
 ]
@@ -122,6 +123,27 @@ def prompt_turns(record: dict, system_prompt: str | None = None) -> list[dict]:
     if system_prompt is not None and turns[0]["role"] != "system":
         turns = [{"role": "system", "content": system_prompt}] + turns
     return turns
+
+
+def regeneration_plan(record: dict, system_prompt: str | None = None) -> list[dict | None]:
+    """The conversation a regeneration writes, with ``None`` where each reply of the target goes: the turns up
+    to the last user turn, each run of assistant turns that answers a user turn replaced by one ``None``, and
+    one ``None`` after the last user turn. Filled in order, every reply is generated on the conversation so
+    far, the target's own earlier replies included (``{"prompt": text}`` is one user turn and one reply).
+    Assistant turns before the first user turn are kept as they are (context, not answers). Raises
+    ValueError for a record that cannot be a prompt."""
+    turns = prompt_turns(record, system_prompt)
+    plan: list[dict | None] = []
+    seen_user = False
+    for t in turns:
+        if t["role"] == "assistant" and seen_user:
+            if plan[-1] is not None:
+                plan.append(None)
+            continue
+        seen_user = seen_user or t["role"] == "user"
+        plan.append(t)
+    plan.append(None)
+    return plan
 
 
 _STOP_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>")

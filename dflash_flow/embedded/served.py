@@ -27,9 +27,11 @@ Faults, and what happens:
 * resumable: ids already in the output are skipped (an ``error`` row too, unless ``retry_errors``, which
   drops those rows first). Output order is completion order.
 
-Each record: ``{"id", "conversations": prompt turns + [assistant reply], "finish_reason"}``, the reason
-``"stop"``, ``"length"`` (``max_new_tokens`` reached), ``"empty"`` (a blank reply: nothing to train on) or
-``"error"`` (no reply turn; ``"error"`` says why).
+Every assistant turn of a conversation is regenerated, in order, each request carrying the conversation so
+far with the servers' own earlier replies (:func:`~dflash_flow.data.chat.regeneration_plan`). Each record:
+``{"id", "conversations": prompt turns with every reply, "finish_reason"}`` (and ``finish_reasons``, one per
+reply, when there are several), the reason (the last reply's) ``"stop"``, ``"length"`` (``max_new_tokens``
+reached), ``"empty"`` (a blank reply: nothing to train on) or ``"error"`` (no reply turns; ``"error"`` says why).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_flow.data.chat import prompt_turns
+from dflash_flow.data.chat import regeneration_plan
 from dflash_flow.engine.http import AllServersDown, RequestFailed, ServerPool, backoff_delay, discover_model
 from dflash_flow.engine.http import HttpClient as _Client
 from dflash_flow.engine.http import Stopped as _Stopped
@@ -69,6 +71,7 @@ class ServedStats:
     new_tokens: int = 0  # completion tokens of this call (the servers' usage counts)
     seconds: float = 0.0
     reasons: Counter = field(default_factory=Counter)  # finish_reason -> rows written by this call
+    reply_reasons: Counter = field(default_factory=Counter)  # finish_reason -> replies (every turn of a row)
     failures: Counter = field(default_factory=Counter)  # failed attempts by kind (retried or not)
     retries: int = 0
     servers: list[dict] = field(default_factory=list)  # per server: url, ok, failures, taken_out, state
@@ -82,12 +85,16 @@ class ServedStats:
 
     # the names the in-process RegenStats uses (regenerate_warnings reads them)
     @property
+    def replies(self) -> int:
+        return sum(self.reply_reasons.values())
+
+    @property
     def empty(self) -> int:
-        return self.reasons["empty"]
+        return self.reply_reasons["empty"]
 
     @property
     def truncated(self) -> int:
-        return self.reasons["length"]
+        return self.reply_reasons["length"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -195,7 +202,7 @@ def regenerate_served(prompts_jsonl: str | Path, servers: list[str], out_jsonl: 
     jobs = []
     for rid, rec in records:  # a record that cannot be a prompt fails the call before any request
         try:
-            jobs.append((rid, prompt_turns(rec, system_prompt)))
+            jobs.append((rid, regeneration_plan(rec, system_prompt)))
         except ValueError as e:
             raise ValueError(f"{prompts_jsonl}: record {rid!r}: {e}") from None
     pool = ServerPool(servers, per_server=concurrency, fail_threshold=fail_threshold, cooldown_s=cooldown_s,
@@ -205,7 +212,7 @@ def regenerate_served(prompts_jsonl: str | Path, servers: list[str], out_jsonl: 
     with OutputWriter(out_jsonl, resume=resume, drop_errors=retry_errors, wait=wait) as writer:
         stats.dropped_errors = writer.dropped
         stats.moved_aside = writer.moved_aside
-        todo = [(rid, turns) for rid, turns in jobs if str(rid) not in writer.done]
+        todo = [(rid, plan) for rid, plan in jobs if str(rid) not in writer.done]
         stats.skipped = len(records) - len(todo)
         if todo:
             name = discover_model(pool, client, model, log)
@@ -233,10 +240,11 @@ def _run(todo, pool, client, base, sampled, seed, writer, stats, max_attempts, b
     stop = threading.Event()
     lock = threading.Lock()
 
-    def attempt_row(rid, turns) -> dict:
-        payload = dict(base, messages=turns)
-        if sampled:
-            payload["seed"] = int(_unit("seed", seed, rid) * 2**31)  # reproducible sampling per row
+    def ask(rid, conv: list[dict], k: int):
+        """One reply to ``conv``: (reply, finish, tokens), or the error row's message once retries are spent."""
+        payload = dict(base, messages=conv)
+        if sampled:  # reproducible sampling per row (and per reply after the first)
+            payload["seed"] = int((_unit("seed", seed, rid) if k == 0 else _unit("seed", seed, rid, k)) * 2**31)
         avoid: set[str] = set()
         attempts = 0
         while True:
@@ -253,26 +261,47 @@ def _run(todo, pool, client, base, sampled, seed, writer, stats, max_attempts, b
                 attempts += 1
                 avoid.add(lease.server.url)
                 if e.kind == "client" or attempts >= max_attempts:
-                    return {"id": rid, "conversations": turns, "finish_reason": "error",
-                            "error": f"{e} (after {attempts} attempt{'s' * (attempts > 1)}, last on "
-                                     f"{lease.server.url})"}, 0
+                    return (f"{e} (after {attempts} attempt{'s' * (attempts > 1)}, last on {lease.server.url}"
+                            + (f", reply {k + 1}" if k else "") + ")")
                 with lock:
                     stats.retries += 1
                 if stop.wait(backoff_delay(rid, attempts, backoff_s, backoff_max_s)):
                     raise _Stopped() from None
                 continue
             pool.release(lease, None)
-            return {"id": rid, "conversations": turns + [{"role": "assistant", "content": reply}],
-                    "finish_reason": finish}, tokens
+            return reply, finish, tokens
+
+    def attempt_row(rid, plan) -> tuple[dict, int]:
+        """Every reply of the row in order, each asked on the conversation so far (earlier replies the
+        servers' own); the row's finish_reason is its last reply's."""
+        conv: list[dict] = []
+        reasons: list[str] = []
+        tokens = 0
+        for turn in plan:
+            if turn is not None:
+                conv.append(turn)
+                continue
+            got = ask(rid, conv, len(reasons))
+            if isinstance(got, str):
+                return {"id": rid, "conversations": [t for t in plan if t is not None], "finish_reason": "error",
+                        "error": got}, tokens
+            reply, finish, n = got
+            conv.append({"role": "assistant", "content": reply})
+            reasons.append(finish)
+            tokens += n
+        rec = {"id": rid, "conversations": conv, "finish_reason": reasons[-1]}
+        if len(reasons) > 1:
+            rec["finish_reasons"] = reasons
+        return rec, tokens
 
     def worker() -> None:
         while not stop.is_set():
             try:
-                rid, turns = rows.get_nowait()
+                rid, plan = rows.get_nowait()
             except queue.Empty:
                 return
             try:
-                results.put(("row",) + attempt_row(rid, turns))
+                results.put(("row",) + attempt_row(rid, plan))
             except _Stopped:
                 return
             except AllServersDown as e:
@@ -311,6 +340,8 @@ def _run(todo, pool, client, base, sampled, seed, writer, stats, max_attempts, b
             stats.generated += 1
             stats.new_tokens += tokens
             stats.reasons[rec["finish_reason"]] += 1
+            for r in rec.get("finish_reasons") or ([rec["finish_reason"]] if rec["finish_reason"] != "error" else []):
+                stats.reply_reasons[r] += 1
             if rec["finish_reason"] == "error":
                 stats.errors.append((rec["id"], rec["error"]))
             report(stats.skipped + stats.generated, stats.total, tokens)

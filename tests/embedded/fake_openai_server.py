@@ -9,7 +9,10 @@ the last user message steers single rows:
 * ``[EMPTY]`` -> an empty reply, ``[LONG]`` -> finish_reason "length", ``[THINK]`` -> the reasoning is
   returned separately (``reasoning_content``, as a server with a reasoning parser does),
 * ``[POISON]`` -> HTTP 500, always (a row that fails on every server),
-* ``[BAD]`` -> HTTP 400 (a request the server rejects).
+* ``[BAD]`` -> HTTP 400 (a request the server rejects),
+* ``[SURROGATE]`` -> a reply holding a lone surrogate (``\\ud800`` in the JSON: valid JSON, not valid text).
+
+``--answer-model NAME``: the completions name that model (a server answering with another model than asked).
 
 ``--behaviour`` sets what the whole server does with chat requests:
 
@@ -38,6 +41,7 @@ def main() -> None:
     ap.add_argument("--log", required=True)
     ap.add_argument("--model", default="fake-target")
     ap.add_argument("--behaviour", default="ok")
+    ap.add_argument("--answer-model", default=None)
     args = ap.parse_args()
     mode, _, arg = args.behaviour.partition(":")
     limit = int(arg) if arg else 0
@@ -114,10 +118,13 @@ def main() -> None:
             message = {"role": "assistant", "content": " ".join(words)}
             if "[THINK]" in user:
                 message["reasoning_content"] = "let me think"
-            body = {"id": f"c{n}", "object": "chat.completion", "model": args.model,
+            body = {"id": f"c{n}", "object": "chat.completion", "model": args.answer_model or args.model,
                     "choices": [{"index": 0, "message": message, "finish_reason": finish}],
                     "usage": {"prompt_tokens": len(user.split()), "completion_tokens": len(words)}}
-            self._send(200, json.dumps(body).encode())
+            data = json.dumps(body)
+            if "[SURROGATE]" in user:  # json.dumps would write the escape too; spelled out to be plain
+                data = data.replace('"content": "', '"content": "\\ud800', 1)
+            self._send(200, data.encode())
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True

@@ -15,6 +15,8 @@ import pytest
 from dflash_flow.embedded.regen_io import OutputWriter
 from dflash_flow.embedded.regenerate import regenerate
 
+from test_served_regenerate import servers  # noqa: F401  (the fixture: fake server processes)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -70,3 +72,75 @@ def test_output_writer_start_over_is_refused_for_a_foreign_file(tmp_path):
     with pytest.raises(ValueError, match="not a record written by dflash-flow regenerate"):
         OutputWriter(out, resume=False).__enter__()
     assert out.read_text() == '{"id": 1, "text": "no finish_reason"}\n'
+
+
+# -- item 7: every assistant turn regenerated in order, on the target's own earlier replies -----------------
+
+MULTI = {"id": "m", "conversations": [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Count from 3 to 6."},
+    {"role": "assistant", "content": "MADE UP ONE"},
+    {"role": "user", "content": "Now count back."},
+    {"role": "assistant", "content": "MADE UP TWO"},
+]}
+
+
+def test_plan_puts_a_reply_after_every_answered_user_turn():
+    from dflash_flow.data.chat import regeneration_plan
+
+    plan = regeneration_plan(MULTI)
+    assert [None if t is None else t["content"] for t in plan] == [
+        "Be brief.", "Count from 3 to 6.", None, "Now count back.", None]
+    # a trailing user turn gets a reply; two assistant turns in a row are one reply
+    plan = regeneration_plan({"conversations": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                                {"role": "assistant", "content": "c"}, {"role": "user", "content": "d"}]})
+    assert [None if t is None else t["content"] for t in plan] == ["a", None, "d", None]
+    assert regeneration_plan({"prompt": "p"}) == [{"role": "user", "content": "p"}, None]
+
+
+def test_in_process_every_reply_is_the_targets_own_on_its_own_earlier_replies(tmp_path, target):
+    from dflash_flow.data.chat import stop_token_ids
+    from dflash_flow.model.generation import greedy_continuations
+
+    model, tok = target
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps(MULTI) + "\n" + json.dumps({"id": "s", "prompt": "Name a colour."}) + "\n")
+    out = tmp_path / "o.jsonl"
+    stats = regenerate(src, None, out, batch_size=2, max_new_tokens=12, model=model, tokenizer=tok)
+    assert stats.generated == 2 and stats.replies == 3
+    multi, single = _records(out)
+    conv = multi["conversations"]
+    assert [t["role"] for t in conv] == ["system", "user", "assistant", "user", "assistant"]
+    assert "MADE UP" not in conv[2]["content"] and "MADE UP" not in conv[4]["content"]
+    assert len(multi["finish_reasons"]) == 2 and multi["finish_reason"] == multi["finish_reasons"][-1]
+    assert "finish_reasons" not in single and len(single["conversations"]) == 2
+
+    def greedy(turns):
+        ids = tok(tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True),
+                  add_special_tokens=False)["input_ids"]
+        [(gen, reason)] = greedy_continuations(model, [ids], max_new_tokens=12, stop_ids=stop_token_ids(tok),
+                                               pad_id=tok.pad_token_id)
+        return tok.decode(gen[:-1] if reason == "stop" else gen, skip_special_tokens=True)
+
+    assert conv[2]["content"] == greedy(conv[:2])
+    assert conv[4]["content"] == greedy(conv[:4])  # conditioned on its own first reply, not the made-up one
+
+
+def test_through_servers_every_reply_is_asked_on_the_servers_earlier_replies(tmp_path, servers):
+    from dflash_flow.embedded.served import regenerate_served
+
+    srv = servers()
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps(MULTI) + "\n")
+    out = tmp_path / "o.jsonl"
+    stats = regenerate_served(src, [srv.url], out, max_new_tokens=64, timeout_s=30)
+    assert stats.generated == 1 and stats.replies == 2
+    [row] = _records(out)
+    assert [t["content"] for t in row["conversations"]] == [
+        "Be brief.", "Count from 3 to 6.", "reply to: Count from 3 to 6.", "Now count back.",
+        "reply to: Now count back."]
+    assert row["finish_reasons"] == ["stop", "stop"]
+    first, second = (r["payload"]["messages"] for r in srv.requests())
+    assert [m["content"] for m in first] == ["Be brief.", "Count from 3 to 6."]
+    assert [m["content"] for m in second] == ["Be brief.", "Count from 3 to 6.", "reply to: Count from 3 to 6.",
+                                              "Now count back."]

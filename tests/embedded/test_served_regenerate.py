@@ -30,12 +30,13 @@ FAST = dict(backoff_s=0.01, backoff_max_s=0.05, cooldown_s=60.0)  # a server tak
 
 
 class FakeServer:
-    def __init__(self, tmp: Path, name: str, behaviour: str = "ok", model: str = "fake-target"):
+    def __init__(self, tmp: Path, name: str, behaviour: str = "ok", model: str = "fake-target",
+                 answer_model: str | None = None):
         self.log = tmp / f"{name}.log"
         port_file = tmp / f"{name}.port"
         self.proc = subprocess.Popen([sys.executable, str(HERE / "fake_openai_server.py"), "--port-file",
                                       str(port_file), "--log", str(self.log), "--model", model, "--behaviour",
-                                      behaviour])
+                                      behaviour, *(["--answer-model", answer_model] if answer_model else [])])
         deadline = time.monotonic() + 60  # a bound on start-up, not a measured duration
         while not port_file.exists():
             assert self.proc.poll() is None, "fake server died at start-up"
