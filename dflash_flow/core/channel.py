@@ -63,6 +63,8 @@ class Channel:
         "blocked_put_s",
         "blocked_get_s",
         "_waiting_since",
+        "_awaited",
+        "_putters",
     )
 
     def __init__(self, capacity: int, name: str = "", producers: int = 1):
@@ -83,21 +85,34 @@ class Channel:
         # thread ident -> perf_counter() when its put or get began to wait: a reading taken during a long
         # wait counts it so far (the totals above grow only when a wait ends)
         self._waiting_since: dict[int, float] = {}
+        # The sequence number an ordered consumer waits for while it holds as many items out of order as the
+        # channel holds (``get_seq``): its envelope is let in past the capacity, nothing else is.
+        self._awaited: Any = None
+        self._putters = 0  # producers waiting in put
+
+    def _full_for(self, item: Any) -> bool:
+        if len(self._buf) < self.capacity:
+            return False
+        return not (self._awaited is not None and type(item) is tuple and len(item) == 2 and item[0] == self._awaited)
 
     def put(self, item: Any) -> float:
-        """Append ``item``, blocking while the channel is full. Returns the seconds spent blocked."""
+        """Append ``item``, blocking while the channel is full (the envelope an ordered consumer awaits,
+        ``get_seq``, goes in past the capacity). Returns the seconds spent blocked."""
         blocked = 0.0
         with self._not_full:
             if self._cancelled:
                 raise ChannelCancelled(self.name)
-            if len(self._buf) >= self.capacity:
+            if self._full_for(item):
                 t0 = perf_counter()
                 me = threading.get_ident()
                 self._waiting_since[me] = t0
+                self._putters += 1
+                self._not_empty.notify_all()  # an ordered consumer in get_seq counts the producers that wait
                 try:
-                    while len(self._buf) >= self.capacity and not self._cancelled:
+                    while self._full_for(item) and not self._cancelled:
                         self._not_full.wait()
                 finally:
+                    self._putters -= 1
                     del self._waiting_since[me]
                 blocked = perf_counter() - t0
                 self.blocked_put_s += blocked
@@ -138,6 +153,55 @@ class Channel:
             self.items_out += 1
             self._not_full.notify()
             return item
+
+    def get_seq(self, seq: Any, progress: Any = None, poll_s: float = 0.1) -> Any:
+        """For an ordered consumer that holds ``capacity`` items out of order already: the envelope ``(seq,
+        item)`` it waits for (let in past the capacity, ``put``), an error item, or an envelope without a
+        sequence number, wherever it is in the buffer; no other item is taken, so the producers of later items
+        stay blocked (bounded memory, e.g. features on a GPU).
+
+        Escapes, so it never waits forever: end-of-stream with ``seq`` not there returns None (it will not come:
+        a cancelled upstream left a gap; the consumer then reads as items come). And a producer that got its
+        items out of order (two upstream replicas racing) may hold ``seq`` behind a later item it cannot put:
+        then the oldest item is taken instead, once every open producer waits in ``put``, or once ``progress()``
+        (the consumer's upstream: None while any of it works, else a count of what it has done) reads the
+        same, not None, at two looks ``poll_s`` apart (the only timed wait, in this state only)."""
+        with self._not_empty:
+            self._awaited = seq
+            self._not_full.notify_all()  # a producer waiting to put `seq` may now
+            t0 = perf_counter()
+            me = threading.get_ident()
+            self._waiting_since[me] = t0
+            last = None
+            try:
+                while True:
+                    if self._cancelled:
+                        raise ChannelCancelled(self.name)
+                    for i, env in enumerate(self._buf):
+                        if isinstance(env, ErrorItem) or (type(env) is tuple and env[0] in (seq, None)):
+                            del self._buf[i]
+                            return self._taken(env)
+                    if self._open_producers <= 0:
+                        return None
+                    if self._buf and self._putters >= self._open_producers:
+                        return self._taken(self._buf.popleft())
+                    if progress is None:
+                        self._not_empty.wait()
+                        continue
+                    now = progress()
+                    if self._buf and now is not None and now == last:
+                        return self._taken(self._buf.popleft())
+                    last = now
+                    self._not_empty.wait(poll_s)
+            finally:
+                self._awaited = None
+                del self._waiting_since[me]
+                self.blocked_get_s += perf_counter() - t0
+
+    def _taken(self, env: Any) -> Any:
+        self.items_out += 1
+        self._not_full.notify()
+        return env
 
     def close(self) -> None:
         """One producer is done. The last close is end-of-stream."""

@@ -87,6 +87,10 @@ class Replica:
         # trainer stopped at a consistent point): what is still queued or still to come is dropped, unprocessed.
         self.abandoned = False
         self.items_dropped = 0
+        # An ordered consumer's items held out of order at once, at most (its input's capacity, bar a producer
+        # that got its items out of order: ``Channel.get_seq``), and the replicas upstream of it (the runtime's).
+        self.heap_peak = 0
+        self.upstream: list[Replica] = []
         self.native_id: int | None = None  # its thread's, once running
         self.sched_at_end: tuple[float, float] | None = None  # its thread's CPU and core-wait seconds when it ended
 
@@ -233,9 +237,16 @@ def _run_transform(rep: Replica) -> None:
     heap: list[tuple[int, int, Any]] = []
     expected = 0
     tie = itertools.count()
+    bounded = True  # an ordered consumer holds at most its input's capacity out of order (Channel.get_seq)
     while True:
         rep.set_state(ReplicaState.WAITING)
-        env = ch.get()
+        if rep.ordered and bounded and len(heap) >= ch.capacity:
+            env = ch.get_seq(expected, progress=lambda: upstream_progress(rep))
+            if env is None:  # it will not come (a gap left by a cancelled upstream): the rest as it comes
+                bounded = False
+                continue
+        else:
+            env = ch.get()
         if env is END_OF_STREAM:
             break
         if isinstance(env, ErrorItem):
@@ -247,12 +258,27 @@ def _run_transform(rep: Replica) -> None:
                 s, _, it = heapq.heappop(heap)
                 expected = max(expected, s + 1)
                 _handle(rep, s, it, one_to_one, counter)
+            rep.heap_peak = max(rep.heap_peak, len(heap))
             continue
         _handle(rep, seq, item, one_to_one, counter)
     # Anything still held (gaps can only come from a cancelled upstream) goes out in order.
     while heap:
         s, _, it = heapq.heappop(heap)
         _handle(rep, s, it, one_to_one, counter)
+
+_WORKING = (ReplicaState.PENDING, ReplicaState.SETUP, ReplicaState.BUSY)
+
+
+def upstream_progress(rep: Replica) -> int | None:
+    """None while a replica upstream of ``rep`` works (or has not started); else how many items they have taken
+    and emitted in all: equal at two looks, nothing upstream moved in between (``Channel.get_seq``)."""
+    total = 0
+    for up in rep.upstream:
+        if up.state in _WORKING:
+            return None
+        total += up.items_in + up.items_out
+    return total
+
 
 def _handle(rep: Replica, seq: Any, item: Any, one_to_one: bool, counter) -> None:
     if item is TOMBSTONE:

@@ -191,6 +191,17 @@ class Pipeline:
                 reps.append(rep)
             self.replicas[spec.name] = reps
         self._collect = wire(g, self.validated.classes, self.replicas, collect)
+        for spec in g.stages:  # an ordered consumer watches its upstream's progress (Channel.get_seq)
+            if not spec.ordered:
+                continue
+            todo, seen = [i.stage for i in spec.inputs], set()
+            while todo:
+                name = todo.pop()
+                if name not in seen:
+                    seen.add(name)
+                    todo.extend(i.stage for i in g.stage(name).inputs)
+            for rep in self.replicas[spec.name]:
+                rep.upstream = [r for name in sorted(seen) for r in self.replicas[name]]
 
     # -- public API -------------------------------------------------------------------------------
     @property
