@@ -488,6 +488,10 @@ def pipeline_checks(device: str, pipe: dict, alone_: dict, checks: Checks) -> No
     # (less where they overlap); more means one waits for the other's queue (streams, finding 2).
     checks.add("2", "pipeline micro-batch against target forward + drafter micro-batch alone",
                ratio <= 1.15 if device.startswith("cuda") else None, ratio, "<= 1.15 on one GPU")
+    if w["peak_allocated_gib"]:
+        ratio = w["peak_reserved_gib"] / w["peak_allocated_gib"]
+        checks.add("7", "reserved against allocated memory at the window's peak (expandable segments)", ratio <= 1.25,
+                   ratio, "<= 1.25 (fragmentation: reserved far above allocated ends in an OOM while memory is free)")
     if w["target_forward_s_mean"]:
         checks.add("2", "target forward in the pipeline against alone", None,
                    w["target_forward_s_mean"] / alone_["target_forward_s"],
@@ -496,6 +500,8 @@ def pipeline_checks(device: str, pipe: dict, alone_: dict, checks: Checks) -> No
 
 def must_check(checks: Checks) -> None:
     """What no figure here decides: the first GPU run's reader looks at these."""
+    checks.look("8", "nvidia-smi during the run: one CUDA context per GPU of this process, none of ~0.5 GB on a GPU "
+                     "the process has no stage on (threads bound before setup, app.gpu)")
     checks.look("6", "sync_warnings in alone: where any sync above one per step comes from; and in the pipeline "
                      "a loss mask that reaches DrafterStep on the GPU costs one more per micro-batch (read back)")
     checks.look("2", "nsys / torch.profiler trace of a few steps: target replicas' kernels on their own streams, "
@@ -515,11 +521,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("no CUDA device: run with --device cpu --tiny for a smoke run", file=sys.stderr)
         return 2
+    from dflash_flow.model.device import ALLOC_CONF, use_expandable_segments
+
+    use_expandable_segments()  # as every run's stage threads set it (app.gpu), before CUDA starts here
     t0 = time.perf_counter()
     shape = Shape(args.tiny)
     checks = Checks()
     cuda = args.device.startswith("cuda")
+    import os
+
     result = {
+        "allocator": os.environ.get(ALLOC_CONF),
         "machine": {"python": platform.python_version(), "torch": torch.__version__,
                     "device": torch.cuda.get_device_name(torch.device(args.device)) if cuda else platform.processor() or "cpu"},
         "workload": "tiny" if args.tiny else "Qwen3-8B-shaped target (random bf16), 5-layer drafter, B=16, 512 anchors, 4 x 3072 tokens per batch",

@@ -12,6 +12,7 @@
 Importing the package is cheap (no torch, no mlflow): the CLI's ``--help`` and ``validate`` stay fast.
 """
 
+from dflash_flow.app import gpu as _gpu  # noqa: F401 - binds every stage thread to its GPU (issue 41)
 from dflash_flow.app import sections as _sections  # noqa: F401 - registers the application sections
 from dflash_flow.app.runner import load, model_services, run
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -226,3 +227,26 @@ def nesting_problems(
                 )))
             owner.setdefault(key, j)
     return out
+
+
+# -- binding threads to their GPU -----------------------------------------------------------------------------
+# Every thread starts on CUDA's device 0 of the process. The application registers what binds a replica's thread
+# to its GPU (``app.gpu``: torch's current device), and the runtime calls it in every replica thread before the
+# stage's setup and in the thread that starts the pipeline; the core itself knows no torch.
+
+_THREAD_SETUP: list[Callable[[list[str], str | None], None]] = []
+
+
+def register_thread_setup(fn: Callable[[list[str], str | None], None]) -> None:
+    """Have ``fn(devices, home)`` called in each replica's thread before its setup (``devices``: the replica's,
+    first one first) and in the thread that starts a pipeline (``devices`` empty); ``home`` is the first GPU of
+    this rank's slice (None without one), where a thread without a GPU of its own (pinning host memory, say)
+    belongs. Registering a function twice registers it once."""
+    if fn not in _THREAD_SETUP:
+        _THREAD_SETUP.append(fn)
+
+
+def setup_thread(devices: list[str], home: str | None) -> None:
+    """Run the registered thread setups (``register_thread_setup``) in the calling thread."""
+    for fn in list(_THREAD_SETUP):
+        fn(devices, home)

@@ -12,6 +12,7 @@ from collections.abc import Generator, Iterator
 from typing import Any, Protocol
 
 from .channel import END_OF_STREAM, Channel, ChannelCancelled, ErrorItem
+from .devices import setup_thread
 from .errors import DflashFlowError, SavedStateError, StopRequested
 from .routing import Router
 from .snapshot import ReplicaSnapshot, ReplicaState
@@ -91,6 +92,7 @@ class Replica:
         # that got its items out of order: ``Channel.get_seq``), and the replicas upstream of it (the runtime's).
         self.heap_peak = 0
         self.upstream: list[Replica] = []
+        self.home_device: str | None = None  # the first GPU of the rank's slice (devices.setup_thread)
         self.native_id: int | None = None  # its thread's, once running
         self.sched_at_end: tuple[float, float] | None = None  # its thread's CPU and core-wait seconds when it ended
 
@@ -151,6 +153,7 @@ def main(rep: Replica, sup: Supervisor) -> None:
     try:
         rep.setup_done = True
         try:
+            setup_thread(list(rep.ctx.devices), rep.home_device)  # this thread on its GPU, before the stage uses any
             rep.stage.setup(rep.ctx)
         except StopRequested:
             # The run stopped during a long setup (a regeneration, a model load that checks): the replica

@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 
 from .channel import END_OF_STREAM, Channel, ChannelCancelled, ErrorItem
-from .devices import RankLayout, place_replicas, visible_gpu_count
+from .devices import RankLayout, place_replicas, setup_thread, visible_gpu_count
 from .errors import PipelineInterrupted, PipelineStalled, ShutdownTimeout, StageError
 from .graph import Graph
 from .metrics import MetricSet
@@ -150,6 +150,8 @@ class Pipeline:
             gpus_per_rank=g.runtime.gpus_per_rank,
             shared=g.runtime.share_gpus,
         )
+        gpus = self.layout.gpus()
+        self.home_device = f"cuda:{gpus[0]}" if gpus else None  # this rank's first GPU (devices.setup_thread)
         self.replicas: dict[str, list[Replica]] = {}
         devices: dict[str, list[list[str]]] = {}  # stage -> the devices of each replica, first one first
         for spec in g.stages:
@@ -185,6 +187,7 @@ class Pipeline:
                     runtime=self.view,
                 )
                 rep = Replica(spec.name, spec.type, i, stage, ctx)
+                rep.home_device = self.home_device
                 states = resume_state.get(spec.name)
                 if states:
                     rep.resume_state = states[i] if i < len(states) else states[-1]
@@ -379,6 +382,7 @@ class Pipeline:
                 self._errors.append(err)
                 self._finished = True
                 raise err from exc
+        setup_thread([], self.home_device)  # the starting thread on this rank's GPU too
         # The threads start together: a stop signal meanwhile is held until they all run (the supervisor then
         # stops them as it would any time later), never raised with half of them started.
         with controller().hold():

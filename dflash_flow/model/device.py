@@ -4,6 +4,7 @@ CUDA streams the stage threads run on (``side_streams``, ``take``)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterable, Iterator
 
@@ -98,3 +99,29 @@ def take(t: torch.Tensor) -> torch.Tensor:
     if t.is_cuda:
         t.record_stream(torch.cuda.current_stream(t.device))
     return t
+
+
+# -- threads and the allocator --------------------------------------------------------------------------------
+
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def use_expandable_segments() -> None:
+    """Have CUDA's caching allocator grow segments in place (``expandable_segments:True``) unless the user set
+    ``PYTORCH_CUDA_ALLOC_CONF``: batches of every shape (features, activations that change with each batch and
+    chunk) otherwise leave reserved memory far above allocated, and an out-of-memory error can come while memory
+    is free. Read when CUDA first allocates, so it is set before that (a later call changes nothing)."""
+    if ALLOC_CONF not in os.environ and not torch.cuda.is_initialized():
+        os.environ[ALLOC_CONF] = "expandable_segments:True"
+
+
+def bind_thread_device(devices: list[str], home: str | None = None) -> None:
+    """Make the calling thread's current CUDA device its own: the first GPU of ``devices``, else ``home`` (the
+    rank's first GPU: a thread without a GPU of its own still creates contexts, e.g. pinning host memory, and
+    must not create them on another rank's GPU 0). A no-op without CUDA. Every stage thread runs this before
+    its setup (registered by ``app.gpu`` with the runtime, ``core.devices.register_thread_setup``)."""
+    cuda = [d for d in devices if d.startswith("cuda")] or ([home] if home else [])
+    if not cuda or not torch.cuda.is_available():
+        return
+    use_expandable_segments()
+    torch.cuda.set_device(as_device(cuda[0]))

@@ -6,6 +6,7 @@ target replica lagged), without ever deadlocking; and every replica thread is bo
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import attrs
@@ -96,3 +97,42 @@ def test_the_bound_never_deadlocks_when_producers_get_their_items_out_of_order()
         pipeline.run()
         assert services["out"] == list(range(40)), seed
 
+
+@register_stage
+@attrs.define(kw_only=True, eq=False)
+class Issue41WhereAmI(Stage):
+    """Records, at its setup, which CUDA devices its thread was made current on before (``services['bound']``)."""
+
+    def setup(self, ctx) -> None:
+        me = threading.current_thread()  # (not its ident: a finished thread's ident is reused)
+        ctx.services.setdefault("at_setup", []).append(
+            (ctx.name, ctx.replica, list(ctx.devices), [d for t, d in ctx.services["bound"] if t is me]))
+
+    def process(self, item):
+        return (item,)
+
+
+def test_every_stage_thread_is_on_its_gpu_before_its_setup(monkeypatch):
+    """Each replica's thread makes its own GPU current before its setup; a thread without a GPU (a Padder that
+    pins memory) makes its rank's first GPU current, not device 0 of the node. Only DrafterStep did (review
+    finding 8). torch's CUDA calls are recorded (no GPU here): a machine with two GPUs, as torch would see it."""
+    import torch
+
+    import dflash_flow.app  # noqa: F401 - the application registers the thread setup (app.gpu)
+
+    services: dict = {"bound": []}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # (the allocator setting is left alone)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: services["bound"].append((threading.current_thread(), str(d))))
+    g = Graph(runtime=_runtime(4))
+    g.add("src", "Issue41Count", config={"count": 6})
+    g.add("padder", "Issue41WhereAmI", inputs=["src"], replicas=2)
+    g.add("target", "Issue41WhereAmI", inputs=["padder"], replicas=2, devices=["cuda:1", "cuda:0"])
+    g.add("drafter", "Issue41Collect", inputs=["target"], devices="cuda:1")
+    Pipeline(g, services=services, check_devices=False).run()
+    at_setup = {(name, replica): (devices, bound) for name, replica, devices, bound in services["at_setup"]}
+    assert at_setup[("target", 0)] == (["cuda:1"], ["cuda:1"])
+    assert at_setup[("target", 1)] == (["cuda:0"], ["cuda:0"])
+    assert at_setup[("padder", 0)][1] == at_setup[("padder", 1)][1] == ["cuda:0"]  # the rank's first GPU
+    assert sorted(services["out"]) == list(range(6))
