@@ -58,6 +58,9 @@ def test_ctrl_c_stops_within_seconds_with_a_checkpoint_at_the_last_step_trained(
     assert code == 130, log[-3000:]
     assert took < 30, f"the stop took {took:.1f}s\n{log[-3000:]}"
     assert "Traceback" not in log, log[-3000:]
+    # Said at once, before the drain and the checkpoint (issue 40.23).
+    notice = "stopping after the batch in flight (Ctrl-C again to force)"
+    assert notice in log and log.index(notice) < log.index("checkpoint saved to"), log[-3000:]
 
     trained = read_lines(out / "batches.jsonl")
     # At most the step in flight when the signal landed (and one more that may start before it is seen).

@@ -305,7 +305,13 @@ def test_sigint_then_sigterm_stop_gracefully_and_resume_identically(reference):
     log = (root / "sigint.log").read_text()
     assert code == 130, log[-3000:]
     assert "checkpoint saved to" in log and "Traceback" not in log, log[-3000:]
+    # Said at once, before the drain and the checkpoint (issue 40.23).
+    notice = "stopping after the batch in flight (Ctrl-C again to force)"
+    assert notice in log and log.index(notice) < log.index("checkpoint saved to"), log[-3000:]
     ck = _checkpoint(out)
+    # The run's clock is in the checkpoint; summary.json's goes a little further (the end of the drain).
+    elapsed1 = ck["extra"]["elapsed_s"]
+    assert 0 < elapsed1 <= summary(out)["elapsed_s"] and summary(out)["elapsed_resumed_s"] == 0
     lines1 = read_lines(out / "batches.jsonl")
     assert ck["data_position"]["total"] == len(lines1), "a graceful stop checkpoints every trained batch"
     assert lines1 == reference["batches"][: len(lines1)]
@@ -320,7 +326,10 @@ def test_sigint_then_sigterm_stop_gracefully_and_resume_identically(reference):
     log = (root / "sigterm.log").read_text()
     assert code == 130, log[-3000:]
     assert "checkpoint saved to" in log and "Traceback" not in log, log[-3000:]
+    assert "SIGTERM: stopping after the batch in flight (SIGTERM again to force)" in log, log[-3000:]
     ck2 = _checkpoint(out)
+    # The clock went on from the first checkpoint's, across the resume.
+    assert summary(out)["elapsed_resumed_s"] == elapsed1 < ck2["extra"]["elapsed_s"] <= summary(out)["elapsed_s"]
     lines2 = read_lines(out / "batches.jsonl")
     assert ck2["data_position"]["total"] == len(lines2)
     assert ck2["mlflow_run_id"] == run_id
@@ -332,6 +341,7 @@ def test_sigint_then_sigterm_stop_gracefully_and_resume_identically(reference):
     assert read_lines(out / "batches.jsonl") == reference["batches"]
     _assert_same_weights(reference["weights"], out / "drafter" / "model.safetensors")
     assert summary(out)["mlflow_run_id"] == run_id
+    assert summary(out)["elapsed_resumed_s"] == ck2["extra"]["elapsed_s"] < summary(out)["elapsed_s"]
     assert mlflow_run(db, run_id).info.status == "FINISHED"
 
 
