@@ -224,6 +224,8 @@ def regenerate_command(prompts: Path, target: str | None, out: Path, batch_size:
     print(f"wrote {out}: {stats.total} records ({stats.generated} generated now)")
     if stats.moved_aside is not None:
         print(f"the old {out} was moved aside to {stats.moved_aside} (--no-resume)")
+    if stats.stale:
+        print(f"{stats.stale} rows were written for prompts that have changed since: generated again")
     for line in regenerate_warnings(stats, max_new_tokens):
         print(f"warning: {line}", file=sys.stderr)
     return EXIT_OK
@@ -277,6 +279,8 @@ def served_summary(stats, out: Path) -> str:
              f"{stats.new_tokens} tokens in {stats.seconds:.1f} s ({stats.tokens_per_s:.1f} tokens/s)"]
     if stats.moved_aside is not None:
         lines.append(f"  the old {out} was moved aside to {stats.moved_aside} (--no-resume)")
+    if stats.stale:
+        lines.append(f"  {stats.stale} rows were written for prompts that have changed since: asked again")
     if stats.dropped_errors:
         lines.append(f"  {stats.dropped_errors} error rows dropped to be tried again")
     if stats.failures:

@@ -59,6 +59,22 @@ def read_prompts(path: str | Path) -> list[tuple[object, dict]]:
     return out
 
 
+def read_plans(path: str | Path, system_prompt: str | None = None,
+               limit: int | None = None) -> list[tuple[object, list[dict | None]]]:
+    """(id, :func:`~dflash_flow.data.chat.regeneration_plan`) of the first ``limit`` records of a prompts file;
+    a record that cannot be a prompt fails the call before any work, naming it (ValueError)."""
+    from dflash_flow.data.chat import regeneration_plan
+
+    records = read_prompts(path)
+    out = []
+    for rid, rec in records[:limit] if limit is not None else records:
+        try:
+            out.append((rid, regeneration_plan(rec, system_prompt)))
+        except ValueError as e:
+            raise ValueError(f"{path}: record {rid!r}: {e}") from None
+    return out
+
+
 def check_output_is_not_input(prompts: str | Path, out: str | Path) -> None:
     """Refuse an output that is the input: the same path, or the same file (inode) by a symlink or a hard
     link. Appending to, truncating or overwriting it would destroy the prompts."""
@@ -91,8 +107,20 @@ def _ours(out: Path, offset: int) -> bool:
         and 0 <= j["from"] <= offset
 
 
-def scan_output(path: str | Path, *, repair: bool = True) -> dict[str, str]:
-    """``{id: finish_reason}`` of the records already written to ``path``.
+def plan_digest(plan: list[dict | None]) -> str:
+    """What a row's replies were generated for: a digest of its prompt turns (role and content, in order) and
+    of where its replies go (``None`` in a :func:`~dflash_flow.data.chat.regeneration_plan`). Written with
+    every row as ``prompt_digest``; a resume redoes a row whose prompts file now says something else."""
+    import hashlib
+
+    data = json.dumps([None if t is None else [t["role"], t["content"]] for t in plan], ensure_ascii=False,
+                      separators=(",", ":"))
+    return hashlib.sha256(data.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def scan_output(path: str | Path, *, repair: bool = True, digests: dict[str, str] | None = None) -> dict[str, str]:
+    """``{id: finish_reason}`` of the records already written to ``path`` (and, into ``digests`` when given,
+    each row's ``prompt_digest`` where it has one).
 
     Only the last line may be damaged (writes are appends). A damaged last line is truncated away when this
     tool was writing it (the journal says so; ``repair=False`` never truncates); otherwise it is an error, as
@@ -120,6 +148,8 @@ def scan_output(path: str | Path, *, repair: bool = True) -> dict[str, str]:
                     raise ValueError(f"{path}:{lineno}: not a record written by dflash-flow regenerate (no 'id' and "
                                      "'finish_reason'): choose another --out")
                 done[str(rec["id"])] = str(rec["finish_reason"])
+                if digests is not None and isinstance(rec.get("prompt_digest"), str):
+                    digests[str(rec["id"])] = rec["prompt_digest"]
             good_end += len(line)
         size = f.tell()
     if good_end < size:
@@ -139,17 +169,22 @@ class OutputWriter:
 
     Entering locks the output, reads the ids already there (``done``, repairing a torn last line this tool
     wrote) -- or, with ``resume=False``, starts a new file, the old one (when regenerate wrote it: else
-    refused) moved aside to ``moved_aside`` -- and writes the journal.
+    refused) moved aside to ``moved_aside`` -- and writes the journal. ``expected``: ``{id: prompt digest}``
+    of the prompts now; a row written for other prompts (its ``prompt_digest`` differs: the prompts file was
+    edited since) is dropped (``stale`` counts them) so that it is generated again. Rows of an older release
+    (no digest) cannot be told and are kept.
     """
 
     def __init__(self, out: str | Path, *, resume: bool = True, drop_errors: bool = False,
-                 wait: Callable[[], None] | None = None):
+                 wait: Callable[[], None] | None = None, expected: dict[str, str] | None = None):
         self.out = Path(out)
         self.wait = wait  # called every 0.5 s while another process holds the lock; None: refuse at once
         self.resume = resume
         self.drop_errors = drop_errors
         self.dropped = 0  # error rows dropped (drop_errors) so that they are generated again
         self.moved_aside: Path | None = None  # where resume=False put the old output
+        self.expected = expected
+        self.stale = 0  # rows dropped because their prompts changed
         self.done: dict[str, str] = {}
         self._f = None
         self._clean = True
@@ -165,9 +200,14 @@ class OutputWriter:
         f = open(self.out, "ab")
         try:
             _lock(f, self.out, self.wait)
-            self.done = scan_output(self.out)
-            if self.drop_errors and "error" in self.done.values():
-                f = self._rewrite_without_errors(f)
+            digests: dict[str, str] = {}
+            self.done = scan_output(self.out, digests=digests)
+            expected = self.expected or {}
+            stale = {k for k, d in digests.items() if k in expected and expected[k] != d}
+            errors = {k for k, v in self.done.items() if v == "error"} if self.drop_errors else set()
+            if stale or errors:
+                f = self._rewrite_without(f, stale | errors)
+                self.stale, self.dropped = len(stale), len(errors - stale)
             st = os.fstat(f.fileno())
             f.seek(0, os.SEEK_END)
             atomic_write_text(journal_path(self.out), json.dumps(
@@ -178,19 +218,18 @@ class OutputWriter:
         self._f = f
         return self
 
-    def _rewrite_without_errors(self, f):
-        """The output without its ``finish_reason: "error"`` rows, written beside it and renamed over it
-        (atomic), then locked again."""
+    def _rewrite_without(self, f, ids: set[str]):
+        """The output without the rows of ``ids``, written beside it and renamed over it (atomic), then
+        locked again."""
         with atomic_path(self.out) as tmp, open(self.out, "rb") as src, open(tmp, "wb") as t:
             for line in src:  # streamed, like the scan
-                if line.strip() and json.loads(line).get("finish_reason") == "error":
-                    self.dropped += 1
+                if line.strip() and str(json.loads(line).get("id")) in ids:
                     continue
                 t.write(line)
         f.close()
         f = open(self.out, "ab")
         _lock(f, self.out)
-        self.done = {k: v for k, v in self.done.items() if v != "error"}
+        self.done = {k: v for k, v in self.done.items() if k not in ids}
         return f
 
     def write_lines(self, lines: list[str], *, fsync: bool = True) -> None:

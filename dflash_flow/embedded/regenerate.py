@@ -12,13 +12,15 @@ JSONL of prompts into a JSONL of conversations whose every assistant turn is the
   the generation prompt and continued greedily until ``<|im_end|>`` / eos or ``max_new_tokens``;
 * batched with left padding through transformers' ``generate`` (greedy; it gives the same tokens as a
   hand-written KV-cache loop, measured on the shipped dataset, and runs ~5x faster here);
-* resumable: ids already in the output are skipped, each batch is appended and flushed, and a last line
+* resumable: ids already in the output are skipped -- unless the row's ``prompt_digest`` (of its prompt
+  turns) says the prompts file has changed there since: such a row is generated again (``stale``) --, each batch is appended and flushed, and a last line
   cut short by a kill is detected and rewritten -- only when this tool was writing it, and never into the
   input (:mod:`.regen_io`);
 * progress is reported through a callback (the CLI draws a bar, a pipeline stage also feeds the
   watchdog's heartbeat), so a long regeneration never looks like a stall.
 
-Output records: ``{"id", "conversations": [..., {"role": "assistant", "content": reply}], "finish_reason"}``
+Output records: ``{"id", "conversations": [..., {"role": "assistant", "content": reply}], "finish_reason",
+"prompt_digest"}``
 with ``finish_reason`` ``"stop"`` (a stop token ended the last reply) or ``"length"``; a conversation of
 several replies also has ``finish_reasons``, one per reply.
 """
@@ -31,9 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_flow.data.chat import regeneration_plan, stop_token_ids
+from dflash_flow.data.chat import stop_token_ids
 
-from .regen_io import OutputWriter, check_output_is_not_input, read_prompts, scan_output
+from .regen_io import OutputWriter, check_output_is_not_input, plan_digest, read_plans, read_prompts, scan_output
 
 __all__ = ["ProgressFn", "RegenStats", "read_prompts", "regenerate", "scan_output"]
 
@@ -52,6 +54,7 @@ class RegenStats:
     empty: int = 0  # replies (of all turns) with no text (the target ended its turn at once): nothing to train a drafter on
     seconds: float = 0.0
     moved_aside: Path | None = None  # where resume=False moved the old output (never deleted)
+    stale: int = 0  # rows written for prompts that have changed since: dropped and generated again
 
     @property
     def tokens_per_s(self) -> float:
@@ -101,21 +104,21 @@ def _regenerate(prompts_jsonl, target_path, out_jsonl, batch_size, max_new_token
                 system_prompt, device, limit, model, tokenizer, check_stop=None) -> RegenStats:
     t0 = time.perf_counter()
     check_output_is_not_input(prompts_jsonl, out_jsonl)
-    records = read_prompts(prompts_jsonl)
-    if limit is not None:
-        records = records[:limit]
-    with OutputWriter(out_jsonl, resume=resume) as writer:
-        todo = [(rid, rec) for rid, rec in records if str(rid) not in writer.done]
-        stats = RegenStats(total=len(records), skipped=len(records) - len(todo), moved_aside=writer.moved_aside)
+    plans = read_plans(prompts_jsonl, system_prompt, limit)
+    digests = {str(rid): plan_digest(plan) for rid, plan in plans}
+    with OutputWriter(out_jsonl, resume=resume, expected=digests) as writer:
+        todo = [(rid, plan) for rid, plan in plans if str(rid) not in writer.done]
+        stats = RegenStats(total=len(plans), skipped=len(plans) - len(todo), moved_aside=writer.moved_aside,
+                           stale=writer.stale)
         if todo:
-            _generate(todo, writer, stats, target_path, batch_size, max_new_tokens, progress, system_prompt, device,
-                      model, tokenizer, check_stop)
+            _generate(todo, writer, stats, target_path, batch_size, max_new_tokens, progress, device, model,
+                      tokenizer, check_stop)
     stats.seconds = time.perf_counter() - t0
     return stats
 
 
-def _generate(todo, writer, stats, target_path, batch_size, max_new_tokens, progress, system_prompt, device, model,
-              tokenizer, check_stop) -> None:
+def _generate(todo, writer, stats, target_path, batch_size, max_new_tokens, progress, device, model, tokenizer,
+              check_stop) -> None:
     from dflash_flow.model.generation import greedy_continuations
 
     if model is None or tokenizer is None:
@@ -135,7 +138,7 @@ def _generate(todo, writer, stats, target_path, batch_size, max_new_tokens, prog
         if check_stop is not None:
             check_stop()  # between batches: everything written so far is complete and resumable
         chunk = todo[b : b + batch_size]
-        rows = [_Row(rid, regeneration_plan(rec, system_prompt)) for rid, rec in chunk]
+        rows = [_Row(rid, plan) for rid, plan in chunk]
         n_tok = 0
         # Reply k of every row that has one, batched: each generated on the row's conversation so far (its
         # own earlier replies included), so a batch needs as many rounds as its longest conversation has replies.
@@ -189,7 +192,8 @@ class _Row:
         return [self.conv[i] for i in at]
 
     def record(self) -> dict:
-        rec = {"id": self.rid, "conversations": self.conv, "finish_reason": self.reasons[-1]}
+        rec = {"id": self.rid, "conversations": self.conv, "finish_reason": self.reasons[-1],
+               "prompt_digest": plan_digest(self.plan)}
         if len(self.reasons) > 1:
             rec["finish_reasons"] = self.reasons  # one per reply, in order; the row's is the last one's
         return rec

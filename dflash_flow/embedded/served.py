@@ -25,7 +25,9 @@ Faults, and what happens:
   trials it is removed. Its requests go to the others. When no server is left the run stops, with
   everything finished so far written (the same command continues);
 * resumable: ids already in the output are skipped (an ``error`` row too, unless ``retry_errors``, which
-  drops those rows first). Output order is completion order.
+  drops those rows first), unless the row's ``prompt_digest`` says its prompts have changed since (the
+  prompts file was edited): such rows are dropped and asked again, and ``stale`` says how many. Output
+  order is completion order.
 
 Every assistant turn of a conversation is regenerated, in order, each request carrying the conversation so
 far with the servers' own earlier replies (:func:`~dflash_flow.data.chat.regeneration_plan`). Each record:
@@ -45,13 +47,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_flow.data.chat import regeneration_plan
 from dflash_flow.engine.http import AllServersDown, RequestFailed, ServerPool, backoff_delay, discover_model
 from dflash_flow.engine.http import HttpClient as _Client
 from dflash_flow.engine.http import Stopped as _Stopped
 from dflash_flow.engine.http import unit as _unit
 
-from .regen_io import OutputWriter, check_output_is_not_input, read_prompts, scan_output, write_in_input_order
+from .regen_io import OutputWriter, check_output_is_not_input, plan_digest, read_plans, scan_output, write_in_input_order
 
 __all__ = ["AllServersDown", "ServedStats", "ServerPool", "backoff_delay", "regenerate_served", "sampling_params"]
 
@@ -77,6 +78,7 @@ class ServedStats:
     servers: list[dict] = field(default_factory=list)  # per server: url, ok, failures, taken_out, state
     errors: list[tuple[object, str]] = field(default_factory=list)  # (id, last error) of the error rows
     dropped_errors: int = 0  # error rows dropped from the output to retry them (retry_errors)
+    stale: int = 0  # rows written for prompts that have changed since: dropped and generated again
     moved_aside: Path | None = None  # where resume=False moved the old output (never deleted)
 
     @property
@@ -196,24 +198,21 @@ def regenerate_served(prompts_jsonl: str | Path, servers: list[str], out_jsonl: 
             scan_output(ordered_out, repair=False)  # replaced at the end: only when regenerate wrote it
     sampling_fields = sampling_params(sampling, target)
     check_output_is_not_input(prompts_jsonl, out_jsonl)
-    records = read_prompts(prompts_jsonl)
-    if limit is not None:
-        records = records[:limit]
-    jobs = []
-    for rid, rec in records:  # a record that cannot be a prompt fails the call before any request
-        try:
-            jobs.append((rid, regeneration_plan(rec, system_prompt)))
-        except ValueError as e:
-            raise ValueError(f"{prompts_jsonl}: record {rid!r}: {e}") from None
+    jobs = read_plans(prompts_jsonl, system_prompt, limit)  # a record that is no prompt fails before any request
+    digests = {str(rid): plan_digest(plan) for rid, plan in jobs}
     pool = ServerPool(servers, per_server=concurrency, fail_threshold=fail_threshold, cooldown_s=cooldown_s,
                       max_trials=max_trials, log=log)
     client = _Client(timeout_s)
-    stats = ServedStats(total=len(records))
-    with OutputWriter(out_jsonl, resume=resume, drop_errors=retry_errors, wait=wait) as writer:
+    stats = ServedStats(total=len(jobs))
+    with OutputWriter(out_jsonl, resume=resume, drop_errors=retry_errors, wait=wait, expected=digests) as writer:
         stats.dropped_errors = writer.dropped
         stats.moved_aside = writer.moved_aside
+        stats.stale = writer.stale
+        if writer.stale:
+            log(f"{writer.stale} rows of {out_jsonl} were written for prompts that have changed since (the prompts "
+                "file was edited): they are regenerated")
         todo = [(rid, plan) for rid, plan in jobs if str(rid) not in writer.done]
-        stats.skipped = len(records) - len(todo)
+        stats.skipped = len(jobs) - len(todo)
         if todo:
             name = discover_model(pool, client, model, log)
             base = {"model": name, "max_tokens": max_new_tokens, "n": 1, "stream": False, **sampling_fields}
@@ -225,7 +224,8 @@ def regenerate_served(prompts_jsonl: str | Path, servers: list[str], out_jsonl: 
                      concurrency * len(servers), progress, check_stop)
             finally:
                 stats.servers = pool.report()
-        if ordered_out is not None and (stats.generated or stats.dropped_errors or not Path(ordered_out).exists()):
+        if ordered_out is not None and (stats.generated or stats.dropped_errors or stats.stale
+                                        or not Path(ordered_out).exists()):
             write_in_input_order(prompts_jsonl, out_jsonl, ordered_out)  # under the lock: one writer
     stats.seconds = time.perf_counter() - t0
     return stats
@@ -284,12 +284,12 @@ def _run(todo, pool, client, base, sampled, seed, writer, stats, max_attempts, b
             got = ask(rid, conv, len(reasons))
             if isinstance(got, str):
                 return {"id": rid, "conversations": [t for t in plan if t is not None], "finish_reason": "error",
-                        "error": got}, tokens
+                        "error": got, "prompt_digest": plan_digest(plan)}, tokens
             reply, finish, n = got
             conv.append({"role": "assistant", "content": reply})
             reasons.append(finish)
             tokens += n
-        rec = {"id": rid, "conversations": conv, "finish_reason": reasons[-1]}
+        rec = {"id": rid, "conversations": conv, "finish_reason": reasons[-1], "prompt_digest": plan_digest(plan)}
         if len(reasons) > 1:
             rec["finish_reasons"] = reasons
         return rec, tokens

@@ -144,3 +144,76 @@ def test_through_servers_every_reply_is_asked_on_the_servers_earlier_replies(tmp
     assert [m["content"] for m in first] == ["Be brief.", "Count from 3 to 6."]
     assert [m["content"] for m in second] == ["Be brief.", "Count from 3 to 6.", "reply to: Count from 3 to 6.",
                                               "Now count back."]
+
+
+# -- item 5: a row written for prompts that changed since is generated again, and counted -------------------
+
+
+def _prompt_file(path: Path, prompts: list[str]) -> None:
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+
+
+def test_through_servers_edited_prompts_are_asked_again_and_counted(tmp_path, servers):
+    from dflash_flow.app.commands import served_summary
+    from dflash_flow.embedded.served import regenerate_served
+
+    srv = servers()
+    src, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    _prompt_file(src, ["A", "B", "C"])
+    regenerate_served(src, [srv.url], out, timeout_s=30)
+    _prompt_file(src, ["A", "C", "D"])  # ids are line indexes: rows 1 and 2 now hold other prompts
+    logged: list[str] = []
+    stats = regenerate_served(src, [srv.url], out, timeout_s=30, log=logged.append)
+    assert (stats.stale, stats.skipped, stats.generated) == (2, 1, 2)
+    assert sorted(r["user"] for r in srv.requests()[3:]) == ["C", "D"]  # only the changed rows asked again
+    rows = {r["id"]: r["conversations"] for r in _records(out)}
+    assert len(_records(out)) == 3  # the old rows are gone, not kept beside the new ones
+    assert [rows[i][-1]["content"] for i in (0, 1, 2)] == ["reply to: A", "reply to: C", "reply to: D"]
+    assert any("2 rows" in m and "changed" in m for m in logged)
+    assert "2 rows were written for prompts that have changed since" in served_summary(stats, out)
+    # unchanged now: nothing asked, nothing redone
+    again = regenerate_served(src, [srv.url], out, timeout_s=30)
+    assert (again.stale, again.generated) == (0, 0) and len(srv.requests()) == 5
+
+
+def test_in_process_edited_prompts_are_generated_again(tmp_path, target):
+    model, tok = target
+    src, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    _prompt_file(src, ["Count to 3.", "Name a colour."])
+    regenerate(src, None, out, max_new_tokens=6, model=model, tokenizer=tok)
+    _prompt_file(src, ["Count to 3.", "Name an animal."])
+    stats = regenerate(src, None, out, max_new_tokens=6, model=model, tokenizer=tok)
+    assert (stats.stale, stats.skipped, stats.generated) == (1, 1, 1)
+    rows = _records(out)
+    assert [r["conversations"][0]["content"] for r in sorted(rows, key=lambda r: r["id"])] == [
+        "Count to 3.", "Name an animal."]
+
+
+def test_a_chat_source_regenerates_what_its_edited_prompts_file_changed(tmp_path, servers, target_dir):
+    """ChatSource(regenerate=...): after the prompts file is edited, the next run asks the servers for the
+    changed rows and trains on the new conversations (before: 0 requests, the old replies)."""
+    from dflash_flow.app import model_services
+    from dflash_flow.core import Graph, Pipeline, RuntimeOptions
+    from dflash_flow.stages.sources import ChatSource
+
+    srv = servers()
+    src = tmp_path / "prompts.jsonl"
+    regen = {"servers": [srv.url], "out_dir": str(tmp_path / "regen"), "max_new_tokens": 32, "timeout_s": 30}
+
+    def run(attempt: int) -> list[dict]:
+        g = Graph(name="regen", seed=1, runtime=RuntimeOptions(stall_timeout_s=600))
+        g.sections["model"] = {"tokenizer": str(target_dir)}
+        g.add("src", ChatSource(paths=[str(src)], cache_dir=str(tmp_path / "cache"), regenerate=regen))
+        pipe = Pipeline(g, collect=["src"], check_devices=False, output_dir=tmp_path / f"r{attempt}",
+                        services=model_services(g))
+        [table] = list(pipe.iterate("src"))
+        assert len(table) == 3
+        return _records(tmp_path / "regen" / "prompts.jsonl")
+
+    _prompt_file(src, ["one", "two", "three"])
+    run(0)
+    _prompt_file(src, ["one", "TWO AGAIN", "three"])
+    final = run(1)
+    assert [r["conversations"][-1]["content"] for r in final] == [
+        "reply to: one", "reply to: TWO AGAIN", "reply to: three"]
+    assert [r["user"] for r in srv.requests()][3:] == ["TWO AGAIN"]
