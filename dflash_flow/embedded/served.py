@@ -33,7 +33,9 @@ Every assistant turn of a conversation is regenerated, in order, each request ca
 far with the servers' own earlier replies (:func:`~dflash_flow.data.chat.regeneration_plan`). Each record:
 ``{"id", "conversations": prompt turns with every reply, "finish_reason"}`` (and ``finish_reasons``, one per
 reply, when there are several), the reason (the last reply's) ``"stop"``, ``"length"`` (``max_new_tokens``
-reached), ``"empty"`` (a blank reply: nothing to train on) or ``"error"`` (no reply turns; ``"error"`` says why).
+reached), ``"empty"`` (a blank reply: nothing to train on) or ``"error"`` (no reply turns; ``"error"`` says why),
+and ``"model"``: the model that answered. A completion naming another model than the one requested is a
+failure of that server (retried elsewhere; the server taken out like any failing one), never a reply.
 """
 
 from __future__ import annotations
@@ -134,9 +136,15 @@ def sampling_params(sampling: str, target: str | Path | None = None) -> dict:
 _STOP_REASONS = {"stop", "eos", "stop_sequence", "end_turn", "tool_calls"}
 
 
-def parse_chat_completion(resp: dict) -> tuple[str, str, int]:
+def parse_chat_completion(resp: dict, model: str | None = None) -> tuple[str, str, int]:
     """(reply, finish_reason, completion tokens) of a chat completion; RequestFailed('malformed') when it is
-    not one, RequestFailed('server') when the server aborted the request."""
+    not one, RequestFailed('server') when the server aborted the request or (``model`` given) the completion
+    names another model than the one asked for (a server serving something else: its replies would teach
+    the drafter another model)."""
+    answered = resp.get("model") if isinstance(resp, dict) else None
+    if model is not None and answered is not None and answered != model:
+        raise RequestFailed("server", f"the reply is from model {answered!r}, not {model!r} (this server serves "
+                                      "another model)")
     try:
         choice = resp["choices"][0]
         msg = choice["message"]
@@ -251,7 +259,7 @@ def _run(todo, pool, client, base, sampled, seed, writer, stats, max_attempts, b
             lease = pool.acquire(avoid, stop)
             try:
                 reply, finish, tokens = parse_chat_completion(
-                    client.request(lease.server, "POST", "/v1/chat/completions", payload))
+                    client.request(lease.server, "POST", "/v1/chat/completions", payload), model=base["model"])
             except RequestFailed as e:
                 pool.release(lease, e)
                 with lock:
@@ -289,7 +297,8 @@ def _run(todo, pool, client, base, sampled, seed, writer, stats, max_attempts, b
             conv.append({"role": "assistant", "content": reply})
             reasons.append(finish)
             tokens += n
-        rec = {"id": rid, "conversations": conv, "finish_reason": reasons[-1], "prompt_digest": plan_digest(plan)}
+        rec = {"id": rid, "conversations": conv, "finish_reason": reasons[-1], "prompt_digest": plan_digest(plan),
+               "model": base["model"]}  # every reply's completion named it (or named none)
         if len(reasons) > 1:
             rec["finish_reasons"] = reasons
         return rec, tokens

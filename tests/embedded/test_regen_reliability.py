@@ -217,3 +217,35 @@ def test_a_chat_source_regenerates_what_its_edited_prompts_file_changed(tmp_path
     assert [r["conversations"][-1]["content"] for r in final] == [
         "reply to: one", "reply to: TWO AGAIN", "reply to: three"]
     assert [r["user"] for r in srv.requests()][3:] == ["TWO AGAIN"]
+
+
+# -- item 6: a reply from another model is a server failure; the answering model recorded per row -----------
+
+FAST = dict(backoff_s=0.01, backoff_max_s=0.05, cooldown_s=60.0)
+
+
+def test_a_server_answering_with_another_model_is_a_failure_and_rows_name_their_model(tmp_path, servers):
+    from dflash_flow.embedded.served import regenerate_served
+
+    good, wrong = servers(), servers(answer_model="some-other-model")
+    src, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    _prompt_file(src, [f"q{i}" for i in range(8)])
+    stats = regenerate_served(src, [wrong.url, good.url], out, timeout_s=30, max_attempts=3, concurrency=1, **FAST)
+    rows = _records(out)
+    assert stats.reasons["stop"] == 8 and stats.failures["server"] >= 1
+    assert {r["model"] for r in rows} == {"fake-target"}
+    assert all(r["conversations"][-1]["content"] == f"reply to: {r['conversations'][0]['content']}" for r in rows)
+    [w] = [s for s in stats.servers if s["url"] == wrong.url]
+    assert w["ok"] == 0 and w["failures"].get("server", 0) >= 1
+
+
+def test_only_a_wrong_model_server_gives_error_rows_saying_so(tmp_path, servers):
+    from dflash_flow.embedded.served import regenerate_served
+
+    wrong = servers(answer_model="some-other-model")
+    src, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    _prompt_file(src, ["q0"])
+    stats = regenerate_served(src, [wrong.url], out, timeout_s=30, max_attempts=2, **FAST)
+    [row] = _records(out)
+    assert row["finish_reason"] == "error" and stats.reasons["error"] == 1
+    assert "'some-other-model', not 'fake-target'" in row["error"] and wrong.url in row["error"]
