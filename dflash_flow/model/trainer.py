@@ -191,20 +191,49 @@ def _is_distributed() -> bool:
 
 
 class AllReduceClock:
-    """State of :func:`timed_allreduce_hook`: when the last gradient bucket of a backward was handed to
-    the all-reduce and when the last all-reduce completed. After a syncing backward, the difference is
-    the wait the all-reduce added to the step (backward compute had ended at the last hand-over): the
-    transfer not hidden behind compute, and any wait for a slower rank."""
+    """When the last gradient bucket of a backward was handed to the all-reduce and when the last all-reduce
+    completed (:func:`timed_allreduce_hook`), or when the optimizer's reduction of the fp32 masters' gradients
+    began and ended (bf16 weights). The difference is the wait the all-reduce added to the step (backward
+    compute had ended at the hand-over): the transfer not hidden behind compute, and any wait for a slower rank.
 
-    def __init__(self) -> None:
-        self.handed: float | None = None
-        self.done: float | None = None
+    ``cuda``: the stamps are CUDA events on the current stream, read once they are done (``settle``). Under NCCL
+    an all-reduce returns, and its future completes, once it is queued, so host clocks measured the launch, not
+    the transfer; on gloo (the CPU) the host clock is the real completion."""
+
+    def __init__(self, cuda: bool = False) -> None:
+        self.cuda = cuda
+        self.handed: Any = None
+        self.done: Any = None
+        self._pending: list[tuple[Any, Any]] = []
+
+    def stamp(self) -> Any:
+        """Now: a host clock reading, or a CUDA event recorded on the current stream."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def take(self) -> float | None:
-        """The exposed wait of the backward just finished (None when no bucket was reduced); resets."""
+        """The exposed wait of the reduction just finished in seconds (None when none was timed, or on CUDA,
+        where it waits for ``settle``); resets."""
         handed, done = self.handed, self.done
         self.handed = self.done = None
-        return max(done - handed, 0.0) if handed is not None and done is not None else None
+        if handed is None or done is None:
+            return None
+        if self.cuda:
+            self._pending.append((handed, done))
+            return None
+        return max(done - handed, 0.0)
+
+    def settle(self) -> float:
+        """The CUDA-timed waits taken so far, in seconds (after the step's device read their events are done)."""
+        total = 0.0
+        for handed, done in self._pending:
+            done.synchronize()
+            total += max(handed.elapsed_time(done), 0.0) / 1000.0
+        self._pending.clear()
+        return total
 
 
 def timed_allreduce_hook(clock: AllReduceClock, bucket):
@@ -212,10 +241,10 @@ def timed_allreduce_hook(clock: AllReduceClock, bucket):
     on ``bucket`` and the result: DDP checks them, and postponed annotations are strings to it.)"""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    clock.handed = time.perf_counter()
+    clock.handed = clock.stamp()
 
     def finished(fut: torch.futures.Future) -> torch.Tensor:
-        clock.done = time.perf_counter()
+        clock.done = clock.stamp()  # (on CUDA the callback's stream waits for the work: the event marks its end)
         return fut.value()
 
     return allreduce_hook(None, bucket).then(finished)
@@ -275,7 +304,7 @@ class DrafterTrainer:
         self.gamma = config.gamma if config.gamma is not None else default_gamma(drafter.block_size)
         self.objective = DFlashObjective(drafter, head, gamma=self.gamma, config=config)
         ddp_timed = config.time_allreduce and config.data_parallel == "ddp" and _is_distributed()
-        self.allreduce_clock = AllReduceClock() if ddp_timed else None
+        self.allreduce_clock = AllReduceClock(cuda=self.device.type == "cuda") if ddp_timed else None
         self._allreduce_wait = 0.0
         self.model = _data_parallel(self.objective, config.data_parallel, self.device, self.allreduce_clock)
         self.ddp = hasattr(self.model, "no_sync")
@@ -344,7 +373,7 @@ class DrafterTrainer:
         if self.optimizer.uses_masters and not self.sharded:
             # bf16 weights: each micro-batch's gradient is summed into the fp32 masters; under DDP the ranks then
             # average those sums in fp32 at the step (every backward runs under no_sync), not bf16 buckets.
-            self.optimizer.accumulate_in_fp32(reduce=allreduce_mean if self.ddp else None)
+            self.optimizer.accumulate_in_fp32(reduce=self._reduce_masters if self.ddp else None)
 
     # -- training ----------------------------------------------------------------------------------
     def check_features(self, feats: TargetFeatures) -> None:
@@ -398,6 +427,17 @@ class DrafterTrainer:
             return None
         return self._optimizer_step()
 
+    def _reduce_masters(self, grads: list[torch.Tensor]) -> None:
+        """The masters' gradients averaged over the ranks in fp32 (``optim.allreduce_mean``), timed as the step's
+        all-reduce wait (``allreduce_wait_s``): every backward ran under no_sync, so this is all the step waits."""
+        clock = self.allreduce_clock
+        if clock is not None:
+            clock.handed = clock.stamp()
+        allreduce_mean(grads)
+        if clock is not None:
+            clock.done = clock.stamp()
+            self._allreduce_wait += clock.take() or 0.0
+
     @property
     def fp32_accumulation(self) -> bool:
         """Whether the step's micro-batch gradients are summed in the fp32 masters (``MasterAdamW.accumulate_in_fp32``)."""
@@ -438,6 +478,8 @@ class DrafterTrainer:
     def _optimizer_step(self) -> dict[str, float]:
         grad_norm, sums, pos_sums = self._read_step(self.optimizer.prepare())
         self.optimizer.apply(math.isfinite(grad_norm))
+        if self.allreduce_clock is not None:
+            self._allreduce_wait += self.allreduce_clock.settle()  # CUDA events, done by the read above
         mean_loss = sums.get("loss", 0.0) / max(self._counted, 1)
         if not math.isfinite(grad_norm) or not math.isfinite(mean_loss):
             self._nonfinite(f"loss ({mean_loss})" if not math.isfinite(mean_loss) else f"gradient norm ({grad_norm})")

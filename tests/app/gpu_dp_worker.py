@@ -64,19 +64,20 @@ def main(out: str, mode: str, accum: int) -> None:
 
         setattr(dist, name, counted)
     trainer = make_trainer(grad_accum=accum, data_parallel=mode)
-    per_step = []
+    per_step, waits = [], []
     for step in range(STEPS):
         before = Counter(counts)
         for micro in range(accum):
             index = (step * accum + micro) * world + rank
-            trainer.train_batch(batch(trainer, index), anchor_seed=1000 + index)
+            metrics = trainer.train_batch(batch(trainer, index), anchor_seed=1000 + index)
         per_step.append(dict(counts - before))
+        waits.append(metrics.get("allreduce_wait_s"))
     from safetensors.torch import save_file
 
     state = trainer.full_model_state()
     if mode == "ddp" or rank == 0:
         save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, os.path.join(out, f"rank{rank}.safetensors"))
-        Path(out, f"rank{rank}.json").write_text(json.dumps({"per_step": per_step}))
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"per_step": per_step, "allreduce_wait_s": waits}))
     dist.barrier()
     dist.destroy_process_group()
 
