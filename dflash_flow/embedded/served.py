@@ -138,9 +138,9 @@ _STOP_REASONS = {"stop", "eos", "stop_sequence", "end_turn", "tool_calls"}
 
 def parse_chat_completion(resp: dict, model: str | None = None) -> tuple[str, str, int]:
     """(reply, finish_reason, completion tokens) of a chat completion; RequestFailed('malformed') when it is
-    not one, RequestFailed('server') when the server aborted the request or (``model`` given) the completion
-    names another model than the one asked for (a server serving something else: its replies would teach
-    the drafter another model)."""
+    not one (or its text is not text: a lone surrogate), RequestFailed('server') when the server aborted the
+    request or (``model`` given) the completion names another model than the one asked for (a server serving
+    something else: its replies would teach the drafter another model)."""
     answered = resp.get("model") if isinstance(resp, dict) else None
     if model is not None and answered is not None and answered != model:
         raise RequestFailed("server", f"the reply is from model {answered!r}, not {model!r} (this server serves "
@@ -163,6 +163,11 @@ def parse_chat_completion(resp: dict, model: str | None = None) -> tuple[str, st
         raise RequestFailed("server", f"the server ended the request with finish_reason {reason!r}")
     if reasoning.strip():
         content = f"<think>\n{reasoning.strip()}\n</think>\n\n{content.lstrip()}"
+    try:  # JSON may escape a lone surrogate ("\\ud800"): no text, and the output file could not hold it
+        content.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestFailed("malformed", f"the reply is not valid text (a lone surrogate at character {e.start})"
+                            ) from None
     usage = resp.get("usage") or {}
     tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
     tokens = int(tokens) if isinstance(tokens, int | float) else 0

@@ -249,3 +249,25 @@ def test_only_a_wrong_model_server_gives_error_rows_saying_so(tmp_path, servers)
     [row] = _records(out)
     assert row["finish_reason"] == "error" and stats.reasons["error"] == 1
     assert "'some-other-model', not 'fake-target'" in row["error"] and wrong.url in row["error"]
+
+
+# -- item 9: a reply that is not text (a lone surrogate) is a malformed row naming row and server -----------
+
+
+def test_a_lone_surrogate_in_one_reply_is_a_malformed_row_and_the_rest_go_on(tmp_path, servers, capsys):
+    from dflash_flow.app.commands import regenerate_served_command
+
+    srv = servers()
+    src, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    _prompt_file(src, ["q0", "q1 [SURROGATE]", "q2"])
+    kw = dict(target=None, max_new_tokens=64, resume=True, system_prompt=None, served_model=None, concurrency=2,
+              sampling="greedy", thinking=None, timeout=30.0, max_attempts=2, retry_errors=False, seed=0)
+    assert regenerate_served_command(src, [srv.url], out, **kw) == 0
+    err = capsys.readouterr().err
+    rows = {r["id"]: r for r in _records(out)}
+    assert [rows[i]["finish_reason"] for i in (0, 1, 2)] == ["stop", "error", "stop"]
+    assert "lone surrogate" in rows[1]["error"] and srv.url in rows[1]["error"]
+    assert "1 rows failed" in err and "1: " in err and "lone surrogate" in err  # the row named, with its server
+    # the rerun does not abort on it either: the row stays an error row until --retry-errors
+    assert regenerate_served_command(src, [srv.url], out, **kw) == 0
+    assert len(_records(out)) == 3
