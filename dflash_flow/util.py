@@ -20,6 +20,29 @@ def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "dflash-flow").expanduser()
 
 
+def directory_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot be (or become) a directory, or None: it, or the nearest of its parents that is
+    there, is a file, or a symbolic link that leads nowhere."""
+    for p in (Path(path).expanduser(), *Path(path).expanduser().parents):
+        if p.is_symlink() and not p.exists():
+            return f"{p} is a symbolic link to {os.readlink(p)}, which does not exist"
+        if p.exists():
+            return None if p.is_dir() else f"{p} is not a directory (a file is there)"
+    return None
+
+
+def cache_dir_problem(setting: str | None, path: str | os.PathLike | None) -> str | None:
+    """What is wrong with a cache directory (``path``: the ``setting`` resolved, ``auto`` under
+    :func:`cache_root`), in one line that says what to do; None: nothing."""
+    why = None if path is None else directory_problem(path)
+    if why is None:
+        return None
+    origin = f" (cache_dir 'auto' lies under ${CACHE_ENV}={os.environ[CACHE_ENV]})" \
+        if setting == "auto" and os.environ.get(CACHE_ENV) else ""
+    return (f"cache_dir {path}: {why}{origin}; point cache_dir (or ${CACHE_ENV}) at a directory, or set it to null "
+            "to keep the tokens in memory")
+
+
 def usable_cores() -> int:
     """The CPU cores this process may run on (its affinity mask where the OS has one, as under taskset or a
     container's cpuset), at least 1."""

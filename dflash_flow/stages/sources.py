@@ -21,7 +21,7 @@ from dflash_flow.items import SampleTable
 from dflash_flow.model.spec import UsesModel, model_of
 from dflash_flow.observe.sample import BAD_RECORDS_METRIC
 from dflash_flow.services import services_of
-from dflash_flow.util import cache_root
+from dflash_flow.util import cache_dir_problem, cache_root
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +146,10 @@ class _RecordSource(Source):
 
     def data_files(self) -> list[str]:
         return list(self.paths)
+
+    def config_problems(self) -> list[tuple[str, str]]:
+        why = cache_dir_problem(self.cache_dir, _cache_dir(self.cache_dir))  # a file there: found in validate
+        return [("cache_dir", why)] if why else []
 
     def longest_item(self) -> int:
         return self.max_length
