@@ -135,7 +135,7 @@ def check(args, work: Path) -> tuple[dict, list[str]]:
     argv = ["nice", "-n", "10", str(python), str(HERE / "vllm_serve.py"), "--per-layer-knorm", *argv[3:]]
     server_log = work / "vllm-per-layer-knorm.log"
     try:
-        servers, url = launch_vllm(argv, port=port, log_path=server_log, log=say)
+        servers, url = launch_vllm(argv, port=port, log_path=server_log, log=say, env=env)
     except LaunchError as exc:
         raise Failed(str(exc)) from None
     try:

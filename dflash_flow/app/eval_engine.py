@@ -194,13 +194,15 @@ def vllm_drafter_argv(*, python: str, target: str, drafter: str, block_size: int
 
 
 def launch_vllm(argv: Sequence[str], *, port: int, log_path: Path, ready_timeout_s: float = 1200.0,
-                log: Callable[[str], None] | None = None):
+                log: Callable[[str], None] | None = None, env: dict[str, str] | None = None):
     """Start a vLLM server (``engine.launch``: its own process group, stopped on every exit path) and return
-    the ``LocalServers`` holding it (wait with ``wait_ready``, stop with ``stop``) and its base URL."""
+    the ``LocalServers`` holding it (wait with ``wait_ready``, stop with ``stop``) and its base URL. ``env``:
+    the server's whole environment (default: this process's)."""
     from dflash_flow.engine.launch import LocalServers, ServerSpec
 
     url = f"http://127.0.0.1:{port}"
-    spec = ServerSpec(name="vllm-eval", argv=list(argv), log_path=log_path, ready_url=f"{url}/v1/models", port=port)
+    spec = ServerSpec(name="vllm-eval", argv=list(argv), log_path=log_path, ready_url=f"{url}/v1/models", port=port,
+                      env=env)
     return LocalServers([spec], ready_timeout_s=ready_timeout_s, log=log).start(), url
 
 
