@@ -28,6 +28,7 @@ def preflight_problems(v: Validated, *, check_paths: bool = True) -> list[Proble
         conf = v.configs.get(spec.name)
         if not isinstance(conf, Bucketer):
             continue
+        problems += _mixture_problems(v, i, conf.mixture)
         todo, seen = [inp.stage for inp in spec.inputs], set()
         while todo:
             name = todo.pop()
@@ -53,6 +54,41 @@ def preflight_problems(v: Validated, *, check_paths: bool = True) -> list[Proble
     if check_paths:
         problems += aliased_data_files(v)
     return problems
+
+
+def _mixture_problems(v: Validated, index: int, mixture: dict | None) -> list[Problem]:
+    """A Bucketer's mixture must weigh every source it draws from (the source stages upstream of it: samples
+    carry their source's name) and name nothing else; found here, not after every input was read."""
+    if mixture is None:
+        return []
+    graph = v.graph
+    spec = graph.stages[index]
+    sources, ancestors, todo = [], set(), [inp.stage for inp in spec.inputs]
+    while todo:
+        name = todo.pop(0)
+        if name in ancestors:
+            continue
+        ancestors.add(name)
+        up = [inp.stage for inp in graph.stage(name).inputs]
+        if not up:
+            sources.append(name)
+        todo.extend(up)
+    missing = [s for s in sources if s not in mixture]
+    unknown = sorted(k for k in mixture if k not in ancestors)
+    if not (missing or unknown):
+        return []
+    loc = graph.locator
+    parts = []
+    if missing:
+        parts.append(f"no weight for {', '.join(repr(s) for s in missing)} (give every source a weight; 0 leaves it "
+                     "out)")
+    if unknown:
+        parts.append(f"{', '.join(repr(s) for s in unknown)} {'is' if len(unknown) == 1 else 'are'} not among its "
+                     f"sources")
+    return [Problem(f"mixture: {'; '.join(parts)}; its sources are {', '.join(sources)}",
+                    file=loc.filename if loc is not None else None,
+                    line=loc.line("stages", index, "config", "mixture") if loc is not None else None,
+                    stage=spec.name, field="mixture")]
 
 
 def aliased_data_files(v: Validated) -> list[Problem]:

@@ -105,10 +105,12 @@ class EpochView:
 
 
 def mixture_counts(weights: Sequence[float], total: int) -> list[int]:
-    """``total`` split in proportion to ``weights`` (largest remainder: the counts sum to ``total``)."""
+    """``total`` split in proportion to ``weights`` (largest remainder: the counts sum to ``total``). The
+    weights are scaled by their largest first, so that huge ones (1e308) cannot overflow their sum."""
     w = np.asarray(weights, dtype=np.float64)
-    if w.size == 0 or not np.all(np.isfinite(w)) or (w < 0).any() or w.sum() <= 0:
+    if w.size == 0 or not np.all(np.isfinite(w)) or (w < 0).any() or w.max() <= 0:
         raise ValueError(f"mixture weights must be finite, >= 0 and not all 0, got {list(weights)}")
+    w = w / w.max()
     exact = w / w.sum() * total
     base = np.floor(exact).astype(np.int64)
     rest = total - int(base.sum())
@@ -157,12 +159,13 @@ def draw_epoch(
 def describe_mixture(groups, weights: Mapping[str, float], drawn: Mapping[str, int], tokens: Mapping[str, int]) -> str:
     """A table of the mixture: per source its size, weight, draws per epoch and passes over it."""
     total = sum(drawn.values()) or 1
-    wsum = sum(weights.values()) or 1.0
+    top = max(weights.values(), default=0.0) or 1.0  # scaled first: huge weights cannot overflow the sum
+    wsum = sum(v / top for v in weights.values()) or 1.0
     rows = []
     for name, a, b in groups:
         size = b - a
         passes = drawn[name] / size if size else math.nan
-        rows.append(f"  {name}: {size} samples ({tokens.get(name, 0)} tokens), weight {weights[name] / wsum:.3f}, "
+        rows.append(f"  {name}: {size} samples ({tokens.get(name, 0)} tokens), weight {weights[name] / top / wsum:.3f}, "
                     f"{drawn[name]} per epoch ({drawn[name] / total:.1%}, {passes:.2f} passes)")
     return "mixture per epoch:\n" + "\n".join(rows)
 

@@ -61,3 +61,60 @@ def test_a_cache_dir_that_will_be_created_passes(tmp_path):
     g = Graph(name="c")
     g.add("src", TokenizedSource(paths=[_tokens(tmp_path / "t.jsonl")], cache_dir=str(tmp_path / "new" / "cache")))
     load(g, check_devices=False)
+
+
+# -- item 11: a mixture that does not fit the Bucketer's sources; weights that overflow --------------------
+
+
+def _mixed_graph(tmp_path, mixture):
+    from dflash_flow.stages.bucketer import Bucketer
+
+    g = Graph(name="m")
+    for name in ("chat", "code"):
+        g.add(name, TokenizedSource(paths=[_tokens(tmp_path / f"{name}.jsonl")], cache_dir=None))
+    g.add("bucket", Bucketer(max_tokens=4096, mixture=mixture), inputs=["chat", "code"])
+    return g
+
+
+@pytest.mark.parametrize("mixture,says", [
+    ({"chat": 1.0}, "no weight for 'code'"),
+    ({"chat": 1.0, "code": 1.0, "poetry": 2.0}, "'poetry' is not among its sources"),
+])
+def test_a_mixture_that_omits_or_invents_a_source_is_refused_by_validate(tmp_path, mixture, says):
+    with pytest.raises(ConfigError) as e:
+        load(_mixed_graph(tmp_path, mixture), check_devices=False)
+    [msg] = _messages(e.value)
+    assert "stage 'bucket', field 'mixture'" in msg and says in msg and "chat, code" in msg
+
+
+def test_a_mixture_in_yaml_is_refused_at_its_line(tmp_path):
+    from dflash_flow.core.config import load_graph
+
+    _tokens(tmp_path / "a.jsonl")
+    _tokens(tmp_path / "b.jsonl")
+    f = tmp_path / "p.yaml"
+    f.write_text(f"""name: m
+stages:
+  - {{name: a, type: TokenizedSource, config: {{paths: [{tmp_path}/a.jsonl], cache_dir: null}}}}
+  - {{name: b, type: TokenizedSource, config: {{paths: [{tmp_path}/b.jsonl], cache_dir: null}}}}
+  - name: bucket
+    type: Bucketer
+    inputs: [a, b]
+    config:
+      max_tokens: 4096
+      mixture: {{a: 1.0}}
+""")
+    with pytest.raises(ConfigError) as e:
+        load(load_graph(f), check_devices=False)
+    [p] = e.value.problems
+    assert p.line == 10 and p.field == "mixture"
+
+
+def test_huge_weights_keep_their_proportions():
+    from dflash_flow.data.corpus import draw_epoch, mixture_counts
+
+    assert mixture_counts([1e308, 1e308], 78) == [39, 39]
+    assert mixture_counts([1e308, 1e308 / 3], 80) == [60, 20]
+    pos, drawn = draw_epoch([("a", 0, 50), ("b", 50, 78)], {"a": 1e308, "b": 1e308}, samples_per_epoch=None,
+                            replacement=False, seed=0, epoch=0)
+    assert pos.size == 78 and drawn == {"a": 39, "b": 39}
