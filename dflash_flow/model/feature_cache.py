@@ -47,6 +47,9 @@ class FeatureCache:
     def __len__(self) -> int:
         return len(self._rows)
 
+    def __contains__(self, sample_id: int) -> bool:
+        return sample_id in self._rows
+
     def get(self, sample_id: int, length: int) -> torch.Tensor | None:
         row = self._rows.get(sample_id)
         if row is None or row.shape[0] != length:

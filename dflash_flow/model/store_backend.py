@@ -198,6 +198,8 @@ class StoreBackend:
         if len(lengths) != b or len(sample_ids) != b:
             raise ValueError(f"a batch of {b} rows needs {b} lengths and sample ids (got {len(lengths)}, {len(sample_ids)})")
         ids_cpu = input_ids.detach().to("cpu")
+        if self.store is not None:  # the batch's rows read side by side
+            self.store.prefetch(int(sid) for sid in sample_ids if sid is not None and int(sid) not in self.ram)
         out: torch.Tensor | None = None
         hits = misses = 0
         for i, (length, sid) in enumerate(zip(lengths, sample_ids, strict=True)):
