@@ -215,14 +215,46 @@ def check_output_file(path: Path, what: str, *, make_parents: bool = False) -> N
 
 def check_stage_outputs(v: Validated, output_dir: Path) -> None:
     """Directories stages write into at the end of the run (``Stage.output_dirs``, e.g. DrafterStep's
-    ``export_dir``) must not be files: found now, not after hours of training."""
+    ``export_dir``) must not be files, nor directories holding anything but an earlier export (which the
+    export would refuse): found now, not after hours of training."""
     from dflash_flow.app.exits import UserError
+    from dflash_flow.core.errors import CheckpointError
+    from dflash_flow.model.export_contract import check_destination
 
     for name, conf in v.configs.items():
         for sub in conf.output_dirs():
             target = output_dir / sub
             if target.exists() and not target.is_dir():
                 raise UserError(f"stage '{name}': export_dir {target} is an existing file, not a directory")
+            try:
+                check_destination(target)
+            except CheckpointError as exc:
+                raise UserError(f"stage '{name}': export_dir: {exc} (or set export_dir)") from None
+
+
+#: What a run writes at the top of its output directory that a later fresh run there would overwrite.
+EARLIER_RUN_FILES = ("summary.json", "batches.jsonl", "batches.rank*.jsonl")
+
+
+def set_aside_earlier_run(output_dir: Path) -> list[tuple[Path, Path]]:
+    """A fresh run into an output directory an earlier run wrote (without checkpoints: with them it is
+    refused): that run's ``summary.json`` and batch logs are moved aside (``NAME.old``, ``NAME.old.2``, ...),
+    never overwritten, and the console says so. Returns (file, where it went) pairs."""
+    import logging
+
+    from dflash_flow.util import move_aside
+
+    moved = []
+    for pattern in EARLIER_RUN_FILES:
+        for p in sorted(output_dir.glob(pattern)):
+            if p.is_file() and not p.is_symlink():
+                moved.append((p, move_aside(p)))
+    if moved:
+        logging.getLogger("dflash_flow").warning(
+            "output_dir %s holds an earlier run's %s: moved aside to %s (this run writes its own; --resume "
+            "continues a run instead)", output_dir, ", ".join(p.name for p, _ in moved),
+            ", ".join(q.name for _, q in moved))
+    return moved
 
 
 class OutputLock:

@@ -80,6 +80,10 @@ def prepare(v: Validated, dist_ctx, output_dir: Path, resume: str | None, extend
         ckpt = _checkpoint_to_resume(v, checkpointer, resume, extend, main)
         if main:
             _check_space(v, ck_dir, ck_root, output_dir)
+        if main and ckpt is None:  # a fresh run: an earlier run's summary and batch logs kept, not overwritten
+            from dflash_flow.app.preflight import set_aside_earlier_run
+
+            set_aside_earlier_run(output_dir)
         return lock, checkpointer, ckpt
     except BaseException:
         if lock is not None:
