@@ -59,6 +59,9 @@ BENCHES = (
     Bench("fanout", ("fanout_bench.py",), ("fanout.json",), 1),
     Bench("torchdata", ("torchdata_bench.py",), ("torchdata.json",), 0.6, needs=("torchdata",)),
     Bench("anchors_cost", ("anchors_cost.py",), ("anchors_cost.json",), 1),
+    # The store read against the disk, bytes per token, offline == online, a 100k-sample build by 2 ranks (long
+    # only while the default set's 16-minute cap has no room: tests/bench/test_bench_driver.py).
+    Bench("feature_store", ("feature_store_bench.py",), ("feature_store.json",), 4, long=True),
     Bench("peer_step_compile", ("peer_step.py", "--threads", "1", "--compile", "--out",
                                 "bench/results/peer_step_compile.json"), ("peer_step_compile.json",), 6,
           long=True, needs=("specforge",)),
@@ -67,6 +70,8 @@ BENCHES = (
           long=True),
     Bench("peer_train", ("peer_train.py",), ("peer_train.json",), 15, long=True, needs=("specforge",)),
     Bench("variants", ("variants_bench.py",), ("variants.json",), 13, long=True),
+    # bf16 / fp8 stores against fp32 in acceptance, hybrid against the in-memory cache (the embedded default, 6 runs).
+    Bench("feature_store_tau", ("feature_store_bench.py", "--tau"), ("feature_store_tau.json",), 20, long=True),
 )
 
 

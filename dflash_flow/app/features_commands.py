@@ -205,18 +205,24 @@ def _device(explicit: str | None, local_rank: int) -> str:
 
 
 def target_backend(pf: PipelineFeatures, device: str):
-    """The backend the training run computes features with (the target stage's dtype and attention), set up
-    on ``device``."""
-    from dflash_flow.model.backend import InProcessBackend
-
+    """The backend the training run computes features with, set up on ``device``: the target's inference
+    engines when the pipeline declares ``model.engine``, else the target in this process with the target
+    stage's dtype, attention and threads."""
     conf = pf.validated.configs[pf.target_stage]
     threads = getattr(conf, "torch_threads", None)
     if threads:
         import torch
 
         torch.set_num_threads(int(threads))
-    backend = InProcessBackend(pf.spec, dtype=getattr(conf, "dtype", "auto"),
-                               attn_implementation=getattr(conf, "attn_implementation", None))
+    if pf.spec.engine is not None:
+        from dflash_flow.engine.backend import engine_backend
+
+        backend = engine_backend(pf.spec, output_dir=pf.validated.graph.run_dir, name=pf.target_stage)
+    else:
+        from dflash_flow.model.backend import InProcessBackend
+
+        backend = InProcessBackend(pf.spec, dtype=getattr(conf, "dtype", "auto"),
+                                   attn_implementation=getattr(conf, "attn_implementation", None))
     backend.setup(devices=[device], out_device=device, name=pf.target_stage)
     return backend
 
