@@ -222,7 +222,7 @@ class StartCheck:
                     "expected)")
         report = {"mode": "transformers", "samples": len(self.rows), "dtype": dtype_name, "rtol": rtol,
                   "layers": layers, "max_abs_diff": max(max_abs), "max_rel_err": max(v["rel_err"] for v in layers.values())}
-        self.log(f"engine features equal transformers' on {len(self.rows)} samples: " + ", ".join(
+        self.log(f"engine features equal transformers' on {len(self.rows)} sample{'s' * (len(self.rows) != 1)}: " + ", ".join(
             f"layer {k} rel {v['rel_err']:.2g} (max abs {v['max_abs_diff']:.2g})" for k, v in layers.items())
             + f" (tolerance {rtol:g}, {dtype_name})")
         return report
@@ -254,6 +254,6 @@ class StartCheck:
                 if torch.equal(feats[:, a, :], feats[:, b, :]):
                     raise FeatureFault(f"{where} (samples {samples}): {_layer_name(self.layer_ids, a)} and "
                                        f"{_layer_name(self.layer_ids, b)} are equal: the server repeats a layer")
-        self.log(f"engine features pass the statistics checks on {len(self.rows)} samples: " + ", ".join(
+        self.log(f"engine features pass the statistics checks on {len(self.rows)} sample{'s' * (len(self.rows) != 1)}: " + ", ".join(
             f"layer {k} rms {v['rms']:.3g}" for k, v in layers.items()))
         return {"mode": "statistics", "samples": len(self.rows), "layers": layers}
