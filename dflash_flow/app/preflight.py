@@ -232,6 +232,29 @@ def check_stage_outputs(v: Validated, output_dir: Path) -> None:
                 raise UserError(f"stage '{name}': export_dir: {exc} (or set export_dir)") from None
 
 
+def extend_problem(recorded: dict | None, current: dict, length_keys, moved: dict | None = None) -> str | None:
+    """Why ``--extend`` has nothing to do (None: the run gets longer): no run-length setting (``epochs``,
+    ``max_batches``: ``cfg(run_length=True)``) is larger than the checkpoint's; a shorter or equal length would
+    resume, train nothing and write over the real run's summary."""
+    from dflash_flow.core.identity import recorded_as_today
+
+    if recorded is None:  # written before checkpoints recorded their settings: cannot be told
+        return None
+    recorded = recorded_as_today(recorded, moved or {}, current)
+    same, shorter = [], []
+    for key in sorted(length_keys):
+        old, new = recorded.get(key), current.get(key)
+        if old == new:
+            same.append(f"{key.rsplit('.', 1)[-1]} {new if new is not None else 'unlimited'}")
+        elif new is None or (old is not None and isinstance(new, int | float) and new > old):
+            return None  # longer (None: no budget)
+        else:
+            shorter.append(f"{key}: {old if old is not None else 'unlimited'} in the checkpoint, {new} now")
+    what = f"shorter ({'; '.join(shorter)})" if shorter else f"the same ({', '.join(same)})"
+    return (f"nothing to extend: the run length is {what}; --extend trains a run on to a larger epochs or "
+            "max_batches (a stopped run continues with --resume alone); the run and its summary are left as they are")
+
+
 #: What a run writes at the top of its output directory that a later fresh run there would overwrite.
 EARLIER_RUN_FILES = ("summary.json", "batches.jsonl", "batches.rank*.jsonl")
 

@@ -174,6 +174,12 @@ def _checkpoint_to_resume(v: Validated, checkpointer, resume: str | None, extend
     change = ckpt.data_change(checkpointer.data_files)
     if change:
         raise UserError(change)
+    if extend:
+        from dflash_flow.app.preflight import extend_problem
+
+        why = extend_problem(ckpt.settings, checkpointer.settings, checkpointer.length_keys, checkpointer.moved)
+        if why:
+            raise UserError(why)
     try:
         build_resume_state(v, ckpt)  # every stage's state can be derived from it (built again later)
     except CheckpointError as exc:
