@@ -186,7 +186,7 @@ def _exit_now_if_threads_stuck(code: int) -> None:
 
 @app.command()
 def export(
-    checkpoint: Path = typer.Argument(..., help="Training checkpoint directory."),
+    checkpoint: Path = typer.Argument(..., help="Training checkpoint directory (or a checkpoints directory, or its 'latest' file: the newest checkpoint)."),
     out: Path = typer.Argument(..., help="Output directory (Hugging Face layout); new, empty or an earlier export."),
     target: Optional[str] = typer.Option(None, "--target", help="Target path for the printed serve commands (default: the run's)."),
 ) -> None:
@@ -200,7 +200,7 @@ def export(
 
 @app.command(name="eval")
 def eval_(
-    drafter: Path = typer.Option(..., "--drafter", help="Exported drafter directory."),
+    drafter: Path = typer.Option(..., "--drafter", help="Exported drafter directory (or a training checkpoint, a checkpoints directory or its 'latest' file)."),
     target: str = typer.Option(..., "--target", help="Target model path (or preset)."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL of prompts ({'prompt': ...} or {'conversations': [...]}); or --suite."),
     max_new_tokens: Optional[int] = typer.Option(None, help="Tokens to generate per prompt (default 64; 2048 with --suite, z-lab's)."),

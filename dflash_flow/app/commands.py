@@ -32,6 +32,15 @@ def _run_target(checkpoint: Path) -> str | None:
     return None
 
 
+def latest_marker_dir(path: Path) -> Path:
+    """``.../checkpoints/latest`` (the file naming the newest checkpoint, which ``--resume latest`` reads) as
+    the checkpoints directory it lies in, whose latest checkpoint is then taken; any other path as given."""
+    from dflash_flow.app.checkpoint_format import LATEST
+
+    path = Path(path).expanduser()
+    return path.parent if path.name == LATEST and path.is_file() else path
+
+
 def export_checkpoint(checkpoint: Path, out: Path, target: str | None = None) -> int:
     """``dflash-flow export``: a training checkpoint (or a checkpoints directory: its latest) into the
     layout inference engines load (config.json + model.safetensors with the drafter weights only), checked
@@ -44,6 +53,7 @@ def export_checkpoint(checkpoint: Path, out: Path, target: str | None = None) ->
     from dflash_flow.core.errors import CheckpointError
     from dflash_flow.model.export_contract import check_destination, format_serve_commands, serve_commands
 
+    checkpoint = latest_marker_dir(checkpoint)
     try:
         check_destination(out, (checkpoint,))
         path = Checkpointer(checkpoint).resolve(checkpoint)
@@ -107,6 +117,10 @@ def eval_command(drafter: Path, target: str, prompts: Path, max_new_tokens: int,
     from dflash_flow.model.evaluation import evaluate_exported
     from dflash_flow.observe.progress import summary_table
 
+    try:
+        drafter = _drafter_dir(drafter)
+    except CheckpointError as exc:
+        return report_user_error(exc)
     problem = _eval_argument_problem(drafter, target, prompts, tokenizer, walk_data, limit=limit,
                                      max_new_tokens=max_new_tokens, horizons=horizons or [], walk_limit=walk_limit)
     if problem:
@@ -140,6 +154,19 @@ def eval_command(drafter: Path, target: str, prompts: Path, max_new_tokens: int,
     print(f"acceptance_length at {max_new_tokens} new tokens (tokens per target step); walk = teacher-forced walk")
     print(summary_table(rows, headers, width=160))
     return EXIT_OK
+
+
+def _drafter_dir(drafter: Path) -> Path:
+    """``eval --drafter``: an export, a training checkpoint, or -- as ``--resume`` takes them -- a checkpoints
+    directory or its ``latest`` file, which name its newest checkpoint (its drafter weights and config)."""
+    from dflash_flow.app.checkpoint_format import LATEST
+    from dflash_flow.app.checkpointer import Checkpointer
+
+    path = latest_marker_dir(drafter)
+    if path.is_dir() and not (path / "config.json").is_file() and (
+            (path / LATEST).is_file() or any(path.glob("step-*"))):
+        return Checkpointer(path).resolve(LATEST)
+    return path
 
 
 def _eval_argument_problem(drafter: Path, target: str, prompts: Path, tokenizer: str | None, walk_data: str | None,
