@@ -256,13 +256,16 @@ def _data_parallel(objective: DFlashObjective, mode: str, device: torch.device,
     if not _is_distributed():
         return objective
     if mode == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         # One FSDP unit at the root: the loss reaches the drafter's layers through helper methods (chunked,
         # checkpointed), not only through their forward, so per-layer units would miss their unshard hooks.
         # Sharding still splits what dominates a drafter's memory: gradients, fp32 masters and Adam moments.
+        # bf16 weights: the micro-batches' gradients accumulate and reduce-scatter in fp32 (rounded to bf16 once,
+        # into the sharded gradient the fp32 masters take).
         objective.needs_input_grad = True
-        fully_shard(objective)
+        low = any(p.dtype != torch.float32 for p in objective.parameters())
+        fully_shard(objective, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32 if low else None))
         return objective
     import inspect
 
@@ -404,6 +407,8 @@ class DrafterTrainer:
             # FSDP registers its gradient reduction on the module inputs that require grad; without one
             # the ranks' gradients are never reduced. The price: one extra matmul (d loss / d features).
             hidden = hidden.detach().requires_grad_(True)
+        if self.sharded:  # FSDP: reduce-scatter on the step's last micro-batch only (it did on every one)
+            self.model.set_requires_gradient_sync(force_step or self.accumulator.next_is_last)
         with self.model.no_sync() if self.ddp and not syncs else contextlib.nullcontext():
             out = self.model(
                 _on(feats.input_ids, self.device),

@@ -40,8 +40,8 @@ def reference(accum: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.drafter.state_dict().items()}
 
 
-def assert_close_in_bf16(got: dict, ref: dict) -> None:
-    """The sums differ only in order (fp32): weights agree to a bf16 step, nearly all of them exactly."""
+def assert_close_in_bf16(got: dict, ref: dict, *, exact: float = 0.98) -> None:
+    """The sums differ only in order (fp32): weights agree to a bf16 step, nearly all of them (``exact``) exactly."""
     start = make_trainer(grad_accum=1).drafter.state_dict()
     assert max(float((ref[k].float() - start[k].float()).abs().max()) for k in ref) > 1e-3  # the steps moved them
     same = total = 0
@@ -49,7 +49,7 @@ def assert_close_in_bf16(got: dict, ref: dict) -> None:
         torch.testing.assert_close(got[k].float(), v.float(), atol=2e-3, rtol=1e-2)
         same += int((got[k] == v).sum())
         total += v.numel()
-    assert same >= 0.98 * total, (same, total)
+    assert same >= exact * total, (same, total)
 
 
 @pytest.mark.slow
@@ -67,3 +67,14 @@ def test_bf16_ddp_averages_fp32_sums_once_per_step(tmp_path):
         assert torch.equal(ranks[0][k], ranks[1][k]), k
     assert_close_in_bf16(ranks[0], reference(2))
 
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bf16_fsdp_reduce_scatters_once_per_step(tmp_path):
+    per_step, _waits = torchrun(tmp_path, "fsdp", 2)
+    for counts in per_step:
+        scatters = sum(n for name, n in counts.items() if name.startswith("reduce_scatter"))
+        assert scatters == 1, counts  # the step's last micro-batch only (it was one per micro-batch)
+    # FSDP hands the fp32-reduced gradient back rounded to bf16 once (the parameters' dtype) before the masters take
+    # it, so more weights land one bf16 step apart than under DDP.
+    assert_close_in_bf16(load_file(str(tmp_path / "rank0.safetensors")), reference(2), exact=0.8)
