@@ -140,8 +140,8 @@ class EngineBackend:
         self.log = log or logging.getLogger("dflash_flow.engine").info
         self.heartbeat = heartbeat  # called while local servers start (the stage's: not a stall)
         self.vocab_size = 0  # set by engine_backend (the TargetBackend protocol's; the stage checks ids against it)
-        # Each row is computed alone on a server (unpadded), so a batch of rows gives what the rows one by one
-        # give: a per-sample feature cache may send all its missing rows in one call (and keep the concurrency).
+        # Each row is its own request (unpadded; the server batches requests as it likes, whoever sends them), so
+        # a per-sample feature cache may send all its missing rows in one call and keep the concurrency.
         self.rows_independent = True
         self.stats: Counter = Counter()
         self.start_check: StartCheck | None = None
