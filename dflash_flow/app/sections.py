@@ -40,7 +40,8 @@ class TrackingConfig:
     enabled: bool = cfg(True, doc="Switch MLflow tracking off with false.")
     tracking_uri: str | None = cfg(None, doc="Any MLflow URI; a plain path means a sqlite file; default: ./mlflow.db.")
     experiment: str = cfg("dflash-flow", doc="MLflow experiment name.")
-    run_name: str | None = cfg(None, doc="MLflow run name (default: the pipeline name).")
+    run_name: str | None = cfg(None, doc="MLflow run name (default: the pipeline name and output_dir's last part, "
+                               "e.g. dflash-cpu-short for runs/short; the last part alone when it starts with the name).")
     system_metrics: bool = cfg(True, doc="Log CPU and memory use (psutil) with every monitor sample.")
 
 

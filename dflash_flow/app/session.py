@@ -205,6 +205,7 @@ def _open_and_run(v: Validated, plan: _Plan, dist_ctx, stopping) -> RunReport:
     """Phases **open**, **build**, **run** and **end** (see ``run_validated``)."""
     from dflash_flow.app.distributed import shutdown_distributed
     from dflash_flow.app.exits import report_user_error
+    from dflash_flow.observe.runinfo import default_run_name
     from dflash_flow.observe.tracking import Tracker, TrackingError
 
     graph, output_dir = v.graph, v.graph.run_dir
@@ -218,7 +219,7 @@ def _open_and_run(v: Validated, plan: _Plan, dist_ctx, stopping) -> RunReport:
                 enabled=tracking.enabled and main,
                 tracking_uri=tracking.tracking_uri,
                 experiment=tracking.experiment,
-                run_name=tracking.run_name or graph.name,
+                run_name=tracking.run_name or default_run_name(graph.name, output_dir),
                 params=plan.params,
                 tags=plan.tags,
                 resume_run_id=plan.ckpt.mlflow_run_id if plan.ckpt is not None and not plan.fork else None,

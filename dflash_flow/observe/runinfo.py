@@ -30,6 +30,16 @@ _KEY_BAD_CHARS = re.compile(r"[^\w\-. /]")
 REDACTED = "***"
 
 
+def default_run_name(name: str, output_dir: str | os.PathLike | None) -> str:
+    """The MLflow run name when ``tracking.run_name`` is unset: the pipeline's name and the output directory's
+    last part (``dflash-cpu-short`` for ``runs/short``), so that runs of one file into different output
+    directories are told apart; the leaf alone when it already starts with the name (``runs/dflash-cpu-2``)."""
+    leaf = Path(output_dir).name if output_dir is not None else ""
+    if not leaf or leaf.startswith(name):
+        return leaf or name
+    return f"{name}-{leaf}"
+
+
 def sanitize_key(key: str) -> str:
     """Make ``key`` acceptable to mlflow (word characters, ``-. /``; at most 250 characters).
 
