@@ -111,9 +111,9 @@ def eval_command(drafter: Path, target: str, prompts: Path, max_new_tokens: int,
                  seed: int = 0, torch_threads: int | None = None) -> int:
     """``dflash-flow eval``: real speculative decoding with any exported drafter and its target, greedy and
     (``temperature`` > 0) sampled, at each horizon; with ``walk_data``, the teacher-forced walk beside it."""
+    from dflash_flow.app.model_spec import resolve_target
     from dflash_flow.app.session import quiet_libraries
     from dflash_flow.core.errors import CheckpointError
-    from dflash_flow.app.model_spec import resolve_target
     from dflash_flow.model.evaluation import evaluate_exported
     from dflash_flow.observe.progress import summary_table
 
@@ -227,8 +227,8 @@ class _ReplyProgress:
 def regenerate_command(prompts: Path, target: str | None, out: Path, batch_size: int, max_new_tokens: int, resume: bool,
                        system_prompt: str | None, server_only: list[str] | None = None) -> int:
     """``dflash-flow regenerate``: replies regenerated greedily by the target (batched, resumable)."""
-    from dflash_flow.app.session import quiet_libraries
     from dflash_flow.app.model_spec import resolve_target
+    from dflash_flow.app.session import quiet_libraries
     from dflash_flow.embedded import regenerate
 
     if server_only:

@@ -35,7 +35,14 @@ from pathlib import Path
 
 from dflash_flow.data.chat import stop_token_ids
 
-from .regen_io import OutputWriter, check_output_is_not_input, plan_digest, read_plans, read_prompts, scan_output
+from .regen_io import (
+    OutputWriter,
+    check_output_is_not_input,
+    plan_digest,
+    read_plans,
+    read_prompts,
+    scan_output,
+)
 
 __all__ = ["ProgressFn", "RegenStats", "read_prompts", "regenerate", "scan_output"]
 

@@ -54,7 +54,14 @@ from dflash_flow.engine.http import HttpClient as _Client
 from dflash_flow.engine.http import Stopped as _Stopped
 from dflash_flow.engine.http import unit as _unit
 
-from .regen_io import OutputWriter, check_output_is_not_input, plan_digest, read_plans, scan_output, write_in_input_order
+from .regen_io import (
+    OutputWriter,
+    check_output_is_not_input,
+    plan_digest,
+    read_plans,
+    scan_output,
+    write_in_input_order,
+)
 
 __all__ = ["AllServersDown", "ServedStats", "ServerPool", "backoff_delay", "regenerate_served", "sampling_params"]
 

@@ -6,23 +6,15 @@ processes (tests/embedded/fake_openai_server.py)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import test_served_regenerate
 
 from dflash_flow.embedded.regen_io import OutputWriter
 from dflash_flow.embedded.regenerate import regenerate
 
-from test_served_regenerate import servers  # noqa: F401  (the fixture: fake server processes)
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash_flow", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+servers = test_served_regenerate.servers  # the fixture: fake OpenAI servers in real processes
 
 
 def _records(path: Path) -> list[dict]:
