@@ -325,8 +325,35 @@ def alone(device: str, shape: Shape, checks: Checks) -> dict:
     else:
         checks.add("6", "device->host syncs per optimizer step of the drafter", None, None,
                    "<= 1 on a GPU (tests/model/test_gpu_readiness.py counts our reads on the CPU)")
+    if device.startswith("cuda"):  # finding 11: a checkpoint's optimizer state adds no GPU copy of the masters
+        dev = torch.device(device)
+        torch.cuda.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        t0 = time.perf_counter()
+        state = trainer.optimizer_state()
+        result["checkpoint_state_s"] = time.perf_counter() - t0
+        rise = (torch.cuda.max_memory_allocated(dev) - base) / 2**30
+        result["checkpoint_peak_rise_gib"] = rise
+        on_host = all(not t.is_cuda for t in _tensors(state))
+        checks.add("11", "GPU memory a checkpoint's optimizer state adds; its tensors on the host", rise < 1.0 and on_host,
+                   {"rise_gib": rise, "all_on_host": on_host}, "< 1 GiB, all on the host")
+        del state
     result["trainer"] = trainer  # the later checks reuse it (dropped before the JSON)
     return result
+
+
+def _tensors(tree):
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _tensors(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _tensors(v)
 
 
 # ---------------------------------------------------------------------------------------------- pipeline

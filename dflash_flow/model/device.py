@@ -7,6 +7,7 @@ import contextlib
 import os
 import threading
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -125,3 +126,28 @@ def bind_thread_device(devices: list[str], home: str | None = None) -> None:
         return
     use_expandable_segments()
     torch.cuda.set_device(as_device(cuda[0]))
+
+
+def to_host(tree: Any) -> Any:
+    """``tree`` (tensors in dicts, lists and tuples) with every CUDA tensor copied to pinned host memory without
+    blocking, then one synchronization of the devices involved; other leaves as they are. A checkpoint's state
+    made this way adds no GPU memory (a clone on the device was a transient of the masters' size, ~4 GB at the
+    recipe's 1B drafter, at a step boundary where the allocator is at its fullest) and the copies overlap."""
+    devices: set[torch.device] = set()
+
+    def copy(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_cuda and type(x) is torch.Tensor:
+            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            host.copy_(x.detach(), non_blocking=True)
+            devices.add(x.device)
+            return host
+        if isinstance(x, dict):
+            return {k: copy(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(copy(v) for v in x)
+        return x
+
+    out = copy(tree)
+    for dev in devices:
+        torch.cuda.current_stream(dev).synchronize()
+    return out

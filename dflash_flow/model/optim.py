@@ -131,16 +131,21 @@ class MasterAdamW:
         self.zero_grad()
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        """The state, a copy: GPU tensors copied to host memory (``device.to_host``: no GPU copy of the masters,
+        one synchronization), others cloned."""
+        from dflash_flow.model.device import to_host
+
+        def copy(m: torch.Tensor) -> torch.Tensor:
+            m = m.detach()
+            return m if m.is_cuda and type(m) is torch.Tensor else m.clone()  # (to_host copies the CUDA ones)
+
+        return to_host({
             "version": STATE_VERSION,
             "optimizer": self.optimizer.state_dict(),
             # Masters are saved: the bf16 weights of a checkpoint have lost the low bits.
-            "masters": [
-                m.detach().clone() if m is not p else None
-                for m, p in zip(self.masters, self.params, strict=True)
-            ],
+            "masters": [copy(m) if m is not p else None for m, p in zip(self.masters, self.params, strict=True)],
             "skipped_steps": self.skipped_steps,
-        }
+        })
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != STATE_VERSION:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dflash_flow.items import TargetFeatures
-from dflash_flow.model.device import take
+from dflash_flow.model.device import take, to_host
 from dflash_flow.model.dflash2 import drafter_from_config, drafter_variant, variant_config
 from dflash_flow.model.drafter import DFlashDrafter
 from dflash_flow.model.objective import HostPlan, PrefixPrior, dflash_loss, host_plan
@@ -559,7 +559,7 @@ class DrafterTrainer:
         if self.sharded or self.ddp:
             # Data-parallel ranks stop at an agreed optimizer step (services.agree_to_stop): never in between.
             raise RuntimeError("a data-parallel trainer cannot checkpoint in the middle of an accumulation")
-        grads = {name: g.detach().clone() for name, g in self._partial_grads()}
+        grads = to_host({name: g.detach() if g.is_cuda else g.detach().clone() for name, g in self._partial_grads()})
         _norm, sums, pos_sums = self._read_step()
         return {
             "micro": self.accumulator.micro,
