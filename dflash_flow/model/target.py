@@ -19,6 +19,7 @@ This module loads; it re-exports the names callers use with a target.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -215,6 +216,10 @@ def load_target(
         _drop_layers_above(model, num_layers)
         return _placed(model, placement)
 
+    if len(placement) == 1 and placement[0].type == "cuda" and importlib.util.find_spec("accelerate") is not None:
+        # Read straight onto the GPU (transformers needs accelerate for a device_map): not through host memory
+        # and a copy, which took minutes for six 16 GB replicas in turn under MODEL_LOAD_LOCK.
+        common["device_map"] = {"": str(placement[0])}
     path = Path(os.fspath(spec)).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -261,6 +266,21 @@ def _drop_layers_above(model: nn.Module, num_layers: int | None) -> None:
     stack.layers = nn.ModuleList(list(stack.layers)[:num_layers])
     _truncate_config(model.config, num_layers)
     setattr(model, DEPTH_ATTR, depth)
+    _drop_output_head(model, num_layers, depth)
+
+
+def _drop_output_head(model: nn.Module, num_layers: int, depth: int) -> None:
+    """A target loaded only partway serves features: its final norm and LM head would act on a middle layer's
+    output (logits that mean nothing), and the LM head is the largest single tensor (1.24 GB at Qwen3-8B, vocab
+    151,936): both go (the norm becomes an identity, so the backbone's forward still runs to its end; the LM
+    head is None, so a call of the model for logits fails at once instead of giving wrong ones)."""
+    if num_layers >= depth:
+        return
+    stack = backbone(model)
+    if isinstance(getattr(stack, "norm", None), nn.Module):
+        stack.norm = nn.Identity()
+    if model.get_output_embeddings() is not None and hasattr(model, "lm_head"):
+        model.lm_head = None
 
 
 def _from_pretrained(source: str | Path, config: Any, num_layers: int | None, **kwargs: Any) -> nn.Module:
@@ -273,6 +293,7 @@ def _from_pretrained(source: str | Path, config: Any, num_layers: int | None, **
     _truncate_config(config, num_layers)
     model = _skipping_layers_above(config, num_layers, depth).from_pretrained(source, config=config, **kwargs)
     setattr(model, DEPTH_ATTR, depth)
+    _drop_output_head(model, num_layers, depth)
     return model
 
 

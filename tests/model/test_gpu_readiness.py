@@ -286,3 +286,27 @@ def test_train_batch_reads_the_device_once_per_optimizer_step(monkeypatch, objec
     assert [s is not None for s in steps] == [False, False, False, True] * 2
     assert len(reads) <= 2, reads
     assert all(math.isfinite(steps[3][k]) for k in ("loss", "grad_norm", "accuracy", "sim_accept_len"))
+
+
+# --------------------------------------------------------------------------------- 12. the target's load
+
+
+def test_a_target_loaded_partway_keeps_no_lm_head_and_gives_the_same_features(tmp_path):
+    """``load_target(num_layers=k)`` of a preset and of a model directory: no LM head (1.24 GB at the recipe shape,
+    never used for features) and no final norm are left, and the features equal the whole model's (review
+    finding 12)."""
+    from dflash_flow.model.features import TargetFeatureExtractor, backbone
+    from dflash_flow.model.target import load_target
+
+    whole = load_target("tiny-qwen3-8l")
+    whole.save_pretrained(tmp_path / "target")
+    ids = torch.randint(0, 500, (2, 20), generator=torch.Generator().manual_seed(0))
+    attn = torch.ones_like(ids)
+    want = TargetFeatureExtractor(whole, [1, 3])(ids, attn)
+    for spec in ("tiny-qwen3-8l", str(tmp_path / "target")):
+        part = load_target(spec, num_layers=4)
+        assert part.get_output_embeddings() is None, spec
+        assert isinstance(backbone(part).norm, torch.nn.Identity), spec
+        assert sum(p.numel() for p in part.parameters()) < sum(p.numel() for p in whole.parameters())
+        torch.testing.assert_close(TargetFeatureExtractor(part, [1, 3])(ids, attn), want)
+    assert load_target("tiny-qwen3-8l", num_layers=8).get_output_embeddings() is not None  # the whole depth: kept

@@ -72,7 +72,8 @@ def test_device_map_puts_embedding_first_and_norm_and_untied_head_last():
     dmap = split_device_map(model, ["cuda:0", "cuda:1"])
     assert dmap["model.embed_tokens"] == dmap["model.rotary_emb"] == "cuda:0"
     assert [dmap[f"model.layers.{i}"] for i in range(6)] == ["cuda:0"] * 3 + ["cuda:1"] * 3
-    assert dmap["model.norm"] == dmap["lm_head"] == "cuda:1"
+    assert dmap["model.norm"] == "cuda:1" and "lm_head" not in dmap  # loaded partway: no LM head (issue 41)
+    assert split_device_map(load_target("tiny-qwen3-8l"), ["cuda:0", "cuda:1"])["lm_head"] == "cuda:1"
     assert "model.layers.6" not in dmap and "model" not in dmap  # largest single-device subtrees only
     # Tied embeddings: the head is the embedding's tensor, so it stays with it on the first device.
     tied = split_device_map(load_target("tiny-qwen3-8l-tied"), ["cuda:0", "cuda:1", "cuda:2"])
