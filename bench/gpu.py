@@ -527,6 +527,15 @@ def pipeline_checks(device: str, pipe: dict, alone_: dict, checks: Checks) -> No
 
 def must_check(checks: Checks) -> None:
     """What no figure here decides: the first GPU run's reader looks at these."""
+    checks.look("4", "a 2-rank run on one GPU (dflash-flow run ... --nproc 2 with runtime.share_gpus: true) starts on "
+                     "gloo (distributed.backend auto); an explicit nccl there stops before any model loads")
+    checks.look("9", "a multi-GPU DDP run: train/allreduce_wait_s against the NCCL kernels' time in a trace (CUDA "
+                     "events now; the host clock read ~0 under NCCL)")
+    checks.look("10", "a multi-GPU FSDP run with grad_accum > 1: one reduce-scatter per optimizer step in a trace")
+    checks.look("12", "with accelerate installed, a TargetForward replica's setup reads the target straight onto its "
+                      "GPU (no host RAM peak of the model's size); setup_s above")
+    checks.look("13", "determinism on CUDA is not bit for bit: two identical runs' losses agree to bf16 noise, not "
+                      "exactly (docs/gpu.md)")
     checks.look("8", "nvidia-smi during the run: one CUDA context per GPU of this process, none of ~0.5 GB on a GPU "
                      "the process has no stage on (threads bound before setup, app.gpu)")
     checks.look("6", "sync_warnings in alone: where any sync above one per step comes from; and in the pipeline "
@@ -565,6 +574,15 @@ def main(argv: list[str] | None = None) -> int:
         "correctness": correctness(args.device, checks),
         "attention": attention_check(args.device, shape, checks),
     }
+    from dflash_flow.model.device import default_attn_implementation
+
+    attn_impl = default_attn_implementation(args.device, torch.bfloat16 if cuda else torch.float32)
+    result["target_attention"] = attn_impl
+    if cuda:  # finding 13: flash-attn only where it runs (sm80+, 16-bit)
+        major, minor = torch.cuda.get_device_capability(torch.device(args.device))
+        checks.add("13", "the target's attention kernel for this GPU", attn_impl == "sdpa" or major >= 8,
+                   {"implementation": attn_impl, "capability": f"{major}.{minor}"},
+                   "flash_attention_2 only on sm80+ (else sdpa)")
     alone_ = alone(args.device, shape, checks)
     alone_.pop("trainer", None)
     result["alone"] = alone_

@@ -26,16 +26,26 @@ def default_dtype(device: str | torch.device) -> torch.dtype:
     return torch.float32 if as_device(device).type == "cpu" else torch.bfloat16
 
 
-def default_attn_implementation(device: str | torch.device) -> str:
-    """flash_attention_2 only where it can actually run (CUDA and the package imports); sdpa otherwise.
-    flash-attn is an optional extra and cannot even be built on CPU-only machines."""
-    if as_device(device).type == "cuda":
-        try:
-            import flash_attn  # noqa: F401
-        except Exception:  # ImportError, or a broken CUDA build raising at import
+def default_attn_implementation(device: str | torch.device, dtype: torch.dtype | None = None) -> str:
+    """flash_attention_2 only where it can actually run: a CUDA device of compute capability 8.0 or more
+    (Ampere on), a 16-bit ``dtype`` (bf16 or fp16; None: the device's default, bf16), and the package imports;
+    sdpa otherwise. flash-attn is an optional extra and cannot even be built on CPU-only machines; on a V100 or
+    T4, or in float32, it fails at the first forward."""
+    dev = as_device(device)
+    if dev.type != "cuda":
+        return "sdpa"
+    if (dtype or default_dtype(dev)) not in (torch.bfloat16, torch.float16):
+        return "sdpa"
+    try:
+        if torch.cuda.get_device_capability(dev) < (8, 0):
             return "sdpa"
-        return "flash_attention_2"
-    return "sdpa"
+    except Exception:  # no driver to ask: flash-attn could not run either
+        return "sdpa"
+    try:
+        import flash_attn  # noqa: F401
+    except Exception:  # ImportError, or a broken CUDA build raising at import
+        return "sdpa"
+    return "flash_attention_2"
 
 
 

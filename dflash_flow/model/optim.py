@@ -3,7 +3,8 @@
 The DFlash recipe (SpecForge ``BF16Optimizer``) keeps bf16 model weights for compute and an fp32 master
 copy for the update: with lr ~6e-4 and decaying to 0, most late updates are far below a bf16 ulp and
 would be rounded away if applied to bf16 weights directly. Every piece has ``state_dict`` /
-``load_state_dict`` so a run resumes bit-exactly.
+``load_state_dict`` so a run resumes from exactly its saved state (bit for bit on the CPU; on CUDA the later
+steps' own kernels are not deterministic: ``trainer``'s docstring).
 """
 
 from __future__ import annotations

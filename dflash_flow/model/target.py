@@ -201,7 +201,7 @@ def load_target(
     if num_layers is not None and num_layers < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
     dtype = dtype or default_dtype(placement[0])
-    attn = attn_implementation or default_attn_implementation(placement[0])
+    attn = attn_implementation or default_attn_implementation(placement[0], dtype)
     common = {"dtype": dtype, "attn_implementation": attn, "trust_remote_code": trust_remote_code}
 
     if is_preset(spec):

@@ -1,6 +1,9 @@
 """The drafter's training loop: building the drafter, the DFlash loss per micro-batch, gradient
 accumulation, AdamW on fp32 masters under warmup + cosine, step reports, and the state that makes a
-resumed run continue bit for bit.
+resumed run continue bit for bit on the CPU. On CUDA a resume continues from exactly the saved state, but the
+steps after it are not bit-identical to an uninterrupted run's: the attention kernels' backward (and
+atomics-based reductions) are not deterministic there, and nothing sets ``torch.use_deterministic_algorithms``
+(docs/gpu.md).
 
 Pure model code, no pipeline runtime: the ``DrafterStep`` stage adapts it to the DAG (items in, step
 reports out, checkpoints through the run services), tests drive it directly, and data-parallel training

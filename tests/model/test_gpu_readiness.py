@@ -310,3 +310,29 @@ def test_a_target_loaded_partway_keeps_no_lm_head_and_gives_the_same_features(tm
         assert sum(p.numel() for p in part.parameters()) < sum(p.numel() for p in whole.parameters())
         torch.testing.assert_close(TargetFeatureExtractor(part, [1, 3])(ids, attn), want)
     assert load_target("tiny-qwen3-8l", num_layers=8).get_output_embeddings() is not None  # the whole depth: kept
+
+
+# --------------------------------------------------------------------------------- 13. flash-attn's preconditions
+
+
+@pytest.mark.parametrize("capability,dtype,want", [
+    ((9, 0), torch.bfloat16, "flash_attention_2"),
+    ((8, 6), torch.float16, "flash_attention_2"),
+    ((8, 0), None, "flash_attention_2"),  # the device's default dtype: bf16
+    ((7, 0), torch.bfloat16, "sdpa"),  # a V100: flash-attn 2 needs sm80
+    ((7, 5), torch.float16, "sdpa"),  # a T4
+    ((9, 0), torch.float32, "sdpa"),  # flash-attn has no fp32 kernel
+])
+def test_flash_attention_is_chosen_only_where_it_runs(monkeypatch, capability, dtype, want):
+    """The target's attention defaults to flash_attention_2 only on sm80+ GPUs in 16-bit dtypes: it was chosen
+    whenever the package imported, and failed at the first forward on older GPUs or in float32 (review finding
+    13). The installed package and the GPU are torch's / Python's view here, patched: no GPU on this machine."""
+    import types
+
+    from dflash_flow.model.device import default_attn_implementation
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert default_attn_implementation("cuda:0", dtype) == want
+    assert default_attn_implementation("cpu", dtype) == "sdpa"
