@@ -75,9 +75,40 @@ _ROLE_ALIASES = {
 }
 
 
+#: Content-part types that carry text (OpenAI chat ``{"type": "text", "text": ...}``; the Responses API's).
+_TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+def _content_text(content: Any) -> tuple[str | None, str]:
+    """The text of a message's content: a string, or OpenAI-style content parts whose text parts are joined
+    with newlines (as vLLM renders them for templates that take a string); ``(None, why)`` otherwise."""
+    if isinstance(content, str):
+        return content, ""
+    if not isinstance(content, list):
+        return None, "no" if content is None else f"a non-string ({type(content).__name__})"
+    texts = []
+    for j, part in enumerate(content):
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type") in _TEXT_PARTS and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            return None, f"a content part {j} of type {kind!r} (only text parts can be trained on) in its"
+    return "\n".join(texts), ""
+
+
 def parse_conversation(obj: dict) -> tuple[list[dict] | None, str, str]:
     """The messages of a chat record (``conversations`` or ``messages``; ``{role, content}`` or ShareGPT
-    ``{from, value}`` turns), as ``(messages, "", "")``, or ``(None, error kind, reason)``."""
+    ``{from, value}`` turns), as ``(messages, "", "")``, or ``(None, error kind, reason)``.
+
+    Content may be OpenAI-style parts (``[{"type": "text", "text": ...}]``: the text parts joined with
+    newlines); an assistant turn may carry ``tool_calls`` with ``content: null`` (read as ""), and ``tool``
+    turns carry the results: both are kept for the chat template to render. A record with both
+    ``conversations`` and ``messages`` is refused: which one to train on would be a guess."""
+    if "conversations" in obj and "messages" in obj:
+        return None, "conflicting_fields", ("the record has both 'conversations' and 'messages'; keep one (which "
+                                            "turns to train on would be a guess)")
     key = "conversations" if "conversations" in obj else "messages" if "messages" in obj else None
     if key is None:
         return None, "missing_field", "missing field 'conversations' (a chat record holds its turns in 'conversations' or 'messages')"
@@ -96,11 +127,17 @@ def parse_conversation(obj: dict) -> tuple[list[dict] | None, str, str]:
             rkey, ckey = "from", "value"
         if role is None:
             return None, "missing_field", f"{key}[{i}] has no '{rkey}'"
-        if not isinstance(content, str):
-            what = "no" if content is None else f"a non-string ({type(content).__name__})"
-            return None, "missing_field", f"{key}[{i}] has {what} '{ckey}'"
+        calls = t.get("tool_calls")
+        if calls is not None and (role != "assistant" or not isinstance(calls, list)
+                                  or not all(isinstance(c, dict) for c in calls)):
+            return None, "missing_field", f"{key}[{i}] has 'tool_calls' that are not a list of objects of an assistant turn"
+        if content is None and calls:
+            content = ""  # a turn that only calls tools: the template renders the calls
+        text, why = _content_text(content)
+        if text is None:
+            return None, "missing_field", f"{key}[{i}] has {why} '{ckey}'"
         msg = {k: v for k, v in t.items() if k not in ("from", "value")}
-        msg["role"], msg["content"] = role, content
+        msg["role"], msg["content"] = role, text
         msgs.append(msg)
     return msgs, "", ""
 
@@ -131,7 +168,14 @@ def regeneration_plan(record: dict, system_prompt: str | None = None) -> list[di
     one ``None`` after the last user turn. Filled in order, every reply is generated on the conversation so
     far, the target's own earlier replies included (``{"prompt": text}`` is one user turn and one reply).
     Assistant turns before the first user turn are kept as they are (context, not answers). Raises
-    ValueError for a record that cannot be a prompt."""
+    ValueError for a record that cannot be a prompt, or that calls tools (their results would not answer
+    the regenerated calls)."""
+    msgs = parse_conversation(record)[0] if "conversations" in record or "messages" in record else None
+    for i, m in enumerate(msgs or ()):
+        if m.get("tool_calls") or m["role"] == "tool":
+            raise ValueError(f"turn {i} {'calls tools' if m.get('tool_calls') else 'is a tool result'}: regeneration "
+                             "cannot replay tool calls (the results would not answer the target's own calls); "
+                             "leave such records out of the prompts")
     turns = prompt_turns(record, system_prompt)
     plan: list[dict | None] = []
     seen_user = False
@@ -297,9 +341,9 @@ def supervised_spans(
     gp, eot = info.generation_prompt, info.end_of_turn
     for i, msg in enumerate(messages):
         role, content = _message_fields(i, msg)
+        if content is None and role == "assistant" and msg.get("tool_calls"):
+            content = ""  # a turn that only calls tools
         if not isinstance(content, str):
-            if content is None and role == "assistant" and msg.get("tool_calls"):
-                continue  # a pure tool-call turn has no content to anchor on
             raise ChatTemplateError(
                 f"message {i} ({role}): content must be a string, got {type(content).__name__}"
             )
@@ -309,6 +353,10 @@ def supervised_spans(
                 cursor = end
             continue
         if not content.strip():
+            if msg.get("tool_calls"):  # the calls are what the model generates: its turn after the header
+                span = _tool_call_span(text, i, cursor, info)
+                spans.append(span)
+                cursor = span[1]
             continue
         search_from = cursor
         if info.assistant_header:
@@ -344,6 +392,19 @@ def supervised_spans(
         spans.append((mask_start, mask_end))
         cursor = mask_end
     return spans
+
+
+def _tool_call_span(text: str, i: int, cursor: int, info: TemplateInfo) -> tuple[int, int]:
+    """The supervised span of an assistant turn that only calls tools: from after the template's assistant
+    header (what every assistant turn starts with) to its end-of-turn marker, both found after ``cursor``."""
+    header, eot = info.assistant_header or info.generation_prompt, info.end_of_turn
+    h = text.find(header, cursor)
+    size = len(header)
+    end = text.find(eot, h + size) if eot and h >= 0 else -1
+    if h < 0 or end < 0:
+        raise ChatTemplateError(f"message {i} (assistant): its tool calls are not found in the rendered conversation "
+                                "(no assistant header and end of turn after the previous message)")
+    return h + size, end + len(eot)
 
 
 def token_mask(offsets: np.ndarray, spans: Sequence[tuple[int, int]]) -> np.ndarray:
