@@ -413,8 +413,8 @@ class ShardWriter:
 
 class Shard:
     """One shard file, opened read-only; its trailer, index and meta checked. Rows are read with ``pread``
-    straight into the caller's buffer (one copy from the page cache; measured faster than faulting the same
-    bytes in through ``mmap``: bench/feature_store_bench.py), announced beforehand with
+    straight into the caller's buffer (one copy from the page cache and one call per row, where ``mmap``
+    faults the row in page by page; bench/feature_store_bench.py measures both), announced beforehand with
     ``posix_fadvise(WILLNEED)`` so that a batch's rows are read side by side."""
 
     def __init__(self, path: Path, *, expect_bytes: int | None = None):
