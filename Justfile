@@ -2,9 +2,10 @@
 
 python := "python"
 
-# Install everything: the package with its dev tools, then the reference packages the tests compare against.
+# Install everything: the package with its dev tools at the versions CI runs (requirements/cpu.txt), then the
+# reference packages the tests compare against.
 setup:
-    {{python}} -m pip install -e ".[dev]"
+    {{python}} -m pip install -e ".[dev]" -c requirements/cpu.txt
     {{python}} -m pip install --no-deps -r requirements/reference.txt
 
 # Unit, property and fast end-to-end tests (~4-6 min on 2 cores); `just test-slow` the rest (~12-18 min); CI runs both.
