@@ -255,6 +255,7 @@ def regenerate_command(prompts: Path, target: str | None, out: Path, batch_size:
         print(f"{stats.stale} rows were written for prompts that have changed since: generated again")
     for line in regenerate_warnings(stats, max_new_tokens):
         print(f"warning: {line}", file=sys.stderr)
+    _warn_error_rows(stats)
     return EXIT_OK
 
 
@@ -291,12 +292,16 @@ def regenerate_served_command(prompts: Path, servers: list[str], out: Path, *, t
     print(served_summary(stats, out))
     for line in regenerate_warnings(stats, max_new_tokens):
         print(f"warning: {line}", file=sys.stderr)
+    _warn_error_rows(stats, "; --retry-errors tries them again")
+    return EXIT_OK
+
+
+def _warn_error_rows(stats, again: str = "") -> None:
     if stats.errors:
         shown = "; ".join(f"{rid!r}: {err}" for rid, err in stats.errors[:3])
         more = f" (and {len(stats.errors) - 3} more)" if len(stats.errors) > 3 else ""
         print(f"warning: {len(stats.errors)} rows failed and are written with finish_reason \"error\" and no reply "
-              f"(training counts them as bad records and skips them): {shown}{more}; --retry-errors tries them again", file=sys.stderr)
-    return EXIT_OK
+              f"(training counts them as bad records and skips them): {shown}{more}{again}", file=sys.stderr)
 
 
 def served_summary(stats, out: Path) -> str:

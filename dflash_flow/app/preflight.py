@@ -56,6 +56,36 @@ def preflight_problems(v: Validated, *, check_paths: bool = True) -> list[Proble
     return problems
 
 
+def preflight_warnings(v: Validated) -> list[str]:
+    """What validate says without refusing, one located line each: a stage that emits samples longer than the
+    target's context window (``max_length`` past its ``max_position_embeddings``: the target would be run
+    past the positions it was trained for)."""
+    from dflash_flow.app.model_spec import build_model_spec
+
+    graph = v.graph
+    loc = graph.locator
+    try:
+        facts = build_model_spec(graph).facts
+    except Exception:  # noqa: BLE001 - the model's own problems are reported by the checks
+        return []
+    window = facts.max_positions if facts is not None else None
+    if window is None:
+        return []
+    out = []
+    for i, spec in enumerate(graph.stages):
+        conf = v.configs.get(spec.name)
+        longest = conf.longest_item() if conf is not None else None
+        if longest is not None and longest > window:
+            out.append("warning: " + Problem(
+                f"max_length {longest} is past the target's context window of {window} positions "
+                "(max_position_embeddings): longer samples would run it where it was not trained; set max_length "
+                f"to at most {window}",
+                file=loc.filename if loc is not None else None,
+                line=loc.line("stages", i, "config", "max_length") if loc is not None else None,
+                stage=spec.name, field="max_length").format())
+    return out
+
+
 def _mixture_problems(v: Validated, index: int, mixture: dict | None) -> list[Problem]:
     """A Bucketer's mixture must weigh every source it draws from (the source stages upstream of it: samples
     carry their source's name) and name nothing else; found here, not after every input was read."""

@@ -35,8 +35,10 @@ def load(
     """A pipeline file or a Graph, with ``overrides`` (``key.path=value``) applied, validated like
     ``dflash-flow validate`` (the generic checks and the cross-stage ones). Raises ConfigError with every
     problem. ``check_paths`` (default: ``check_devices``): that data files and model directories exist."""
+    import logging
+
     import dflash_flow.app  # noqa: F401 - registers the application sections
-    from dflash_flow.app.preflight import preflight_problems
+    from dflash_flow.app.preflight import preflight_problems, preflight_warnings
     from dflash_flow.core.config import apply_overrides, graph_from_dict, load_graph
     from dflash_flow.core.errors import ConfigError
     from dflash_flow.core.validate import validated
@@ -52,6 +54,8 @@ def load(
     problems = preflight_problems(v, check_paths=check_devices if check_paths is None else check_paths)
     if problems:
         raise ConfigError(problems)
+    for line in preflight_warnings(v):
+        logging.getLogger("dflash_flow").warning(line)
     return v
 
 

@@ -21,7 +21,8 @@ JSONL of prompts into a JSONL of conversations whose every assistant turn is the
 
 Output records: ``{"id", "conversations": [..., {"role": "assistant", "content": reply}], "finish_reason",
 "prompt_digest"}``
-with ``finish_reason`` ``"stop"`` (a stop token ended the last reply) or ``"length"``; a conversation of
+with ``finish_reason`` ``"stop"`` (a stop token ended the last reply), ``"length"``, or ``"error"`` (no reply:
+a prompt that does not fit the target's context window, ``max_position_embeddings``; counted and reported); a conversation of
 several replies also has ``finish_reasons``, one per reply.
 """
 
@@ -30,7 +31,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_flow.data.chat import stop_token_ids
@@ -62,6 +63,7 @@ class RegenStats:
     seconds: float = 0.0
     moved_aside: Path | None = None  # where resume=False moved the old output (never deleted)
     stale: int = 0  # rows written for prompts that have changed since: dropped and generated again
+    errors: list = field(default_factory=list)  # (id, why) of rows written as errors (a prompt past the window)
 
     @property
     def tokens_per_s(self) -> float:
@@ -134,10 +136,12 @@ def _generate(todo, writer, stats, target_path, batch_size, max_new_tokens, prog
     stops = stop_token_ids(tokenizer)  # eos included
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
 
-    def generate(convs: list[list[dict]]) -> list[tuple[list[int], str]]:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    window = getattr(config, "max_position_embeddings", None)  # the context window: a longer prompt is skipped
+
+    def encode(convs: list[list[dict]]) -> list[list[int]]:
         texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in convs]
-        prompt_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return greedy_continuations(model, prompt_ids, max_new_tokens=max_new_tokens, stop_ids=stops, pad_id=pad_id)
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
     report = progress or (lambda *_: None)
     report(stats.skipped, stats.total, 0)
@@ -153,7 +157,16 @@ def _generate(todo, writer, stats, target_path, batch_size, max_new_tokens, prog
             waiting = [r for r in rows if r.advance()]
             if not waiting:
                 break
-            for r, (gen, reason) in zip(waiting, generate([r.conv for r in waiting]), strict=True):
+            fits = []
+            for r, ids in zip(waiting, encode([r.conv for r in waiting]), strict=True):
+                if isinstance(window, int) and len(ids) >= window:  # nothing could be generated in the window
+                    r.fail(f"the prompt of {len(ids)} tokens does not fit the target's context window of {window} "
+                           "positions (max_position_embeddings)")
+                else:
+                    fits.append((r, ids))
+            results = greedy_continuations(model, [ids for _, ids in fits], max_new_tokens=max_new_tokens,
+                                           stop_ids=stops, pad_id=pad_id) if fits else []
+            for (r, _), (gen, reason) in zip(fits, results, strict=True):
                 if reason == "stop":
                     gen = gen[:-1]  # the chat template writes the end of turn itself
                 # Special tokens inside a reply would break the template's turn structure downstream.
@@ -162,6 +175,9 @@ def _generate(todo, writer, stats, target_path, batch_size, max_new_tokens, prog
         lines = []
         for r in rows:
             lines.append(json.dumps(r.record(), ensure_ascii=False) + "\n")
+            if r.error is not None:
+                stats.errors.append((r.rid, r.error))
+                continue
             stats.replies += len(r.reasons)
             stats.truncated += r.reasons.count("length")
             stats.empty += sum(not t["content"].strip() for t in r.replies())
@@ -182,6 +198,7 @@ class _Row:
         self.rest = list(plan)
         self.conv: list[dict] = []
         self.reasons: list[str] = []
+        self.error: str | None = None
 
     def advance(self) -> bool:
         """Take the plan's turns up to the next reply; True when a reply is due."""
@@ -194,11 +211,18 @@ class _Row:
         self.conv.append({"role": "assistant", "content": reply})
         self.reasons.append(reason)
 
+    def fail(self, error: str) -> None:
+        """No reply can be generated (the rest of the row is dropped): an error row, as ``--server`` writes."""
+        self.error, self.rest = error, []
+
     def replies(self) -> list[dict]:
         at = [i for i, t in enumerate(self.plan) if t is None]  # the reply k is turn at[k] of conv
         return [self.conv[i] for i in at]
 
     def record(self) -> dict:
+        if self.error is not None:
+            return {"id": self.rid, "conversations": [t for t in self.plan if t is not None], "finish_reason": "error",
+                    "error": self.error, "prompt_digest": plan_digest(self.plan)}
         rec = {"id": self.rid, "conversations": self.conv, "finish_reason": self.reasons[-1],
                "prompt_digest": plan_digest(self.plan)}
         if len(self.reasons) > 1:

@@ -40,11 +40,17 @@ def _template_ids(tokenizer: Any, turns: list[dict], *, add_generation_prompt: b
     return [int(i) for i in ids]
 
 
-def read_prompt_ids(path: str | Path, tokenizer, limit: int) -> list[list[int]]:
-    """Prompts from JSONL (``prompt`` or ``conversations`` up to the last user turn), chat-templated."""
+def read_prompt_ids(path: str | Path, tokenizer, limit: int, *, window: int | None = None,
+                    reserve: int = 0) -> list[list[int]]:
+    """Prompts from JSONL (``prompt`` or ``conversations`` up to the last user turn), chat-templated. With
+    ``window`` (the target's context window), a prompt that does not leave ``reserve`` positions in it (the
+    tokens to generate) is skipped, and the skipped are counted in one warning."""
+    import logging
+
     from dflash_flow.data.chat import prompt_turns
 
     out: list[list[int]] = []
+    skipped = 0
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -54,11 +60,20 @@ def read_prompt_ids(path: str | Path, tokenizer, limit: int) -> list[list[int]]:
                 turns = prompt_turns(record)
             except (json.JSONDecodeError, ValueError) as exc:
                 raise ValueError(f"{path}:{lineno}: {exc}") from None
-            out.append(_template_ids(tokenizer, turns, add_generation_prompt=True))
+            ids = _template_ids(tokenizer, turns, add_generation_prompt=True)
+            if window is not None and len(ids) + reserve > window:
+                skipped += 1
+                continue
+            out.append(ids)
             if len(out) >= limit:
                 break
+    if skipped:
+        logging.getLogger(__name__).warning(
+            "%s: %d prompt(s) skipped: with %d new tokens they do not fit the target's context window of %d positions "
+            "(max_position_embeddings)", path, skipped, reserve, window)
     if not out:
-        raise ValueError(f"{path}: no prompts")
+        raise ValueError(f"{path}: no prompts" + (f" that fit the target's context window of {window} positions with "
+                                                  f"{reserve} new tokens ({skipped} longer)" if skipped else ""))
     return out
 
 
@@ -230,7 +245,10 @@ def evaluate_exported(
     tokenizer = AutoTokenizer.from_pretrained(tok_path, local_files_only=True)
     model = load_target(spec, device=device, dtype=torch.float32)
     drafter = load_drafter(drafter_path, device=device, dtype=torch.float32, target_config=model.config)
-    prompts = read_prompt_ids(prompts_path, tokenizer, limit)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    window = getattr(config, "max_position_embeddings", None)
+    prompts = read_prompt_ids(prompts_path, tokenizer, limit, window=window if isinstance(window, int) else None,
+                              reserve=max(horizons))
     stops = stop_token_ids(tokenizer)
     walk_set = (
         read_walk_conversations(walk_data, tokenizer, walk_limit, stops) if walk_data is not None else None

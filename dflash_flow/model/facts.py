@@ -49,6 +49,7 @@ class TargetFacts:
     depth: int  # decoder layers
     hidden_size: int
     vocab_size: int
+    max_positions: int | None = None  # its context window (max_position_embeddings), when stated
 
 
 def preset_params(spec: Any) -> dict[str, Any] | None:
@@ -68,8 +69,9 @@ def preset_params(spec: Any) -> dict[str, Any] | None:
 
 
 def target_facts(spec: Any) -> TargetFacts | None:
-    """Depth, hidden size and vocabulary of a preset or of a local model directory (its ``config.json``, the
-    text stack's for multimodal wrappers); None when that cannot be read here (a hub id, no config.json)."""
+    """Depth, hidden size, vocabulary and (when stated) context window of a preset or of a local model directory
+    (its ``config.json``, the text stack's for multimodal wrappers); None when that cannot be read here (a hub
+    id, no config.json)."""
     try:
         d = preset_params(spec)
     except ValueError:
@@ -86,10 +88,14 @@ def target_facts(spec: Any) -> TargetFacts | None:
         d = {**d, **d["text_config"]}
     if not isinstance(d, dict):
         return None
-    values = [d.get(k) for k in ("num_hidden_layers", "hidden_size", "vocab_size")]
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
+    values = [d.get(k) for k in ("num_hidden_layers", "hidden_size", "vocab_size", "max_position_embeddings")]
+    if not all(_positive_int(v) for v in values[:3]):
         return None
-    return TargetFacts(*values)
+    return TargetFacts(*values[:3], max_positions=values[3] if _positive_int(values[3]) else None)
+
+
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
 def build_target_layer_ids(num_target_layers: int, n: int) -> list[int]:

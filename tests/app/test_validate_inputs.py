@@ -118,3 +118,37 @@ def test_huge_weights_keep_their_proportions():
     pos, drawn = draw_epoch([("a", 0, 50), ("b", 50, 78)], {"a": 1e308, "b": 1e308}, samples_per_epoch=None,
                             replacement=False, seed=0, epoch=0)
     assert pos.size == 78 and drawn == {"a": 39, "b": 39}
+
+
+# -- item 14: prompts past the target's context window -------------------------------------------------------
+
+
+def test_target_facts_read_the_context_window():
+    from dflash_flow.embedded.train_target import embedded_target_path
+    from dflash_flow.model.facts import target_facts
+
+    assert target_facts(str(embedded_target_path())).max_positions == 1024
+    assert target_facts("tiny-qwen3-8l").max_positions == 4096
+    assert target_facts({"preset": "tiny-qwen3-8l", "max_position_embeddings": None}).max_positions is None
+
+
+def test_validate_warns_when_max_length_is_past_the_targets_window(tmp_path, caplog):
+    import logging
+
+    from dflash_flow.core.config import load_graph
+
+    data = tmp_path / "c.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
+                    + "\n")
+    f = tmp_path / "p.yaml"
+    for max_length, warned in ((8192, True), (1024, False)):
+        f.write_text(f"name: w\nmodel: {{target: embedded}}\nstages:\n"
+                     f"  - {{name: src, type: ChatSource, config: {{paths: [{data}], max_length: {max_length}}}}}\n")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dflash_flow"):
+            load(load_graph(f), check_devices=False)
+        said = [r.getMessage() for r in caplog.records if "context window" in r.getMessage()]
+        assert bool(said) == warned
+        if warned:
+            assert said[0].startswith(f"warning: {f}:4, stage 'src', field 'max_length': max_length 8192 is past the "
+                                      "target's context window of 1024 positions")

@@ -263,3 +263,42 @@ def test_a_lone_surrogate_in_one_reply_is_a_malformed_row_and_the_rest_go_on(tmp
     # the rerun does not abort on it either: the row stays an error row until --retry-errors
     assert regenerate_served_command(src, [srv.url], out, **kw) == 0
     assert len(_records(out)) == 3
+
+
+# -- item 14: a prompt past the target's context window is skipped and counted ------------------------------
+
+
+def test_in_process_a_prompt_past_the_window_is_an_error_row_and_counted(tmp_path, target, capsys):
+    from dflash_flow.app.commands import _warn_error_rows
+
+    model, tok = target
+    assert model.config.max_position_embeddings == 1024
+    src, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    _prompt_file(src, ["Count to 3.", "tree " * 1100, "Name a colour."])
+    stats = regenerate(src, None, out, batch_size=3, max_new_tokens=4, model=model, tokenizer=tok)
+    rows = {r["id"]: r for r in _records(out)}
+    assert [rows[i]["finish_reason"] == "error" for i in (0, 1, 2)] == [False, True, False]
+    assert "does not fit the target's context window of 1024 positions" in rows[1]["error"]
+    assert [rid for rid, _ in stats.errors] == [1] and stats.replies == 2
+    _warn_error_rows(stats)
+    assert "1 rows failed" in capsys.readouterr().err
+
+
+def test_eval_prompts_past_the_window_are_skipped_and_counted(tmp_path, target_dir, caplog):
+    import logging
+
+    from transformers import AutoTokenizer
+
+    from dflash_flow.model.evaluation import read_prompt_ids
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    src = tmp_path / "p.jsonl"
+    _prompt_file(src, ["Count to 3.", "tree " * 1100, "Name a colour."])
+    with caplog.at_level(logging.WARNING):
+        ids = read_prompt_ids(src, tok, 8, window=1024, reserve=64)
+    assert len(ids) == 2 and all(len(p) < 100 for p in ids)
+    assert any("1 prompt(s) skipped" in r.getMessage() for r in caplog.records)
+    assert len(read_prompt_ids(src, tok, 8)) == 3  # no window given: all read, as before
+    _prompt_file(src, ["tree " * 1100])
+    with pytest.raises(ValueError, match="no prompts that fit the target's context window of 1024"):
+        read_prompt_ids(src, tok, 8, window=1024, reserve=64)
