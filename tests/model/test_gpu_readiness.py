@@ -15,6 +15,8 @@ from transformers import Qwen3Config
 from dflash_flow.model.drafter_config import FULL_ATTENTION
 from dflash_flow.model.drafter_layers import DrafterAttention
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models on a shared 2-core box: one intra-op thread
+
 # --------------------------------------------------------------------------------- 1. the GPU attention path
 
 
