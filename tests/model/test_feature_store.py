@@ -332,3 +332,15 @@ def test_a_store_on_a_read_only_filesystem_is_read(tmp_path):
                 assert torch.equal(store.row(sid), seeded_row(sid, int(samples.lengths[sid])))
         with pytest.raises((FeatureStoreError, OSError)):
             StoreLock(ro).acquire(exclusive=True)
+
+
+def test_the_features_section_names_what_cannot_work_together():
+    from dflash_flow.model.features_config import FeaturesConfig
+
+    assert FeaturesConfig().problems() == []
+    assert [f for f, _ in FeaturesConfig(mode="offline").problems()] == ["path"]
+    assert "features build PIPELINE" in FeaturesConfig(mode="offline").problems()[0][1]
+    assert [f for f, _ in FeaturesConfig(mode="online", path="/x").problems()] == ["path"]
+    assert FeaturesConfig(mode="hybrid").problems() == []  # RAM only: the cache of today
+    with pytest.raises(ValueError):
+        FeaturesConfig(dtype="int8")
