@@ -1,8 +1,10 @@
-"""Running a validated pipeline as an application: the run services, resume, the MLflow run, the end
-of run (report files, artifact uploads, the printed summary), run statuses and exit codes.
+"""Running a validated pipeline as an application, in named phases (``run_validated``): prepare (``app.prepare``),
+open (the MLflow run), build (the ``RunServices`` the DFlash stages use, complete, then the pipeline), run,
+end (``app.endrun``; how the run ended: ``app.outcome``). Stop signals are the process's stop controller's
+(``core.stopping``), told here what the phases mean.
 
-The core runtime stays generic; this layer builds the ``RunServices`` the DFlash stages use and owns
-everything that happens before the first stage thread starts and after the last one ends.
+The core runtime stays generic; this layer owns everything that happens before the first stage thread
+starts and after the last one ends.
 """
 
 from __future__ import annotations
