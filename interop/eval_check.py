@@ -13,8 +13,8 @@ ours on the same prompts, per suite and per draft position.
 4. ``dflash-flow eval --suite ... --server URL`` against a vLLM server started here (``engine.launch``) with
    ``DFlashQwen3Model._normalize_context_k`` normed per layer (``interop/vllm_serve.py``): with that one
    function fixed vLLM drafts exactly what we draft (``just interop``), so its counters must equal our count
-   per suite and per position. Check: exit 0, every suite's agreement, the engine's outputs equal ours, the
-   counters' drafts equal the per-request figures' steps.
+   per suite and per position, exactly (tolerances 0). Check: exit 0, every suite's agreement, the engine's
+   outputs equal ours, the counters' drafts equal the per-request figures' steps.
 5. ``dflash-flow eval --suite ... --launch-vllm PYTHON``: vLLM as shipped, started and stopped by the command
    itself; its figures beside ours (the CPU k_norm bug makes its drafts differ; whether the check flags
    that depends on how far the drafter's layers drifted apart). Reported, not a failure. ``--no-as-shipped``
@@ -144,7 +144,9 @@ def check(args, work: Path) -> tuple[dict, list[str]]:
         except LaunchError as exc:
             raise Failed(str(exc)) from None
         start_s = servers.start_s
-        rc, result, wall = run_eval([*common, "--server", url], work / "per_layer_knorm.json",
+        # Its drafts are ours, so its counts are ours exactly: the same integers, the same ratios.
+        rc, result, wall = run_eval([*common, "--server", url, "--tau-tolerance", "0", "--rate-tolerance", "0"],
+                                    work / "per_layer_knorm.json",
                                     work / "eval-per-layer-knorm.log", env)
     finally:
         servers.stop()
