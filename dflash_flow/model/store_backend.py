@@ -13,9 +13,11 @@
 
 Lookup order for a row: the RAM tier (``feature_cache.FeatureCache``, ``ram_budget_bytes``), the rows of
 the shard being written, the store on disk (and, before computing or failing, a fresh look at the shards
-other processes wrote, at most every ``rescan_s``), then the target. One backend serves every replica of a
-stage in a process (a copy is the backend itself) and is thread-safe; ``setup``/``close`` count the
-replicas, so the store is closed (its shards merged into the manifest) when the last one closes.
+other processes wrote, at most every ``rescan_s``), then the target. What the replicas of a stage in one
+process share -- the RAM tier, the open store, the shard being written, the lock -- is one
+:class:`StoreTier` (``store_backend`` finds it by the store's path, or the stage's name without one);
+each replica has its own backend and its own target (``inner``: its device). The tier counts its users:
+the last replica to close flushes the shard being written and merges the shards into the manifest.
 """
 
 from __future__ import annotations
@@ -45,14 +47,162 @@ from dflash_flow.model.feature_store import (
     token_digest,
 )
 
-__all__ = ["StoreBackend", "expected_identity", "store_backend"]
+__all__ = ["StoreBackend", "StoreTier", "expected_identity", "shared_tier", "store_backend"]
 
 MODES = ("offline", "hybrid")
 
 
+class StoreTier:
+    """What every replica of a stage in one process shares for one store: the RAM tier, the open store, the
+    shard being written and the lock. Thread-safe; opened by the first replica, closed by the last."""
+
+    def __init__(self, *, mode: str, path: Path | None, identity: Mapping[str, Any], dtype: str, ram_budget_bytes: int,
+                 shard_bytes: int, verify_tokens: bool, rescan_s: float, write: Write | None, key: Any = None) -> None:
+        self.mode, self.path, self.identity, self.dtype = mode, path, dict(identity), dtype
+        self.shard_bytes, self.verify_tokens, self.rescan_s, self._write = shard_bytes, verify_tokens, rescan_s, write
+        self.key = key
+        self.ram = FeatureCache(budget_bytes=int(ram_budget_bytes))
+        self.store: FeatureStore | None = None
+        self.codec: Codec | None = None
+        self.appender: StoreAppender | None = None
+        self.lock = StoreLock(path) if path is not None and mode == "hybrid" else None
+        self.guard = threading.RLock()
+        self.users = 0
+        self.opened = False
+        self.layer_ids: list[int] = []
+        self.hidden_size = 0
+        self.vocab_size = 0
+        self.compute_dtype: str | None = None
+        self.out_dtype: torch.dtype | None = None
+        self.last_scan = 0.0
+        self.disk_hits = 0
+        self.computed = 0
+
+    @property
+    def width(self) -> int:
+        return len(self.layer_ids) * self.hidden_size
+
+    # -- opening --------------------------------------------------------------------------------------
+    def open_offline(self, layer_ids: Sequence[int] | None) -> None:
+        store = FeatureStore(self.path, complete=True)
+        fields = compare_identity(store.identity, self.identity)
+        for want in (layer_ids, self.identity.get("layer_ids")):
+            if want and list(want) != list(store.layer_ids) and not any(f[0] == "layer_ids" for f in fields):
+                fields.append(("layer_ids", list(store.layer_ids), list(want)))
+        if self.dtype != "auto" and self.dtype != store.codec.name:
+            fields.append(("dtype", store.codec.name, self.dtype))
+        if fields:
+            store.close()
+            raise StoreMismatch(self.path, fields)
+        self.store, self.codec = store, store.codec
+        self.layer_ids = list(store.layer_ids)
+        self.hidden_size = store.width // max(len(store.layer_ids), 1)
+        # Token ids are checked against it before a batch is read (a store records its target's).
+        self.vocab_size = int(store.manifest.get("vocab_size") or 0) or 2**31 - 1
+
+    def open_hybrid(self, layer_ids: Sequence[int], hidden_size: int, vocab_size: int) -> None:
+        self.layer_ids, self.hidden_size, self.vocab_size = list(layer_ids), int(hidden_size), int(vocab_size)
+        if self.path is None:
+            return  # RAM only
+        assert self.lock is not None
+        self.lock.acquire(exclusive=False, what="hybrid training")  # a build going on: refused at once
+        try:
+            store = FeatureStore(self.path, complete=False) if (self.path / "manifest.json").exists() else None
+        except FeatureStoreError:
+            self.lock.release()
+            raise
+        if store is None:
+            return  # created with the first row (its dtype may come from the target's)
+        fields = compare_identity(store.identity, {**self.identity, "layer_ids": self.layer_ids})
+        if store.width != self.width:
+            fields.append(("width", store.width, self.width))
+        if self.dtype != "auto" and self.dtype != store.codec.name:
+            fields.append(("dtype", store.codec.name, self.dtype))
+        if fields:
+            store.close()
+            self.lock.release()
+            raise StoreMismatch(self.path, fields)
+        self.store = store
+        self._start_writing(store.codec)
+
+    def _start_writing(self, c: Codec) -> None:
+        m = open_for_writing(self.path, identity={**self.identity, "layer_ids": self.layer_ids}, codec=c,
+                             width=self.width, vocab_size=self.vocab_size or None, compute_dtype=self.compute_dtype)
+        self.codec = c
+        self.appender = StoreAppender(self.path, codec=c, width=self.width, identity_digest=m["identity_digest"],
+                                      shard_bytes=self.shard_bytes, write=self._write, on_shard=self._on_shard)
+
+    def _on_shard(self, _info) -> None:
+        if self.store is None:
+            self.store = FeatureStore(self.path, complete=False)
+        else:
+            self.store.refresh()
+
+    def close(self) -> None:
+        """The last user: flush the shard being written, merge the shards into the manifest (when no other
+        process writes this store), release the lock."""
+        try:
+            if self.appender is not None:
+                self.appender.close()
+                self.appender = None
+                if self.lock is not None and self.lock.try_exclusive():
+                    merge_store(self.path)
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+            if self.store is not None:
+                self.store.close()
+
+    # -- rows -----------------------------------------------------------------------------------------
+    def read(self, dst: torch.Tensor, sid: int, digest: int | None) -> bool:
+        appender = self.appender
+        if appender is not None:
+            pending = appender.pending.get(sid)
+            if pending is not None:
+                self.codec.decode_into(pending[0], dst)
+                return True
+        tokens = digest if self.verify_tokens else None
+        if self.store is not None and self.store.read_into(dst, sid, tokens=tokens):
+            return True
+        if self.store is not None and time.monotonic() - self.last_scan >= self.rescan_s:
+            self.last_scan = time.monotonic()  # other processes' shards (hybrid under torchrun)
+            if self.store.refresh():
+                return self.store.read_into(dst, sid, tokens=tokens)
+        return False
+
+    def keep(self, sid: int, toks: torch.Tensor, digest: int | None, row: torch.Tensor) -> torch.Tensor:
+        """A row just computed: written to the store (hybrid with a path) and kept in the RAM tier; returns
+        the values a later read gives (the row through the store's codec)."""
+        self.computed += 1
+        if self.path is None:
+            self.ram.put(sid, row)
+            return row
+        with self.guard:
+            if self.codec is None:
+                self.compute_dtype = str(row.dtype).removeprefix("torch.")
+                self._start_writing(codec(self.dtype, row.dtype))
+        length = row.shape[0]
+        payload = self.codec.encode(row)
+        row = self.codec.decode(payload, length, self.width, self.out_dtype or self.codec.default_out_dtype())
+        self.appender.append(sid, digest if digest is not None else token_digest(toks), payload)
+        self.ram.put(sid, row)
+        return row
+
+    def stats(self) -> dict[str, float]:
+        """Counters for the stage's metrics: RAM hits, disk reads, rows computed and written, RAM use."""
+        return {"ram_hits": self.ram.hits, "disk_hits": self.disk_hits, "computed": self.computed,
+                "ram_rows": len(self.ram), "ram_mb": self.ram.bytes / 2**20,
+                "written": self.appender.rows if self.appender is not None else 0}
+
+
+_TIERS: dict[Any, StoreTier] = {}
+_TIERS_LOCK = threading.Lock()
+
+
 class StoreBackend:
     """A TargetBackend over a feature store (see the module doc). Construct with plain values; ``inner`` is
-    the backend that computes (hybrid only)."""
+    the backend that computes (hybrid only), this replica's own; ``tier``: the state shared with the stage's
+    other replicas in this process (default: a tier of its own)."""
 
     def __init__(
         self,
@@ -69,6 +219,7 @@ class StoreBackend:
         out_dtype: torch.dtype | None = None,
         rescan_s: float = 5.0,
         write: Write | None = None,
+        tier: StoreTier | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"StoreBackend mode must be one of {MODES}, got {mode!r}")
@@ -81,114 +232,81 @@ class StoreBackend:
         self.mode = mode
         self.path = None if path is None else Path(path).expanduser()
         self.inner = inner
-        self.identity = dict(identity or {})
-        self.dtype = dtype
-        self.verify_tokens = verify_tokens
-        self.shard_bytes = int(shard_bytes)
-        self.rescan_s = float(rescan_s)
-        self._write = write
-        self._out_dtype = out_dtype
-        self.ram = FeatureCache(budget_bytes=int(ram_budget_bytes))
-        self.layer_ids: list[int] = list(layer_ids) if layer_ids is not None else list(getattr(inner, "layer_ids", []) or [])
+        self.tier = tier or StoreTier(mode=mode, path=self.path, identity=identity or {}, dtype=dtype,
+                                      ram_budget_bytes=ram_budget_bytes, shard_bytes=shard_bytes,
+                                      verify_tokens=verify_tokens, rescan_s=rescan_s, write=write)
+        if out_dtype is not None:
+            self.tier.out_dtype = out_dtype
+        self._want_layers = list(layer_ids) if layer_ids is not None else None
+        self.layer_ids: list[int] = list(layer_ids or getattr(inner, "layer_ids", []) or [])
         self.hidden_size: int = int(getattr(inner, "hidden_size", 0) or 0)
         self.vocab_size: int = int(getattr(inner, "vocab_size", 0) or 0)
-        self.store: FeatureStore | None = None
-        self.codec: Codec | None = None
-        self._appender: StoreAppender | None = None
-        self._lock = StoreLock(self.path) if self.path is not None and mode == "hybrid" else None
-        self._guard = threading.RLock()
         self._users = 0
         self._out_device: torch.device = torch.device("cpu")
-        self._last_scan = 0.0
         self._name = "target"
-        self._compute_dtype: str | None = None
-        self.disk_hits = 0
-        self.computed = 0
 
     def __deepcopy__(self, memo: dict) -> StoreBackend:
-        return self  # one backend for a stage's replicas (deep copies of one template)
+        return self  # a copy of a stage holding one backend holds the same backend
+
+    @property
+    def ram(self) -> FeatureCache:
+        return self.tier.ram
+
+    @property
+    def store(self) -> FeatureStore | None:
+        return self.tier.store
+
+    @property
+    def disk_hits(self) -> int:
+        return self.tier.disk_hits
 
     @property
     def width(self) -> int:
         return len(self.layer_ids) * self.hidden_size
 
+    def stats(self) -> dict[str, float]:
+        return self.tier.stats()
+
     # -- protocol -------------------------------------------------------------------------------------
     def setup(self, *, devices: list[str], out_device: str, name: str) -> None:
-        with self._guard:
-            self._users += 1
-            if self._users > 1:
-                return
-            self._name = name
-            self._out_device = torch.device(out_device)
-            if self.mode == "offline":
-                self._open_offline()
-            else:
-                self.inner.setup(devices=devices, out_device=out_device, name=name)
-                self.layer_ids = list(self.inner.layer_ids)
-                self.hidden_size = int(self.inner.hidden_size)
-                self.vocab_size = int(getattr(self.inner, "vocab_size", 0) or 0)
-                if self.path is not None:
-                    self._open_hybrid()
+        self._users += 1
+        if self._users > 1:
+            return
+        self._name = name
+        self._out_device = torch.device(out_device)
+        if self.mode == "hybrid":
+            self.inner.setup(devices=devices, out_device=out_device, name=name)
+        t = self.tier
+        with t.guard:
+            if not t.opened:
+                if self.mode == "offline":
+                    t.open_offline(self._want_layers)
+                else:
+                    t.open_hybrid(self.inner.layer_ids, self.inner.hidden_size, getattr(self.inner, "vocab_size", 0) or 0)
+                t.opened = True
+            t.users += 1
+        self.layer_ids, self.hidden_size, self.vocab_size = list(t.layer_ids), t.hidden_size, t.vocab_size
 
-    def _check_layers(self, stored: Sequence[int]) -> None:
-        for want in (self.layer_ids, self.identity.get("layer_ids")):
-            if want and list(want) != list(stored):
-                raise StoreMismatch(self.path, [("layer_ids", list(stored), list(want))])
-
-    def _open_offline(self) -> None:
-        store = FeatureStore(self.path, complete=True)
-        fields = compare_identity(store.identity, self.identity)
-        if fields:
-            store.close()
-            raise StoreMismatch(self.path, fields)
+    def close(self) -> None:
+        if self._users == 0:
+            return
+        self._users -= 1
+        if self._users:
+            return
+        t = self.tier
         try:
-            self._check_layers(store.layer_ids)
-        except StoreMismatch:
-            store.close()
-            raise
-        if self.dtype != "auto" and self.dtype != store.codec.name:
-            store.close()
-            raise StoreMismatch(self.path, [("dtype", store.codec.name, self.dtype)])
-        self.store, self.codec = store, store.codec
-        self.layer_ids = list(store.layer_ids)
-        self.hidden_size = store.width // max(len(store.layer_ids), 1)
-        # Token ids are checked against it before a batch is read (a store records its target's).
-        self.vocab_size = int(store.manifest.get("vocab_size") or 0) or 2**31 - 1
-
-    def _open_hybrid(self) -> None:
-        assert self._lock is not None
-        self._lock.acquire(exclusive=False, what="hybrid training")  # a build going on: refused at once
-        try:
-            store = FeatureStore(self.path, complete=False) if (self.path / "manifest.json").exists() else None
-        except FeatureStoreError:
-            self._lock.release()
-            raise
-        if store is None:
-            return  # created with the first row (its dtype may come from the target's)
-        fields = compare_identity(store.identity, {**self.identity, "layer_ids": self.layer_ids})
-        if store.width != self.width:
-            fields.append(("width", store.width, self.width))
-        if self.dtype != "auto" and self.dtype != store.codec.name:
-            fields.append(("dtype", store.codec.name, self.dtype))
-        if fields:
-            store.close()
-            self._lock.release()
-            raise StoreMismatch(self.path, fields)
-        self._start_writing(store.codec)
-        self.store = store
-
-    def _start_writing(self, c: Codec) -> None:
-        m = open_for_writing(self.path, identity={**self.identity, "layer_ids": self.layer_ids}, codec=c, width=self.width,
-                             vocab_size=self.vocab_size or None, compute_dtype=self._compute_dtype)
-        self.codec = c
-        self._appender = StoreAppender(self.path, codec=c, width=self.width, identity_digest=m["identity_digest"],
-                                       shard_bytes=self.shard_bytes, write=self._write, on_shard=self._on_shard)
-
-    def _on_shard(self, _info) -> None:
-        if self.store is None:
-            self.store = FeatureStore(self.path, complete=False)
-        else:
-            self.store.refresh()
+            with t.guard:
+                t.users -= 1
+                last = t.users == 0 and t.opened
+                if last:
+                    t.opened = False
+                    with _TIERS_LOCK:
+                        if _TIERS.get(t.key) is t:
+                            del _TIERS[t.key]
+                    t.close()
+        finally:
+            if self.inner is not None:
+                self.inner.close()
 
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, lengths: Sequence[int],
                  sample_ids: Sequence[Any]) -> torch.Tensor:
@@ -197,9 +315,10 @@ class StoreBackend:
         b, s = input_ids.shape
         if len(lengths) != b or len(sample_ids) != b:
             raise ValueError(f"a batch of {b} rows needs {b} lengths and sample ids (got {len(lengths)}, {len(sample_ids)})")
+        t = self.tier
         ids_cpu = input_ids.detach().to("cpu")
-        if self.store is not None:  # the batch's rows read side by side
-            self.store.prefetch(int(sid) for sid in sample_ids if sid is not None and int(sid) not in self.ram)
+        if t.store is not None:  # the batch's rows read side by side
+            t.store.prefetch(int(sid) for sid in sample_ids if sid is not None and int(sid) not in t.ram)
         out: torch.Tensor | None = None
         hits = misses = 0
         for i, (length, sid) in enumerate(zip(lengths, sample_ids, strict=True)):
@@ -209,115 +328,67 @@ class StoreBackend:
                 if self.mode == "offline":
                     raise FeatureStoreError(f"{self._name}: a row without a sample id cannot be read from feature store "
                                             f"{self.path}")
-                ids = toks.unsqueeze(0)
-                out = self._place(out, b, s, i, self.inner.features(ids, torch.ones_like(ids), [length], [None])[0, :length]
-                                  .detach().to("cpu"))
+                out = self._place(out, b, s, i, self._compute(toks, None))
                 continue
             sid = int(sid)
-            row = self.ram.get(sid, length)
+            row = t.ram.get(sid, length)
             if row is not None:
                 hits += 1
                 out = self._place(out, b, s, i, row)
                 continue
             misses += 1
-            digest = token_digest(toks) if (self.verify_tokens or self.mode == "hybrid") else None
+            digest = token_digest(toks) if (t.verify_tokens or self.mode == "hybrid") else None
             if out is None and self._out_dtype_known():
                 out = self._new_out(b, s)
-            if out is not None and self._read(out[i, :length], sid, digest):
-                self.disk_hits += 1
-                self.ram.put(sid, out[i, :length].clone())
+            if out is not None and t.read(out[i, :length], sid, digest):
+                t.disk_hits += 1
+                t.ram.put(sid, out[i, :length].clone())
                 continue
-            row = self._compute(toks, attention_mask, i, sid, digest)
-            out = self._place(out, b, s, i, row)
-        self.ram.count(hits, misses)
+            if self.mode == "offline":
+                raise FeatureStoreError(
+                    f"{self._name}: sample {sid} is not in feature store {self.path}: it was built from other data "
+                    "(run `dflash-flow features build PIPELINE` for this pipeline's data)")
+            out = self._place(out, b, s, i, t.keep(sid, toks, digest, self._compute(toks, sid)))
+        t.ram.count(hits, misses)
         if out is None:
             raise ValueError("a batch with no rows has no features")
         if self._out_device.type != "cpu":
             out = out.pin_memory().to(self._out_device, non_blocking=True)
         return out
 
-    def close(self) -> None:
-        with self._guard:
-            if self._users == 0:
-                return
-            self._users -= 1
-            if self._users:
-                return
-            try:
-                if self._appender is not None:
-                    self._appender.close()
-                    self._appender = None
-                    if self._lock is not None and self._lock.try_exclusive():
-                        merge_store(self.path)  # no other writer now: the manifest lists every shard
-            finally:
-                if self._lock is not None:
-                    self._lock.release()
-                if self.store is not None:
-                    self.store.close()
-                if self.inner is not None:
-                    self.inner.close()
-
     # -- rows -----------------------------------------------------------------------------------------
+    def _compute(self, toks: torch.Tensor, sid: int | None) -> torch.Tensor:
+        """One sample alone through this replica's target (the inner backend moves its inputs to its model)."""
+        length = toks.shape[0]
+        ids = toks.unsqueeze(0)
+        return self.inner.features(ids, torch.ones_like(ids), [length], [sid])[0, :length].detach().to("cpu")
+
     def _out_dtype_known(self) -> bool:
-        if self._out_dtype is None and self.codec is not None:
-            self._out_dtype = self.codec.default_out_dtype()
-        return self._out_dtype is not None and self.width > 0
+        t = self.tier
+        if t.out_dtype is None and t.codec is not None:
+            t.out_dtype = t.codec.default_out_dtype()
+        return t.out_dtype is not None and self.width > 0
 
     def _new_out(self, b: int, s: int) -> torch.Tensor:
-        return torch.zeros((b, s, self.width), dtype=self._out_dtype)
+        return torch.zeros((b, s, self.width), dtype=self.tier.out_dtype)
 
     def _place(self, out: torch.Tensor | None, b: int, s: int, i: int, row: torch.Tensor) -> torch.Tensor:
         if out is None:
-            if self._out_dtype is None:
-                self._out_dtype = row.dtype
+            if self.tier.out_dtype is None:
+                self.tier.out_dtype = row.dtype
             out = self._new_out(b, s)
         out[i, : row.shape[0]] = row
         return out
 
-    def _read(self, dst: torch.Tensor, sid: int, digest: int | None) -> bool:
-        appender = self._appender
-        if appender is not None:
-            pending = appender.pending.get(sid)
-            if pending is not None:
-                payload, _ = pending
-                self.codec.decode_into(payload, dst)
-                return True
-        if self.store is not None and self.store.read_into(dst, sid, tokens=digest if self.verify_tokens else None):
-            return True
-        if self.store is not None and time.monotonic() - self._last_scan >= self.rescan_s:
-            self._last_scan = time.monotonic()  # other processes' shards (hybrid under torchrun)
-            if self.store.refresh():
-                return self.store.read_into(dst, sid, tokens=digest if self.verify_tokens else None)
-        return False
 
-    def _compute(self, toks: torch.Tensor, attention_mask: torch.Tensor, i: int, sid: int,
-                 digest: int | None) -> torch.Tensor:
-        if self.mode == "offline":
-            raise FeatureStoreError(
-                f"{self._name}: sample {sid} is not in feature store {self.path}: it was built from other data "
-                "(run `dflash-flow features build PIPELINE` for this pipeline's data)")
-        length = toks.shape[0]
-        ids = toks.unsqueeze(0)  # the inner backend moves its inputs where its model is
-        row = self.inner.features(ids, torch.ones_like(ids), [length], [sid])[0, :length].detach().to("cpu")
-        self.computed += 1
-        if self.path is None:
-            self.ram.put(sid, row)
-            return row
-        with self._guard:
-            if self.codec is None:
-                self._compute_dtype = str(row.dtype).removeprefix("torch.")
-                self._start_writing(codec(self.dtype, row.dtype))
-        payload = self.codec.encode(row)
-        row = self.codec.decode(payload, length, self.width, self._out_dtype or self.codec.default_out_dtype())
-        self._appender.append(sid, digest if digest is not None else token_digest(toks), payload)
-        self.ram.put(sid, row)
-        return row
-
-    def stats(self) -> dict[str, float]:
-        """Counters for the stage's metrics: RAM hits, disk reads, rows computed and written, RAM use."""
-        return {"ram_hits": self.ram.hits, "disk_hits": self.disk_hits, "computed": self.computed,
-                "ram_rows": len(self.ram), "ram_mb": self.ram.bytes / 2**20,
-                "written": self._appender.rows if self._appender is not None else 0}
+def shared_tier(key: Any, make) -> StoreTier:
+    """The tier registered under ``key`` in this process (made by ``make()`` when there is none)."""
+    with _TIERS_LOCK:
+        tier = _TIERS.get(key)
+        if tier is None:
+            tier = _TIERS[key] = make()
+            tier.key = key
+        return tier
 
 
 def expected_identity(spec: Any, *, layer_ids: Sequence[int] | None = None) -> dict[str, Any]:
@@ -352,12 +423,19 @@ def expected_identity(spec: Any, *, layer_ids: Sequence[int] | None = None) -> d
 
 
 def store_backend(spec: Any, *, inner: Any, output_dir: Any = None, name: str = "target", rank: int = 0) -> StoreBackend:  # noqa: ARG001
-    """The backend ``TargetForward`` runs for ``model.features`` mode offline or hybrid (``spec.features``, a
-    ``FeaturesConfig``), wrapping ``inner`` (None offline: no target is loaded)."""
+    """The backend a ``TargetForward`` replica runs for ``model.features`` mode offline or hybrid
+    (``spec.features``, a ``FeaturesConfig``), wrapping this replica's ``inner`` (None offline: no target is
+    loaded); the stage's replicas in this process share one :class:`StoreTier`."""
     conf = spec.features
-    path = Path(conf.path).expanduser() if conf.path else None
+    path = Path(conf.path).expanduser().resolve() if conf.path else None
     layer_ids = list(spec.explicit_layer_ids) if spec.explicit_layer_ids is not None else None
-    return StoreBackend(
-        mode=conf.mode, path=path, inner=inner, identity=expected_identity(spec, layer_ids=layer_ids),
-        layer_ids=layer_ids, dtype=conf.dtype, ram_budget_bytes=conf.ram_budget_bytes,
-        shard_bytes=min(conf.shard_bytes, 256 * 2**20), verify_tokens=conf.verify_tokens)
+
+    def make() -> StoreTier:
+        return StoreTier(mode=conf.mode, path=path, identity=expected_identity(spec, layer_ids=layer_ids),
+                         dtype=conf.dtype, ram_budget_bytes=conf.ram_budget_bytes,
+                         shard_bytes=min(conf.shard_bytes, 256 * 2**20), verify_tokens=conf.verify_tokens,
+                         rescan_s=5.0, write=None)
+
+    # The replicas of the stage share one tier (keyed by the store, or by the stage without one).
+    tier = shared_tier((conf.mode, str(path) if path is not None else f"ram:{name}"), make)
+    return StoreBackend(mode=conf.mode, path=path, inner=inner, layer_ids=layer_ids, dtype=conf.dtype, tier=tier)

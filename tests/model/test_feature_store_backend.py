@@ -184,3 +184,30 @@ def test_hybrid_refuses_a_store_of_another_identity_and_a_running_build(tmp_path
         b = StoreBackend(mode="hybrid", path=tmp_path / "s", inner=ExtractorBackend(model), identity=IDENTITY)
         with pytest.raises(FeatureStoreError, match="locked by dflash-flow features build"):
             b.setup(devices=["cpu"], out_device="cpu", name="target")
+
+
+def test_the_replicas_of_a_stage_share_one_tier_and_the_last_one_to_close_merges(tmp_path, model, data):
+    from dflash_flow.model.features_config import FeaturesConfig
+    from dflash_flow.model.spec import ModelSpec
+    from dflash_flow.model.store_backend import store_backend
+
+    _, toks = data
+    spec = ModelSpec(target="tiny-qwen3-8l", explicit_layer_ids=tuple(LAYERS),
+                     features=FeaturesConfig(mode="hybrid", path=str(tmp_path / "s"), ram_budget_mb=64))
+    inners = [ExtractorBackend(model), ExtractorBackend(model)]  # each replica its own target (its device)
+    replicas = [store_backend(spec, inner=inner, name="target") for inner in inners]
+    assert replicas[0] is not replicas[1] and replicas[0].tier is replicas[1].tier
+    for r in replicas:
+        r.setup(devices=["cpu"], out_device="cpu", name="target")
+    assert replicas[0].tier.identity["target"]["weights"].startswith("preset:")
+    for epoch in range(2):
+        for k, order in enumerate(batches(toks, epoch)):  # batches dealt round-robin, another deal each epoch
+            ids, mask, lengths = padded(toks, order)
+            replicas[(k + epoch) % 2].features(ids, mask, lengths, [500 + i for i in order])
+    assert inners[0].rows + inners[1].rows == 24  # a row one replica computed, the other read from the RAM tier
+    assert replicas[0].ram.hits == 24
+    replicas[0].close()
+    assert not (tmp_path / "s" / MANIFEST).exists() or json.loads((tmp_path / "s" / MANIFEST).read_text())["samples"] < 24
+    replicas[1].close()  # the last one: the shard being written flushed, the manifest merged
+    assert json.loads((tmp_path / "s" / MANIFEST).read_text())["samples"] == 24
+    assert store_backend(spec, inner=ExtractorBackend(model), name="target").tier is not replicas[0].tier  # a new run
