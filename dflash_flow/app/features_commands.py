@@ -154,8 +154,9 @@ def prepare(v, *, run_sources: bool = True) -> PipelineFeatures:
     target = _target_stage(v)
     sources = _sources_of(v, target)
     pf = PipelineFeatures(validated=v, spec=build_model_spec(v.graph), target_stage=target, sources=sources)
-    pf.identity = pipeline_identity(v, sources=sources)
-    if run_sources:
+    if not run_sources:
+        pf.identity = pipeline_identity(v, sources=sources)
+    else:
         import numpy as np
 
         from dflash_flow.model.feature_store import corpus_digest, token_digest
