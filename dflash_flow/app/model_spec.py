@@ -156,6 +156,7 @@ def _spec_problems(w: _Where, spec: ModelSpec) -> list[Problem]:
 
 def _path_problems(v: Validated, w: _Where, spec: ModelSpec) -> list[Problem]:
     """Data files and model directories that do not exist here."""
+    from dflash_flow.core.config import searched_in
     from dflash_flow.util import local_dirs
 
     out = []
@@ -163,17 +164,18 @@ def _path_problems(v: Validated, w: _Where, spec: ModelSpec) -> list[Problem]:
     declared = [("model.target", spec.target), ("model.tokenizer", getattr(section, "tokenizer", None))]
     for field, value, kind in local_dirs(*declared):
         if kind == "dir" and not Path(value).expanduser().is_dir():
-            out.append(w.problem(None, field, f"{field} {value} is not a directory here"))
+            out.append(w.problem(None, field, f"{field} {value} is not a directory here{searched_in(value)}"))
     for name, conf in v.configs.items():
         for j, f in enumerate(conf.data_files()):
             if not Path(f).expanduser().is_file():
-                out.append(w.problem(name, "paths", f"{f}: no such file (a data file {name} reads)", item=j))
+                out.append(w.problem(name, "paths", f"{f}: no such file (a data file {name} reads){searched_in(f)}",
+                                     item=j))
         for field, value, kind in conf.input_paths():
             path = Path(value).expanduser()
             if kind == "dir" and not path.is_dir():
-                found = w.problem(name, field, f"{field} {value} is not a directory here")
+                found = w.problem(name, field, f"{field} {value} is not a directory here{searched_in(value)}")
             elif kind == "file" and not path.is_file():
-                found = w.problem(name, field, f"{field} file {value} does not exist")
+                found = w.problem(name, field, f"{field} file {value} does not exist{searched_in(value)}")
             else:
                 continue
             if not any((p.line, p.message) == (found.line, found.message) for p in out):

@@ -257,6 +257,17 @@ def stage_spec(raw: Any, i: int, loc: Locator) -> tuple[StageSpec | None, list[P
     return structure(StageSpec, raw, locate=_locating(loc, "stages", i), file=loc.filename, stage=short(label), what="stage")
 
 
+def searched_in(path: str | Path) -> str:
+    """For a path a pipeline names that is not there: where it was looked for. Paths in a pipeline file resolve
+    against the working directory (where ``dflash-flow`` runs), not the file's own directory, so a relative
+    one names that directory: `` (looked for in /home/me, the working directory: relative paths in a
+    pipeline resolve against it, not against the pipeline file)``; "" for an absolute one."""
+    if Path(path).expanduser().is_absolute():
+        return ""
+    return (f" (looked for in {Path.cwd()}, the working directory: relative paths in a pipeline resolve against "
+            "it, not against the pipeline file)")
+
+
 def load_graph(path: str | Path, overrides: list[str] | None = None) -> Graph:
     """Read, override and structure a pipeline file (no validation of stage configs yet)."""
     data, loc = read_yaml_file(path)

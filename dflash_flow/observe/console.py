@@ -129,7 +129,8 @@ def render(*renderables: Any, width: int = 100) -> str:
 
 
 def cell(v: Any) -> str:
-    """A value as table text: compact numbers, ``yes``/``no`` for booleans, empty for None."""
+    """A value as table text: compact numbers (a whole number as an integer, ``1,010``), ``yes``/``no`` for
+    booleans, empty for None."""
     if v is None:
         return ""
     if isinstance(v, bool):
@@ -137,6 +138,8 @@ def cell(v: Any) -> str:
     if isinstance(v, float):
         if not math.isfinite(v):
             return str(v)
+        if v.is_integer() and abs(v) < 1e15:  # a count held as a float (tokens, steps): a count
+            return f"{int(v):,}"
         if v != 0 and (abs(v) >= 1e6 or abs(v) < 1e-3):
             return f"{v:.3g}"
         return f"{v:,.2f}" if abs(v) >= 100 else f"{v:.4g}"

@@ -17,7 +17,7 @@ import attrs
 
 from dflash_flow.util import atomic_write_text
 
-from .names import eval_facts, eval_figures
+from .names import eval_facts, horizon_name
 from .record import RunRecord
 from .sample import data_quality
 
@@ -104,6 +104,20 @@ def _acceptance(record: RunRecord, mean: dict[str, float]) -> tuple[list[list[An
     return (rows, ["source", "tau"] + [f"{h} new tokens" for h in horizons]) if rows else None
 
 
+def _eval_shown(r: Any, tau_shown: bool) -> list[tuple[str, Any]]:
+    """An evaluation's rows of the summary: its facts and figures once each. The first horizon's figures are
+    ``metrics`` themselves (``tau`` is ``tau_h64``: not shown twice), and ``tau`` (at every horizon) is in the
+    acceptance table above when there is one (``tau_shown``)."""
+    first = r.max_new_tokens
+    out = list(eval_facts(r).items()) + [(k, v) for k, v in r.metrics.items() if not (k == "tau" and tau_shown)]
+    for h, figures in r.by_horizon.items():
+        for k, v in figures.items():
+            if (h == first and r.metrics.get(k) == v) or (k == "tau" and tau_shown):
+                continue
+            out.append((horizon_name(k, h), v))
+    return out
+
+
 def summary_table(record: RunRecord, *, width: int = 100) -> str:
     """The run summary as plain text, rendered with rich: trainer metrics (last step and mean over
     the last epoch), evaluations, stage load, the bottleneck sentence and the artifacts."""
@@ -124,7 +138,7 @@ def summary_table(record: RunRecord, *, width: int = 100) -> str:
     acceptance = _acceptance(record, mean)
     if acceptance is not None:
         parts.append(table(*acceptance, title="acceptance length (tokens per target step)"))
-    evals = [[label, k, v] for label, r in record.evals.items() for k, v in {**eval_facts(r), **eval_figures(r)}.items()]
+    evals = [[label, k, v] for label, r in record.evals.items() for k, v in _eval_shown(r, acceptance is not None)]
     if evals:
         parts.append(table(evals, ["evaluation", "metric", "value"], title="evaluations"))
     last = record.last_sample

@@ -152,3 +152,26 @@ def test_validate_warns_when_max_length_is_past_the_targets_window(tmp_path, cap
         if warned:
             assert said[0].startswith(f"warning: {f}:4, stage 'src', field 'max_length': max_length 8192 is past the "
                                       "target's context window of 1024 positions")
+
+
+# -- item 24: a relative path that is not there names the directory it was looked for in --------------------
+
+
+def test_a_missing_relative_data_file_names_the_working_directory(tmp_path, monkeypatch):
+    from dflash_flow.core.config import load_graph
+
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "data.jsonl").write_text("{}\n")  # beside the YAML: not where it is looked for
+    f = tmp_path / "conf" / "p.yaml"
+    f.write_text("name: r\nstages:\n  - {name: src, type: TokenizedSource, config: {paths: [data.jsonl]}}\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        load(load_graph(f))
+    [msg] = _messages(e.value)
+    assert f"data.jsonl: no such file (a data file src reads) (looked for in {tmp_path}, the working directory" in msg
+    assert "not against the pipeline file" in msg
+    g = Graph(name="a")
+    g.add("src", TokenizedSource(paths=[str(tmp_path / "none.jsonl")]))
+    with pytest.raises(ConfigError) as e:
+        load(g)
+    assert _messages(e.value)[0].endswith("no such file (a data file src reads)")  # absolute: said as it is

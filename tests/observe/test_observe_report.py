@@ -100,7 +100,8 @@ def test_summary_table_shows_what_the_run_ended_with():
     assert lines[0] == "run summary: step 40/40, epoch 1"
     loss = next(ln for ln in lines if ln.startswith("loss"))
     assert loss.split() == ["loss", "0.1", f"{sum(4.0 / s for s in range(21, 41)) / 20:.4g}"]
-    assert any(ln.split() == ["val", "tau", "3.25"] for ln in lines)
+    assert any(ln.split() == ["val", "3.25"] for ln in lines)  # tau: in the acceptance table, once
+    assert any(ln.split() == ["val", "val_loss", "0.5"] for ln in lines)
     assert any(ln.split()[:3] == ["padder", "2", "80%"] for ln in lines), text
     assert f"bottleneck: {record.bottleneck.sentence}" in " ".join(text.split())  # wrapped, whole
     assert any(ln.split() == ["drafter", "/runs/x/drafter"] for ln in lines)
