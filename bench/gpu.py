@@ -453,9 +453,10 @@ def run_pipeline(device: str, steps: int, warmup: int, shape: Shape, workdir: Pa
         "pad_to_multiple": PAD})
     g.add("interleaver", "Interleaver", inputs="bucketer", config={"max_batches": steps + warmup})
     g.add("padder", "Padder", inputs="interleaver", replicas=2, config={"pad_to_multiple": PAD})
-    g.add("target", "TargetForward", inputs="padder", devices=device, config={"dtype": shape.dtype(device)})
+    threads = {"torch_threads": 1} if device == "cpu" else {}  # two model threads on a small CPU: one core each
+    g.add("target", "TargetForward", inputs="padder", devices=device, config={"dtype": shape.dtype(device), **threads})
     g.add("drafter", "DrafterStep", inputs="target", devices=device, ordered=True, config={
-        "num_anchors": shape.anchors, "lr": 6e-4, "gamma": 7.0, "dtype": shape.dtype(device)})
+        "num_anchors": shape.anchors, "lr": 6e-4, "gamma": 7.0, "dtype": shape.dtype(device), **threads})
     g.add("sink", "Discard", inputs="drafter")
     pipeline = Pipeline(g, services=model_services(g), check_devices=device.startswith("cuda"))
     window = _Window(device, warmup)
@@ -560,6 +561,8 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_flow.model.device import ALLOC_CONF, use_expandable_segments
 
     use_expandable_segments()  # as every run's stage threads set it (app.gpu), before CUDA starts here
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # the smoke run on a small shared CPU: contended intra-op threads crawl
     t0 = time.perf_counter()
     shape = Shape(args.tiny)
     checks = Checks()
