@@ -477,7 +477,9 @@ def run_pipeline(device: str, steps: int, warmup: int, shape: Shape, workdir: Pa
     dr0, dr1 = start.stages["drafter"].replicas[0], end.stages["drafter"].replicas[0]
     tg0, tg1 = start.stages["target"], end.stages["target"]
     steps_in = window.steps - int(start.stages["drafter"].metric("steps") or 0)
-    micro = dr1.items_in - dr0.items_in
+    # micro-batches finished in the window (step_s is observed when one's compute ends, as steps counts steps)
+    micro = int(((end.stages["drafter"].metric("step_s") or {}).get("count") or 0)
+                - ((start.stages["drafter"].metric("step_s") or {}).get("count") or 0))
     tokens = float(tg1.metric("tokens") or 0) - float(tg0.metric("tokens") or 0)
     target_busy = sum(r1.busy_s - r0.busy_s for r0, r1 in zip(tg0.replicas, tg1.replicas, strict=True))
     trained = float(end.stages["drafter"].metric("tokens") or 0) - float(start.stages["drafter"].metric("tokens") or 0)
