@@ -223,13 +223,13 @@ def profile(
     accum = grad_accum_of(v, step_stage)
     start_at, end_at = warmup_steps * accum, (warmup_steps + steps) * accum
     out_dir = Path(output_dir) if output_dir else v.graph.run_dir
+    tracker = _start_tracker(v, out_dir) if tracking else None
     if services is None:
         from dflash_flow.app.model_spec import build_model_spec
 
-        services = RunServices(model=build_model_spec(v.graph))
-    tracker = _start_tracker(v, out_dir) if tracking else None
-    if tracker is not None:
-        services.tracker = tracker
+        services = RunServices(model=build_model_spec(v.graph), tracker=tracker)
+    elif tracker is not None:
+        services = attrs.evolve(services, tracker=tracker)  # the caller's services, complete, not patched
     pipeline = Pipeline(v, services=services, output_dir=out_dir)
     status = "FAILED"
     try:

@@ -42,7 +42,7 @@ def section_value(graph: Any, path: str) -> Any:
 def legacy_stage_configs(graph: Any) -> dict[str, dict[str, Any]]:
     """Every stage's config as releases before the move gave it to the stage: its own values, and each moved
     field filled from its section where the section declares it. Only for the hash of checkpoints that predate
-    recorded settings (``app.session.legacy_config_hash``)."""
+    recorded settings (``app.prepare.legacy_config_hash``)."""
     moved = moved_fields_of(graph)
     out = {}
     for spec in graph.stages:

@@ -305,7 +305,8 @@ class DrafterStep(Stage, CheckpointSource, UsesModel):
         r = self._probe.measure(self._trainer.drafter, self._trainer.head)
         self._last_probe = (step, time.perf_counter())
         self._m_probe_s.inc(r.seconds)
-        return HeldoutWalk(tau=r.tau, elapsed_s=now - self._t_start, probe_s=r.seconds,
+        elapsed = self._services.record.elapsed_before_s + now - self._t_start  # the run's clock, across resumes
+        return HeldoutWalk(tau=r.tau, elapsed_s=elapsed, probe_s=r.seconds,
                            conversations=len(self._probe.inputs), horizon=self._probe.horizon)
 
     def process(self, feats: TargetFeatures):
