@@ -100,7 +100,7 @@ class Farm:
             f.stop()
         self.extra = []
         for p in self.features_dir.iterdir():
-            p.unlink()
+            p.unlink(missing_ok=True)  # a server may still be renaming a file of the last test's
 
 
 @pytest.fixture(scope="module")
