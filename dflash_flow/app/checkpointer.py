@@ -299,7 +299,10 @@ def _load_newest_valid(ck: Checkpointer, spec: str, expected: Expected | None) -
 def _run_uid_of(path: Path) -> str | None:
     try:
         with open(path / "state.json", "rb") as f:
-            state = json.loads(f.read(MAX_STATE_BYTES))
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_STATE_BYTES:
+                return None
+            state = json.loads(f.read(size))  # read(limit) would allocate the whole limit for a small file
     except (OSError, ValueError, RecursionError):
         return None
     return state.get("run_uid") if isinstance(state, dict) else None

@@ -50,6 +50,10 @@ def check_input(path: Path) -> None:
     if not path.is_file():
         raise DataError(f"{path}: not a regular file")
     if path.stat().st_size == 0:
+        with open(path, "rb") as f:
+            if f.read(1):  # /proc and the like: a size of 0, content that changes as it is read
+                raise DataError(f"{path}: says its size is 0 but is not empty (a /proc or other special file?); "
+                                "copy it into a regular file and read that")
         raise DataError(f"{path}: file is empty")
 
 
@@ -115,6 +119,20 @@ def _open_stream(path: Path, fmt: InputFormat):
     return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)  # noqa: SIM115
 
 
+def _stream_errors() -> tuple[type[BaseException], ...]:
+    """What a damaged or truncated compressed stream raises: gzip's BadGzipFile and bz2's are OSError, a cut
+    stream EOFError, a bad deflate block zlib.error, lzma its own LZMAError, zstandard its ZstdError."""
+    import lzma
+    import zlib
+
+    errors: tuple[type[BaseException], ...] = (OSError, EOFError, ValueError, lzma.LZMAError, zlib.error)
+    try:
+        import zstandard
+    except ImportError:
+        return errors
+    return (*errors, zstandard.ZstdError)
+
+
 def _tables(path: Path, fmt: InputFormat) -> Iterator[Any]:
     """pyarrow tables (memory-mapped) of an Arrow file or a datasets directory, in row order."""
     import pyarrow as pa
@@ -159,19 +177,27 @@ def sniff_kind(path: Path, fmt: InputFormat, limit: int = DEFAULT_MAX_RECORD_BYT
             return "chat"
         raise DataError(f"{path}: cannot tell the format: no column 'conversations', 'messages' or 'input_ids' "
                         f"(columns are {names})")
-    with _open_stream(path, fmt) as f:
-        for _no, raw, _size in read_lines(f, limit):
-            if raw is None or not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                continue
-            if isinstance(obj, dict):
-                if "input_ids" in obj:
-                    return "tokens"
-                if "conversations" in obj or "messages" in obj:
-                    return "chat"
+    no = 0
+    try:
+        with _open_stream(path, fmt) as f:
+            for line_no, raw, _size in read_lines(f, limit):
+                no = line_no  # for the message, should the stream break
+                if raw is None or not raw.strip():
+                    continue
+                try:
+                    obj = json.loads(raw)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    continue
+                if isinstance(obj, dict):
+                    if "input_ids" in obj:
+                        return "tokens"
+                    if "conversations" in obj or "messages" in obj:
+                        return "chat"
+    except DataError:
+        raise
+    except _stream_errors() as exc:  # a damaged compressed stream: the same DataError reading it gives
+        raise DataError(f"{path}: cannot read past line {no}: {type(exc).__name__}: {exc} (truncated or corrupt "
+                        f"{fmt.compression or 'file'}?)") from None
     raise DataError(f"{path}: cannot tell the format: no record has 'conversations', 'messages' or 'input_ids'")
 
 
@@ -265,7 +291,7 @@ def _jsonl_chunks(path: Path, fmt: InputFormat, limit: int, position: Position) 
                     _advance(position, raw_file)
                     yield ("lines", lines)
                     lines, size = [], 0
-        except (OSError, EOFError, ValueError) as exc:  # a damaged compressed stream
+        except _stream_errors() as exc:  # a damaged compressed stream
             raise DataError(f"{path}: cannot read past line {no}: {type(exc).__name__}: {exc} (truncated or corrupt "
                             f"{fmt.compression or 'file'}?)") from None
         if lines:

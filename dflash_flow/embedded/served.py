@@ -130,7 +130,13 @@ def sampling_params(sampling: str, target: str | Path | None = None) -> dict:
             return {}
         raise ValueError(f"--target {target}: not a model directory (its generation_config.json gives the "
                          "sampling settings of --sampling target)")
-    gc = json.loads(path.read_text())
+    try:
+        gc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--sampling target: {path} cannot be read as JSON ({exc})") from None
+    if not isinstance(gc, dict):
+        raise ValueError(f"--sampling target: {path} holds a JSON {type(gc).__name__}, not the object of a generation "
+                         "config; fix it, or use --sampling greedy")
     if gc.get("do_sample") is False:
         return {"temperature": 0.0}
     out = {}
@@ -144,10 +150,21 @@ _STOP_REASONS = {"stop", "eos", "stop_sequence", "end_turn", "tool_calls"}
 
 
 def parse_chat_completion(resp: dict, model: str | None = None) -> tuple[str, str, int]:
-    """(reply, finish_reason, completion tokens) of a chat completion; RequestFailed('malformed') when it is
+    """(reply text, finish_reason, completion tokens) of a chat completion (:func:`parse_reply`)."""
+    turn, finish, tokens = parse_reply(resp, model)
+    return turn["content"], finish, tokens
+
+
+def parse_reply(resp: dict, model: str | None = None) -> tuple[dict, str, int]:
+    """(assistant turn, finish_reason, completion tokens) of a chat completion: the turn's ``content`` and,
+    when the reply calls tools, its ``tool_calls`` (then it is not empty); RequestFailed('malformed') when it is
     not one (or its text is not text: a lone surrogate), RequestFailed('server') when the server aborted the
     request or (``model`` given) the completion names another model than the one asked for (a server serving
     something else: its replies would teach the drafter another model)."""
+    if isinstance(resp, dict) and "choices" not in resp and resp.get("error"):  # an error sent with status 200
+        err = resp["error"]
+        msg = err.get("message") if isinstance(err, dict) else err
+        raise RequestFailed("server", f"the server answered with an error: {str(msg)[:300]}")
     answered = resp.get("model") if isinstance(resp, dict) else None
     if model is not None and answered is not None and answered != model:
         raise RequestFailed("server", f"the reply is from model {answered!r}, not {model!r} (this server serves "
@@ -158,6 +175,7 @@ def parse_chat_completion(resp: dict, model: str | None = None) -> tuple[str, st
         content = msg.get("content") or ""
         reasoning = msg.get("reasoning_content") or msg.get("reasoning") or ""
         reason = choice.get("finish_reason")
+        calls = msg.get("tool_calls")
         if not isinstance(content, str) or not isinstance(reasoning, str):
             raise TypeError("content is not text")
     except (KeyError, IndexError, TypeError, AttributeError) as e:
@@ -178,9 +196,14 @@ def parse_chat_completion(resp: dict, model: str | None = None) -> tuple[str, st
     usage = resp.get("usage") or {}
     tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
     tokens = int(tokens) if isinstance(tokens, int | float) else 0
-    if not content.strip():
+    if calls is not None and (not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls)):
+        raise RequestFailed("malformed", "tool_calls is not a list of objects")
+    if not content.strip() and not calls:
         finish = "empty"
-    return content, finish, tokens
+    turn = {"role": "assistant", "content": content}
+    if calls:  # the target called tools (a server with a tool parser split them out): kept, rendered by the template
+        turn["tool_calls"] = calls
+    return turn, finish, tokens
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -241,7 +264,7 @@ def regenerate_served(prompts_jsonl: str | Path, servers: list[str], out_jsonl: 
             sampled = base.get("temperature", 1.0) != 0.0
             try:
                 _run(todo, pool, client, base, sampled, seed, writer, stats, max_attempts, backoff_s, backoff_max_s,
-                     concurrency * len(servers), progress, check_stop)
+                     concurrency * len(servers), progress, check_stop, log)
             finally:
                 stats.servers = pool.report()
         if ordered_out is not None and (stats.generated or stats.dropped_errors or stats.stale
@@ -252,7 +275,7 @@ def regenerate_served(prompts_jsonl: str | Path, servers: list[str], out_jsonl: 
 
 
 def _run(todo, pool, client, base, sampled, seed, writer, stats, max_attempts, backoff_s, backoff_max_s, n_threads,
-         progress, check_stop) -> None:
+         progress, check_stop, log=lambda _m: None) -> None:
     rows: queue.Queue = queue.Queue()
     for job in todo:
         rows.put(job)
@@ -270,7 +293,7 @@ def _run(todo, pool, client, base, sampled, seed, writer, stats, max_attempts, b
         while True:
             lease = pool.acquire(avoid, stop)
             try:
-                reply, finish, tokens = parse_chat_completion(
+                reply, finish, tokens = parse_reply(
                     client.request(lease.server, "POST", "/v1/chat/completions", payload), model=base["model"])
             except RequestFailed as e:
                 pool.release(lease, e)
@@ -306,7 +329,7 @@ def _run(todo, pool, client, base, sampled, seed, writer, stats, max_attempts, b
                 return {"id": rid, "conversations": [t for t in plan if t is not None], "finish_reason": "error",
                         "error": got, "prompt_digest": plan_digest(plan)}, tokens
             reply, finish, n = got
-            conv.append({"role": "assistant", "content": reply})
+            conv.append(reply)
             reasons.append(finish)
             tokens += n
         rec = {"id": rid, "conversations": conv, "finish_reason": reasons[-1], "prompt_digest": plan_digest(plan),
@@ -332,10 +355,18 @@ def _run(todo, pool, client, base, sampled, seed, writer, stats, max_attempts, b
                 results.put(("bug", e, 0))
                 return
 
-    threads = [threading.Thread(target=worker, name=f"regen-http-{i}", daemon=True)
-               for i in range(min(n_threads, len(todo)))]
-    for t in threads:
-        t.start()
+    threads = []
+    for i in range(min(n_threads, len(todo))):
+        t = threading.Thread(target=worker, name=f"regen-http-{i}", daemon=True)
+        try:
+            t.start()
+        except RuntimeError as exc:  # "can't start new thread": the process's or the machine's limit
+            if not threads:
+                raise ValueError(f"cannot start a request thread ({exc}); lower --concurrency") from None
+            log(f"--concurrency asks for {min(n_threads, len(todo))} requests in flight, but only {len(threads)} "
+                f"threads could be started ({exc}): going on with {len(threads)}; lower --concurrency to say so")
+            break
+        threads.append(t)
     report = progress or (lambda *_: None)
     report(stats.skipped, stats.total, 0)
     last_sync = time.monotonic()

@@ -302,3 +302,57 @@ def test_eval_prompts_past_the_window_are_skipped_and_counted(tmp_path, target_d
     _prompt_file(src, ["tree " * 1100])
     with pytest.raises(ValueError, match="no prompts that fit the target's context window of 1024"):
         read_prompt_ids(src, tok, 8, window=1024, reserve=64)
+
+
+# -- item 16: the small ones of the regeneration -------------------------------------------------------------
+
+
+def test_a_generation_config_that_is_not_an_object_is_one_line(tmp_path):
+    from dflash_flow.embedded.served import sampling_params
+
+    (tmp_path / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"generation_config.json holds a JSON list, not the object"):
+        sampling_params("target", tmp_path)
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot be read as JSON"):
+        sampling_params("target", tmp_path)
+
+
+def test_an_error_sent_with_200_keeps_the_servers_message_and_tool_calls_are_not_empty():
+    from dflash_flow.embedded.served import RequestFailed, parse_reply
+
+    with pytest.raises(RequestFailed) as e:
+        parse_reply({"error": {"message": "KV cache is full", "type": "server_error"}})
+    assert e.value.kind == "server" and "KV cache is full" in str(e.value)
+    call = {"id": "c1", "type": "function", "function": {"name": "search", "arguments": "{\"q\": \"x\"}"}}
+    turn, finish, _ = parse_reply({"choices": [{"message": {"content": None, "tool_calls": [call]},
+                                                "finish_reason": "tool_calls"}]})
+    assert turn == {"role": "assistant", "content": "", "tool_calls": [call]} and finish == "stop"
+
+
+def test_more_threads_than_the_process_may_start_go_on_with_those_it_could(tmp_path, servers):
+    """--concurrency 64 where only a few threads fit (a real limit: RLIMIT_AS with 256 MiB stacks, in a child
+    process): the rows are all answered with the threads started, and the log says so (was: "can't start
+    new thread", a traceback)."""
+    import subprocess
+    import sys
+
+    srv = servers()
+    src, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    _prompt_file(src, [f"q{i}" for i in range(40)])
+    code = f"""
+import json, resource, threading
+from dflash_flow.embedded.served import regenerate_served
+vm = int([x for x in open("/proc/self/status") if x.startswith("VmSize")][0].split()[1]) * 1024
+threading.stack_size(256 * 2**20)
+resource.setrlimit(resource.RLIMIT_AS, (vm + 3 * 2**30, resource.RLIM_INFINITY))
+logs = []
+stats = regenerate_served({str(src)!r}, [{srv.url!r}], {str(out)!r}, concurrency=64, timeout_s=30, log=logs.append)
+print(json.dumps({{"generated": stats.generated, "logs": logs}}))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert got["generated"] == 40 and len(_records(out)) == 40
+    [said] = got["logs"]
+    assert "--concurrency asks for 40 requests in flight, but only" in said and "can't start new thread" in said
