@@ -15,7 +15,7 @@ file's last token id changed), ``layer-count`` (one layer too many), ``no-path``
 ``--target``: vLLM ids minus one, i.e. our ids unmapped), ``slow:S`` (sleeps S seconds before answering),
 ``die-after:N`` (answers N requests, then exits mid-request on the next one), ``bf16`` (features in bfloat16).
 Each request is appended to ``--log`` as ``{"n": count, "len": tokens}`` when it arrives. ``POST /control``
-``{"behaviour": B}`` switches a running server's behaviour (and restarts its count).
+``{"behaviour": B, "dir": D}`` switches a running server's behaviour and directory (and restarts its count).
 """
 
 from __future__ import annotations
@@ -61,10 +61,10 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from dflash_flow.engine.handover import FeatureWriter
+    from dflash_flow.engine.handover import FeatureWriter, feature_file_name
 
     layers = [int(x) for x in args.layers.split(",")]
-    state = {"behaviour": args.behaviour}
+    state = {"behaviour": args.behaviour, "dir": args.dir}
     writer = FeatureWriter(args.dir)
     lock = threading.Lock()
     count = [0]
@@ -110,10 +110,12 @@ def main() -> None:
             if self.path == "/control":  # the tests switch a running server's behaviour
                 with lock:
                     state["behaviour"] = payload["behaviour"]
+                    state["dir"] = payload.get("dir", state["dir"])
                     count[0] = 0
                 self._send(200, {"behaviour": state["behaviour"]})
                 return
             mode, _, arg = state["behaviour"].partition(":")
+            directory = state["dir"]  # where this request's file goes, whatever the next test sets
             if self.path != "/v1/completions":
                 self._send(404, {"error": "not found"})
                 return
@@ -149,9 +151,9 @@ def main() -> None:
             elif mode == "bf16":
                 feats = feats.to(torch.bfloat16)
             req_id = f"cmpl-{os.getpid()}-{n}"
-            path = writer.path_for(req_id)
+            path = os.path.join(directory, feature_file_name(req_id))
             if mode == "outside":
-                path = str(Path(args.dir).parent / f"{req_id}.safetensors")
+                path = str(Path(directory).parent / f"{req_id}.safetensors")
             if mode != "no-file":
                 writer.submit(path, feats.contiguous(), file_ids)
             reply = {"id": req_id, "object": "text_completion", "model": args.model,

@@ -49,9 +49,10 @@ class Fake:
         self.url = f"http://127.0.0.1:{port_file.read_text()}"
         self.base = 0
 
-    def set(self, behaviour: str) -> Fake:
-        """Switch the running server's behaviour (and count its requests from here)."""
-        req = urllib.request.Request(self.url + "/control", json.dumps({"behaviour": behaviour}).encode(),
+    def set(self, behaviour: str, directory: Path | None = None) -> Fake:
+        """Switch the running server's behaviour and directory (and count its requests from here)."""
+        body = {"behaviour": behaviour, **({"dir": str(directory)} if directory is not None else {})}
+        req = urllib.request.Request(self.url + "/control", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as r:
             assert r.status == 200
@@ -76,7 +77,8 @@ class Farm:
 
     def __init__(self, tmp: Path):
         self.tmp = tmp
-        self.features_dir = tmp / "features"
+        self.round = 0
+        self.features_dir = tmp / "features-0"
         self.features_dir.mkdir()
         self.fakes = [Fake(tmp, self.features_dir, f"s{i}") for i in range(2)]
         self.extra: list[Fake] = []
@@ -89,18 +91,21 @@ class Farm:
             return f
         f = self.fakes[self._next]
         self._next += 1
-        return f.set(behaviour)
+        return f.set(behaviour, self.features_dir)
 
     def reset(self) -> None:
+        """A fresh features directory for each test (a slow server of the last test may still write into its
+        own), servers a test killed started again, the extra ones stopped."""
         self._next = 0
+        self.round += 1
+        self.features_dir = self.tmp / f"features-{self.round}"
+        self.features_dir.mkdir()
         for i, f in enumerate(self.fakes):
             if f.proc.poll() is not None:
-                self.fakes[i] = Fake(*f.args[:3], "ok", f.args[3])
+                self.fakes[i] = Fake(f.args[0], self.features_dir, f.args[2], "ok", f.args[3])
         for f in self.extra:
             f.stop()
         self.extra = []
-        for p in self.features_dir.iterdir():
-            p.unlink(missing_ok=True)  # a server may still be renaming a file of the last test's
 
 
 @pytest.fixture(scope="module")
