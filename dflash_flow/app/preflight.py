@@ -13,7 +13,8 @@ from dflash_flow.core.validate import Validated
 from dflash_flow.util import probe_write
 
 
-def preflight_problems(v: Validated, *, check_paths: bool = True) -> list[Problem]:
+def preflight_problems(v: Validated, *, check_paths: bool = True, local_world_size: int | None = None,
+                       gpu_count: int | None = None) -> list[Problem]:
     """The static checks across stages: the model facts and each stage's view of them (``app.model_spec``:
     layers the target has, sizes, files that exist unless ``check_paths`` is false), and a Bucketer token budget
     smaller than the longest sample an upstream source may emit (it would only fail after reading all the
@@ -53,7 +54,29 @@ def preflight_problems(v: Validated, *, check_paths: bool = True) -> list[Proble
             todo.extend(inp.stage for inp in graph.stage(name).inputs)
     if check_paths:
         problems += aliased_data_files(v)
+    problems += _backend_problems(v, local_world_size, gpu_count)
     return problems
+
+
+def _backend_problems(v: Validated, local_world_size: int | None, gpu_count: int | None) -> list[Problem]:
+    """``distributed.backend: nccl`` where the node's ranks would share a GPU (``validate --nproc N --gpus G``,
+    or the job's own ranks under torchrun): it would fail at the first collective, after every target loaded."""
+    import os
+
+    from dflash_flow.app.distributed import backend_problem, node_layouts
+    from dflash_flow.core.devices import visible_gpu_count
+
+    ranks = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", 1) or 1)
+    gpus = visible_gpu_count() if gpu_count is None else gpu_count
+    if ranks < 2 or gpus < 1:
+        return []
+    graph = v.graph
+    message = backend_problem(graph.sections["distributed"].backend, node_layouts(gpus, ranks, graph.runtime))
+    if message is None:
+        return []
+    loc = graph.locator
+    return [Problem(message, file=loc.filename if loc is not None else None,
+                    line=loc.line("distributed", "backend") if loc is not None else None, field="distributed.backend")]
 
 
 def preflight_warnings(v: Validated) -> list[str]:

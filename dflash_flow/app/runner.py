@@ -51,7 +51,8 @@ def load(
     else:
         graph = load_graph(source, overrides or [])
     v = validated(graph, check_devices=check_devices, local_world_size=local_world_size, gpu_count=gpu_count)
-    problems = preflight_problems(v, check_paths=check_devices if check_paths is None else check_paths)
+    problems = preflight_problems(v, check_paths=check_devices if check_paths is None else check_paths,
+                                  local_world_size=local_world_size, gpu_count=gpu_count)
     if problems:
         raise ConfigError(problems)
     for line in preflight_warnings(v):

@@ -131,7 +131,7 @@ def run_validated(v: Validated, *, config_path: Path | None = None, resume: str 
     from dflash_flow.core.stopping import Phase, controller
 
     graph = v.graph
-    dist_ctx = init_distributed(graph.sections["distributed"], use_cuda=_uses_cuda(v))
+    dist_ctx = init_distributed(graph.sections["distributed"], use_cuda=_uses_cuda(v), runtime=graph.runtime)
     main = dist_ctx is None or dist_ctx.is_main
     logging.basicConfig(level=logging.INFO if main else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     quiet_libraries()

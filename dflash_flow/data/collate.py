@@ -77,7 +77,8 @@ def pad_samples(
     tensors = {}
     for k, v in arrays.items():
         t = torch.from_numpy(v)
-        tensors[k] = t.pin_memory() if pin else t
+        # position_ids never leave the host (right padding: the target derives them), so they are not pinned.
+        tensors[k] = t.pin_memory() if pin and k != "position_ids" else t
     return PaddedBatch(meta=meta, **tensors)
 
 

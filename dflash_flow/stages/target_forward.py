@@ -193,31 +193,26 @@ class TargetForward(Stage, UsesModel):
                 f"has token id {top} outside the target's vocabulary of {self._vocab}: the data was tokenized "
                 "for another model (set TokenizedSource.vocab_size to reject such rows when reading)"
             )
-        non_blocking = self._device.type == "cuda"
-        input_ids = batch.input_ids.to(self._device, non_blocking=non_blocking)
-        attention_mask = batch.attention_mask.to(self._device, non_blocking=non_blocking)
         t0 = time.perf_counter()
-        # The extractor runs the model under inference_mode and returns an ordinary tensor, which the
-        # drafter's autograd graph may use.
+        # The backend takes the batch's host rows (pinned on CUDA machines) and copies them on its own stream;
+        # it returns an ordinary tensor (computed under inference_mode) that the drafter's autograd may use, on
+        # the output device, its stream already synchronized: no wait here for the drafter's queued work.
         if self.cache_features:
-            hidden, forwarded = self._cached_forward(batch, input_ids)
+            hidden, forwarded = self._cached_forward(batch, batch.input_ids)
         else:
-            hidden = self._backend.features(input_ids, attention_mask, batch.meta.lengths, batch.meta.sample_ids)
+            hidden = self._backend.features(batch.input_ids, batch.attention_mask, batch.meta.lengths,
+                                            batch.meta.sample_ids)
             forwarded = batch.meta.real_tokens
-        for dev in {*self._devices, self._out_device}:
-            if dev.type == "cuda":
-                torch.cuda.current_stream(dev).synchronize()
         self._seconds.observe(time.perf_counter() - t0)
         self._tokens.inc(forwarded)  # a cached row ran no target
         self._batches.inc()
-        move = self._out_device != self._device
-        nb = self._out_device.type == "cuda" or non_blocking
+        # The token rows stay on the host: the trainer copies them without blocking beside the features.
         return (
             TargetFeatures(
                 meta=batch.meta,
-                input_ids=input_ids.to(self._out_device, non_blocking=nb) if move else input_ids,
-                loss_mask=batch.loss_mask.to(self._out_device, non_blocking=nb),
-                attention_mask=attention_mask.to(self._out_device, non_blocking=nb) if move else attention_mask,
+                input_ids=batch.input_ids,
+                loss_mask=batch.loss_mask,
+                attention_mask=batch.attention_mask,
                 hidden_states=hidden,
                 target_layer_ids=self._layer_ids,
             ),

@@ -45,3 +45,19 @@ def test_without_cuda_auto_is_gloo_and_explicit_choices_stand():
     assert choose_backend("auto", cuda=False, layouts=layouts) == "gloo"
     assert choose_backend("nccl", cuda=True, layouts=node_layouts(2, 2)) == "nccl"
     assert choose_backend("gloo", cuda=True, layouts=node_layouts(2, 2)) == "gloo"
+
+
+def test_validate_refuses_nccl_for_ranks_that_share_a_gpu_at_its_line(tmp_path):
+    """``validate --nproc 2 --gpus 1`` with shared GPUs: nccl is refused before anything loads, located at
+    ``distributed.backend``; auto (gloo for that layout) passes."""
+    from dflash_flow.app import load
+    from dflash_flow.core.errors import ConfigError
+
+    repo = __import__("pathlib").Path(__file__).resolve().parents[2]
+    path = repo / "pipelines" / "qwen3-8b-2x4.yaml"
+    sets = ["runtime.share_gpus=true", "stages.target.devices=cuda:0", "stages.drafter.devices=cuda:0"]
+    with pytest.raises(ConfigError) as info:
+        load(path, overrides=[*sets, "distributed.backend=nccl"], check_paths=False, local_world_size=2, gpu_count=1)
+    [p] = [p for p in info.value.problems if p.field == "distributed.backend"]
+    assert "share GPU 0" in p.message and p.line is not None
+    load(path, overrides=[*sets, "distributed.backend=auto"], check_paths=False, local_world_size=2, gpu_count=1)
