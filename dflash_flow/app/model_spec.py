@@ -89,9 +89,9 @@ class _Where:
 
     def problem(self, stage: str | None, field: str, message: str, item: int | None = None) -> Problem:
         if field.startswith("model."):
-            key = field.split(".", 1)[1]
+            keys = tuple(field.split(".")[1:])  # model.engine.servers: the deepest key written, else its parents
             stage_line = ("stages", self.index[stage]) if stage is not None else ("model",)
-            line = self._line(("model", key), ("model",), stage_line)
+            line = self._line(*(("model", *keys[:n]) for n in range(len(keys), 0, -1)), ("model",), stage_line)
         else:  # a stage's own config field, or its placement (devices)
             path: tuple[Any, ...] = ("stages", self.index[stage], *(() if field == "devices" else ("config",)), field)
             line = self._line((*path, item) if item is not None else path, ("stages", self.index[stage]))
@@ -124,16 +124,16 @@ def model_problems(v: Validated, *, check_paths: bool = True) -> list[Problem]:
 
 def _spec_problems(w: _Where, spec: ModelSpec) -> list[Problem]:
     """The layers exist in the target and the rule can place them; the mask token is in its vocabulary."""
+    out = _subsection_problems(w, spec)
     facts = spec.facts
     ids = list(spec.explicit_layer_ids) if spec.explicit_layer_ids is not None else None
     if ids is not None and not ids:
-        return [w.problem(None, "model.target_layer_ids",
-                          "model.target_layer_ids must not be empty (omit it for the DFlash default)")]
+        return [*out, w.problem(None, "model.target_layer_ids",
+                                "model.target_layer_ids must not be empty (omit it for the DFlash default)")]
     if ids is not None and min(ids) < 0:
-        return [w.problem(None, "model.target_layer_ids", f"target layer ids must be >= 0, got {min(ids)}")]
+        return [*out, w.problem(None, "model.target_layer_ids", f"target layer ids must be >= 0, got {min(ids)}")]
     if facts is None:
-        return []
-    out = []
+        return out
     if ids is not None:
         field = "model.target_layer_ids"
     else:
@@ -141,16 +141,32 @@ def _spec_problems(w: _Where, spec: ModelSpec) -> list[Problem]:
         try:
             ids = spec.layer_ids()
         except ValueError as exc:
-            return [w.problem(None, field, str(exc))]
+            return [*out, w.problem(None, field, str(exc))]
     bad = [i for i in ids if not 0 <= i < facts.depth]
     if bad:
         out.append(w.problem(None, field, (
             f"target layer {bad[0]} does not exist: the target has {facts.depth} decoder layers (ids 0-"
             f"{facts.depth - 1})")))
+    elif spec.engine is not None:  # the engine's ids are ours + 1: the last layer has no equal there
+        from dflash_flow.engine.layers import to_engine_layer_ids
+
+        try:
+            to_engine_layer_ids(ids, facts.depth)
+        except ValueError as exc:
+            out.append(w.problem(None, field, str(exc)))
     if spec.mask_token_id is not None and spec.mask_token_id >= facts.vocab_size:
         out.append(w.problem(None, "model.mask_token_id", (
             f"mask_token_id {spec.mask_token_id} is outside the target's vocabulary of {facts.vocab_size} "
             f"tokens (ids 0-{facts.vocab_size - 1})")))
+    return out
+
+
+def _subsection_problems(w: _Where, spec: ModelSpec) -> list[Problem]:
+    """What ``model.engine`` and ``model.features`` say of themselves (values that cannot work together)."""
+    out = []
+    for key, section in (("engine", spec.engine), ("features", spec.features)):
+        if section is not None:
+            out += [w.problem(None, f"model.{key}.{field}", message) for field, message in section.problems()]
     return out
 
 

@@ -131,7 +131,8 @@ class TargetForward(Stage, UsesModel):
         if not offline and spec.engine is not None:
             from dflash_flow.engine.backend import engine_backend
 
-            inner = engine_backend(spec, output_dir=ctx.output_dir, name=ctx.name)
+            inner = engine_backend(spec, output_dir=ctx.output_dir, name=ctx.name, heartbeat=ctx.heartbeat)
+            inner.attach_metrics(ctx.metrics)  # requests, retries, failovers, data wait: in the Monitor
         elif not offline:
             inner = InProcessBackend(spec, dtype=self.dtype, attn_implementation=self.attn_implementation)
         if features is not None and features.mode != "online":

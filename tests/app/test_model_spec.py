@@ -175,3 +175,17 @@ def test_a_checkpoint_written_before_the_move_reads_its_settings_as_todays(tmp_p
     other = {**old, "stages.drafter.block_size": 8}
     assert settings_differences(recorded_as_today(other, moved, now), now) == [
         "model.block_size: 8 in the checkpoint, 4 now"]
+
+
+def test_the_engine_and_feature_sections_are_checked_with_the_spec_at_their_lines(tmp_path, data):
+    """model.engine without servers, the last layer (vLLM's id for it is the state before the final norm) and
+    an offline store without a path: each one line at its key, before anything runs."""
+    doc = _pipeline(data, model={"target": TARGET, "target_layer_ids": [1, 7], "engine": {"concurrency": 4},
+                                 "features": {"mode": "offline"}})
+    code, text, file = _validate(tmp_path, doc, "--no-path-check")
+    assert code == 2 and "Traceback" not in text, text
+    for needle, field, words in (("engine:", "model.engine.servers", "needs servers"),
+                                 ("target_layer_ids", "model.target_layer_ids", "is the target's last layer"),
+                                 ("features:", "model.features.path", "mode offline reads a store")):
+        line = _line_of(file, needle)
+        assert any(f"{file}:{line}, field '{field}'" in x and words in x for x in text.splitlines()), (field, text)
