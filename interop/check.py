@@ -202,14 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULT, help=f"result file (default {RESULT.relative_to(ROOT)})")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs, jobs, exports)")
     args = ap.parse_args(argv)
-    from common import machine, write_result
-    from run_all import load_avg, stamp
+    from common import machine
+    from results import begin, finish
 
     host = machine()  # the load before anything here runs
-
-    started = {"command": "just interop" + "".join(f" {shlex.quote(a)}" for a in (argv if argv is not None else sys.argv[1:])),
-               "started_unix": int(time.time()), "load_avg_before": load_avg()}
-    t0 = time.perf_counter()
+    started, t0 = begin("just interop", argv)
     work = Path(tempfile.mkdtemp(prefix="dflash-interop-"))
     try:
         figures, failed = check(args, work)
@@ -219,15 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    figures["failed"] = failed
-    figures["machine"] = host
-    write_result(args.out, figures)
-    stamp(args.out, {**started, "wall_s": round(time.perf_counter() - t0, 1), "load_avg_after": load_avg(),
-                     "returncode": 1 if failed else 0})
-    for line in failed:
-        print(f"interop: FAILED {line}", file=sys.stderr)
-    say(f"{'FAILED' if failed else 'passed'}; results in {args.out}")
-    return 1 if failed else 0
+    return finish("interop", args.out, figures, failed, host, started, t0, say)
 
 
 def check(args, work: Path) -> tuple[dict, list[str]]:

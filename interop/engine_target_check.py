@@ -230,15 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULT, help=f"result file (default {RESULT.relative_to(ROOT)})")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs, runs)")
     args = ap.parse_args(argv)
-    from common import machine, write_result
-    from run_all import load_avg, stamp
+    from common import machine
+    from results import begin, finish
 
     host = machine()
-    started = {"command": "python interop/engine_target_check.py" + "".join(
-        f" {shlex.quote(a)}" for a in (argv if argv is not None else sys.argv[1:])),
-        "started_unix": int(time.time()), "load_avg_before": load_avg()}
+    started, t0 = begin("python interop/engine_target_check.py", argv)
     os.nice(10)  # the machine is shared: this check, its servers and its training runs yield to others
-    t0 = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="dflash-engine-"))
     failed: list[str] = []
     try:
@@ -275,15 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
         else:
             say(f"work directory kept: {work}")
-    figures["failed"] = failed
-    figures["machine"] = host
-    write_result(args.out, figures)
-    stamp(args.out, {**started, "wall_s": round(time.perf_counter() - t0, 1), "load_avg_after": load_avg(),
-                     "returncode": 1 if failed else 0})
-    for line in failed:
-        print(f"engine_target_check: FAILED {line}", file=sys.stderr)
-    say(f"{'FAILED' if failed else 'passed'}; results in {args.out}")
-    return 1 if failed else 0
+    return finish("engine_target_check", args.out, figures, failed, host, started, t0, say)
 
 
 if __name__ == "__main__":

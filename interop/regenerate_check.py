@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import signal
 import socket
 import subprocess
@@ -204,29 +203,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="the vLLM environment (default $INTEROP_VENV or .venv-interop)")
     ap.add_argument("--out", type=Path, default=RESULT, help=f"result file (default {RESULT.relative_to(ROOT)})")
     args = ap.parse_args(argv)
-    from run_all import load_avg, stamp
+    from results import begin, finish
 
-    started = {"command": "python interop/regenerate_check.py" + "".join(
-        f" {shlex.quote(a)}" for a in (argv if argv is not None else sys.argv[1:])),
-        "started_unix": int(time.time()), "load_avg_before": load_avg()}
-    t0 = time.perf_counter()
+    started, t0 = begin("python interop/regenerate_check.py", argv)
     with tempfile.TemporaryDirectory(prefix="dflash-regen-vllm-") as tmp:
         try:
             figures, failed = check(args, Path(tmp))
         except Failed as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-    from common import machine, write_result
+    from common import machine
 
-    figures["failed"] = failed
-    figures["machine"] = machine()
-    write_result(args.out, figures)
-    stamp(args.out, {**started, "wall_s": round(time.perf_counter() - t0, 1), "load_avg_after": load_avg(),
-                     "returncode": 1 if failed else 0})
-    for line in failed:
-        print(f"regenerate_check: FAILED {line}", file=sys.stderr)
-    say(f"{'FAILED' if failed else 'passed'}; results in {args.out}")
-    return 1 if failed else 0
+    return finish("regenerate_check", args.out, figures, failed, machine(), started, t0, say)
 
 
 if __name__ == "__main__":
