@@ -7,6 +7,7 @@ the features are gathered on the consumer's device.
 
 from __future__ import annotations
 
+import os
 from typing import Any, ClassVar
 
 import attrs
@@ -61,6 +62,22 @@ class TargetForward(Stage, UsesModel):
     )
     # One cache for all replicas (they are deep copies of this stage, and a copy of a cache is the cache).
     _cache: Any = attrs.field(factory=lambda: _new_cache(), init=False)
+
+    def device_problems(self, replica_devices: list[list[str]]) -> list[tuple[str, str]]:
+        """This machine's side (validation with device checks): a feature cache larger than its memory would
+        be killed by the OOM killer late in the first epoch instead of refused now."""
+        if not self.cache_features:
+            return []
+        try:
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return []  # not known on this platform: nothing to compare with
+        if self.cache_budget_mb * 2**20 > ram:
+            return [("cache_budget_mb", (
+                f"cache_budget_mb {self.cache_budget_mb:g} is more than this machine's memory ({ram / 2**20:,.0f} "
+                "MiB): the cache would be killed late in the first epoch; lower it (the samples past it run the "
+                "target every epoch)"))]
+        return []
 
     def model_problems(self, spec, devices: list[list[str]]) -> list[tuple[str, str]]:
         """A target is declared, and no replica has more devices than layers to run. The target's config is

@@ -277,3 +277,15 @@ def test_target_forward_checks_its_devices_against_the_target():
     # A target whose config cannot be read here is left to setup; none at all is named.
     assert problems(two, "/no/such/dir", ids=[40]) == []
     assert problems(two, None)[0][0] == "model.target"
+
+
+def test_a_feature_cache_larger_than_the_machines_memory_is_refused_by_validation():
+    import os
+
+    from dflash_flow.stages.target_forward import TargetForward
+
+    ram_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
+    [(field, message)] = TargetForward(cache_features=True, cache_budget_mb=4 * ram_mb).device_problems([["cpu"]])
+    assert field == "cache_budget_mb" and "more than this machine's memory" in message and "lower it" in message
+    assert TargetForward(cache_features=True, cache_budget_mb=ram_mb / 8).device_problems([["cpu"]]) == []
+    assert TargetForward(cache_features=False, cache_budget_mb=4 * ram_mb).device_problems([["cpu"]]) == []
