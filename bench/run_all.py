@@ -44,7 +44,9 @@ class Bench:
 # Order matters: scale before profile (the split plan reads the all-reduce wait scale.json measured).
 #: Result files under bench/results written by other commands than these benchmarks (and who writes them).
 WRITTEN_ELSEWHERE = {"interop.json": "interop/check.py (just interop)",
-                     "regenerate_vllm.json": "interop/regenerate_check.py (just interop)"}
+                     "regenerate_vllm.json": "interop/regenerate_check.py (just interop)",
+                     "engine_target.json": "interop/engine_target_check.py (just interop)",
+                     "eval_vllm.json": "interop/eval_check.py (just interop)"}
 
 BENCHES = (
     Bench("runtime", ("runtime_bench.py",), ("runtime.json",), 0.3),
