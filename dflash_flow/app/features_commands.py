@@ -376,7 +376,12 @@ def check_store(path: str | os.PathLike, *, pipeline: PipelineFeatures | None = 
     import numpy as np
     import torch
 
-    from dflash_flow.model.feature_store import FeatureStore, FeatureStoreError, compare_identity, token_digest
+    from dflash_flow.model.feature_store import (
+        FeatureStore,
+        FeatureStoreError,
+        compare_identity,
+        token_digest,
+    )
 
     rep = CheckReport()
     store = FeatureStore(path, complete=False)

@@ -59,7 +59,13 @@ class InProcessBackend:
         from .features import TargetFeatureExtractor
         from .loading import MODEL_LOAD_LOCK
         from .spec import ModelSpecError
-        from .target import TargetOfflineError, load_target, load_target_config, num_hidden_layers, resolve_dtype
+        from .target import (
+            TargetOfflineError,
+            load_target,
+            load_target_config,
+            num_hidden_layers,
+            resolve_dtype,
+        )
 
         spec = self.spec
         with MODEL_LOAD_LOCK:

@@ -4,7 +4,6 @@ stages, pinned to two cores, profiled with one replica and predicted, then run, 
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from common import hash_graph  # noqa: E402 - the bench's workload, one copy
 
 from dflash_flow.app.contention import wait_per_cpu_s, waits
 from dflash_flow.app.profile import Profile, StageProfile, profile
-from dflash_flow.app.splitplan import CPU_LIMIT, predict
+from dflash_flow.app.splitplan import predict
 from dflash_flow.core import validated
 
 

@@ -157,7 +157,12 @@ def test_a_checkpoint_written_before_the_move_reads_its_settings_as_todays(tmp_p
     """Settings recorded by a checkpoint when the stages still held the model facts (``stages.drafter.target``,
     ``stages.drafter.num_layers``, ...) compare as ``model.*`` today: the same run resumes, another is named."""
     from dflash_flow.app import load
-    from dflash_flow.core.identity import moved_setting_keys, recorded_as_today, result_settings, settings_differences
+    from dflash_flow.core.identity import (
+        moved_setting_keys,
+        recorded_as_today,
+        result_settings,
+        settings_differences,
+    )
 
     doc = _pipeline(data, model={"target": TARGET, "num_draft_layers": 2, "block_size": 4})
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))

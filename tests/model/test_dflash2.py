@@ -15,7 +15,15 @@ import dflash.model as zlab
 import pytest
 import torch
 from dflash.model import DFlash2DraftModel, dflash_generate
-from model_testlib import HIDDEN, MASK_ID, VOCAB, build_drafter, drafter_stage_problems, randomize, target_features
+from model_testlib import (
+    HIDDEN,
+    MASK_ID,
+    VOCAB,
+    build_drafter,
+    drafter_stage_problems,
+    randomize,
+    target_features,
+)
 from safetensors.torch import load_file, save_file
 
 from dflash_flow.core.errors import CheckpointError

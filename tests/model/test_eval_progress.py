@@ -15,9 +15,9 @@ import pytest
 from dflash_flow.core import Graph, Pipeline, Source, register_stage
 from dflash_flow.core.errors import PipelineInterrupted, StopRequested
 from dflash_flow.items import StepReport
+from dflash_flow.model.spec import ModelSpec
 from dflash_flow.services import RunServices
 from dflash_flow.stages.monitor import Monitor
-from dflash_flow.model.spec import ModelSpec
 from dflash_flow.stages.spec_eval import SpecDecodeEval
 
 

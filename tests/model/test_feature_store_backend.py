@@ -15,7 +15,13 @@ import torch
 from store_testlib import LAYERS, ExtractorBackend, extractor_compute, make_samples, padded
 
 from dflash_flow.model.feature_cache import FeatureCache, per_sample_features
-from dflash_flow.model.feature_store import MANIFEST, FeatureStore, FeatureStoreError, StoreMismatch, build_store
+from dflash_flow.model.feature_store import (
+    MANIFEST,
+    FeatureStore,
+    FeatureStoreError,
+    StoreMismatch,
+    build_store,
+)
 from dflash_flow.model.features import TargetFeatureExtractor
 from dflash_flow.model.store_backend import StoreBackend
 from dflash_flow.model.target import load_target

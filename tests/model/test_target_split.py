@@ -234,10 +234,9 @@ def test_depth_is_read_without_weights_and_without_the_network(qwen, tmp_path):
 def _stage_features(devices: list[str], layer_ids: list[int]):
     from dflash_flow.core.stage import StageContext
     from dflash_flow.items import BatchMeta, PaddedBatch
-    from dflash_flow.stages.target_forward import TargetForward
-
     from dflash_flow.model.spec import ModelSpec
     from dflash_flow.services import RunServices
+    from dflash_flow.stages.target_forward import TargetForward
 
     stage = TargetForward()
     spec = ModelSpec(declared="tiny-qwen3-8l", target="tiny-qwen3-8l", explicit_layer_ids=tuple(layer_ids))

@@ -99,8 +99,8 @@ def test_a_checkpoint_without_recorded_settings_resumes_when_its_hash_matches_an
     import shutil
 
     from dflash_flow.app.checkpointer import Checkpointer
-    from dflash_flow.app.runner import load
     from dflash_flow.app.prepare import legacy_config_hash
+    from dflash_flow.app.runner import load
     from dflash_flow.core.errors import CheckpointError
     from dflash_flow.util import sha256_file
 
