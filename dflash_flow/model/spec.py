@@ -57,12 +57,6 @@ class ModelSpec:
             raise ModelSpecError("the target's depth is not known here: read it from the loaded config first")
         return build_target_layer_ids(depth, self.num_draft_layers)
 
-    def fingerprint(self) -> dict[str, Any]:
-        """What identifies the features this spec asks for (a feature store's manifest compares it)."""
-        return {"target": self.target, "trust_remote_code": self.trust_remote_code,
-                "layer_ids": self.layer_ids() if (self.explicit_layer_ids or self.facts) else None,
-                "tokenizer": self.tokenizer}
-
 
 class UsesModel(abc.ABC):  # noqa: B024 - a marker with a default hook, not an interface to implement
     """A stage that reads the run's :class:`ModelSpec`: validation asks it, with the one spec, what does not
