@@ -34,6 +34,13 @@ one fresh subprocess per implementation with ``MALLOC_MMAP_THRESHOLD_`` set low 
 the RSS), peak RSS during two steps over the RSS before them (after one warm-up step). The losses of all
 implementations on the same anchors are printed and stored; ``tests/model/test_peer_specforge.py`` asserts
 they agree to 1e-5. Results go to ``bench/results/peer_step.json``.
+
+The roofline: ``step_flops`` counts the step's model FLOPs from the shapes (projections, attention over each
+block's visible keys, MLP, LM head; backward 2x forward, 1x where only one gradient is needed), ``matmul_peak``
+measures ``torch.mm`` on 2048 x 2048 fp32 squares with the same threads in the same process, and each
+implementation's ``mfu`` is the model FLOPs over its median step over that peak (``counted_flops`` beside it:
+what FlopCounterMode counts it executing). ``tests/bench/test_peer_roofline.py`` checks the count by hand and
+against FlopCounterMode on a real drafter step.
 """
 
 from __future__ import annotations
@@ -287,6 +294,116 @@ def implementations(c: dict, *, sf_classes=None, baseline=None, compiled=False) 
     return impls
 
 
+# ------------------------------------------------------------------------------------------ roofline
+
+
+def step_flops(shape: dict, anchors: list[int], context_tokens: int) -> dict[str, int]:
+    """The model FLOPs of one DFlash training step (forward + backward), counted from the shapes.
+
+    ``shape``: ``hidden``, ``heads``, ``kv_heads``, ``head_dim``, ``intermediate``, ``vocab``, ``features`` (the
+    concatenated target features' width), ``layers`` (drafter layers), ``block_size``; ``anchors``: the anchor
+    position of every kept block (its block sees the ``anchor`` context positions before it, then its own
+    ``block_size`` keys, bidirectionally); ``context_tokens``: the real (unpadded) positions whose features are
+    fused and projected to keys and values. A multiply-add is 2 FLOPs. Counted, each as the straightforward
+    step computes it (work an implementation skips is credited to it, work it recomputes is not counted):
+
+    * ``fc``: the context features to the hidden size; per layer ``context_kv``: its keys and values;
+    * per layer on every block token: ``qkv``, ``o`` projections, the gated ``mlp`` (3 matrices);
+    * ``attention``: scores and the weighted values (``4 * head_dim`` per query-key pair and query head);
+    * ``head``: the (frozen) LM head on the supervised slots 1..B-1 (slot 0 has no label).
+
+    Backward: 2x forward for the trainable projections and the attention (input and weight gradients), 1x for
+    ``fc`` (its input, the target's features, needs no gradient) and the frozen ``head`` (no weight gradient).
+    Elementwise work (norms, RoPE, SiLU, softmax, cross-entropy) is not counted, as in any MFU figure.
+    """
+    h, nh, nkv, d = shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"]
+    layers, bsz = shape["layers"], shape["block_size"]
+    tokens = len(anchors) * bsz  # block tokens
+    pairs = sum(bsz * (int(a) + bsz) for a in anchors)  # query-key pairs per head
+    fwd = dict(
+        fc=2 * context_tokens * shape["features"] * h,
+        context_kv=layers * 2 * context_tokens * h * 2 * nkv * d,
+        qkv=layers * 2 * tokens * h * (nh + 2 * nkv) * d,
+        o=layers * 2 * tokens * nh * d * h,
+        mlp=layers * 2 * tokens * h * shape["intermediate"] * 3,
+        attention=layers * 4 * d * nh * pairs,
+        head=2 * len(anchors) * (bsz - 1) * h * shape["vocab"],
+    )
+    bwd_factor = dict(fc=1, head=1)
+    bwd = {k: v * bwd_factor.get(k, 2) for k, v in fwd.items()}
+    forward, backward = sum(fwd.values()), sum(bwd.values())
+    return dict(forward=forward, backward=backward, total=forward + backward, **{f"forward_{k}": v for k, v in fwd.items()})
+
+
+def case_shape(c: dict) -> dict:
+    cfg = c["config"]
+    return dict(
+        hidden=cfg.hidden_size,
+        heads=cfg.num_attention_heads,
+        kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        intermediate=cfg.intermediate_size,
+        vocab=c["head"].out_features,
+        features=c["hidden_states"].shape[-1],
+        layers=cfg.num_hidden_layers,
+        block_size=DRAFT["block_size"],
+    )
+
+
+def case_flops(c: dict, anchors) -> dict[str, int]:
+    """``step_flops`` of the case on one round's ``(anchors, keep)``."""
+    positions, keep = anchors
+    kept = positions[keep].tolist()
+    mask = c["attention_mask"]
+    context = int(mask.sum()) if mask is not None else c["input_ids"].numel()
+    return step_flops(case_shape(c), kept, context)
+
+
+def matmul_peak(n: int = 2048, reps: int = 5) -> float:
+    """FLOP/s of ``torch.mm`` on ``n x n`` fp32 squares with this process's intra-op threads (best of ``reps``):
+    the roofline's ceiling for this thread count on this machine."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+    out = torch.empty(n, n)
+    torch.mm(a, b, out=out)  # warm-up
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b, out=out)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def counted_flops(step, anchors) -> int:
+    """FLOPs of one forward + backward as ``torch.utils.flop_counter.FlopCounterMode`` counts the ops it knows
+    (matmuls, and here the CPU flash-attention kernel with sdpa's formula): what the implementation computes,
+    wasted work included, against ``step_flops``' model count. Elementwise ops count 0 there too."""
+    import torch
+    from torch.utils import flop_counter as fc
+
+    aten = torch.ops.aten
+    mapping = {
+        aten._scaled_dot_product_flash_attention_for_cpu: _flash_cpu_flop,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: _flash_cpu_backward_flop,
+    }
+    with fc.FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+        step(anchors)
+    return int(counter.get_total_flops())
+
+
+def _flash_cpu_flop(query_shape, key_shape, *args, out_shape=None, **kwargs) -> int:
+    """The CPU flash kernel (grouped-query keys allowed): scores and weighted values, 2 FLOPs per multiply-add."""
+    b, h, q, d = query_shape
+    return 4 * b * h * q * key_shape[-2] * d
+
+
+def _flash_cpu_backward_flop(grad_out_shape, query_shape, key_shape, *args, out_shape=None, **kwargs) -> int:
+    """Its backward as torch counts sdpa's: the value, score, query and key gradients (2x the forward)."""
+    return 2 * _flash_cpu_flop(query_shape, key_shape)
+
+
 # ------------------------------------------------------------------------------------------ measuring
 
 
@@ -383,6 +500,19 @@ def run_case(name: str, args, sf_classes, baseline, baseline_dir) -> dict:
         losses_same_anchors=losses,
         implementations={n: dict(times[n]) for n in impls},
     )
+    # The roofline: the model FLOPs of the timed rounds' anchors (round r draws seed 1000 + r), their mean over
+    # each implementation's median step, against the matmul peak this process measured (``args.peak``).
+    flops = [case_flops(c, draw_anchors(c, seed=1000 + r)) for r in range(1, args.rounds + 1)]
+    mean_flops = {k: round(statistics.fmean(f[k] for f in flops)) for k in flops[0]}
+    result["model_flops"] = mean_flops
+    anchors0 = draw_anchors(c, seed=1000)
+    for n, (model, step) in impls.items():
+        model.zero_grad(set_to_none=True)
+        entry = result["implementations"][n]
+        entry["counted_flops"] = counted_flops(step, anchors0)
+        entry["achieved_gflops"] = round(mean_flops["total"] / entry["ms"] / 1e6, 2)
+        entry["mfu"] = round(mean_flops["total"] / (entry["ms"] / 1000) / args.peak, 3)
+        entry["mfu_min"] = round(mean_flops["total"] / (entry["min_ms"] / 1000) / args.peak, 3)
     if not args.no_memory:
         for n in impls:
             result["implementations"][n].update(measure_memory(name, n, args, baseline_dir))
@@ -435,11 +565,15 @@ def main() -> int:
     elif not args.baseline:
         print("peer_step: --no-specforge leaves nothing to compare: give --baseline REV", file=sys.stderr)
         return 2
+    load_before = os.getloadavg()
+    peaks = [matmul_peak()]  # the roofline's ceiling: this thread count's torch.mm, before and after the cases
+    args.peak = peaks[0]
     with tempfile.TemporaryDirectory() as tmp:
         baseline = load_baseline(args.baseline, Path(tmp)) if args.baseline else None
         cases = [
             run_case(n, args, classes, baseline, tmp if baseline else None) for n in args.cases.split(",")
         ]
+    peaks.append(matmul_peak())
     report = dict(
         bench="peer_step",
         created_unix=int(time.time()),
@@ -451,6 +585,19 @@ def main() -> int:
         baseline=args.baseline,
         compile=args.compile,
         rounds=args.rounds,
+        load_average=dict(before=[round(x, 2) for x in load_before], after=[round(x, 2) for x in os.getloadavg()]),
+        matmul_peak_gflops=dict(
+            used=round(peaks[0] / 1e9, 2), after=round(peaks[1] / 1e9, 2), n=2048, dtype="float32",
+            note="torch.mm on 2048 x 2048 fp32 squares, best of 5, this process's intra-op threads; measured "
+            "before the cases (used for mfu) and after them",
+        ),
+        roofline_note=(
+            "model_flops: step_flops (analytic, from the shapes and each timed round's kept anchors; mean over "
+            "the rounds): projections, attention over each block's visible keys, MLP, the LM head on slots "
+            "1..B-1; backward 2x forward (1x for fc and the frozen head). mfu: model_flops.total / median step "
+            "(mfu_min: / fastest step) / matmul_peak_gflops.used. counted_flops: FlopCounterMode on one step "
+            "of that implementation (matmuls and the CPU flash kernel as executed, wasted work included)."
+        ),
         note=(
             "ms / cpu_ms / min_ms: median wall, median process-CPU and fastest wall milliseconds per "
             "forward+backward step over the rounds (min_ms is the figure least disturbed by other load), all "
@@ -478,6 +625,14 @@ def main() -> int:
         ]
         if ratios:
             print("  " + ", ".join(ratios))
+        print(
+            f"  roofline: {c['model_flops']['total'] / 1e9:.2f} GFLOP per step (model count), "
+            + ", ".join(
+                f"{n} {v['achieved_gflops']:.1f} GFLOP/s = mfu {v['mfu']:.3f} (counted {v['counted_flops'] / 1e9:.2f} GFLOP)"
+                for n, v in impl.items()
+            )
+            + f" of the {report['matmul_peak_gflops']['used']:.1f} GFLOP/s matmul peak"
+        )
         print(
             "  losses on identical anchors: "
             + ", ".join(f"{n} {v:.6f}" for n, v in c["losses_same_anchors"].items())
