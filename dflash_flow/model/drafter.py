@@ -107,6 +107,7 @@ class DFlashDrafter(nn.Module):
         self.mask_token_id = draft_value(config, "mask_token_id")
         self.gradient_checkpointing = False
         self._compiled = False
+        self.compile_plan = None  # ``compile: auto``'s decision (model.compile_plan), else None
         self.reset_parameters()
 
     # -- properties used by decoding loops ---------------------------------------------------------
@@ -193,6 +194,8 @@ class DFlashDrafter(nn.Module):
     def training_context(self, target_hidden: torch.Tensor) -> list[torch.Tensor]:
         """``context_kv(fuse_context(target_hidden))`` flattened ``[k0, v0, k1, v1, ...]`` (compiled with
         ``compiled``)."""
+        if self.compile_plan is not None and self.training and torch.is_grad_enabled():
+            self.compile_plan.tick(tuple(target_hidden.shape[:2]))  # a training step starts (compile: auto)
         cos, sin = self.rotary_emb.table(target_hidden.shape[1], self.fc.weight)
         return maybe_compiled(_training_context, self.compiled)(self, target_hidden, cos, sin)
 
@@ -200,14 +203,29 @@ class DFlashDrafter(nn.Module):
     def compiled(self) -> bool:
         """Whether the training step's work outside the attention kernels runs through ``torch.compile``
         (the context projections, each layer before and after its attention, the loss head); the attention
-        itself (``_BlockAttention``) and the block plan stay eager. Same values to float rounding."""
+        itself (``_BlockAttention``) and the block plan stay eager. Same values to float rounding.
+
+        Set to True / False, or to ``"auto"``: eager until ``model.compile_plan.CompilePlan`` finds that the
+        run's planned steps repay the compiling (it then turns this on by itself)."""
         return self._compiled
 
     @compiled.setter
-    def compiled(self, value: bool) -> None:
-        self._compiled = bool(value)
+    def compiled(self, value: bool | str) -> None:
+        from dflash_flow.model.compile_plan import AUTO, CompilePlan
+
+        if isinstance(value, str):
+            if value != AUTO:
+                raise ValueError(f"compile must be true, false or {AUTO!r}, not {value!r}")
+            self.compile_plan = CompilePlan(self)
+            value = False
+        else:
+            self.compile_plan = None
+        self._set_compiled(bool(value))
+
+    def _set_compiled(self, value: bool) -> None:
+        self._compiled = value
         for layer in self.layers:
-            layer.compiled = self._compiled
+            layer.compiled = value
 
     def decode_blocks(
         self,

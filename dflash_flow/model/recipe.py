@@ -44,10 +44,12 @@ class TrainerConfig:
         4096.0, gt=0, le=1e7, doc="Activation memory one step may use: one pass (no recomputation) when it fits, "
         "else the largest checkpointed chunks that do (null: always one pass).",
     )
-    compile: bool = cfg(
-        False, doc="torch.compile the step's work outside the attention kernels (the drafter's layers, the context "
+    compile: bool | Literal["auto"] = cfg(
+        "auto", result=False, doc="torch.compile the step's work outside the attention kernels (the drafter's layers, the context "
         "projections, the loss head): same loss, 10-20% faster steps on CPU (1 thread) after 12-56 s of compiling per "
-        "batch shape, 5-18 s with a warm compile cache (docs/benchmarks.md); off: no start-up cost, for short runs and tests.",
+        "batch shape, 5-18 s with a warm compile cache (docs/benchmarks.md); false: never (no start-up cost); auto: "
+        "on CPU, compile when the run's planned steps repay it, measured on its first steps and said at the start "
+        "(model.compile_plan; runs under 300 micro-batches and tests never compile).",
     )
     lr: float = cfg(6e-4, gt=0, doc="Peak learning rate.")
     warmup_ratio: float = cfg(0.04, ge=0, le=1, doc="Linear warmup share of all steps.")

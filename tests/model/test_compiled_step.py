@@ -22,14 +22,17 @@ def _head(target):
     return SharedHead(target.get_input_embeddings().weight, target.lm_head.weight)
 
 
-def test_compile_is_a_drafter_step_field_off_by_default_and_reaches_every_layer(target):
-    assert TrainerConfig().compile is False
+def test_compile_is_a_drafter_step_field_auto_by_default_and_reaches_every_layer(target):
+    assert TrainerConfig().compile == "auto"  # eager until the planned steps repay compiling (model.compile_plan)
     assert "compile" in {f.name for f in __import__("attrs").fields(DrafterStep)}
     drafter = build_drafter(target)
     DFlashObjective(drafter, _head(target), gamma=4.0, config=TrainerConfig(compile=True))
-    assert drafter.compiled and all(layer.compiled for layer in drafter.layers)
+    assert drafter.compiled and all(layer.compiled for layer in drafter.layers) and drafter.compile_plan is None
     DFlashObjective(drafter, _head(target), gamma=4.0, config=TrainerConfig())
     assert not drafter.compiled and not any(layer.compiled for layer in drafter.layers)
+    assert drafter.compile_plan is not None and drafter.compile_plan.state == "waiting"
+    DFlashObjective(drafter, _head(target), gamma=4.0, config=TrainerConfig(compile=False))
+    assert not drafter.compiled and drafter.compile_plan is None
 
 
 @pytest.mark.slow
