@@ -285,6 +285,7 @@ def regenerate(
     max_attempts: int = typer.Option(5, min=1, help="Attempts per row before it is written as an error. With --server."),
     retry_errors: bool = typer.Option(False, help="Drop the rows written as errors from --out and try them again. With --server."),
     seed: int = typer.Option(0, help="Seed of sampled regeneration (each row's seed derives from it and its id). With --server."),
+    api_key_env: Optional[str] = typer.Option(None, "--api-key-env", help="With --server: the environment variable holding the servers' API key (sent as a Bearer token, never written); default: $OPENAI_API_KEY when set. Credentials in a --server URL are sent as Basic authentication."),
 ) -> None:
     """Regenerate assistant replies with the target (greedy), as the DFlash recipe does: in process, or
     through OpenAI-compatible serving engines (--server)."""
@@ -296,11 +297,11 @@ def regenerate(
             prompts, server, out, target=target, max_new_tokens=max_new_tokens, resume=resume,
             system_prompt=system_prompt, served_model=served_model, concurrency=concurrency, sampling=sampling,
             thinking=thinking, timeout=timeout, max_attempts=max_attempts, retry_errors=retry_errors, seed=seed,
-            in_process_only=["--batch-size"] if batch_size != 8 else []))
+            api_key_env=api_key_env, in_process_only=["--batch-size"] if batch_size != 8 else []))
     given = {"--served-model": served_model is not None, "--concurrency": concurrency != 32,
              "--sampling": sampling != "greedy", "--thinking/--no-thinking": thinking is not None,
              "--timeout": timeout != 900.0, "--max-attempts": max_attempts != 5, "--retry-errors": retry_errors,
-             "--seed": seed != 0}
+             "--seed": seed != 0, "--api-key-env": api_key_env is not None}
     raise typer.Exit(regenerate_command(prompts, target, out, batch_size, max_new_tokens, resume, system_prompt,
                                         server_only=[k for k, v in given.items() if v]))
 

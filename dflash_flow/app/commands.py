@@ -262,7 +262,7 @@ def regenerate_command(prompts: Path, target: str | None, out: Path, batch_size:
 def regenerate_served_command(prompts: Path, servers: list[str], out: Path, *, target: str | None,
                               max_new_tokens: int, resume: bool, system_prompt: str | None, served_model: str | None,
                               concurrency: int, sampling: str, thinking: bool | None, timeout: float,
-                              max_attempts: int, retry_errors: bool, seed: int,
+                              max_attempts: int, retry_errors: bool, seed: int, api_key_env: str | None = None,
                               in_process_only: list[str] | None = None) -> int:
     """``dflash-flow regenerate --server URL ...``: replies from OpenAI-compatible servers (many in flight,
     retried, failover, resumable), with each row's finish reason counted and reported."""
@@ -272,13 +272,16 @@ def regenerate_served_command(prompts: Path, servers: list[str], out: Path, *, t
     if in_process_only:
         return report_user_error(f"{', '.join(in_process_only)} only applies in process (without --server); the "
                                  "servers batch requests themselves: use --concurrency")
+    from dflash_flow.engine.http import api_key_from_env
+
     replies = _ReplyProgress()
     try:
         stats = regenerate_served(
             prompts, servers, out, max_new_tokens=max_new_tokens, concurrency=concurrency, model=served_model,
             sampling=sampling, target=None if target is None else resolve_target(target), enable_thinking=thinking,
             seed=seed, timeout_s=timeout, max_attempts=max_attempts, resume=resume, retry_errors=retry_errors,
-            system_prompt=system_prompt, progress=replies, log=replies.message)
+            system_prompt=system_prompt, progress=replies, log=replies.message,
+            api_key=api_key_from_env(api_key_env))
     except (ValueError, OSError) as exc:
         return report_user_error(exc)
     except AllServersDown as exc:

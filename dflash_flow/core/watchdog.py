@@ -69,7 +69,9 @@ def _stall_error(replicas: dict[str, list[Replica]], idle: float) -> PipelineSta
                 depths[rep.label] = f"{rep.input.depth}/{rep.input.capacity}"
             age = time.monotonic() - rep.state_since
             if rep.state in (ReplicaState.BUSY, ReplicaState.SETUP):
-                busy.append((age, f"{rep.label} ({'in setup' if rep.state is ReplicaState.SETUP else 'in process'} for {age:.0f}s)"))
+                doing = getattr(rep.ctx, "busy_with", "")  # what a long call says it waits on (a server, a file)
+                busy.append((age, f"{rep.label} ({'in setup' if rep.state is ReplicaState.SETUP else 'in process'} "
+                                  f"for {age:.0f}s{': ' + doing if doing else ''})"))
             elif rep.state is ReplicaState.WAITING:
                 blocked.append(f"{rep.label} (waiting for input)")
     if busy:

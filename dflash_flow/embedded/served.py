@@ -49,7 +49,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_flow.engine.http import AllServersDown, RequestFailed, ServerPool, backoff_delay, discover_model
+from dflash_flow.engine.http import (
+    AllServersDown,
+    RequestFailed,
+    ServerPool,
+    backoff_delay,
+    body_cap,
+    discover_model,
+)
 from dflash_flow.engine.http import HttpClient as _Client
 from dflash_flow.engine.http import Stopped as _Stopped
 from dflash_flow.engine.http import unit as _unit
@@ -221,13 +228,20 @@ def regenerate_served(prompts_jsonl: str | Path, servers: list[str], out_jsonl: 
                       system_prompt: str | None = None, limit: int | None = None,
                       progress: ProgressFn | None = None, log: Callable[[str], None] | None = None,
                       check_stop: Callable[[], None] | None = None,
-                      wait: Callable[[], None] | None = None) -> ServedStats:
+                      wait: Callable[[], None] | None = None, api_key: str | None = None,
+                      option: str = "--server", busy: Callable[[str], None] | None = None) -> ServedStats:
     """Write the servers' replies to the prompts of ``prompts_jsonl`` into ``out_jsonl`` (see the module
     docstring). ``concurrency`` is the number of requests in flight per server. Raises AllServersDown when
     every server is gone (the output holds every row finished; the same call continues), ValueError for a
     bad argument or input. ``ordered_out``: also write the records in input order there once all are
     written (what a pipeline's source reads: the same file on every node). ``wait``: called while another process writes ``out_jsonl`` (then this call waits
-    for it and continues with what it left); None: refused at once."""
+    for it and continues with what it left); None: refused at once. ``timeout_s`` bounds each request as a whole
+    (a server trickling its answer is cut off there), and a reply body is read up to what ``max_new_tokens``
+    tokens can take (:func:`~dflash_flow.engine.http.body_cap`): either breach is a failed attempt of that
+    server, the row an error row naming it once the attempts are spent. ``api_key``: sent as a Bearer token
+    (never written; a server URL's own credentials are sent as Basic authentication otherwise). ``option``:
+    what messages call the server list. ``busy(text)``: told, several times a second, what the requests in
+    flight wait for (which server, for how long): a pipeline's watchdog names it."""
     if max_new_tokens < 1 or concurrency < 1 or max_attempts < 1 or timeout_s <= 0:
         raise ValueError("max_new_tokens, concurrency and max_attempts must be >= 1 and the timeout > 0")
     out_jsonl = out_jsonl if out_jsonl is not None else out
@@ -244,8 +258,8 @@ def regenerate_served(prompts_jsonl: str | Path, servers: list[str], out_jsonl: 
     jobs = read_plans(prompts_jsonl, system_prompt, limit)  # a record that is no prompt fails before any request
     digests = {str(rid): plan_digest(plan) for rid, plan in jobs}
     pool = ServerPool(servers, per_server=concurrency, fail_threshold=fail_threshold, cooldown_s=cooldown_s,
-                      max_trials=max_trials, log=log)
-    client = _Client(timeout_s)
+                      max_trials=max_trials, log=log, option=option)
+    client = _Client(timeout_s, {"Authorization": f"Bearer {api_key}"} if api_key else None)
     stats = ServedStats(total=len(jobs))
     with OutputWriter(out_jsonl, resume=resume, drop_errors=retry_errors, wait=wait, expected=digests) as writer:
         stats.dropped_errors = writer.dropped
@@ -257,14 +271,15 @@ def regenerate_served(prompts_jsonl: str | Path, servers: list[str], out_jsonl: 
         todo = [(rid, plan) for rid, plan in jobs if str(rid) not in writer.done]
         stats.skipped = len(jobs) - len(todo)
         if todo:
-            name = discover_model(pool, client, model, log)
+            name = discover_model(pool, client, model, log, option="--served-model" if option == "--server"
+                                  else "served_model")
             base = {"model": name, "max_tokens": max_new_tokens, "n": 1, "stream": False, **sampling_fields}
             if enable_thinking is not None:
                 base["chat_template_kwargs"] = {"enable_thinking": bool(enable_thinking)}
             sampled = base.get("temperature", 1.0) != 0.0
             try:
                 _run(todo, pool, client, base, sampled, seed, writer, stats, max_attempts, backoff_s, backoff_max_s,
-                     concurrency * len(servers), progress, check_stop, log)
+                     concurrency * len(servers), progress, check_stop, log, busy)
             finally:
                 stats.servers = pool.report()
         if ordered_out is not None and (stats.generated or stats.dropped_errors or stats.stale
@@ -274,9 +289,23 @@ def regenerate_served(prompts_jsonl: str | Path, servers: list[str], out_jsonl: 
     return stats
 
 
+def _in_flight(flying: dict, now: float) -> str:
+    """What the requests in flight wait for: per server, how many and the oldest's age, the longest first."""
+    per: dict[str, list[float]] = {}
+    for url, t0 in list(flying.values()):
+        per.setdefault(url, []).append(now - t0)
+    if not per:
+        return "no request in flight"
+    parts = sorted(per.items(), key=lambda kv: -max(kv[1]))
+    return "waiting on " + ", ".join(f"{url} ({len(ages)} request{'s' * (len(ages) > 1)} in flight, the oldest for "
+                                     f"{max(ages):.0f} s)" for url, ages in parts)
+
+
 def _run(todo, pool, client, base, sampled, seed, writer, stats, max_attempts, backoff_s, backoff_max_s, n_threads,
-         progress, check_stop, log=lambda _m: None) -> None:
+         progress, check_stop, log=lambda _m: None, busy=None) -> None:
     rows: queue.Queue = queue.Queue()
+    flying: dict[int, tuple[str, float]] = {}  # thread id -> (server, when its request was sent)
+    cap = body_cap(base["max_tokens"], base.get("n", 1))
     for job in todo:
         rows.put(job)
     results: queue.Queue = queue.Queue()
@@ -292,10 +321,14 @@ def _run(todo, pool, client, base, sampled, seed, writer, stats, max_attempts, b
         attempts = 0
         while True:
             lease = pool.acquire(avoid, stop)
+            me = threading.get_ident()
+            flying[me] = (lease.server.url, time.monotonic())
             try:
                 reply, finish, tokens = parse_reply(
-                    client.request(lease.server, "POST", "/v1/chat/completions", payload), model=base["model"])
+                    client.request(lease.server, "POST", "/v1/chat/completions", payload, max_body=cap),
+                    model=base["model"])
             except RequestFailed as e:
+                flying.pop(me, None)
                 pool.release(lease, e)
                 with lock:
                     stats.failures[e.kind] += 1
@@ -311,6 +344,7 @@ def _run(todo, pool, client, base, sampled, seed, writer, stats, max_attempts, b
                 if stop.wait(backoff_delay(rid, attempts, backoff_s, backoff_max_s)):
                     raise _Stopped() from None
                 continue
+            flying.pop(me, None)
             pool.release(lease, None)
             return reply, finish, tokens
 
@@ -376,6 +410,8 @@ def _run(todo, pool, client, base, sampled, seed, writer, stats, max_attempts, b
             while True:
                 if check_stop is not None:
                     check_stop()
+                if busy is not None:
+                    busy(_in_flight(flying, time.monotonic()))
                 try:
                     kind, rec, tokens = results.get(timeout=0.2)
                     break

@@ -15,17 +15,23 @@ engine backend (``engine.backend``); stdlib only.
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import heapq
 import http.client
+import itertools
 import json
+import socket
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
-__all__ = ["AllServersDown", "HttpClient", "Lease", "RequestFailed", "Server", "ServerPool", "Stopped",
-           "backoff_delay", "discover_model", "redact_url", "unit"]
+from dflash_flow.core.redact import redact_text, redact_uri, uri_secrets
+
+__all__ = ["AllServersDown", "DEFAULT_MAX_BODY", "HttpClient", "Lease", "RequestFailed", "Server", "ServerPool",
+           "Stopped", "api_key_from_env", "backoff_delay", "body_cap", "discover_model", "redact_url", "unit"]
 
 SPREADS = ("least_loaded", "round_robin")
 
@@ -45,13 +51,28 @@ class Stopped(Exception):
 
 
 def redact_url(url: str) -> str:
-    """``url`` without a password (``http://user:secret@host`` -> ``http://user:***@host``): what logs and
-    errors may show."""
-    parts = urlsplit(url if "://" in url else f"http://{url}")
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return parts._replace(netloc=netloc).geturl()
+    """``url`` without its credentials (``http://user:secret@host`` -> ``http://***@host``): what logs, errors
+    and files may show. The one redaction of the project (:func:`dflash_flow.core.redact.redact_uri`); a
+    server given without a scheme (``user:pw@host:8000``) is read as http."""
+    return redact_uri(url if "://" in url else f"http://{url}")
+
+
+DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"  # read, when set, where no variable is named
+
+
+def api_key_from_env(name: str | None, option: str = "--api-key-env") -> str | None:
+    """The servers' API key: from the environment variable ``name`` (which must be set: ValueError naming
+    ``option`` otherwise), or, with no name, from $OPENAI_API_KEY when that is set; else None. Only the
+    variable's name is ever configured or written anywhere, never the key."""
+    import os
+
+    if name is None:
+        return os.environ.get(DEFAULT_API_KEY_ENV) or None
+    key = os.environ.get(name)
+    if not key:
+        raise ValueError(f"{option}: ${name} is not set in this environment (it holds the servers' API key): "
+                         f"export it, or drop {option}")
+    return key
 
 
 def unit(*parts: object) -> float:
@@ -68,15 +89,32 @@ def backoff_delay(row_id: object, attempt: int, base_s: float, max_s: float) -> 
 
 
 class Server:
-    def __init__(self, url: str, index: int):
-        parts = urlsplit(url if "://" in url else f"http://{url}")
+    """One server of a pool. ``url`` may carry credentials (``http://user:pw@host``): they are sent as HTTP
+    Basic authentication (unless an API key is), and never shown: :attr:`url` is redacted. ``option`` names
+    the setting in messages (``--server``, ``regenerate.servers``)."""
+
+    def __init__(self, url: str, index: int, option: str = "--server"):
+        full = url if "://" in url else f"http://{url}"
+        shown = redact_url(url.rstrip("/"))
+        try:
+            parts = urlsplit(full)
+            port = parts.port
+        except ValueError as e:  # "Port out of range 0-65535", "Port could not be cast to integer value as 'x'"
+            raise ValueError(f"{option} {redact_text(shown)}: bad port ({redact_text(str(e), uri_secrets(full))}); "
+                             "a port is a number from 1 to 65535 (e.g. http://localhost:8000)") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"--server {url}: not an http(s) URL (e.g. http://localhost:8000)")
-        self.url = redact_url(url.rstrip("/"))
+            raise ValueError(f"{option} {shown}: not an http(s) URL (e.g. http://localhost:8000)")
+        if port == 0:
+            raise ValueError(f"{option} {shown}: bad port (0); a port is a number from 1 to 65535")
+        self.url = shown
         self.index = index
         self.https = parts.scheme == "https"
         self.host = parts.hostname
-        self.port = parts.port or (443 if self.https else 80)
+        self.port = port or (443 if self.https else 80)
+        self.auth: str | None = None  # the URL's user info as a Basic Authorization header (never shown)
+        if parts.username is not None:
+            pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+            self.auth = "Basic " + base64.b64encode(pair.encode()).decode("ascii")
         base = parts.path.rstrip("/")
         self.base = base[: -len("/v1")] if base.endswith("/v1") else base  # ".../v1" or not: both accepted
         self.in_flight = 0
@@ -108,15 +146,15 @@ class ServerPool:
 
     def __init__(self, urls: list[str], *, per_server: int = 32, fail_threshold: int = 3, cooldown_s: float = 2.0,
                  cooldown_max_s: float = 60.0, max_trials: int = 5, log: Callable[[str], None] | None = None,
-                 clock=time.monotonic, spread: str = "least_loaded"):
+                 clock=time.monotonic, spread: str = "least_loaded", option: str = "--server"):
         if not urls:
-            raise ValueError("no --server given")
+            raise ValueError(f"no {option} given")
         if spread not in SPREADS:
             raise ValueError(f"spread {spread!r}: use one of {', '.join(SPREADS)}")
         self.spread = spread
-        self.servers = [Server(u, i) for i, u in enumerate(urls)]
-        if len({s.url for s in self.servers}) != len(self.servers):
-            raise ValueError("a --server is listed twice")
+        self.servers = [Server(u, i, option) for i, u in enumerate(urls)]
+        if len({(s.https, s.host, s.port, s.base) for s in self.servers}) != len(self.servers):
+            raise ValueError(f"a server is listed twice in {option}")
         self.per_server = per_server
         self.fail_threshold = fail_threshold
         self.cooldown_s = cooldown_s
@@ -195,13 +233,83 @@ class ServerPool:
                      "state": s.state()} for s in self.servers]
 
 
-class HttpClient:
-    """JSON requests, one keep-alive connection per thread and server. ``headers``: sent with every request
-    (an ``Authorization`` header read from the environment; never logged)."""
+class _Deadlines:
+    """Ends requests that outlive their deadline: one daemon thread (started on first use, shared by every
+    client of the process) shuts down the socket of an overdue request, which ends whatever read it is in.
+    A socket timeout alone bounds each read, not the request: a server trickling one byte a second, or
+    sending an endless chunked body, would hold it for ever."""
 
-    def __init__(self, timeout_s: float, headers: dict[str, str] | None = None):
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int]] = []
+        self._armed: dict[int, object] = {}  # token -> the connection to end at its deadline
+        self._tokens = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def arm(self, at: float, conn) -> int:
+        with self._cond:
+            token = next(self._tokens)
+            heapq.heappush(self._heap, (at, token))
+            self._armed[token] = conn
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="http-deadlines", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+            return token
+
+    def disarm(self, token: int) -> bool:
+        """Whether the deadline had passed (the request was ended by it)."""
+        with self._cond:
+            return self._armed.pop(token, None) is None
+
+    def _loop(self) -> None:
+        with self._cond:
+            while True:
+                while self._heap and self._heap[0][1] not in self._armed:
+                    heapq.heappop(self._heap)  # disarmed: done in time
+                if not self._heap:
+                    self._cond.wait()
+                    continue
+                at, token = self._heap[0]
+                wait = at - time.monotonic()
+                if wait > 0:
+                    self._cond.wait(wait)
+                    continue
+                heapq.heappop(self._heap)
+                conn = self._armed.pop(token)
+                sock = getattr(conn, "sock", None)
+                if sock is not None:
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)  # the blocked read returns at once
+                    except OSError:
+                        pass
+
+
+_DEADLINES = _Deadlines()
+
+#: The largest body read when a call names no ``max_body``: a reply past it is malformed, never buffered
+#: without end (an endless chunked body would otherwise grow until the process runs out of memory).
+DEFAULT_MAX_BODY = 64 * 2**20
+
+
+def body_cap(max_tokens: int, n: int = 1) -> int:
+    """The largest sensible body of a completion of at most ``max_tokens`` tokens (``n`` choices): 256 bytes a
+    token (a token of a few characters, JSON-escaped as ``\\uXXXX``, reasoning or tool calls beside it) plus
+    1 MiB of envelope. A bigger reply is not a completion of that request: it is malformed."""
+    return 2**20 + 256 * max(1, int(max_tokens)) * max(1, int(n))
+
+
+class HttpClient:
+    """JSON requests, one keep-alive connection per thread and server. ``timeout_s`` bounds each request as a
+    whole (connecting, sending, the answer's headers and body): a deadline, not a bound on each read.
+    ``headers``: sent with every request (an ``Authorization`` header read from the environment; never
+    logged); a server whose URL carries credentials gets them as Basic authentication unless these hold an
+    ``Authorization`` header. ``max_body``: the largest body read (``request`` may name a smaller one)."""
+
+    def __init__(self, timeout_s: float, headers: dict[str, str] | None = None, max_body: int = DEFAULT_MAX_BODY):
         self.timeout_s = timeout_s
         self.headers = dict(headers or {})
+        self.max_body = int(max_body)
         self._local = threading.local()
 
     def _conn(self, s: Server):
@@ -218,35 +326,69 @@ class HttpClient:
         if conn is not None:
             conn.close()
 
-    def request(self, s: Server, method: str, path: str, payload: dict | None = None) -> dict:
-        """The JSON body of a 2xx answer; raises RequestFailed with the kind of failure."""
+    def request(self, s: Server, method: str, path: str, payload: dict | None = None, *,
+                max_body: int | None = None) -> dict:
+        """The JSON body of a 2xx answer; raises RequestFailed with the kind of failure: ``timeout`` when the
+        whole answer has not come within ``timeout_s`` (however slowly it trickles), ``malformed`` for a body
+        over ``max_body`` bytes (default: the client's), ``client`` for a redirect (never followed)."""
         body = None if payload is None else json.dumps(payload).encode()
         headers = dict(self.headers, **({"Content-Type": "application/json"} if body is not None else {}))
+        if s.auth is not None and not any(k.lower() == "authorization" for k in headers):
+            headers["Authorization"] = s.auth
+        cap = self.max_body if max_body is None else min(int(max_body), self.max_body)
+        deadline = time.monotonic() + self.timeout_s
         for again in (False, True):
             conn, fresh = self._conn(s)
+            token = _DEADLINES.arm(deadline, conn)
             try:
+                conn.timeout = max(0.001, min(self.timeout_s, deadline - time.monotonic()))
+                if conn.sock is not None:
+                    conn.sock.settimeout(conn.timeout)
                 conn.request(method, s.base + path, body=body, headers=headers)
                 resp = conn.getresponse()
-                data = resp.read()
                 status = resp.status
+                location = resp.getheader("Location")
+                data = _read_body(resp, cap)
+                if _DEADLINES.disarm(token):  # the deadline ended it: what was read may be cut anywhere
+                    self._drop(s)
+                    raise RequestFailed("timeout", f"no complete answer within {self.timeout_s:g} s")
+                if data is None:
+                    self._drop(s)
+                    raise RequestFailed("malformed", f"HTTP {status} with a body over {_size(cap)} (the most a reply "
+                                                     "to this request can be): not read further")
                 if resp.will_close:
                     self._drop(s)
                 break
+            except RequestFailed:
+                _DEADLINES.disarm(token)
+                raise
             except TimeoutError:
+                _DEADLINES.disarm(token)
                 self._drop(s)
-                raise RequestFailed("timeout", f"no answer within {self.timeout_s:g} s") from None
+                raise RequestFailed("timeout", f"no complete answer within {self.timeout_s:g} s") from None
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
+                late = _DEADLINES.disarm(token)
                 self._drop(s)
+                if late:
+                    raise RequestFailed("timeout", f"no complete answer within {self.timeout_s:g} s") from None
                 if not fresh and not again:
                     continue  # a keep-alive connection the server had closed: once more on a new one
                 raise RequestFailed("reset", f"connection dropped ({type(e).__name__})") from None
             except ConnectionRefusedError:
+                _DEADLINES.disarm(token)
                 self._drop(s)
                 raise RequestFailed("refused", "connection refused") from None
             except (http.client.HTTPException, OSError) as e:
+                late = _DEADLINES.disarm(token)
                 self._drop(s)
+                if late:
+                    raise RequestFailed("timeout", f"no complete answer within {self.timeout_s:g} s") from None
                 kind = "reset" if isinstance(e, http.client.HTTPException) else "refused"
                 raise RequestFailed(kind, f"{type(e).__name__}: {e}") from None
+        if 300 <= status < 400:
+            where = redact_url(location) if location else "(no Location given)"
+            raise RequestFailed("client", f"HTTP {status}: redirect to {where} not followed; give the URL it "
+                                          "redirects to instead")
         if status >= 400:
             text = data[:200].decode("utf-8", "replace").strip()
             kind = "server" if status >= 500 or status in (408, 429) else "client"
@@ -258,6 +400,30 @@ class HttpClient:
         if not isinstance(out, dict):
             raise RequestFailed("malformed", f"HTTP {status} with a JSON {type(out).__name__}, not an object")
         return out
+
+
+def _read_body(resp: http.client.HTTPResponse, cap: int) -> bytes | None:
+    """The whole body, or None as soon as it is known to be over ``cap`` bytes (a declared length over it is
+    refused before a byte is read). Read piecewise: every piece is checked against the cap, and the deadline
+    (:class:`_Deadlines`) can end any read."""
+    length = resp.getheader("Content-Length")
+    if length is not None and length.strip().isdigit() and int(length) > cap:
+        return None
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        piece = resp.read1(1 << 16)
+        if not piece:
+            resp.close()  # read to its end (read1 leaves a response whose length reached 0 open: the
+            return b"".join(parts)  # connection's next request would be refused)
+        size += len(piece)
+        if size > cap:
+            return None
+        parts.append(piece)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} bytes"
 
 
 def discover_model(pool: ServerPool, client: HttpClient, model: str | None, log: Callable[[str], None],

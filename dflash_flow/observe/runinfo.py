@@ -13,8 +13,9 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
+# The one redaction lives in core.redact; importable from here as before.
+from dflash_flow.core.redact import REDACTED, redact_text, redact_uri, redact_value, uri_secrets  # noqa: F401
 from dflash_flow.util import config_hash as util_config_hash
 
 # mlflow's limits (mlflow.utils.validation); duplicated so that they are usable without importing mlflow.
@@ -27,7 +28,6 @@ MAX_ENTITY_KEY_LENGTH = 250
 # mlflow accepts Unicode word characters, "-", ".", " " and "/" in a key everywhere (":" too, except on
 # Windows servers); anything else fails the whole log_batch request.
 _KEY_BAD_CHARS = re.compile(r"[^\w\-. /]")
-REDACTED = "***"
 
 
 def default_run_name(name: str, output_dir: str | os.PathLike | None) -> str:
@@ -56,75 +56,19 @@ def truncate(value: str, limit: int) -> str:
     return value[: limit - len(marker)] + marker
 
 
-_URI_LIKE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
-
-
-def redact_uri(uri: str | os.PathLike) -> str:
-    """``uri`` without credentials: user info (``user:pass@``) and every query value become ``***``.
-
-    Used for everything the tracker logs, warns about or writes down (params, tags, warnings, the
-    spool), and by the application for the resolved config it stores. Strings that are not URLs
-    come back unchanged.
-    """
-    text = os.fspath(uri)
-    if not _URI_LIKE.match(text):
-        return text
-    try:
-        parts = urlsplit(text)
-    except ValueError:
-        return text
-    if "@" not in parts.netloc and not parts.query:
-        return text
-    netloc = parts.netloc
-    if "@" in netloc:
-        netloc = REDACTED + "@" + netloc.rsplit("@", 1)[1]
-    out = f"{parts.scheme}://{netloc}{parts.path}"  # not urlunsplit: it drops the "//" of "sqlite:///x"
-    if parts.query:
-        out += "?" + urlencode([(k, REDACTED) for k, _ in parse_qsl(parts.query, keep_blank_values=True)], safe="*")
-    return out + (f"#{parts.fragment}" if parts.fragment else "")
-
-
-_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>()]+")
-
-
-def uri_secrets(uri: str | os.PathLike | None) -> tuple[str, ...]:
-    """The credentials a URI carries (user, password, query values), as they may appear in messages."""
-    if uri is None or not _URI_LIKE.match(os.fspath(uri)):
-        return ()
-    try:
-        parts = urlsplit(os.fspath(uri))
-    except ValueError:
-        return ()
-    found = []
-    if "@" in parts.netloc:
-        found += parts.netloc.rsplit("@", 1)[0].split(":", 1)
-    found += [v for _, v in parse_qsl(parts.query, keep_blank_values=True)]
-    # Raw and decoded forms; very short values are left alone (they would blank out unrelated text).
-    return tuple(sorted({f for v in found for f in (v, unquote(v), quote(v, safe="")) if len(f) >= 3}, key=len, reverse=True))
-
-
-def redact_text(text: str, secrets: tuple[str, ...] = ()) -> str:
-    """``text`` (an error message, say) with every URL in it passed through :func:`redact_uri` and
-    every one of ``secrets`` (see :func:`uri_secrets`) replaced by ``***`` wherever it appears: HTTP
-    libraries quote bits of the URL they failed on (``Max retries exceeded with url: /?token=...``)."""
-    out = _URL_IN_TEXT.sub(lambda m: redact_uri(m.group(0)), str(text))
-    for secret in secrets:
-        out = out.replace(secret, REDACTED)
-    return out
-
-
 def stringify(value: Any) -> str:
-    """A param or tag value as MLflow text (URLs with their credentials redacted)."""
+    """A param or tag value as MLflow text, with every URL in it (strings inside lists and dicts too) without
+    its credentials (``core.redact``)."""
     if isinstance(value, str):
-        return redact_uri(value)
+        return redact_text(value)
     if isinstance(value, Path):
-        return str(value)
+        return redact_text(str(value))
     if isinstance(value, (list, tuple, set, frozenset, dict)):
         try:
-            return json.dumps(list(value) if isinstance(value, (set, frozenset)) else value, default=str)
+            return json.dumps(redact_value(list(value) if isinstance(value, (set, frozenset)) else value), default=str)
         except (TypeError, ValueError):
-            return str(value)
-    return str(value)
+            return redact_text(str(value))
+    return redact_text(str(value))
 
 
 def tag_values(tags: Mapping[str, Any]) -> dict[str, str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Optional
 
@@ -47,7 +48,19 @@ def _cache_dir(value: Optional[str]) -> Optional[Path]:
 
 
 _REGENERATE_KEYS = {"servers", "out_dir", "max_new_tokens", "concurrency", "sampling", "target", "thinking",
-                    "timeout_s", "max_attempts", "served_model", "seed", "system_prompt"}
+                    "timeout_s", "max_attempts", "served_model", "seed", "system_prompt", "api_key_env"}
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _api_key_env_problem(value: Any) -> str | None:
+    """Why ``regenerate.api_key_env`` cannot name an environment variable (the value is never repeated: it
+    may be the key itself, written there by mistake)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _ENV_NAME.fullmatch(value):
+        return ("'regenerate.api_key_env' names the environment variable that holds the servers' API key (e.g. "
+                "OPENAI_API_KEY), never the key itself; this value is no variable name")
+    return None
 
 
 def _regenerate_ok(inst, _attr, value) -> None:
@@ -62,6 +75,12 @@ def _regenerate_ok(inst, _attr, value) -> None:
     servers = value.get("servers")
     if not isinstance(servers, list) or not servers or not all(isinstance(u, str) for u in servers):
         raise ValueError("'regenerate.servers' must be a non-empty list of server URLs (e.g. http://host:8000)")
+    from dflash_flow.engine.http import ServerPool
+
+    ServerPool(servers, option="'regenerate.servers'")  # each an http(s) URL with a valid port, none twice
+    why = _api_key_env_problem(value.get("api_key_env"))
+    if why:
+        raise ValueError(why)
     if not isinstance(value.get("out_dir"), str) or not value["out_dir"]:
         raise ValueError("'regenerate.out_dir' must name the directory the regenerated replies are written to")
     names = [Path(p).name for p in inst.paths]
@@ -250,11 +269,29 @@ class ChatSource(_RecordSource):
         metadata={"config": True, "doc": "Regenerate the replies through OpenAI-compatible servers before reading "
                   "(on first use; later runs find them written): {servers: [URL, ...], out_dir: DIR, and optionally "
                   "max_new_tokens, concurrency, sampling (greedy|target), target, thinking, timeout_s, "
-                  "max_attempts, served_model, seed, system_prompt}. Each input P (JSONL) is answered into "
-                  "OUT_DIR/<name of P>.regen.jsonl and read, in P's order, from OUT_DIR/<name of P>; thinking "
-                  "defaults to template_kwargs.enable_thinking."},
+                  "max_attempts, served_model, seed, system_prompt, api_key_env}. Each input P (JSONL) is answered "
+                  "into OUT_DIR/<name of P>.regen.jsonl and read, in P's order, from OUT_DIR/<name of P>; thinking "
+                  "defaults to template_kwargs.enable_thinking. api_key_env names the environment variable holding "
+                  "the servers' API key (sent as a Bearer token; default OPENAI_API_KEY when that is set), never the "
+                  "key itself; credentials in a server URL (http://user:pw@host) are sent as Basic authentication. "
+                  "timeout_s bounds each request as a whole."},
     )
     _tokenizer_dir: str | None = attrs.field(default=None, init=False)  # a subclass's own tokenizer (embedded)
+
+    def config_problems(self) -> list[tuple[str, str]]:
+        out = super().config_problems()
+        env = (self.regenerate or {}).get("api_key_env")
+        if env is not None and _api_key_env_problem(env) is None and not os.environ.get(env):
+            out.append(("regenerate", f"regenerate.api_key_env: ${env} is not set in this environment (it holds the "
+                                      "servers' API key): export it before the run, or drop api_key_env"))
+        return out
+
+    def _api_key(self) -> str | None:
+        """The servers' API key: from ``regenerate.api_key_env``'s variable (which must be set), else from
+        $OPENAI_API_KEY when that is set, else none."""
+        from dflash_flow.engine.http import api_key_from_env
+
+        return api_key_from_env((self.regenerate or {}).get("api_key_env"), "regenerate.api_key_env")
 
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
@@ -275,6 +312,8 @@ class ChatSource(_RecordSource):
         from dflash_flow.embedded.served import regenerate_served
 
         r = dict(self.regenerate)
+        r.pop("api_key_env", None)
+        api_key = self._api_key()
         out_dir = Path(r.pop("out_dir")).expanduser()
         out_dir.mkdir(parents=True, exist_ok=True)
         if "thinking" not in r and "enable_thinking" in self.template_kwargs:
@@ -299,10 +338,15 @@ class ChatSource(_RecordSource):
                     log.info("%s: regenerated %d/%d replies of %s", ctx.name, done, total, path)
 
             ctx.busy_with = f"regenerating {path} through {len(kw['servers'])} server(s)"
+
+            def busy(what: str, path=path) -> None:  # the watchdog names the server a stall waits on
+                ctx.busy_with = f"regenerating {path}: {what}"
+
             try:
                 stats = regenerate_served(Path(path).expanduser(), out=work, ordered_out=final, progress=progress,
                                           log=lambda m: log.warning("%s: %s", ctx.name, m), check_stop=ctx.check_stop,
-                                          wait=waiting, **kw)
+                                          wait=waiting, api_key=api_key, option="regenerate.servers", busy=busy,
+                                          **kw)
             finally:
                 ctx.busy_with = ""
             log.info("%s: %s: %d replies (%d now: %s), read from %s", ctx.name, path, stats.total, stats.generated,

@@ -49,6 +49,7 @@ def test_an_unknown_spread_is_refused():
 
 
 def test_passwords_never_show():
-    assert redact_url("http://user:s3cret@host:8000/v1") == "http://user:***@host:8000/v1"
+    assert redact_url("http://user:s3cret@host:8000/v1") == "http://***@host:8000/v1"  # the one redaction
+    assert redact_url("user:s3cret@host:8000") == "http://***@host:8000"
     assert redact_url("http://host:8000") == "http://host:8000"
     assert "s3cret" not in ServerPool(["http://u:s3cret@h:1"]).describe()

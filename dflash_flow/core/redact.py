@@ -1,0 +1,93 @@
+"""Credentials out of everything written or printed: the one redaction of the project.
+
+A URL may carry credentials (``http://alice:PASSWORD@host``, ``https://host/x?token=T``): every place that
+writes a setting down or prints one -- the run's params, tags and resolved YAML, checkpoints' settings, the
+MLflow spool, the regenerate summary, warnings and error rows, error messages -- passes it through here.
+
+* :func:`redact_uri` -- one URL without its credentials: the user info becomes ``***`` and so does every
+  query value; anything that is not a URL comes back unchanged;
+* :func:`redact_text` -- every URL inside a text (an error message, a YAML document) redacted, and any of
+  ``secrets`` (:func:`uri_secrets`: the bits an HTTP library may quote on their own) replaced;
+* :func:`redact_value` -- the same through a setting of any shape: strings inside lists and dicts too.
+
+Pure functions of the standard library (every layer may use them).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
+
+__all__ = ["REDACTED", "redact_text", "redact_uri", "redact_value", "uri_secrets"]
+
+REDACTED = "***"
+
+_URI_LIKE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>()]+")
+
+
+def redact_uri(uri: str | os.PathLike) -> str:
+    """``uri`` without credentials: user info (``user:pass@``) and every query value become ``***``
+    (``http://***@host:8000/v1``). Strings that are not URLs come back unchanged."""
+    text = os.fspath(uri)
+    if not _URI_LIKE.match(text):
+        return text
+    try:
+        parts = urlsplit(text)
+    except ValueError:
+        return text
+    if "@" not in parts.netloc and not parts.query:
+        return text
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = REDACTED + "@" + netloc.rsplit("@", 1)[1]
+    out = f"{parts.scheme}://{netloc}{parts.path}"  # not urlunsplit: it drops the "//" of "sqlite:///x"
+    if parts.query:
+        out += "?" + urlencode([(k, REDACTED) for k, _ in parse_qsl(parts.query, keep_blank_values=True)], safe="*")
+    return out + (f"#{parts.fragment}" if parts.fragment else "")
+
+
+def uri_secrets(uri: str | os.PathLike | None) -> tuple[str, ...]:
+    """The credentials a URI carries (user, password, query values), as they may appear in messages: raw,
+    percent-decoded and percent-encoded; longest first. Values shorter than 3 characters are left out (they
+    would blank out unrelated text)."""
+    if uri is None or not _URI_LIKE.match(os.fspath(uri)):
+        return ()
+    try:
+        parts = urlsplit(os.fspath(uri))
+    except ValueError:
+        return ()
+    found = []
+    if "@" in parts.netloc:
+        found += parts.netloc.rsplit("@", 1)[0].split(":", 1)
+    found += [v for _, v in parse_qsl(parts.query, keep_blank_values=True)]
+    return tuple(sorted({f for v in found for f in (v, unquote(v), quote(v, safe="")) if len(f) >= 3},
+                        key=len, reverse=True))
+
+
+def redact_text(text: str, secrets: tuple[str, ...] = ()) -> str:
+    """``text`` with every URL in it passed through :func:`redact_uri` and every one of ``secrets`` replaced
+    by ``***`` wherever it appears (HTTP libraries quote bits of the URL they failed on: ``Max retries
+    exceeded with url: /?token=...``)."""
+    out = _URL_IN_TEXT.sub(lambda m: redact_uri(m.group(0)), str(text))
+    for secret in secrets:
+        if secret:
+            out = out.replace(secret, REDACTED)
+    return out
+
+
+def redact_value(value: Any, secrets: tuple[str, ...] = ()) -> Any:
+    """``value`` (a setting: a string, or lists, tuples and dicts of them, nested) with :func:`redact_text`
+    applied to every string in it, keys included; other values as they are. Same shape, new containers."""
+    if isinstance(value, str):
+        return redact_text(value, secrets)
+    if isinstance(value, dict):
+        return {redact_value(k, secrets) if isinstance(k, str) else k: redact_value(v, secrets)
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact_value(v, secrets) for v in value]
+    if isinstance(value, tuple):
+        return tuple(redact_value(v, secrets) for v in value)
+    return value
