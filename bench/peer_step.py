@@ -359,21 +359,23 @@ def case_flops(c: dict, anchors) -> dict[str, int]:
     return step_flops(case_shape(c), kept, context)
 
 
-def matmul_peak(n: int = 2048, reps: int = 5) -> float:
+def matmul_peak(n: int = 2048, reps: int = 5, *, cpu: bool = False) -> float:
     """FLOP/s of ``torch.mm`` on ``n x n`` fp32 squares with this process's intra-op threads (best of ``reps``):
-    the roofline's ceiling for this thread count on this machine."""
+    the roofline's ceiling for this thread count on this machine. ``cpu``: per second of process CPU time (what
+    a core gives while this process holds it; steadier than wall time when other work shares the cores)."""
     import torch
 
+    clock = time.process_time if cpu else time.perf_counter
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
     out = torch.empty(n, n)
     torch.mm(a, b, out=out)  # warm-up
     best = float("inf")
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock()
         torch.mm(a, b, out=out)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
+        best = min(best, clock() - t0)
+    return 2 * n**3 / max(best, 1e-9)
 
 
 def counted_flops(step, anchors) -> int:
@@ -513,6 +515,7 @@ def run_case(name: str, args, sf_classes, baseline, baseline_dir) -> dict:
         entry["achieved_gflops"] = round(mean_flops["total"] / entry["ms"] / 1e6, 2)
         entry["mfu"] = round(mean_flops["total"] / (entry["ms"] / 1000) / args.peak, 3)
         entry["mfu_min"] = round(mean_flops["total"] / (entry["min_ms"] / 1000) / args.peak, 3)
+        entry["mfu_cpu"] = round(mean_flops["total"] / (entry["cpu_ms"] / 1000) / args.peak_cpu, 3)
     if not args.no_memory:
         for n in impls:
             result["implementations"][n].update(measure_memory(name, n, args, baseline_dir))
@@ -568,6 +571,7 @@ def main() -> int:
     load_before = os.getloadavg()
     peaks = [matmul_peak()]  # the roofline's ceiling: this thread count's torch.mm, before and after the cases
     args.peak = peaks[0]
+    args.peak_cpu = matmul_peak(cpu=True)
     with tempfile.TemporaryDirectory() as tmp:
         baseline = load_baseline(args.baseline, Path(tmp)) if args.baseline else None
         cases = [
@@ -587,15 +591,17 @@ def main() -> int:
         rounds=args.rounds,
         load_average=dict(before=[round(x, 2) for x in load_before], after=[round(x, 2) for x in os.getloadavg()]),
         matmul_peak_gflops=dict(
-            used=round(peaks[0] / 1e9, 2), after=round(peaks[1] / 1e9, 2), n=2048, dtype="float32",
+            used=round(peaks[0] / 1e9, 2), after=round(peaks[1] / 1e9, 2), cpu=round(args.peak_cpu / 1e9, 2),
+            n=2048, dtype="float32",
             note="torch.mm on 2048 x 2048 fp32 squares, best of 5, this process's intra-op threads; measured "
-            "before the cases (used for mfu) and after them",
+            "before the cases (used for mfu) and after them; cpu: per second of process CPU time (for mfu_cpu)",
         ),
         roofline_note=(
             "model_flops: step_flops (analytic, from the shapes and each timed round's kept anchors; mean over "
             "the rounds): projections, attention over each block's visible keys, MLP, the LM head on slots "
             "1..B-1; backward 2x forward (1x for fc and the frozen head). mfu: model_flops.total / median step "
-            "(mfu_min: / fastest step) / matmul_peak_gflops.used. counted_flops: FlopCounterMode on one step "
+            "(mfu_min: / fastest step) / matmul_peak_gflops.used; mfu_cpu: over the median step's process CPU time / the "
+            "peak per CPU second (steadier on a shared box: a step that waits for a core costs no CPU time). counted_flops: FlopCounterMode on one step "
             "of that implementation (matmuls and the CPU flash kernel as executed, wasted work included)."
         ),
         note=(
@@ -628,7 +634,8 @@ def main() -> int:
         print(
             f"  roofline: {c['model_flops']['total'] / 1e9:.2f} GFLOP per step (model count), "
             + ", ".join(
-                f"{n} {v['achieved_gflops']:.1f} GFLOP/s = mfu {v['mfu']:.3f} (counted {v['counted_flops'] / 1e9:.2f} GFLOP)"
+                f"{n} {v['achieved_gflops']:.1f} GFLOP/s = mfu {v['mfu']:.3f} (cpu {v['mfu_cpu']:.3f}; counted "
+                f"{v['counted_flops'] / 1e9:.2f} GFLOP)"
                 for n, v in impl.items()
             )
             + f" of the {report['matmul_peak_gflops']['used']:.1f} GFLOP/s matmul peak"
