@@ -21,6 +21,10 @@ class TargetBackend(Protocol):
     layer_ids: list[int]
     hidden_size: int  # of one layer
     vocab_size: int  # token ids at or above it are refused before the forward
+    # Each row's features do not depend on the other rows of its call (an engine: every row is its own
+    # request); a per-sample cache then sends all its missing rows in one call. False for a padded batch
+    # through an in-process model, whose rows alone are not bit-equal to the batch's.
+    rows_independent: bool
 
     def setup(self, *, devices: Sequence[str], out_device: str, name: str) -> None: ...
 
@@ -50,6 +54,7 @@ class InProcessBackend:
         self.layer_ids: list[int] = []
         self.hidden_size = 0
         self.vocab_size = 0
+        self.rows_independent = False
         self.model: Any = None
         self.extractor: Any = None
 

@@ -75,18 +75,53 @@ class FeatureCache:
             return True
 
 
+def compute_alone(
+    features: Callable[..., torch.Tensor],
+    rows: Sequence[torch.Tensor],
+    sample_ids: Sequence[Any],
+    *,
+    together: bool = False,
+) -> list[torch.Tensor]:
+    """Each 1-D row of tokens' features ``[length, F]`` as if computed alone (a batch of one, its own length,
+    no padding), through ``features(input_ids, attention_mask, lengths, sample_ids)`` (a TargetBackend's).
+
+    ``together``: the backend computes every row of a batch independently of the others (its
+    ``rows_independent``: each row is its own engine request, unpadded), so all the rows go in one right-padded
+    call and keep the backend's concurrency; otherwise one call per row (a padded batch through an in-process
+    model is not bit-equal to its rows alone)."""
+    import torch
+
+    if not rows:
+        return []
+    lengths = [int(r.shape[0]) for r in rows]
+    if not together:
+        out = []
+        for r, length, sid in zip(rows, lengths, sample_ids, strict=True):
+            ids = r.unsqueeze(0)
+            out.append(features(ids, torch.ones_like(ids), [length], [sid])[0, :length])
+        return out
+    ids = torch.zeros((len(rows), max(lengths)), dtype=rows[0].dtype, device=rows[0].device)
+    mask = torch.zeros_like(ids)
+    for i, (r, length) in enumerate(zip(rows, lengths, strict=True)):
+        ids[i, :length] = r
+        mask[i, :length] = 1
+    batch = features(ids, mask, lengths, list(sample_ids))
+    return [batch[i, :length] for i, length in enumerate(lengths)]
+
+
 def per_sample_features(
-    extract: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    features: Callable[..., torch.Tensor],
     input_ids: torch.Tensor,
     lengths: Sequence[int],
     sample_ids: Sequence[int],
     cache: FeatureCache | None,
     *,
     device: Any = None,
+    together: bool = False,
 ) -> tuple[torch.Tensor, list[int]]:
-    """Features ``[b, S, F]`` of a right-padded batch, each row computed alone (``extract(ids [1, L],
-    mask [1, L])``) or read from ``cache``; padded positions zero. Returns the features and the rows that
-    ran the target."""
+    """Features ``[b, S, F]`` of a right-padded batch, each row computed alone (:func:`compute_alone`, through
+    a TargetBackend's ``features``) or read from ``cache``; padded positions zero. Returns the features and
+    the rows that ran the target."""
     import torch
 
     b, s = input_ids.shape
@@ -94,21 +129,26 @@ def per_sample_features(
         raise ValueError(f"{len(lengths)} lengths for a batch of {b} rows")
     if len(sample_ids) != b:
         cache, sample_ids = None, [None] * b  # rows without ids: computed alone, not kept
-    out: torch.Tensor | None = None
-    computed: list[int] = []
-    for i, (length, sid) in enumerate(zip(lengths, sample_ids, strict=True)):
-        length = int(length)
-        row = cache.get(int(sid), length) if cache is not None else None
-        if row is None:
-            ids = input_ids[i : i + 1, :length]
-            row = extract(ids, torch.ones_like(ids))[0]
-            computed.append(i)
-            if cache is not None:
-                cache.put(int(sid), row)
-        if out is None:
-            out = torch.zeros((b, s, row.shape[-1]), dtype=row.dtype, device=device or row.device)
-        out[i, :length] = row
+    lengths = [int(n) for n in lengths]
+    found: dict[int, torch.Tensor] = {}
+    if cache is not None:
+        for i, (length, sid) in enumerate(zip(lengths, sample_ids, strict=True)):
+            row = cache.get(int(sid), length)
+            if row is not None:
+                found[i] = row
+    computed = [i for i in range(b) if i not in found]
+    new = compute_alone(features, [input_ids[i, : lengths[i]] for i in computed],
+                        [sample_ids[i] for i in computed], together=together)
+    for i, row in zip(computed, new, strict=True):
+        found[i] = row
+        if cache is not None:
+            cache.put(int(sample_ids[i]), row)
     if cache is not None:
         cache.count(b - len(computed), len(computed))
-    assert out is not None, "a batch with no rows has no features"
+    if not found:
+        raise ValueError("a batch with no rows has no features")
+    first = next(iter(found.values()))
+    out = torch.zeros((b, s, first.shape[-1]), dtype=first.dtype, device=device or first.device)
+    for i, row in found.items():
+        out[i, : lengths[i]] = row
     return out, computed

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from dflash_flow.model.feature_cache import FeatureCache
+from dflash_flow.model.feature_cache import FeatureCache, compute_alone
 from dflash_flow.model.feature_store import (
     CODECS,
     Codec,
@@ -241,6 +241,7 @@ class StoreBackend:
         self.layer_ids: list[int] = list(layer_ids or getattr(inner, "layer_ids", []) or [])
         self.hidden_size: int = int(getattr(inner, "hidden_size", 0) or 0)
         self.vocab_size: int = int(getattr(inner, "vocab_size", 0) or 0)
+        self.rows_independent = False  # rows from disk or RAM are independent, but a cache above adds nothing
         self._users = 0
         self._out_device: torch.device = torch.device("cpu")
         self._name = "target"
@@ -321,6 +322,7 @@ class StoreBackend:
             t.store.prefetch(int(sid) for sid in sample_ids if sid is not None and int(sid) not in t.ram)
         out: torch.Tensor | None = None
         hits = misses = 0
+        todo: list[tuple[int, int | None, torch.Tensor, int | None]] = []  # (row, sample id, tokens, digest)
         for i, (length, sid) in enumerate(zip(lengths, sample_ids, strict=True)):
             length = int(length)
             toks = ids_cpu[i, :length]
@@ -328,7 +330,7 @@ class StoreBackend:
                 if self.mode == "offline":
                     raise FeatureStoreError(f"{self._name}: a row without a sample id cannot be read from feature store "
                                             f"{self.path}")
-                out = self._place(out, b, s, i, self._compute(toks, None))
+                todo.append((i, None, toks, None))
                 continue
             sid = int(sid)
             row = t.ram.get(sid, length)
@@ -348,7 +350,13 @@ class StoreBackend:
                 raise FeatureStoreError(
                     f"{self._name}: sample {sid} is not in feature store {self.path}: it was built from other data "
                     "(run `dflash-flow features build PIPELINE` for this pipeline's data)")
-            out = self._place(out, b, s, i, t.keep(sid, toks, digest, self._compute(toks, sid)))
+            todo.append((i, sid, toks, digest))
+        # The rows no tier holds, each computed alone (in one call where the target's rows are independent).
+        rows = compute_alone(self.inner.features, [toks for _, _, toks, _ in todo], [sid for _, sid, _, _ in todo],
+                             together=self.inner.rows_independent) if todo else []
+        for (i, sid, toks, digest), row in zip(todo, rows, strict=True):
+            row = row.detach().to("cpu")
+            out = self._place(out, b, s, i, row if sid is None else t.keep(sid, toks, digest, row))
         t.ram.count(hits, misses)
         if out is None:
             raise ValueError("a batch with no rows has no features")
@@ -357,12 +365,6 @@ class StoreBackend:
         return out
 
     # -- rows -----------------------------------------------------------------------------------------
-    def _compute(self, toks: torch.Tensor, sid: int | None) -> torch.Tensor:
-        """One sample alone through this replica's target (the inner backend moves its inputs to its model)."""
-        length = toks.shape[0]
-        ids = toks.unsqueeze(0)
-        return self.inner.features(ids, torch.ones_like(ids), [length], [sid])[0, :length].detach().to("cpu")
-
     def _out_dtype_known(self) -> bool:
         t = self.tier
         if t.out_dtype is None and t.codec is not None:

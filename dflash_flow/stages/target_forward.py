@@ -170,12 +170,9 @@ class TargetForward(Stage, UsesModel):
 
         cache = self._cache
         backend = self._backend
-
-        def extract(ids, mask):
-            return backend.features(ids, mask, [ids.shape[1]], [None])
-
-        hidden, computed = per_sample_features(extract, input_ids, batch.meta.lengths,
-                                               batch.meta.sample_ids, cache, device=self._out_device)
+        hidden, computed = per_sample_features(backend.features, input_ids, batch.meta.lengths,
+                                               batch.meta.sample_ids, cache, device=self._out_device,
+                                               together=backend.rows_independent)
         self._m_hits.inc(len(batch.meta.lengths) - len(computed))
         self._m_misses.inc(len(computed))
         self._m_cached.set(len(cache))

@@ -31,6 +31,7 @@ class ExtractorBackend:
         embed = model.get_input_embeddings()
         self.hidden_size = int(embed.embedding_dim)
         self.vocab_size = int(embed.num_embeddings)
+        self.rows_independent = False  # a padded batch through the model, as in process
         self.rows = 0
         self.setups = 0
         self.closed = 0

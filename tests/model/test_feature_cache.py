@@ -26,6 +26,11 @@ def extractor():
     return TargetFeatureExtractor(load_target("tiny-qwen3-8l"), [1, 5])
 
 
+def features_of(extractor):
+    """The TargetBackend ``features`` signature over a bare extractor."""
+    return lambda ids, mask, lengths, sample_ids: extractor(ids, mask)
+
+
 def _batch(lengths, s: int, seed: int = 0):
     ids = torch.randint(1, 500, (len(lengths), s), generator=torch.Generator().manual_seed(seed))
     mask = (torch.arange(s)[None] < torch.tensor(lengths)[:, None]).long()
@@ -36,7 +41,7 @@ def test_rows_are_each_samples_own_features_padding_zero_and_cached_rows_come_ba
     lengths = [20, 13, 7]
     ids, mask = _batch(lengths, 20)
     cache = FeatureCache(budget_bytes=2**30)
-    got, computed = per_sample_features(extractor, ids, lengths, [10, 11, 12], cache)
+    got, computed = per_sample_features(features_of(extractor), ids, lengths, [10, 11, 12], cache)
     assert computed == [0, 1, 2] and len(cache) == 3 and cache.misses == 3 and cache.hits == 0
     batched = extractor(ids, mask)
     assert got.shape == batched.shape
@@ -49,7 +54,7 @@ def test_rows_are_each_samples_own_features_padding_zero_and_cached_rows_come_ba
     # Another batch (another epoch): the same samples in another order and padding, none recomputed.
     ids2 = torch.zeros(2, 24, dtype=torch.long)
     ids2[0, :7], ids2[1, :20] = ids[2, :7], ids[0, :20]
-    again, computed = per_sample_features(extractor, ids2, [7, 20], [12, 10], cache)
+    again, computed = per_sample_features(features_of(extractor), ids2, [7, 20], [12, 10], cache)
     assert computed == [] and cache.hits == 2
     assert torch.equal(again[0, :7], got[2, :7]) and torch.equal(again[1, :20], got[0, :20])
     assert not again[0, 7:].any()
@@ -60,20 +65,47 @@ def test_a_full_cache_recomputes_what_does_not_fit_with_the_same_values(extracto
     ids, _ = _batch(lengths, 16, seed=1)
     row_bytes = 16 * 2 * 64 * 4  # tokens x (2 layers x hidden 64) x fp32
     small = FeatureCache(budget_bytes=row_bytes)  # room for one sample
-    first, computed = per_sample_features(extractor, ids, lengths, [0, 1], small)
+    first, computed = per_sample_features(features_of(extractor), ids, lengths, [0, 1], small)
     assert computed == [0, 1] and len(small) == 1 and small.full
-    second, computed = per_sample_features(extractor, ids, lengths, [0, 1], small)
+    second, computed = per_sample_features(features_of(extractor), ids, lengths, [0, 1], small)
     assert computed == [1]  # the one that did not fit runs again; nothing is evicted
     assert torch.equal(first, second)
-    unchanged, _ = per_sample_features(extractor, ids, lengths, [0, 1], None)
+    unchanged, _ = per_sample_features(features_of(extractor), ids, lengths, [0, 1], None)
     assert torch.equal(first, unchanged)
 
 
 def test_a_sample_whose_length_changed_is_not_read_from_the_cache(extractor):
     ids, _ = _batch([12], 12, seed=2)
     cache = FeatureCache(budget_bytes=2**30)
-    per_sample_features(extractor, ids, [12], [5], cache)
+    per_sample_features(features_of(extractor), ids, [12], [5], cache)
     assert cache.get(5, 12) is not None and cache.get(5, 11) is None
+
+
+def test_a_backend_whose_rows_are_independent_gets_the_missing_rows_in_one_call(extractor):
+    """An engine's rows are its own requests (``rows_independent``): the cache sends all the rows it lacks in
+    one call (the engine keeps them concurrent) and gets what each row alone gives; a backend without that
+    property (a padded in-process batch) still gets one call per row."""
+    lengths = [20, 13, 7]
+    ids, _ = _batch(lengths, 20, seed=3)
+    calls: list[list] = []
+
+    def engine_like(ids, mask, lengths, sample_ids):  # each row alone, as an engine request is
+        calls.append(list(sample_ids))
+        out = torch.zeros(ids.shape[0], ids.shape[1], 128)
+        for i, n in enumerate(lengths):
+            out[i, :n] = extractor(ids[i : i + 1, :n], torch.ones(1, n, dtype=torch.long))[0]
+        return out
+
+    cache = FeatureCache(budget_bytes=2**30)
+    per_sample_features(engine_like, ids[2:], [7], [12], cache, together=True)  # one row cached before
+    calls.clear()
+    together, computed = per_sample_features(engine_like, ids, lengths, [10, 11, 12], cache, together=True)
+    assert computed == [0, 1] and calls == [[10, 11]]  # one call, the missing rows only
+    alone, _ = per_sample_features(features_of(extractor), ids, lengths, [10, 11, 12], None)
+    assert torch.equal(together, alone)
+    calls.clear()
+    per_sample_features(engine_like, ids, lengths, [1, 2, 3], None)
+    assert calls == [[1], [2], [3]]
 
 
 def test_the_replicas_of_a_stage_share_one_cache():
@@ -146,23 +178,19 @@ def test_a_cached_run_skips_the_target_after_the_first_epoch_and_trains_what_an_
         assert torch.equal(w, weights["recomputed"][k]), k  # bit-equal: the cache changes no value
 
 
-def test_the_drafters_threads_follow_the_epoch(monkeypatch):
-    from dflash_flow.model.threads import ThreadSwitchWatch
-    from dflash_flow.stages.drafter_step import DrafterStep
+def test_the_drafters_threads_follow_the_epoch():
+    from dflash_flow.model.threads import ThreadKnobs, ThreadPolicy
 
     before = torch.get_num_threads()
     try:
-        step = DrafterStep(torch_threads=1, torch_threads_after_first_epoch=2)
-        step._threads, step._thread_watch = None, ThreadSwitchWatch()
-        step._set_threads(0)
+        policy = ThreadPolicy(ThreadKnobs(torch_threads=1, torch_threads_after_first_epoch=2))
+        policy.apply(0, 0)
         assert torch.get_num_threads() == 1
-        step._set_threads(1)
+        policy.apply(1, 0)
         assert torch.get_num_threads() == 2
-        step._set_threads(3)
+        policy.apply(3, 0)
         assert torch.get_num_threads() == 2
-        plain = DrafterStep(torch_threads=1)
-        plain._threads, plain._thread_watch = None, ThreadSwitchWatch()
-        plain._set_threads(4)
+        ThreadPolicy(ThreadKnobs(torch_threads=1)).apply(4, 0)
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
@@ -206,63 +234,52 @@ def test_a_thread_switch_that_made_steps_slower_is_reported_once_with_what_to_se
     assert [early.observe(0.30) for _ in range(8)] == [None] * 8
 
 
-def test_two_threads_that_made_steps_slower_fall_back_to_one_for_the_rest_of_the_run_and_resume_so(caplog):
-    from dflash_flow.model.threads import ThreadSwitchWatch
-    from dflash_flow.stages.drafter_step import DrafterStep
+def test_two_threads_that_made_steps_slower_fall_back_to_one_for_the_rest_of_the_run_and_resume_so():
+    from dflash_flow.model.threads import ThreadKnobs, ThreadPolicy, ThreadSwitchWatch
 
-    class Ctx:
-        name = "drafter"
+    def policy(fallback_at=None, **knobs):
+        p = ThreadPolicy(ThreadKnobs(torch_threads=1, torch_threads_after_first_epoch=2, **knobs), fallback_at)
+        p._watch = ThreadSwitchWatch(window=4)
+        return p
 
     before = torch.get_num_threads()
     try:
-        step = DrafterStep(torch_threads=1, torch_threads_after_first_epoch=2)
-        step._threads, step._thread_watch, step._ctx = None, ThreadSwitchWatch(window=4), Ctx()
-        step._set_threads(0)
+        step, consumed, said = policy(), 0, []
+
+        def train(epoch, step_s):  # as the run does: threads for the batch, the batch counted, its time watched
+            nonlocal consumed
+            step.apply(epoch, consumed)
+            consumed += 1
+            said.append(step.observe(step_s, consumed))
+
         for _ in range(4):
-            step._total_consumed += 1  # as process() does: the batch counted, then its time watched
-            step._watch_threads(0.10)
-        step._set_threads(1)
-        assert torch.get_num_threads() == 2
+            train(0, 0.10)
         for _ in range(8):  # the cores were free: two threads pay
-            step._set_threads(1)
-            step._total_consumed += 1
-            step._watch_threads(0.06)
-        assert torch.get_num_threads() == 2 and step.get_state()["threads_fallback_at"] is None
-        with caplog.at_level("WARNING"):
-            for _ in range(3):  # a neighbour took a core: three steps 9x slower
-                step._set_threads(1)
-                step._total_consumed += 1
-                step._watch_threads(0.90)
-        assert "going back to 1 torch thread from batch 15 on" in caplog.text
-        step._set_threads(1)
-        assert torch.get_num_threads() == 1 and step.get_state()["threads_fallback_at"] == 15
+            train(1, 0.06)
+        assert torch.get_num_threads() == 2 and step.fallback_at is None and not any(said)
+        for _ in range(3):  # a neighbour took a core: three steps 9x slower
+            train(1, 0.90)
+        assert "going back to 1 torch thread from batch 15 on" in said[-1]
+        step.apply(1, consumed)
+        assert torch.get_num_threads() == 1 and step.fallback_at == 15
         for _ in range(8):  # and it stays there
-            step._set_threads(3)
-            step._total_consumed += 1
-            step._watch_threads(0.10)
+            train(3, 0.10)
         assert torch.get_num_threads() == 1
 
         # A resumed run: the state says where the threads went back; before that batch, two threads as then.
-        resumed = DrafterStep(torch_threads=1, torch_threads_after_first_epoch=2)
-        resumed._threads, resumed._thread_watch = None, ThreadSwitchWatch(window=4)
-        resumed._fallback_at = step.get_state()["threads_fallback_at"]
-        resumed._total_consumed = 10
-        resumed._set_threads(1)
+        resumed = policy(fallback_at=step.fallback_at)
+        resumed.apply(1, 10)
         assert torch.get_num_threads() == 2
-        resumed._total_consumed = 15
-        resumed._set_threads(1)
+        resumed.apply(1, 15)
         assert torch.get_num_threads() == 1
 
-        kept = DrafterStep(torch_threads=1, torch_threads_after_first_epoch=2,
-                           threads_fallback=False)
-        kept._threads, kept._thread_watch, kept._ctx = None, ThreadSwitchWatch(window=4), Ctx()
-        kept._set_threads(0)
+        kept = policy(threads_fallback=False)
+        kept.apply(0, 0)
         for _ in range(4):
-            kept._watch_threads(0.10)
-        kept._set_threads(1)
-        for _ in range(4):
-            kept._watch_threads(0.90)
-        kept._set_threads(1)
-        assert torch.get_num_threads() == 2 and kept._fallback_at is None  # warned only
+            kept.observe(0.10, 0)
+        kept.apply(1, 0)
+        warnings = [kept.observe(0.90, 0) for _ in range(4)]
+        kept.apply(1, 0)
+        assert any(warnings) and torch.get_num_threads() == 2 and kept.fallback_at is None  # warned only
     finally:
         torch.set_num_threads(before)

@@ -64,7 +64,7 @@ def test_offline_rows_equal_the_targets_per_sample_rows_bit_for_bit_with_no_targ
         ids, mask, lengths = padded(toks, order)
         sids = [500 + i for i in order]
         got = backend.features(ids, mask, lengths, sids)
-        want, _ = per_sample_features(extractor, ids, lengths, sids, None)  # today's cache path, online
+        want, _ = per_sample_features(lambda i, m, n, s: extractor(i, m), ids, lengths, sids, None)  # today's cache path, online
         assert got.dtype == torch.float32 and torch.equal(got, want)
     backend.close()
 
@@ -169,7 +169,7 @@ def test_hybrid_without_a_path_is_the_ram_cache_of_today(model, extractor, data)
             ids, mask, lengths = padded(toks, order)
             sids = [500 + i for i in order]
             got = backend.features(ids, mask, lengths, sids)
-            want, _ = per_sample_features(extractor, ids, lengths, sids, cache)
+            want, _ = per_sample_features(lambda i, m, n, s: extractor(i, m), ids, lengths, sids, cache)
             assert torch.equal(got, want)
     assert inner.rows == 24 and backend.ram.hits == 24
     backend.close()
