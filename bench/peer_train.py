@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     stages = stage_objects(v, out_dir, STAGES)
     torch.set_num_threads(args.threads)
     source, bucketer, interleaver, padder, target_stage, ours = (stages[n] for n in STAGES)
-    trainer = ours._trainer
+    trainer = ours._run.trainer
     start_state = {k: t.detach().clone() for k, t in trainer.drafter.state_dict().items()}
     theirs: SpecForgeTrainer | None = None
     times: dict[str, list[float]] = {"ours": [], "specforge": []}

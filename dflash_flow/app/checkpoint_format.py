@@ -202,7 +202,8 @@ def _out_of_range(value: Any, where: str, depth: int = 0) -> str | None:
 
 
 def _check_state(path: Path, state: Any) -> dict[str, Any]:
-    from dflash_flow.data.epoch import MAX_POSITION, plan_state_problem
+    from dflash_flow.data.epoch import MAX_POSITION
+    from dflash_flow.data.position import DataPosition
 
     def need(ok: bool, why: str) -> None:
         if not ok:
@@ -221,13 +222,8 @@ def _check_state(path: Path, state: Any) -> dict[str, Any]:
         need(state.get(key) is None or isinstance(state[key], dict), f"'{key}' must be an object")
     position = state.get("data_position") or {}
     if position:
-        need(_is_int(position.get("epoch")) and 0 <= position["epoch"] <= MAX_POSITION,
-             f"'data_position.epoch' must be a non-negative integer, got {position.get('epoch')!r:.80}")
-        need(position.get("total") is None or (_is_int(position["total"]) and 0 <= position["total"] <= MAX_POSITION),
-             f"'data_position.total' must be a non-negative integer, got {position.get('total')!r:.80}")
-        if position.get("plan") is not None:
-            problem = plan_state_problem(position["plan"])
-            need(problem is None, f"'data_position.plan': {problem}")
+        problem = DataPosition.problem(position)
+        need(problem is None, str(problem))
     for where, value in (("data_position", position), ("stage_states", state.get("stage_states"))):
         bad = _out_of_range(value, where)
         need(bad is None, f"{bad} is not a number a checkpoint holds")

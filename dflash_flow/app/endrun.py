@@ -17,11 +17,13 @@ def write_pictures(graph, output_dir: Path) -> list[tuple[Path, str]]:
     """The resolved YAML and the DAG (Mermaid text, a PNG), as (file, artifact folder) pairs."""
     from dflash_flow.app.exits import UserError, describe_os_error
     from dflash_flow.core.fill import complete_stage_configs
+    from dflash_flow.core.redact import redact_text
     from dflash_flow.core.render import render_image, to_mermaid
 
     files = [(output_dir / "pipeline.resolved.yaml", "config"), (output_dir / "pipeline.mmd", "dag")]
     try:
-        files[0][0].write_text(graph.to_yaml(complete_stage_configs(graph)))  # every default written out
+        # every default written out; credentials redacted (the one redaction: core.redact)
+        files[0][0].write_text(redact_text(graph.to_yaml(complete_stage_configs(graph))))
         files[1][0].write_text(to_mermaid(graph))
     except OSError as exc:
         raise UserError(f"cannot write into output_dir: {describe_os_error(exc)}") from None
@@ -81,6 +83,7 @@ def end_of_run(pipeline, services, outcome: Any, output_dir: Path, late: Any = N
     that cannot be written (a full disk) is a warning; a signal (``late``) cuts the rest short."""
     from dflash_flow.app.exits import describe_os_error
     from dflash_flow.observe.report import summary_table, write_run_report
+    from dflash_flow.util import atomic_write_text
 
     def interrupted() -> bool:
         return late is not None and bool(late.received)
@@ -101,7 +104,7 @@ def end_of_run(pipeline, services, outcome: Any, output_dir: Path, late: Any = N
         "mlflow_run_id": tracker.run_id,
     }
     try:
-        (output_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        atomic_write_text(output_dir / "summary.json", json.dumps(summary, indent=1, default=str))
         tracker.log_artifact(output_dir / "summary.json")
     except OSError as exc:
         log.warning("could not write the run summary: %s", describe_os_error(exc))
@@ -136,3 +139,22 @@ def end_of_run(pipeline, services, outcome: Any, output_dir: Path, late: Any = N
         from dflash_flow.model.export_contract import format_serve_commands
 
         print(format_serve_commands(record.serve_commands), file=sys.stderr)
+
+
+class RunExporter:
+    """The run's export (``services.Exporter``): the trained drafter written inside the output directory
+    (``model.export.DrafterExporter``), recorded in the run record for the end of run (its upload as the
+    ``drafter`` artifact, the serve commands printed last)."""
+
+    def __init__(self, output_dir: Path, record: Any) -> None:
+        from dflash_flow.model.export import DrafterExporter
+
+        self._exporter = DrafterExporter(output_dir)
+        self._record = record
+
+    def export(self, drafter: Any, state: dict[str, Any], out: str, *, target: str | None,
+               check_stop: Any = None) -> Any:
+        done = self._exporter.export(drafter, state, out, target=target, check_stop=check_stop)
+        self._record.artifacts["drafter"] = str(done.path)
+        self._record.serve_commands = done.serve_commands
+        return done

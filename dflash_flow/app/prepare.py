@@ -40,14 +40,19 @@ def build_resume_state(v: Validated, ckpt) -> dict[str, list[dict[str, Any]]]:
     position (``resume_state_for``), not from how far they had run ahead when the checkpoint was taken."""
     from dflash_flow.app.checkpoint_format import InvalidCheckpoint
     from dflash_flow.core import Stage
+    from dflash_flow.data.position import DataPosition
 
     if ckpt is None:
         return {}
     out: dict[str, list[dict[str, Any]]] = {}
+    try:  # read once, every field checked; handed to the stages that plan ahead of the trainer
+        position = DataPosition.from_dict(ckpt.data_position) if ckpt.data_position else None
+    except ValueError as exc:
+        raise InvalidCheckpoint(f"not a valid checkpoint: {ckpt.path}: state.json: {exc}") from None
     for spec in v.graph.stages:
         cls = v.classes[spec.name]
         try:
-            state = cls.resume_state_for(ckpt.data_position) if ckpt.data_position else None
+            state = cls.resume_state_for(position) if position is not None else None
         except (TypeError, ValueError, KeyError, IndexError, OverflowError) as exc:
             raise InvalidCheckpoint(f"not a valid checkpoint: {ckpt.path}: state.json: 'data_position' does not give "
                                     f"stage '{spec.name}' a state ({type(exc).__name__}: {exc})") from None

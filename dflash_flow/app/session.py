@@ -259,11 +259,10 @@ def _build(v: Validated, plan: _Plan, dist_ctx, tracker):
     import functools
 
     from dflash_flow.app.checkpoint import CheckpointService
-    from dflash_flow.app.endrun import ContainedUploads
+    from dflash_flow.app.endrun import ContainedUploads, RunExporter
     from dflash_flow.app.model_spec import build_model_spec
     from dflash_flow.app.prepare import build_resume_state
     from dflash_flow.core.runtime import Pipeline
-    from dflash_flow.model.export import DrafterExporter
     from dflash_flow.observe.record import RunRecord
     from dflash_flow.services import RunServices
 
@@ -285,7 +284,7 @@ def _build(v: Validated, plan: _Plan, dist_ctx, tracker):
     # export is written inside the output directory only.
     services = RunServices(model=build_model_spec(graph), tracker=ContainedUploads(tracker, output_dir),
                            checkpoints=checkpoints, resume=plan.ckpt, record=record, dist=dist_ctx,
-                           stop_consensus=dist_ctx, exporter=DrafterExporter(output_dir))
+                           stop_consensus=dist_ctx, exporter=RunExporter(output_dir, record))
     pipeline = Pipeline(v, services=services, resume_state=build_resume_state(v, plan.ckpt), output_dir=output_dir)
     return services, pipeline
 

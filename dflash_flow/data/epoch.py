@@ -9,10 +9,14 @@ from typing import Literal
 import attrs
 import numpy as np
 
+from dflash_flow.core.versioned import StateVersion
 from dflash_flow.items import BatchMeta
 
 from .interleave import interleave_buckets
 from .packing import PackedEpoch, PlanConfig, epoch_rng
+
+#: An ``EpochPlan.state_dict``: the plan's chain of world sizes and positions, its fingerprint.
+PLAN_STATE = StateVersion("plan state", 2)
 
 __all__ = ["FILLER", "MAX_POSITION", "EpochPlan", "order_packed", "plan_state_problem", "resume_plan"]
 
@@ -182,17 +186,15 @@ class EpochPlan:
 
     def state_dict(self, position: int) -> dict:
         """Resume state after ``position`` global batches of this plan were consumed."""
-        return {
-            "version": 2,
+        return PLAN_STATE.tag({
             "epoch": self.epoch,
             "chain": [list(c) for c in self.chain] + [[self.world_size, int(position)]],
             "fingerprint": self.fingerprint(),
-        }
+        })
 
     def check_state(self, state: dict) -> int:
         """Validate a `state_dict` of this very plan; returns the position to resume from."""
-        if state.get("version") != 2:
-            raise ValueError(f"unsupported plan state version {state.get('version')!r}")
+        PLAN_STATE.check(state)
         if state.get("epoch") != self.epoch:
             raise ValueError(f"plan state is for epoch {state.get('epoch')}, this plan is epoch {self.epoch}")
         chain = [tuple(c) for c in state.get("chain") or [(self.world_size, 0)]]
@@ -225,8 +227,9 @@ def plan_state_problem(state: object) -> str | None:
 
     if not isinstance(state, dict):
         return f"must be an object, got {type(state).__name__}"
-    if state.get("version") != 2:
-        return f"plan state version {state.get('version')!r:.40} is not supported (2 is)"
+    version = PLAN_STATE.problem(state)
+    if version is not None:
+        return version
     if not count(state.get("epoch")):
         return f"'epoch' must be a non-negative integer, got {state.get('epoch')!r:.40}"
     chain = state.get("chain")
@@ -259,7 +262,7 @@ def resume_plan(base: EpochPlan, state: dict, world_size: int) -> tuple[EpochPla
     plan = base
     for (_w, p), (w_next, _p) in zip(chain[:-1], chain[1:], strict=True):
         plan = plan.redeal(p, w_next)
-    position = plan.check_state({**state, "version": 2, "epoch": plan.epoch, "chain": [list(c) for c in chain]})
+    position = plan.check_state({**state, "version": PLAN_STATE.version, "epoch": plan.epoch, "chain": [list(c) for c in chain]})
     if plan.world_size == world_size:
         return plan, position
     return plan.redeal(position, world_size), 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -24,7 +25,7 @@ from torch import nn
 from .block_drafter import BlockDrafter, DraftSettings, draft_settings
 from .walk import WalkInput, walk_features, walk_input
 
-__all__ = ["HeldoutProbe", "ProbeResult"]
+__all__ = ["HeldoutProbe", "ProbeResult", "prepare_probe"]
 
 
 @attrs.frozen
@@ -90,3 +91,29 @@ class HeldoutProbe:
         finally:
             drafter.train(was_training)
         return ProbeResult(committed / blocks if blocks else 1.0, blocks, time.perf_counter() - t0)
+
+
+def prepare_probe(knobs: Any, path: str | Path, *, target: Any, tokenizer_path: str | None, trust_remote_code: bool,
+                  layer_ids: Sequence[int], device: str, dtype: torch.dtype) -> HeldoutProbe:
+    """The fixed held-out sample of ``path``: its first ``heldout_limit`` conversations (``knobs``:
+    ``model.heldout_schedule.HeldoutKnobs``) and the target's features over them (the target is loaded for
+    this, under the model-load lock, and freed)."""
+    from transformers import AutoTokenizer
+
+    from dflash_flow.data.chat import stop_token_ids
+    from dflash_flow.model.evaluation import read_walk_conversations
+    from dflash_flow.model.loading import MODEL_LOAD_LOCK
+    from dflash_flow.model.target import load_target
+
+    if tokenizer_path is None:
+        raise ValueError("heldout_data needs a tokenizer (set model.tokenizer)")
+    with MODEL_LOAD_LOCK:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+        stops = stop_token_ids(tokenizer)
+        conversations = read_walk_conversations(Path(path), tokenizer, knobs.heldout_limit, stops)
+        model = load_target(target, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+        try:
+            return HeldoutProbe.prepare(model, conversations, horizon=knobs.heldout_horizon, layer_ids=layer_ids,
+                                        stop_token_ids=stops, device=device, dtype=dtype)
+        finally:
+            del model

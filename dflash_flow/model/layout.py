@@ -381,10 +381,16 @@ def activation_bytes_per_block(drafter: nn.Module, *, vocab_size: int, context_l
     per_layer = elem * (6 * h + 2 * heads * d + 2 * kv * d + 4 * int(cfg.intermediate_size))
     # two context masks (all slots; the last layer without slot 0) and fp32 logits, log-softmax, grad
     per_token = len(drafter.layers) * per_layer + 2 * elem * context_len + 3 * 4 * int(vocab_size)
-    selector = getattr(drafter, "candidate_selector", None)
-    if selector is not None:  # DFlash 2: four convolutions per layer (in, out, taps), the candidates' codes
-        per_token += len(drafter.layers) * elem * 16 * h + 4 * 3 * selector.top_k * selector.successor_codebook.shape[1]
+    per_token += _variant_terms(drafter).activation_bytes_per_token(drafter, elem)  # DFlash 2's own
     return per_token * drafter.block_size
+
+
+def _variant_terms(drafter: nn.Module):
+    """The loss terms of the drafter's variant (``model.terms``), by its config's name."""
+    from dflash_flow.model.dflash2 import drafter_variant
+    from dflash_flow.model.terms import terms_for
+
+    return terms_for(drafter_variant(drafter.config))
 
 
 def chunk_activation_bytes(drafter: nn.Module, *, batch: int, blocks: int, context_len: int, vocab_size: int) -> int:

@@ -17,8 +17,13 @@ import torch
 from torch import nn
 
 from dflash_flow.core.errors import DflashFlowError
+from dflash_flow.core.versioned import StateVersion
 
 STATE_VERSION = 1
+OPTIMIZER_STATE = StateVersion("optimizer state", STATE_VERSION)
+# Version 1 was written before the schedule ran on torch's LambdaLR (step_count, base_lrs): still read.
+SCHEDULE_STATE = StateVersion("scheduler state", STATE_VERSION + 1, older=(STATE_VERSION,))
+ACCUMULATOR_STATE = StateVersion("accumulator state", STATE_VERSION)
 
 
 class NonFiniteError(DflashFlowError, FloatingPointError):
@@ -140,17 +145,15 @@ class MasterAdamW:
             m = m.detach()
             return m if m.is_cuda and type(m) is torch.Tensor else m.clone()  # (to_host copies the CUDA ones)
 
-        return to_host({
-            "version": STATE_VERSION,
+        return to_host(OPTIMIZER_STATE.tag({
             "optimizer": self.optimizer.state_dict(),
             # Masters are saved: the bf16 weights of a checkpoint have lost the low bits.
             "masters": [copy(m) if m is not p else None for m, p in zip(self.masters, self.params, strict=True)],
             "skipped_steps": self.skipped_steps,
-        })
+        }))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"unsupported optimizer state version {state.get('version')}")
+        OPTIMIZER_STATE.check(state)
         masters = state["masters"]
         if len(masters) != len(self.masters):
             raise ValueError(f"optimizer state has {len(masters)} params, model has {len(self.masters)}")
@@ -286,19 +289,16 @@ class WarmupCosineSchedule(torch.optim.lr_scheduler.LambdaLR):
     def state_dict(self) -> dict[str, Any]:
         """torch's state (the step count and lrs) and the schedule's shape, plain values only."""
         state = {k: v for k, v in super().state_dict().items() if k != "lr_lambdas"}
-        return {**state, "version": STATE_VERSION + 1, "total_steps": self.total_steps,
+        return SCHEDULE_STATE.tag({**state, "total_steps": self.total_steps,
                 "warmup_steps": self.warmup_steps, "min_lr_ratio": self.min_lr_ratio,
-                "respan_from": list(self.respan_from) if self.respan_from is not None else None}
+                "respan_from": list(self.respan_from) if self.respan_from is not None else None})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        version = state.get("version")
-        if version == STATE_VERSION:  # written before the schedule ran on torch's LambdaLR: step_count, base_lrs
+        if SCHEDULE_STATE.check(state) in SCHEDULE_STATE.older:  # before LambdaLR: step_count, base_lrs
             count = int(state["step_count"])
             state = {"last_epoch": count, "_step_count": count + 1, "base_lrs": list(state["base_lrs"]),
-                     "version": STATE_VERSION + 1, "total_steps": state["total_steps"],
+                     "version": SCHEDULE_STATE.version, "total_steps": state["total_steps"],
                      "warmup_steps": state["warmup_steps"], "min_lr_ratio": state["min_lr_ratio"]}
-        elif version != STATE_VERSION + 1:
-            raise ValueError(f"unsupported scheduler state version {version}")
         self.total_steps = int(state["total_steps"])
         self.warmup_steps = int(state["warmup_steps"])
         self.min_lr_ratio = float(state["min_lr_ratio"])
@@ -363,9 +363,10 @@ class GradientAccumulator:
         self.micro = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"version": STATE_VERSION, "steps": self.steps, "micro": self.micro}
+        return ACCUMULATOR_STATE.tag({"steps": self.steps, "micro": self.micro})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        ACCUMULATOR_STATE.check(state)
         if int(state["steps"]) != self.steps:
             raise ValueError(f"accumulation steps changed from {state['steps']} to {self.steps}")
         self.micro = int(state["micro"])

@@ -256,3 +256,45 @@ def misplaced_knobs(conf: Any) -> list[tuple[str, str]]:
                     out.append((f.name, f"'{f.name}' only applies to {kind}: {name} ({kind} is {chosen}): remove "
                                 f"it, or set it to {default}"))
     return out
+
+
+def _at_model(problems: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """A problem of the block size is the ``model:`` section's (where it is declared)."""
+    return [("model.block_size" if f == "block_size" else f, m) for f, m in problems]
+
+
+def setting_problems(variant: Variant, objective: Objective, *, block_size: int, facts: Any = None,
+                     init_from: str | None = None) -> list[tuple[str, str]]:
+    """``(field, message)``: the strategies against the block size; with the target's ``facts`` (its sizes),
+    a fresh DFlash 2 drafter's settings against its hidden and vocabulary size, and a drafter to start from
+    (``init_from``) made for this target's hidden size and this block size. Setup would fail the same way."""
+    out = _at_model([*variant.block_problems(block_size), *objective.block_problems(block_size)])
+    if facts is None:
+        return out
+    if not init_from:
+        out += _at_model(variant.problems(hidden_size=facts.hidden_size, vocab_size=facts.vocab_size,
+                                          block_size=block_size))
+    return out + init_from_problems(init_from, hidden_size=facts.hidden_size, block_size=block_size)
+
+
+def init_from_problems(init_from: str | None, *, hidden_size: int, block_size: int) -> list[tuple[str, str]]:
+    """A drafter to start from (``init_from``) was made for a target of this hidden size and this block size."""
+    import json
+    from pathlib import Path
+
+    if not init_from:
+        return []
+    try:
+        d = json.loads((Path(init_from).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return []  # a missing directory is a path problem; an unreadable one, setup's
+    out = []
+    hidden = d.get("hidden_size")
+    if isinstance(hidden, int) and hidden != hidden_size:
+        out.append(("init_from", f"the drafter in {init_from} has hidden_size {hidden}, the target "
+                                 f"{hidden_size}: it was made for another target"))
+    block = (d.get("dflash_config") or {}).get("block_size", d.get("block_size"))
+    if isinstance(block, int) and block != block_size:
+        out.append(("model.block_size", f"block_size {block_size}, but the drafter in {init_from} was "
+                                        f"made with block_size {block}"))
+    return out

@@ -13,6 +13,10 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
+import attrs
+
+from dflash_flow.core.stage import cfg
+
 
 class ThreadSwitchWatch:
     """``observe(step_s)`` after every step; ``switched(old, new)`` when the thread count changes. Returns
@@ -64,3 +68,73 @@ class ThreadSwitchWatch:
         return (f"steps got slower after the switch from {old} to {new} torch threads ({before * 1e3:.0f} -> "
                 f"{after * 1e3:.0f} ms median over {n} steps): other work is using the cores; set "
                 f"torch_threads_after_first_epoch: {old} (or null) for runs on a shared machine")
+
+
+@attrs.frozen(kw_only=True)
+class ThreadKnobs:
+    """The trainer's torch intra-op threads (declared once here; DrafterStep's YAML fields, ``core.fields.include``).
+    None of them changes a trained weight on a given machine: ``result=False``."""
+
+    torch_threads: int | None = cfg(None, ge=1, result=False, doc="torch intra-op threads (CPU runs).")
+    torch_threads_after_first_epoch: int | None = cfg(
+        None, ge=1, result=False,
+        doc="torch intra-op threads from the second epoch on (default: torch_threads): with TargetForward's "
+        "cache_features the target is idle after the first epoch, and its cores can go to the drafter.",
+    )
+    threads_fallback: bool = cfg(
+        True, result=False,
+        doc="When steps after the switch to torch_threads_after_first_epoch run slower than the steps before it "
+        "(another process took a core: two threads then wait on each other, up to 100x slower on a 2-core box), "
+        "go back to torch_threads for the rest of the run. The step is kept in the checkpoint: a resumed run "
+        "uses the threads the interrupted one used at every step.",
+    )
+
+
+class ThreadPolicy:
+    """This thread's torch intra-op threads for each batch: ``torch_threads``, then
+    ``torch_threads_after_first_epoch`` from the second epoch on, back to the first for the rest of the run once
+    the watch (``ThreadSwitchWatch``) finds the switch made steps slower (``threads_fallback``). A function of
+    the epoch and of the batch the threads went back at (``fallback_at``, kept in the trainer's state), so a
+    resumed run computes each step with the threads the uninterrupted run used."""
+
+    def __init__(self, knobs: ThreadKnobs, fallback_at: int | None = None) -> None:
+        self.knobs = knobs
+        self.fallback_at = fallback_at  # batches consumed when the threads went back
+        self.threads: int | None = None  # what this thread runs with now (None: never set)
+        self._initial: int | None = None  # the thread's own setting before any switch
+        self._watch = ThreadSwitchWatch()
+
+    @property
+    def base(self) -> int | None:
+        """The threads before any switch: ``torch_threads``, else what the thread had."""
+        return self.knobs.torch_threads or self._initial
+
+    def apply(self, epoch: int, consumed: int) -> int | None:
+        """Set the threads for a batch of ``epoch`` after ``consumed`` batches of the run; returns them."""
+        import torch
+
+        if self._initial is None:
+            self._initial = torch.get_num_threads()
+        later = self.knobs.torch_threads_after_first_epoch
+        fell_back = self.fallback_at is not None and consumed >= self.fallback_at
+        want = later if later and epoch >= 1 and not fell_back else self.base
+        if want and want != self.threads:
+            torch.set_num_threads(want)
+            if self.threads is not None:
+                self._watch.switched(self.threads, want)
+            self.threads = want
+        return self.threads
+
+    def observe(self, step_s: float, consumed: int) -> str | None:
+        """After each step: the watch's warning, if any; with ``threads_fallback`` the warning also sends the
+        rest of the run back to ``torch_threads`` (from the next batch on)."""
+        warning = self._watch.observe(step_s)
+        if not warning:
+            return None
+        k = self.knobs
+        if k.threads_fallback and k.torch_threads_after_first_epoch and self.fallback_at is None:
+            self.fallback_at = consumed
+            back = self.base
+            warning += (f"; going back to {back} torch thread{'s' if back != 1 else ''} from batch "
+                        f"{consumed} on, for the rest of the run (threads_fallback)")
+        return warning

@@ -7,7 +7,7 @@ atomics-based reductions) are not deterministic there, and nothing sets ``torch.
 
 Pure model code, no pipeline runtime: the ``DrafterStep`` stage adapts it to the DAG (items in, step
 reports out, checkpoints through the run services), tests drive it directly, and data-parallel training
-wraps its model here.
+wraps its loss module (``model.parallel``). Building the drafter: ``model.build``; the loss: ``model.objective``.
 """
 
 from __future__ import annotations
@@ -15,17 +15,16 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
+from dflash_flow.core.versioned import StateVersion
 from dflash_flow.items import TargetFeatures
+from dflash_flow.model.build import build_drafter, default_gamma, drafter_config, parameter_count
 from dflash_flow.model.device import take, to_host
-from dflash_flow.model.dflash2 import drafter_from_config, drafter_variant, variant_config
 from dflash_flow.model.drafter import DFlashDrafter
-from dflash_flow.model.objective import HostPlan, PrefixPrior, dflash_loss, host_plan
+from dflash_flow.model.objective import DFlashObjective
 from dflash_flow.model.optim import (
     GradientAccumulator,
     NonFiniteError,
@@ -33,148 +32,17 @@ from dflash_flow.model.optim import (
     build_optimizer,
     planned_updates,
 )
+from dflash_flow.model.parallel import AllReduceClock, data_parallel, is_distributed
 from dflash_flow.model.recipe import DrafterShape, TrainerConfig
-from dflash_flow.model.strategies import VARIANTS
 
+# The drafter's builders and recipe types are re-exported: the trainer is where its callers find them.
 __all__ = [
-    "DrafterShape", "DrafterTrainer", "TrainerConfig", "build_drafter", "default_gamma", "drafter_config", "parameter_count",
+    "DFlashObjective", "DrafterShape", "DrafterTrainer", "TrainerConfig", "build_drafter", "default_gamma",
+    "drafter_config", "parameter_count",
 ]
 
 STATE_VERSION = 1
-
-# Loss decay by block size from the DFlash recipes (gamma 7 for B=16, 5 for B=10, 4 for B=8).
-_GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
-
-
-def default_gamma(block_size: int) -> float:
-    if block_size in _GAMMA_BY_BLOCK:
-        return _GAMMA_BY_BLOCK[block_size]
-    # Between the published points, keep gamma proportional to the block size (7/16 per slot).
-    return max(1.0, round(block_size * 7.0 / 16.0, 2))
-
-
-def resolve_mask_token_id(explicit: int | None, tokenizer_path: str | None, vocab_size: int) -> int:
-    """Explicit id, else the tokenizer's mask token, else the first embedding row past the tokenizer,
-    else its pad token (SpecForge's order; the id is written into the exported config)."""
-    if explicit is not None:
-        return explicit
-    if tokenizer_path:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
-        if getattr(tok, "mask_token_id", None) is not None:
-            return int(tok.mask_token_id)
-        if len(tok) < vocab_size:
-            return len(tok)
-        if tok.pad_token_id is not None:
-            return int(tok.pad_token_id)
-    raise ValueError(
-        "cannot choose a mask token: set mask_token_id (the target's embedding has no free row past the "
-        "tokenizer and the tokenizer has no mask or pad token)"
-    )
-
-
-def drafter_config(target_config: Any, shape: DrafterShape, *, mask_token_id: int) -> Any:
-    """The config of a fresh drafter of ``shape`` for ``target_config``."""
-    return variant_config(
-        target_config, shape.variant, num_layers=shape.num_layers, block_size=shape.block_size,
-        mask_token_id=mask_token_id, target_layer_ids=shape.target_layer_ids, layer_types=shape.layer_types,
-        sliding_window=shape.sliding_window,
-    )
-
-
-def parameter_count(target_config: Any, shape: DrafterShape, *, init_from: str | Path | None = None) -> int:
-    """Trainable parameters of the drafter ``build_drafter`` would make, counted on the meta device (no
-    memory, no weights)."""
-    from dflash_flow.model.export import load_drafter_config
-
-    config = load_drafter_config(init_from) if init_from else drafter_config(target_config, shape, mask_token_id=0)
-    with torch.device("meta"):
-        model = drafter_from_config(config)
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-def build_drafter(
-    target_config: Any,
-    shape: DrafterShape,
-    *,
-    seed: int,
-    device: str | torch.device,
-    dtype: torch.dtype,
-    tokenizer_path: str | None = None,
-    init_from: str | Path | None = None,
-) -> DFlashDrafter:
-    """A drafter for ``target_config``: loaded from an exported directory (``init_from``), or fresh with
-    weights drawn from ``seed`` under a private RNG (so nothing else in the process changes them)."""
-    from dflash_flow.model.export import load_drafter
-
-    if init_from:
-        drafter = load_drafter(init_from, device=device, dtype=dtype, target_config=target_config)
-        found = drafter_variant(drafter.config)
-        if found != shape.variant.name:
-            raise ValueError(f"init_from {init_from} holds a {found} drafter, but variant is {shape.variant.name}")
-    else:
-        tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-        mask_id = resolve_mask_token_id(shape.mask_token_id, tokenizer_path, int(tc.vocab_size))
-        config = drafter_config(target_config, shape, mask_token_id=mask_id)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            drafter = drafter_from_config(config)
-        drafter.to(device=torch.device(device), dtype=dtype)
-    drafter.train()
-    return drafter
-
-
-class DFlashObjective(nn.Module):
-    """The drafter and its DFlash loss as one module: a data-parallel wrapper sees every parameter use
-    in its ``forward`` (the loss calls the drafter's ``fuse_context``/``decode``/``compute_logits``, not
-    its ``forward``). The target's frozen head is held outside the module's parameters."""
-
-    def __init__(self, drafter: DFlashDrafter, head: Any, *, gamma: float, config: TrainerConfig) -> None:
-        super().__init__()
-        self.drafter = drafter
-        drafter.compiled = config.compile  # torch.compile outside the attention (DFlashDrafter.compiled)
-        object.__setattr__(self, "_head", head)  # not a submodule: frozen, shared, never synced
-        self.gamma = gamma
-        self.num_anchors = config.num_anchors
-        self.chunk_blocks = config.chunk_blocks
-        self.activation_budget_mb = config.activation_budget_mb if config.chunk_blocks is None else None
-        self.needs_input_grad = False  # set under fsdp
-        # The strategies (model.strategies): the variant's loss term, the objective's prior.
-        variant = config.variant or VARIANTS[drafter_variant(drafter.config)]()
-        if variant.name != drafter_variant(drafter.config):
-            raise ValueError(f"the trainer's variant is {variant.name} but the drafter is a {drafter_variant(drafter.config)}")
-        self.selector_loss_weight = variant.loss_weight
-        objective = config.objective
-        bounds = objective.bounds(drafter.block_size)  # a bad setting fails here, naming the field
-        self.prefix_prior = None if bounds is None else PrefixPrior(
-            weight_base=objective.prefix_weight_base, min_length=bounds[0], max_length=bounds[1])
-
-    def plan_on_host(self, loss_mask, attention_mask, generator) -> HostPlan:
-        """This micro-batch's anchors (and prefix lengths) drawn from its host rows (``objective.host_plan``)."""
-        return host_plan(loss_mask, attention_mask, num_anchors=self.num_anchors, block_size=self.drafter.block_size,
-                         generator=generator, prefix_prior=self.prefix_prior)
-
-    def forward(self, input_ids, loss_mask, hidden_states, attention_mask, generator, plan=None):
-        return dflash_loss(
-            self.drafter,
-            embed_tokens=self._head.embed_tokens,
-            lm_head=self._head.lm_head,
-            input_ids=input_ids,
-            loss_mask=loss_mask,
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            num_anchors=self.num_anchors,
-            block_size=self.drafter.block_size,
-            mask_token_id=int(self.drafter.mask_token_id),
-            gamma=self.gamma,
-            generator=generator,
-            chunk_blocks=self.chunk_blocks,
-            activation_budget_mb=self.activation_budget_mb,
-            prefix_prior=self.prefix_prior,
-            selector_loss_weight=self.selector_loss_weight,
-            host_plan=plan,
-        )
+TRAINER_STATE = StateVersion("trainer state", STATE_VERSION)
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
@@ -186,102 +54,6 @@ def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` on ``device``, a host tensor copied without blocking (pinned rows: no stream sync)."""
     return take(t).to(device, non_blocking=True)
 
-
-def _is_distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-class AllReduceClock:
-    """When the last gradient bucket of a backward was handed to the all-reduce and when the last all-reduce
-    completed (:func:`timed_allreduce_hook`), or when the optimizer's reduction of the fp32 masters' gradients
-    began and ended (bf16 weights). The difference is the wait the all-reduce added to the step (backward
-    compute had ended at the hand-over): the transfer not hidden behind compute, and any wait for a slower rank.
-
-    ``cuda``: the stamps are CUDA events on the current stream, read once they are done (``settle``). Under NCCL
-    an all-reduce returns, and its future completes, once it is queued, so host clocks measured the launch, not
-    the transfer; on gloo (the CPU) the host clock is the real completion."""
-
-    def __init__(self, cuda: bool = False) -> None:
-        self.cuda = cuda
-        self.handed: Any = None
-        self.done: Any = None
-        self._pending: list[tuple[Any, Any]] = []
-
-    def stamp(self) -> Any:
-        """Now: a host clock reading, or a CUDA event recorded on the current stream."""
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def take(self) -> float | None:
-        """The exposed wait of the reduction just finished in seconds (None when none was timed, or on CUDA,
-        where it waits for ``settle``); resets."""
-        handed, done = self.handed, self.done
-        self.handed = self.done = None
-        if handed is None or done is None:
-            return None
-        if self.cuda:
-            self._pending.append((handed, done))
-            return None
-        return max(done - handed, 0.0)
-
-    def settle(self) -> float:
-        """The CUDA-timed waits taken so far, in seconds (after the step's device read their events are done)."""
-        total = 0.0
-        for handed, done in self._pending:
-            done.synchronize()
-            total += max(handed.elapsed_time(done), 0.0) / 1000.0
-        self._pending.clear()
-        return total
-
-
-def timed_allreduce_hook(clock: AllReduceClock, bucket):
-    """DDP comm hook: torch's default all-reduce (mean over ranks), timed into ``clock``. (No annotations
-    on ``bucket`` and the result: DDP checks them, and postponed annotations are strings to it.)"""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    clock.handed = clock.stamp()
-
-    def finished(fut: torch.futures.Future) -> torch.Tensor:
-        clock.done = clock.stamp()  # (on CUDA the callback's stream waits for the work: the event marks its end)
-        return fut.value()
-
-    return allreduce_hook(None, bucket).then(finished)
-
-
-def _data_parallel(objective: DFlashObjective, mode: str, device: torch.device,
-                   clock: AllReduceClock | None = None) -> nn.Module:
-    """``objective`` wrapped for the process group torch.distributed has (itself when there is none)."""
-    if not _is_distributed():
-        return objective
-    if mode == "fsdp":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        # One FSDP unit at the root: the loss reaches the drafter's layers through helper methods (chunked,
-        # checkpointed), not only through their forward, so per-layer units would miss their unshard hooks.
-        # Sharding still splits what dominates a drafter's memory: gradients, fp32 masters and Adam moments.
-        # bf16 weights: the micro-batches' gradients accumulate and reduce-scatter in fp32 (rounded to bf16 once,
-        # into the sharded gradient the fp32 masters take).
-        objective.needs_input_grad = True
-        low = any(p.dtype != torch.float32 for p in objective.parameters())
-        fully_shard(objective, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32 if low else None))
-        return objective
-    import inspect
-
-    from torch.nn.parallel import DistributedDataParallel
-
-    # Buffers (RoPE frequencies) are equal by construction: no broadcast before every forward (the knob's
-    # name changed across torch versions).
-    params = inspect.signature(DistributedDataParallel).parameters
-    sync_kw = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
-    ddp = DistributedDataParallel(objective, device_ids=[device] if device.type == "cuda" else None, **{sync_kw: False})
-    if clock is not None:
-        ddp.register_comm_hook(clock, timed_allreduce_hook)
-    return ddp
 
 
 class DrafterTrainer:
@@ -309,10 +81,10 @@ class DrafterTrainer:
         self.dtype = dtype
         self.gamma = config.gamma if config.gamma is not None else default_gamma(drafter.block_size)
         self.objective = DFlashObjective(drafter, head, gamma=self.gamma, config=config)
-        ddp_timed = config.time_allreduce and config.data_parallel == "ddp" and _is_distributed()
+        ddp_timed = config.time_allreduce and config.data_parallel == "ddp" and is_distributed()
         self.allreduce_clock = AllReduceClock(cuda=self.device.type == "cuda") if ddp_timed else None
         self._allreduce_wait = 0.0
-        self.model = _data_parallel(self.objective, config.data_parallel, self.device, self.allreduce_clock)
+        self.model = data_parallel(self.objective, config.data_parallel, self.device, self.allreduce_clock)
         self.ddp = hasattr(self.model, "no_sync")
         self.accumulator = GradientAccumulator(config.grad_accum)
         self.optimizer: Any = None
@@ -331,6 +103,35 @@ class DrafterTrainer:
         self._samples = 0
         self._last_step_t = time.perf_counter()
         self._last_batch: Any = None  # meta of the last micro-batch trained (named by a non-finite step)
+
+    @classmethod
+    def for_target(cls, target: Any, shape: DrafterShape, config: TrainerConfig, *, device: str, dtype: str,
+                   seed: int, tokenizer_path: str | None = None, trust_remote_code: bool = False,
+                   init_from: str | None = None) -> DrafterTrainer:
+        """A trainer of a drafter for ``target`` (its config read, its frozen head loaded, under the model-load
+        lock), run on ``device`` (this thread's collectives too) in ``dtype`` ("auto": bf16 on GPU, fp32 on CPU)."""
+        from dflash_flow.model.device import resolve_dtype
+        from dflash_flow.model.head import load_shared_head
+        from dflash_flow.model.loading import MODEL_LOAD_LOCK
+        from dflash_flow.model.target import load_target_config
+
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))  # this thread's collectives run on its GPU
+        torch_dtype = resolve_dtype(dtype, device)
+        with MODEL_LOAD_LOCK:
+            target_config = load_target_config(target, trust_remote_code=trust_remote_code)
+            drafter = build_drafter(target_config, shape, seed=seed, device=device, dtype=torch_dtype,
+                                    tokenizer_path=tokenizer_path, init_from=init_from)
+            head = load_shared_head(target, device, torch_dtype, trust_remote_code=trust_remote_code)
+        return cls(drafter, head, config, device=device, dtype=torch_dtype)
+
+    def config_json(self) -> str:
+        """The drafter's exported ``config.json`` text (a checkpoint carries it)."""
+        import json
+
+        from dflash_flow.model.export import drafter_config_dict
+
+        return json.dumps(drafter_config_dict(self.drafter.config), indent=2, sort_keys=True)
 
     # -- schedule ----------------------------------------------------------------------------------
     def plan(self, planned_batches: int, batches_ahead: tuple[int, ...] = ()) -> None:
@@ -366,6 +167,9 @@ class DrafterTrainer:
             else:
                 self.total_steps = max(1, math.ceil(planned_batches / self.config.grad_accum))
         self._planned = exact is not None
+        from dflash_flow.model.compile_plan import plan_steps  # compile: auto weighs the planned steps
+
+        plan_steps(self.drafter, (self.total_steps - self.step) * self.config.grad_accum)
         c = self.config
         self.optimizer, self.schedule = build_optimizer(
             self.drafter,
@@ -535,7 +339,7 @@ class DrafterTrainer:
     # -- state -------------------------------------------------------------------------------------
     @property
     def sharded(self) -> bool:
-        return self.config.data_parallel == "fsdp" and self.model is self.objective and _is_distributed()
+        return self.config.data_parallel == "fsdp" and self.model is self.objective and is_distributed()
 
     def full_model_state(self) -> dict[str, torch.Tensor]:
         """The drafter's whole state dict (under fsdp a collective: every rank must call it; rank 0 gets
@@ -619,16 +423,14 @@ class DrafterTrainer:
             raise ValueError("the checkpoint says it stopped mid-accumulation but holds no partial accumulation")
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": STATE_VERSION,
+        return TRAINER_STATE.tag({
             "step": self.step,
             "total_steps": self.total_steps,
             "accumulator": self.accumulator.state_dict(),
-        }
+        })
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"trainer state version {state.get('version')} is not supported")
+        TRAINER_STATE.check(state)
         self.step = int(state["step"])
         self.total_steps = state.get("total_steps") or self.total_steps
         self.accumulator.load_state_dict(state["accumulator"])

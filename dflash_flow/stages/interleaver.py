@@ -10,6 +10,7 @@ import attrs
 from dflash_flow.core import Stage, StageContext, cfg
 from dflash_flow.core.errors import SavedStateError
 from dflash_flow.data.packing import plan_field
+from dflash_flow.data.position import DataPosition
 from dflash_flow.items import EpochBatches, PlannedBatch, RunPlan
 
 
@@ -152,19 +153,16 @@ class Interleaver(Stage):
         return {"epoch": self._epoch, "plan": self._plan_state, "emitted": self._emitted}
 
     @classmethod
-    def resume_state_for(cls, position: dict[str, Any]) -> dict[str, Any]:
+    def resume_state_for(cls, position: DataPosition) -> dict[str, Any]:
         """The state that continues right after what the trainer consumed.
 
         The Interleaver runs ahead of the trainer by whatever sits in the queues; resuming from its own
-        state would skip those batches. ``position`` is the trainer's: the epoch, the plan state of the last
-        batch it trained (None at an epoch's start) and the run's total of batches on this rank.
+        state would skip those batches. ``position`` is the trainer's (``data.position.DataPosition``, at its
+        resume point): the epoch, the plan state of the last batch it trained (None at an epoch's start) and
+        the run's total of batches on this rank.
         """
-        return {
-            "version": cls.state_version,
-            "epoch": int(position["epoch"]),
-            "plan": position.get("plan"),
-            "emitted": int(position.get("total", 0)),
-        }
+        return {"version": cls.state_version, "epoch": position.epoch, "plan": position.plan,
+                "emitted": position.total}
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._resume = dict(state)

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflash_flow.core import StageContext
+from dflash_flow.data.position import DataPosition
 from dflash_flow.items import Sample
 from dflash_flow.model.optim import GradientAccumulator, planned_updates
 from dflash_flow.stages.bucketer import Bucketer
@@ -132,7 +133,7 @@ def test_totals_stay_exact_across_a_resume_at_another_world_size(lengths, epochs
     position = json.loads(json.dumps(_position(head.last, head.batches)))
     for r in range(world2):
         inter = Interleaver(max_batches=max_batches)
-        inter.load_state_dict(Interleaver.resume_state_for(position))
+        inter.load_state_dict(Interleaver.resume_state_for(DataPosition.from_dict(position)))
         rank = _drive(inter, StageContext(name="inter", seed=5, rank=r, world_size=world2), items,
                       _Rank(grad_accum, steps=head.steps, micro=head.acc.micro))
         if rank.first is None:
