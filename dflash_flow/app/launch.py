@@ -130,11 +130,18 @@ def mark_failed(tracking_uri: str | None, outcomes: dict[int, dict]) -> None:
     try:
         from mlflow import MlflowClient
 
+        from dflash_flow.observe.runinfo import hide_mlflow_urls
         from dflash_flow.observe.store import resolve_tracking_uri
 
-        MlflowClient(tracking_uri=resolve_tracking_uri(tracking_uri)).set_terminated(run_id, status="FAILED")
+        uri = resolve_tracking_uri(tracking_uri)
+        hide_mlflow_urls(uri)
+        MlflowClient(tracking_uri=uri).set_terminated(run_id, status="FAILED")
     except Exception as exc:  # noqa: BLE001 - the job's outcome is already printed
-        print(f"warning: could not mark MLflow run {run_id} FAILED: {exc}", file=sys.stderr)
+        from dflash_flow.core.redact import redact_text
+        from dflash_flow.observe.runinfo import uri_secrets
+
+        print(f"warning: could not mark MLflow run {run_id} FAILED: "
+              f"{redact_text(str(exc), uri_secrets(tracking_uri))}", file=sys.stderr)
 
 
 def launch(file: Path, output_dir: Path, *, world_size: int, tracking_uri: str | None = None, **kwargs) -> int:

@@ -169,7 +169,7 @@ def _prepare_run(v: Validated, dist_ctx, config_path: Path | None, resume: str |
     from dflash_flow.app.endrun import write_pictures
     from dflash_flow.app.prepare import prepare
     from dflash_flow.core.fill import complete_stage_configs
-    from dflash_flow.observe.runinfo import redact_uri, run_params, run_tags
+    from dflash_flow.observe.runinfo import redact_value, run_params, run_tags
     from dflash_flow.observe.schema import HEADLINE_METRICS
 
     graph = v.graph
@@ -183,9 +183,8 @@ def _prepare_run(v: Validated, dist_ctx, config_path: Path | None, resume: str |
                   + (" as a new run: the checkpoint is another run directory's, whose MLflow run stays as it is"
                      if fork else ""), file=sys.stderr)
         pictures = write_pictures(graph, output_dir) if main else []
-        resolved = graph.to_dict(complete_stage_configs(graph))  # every default written out
-        if resolved.get("tracking", {}).get("tracking_uri"):
-            resolved["tracking"]["tracking_uri"] = redact_uri(resolved["tracking"]["tracking_uri"])
+        # every default written out; every credential in it (URLs, in lists and dicts too) redacted
+        resolved = redact_value(graph.to_dict(complete_stage_configs(graph)))
         tags = {
             **run_tags(resolved),  # the device summary is tagged once the pipeline has placed its replicas
             "config_hash": checkpointer.config_hash,

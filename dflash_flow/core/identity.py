@@ -23,6 +23,7 @@ import json
 from typing import Any
 
 from .fill import field_default, moved_fields_of
+from .redact import redact_value
 from .registry import resolve
 
 
@@ -76,7 +77,7 @@ def result_settings(graph: Any) -> dict[str, Any]:
         known = {f.name for f in cls.config_fields()}
         for name in sorted(set(config) - known):
             out[f"{key}.{name}"] = config[name]
-    return _canonical(out)
+    return redact_value(_canonical(out))  # checkpoints write them down: no credential (a server URL's) in them
 
 
 def _section_settings(graph: Any) -> dict[str, Any]:

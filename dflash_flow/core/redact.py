@@ -26,6 +26,15 @@ REDACTED = "***"
 
 _URI_LIKE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>()]+")
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*://)[^/?#]*@")
+_QUERY_VALUE = re.compile(r"([?&][^=&#]*=)[^&#]*")
+_TRAILING = ".,;:]})"  # punctuation after a URL in prose or a flow-style YAML list: not part of it
+
+
+def _redact_match(m: re.Match) -> str:
+    url = m.group(0)
+    cut = len(url.rstrip(_TRAILING))
+    return redact_uri(url[:cut]) + url[cut:]
 
 
 def redact_uri(uri: str | os.PathLike) -> str:
@@ -36,8 +45,9 @@ def redact_uri(uri: str | os.PathLike) -> str:
         return text
     try:
         parts = urlsplit(text)
-    except ValueError:
-        return text
+    except ValueError:  # not parsable (a stray "]"): the user info and query values blanked all the same
+        text = _USERINFO.sub(lambda m: m.group(1) + REDACTED + "@", text, count=1)
+        return _QUERY_VALUE.sub(lambda m: m.group(1) + REDACTED, text)
     if "@" not in parts.netloc and not parts.query:
         return text
     netloc = parts.netloc
@@ -71,7 +81,7 @@ def redact_text(text: str, secrets: tuple[str, ...] = ()) -> str:
     """``text`` with every URL in it passed through :func:`redact_uri` and every one of ``secrets`` replaced
     by ``***`` wherever it appears (HTTP libraries quote bits of the URL they failed on: ``Max retries
     exceeded with url: /?token=...``)."""
-    out = _URL_IN_TEXT.sub(lambda m: redact_uri(m.group(0)), str(text))
+    out = _URL_IN_TEXT.sub(_redact_match, str(text))
     for secret in secrets:
         if secret:
             out = out.replace(secret, REDACTED)

@@ -56,6 +56,15 @@ def truncate(value: str, limit: int) -> str:
     return value[: limit - len(marker)] + marker
 
 
+def hide_mlflow_urls(uri: str | os.PathLike | None) -> None:
+    """When ``uri`` carries credentials, stop MLflow printing its own "View run NAME at: URL" lines (it writes
+    the tracking URI as given, password and all, to stdout when a run ends): its documented switch,
+    ``MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT``, read when it prints. Our own lines name the run with the URI
+    redacted."""
+    if uri is not None and uri_secrets(uri):
+        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
+
+
 def stringify(value: Any) -> str:
     """A param or tag value as MLflow text, with every URL in it (strings inside lists and dicts too) without
     its credentials (``core.redact``)."""

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from dflash_flow.util import atomic_write_text
 
-from .runinfo import REDACTED, redact_uri, uri_secrets
+from .runinfo import REDACTED, hide_mlflow_urls, redact_uri, redact_value, uri_secrets
 from .store import (
     RUN_OPS,
     apply_op,
@@ -72,6 +72,8 @@ class SpoolFile:
         if op.get("op") == "artifact" and op.get("stashed"):
             with contextlib.suppress(ValueError):
                 op = {**op, "path": Path(op["path"]).relative_to(self.stash_dir).as_posix()}
+        if op.get("op") != "metrics":  # (numbers only) the last guard: no credential reaches the file
+            op = redact_value(op)
         return json.dumps(op) + "\n"
 
     def append(self, ops: Iterable[dict], *, new: bool) -> None:
@@ -212,6 +214,7 @@ def import_spool(path: str | os.PathLike, tracking_uri: str | os.PathLike | None
         raise SpoolError(f"{spool}: cannot use tracking URI {redact_uri(os.fspath(source))}: {first_line(exc)}") from None
     shown = redact_uri(uri)
     secrets = uri_secrets(uri)
+    hide_mlflow_urls(uri)
     db = sqlite_path(uri)
     if body[0]["op"] == "run" and db is not None and not db.exists():
         raise SpoolError(

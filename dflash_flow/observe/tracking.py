@@ -59,6 +59,8 @@ from .runinfo import (
     MAX_PARAMS_TAGS_PER_BATCH,
     config_hash,
     flatten_params,
+    hide_mlflow_urls,
+    redact_text,
     redact_uri,
     run_tags,
     sanitize_key,
@@ -200,6 +202,7 @@ class Tracker(SpooledDelivery):
 
         self.tracking_uri = resolve_tracking_uri(tracking_uri)
         self._secrets = uri_secrets(self.tracking_uri)
+        hide_mlflow_urls(self.tracking_uri)  # MLflow's "View run at http://alice:PASSWORD@..." lines
         self.experiment = experiment
         self.spool_dir = Path(spool_dir) if spool_dir is not None else Path.cwd() / "mlflow-spool"
         self._client = open_client(self.tracking_uri)
@@ -377,7 +380,7 @@ class Tracker(SpooledDelivery):
         parent, base = os.path.split(name)
         with tempfile.TemporaryDirectory(prefix="dflash-artifact-") as tmp:
             p = Path(tmp) / base
-            p.write_text(text, encoding="utf-8")
+            p.write_text(redact_text(text, self._secrets), encoding="utf-8")  # no credential in an artifact
             self.log_artifact(p, parent or None)
 
     def log_dict(self, d: Mapping[str, Any], name: str) -> None:
