@@ -10,8 +10,10 @@ JSONL of prompts into a JSONL of conversations whose every assistant turn is the
   user turn) is generated again, in order, each on the conversation so far with the target's own earlier
   replies in place (:func:`~dflash_flow.data.chat.regeneration_plan`): rendered with the chat template plus
   the generation prompt and continued greedily until ``<|im_end|>`` / eos or ``max_new_tokens``;
-* batched with left padding through transformers' ``generate`` (greedy; it gives the same tokens as a
-  hand-written KV-cache loop, measured on the shipped dataset, and runs ~5x faster here);
+* batched: ``batch_size`` replies decode together and a finished one's slot takes the next reply at once
+  (continuous batching, :class:`~dflash_flow.model.generation.SlotDecoder`), each reply computed as if it
+  were alone, so the file is the same byte for byte whatever the batch size, the order or a resume
+  (an architecture the slot decoder does not know decodes one reply at a time through ``generate``);
 * resumable: ids already in the output are skipped -- unless the row's ``prompt_digest`` (of its prompt
   turns) says the prompts file has changed there since: such a row is generated again (``stale``) --, each batch is appended and flushed, and a last line
   cut short by a kill is detected and rewritten -- only when this tool was writing it, and never into the
@@ -28,6 +30,7 @@ several replies also has ``finish_reasons``, one per reply.
 
 from __future__ import annotations
 
+import heapq
 import json
 import time
 from collections.abc import Callable
@@ -64,6 +67,7 @@ class RegenStats:
     moved_aside: Path | None = None  # where resume=False moved the old output (never deleted)
     stale: int = 0  # rows written for prompts that have changed since: dropped and generated again
     errors: list = field(default_factory=list)  # (id, why) of rows written as errors (a prompt past the window)
+    last_tokens: int = 0  # tokens of the batch written last (what progress reports)
 
     @property
     def tokens_per_s(self) -> float:
@@ -128,7 +132,7 @@ def _regenerate(prompts_jsonl, target_path, out_jsonl, batch_size, max_new_token
 
 def _generate(todo, writer, stats, target_path, batch_size, max_new_tokens, progress, device, model, tokenizer,
               check_stop) -> None:
-    from dflash_flow.model.generation import greedy_continuations
+    from dflash_flow.model.generation import SlotDecoder
 
     if model is None or tokenizer is None:
         model, tokenizer = _load(target_path, device)
@@ -139,54 +143,110 @@ def _generate(todo, writer, stats, target_path, batch_size, max_new_tokens, prog
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     window = getattr(config, "max_position_embeddings", None)  # the context window: a longer prompt is skipped
 
-    def encode(convs: list[list[dict]]) -> list[list[int]]:
-        texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in convs]
-        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+    def encode(conv: list[dict]) -> list[int]:
+        text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    if SlotDecoder.supports(model):
+        decoder = SlotDecoder(model, slots=batch_size, max_new_tokens=max_new_tokens, stop_ids=stops)
+    else:  # another architecture: one reply at a time through transformers' generate
+        decoder = _OneByOne(model, max_new_tokens=max_new_tokens, stop_ids=stops, pad_id=pad_id)
+    rows = [_Row(rid, plan) for rid, plan in todo]
+    ahead = 4 * batch_size  # conversations started past the last one written (bounds memory and a stop's loss)
+    waiting: list[tuple[int, list[int]]] = []  # (row, prompt ids) of replies due, earliest row first
+    started = written = 0
+
+    def due(i: int) -> None:
+        """Row i's next reply, if it has one, is due (its conversation so far encoded)."""
+        r = rows[i]
+        if not r.advance():
+            return
+        ids = encode(r.conv)
+        if isinstance(window, int) and len(ids) >= window:  # nothing could be generated in the window
+            r.fail(f"the prompt of {len(ids)} tokens does not fit the target's context window of {window} "
+                   "positions (max_position_embeddings)")
+            return
+        heapq.heappush(waiting, (i, ids))
 
     report = progress or (lambda *_: None)
     report(stats.skipped, stats.total, 0)
-    for b in range(0, len(todo), batch_size):
-        if check_stop is not None:
-            check_stop()  # between batches: everything written so far is complete and resumable
-        chunk = todo[b : b + batch_size]
-        rows = [_Row(rid, plan) for rid, plan in chunk]
-        n_tok = 0
-        # Reply k of every row that has one, batched: each generated on the row's conversation so far (its
-        # own earlier replies included), so a batch needs as many rounds as its longest conversation has replies.
-        while True:
-            waiting = [r for r in rows if r.advance()]
-            if not waiting:
-                break
-            fits = []
-            for r, ids in zip(waiting, encode([r.conv for r in waiting]), strict=True):
-                if isinstance(window, int) and len(ids) >= window:  # nothing could be generated in the window
-                    r.fail(f"the prompt of {len(ids)} tokens does not fit the target's context window of {window} "
-                           "positions (max_position_embeddings)")
-                else:
-                    fits.append((r, ids))
-            results = greedy_continuations(model, [ids for _, ids in fits], max_new_tokens=max_new_tokens,
-                                           stop_ids=stops, pad_id=pad_id) if fits else []
-            for (r, _), (gen, reason) in zip(fits, results, strict=True):
-                if reason == "stop":
-                    gen = gen[:-1]  # the chat template writes the end of turn itself
-                # Special tokens inside a reply would break the template's turn structure downstream.
-                r.answer(tokenizer.decode(gen, skip_special_tokens=True), reason)
-                n_tok += len(gen) + (reason == "stop")
-        lines = []
-        for r in rows:
-            lines.append(json.dumps(r.record(), ensure_ascii=False) + "\n")
-            if r.error is not None:
-                stats.errors.append((r.rid, r.error))
-                continue
-            stats.replies += len(r.reasons)
-            stats.truncated += r.reasons.count("length")
-            stats.empty += sum(not t["content"].strip() for t in r.replies())
-        # One write + flush + fsync per batch: a kill loses at most this batch (and maybe cuts its
-        # last line, which the next run's scan repairs: the journal says this tool was writing it).
-        writer.write_lines(lines)
-        stats.generated += len(chunk)
-        stats.new_tokens += n_tok
-        report(stats.skipped + stats.generated, stats.total, n_tok)
+    if check_stop is not None:
+        check_stop()  # everything written so far is complete and resumable
+    # Continuous batching: every slot decodes a reply; when one ends, the row's next reply (conditioned on the
+    # target's own earlier ones) or the earliest waiting one takes the slot. Replies are each what they are
+    # alone (SlotDecoder), so batching, order and a resume never change the file; rows are written in input
+    # order, batch_size at a time, as soon as they are complete.
+    while written < len(rows):
+        while started < min(len(rows), written + ahead):
+            due(started)
+            started += 1
+        while waiting and decoder.free:
+            i, ids = heapq.heappop(waiting)
+            decoder.add(i, ids)
+        for i, gen, reason in decoder.step():
+            r = rows[i]
+            r.tokens += len(gen)
+            if reason == "stop":
+                gen = gen[:-1]  # the chat template writes the end of turn itself
+            # Special tokens inside a reply would break the template's turn structure downstream.
+            r.answer(tokenizer.decode(gen, skip_special_tokens=True), reason)
+            due(i)
+        end = min(written + batch_size, len(rows))
+        while written < len(rows) and all(r.complete for r in rows[written:end]):
+            _write(rows[written:end], writer, stats)
+            written = end
+            end = min(written + batch_size, len(rows))
+            report(stats.skipped + stats.generated, stats.total, stats.last_tokens)
+            if check_stop is not None and written < len(rows):
+                check_stop()
+        if not decoder.busy and not waiting and written < len(rows) and started >= len(rows):
+            raise RuntimeError("regeneration stalled: rows neither complete nor waiting (a bug)")
+
+
+def _write(chunk: list[_Row], writer, stats) -> None:
+    lines = []
+    n_tok = 0
+    for r in chunk:
+        lines.append(json.dumps(r.record(), ensure_ascii=False) + "\n")
+        n_tok += r.tokens
+        if r.error is not None:
+            stats.errors.append((r.rid, r.error))
+            continue
+        stats.replies += len(r.reasons)
+        stats.truncated += r.reasons.count("length")
+        stats.empty += sum(not t["content"].strip() for t in r.replies())
+    # One write + flush + fsync per batch: a kill loses at most this batch (and maybe cuts its
+    # last line, which the next run's scan repairs: the journal says this tool was writing it).
+    writer.write_lines(lines)
+    stats.generated += len(chunk)
+    stats.new_tokens += n_tok
+    stats.last_tokens = n_tok
+
+
+class _OneByOne:
+    """:class:`~dflash_flow.model.generation.SlotDecoder`'s interface, one reply at a time through
+    transformers' ``generate`` (architectures the slot decoder does not know)."""
+
+    def __init__(self, model, *, max_new_tokens: int, stop_ids, pad_id: int):
+        self.model, self.max_new, self.stops, self.pad_id = model, max_new_tokens, stop_ids, pad_id
+        self.done: list = []
+
+    busy = 0
+
+    @property
+    def free(self) -> int:
+        return 0 if self.done else 1
+
+    def add(self, key, ids) -> None:
+        from dflash_flow.model.generation import greedy_continuations
+
+        [(gen, reason)] = greedy_continuations(self.model, [ids], max_new_tokens=self.max_new, stop_ids=self.stops,
+                                               pad_id=self.pad_id)
+        self.done.append((key, gen, reason))
+
+    def step(self) -> list:
+        done, self.done = self.done, []
+        return done
 
 
 class _Row:
@@ -199,6 +259,12 @@ class _Row:
         self.conv: list[dict] = []
         self.reasons: list[str] = []
         self.error: str | None = None
+        self.tokens = 0  # tokens generated for it (stop tokens included)
+
+    @property
+    def complete(self) -> bool:
+        """Every reply generated (or the row failed): ready to be written."""
+        return not self.rest
 
     def advance(self) -> bool:
         """Take the plan's turns up to the next reply; True when a reply is due."""
