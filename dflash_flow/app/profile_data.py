@@ -11,10 +11,11 @@ from collections.abc import Mapping
 
 import attrs
 
-from dflash_flow.core.snapshot import ReplicaSnapshot, ReplicaState, RuntimeSnapshot, StageSnapshot
+from dflash_flow.core.snapshot import ReplicaState, RuntimeSnapshot, StageSnapshot
 from dflash_flow.core.validate import Validated
-from dflash_flow.observe.bottleneck import Bottleneck, StageLoad, find_bottleneck
+from dflash_flow.observe.bottleneck import Bottleneck, find_bottleneck
 from dflash_flow.observe.schema import metric
+from dflash_flow.observe.window import StageWindow
 from dflash_flow.util import usable_cores
 
 PROFILE_VERSION = 2  # 2: the window's parts (``windows``) and each stage's spread over them
@@ -180,30 +181,6 @@ def window_work(stages: Mapping[str, StageProfile], w: Window) -> dict[str, floa
 # ------------------------------------------------------------------------------------ computation
 
 
-def _delta(cur: ReplicaSnapshot, prev: ReplicaSnapshot | None) -> tuple[float, float, float, int, int]:
-    if prev is None:
-        return cur.busy_s, cur.blocked_in_s, cur.blocked_out_s, cur.items_in, cur.items_out
-    return (
-        max(cur.busy_s - prev.busy_s, 0.0),
-        max(cur.blocked_in_s - prev.blocked_in_s, 0.0),
-        max(cur.blocked_out_s - prev.blocked_out_s, 0.0),
-        cur.items_in - prev.items_in,
-        cur.items_out - prev.items_out,
-    )
-
-
-def _sched_delta(cur: ReplicaSnapshot, prev: ReplicaSnapshot | None) -> tuple[float | None, float | None]:
-    """The thread's CPU and core-wait seconds between two snapshots (None where either did not read them;
-    a replica that started inside the window counts from zero)."""
-    if cur.cpu_s is None or cur.cpu_wait_s is None:
-        return None, None
-    if prev is None:
-        return cur.cpu_s, cur.cpu_wait_s
-    if prev.cpu_s is None or prev.cpu_wait_s is None:
-        return None, None
-    return max(cur.cpu_s - prev.cpu_s, 0.0), max(cur.cpu_wait_s - prev.cpu_wait_s, 0.0)
-
-
 def _counter(st: StageSnapshot | None, name: str) -> float | None:
     if st is None or st.metric_kinds.get(name) != "counter":
         return None
@@ -254,24 +231,19 @@ def stage_profile(
     ``per_batch``: the items it handles per trained batch when that is known exactly (a stage that feeds
     the trainer through 1:1 stages handles one item per batch; counting them in a short window would also
     count what it queued ahead). Otherwise the window's ratio."""
-    before = {r.replica: r for r in prev.replicas}
+    w = StageWindow.between(cur, prev, max(window_s, 1e-9))
+    window = w.span_s
     reps = []
-    window = max(window_s, 1e-9)
-    for r in cur.replicas:
-        busy, bin_, bout, n_in, n_out = _delta(r, before.get(r.replica))
-        cpu, wait = _sched_delta(r, before.get(r.replica))
-        handled = n_out if is_source else n_in
+    for r, rw in zip(cur.replicas, w.replicas, strict=True):
         q = queue_stats(list((depths or {}).get(r.replica, [])), r.channel.capacity) if r.channel is not None else None
         reps.append(ReplicaProfile(
-            replica=r.replica, device=r.device, busy_s=busy, blocked_in_s=bin_, blocked_out_s=bout,
-            busy=min(busy / window, 1.0), blocked_in=min(bin_ / window, 1.0), blocked_out=min(bout / window, 1.0),
-            items_in=n_in, items_out=n_out, items_per_s=handled / window, queue=q, cpu_s=cpu, cpu_wait_s=wait,
+            replica=r.replica, device=r.device, busy_s=rw.busy_s, blocked_in_s=rw.blocked_in_s,
+            blocked_out_s=rw.blocked_out_s, busy=rw.busy(window), blocked_in=rw.blocked_in(window),
+            blocked_out=rw.blocked_out(window), items_in=rw.items_in, items_out=rw.items_out,
+            items_per_s=rw.handled(is_source) / window, queue=q, cpu_s=rw.cpu_s, cpu_wait_s=rw.cpu_wait_s,
         ))
-    n = max(len(reps), 1)
-    busy_s = sum(r.busy_s for r in reps)
-    items_in = sum(r.items_in for r in reps)
-    items_out = sum(r.items_out for r in reps)
-    handled = items_out if is_source else items_in
+    busy_s = w.busy_s
+    handled = w.handled(is_source)
     service = busy_s / handled if handled else None
     if per_batch is None:
         per_batch = handled / batches if batches else 0.0
@@ -287,11 +259,11 @@ def stage_profile(
         replicas=len(reps),
         replicable=replicable,
         observer=observer,
-        busy=sum(r.busy for r in reps) / n,
-        blocked_in=sum(r.blocked_in for r in reps) / n,
-        blocked_out=sum(r.blocked_out for r in reps) / n,
-        items_in=items_in,
-        items_out=items_out,
+        busy=w.busy,
+        blocked_in=w.blocked_in,
+        blocked_out=w.blocked_out,
+        items_in=w.items_in,
+        items_out=w.items_out,
         items_per_s=handled / window,
         service_s=service,
         items_per_batch=per_batch,
@@ -351,7 +323,7 @@ def build_profile(
     the snapshots inside it that part it (``Window``), in order."""
     window = max(end.time - start.time, 1e-9)
     trainer_end, trainer_start = end.stages[step_stage], start.stages[step_stage]
-    batches = sum(r.items_in for r in trainer_end.replicas) - sum(r.items_in for r in trainer_start.replicas)
+    batches = StageWindow.between(trainer_end, trainer_start, window).items_in
     observers = observer_stages(v)
     feeders = direct_feeders(v, step_stage)
     stages = {}
@@ -363,10 +335,8 @@ def build_profile(
             observer=name in observers, per_batch=1.0 if name in feeders else None,
             depths=(depths or {}).get(name),
         )
-    loads = {
-        s.name: StageLoad(s.name, s.replicas, s.busy, s.blocked_in, s.blocked_out)
-        for s in stages.values() if not s.observer
-    }
+    loads = {name: StageWindow.between(cur, start.stages[name], window).load()
+             for name, cur in end.stages.items() if not stages[name].observer}
     sinks = {step_stage}
     verdict = find_bottleneck(loads, sinks=sinks, edges=_edges(v)) if loads else None
     windows = window_parts(v, [start, *(cuts or []), end], step_stage)
@@ -404,24 +374,18 @@ def build_profile(
     )
 
 
-def _handled(st: StageSnapshot, is_source: bool) -> int:
-    return sum(r.items_out if is_source else r.items_in for r in st.replicas)
-
-
 def window_parts(v: Validated, snaps: list[RuntimeSnapshot], step_stage: str) -> list[Window]:
     """The parts between consecutive snapshots (a part with no trainer batch is dropped)."""
     out = []
     t0 = snaps[0].time
     for a, b in zip(snaps, snaps[1:], strict=False):
-        batches = _handled(b.stages[step_stage], False) - _handled(a.stages[step_stage], False)
+        batches = StageWindow.between(b.stages[step_stage], a.stages[step_stage], None).items_in
         if batches <= 0:
             continue
         busy, handled = {}, {}
         for name, cur in b.stages.items():
-            prev = {r.replica: r for r in a.stages[name].replicas}
-            src = v.classes[name].is_source()
-            busy[name] = sum(_delta(r, prev.get(r.replica))[0] for r in cur.replicas)
-            handled[name] = _handled(cur, src) - _handled(a.stages[name], src)
+            w = StageWindow.between(cur, a.stages[name], None)
+            busy[name], handled[name] = w.busy_s, w.handled(v.classes[name].is_source())
         samples = _counter(b.stages[step_stage], "samples")
         tokens = _counter(b.stages[step_stage], "tokens")
         out.append(Window(

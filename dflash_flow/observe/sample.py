@@ -22,6 +22,7 @@ from dflash_flow.items import EvalReport
 from .bottleneck import Bottleneck, StageLoad, find_bottleneck
 from .names import position_accuracy_name
 from .schema import metric, train_reduction
+from .window import ReplicaWindow, StageWindow
 
 
 def _slot_name(i: int) -> str:
@@ -196,27 +197,16 @@ class EvalPoint:
 # ------------------------------------------------------------------------------------ from snapshots
 
 
-def _frac(delta: float, window: float) -> float:
-    x = delta / window if window > 0 else 0.0
-    return min(1.0, max(0.0, x)) if math.isfinite(x) else 0.0
-
-
-def _replica(cur: ReplicaSnapshot, prev: ReplicaSnapshot | None, window: float | None) -> ReplicaSample:
-    """Window fractions of one replica; ``window=None`` means its whole life (fractions of ``alive_s``)."""
-    if window is None or prev is None:
-        span = cur.alive_s if window is None else window
-        base = (0.0, 0.0, 0.0)
-    else:
-        span = window
-        base = (prev.busy_s, prev.blocked_in_s, prev.blocked_out_s)
+def _replica(cur: ReplicaSnapshot, w: ReplicaWindow, span: float) -> ReplicaSample:
+    """One replica's sample: its window's fractions of ``span``, its cumulative items, its queue now."""
     ch = cur.channel
     return ReplicaSample(
         replica=cur.replica,
         device=cur.device,
         state=cur.state,
-        busy=_frac(cur.busy_s - base[0], span),
-        blocked_in=_frac(cur.blocked_in_s - base[1], span),
-        blocked_out=_frac(cur.blocked_out_s - base[2], span),
+        busy=w.busy(span),
+        blocked_in=w.blocked_in(span),
+        blocked_out=w.blocked_out(span),
         items_in=cur.items_in,
         items_out=cur.items_out,
         queue_depth=ch.depth if ch is not None else None,
@@ -231,15 +221,8 @@ def _number(value: Any) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def _stage(cur: StageSnapshot, prev: StageSnapshot | None, window: float) -> StageSample:
-    whole = prev is None
-    prev_reps = {r.replica: r for r in prev.replicas} if prev is not None else {}
-    reps = tuple(_replica(r, prev_reps.get(r.replica), None if whole else window) for r in cur.replicas)
-    n = max(1, len(reps))
-    items_in = sum(r.items_in for r in cur.replicas)
-    items_out = sum(r.items_out for r in cur.replicas)
-    prev_in = sum(r.items_in for r in prev.replicas) if prev is not None else 0
-    prev_out = sum(r.items_out for r in prev.replicas) if prev is not None else 0
+def _stage(cur: StageSnapshot, w: StageWindow, window: float, prev: StageSnapshot | None) -> StageSample:
+    reps = tuple(_replica(r, rw, w.span_of(rw)) for r, rw in zip(cur.replicas, w.replicas, strict=True))
     counters: dict[str, float] = {}
     rates: dict[str, float] = {}
     gauges: dict[str, float] = {}
@@ -267,13 +250,13 @@ def _stage(cur: StageSnapshot, prev: StageSnapshot | None, window: float) -> Sta
         name=cur.name,
         type=cur.type,
         replicas=len(reps),
-        busy=sum(r.busy for r in reps) / n,
-        blocked_in=sum(r.blocked_in for r in reps) / n,
-        blocked_out=sum(r.blocked_out for r in reps) / n,
-        items_in=items_in,
-        items_out=items_out,
-        items_in_per_s=(items_in - prev_in) / window if window > 0 else 0.0,
-        items_out_per_s=(items_out - prev_out) / window if window > 0 else 0.0,
+        busy=w.busy,
+        blocked_in=w.blocked_in,
+        blocked_out=w.blocked_out,
+        items_in=sum(r.items_in for r in cur.replicas),
+        items_out=sum(r.items_out for r in cur.replicas),
+        items_in_per_s=w.items_in / window if window > 0 else 0.0,
+        items_out_per_s=w.items_out / window if window > 0 else 0.0,
         per_replica=reps,
         counters=counters,
         rates=rates,
@@ -317,21 +300,18 @@ def take_sample(
 
     ``exclude``: stages left out of the bottleneck analysis (the Monitor itself, whose load is its own
     sampling). ``sinks``/``edges``/``fixed``: see ``find_bottleneck``. Only stages alive for at least
-    ``min_alive`` of the window are judged (:func:`alive_fraction`): a reader that finished early is not
+    ``min_alive`` of the window are judged (``StageWindow.alive``): a reader that finished early is not
     a bottleneck. ``whole_run`` (default: ``prev is None``) marks the run's closing sample, whose verdict
     is the run's (the Monitor passes the steady state, first to last training step, as the window).
     """
     whole = prev is None
     window = cur.elapsed_s if whole else max(cur.time - prev.time, 1e-9)
-    stages = {
-        name: _stage(st, None if whole else prev.stages.get(name), window) for name, st in cur.stages.items()
-    }
+    before = {} if whole else prev.stages
+    windows = {name: StageWindow.between(st, before.get(name), None if before.get(name) is None else window)
+               for name, st in cur.stages.items()}
+    stages = {name: _stage(st, windows[name], window, before.get(name)) for name, st in cur.stages.items()}
     skip = set(exclude)
-    loads = {
-        name: s.load()
-        for name, s in stages.items()
-        if name not in skip and alive_fraction(cur.stages[name], None if whole else prev.stages.get(name), window) >= min_alive
-    }
+    loads = {name: w.load() for name, w in windows.items() if name not in skip and w.alive(window) >= min_alive}
     return MonitorSample(
         step=int(step),
         elapsed_s=cur.elapsed_s,
@@ -343,17 +323,6 @@ def take_sample(
         throughput=throughput or Throughput(),
         bottleneck=find_bottleneck(loads, sinks=sinks, edges=edges, fixed=fixed) if loads else None,
     )
-
-
-def alive_fraction(cur: StageSnapshot, prev: StageSnapshot | None, window: float) -> float:
-    """The fraction of the window the stage's replicas were alive (started, not yet ended), mean over
-    replicas: ``alive_s`` stops growing when a replica ends, so the difference of two readings is its
-    life inside the window."""
-    if window <= 0 or not cur.replicas:
-        return 0.0
-    before = {r.replica: r.alive_s for r in prev.replicas} if prev is not None else {}
-    lives = [max(0.0, r.alive_s - before.get(r.replica, 0.0)) for r in cur.replicas]
-    return min(1.0, sum(lives) / len(lives) / window)
 
 
 def data_quality(sample: MonitorSample | None) -> list[list[Any]]:
