@@ -254,6 +254,39 @@ def read_input(
     name = f"{path.name}-{key}"
     entry = cache_dir / name
 
+    on_wait = _on_wait(path, progress, should_stop)
+    damaged = False
+    for _attempt in range(3):
+        if not damaged and (entry / MANIFEST).exists():
+            try:
+                return _open_cached(entry, path, progress, t0, cached=True)
+            except StoreError:
+                damaged = True  # rebuild it, under the lock
+        with entry_lock(cache_dir, name, ready=lambda d=damaged: not d and (entry / MANIFEST).exists(),
+                        on_wait=on_wait) as locked:
+            if not locked:
+                continue  # another process published it while we waited: map it
+            if entry.exists():
+                try:
+                    return _open_cached(entry, path, progress, t0, cached=True)
+                except StoreError as exc:
+                    discard_entry(entry, str(exc))
+            writer = EntryWriter(entry)
+            try:
+                report = _build(writer, path, fmt, kind, options, encoder, tokenizer, on_chunk)
+                writer.finish(report.to_json(), {"input": str(path), "kind": kind, "format": attrs.asdict(fmt)})
+            except BaseException:
+                writer.abort()
+                raise
+            return _open_cached(entry, path, progress, t0, cached=False)
+        damaged = False
+    raise DataError(f"{path}: the cache entry {entry} keeps disappearing or failing its check; "
+                    "is another process deleting it? (set cache_dir elsewhere)")
+
+
+def _on_wait(path: Path, progress, should_stop) -> Callable[[dict | None, float], None]:
+    """What a reader does while another process builds the same entry: report the holder's progress."""
+
     def on_wait(other: dict | None, waited: float) -> None:
         if should_stop is not None and should_stop():
             raise ReadCancelled(str(path))
@@ -264,42 +297,16 @@ def read_input(
                                   int(o.get("total", 0)), int(o.get("records", 0)), int(o.get("samples", 0)),
                                   int(o.get("tokens", 0)), float(o.get("elapsed_s", waited)), holder))
 
-    damaged = False
-    for _attempt in range(3):
-        if not damaged and (entry / MANIFEST).exists():
-            try:
-                arrays, rep, _meta = open_entry(entry)
-                tf = _as_file(path, arrays, LoadReport.from_json(rep), True)
-                _finish(progress, tf, path, "cached", t0)
-                return tf
-            except StoreError:
-                damaged = True  # rebuild it, under the lock
-        with entry_lock(cache_dir, name, ready=lambda d=damaged: not d and (entry / MANIFEST).exists(),
-                        on_wait=on_wait) as locked:
-            if not locked:
-                continue  # another process published it while we waited: map it
-            if entry.exists():
-                try:
-                    arrays, rep, _meta = open_entry(entry)
-                    tf = _as_file(path, arrays, LoadReport.from_json(rep), True)
-                    _finish(progress, tf, path, "cached", t0)
-                    return tf
-                except StoreError as exc:
-                    discard_entry(entry, str(exc))
-            writer = EntryWriter(entry)
-            try:
-                report = _build(writer, path, fmt, kind, options, encoder, tokenizer, on_chunk)
-                writer.finish(report.to_json(), {"input": str(path), "kind": kind, "format": attrs.asdict(fmt)})
-            except BaseException:
-                writer.abort()
-                raise
-            arrays, rep, _meta = open_entry(entry)
-            tf = _as_file(path, arrays, LoadReport.from_json(rep), False)
-            _finish(progress, tf, path, "done", t0)
-            return tf
-        damaged = False
-    raise DataError(f"{path}: the cache entry {entry} keeps disappearing or failing its check; "
-                    "is another process deleting it? (set cache_dir elsewhere)")
+    return on_wait
+
+
+def _open_cached(entry: Path, path: Path, progress, t0: float, *, cached: bool) -> TokenizedFile:
+    """The store's entry for ``path`` mapped (StoreError when it fails its check); ``cached``: it was there
+    before this read (not built by it)."""
+    arrays, rep, _meta = open_entry(entry)
+    tf = _as_file(path, arrays, LoadReport.from_json(rep), cached)
+    _finish(progress, tf, path, "cached" if cached else "done", t0)
+    return tf
 
 
 def _finish(progress, tf: TokenizedFile, path: Path, state: str, t0: float) -> None:
