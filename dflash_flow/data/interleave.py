@@ -54,6 +54,21 @@ def _run_cap_ok(rem: list[int], total: int, last: int, run: int, cap: int) -> bo
     return True
 
 
+def _effective_cap(counts: list[int], max_run: int) -> int:
+    """``max_run``, or the smallest feasible cap when the largest bucket's share needs longer runs (said once)."""
+    best = min_feasible_run(counts)
+    if best <= max_run:
+        return max_run
+    total, top = sum(counts), max(counts)
+    _warn_once(
+        ("run-cap", max_run, tuple(sorted(counts))),
+        f"run cap max_run={max_run} cannot hold: the largest bucket has {top} of {total} batches "
+        f"({top / total:.1%} > {max_run / (max_run + 1):.1%}); ordering with the smallest feasible cap "
+        f"{best} instead",
+    )
+    return best
+
+
 def interleave_buckets(
     counts: Sequence[int] | np.ndarray,
     *,
@@ -72,17 +87,7 @@ def interleave_buckets(
         raise ValueError(f"negative batch count in {counts}")
     total = sum(counts)
     n_buckets = len(counts)
-    best = min_feasible_run(counts)
-    cap = max_run
-    if best > max_run:
-        cap = best
-        top = max(counts)
-        _warn_once(
-            ("run-cap", max_run, tuple(sorted(counts))),
-            f"run cap max_run={max_run} cannot hold: the largest bucket has {top} of {total} batches "
-            f"({top / total:.1%} > {max_run / (max_run + 1):.1%}); ordering with the smallest feasible cap "
-            f"{cap} instead",
-        )
+    cap = _effective_cap(counts, max_run)
     if total == 0:
         return np.zeros(0, dtype=np.int64), cap
 
