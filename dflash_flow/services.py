@@ -1,6 +1,6 @@
 """Run services: what the application hands the DFlash stages besides their config.
 
-One typed object (``StageContext.services``), built by the application layer (``dflash_flow.app``) for
+One typed object (``StageContext.services``: a ``StageContext[RunServices]``), built by the application layer (``dflash_flow.app``) for
 each run. Stages read its fields; they never build services themselves. Fields that a run does not have
 are None (a pipeline built in Python without the application gets ``RunServices()``: no tracking, no
 checkpoints, no resume). The core runtime treats ``services`` as opaque.
@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from dflash_flow.core.stage import StageContext
 from dflash_flow.model.spec import ModelSpec
 from dflash_flow.observe.record import RunRecord
 
@@ -130,7 +131,7 @@ class RunServices:
     stop_consensus: StopConsensus | None = None  # under torchrun: the ranks agree on the step they stop after
     exporter: Exporter | None = None  # None: the trainer stage exports into its context's output_dir
 
-    def open_batch_log(self, ctx: Any) -> BatchLog:
+    def open_batch_log(self, ctx: StageContext[RunServices]) -> BatchLog:
         """The trained-batch log of a trainer stage: ``OUTPUT/batches.jsonl`` (one file per rank under
         torchrun), continued by a resumed run, started afresh otherwise; refused through a link."""
         from dflash_flow.observe.batchlog import BatchLog as FileBatchLog
@@ -139,7 +140,7 @@ class RunServices:
                             append=self.resume is not None)
 
 
-def services_of(ctx: Any) -> RunServices:
+def services_of(ctx: StageContext[Any]) -> RunServices:
     """The run services of a stage context (empty ones when the pipeline was built without them)."""
     services = ctx.services
     return services if isinstance(services, RunServices) else RunServices()

@@ -15,7 +15,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic
 
 import attrs
 
@@ -28,7 +28,7 @@ from .replica import TOMBSTONE, Replica, replica_state
 from .replica import main as replica_main
 from .sampler import Sampler
 from .snapshot import RuntimeSnapshot, StageSnapshot
-from .stage import StageContext
+from .stage import ServicesT, StageContext
 from .stopping import StopController, StopSignal, controller
 from .validate import Validated, validated
 from .watchdog import watch
@@ -78,7 +78,7 @@ class RunResult:
     states: dict[str, list[dict[str, Any]]]
 
 
-class Pipeline:
+class Pipeline(Generic[ServicesT]):
     """The bare runtime: runs a graph (validated here unless it is already) on a thread per replica. Use
     ``run()`` for pipelines that end in sinks, ``iterate(stage)`` (with ``collect=[stage]``) to consume a
     stage's output in the calling thread. ``services``: opaque to the core, handed to every stage in its
@@ -90,7 +90,7 @@ class Pipeline:
         self,
         graph: Graph | Validated,
         *,
-        services: dict[str, Any] | None = None,
+        services: ServicesT | None = None,
         resume_state: dict[str, list[dict[str, Any]]] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
@@ -110,7 +110,7 @@ class Pipeline:
             int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if local_world_size is None else local_world_size
         )
         self.output_dir = Path(output_dir) if output_dir else self.graph.run_dir
-        self.services = services if services is not None else {}
+        self.services: ServicesT | dict[str, Any] = services if services is not None else {}
         self.view = RuntimeView(self)
         self._lock = threading.Lock()
         self._done = threading.Event()

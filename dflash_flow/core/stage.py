@@ -18,13 +18,14 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import attrs
 
-from .errors import StateVersionError, StopRequested
+from .errors import StopRequested
 from .metrics import MetricSet
 from .seeding import derive_seed
+from .versioned import StateVersion
 
 #: Methods the base class implements once; a subclass implements ``get_state`` / ``set_state`` instead.
 _FINAL = ("state_dict", "load_state_dict")
@@ -98,9 +99,15 @@ def _finite(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(f"'{attribute.name}' must be a finite number, got {value}")
 
 
+#: The run services a pipeline hands its stages: opaque to the core (the application's ``RunServices``; a
+#: dict where none are given, which tests use to hand stages shared objects).
+ServicesT = TypeVar("ServicesT")
+
+
 @attrs.define(eq=False)
-class StageContext:
-    """What a replica gets in ``setup``: where it runs, who it is, seeds, metrics and run services."""
+class StageContext(Generic[ServicesT]):
+    """What a replica gets in ``setup``: where it runs, who it is, seeds, metrics and run services
+    (``StageContext[RunServices]`` under the application; ``services`` is whatever the pipeline was given)."""
 
     name: str
     replica: int = 0
@@ -116,7 +123,7 @@ class StageContext:
     downstream_devices: list[str] = attrs.field(factory=list)
     seed: int = 0
     output_dir: Path = attrs.field(factory=lambda: Path("."), converter=Path)
-    services: dict[str, Any] = attrs.field(factory=dict)
+    services: ServicesT = attrs.field(factory=dict)  # type: ignore[assignment]  # no services: a dict
     metrics: MetricSet = attrs.field(factory=MetricSet)
     stop_requested: threading.Event = attrs.field(factory=threading.Event)
     runtime: RuntimeAccess | None = None
@@ -269,9 +276,10 @@ class Stage:
 
     # -- what the application may ask of a stage (neutral defaults; declared, never looked up by name) --
     @classmethod
-    def resume_state_for(cls, position: dict[str, Any]) -> dict[str, Any] | None:
-        """The state (``state_dict`` form) that continues right after a trainer's data ``position``, for a
-        stage that runs ahead of the trainer (the Interleaver); None: resume from its own saved state."""
+    def resume_state_for(cls, position: Any) -> dict[str, Any] | None:
+        """The state (``state_dict`` form) that continues right after a trainer's data ``position`` (opaque to
+        the core: ``data.position.DataPosition``), for a stage that runs ahead of the trainer (the
+        Interleaver); None: resume from its own saved state."""
         return None
 
     def device_problems(self, replica_devices: list[list[str]]) -> list[tuple[str, str]]:
@@ -330,15 +338,9 @@ class Stage:
 
 
 def check_state(cls: type[Stage], state: Any) -> None:
-    """Raise :class:`StateVersionError` unless ``state`` is a ``state_dict`` of ``cls``'s version."""
-    if not isinstance(state, dict):
-        raise StateVersionError(f"{cls.__name__}: a saved state must be a mapping, got {type(state).__name__}")
-    found = state.get("version")
-    if found != cls.state_version:
-        raise StateVersionError(
-            f"{cls.__name__} state version {found!r} is not supported (this version of the stage reads version "
-            f"{cls.state_version}); resume with the dflash-flow version that wrote the checkpoint, or start afresh"
-        )
+    """Raise :class:`StateVersionError` unless ``state`` is a ``state_dict`` of ``cls``'s version (the one
+    versioned-state check, ``core.versioned``)."""
+    StateVersion(f"{cls.__name__} state", cls.state_version).check(state)
 
 
 @attrs.define(kw_only=True, eq=False)
