@@ -269,3 +269,138 @@ def shutdown_distributed(dist_ctx: Distributed | None, *, failed: bool) -> None:
                 return
         return
     dist.destroy_process_group()
+
+
+PROGRESS_KEY = "dflash_flow/progress/"
+
+
+class PeerProgress:
+    """Every rank's progress, seen by every rank: a thread publishes this rank's progress count (``progress()``,
+    ``core.watchdog.progress_count`` of its pipeline) with a beat every ``interval_s`` in the job's key-value
+    store (torchrun's, at MASTER_ADDR:MASTER_PORT), and reads the others'. When a collective fails because a
+    peer never joined (a rank stopped with SIGSTOP, frozen, hung), the ranks that waited can say which rank it
+    was: the one whose beat stopped (its process no longer runs), else the one whose progress stopped first --
+    instead of each blaming itself. Best effort: without a store it says nothing."""
+
+    def __init__(self, dist_ctx: Distributed, progress: Any, interval_s: float = 1.0, store: Any = None,
+                 clock: Any = None) -> None:
+        import threading
+        import time
+
+        self.rank = dist_ctx.rank
+        self.world_size = dist_ctx.world_size
+        self.progress = progress
+        self.interval_s = float(interval_s)
+        self.clock = clock or time.monotonic
+        self._store = store
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._beat = 0
+        # rank -> [beat, count, when the beat last changed, when the count last changed] (this process's clock)
+        self._seen: dict[int, list[Any]] = {}
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> PeerProgress:
+        import threading
+
+        if self._store is None:
+            self._store = _job_store()
+        if self._store is not None:
+            self._thread = threading.Thread(target=self._loop, name="peer-progress", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - the store went away with the job: nothing left to tell
+                return
+            self._stop.wait(self.interval_s)
+
+    def tick(self) -> None:
+        """Publish this rank's beat and count; read every rank's."""
+        self._beat += 1
+        self._store.set(f"{PROGRESS_KEY}{self.rank}", f"{self._beat}:{int(self.progress())}")
+        now = self.clock()
+        for r in range(self.world_size):
+            key = f"{PROGRESS_KEY}{r}"
+            if not self._store.check([key]):
+                continue
+            beat, _, count = self._store.get(key).decode().partition(":")
+            with self._lock:
+                seen = self._seen.setdefault(r, [None, None, now, now])
+                if beat != seen[0]:
+                    seen[0], seen[2] = beat, now
+                if count != seen[1]:
+                    seen[1], seen[3] = count, now
+
+    def stalled(self) -> tuple[int, float, bool] | None:
+        """``(rank, seconds, silent)``: the other rank that most likely held the job up -- one whose beat
+        stopped (``silent``: its process no longer runs: stopped, frozen, dead) for more than three beats, the
+        longest silent first; else the one whose progress stopped first, if it stopped before this rank's did.
+        None when nothing tells."""
+        now = self.clock()
+        limit = 3 * self.interval_s
+        with self._lock:
+            seen = {r: list(v) for r, v in self._seen.items()}
+        others = {r: v for r, v in seen.items() if r != self.rank}
+        silent = [(now - v[2], r) for r, v in others.items() if now - v[2] > limit]
+        if silent:
+            age, r = max(silent)
+            return r, now - others[r][3], True
+        mine = seen.get(self.rank)
+        idle = [(now - v[3], r) for r, v in others.items() if now - v[3] > limit]
+        if idle and mine is not None:
+            age, r = max(idle)
+            if age > now - mine[3] + self.interval_s:
+                return r, age, False
+        return None
+
+    def note(self) -> str | None:
+        """One clause for an error message naming the rank that held the job up (None when nothing tells)."""
+        found = self.stalled()
+        if found is None:
+            return None
+        r, age, silent = found
+        how = ("and stopped answering (stopped with SIGSTOP or a debugger, frozen, or gone)" if silent
+               else "(it hangs, or waits for something else)")
+        return f"rank {r} made no progress for the last {age:.0f} s {how}: the fault is on rank {r}"
+
+
+def _job_store() -> Any:
+    """A client of the job's key-value store (torchrun's TCPStore at MASTER_ADDR:MASTER_PORT), or None."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        return None
+    try:
+        import torch.distributed as dist
+
+        return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=30),
+                             wait_for_workers=False)
+    except Exception:  # noqa: BLE001 - no store, no peer watch: the job runs as before
+        return None
+
+
+def blame_stalled_peer(outcome: Any, peers: PeerProgress | None) -> Any:
+    """``outcome`` (``app.outcome.Outcome``) of a rank whose collective failed waiting for a peer, with the
+    rank that held it up named (its first line ends with :meth:`PeerProgress.note`; ``held_up_by``,
+    ``held_up_s`` set); as it is when nothing tells."""
+    if peers is None or not outcome.lost_peer:
+        return outcome
+    found = peers.stalled()
+    note = peers.note()
+    if found is None or note is None:
+        return outcome
+
+    def noted(text: str | None) -> str | None:
+        if not text:
+            return text
+        first, sep, rest = text.partition("\n")
+        return f"{first}; {note}{sep}{rest}"
+
+    return attrs.evolve(outcome, error=noted(outcome.error), shown=noted(outcome.shown), held_up_by=found[0],
+                        held_up_s=round(found[1], 1))

@@ -41,7 +41,8 @@ def torchrun_command(
     extend: bool = False,
 ) -> list[str]:
     """The torchrun command line that runs ``file`` on ``nproc`` processes per node."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    # torch.distributed.run's main, less its SignalException traceback when the job is stopped (app.torchrun_main)
+    cmd = [sys.executable, "-m", "dflash_flow.app.torchrun_main", f"--nproc-per-node={nproc}"]
     if rdzv_endpoint is None and str(nnodes) == "1":
         cmd.append("--standalone")
     else:
@@ -86,6 +87,9 @@ def blame(outcomes: dict[int, dict], ranks: list[int], returncode: int) -> tuple
     A rank whose record still says RUNNING (or that has none, of ``ranks``) died outright: it is the cause.
     Otherwise the earliest failure that is not a lost peer: a rank whose collective broke because another
     rank went away ("Connection closed by peer") only stopped because of that one."""
+    held = held_up_by(outcomes)
+    if held is not None:
+        return held
     died = [r for r in ranks if outcomes.get(r, {}).get("status", "RUNNING") == "RUNNING"]
     if returncode != 0 and died:
         return died[0], outcomes.get(died[0], {"rank": died[0], "status": "RUNNING"})
@@ -101,12 +105,35 @@ def blame(outcomes: dict[int, dict], ranks: list[int], returncode: int) -> tuple
     return min(failed, key=order)
 
 
+def held_up_by(outcomes: dict[int, dict]) -> tuple[int, dict] | None:
+    """The rank that held the job up, when a rank's collective failed waiting for it and that rank has no fault
+    of its own to report (its record says RUNNING: it was stopped, frozen, hung, then killed): ``(rank, record)``
+    where the record says so (``stalled``: the waiting rank's record). None otherwise."""
+    waiting = sorted((r, rec) for r, rec in outcomes.items()
+                     if _failed(rec) and isinstance(rec.get("held_up_by"), int) and rec["held_up_by"] != r)
+    for waiter, rec in waiting:
+        culprit = rec["held_up_by"]
+        own = outcomes.get(culprit, {})
+        if own.get("status", "RUNNING") == "RUNNING" or own.get("lost_peer"):
+            return culprit, {"rank": culprit, "status": own.get("status", "RUNNING"), "stalled": {"by": waiter, **rec}}
+    return None
+
+
 def summarize(outcomes: dict[int, dict], ranks: list[int], returncode: int) -> str | None:
     """One line naming the rank that failed, its stage and its error (see ``blame``), or None."""
     found = blame(outcomes, ranks, returncode)
     if found is None:
         return None
     r, rec = found
+    if rec.get("stalled"):
+        waiter = rec["stalled"]
+        error = str(waiter.get("error") or waiter.get("status")).split(f"; rank {r} made no progress", 1)[0]
+        if error.startswith(f"rank {waiter['by']}: "):
+            error = error[len(f"rank {waiter['by']}: "):]
+        age = waiter.get("held_up_s")
+        since = f" for {age:.0f} s" if isinstance(age, (int, float)) else ""
+        return (f"rank {r} stopped making progress{since} (stopped with SIGSTOP or a debugger, frozen, or hung), and "
+                f"rank {waiter['by']} failed waiting for it in a collective: {error}")
     if rec.get("status", "RUNNING") == "RUNNING":
         return (f"rank {r} died without reporting (killed by a signal, or out of memory; torchrun exit "
                 f"code {returncode}); the other ranks were stopped")

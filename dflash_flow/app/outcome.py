@@ -49,6 +49,10 @@ class Outcome:
     stage: str | None = None
     at: float | None = None
     lost_peer: bool = False
+    # The rank that held the job up (its progress stopped while this rank waited for it in a collective) and
+    # for how long, as this rank saw it (app.distributed.PeerProgress); the launcher names that rank.
+    held_up_by: int | None = None
+    held_up_s: float | None = None
 
 
 def outcome_of(exc: BaseException | None) -> Outcome:
@@ -116,7 +120,8 @@ def write_rank_outcome(output_dir: Path, dist_ctx, outcome: Outcome | None, run_
     else:
         first = (outcome.shown or outcome.error or "").strip().splitlines()
         record = {"rank": dist_ctx.rank, "status": outcome.status, "code": outcome.code, "error": first[0] if first else None,
-                  "stage": outcome.stage, "time": outcome.at, "lost_peer": outcome.lost_peer}
+                  "stage": outcome.stage, "time": outcome.at, "lost_peer": outcome.lost_peer,
+                  "held_up_by": outcome.held_up_by, "held_up_s": outcome.held_up_s}
     record["pid"] = os.getpid()  # a second stop signal reaches the ranks through it (app.launch)
     if run_id:
         record["mlflow_run_id"] = run_id

@@ -204,7 +204,7 @@ def _prepare_run(v: Validated, dist_ctx, config_path: Path | None, resume: str |
 
 def _open_and_run(v: Validated, plan: _Plan, dist_ctx, stopping) -> RunReport:
     """Phases **open**, **build**, **run** and **end** (see ``run_validated``)."""
-    from dflash_flow.app.distributed import shutdown_distributed
+    from dflash_flow.app.distributed import blame_stalled_peer, shutdown_distributed
     from dflash_flow.app.exits import report_user_error
     from dflash_flow.observe.runinfo import default_run_name
     from dflash_flow.observe.tracking import Tracker, TrackingError
@@ -212,7 +212,7 @@ def _open_and_run(v: Validated, plan: _Plan, dist_ctx, stopping) -> RunReport:
     graph, output_dir = v.graph, v.graph.run_dir
     tracking = graph.sections["tracking"]
     main = dist_ctx is None or dist_ctx.is_main
-    tracker = services = pipeline = None
+    tracker = services = pipeline = peers = None
     outcome = Outcome()
     try:
         with stopping.hold():  # no stop signal cuts a store write in half; one held is raised as the hold ends
@@ -228,6 +228,7 @@ def _open_and_run(v: Validated, plan: _Plan, dist_ctx, stopping) -> RunReport:
                 spool_dir=output_dir / "mlflow-spool",
             )
             services, pipeline = _build(v, plan, dist_ctx, tracker)
+            peers = _watch_peers(dist_ctx, pipeline)
             tracker.set_tags({"device_summary": _device_summary(pipeline)})
             write_rank_outcome(output_dir, dist_ctx, None, tracker.run_id)
             for path, folder in plan.pictures:
@@ -241,15 +242,27 @@ def _open_and_run(v: Validated, plan: _Plan, dist_ctx, stopping) -> RunReport:
                                  output_dir=output_dir)
             raise
         stopping.enter_ending()  # first: a signal from now on cannot stop this outcome from being recorded
-        outcome = outcome_of(exc)
+        outcome = blame_stalled_peer(outcome_of(exc), peers)  # a collective that waited in vain names whom for
         if plan.ckpt is not None:
             outcome = blame_checkpoint(outcome, exc, plan.ckpt.path)
         if not isinstance(exc, (Exception, KeyboardInterrupt)):
             raise
     finally:
+        if peers is not None:
+            peers.stop()
         if tracker is not None:
             _end(pipeline, services, outcome, tracker, dist_ctx, output_dir, stopping.enter_ending())
     return _report(outcome, services, tracker, dist_ctx, output_dir)
+
+
+def _watch_peers(dist_ctx, pipeline):
+    """Under torchrun, every rank's progress shared with the others (``app.distributed.PeerProgress``)."""
+    if dist_ctx is None:
+        return None
+    from dflash_flow.app.distributed import PeerProgress
+    from dflash_flow.core.watchdog import progress_count
+
+    return PeerProgress(dist_ctx, lambda: progress_count(pipeline.replicas)).start()
 
 
 def _build(v: Validated, plan: _Plan, dist_ctx, tracker):

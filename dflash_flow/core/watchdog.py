@@ -50,6 +50,12 @@ def watch(replicas: dict[str, list[Replica]], rt: Any, should_end: Callable[[flo
             return
 
 
+def progress_count(replicas: dict[str, list[Replica]]) -> int:
+    """How much the pipeline has done so far (items in and out, heartbeats): a number that grows while it makes
+    progress. What a rank shares with the others of its job (``app.distributed.PeerProgress``)."""
+    return _progress(replicas)[0]
+
+
 def _progress(replicas: dict[str, list[Replica]]) -> tuple:
     total = 0
     for reps in replicas.values():

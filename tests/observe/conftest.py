@@ -97,11 +97,11 @@ class ServerFactory:
     def free_port(self) -> int:
         return free_port()
 
-    def start(self, db_uri: str, port: int) -> subprocess.Popen:
+    def start(self, db_uri: str, port: int, timeout_s: float = 90.0) -> subprocess.Popen:
         proc = start_server(db_uri, port, self.workdir, f"server{len(self.procs)}.log")
         self.procs.append(proc)
         try:
-            wait_healthy(port, proc)
+            wait_healthy(port, proc, timeout_s)
         except Exception:
             log = (self.workdir / f"server{len(self.procs) - 1}.log").read_text(errors="replace")[-3000:]
             raise RuntimeError(f"mlflow server did not come up:\n{log}") from None

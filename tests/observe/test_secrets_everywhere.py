@@ -64,7 +64,7 @@ def test_a_real_run_writes_and_prints_no_planted_password(tmp_path, mlflow_serve
     from reltools import cli_env, train_pipeline, write_yaml
 
     port = mlflow_servers.free_port()
-    mlflow_servers.start(f"sqlite:///{tmp_path / 'server.db'}", port)
+    mlflow_servers.start(f"sqlite:///{tmp_path / 'server.db'}", port, timeout_s=300)  # a bound: a busy box is slow
     fake_dir = tmp_path / "fake"
     fake_dir.mkdir()
     fake = subprocess.Popen([sys.executable, str(TESTS / "embedded" / "fake_openai_server.py"), "--port-file",
