@@ -74,6 +74,8 @@ BENCHES = (
     Bench("variants", ("variants_bench.py",), ("variants.json",), 13, long=True),
     # bf16 / fp8 stores against fp32 in acceptance, hybrid against the in-memory cache (the embedded default, 6 runs).
     Bench("feature_store_tau", ("feature_store_bench.py", "--tau"), ("feature_store_tau.json",), 20, long=True),
+    # In-process regeneration: batched replies/s over one at a time, the same replies (issue 39.1).
+    Bench("regen", ("regen_bench.py",), ("regen.json",), 12, long=True),
 )
 
 

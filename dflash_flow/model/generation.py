@@ -504,12 +504,18 @@ def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: to
     blocks, BLOCK, d]``, ``keep`` ``[rows, 1, blocks, 1, BLOCK]`` (a row's keys); ``[rows, heads, d]``."""
     rows, heads, _, d = q.shape
     kv_heads = k.shape[1]
-    q = q.reshape(rows, kv_heads, 1, heads // kv_heads, d)  # query heads grouped by their kv head
-    s = torch.matmul(q, k.transpose(-1, -2)) * scaling  # [rows, kv, blocks, group, BLOCK]: fixed shapes per block
+    blocks = k.shape[2]
+    group = heads // kv_heads
+    # query heads grouped by their kv head, one copy per block: a bmm of fixed [group, d] x [d, BLOCK] products
+    # (a broadcast matmul would fold the blocks into one wider product, whose rounding depends on the width)
+    q = q.reshape(rows, kv_heads, 1, group, d).expand(rows, kv_heads, blocks, group, d)
+    s = torch.bmm(q.reshape(-1, group, d), k.reshape(-1, BLOCK, d).transpose(1, 2))
+    s = s.view(rows, kv_heads, blocks, group, BLOCK) * scaling
     s = s.masked_fill(~keep, float("-inf"))
     top = s.amax(dim=(-1, -3), keepdim=True)  # the row's max over its keys (exact: masked keys are -inf)
     e = torch.exp(s - top)  # masked keys: exactly 0
-    part = torch.cat([torch.matmul(e, v), e.sum(-1, keepdim=True)], dim=-1)  # per block: p.v and the exp-sum
+    pv = torch.bmm(e.reshape(-1, group, BLOCK), v.reshape(-1, BLOCK, d)).view(rows, kv_heads, blocks, group, d)
+    part = torch.cat([pv, e.sum(-1, keepdim=True)], dim=-1)  # per block: p.v and the exp-sum
     total = part.cumsum(dim=2)[:, :, -1]  # a sequential scan over blocks: trailing all-masked blocks add 0
     return (total[..., :d] / total[..., d:]).reshape(rows, heads, d)
 
