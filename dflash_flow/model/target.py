@@ -193,7 +193,6 @@ def load_target(
     The result is in eval mode with ``requires_grad=False`` everywhere. Remote code runs only when
     ``trust_remote_code=True``.
     """
-    from transformers import AutoModelForCausalLM
 
     if device is not None and devices:
         raise ValueError("pass either device or devices, not both")
@@ -205,16 +204,7 @@ def load_target(
     common = {"dtype": dtype, "attn_implementation": attn, "trust_remote_code": trust_remote_code}
 
     if is_preset(spec):
-        config, seed = _preset_config(spec)  # type: ignore[arg-type]
-        # Build on CPU under a private RNG: the weights then depend only on the seed, not on the device
-        # or on whatever the caller did with the global RNG before.
-        init = torch.device(preset_init_device(spec))
-        rng_devices = [init.index or 0] if init.type == "cuda" else []
-        with torch.random.fork_rng(devices=rng_devices), init:
-            torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config, **common)
-        _drop_layers_above(model, num_layers)
-        return _placed(model, placement)
+        return _placed(_build_preset(spec, num_layers, common), placement)
 
     if len(placement) == 1 and placement[0].type == "cuda" and importlib.util.find_spec("accelerate") is not None:
         # Read straight onto the GPU (transformers needs accelerate for a device_map): not through host memory
@@ -233,6 +223,22 @@ def load_target(
         return _from_pretrained(spec_str, config, num_layers, local_files_only=local, **common)
 
     return _placed(cache_then_hub(read_hub, spec_str, next(iter(TARGET_PRESETS))), placement)
+
+
+def _build_preset(spec: Any, num_layers: int | None, common: dict[str, Any]) -> nn.Module:
+    """A preset's model with its seeded random weights, the layers above ``num_layers`` dropped."""
+    from transformers import AutoModelForCausalLM
+
+    config, seed = _preset_config(spec)
+    # Build on CPU under a private RNG: the weights then depend only on the seed, not on the device
+    # or on whatever the caller did with the global RNG before.
+    init = torch.device(preset_init_device(spec))
+    rng_devices = [init.index or 0] if init.type == "cuda" else []
+    with torch.random.fork_rng(devices=rng_devices), init:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, **common)
+    _drop_layers_above(model, num_layers)
+    return model
 
 
 def _placed(model: nn.Module, placement: list[torch.device]) -> nn.Module:
