@@ -149,8 +149,9 @@ def decoding_report(
     stop_token_ids: Sequence[int] | None = None,
     seed: int = 0,
     on_unit: Callable[[int], None] | None = None,
+    batch_size: int = 1,
 ) -> EvalReport:
-    """``speculative.evaluate_drafter`` at each horizon, as the typed report ``name``: the first horizon's
+    """``speculative.evaluate_drafter`` at each horizon (``batch_size`` prompts decoding together), as the typed report ``name``: the first horizon's
     figures in ``metrics``, every horizon's ``PER_HORIZON`` figures in ``by_horizon``; greedy ``lossless``
     only when every horizon was lossless."""
     from .sampling import Sampling
@@ -173,6 +174,7 @@ def decoding_report(
             sampling=sampling,
             seed=seed,
             on_unit=on_unit,
+            batch_size=batch_size,
         )
         if "lossless" in m:
             lossless = bool(m["lossless"]) and lossless is not False
@@ -210,6 +212,7 @@ def evaluate_exported(
     seed: int = 0,
     device: str = "cpu",
     progress: Callable[[int, int, int], None] | None = None,
+    batch_size: int = 16,
 ) -> list[EvalReport]:
     """The results named in the module docstring. ``target`` is a model spec as ``model.target.load_target``
     takes it (a directory, preset or hub id); ``max_new_tokens`` one horizon or several (the first is
@@ -218,7 +221,9 @@ def evaluate_exported(
     held-out conversations whose last turn is the target's own greedy reply (None: no walk). Sampled
     decoding draws from generators seeded by ``seed`` (the same for both drafters: common random numbers).
     ``progress(done, total, tokens)`` is called once the work is known (``done`` 0) and after each unit
-    (a prompt decoded at one horizon, a conversation walked); it may raise (a stop) to abandon the rest."""
+    (a prompt decoded at one horizon, a conversation walked); it may raise (a stop) to abandon the rest.
+    ``batch_size``: prompts (conversations, for the walk) decoded together (``model.batched``; the same
+    figures as one at a time but the wall-clock ones; 1: one at a time)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -274,11 +279,11 @@ def evaluate_exported(
         for s in samplings:
             results.append(decoding_report(
                 name, model, d, prompts, horizons=horizons, sampling=s, stop_token_ids=stops, seed=seed,
-                on_unit=on_unit,
+                on_unit=on_unit, batch_size=batch_size,
             ))
             if walk_set is not None and name == "trained" and s is samplings[0]:  # beside real decoding
                 results.append(evaluate_walk(
                     model, d, walk_set, horizons=list(walk_horizons or horizons), stop_token_ids=stops,
-                    on_unit=on_unit,
+                    on_unit=on_unit, batch_size=batch_size,
                 ))
     return results

@@ -13,6 +13,7 @@ from torch import nn
 
 from dflash_flow.core.seeding import derive_seed
 
+from .batched import batchable, greedy_generate_batch, spec_generate_batch
 from .block_drafter import BlockDrafter, DraftSettings, draft_settings, features
 from .decoding import target_device
 from .generation import SpecResult, greedy_continuations, greedy_generate, spec_generate
@@ -49,9 +50,16 @@ def evaluate_drafter(
     sampling: Sampling | None = None,
     seed: int = 0,
     on_unit: Callable[[int], None] | None = None,
+    batch_size: int = 1,
 ) -> dict[str, float]:
     """Run speculative decoding on every prompt (greedy: beside plain greedy decoding, and compare).
     ``on_unit(tokens)`` is called after each prompt (progress; it may raise to abandon the evaluation).
+
+    ``batch_size`` > 1: up to that many prompts decode together (``model.batched``: each prompt's output,
+    acceptance lengths and forward counts are exactly its one-prompt ones), when the models allow it
+    (``batched.batchable``; else one at a time). Every figure but the wall-clock ones is then the same;
+    ``greedy_s`` / ``spec_s`` time the batched runs (``speedup_wall`` compares the two batched runs), and
+    ``on_unit`` is called for each prompt of a batch once the batch is done.
 
     Returns (all numbers, so the dict logs as metrics):
 
@@ -76,7 +84,31 @@ def evaluate_drafter(
     try:
         steps, committed, fwd_greedy, fwd_spec, fwd_draft, tokens, mismatched = 0, 0, 0, 0, 0, 0, 0
         greedy_s = spec_s = 0.0
-        for i, prompt in enumerate(prompts):
+        batches = batch_size > 1 and len(prompts) > 1 and batchable(target, drafter)
+        if batches and draft_settings(drafter, block_size=block_size, mask_token_id=mask_token_id,
+                                      target_layer_ids=target_layer_ids).block_size > 1:
+            for lo in range(0, len(prompts), batch_size):
+                part = _decode_batch(target, drafter, prompts, lo, min(len(prompts), lo + batch_size),
+                                     max_new_tokens=max_new_tokens, block_size=block_size,
+                                     mask_token_id=mask_token_id, target_layer_ids=target_layer_ids,
+                                     stop_token_ids=stop_token_ids, sampling=sampling, seed=seed)
+                greedy_s += part["greedy_s"]
+                spec_s += part["spec_s"]
+                for ref, res in part["pairs"]:
+                    steps += len(res.accept_lengths)
+                    committed += sum(res.accept_lengths)
+                    fwd_spec += res.target_forwards
+                    fwd_draft += res.drafter_forwards
+                    tokens += res.num_new_tokens
+                    if ref is not None:
+                        fwd_greedy += ref.target_forwards
+                        mismatched += int(res.output_ids.tolist() != ref.output_ids.tolist())
+                    if on_unit is not None:
+                        on_unit(res.num_new_tokens)
+            prompts_left: Sequence[Sequence[int]] = ()
+        else:
+            prompts_left = prompts
+        for i, prompt in enumerate(prompts_left):
             ref = None
             t0 = time.perf_counter()
             if sampling.greedy:
@@ -138,3 +170,24 @@ def evaluate_drafter(
             {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": float(sampling.top_k)}
         )
     return metrics
+
+
+def _decode_batch(target, drafter, prompts, lo: int, hi: int, *, max_new_tokens, block_size, mask_token_id,
+                  target_layer_ids, stop_token_ids, sampling: Sampling, seed: int) -> dict:
+    """Prompts ``lo`` .. ``hi - 1`` decoded together (``model.batched``), each with the generator the
+    one-prompt loop gives it: ``pairs`` (greedy reference or None, speculative result) and the seconds."""
+    device = target_device(target)
+    part = list(prompts[lo:hi])
+    t0 = time.perf_counter()
+    refs = greedy_generate_batch(target, part, max_new_tokens, stop_token_ids) if sampling.greedy else [None] * len(part)
+    t1 = time.perf_counter()
+    generators = None
+    if not sampling.greedy:
+        generators = [torch.Generator(device=device).manual_seed(derive_seed(seed, 0, 0, "prompt", i))
+                      for i in range(lo, hi)]
+    results = spec_generate_batch(target, drafter, part, max_new_tokens=max_new_tokens, block_size=block_size,
+                                  mask_token_id=mask_token_id, target_layer_ids=target_layer_ids,
+                                  stop_token_ids=stop_token_ids, sampling=sampling, generators=generators,
+                                  batch_size=len(part))
+    t2 = time.perf_counter()
+    return {"pairs": list(zip(refs, results, strict=True)), "greedy_s": t1 - t0, "spec_s": t2 - t1}

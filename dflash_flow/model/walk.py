@@ -257,6 +257,39 @@ def _teacher_forced_walk(
     return {int(h): results[int(h)] for h in horizons}, calls
 
 
+def _walks(target, drafter, conversations, horizons, stop_token_ids, batch_size: int, settings: dict):
+    """Per conversation, in order: ``(results by horizon, drafter calls, reply ids)``, one at a time or
+    ``batch_size`` at a time (see :func:`evaluate_walk`)."""
+    from .batched import batchable, walk_batch
+
+    if not horizons or min(horizons) < 1:
+        raise ValueError("horizons must be a non-empty list of integers >= 1")
+    resolved = draft_settings(drafter, **settings)
+    if batch_size <= 1 or len(conversations) < 2 or resolved.block_size < 2 or not batchable(target, drafter):
+        for prompt, reply in conversations:
+            results, n_calls = _teacher_forced_walk(
+                target, drafter, prompt, reply, horizons=horizons, stop_token_ids=stop_token_ids, **settings
+            )
+            yield {int(h): results[int(h)] for h in horizons}, n_calls, reply
+        return
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        for lo in range(0, len(conversations), batch_size):
+            part = conversations[lo : lo + batch_size]
+            inputs = []
+            for prompt, reply in part:
+                if not len(prompt) or not len(reply):
+                    raise ValueError("the walk needs a non-empty prompt and reply")
+                inputs.append(walk_input(target, prompt, reply, longest=max(horizons), layer_ids=resolved.layer_ids,
+                                         stop_token_ids=stop_token_ids))
+            for (results, n_calls), (_, reply) in zip(walk_batch(target, drafter, inputs, horizons, resolved), part,
+                                                      strict=True):
+                yield {int(h): results[int(h)] for h in horizons}, n_calls, reply
+    finally:
+        drafter.train(was_training)
+
+
 def evaluate_walk(
     target: nn.Module,
     drafter: nn.Module,
@@ -265,10 +298,14 @@ def evaluate_walk(
     horizons: Sequence[int],
     stop_token_ids: Sequence[int] | None = None,
     on_unit: Callable[[int], None] | None = None,
+    batch_size: int = 1,
     **settings: Any,
 ) -> EvalReport:
     """The walk over held-out ``(prompt ids, reply ids)`` pairs, as the typed report ``walk``.
     ``on_unit(tokens)`` is called after each conversation (progress; it may raise to abandon the walk).
+    ``batch_size`` > 1: the walks of up to that many conversations draft together (``batched.walk_batch``:
+    every figure the same as one at a time), when the models allow it (``batched.batchable``); ``on_unit``
+    is then called for each conversation of a batch once the batch is done.
 
     Per horizon (``by_horizon``): ``tau``, tokens per block over all blocks of all conversations, as
     ``evaluate_drafter``'s ``tau``; ``verify_steps``, ``tokens_walked``, ``complete_frac`` (conversations
@@ -283,10 +320,8 @@ def evaluate_walk(
     tokens = dict(steps)
     complete = dict(steps)
     calls = 0
-    for prompt, reply in conversations:
-        results, n_calls = _teacher_forced_walk(
-            target, drafter, prompt, reply, horizons=horizons, stop_token_ids=stop_token_ids, **settings
-        )
+    for results, n_calls, reply in _walks(target, drafter, conversations, horizons, stop_token_ids, batch_size,
+                                          settings):
         for h, r in results.items():
             steps[h] += len(r.accept_lengths)
             committed[h] += sum(r.accept_lengths)

@@ -4,6 +4,7 @@ one or more horizons) and the teacher-forced walk on held-out conversations with
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any, ClassVar
 
 import attrs
@@ -12,6 +13,10 @@ from dflash_flow.core import Stage, cfg
 from dflash_flow.embedded import embedded_walk_data
 from dflash_flow.items import EvalReport, StepReport
 from dflash_flow.model.spec import UsesModel, model_of
+
+
+#: ``quick``: prompts decoded and conversations walked at most.
+QUICK_PROMPTS, QUICK_WALKS = 8, 16
 
 
 def _each(check, what: str, nonempty: bool):
@@ -69,6 +74,8 @@ class SpecDecodeEval(Stage, UsesModel):
         "target forward per conversation at any horizon, so long horizons are cheap here, unlike real decoding",
     )
     baseline: bool = cfg(False, doc="Also evaluate an untrained drafter of the same shape (it accepts about 1.0; doubles the decoding time).")
+    quick: bool = cfg(False, doc="A short run's evaluation: at most 8 prompts, greedy only (no sampled decoding, no untrained baseline), the walk on at most 16 conversations at max_new_tokens only (no whole-reply horizon). Same measures, fewer samples: noisier figures, no T > 0 or tau_h448 rows.")
+    batch_size: int = cfg(16, ge=1, doc="Prompts (and walked conversations) decoded together: each one's figures are exactly its own one-at-a-time figures (only the wall-clock ones change); 1 = one at a time.")
     torch_threads: int | None = cfg(None, ge=1, doc="torch intra-op threads for the evaluation (CPU runs; batch-1 decoding of a small model is fastest on 1).")
 
     def input_paths(self) -> list[tuple[str, str, str]]:
@@ -109,41 +116,54 @@ class SpecDecodeEval(Stage, UsesModel):
 
         return hook
 
+    def evaluation_settings(self, spec, output_dir) -> dict[str, Any]:
+        """``evaluation.evaluate_exported``'s settings from this stage's (``quick`` applied; the embedded
+        prompts written into ``output_dir``), all but the drafter, seed, device and progress."""
+        from dflash_flow.embedded import write_eval_prompts
+
+        limit, walk_limit, temperatures = self.limit, self.walk_limit, self.temperatures
+        horizons, walk_horizons, baseline = self.horizons, self.walk_horizons, self.baseline
+        if self.quick:  # what `quick` skips: its field's doc
+            limit, walk_limit, baseline = min(limit, QUICK_PROMPTS), min(walk_limit, QUICK_WALKS), False
+            temperatures = [t for t in temperatures if t == 0] or [0.0]
+            horizons, walk_horizons = [], [self.max_new_tokens]
+        prompts = self.prompts
+        if prompts == "embedded":
+            prompts = str(write_eval_prompts(Path(output_dir) / "eval_prompts.jsonl", limit))
+        return {
+            "target": spec.target,
+            "prompts_path": prompts,
+            "tokenizer_path": spec.tokenizer,
+            "limit": limit,
+            "max_new_tokens": [self.max_new_tokens, *(h for h in horizons if h != self.max_new_tokens)],
+            "baseline": baseline,
+            "temperatures": temperatures,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "walk_data": str(embedded_walk_data()) if self.walk_data == "embedded" else self.walk_data,
+            "walk_limit": walk_limit,
+            "walk_horizons": walk_horizons,
+            "batch_size": self.batch_size,
+        }
+
     def process(self, report: StepReport):
         # Under torchrun only rank 0's final report names the export: one evaluation per job.
         if not report.final or "drafter" not in report.artifacts:
             return None
-        from dflash_flow.embedded import write_eval_prompts
         from dflash_flow.model.evaluation import evaluate_exported
         from dflash_flow.model.loading import MODEL_LOAD_LOCK
 
-        prompts = self.prompts
-        if prompts == "embedded":
-            prompts = str(write_eval_prompts(self._ctx.output_dir / "eval_prompts.jsonl", self.limit))
-        walk = str(embedded_walk_data()) if self.walk_data == "embedded" else self.walk_data
         if self.torch_threads:
             import torch
 
             torch.set_num_threads(self.torch_threads)
         # Evaluation builds models (target, drafters): hold the process-wide model lock.
-        decoded = [self.max_new_tokens, *(h for h in self.horizons if h != self.max_new_tokens)]
         with MODEL_LOAD_LOCK:
             results = evaluate_exported(
                 progress=self._progress_hook(),
-                target=self._spec.target,
                 drafter_path=report.artifacts["drafter"],
-                prompts_path=prompts,
-                tokenizer_path=self._spec.tokenizer,
-                limit=self.limit,
-                max_new_tokens=decoded,
-                baseline=self.baseline,
-                temperatures=self.temperatures,
-                top_p=self.top_p,
-                top_k=self.top_k,
-                walk_data=walk,
-                walk_limit=self.walk_limit,
-                walk_horizons=self.walk_horizons,
                 seed=self._ctx.seed_for(0, "evaluation"),
                 device=self._ctx.device,
+                **self.evaluation_settings(self._spec, self._ctx.output_dir),
             )
         return results
