@@ -52,6 +52,7 @@ def test_default_pipeline_validates_and_draws(tmp_path: Path) -> None:
     assert "s_padder -->|round_robin cap 4| s_target" in mermaid
 
 
+@pytest.mark.slow
 def test_examples_run(tmp_path: Path) -> None:
     compose = subprocess.run([sys.executable, str(REPO / "examples" / "compose.py")], cwd=tmp_path, capture_output=True,
                              text=True, timeout=120)

@@ -75,6 +75,7 @@ def test_mt_bench_second_turn_follows_the_targets_own_reply(ours):
     assert rendered.index("Write two sentences") < rendered.index("Now make them shorter.")
 
 
+@pytest.mark.slow
 def test_eval_suites_writes_results_table_plot_and_mlflow(setup, tmp_path):
     from mlflow import MlflowClient
 

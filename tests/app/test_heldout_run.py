@@ -16,6 +16,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_heldout_walk_is_logged_over_steps_and_time(tmp_path: Path, monkeypatch) -> None:
     from mlflow import MlflowClient
 

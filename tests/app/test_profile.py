@@ -190,6 +190,7 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+@pytest.mark.slow
 def test_cli_profile_writes_json_and_logs_to_mlflow(tmp_path):
     f = tmp_path / "p.yaml"
     f.write_text(SLEEP_YAML.format(out=tmp_path / "out", db=tmp_path / "mlflow.db"))
@@ -214,6 +215,7 @@ def test_cli_profile_writes_json_and_logs_to_mlflow(tmp_path):
     assert "profile.json" in [a.path for a in client.list_artifacts(run.info.run_id)]
 
 
+@pytest.mark.slow
 def test_cli_profile_bad_input_is_one_line_and_exit_2(tmp_path):
     f = tmp_path / "p.yaml"
     f.write_text(SLEEP_YAML.format(out=tmp_path / "out", db=tmp_path / "mlflow.db").replace("count: 100000", "count: 2"))

@@ -17,6 +17,7 @@ def _on_disk(out: Path, result: dict) -> dict:
     return data
 
 
+@pytest.mark.slow
 def test_profile_bench_sleep_validation(tmp_path):
     out = tmp_path / "profile.json"
     data = _on_disk(out, load_bench("profile_bench").main(["--out", str(out), "--sleep-steps", "40", "--no-embedded"]))
@@ -82,6 +83,7 @@ def test_anchors_cost_bench_times_every_count_on_every_shape(tmp_path):
         assert shape["32"]["ms"] > 0 and shape["32"]["x64"] > 0
 
 
+@pytest.mark.slow
 def test_e2e_bench_same_batches_both_ways(tmp_path):
     out = tmp_path / "e2e.json"
     data = _on_disk(out, load_bench("e2e_bench").main(["--out", str(out), "--steps", "3", "--pairs", "1"]))

@@ -48,6 +48,7 @@ def test_jsonl_in_process_matches_the_recorded_reader(golden_inputs):
         assert_golden(_read(path, spec, num_workers=0), name)
 
 
+@pytest.mark.slow
 def test_store_and_worker_processes_match(golden_inputs, tmp_path):
     path, spec = golden_inputs["shipped-train"]
     built = _read(path, spec, num_workers=2, cache_dir=tmp_path / "c")

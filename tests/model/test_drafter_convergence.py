@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 from dflash.model import dflash_generate
 from model_testlib import MASK_ID, VOCAB, build_drafter, build_target, target_features
@@ -28,6 +29,7 @@ def greedy_continuations(target, n: int, seed: int) -> torch.Tensor:
         )
 
 
+@pytest.mark.slow
 def test_training_lowers_loss_and_raises_acceptance():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # shared 2-core box; tiny ops are faster single-threaded anyway

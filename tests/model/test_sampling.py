@@ -154,6 +154,7 @@ def _speculative_counts(target, drafter, ids, sampling) -> tuple[torch.Tensor, f
 
 
 @pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.8, top_p=0.95, top_k=3)], ids=["T1", "T0.8-p0.95-k3"])
+@pytest.mark.slow
 def test_speculative_samples_follow_the_targets_own_distribution(small, sampling):
     target, drafter, ids = small
     counts, tau = _speculative_counts(target, drafter, ids, sampling)

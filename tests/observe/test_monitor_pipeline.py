@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import attrs
+import pytest
 
 from dflash_flow.core import Graph, Pipeline, Source, Stage, register_stage
 from dflash_flow.items import EvalReport, StepReport
@@ -137,6 +138,7 @@ def test_run_verdict_is_the_steady_state_among_live_stages(tmp_path: Path) -> No
     assert "bottleneck: report is the bottleneck" in table and "training steady state" in table
 
 
+@pytest.mark.slow
 def test_monitor_metrics_reach_mlflow_under_the_schema(tmp_path: Path) -> None:
     from mlflow import MlflowClient
 

@@ -41,6 +41,7 @@ def test_record_keeps_last_and_epoch_means():
     assert bool(r.history) and not RunRecord().history
 
 
+@pytest.mark.slow
 def test_write_run_report_files_and_uploads(sqlite_uri, tmp_path):
     from mlflow import MlflowClient
 

@@ -149,6 +149,7 @@ def test_failed_run_from_exception(sqlite_uri, tmp_path):
     assert [m.step for m in client_for(sqlite_uri).get_metric_history(tr.run_id, "loss")] == [0]
 
 
+@pytest.mark.slow
 def test_interrupted_process_is_killed(sqlite_uri, tmp_path):
     """A real child process gets SIGINT mid-run; the run ends KILLED with the metrics it logged."""
     script = textwrap.dedent(f"""

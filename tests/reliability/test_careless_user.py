@@ -191,6 +191,7 @@ def test_a_bucketer_that_received_no_sample_fails_instead_of_planning_nothing():
             list(b.finish() or [])
 
 
+@pytest.mark.slow
 def test_a_stream_that_ends_before_its_plan_fails_and_exports_nothing(tmp_path):
     import attrs
     from reltools import mlflow_runs, train_pipeline, write_tokenized

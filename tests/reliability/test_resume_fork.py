@@ -31,6 +31,7 @@ def _history(client, run_id: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, METRIC))
 
 
+@pytest.mark.slow
 def test_a_resume_into_another_output_dir_forks_a_new_run_and_leaves_the_parent_alone(tmp_path):
     from mlflow import MlflowClient
 
