@@ -6,13 +6,17 @@ pairs them with their values, never spelling a key twice."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import torch
 
 from dflash_flow.model.blockplan import BlockPlan
 from dflash_flow.model.strategies import Objective, VariablePrefix
 
-__all__ = ["DFlashLossOutput", "ObjectiveStats", "PrefixStats", "acceptance_runs", "objective_stats", "zero_extras"]
+__all__ = [
+    "DFlashLossOutput", "ObjectiveStats", "PrefixStats", "StepSums", "acceptance_runs", "objective_stats", "zero_extras",
+]
 
 
 @attrs.define(eq=False)
@@ -157,3 +161,57 @@ def objective_stats(plan: BlockPlan) -> ObjectiveStats:
 def zero_extras(names: tuple[str, ...], zero: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Each statistic of ``names`` as 0 / 0 (a micro-batch without a supervised block)."""
     return {name: (zero.sum(), zero.sum()) for name in names}
+
+
+class StepSums:
+    """An optimizer step's statistics summed over its micro-batches on the device (``DFlashLossOutput.stat_vector``),
+    read once at the step together with the gradient norm (:meth:`read`: the step's one device->host read), and
+    the micro-batches, tokens and samples it counted (fillers train nothing and are not counted)."""
+
+    def __init__(self, device: str | torch.device) -> None:
+        self.device = torch.device(device)
+        self.sum: torch.Tensor | None = None
+        self.names: list[str] = []  # the scalars' names; the accuracy per block slot follows them
+        self.counted = self.tokens = self.samples = 0
+
+    @property
+    def wide(self) -> torch.dtype:
+        return torch.float32 if self.device.type == "mps" else torch.float64
+
+    def add(self, out: DFlashLossOutput, meta: Any) -> None:
+        stats = out.stat_vector()
+        self.names = out.stat_names
+        self.sum = stats if self.sum is None else self.sum + stats
+        self.counted += 1
+        self.tokens += meta.real_tokens
+        self.samples += meta.num_samples
+
+    def read(self, norm: torch.Tensor | None = None) -> tuple[float | None, dict[str, float], list[float]]:
+        """(gradient norm, the statistic sums by name, per-slot accuracy sums), in one transfer."""
+        if norm is not None and hasattr(norm, "full_tensor"):  # FSDP: a DTensor, every rank's same value
+            norm = norm.full_tensor()
+        parts = [] if norm is None else [norm.detach().reshape(1).to(self.device, self.wide)]
+        if self.sum is not None:
+            parts.append(self.sum.to(self.device, self.wide))
+        flat = torch.cat(parts).tolist() if parts else []
+        grad_norm = flat.pop(0) if norm is not None else None
+        names = self.names if self.sum is not None else []
+        return grad_norm, dict(zip(names, flat[: len(names)], strict=True)), flat[len(names) :]
+
+    def reset(self) -> None:
+        """After an optimizer step."""
+        self.sum = None
+        self.counted = self.tokens = self.samples = 0
+
+    def state(self) -> dict[str, Any]:
+        """A partial step's sums, as plain values (a checkpoint's partial accumulation)."""
+        _norm, sums, pos_sums = self.read()
+        return {"sums": sums, "pos_sums": pos_sums, "counted": self.counted, "tokens": self.tokens,
+                "samples": self.samples}
+
+    def load(self, acc: dict[str, Any]) -> None:
+        sums = {str(k): float(v) for k, v in acc["sums"].items()}
+        self.names = list(sums)
+        values = list(sums.values()) + [float(v) for v in acc["pos_sums"]]
+        self.sum = torch.tensor(values, dtype=self.wide, device=self.device) if values else None
+        self.counted, self.tokens, self.samples = int(acc["counted"]), int(acc["tokens"]), int(acc["samples"])

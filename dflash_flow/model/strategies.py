@@ -298,3 +298,13 @@ def init_from_problems(init_from: str | None, *, hidden_size: int, block_size: i
         out.append(("model.block_size", f"block_size {block_size}, but the drafter in {init_from} was "
                                         f"made with block_size {block}"))
     return out
+
+
+def refuse_misplaced_knobs(conf: Any) -> None:
+    """``misplaced_knobs`` as one error, each problem at its own field (its own YAML line): a validator that
+    runs once every field of ``conf`` is set."""
+    from dflash_flow.core.fields import field_errors
+
+    problems = misplaced_knobs(conf)
+    if problems:
+        raise field_errors(type(conf), problems)

@@ -24,6 +24,7 @@ from dflash_flow.items import TargetFeatures
 from dflash_flow.model.build import build_drafter, default_gamma, drafter_config, parameter_count
 from dflash_flow.model.device import take, to_host
 from dflash_flow.model.drafter import DFlashDrafter
+from dflash_flow.model.lossstats import StepSums
 from dflash_flow.model.objective import DFlashObjective
 from dflash_flow.model.optim import (
     GradientAccumulator,
@@ -93,14 +94,8 @@ class DrafterTrainer:
         self.total_steps = config.total_steps
         self._planned = False  # the schedule's length checked against the plan of the batches (see plan)
         self.extend = False  # a resume that extends the run re-plans the schedule instead of re-spanning it
-        # The step's statistics summed over its micro-batches on the device (DFlashLossOutput.stat_vector), read
-        # once at the step together with the gradient norm; their names (the rest: accuracy per block slot).
-        self._stat_sum: torch.Tensor | None = None
-        self._stat_names: list[str] = []
+        self.sums = StepSums(self.device)  # the step's statistics, read once at the step
         self.position_accuracy: tuple[float, ...] = ()  # the last step's, per block slot k = 1..B-1
-        self._counted = 0  # micro-batches of the current step that are not fillers
-        self._tokens = 0
-        self._samples = 0
         self._last_step_t = time.perf_counter()
         self._last_batch: Any = None  # meta of the last micro-batch trained (named by a non-finite step)
 
@@ -229,12 +224,7 @@ class DrafterTrainer:
         if syncs and self.allreduce_clock is not None:
             self._allreduce_wait += self.allreduce_clock.take() or 0.0
         if not feats.meta.filler:  # a filler keeps data-parallel ranks in step; it trains nothing
-            stats = out.stat_vector()
-            self._stat_names = out.stat_names
-            self._stat_sum = stats if self._stat_sum is None else self._stat_sum + stats
-            self._counted += 1
-            self._tokens += feats.meta.real_tokens
-            self._samples += feats.meta.num_samples
+            self.sums.add(out, feats.meta)
         if not (ready or force_step):
             return None
         return self._optimizer_step()
@@ -273,32 +263,17 @@ class DrafterTrainer:
 
         logging.getLogger("dflash_flow").warning("skipping the update of non-finite %s (on_nonfinite: skip)", where)
 
-    def _read_step(self, norm: torch.Tensor | None = None) -> tuple[float | None, dict[str, float], list[float]]:
-        """(gradient norm, the step's statistic sums by name, per-slot accuracy sums), read from the device in one
-        transfer: the step's one device->host read."""
-        wide = torch.float32 if self.device.type == "mps" else torch.float64
-        if norm is not None and hasattr(norm, "full_tensor"):  # FSDP: a DTensor, every rank's same value
-            norm = norm.full_tensor()
-        parts = [] if norm is None else [norm.detach().reshape(1).to(self.device, wide)]
-        if self._stat_sum is not None:
-            parts.append(self._stat_sum.to(self.device, wide))
-        flat = torch.cat(parts).tolist() if parts else []
-        grad_norm = flat.pop(0) if norm is not None else None
-        names = self._stat_names if self._stat_sum is not None else []
-        return grad_norm, dict(zip(names, flat[: len(names)], strict=True)), flat[len(names) :]
-
     def _optimizer_step(self) -> dict[str, float]:
-        grad_norm, sums, pos_sums = self._read_step(self.optimizer.prepare())
+        grad_norm, sums, pos_sums = self.sums.read(self.optimizer.prepare())
         self.optimizer.apply(math.isfinite(grad_norm))
         if self.allreduce_clock is not None:
             self._allreduce_wait += self.allreduce_clock.settle()  # CUDA events, done by the read above
-        mean_loss = sums.get("loss", 0.0) / max(self._counted, 1)
+        n = max(self.sums.counted, 1)
+        mean_loss = sums.get("loss", 0.0) / n
         if not math.isfinite(grad_norm) or not math.isfinite(mean_loss):
             self._nonfinite(f"loss ({mean_loss})" if not math.isfinite(mean_loss) else f"gradient norm ({grad_norm})")
         self.schedule.step()
         self.step += 1
-        n = max(self._counted, 1)
-        self._counted = 0
         self.accumulator.reset()
         now = time.perf_counter()
         dt = max(now - self._last_step_t, 1e-9)
@@ -310,8 +285,8 @@ class DrafterTrainer:
             metrics["grad_norm"] = grad_norm
         metrics.update(
             lr=float(self.schedule.get_last_lr()[0]),
-            tokens_per_s=self._tokens / dt,
-            samples_per_s=self._samples / dt,
+            tokens_per_s=self.sums.tokens / dt,
+            samples_per_s=self.sums.samples / dt,
         )
         # The step's accuracy per block slot (k = 1..B-1): a sequence of its own, not keys in the metrics.
         pos = [v / n for v in pos_sums]
@@ -320,8 +295,7 @@ class DrafterTrainer:
             metrics["allreduce_wait_s"] = self._allreduce_wait
             metrics["allreduce_wait_frac"] = min(1.0, self._allreduce_wait / dt)  # of the step's wall time
             self._allreduce_wait = 0.0
-        self._stat_sum = None
-        self._tokens = self._samples = 0
+        self.sums.reset()
         self._last_step_t = now
         return metrics
 
@@ -333,8 +307,7 @@ class DrafterTrainer:
             self.schedule.step()
             self.step += 1
             self.accumulator.reset()
-            self._stat_sum = None
-            self._counted = 0
+            self.sums.sum, self.sums.counted = None, 0  # (tokens and samples go to the next step's throughput)
 
     # -- state -------------------------------------------------------------------------------------
     @property
@@ -367,16 +340,7 @@ class DrafterTrainer:
             # Data-parallel ranks stop at an agreed optimizer step (services.agree_to_stop): never in between.
             raise RuntimeError("a data-parallel trainer cannot checkpoint in the middle of an accumulation")
         grads = to_host({name: g.detach() if g.is_cuda else g.detach().clone() for name, g in self._partial_grads()})
-        _norm, sums, pos_sums = self._read_step()
-        return {
-            "micro": self.accumulator.micro,
-            "grads": grads,
-            "sums": sums,
-            "pos_sums": pos_sums,
-            "counted": self._counted,
-            "tokens": self._tokens,
-            "samples": self._samples,
-        }
+        return {"micro": self.accumulator.micro, "grads": grads, **self.sums.state()}
 
     def _grad_holders(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor whose ``.grad`` holds the step's partial sum): the fp32 master under fp32 accumulation,
@@ -398,12 +362,7 @@ class DrafterTrainer:
             g = acc["grads"].get(name)
             t.grad = None if g is None else g.to(device=t.device, dtype=t.dtype).clone()
         self.accumulator.micro = int(acc["micro"])
-        sums = {str(k): float(v) for k, v in acc["sums"].items()}
-        wide = torch.float32 if self.device.type == "mps" else torch.float64
-        self._stat_names = list(sums)
-        values = list(sums.values()) + [float(v) for v in acc["pos_sums"]]
-        self._stat_sum = torch.tensor(values, dtype=wide, device=self.device) if values else None
-        self._counted, self._tokens, self._samples = int(acc["counted"]), int(acc["tokens"]), int(acc["samples"])
+        self.sums.load(acc)
 
     def restore(self, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> None:
         """Weights and optimizer from a checkpoint (after ``load_state_dict``)."""

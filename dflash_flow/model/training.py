@@ -15,14 +15,17 @@ from typing import Any
 
 import attrs
 
+from dflash_flow.core.fields import values_of
 from dflash_flow.core.stage import cfg
 from dflash_flow.data.position import DataPosition
 from dflash_flow.data.reports import DataError
 from dflash_flow.items import HeldoutWalk
 from dflash_flow.model.heldout_schedule import HeldoutKnobs, HeldoutSchedule
-from dflash_flow.model.threads import ThreadPolicy
+from dflash_flow.model.recipe import DrafterShape, TrainerConfig
+from dflash_flow.model.strategies import objective_of, variant_of
+from dflash_flow.model.threads import ThreadKnobs, ThreadPolicy
 
-__all__ = ["DrafterRun", "RunKnobs", "Trained", "check_inside_output_dir"]
+__all__ = ["DrafterRun", "RunKnobs", "Trained", "check_inside_output_dir", "drafter_shape"]
 
 
 def check_inside_output_dir(field: str, value: str) -> None:
@@ -57,6 +60,15 @@ class RunKnobs:
     )
 
 
+def drafter_shape(conf: Any, spec: Any) -> DrafterShape:
+    """The shape of the drafter a config that carries the knobs flat (DrafterStep) asks for, with the model
+    facts of ``spec`` (``model.spec.ModelSpec``: the drafter's depth, block size, mask token, layers)."""
+    ids = spec.explicit_layer_ids
+    return values_of(DrafterShape, conf, variant=variant_of(conf), num_layers=spec.num_draft_layers,
+                     block_size=spec.block_size, mask_token_id=spec.mask_token_id,
+                     target_layer_ids=list(ids) if ids is not None else None)
+
+
 @attrs.frozen
 class Trained:
     """What training one micro-batch gave: the step's metrics when it completed an optimizer step (else None),
@@ -81,6 +93,34 @@ class DrafterRun:
         self.probe: Any = None  # model.heldout.HeldoutProbe, when the held-out walk is measured
         self.schedule = HeldoutSchedule(heldout)
         self._t_start = time.perf_counter()
+
+    @classmethod
+    def build(cls, conf: Any, spec: Any, *, device: str, seed: int, busy: Any) -> DrafterRun:
+        """The run a config that carries the knobs flat (DrafterStep) asks for, for the target of ``spec``: this
+        thread's torch threads set, the drafter built (``seed``) and its trainer, on ``device``; ``busy(what)``: a
+        context in which a long build tells the watchdog it is alive."""
+        from dflash_flow.model.trainer import DrafterTrainer
+
+        threads = ThreadPolicy(values_of(ThreadKnobs, conf))
+        threads.apply(0, 0)
+        target = spec.require_target("DrafterStep")
+        config = values_of(TrainerConfig, conf, exclude=("time_allreduce",), variant=variant_of(conf),
+                           objective=objective_of(conf))
+        with busy("building the drafter and loading the target's head"):
+            trainer = DrafterTrainer.for_target(
+                target, drafter_shape(conf, spec), config, device=device, dtype=conf.dtype, seed=seed,
+                tokenizer_path=spec.tokenizer, trust_remote_code=spec.trust_remote_code, init_from=conf.init_from)
+        return cls(trainer, threads, values_of(HeldoutKnobs, conf))
+
+    def prepare_heldout(self, spec: Any, path: Any, *, device: str) -> None:
+        """The held-out walk's fixed sample of ``path`` (``model.heldout.prepare_probe``), for the target of
+        ``spec``: measured from now on at the schedule's steps."""
+        from dflash_flow.model.heldout import prepare_probe
+
+        self.probe = prepare_probe(self.schedule.knobs, path, target=spec.require_target("DrafterStep"),
+                                   tokenizer_path=spec.tokenizer, trust_remote_code=spec.trust_remote_code,
+                                   layer_ids=self.trainer.drafter.target_layer_ids, device=device,
+                                   dtype=self.trainer.dtype)
 
     def train(self, feats: Any, *, anchor_seed: int) -> Trained:
         """Train the micro-batch ``feats`` (an optimizer step when its accumulation completes) with the threads

@@ -12,22 +12,15 @@ from typing import Any, ClassVar, Literal
 import attrs
 
 from dflash_flow.core import Stage, cfg
-from dflash_flow.core.fields import field_errors, include, values_of
+from dflash_flow.core.fields import include
 from dflash_flow.data.position import DataPosition
 from dflash_flow.items import StepReport, TargetFeatures
+from dflash_flow.model import strategies
 from dflash_flow.model.heldout_schedule import HeldoutKnobs
 from dflash_flow.model.recipe import NOT_IN_YAML, DrafterShape, TrainerConfig
 from dflash_flow.model.spec import ModelSpec, UsesModel, model_of
-from dflash_flow.model.strategies import (
-    OBJECTIVES,
-    VARIANTS,
-    misplaced_knobs,
-    objective_of,
-    setting_problems,
-    variant_of,
-)
-from dflash_flow.model.threads import ThreadKnobs, ThreadPolicy
-from dflash_flow.model.training import RunKnobs
+from dflash_flow.model.threads import ThreadKnobs
+from dflash_flow.model.training import RunKnobs, drafter_shape
 from dflash_flow.services import CheckpointPayload, CheckpointSource, services_of
 
 log = logging.getLogger(__name__)
@@ -37,8 +30,8 @@ IN_MODEL = ("num_layers", "block_size", "mask_token_id", "target_layer_ids")
 
 
 @attrs.define(kw_only=True, eq=False)
-@include(RunKnobs, DrafterShape, TrainerConfig, *VARIANTS.values(), *OBJECTIVES.values(), ThreadKnobs, HeldoutKnobs,
-         exclude=(*NOT_IN_YAML, *IN_MODEL))
+@include(RunKnobs, DrafterShape, TrainerConfig, *strategies.VARIANTS.values(), *strategies.OBJECTIVES.values(),
+         ThreadKnobs, HeldoutKnobs, exclude=(*NOT_IN_YAML, *IN_MODEL))
 class DrafterStep(Stage, CheckpointSource, UsesModel):
     """Trains the DFlash drafter on target features; checkpoints; exports the inference checkpoint."""
 
@@ -58,11 +51,11 @@ class DrafterStep(Stage, CheckpointSource, UsesModel):
     }
 
     variant: Literal["dflash", "dflash2"] = cfg(
-        "dflash", choices=tuple(VARIANTS),
+        "dflash", choices=tuple(strategies.VARIANTS),
         doc="dflash, or dflash2: in-block convolutions and a candidate selector (docs/dflash2.md).",
     )
     objective: Literal["dflash", "variable_prefix"] = cfg(
-        "dflash", choices=tuple(OBJECTIVES),
+        "dflash", choices=tuple(strategies.OBJECTIVES),
         doc="dflash: one real token per block; variable_prefix: D2SD VP-Drafter, each block shows l real tokens, "
         "only the masked suffix is supervised (docs/objectives.md).",
     )
@@ -71,17 +64,7 @@ class DrafterStep(Stage, CheckpointSource, UsesModel):
 
     @objective.validator
     def _check_strategies(self, _attribute: attrs.Attribute, _value: str) -> None:
-        """A knob of another strategy than the chosen ones (``strategies.misplaced_knobs``), located at its own
-        field (runs once every field is set); the checks against the block size need the model spec."""
-        problems = misplaced_knobs(self)
-        if problems:
-            raise field_errors(type(self), problems)
-
-    def _shape(self, spec: ModelSpec):
-        ids = spec.explicit_layer_ids
-        return values_of(DrafterShape, self, variant=variant_of(self), num_layers=spec.num_draft_layers,
-                         block_size=spec.block_size, mask_token_id=spec.mask_token_id,
-                         target_layer_ids=list(ids) if ids is not None else None)
+        strategies.refuse_misplaced_knobs(self)  # the checks against the block size need the model spec
 
     def model_problems(self, spec: ModelSpec, devices: list[list[str]]) -> list[tuple[str, str]]:  # noqa: ARG002
         """(field, message): a target declared; the strategies' settings against the block size and the target's
@@ -89,30 +72,21 @@ class DrafterStep(Stage, CheckpointSource, UsesModel):
         if spec.target is None:
             return [("model.target", "DrafterStep needs the target (its embedding and LM head are shared): set "
                                      "model.target")]
-        return setting_problems(variant_of(self), objective_of(self), block_size=spec.block_size, facts=spec.facts,
-                                init_from=self.init_from)
+        return strategies.setting_problems(strategies.variant_of(self), strategies.objective_of(self),
+                                           block_size=spec.block_size, facts=spec.facts, init_from=self.init_from)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def setup(self, ctx) -> None:
-        from dflash_flow.model.trainer import DrafterTrainer
         from dflash_flow.model.training import DrafterRun
 
         self._ctx, self._services, self._stopping = ctx, services_of(ctx), False
-        threads = ThreadPolicy(values_of(ThreadKnobs, self))
-        threads.apply(0, 0)
         self._spec = spec = model_of(ctx)
-        target = spec.require_target(f"stage '{ctx.name}'")
-        config = values_of(TrainerConfig, self, exclude=("time_allreduce",), variant=variant_of(self),
-                           objective=objective_of(self))
-        with ctx.busy("building the drafter and loading the target's head"):
-            trainer = DrafterTrainer.for_target(
-                target, self._shape(spec), config, device=ctx.device, dtype=self.dtype,
-                seed=ctx.shared_seed_for(0, "init"), tokenizer_path=spec.tokenizer,
-                trust_remote_code=spec.trust_remote_code, init_from=self.init_from)
-        self._run = DrafterRun(trainer, threads, values_of(HeldoutKnobs, self))
-        if self.heldout_data is not None and ctx.rank == 0 and not trainer.sharded:
+        spec.require_target(f"stage '{ctx.name}'")
+        self._run = run = DrafterRun.build(self, spec, device=ctx.device, seed=ctx.shared_seed_for(0, "init"),
+                                           busy=ctx.busy)
+        if self.heldout_data is not None and ctx.rank == 0 and not run.trainer.sharded:
             with ctx.busy("preparing the held-out sample (one target forward per conversation)"):
-                self._run.probe = self._prepare_probe(target)
+                run.prepare_heldout(spec, self._heldout_path(), device=ctx.device)
         if self.record_batches:
             self._batch_log = self._services.open_batch_log(ctx)
         m = ctx.metrics
@@ -125,22 +99,16 @@ class DrafterStep(Stage, CheckpointSource, UsesModel):
         self._m_threads = m.gauge("torch_threads", "threads", "The drafter's torch intra-op threads (CPU; "
                                   "torch_threads_after_first_epoch, threads_fallback)")
 
-    def _prepare_probe(self, target: Any):
-        """The fixed held-out sample (``model.heldout.prepare_probe``) of ``heldout_data``."""
+    def _heldout_path(self) -> Path:
         from dflash_flow.embedded import embedded_walk_data
-        from dflash_flow.model.heldout import prepare_probe
 
-        spec, name = self._spec, self._ctx.name
-        if self.heldout_data == "embedded" and not spec.is_embedded:
+        name = self._ctx.name
+        if self.heldout_data == "embedded" and not self._spec.is_embedded:
             raise ValueError(f"stage '{name}': heldout_data 'embedded' holds the embedded target's "
                              "replies; with another target, give a JSONL of that target's own replies")
-        if spec.tokenizer is None:
+        if self._spec.tokenizer is None:
             raise ValueError(f"stage '{name}': heldout_data needs a tokenizer (set model.tokenizer)")
-        path = embedded_walk_data() if self.heldout_data == "embedded" else Path(self.heldout_data)
-        trainer = self._run.trainer
-        return prepare_probe(values_of(HeldoutKnobs, self), path, target=target, tokenizer_path=spec.tokenizer,
-                             trust_remote_code=spec.trust_remote_code, layer_ids=trainer.drafter.target_layer_ids,
-                             device=self._ctx.device, dtype=trainer.dtype)
+        return embedded_walk_data() if self.heldout_data == "embedded" else Path(self.heldout_data)
 
     def process(self, feats: TargetFeatures):
         """Train one micro-batch; after an optimizer step, emit its report, then checkpoint when due (the
@@ -204,7 +172,7 @@ class DrafterStep(Stage, CheckpointSource, UsesModel):
 
         spec = spec or ModelSpec()
         target = None if self.init_from else spec.require_target("DrafterStep")
-        return parameter_count_for(target, self._shape(spec), trust_remote_code=spec.trust_remote_code,
+        return parameter_count_for(target, drafter_shape(self, spec), trust_remote_code=spec.trust_remote_code,
                                    init_from=self.init_from)
 
     def output_dirs(self) -> list[str]:
