@@ -177,7 +177,7 @@ def _recorded_digests(root: Path, manifest: Mapping[str, Any] | None) -> dict[st
     return out
 
 
-def _file_blake2b(path: Path) -> str:
+def file_blake2b(path: Path) -> str:
     h = hashlib.blake2b(digest_size=20)
     with open(path, "rb") as f:
         while chunk := f.read(16 * 2**20):
@@ -269,7 +269,7 @@ def merge_store(root: str | os.PathLike, *, expected: Iterable[int] | None = Non
         rel = f"{SHARDS}/{s.path.name}"
         parts.append(merged_rows(s.index, k))
         infos.append(ShardInfo(file=rel, bytes=s.size, samples=len(s.index), tokens=int(s.index["length"].sum()),
-                               ids=id_ranges(s.index["sid"].tolist()), blake2b=digests.get(rel) or _file_blake2b(s.path)))
+                               ids=id_ranges(s.index["sid"].tolist()), blake2b=digests.get(rel) or file_blake2b(s.path)))
         s.close()
     loc, duplicates = first_of_each(parts)
     data = loc.tobytes()

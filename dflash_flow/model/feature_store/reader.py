@@ -28,7 +28,7 @@ from dflash_flow.model.feature_store.manifest import (
     read_manifest,
     shard_names,
 )
-from dflash_flow.model.feature_store.shard import Shard, ShardInfo
+from dflash_flow.model.feature_store.shard import Shard
 
 log = logging.getLogger(__name__)
 
@@ -122,10 +122,6 @@ class FeatureStore:
             self._loc = loc
             self._sids = self._loc["sid"].copy()
         return added
-
-    def add_shard(self, info: ShardInfo) -> None:
-        """A shard this process just wrote (hybrid): readable at once."""
-        self.refresh()
 
     def __len__(self) -> int:
         return int(self._sids.size)
