@@ -30,39 +30,35 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from dflash_flow.app.interval import batch_means
 
-# The profile's data and its building live in app.profile_data; these names are re-exported for callers.
-from dflash_flow.app.profile_data import (  # noqa: E402,F401
+# The profile's data and its building live in app.profile_data (Profile, ProfileError, StageProfile, Window,
+# build_profile and find_step_stage are also imported from here by splitplan and the tests).
+from dflash_flow.app.profile_data import (  # noqa: F401
     ACTIVE,
     DEFAULT_INTERVAL_S,
     DEFAULT_WINDOWS,
     MAX_SERIES_POINTS,
-    PROFILE_VERSION,
     READABLE_VERSIONS,
     Profile,
     ProfileError,
     QueueSeries,
-    QueueStats,
-    ReplicaProfile,
     StageProfile,
     Window,
     balanced_replicas,
     build_profile,
-    direct_feeders,
     find_step_stage,
     grad_accum_of,
-    is_replicable,
-    observer_stages,
-    queue_stats,
-    stage_profile,
 )
 from dflash_flow.core.snapshot import RuntimeSnapshot
 from dflash_flow.core.validate import Validated
+
+if TYPE_CHECKING:
+    from dflash_flow.services import RunServices
 
 # ------------------------------------------------------------------------------------------ running
 
@@ -187,7 +183,7 @@ def profile(
     step_stage: str | None = None,
     tracking: bool = False,
     output_dir: str | Path | None = None,
-    services: Any = None,
+    services: RunServices | None = None,
     windows: int = DEFAULT_WINDOWS,
     precision: float | None = None,
     max_steps: int | None = None,
@@ -207,19 +203,7 @@ def profile(
     from dflash_flow.core.runtime import Pipeline
     from dflash_flow.services import RunServices
 
-    if steps < 1 or warmup_steps < 0:
-        raise ProfileError(f"steps must be >= 1 and warmup >= 0, got steps={steps}, warmup={warmup_steps}")
-    if windows < 1:
-        raise ProfileError(f"--windows must be >= 1 (2 or more for an interval), got {windows}")
-    if precision is not None and not (0 < precision < 1 and windows >= 2):
-        raise ProfileError(f"--precision must be a fraction between 0 and 1 (0.05: +-5%) with --windows 2 or more, "
-                           f"got {precision} with {windows} window(s)")
-    max_steps = max_steps if max_steps is not None else 10 * steps
-    if max_steps < steps:
-        raise ProfileError(f"--max-steps ({max_steps}) must be at least --steps ({steps})")
-    step_stage = step_stage or find_step_stage(v)
-    if step_stage not in v.classes:
-        raise ProfileError(f"--step-stage: no stage named '{step_stage}' (stages: {', '.join(v.order)})")
+    step_stage, max_steps = _checked(v, steps, warmup_steps, windows, precision, max_steps, step_stage)
     accum = grad_accum_of(v, step_stage)
     start_at, end_at = warmup_steps * accum, (warmup_steps + steps) * accum
     out_dir = Path(output_dir) if output_dir else v.graph.run_dir
@@ -259,17 +243,41 @@ def profile(
                                   complete=result.complete or result.batches >= steps * accum)
         status = "FINISHED"
         if tracker is not None:
-            from dflash_flow.observe.schema import mlflow_metrics
-
-            tracker.log_metrics(mlflow_metrics(result), step=0)
-            path = save_profile(result, out_dir / "profile.json")
-            tracker.log_artifact(path)
-            if result.bottleneck is not None:
-                tracker.set_tags({"bottleneck": result.bottleneck.stage})
+            _log_profile(tracker, result, out_dir)
         return result
     finally:
         if tracker is not None:
             tracker.end(status)
+
+def _checked(v: Validated, steps: int, warmup_steps: int, windows: int, precision: float | None,
+             max_steps: int | None, step_stage: str | None) -> tuple[str, int]:
+    """``profile``'s arguments checked (``ProfileError`` naming the one that is wrong): the trainer stage and
+    the most steps the window may grow to."""
+    if steps < 1 or warmup_steps < 0:
+        raise ProfileError(f"steps must be >= 1 and warmup >= 0, got steps={steps}, warmup={warmup_steps}")
+    if windows < 1:
+        raise ProfileError(f"--windows must be >= 1 (2 or more for an interval), got {windows}")
+    if precision is not None and not (0 < precision < 1 and windows >= 2):
+        raise ProfileError(f"--precision must be a fraction between 0 and 1 (0.05: +-5%) with --windows 2 or more, "
+                           f"got {precision} with {windows} window(s)")
+    max_steps = max_steps if max_steps is not None else 10 * steps
+    if max_steps < steps:
+        raise ProfileError(f"--max-steps ({max_steps}) must be at least --steps ({steps})")
+    step_stage = step_stage or find_step_stage(v)
+    if step_stage not in v.classes:
+        raise ProfileError(f"--step-stage: no stage named '{step_stage}' (stages: {', '.join(v.order)})")
+    return step_stage, max_steps
+
+
+def _log_profile(tracker: Any, result: Profile, out_dir: Path) -> None:
+    """The profile's metrics, its ``profile.json`` and the bottleneck tag, into the tracked run."""
+    from dflash_flow.observe.schema import mlflow_metrics
+
+    tracker.log_metrics(mlflow_metrics(result), step=0)
+    tracker.log_artifact(save_profile(result, out_dir / "profile.json"))
+    if result.bottleneck is not None:
+        tracker.set_tags({"bottleneck": result.bottleneck.stage})
+
 
 
 def _start_tracker(v: Validated, out_dir: Path):
