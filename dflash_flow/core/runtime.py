@@ -12,27 +12,25 @@ from __future__ import annotations
 import os
 import threading
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Generic
 
 import attrs
 
+from .assembly import Place, assemble, only_feeding
 from .channel import END_OF_STREAM, Channel, ChannelCancelled, ErrorItem
-from .devices import RankLayout, place_replicas, setup_thread, visible_gpu_count
+from .devices import setup_thread
 from .errors import PipelineInterrupted, PipelineStalled, ShutdownTimeout, StageError
 from .graph import Graph
-from .metrics import MetricSet
 from .replica import TOMBSTONE, Replica, replica_state
 from .replica import main as replica_main
 from .sampler import Sampler
 from .snapshot import RuntimeSnapshot, StageSnapshot
-from .stage import ServicesT, StageContext
+from .stage import ServicesT
 from .stopping import StopController, StopSignal, controller
 from .validate import Validated, validated
 from .watchdog import watch
-from .wiring import wire
 
 
 class RuntimeView:
@@ -128,7 +126,6 @@ class Pipeline(Generic[ServicesT]):
         self._start_time = 0.0
         self._end_time: float | None = None
         self._collect: dict[str, Channel] = {}
-        self._warnings: list[str] = []
         self._watch_stop = threading.Event()
         self._stuck: list[str] = []
         # The drain timer of a stop (False once shutdown began: none may start after that) and the watchdog.
@@ -136,75 +133,12 @@ class Pipeline(Generic[ServicesT]):
         self._watchdog: threading.Thread | None = None
         # The one sampler of the run (core.sampler): the Monitor and `profile` subscribe to it.
         self.sampler = Sampler(self.snapshot, self._subscriber_failed)
-        self._build(resume_state or {}, collect or [])
-
-    # -- construction -----------------------------------------------------------------------------
-    def _build(self, resume_state: dict[str, list[dict[str, Any]]], collect: list[str]) -> None:
-        import copy
-
-        g = self.graph
-        self.layout = RankLayout(
-            visible=visible_gpu_count(),
-            local_world_size=self.local_world_size,
-            local_rank=self.local_rank,
-            gpus_per_rank=g.runtime.gpus_per_rank,
-            shared=g.runtime.share_gpus,
-        )
-        gpus = self.layout.gpus()
-        self.home_device = f"cuda:{gpus[0]}" if gpus else None  # this rank's first GPU (devices.setup_thread)
-        self.replicas: dict[str, list[Replica]] = {}
-        devices: dict[str, list[list[str]]] = {}  # stage -> the devices of each replica, first one first
-        for spec in g.stages:
-            placed, warning = place_replicas(spec.devices, spec.replicas, self.layout)
-            if warning:
-                self._warnings.append(f"stage '{spec.name}': {warning}")
-                warnings.warn(f"stage '{spec.name}': {warning}", RuntimeWarning, stacklevel=3)
-            devices[spec.name] = placed
-        for spec in g.stages:
-            template = self.validated.configs[spec.name]
-            reps = []
-            for i in range(spec.replicas):
-                # Each replica owns its stage object; replica 0 reuses the validated (or user's) instance.
-                stage = template if i == 0 else copy.deepcopy(template)
-                # A consumer replica takes its input on its first device.
-                downstream = sorted({d[0] for c, _ in g.consumers(spec.name) for d in devices[c.name]})
-                ctx = StageContext(
-                    name=spec.name,
-                    replica=i,
-                    num_replicas=spec.replicas,
-                    rank=self.rank,
-                    world_size=self.world_size,
-                    local_rank=self.local_rank,
-                    local_world_size=self.local_world_size,
-                    device=devices[spec.name][i][0],
-                    devices=devices[spec.name][i],
-                    downstream_devices=downstream,
-                    seed=g.seed,
-                    output_dir=self.output_dir,
-                    services=self.services,
-                    metrics=MetricSet(),
-                    stop_requested=self._stop,
-                    runtime=self.view,
-                )
-                rep = Replica(spec.name, spec.type, i, stage, ctx)
-                rep.home_device = self.home_device
-                states = resume_state.get(spec.name)
-                if states:
-                    rep.resume_state = states[i] if i < len(states) else states[-1]
-                reps.append(rep)
-            self.replicas[spec.name] = reps
-        self._collect = wire(g, self.validated.classes, self.replicas, collect)
-        for spec in g.stages:  # an ordered consumer watches its upstream's progress (Channel.get_seq)
-            if not spec.ordered:
-                continue
-            todo, seen = [i.stage for i in spec.inputs], set()
-            while todo:
-                name = todo.pop()
-                if name not in seen:
-                    seen.add(name)
-                    todo.extend(i.stage for i in g.stage(name).inputs)
-            for rep in self.replicas[spec.name]:
-                rep.upstream = [r for name in sorted(seen) for r in self.replicas[name]]
+        built = assemble(v, Place(rank=self.rank, world_size=self.world_size, local_rank=self.local_rank,
+                                  local_world_size=self.local_world_size, output_dir=self.output_dir),
+                         services=self.services, stop=self._stop, view=self.view, resume_state=resume_state or {},
+                         collect=collect or [])
+        self.layout, self.home_device, self.replicas = built.layout, built.home_device, built.replicas
+        self._collect, self._warnings = built.collect, built.warnings
 
     # -- public API -------------------------------------------------------------------------------
     @property
@@ -310,25 +244,11 @@ class Pipeline(Generic[ServicesT]):
         consumers are ``stage`` or stages abandoned here drops its queued and later inputs without
         processing them (a source stops producing); end-of-stream still flows, so every stage finishes
         and closes normally. A stage that also feeds another branch keeps working for it."""
-        g = self.graph
-        gone = {stage}
-        changed = True
-        while changed:
-            changed = False
-            for spec in g.stages:
-                if spec.name in gone:
-                    continue
-                consumers = {c.name for c, _ in g.consumers(spec.name)}
-                if spec.name in self._collect:
-                    consumers.add("<collect>")
-                if consumers and consumers <= gone:
-                    gone.add(spec.name)
-                    changed = True
-        gone.discard(stage)
+        gone = only_feeding(self.graph, stage, self._collect)
         for name in gone:
             for rep in self.replicas[name]:
                 rep.abandoned = True
-        return sorted(gone)
+        return gone
 
     def cancel(self, reason: str = "cancelled") -> None:
         """Immediate stop: every channel wakes its waiters with ChannelCancelled. Idempotent."""
