@@ -2,12 +2,25 @@
 
 Each stage replica owns its metric objects, so the hot path is a plain attribute update under the GIL;
 readers (the Monitor, snapshots) copy values and aggregate across replicas.
+
+A stage declares its metrics as typed fields of a class of its own, the field's name the metric's::
+
+    @attrs.define
+    class PadderMetrics:
+        real_tokens: Counter = stage_metric("tokens", "Real tokens padded")
+        seq_len: Summary = stage_metric("tokens", "Sequence lengths (mean, max)")
+
+    def setup(self, ctx):
+        self._m = ctx.metrics.declare(PadderMetrics)  # then self._m.real_tokens.inc(n)
+
+The kind comes from the field's type (``Counter``, ``Gauge``, ``Summary``, ``Labeled``), so a name is never
+spelled twice and a metric is read back through its field, not a string.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 
@@ -88,6 +101,30 @@ class Labeled(Metric):
         return self.values.copy()  # dict.copy is atomic under the GIL
 
 
+_DECLARED = "dflash_flow.stage_metric"
+T = TypeVar("T")
+
+
+def stage_metric(unit: str = "", description: str = "") -> Any:
+    """A field of a stage's metrics class (see the module doc): the metric named as the field, of the
+    field's type, with this unit and description."""
+    return attrs.field(metadata={_DECLARED: (unit, description)})
+
+
+def declared_metrics(cls: type) -> list[tuple[str, type[Metric], str, str]]:
+    """(name, kind, unit, description) of every metric a metrics class declares (without a replica: what
+    ``dflash-flow stages`` can list)."""
+    attrs.resolve_types(cls)
+    out = []
+    for f in attrs.fields(cls):
+        if _DECLARED not in f.metadata:
+            raise TypeError(f"{cls.__name__}.{f.name}: declare it with core.metrics.stage_metric(unit, description)")
+        if not (isinstance(f.type, type) and issubclass(f.type, Metric) and f.type is not Metric):
+            raise TypeError(f"{cls.__name__}.{f.name}: type it Counter, Gauge, Summary or Labeled, not {f.type!r}")
+        out.append((f.name, f.type, *f.metadata[_DECLARED]))
+    return out
+
+
 class MetricSet:
     """The metrics of one stage replica."""
 
@@ -115,6 +152,12 @@ class MetricSet:
 
     def labeled(self, name: str, unit: str = "", description: str = "") -> Labeled:
         return self._declare(Labeled, name, unit, description)
+
+    def declare(self, cls: type[T]) -> T:
+        """Declare every metric of a stage's metrics class (``stage_metric`` fields) and return the class with
+        each field holding its metric."""
+        return cls(**{name: self._declare(kind, name, unit, description)
+                      for name, kind, unit, description in declared_metrics(cls)})
 
     def __iter__(self):
         return iter(list(self._metrics.values()))

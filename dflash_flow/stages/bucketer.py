@@ -15,6 +15,7 @@ from typing import Any, Optional
 import attrs
 
 from dflash_flow.core import Stage, StageContext, cfg, derive_seed
+from dflash_flow.core.metrics import Counter, Gauge, Labeled, stage_metric
 from dflash_flow.data.packing import plan_field
 from dflash_flow.items import EpochBatches, Sample, SampleSet, SampleTable
 
@@ -31,6 +32,16 @@ def _weights_ok(_inst, _attr, value) -> None:
             raise ValueError(f"mixture weight of '{k}' must be a finite number >= 0, got {v!r}")
     if sum(value.values()) <= 0:
         raise ValueError("mixture weights are all 0")
+
+
+@attrs.define
+class BucketerMetrics:
+    samples: Counter = stage_metric("samples", "Samples collected")
+    buckets: Gauge = stage_metric("buckets", "Number of length buckets")
+    packed_per_bucket: Labeled = stage_metric("batches", "Batches packed per bucket (last epoch)")
+    epoch: Gauge = stage_metric("epoch", "Last epoch packed")
+    mixture_samples: Labeled = stage_metric("samples", "Samples drawn per source, all epochs so far")
+    mixture_tokens: Labeled = stage_metric("tokens", "Tokens drawn per source, all epochs so far")
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -63,21 +74,15 @@ class Bucketer(Stage):
         self._ctx = ctx
         self._samples: list[Sample] = []
         self._tables: list[SampleTable] = []
-        m = ctx.metrics
-        self._m_samples = m.counter("samples", "samples", "Samples collected")
-        self._m_buckets = m.gauge("buckets", "buckets", "Number of length buckets")
-        self._m_batches = m.labeled("packed_per_bucket", "batches", "Batches packed per bucket (last epoch)")
-        self._m_epoch = m.gauge("epoch", "epoch", "Last epoch packed")
-        self._m_mix = m.labeled("mixture_samples", "samples", "Samples drawn per source, all epochs so far")
-        self._m_mix_tokens = m.labeled("mixture_tokens", "tokens", "Tokens drawn per source, all epochs so far")
+        self._m = ctx.metrics.declare(BucketerMetrics)
 
     def process(self, item: SampleSet):
         if isinstance(item, SampleTable):
             self._tables.append(item)
-            self._m_samples.inc(len(item))
+            self._m.samples.inc(len(item))
         else:
             self._samples.append(item)
-            self._m_samples.inc()
+            self._m.samples.inc()
         return None
 
     def _corpus(self):
@@ -168,16 +173,16 @@ class Bucketer(Stage):
                 src = np.searchsorted(corpus.starts, pos, side="right") - 1
                 tokens = {name: int(corpus.lengths[pos[src == k]].sum()) for k, (name, _a, _b) in enumerate(groups)}
                 for name, n in drawn.items():
-                    self._m_mix.inc(name, n)
-                    self._m_mix_tokens.inc(name, tokens[name])
+                    self._m.mixture_samples.inc(name, n)
+                    self._m.mixture_tokens.inc(name, tokens[name])
                 if epoch == 0:
                     log.info("%s: %s", self._ctx.name, describe_mixture(groups, self.mixture, drawn, tokens))
-            self._m_buckets.set(planner_e.num_buckets)
+            self._m.buckets.set(planner_e.num_buckets)
             packed = first if epoch == 0 else planner_e.pack(epoch)
             first = None
             for b, n in enumerate(packed.counts):
-                self._m_batches.inc(b, n)
-            self._m_epoch.set(epoch)
+                self._m.packed_per_bucket.inc(b, n)
+            self._m.epoch.set(epoch)
             yield EpochBatches(epoch=epoch, packed=packed, samples=samples, num_epochs=self.epochs,
                                epoch_sizes=tuple(sizes), max_tokens=self.max_tokens)
 

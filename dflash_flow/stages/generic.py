@@ -12,6 +12,7 @@ from typing import Any
 import attrs
 
 from dflash_flow.core import Source, Stage, cfg, limits
+from dflash_flow.core.metrics import Counter, stage_metric
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -70,6 +71,11 @@ class Delay(Stage):
         return (item,)
 
 
+@attrs.define
+class DiscardMetrics:
+    items: Counter = stage_metric("items", "Items consumed")
+
+
 @attrs.define(kw_only=True, eq=False)
 class Discard(Stage):
     """Consumes items and counts them (a sink)."""
@@ -78,11 +84,11 @@ class Discard(Stage):
     _count: int = attrs.field(default=0, init=False)
 
     def setup(self, ctx) -> None:
-        self._items = ctx.metrics.counter("items", "items", "Items consumed")
+        self._m = ctx.metrics.declare(DiscardMetrics)
 
     def process(self, item):
         self._count += 1
-        self._items.inc()
+        self._m.items.inc()
         return None
 
     def get_state(self) -> dict[str, Any]:

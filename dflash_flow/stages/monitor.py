@@ -26,8 +26,14 @@ from typing import Any
 import attrs
 
 from dflash_flow.core import Stage, cfg, limits
+from dflash_flow.core.metrics import Counter, stage_metric
 from dflash_flow.items import EvalReport, StepReport
 from dflash_flow.services import services_of
+
+
+@attrs.define
+class MonitorMetrics:
+    samples: Counter = stage_metric("samples", "Monitor samples taken")
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -98,7 +104,7 @@ class Monitor(Stage):
                     self._fixed.add(s.name)
             if not self._sinks:
                 self._sinks = {i.stage for i in graph.stage(ctx.name).inputs}
-        self._samples = ctx.metrics.counter("samples", "samples", "Monitor samples taken")
+        self._m = ctx.metrics.declare(MonitorMetrics)
         self._record.logging_started()  # a checkpoint of step S waits until step S's metrics are handed over
         self._lock = threading.Lock()  # the window and the record's samples: this thread and the sampler's
         if ctx.runtime is not None and self._dist is None:
@@ -293,7 +299,7 @@ class Monitor(Stage):
                 metrics = mlflow_metrics(sample)
             self._tracker.log_metrics(metrics, step=sample.step)
             self._tracker.flush_async()  # store writes happen on the tracker's writer thread
-        self._samples.inc()
+        self._m.samples.inc()
         self._last_sample = now
 
     def finish(self):

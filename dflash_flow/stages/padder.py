@@ -7,7 +7,17 @@ from typing import Optional
 import attrs
 
 from dflash_flow.core import Stage, StageContext, cfg
+from dflash_flow.core.metrics import Counter, Gauge, Summary, stage_metric
 from dflash_flow.items import PaddedBatch, PlannedBatch
+
+
+@attrs.define
+class PadderMetrics:
+    seq_len: Summary = stage_metric("tokens", "Sequence lengths (mean, max)")
+    batch_size: Summary = stage_metric("samples", "Samples per batch")
+    real_tokens: Counter = stage_metric("tokens", "Real tokens padded")
+    padded_tokens: Counter = stage_metric("tokens", "Tokens after padding")
+    padding_efficiency: Gauge = stage_metric("ratio", "Real / padded tokens so far")
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -30,12 +40,7 @@ class Padder(Stage):
     )
 
     def setup(self, ctx: StageContext) -> None:
-        m = ctx.metrics
-        self._m_len = m.summary("seq_len", "tokens", "Sequence lengths (mean, max)")
-        self._m_bs = m.summary("batch_size", "samples", "Samples per batch")
-        self._m_real = m.counter("real_tokens", "tokens", "Real tokens padded")
-        self._m_padded = m.counter("padded_tokens", "tokens", "Tokens after padding")
-        self._m_eff = m.gauge("padding_efficiency", "ratio", "Real / padded tokens so far")
+        self._m = ctx.metrics.declare(PadderMetrics)
 
     def process(self, item: PlannedBatch):
         from dflash_flow.data.collate import pad_batch
@@ -43,11 +48,12 @@ class Padder(Stage):
         out = pad_batch(
             item, pad_id=self.pad_id, pad_to_multiple=self.pad_to_multiple, pin_memory=self.pin_memory
         )
+        m = self._m
         for n in item.meta.lengths:
-            self._m_len.observe(n)
-        self._m_bs.observe(item.meta.num_samples)
-        self._m_real.inc(item.meta.real_tokens)
-        self._m_padded.inc(int(out.input_ids.numel()))
-        if self._m_padded.value:  # a filler batch (no samples) may come first: no ratio before any token
-            self._m_eff.set(self._m_real.value / self._m_padded.value)
+            m.seq_len.observe(n)
+        m.batch_size.observe(item.meta.num_samples)
+        m.real_tokens.inc(item.meta.real_tokens)
+        m.padded_tokens.inc(int(out.input_ids.numel()))
+        if m.padded_tokens.value:  # a filler batch (no samples) may come first: no ratio before any token
+            m.padding_efficiency.set(m.real_tokens.value / m.padded_tokens.value)
         return (out,)
