@@ -202,32 +202,17 @@ def _train(out_dir, recipe: TargetRecipe, num_threads: int, log_every: int, log,
         [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=recipe.lr, betas=(0.9, 0.95), eps=1e-8,
     )
-
-    def lr_at(step: int) -> float:
-        if step < recipe.warmup_steps:
-            return recipe.lr * (step + 1) / recipe.warmup_steps
-        frac = (step - recipe.warmup_steps) / max(1, recipe.steps - recipe.warmup_steps)
-        return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
-
     rng = np.random.default_rng(recipe.seed)
     order: list[int] = []
     pad = tokenizer.pad_token_id
     losses: list[float] = []
     for step in range(recipe.steps):
-        # Epoch-wise reshuffle of the windows, drawn from the seeded generator.
-        while len(order) < recipe.batch_size:
-            order.extend(rng.permutation(len(windows)).tolist())
-        batch = [windows[i] for i in order[: recipe.batch_size]]
-        del order[: recipe.batch_size]
-        width = max(len(w) for w in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        for r, w in enumerate(batch):
-            ids[r, : len(w)] = torch.tensor(w)
+        ids = _next_batch(windows, order, rng, recipe.batch_size, pad)
         # Windows are right-padded; padded positions are never scored and never attended to by real tokens.
         attn = (ids != pad).long()
         labels = ids.masked_fill(ids == pad, -100)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step)
+            g["lr"] = _lr_at(recipe, step)
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -235,7 +220,7 @@ def _train(out_dir, recipe: TargetRecipe, num_threads: int, log_every: int, log,
         opt.step()
         losses.append(float(loss.detach()))
         if log_every and (step % log_every == 0 or step == recipe.steps - 1):
-            log(f"[target] step {step:4d}/{recipe.steps} loss {losses[-1]:.4f} lr {lr_at(step):.2e} "
+            log(f"[target] step {step:4d}/{recipe.steps} loss {losses[-1]:.4f} lr {_lr_at(recipe, step):.2e} "
                 f"({time.perf_counter() - t_start:.0f}s)")
     train_s = time.perf_counter() - t_start
 
@@ -264,6 +249,29 @@ def _train(out_dir, recipe: TargetRecipe, num_threads: int, log_every: int, log,
     log(f"[target] done in {train_s:.0f}s: train loss {info['final_train_loss']:.4f}, "
         f"held-out answer loss {eval_loss:.4f} (ppl {math.exp(eval_loss):.2f})")
     return info
+
+
+def _lr_at(recipe: TargetRecipe, step: int) -> float:
+    """Linear warmup, then cosine down to ``min_lr_ratio`` of the peak."""
+    if step < recipe.warmup_steps:
+        return recipe.lr * (step + 1) / recipe.warmup_steps
+    frac = (step - recipe.warmup_steps) / max(1, recipe.steps - recipe.warmup_steps)
+    return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def _next_batch(windows: list[list[int]], order: list[int], rng, batch_size: int, pad: int):
+    """The next ``batch_size`` windows, right-padded ``[b, width]``; ``order`` is refilled with an epoch-wise
+    reshuffle drawn from the seeded generator."""
+    import torch
+
+    while len(order) < batch_size:
+        order.extend(rng.permutation(len(windows)).tolist())
+    batch = [windows[i] for i in order[:batch_size]]
+    del order[:batch_size]
+    ids = torch.full((len(batch), max(len(w) for w in batch)), pad, dtype=torch.long)
+    for r, w in enumerate(batch):
+        ids[r, : len(w)] = torch.tensor(w)
+    return ids
 
 
 def _recipe_key_of(path: Path) -> str | None:
