@@ -280,7 +280,9 @@ class _Deadlines:
                 sock = getattr(conn, "sock", None)
                 if sock is not None:
                     try:
-                        sock.shutdown(socket.SHUT_RDWR)  # the blocked read returns at once
+                        # the blocked read returns at once (the plain socket's shutdown: an SSL socket's own
+                        # would unwrap it under the reading thread)
+                        socket.socket.shutdown(sock, socket.SHUT_RDWR)
                     except OSError:
                         pass
 
@@ -378,7 +380,7 @@ class HttpClient:
                 _DEADLINES.disarm(token)
                 self._drop(s)
                 raise RequestFailed("refused", "connection refused") from None
-            except (http.client.HTTPException, OSError) as e:
+            except (http.client.HTTPException, OSError, ValueError) as e:  # ValueError: a socket closed under it
                 late = _DEADLINES.disarm(token)
                 self._drop(s)
                 if late:
