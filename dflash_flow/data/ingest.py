@@ -30,6 +30,7 @@ import numpy as np
 
 from dflash_flow.util import usable_cores
 
+from .chat_encode import ChatEncoder
 from .formats import (
     InputFormat,
     Position,
@@ -41,7 +42,7 @@ from .formats import (
     total_size,
 )
 from .keys import cache_key
-from .parse import ChatEncoder, init_worker, process_chunk, work
+from .parse import init_worker, process_chunk, work
 from .reports import BadRecord, DataError, LoadReport, ReadOptions, TokenizedFile
 from .store import MANIFEST, EntryWriter, StoreError, discard_entry, entry_lock, open_entry, write_progress
 

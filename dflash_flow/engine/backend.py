@@ -38,11 +38,14 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-from dflash_flow.util import is_within
+import attrs
 
-from .checks import FeatureFault, StartCheck, check_sample, reference_fits
+from dflash_flow.core.metrics import Counter as CounterMetric
+from dflash_flow.core.metrics import Gauge, MetricSet, Summary, stage_metric
+
+from .checks import FeatureFault, StartCheck, reference_fits
 from .config import EngineConfig
-from .handover import HandoverError, open_features, wait_for_file
+from .handover import HandoverError, wait_for_file
 from .http import (
     AllServersDown,
     HttpClient,
@@ -53,6 +56,7 @@ from .http import (
     discover_model,
 )
 from .layers import to_engine_layer_ids
+from .rows import RowBatch, features_path, read_row
 
 __all__ = ["EngineBackend", "EngineUnavailable", "engine_backend"]
 
@@ -90,30 +94,15 @@ def _release_pool(key: tuple) -> None:
                 del _POOLS[key]
 
 
-class _Batch:
-    """One batch in flight: the output tensor (allocated by the first row read, in the features' dtype),
-    the stop flag its rows watch, the rows kept for the start check."""
+@attrs.define
+class EngineMetrics:
+    """What the backend counts into its stage's metrics (``attach_metrics``)."""
 
-    def __init__(self, b: int, s: int, width: int, dtype: Any, pin: bool):
-        self.shape = (b, s, width)
-        self.dtype = dtype
-        self.pin = pin
-        self.out = None
-        self.lock = threading.Lock()
-        self.stop = threading.Event()
-        self.check_rows: list[tuple[str, list[int], Any]] = []
-
-    def tensor(self, dtype: Any, where: str):
-        import torch
-
-        with self.lock:
-            if self.out is None:
-                self.out = torch.zeros(self.shape, dtype=self.dtype or dtype, pin_memory=self.pin)
-                self.first_dtype = dtype
-            elif self.dtype is None and dtype != self.first_dtype:
-                raise FeatureFault(f"{where}: features in {dtype}, other servers' in {self.first_dtype}: start every "
-                                   "server with the same --dtype")
-            return self.out
+    engine_requests: CounterMetric = stage_metric("requests", "Samples sent to the engine servers")
+    engine_retries: CounterMetric = stage_metric("requests", "Samples retried (on another server if any)")
+    engine_failures: CounterMetric = stage_metric("requests", "Failed attempts (timeouts, resets, 5xx)")
+    engine_request_s: Summary = stage_metric("s", "Seconds from sending a sample to its features")
+    engine_servers_up: Gauge = stage_metric("servers", "Engine servers in rotation")
 
 
 class EngineBackend:
@@ -151,7 +140,7 @@ class EngineBackend:
         self._release_servers: Callable[[], None] | None = None
         self._check_key: tuple | None = None
         self._stop = threading.Event()
-        self._metrics: dict[str, Any] = {}
+        self._m: EngineMetrics | None = None
         self.urls: list[str] = []
         self.limits: dict[str, int | None] = {}
 
@@ -257,27 +246,10 @@ class EngineBackend:
         self._check_lock = entry[1]
         return entry[0]
 
-    def attach_metrics(self, metrics: Any) -> None:
+    def attach_metrics(self, metrics: MetricSet) -> None:
         """Optional: the stage's metrics registry (``ctx.metrics``): requests, retries, failed attempts,
-        seconds per request, servers in rotation."""
-        self._metrics = {
-            "requests": metrics.counter("engine_requests", "requests", "Samples sent to the engine servers"),
-            "retries": metrics.counter("engine_retries", "requests", "Samples retried (on another server if any)"),
-            "failures": metrics.counter("engine_failures", "requests", "Failed attempts (timeouts, resets, 5xx)"),
-            "request_s": metrics.summary("engine_request_s", "s", "Seconds from sending a sample to its features"),
-            "servers_up": metrics.gauge("engine_servers_up", "servers", "Engine servers in rotation"),
-        }
-
-    def _metric(self, name: str, value: float = 1.0) -> None:
-        m = self._metrics.get(name)
-        if m is None:
-            return
-        if name == "request_s":
-            m.observe(value)
-        elif name == "servers_up":
-            m.set(value)
-        else:
-            m.inc(value)
+        seconds per request, servers in rotation (``EngineMetrics``)."""
+        self._m = metrics.declare(EngineMetrics)
 
     # -- features ------------------------------------------------------------------------------------
 
@@ -292,7 +264,7 @@ class EngineBackend:
                        else [s] * b)
         sample_ids = list(sample_ids) if sample_ids is not None else list(range(b))
         rows = [input_ids[i, : int(lengths[i])].tolist() for i in range(b)]
-        batch = _Batch(b, s, len(self.layer_ids) * self.hidden_size, self._dtype,
+        batch = RowBatch(b, s, len(self.layer_ids) * self.hidden_size, self._dtype,
                        pin=self._out_device.type == "cuda")
         futures: list[Future] = [self._executor.submit(self._row, batch, i, rows[i], sample_ids[i])
                                  for i in range(b) if rows[i]]
@@ -313,7 +285,8 @@ class EngineBackend:
                 f.cancel()
             raise
         if self._pool is not None:
-            self._metric("servers_up", sum(1 for srv in self._pool.servers if srv.state() == "up"))
+            if self._m is not None:
+                self._m.engine_servers_up.set(sum(1 for srv in self._pool.servers if srv.state() == "up"))
         if not self.start_check.done:
             with self._check_lock:  # the other replicas wait for the verdict; nothing is trained before it
                 self.start_check.offer([r[1:] for r in sorted(batch.check_rows, key=lambda r: r[0])])
@@ -322,7 +295,7 @@ class EngineBackend:
         out = batch.out if batch.out is not None else torch.zeros(batch.shape, dtype=self._dtype or torch.float32)
         return out.to(self._out_device, non_blocking=True) if out.device != self._out_device else out
 
-    def _row(self, batch: _Batch, i: int, ids: list[int], sid: Any) -> None:
+    def _row(self, batch: RowBatch, i: int, ids: list[int], sid: Any) -> None:
         cfg, pool = self.config, self._pool
         limit = [v for v in self.limits.values() if v]
         if limit and len(ids) >= min(limit):
@@ -342,12 +315,14 @@ class EngineBackend:
             url = lease.server.url
             t0 = time.perf_counter()
             self.stats["requests"] += 1
-            self._metric("requests")
+            if self._m is not None:
+                self._m.engine_requests.inc()
             try:
                 resp = self._client.request(lease.server, "POST", "/v1/completions", payload)
-                path = self._path_of(resp, url, sid)
+                path = features_path(resp, cfg, url, sid)
                 wait_for_file(path, cfg.timeout_s, batch.stop)
-                self._read(batch, i, ids, sid, url, path)
+                read_row(batch, i, ids, f"{url}, sample {sid}", path, layer_ids=self.layer_ids,
+                         hidden_size=self.hidden_size, keep_for_check=i < cfg.check_samples and not self.start_check.done)
             except RequestFailed as e:
                 failure = e
             except HandoverError as e:
@@ -359,11 +334,13 @@ class EngineBackend:
                 raise
             else:
                 pool.release(lease, None)
-                self._metric("request_s", time.perf_counter() - t0)
+                if self._m is not None:
+                    self._m.engine_request_s.observe(time.perf_counter() - t0)
                 return
             pool.release(lease, failure)
             self.stats[f"failed_{failure.kind}"] += 1
-            self._metric("failures")
+            if self._m is not None:
+                self._m.engine_failures.inc()
             if failure.kind == "client":
                 raise EngineUnavailable(f"{url} refused sample {sid} ({len(ids)} tokens): {failure}; retrying cannot "
                                         "help (a sample longer than its --max-model-len? another served model?)")
@@ -375,55 +352,10 @@ class EngineBackend:
                 raise EngineUnavailable(f"sample {sid}: {attempts} attempts failed, the last on {url} ({failure}); "
                                         f"servers: {pool.describe()}")
             self.stats["retries"] += 1
-            self._metric("retries")
+            if self._m is not None:
+                self._m.engine_retries.inc()
             if batch.stop.wait(backoff_delay(sid, attempts, cfg.backoff_s, cfg.backoff_max_s)):
                 raise Stopped()
-
-    def _path_of(self, resp: dict, url: str, sid: Any) -> str:
-        params = resp.get("kv_transfer_params")
-        path = params.get("hidden_states_path") if isinstance(params, dict) else None
-        if not isinstance(path, str) or not path:
-            raise FeatureFault(f"{url} answered sample {sid} without kv_transfer_params.hidden_states_path: it does "
-                               "not run our connector; start it with the command `dflash-flow serve-target` prints")
-        local = self.config.local_path(path)
-        if not is_within(local, self.config.features_dir):
-            raise FeatureFault(f"{url} named a features file outside model.engine.features_dir "
-                               f"({self.config.features_dir}): {local}; set features_dir (and path_map) to the "
-                               "servers' shared_storage_path as this machine sees it")
-        return local
-
-    def _read(self, batch: _Batch, i: int, ids: list[int], sid: Any, url: str, path: str) -> None:
-        import torch
-
-        where = f"{url}, sample {sid}"
-        f = open_features(path)
-        try:
-            tok = f.token_ids
-            sent = torch.tensor(ids, dtype=tok.dtype)
-            if tok.shape != sent.shape or not torch.equal(tok, sent):
-                n = min(len(ids), int(tok.shape[0]))
-                first = next((p for p in range(n) if int(tok[p]) != ids[p]), n)
-                got = int(tok[first]) if first < tok.shape[0] else "nothing"
-                sent_p = ids[first] if first < len(ids) else "nothing"
-                raise FeatureFault(f"{where}: the features' token ids differ from those sent ({len(ids)} sent, "
-                                   f"{int(tok.shape[0])} back; first at position {first}: sent {sent_p}, got {got}); "
-                                   f"the file is kept: {path}")
-            hs = f.hidden_states
-            try:
-                check_sample(hs, layer_ids=self.layer_ids, hidden_size=self.hidden_size, n_tokens=len(ids), where=where)
-            except FeatureFault as e:
-                raise FeatureFault(f"{e} (the file is kept: {path})") from None
-            out = batch.tensor(hs.dtype, where)
-            out[i, : len(ids)].copy_(hs.reshape(len(ids), -1))
-            if i < self.config.check_samples and not self.start_check.done:  # the batch's first rows
-                with batch.lock:
-                    batch.check_rows.append((i, where, ids, hs.clone()))
-        finally:
-            f.close()
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
 
     # -- close ---------------------------------------------------------------------------------------
 
