@@ -652,11 +652,10 @@ class _WalkRow:
 def walk_batch(target: nn.Module, drafter: nn.Module, inputs: Sequence[Any], horizons: Sequence[int],
                settings: DraftSettings) -> list[tuple[dict[int, Any], int]]:
     """``walk._walk_horizons`` of every prepared conversation (``walk.WalkInput``), the walks of all of them
-    drafting together: per conversation its results per horizon and the drafter calls they took, each the
-    one-conversation result (the forks of the shorter horizons are rows forked from the longest one's, at
-    the same step the one-conversation walk forks them)."""
-    from .walk import WalkResult
-
+    drafting together: per conversation its results per horizon (``walk.WalkResult``'s fields: accept
+    lengths, tokens, complete) and the drafter calls they took, each the one-conversation result (the forks
+    of the shorter horizons are rows forked from the longest one's, at the same step the one-conversation
+    walk forks them)."""
     longest, *shorter = sorted({int(h) for h in horizons}, reverse=True)
     block_size = settings.block_size
     mask = settings.mask_token_id if settings.mask_token_id is not None else 0
@@ -685,7 +684,7 @@ def walk_batch(target: nn.Module, drafter: nn.Module, inputs: Sequence[Any], hor
                     work.append(fork(r, h))
                 r.forks = []
                 complete = start + 1 >= max_length or (start == end and inp.stopped)
-                results[r.conv][r.horizon] = WalkResult(r.lengths, min(start + 1, max_length) - inp.n_in, complete)
+                results[r.conv][r.horizon] = (r.lengths, min(start + 1, max_length) - inp.n_in, complete)
                 calls[r.conv] += r.calls
                 return None
             verify = min(block_size, max_length - start)

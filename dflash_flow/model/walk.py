@@ -285,7 +285,7 @@ def _walks(target, drafter, conversations, horizons, stop_token_ids, batch_size:
                                          stop_token_ids=stop_token_ids))
             for (results, n_calls), (_, reply) in zip(walk_batch(target, drafter, inputs, horizons, resolved), part,
                                                       strict=True):
-                yield {int(h): results[int(h)] for h in horizons}, n_calls, reply
+                yield {int(h): WalkResult(*results[int(h)]) for h in horizons}, n_calls, reply
     finally:
         drafter.train(was_training)
 
