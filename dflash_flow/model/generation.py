@@ -376,7 +376,9 @@ class SlotDecoder:
     takes the next prompt at once). ``add(key, ids)`` prefills a prompt into a free slot; ``step()`` decodes
     one token for every busy slot and returns the replies that ended: ``(key, new ids, "stop" | "length")``
     as :func:`greedy_continuations` gives them (a stop token that ended the reply included). Each reply is
-    what the prompt alone gives (see above); ``supports(model)`` says whether the model decodes this way."""
+    what the prompt alone gives (see above); ``supports(model)`` says whether the model decodes this way.
+    Busy rows are kept first (a finished row's place is taken by the last one), so a step computes only
+    them (at least ``MIN_ROWS``)."""
 
     def __init__(self, model: nn.Module, *, slots: int, max_new_tokens: int, stop_ids: Sequence[int] = ()):
         if max_new_tokens < 1 or slots < 1:
@@ -390,8 +392,9 @@ class SlotDecoder:
         self.max_new = int(max_new_tokens)
         self.stops = {int(t) for t in stop_ids}
         self.device = target_device(model)
-        self.keys: list[Any] = [None] * self.rows  # the caller's key of each slot's prompt; None: free
-        self.lengths = [0] * self.rows  # tokens in each slot's cache
+        self.busy = 0  # rows 0 .. busy-1 are decoding
+        self.keys: list[Any] = [None] * self.rows  # the caller's key of each row's prompt
+        self.lengths = [0] * self.rows  # tokens in each row's cache
         self.new: list[list[int]] = [[] for _ in range(self.rows)]
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.nblocks = 0
@@ -403,14 +406,10 @@ class SlotDecoder:
 
     @property
     def free(self) -> int:
-        return sum(k is None for k in self.keys[: self.slots])
-
-    @property
-    def busy(self) -> int:
-        return self.slots - self.free
+        return self.slots - self.busy
 
     def _room(self, tokens: int) -> None:
-        """Every layer's cache holds ``tokens`` per slot (grown by whole blocks, contents kept)."""
+        """Every layer's cache holds ``tokens`` per row (grown by whole blocks, contents kept)."""
         need = -(-tokens // BLOCK)
         if need <= self.nblocks:
             return
@@ -425,61 +424,79 @@ class SlotDecoder:
             kv.append((k, v))
         self.kv, self.nblocks = kv, grow
 
+    def _ended(self, tokens: list[int]) -> str | None:
+        if tokens[-1] in self.stops:
+            return "stop"
+        return "length" if len(tokens) >= self.max_new else None
+
     @torch.inference_mode()
     def add(self, key: Any, ids: Sequence[int]) -> None:
         """Prefill ``ids`` (alone: the model's own forward) into a free slot; its first token is chosen."""
-        slot = self.keys.index(None)
-        if slot >= self.slots:
+        if not self.free:
             raise RuntimeError("no free slot")
         if not len(ids):
             raise ValueError("empty prompt")
+        row = self.busy
         ids_t = torch.as_tensor(list(ids), dtype=torch.long, device=self.device)[None]
         cache = new_cache(self.model.config)
         out = self.model(input_ids=ids_t, position_ids=torch.arange(ids_t.shape[1], device=self.device)[None],
                          use_cache=True, logits_to_keep=1, **{cache_kwarg(self.model): cache})
+        tokens = [int(out.logits[0, -1].argmax())]
+        reason = self._ended(tokens)
+        if reason is not None:
+            self.finished.append((key, tokens, reason))
+            return
         n = ids_t.shape[1]
         self._room(n + self.max_new)
         for (k, v), layer in zip(self.kv, cache.layers, strict=True):
-            k[slot].view(k.shape[1], -1, k.shape[-1])[:, :n] = layer.keys[0]
-            v[slot].view(v.shape[1], -1, v.shape[-1])[:, :n] = layer.values[0]
-        tok = int(out.logits[0, -1].argmax())
-        self.keys[slot], self.lengths[slot], self.new[slot] = key, n, [tok]
-        self._maybe_done(slot)
+            k[row].view(k.shape[1], -1, k.shape[-1])[:, :n] = layer.keys[0]
+            v[row].view(v.shape[1], -1, v.shape[-1])[:, :n] = layer.values[0]
+        self.keys[row], self.lengths[row], self.new[row] = key, n, tokens
+        self.busy += 1
 
-    def _maybe_done(self, slot: int) -> None:
-        tokens = self.new[slot]
-        if tokens[-1] in self.stops or len(tokens) >= self.max_new:
-            self.finished.append((self.keys[slot], tokens, "stop" if tokens[-1] in self.stops else "length"))
-            self.keys[slot], self.lengths[slot], self.new[slot] = None, 0, []
+    def _drop(self, row: int) -> None:
+        """Row ``row`` ended: the last busy row takes its place."""
+        last = self.busy - 1
+        if row != last:
+            used = -(-self.lengths[last] // BLOCK)
+            for k, v in self.kv:
+                k[row, :, :used], v[row, :, :used] = k[last, :, :used], v[last, :, :used]
+            self.keys[row], self.lengths[row], self.new[row] = self.keys[last], self.lengths[last], self.new[last]
+        self.keys[last], self.lengths[last], self.new[last] = None, 0, []
+        self.busy -= 1
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Any, list[int], str]]:
         """One token for every busy slot; the replies that ended since the last call (prefills included)."""
-        busy = [s for s in range(self.slots) if self.keys[s] is not None]
-        if busy:
-            tokens = torch.tensor([[self.new[s][-1] if s in busy else 0] for s in range(self.rows)],
-                                  dtype=torch.long, device=self.device)
-            # idle slots: token 0 at position 0, attending to their own one (stale) key
-            at = [self.lengths[s] if self.keys[s] is not None else 0 for s in range(self.rows)]
-            choice = self._forward(tokens, at).tolist()
-            for s in busy:
-                self.lengths[s] += 1
-                self.new[s].append(int(choice[s]))
-                self._maybe_done(s)
+        if self.busy:
+            n, rows = self.busy, max(self.busy, MIN_ROWS)
+            # rows past the busy ones stand in (the linear's row count): token 0 at position 0, their own key
+            tokens = torch.tensor([[self.new[r][-1]] for r in range(n)] + [[0]] * (rows - n), dtype=torch.long,
+                                  device=self.device)
+            choice = self._forward(tokens, self.lengths[:n] + [0] * (rows - n)).tolist()
+            ended = []
+            for r in range(n):
+                self.lengths[r] += 1
+                self.new[r].append(int(choice[r]))
+                reason = self._ended(self.new[r])
+                if reason is not None:
+                    self.finished.append((self.keys[r], self.new[r], reason))
+                    ended.append(r)
+            for r in reversed(ended):
+                self._drop(r)
         done, self.finished = self.finished, []
         return done
 
     def _forward(self, tokens: torch.Tensor, at: list[int]) -> torch.Tensor:
         p = self.parts
-        rows = self.rows
+        rows = tokens.shape[0]
         pos = torch.tensor(at, dtype=torch.long, device=self.device)
         n_keys = pos + 1
         width = -(-int(n_keys.max()) // BLOCK)  # blocks in use
-        self._room(width * BLOCK)
         keep = (torch.arange(width * BLOCK, device=self.device)[None] < n_keys[:, None]).view(rows, 1, width, 1, BLOCK)
         h = p.embed(tokens)
         cos, sin = p.rotary(h, pos[:, None])
-        slot_idx = torch.arange(rows, device=self.device)
+        row_idx = torch.arange(rows, device=self.device)
         blk, off = pos // BLOCK, pos % BLOCK
         for layer, (kc, vc) in zip(p.layers, self.kv, strict=True):
             attn = layer.self_attn
@@ -490,9 +507,9 @@ class SlotDecoder:
             if hasattr(attn, "q_norm"):
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = p.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [rows, heads, 1, d]
-            kc[slot_idx, :, blk, off] = k[:, :, 0]
-            vc[slot_idx, :, blk, off] = v.transpose(1, 2)[:, :, 0]
-            o = _block_attention(q, kc[:, :, :width], vc[:, :, :width], keep, attn.scaling)
+            kc[row_idx, :, blk, off] = k[:, :, 0]
+            vc[row_idx, :, blk, off] = v[:, 0]
+            o = _block_attention(q, kc[:rows, :, :width], vc[:rows, :, :width], keep, attn.scaling)
             h = h + attn.o_proj(o.reshape(rows, 1, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return p.lm_head(p.norm(h))[:, -1].argmax(dim=-1)

@@ -11,7 +11,13 @@ import torch
 from dflash_flow.data.chat import stop_token_ids
 from dflash_flow.embedded.corpus import make_split
 from dflash_flow.embedded.regenerate import regenerate
-from dflash_flow.model.generation import BLOCK, SlotDecoder, _block_attention, greedy_batched, greedy_continuations
+from dflash_flow.model.generation import (
+    BLOCK,
+    SlotDecoder,
+    _block_attention,
+    greedy_batched,
+    greedy_continuations,
+)
 
 
 def _prompt_ids(tok, n: int, seed: int) -> list[list[int]]:
@@ -101,9 +107,10 @@ def test_regenerate_file_is_the_same_for_every_batch_size_and_turns_follow_the_t
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in _records(tok)))
     files = {}
+    MAX_NEW = 32  # noqa: N806
     for bs in (1, 3, 8):
         out = tmp_path / f"b{bs}.jsonl"
-        stats = regenerate(src, None, out, batch_size=bs, max_new_tokens=40, model=model, tokenizer=tok)
+        stats = regenerate(src, None, out, batch_size=bs, max_new_tokens=MAX_NEW, model=model, tokenizer=tok)
         assert stats.generated == 6 and stats.replies == 4 + 2 * 3
         files[bs] = out.read_bytes()
     assert files[1] == files[3] == files[8]
@@ -118,11 +125,11 @@ def test_regenerate_file_is_the_same_for_every_batch_size_and_turns_follow_the_t
     r = multi[0]
     part = tmp_path / "part.jsonl"
     part.write_text(json.dumps({"id": "p", "conversations": r["conversations"][:3]}) + "\n")
-    regenerate(part, None, tmp_path / "part.out.jsonl", batch_size=1, max_new_tokens=40, model=model, tokenizer=tok)
+    regenerate(part, None, tmp_path / "part.out.jsonl", batch_size=1, max_new_tokens=MAX_NEW, model=model, tokenizer=tok)
     again = json.loads((tmp_path / "part.out.jsonl").read_text())
     assert again["conversations"][3] == r["conversations"][3]
     # resumed after the first batch of 3 (a kill after it was written): the same file
     resumed = tmp_path / "resumed.jsonl"
     resumed.write_bytes(b"".join(files[3].splitlines(keepends=True)[:3]))
-    stats = regenerate(src, None, resumed, batch_size=4, max_new_tokens=40, model=model, tokenizer=tok)
+    stats = regenerate(src, None, resumed, batch_size=4, max_new_tokens=MAX_NEW, model=model, tokenizer=tok)
     assert stats.skipped == 3 and stats.generated == 3 and resumed.read_bytes() == files[1]
