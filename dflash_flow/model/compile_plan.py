@@ -9,7 +9,8 @@ earns that back, a long one does. ``CompilePlan`` decides once per run, by measu
 2. otherwise the first ``WARMUP`` eager steps are timed (the gap between one step's start and the next, so
    the optimizer and the input are in it; the very first step is left out);
 3. compiling costs ``compile_s`` per compiled shape (one, or two when the batches seen differ in shape: the
-   second compiles with dynamic sizes) and saves ``saving`` of each step; both come from this machine's
+   second compiles with dynamic sizes; stretched by wall / CPU time of the timed steps when other work holds
+   the cores, since compiling would wait as long) and saves ``saving`` of each step; both come from this machine's
    record (``compile_plan.json`` in the cache directory, written by the last run that compiled under
    ``auto``, key: torch, device, CPU model, threads, drafter class and size), else from the defaults below
    (measured on the project's 2-core boxes with inductor's cache cold);
@@ -75,15 +76,18 @@ class CompilePlan:
     """One run's ``compile: auto`` decision for one drafter (``DFlashDrafter.compile_plan``); ``tick`` is
     called at the start of every training step, ``steps_left`` set by ``plan_steps``."""
 
-    def __init__(self, drafter: Any, *, record: str | Path | None = None, clock=time.perf_counter) -> None:
+    def __init__(self, drafter: Any, *, record: str | Path | None = None, clock=time.perf_counter,
+                 cpu_clock=time.process_time) -> None:
         self.drafter = drafter
         self.record = Path(record) if record is not None else cache_root() / RECORD
-        self.clock = clock
+        self.clock, self.cpu_clock = clock, cpu_clock
         self.steps_left: int | None = None  # micro-batches the run plans from here (plan_steps)
         self.state = "waiting"  # -> "eager" (decided off) | "calibrating" -> "compiled" | "reverted"
         self.message: str | None = None  # what was said at the decision
         self._last: float | None = None
+        self._last_cpu = 0.0
         self._gaps: list[float] = []
+        self._cpu_gaps: list[float] = []
         self._shapes: set[tuple[int, ...]] = set()
         self._eager_s: float | None = None
         self._compiles = 1
@@ -97,9 +101,10 @@ class CompilePlan:
         """A training step starts (with a batch of ``shape``)."""
         if self.state in ("eager", "compiled", "reverted"):
             return
-        now = self.clock()
+        now, cpu = self.clock(), self.cpu_clock()
         gap = None if self._last is None else now - self._last
-        self._last = now
+        cpu_gap = cpu - self._last_cpu
+        self._last, self._last_cpu = now, cpu
         if self.state == "calibrating":
             self._gaps.append(gap)
             if len(self._gaps) >= CALIBRATE:
@@ -117,8 +122,13 @@ class CompilePlan:
             return
         if gap is not None:
             self._gaps.append(gap)
+            self._cpu_gaps.append(cpu_gap)
         if len(self._gaps) > WARMUP:  # the first gap holds the first step's warm-up
-            self._decide(statistics.median(self._gaps[1:]))
+            step_s = statistics.median(self._gaps[1:])
+            # Steps that took longer than the CPU they got waited for a core (other work on the machine):
+            # compiling would wait as much, so its estimate (measured on a quiet box) is stretched alike.
+            slowdown = max(1.0, step_s / max(statistics.median(self._cpu_gaps[1:]), 1e-9))
+            self._decide(step_s, slowdown)
 
     # -- the decision ------------------------------------------------------------------------------
     def estimate(self) -> Estimate:
@@ -134,14 +144,15 @@ class CompilePlan:
         return (f"torch {torch.__version__} | {d.device.type} | {_cpu_model()} | threads {torch.get_num_threads()} | "
                 f"{type(d).__name__} {size}")
 
-    def _decide(self, step_s: float) -> None:
+    def _decide(self, step_s: float, slowdown: float = 1.0) -> None:
         est = self.estimate()
         left = max(0, self.steps_left - len(self._gaps))  # this step (the next tick) on, compiled if so
         self._compiles = 1 if len(self._shapes) == 1 else 2
-        cost = est.compile_s * self._compiles
+        cost = est.compile_s * self._compiles * slowdown
         saves = est.saving * step_s * left
+        busy = f", x{slowdown:.1f}: steps wait for a core" if slowdown >= 1.05 else ""
         figures = (f"~{cost:.0f} s, saves ~{saves:.0f} s over {left} steps ({step_s * 1e3:.0f} ms each eager, "
-                   f"{est.saving:.0%} saved, {self._compiles} shape{'s' if self._compiles > 1 else ''} compiled; "
+                   f"{est.saving:.0%} saved, {self._compiles} shape{'s' if self._compiles > 1 else ''} compiled{busy}; "
                    f"{est.source})")
         if saves > MARGIN * cost:
             self._eager_s = step_s

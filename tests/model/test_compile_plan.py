@@ -39,7 +39,7 @@ def _run(plan: CompilePlan, clock: Clock, gaps: list[float], shape=(4, 512)) -> 
 def _plan(drafter, tmp_path, steps: int) -> tuple[CompilePlan, Clock]:
     clock = Clock()
     drafter.compiled = "auto"
-    plan = drafter.compile_plan = CompilePlan(drafter, record=tmp_path / "record.json", clock=clock)
+    plan = drafter.compile_plan = CompilePlan(drafter, record=tmp_path / "record.json", clock=clock, cpu_clock=clock)
     plan_steps(drafter, steps)
     return plan, clock
 
@@ -124,3 +124,20 @@ def test_auto_off_the_cpu_stays_eager_and_says_how_to_compile(target, tmp_path, 
 def test_a_bad_compile_value_is_refused(target):
     with pytest.raises(ValueError, match="compile must be true, false or 'auto'"):
         build_drafter(target).compiled = "sometimes"
+
+
+def test_steps_waiting_for_a_core_stretch_the_compiling_estimate(target, tmp_path, caplog):
+    """Steps that got a third of a core (wall 3x their CPU time): compiling would wait as long, 3 x 40 s."""
+    drafter = build_drafter(target)
+    clock, cpu = Clock(), Clock()
+    drafter.compiled = "auto"
+    plan = drafter.compile_plan = CompilePlan(drafter, record=tmp_path / "r.json", clock=clock, cpu_clock=cpu)
+    plan_steps(drafter, 3_000)
+    with caplog.at_level(logging.INFO, logger="dflash_flow"):
+        for _ in range(cp.WARMUP + 2):
+            plan.tick((4, 512))
+            clock.now += 0.3
+            cpu.now += 0.1
+    assert plan.state == "eager" and not drafter.compiled  # 108 s saved beats 1.5 x 40 s, not 1.5 x 120 s
+    assert "not compiling: ~120 s, saves ~108 s over 2991 steps (300 ms each eager, 12% saved, 1 shape compiled, x3.0" \
+        in caplog.text
