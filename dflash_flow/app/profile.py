@@ -36,8 +36,9 @@ import attrs
 
 from dflash_flow.app.interval import batch_means
 
-# The profile's data and its building live in app.profile_data (Profile, ProfileError, StageProfile, Window,
-# build_profile and find_step_stage are also imported from here by splitplan and the tests).
+# The profile's data and its building live in app.profile_data, the graph facts in app.profile_graph (Profile,
+# ProfileError, StageProfile, Window, build_profile and find_step_stage are also imported from here by splitplan
+# and the tests).
 from dflash_flow.app.profile_data import (  # noqa: F401
     ACTIVE,
     DEFAULT_INTERVAL_S,
@@ -45,15 +46,13 @@ from dflash_flow.app.profile_data import (  # noqa: F401
     MAX_SERIES_POINTS,
     READABLE_VERSIONS,
     Profile,
-    ProfileError,
     QueueSeries,
     StageProfile,
     Window,
     balanced_replicas,
     build_profile,
-    find_step_stage,
-    grad_accum_of,
 )
+from dflash_flow.app.profile_graph import ProfileError, find_step_stage, grad_accum_of
 from dflash_flow.core.snapshot import RuntimeSnapshot
 from dflash_flow.core.validate import Validated
 

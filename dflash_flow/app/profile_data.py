@@ -1,8 +1,8 @@
 """What a profile holds and how it is built from two snapshots (``app.profile`` runs one): per stage and
 replica the window fractions, items/s, seconds per item and per trained batch, the queue depths, the
 bottleneck, and the balanced replica counts; the window's equal parts (``Window``: each part's trainer
-batches and every stage's busy seconds and items, from which ``app.splitplan`` makes an interval); and the
-graph facts a profile needs (the trainer, its feeders, what can be replicated)."""
+batches and every stage's busy seconds and items, from which ``app.splitplan`` makes an interval). The
+graph facts it reads are ``app.profile_graph``'s."""
 
 from __future__ import annotations
 
@@ -11,6 +11,13 @@ from collections.abc import Mapping
 
 import attrs
 
+from dflash_flow.app.profile_graph import (
+    direct_feeders,
+    grad_accum_of,
+    graph_edges,
+    is_replicable,
+    observer_stages,
+)
 from dflash_flow.core.snapshot import ReplicaState, RuntimeSnapshot, StageSnapshot
 from dflash_flow.core.validate import Validated
 from dflash_flow.observe.bottleneck import Bottleneck, find_bottleneck
@@ -25,10 +32,6 @@ DEFAULT_INTERVAL_S = 0.1
 MAX_SERIES_POINTS = 400  # the queue-depth series kept in profile.json (evenly thinned)
 ACTIVE = frozenset({ReplicaState.WAITING, ReplicaState.BUSY, ReplicaState.BLOCKED, ReplicaState.TEARDOWN,
                     ReplicaState.FINISHED})  # past setup
-
-
-class ProfileError(Exception):
-    """The profile could not measure what was asked (the pipeline ended too early, no trainer stage...)."""
 
 
 # ------------------------------------------------------------------------------------------ results
@@ -296,14 +299,6 @@ def balanced_replicas(stages: Mapping[str, StageProfile]) -> dict[str, int]:
     }
 
 
-def _edges(v: Validated) -> dict[str, list[str]]:
-    edges: dict[str, list[str]] = {}
-    for s in v.graph.stages:
-        for i in s.inputs:
-            edges.setdefault(i.stage, []).append(s.name)
-    return edges
-
-
 def build_profile(
     v: Validated,
     start: RuntimeSnapshot,
@@ -338,7 +333,7 @@ def build_profile(
     loads = {name: StageWindow.between(cur, start.stages[name], window).load()
              for name, cur in end.stages.items() if not stages[name].observer}
     sinks = {step_stage}
-    verdict = find_bottleneck(loads, sinks=sinks, edges=_edges(v)) if loads else None
+    verdict = find_bottleneck(loads, sinks=sinks, edges=graph_edges(v)) if loads else None
     windows = window_parts(v, [start, *(cuts or []), end], step_stage)
     if len(windows) > 1:
         stages = _with_spread(stages, windows)
@@ -404,56 +399,3 @@ def _with_spread(stages: dict[str, StageProfile], windows: list[Window]) -> dict
 
     works = [window_work(stages, w) for w in windows]
     return {n: attrs.evolve(s, work_s_sd=statistics.stdev(w[n] for w in works)) for n, s in stages.items()}
-
-
-# --------------------------------------------------------------------------------------- the graph
-
-
-def observer_stages(v: Validated) -> set[str]:
-    from dflash_flow.stages.monitor import Monitor
-
-    return {name for name, cls in v.classes.items() if issubclass(cls, Monitor)}
-
-
-def find_step_stage(v: Validated) -> str:
-    """The trainer: the DrafterStep stage; else the one sink that is not a Monitor."""
-    from dflash_flow.stages.drafter_step import DrafterStep
-
-    trainers = [n for n in v.order if issubclass(v.classes[n], DrafterStep)]
-    if len(trainers) == 1:
-        return trainers[0]
-    observers = observer_stages(v)
-    sinks = [n for n in v.order if v.classes[n].is_sink() and n not in observers]
-    if len(trainers) > 1 or len(sinks) != 1:
-        found = trainers if len(trainers) > 1 else sinks
-        raise ProfileError(
-            f"cannot tell which stage is the trainer (found {', '.join(found) or 'no sink'}); name it with --step-stage"
-        )
-    return sinks[0]
-
-
-def direct_feeders(v: Validated, step_stage: str) -> set[str]:
-    """The trainer and the stages that feed it through 1:1 stages only: one item per trained batch each."""
-    out = {step_stage}
-    todo = [i.stage for i in v.graph.stage(step_stage).inputs]
-    while todo:
-        name = todo.pop()
-        cls = v.classes[name]
-        if name in out or cls.is_source() or cls.cardinality != "1:1":
-            continue
-        out.add(name)
-        todo.extend(i.stage for i in v.graph.stage(name).inputs)
-    return out
-
-
-def is_replicable(v: Validated, name: str, step_stage: str) -> bool:
-    """Whether more replicas of ``name`` would share its work (not a singleton, a sharding source, or the
-    trainer, which grows by data-parallel ranks instead)."""
-    cls = v.classes[name]
-    if name == step_stage or cls.singleton:
-        return False
-    return not cls.is_source() or cls.shards_by_replica
-
-
-def grad_accum_of(v: Validated, step_stage: str) -> int:
-    return max(1, v.configs[step_stage].inputs_per_step)
