@@ -74,7 +74,7 @@ class SpecDecodeEval(Stage, UsesModel):
         "target forward per conversation at any horizon, so long horizons are cheap here, unlike real decoding",
     )
     baseline: bool = cfg(False, doc="Also evaluate an untrained drafter of the same shape (it accepts about 1.0; doubles the decoding time).")
-    quick: bool = cfg(False, doc="A short run's evaluation: at most 8 prompts, greedy only (no sampled decoding, no untrained baseline), the walk on at most 16 conversations at max_new_tokens only (no whole-reply horizon). Same measures, fewer samples: noisier figures, no T > 0 or tau_h448 rows.")
+    quick: bool = cfg(False, doc="A short run's evaluation: at most 8 prompts, greedy only (no sampled decoding, no untrained baseline), the walk on at most 16 conversations at max_new_tokens only (no whole-reply horizon). Same measures, fewer samples: noisier figures, no T > 0 or long-horizon tau_h<H> rows.")
     batch_size: int = cfg(16, ge=1, doc="Prompts (and walked conversations) decoded together: each one's figures are exactly its own one-at-a-time figures (only the wall-clock ones change); 1 = one at a time.")
     torch_threads: int | None = cfg(None, ge=1, doc="torch intra-op threads for the evaluation (CPU runs; batch-1 decoding of a small model is fastest on 1).")
 
