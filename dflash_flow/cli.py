@@ -215,6 +215,7 @@ def eval_(
     walk_limit: int = typer.Option(64, min=1, help="Conversations to walk."),
     seed: int = typer.Option(0, help="Seed of the sampled decoding and of the untrained baseline."),
     torch_threads: int = typer.Option(1, min=1, help="torch intra-op threads on CPU (batch-1 decoding of a small model is fastest on 1)."),
+    batch_size: int = typer.Option(16, min=1, help="Prompts decoded together (each one's figures exactly its own one-at-a-time figures; only seconds change); 1: one at a time."),
     suite: Optional[list[str]] = typer.Option(None, "--suite", help="A standard suite as NAME=PATH (gsm8k, math500, humaneval, mbpp, mt-bench; JSONL, Parquet or a datasets directory); repeatable. See docs/eval.md."),
     out: Optional[Path] = typer.Option(None, "--out", help="With --suite: the results JSON (the per-position plot goes beside it)."),
     server: Optional[list[str]] = typer.Option(None, "--server", help="With --suite: base URL of a vLLM or SGLang server already serving this drafter; the same prompts go through it and its acceptance is checked against ours. Repeatable."),
@@ -257,13 +258,13 @@ def eval_(
             launch_args=tuple(launch_arg or ()), engine=engine, served_model=served_model, api_key_env=api_key_env,
             tokenizer=tokenizer,
             thinking=thinking, device=device, tau_tolerance=tau_tolerance, rate_tolerance=rate_tolerance, mlflow=mlflow,
-            tracking_uri=tracking_uri, experiment=experiment, torch_threads=torch_threads)))
+            tracking_uri=tracking_uri, experiment=experiment, torch_threads=torch_threads, batch_size=batch_size)))
     max_new_tokens = 64 if max_new_tokens is None else max_new_tokens
     limit = 32 if limit is None else limit
     raise typer.Exit(eval_command(
         drafter, target, prompts, max_new_tokens, limit, baseline, tokenizer, temperature=temperature, top_p=top_p,
         top_k=top_k, horizons=horizon or [], walk_data=walk_data, walk_limit=walk_limit, seed=seed,
-        torch_threads=torch_threads,
+        torch_threads=torch_threads, batch_size=batch_size,
     ))
 
 

@@ -108,7 +108,7 @@ def import_spool_command(spool: Path, tracking_uri: str | None) -> int:
 def eval_command(drafter: Path, target: str, prompts: Path, max_new_tokens: int, limit: int, baseline: bool,
                  tokenizer: str | None, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  horizons: list[int] | None = None, walk_data: str | None = None, walk_limit: int = 64,
-                 seed: int = 0, torch_threads: int | None = None) -> int:
+                 seed: int = 0, torch_threads: int | None = None, batch_size: int = 16) -> int:
     """``dflash-flow eval``: real speculative decoding with any exported drafter and its target, greedy and
     (``temperature`` > 0) sampled, at each horizon; with ``walk_data``, the teacher-forced walk beside it."""
     from dflash_flow.app.model_spec import resolve_target
@@ -140,7 +140,7 @@ def eval_command(drafter: Path, target: str, prompts: Path, max_new_tokens: int,
             target=resolve_target(target), drafter_path=drafter, prompts_path=prompts, tokenizer_path=tokenizer,
             limit=limit, max_new_tokens=[max_new_tokens, *extra], baseline=baseline,
             temperatures=[0.0, temperature] if temperature > 0 else [0.0], top_p=top_p, top_k=top_k,
-            walk_data=walk_data, walk_limit=walk_limit, seed=seed,
+            walk_data=walk_data, walk_limit=walk_limit, seed=seed, batch_size=batch_size,
         )
     except (CheckpointError, ValueError, OSError) as exc:
         return report_user_error(exc)

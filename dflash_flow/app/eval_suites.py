@@ -53,10 +53,12 @@ class EvalSuitesOptions:
     tracking_uri: str | None = None
     experiment: str = "dflash-flow-eval"
     torch_threads: int | None = None
+    batch_size: int = 16  # prompts decoded together (model.batched); 1: one at a time
 
     def problem(self) -> str | None:
         """What is wrong with the settings, found before any model loads (None: nothing)."""
-        for name, value in (("--max-new-tokens", self.max_new_tokens), ("--limit", self.limit)):
+        for name, value in (("--max-new-tokens", self.max_new_tokens), ("--limit", self.limit),
+                            ("--batch-size", self.batch_size)):
             if value is not None and int(value) < 1:
                 return f"{name} must be at least 1, got {value}"
         for name, value in (("--tau-tolerance", self.tau_tolerance), ("--rate-tolerance", self.rate_tolerance)):
@@ -211,7 +213,8 @@ def _load(opts: EvalSuitesOptions) -> _Loaded:
         "drafter": str(opts.drafter), "target": str(spec), "tokenizer": str(tok_path), "block_size": settings.block_size,
         "target_layer_ids": list(settings.layer_ids), "mask_token_id": settings.mask_token_id,
         "max_new_tokens": opts.max_new_tokens, "limit": opts.limit, "device": opts.device, "dtype": "float32",
-        "decoding": "greedy (temperature 0), batch size 1, one request after the other",
+        "decoding": "greedy (temperature 0); each request's figures its own, as at batch size 1",
+        "batch_size": opts.batch_size,
         "chat_template": {"enable_thinking": opts.thinking, "template_reads_it": thinking_switch(tokenizer)},
     }
     return _Loaded(target, drafter, tokenizer, stop_token_ids(tokenizer), settings.block_size,
@@ -236,7 +239,7 @@ def _measure(opts: EvalSuitesOptions, m: _Loaded, suites, prompts, servers, loca
             decoded[suite.name] = decode_suite(
                 m.target, m.drafter, m.tokenizer, prompts[suite.name], max_new_tokens=opts.max_new_tokens,
                 stop_token_ids=m.stops, enable_thinking=opts.thinking, max_positions=m.max_positions,
-                on_request=lambda r: bar.update(1, tok=len(r.new_ids)))
+                on_request=lambda r: bar.update(1, tok=len(r.new_ids)), batch_size=opts.batch_size)
             out["suites"][suite.name] = {"path": str(path), "prompts": len(prompts[suite.name]),
                                          **suite_figures(decoded[suite.name], m.block_size)}
     finally:

@@ -12,7 +12,8 @@ drafts; at most one step per request differs). Per step it records the tokens co
 output's end: our count) and the drafts accepted (not cut: vLLM's count, a draft accepted past
 ``max_tokens`` or a stop token included). :func:`suite_figures` turns the requests into the figures.
 
-Batch size 1, one request after the other (the DFlash reference's contract; batching is another issue).
+Batch size 1 per request (the DFlash reference's contract); ``decode_suite`` decodes the same turn of many
+prompts together (``model.batched``), each request's numbers exactly its own.
 """
 
 from __future__ import annotations
@@ -76,11 +77,7 @@ def decode_request(target: nn.Module, drafter: nn.Module, prompt_ids: Sequence[i
     """Decode one request both ways (see the module docstring)."""
     settings = draft_settings(drafter)
     block = settings.block_size
-    n = len(prompt_ids)
-    if max_positions is not None and n + max_new_tokens + block > max_positions:
-        raise ContextTooLong(
-            f"prompt {prompt_id or '?'} (turn {turn + 1}): {n} prompt tokens + {max_new_tokens} new + a block of "
-            f"{block} exceed the target's {max_positions} positions; pass a smaller --max-new-tokens")
+    _check_fits(prompt_ids, max_new_tokens, block, max_positions, prompt_id, turn)
     stops = list(stop_token_ids)
     t0 = time.perf_counter()
     ref = greedy_generate(target, list(prompt_ids), max_new_tokens, stops)
@@ -90,6 +87,23 @@ def decode_request(target: nn.Module, drafter: nn.Module, prompt_ids: Sequence[i
     res = spec_generate(target, drafter, list(prompt_ids), max_new_tokens=max_new_tokens + block - 1,
                         stop_token_ids=stops, trace=trace, accepted_drafts=accepted)
     t2 = time.perf_counter()
+    return _result(prompt_id, turn, prompt_ids, ref.new_ids, res, trace, accepted, max_new_tokens, stops,
+                   t2 - t1, t1 - t0)
+
+
+def _check_fits(prompt_ids, max_new_tokens: int, block: int, max_positions: int | None, prompt_id: str,
+                turn: int) -> None:
+    n = len(prompt_ids)
+    if max_positions is not None and n + max_new_tokens + block > max_positions:
+        raise ContextTooLong(
+            f"prompt {prompt_id or '?'} (turn {turn + 1}): {n} prompt tokens + {max_new_tokens} new + a block of "
+            f"{block} exceed the target's {max_positions} positions; pass a smaller --max-new-tokens")
+
+
+def _result(prompt_id, turn, prompt_ids, greedy_ids, res, trace, accepted, max_new_tokens, stops, spec_s,
+            greedy_s) -> RequestResult:
+    """One request's figures from its speculative run (``trace`` / ``accepted`` its steps) and greedy ids."""
+    n = len(prompt_ids)
     long_ids = res.new_ids
     new_ids = long_ids[:max_new_tokens]
     stop_set = set(stops)
@@ -101,20 +115,58 @@ def decode_request(target: nn.Module, drafter: nn.Module, prompt_ids: Sequence[i
             break
         committed.append(min(a + 1, end - 1 - start))
         kept.append(a)
-    return RequestResult(prompt_id, turn, list(prompt_ids), new_ids, ref.new_ids, committed, kept, new_ids == ref.new_ids, finish,
-                         t2 - t1, len(long_ids), t1 - t0, len(kept))
+    return RequestResult(prompt_id, turn, list(prompt_ids), new_ids, list(greedy_ids), committed, kept,
+                         new_ids == list(greedy_ids), finish, spec_s, len(long_ids), greedy_s, len(kept))
+
+
+def _decode_batch(target, drafter, requests: list[tuple[str, int, list[int]]], *, max_new_tokens: int,
+                  stops: list[int], block: int) -> list[RequestResult]:
+    """``decode_request`` of every ``(prompt id, turn, prompt ids)``, decoded together (``model.batched``: each
+    request's tokens and steps its own); a batch's seconds are shared by its requests in proportion to their
+    tokens."""
+    from .batched import greedy_generate_batch, spec_generate_batch
+
+    prompts = [ids for _, _, ids in requests]
+    t0 = time.perf_counter()
+    refs = greedy_generate_batch(target, prompts, max_new_tokens, stops, batch_size=len(prompts))
+    t1 = time.perf_counter()
+    traces: list[list] = [[] for _ in prompts]
+    accepted: list[list] = [[] for _ in prompts]
+    results = spec_generate_batch(target, drafter, prompts, max_new_tokens=max_new_tokens + block - 1,
+                                  stop_token_ids=stops, traces=traces, accepted_drafts=accepted,
+                                  batch_size=len(prompts))
+    t2 = time.perf_counter()
+    spec_tokens = sum(r.num_new_tokens for r in results) or 1
+    greedy_tokens = sum(r.num_new_tokens for r in refs) or 1
+    return [_result(pid, turn, ids, ref.new_ids, res, trace, acc, max_new_tokens, stops,
+                    (t2 - t1) * res.num_new_tokens / spec_tokens, (t1 - t0) * ref.num_new_tokens / greedy_tokens)
+            for (pid, turn, ids), ref, res, trace, acc in zip(requests, refs, results, traces, accepted, strict=True)]
 
 
 def decode_suite(target: nn.Module, drafter: nn.Module, tokenizer: Any, prompts: Sequence[SuitePrompt], *,
                  max_new_tokens: int, stop_token_ids: Sequence[int], enable_thinking: bool = False,
                  max_positions: int | None = None,
-                 on_request: Callable[[RequestResult], None] | None = None) -> list[RequestResult]:
+                 on_request: Callable[[RequestResult], None] | None = None,
+                 batch_size: int = 16) -> list[RequestResult]:
     """Every turn of every prompt, in order; a later turn follows the target's own reply to the earlier
-    ones. ``on_request`` is called after each request (progress; it may raise to stop)."""
+    ones. ``on_request`` is called after each request (progress; it may raise to stop).
+
+    ``batch_size`` > 1: the same turn of up to that many prompts decodes together (``model.batched``; every
+    request's tokens, steps and counts are exactly its own, a batch's seconds are shared by its requests in
+    proportion to their tokens), when the models allow it; ``on_request`` then follows each batch, turn by
+    turn. The requests come back in prompt order either way."""
+    from .batched import batchable
+
     was_training = drafter.training
     drafter.eval()
     out: list[RequestResult] = []
     try:
+        block = draft_settings(drafter).block_size
+        if batch_size > 1 and len(prompts) > 1 and block > 1 and batchable(target, drafter):
+            return _decode_suite_batched(target, drafter, tokenizer, prompts, max_new_tokens=max_new_tokens,
+                                         stops=list(stop_token_ids), enable_thinking=enable_thinking,
+                                         max_positions=max_positions, on_request=on_request,
+                                         batch_size=batch_size, block=block)
         for p in prompts:
             messages: list[dict] = []
             for turn, text in enumerate(p.turns):
@@ -129,6 +181,33 @@ def decode_suite(target: nn.Module, drafter: nn.Module, tokenizer: Any, prompts:
     finally:
         drafter.train(was_training)
     return out
+
+
+def _decode_suite_batched(target, drafter, tokenizer, prompts, *, max_new_tokens, stops, enable_thinking,
+                          max_positions, on_request, batch_size, block) -> list[RequestResult]:
+    """``decode_suite``'s requests turn by turn, each turn's requests ``batch_size`` at a time."""
+    messages: list[list[dict]] = [[] for _ in prompts]
+    done: dict[tuple[int, int], RequestResult] = {}
+    for turn in range(max((len(p.turns) for p in prompts), default=0)):
+        live = [i for i, p in enumerate(prompts) if turn < len(p.turns)]
+        requests = []
+        for i in live:
+            messages[i].append({"role": "user", "content": prompts[i].turns[turn]})
+            ids = template_ids(tokenizer, messages[i], enable_thinking=enable_thinking)
+            _check_fits(ids, max_new_tokens, block, max_positions, prompts[i].id, turn)
+            requests.append((i, ids))
+        for lo in range(0, len(requests), batch_size):
+            part = requests[lo : lo + batch_size]
+            results = _decode_batch(target, drafter, [(prompts[i].id, turn, ids) for i, ids in part],
+                                    max_new_tokens=max_new_tokens, stops=stops, block=block)
+            for (i, _), r in zip(part, results, strict=True):
+                done[(i, turn)] = r
+                if on_request is not None:
+                    on_request(r)
+        for i in live:
+            reply = tokenizer.decode(done[(i, turn)].greedy_ids, skip_special_tokens=True)
+            messages[i].append({"role": "assistant", "content": reply})
+    return [done[(i, turn)] for i, p in enumerate(prompts) for turn in range(len(p.turns))]
 
 
 def suite_figures(requests: Sequence[RequestResult], block_size: int) -> dict[str, Any]:
