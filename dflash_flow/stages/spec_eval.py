@@ -14,7 +14,6 @@ from dflash_flow.embedded import embedded_walk_data
 from dflash_flow.items import EvalReport, StepReport
 from dflash_flow.model.spec import UsesModel, model_of
 
-
 #: ``quick``: prompts decoded and conversations walked at most.
 QUICK_PROMPTS, QUICK_WALKS = 8, 16
 
