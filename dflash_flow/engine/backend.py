@@ -79,7 +79,8 @@ def _shared_pool(urls: list[str], cfg: EngineConfig, log: Callable[[str], None])
         entry = _POOLS.get(key)
         if entry is None:
             pool = ServerPool(urls, per_server=cfg.concurrency, fail_threshold=cfg.fail_threshold,
-                              cooldown_s=cfg.cooldown_s, max_trials=cfg.max_trials, log=log, spread=cfg.spread)
+                              cooldown_s=cfg.cooldown_s, max_trials=cfg.max_trials, log=log, spread=cfg.spread,
+                              option="model.engine.servers")
             entry = _POOLS[key] = [pool, 0]
         entry[1] += 1
         return entry[0], key
