@@ -260,7 +260,8 @@ def _teacher_forced_walk(
 def _walks(target, drafter, conversations, horizons, stop_token_ids, batch_size: int, settings: dict):
     """Per conversation, in order: ``(results by horizon, drafter calls, reply ids)``, one at a time or
     ``batch_size`` at a time (see :func:`evaluate_walk`)."""
-    from .batched import batchable, walk_batch
+    from .batched import batchable
+    from .batched_walk import walk_batch
 
     if not horizons or min(horizons) < 1:
         raise ValueError("horizons must be a non-empty list of integers >= 1")
@@ -303,7 +304,7 @@ def evaluate_walk(
 ) -> EvalReport:
     """The walk over held-out ``(prompt ids, reply ids)`` pairs, as the typed report ``walk``.
     ``on_unit(tokens)`` is called after each conversation (progress; it may raise to abandon the walk).
-    ``batch_size`` > 1: the walks of up to that many conversations draft together (``batched.walk_batch``:
+    ``batch_size`` > 1: the walks of up to that many conversations draft together (``batched_walk.walk_batch``:
     every figure the same as one at a time), when the models allow it (``batched.batchable``); ``on_unit``
     is then called for each conversation of a batch once the batch is done.
 

@@ -15,6 +15,7 @@ import torch
 from model_testlib import MASK_ID, VOCAB, build_drafter, build_target, target_features
 
 from dflash_flow.model import batched
+from dflash_flow.model.batched_walk import walk_batch
 from dflash_flow.model.block_drafter import BlockDrafter, draft_settings
 from dflash_flow.model.dflash2 import drafter_from_config, make_variant_config
 from dflash_flow.model.generation import greedy_generate, spec_generate
@@ -162,7 +163,7 @@ def test_batched_walk_equals_each_conversation_walked_alone(models, variant):
                          layer_ids=settings.layer_ids, stop_token_ids=[stop]) for row in data]
     with torch.inference_mode():
         alone = [_walk_horizons(BlockDrafter(target, drafter, settings), inp, horizons) for inp in inputs]
-    together = batched.walk_batch(target, drafter, inputs, horizons, settings)
+    together = walk_batch(target, drafter, inputs, horizons, settings)
     assert [({h: WalkResult(*r) for h, r in res.items()}, calls) for res, calls in together] == alone
     taus = [r.mean_accept_length for res, _ in alone for r in res.values()]
     assert max(taus) > 2.0  # several tokens per block: ragged rows
