@@ -5,7 +5,7 @@ whose made-up reply is regenerated first), the shipped target, the same thread c
 
 * ``single``: today's one-at-a-time path, ``regenerate --batch-size 1`` of the package as of ``--baseline``
   (transformers ``generate`` on one prompt; ``common.load_package``);
-* ``batched_<B>``: this tree's ``regenerate --batch-size B`` (``model.generation.SlotDecoder``: B replies decode
+* ``batched_<B>``: this tree's ``regenerate --batch-size B`` (``model.slot_decoder.SlotDecoder``: B replies decode
   together, a finished reply's slot takes the next at once);
 * ``one_at_a_time``: this tree's ``--batch-size 1`` (once): what ``same_replies`` compares the batched files with.
 

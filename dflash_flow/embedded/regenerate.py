@@ -11,7 +11,7 @@ JSONL of prompts into a JSONL of conversations whose every assistant turn is the
   replies in place (:func:`~dflash_flow.data.chat.regeneration_plan`): rendered with the chat template plus
   the generation prompt and continued greedily until ``<|im_end|>`` / eos or ``max_new_tokens``;
 * batched: ``batch_size`` replies decode together and a finished one's slot takes the next reply at once
-  (continuous batching, :class:`~dflash_flow.model.generation.SlotDecoder`), each reply computed as if it
+  (continuous batching, :class:`~dflash_flow.model.slot_decoder.SlotDecoder`), each reply computed as if it
   were alone, so the file is the same byte for byte whatever the batch size, the order or a resume
   (an architecture the slot decoder does not know decodes one reply at a time through ``generate``);
 * resumable: ids already in the output are skipped -- unless the row's ``prompt_digest`` (of its prompt
@@ -132,7 +132,7 @@ def _regenerate(prompts_jsonl, target_path, out_jsonl, batch_size, max_new_token
 
 def _generate(todo, writer, stats, target_path, batch_size, max_new_tokens, progress, device, model, tokenizer,
               check_stop) -> None:
-    from dflash_flow.model.generation import SlotDecoder
+    from dflash_flow.model.slot_decoder import SlotDecoder
 
     if model is None or tokenizer is None:
         model, tokenizer = _load(target_path, device)
@@ -224,7 +224,7 @@ def _write(chunk: list[_Row], writer, stats) -> None:
 
 
 class _OneByOne:
-    """:class:`~dflash_flow.model.generation.SlotDecoder`'s interface, one reply at a time through
+    """:class:`~dflash_flow.model.slot_decoder.SlotDecoder`'s interface, one reply at a time through
     transformers' ``generate`` (architectures the slot decoder does not know)."""
 
     def __init__(self, model, *, max_new_tokens: int, stop_ids, pad_id: int):

@@ -11,13 +11,8 @@ import torch
 from dflash_flow.data.chat import stop_token_ids
 from dflash_flow.embedded.corpus import make_split
 from dflash_flow.embedded.regenerate import regenerate
-from dflash_flow.model.generation import (
-    BLOCK,
-    SlotDecoder,
-    _block_attention,
-    greedy_batched,
-    greedy_continuations,
-)
+from dflash_flow.model.generation import greedy_continuations
+from dflash_flow.model.slot_decoder import BLOCK, SlotDecoder, _block_attention, greedy_batched
 
 
 def _prompt_ids(tok, n: int, seed: int) -> list[list[int]]:
