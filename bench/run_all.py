@@ -76,6 +76,10 @@ BENCHES = (
     Bench("feature_store_tau", ("feature_store_bench.py", "--tau"), ("feature_store_tau.json",), 20, long=True),
     # In-process regeneration: batched replies/s over one at a time, the same replies (issue 39.1).
     Bench("regen", ("regen_bench.py",), ("regen.json",), 12, long=True),
+    # The default trained, then its evaluation one prompt at a time against batched (issue 39.2).
+    Bench("e2e_eval", ("e2e_eval_bench.py",), ("e2e_eval.json",), 5, long=True),
+    # The default trained, then z-lab's decoder on fresh held-out prompts (issue 39.4).
+    Bench("heldout_zlab", ("heldout_zlab.py", "--train"), ("heldout_zlab.json",), 4, long=True),
 )
 
 
