@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+import attrs
 import torch
 from torch import nn
 
@@ -78,98 +79,116 @@ def evaluate_drafter(
     if not prompts:
         raise ValueError("no prompts")
     sampling = sampling if sampling is not None else Sampling()
-    device = target_device(target)
+    decode = dict(max_new_tokens=max_new_tokens, block_size=block_size, mask_token_id=mask_token_id,
+                  target_layer_ids=target_layer_ids, stop_token_ids=stop_token_ids, sampling=sampling)
     was_training = drafter.training
     drafter.eval()
+    tally = _Tally()
     try:
-        steps, committed, fwd_greedy, fwd_spec, fwd_draft, tokens, mismatched = 0, 0, 0, 0, 0, 0, 0
-        greedy_s = spec_s = 0.0
         batches = batch_size > 1 and len(prompts) > 1 and batchable(target, drafter)
         if batches and draft_settings(drafter, block_size=block_size, mask_token_id=mask_token_id,
                                       target_layer_ids=target_layer_ids).block_size > 1:
             for lo in range(0, len(prompts), batch_size):
-                part = _decode_batch(target, drafter, prompts, lo, min(len(prompts), lo + batch_size),
-                                     max_new_tokens=max_new_tokens, block_size=block_size,
-                                     mask_token_id=mask_token_id, target_layer_ids=target_layer_ids,
-                                     stop_token_ids=stop_token_ids, sampling=sampling, seed=seed)
-                greedy_s += part["greedy_s"]
-                spec_s += part["spec_s"]
+                part = _decode_batch(target, drafter, prompts, lo, min(len(prompts), lo + batch_size), seed=seed,
+                                     **decode)
+                tally.greedy_s += part["greedy_s"]
+                tally.spec_s += part["spec_s"]
                 for ref, res in part["pairs"]:
-                    steps += len(res.accept_lengths)
-                    committed += sum(res.accept_lengths)
-                    fwd_spec += res.target_forwards
-                    fwd_draft += res.drafter_forwards
-                    tokens += res.num_new_tokens
-                    if ref is not None:
-                        fwd_greedy += ref.target_forwards
-                        mismatched += int(res.output_ids.tolist() != ref.output_ids.tolist())
-                    if on_unit is not None:
-                        on_unit(res.num_new_tokens)
-            prompts_left: Sequence[Sequence[int]] = ()
+                    tally.add(ref, res, on_unit)
         else:
-            prompts_left = prompts
-        for i, prompt in enumerate(prompts_left):
-            ref = None
-            t0 = time.perf_counter()
-            if sampling.greedy:
-                ref = greedy_generate(target, prompt, max_new_tokens, stop_token_ids)
-            generator = None
-            if not sampling.greedy:
-                generator = torch.Generator(device=device).manual_seed(derive_seed(seed, 0, 0, "prompt", i))
-            t1 = time.perf_counter()
-            res = spec_generate(
-                target,
-                drafter,
-                prompt,
-                max_new_tokens=max_new_tokens,
-                block_size=block_size,
-                mask_token_id=mask_token_id,
-                target_layer_ids=target_layer_ids,
-                stop_token_ids=stop_token_ids,
-                sampling=sampling,
-                generator=generator,
-            )
-            t2 = time.perf_counter()
-            greedy_s += t1 - t0
-            spec_s += t2 - t1
-            steps += len(res.accept_lengths)
-            committed += sum(res.accept_lengths)
-            fwd_spec += res.target_forwards
-            fwd_draft += res.drafter_forwards
-            tokens += res.num_new_tokens
-            if ref is not None:
-                fwd_greedy += ref.target_forwards
-                mismatched += int(res.output_ids.tolist() != ref.output_ids.tolist())
-            if on_unit is not None:
-                on_unit(res.num_new_tokens)
+            for i, prompt in enumerate(prompts):
+                ref, res, greedy_s, spec_s = _decode_one(target, drafter, prompt, i, seed=seed, **decode)
+                tally.greedy_s += greedy_s
+                tally.spec_s += spec_s
+                tally.add(ref, res, on_unit)
     finally:
         drafter.train(was_training)
-    metrics = {
-        "tau": committed / steps if steps else 1.0,
-        # Plain decoding takes one target forward per new token (greedy_generate counts exactly that).
-        "speedup_forwards": tokens / fwd_spec,
-        "tokens_generated": float(tokens),
-        "num_prompts": float(len(prompts)),
-        "verify_steps": float(steps),
-        "target_forwards_spec": float(fwd_spec),
-        "drafter_forwards": float(fwd_draft),
-        "spec_s": spec_s,
-    }
+    return tally.metrics(sampling, len(prompts))
+
+
+@attrs.define
+class _Tally:
+    """``evaluate_drafter``'s running sums over the prompts decoded so far."""
+
+    steps: int = 0
+    committed: int = 0
+    fwd_greedy: int = 0
+    fwd_spec: int = 0
+    fwd_draft: int = 0
+    tokens: int = 0
+    mismatched: int = 0
+    greedy_s: float = 0.0
+    spec_s: float = 0.0
+
+    def add(self, ref: SpecResult | None, res: SpecResult, on_unit: Callable[[int], None] | None) -> None:
+        """One prompt's speculative result (and its greedy reference, greedy only)."""
+        self.steps += len(res.accept_lengths)
+        self.committed += sum(res.accept_lengths)
+        self.fwd_spec += res.target_forwards
+        self.fwd_draft += res.drafter_forwards
+        self.tokens += res.num_new_tokens
+        if ref is not None:
+            self.fwd_greedy += ref.target_forwards
+            self.mismatched += int(res.output_ids.tolist() != ref.output_ids.tolist())
+        if on_unit is not None:
+            on_unit(res.num_new_tokens)
+
+    def metrics(self, sampling: Sampling, num_prompts: int) -> dict[str, float]:
+        """The figures ``evaluate_drafter`` documents."""
+        metrics = {
+            "tau": self.committed / self.steps if self.steps else 1.0,
+            # Plain decoding takes one target forward per new token (greedy_generate counts exactly that).
+            "speedup_forwards": self.tokens / self.fwd_spec,
+            "tokens_generated": float(self.tokens),
+            "num_prompts": float(num_prompts),
+            "verify_steps": float(self.steps),
+            "target_forwards_spec": float(self.fwd_spec),
+            "drafter_forwards": float(self.fwd_draft),
+            "spec_s": self.spec_s,
+        }
+        if sampling.greedy:
+            metrics.update(
+                {
+                    "lossless": float(self.mismatched == 0),
+                    "mismatched_prompts": float(self.mismatched),
+                    "target_forwards_greedy": float(self.fwd_greedy),
+                    "greedy_s": self.greedy_s,
+                    "speedup_wall": self.greedy_s / self.spec_s if self.spec_s > 0 else 0.0,
+                }
+            )
+        else:
+            metrics.update(
+                {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": float(sampling.top_k)}
+            )
+        return metrics
+
+
+def _decode_one(target, drafter, prompt, i: int, *, max_new_tokens, block_size, mask_token_id, target_layer_ids,
+                stop_token_ids, sampling: Sampling, seed: int) -> tuple[SpecResult | None, SpecResult, float, float]:
+    """Prompt ``i`` alone: (greedy reference or None, speculative result, greedy seconds, speculative seconds);
+    sampled, with a generator seeded by ``seed`` and ``i``."""
+    ref = None
+    t0 = time.perf_counter()
     if sampling.greedy:
-        metrics.update(
-            {
-                "lossless": float(mismatched == 0),
-                "mismatched_prompts": float(mismatched),
-                "target_forwards_greedy": float(fwd_greedy),
-                "greedy_s": greedy_s,
-                "speedup_wall": greedy_s / spec_s if spec_s > 0 else 0.0,
-            }
-        )
-    else:
-        metrics.update(
-            {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": float(sampling.top_k)}
-        )
-    return metrics
+        ref = greedy_generate(target, prompt, max_new_tokens, stop_token_ids)
+    generator = None
+    if not sampling.greedy:
+        generator = torch.Generator(device=target_device(target)).manual_seed(derive_seed(seed, 0, 0, "prompt", i))
+    t1 = time.perf_counter()
+    res = spec_generate(
+        target,
+        drafter,
+        prompt,
+        max_new_tokens=max_new_tokens,
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=target_layer_ids,
+        stop_token_ids=stop_token_ids,
+        sampling=sampling,
+        generator=generator,
+    )
+    t2 = time.perf_counter()
+    return ref, res, t1 - t0, t2 - t1
 
 
 def _decode_batch(target, drafter, prompts, lo: int, hi: int, *, max_new_tokens, block_size, mask_token_id,
