@@ -229,32 +229,12 @@ def evaluate_exported(
     ``batch_size``: prompts decoded together, and ``WALK_BATCH_FACTOR`` times as many conversations walked
     together (``model.batched``; the same figures as one at a time but the wall-clock ones; 1: one at a
     time)."""
-    import torch
-    from transformers import AutoTokenizer
-
     from dflash_flow.data.chat import stop_token_ids
 
-    from .dflash2 import drafter_from_config
-    from .export import load_drafter
-    from .sampling import Sampling
-    from .target import load_target
     from .walk import evaluate_walk
 
-    horizons = [int(max_new_tokens)] if isinstance(max_new_tokens, int) else [int(h) for h in max_new_tokens]
-    if not horizons or min(horizons) < 1:
-        raise ValueError("max_new_tokens must be >= 1 (one horizon or a non-empty list)")
-    samplings = [
-        Sampling(t, top_p if t > 0 else 1.0, top_k if t > 0 else 0) for t in dict.fromkeys(temperatures)
-    ]
-    if not samplings:
-        raise ValueError("no temperatures to evaluate")
-    spec = target
-    tok_path = tokenizer_path or (spec if isinstance(spec, str) and Path(spec).is_dir() else None)
-    if tok_path is None:
-        raise ValueError("evaluation needs a tokenizer: pass tokenizer (the target is not a directory)")
-    tokenizer = AutoTokenizer.from_pretrained(tok_path, local_files_only=True)
-    model = load_target(spec, device=device, dtype=torch.float32)
-    drafter = load_drafter(drafter_path, device=device, dtype=torch.float32, target_config=model.config)
+    horizons, samplings = _decodings(max_new_tokens, temperatures, top_p, top_k)
+    tokenizer, model, drafter = _load_models(target, tokenizer_path, drafter_path, device)
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     window = getattr(config, "max_position_embeddings", None)
     prompts = read_prompt_ids(prompts_path, tokenizer, limit, window=window if isinstance(window, int) else None,
@@ -266,17 +246,9 @@ def evaluate_exported(
 
     drafters = {"trained": drafter}
     if baseline:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            drafters["untrained"] = drafter_from_config(drafter.config).to(device=device, dtype=torch.float32)
+        drafters["untrained"] = _untrained_like(drafter, seed, device)
     total = len(drafters) * len(samplings) * len(prompts) * len(horizons) + (len(walk_set) if walk_set else 0)
-    done = [0]
-
-    def on_unit(tokens: int) -> None:
-        done[0] += 1
-        if progress is not None:
-            progress(done[0], total, tokens)
-
+    on_unit = _counter(progress, total)
     if progress is not None:
         progress(0, total, 0)
     results: list[EvalReport] = []
@@ -292,3 +264,59 @@ def evaluate_exported(
                     on_unit=on_unit, batch_size=WALK_BATCH_FACTOR * batch_size,
                 ))
     return results
+
+
+def _decodings(max_new_tokens: int | Sequence[int], temperatures: Sequence[float], top_p: float,
+               top_k: int) -> tuple[list[int], list[Any]]:
+    """The horizons and the samplings (one per distinct temperature; top-p / top-k only when sampled)."""
+    from .sampling import Sampling
+
+    horizons = [int(max_new_tokens)] if isinstance(max_new_tokens, int) else [int(h) for h in max_new_tokens]
+    if not horizons or min(horizons) < 1:
+        raise ValueError("max_new_tokens must be >= 1 (one horizon or a non-empty list)")
+    samplings = [
+        Sampling(t, top_p if t > 0 else 1.0, top_k if t > 0 else 0) for t in dict.fromkeys(temperatures)
+    ]
+    if not samplings:
+        raise ValueError("no temperatures to evaluate")
+    return horizons, samplings
+
+
+def _load_models(spec: Any, tokenizer_path: str | None, drafter_path: str | Path, device: str) -> tuple[Any, Any, Any]:
+    """The tokenizer (``tokenizer_path``, else the target's directory), the target and the exported drafter, fp32."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from .export import load_drafter
+    from .target import load_target
+
+    tok_path = tokenizer_path or (spec if isinstance(spec, str) and Path(spec).is_dir() else None)
+    if tok_path is None:
+        raise ValueError("evaluation needs a tokenizer: pass tokenizer (the target is not a directory)")
+    tokenizer = AutoTokenizer.from_pretrained(tok_path, local_files_only=True)
+    model = load_target(spec, device=device, dtype=torch.float32)
+    drafter = load_drafter(drafter_path, device=device, dtype=torch.float32, target_config=model.config)
+    return tokenizer, model, drafter
+
+
+def _untrained_like(drafter: Any, seed: int, device: str) -> Any:
+    """A fresh drafter of ``drafter``'s shape, initialised from ``seed`` (the global RNG left as it was)."""
+    import torch
+
+    from .dflash2 import drafter_from_config
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return drafter_from_config(drafter.config).to(device=device, dtype=torch.float32)
+
+
+def _counter(progress: Callable[[int, int, int], None] | None, total: int) -> Callable[[int], None]:
+    """``on_unit``: counts the units done and reports each to ``progress``."""
+    done = [0]
+
+    def on_unit(tokens: int) -> None:
+        done[0] += 1
+        if progress is not None:
+            progress(done[0], total, tokens)
+
+    return on_unit
