@@ -278,68 +278,76 @@ def block_layouts(
     misaligned, as a view into one ``[scratch | context]`` mask is for block sizes or window starts off 16),
     and no ``mask``.
     """
-    bsz = plan.block_size
-    b, n = plan.anchors.shape[0], stop - start
-    seq = plan.context_valid.shape[1]
     made: dict[tuple[str, bool], BlockLayout] = {}
     last = len(layer_types) - 1
     for i, layer_type in enumerate(layer_types):
         drop = last_drops_first_slot and i == last
-        if (layer_type, drop) in made:
-            continue
-        first = 1 if drop else 0
-        per_block = bsz - first
-        vis = _context_visibility(
-            plan.anchors[:, start:stop],
-            plan.keep[:, start:stop],
-            plan.context_valid,
-            block_size=bsz,
-            first_slot=first,
-            layer_type=layer_type,
-            sliding_window=sliding_window,
-        )
-        scratch = max(n1 - n0 for n0, n1, _lo, _hi in spans[layer_type]) * bsz
-        zero = torch.zeros((), dtype=dtype, device=vis.device)
-        within = _within_block(bsz, layer_type, sliding_window, vis.device)[first:]
-        groups = [((n0 - start) * per_block, (n1 - start) * per_block, lo, hi) for n0, n1, lo, hi in spans[layer_type]]
-        own_mask = torch.where(within, zero, float("-inf"))[None, None] if layer_type == SLIDING_ATTENTION else None
-        has_context = vis.any(dim=-1).expand(b, n, per_block).reshape(b, 1, n * per_block)
-        if isinstance(split, frozenset):
-            takes_split = layer_type in split
-        else:
-            takes_split = bool(split) or (split is None and split_pays(spans[layer_type], bsz))
-        if takes_split:
-            # Each group's context mask is made when its kernel call needs it (BlockLayout.context_mask).
-            made[(layer_type, drop)] = BlockLayout(
-                bsz, per_block, groups, scratch, None, None, vis, own_mask, has_context, dtype, True, {}
-            )
-            continue
-        if sdpa:
-            made[(layer_type, drop)] = BlockLayout(
-                bsz, per_block, groups, scratch, None, _group_masks(vis, within, groups, per_block, bsz, zero),
-                None, own_mask, has_context, dtype,
-            )
-            continue
-        # Additive (sdpa would convert a bool mask in every call, forward and backward), in the key
-        # layout [scratch | context]; each group's rows get its own-block pattern next to its slice.
-        mask = torch.empty((b, 1, n * per_block, scratch + seq), dtype=dtype, device=vis.device)
-        mask[..., :scratch] = float("-inf")
-        mask[:, 0, :, scratch:].view(b, n, per_block, seq).copy_(torch.where(vis, zero, float("-inf")))
-        own_patterns: dict[int, torch.Tensor] = {}
-        views = []
-        for q0, q1, lo, hi in groups:
-            m = (q1 - q0) // per_block
-            if m not in own_patterns:  # block-diagonal: each block sees only itself
-                own = torch.block_diag(*[within.to(dtype)] * m) > 0
-                own_patterns[m] = torch.where(own, zero, float("-inf"))
-            first_key = scratch + lo - m * bsz
-            # (BlockLayout.context_mask reads the columns from scratch + lo on: none of these writes)
-            mask[:, 0, q0:q1, first_key : scratch + lo] = own_patterns[m]
-            views.append(mask.narrow(2, q0, q1 - q0).narrow(3, first_key, m * bsz + hi - lo))
-        made[(layer_type, drop)] = BlockLayout(
-            bsz, per_block, groups, scratch, mask, views, None, own_mask, has_context, dtype
-        )
+        if (layer_type, drop) not in made:
+            made[(layer_type, drop)] = _type_layout(plan, spans[layer_type], start, stop, layer_type,
+                                                    first=1 if drop else 0, sliding_window=sliding_window,
+                                                    dtype=dtype, split=split, sdpa=sdpa)
     return [made[(t, last_drops_first_slot and i == last)] for i, t in enumerate(layer_types)]
+
+
+def _type_layout(plan: BlockPlan, spans: list[tuple[int, int, int, int]], start: int, stop: int, layer_type: str, *,
+                 first: int, sliding_window: int | None, dtype: torch.dtype, split: bool | None | frozenset[str],
+                 sdpa: bool) -> BlockLayout:
+    """The layout of one layer type's layers (queries from slot ``first`` on), as :func:`block_layouts` says."""
+    bsz = plan.block_size
+    b, n = plan.anchors.shape[0], stop - start
+    per_block = bsz - first
+    vis = _context_visibility(
+        plan.anchors[:, start:stop],
+        plan.keep[:, start:stop],
+        plan.context_valid,
+        block_size=bsz,
+        first_slot=first,
+        layer_type=layer_type,
+        sliding_window=sliding_window,
+    )
+    scratch = max(n1 - n0 for n0, n1, _lo, _hi in spans) * bsz
+    zero = torch.zeros((), dtype=dtype, device=vis.device)
+    within = _within_block(bsz, layer_type, sliding_window, vis.device)[first:]
+    groups = [((n0 - start) * per_block, (n1 - start) * per_block, lo, hi) for n0, n1, lo, hi in spans]
+    own_mask = torch.where(within, zero, float("-inf"))[None, None] if layer_type == SLIDING_ATTENTION else None
+    has_context = vis.any(dim=-1).expand(b, n, per_block).reshape(b, 1, n * per_block)
+    if isinstance(split, frozenset):
+        takes_split = layer_type in split
+    else:
+        takes_split = bool(split) or (split is None and split_pays(spans, bsz))
+    if takes_split:
+        # Each group's context mask is made when its kernel call needs it (BlockLayout.context_mask).
+        return BlockLayout(bsz, per_block, groups, scratch, None, None, vis, own_mask, has_context, dtype, True, {})
+    if sdpa:
+        return BlockLayout(
+            bsz, per_block, groups, scratch, None, _group_masks(vis, within, groups, per_block, bsz, zero),
+            None, own_mask, has_context, dtype,
+        )
+    mask, views = _additive_mask(vis, within, groups, scratch, per_block, bsz, zero, dtype)
+    return BlockLayout(bsz, per_block, groups, scratch, mask, views, None, own_mask, has_context, dtype)
+
+
+def _additive_mask(vis, within, groups, scratch: int, per_block: int, bsz: int, zero,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The one additive mask (sdpa would convert a bool mask in every call, forward and backward), in the key
+    layout [scratch | context], and each group's view of it; each group's rows get its own-block pattern
+    next to its slice."""
+    b, n, _, seq = vis.shape  # seq: the context's length
+    mask = torch.empty((b, 1, n * per_block, scratch + seq), dtype=dtype, device=vis.device)
+    mask[..., :scratch] = float("-inf")
+    mask[:, 0, :, scratch:].view(b, n, per_block, seq).copy_(torch.where(vis, zero, float("-inf")))
+    own_patterns: dict[int, torch.Tensor] = {}
+    views = []
+    for q0, q1, lo, hi in groups:
+        m = (q1 - q0) // per_block
+        if m not in own_patterns:  # block-diagonal: each block sees only itself
+            own = torch.block_diag(*[within.to(dtype)] * m) > 0
+            own_patterns[m] = torch.where(own, zero, float("-inf"))
+        first_key = scratch + lo - m * bsz
+        # (BlockLayout.context_mask reads the columns from scratch + lo on: none of these writes)
+        mask[:, 0, q0:q1, first_key : scratch + lo] = own_patterns[m]
+        views.append(mask.narrow(2, q0, q1 - q0).narrow(3, first_key, m * bsz + hi - lo))
+    return mask, views
 
 
 def _group_masks(vis, within, groups, per_block: int, bsz: int, zero) -> list[torch.Tensor]:
