@@ -185,6 +185,24 @@ def import_spool(path: str | os.PathLike, tracking_uri: str | os.PathLike | None
     loses anything (metrics are deduplicated by SQL stores anyway).
     """
     spool = Path(path)
+    meta, body = _spooled_ops(spool)
+    uri = _import_uri(spool, meta, body, tracking_uri)
+    # A run created offline against a server has no artifact location; in a sqlite store it gets the
+    # store's own (next to the .db file), not ./mlruns of whatever directory the import ran in.
+    body = [
+        {**o, "artifact_location": default_artifact_location(uri, o.get("experiment") or "")}
+        if o["op"] == "create_run" and not o.get("artifact_location")
+        else o
+        for o in body
+    ]
+    run_id = _replay(spool, meta, body, uri)
+    spool.unlink(missing_ok=True)
+    shutil.rmtree(stash_dir_for(spool), ignore_errors=True)
+    return run_id
+
+
+def _spooled_ops(spool: Path) -> tuple[dict | None, list[dict]]:
+    """The spool's meta record (or None) and its ops, each artifact's path checked to be its own."""
     try:
         ops = read_spool(spool)
     except FileNotFoundError:
@@ -197,7 +215,12 @@ def import_spool(path: str | os.PathLike, tracking_uri: str | os.PathLike | None
         raise SpoolError(f"{spool}: not a dflash-flow spool (it does not start with a run record)")
     stash_real = Path(os.path.realpath(stash_dir_for(spool)))
     body = [{**o, "path": str(_artifact_source(o, spool, stash_real))} if o["op"] == "artifact" else o for o in body]
+    return meta, body
 
+
+def _import_uri(spool: Path, meta: dict | None, body: list[dict], tracking_uri: str | os.PathLike | None) -> str:
+    """The tracking URI to import into, checked usable (and, for a run the spool continues in a sqlite
+    store, that the database is still there)."""
     recorded = (meta or {}).get("tracking_uri")
     if tracking_uri is None and recorded and REDACTED in str(recorded):
         raise SpoolError(
@@ -212,8 +235,6 @@ def import_spool(path: str | os.PathLike, tracking_uri: str | os.PathLike | None
         uri = resolve_tracking_uri(source)
     except OSError as exc:
         raise SpoolError(f"{spool}: cannot use tracking URI {redact_uri(os.fspath(source))}: {first_line(exc)}") from None
-    shown = redact_uri(uri)
-    secrets = uri_secrets(uri)
     hide_mlflow_urls(uri)
     db = sqlite_path(uri)
     if body[0]["op"] == "run" and db is not None and not db.exists():
@@ -221,16 +242,15 @@ def import_spool(path: str | os.PathLike, tracking_uri: str | os.PathLike | None
             f"{spool}: tracking database {db} does not exist (deleted?); the spool continues run "
             f"{body[0].get('run_id')}, which only that database holds. Pass --tracking-uri for the store that has it"
         )
-    # A run created offline against a server has no artifact location; in a sqlite store it gets the
-    # store's own (next to the .db file), not ./mlruns of whatever directory the import ran in.
-    body = [
-        {**o, "artifact_location": default_artifact_location(uri, o.get("experiment") or "")}
-        if o["op"] == "create_run" and not o.get("artifact_location")
-        else o
-        for o in body
-    ]
+    return uri
+
+
+def _replay(spool: Path, meta: dict | None, body: list[dict], uri: str) -> str:
+    """Apply the ops in order into ``uri``; the run id. A failure midway keeps the ops not yet applied."""
     from mlflow import MlflowClient
 
+    shown = redact_uri(uri)
+    secrets = uri_secrets(uri)
     state: dict = {"run_id": None}
     quiet_store_errors()
     try:
@@ -253,6 +273,4 @@ def import_spool(path: str | os.PathLike, tracking_uri: str | os.PathLike | None
             raise SpoolError(
                 f"{spool}: importing into {shown} failed at the {op['op']} op: {first_line(exc, secrets=secrets)}"
             ) from exc
-    spool.unlink(missing_ok=True)
-    shutil.rmtree(stash_dir_for(spool), ignore_errors=True)
     return state["run_id"]
