@@ -69,8 +69,9 @@ from .regen_io import (
     scan_output,
     write_in_input_order,
 )
+from .served_replies import parse_reply, sampling_params
 
-__all__ = ["AllServersDown", "ServedStats", "ServerPool", "backoff_delay", "regenerate_served", "sampling_params"]
+__all__ = ["AllServersDown", "ServedStats", "ServerPool", "backoff_delay", "regenerate_served"]
 
 #: ``progress(done_records, total_records, new_tokens)`` after every row written.
 ProgressFn = Callable[[int, int, int], None]
@@ -113,104 +114,6 @@ class ServedStats:
     @property
     def truncated(self) -> int:
         return self.reply_reasons["length"]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Sampling
-# ---------------------------------------------------------------------------------------------------
-
-
-def sampling_params(sampling: str, target: str | Path | None = None) -> dict:
-    """The request's sampling fields. ``"greedy"``: temperature 0 (every engine decodes greedily then).
-    ``"target"``: the target's ``generation_config.json`` (temperature, top_p, top_k; ``do_sample: false`` is
-    greedy) when ``target`` is a directory holding one; else nothing, and the server applies its own defaults
-    (vLLM and SGLang use the served model's generation config)."""
-    if sampling == "greedy":
-        return {"temperature": 0.0}
-    if sampling != "target":
-        raise ValueError(f"--sampling {sampling!r}: use 'greedy' or 'target'")
-    if target is None:
-        return {}
-    path = Path(target) / "generation_config.json"
-    if not path.is_file():
-        if Path(target).is_dir():
-            return {}
-        raise ValueError(f"--target {target}: not a model directory (its generation_config.json gives the "
-                         "sampling settings of --sampling target)")
-    try:
-        gc = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"--sampling target: {path} cannot be read as JSON ({exc})") from None
-    if not isinstance(gc, dict):
-        raise ValueError(f"--sampling target: {path} holds a JSON {type(gc).__name__}, not the object of a generation "
-                         "config; fix it, or use --sampling greedy")
-    if gc.get("do_sample") is False:
-        return {"temperature": 0.0}
-    out = {}
-    for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
-        if gc.get(key) is not None:
-            out[key] = gc[key]
-    return out
-
-
-_STOP_REASONS = {"stop", "eos", "stop_sequence", "end_turn", "tool_calls"}
-
-
-def parse_chat_completion(resp: dict, model: str | None = None) -> tuple[str, str, int]:
-    """(reply text, finish_reason, completion tokens) of a chat completion (:func:`parse_reply`)."""
-    turn, finish, tokens = parse_reply(resp, model)
-    return turn["content"], finish, tokens
-
-
-def parse_reply(resp: dict, model: str | None = None) -> tuple[dict, str, int]:
-    """(assistant turn, finish_reason, completion tokens) of a chat completion: the turn's ``content`` and,
-    when the reply calls tools, its ``tool_calls`` (then it is not empty); RequestFailed('malformed') when it is
-    not one (or its text is not text: a lone surrogate), RequestFailed('server') when the server aborted the
-    request or (``model`` given) the completion names another model than the one asked for (a server serving
-    something else: its replies would teach the drafter another model)."""
-    if isinstance(resp, dict) and "choices" not in resp and resp.get("error"):  # an error sent with status 200
-        err = resp["error"]
-        msg = err.get("message") if isinstance(err, dict) else err
-        raise RequestFailed("server", f"the server answered with an error: {str(msg)[:300]}")
-    answered = resp.get("model") if isinstance(resp, dict) else None
-    if model is not None and answered is not None and answered != model:
-        raise RequestFailed("server", f"the reply is from model {answered!r}, not {model!r} (this server serves "
-                                      "another model)")
-    try:
-        choice = resp["choices"][0]
-        msg = choice["message"]
-        content = msg.get("content") or ""
-        reasoning = msg.get("reasoning_content") or msg.get("reasoning") or ""
-        reason = choice.get("finish_reason")
-        calls = msg.get("tool_calls")
-        if not isinstance(content, str) or not isinstance(reasoning, str):
-            raise TypeError("content is not text")
-    except (KeyError, IndexError, TypeError, AttributeError) as e:
-        raise RequestFailed("malformed", f"not a chat completion ({type(e).__name__}: {e})") from None
-    if reason == "length":
-        finish = "length"
-    elif reason in _STOP_REASONS:
-        finish = "stop"
-    else:
-        raise RequestFailed("server", f"the server ended the request with finish_reason {reason!r}")
-    if reasoning.strip():
-        content = f"<think>\n{reasoning.strip()}\n</think>\n\n{content.lstrip()}"
-    try:  # JSON may escape a lone surrogate ("\\ud800"): no text, and the output file could not hold it
-        content.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise RequestFailed("malformed", f"the reply is not valid text (a lone surrogate at character {e.start})"
-                            ) from None
-    usage = resp.get("usage") or {}
-    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    tokens = int(tokens) if isinstance(tokens, int | float) else 0
-    if calls is not None and (not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls)):
-        raise RequestFailed("malformed", "tool_calls is not a list of objects")
-    if not content.strip() and not calls:
-        finish = "empty"
-    turn = {"role": "assistant", "content": content}
-    if calls:  # the target called tools (a server with a tool parser split them out): kept, rendered by the template
-        turn["tool_calls"] = calls
-    return turn, finish, tokens
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -303,52 +206,99 @@ def _in_flight(flying: dict, now: float) -> str:
 
 def _run(todo, pool, client, base, sampled, seed, writer, stats, max_attempts, backoff_s, backoff_max_s, n_threads,
          progress, check_stop, log=lambda _m: None, busy=None) -> None:
+    """Ask for every row of ``todo`` on up to ``n_threads`` request threads, and write each row (counted in
+    ``stats``) as it finishes."""
     rows: queue.Queue = queue.Queue()
-    flying: dict[int, tuple[str, float]] = {}  # thread id -> (server, when its request was sent)
-    cap = body_cap(base["max_tokens"], base.get("n", 1))
     for job in todo:
         rows.put(job)
     results: queue.Queue = queue.Queue()
-    stop = threading.Event()
-    lock = threading.Lock()
+    asker = _Asker(pool, client, base, sampled, seed, stats, max_attempts, backoff_s, backoff_max_s)
+    threads = _start_threads(lambda: asker.worker(rows, results), min(n_threads, len(todo)), log)
+    report = progress or (lambda *_: None)
+    report(stats.skipped, stats.total, 0)
+    last_sync = time.monotonic()
+    finished = False
+    try:
+        for _ in range(len(todo)):
+            kind, rec, tokens = _next_result(results, asker.flying, check_stop, busy)
+            if kind == "down":
+                raise AllServersDown(f"every server is out of rotation ({rec}); {stats.generated} rows written now, "
+                                     "the same command continues from there once a server answers")
+            if kind == "bug":
+                raise rec
+            now = time.monotonic()
+            writer.write_lines([json.dumps(rec, ensure_ascii=False) + "\n"], fsync=now - last_sync > 1.0)
+            last_sync = now if now - last_sync > 1.0 else last_sync
+            _count_row(stats, rec, tokens)
+            report(stats.skipped + stats.generated, stats.total, tokens)
+        finished = True
+    finally:
+        asker.stop.set()
+        pool.wake()
+        # Finished: every worker has returned or is returning. Stopped early: a worker blocked in a request
+        # ends at its timeout at the latest (daemon threads: never keep the process alive); its row is not
+        # written and the next call does it.
+        for t in threads:
+            t.join(timeout=None if finished else 0.05)
 
-    def ask(rid, conv: list[dict], k: int):
+
+@dataclass(eq=False)
+class _Asker:
+    """What the request threads share: asking the servers for a row's replies, retried with backoff."""
+
+    pool: ServerPool
+    client: _Client
+    base: dict
+    sampled: bool
+    seed: int
+    stats: ServedStats
+    max_attempts: int
+    backoff_s: float
+    backoff_max_s: float
+    stop: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    flying: dict[int, tuple[str, float]] = field(default_factory=dict)  # thread id -> (server, when sent)
+
+    def __post_init__(self) -> None:
+        self.cap = body_cap(self.base["max_tokens"], self.base.get("n", 1))
+
+    def ask(self, rid, conv: list[dict], k: int):
         """One reply to ``conv``: (reply, finish, tokens), or the error row's message once retries are spent."""
-        payload = dict(base, messages=conv)
-        if sampled:  # reproducible sampling per row (and per reply after the first)
-            payload["seed"] = int((_unit("seed", seed, rid) if k == 0 else _unit("seed", seed, rid, k)) * 2**31)
+        payload = dict(self.base, messages=conv)
+        if self.sampled:  # reproducible sampling per row (and per reply after the first)
+            payload["seed"] = int((_unit("seed", self.seed, rid) if k == 0 else _unit("seed", self.seed, rid, k)) * 2**31)
         avoid: set[str] = set()
         attempts = 0
         while True:
-            lease = pool.acquire(avoid, stop)
+            lease = self.pool.acquire(avoid, self.stop)
             me = threading.get_ident()
-            flying[me] = (lease.server.url, time.monotonic())
+            self.flying[me] = (lease.server.url, time.monotonic())
             try:
                 reply, finish, tokens = parse_reply(
-                    client.request(lease.server, "POST", "/v1/chat/completions", payload, max_body=cap),
-                    model=base["model"])
+                    self.client.request(lease.server, "POST", "/v1/chat/completions", payload, max_body=self.cap),
+                    model=self.base["model"])
             except RequestFailed as e:
-                flying.pop(me, None)
-                pool.release(lease, e)
-                with lock:
-                    stats.failures[e.kind] += 1
+                self.flying.pop(me, None)
+                self.pool.release(lease, e)
+                with self.lock:
+                    self.stats.failures[e.kind] += 1
                 if e.kind == "refused":
                     continue  # never reached a server: the pool takes that one out; not this row's fault
                 attempts += 1
                 avoid.add(lease.server.url)
-                if e.kind == "client" or attempts >= max_attempts:
+                if e.kind == "client" or attempts >= self.max_attempts:
                     return (f"{e} (after {attempts} attempt{'s' * (attempts > 1)}, last on {lease.server.url}"
                             + (f", reply {k + 1}" if k else "") + ")")
-                with lock:
-                    stats.retries += 1
-                if stop.wait(backoff_delay(rid, attempts, backoff_s, backoff_max_s)):
+                with self.lock:
+                    self.stats.retries += 1
+                if self.stop.wait(backoff_delay(rid, attempts, self.backoff_s, self.backoff_max_s)):
                     raise _Stopped() from None
                 continue
-            flying.pop(me, None)
-            pool.release(lease, None)
+            self.flying.pop(me, None)
+            self.pool.release(lease, None)
             return reply, finish, tokens
 
-    def attempt_row(rid, plan) -> tuple[dict, int]:
+    def row(self, rid, plan) -> tuple[dict, int]:
         """Every reply of the row in order, each asked on the conversation so far (earlier replies the
         servers' own); the row's finish_reason is its last reply's."""
         conv: list[dict] = []
@@ -358,7 +308,7 @@ def _run(todo, pool, client, base, sampled, seed, writer, stats, max_attempts, b
             if turn is not None:
                 conv.append(turn)
                 continue
-            got = ask(rid, conv, len(reasons))
+            got = self.ask(rid, conv, len(reasons))
             if isinstance(got, str):
                 return {"id": rid, "conversations": [t for t in plan if t is not None], "finish_reason": "error",
                         "error": got, "prompt_digest": plan_digest(plan)}, tokens
@@ -367,19 +317,21 @@ def _run(todo, pool, client, base, sampled, seed, writer, stats, max_attempts, b
             reasons.append(finish)
             tokens += n
         rec = {"id": rid, "conversations": conv, "finish_reason": reasons[-1], "prompt_digest": plan_digest(plan),
-               "model": base["model"]}  # every reply's completion named it (or named none)
+               "model": self.base["model"]}  # every reply's completion named it (or named none)
         if len(reasons) > 1:
             rec["finish_reasons"] = reasons
         return rec, tokens
 
-    def worker() -> None:
-        while not stop.is_set():
+    def worker(self, rows: queue.Queue, results: queue.Queue) -> None:
+        """One request thread: rows from ``rows`` until none is left or the run stops; ``(kind, record or
+        error, tokens)`` into ``results``."""
+        while not self.stop.is_set():
             try:
                 rid, plan = rows.get_nowait()
             except queue.Empty:
                 return
             try:
-                results.put(("row",) + attempt_row(rid, plan))
+                results.put(("row",) + self.row(rid, plan))
             except _Stopped:
                 return
             except AllServersDown as e:
@@ -389,56 +341,45 @@ def _run(todo, pool, client, base, sampled, seed, writer, stats, max_attempts, b
                 results.put(("bug", e, 0))
                 return
 
+
+def _start_threads(work: Callable[[], None], n: int, log: Callable[[str], None]) -> list[threading.Thread]:
+    """Up to ``n`` daemon threads running ``work``; fewer (said in the log) where the system refuses more."""
     threads = []
-    for i in range(min(n_threads, len(todo))):
-        t = threading.Thread(target=worker, name=f"regen-http-{i}", daemon=True)
+    for i in range(n):
+        t = threading.Thread(target=work, name=f"regen-http-{i}", daemon=True)
         try:
             t.start()
         except RuntimeError as exc:  # "can't start new thread": the process's or the machine's limit
             if not threads:
                 raise ValueError(f"cannot start a request thread ({exc}); lower --concurrency") from None
-            log(f"--concurrency asks for {min(n_threads, len(todo))} requests in flight, but only {len(threads)} "
+            log(f"--concurrency asks for {n} requests in flight, but only {len(threads)} "
                 f"threads could be started ({exc}): going on with {len(threads)}; lower --concurrency to say so")
             break
         threads.append(t)
-    report = progress or (lambda *_: None)
-    report(stats.skipped, stats.total, 0)
-    last_sync = time.monotonic()
-    finished = False
-    try:
-        for _ in range(len(todo)):
-            while True:
-                if check_stop is not None:
-                    check_stop()
-                if busy is not None:
-                    busy(_in_flight(flying, time.monotonic()))
-                try:
-                    kind, rec, tokens = results.get(timeout=0.2)
-                    break
-                except queue.Empty:
-                    continue
-            if kind == "down":
-                raise AllServersDown(f"every server is out of rotation ({rec}); {stats.generated} rows written now, "
-                                     "the same command continues from there once a server answers")
-            if kind == "bug":
-                raise rec
-            now = time.monotonic()
-            writer.write_lines([json.dumps(rec, ensure_ascii=False) + "\n"], fsync=now - last_sync > 1.0)
-            last_sync = now if now - last_sync > 1.0 else last_sync
-            stats.generated += 1
-            stats.new_tokens += tokens
-            stats.reasons[rec["finish_reason"]] += 1
-            for r in rec.get("finish_reasons") or ([rec["finish_reason"]] if rec["finish_reason"] != "error" else []):
-                stats.reply_reasons[r] += 1
-            if rec["finish_reason"] == "error":
-                stats.errors.append((rec["id"], rec["error"]))
-            report(stats.skipped + stats.generated, stats.total, tokens)
-        finished = True
-    finally:
-        stop.set()
-        pool.wake()
-        # Finished: every worker has returned or is returning. Stopped early: a worker blocked in a request
-        # ends at its timeout at the latest (daemon threads: never keep the process alive); its row is not
-        # written and the next call does it.
-        for t in threads:
-            t.join(timeout=None if finished else 0.05)
+    return threads
+
+
+def _next_result(results: queue.Queue, flying: dict, check_stop: Callable[[], None] | None,
+                 busy: Callable[[str], None] | None) -> tuple:
+    """The next finished row from the request threads, checking for a stop (and telling ``busy`` what the
+    requests in flight wait for) while it waits."""
+    while True:
+        if check_stop is not None:
+            check_stop()
+        if busy is not None:
+            busy(_in_flight(flying, time.monotonic()))
+        try:
+            return results.get(timeout=0.2)
+        except queue.Empty:
+            continue
+
+
+def _count_row(stats: ServedStats, rec: dict, tokens: int) -> None:
+    """A written row in ``stats``: its finish reason, its replies' reasons, its tokens, its error."""
+    stats.generated += 1
+    stats.new_tokens += tokens
+    stats.reasons[rec["finish_reason"]] += 1
+    for r in rec.get("finish_reasons") or ([rec["finish_reason"]] if rec["finish_reason"] != "error" else []):
+        stats.reply_reasons[r] += 1
+    if rec["finish_reason"] == "error":
+        stats.errors.append((rec["id"], rec["error"]))

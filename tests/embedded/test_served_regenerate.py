@@ -16,13 +16,8 @@ from pathlib import Path
 import pytest
 
 from dflash_flow.embedded.regen_io import journal_path
-from dflash_flow.embedded.served import (
-    AllServersDown,
-    backoff_delay,
-    parse_chat_completion,
-    regenerate_served,
-    sampling_params,
-)
+from dflash_flow.embedded.served import AllServersDown, backoff_delay, regenerate_served
+from dflash_flow.embedded.served_replies import parse_chat_completion, sampling_params
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
