@@ -33,13 +33,12 @@ Design (why it looks like this):
 - Status: ``end("FINISHED" | "FAILED" | "KILLED")``; used as a context manager the status follows
   the exception (none -> FINISHED, KeyboardInterrupt / non-zero SystemExit -> KILLED, other ->
   FAILED). A process killed with SIGKILL leaves its run RUNNING (nothing can run at that point).
-- System metrics come from psutil at flush time (``system/*``, declared in :class:`SystemSample`),
+- System metrics come from psutil at flush time (``system/*``, declared in ``system_metrics.SystemSample``),
   at the Monitor's cadence, instead of mlflow's background thread with its own cadence and logging.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -50,8 +49,6 @@ from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
-import attrs
 
 from .delivery import SpooledDelivery
 from .runinfo import (
@@ -67,7 +64,6 @@ from .runinfo import (
     tag_values,
     uri_secrets,
 )
-from .schema import metric, mlflow_metrics
 from .spool import SpoolFile
 from .store import (
     check_tracking_uri,
@@ -77,9 +73,10 @@ from .store import (
     now_ms,
     resolve_tracking_uri,
 )
+from .system_metrics import sample_system, start_system_sampling
 
 # config_hash and run_tags live in observe.runinfo; importable from here too for the application.
-__all__ = ["RUN_STATUSES", "SystemSample", "Tracker", "TrackingError", "config_hash", "run_tags", "status_for_exception"]
+__all__ = ["RUN_STATUSES", "Tracker", "TrackingError", "config_hash", "run_tags", "status_for_exception"]
 
 log = logging.getLogger(__name__)
 
@@ -88,17 +85,6 @@ RUN_STATUSES = ("FINISHED", "FAILED", "KILLED")
 
 class TrackingError(Exception):
     """The tracking store cannot be used at all (the pre-flight check failed); one line, names the path."""
-
-
-@attrs.frozen
-class SystemSample:
-    """Host load at flush time (psutil)."""
-
-    cpu_percent: float = metric("system/cpu_percent", reduce="mean", doc="Host CPU use, %")
-    memory_percent: float = metric("system/memory_percent", reduce="mean", doc="Host memory use, %")
-    memory_used_gb: float = metric("system/memory_used_gb", reduce="max", doc="Host memory used, GiB")
-    process_rss_gb: float | None = metric("system/process_rss_gb", reduce="sum", default=None, doc="This process's resident memory, GiB")
-    process_cpu_percent: float | None = metric("system/process_cpu_percent", reduce="sum", default=None, doc="This process's CPU use, % of one core")
 
 
 class Tracker(SpooledDelivery):
@@ -208,7 +194,8 @@ class Tracker(SpooledDelivery):
         self._client = open_client(self.tracking_uri)
         self._system_metrics = bool(system_metrics)
         if self._system_metrics:
-            self._init_system_metrics()
+            self._proc = start_system_sampling()
+            self._system_metrics = self._proc is not None
 
         ops: list[dict] = []
         tags_ = tag_values(tags or {})
@@ -276,7 +263,7 @@ class Tracker(SpooledDelivery):
 
     def _take_metric_ops(self) -> list[dict]:
         if self._system_metrics and not self._ended:
-            self.log_metrics(self._sample_system(), step=self._last_step)
+            self.log_metrics(sample_system(self._proc), step=self._last_step)
         with self._buf_lock:
             rows, self._buf = self._buf, []
         return [
@@ -429,36 +416,6 @@ class Tracker(SpooledDelivery):
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.end(status_for_exception(exc))
-
-    # ---------------------------------------------------------------- system metrics
-    def _init_system_metrics(self) -> None:
-        try:
-            import psutil
-        except ImportError:
-            self._system_metrics = False
-            return
-        self._proc = psutil.Process()
-        # cpu_percent() measures since the previous call; prime it so the first sample is meaningful.
-        psutil.cpu_percent(interval=None)
-        self._proc.cpu_percent(interval=None)
-
-    def _sample_system(self) -> dict[str, float]:
-        import psutil
-
-        vm = psutil.virtual_memory()
-        rss = cpu = None
-        if self._proc is not None:
-            with contextlib.suppress(psutil.Error):
-                rss = self._proc.memory_info().rss / 2**30
-                cpu = self._proc.cpu_percent(interval=None)
-        sample = SystemSample(
-            cpu_percent=psutil.cpu_percent(interval=None),
-            memory_percent=vm.percent,
-            memory_used_gb=(vm.total - vm.available) / 2**30,
-            process_rss_gb=rss,
-            process_cpu_percent=cpu,
-        )
-        return mlflow_metrics(sample)
 
 
 def status_for_exception(exc: BaseException | None) -> str:

@@ -35,7 +35,7 @@ from dflash_flow.observe.schema import (
     reduce_ranks,
     train_reduction,
 )
-from dflash_flow.observe.tracking import SystemSample
+from dflash_flow.observe.system_metrics import SystemSample
 
 REPO = Path(__file__).resolve().parents[2]
 
