@@ -26,7 +26,8 @@ from pathlib import Path
 
 import attrs
 
-from dflash_flow.engine.http import HttpClient, RequestFailed, Server
+from dflash_flow.engine.http import RequestFailed, Server
+from dflash_flow.engine.http_client import HttpClient
 from dflash_flow.observe.engine_metrics import (
     EngineCounters,
     RequestSpec,

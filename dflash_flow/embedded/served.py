@@ -49,17 +49,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_flow.engine.http import (
-    AllServersDown,
-    RequestFailed,
-    ServerPool,
-    backoff_delay,
-    body_cap,
-    discover_model,
-)
-from dflash_flow.engine.http import HttpClient as _Client
+from dflash_flow.engine.http import AllServersDown, RequestFailed, ServerPool, backoff_delay
 from dflash_flow.engine.http import Stopped as _Stopped
 from dflash_flow.engine.http import unit as _unit
+from dflash_flow.engine.http_client import HttpClient as _Client
+from dflash_flow.engine.http_client import body_cap, discover_model
 
 from .regen_io import (
     OutputWriter,

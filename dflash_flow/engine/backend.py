@@ -46,15 +46,8 @@ from dflash_flow.core.metrics import Gauge, MetricSet, Summary, stage_metric
 from .checks import FeatureFault, StartCheck, reference_fits
 from .config import EngineConfig
 from .handover import HandoverError, wait_for_file
-from .http import (
-    AllServersDown,
-    HttpClient,
-    RequestFailed,
-    ServerPool,
-    Stopped,
-    backoff_delay,
-    discover_model,
-)
+from .http import AllServersDown, RequestFailed, ServerPool, Stopped, backoff_delay
+from .http_client import HttpClient, discover_model
 from .layers import to_engine_layer_ids
 from .rows import RowBatch, features_path, read_row
 
