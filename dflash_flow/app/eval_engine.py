@@ -31,11 +31,11 @@ from dflash_flow.engine.http_client import HttpClient
 from dflash_flow.observe.engine_metrics import (
     EngineCounters,
     RequestSpec,
-    fetch_text,
     sglang_request,
     spec_counters,
     vllm_request,
 )
+from dflash_flow.observe.prometheus import fetch_text
 from dflash_flow.observe.runinfo import redact_text, redact_uri, uri_secrets
 
 __all__ = ["EngineError", "EngineReply", "EngineServer", "free_port", "launch_vllm", "scrape_all", "vllm_drafter_argv",
