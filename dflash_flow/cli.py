@@ -34,7 +34,7 @@ def _fail(message: str) -> None:
 def _check_output_file(path: Path, what: str, *, make_parents: bool = False) -> None:
     """Exit 2 with one line, before any work, when ``path`` cannot be written as a file."""
     from dflash_flow.app.exits import UserError
-    from dflash_flow.app.preflight import check_output_file
+    from dflash_flow.app.output_dir import check_output_file
 
     try:
         check_output_file(path, what, make_parents=make_parents)

@@ -2,6 +2,7 @@
 
 * :mod:`.sections` -- the ``model:``, ``tracking:``, ``checkpoint:`` and ``distributed:`` sections of a pipeline file (registered here);
 * :mod:`.preflight` -- checks across stages and of the environment, before any thread starts;
+* :mod:`.output_dir` -- the run's output directory (writable, locked, an earlier run set aside) and free space;
 * :mod:`.checkpoint` -- atomic, checksummed checkpoints and the checkpoint policy service;
 * :mod:`.runner` -- :func:`run`, the documented Python call that does what ``dflash-flow run`` does;
 * :mod:`.session` -- run services, resume, the MLflow run, statuses and exit codes (:mod:`.endrun`: the end);

@@ -80,7 +80,7 @@ def export_checkpoint(checkpoint: Path, out: Path, target: str | None = None) ->
 def write_output_text(path: Path, text: str, what: str) -> int:
     """Write a command's text output file (``graph -o``); a path that cannot be one is one line, exit 2."""
     from dflash_flow.app.exits import UserError
-    from dflash_flow.app.preflight import check_output_file
+    from dflash_flow.app.output_dir import check_output_file
     from dflash_flow.util import atomic_write_text
 
     try:

@@ -86,7 +86,7 @@ def prepare(v: Validated, dist_ctx, output_dir: Path, resume: str | None, extend
         if main:
             _check_space(v, ck_dir, ck_root, output_dir)
         if main and ckpt is None:  # a fresh run: an earlier run's summary and batch logs kept, not overwritten
-            from dflash_flow.app.preflight import set_aside_earlier_run
+            from dflash_flow.app.output_dir import set_aside_earlier_run
 
             set_aside_earlier_run(output_dir)
         return lock, checkpointer, ckpt
@@ -112,7 +112,7 @@ def _agree(v: Validated, dist_ctx) -> None:
 
 
 def _lock_output_dir(output_dir: Path, main: bool):
-    from dflash_flow.app.preflight import OutputLock, prepare_output_dir
+    from dflash_flow.app.output_dir import OutputLock, prepare_output_dir
 
     if main:
         prepare_output_dir(output_dir)
@@ -127,7 +127,7 @@ def _lock_output_dir(output_dir: Path, main: bool):
 
 def _check_places(v: Validated, output_dir: Path, ck, ck_dir: Path) -> None:
     """The tracking store, the stages' outputs and the checkpoint directory can be written (rank 0)."""
-    from dflash_flow.app.preflight import check_stage_outputs, check_writable_dir, escaping_links
+    from dflash_flow.app.output_dir import check_stage_outputs, check_writable_dir, escaping_links
     from dflash_flow.observe.store import check_tracking_uri
 
     tracking = v.graph.sections["tracking"]
@@ -196,7 +196,8 @@ def _checkpoint_to_resume(v: Validated, checkpointer, resume: str | None, extend
 
 
 def _check_space(v: Validated, ck_dir: Path, ck_root: Path, output_dir: Path) -> None:
-    from dflash_flow.app.preflight import check_free_space, checkpoint_bytes
+    from dflash_flow.app.output_dir import check_free_space
+    from dflash_flow.app.preflight import checkpoint_bytes
 
     need_ckpt, need_export = checkpoint_bytes(v)
     if need_ckpt:

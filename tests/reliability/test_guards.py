@@ -226,7 +226,7 @@ def test_the_run_lock_refuses_a_second_holder_and_is_released(tmp_path):
     import os
 
     from dflash_flow.app.exits import UserError
-    from dflash_flow.app.preflight import OutputLock
+    from dflash_flow.app.output_dir import OutputLock
 
     first = OutputLock.acquire(tmp_path)
     with pytest.raises(UserError, match=rf"output_dir {tmp_path} is in use by another run \(pid {os.getpid()} on "):
