@@ -134,7 +134,7 @@ def regenerate_served(prompts_jsonl: str | Path, servers: list[str], out_jsonl: 
     written (what a pipeline's source reads: the same file on every node). ``wait``: called while another process writes ``out_jsonl`` (then this call waits
     for it and continues with what it left); None: refused at once. ``timeout_s`` bounds each request as a whole
     (a server trickling its answer is cut off there), and a reply body is read up to what ``max_new_tokens``
-    tokens can take (:func:`~dflash_flow.engine.http.body_cap`): either breach is a failed attempt of that
+    tokens can take (:func:`~dflash_flow.engine.http_client.body_cap`): either breach is a failed attempt of that
     server, the row an error row naming it once the attempts are spent. ``api_key``: sent as a Bearer token
     (never written; a server URL's own credentials are sent as Basic authentication otherwise). ``option``:
     what messages call the server list. ``busy(text)``: told, several times a second, what the requests in
