@@ -18,7 +18,7 @@ __all__ = ["BatchDrafter"]
 
 class BatchDrafter:
     """``block_drafter.BlockDrafter`` for many rows: each row a draft KV cache of its own (a row of one
-    :class:`RaggedCache`), one drafter forward for the rows of a step."""
+    ``ragged.RaggedCache``), one drafter forward for the rows of a step."""
 
     def __init__(self, target: nn.Module, drafter: nn.Module, settings: DraftSettings) -> None:
         self.one = BlockDrafter(target, drafter, settings)
