@@ -273,7 +273,7 @@ def regenerate(
     prompts: Path = typer.Argument(..., help="JSONL of prompts or conversations."),
     target: Optional[str] = typer.Option(None, "--target", help="Target model path ('embedded': the shipped one). In process: required. With --server: only read for --sampling target (its generation_config.json)."),
     out: Path = typer.Option(..., "--out", help="Output JSONL (appended to; resumable; never the input)."),
-    batch_size: int = typer.Option(8, help="Prompts per generation batch (in process)."),
+    batch_size: int = typer.Option(16, min=1, help="Replies decoded together in process (a finished one's slot takes the next at once; the replies are the same at any size)."),
     max_new_tokens: int = typer.Option(256, help="Longest reply."),
     resume: bool = typer.Option(True, help="Skip records already in --out (--no-resume: start over; an old --out that regenerate wrote is moved aside to OUT.old, any other is refused)."),
     system_prompt: Optional[str] = typer.Option(None, help="System prompt to prepend."),
@@ -298,7 +298,7 @@ def regenerate(
             prompts, server, out, target=target, max_new_tokens=max_new_tokens, resume=resume,
             system_prompt=system_prompt, served_model=served_model, concurrency=concurrency, sampling=sampling,
             thinking=thinking, timeout=timeout, max_attempts=max_attempts, retry_errors=retry_errors, seed=seed,
-            api_key_env=api_key_env, in_process_only=["--batch-size"] if batch_size != 8 else []))
+            api_key_env=api_key_env, in_process_only=["--batch-size"] if batch_size != 16 else []))
     given = {"--served-model": served_model is not None, "--concurrency": concurrency != 32,
              "--sampling": sampling != "greedy", "--thinking/--no-thinking": thinking is not None,
              "--timeout": timeout != 900.0, "--max-attempts": max_attempts != 5, "--retry-errors": retry_errors,
