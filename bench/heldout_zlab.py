@@ -54,7 +54,7 @@ def train_default(sets: list[str]) -> tuple[Path, dict]:
     cmd = [sys.executable, "-m", "dflash_flow", "run", str(common.DFLASH_YAML)]
     for o in common.embedded_overrides(out, *sets):
         cmd += ["--set", o]
-    load = list(os.getloadavg())
+    load = [round(x, 2) for x in os.getloadavg()]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
