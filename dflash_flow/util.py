@@ -144,6 +144,13 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def nearest_existing(path: Path) -> Path:
+    """``path`` or its nearest parent that exists (where a directory to be made would be made)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def probe_write(directory: str | os.PathLike) -> str | None:
     """Create and remove a file in ``directory``: None when that works, else why not. The only check that
     also holds for root, read-only mounts and ACLs (``os.access`` answers yes to root on a read-only

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_flow.core.validate import Validated
-from dflash_flow.util import probe_write
+from dflash_flow.util import nearest_existing, probe_write
 
 __all__ = ["EARLIER_RUN_FILES", "OutputLock", "check_free_space", "check_output_file", "check_stage_outputs",
            "check_writable_dir", "escaping_links", "prepare_output_dir", "set_aside_earlier_run"]
@@ -67,9 +67,7 @@ def check_writable_dir(path: Path, what: str) -> None:
 
     if path.exists() and not path.is_dir():
         raise UserError(f"{what} {path} is an existing file, not a directory")
-    base = path
-    while not base.exists() and base != base.parent:
-        base = base.parent
+    base = nearest_existing(path)
     if not base.is_dir():
         raise UserError(f"cannot create {what} {path}: {base} is not a directory")
     why = probe_write(base)
@@ -90,9 +88,7 @@ def check_output_file(path: Path, what: str, *, make_parents: bool = False) -> N
     if not make_parents and not parent.is_dir():
         raise UserError(f"{what} {path}: the directory {parent} does not exist (create it first)" if not parent.exists()
                         else f"{what} {path}: {parent} is not a directory")
-    base = parent
-    while not base.exists() and base != base.parent:
-        base = base.parent
+    base = nearest_existing(parent)
     if not base.is_dir():
         raise UserError(f"{what} {path}: {base} is not a directory")
     why = probe_write(base)
@@ -208,9 +204,7 @@ def check_free_space(directory: Path, need: int, what: str) -> None:
 
     from dflash_flow.app.exits import UserError
 
-    base = directory
-    while not base.exists() and base != base.parent:
-        base = base.parent
+    base = nearest_existing(directory)
     try:
         free = shutil.disk_usage(base).free
     except OSError:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from dflash_flow.util import probe_write
+from dflash_flow.util import nearest_existing, probe_write
 
 from .runinfo import redact_text, redact_uri
 
@@ -79,13 +79,6 @@ def _probe_dir(directory: Path, target: Path) -> str | None:
     return f"cannot write {target}: {directory} is not writable ({why})" if why else None
 
 
-def _existing_ancestor(path: Path) -> Path:
-    p = path
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return p
-
-
 def _check_file(db: Path) -> str | None:
     if db.exists():
         if db.is_dir():
@@ -93,7 +86,7 @@ def _check_file(db: Path) -> str | None:
         if not os.access(db, os.W_OK):
             return f"tracking database {db} is not writable"
         return _probe_dir(db.parent, db)  # sqlite writes its journal next to the file
-    base = _existing_ancestor(db.parent)
+    base = nearest_existing(db.parent)
     if not base.is_dir():
         return f"cannot create tracking database {db}: {base} is not a directory"
     return _probe_dir(base, db)
@@ -102,7 +95,7 @@ def _check_file(db: Path) -> str | None:
 def _check_dir(directory: Path) -> str | None:
     if directory.exists() and not directory.is_dir():
         return f"tracking store {directory} is not a directory"
-    base = _existing_ancestor(directory)
+    base = nearest_existing(directory)
     if not base.is_dir():
         return f"cannot create tracking store {directory}: {base} is not a directory"
     return _probe_dir(base, directory)
