@@ -8,7 +8,7 @@ setup:
     {{python}} -m pip install -e ".[dev]" -c requirements/cpu.txt
     {{python}} -m pip install --no-deps -r requirements/reference.txt
 
-# Unit, property and fast end-to-end tests (~5 min on 2 cores); `just test-slow` the rest (~30-40 min); CI runs both.
+# Unit, property and fast end-to-end tests (~5 min on 2 cores); `just test-slow` the rest (~22-35 min); CI runs both.
 test *ARGS:
     {{python}} -c "import dflash" 2>/dev/null || {{python}} -m pip install -q --no-deps -r requirements/reference.txt
     {{python}} -m pytest -q -m "not slow" {{ARGS}}
