@@ -228,6 +228,26 @@ def test_sglang_per_request_figures_stand_for_the_counters(setup, ours, server, 
     assert e["tau_per_token"] == pytest.approx(s["tau_per_token"])  # SpecForge's count, both sides
 
 
+def test_batch_size_changes_only_the_seconds(setup, tmp_path):
+    """``--batch-size`` reaches the decoding and the results: one at a time and in pairs, the same figures but the
+    wall-clock ones, the batch size recorded."""
+    drafter, target, suites = setup
+    results = {}
+    for bs in (1, 2):
+        out = tmp_path / f"r{bs}.json"
+        code, _, stderr = invoke("--drafter", str(drafter), "--target", target, "--suite", f"mt-bench={suites['mt-bench']}",
+                                 "--suite", f"gsm8k={suites['gsm8k']}", "--max-new-tokens", str(H), "--out", str(out),
+                                 "--no-mlflow", "--batch-size", str(bs))
+        assert code == 0, stderr
+        results[bs] = json.loads(out.read_text())
+    assert (results[1]["batch_size"], results[2]["batch_size"]) == (1, 2)
+    clock = {"spec_s", "greedy_s", "speedup_wall", "seconds"}
+    for name in ("gsm8k", "mt-bench"):
+        one, two = ({k: v for k, v in r["suites"][name].items() if not any(c in k for c in clock)} for r in
+                    (results[1], results[2]))
+        assert one == two and one["requests"] >= 2
+
+
 @pytest.mark.parametrize("args, message", [
     (["--suite", "gsm9k=x.jsonl"], "unknown suite 'gsm9k'; known suites: gsm8k, math500, humaneval, mbpp, mt-bench"),
     (["--suite", "gsm8k=SUITE", "--prompts", "SUITE"], "not both"),
