@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -252,18 +253,42 @@ def evaluate_exported(
     if progress is not None:
         progress(0, total, 0)
     results: list[EvalReport] = []
-    for name, d in drafters.items():
-        for s in samplings:
-            results.append(decoding_report(
-                name, model, d, prompts, horizons=horizons, sampling=s, stop_token_ids=stops, seed=seed,
-                on_unit=on_unit, batch_size=batch_size,
-            ))
-            if walk_set is not None and name == "trained" and s is samplings[0]:  # beside real decoding
-                results.append(evaluate_walk(
-                    model, d, walk_set, horizons=list(walk_horizons or horizons), stop_token_ids=stops,
-                    on_unit=on_unit, batch_size=WALK_BATCH_FACTOR * batch_size,
+    walk_horizons = list(walk_horizons or horizons)
+    with ThreadPoolExecutor(1, thread_name_prefix="dflash-walk-inputs") as pool:
+        first_walk = _walk_inputs_beside(pool, model, drafter, walk_set, max(walk_horizons), stops,
+                                         WALK_BATCH_FACTOR * batch_size)
+        for name, d in drafters.items():
+            for s in samplings:
+                results.append(decoding_report(
+                    name, model, d, prompts, horizons=horizons, sampling=s, stop_token_ids=stops, seed=seed,
+                    on_unit=on_unit, batch_size=batch_size,
                 ))
+                if walk_set is not None and name == "trained" and s is samplings[0]:  # beside real decoding
+                    results.append(evaluate_walk(
+                        model, d, walk_set, horizons=walk_horizons, stop_token_ids=stops, on_unit=on_unit,
+                        batch_size=WALK_BATCH_FACTOR * batch_size,
+                        prepared=first_walk.result() if first_walk is not None else (),
+                    ))
     return results
+
+
+def _walk_inputs_beside(pool: ThreadPoolExecutor, model: Any, drafter: Any, walk_set: list | None, longest: int,
+                        stops: Sequence[int], walk_batch: int) -> Future | None:
+    """The batched walk's first ``walk_batch`` target forwards (``walk.walk_inputs``), started on ``pool``'s
+    thread to run while this one decodes: their large matrix products leave Python's lock free for decoding's
+    many small steps, so the second core does them (the walk then only drafts). None when the walk is not
+    batched. The features are the same on either thread."""
+    from .batched import batchable
+    from .block_drafter import draft_settings
+    from .walk import walk_inputs
+
+    if walk_set is None or walk_batch <= 1 or len(walk_set) < 2 or not batchable(model, drafter):
+        return None
+    settings = draft_settings(drafter)
+    if settings.block_size < 2:
+        return None
+    return pool.submit(walk_inputs, model, walk_set[:walk_batch], longest=longest, layer_ids=settings.layer_ids,
+                       stop_token_ids=stops)
 
 
 def _decodings(max_new_tokens: int | Sequence[int], temperatures: Sequence[float], top_p: float,

@@ -38,9 +38,13 @@ from torch import nn
 from dflash_flow.items import EvalReport
 
 from .block_drafter import BlockDrafter, draft_settings, features
+from .features import TargetFeatureExtractor
 
 #: The name of the teacher-forced walk's results.
 WALK = "walk"
+
+#: Conversations per batched target forward of :func:`walk_inputs` (sorted by length).
+WALK_INPUT_ROWS = 8
 
 __all__ = [
     "WALK",
@@ -51,6 +55,7 @@ __all__ = [
     "teacher_forced_walk",
     "walk_features",
     "walk_input",
+    "walk_inputs",
 ]
 
 
@@ -177,6 +182,20 @@ class WalkInput:
     stopped: bool
 
 
+def _walk_sequence(prompt_ids, reply_ids, longest: int, stop_token_ids, device) -> tuple[torch.Tensor, int, int, bool]:
+    """A walk's token sequence (prompt + reply cut after its first stop token), the width of the target
+    forward it needs, the reply's length and whether it stopped."""
+    if not len(prompt_ids) or not len(reply_ids):
+        raise ValueError("the walk needs a non-empty prompt and reply")
+    reply, stopped = reply_until_stop(reply_ids, stop_token_ids)
+    n_in = len(prompt_ids)
+    longest = min(int(longest), len(reply))
+    seq = torch.tensor([*map(int, prompt_ids), *reply], dtype=torch.long, device=device)
+    # Features are needed up to the last position a block can start at: n_in + longest - 2 (the
+    # reply's last token only ever is a bonus).
+    return seq, max(n_in + max(longest - 1, 0), n_in), len(reply), stopped
+
+
 @torch.inference_mode()
 def walk_input(
     target: nn.Module,
@@ -188,18 +207,51 @@ def walk_input(
     stop_token_ids: Sequence[int] | None = None,
 ) -> WalkInput:
     """The target's side of a walk up to ``longest`` new tokens: one forward over prompt + reply."""
-    if not len(prompt_ids) or not len(reply_ids):
-        raise ValueError("the walk needs a non-empty prompt and reply")
-    reply, stopped = reply_until_stop(reply_ids, stop_token_ids)
+    seq, width, reply_len, stopped = _walk_sequence(prompt_ids, reply_ids, longest, stop_token_ids,
+                                                    next(target.parameters()).device)
+    out = target(input_ids=seq[None, :width], output_hidden_states=True, use_cache=False)
+    return WalkInput(seq, features(out.hidden_states, layer_ids), len(prompt_ids), reply_len, stopped)
+
+
+@torch.inference_mode()
+def walk_inputs(
+    target: nn.Module,
+    conversations: Sequence[tuple[Sequence[int], Sequence[int]]],
+    *,
+    longest: int,
+    layer_ids: Sequence[int],
+    stop_token_ids: Sequence[int] | None = None,
+) -> list[WalkInput]:
+    """:func:`walk_input` of each ``(prompt, reply)``, bit for bit, from row-exact batched forwards
+    (right-padded, ``WALK_INPUT_ROWS`` of like length at a time; ``ragged.RowExact``: each row's attention alone
+    over its own tokens, as the one-row call's), run no deeper than the deepest feature layer
+    (``features.TargetFeatureExtractor``: the layers above, the final norm and the LM head do not change them)."""
+    from .ragged import SMALL_ROWS, RowExact, RowPlan
+
     device = next(target.parameters()).device
-    n_in = len(prompt_ids)
-    longest = min(int(longest), len(reply))
-    seq = torch.tensor([*map(int, prompt_ids), *reply], dtype=torch.long, device=device)
-    # Features are needed up to the last position a block can start at: n_in + longest - 2 (the
-    # reply's last token only ever is a bonus).
-    width = n_in + max(longest - 1, 0)
-    out = target(input_ids=seq[None, : max(width, n_in)], output_hidden_states=True, use_cache=False)
-    return WalkInput(seq, features(out.hidden_states, layer_ids), n_in, len(reply), stopped)
+    prepared = [_walk_sequence(p, r, longest, stop_token_ids, device) for p, r in conversations]
+    widths = [w for _, w, _, _ in prepared]
+    extract = TargetFeatureExtractor(target, layer_ids, zero_padding=False)
+    feats: list[torch.Tensor] = [torch.empty(0)] * len(prepared)
+    for g, (prompt, reply) in enumerate(conversations):
+        if widths[g] < SMALL_ROWS:  # 1-3 tokens: the one-row call itself (the linear rule's small rows)
+            feats[g] = walk_input(target, prompt, reply, longest=longest, layer_ids=layer_ids,
+                                  stop_token_ids=stop_token_ids).feats
+    order = sorted((g for g in range(len(prepared)) if widths[g] >= SMALL_ROWS), key=widths.__getitem__)
+    for part in (order[lo : lo + WALK_INPUT_ROWS] for lo in range(0, len(order), WALK_INPUT_ROWS)):
+        # rows of like length together: little padding
+        lens = [widths[g] for g in part]
+        ids = torch.zeros(len(part), max(lens), dtype=torch.long, device=device)
+        for i, g in enumerate(part):
+            ids[i, : lens[i]] = prepared[g][0][: lens[i]]
+        plan = RowPlan(rows=list(range(len(part))), q_lens=lens, kv_lens=lens, causal=False,
+                       axes={ids.shape[1]: lens})
+        with RowExact(plan, None):  # no mask: the one-row call's causal SDPA, row by row
+            out = extract(ids)
+        for i, g in enumerate(part):
+            feats[g] = out[i : i + 1, : lens[i]].clone()
+    return [WalkInput(seq, feats[g], len(prompt), reply_len, stopped)
+            for g, ((prompt, _), (seq, _, reply_len, stopped)) in enumerate(zip(conversations, prepared, strict=True))]
 
 
 @torch.inference_mode()
@@ -257,7 +309,8 @@ def _teacher_forced_walk(
     return {int(h): results[int(h)] for h in horizons}, calls
 
 
-def _walks(target, drafter, conversations, horizons, stop_token_ids, batch_size: int, settings: dict):
+def _walks(target, drafter, conversations, horizons, stop_token_ids, batch_size: int, settings: dict,
+           prepared: Sequence[WalkInput] = ()):
     """Per conversation, in order: ``(results by horizon, drafter calls, reply ids)``, one at a time or
     ``batch_size`` at a time (see :func:`evaluate_walk`)."""
     from .batched import batchable
@@ -278,12 +331,9 @@ def _walks(target, drafter, conversations, horizons, stop_token_ids, batch_size:
     try:
         for lo in range(0, len(conversations), batch_size):
             part = conversations[lo : lo + batch_size]
-            inputs = []
-            for prompt, reply in part:
-                if not len(prompt) or not len(reply):
-                    raise ValueError("the walk needs a non-empty prompt and reply")
-                inputs.append(walk_input(target, prompt, reply, longest=max(horizons), layer_ids=resolved.layer_ids,
-                                         stop_token_ids=stop_token_ids))
+            inputs = list(prepared[lo : lo + batch_size])
+            inputs += walk_inputs(target, part[len(inputs) :], longest=max(horizons), layer_ids=resolved.layer_ids,
+                                  stop_token_ids=stop_token_ids) if len(inputs) < len(part) else []
             for (results, n_calls), (_, reply) in zip(walk_batch(target, drafter, inputs, horizons, resolved), part,
                                                       strict=True):
                 yield {int(h): WalkResult(*results[int(h)]) for h in horizons}, n_calls, reply
@@ -300,13 +350,16 @@ def evaluate_walk(
     stop_token_ids: Sequence[int] | None = None,
     on_unit: Callable[[int], None] | None = None,
     batch_size: int = 1,
+    prepared: Sequence[WalkInput] = (),
     **settings: Any,
 ) -> EvalReport:
     """The walk over held-out ``(prompt ids, reply ids)`` pairs, as the typed report ``walk``.
     ``on_unit(tokens)`` is called after each conversation (progress; it may raise to abandon the walk).
     ``batch_size`` > 1: the walks of up to that many conversations draft together (``batched_walk.walk_batch``:
     every figure the same as one at a time), when the models allow it (``batched.batchable``); ``on_unit``
-    is then called for each conversation of a batch once the batch is done.
+    is then called for each conversation of a batch once the batch is done. ``prepared``: the
+    :func:`walk_inputs` of the first conversations, computed already (``evaluation.evaluate_exported`` computes
+    them beside decoding; the batched walk only).
 
     Per horizon (``by_horizon``): ``tau``, tokens per block over all blocks of all conversations, as
     ``evaluate_drafter``'s ``tau``; ``verify_steps``, ``tokens_walked``, ``complete_frac`` (conversations
@@ -322,7 +375,7 @@ def evaluate_walk(
     complete = dict(steps)
     calls = 0
     for results, n_calls, reply in _walks(target, drafter, conversations, horizons, stop_token_ids, batch_size,
-                                          settings):
+                                          settings, prepared):
         for h, r in results.items():
             steps[h] += len(r.accept_lengths)
             committed[h] += sum(r.accept_lengths)
