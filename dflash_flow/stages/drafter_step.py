@@ -13,6 +13,7 @@ import attrs
 
 from dflash_flow.core import Stage, cfg
 from dflash_flow.core.fields import include
+from dflash_flow.core.metrics import Counter, Gauge, Summary, stage_metric
 from dflash_flow.data.position import DataPosition
 from dflash_flow.items import StepReport, TargetFeatures
 from dflash_flow.model import strategies
@@ -27,6 +28,18 @@ log = logging.getLogger(__name__)
 
 #: The drafter's shape fields that the model spec declares once (``model:``), not the stage.
 IN_MODEL = ("num_layers", "block_size", "mask_token_id", "target_layer_ids")
+
+
+@attrs.define
+class DrafterStepMetrics:
+    steps: Counter = stage_metric("steps", "Optimizer steps")
+    tokens: Counter = stage_metric("tokens", "Real tokens trained on")
+    samples: Counter = stage_metric("samples", "Samples trained on")
+    loss: Gauge = stage_metric("nats", "Last step's loss")
+    step_s: Summary = stage_metric("s", "Seconds of compute per micro-batch")
+    heldout_probe_s: Counter = stage_metric("s", "Seconds spent measuring the held-out walk")
+    torch_threads: Gauge = stage_metric("threads", "The drafter's torch intra-op threads (CPU; "
+                                        "torch_threads_after_first_epoch, threads_fallback)")
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -89,15 +102,7 @@ class DrafterStep(Stage, CheckpointSource, UsesModel):
                 run.prepare_heldout(spec, self._heldout_path(), device=ctx.device)
         if self.record_batches:
             self._batch_log = self._services.open_batch_log(ctx)
-        m = ctx.metrics
-        self._m_steps = m.counter("steps", "steps", "Optimizer steps")
-        self._m_tokens = m.counter("tokens", "tokens", "Real tokens trained on")
-        self._m_samples = m.counter("samples", "samples", "Samples trained on")
-        self._m_loss = m.gauge("loss", "nats", "Last step's loss")
-        self._m_step_s = m.summary("step_s", "s", "Seconds of compute per micro-batch")
-        self._m_probe_s = m.counter("heldout_probe_s", "s", "Seconds spent measuring the held-out walk")
-        self._m_threads = m.gauge("torch_threads", "threads", "The drafter's torch intra-op threads (CPU; "
-                                  "torch_threads_after_first_epoch, threads_fallback)")
+        self._m = ctx.metrics.declare(DrafterStepMetrics)
 
     def _heldout_path(self) -> Path:
         from dflash_flow.embedded import embedded_walk_data
@@ -126,10 +131,10 @@ class DrafterStep(Stage, CheckpointSource, UsesModel):
         meta = feats.meta
         done = self._run.train(feats, anchor_seed=self._ctx.shared_seed_for(meta.epoch, "anchors", meta.index))
         if done.threads is not None:
-            self._m_threads.set(done.threads)
-        self._m_tokens.inc(meta.real_tokens)
-        self._m_samples.inc(meta.num_samples)
-        self._m_step_s.observe(done.step_s)
+            self._m.torch_threads.set(done.threads)
+        self._m.tokens.inc(meta.real_tokens)
+        self._m.samples.inc(meta.num_samples)
+        self._m.step_s.observe(done.step_s)
         if done.warning:
             log.warning("%s: %s", self._ctx.name, done.warning)
         if self._batch_log is not None and not meta.filler:
@@ -138,12 +143,12 @@ class DrafterStep(Stage, CheckpointSource, UsesModel):
 
     def _after_step(self, meta, metrics: dict[str, float]):
         run, services = self._run, self._services
-        self._m_steps.inc()
+        self._m.steps.inc()
         if "loss" in metrics:  # a step of filler batches only has no loss
-            self._m_loss.set(metrics["loss"])
+            self._m.loss.set(metrics["loss"])
         walk = run.heldout(last=meta.last_of_run, elapsed_before_s=services.record.elapsed_before_s)
         if walk is not None:
-            self._m_probe_s.inc(walk.probe_s)
+            self._m.heldout_probe_s.inc(walk.probe_s)
         yield StepReport(step=run.trainer.step, epoch=meta.epoch, meta=meta, metrics=metrics,
                          position_accuracy=run.trainer.position_accuracy, total_steps=run.trainer.total_steps,
                          heldout=walk)

@@ -9,9 +9,20 @@ import attrs
 
 from dflash_flow.core import Stage, StageContext, cfg
 from dflash_flow.core.errors import SavedStateError
+from dflash_flow.core.metrics import Counter, Gauge, Labeled, stage_metric
 from dflash_flow.data.packing import plan_field
 from dflash_flow.data.position import DataPosition
 from dflash_flow.items import EpochBatches, PlannedBatch, RunPlan
+
+
+@attrs.define
+class InterleaverMetrics:
+    batches: Counter = stage_metric("batches", "Batches dispatched")
+    fillers: Counter = stage_metric("batches", "Filler batches dispatched (keep ranks in step)")
+    bucket_dispatch: Labeled = stage_metric("batches", "Batches dispatched per bucket (the Monitor plots the mix)")
+    max_same_bucket_run: Gauge = stage_metric("batches", "Longest same-bucket run dispatched")
+    run_cap: Gauge = stage_metric("batches", "Run cap in force (above max_run when infeasible)")
+    epoch: Gauge = stage_metric("epoch", "Epoch being dispatched")
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -43,13 +54,7 @@ class Interleaver(Stage):
 
     def setup(self, ctx: StageContext) -> None:
         self._ctx = ctx
-        m = ctx.metrics
-        self._m_batches = m.counter("batches", "batches", "Batches dispatched")
-        self._m_fillers = m.counter("fillers", "batches", "Filler batches dispatched (keep ranks in step)")
-        self._m_bucket = m.labeled("bucket_dispatch", "batches", "Batches dispatched per bucket (the Monitor plots the mix)")
-        self._m_run = m.gauge("max_same_bucket_run", "batches", "Longest same-bucket run dispatched")
-        self._m_cap = m.gauge("run_cap", "batches", "Run cap in force (above max_run when infeasible)")
-        self._m_epoch = m.gauge("epoch", "epoch", "Epoch being dispatched")
+        self._m = ctx.metrics.declare(InterleaverMetrics)
         self._last_bucket, self._run, self._max_run = -1, 0, 0
 
     def _plan(self, item: EpochBatches):
@@ -83,8 +88,8 @@ class Interleaver(Stage):
         plan, start = self._plan(item)
         self._resume = None
         self._epoch = item.epoch
-        self._m_epoch.set(item.epoch)
-        self._m_cap.set(plan.max_run)
+        self._m.epoch.set(item.epoch)
+        self._m.run_cap.set(plan.max_run)
         world = plan.world_size
         positions = plan.rank_positions(ctx.rank, start=start, tail=self.tail).tolist()
         # The trainer's schedule and the progress need the run's length: the batches this rank takes in this
@@ -137,15 +142,15 @@ class Interleaver(Stage):
 
     def _count(self, meta) -> None:
         if meta.filler:
-            self._m_fillers.inc()
+            self._m.fillers.inc()
             return
-        self._m_batches.inc()
-        self._m_bucket.inc(meta.bucket)
+        self._m.batches.inc()
+        self._m.bucket_dispatch.inc(meta.bucket)
         self._run = self._run + 1 if meta.bucket == self._last_bucket else 1
         self._last_bucket = meta.bucket
         if self._run > self._max_run:
             self._max_run = self._run
-            self._m_run.set(self._run)
+            self._m.max_same_bucket_run.set(self._run)
 
     def get_state(self) -> dict[str, Any]:
         if self._resume is not None:  # restored but not reached yet: keep it unchanged

@@ -18,9 +18,9 @@ from typing import Any, ClassVar, Literal, Optional
 import attrs
 
 from dflash_flow.core import Source, StageContext, cfg
+from dflash_flow.core.metrics import Counter, Labeled, stage_metric
 from dflash_flow.items import SampleTable
 from dflash_flow.model.spec import UsesModel, model_of
-from dflash_flow.observe.sample import BAD_RECORDS_METRIC
 from dflash_flow.services import services_of
 from dflash_flow.util import cache_dir_problem, cache_root
 
@@ -96,6 +96,18 @@ def _regenerate_ok(inst, _attr, value) -> None:
                              "written over it; choose another out_dir")
 
 
+@attrs.define
+class SourceMetrics:
+    records: Counter = stage_metric("records", "Records read (non-blank lines / rows)")
+    samples: Counter = stage_metric("samples", "Samples emitted")
+    tokens: Counter = stage_metric("tokens", "Tokens of the emitted samples")
+    truncated: Counter = stage_metric("samples", "Samples truncated to max_length")
+    dropped_overlong: Counter = stage_metric("samples", "Samples over max_length dropped")
+    too_few_supervised: Counter = stage_metric("samples", "Samples with fewer than min_loss_tokens supervised tokens")
+    bad_records: Labeled = stage_metric("records", "Unusable records by reason (observe.sample.BAD_RECORDS_METRIC)")
+    files_from_cache: Counter = stage_metric("files", "Files read from the tokenization cache")
+
+
 @attrs.define(kw_only=True, eq=False)
 class _RecordSource(Source):
     output_type = SampleTable
@@ -133,17 +145,7 @@ class _RecordSource(Source):
         if not self.paths:
             raise ValueError(f"stage '{ctx.name}': no input paths")
         self._ctx = ctx
-        m = ctx.metrics
-        self._m_records = m.counter("records", "records", "Records read (non-blank lines / rows)")
-        self._m_samples = m.counter("samples", "samples", "Samples emitted")
-        self._m_tokens = m.counter("tokens", "tokens", "Tokens of the emitted samples")
-        self._m_truncated = m.counter("truncated", "samples", "Samples truncated to max_length")
-        self._m_dropped = m.counter("dropped_overlong", "samples", "Samples over max_length dropped")
-        self._m_unsupervised = m.counter(
-            "too_few_supervised", "samples", "Samples with fewer than min_loss_tokens supervised tokens"
-        )
-        self._m_bad = m.labeled(BAD_RECORDS_METRIC, "records", "Unusable records by reason")
-        self._m_cached = m.counter("files_from_cache", "files", "Files read from the tokenization cache")
+        self._m = ctx.metrics.declare(SourceMetrics)
         self.report = None
 
     def _options(self):
@@ -213,14 +215,14 @@ class _RecordSource(Source):
                     return
                 rep = tf.report
                 report.merge(rep)
-                self._m_records.inc(rep.records)
-                self._m_truncated.inc(rep.truncated)
-                self._m_dropped.inc(rep.dropped_overlong)
-                self._m_unsupervised.inc(rep.too_few_supervised)
+                self._m.records.inc(rep.records)
+                self._m.truncated.inc(rep.truncated)
+                self._m.dropped_overlong.inc(rep.dropped_overlong)
+                self._m.too_few_supervised.inc(rep.too_few_supervised)
                 for reason, n in rep.bad_by_reason.items():
-                    self._m_bad.inc(reason, n)
+                    self._m.bad_records.inc(reason, n)
                 if rep.from_cache:
-                    self._m_cached.inc()
+                    self._m.files_from_cache.inc()
                 if rep.bad or rep.truncated or rep.dropped_overlong or rep.too_few_supervised:
                     log.warning("%s: %s", ctx.name, rep.summary())
                 digest = file_sha256(Path(path).expanduser())
@@ -233,8 +235,8 @@ class _RecordSource(Source):
             ctx.busy_with = ""
             view.close()
         table = file_table(ctx.name, files, digests=digests)
-        self._m_samples.inc(len(table))
-        self._m_tokens.inc(table.tokens)
+        self._m.samples.inc(len(table))
+        self._m.tokens.inc(table.tokens)
         self.report = report
         if not ctx.stop_requested.is_set():
             yield table

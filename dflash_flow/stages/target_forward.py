@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import attrs
 
 from dflash_flow.core import Stage, cfg
+from dflash_flow.core.metrics import Counter, Gauge, Summary, stage_metric
 from dflash_flow.items import PaddedBatch, TargetFeatures
 from dflash_flow.model.spec import UsesModel, model_of
 
@@ -28,6 +29,23 @@ def _new_cache():
     from dflash_flow.model.feature_cache import FeatureCache
 
     return FeatureCache()
+
+
+@attrs.define
+class TargetForwardMetrics:
+    tokens: Counter = stage_metric("tokens", "Real (unpadded) tokens forwarded")
+    batches: Counter = stage_metric("batches", "Batches forwarded")
+    forward_s: Summary = stage_metric("s", "Seconds per target forward")
+
+
+@attrs.define
+class FeatureCacheMetrics:
+    """Declared when ``cache_features`` is on."""
+
+    cached_samples: Gauge = stage_metric("samples", "Samples whose features are cached")
+    cache_mb: Gauge = stage_metric("MiB", "Memory the feature cache holds")
+    cache_hits: Counter = stage_metric("samples", "Samples read from the feature cache")
+    cache_misses: Counter = stage_metric("samples", "Samples the target ran for (cache on)")
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -129,9 +147,7 @@ class TargetForward(Stage, UsesModel):
             raise ConfigError(Problem(str(exc), stage=ctx.name, field=exc.field)) from exc
         self._vocab = self._backend.vocab_size
         self._layer_ids = list(self._backend.layer_ids)
-        self._tokens = ctx.metrics.counter("tokens", "tokens", "Real (unpadded) tokens forwarded")
-        self._batches = ctx.metrics.counter("batches", "batches", "Batches forwarded")
-        self._seconds = ctx.metrics.summary("forward_s", "s", "Seconds per target forward")
+        self._m = ctx.metrics.declare(TargetForwardMetrics)
         if self.cache_features:
             self._setup_cache(ctx)
 
@@ -160,10 +176,7 @@ class TargetForward(Stage, UsesModel):
 
     def _setup_cache(self, ctx) -> None:
         self._cache.budget_bytes = int(self.cache_budget_mb * 2**20)
-        self._m_cached = ctx.metrics.gauge("cached_samples", "samples", "Samples whose features are cached")
-        self._m_cache_mb = ctx.metrics.gauge("cache_mb", "MiB", "Memory the feature cache holds")
-        self._m_hits = ctx.metrics.counter("cache_hits", "samples", "Samples read from the feature cache")
-        self._m_misses = ctx.metrics.counter("cache_misses", "samples", "Samples the target ran for (cache on)")
+        self._m_cache = ctx.metrics.declare(FeatureCacheMetrics)
 
     def _cached_forward(self, batch: PaddedBatch, input_ids):
         from dflash_flow.model.feature_cache import per_sample_features
@@ -173,10 +186,10 @@ class TargetForward(Stage, UsesModel):
         hidden, computed = per_sample_features(backend.features, input_ids, batch.meta.lengths,
                                                batch.meta.sample_ids, cache, device=self._out_device,
                                                together=backend.rows_independent)
-        self._m_hits.inc(len(batch.meta.lengths) - len(computed))
-        self._m_misses.inc(len(computed))
-        self._m_cached.set(len(cache))
-        self._m_cache_mb.set(cache.bytes / 2**20)
+        self._m_cache.cache_hits.inc(len(batch.meta.lengths) - len(computed))
+        self._m_cache.cache_misses.inc(len(computed))
+        self._m_cache.cached_samples.set(len(cache))
+        self._m_cache.cache_mb.set(cache.bytes / 2**20)
         if cache.full and not cache.warned_full:
             cache.warned_full = True
             import logging
@@ -218,9 +231,9 @@ class TargetForward(Stage, UsesModel):
             hidden = self._backend.features(batch.input_ids, batch.attention_mask, batch.meta.lengths,
                                             batch.meta.sample_ids)
             forwarded = batch.meta.real_tokens
-        self._seconds.observe(time.perf_counter() - t0)
-        self._tokens.inc(forwarded)  # a cached row ran no target
-        self._batches.inc()
+        self._m.forward_s.observe(time.perf_counter() - t0)
+        self._m.tokens.inc(forwarded)  # a cached row ran no target
+        self._m.batches.inc()
         # The token rows stay on the host: the trainer copies them without blocking beside the features.
         return (
             TargetFeatures(
