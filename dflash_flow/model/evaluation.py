@@ -252,23 +252,28 @@ def evaluate_exported(
     on_unit = _counter(progress, total)
     if progress is not None:
         progress(0, total, 0)
-    results: list[EvalReport] = []
     walk_horizons = list(walk_horizons or horizons)
+    walk_batch = WALK_BATCH_FACTOR * batch_size
+    results: list[EvalReport] = []
+    walk_at = None  # the walk's report goes after the trained drafter's first decoding
     with ThreadPoolExecutor(1, thread_name_prefix="dflash-walk-inputs") as pool:
-        first_walk = _walk_inputs_beside(pool, model, drafter, walk_set, max(walk_horizons), stops,
-                                         WALK_BATCH_FACTOR * batch_size)
+        first_walk, started = None, False
         for name, d in drafters.items():
             for s in samplings:
+                if not started and not s.greedy:  # beside a decoding that reports no wall-clock ratio
+                    first_walk, started = _walk_inputs_beside(pool, model, drafter, walk_set, max(walk_horizons),
+                                                              stops, walk_batch), True
                 results.append(decoding_report(
                     name, model, d, prompts, horizons=horizons, sampling=s, stop_token_ids=stops, seed=seed,
                     on_unit=on_unit, batch_size=batch_size,
                 ))
-                if walk_set is not None and name == "trained" and s is samplings[0]:  # beside real decoding
-                    results.append(evaluate_walk(
-                        model, d, walk_set, horizons=walk_horizons, stop_token_ids=stops, on_unit=on_unit,
-                        batch_size=WALK_BATCH_FACTOR * batch_size,
-                        prepared=first_walk.result() if first_walk is not None else (),
-                    ))
+                if walk_set is not None and name == "trained" and s is samplings[0]:
+                    walk_at = len(results)  # the walk runs once the decodings are done
+        if walk_at is not None:
+            results.insert(walk_at, evaluate_walk(
+                model, drafter, walk_set, horizons=walk_horizons, stop_token_ids=stops, on_unit=on_unit,
+                batch_size=walk_batch, prepared=first_walk.result() if first_walk is not None else (),
+            ))
     return results
 
 
@@ -276,8 +281,9 @@ def _walk_inputs_beside(pool: ThreadPoolExecutor, model: Any, drafter: Any, walk
                         stops: Sequence[int], walk_batch: int) -> Future | None:
     """The batched walk's first ``walk_batch`` target forwards (``walk.walk_inputs``), started on ``pool``'s
     thread to run while this one decodes: their large matrix products leave Python's lock free for decoding's
-    many small steps, so the second core does them (the walk then only drafts). None when the walk is not
-    batched. The features are the same on either thread."""
+    many small steps, so the second core does them (the walk then only drafts). Started beside a sampled
+    decoding only: a greedy one times itself against the plain greedy reference (``speedup_wall``), which a
+    second thread would skew. None when the walk is not batched. The features are the same on either thread."""
     from .batched import batchable
     from .block_drafter import draft_settings
     from .walk import walk_inputs

@@ -51,17 +51,24 @@ def test_eval_command_table_reads_the_typed_reports(exported, capsys):
     assert float(rows["trained"][2]) >= 1.0  # tau at 6 new tokens, from by_horizon
 
 
-def test_evaluate_exported_figures_do_not_depend_on_the_batch(exported):
-    """Batch 1 (one prompt, one conversation at a time) against batch 2 (prompts decoded together; the walk's first
-    target forwards on a second thread beside decoding, its drafts batched): every figure but the seconds."""
+@pytest.mark.parametrize("temperatures", [[0.0], [0.0, 1.0]])
+def test_evaluate_exported_figures_do_not_depend_on_the_batch(exported, temperatures):
+    """Batch 1 (one prompt, one conversation at a time) against batch 2 (prompts decoded together, the walk's drafts
+    batched; with a sampled decoding the walk's first target forwards run on a second thread beside it): every
+    figure but the seconds, the reports in the same order."""
     from concurrent.futures import ThreadPoolExecutor
 
     from dflash_flow.embedded import embedded_walk_data
-    from dflash_flow.model.evaluation import _load_models, _walk_inputs_beside, evaluate_exported, read_walk_conversations
+    from dflash_flow.model.evaluation import (
+        _load_models,
+        _walk_inputs_beside,
+        evaluate_exported,
+        read_walk_conversations,
+    )
 
     drafter, prompts, target = exported
     kw = dict(target=target, drafter_path=drafter, prompts_path=prompts, limit=3, max_new_tokens=[6], baseline=False,
-              temperatures=[0.0], walk_data=embedded_walk_data(), walk_limit=6, walk_horizons=[4, 12])
+              temperatures=temperatures, walk_data=embedded_walk_data(), walk_limit=6, walk_horizons=[4, 12])
     wall = ("greedy_s", "spec_s", "speedup_wall")
 
     def figures(reports):
@@ -69,7 +76,8 @@ def test_evaluate_exported_figures_do_not_depend_on_the_batch(exported):
                  r.by_horizon) for r in reports]
 
     one, two = evaluate_exported(batch_size=1, **kw), evaluate_exported(batch_size=2, **kw)
-    assert figures(one) == figures(two) and [r.name for r in two] == ["trained", "walk"]
+    assert figures(one) == figures(two)
+    assert [(r.name, r.temperature) for r in two] == [("trained", 0.0), ("walk", None), *[("trained", 1.0)] * (len(temperatures) - 1)]
     tok, model, d = _load_models(target, None, drafter, "cpu")
     with ThreadPoolExecutor(1) as pool:  # batch 2 did take the walk's forwards beside decoding
         beside = _walk_inputs_beside(pool, model, d, read_walk_conversations(embedded_walk_data(), tok, 6, []), 12,
