@@ -141,12 +141,6 @@ class EpochPlan:
         pos = start + rank + world_size * np.arange(steps, dtype=np.int64)
         return np.where(pos < n, pos, FILLER)
 
-    def batches_for_rank(
-        self, rank: int, world_size: int | None = None, *, start: int = 0, tail: Literal["filler", "drop"] = "filler"
-    ) -> list[BatchMeta]:
-        """This rank's share of the epoch as `BatchMeta` (see `rank_positions`)."""
-        return [self.meta(int(p)) for p in self.rank_positions(rank, world_size, start=start, tail=tail)]
-
     def redeal(self, start: int, world_size: int) -> EpochPlan:
         """The rest of the epoch, from global position ``start`` on, ordered into global steps of
         ``world_size`` (an elastic resume: the batches not yet trained, each exactly once, for the new

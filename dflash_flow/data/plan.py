@@ -1,7 +1,7 @@
 """The epoch batch plan: BatchPlanner, over packing (buckets), interleave (run cap) and epoch (ranks, resume).
 
 The plan for an epoch is a pure function of (sample lengths, `PlanConfig`, run seed, epoch). Every rank
-builds the same global plan and takes its share of it (`EpochPlan.batches_for_rank`); resuming means
+builds the same global plan and takes its share of it (`EpochPlan.rank_positions`); resuming means
 rebuilding the plan and skipping the batches already consumed. numpy only: no torch here.
 
 Three steps:

@@ -78,12 +78,6 @@ class LoadReport:
     bad_records: list[BadRecord] = attrs.field(factory=list)  # the first MAX_LISTED_BAD
     from_cache: bool = False
 
-    def add_bad(self, rec: BadRecord, kind: str) -> None:
-        self.bad += 1
-        self.bad_by_reason[kind] = self.bad_by_reason.get(kind, 0) + 1
-        if len(self.bad_records) < MAX_LISTED_BAD:
-            self.bad_records.append(rec)
-
     def merge(self, other: LoadReport) -> None:
         self.files += other.files
         for f in (
