@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -232,7 +232,6 @@ def evaluate_exported(
     time)."""
     from dflash_flow.data.chat import stop_token_ids
 
-    from .walk import evaluate_walk
 
     horizons, samplings = _decodings(max_new_tokens, temperatures, top_p, top_k)
     tokenizer, model, drafter = _load_models(target, tokenizer_path, drafter_path, device)
@@ -252,26 +251,39 @@ def evaluate_exported(
     on_unit = _counter(progress, total)
     if progress is not None:
         progress(0, total, 0)
-    walk_horizons = list(walk_horizons or horizons)
+    return _decode_then_walk(model, drafters, samplings, prompts, walk_set, horizons=horizons,
+                             walk_horizons=list(walk_horizons or horizons), stops=stops, seed=seed, on_unit=on_unit,
+                             batch_size=batch_size)
+
+
+def _decode_then_walk(model, drafters: dict[str, Any], samplings: list, prompts: list, walk_set: list | None, *,
+                      horizons: list[int], walk_horizons: list[int], stops: Sequence[int], seed: int, on_unit: Any,
+                      batch_size: int) -> list[EvalReport]:
+    """Each drafter's decodings in turn, then the walk (its report after the trained drafter's first decoding),
+    the walk's first target forwards beside the first sampled decoding (:func:`_walk_inputs_beside`)."""
+    from .walk import evaluate_walk
+
     walk_batch = WALK_BATCH_FACTOR * batch_size
     results: list[EvalReport] = []
-    walk_at = None  # the walk's report goes after the trained drafter's first decoding
+    walk_at = None
     with ThreadPoolExecutor(1, thread_name_prefix="dflash-walk-inputs") as pool:
         first_walk, started = None, False
         for name, d in drafters.items():
             for s in samplings:
                 if not started and not s.greedy:  # beside a decoding that reports no wall-clock ratio
-                    first_walk, started = _walk_inputs_beside(pool, model, drafter, walk_set, max(walk_horizons),
-                                                              stops, walk_batch), True
+                    first_walk, started = _walk_inputs_beside(pool, model, drafters["trained"], walk_set,
+                                                              max(walk_horizons), stops, walk_batch), True
+                elif s.greedy and first_walk is not None:
+                    wait([first_walk])  # done before a greedy decoding times itself (the baseline drafter's)
                 results.append(decoding_report(
                     name, model, d, prompts, horizons=horizons, sampling=s, stop_token_ids=stops, seed=seed,
                     on_unit=on_unit, batch_size=batch_size,
                 ))
                 if walk_set is not None and name == "trained" and s is samplings[0]:
-                    walk_at = len(results)  # the walk runs once the decodings are done
+                    walk_at = len(results)
         if walk_at is not None:
             results.insert(walk_at, evaluate_walk(
-                model, drafter, walk_set, horizons=walk_horizons, stop_token_ids=stops, on_unit=on_unit,
+                model, drafters["trained"], walk_set, horizons=walk_horizons, stop_token_ids=stops, on_unit=on_unit,
                 batch_size=walk_batch, prepared=first_walk.result() if first_walk is not None else (),
             ))
     return results

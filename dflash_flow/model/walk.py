@@ -225,7 +225,9 @@ def walk_inputs(
     """:func:`walk_input` of each ``(prompt, reply)``, bit for bit, from row-exact batched forwards
     (right-padded, ``WALK_INPUT_ROWS`` of like length at a time; ``ragged.RowExact``: each row's attention alone
     over its own tokens, as the one-row call's), run no deeper than the deepest feature layer
-    (``features.TargetFeatureExtractor``: the layers above, the final norm and the LM head do not change them)."""
+    (``features.TargetFeatureExtractor``: the layers above, the final norm and the LM head do not change them).
+    Bit for bit for the models ``batched.batchable`` accepts (SDPA, fp32, full attention); for others, the same
+    features to rounding."""
     from .ragged import SMALL_ROWS, RowExact, RowPlan
 
     device = next(target.parameters()).device

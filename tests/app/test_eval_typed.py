@@ -51,8 +51,8 @@ def test_eval_command_table_reads_the_typed_reports(exported, capsys):
     assert float(rows["trained"][2]) >= 1.0  # tau at 6 new tokens, from by_horizon
 
 
-@pytest.mark.parametrize("temperatures", [[0.0], [0.0, 1.0]])
-def test_evaluate_exported_figures_do_not_depend_on_the_batch(exported, temperatures):
+@pytest.mark.parametrize(("temperatures", "baseline"), [([0.0], False), ([0.0, 1.0], False), ([0.0, 1.0], True)])
+def test_evaluate_exported_figures_do_not_depend_on_the_batch(exported, temperatures, baseline):
     """Batch 1 (one prompt, one conversation at a time) against batch 2 (prompts decoded together, the walk's drafts
     batched; with a sampled decoding the walk's first target forwards run on a second thread beside it): every
     figure but the seconds, the reports in the same order."""
@@ -67,7 +67,7 @@ def test_evaluate_exported_figures_do_not_depend_on_the_batch(exported, temperat
     )
 
     drafter, prompts, target = exported
-    kw = dict(target=target, drafter_path=drafter, prompts_path=prompts, limit=3, max_new_tokens=[6], baseline=False,
+    kw = dict(target=target, drafter_path=drafter, prompts_path=prompts, limit=3, max_new_tokens=[6], baseline=baseline,
               temperatures=temperatures, walk_data=embedded_walk_data(), walk_limit=6, walk_horizons=[4, 12])
     wall = ("greedy_s", "spec_s", "speedup_wall")
 
@@ -77,7 +77,9 @@ def test_evaluate_exported_figures_do_not_depend_on_the_batch(exported, temperat
 
     one, two = evaluate_exported(batch_size=1, **kw), evaluate_exported(batch_size=2, **kw)
     assert figures(one) == figures(two)
-    assert [(r.name, r.temperature) for r in two] == [("trained", 0.0), ("walk", None), *[("trained", 1.0)] * (len(temperatures) - 1)]
+    sampled = [("trained", 1.0)] * (len(temperatures) - 1)
+    untrained = [("untrained", t) for t in temperatures] if baseline else []
+    assert [(r.name, r.temperature) for r in two] == [("trained", 0.0), ("walk", None), *sampled, *untrained]
     tok, model, d = _load_models(target, None, drafter, "cpu")
     with ThreadPoolExecutor(1) as pool:  # batch 2 did take the walk's forwards beside decoding
         beside = _walk_inputs_beside(pool, model, d, read_walk_conversations(embedded_walk_data(), tok, 6, []), 12,
