@@ -7,6 +7,7 @@ import inspect
 import attrs
 
 from . import registry
+from .metrics import declared_metrics
 from .wording import describe_type, field_types
 
 
@@ -37,7 +38,19 @@ def describe_stage(name: str) -> str:
             f"  - {f.name}: {describe_type(hints.get(f.name, object))} ({default})"
             f"{'  ' + doc_line if doc_line else ''}{f'  [{rules}]' if rules else ''}"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + _metric_lines(cls))
+
+
+def _metric_lines(cls: type) -> list[str]:
+    """The metrics the stage declares (its ``stage_metrics`` classes), as MLflow names them."""
+    listed = [m for group in cls.stage_metrics for m in declared_metrics(group)]
+    if not listed:
+        return []
+    out = ["  metrics (in MLflow: stage/<stage>/metric/<name>; a summary's /count /mean /min /max, a labeled one's "
+           "/<label>):"]
+    for name, kind, unit, description in listed:
+        out.append(f"  - {name}: {kind.__name__.lower()}{f', {unit}' if unit else ''}  {description}")
+    return out
 
 
 _OPS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}

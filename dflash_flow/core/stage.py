@@ -201,6 +201,9 @@ class Stage:
     input_type: ClassVar[type | None] = object
     output_type: ClassVar[type | None] = object
     cardinality: ClassVar[str] = "1:1"
+    #: The classes of ``core.metrics.stage_metric`` fields it declares (``ctx.metrics.declare``) when it runs:
+    #: ``dflash-flow stages NAME`` lists their metrics.
+    stage_metrics: ClassVar[tuple[type, ...]] = ()
     #: True for stages that must run once per process (e.g. they own an MLflow run).
     singleton: ClassVar[bool] = False
     #: Sources only: True when each replica produces only its share (``ctx.replica`` of ``num_replicas``).

@@ -50,6 +50,7 @@ class Bucketer(Stage):
     mixes several sources by weight."""
 
     input_type = SampleSet
+    stage_metrics = (BucketerMetrics,)
     output_type = EpochBatches
     cardinality = "1:n"
     singleton = True  # the plan needs every sample: one Bucketer per process

@@ -55,6 +55,7 @@ class DrafterStep(Stage, CheckpointSource, UsesModel):
         import dflash_flow.model.trainer  # noqa: F401
 
     input_type = TargetFeatures
+    stage_metrics = (DrafterStepMetrics,)
     output_type = StepReport
     singleton = True
     moved_fields: ClassVar[dict[str, str]] = {

@@ -81,6 +81,7 @@ class Discard(Stage):
     """Consumes items and counts them (a sink)."""
 
     output_type = None
+    stage_metrics = (DiscardMetrics,)
     _count: int = attrs.field(default=0, init=False)
 
     def setup(self, ctx) -> None:

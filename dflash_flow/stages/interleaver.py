@@ -31,6 +31,7 @@ class Interleaver(Stage):
     every rank takes one batch per step (fillers keep short ranks in step); resumable, also elastically."""
 
     input_type = EpochBatches
+    stage_metrics = (InterleaverMetrics,)
     output_type = PlannedBatch
     cardinality = "1:n"
     singleton = True  # one ordered stream per rank

@@ -29,6 +29,7 @@ class Padder(Stage):
         import dflash_flow.data.collate  # noqa: F401
 
     input_type = PlannedBatch
+    stage_metrics = (PadderMetrics,)
     output_type = PaddedBatch
     cardinality = "1:1"
     replicas_affect_result = False  # stateless, per batch; the trainer restores the plan's order

@@ -111,6 +111,7 @@ class SourceMetrics:
 @attrs.define(kw_only=True, eq=False)
 class _RecordSource(Source):
     output_type = SampleTable
+    stage_metrics = (SourceMetrics,)
 
     paths: list[str] = attrs.field(
         factory=list, validator=_paths_ok, kw_only=True,

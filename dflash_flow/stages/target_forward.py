@@ -58,6 +58,7 @@ class TargetForward(Stage, UsesModel):
         import dflash_flow.model.target  # noqa: F401
 
     input_type = PaddedBatch
+    stage_metrics = (TargetForwardMetrics, FeatureCacheMetrics)
     output_type = TargetFeatures
     multi_device: ClassVar[bool] = True
     replicas_affect_result: ClassVar[bool] = False  # stateless, per batch; the trainer restores the plan's order

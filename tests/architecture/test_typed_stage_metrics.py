@@ -1,8 +1,8 @@
 """Stage metrics are typed fields (issue 35.5): a stage declares its metrics as a class of
 ``core.metrics.stage_metric`` fields and ``ctx.metrics.declare(ThatClass)``; no stage module names a metric by
 string (``ctx.metrics.counter("tokens", ...)``), and every metrics class a stage declares lists (name, kind,
-unit) without a replica (``core.metrics.declared_metrics``). Parsed with ``ast``; the rule tests itself on a
-bad module first."""
+unit) without a replica (``core.metrics.declared_metrics``) and is a registered stage's ``stage_metrics``, which
+``dflash-flow stages NAME`` lists. Parsed with ``ast``; the rule tests itself on a bad module first."""
 
 from __future__ import annotations
 
@@ -51,3 +51,17 @@ def test_every_stage_metrics_class_lists_its_metrics():
     for cls in classes:
         listed = declared_metrics(cls)
         assert listed and len({name for name, *_ in listed}) == len(listed), cls.__name__
+    # each is a registered stage's (its ``stage_metrics``), so ``dflash-flow stages NAME`` lists what it declares
+    from dflash_flow.core import registry
+
+    owned = {c for name in registry.available() for c in registry.resolve(name).stage_metrics}
+    assert [c.__name__ for c in classes if c not in owned] == []
+
+
+def test_the_stages_command_lists_a_stage_metrics():
+    from dflash_flow.core.describe import describe_stage
+
+    text = describe_stage("DrafterStep")
+    assert "metrics (in MLflow: stage/<stage>/metric/<name>" in text
+    assert "  - loss: gauge, nats  Last step's loss" in text and "  - step_s: summary, s  " in text
+    assert "bad_records: labeled, records" in describe_stage("ChatSource")
