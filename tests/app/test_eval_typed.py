@@ -51,7 +51,7 @@ def test_eval_command_table_reads_the_typed_reports(exported, capsys):
     assert float(rows["trained"][2]) >= 1.0  # tau at 6 new tokens, from by_horizon
 
 
-@pytest.mark.parametrize(("temperatures", "baseline"), [([0.0], False), ([0.0, 1.0], False), ([0.0, 1.0], True)])
+@pytest.mark.parametrize(("temperatures", "baseline"), [([0.0], False), ([0.0, 1.0], True)])
 def test_evaluate_exported_figures_do_not_depend_on_the_batch(exported, temperatures, baseline):
     """Batch 1 (one prompt, one conversation at a time) against batch 2 (prompts decoded together, the walk's drafts
     batched; with a sampled decoding the walk's first target forwards run on a second thread beside it): every
