@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .block_drafter import BlockDrafter, DraftSettings, draft_settings
-from .walk import WalkInput, walk_features, walk_input
+from .walk import WalkInput, walk_features, walk_inputs
 
 __all__ = ["HeldoutProbe", "ProbeResult", "prepare_probe"]
 
@@ -62,14 +62,13 @@ class HeldoutProbe:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> HeldoutProbe:
-        """Run ``target`` once over each ``(prompt ids, reply ids)`` and keep what the walks need, on
-        ``device`` in ``dtype`` (the drafter's); the target can be freed afterwards."""
+        """Run ``target`` once over each ``(prompt ids, reply ids)`` (``walk.walk_inputs``: no deeper than the
+        deepest feature layer) and keep what the walks need, on ``device`` in ``dtype`` (the drafter's); the
+        target can be freed afterwards."""
         dev = torch.device(device)
-        inputs = []
-        for prompt, reply in conversations:
-            inp = walk_input(target, prompt, reply, longest=horizon, layer_ids=layer_ids,
-                             stop_token_ids=stop_token_ids)
-            inputs.append(attrs.evolve(inp, seq=inp.seq.to(dev), feats=inp.feats.to(device=dev, dtype=dtype)))
+        inputs = [attrs.evolve(inp, seq=inp.seq.to(dev), feats=inp.feats.to(device=dev, dtype=dtype))
+                  for inp in walk_inputs(target, conversations, longest=horizon, layer_ids=layer_ids,
+                                         stop_token_ids=stop_token_ids)]
         return cls(inputs, horizon=horizon, layer_ids=layer_ids)
 
     def settings(self, drafter: nn.Module) -> DraftSettings:
@@ -111,7 +110,9 @@ def prepare_probe(knobs: Any, path: str | Path, *, target: Any, tokenizer_path: 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
         stops = stop_token_ids(tokenizer)
         conversations = read_walk_conversations(Path(path), tokenizer, knobs.heldout_limit, stops)
-        model = load_target(target, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+        # only as deep as the deepest feature layer: the layers above and the LM head are never read
+        model = load_target(target, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
+                            num_layers=max(layer_ids) + 1)
         try:
             return HeldoutProbe.prepare(model, conversations, horizon=knobs.heldout_horizon, layer_ids=layer_ids,
                                         stop_token_ids=stops, device=device, dtype=dtype)

@@ -222,12 +222,13 @@ def walk_inputs(
     layer_ids: Sequence[int],
     stop_token_ids: Sequence[int] | None = None,
 ) -> list[WalkInput]:
-    """:func:`walk_input` of each ``(prompt, reply)``, bit for bit, from row-exact batched forwards
-    (right-padded, ``WALK_INPUT_ROWS`` of like length at a time; ``ragged.RowExact``: each row's attention alone
-    over its own tokens, as the one-row call's), run no deeper than the deepest feature layer
-    (``features.TargetFeatureExtractor``: the layers above, the final norm and the LM head do not change them).
-    Bit for bit for the models ``batched.batchable`` accepts (SDPA, fp32, full attention); for others, the same
-    features to rounding."""
+    """:func:`walk_input` of each ``(prompt, reply)``, bit for bit, run no deeper than the deepest feature layer
+    (``features.TargetFeatureExtractor``: the layers above, the final norm and the LM head do not change the
+    features, so a target loaded only that deep serves). For the models ``batched.batchable`` accepts (SDPA, fp32,
+    full attention) the conversations go ``WALK_INPUT_ROWS`` of like length at a time, right-padded, under
+    ``ragged.RowExact`` (each row's attention alone over its own tokens, as the one-row call's); other models
+    one conversation a call."""
+    from .batched import batchable
     from .ragged import SMALL_ROWS, RowExact, RowPlan
 
     device = next(target.parameters()).device
@@ -235,11 +236,11 @@ def walk_inputs(
     widths = [w for _, w, _, _ in prepared]
     extract = TargetFeatureExtractor(target, layer_ids, zero_padding=False)
     feats: list[torch.Tensor] = [torch.empty(0)] * len(prepared)
-    for g, (prompt, reply) in enumerate(conversations):
-        if widths[g] < SMALL_ROWS:  # 1-3 tokens: the one-row call itself (the linear rule's small rows)
-            feats[g] = walk_input(target, prompt, reply, longest=longest, layer_ids=layer_ids,
-                                  stop_token_ids=stop_token_ids).feats
-    order = sorted((g for g in range(len(prepared)) if widths[g] >= SMALL_ROWS), key=widths.__getitem__)
+    together = batchable(target)
+    for g, (seq, width, _, _) in enumerate(prepared):
+        if not together or width < SMALL_ROWS:  # the one-row call (1-3 tokens: the linear rule's small rows)
+            feats[g] = extract(seq[None, :width])
+    order = sorted((g for g in range(len(prepared)) if together and widths[g] >= SMALL_ROWS), key=widths.__getitem__)
     for part in (order[lo : lo + WALK_INPUT_ROWS] for lo in range(0, len(order), WALK_INPUT_ROWS)):
         # rows of like length together: little padding
         lens = [widths[g] for g in part]

@@ -44,3 +44,15 @@ def test_walk_inputs_equal_each_conversation_alone(layer_ids):
 def test_walk_inputs_need_a_prompt_and_a_reply():
     with pytest.raises(ValueError, match="non-empty prompt and reply"):
         walk_inputs(build_target(seed=2), [([1, 2], [3]), ([4], [])], longest=8, layer_ids=[1])
+
+
+def test_a_target_that_does_not_batch_is_read_one_conversation_a_call():
+    """Eager attention (not ``batched.batchable``): each conversation alone, still no deeper than needed, the same
+    features as the full one-row call."""
+    target = build_target(seed=4)
+    target.config._attn_implementation = "eager"
+    convs = _conversations(5, seed=9)
+    together = walk_inputs(target, convs, longest=16, layer_ids=[2, 3], stop_token_ids=[STOP])
+    for (prompt, reply), got in zip(convs, together, strict=True):
+        alone = walk_input(target, prompt, reply, longest=16, layer_ids=[2, 3], stop_token_ids=[STOP])
+        assert torch.equal(got.feats, alone.feats)
