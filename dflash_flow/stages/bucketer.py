@@ -50,8 +50,8 @@ class Bucketer(Stage):
     mixes several sources by weight."""
 
     input_type = SampleSet
-    stage_metrics = (BucketerMetrics,)
     output_type = EpochBatches
+    stage_metrics = (BucketerMetrics,)
     cardinality = "1:n"
     singleton = True  # the plan needs every sample: one Bucketer per process
 

@@ -55,8 +55,8 @@ class DrafterStep(Stage, CheckpointSource, UsesModel):
         import dflash_flow.model.trainer  # noqa: F401
 
     input_type = TargetFeatures
-    stage_metrics = (DrafterStepMetrics,)
     output_type = StepReport
+    stage_metrics = (DrafterStepMetrics,)
     singleton = True
     moved_fields: ClassVar[dict[str, str]] = {
         "target": "model.target", "tokenizer": "model.tokenizer", "trust_remote_code": "model.trust_remote_code",

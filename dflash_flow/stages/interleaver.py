@@ -31,8 +31,8 @@ class Interleaver(Stage):
     every rank takes one batch per step (fillers keep short ranks in step); resumable, also elastically."""
 
     input_type = EpochBatches
-    stage_metrics = (InterleaverMetrics,)
     output_type = PlannedBatch
+    stage_metrics = (InterleaverMetrics,)
     cardinality = "1:n"
     singleton = True  # one ordered stream per rank
     state_version = 2

@@ -41,8 +41,8 @@ class Monitor(Stage):
     """Samples metrics, queue depths and stage load into the run record; logs them to MLflow; prints progress."""
 
     input_type = object  # StepReport and EvalReport
-    stage_metrics = (MonitorMetrics,)
     output_type = None
+    stage_metrics = (MonitorMetrics,)
     singleton = True
     affects_result = False  # it observes: a resume may change any of its settings
 

@@ -29,8 +29,8 @@ class Padder(Stage):
         import dflash_flow.data.collate  # noqa: F401
 
     input_type = PlannedBatch
-    stage_metrics = (PadderMetrics,)
     output_type = PaddedBatch
+    stage_metrics = (PadderMetrics,)
     cardinality = "1:1"
     replicas_affect_result = False  # stateless, per batch; the trainer restores the plan's order
 

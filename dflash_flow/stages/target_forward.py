@@ -58,8 +58,8 @@ class TargetForward(Stage, UsesModel):
         import dflash_flow.model.target  # noqa: F401
 
     input_type = PaddedBatch
-    stage_metrics = (TargetForwardMetrics, FeatureCacheMetrics)
     output_type = TargetFeatures
+    stage_metrics = (TargetForwardMetrics, FeatureCacheMetrics)
     multi_device: ClassVar[bool] = True
     replicas_affect_result: ClassVar[bool] = False  # stateless, per batch; the trainer restores the plan's order
     moved_fields: ClassVar[dict[str, str]] = {
