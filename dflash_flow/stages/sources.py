@@ -104,7 +104,8 @@ class SourceMetrics:
     truncated: Counter = stage_metric("samples", "Samples truncated to max_length")
     dropped_overlong: Counter = stage_metric("samples", "Samples over max_length dropped")
     too_few_supervised: Counter = stage_metric("samples", "Samples with fewer than min_loss_tokens supervised tokens")
-    bad_records: Labeled = stage_metric("records", "Unusable records by reason (observe.sample.BAD_RECORDS_METRIC)")
+    # the name observe.sample.BAD_RECORDS_METRIC reads for the run's data report
+    bad_records: Labeled = stage_metric("records", "Unusable records by reason")
     files_from_cache: Counter = stage_metric("files", "Files read from the tokenization cache")
 
 
