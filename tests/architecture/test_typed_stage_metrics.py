@@ -65,3 +65,10 @@ def test_the_stages_command_lists_a_stage_metrics():
     assert "metrics (in MLflow: stage/<stage>/metric/<name>" in text
     assert "  - loss: gauge, nats  Last step's loss" in text and "  - step_s: summary, s  " in text
     assert "bad_records: labeled, records" in describe_stage("ChatSource")
+
+
+def test_the_data_report_reads_the_sources_own_bad_records_metric():
+    from dflash_flow.observe.sample import BAD_RECORDS_METRIC
+    from dflash_flow.stages.sources import SourceMetrics
+
+    assert BAD_RECORDS_METRIC in {name for name, *_ in declared_metrics(SourceMetrics)}
