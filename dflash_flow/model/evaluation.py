@@ -263,7 +263,7 @@ def _decode_then_walk(model, drafters: dict[str, Any], samplings: list, prompts:
     the walk's first target forwards beside the first sampled decoding (:func:`_walk_inputs_beside`)."""
     from .walk import evaluate_walk
 
-    walk_batch = WALK_BATCH_FACTOR * batch_size
+    walk_batch = WALK_BATCH_FACTOR * batch_size if batch_size > 1 else 1  # 1: every conversation alone, as main
     results: list[EvalReport] = []
     walk_at = None
     with ThreadPoolExecutor(1, thread_name_prefix="dflash-walk-inputs") as pool:
