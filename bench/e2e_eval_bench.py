@@ -8,7 +8,8 @@ recorded too). The evaluation is the default's own: ``SpecDecodeEval.evaluation_
 and 448 tokens), with its torch threads, run in this process with ``batch_size`` 1 (``before``: the loop
 of main before batching) and the stage's ``batch_size`` (``after``: prompts decoded together, the walk's target
 forwards on a second thread beside decoding), alternating, ``--pairs`` times after one untimed warm-up; the
-figures are the medians (``cpu_before_over_after`` the CPU seconds' ratio: ``after`` uses the second core). Writes ``bench/results/e2e_eval.json`` with the load average before and after.
+figures are the medians (``cpu_before_over_after`` the CPU seconds' ratio: ``after`` uses the second core).
+Writes ``bench/results/e2e_eval.json`` with the load average before and after.
 
 Usage: python bench/e2e_eval_bench.py [--drafter DIR] [--pairs 2] [--set KEY=VALUE ...] [--out FILE]
 """

@@ -296,14 +296,10 @@ def _walk_inputs_beside(pool: ThreadPoolExecutor, model: Any, drafter: Any, walk
     many small steps, so the second core does them (the walk then only drafts). Started beside a sampled
     decoding only: a greedy one times itself against the plain greedy reference (``speedup_wall``), which a
     second thread would skew. None when the walk is not batched. The features are the same on either thread."""
-    from .batched import batchable
-    from .block_drafter import draft_settings
-    from .walk import walk_inputs
+    from .walk import batched_walk_settings, walk_inputs
 
-    if walk_set is None or walk_batch <= 1 or len(walk_set) < 2 or not batchable(model, drafter):
-        return None
-    settings = draft_settings(drafter)
-    if settings.block_size < 2:
+    settings = batched_walk_settings(model, drafter, len(walk_set), walk_batch) if walk_set is not None else None
+    if settings is None:
         return None
     return pool.submit(walk_inputs, model, walk_set[:walk_batch], longest=longest, layer_ids=settings.layer_ids,
                        stop_token_ids=stops)

@@ -50,6 +50,7 @@ __all__ = [
     "WALK",
     "WalkInput",
     "WalkResult",
+    "batched_walk_settings",
     "evaluate_walk",
     "reply_until_stop",
     "teacher_forced_walk",
@@ -312,17 +313,28 @@ def _teacher_forced_walk(
     return {int(h): results[int(h)] for h in horizons}, calls
 
 
+def batched_walk_settings(target: nn.Module, drafter: nn.Module, conversations: int, batch_size: int,
+                          **settings: Any) -> Any:
+    """The draft settings (``block_drafter.DraftSettings``) when a walk of ``conversations`` at ``batch_size``
+    drafts in batches (the models allow it: ``batched.batchable``), else None (one conversation at a time)."""
+    from .batched import batchable
+
+    resolved = draft_settings(drafter, **settings)
+    if batch_size <= 1 or conversations < 2 or resolved.block_size < 2 or not batchable(target, drafter):
+        return None
+    return resolved
+
+
 def _walks(target, drafter, conversations, horizons, stop_token_ids, batch_size: int, settings: dict,
            prepared: Sequence[WalkInput] = ()):
     """Per conversation, in order: ``(results by horizon, drafter calls, reply ids)``, one at a time or
     ``batch_size`` at a time (see :func:`evaluate_walk`)."""
-    from .batched import batchable
     from .batched_walk import walk_batch
 
     if not horizons or min(horizons) < 1:
         raise ValueError("horizons must be a non-empty list of integers >= 1")
-    resolved = draft_settings(drafter, **settings)
-    if batch_size <= 1 or len(conversations) < 2 or resolved.block_size < 2 or not batchable(target, drafter):
+    resolved = batched_walk_settings(target, drafter, len(conversations), batch_size, **settings)
+    if resolved is None:
         for prompt, reply in conversations:
             results, n_calls = _teacher_forced_walk(
                 target, drafter, prompt, reply, horizons=horizons, stop_token_ids=stop_token_ids, **settings
