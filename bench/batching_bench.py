@@ -27,8 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dflash_flow.data.packing import PlanConfig, assign_buckets, epoch_rng  # noqa: E402
-from dflash_flow.data.plan import BatchPlanner  # noqa: E402
-from dflash_flow.data.stats import max_same_bucket_run, window_mix_max_deviation  # noqa: E402
+from dflash_flow.data.plan import BatchPlanner, max_same_bucket_run, window_mix_max_deviation  # noqa: E402
 
 WINDOW = 32
 

@@ -93,8 +93,7 @@ def workload(n_samples: int, unit_s: float) -> dict[str, Any]:
     """The epoch's batches with their costs, and the two orders (lists of (bucket, target_s, train_s))."""
     from dflash_flow.data.epoch import order_packed
     from dflash_flow.data.packing import PlanConfig, epoch_rng
-    from dflash_flow.data.plan import BatchPlanner
-    from dflash_flow.data.stats import max_same_bucket_run
+    from dflash_flow.data.plan import BatchPlanner, max_same_bucket_run
 
     lengths = np.loadtxt(common.ROOT / "bench" / "data" / "lengths-chat-100k.txt", dtype=np.int64)[:n_samples]
     planner = BatchPlanner(lengths, PlanConfig(max_tokens=MAX_TOKENS, num_buckets=NUM_BUCKETS, max_run=MAX_RUN), seed=SEED)

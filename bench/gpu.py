@@ -254,7 +254,7 @@ def alone(device: str, shape: Shape, checks: Checks) -> dict:
 
     from dflash_flow.items import BatchMeta, TargetFeatures
     from dflash_flow.model.head import load_shared_head
-    from dflash_flow.model.recipe import TrainerConfig
+    from dflash_flow.model.strategies import TrainerConfig
     from dflash_flow.model.target import (
         TargetFeatureExtractor,
         load_target,
@@ -540,7 +540,7 @@ def must_check(checks: Checks) -> None:
     checks.look("13", "determinism on CUDA is not bit for bit: two identical runs' losses agree to bf16 noise, not "
                       "exactly (docs/gpu.md)")
     checks.look("8", "nvidia-smi during the run: one CUDA context per GPU of this process, none of ~0.5 GB on a GPU "
-                     "the process has no stage on (threads bound before setup, app.gpu)")
+                     "the process has no stage on (threads bound before setup, app.sections)")
     checks.look("6", "sync_warnings in alone: where any sync above one per step comes from; and in the pipeline "
                      "a loss mask that reaches DrafterStep on the GPU costs one more per micro-batch (read back)")
     checks.look("2", "nsys / torch.profiler trace of a few steps: target replicas' kernels on their own streams, "
@@ -562,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from dflash_flow.model.device import ALLOC_CONF, use_expandable_segments
 
-    use_expandable_segments()  # as every run's stage threads set it (app.gpu), before CUDA starts here
+    use_expandable_segments()  # as every run's stage threads set it (app.sections), before CUDA starts here
     if args.device == "cpu":
         torch.set_num_threads(1)  # the smoke run on a small shared CPU: contended intra-op threads crawl
     t0 = time.perf_counter()

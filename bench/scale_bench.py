@@ -13,7 +13,7 @@ one of thread settings. So ``one`` trains on one drafter thread, ``two`` on two 
 
 Steps/s is the steady rate between the Monitor's samples (``monitor/history.json``: step and time of each
 sample) after ``WARMUP`` steps. The all-reduce wait is the trainer's ``allreduce_wait_s`` step metric:
-a DDP comm hook around the default all-reduce (``model.parallel.timed_allreduce_hook``) notes when the
+a DDP comm hook around the default all-reduce (``model.optim.timed_allreduce_hook``) notes when the
 last gradient bucket was handed over and when the last all-reduce completed; their difference is the
 wait the step could not hide behind compute (the slower rank's lag included). The Monitor reduces it over
 ranks with ``max`` (the slowest rank's wait sets the step). On two shared cores two ranks are not faster:

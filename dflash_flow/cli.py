@@ -5,47 +5,32 @@ Nothing here imports torch or mlflow at module level, so `--help`, `validate`, `
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from dflash_flow.app.session import EXTEND_RULE
+from dflash_flow.app.exits import guard_console, user_error
+from dflash_flow.app.runner import EXTEND_RULE
 
-app = typer.Typer(
-    name="dflash-flow",
-    help="Train DFlash speculative-decoding drafters as a typed dataflow pipeline.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
+app = typer.Typer(name="dflash-flow", help="Train DFlash speculative-decoding drafters as a typed dataflow pipeline.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
 SetOpt = typer.Option(None, "--set", "-s", help="Override a value: key.path=value (repeatable).")
-EXTEND_HELP = EXTEND_RULE
-
-
-def _fail(message: str) -> None:
-    from dflash_flow.app.exits import user_error
-
-    user_error(message)
 
 
 def _check_output_file(path: Path, what: str, *, make_parents: bool = False) -> None:
     """Exit 2 with one line, before any work, when ``path`` cannot be written as a file."""
     from dflash_flow.app.exits import UserError
-    from dflash_flow.app.output_dir import check_output_file
+    from dflash_flow.app.prepare import check_output_file
 
     try:
         check_output_file(path, what, make_parents=make_parents)
     except UserError as exc:
-        _fail(str(exc))
-
-
-def _guard_console() -> None:
-    from dflash_flow.app.exits import guard_console
-
-    guard_console()
+        user_error(str(exc))
 
 
 def _load(file: Path, overrides: Optional[list[str]], check_devices: bool = True, local_world_size: Optional[int] = None,
@@ -59,7 +44,7 @@ def _load(file: Path, overrides: Optional[list[str]], check_devices: bool = True
                     local_world_size=local_world_size, gpu_count=gpu_count)
     except ConfigError as exc:
         lines = [p.format() for p in exc.problems]
-        _fail(f"error: {file}: {len(lines)} problem(s)\n" + "\n".join(lines))
+        user_error(f"error: {file}: {len(lines)} problem(s)\n" + "\n".join(lines))
 
 
 @app.command()
@@ -87,16 +72,16 @@ def graph(
     set_: Optional[list[str]] = SetOpt,
 ) -> None:
     """Print the DAG as Mermaid or Graphviz dot (or render an image)."""
-    from dflash_flow.core.render import render_image, to_dot, to_mermaid
+    from dflash_flow.core.describe import render_image, to_dot, to_mermaid
 
     v = _load(file, set_, check_devices=False)
     if format not in ("mermaid", "dot"):
-        _fail(f"error: --format must be mermaid or dot, got {format!r}")
+        user_error(f"error: --format must be mermaid or dot, got {format!r}")
     if output is not None:
         _check_output_file(output, "--output")
     if output is not None and output.suffix.lower() in (".png", ".svg", ".pdf"):
         if render_image(v.graph, output) is None:
-            _fail("error: rendering an image needs graphviz's `dot` (apt-get install graphviz); use --format dot")
+            user_error("error: rendering an image needs graphviz's `dot` (apt-get install graphviz); use --format dot")
         typer.echo(f"wrote {output}")
         return
     text = to_mermaid(v.graph) if format == "mermaid" else to_dot(v.graph)
@@ -120,7 +105,7 @@ def stages(name: Optional[str] = typer.Argument(None, help="Show one stage type 
     names = registry.available()
     if name is not None:
         if name not in names:
-            _fail(f"error: unknown stage type '{name}'; registered: {', '.join(names)}")
+            user_error(f"error: unknown stage type '{name}'; registered: {', '.join(names)}")
         names = [name]
     blocks = []
     for n in names:
@@ -139,7 +124,7 @@ def run(
         None, "--resume", help="Resume from a checkpoint path, 'latest', or 'auto' (latest if there is one). A "
         "checkpoint of another output_dir starts a new MLflow run tagged with its parent."
     ),
-    extend: bool = typer.Option(False, "--extend", help=EXTEND_HELP),
+    extend: bool = typer.Option(False, "--extend", help=EXTEND_RULE),
     nproc: Optional[int] = typer.Option(None, "--nproc", min=1, help="Start the job under torchrun with N processes per node."),
     nnodes: str = typer.Option("1", "--nnodes", help="With --nproc: nodes (or MIN:MAX), passed to torchrun."),
     rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="With --nproc: HOST:PORT of the rendezvous."),
@@ -149,7 +134,7 @@ def run(
     """Run a pipeline (in this process, or under torchrun with --nproc)."""
     from dflash_flow.core.stopping import controller
 
-    _guard_console()
+    guard_console()
     v = _load(file, set_, local_world_size=nproc)
     if nproc is not None:
         from dflash_flow.app.launch import launch
@@ -163,7 +148,7 @@ def run(
                       overrides=set_ or [], resume=resume, extend=extend)
         controller().decide(code)
         raise typer.Exit(code)
-    from dflash_flow.app.session import run_validated
+    from dflash_flow.app.runner import run_validated
 
     code = run_validated(v, config_path=file, resume=resume, overrides=set_ or [], extend=extend).exit_code
     controller().decide(code)  # a signal from here on ends the process with this code (the status is written)
@@ -172,11 +157,7 @@ def run(
 
 
 def _exit_now_if_threads_stuck(code: int) -> None:
-    """A stage stuck in its own code (not in a channel) cannot be interrupted from Python; the run has
-    already been reported, so end the process instead of waiting for that thread forever."""
-    import os
-    import threading
-
+    """A stage stuck in its own code cannot be interrupted; the run is reported, so end the process now."""
     stuck = [t for t in threading.enumerate() if t.name.startswith("dflash-flow:") and t.is_alive()]
     if stuck:
         sys.stdout.flush()
@@ -193,9 +174,8 @@ def export(
     """Turn a training checkpoint into the layout vLLM and SGLang load; prints the commands that serve it."""
     from dflash_flow.app.commands import export_checkpoint
 
-    _guard_console()
-    code = export_checkpoint(checkpoint, out, target)
-    raise typer.Exit(code)
+    guard_console()
+    raise typer.Exit(export_checkpoint(checkpoint, out, target))
 
 
 @app.command(name="eval")
@@ -238,7 +218,7 @@ def eval_(
     from dflash_flow.app.commands import eval_command
     from dflash_flow.app.eval_suites import EvalSuitesOptions, eval_mode_problem, eval_suites_command
 
-    _guard_console()
+    guard_console()
     problem = eval_mode_problem(prompts=prompts, suites=suite or [], out=out, given={
         "--baseline/--no-baseline": not baseline, "--temperature": temperature != 0.0, "--top-p": top_p != 1.0,
         "--top-k": top_k != 0, "--horizon": bool(horizon), "--walk-data": walk_data is not None,
@@ -249,23 +229,19 @@ def eval_(
         "--no-mlflow": not mlflow, "--tracking-uri": tracking_uri is not None,
         "--experiment": experiment != "dflash-flow-eval"})
     if problem:
-        _fail(problem)
+        user_error(problem)
     if suite:
         _check_output_file(out, "--out")
         raise typer.Exit(eval_suites_command(EvalSuitesOptions(
             drafter=drafter, target=target, suites=tuple(suite), out=out, max_new_tokens=max_new_tokens or 2048,
-            limit=limit, servers=tuple(server or ()), launch_vllm=launch_vllm,
+            limit=limit, servers=tuple(server or ()), launch_vllm=launch_vllm, tokenizer=tokenizer,
             launch_args=tuple(launch_arg or ()), engine=engine, served_model=served_model, api_key_env=api_key_env,
-            tokenizer=tokenizer,
             thinking=thinking, device=device, tau_tolerance=tau_tolerance, rate_tolerance=rate_tolerance, mlflow=mlflow,
             tracking_uri=tracking_uri, experiment=experiment, torch_threads=torch_threads, batch_size=batch_size)))
-    max_new_tokens = 64 if max_new_tokens is None else max_new_tokens
-    limit = 32 if limit is None else limit
     raise typer.Exit(eval_command(
-        drafter, target, prompts, max_new_tokens, limit, baseline, tokenizer, temperature=temperature, top_p=top_p,
-        top_k=top_k, horizons=horizon or [], walk_data=walk_data, walk_limit=walk_limit, seed=seed,
-        torch_threads=torch_threads, batch_size=batch_size,
-    ))
+        drafter, target, prompts, 64 if max_new_tokens is None else max_new_tokens, 32 if limit is None else limit,
+        baseline, tokenizer, temperature=temperature, top_p=top_p, top_k=top_k, horizons=horizon or [],
+        walk_data=walk_data, walk_limit=walk_limit, seed=seed, torch_threads=torch_threads, batch_size=batch_size))
 
 
 @app.command()
@@ -292,7 +268,7 @@ def regenerate(
     through OpenAI-compatible serving engines (--server)."""
     from dflash_flow.app.commands import regenerate_command, regenerate_served_command
 
-    _guard_console()
+    guard_console()
     if server:
         raise typer.Exit(regenerate_served_command(
             prompts, server, out, target=target, max_new_tokens=max_new_tokens, resume=resume,
@@ -320,7 +296,7 @@ def serve_target(
 ) -> None:
     """Print the exact vLLM server command for the pipeline's target (layer ids mapped, chunked prefill off, our
     KV connector writing features for model.engine)."""
-    from dflash_flow.app.engine_commands import serve_target_command
+    from dflash_flow.app.commands import serve_target_command
 
     v = _load(file, set_, check_devices=False, check_paths=False)
     raise typer.Exit(serve_target_command(v, tp=tp, port=port, host=host, python=python, dtype=dtype,
@@ -355,7 +331,7 @@ def profile(
     """Run N trainer steps and show where the time goes: per-replica load, items/s, queues, bottleneck."""
     from dflash_flow.app.profile import profile_command
 
-    _guard_console()
+    guard_console()
     v = _load(file, set_)
     if out is not None:  # checked now, not after the whole profile has run
         _check_output_file(out, "--out", make_parents=True)
@@ -409,7 +385,7 @@ def features_build(
     computes its share)."""
     from dflash_flow.app.features_commands import features_build_command
 
-    _guard_console()
+    guard_console()
     raise typer.Exit(features_build_command(file, set_, store=store, dtype=dtype, shard_mb=shard_mb, wait=wait,
                                             device=device, margin_mb=margin_mb))
 
@@ -428,7 +404,7 @@ def features_check(
     """Check a feature store: its files, every row for zeros/NaN/inf, and (--pipeline) that it is this pipeline's."""
     from dflash_flow.app.features_commands import features_check_command
 
-    _guard_console()
+    guard_console()
     raise typer.Exit(features_check_command(store, pipeline=pipeline, overrides=set_, recompute=recompute,
                                             tolerance=tolerance, limit=limit, digests=digests, device=device))
 

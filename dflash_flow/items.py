@@ -1,8 +1,5 @@
-"""Item types that travel between the DFlash stages.
-
-This module must stay importable without torch: `validate` and `graph` read the port types of every
-stage. Tensor fields are therefore typed ``Any``.
-"""
+"""Item types that travel between the DFlash stages. Importable without torch (`validate` and `graph` read the
+port types of every stage), so tensor fields are typed ``Any``."""
 
 from __future__ import annotations
 
@@ -32,10 +29,8 @@ class Sample(SampleSet):
 
 @attrs.define(eq=False)
 class SampleTable(SampleSet):
-    """Many samples as columns: what a record source emits (once), so that a corpus of millions of samples
-    costs a few arrays, not an object per sample. ``lengths`` and ``sample_ids`` are int64 arrays; a
-    `Sample` is made on demand (``table[i]``) from the memory-mapped token store by ``fetch(i)``, which
-    returns ``(input_ids, loss_mask, "file:line")``."""
+    """Many samples as columns (a corpus costs a few arrays, not an object per sample): ``lengths`` and
+    ``sample_ids`` are int64 arrays; ``table[i]`` makes a `Sample` from ``fetch(i)`` -> ``(ids, mask, "file:line")``."""
 
     name: str  # the source stage it came from (mixture weights are keyed by it)
     lengths: Any
@@ -55,8 +50,7 @@ class SampleTable(SampleSet):
 
 @attrs.frozen
 class RunPlan:
-    """What the run will train, known once the first epoch is planned: the console's start banner.
-    Shared by every batch of the run (one object, not copied)."""
+    """What the run will train, known once the first epoch is planned (the console's start banner); shared."""
 
     samples: int  # samples in the run's data (each trained once per epoch)
     epochs: int
@@ -89,16 +83,14 @@ class BatchMeta:
     num_samples: int
     sample_ids: list[int] = attrs.field(factory=list)
     padded_len: int = 0
-    # Batches in this epoch for this rank, and over the whole run: the trainer's schedule and its
-    # epoch-end checkpoints come from these, so no other stage has to repeat the plan's numbers.
+    # Batches in this epoch for this rank, and over the whole run (the trainer's schedule and checkpoints).
     epoch_batches: int = 0
     total_batches: int = 0
-    # Batches this rank will still take from this one on, per epoch (this epoch's rest, then every later
-    # epoch's, max_batches applied): with the trainer's accumulation, the exact number of optimizer steps left.
+    # Batches this rank will still take from this one on, per epoch (max_batches applied): the steps left.
     batches_ahead: tuple[int, ...] = ()
     rank: int = 0
-    # Where the batch sits in the epoch's plan of global steps (see data.epoch.EpochPlan): filler batches
-    # (no samples) keep the ranks in step; `plan_state` is the Interleaver's state right after this batch.
+    # Its place in the epoch's plan of global steps (data.epoch.EpochPlan): filler batches (no samples) keep the
+    # ranks in step; `plan_state` is the Interleaver's state right after this batch.
     filler: bool = False
     step: int = 0
     last_of_epoch: bool = False  # the epoch's last step (for this rank)
@@ -110,13 +102,8 @@ class BatchMeta:
 
     @property
     def ends_accumulation(self) -> bool:
-        """The optimizer steps after this batch even if its accumulation is not complete: an epoch's last
-        batch and the run's (the rule ``model.optim.planned_updates`` counts the schedule's steps by)."""
+        """The optimizer steps after this batch even if its accumulation is not complete (``planned_updates``)."""
         return self.last_of_epoch or self.last_of_run
-
-    @property
-    def padding_efficiency(self) -> float:
-        return self.real_tokens / self.padded_tokens if self.padded_tokens else 1.0
 
 
 @attrs.define(eq=False)
@@ -150,9 +137,7 @@ class TargetFeatures:
     target_layer_ids: list[int] = attrs.field(factory=list)
 
 
-#: How a trainer metric of a StepReport combines over the ranks of a job, declared once: the ones listed
-#: here; every other metric (losses, accuracies, acceptance, the learning rate, a variant's or an
-#: objective's own terms) is averaged.
+#: How a trainer metric of a StepReport combines over the ranks of a job; every metric not listed is averaged.
 TRAIN_METRIC_REDUCTIONS: dict[str, str] = {
     "tokens": "sum", "samples": "sum", "num_tokens": "sum", "tokens_per_s": "sum", "samples_per_s": "sum",
     "allreduce_wait_s": "max", "allreduce_wait_frac": "max", "step_s": "max",
@@ -161,9 +146,8 @@ TRAIN_METRIC_REDUCTIONS: dict[str, str] = {
 
 @attrs.frozen
 class HeldoutWalk:
-    """The drafter's teacher-forced walk on a fixed held-out sample, measured during training
-    (``model.heldout``): acceptance over time. ``elapsed_s``: seconds since the trainer's setup began
-    (the pipeline's start); ``probe_s``: what this measurement cost (the trainer waited for it)."""
+    """The drafter's teacher-forced walk on a fixed held-out sample during training (``model.heldout``).
+    ``elapsed_s``: seconds since the trainer's setup began; ``probe_s``: what this measurement cost."""
 
     tau: float
     elapsed_s: float
@@ -174,9 +158,8 @@ class HeldoutWalk:
 
 @attrs.define(eq=False)
 class StepReport:
-    """What one optimizer step of the drafter reports: ``metrics`` are its scalar curves (loss, accuracy,
-    ``sim_accept_len``, ``grad_norm``, ``lr``, throughput, a variant's terms); the per-slot accuracies and
-    the run's facts are typed fields of their own."""
+    """What one optimizer step of the drafter reports: ``metrics`` are its scalar curves (loss, accuracy, ``lr``,
+    throughput, a variant's terms); the per-slot accuracies and the run's facts are typed fields of their own."""
 
     step: int
     epoch: int
@@ -191,16 +174,9 @@ class StepReport:
 
 @attrs.define(eq=False)
 class EvalReport:
-    """One evaluation's result, typed: what was measured at each new-token horizon (``by_horizon``, keyed by
-    the horizon, in the order measured: the first is the one ``metrics`` reports), how it decoded
-    (``temperature``: 0 = greedy, None: not a decoding) and the run's facts (``lossless``, the prompt or
-    conversation counts) as fields. Nothing here is a composed name: the MLflow keys (``tau_h448``,
-    ``trained-T0_7``) are made from these fields in one place, ``observe.names``, when a run is logged.
-
-    ``name``: what was evaluated -- ``trained`` / ``untrained`` (a drafter's real decoding), ``walk`` (the
-    teacher-forced walk) or a custom evaluation's own name. ``metrics``: figures at the first horizon and
-    those tied to none (``tau``, ``speedup_forwards``, ``verify_steps``, ``spec_s``, a custom ``val_loss``).
-    ``by_horizon``: ``{H: {"tau": ..., "speedup_forwards": ...}}`` for every horizon measured."""
+    """One evaluation's result, typed (``observe.names`` makes the MLflow keys from it). ``name``: ``trained`` /
+    ``untrained``, ``walk`` or a custom evaluation's. ``metrics``: figures at the first horizon and those tied to
+    none; ``by_horizon``: ``{H: {"tau": ..., ...}}`` for every horizon measured, in order."""
 
     name: str
     metrics: dict[str, float] = attrs.field(factory=dict)
@@ -233,14 +209,12 @@ class EvalReport:
 
 @attrs.define(eq=False)
 class EpochBatches:
-    """One epoch's packed batches, grouped by bucket and not yet ordered, from the Bucketer to the
-    Interleaver, with the samples they index (shared, not copied, between epochs)."""
+    """One epoch's packed batches by bucket, not yet ordered (Bucketer -> Interleaver), with the samples they index."""
 
     epoch: int
     packed: Any  # dflash_flow.data.packing.PackedEpoch
     samples: Any  # samples[i] is the sample at plan position i (a list, or a lazy view of the corpus)
     num_epochs: int = 1  # epochs the run plans (for the trainer's schedule length)
-    # Global batches of every epoch of the run (index: epoch), exactly: the schedule's and the progress's
-    # totals are counted from these. Empty: unknown (later epochs are taken to be as large as this one).
+    # Global batches of every epoch of the run (the schedule's totals). Empty: later epochs as large as this one.
     epoch_sizes: tuple[int, ...] = ()
     max_tokens: int | None = None  # each batch's token budget

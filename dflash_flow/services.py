@@ -1,10 +1,6 @@
-"""Run services: what the application hands the DFlash stages besides their config.
-
-One typed object (``StageContext.services``: a ``StageContext[RunServices]``), built by the application layer (``dflash_flow.app``) for
-each run. Stages read its fields; they never build services themselves. Fields that a run does not have
-are None (a pipeline built in Python without the application gets ``RunServices()``: no tracking, no
-checkpoints, no resume). The core runtime treats ``services`` as opaque.
-"""
+"""Run services: what the application (``dflash_flow.app``) hands the DFlash stages besides their config, one
+typed object per run (``StageContext[RunServices].services``; opaque to the core). Stages read its fields and
+never build services; a run's missing ones are None (``RunServices()`` without the application)."""
 
 from __future__ import annotations
 
@@ -43,8 +39,7 @@ class CheckpointPayload:
 
 
 class CheckpointSource(abc.ABC):
-    """A stage that hands the checkpoint service its payload (DrafterStep); a base class, not a name looked
-    up: a subclass that does not implement ``checkpoint_payload`` cannot be built."""
+    """A stage that hands the checkpoint service its payload (DrafterStep)."""
 
     @abc.abstractmethod
     def checkpoint_payload(self, epoch_end: bool = False) -> CheckpointPayload: ...
@@ -92,8 +87,7 @@ class Collective(Protocol):
 
 
 class StopConsensus(Protocol):
-    """The job's ranks agreeing on a stop (``dflash_flow.app.distributed.Distributed`` under torchrun; a
-    run in one process has none: its stop takes effect at once)."""
+    """The job's ranks agreeing on a stop (``dflash_flow.app.distributed.Distributed`` under torchrun)."""
 
     def agree_to_stop(self, stop_requested: bool) -> bool: ...
 
@@ -112,8 +106,7 @@ class Exported(Protocol):
 
 
 class Exporter(Protocol):
-    """Writes the final inference checkpoint inside the run's output directory
-    (``dflash_flow.model.export.DrafterExporter``)."""
+    """Writes the final inference checkpoint in the run's output directory (``model.export.DrafterExporter``)."""
 
     def export(self, drafter: Any, state: dict[str, Any], out: str, *, target: str | None,
                check_stop: Any = None) -> Exported: ...
@@ -132,8 +125,7 @@ class RunServices:
     exporter: Exporter | None = None  # None: the trainer stage exports into its context's output_dir
 
     def open_batch_log(self, ctx: StageContext[RunServices]) -> BatchLog:
-        """The trained-batch log of a trainer stage: ``OUTPUT/batches.jsonl`` (one file per rank under
-        torchrun), continued by a resumed run, started afresh otherwise; refused through a link."""
+        """The trained-batch log of a trainer stage: ``OUTPUT/batches.jsonl`` (one per rank), continued on resume."""
         from dflash_flow.observe.batchlog import BatchLog as FileBatchLog
 
         return FileBatchLog(Path(ctx.output_dir), rank=ctx.rank, world_size=ctx.world_size,

@@ -7,34 +7,29 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 CACHE_ENV = "DFLASH_FLOW_CACHE"
 
 
 def cache_root() -> Path:
-    """Where built artefacts are cached across runs (tokenized files, the embedded target and dataset):
-    ``$DFLASH_FLOW_CACHE``, else ``~/.cache/dflash-flow``."""
+    """Where built artefacts are cached across runs: ``$DFLASH_FLOW_CACHE``, else ``~/.cache/dflash-flow``."""
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "dflash-flow").expanduser()
 
 
-def directory_problem(path: str | os.PathLike) -> str | None:
-    """Why ``path`` cannot be (or become) a directory, or None: it, or the nearest of its parents that is
-    there, is a file, or a symbolic link that leads nowhere."""
-    for p in (Path(path).expanduser(), *Path(path).expanduser().parents):
-        if p.is_symlink() and not p.exists():
-            return f"{p} is a symbolic link to {os.readlink(p)}, which does not exist"
-        if p.exists():
-            return None if p.is_dir() else f"{p} is not a directory (a file is there)"
-    return None
-
-
 def cache_dir_problem(setting: str | None, path: str | os.PathLike | None) -> str | None:
-    """What is wrong with a cache directory (``path``: the ``setting`` resolved, ``auto`` under
-    :func:`cache_root`), in one line that says what to do; None: nothing."""
-    why = None if path is None else directory_problem(path)
+    """What is wrong with a cache directory (``path``: the ``setting`` resolved), in one line that says what to do;
+    None: nothing. Wrong: it, or its nearest existing parent, is a file or a symbolic link that leads nowhere."""
+    why = None
+    for p in (Path(path).expanduser(), *Path(path).expanduser().parents) if path is not None else ():
+        if p.is_symlink() and not p.exists():
+            why = f"{p} is a symbolic link to {os.readlink(p)}, which does not exist"
+            break
+        if p.exists():
+            why = None if p.is_dir() else f"{p} is not a directory (a file is there)"
+            break
     if why is None:
         return None
     origin = f" (cache_dir 'auto' lies under ${CACHE_ENV}={os.environ[CACHE_ENV]})" \
@@ -44,8 +39,7 @@ def cache_dir_problem(setting: str | None, path: str | os.PathLike | None) -> st
 
 
 def usable_cores() -> int:
-    """The CPU cores this process may run on (its affinity mask where the OS has one, as under taskset or a
-    container's cpuset), at least 1."""
+    """The CPU cores this process may run on (its affinity mask where the OS has one), at least 1."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
@@ -59,8 +53,7 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 
 def is_within(path: str | os.PathLike, root: str | os.PathLike) -> bool:
-    """Whether ``path``, with every symbolic link followed, lies inside ``root`` (also resolved): what a run
-    writes or uploads must stay in its output directory even when a link inside it points elsewhere."""
+    """Whether ``path``, with every symbolic link followed, lies inside ``root`` (also resolved)."""
     real, base = os.path.realpath(path), os.path.realpath(root)
     return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
 
@@ -76,12 +69,9 @@ def refuse_outside(path: str | os.PathLike, root: str | os.PathLike) -> None:
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, *, mode: int = 0o644, durable: bool = True) -> Iterator[Path]:
-    """The one atomic write: yields a new temporary file beside ``path`` (created with O_EXCL, so never an
-    existing file or a link someone put there) for the block to fill; when the block ends without an
-    error the file is fsynced and renamed onto ``path`` (else removed). A crash leaves the old file or the
-    new one, never half of one, and a link at ``path`` is replaced, never written through. ``mode``: the
-    file's permissions (mkstemp's are private; an export is read by inference servers). ``durable=False``
-    skips the fsync, for files rewritten often whose loss in a crash costs nothing (progress notes)."""
+    """The one atomic write: yields a new temporary file beside ``path`` (O_EXCL) for the block to fill, then
+    fsyncs it (unless ``durable=False``) and renames it onto ``path`` (removed on an error): a crash leaves the old
+    file or the new one, and a link at ``path`` is replaced, never written through."""
     path = Path(path)
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     tmp = Path(name)
@@ -100,17 +90,11 @@ def atomic_path(path: str | os.PathLike, *, mode: int = 0o644, durable: bool = T
         raise
 
 
-def atomic_write(
-    path: str | os.PathLike, write: Callable[[BinaryIO], Any], *, mode: int = 0o644, durable: bool = True
-) -> Path:
-    """``write(f)`` fills ``path`` atomically (:func:`atomic_path`)."""
-    with atomic_path(path, mode=mode, durable=durable) as tmp, open(tmp, "wb") as f:
-        write(f)
-    return Path(path)
-
-
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, mode: int = 0o644, durable: bool = True) -> Path:
-    return atomic_write(path, lambda f: f.write(data), mode=mode, durable=durable)
+    """``data`` written to ``path`` atomically (:func:`atomic_path`)."""
+    with atomic_path(path, mode=mode, durable=durable) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, *, mode: int = 0o644, durable: bool = True) -> Path:
@@ -118,8 +102,7 @@ def atomic_write_text(path: str | os.PathLike, text: str, *, mode: int = 0o644, 
 
 
 def move_aside(path: str | os.PathLike) -> Path:
-    """Rename ``path`` to the first free ``NAME.old``, ``NAME.old.2``, ... beside it (never over anything that
-    exists) and return where it went: what a command does with a file it replaces and the user may still want."""
+    """Rename ``path`` to the first free ``NAME.old``, ``NAME.old.2``, ... beside it and return where it went."""
     path = Path(path)
     n = 1
     while True:
@@ -132,16 +115,12 @@ def move_aside(path: str | os.PathLike) -> Path:
 
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make a rename inside ``path`` durable (where the platform allows opening a directory)."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def nearest_existing(path: Path) -> Path:
@@ -152,9 +131,8 @@ def nearest_existing(path: Path) -> Path:
 
 
 def probe_write(directory: str | os.PathLike) -> str | None:
-    """Create and remove a file in ``directory``: None when that works, else why not. The only check that
-    also holds for root, read-only mounts and ACLs (``os.access`` answers yes to root on a read-only
-    filesystem)."""
+    """Create and remove a file in ``directory``: None when that works, else why not (unlike ``os.access``, right
+    for root, read-only mounts and ACLs)."""
     try:
         fd, name = tempfile.mkstemp(prefix=".dflash-probe-", dir=directory)
         os.close(fd)
@@ -165,19 +143,15 @@ def probe_write(directory: str | os.PathLike) -> str | None:
 
 
 def local_dirs(*fields: tuple[str, Any]) -> list[tuple[str, str, str]]:
-    """``(field, path, "dir")`` for the values that name a local directory (a path: ``/``, ``.``, ``~``, or
-    one that exists), not a preset name, a config mapping or a hub id (``Stage.input_paths``)."""
-    out = []
-    for field, value in fields:
-        if isinstance(value, str) and value and (value.startswith(("/", ".", "~")) or Path(value).expanduser().exists()):
-            out.append((field, value, "dir"))
-    return out
+    """``(field, path, "dir")`` for the values that name a local directory (starting ``/``, ``.``, ``~``, or one
+    that exists), not a preset name or a hub id (``Stage.input_paths``)."""
+    return [(field, value, "dir") for field, value in fields if isinstance(value, str) and value
+            and (value.startswith(("/", ".", "~")) or Path(value).expanduser().exists())]
 
 
 def config_hash(obj: Any, *, compact: bool = True) -> str:
-    """A stable short hash of plain data: sha256 of its sorted-key JSON, 16 hex characters. ``compact=False``
-    hashes JSON with the default separators: the keys of the embedded target and dataset were made so
-    (changing them would orphan the shipped copies)."""
+    """A stable short hash of plain data: sha256 of its sorted-key JSON, 16 hex characters. ``compact=False``:
+    JSON's default separators, as the keys of the shipped embedded target and dataset were made."""
     separators = (",", ":") if compact else None
     blob = json.dumps(obj, sort_keys=True, default=str, separators=separators)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -1,4 +1,5 @@
-"""The run's checkpoints: CheckpointService, over checkpointer (writing, pruning) and checkpoint_format.
+"""The run's checkpoints: CheckpointService, the Checkpointer (writing atomically, pruning this run's lineage,
+finding the newest valid one), over checkpoint_format (the files, loading).
 
 Layout of one checkpoint directory ``step-00000123/``:
   model.safetensors   trainable weights (safetensors: loading never runs code)
@@ -8,72 +9,321 @@ Layout of one checkpoint directory ``step-00000123/``:
                       the run's lineage id, the directory it was written into (a copy elsewhere is a
                       fork: ``Checkpointer.holds``) and the sha256 of every data file
   MANIFEST.json       sha256 of every file above; written last
-A checkpoint is first written to a hidden temporary directory and renamed into place, so a crash
-mid-write (or a full disk) leaves either the previous checkpoints or a complete new one, never a
-half-written one.
-
-Pruning removes only checkpoints of this run's lineage (``run_uid`` in state.json: a fresh run draws a
-new one, a resumed run keeps its checkpoint's), so a checkpoint directory shared with anything else never
-loses what it did not write. Loading checks everything it reads (the manifest, every checksum, the shape of
-state.json) and names the checkpoint and the reason: ``not a valid checkpoint: PATH: why``.
-"""
+A checkpoint is written to a hidden temporary directory and renamed into place: a crash or a full disk
+leaves the previous checkpoints or a complete new one. Pruning removes only checkpoints of this run's lineage
+(``run_uid``: a fresh run draws one, a resumed run keeps its checkpoint's). Loading checks everything it
+reads and names the checkpoint and the reason: ``not a valid checkpoint: PATH: why``."""
 from __future__ import annotations
 
+import io
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
 from dflash_flow.core.errors import CheckpointError
+from dflash_flow.util import atomic_write_text, fsync_dir, is_within, sha256_file
 
 from .checkpoint_format import (
+    FORMAT_VERSION,
     LATEST,
+    MAX_STATE_BYTES,
+    REQUIRED_FILES,
     Checkpoint,
+    Expected,
     InvalidCheckpoint,
-    checkpoint_size_estimate,
     load_checkpoint,
+    plain_name,
 )
-from .checkpointer import Checkpointer, new_run_uid
 
-# The checkpoint names keep this module as their documented home; each is defined in the module named above.
-__all__ = [
-    "LATEST",
-    "Checkpoint",
-    "CheckpointError",
-    "CheckpointService",
-    "Checkpointer",
-    "InvalidCheckpoint",
-    "checkpoint_size_estimate",
-    "load_checkpoint",
-    "new_run_uid",
-]
+_STEP_NAME = re.compile(r"^step-\d{8,}$")
+
+log = logging.getLogger("dflash_flow")
+
+__all__ = ["CheckpointService", "Checkpointer", "new_run_uid"]
+
+
+def new_run_uid() -> str:
+    """The lineage id of a fresh run (which checkpoints it may prune)."""
+    return uuid.uuid4().hex
+
+
+class _RecordingFile(io.FileIO):
+    """A file that remembers the OSError of a failed write: torch's zip writer reports a full disk as a
+    RuntimeError ("unexpected pos ...") that no longer says why."""
+
+    error: OSError | None = None
+
+    def write(self, b):  # noqa: ANN001
+        try:
+            return super().write(b)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+
+def _torch_save(torch: Any, obj: Any, path: Path) -> None:
+    with _RecordingFile(path, "w") as f:
+        try:
+            torch.save(obj, f)
+        except Exception:
+            if f.error is not None:
+                raise f.error from None
+            raise
+
+
+def _nonfinite(tensors: dict[str, Any]) -> str | None:
+    import torch
+
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
+
+
+class Checkpointer:
+    """Writes and finds checkpoints in one directory.
+
+    ``root``: the directory every write must stay in once symbolic links are followed. ``run_uid``: this
+    run's lineage, the only checkpoints it prunes. ``data_files``: sha256 per data file, recorded for resume.
+    ``settings`` (``core.identity.result_settings``), ``config_hash`` (their hash) and ``legacy_hash`` (of a
+    checkpoint that predates recorded settings): what a checkpoint must match to be resumed; ``length_keys``
+    (``core.identity.run_length_keys``) may differ when ``extend``."""
+
+    def __init__(self, directory: str | Path, *, keep_last: int = 3, config_hash: str = "",
+                 run_uid: str | None = None, data_files: dict[str, str] | None = None,
+                 root: str | Path | None = None, settings: dict[str, Any] | None = None, legacy_hash: str = "",
+                 length_keys: frozenset[str] | set[str] = frozenset(), extend: bool = False,
+                 moved: dict[str, str] | None = None):
+        self.dir = Path(directory)
+        self.keep_last = keep_last
+        self.config_hash = config_hash
+        self.settings = settings
+        self.legacy_hash = legacy_hash
+        self.length_keys = frozenset(length_keys)
+        self.extend = extend
+        self.moved = dict(moved or {})  # core.identity.moved_setting_keys: older checkpoints' keys, read as today's
+        self.run_uid = run_uid or new_run_uid()
+        self.data_files = dict(data_files or {})
+        self.root = Path(root) if root is not None else None
+        self.mlflow_run_id: str | None = None  # recorded when a save names none
+
+    # -- writing ------------------------------------------------------------------------------------
+    def save(self, *, step: int, epoch: int, model_state: dict[str, Any], optimizer_state: dict[str, Any],
+             data_position: dict[str, Any], stage_states: dict[str, list[dict[str, Any]]] | None = None,
+             extra: dict[str, Any] | None = None, files: dict[str, str] | None = None,
+             mlflow_run_id: str | None = None) -> Path:
+        """Write one checkpoint. ``files`` adds small text files (e.g. the drafter's ``config.json`` for
+        ``dflash-flow export``). A failed write raises CheckpointError naming the checkpoint."""
+        final = self.dir / f"step-{step:08d}"
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
+        bad = _nonfinite(tensors)
+        if bad is not None:
+            raise CheckpointError(f"refusing to write checkpoint {final}: weight {bad} holds NaN or infinite values (the "
+                                  "training diverged); the last checkpoint written stays the newest")
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._check_contained()
+            path = self._write(final, step, epoch, tensors, optimizer_state, data_position, stage_states, extra, files,
+                               mlflow_run_id or self.mlflow_run_id)
+        except OSError as exc:
+            raise CheckpointError(f"cannot write checkpoint {final}: {exc.strerror or exc}; the earlier checkpoints "
+                                  "are intact") from exc
+        self._prune()
+        return path
+
+    def _check_contained(self) -> None:
+        if self.root is not None and not is_within(self.dir, self.root):
+            raise CheckpointError(f"checkpoint directory {self.dir} leads outside {self.root} (through a symbolic link "
+                                  f"to {os.path.realpath(self.dir)}); the run writes only inside its output directory")
+
+    def _write(self, final, step, epoch, tensors, optimizer_state, data_position, stage_states, extra, files,
+               mlflow_run_id) -> Path:
+        import torch
+
+        from dflash_flow.model.export import write_safetensors
+
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step-{step:08d}-{self.run_uid[:12]}-", dir=self.dir))
+        try:
+            write_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+            _torch_save(torch, optimizer_state, tmp / "optimizer.pt")
+            state = {"format_version": FORMAT_VERSION, "step": step, "epoch": epoch, "data_position": data_position,
+                     "stage_states": stage_states or {}, "mlflow_run_id": mlflow_run_id, "config_hash": self.config_hash,
+                     "settings": self.settings, "checkpoint_dir": os.path.realpath(self.dir), "run_uid": self.run_uid,
+                     "data_files": self.data_files, "extra": extra or {}}
+            (tmp / "state.json").write_text(json.dumps(state, indent=1, default=_json_default))
+            names = list(REQUIRED_FILES)
+            for name, text in (files or {}).items():
+                if not plain_name(name) or name in names or name == "MANIFEST.json":
+                    raise ValueError(f"bad checkpoint file name {name!r}")
+                (tmp / name).write_text(text)
+                names.append(name)
+            manifest = {name: sha256_file(tmp / name) for name in names}
+            (tmp / "MANIFEST.json").write_text(json.dumps(manifest, indent=1))
+            for name in (*manifest, "MANIFEST.json"):
+                with open(tmp / name, "rb") as f:
+                    os.fsync(f.fileno())
+            if final.is_symlink():
+                final.unlink()  # our name: the link goes, never what it points to
+            elif final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            fsync_dir(self.dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        atomic_write_text(self.dir / LATEST, final.name + "\n")
+        return final
+
+    def _prune(self) -> None:
+        # The last K *written* of this run's lineage, not the K highest steps: a fresh run in a directory
+        # that still holds an earlier run's (higher-step) checkpoints keeps its own, and leaves theirs alone.
+        own = [p for p in self._by_write_time() if _run_uid_of(p) == self.run_uid]
+        for old in own[: -self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+        for leftover in self.dir.glob(f".tmp-step-*-{self.run_uid[:12]}-*"):
+            if leftover.is_dir() and not leftover.is_symlink():
+                shutil.rmtree(leftover, ignore_errors=True)
+
+    # -- finding ------------------------------------------------------------------------------------
+    def holds(self, ckpt: Checkpoint) -> bool:
+        """Whether ``ckpt`` is one of this directory's own: it lies here and was written here (not copied or
+        moved in from elsewhere). A resume from one continues its run; from any other, it forks a new one."""
+        here = os.path.realpath(self.dir)
+        return os.path.realpath(ckpt.path.parent) == here and ckpt.checkpoint_dir in (None, here)
+
+    def list(self) -> list[Path]:
+        if not self.dir.is_dir():
+            return []
+        return sorted(p for p in self.dir.glob("step-*")
+                      if _STEP_NAME.match(p.name) and not p.is_symlink() and (p / "MANIFEST.json").is_file())
+
+    def _by_write_time(self) -> list[Path]:
+        """Complete checkpoints, oldest written first (MANIFEST.json is written last)."""
+
+        def key(p: Path) -> tuple[int, str]:
+            try:
+                return (p.joinpath("MANIFEST.json").stat().st_mtime_ns, p.name)
+            except OSError:
+                return (0, p.name)
+
+        return sorted(self.list(), key=key)
+
+    def candidates(self) -> list[Path]:
+        """This directory's checkpoints, newest first: the one ``latest`` names, then by write time."""
+        found = list(reversed(self._by_write_time()))
+        marked = self._marked()
+        if marked is not None and marked in found:
+            found.remove(marked)
+            found.insert(0, marked)
+        return found
+
+    def _marked(self) -> Path | None:
+        marker = self.dir / LATEST
+        try:
+            with open(marker, "rb") as f:
+                name = f.read(256).decode("utf-8", "replace").strip()
+        except OSError:
+            return None
+        return self.dir / name if _STEP_NAME.match(name) else None  # never a path out of the directory
+
+    def resolve(self, spec: str | Path) -> Path:
+        """``latest`` or a path (a checkpoint dir, or a checkpoints dir whose latest is taken)."""
+        if str(spec) == LATEST:
+            found = self.candidates()
+            if not found:
+                raise CheckpointError(f"no checkpoint in {self.dir}")  # said by export too: no --resume here
+            return found[0]
+        p = Path(spec)
+        if _is_checkpoint(p):
+            return p
+        if _holds_checkpoints(p):
+            return Checkpointer(p).resolve(LATEST)
+        raise CheckpointError(f"no checkpoint at {p}")
+
+    def load(self, spec: str | Path, *, check_config: bool = True) -> Checkpoint:
+        """Load ``spec``. For ``latest`` (or a directory of checkpoints) an invalid newest checkpoint is
+        skipped with one warning and the newest valid one is loaded; a single checkpoint path must be valid."""
+        expected = (Expected(self.config_hash, self.settings, self.legacy_hash, self.length_keys, self.extend,
+                             self.moved)
+                    if check_config else None)
+        p = Path(spec)
+        if str(spec) == LATEST:
+            return _load_newest_valid(self, LATEST, expected)
+        if not _is_checkpoint(p) and _holds_checkpoints(p):
+            return _load_newest_valid(Checkpointer(p), str(p), expected)
+        return load_checkpoint(self.resolve(spec), expected=expected)
+
+
+def _is_checkpoint(p: Path) -> bool:
+    return (p / "MANIFEST.json").is_file() or (p / "state.json").is_file()
+
+
+def _holds_checkpoints(p: Path) -> bool:
+    return (p / LATEST).is_file() or any(p.glob("step-*"))
+
+
+def _load_newest_valid(ck: Checkpointer, spec: str, expected: Expected | None) -> Checkpoint:
+    found = ck.candidates()
+    if not found:
+        raise CheckpointError(f"--resume {spec}: no checkpoint in {ck.dir}")
+    skipped: list[InvalidCheckpoint] = []
+    for path in found:
+        try:
+            loaded = load_checkpoint(path, expected=expected)
+        except InvalidCheckpoint as exc:
+            skipped.append(exc)
+            continue
+        if skipped:
+            reasons = "; ".join(str(e).removeprefix("not a valid checkpoint: ") for e in skipped)
+            log.warning("skipping %d invalid checkpoint(s) (%s); resuming from the newest valid one, %s",
+                        len(skipped), reasons, path)
+        return loaded
+    raise skipped[0]
+
+
+def _run_uid_of(path: Path) -> str | None:
+    try:
+        with open(path / "state.json", "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_STATE_BYTES:
+                return None
+            state = json.loads(f.read(size))  # read(limit) would allocate the whole limit for a small file
+    except (OSError, ValueError, RecursionError):
+        return None
+    return state.get("run_uid") if isinstance(state, dict) else None
+
+
+def _json_default(obj: Any) -> Any:
+    import numpy as np
+
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"cannot store {type(obj).__name__} in a checkpoint state")
 
 
 class CheckpointService:
-    """The run's checkpoint policy (``checkpoint:`` section) in front of a :class:`Checkpointer`.
-
-    A trainer stage reports each optimizer step (``after_step``) and hands over a
-    ``services.CheckpointPayload`` when a checkpoint is due; the service adds every other stage's state
-    (``stage_states``, the pipeline's) and writes it. ``last_path`` is what the application reports.
-    """
+    """The run's checkpoint policy (``checkpoint:`` section) in front of a :class:`Checkpointer`: a trainer
+    stage reports each optimizer step (``after_step``) and hands over a ``services.CheckpointPayload`` when one
+    is due; the service adds every other stage's state and writes it."""
 
     def __init__(self, checkpointer: Checkpointer, policy: Any, *, stage_states: Any = None, dist: Any = None,
                  tracker: Any = None, before_commit: Any = None, elapsed_s: Any = None) -> None:
-        self.checkpointer = checkpointer
-        self.policy = policy
-        self.on_signal = bool(policy.on_signal)
-        # () -> {stage: [state per replica]}: the running pipeline's, asked at each save (the service is built
-        # before the pipeline, which gets its services complete).
-        self.stage_states = stage_states
+        self.checkpointer, self.policy, self.on_signal = checkpointer, policy, bool(policy.on_signal)
+        self.stage_states = stage_states  # () -> {stage: [state per replica]}: the running pipeline's
         self.dist = dist  # app.distributed.Distributed under torchrun: rank 0 writes, every rank waits
-        # The run's tracker: its run id is asked at each save (it creates its run late when the store was
-        # unreachable at the start).
-        self.tracker = tracker
-        # (step) -> None, called by the writing rank before a checkpoint of ``step`` is written: the
-        # application puts the metrics of every step up to it into MLflow first (session.flush_tracking),
-        # so that a run killed after the checkpoint has, after its resume, each step's metrics exactly once.
-        self.before_commit = before_commit
-        # () -> seconds the run has run, the runs it resumes included: state.json's ``extra.elapsed_s``,
-        # where a resumed run's clock goes on from.
-        self.elapsed_s = elapsed_s
+        self.tracker = tracker  # its run id is asked at each save (a run made late, the store unreachable at first)
+        self.before_commit = before_commit  # (step) -> None before a checkpoint commits (runner.flush_tracking)
+        self.elapsed_s = elapsed_s  # () -> seconds run, resumed runs included (state.json's extra.elapsed_s)
         self.last_path: Path | None = None
 
     def due(self, step: int, epoch_end: bool) -> bool:
@@ -110,16 +360,9 @@ class CheckpointService:
             if self.before_commit is not None:
                 self.before_commit(payload.step)
             self.last_path = self.checkpointer.save(
-                step=payload.step,
-                epoch=payload.epoch,
-                model_state=payload.model_state,
-                optimizer_state=payload.optimizer_state,
-                data_position=payload.data_position,
-                stage_states=states,
-                extra=extra,
-                files=payload.files,
-                mlflow_run_id=self.tracker.run_id if self.tracker is not None else None,
-            )
+                step=payload.step, epoch=payload.epoch, model_state=payload.model_state,
+                optimizer_state=payload.optimizer_state, data_position=payload.data_position, stage_states=states,
+                extra=extra, files=payload.files, mlflow_run_id=self.tracker.run_id if self.tracker is not None else None)
         finally:
             if self.dist is not None:
                 self.dist.barrier()

@@ -20,25 +20,13 @@ MAX_MANIFEST_BYTES = 1 * 2**20
 MAX_STATE_BYTES = 256 * 2**20
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
-__all__ = [
-    "FORMAT_VERSION",
-    "LATEST",
-    "MAX_MANIFEST_BYTES",
-    "MAX_STATE_BYTES",
-    "REQUIRED_FILES",
-    "Checkpoint",
-    "Expected",
-    "InvalidCheckpoint",
-    "checkpoint_size_estimate",
-    "load_checkpoint",
-    "plain_name",
-]
+__all__ = ["FORMAT_VERSION", "LATEST", "MAX_MANIFEST_BYTES", "MAX_STATE_BYTES", "REQUIRED_FILES", "Checkpoint", "Expected",
+           "InvalidCheckpoint", "checkpoint_size_estimate", "load_checkpoint", "plain_name"]
 
 
 class InvalidCheckpoint(CheckpointError):
-    """The directory is not a usable checkpoint (missing, corrupted or malformed files). ``--resume
-    latest`` falls back past these to the newest valid one; a checkpoint of another configuration is a
-    plain :class:`CheckpointError` (a decision to make, not damage to skip)."""
+    """Not a usable checkpoint (missing, corrupted or malformed files): ``--resume latest`` falls back past these
+    to the newest valid one (another configuration is a plain :class:`CheckpointError`: not damage to skip)."""
 
 
 def _invalid(path: Path, why: str) -> InvalidCheckpoint:
@@ -120,27 +108,22 @@ def _check_identity(path: Path, state: dict[str, Any], expected: Expected) -> No
                                       {k: v for k, v in expected.settings.items() if k in length})
         if diffs:
             shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
-            raise CheckpointError(
-                f"cannot resume from {path}: the checkpoint was written by another configuration ({shown}); "
-                "these change the trained weights or the data order: resume with the checkpoint's values, or drop "
-                "--resume to start a fresh run (in another output_dir)"
-            )
+            raise CheckpointError(f"cannot resume from {path}: the checkpoint was written by another configuration "
+                                  f"({shown}); these change the trained weights or the data order: resume with the "
+                                  "checkpoint's values, or drop --resume to start a fresh run (in another output_dir)")
         if longer and not expected.extend:
-            raise CheckpointError(
-                f"cannot resume from {path}: the checkpoint was written by another configuration, with another run "
-                f"length ({'; '.join(longer)}); pass --extend to train on to the new length (the learning-rate "
-                "schedule is re-planned for the new total), or resume with the checkpoint's values"
-            )
+            raise CheckpointError(f"cannot resume from {path}: the checkpoint was written by another configuration, with "
+                                  f"another run length ({'; '.join(longer)}); pass --extend to train on to the new length "
+                                  "(the learning-rate schedule is re-planned for the new total), or resume with the "
+                                  "checkpoint's values")
         return
     have = state.get("config_hash")
     if not expected.config_hash or have in (expected.config_hash, expected.legacy_hash):
         return
-    raise CheckpointError(
-        f"cannot resume from {path}: the checkpoint was written by another configuration (config hash {have} != "
-        f"{expected.config_hash}; it predates checkpoints that record their settings, so the fields that differ "
-        "cannot be named): resume with the pipeline file and --set options it was written with, or drop --resume "
-        "to start a fresh run (in another output_dir)"
-    )
+    raise CheckpointError(f"cannot resume from {path}: the checkpoint was written by another configuration (config hash "
+                          f"{have} != {expected.config_hash}; it predates checkpoints that record their settings, so the "
+                          "fields that differ cannot be named): resume with the pipeline file and --set options it was "
+                          "written with, or drop --resume to start a fresh run (in another output_dir)")
 
 
 def plain_name(name: Any) -> bool:
@@ -202,8 +185,7 @@ def _out_of_range(value: Any, where: str, depth: int = 0) -> str | None:
 
 
 def _check_state(path: Path, state: Any) -> dict[str, Any]:
-    from dflash_flow.data.epoch import MAX_POSITION
-    from dflash_flow.data.position import DataPosition
+    from dflash_flow.data.epoch import MAX_POSITION, DataPosition
 
     def need(ok: bool, why: str) -> None:
         if not ok:
@@ -240,12 +222,10 @@ def _check_state(path: Path, state: Any) -> dict[str, Any]:
     return state
 
 
-def load_checkpoint(path: str | Path, *, expected_config_hash: str | None = None,
-                    expected: Expected | None = None) -> Checkpoint:
+def load_checkpoint(path: str | Path, *, expected: Expected | None = None) -> Checkpoint:
     """Read and verify one checkpoint directory (nothing is unpickled here; the weights and the optimizer
-    state are loaded on demand, from safetensors and with ``weights_only``). ``expected`` (or just
-    ``expected_config_hash``): the configuration it must have been written by, else CheckpointError naming
-    each setting that differs."""
+    state are loaded on demand, from safetensors and with ``weights_only``). ``expected``: the configuration
+    it must have been written by, else CheckpointError naming each setting that differs."""
     path = Path(path)
     if not (path / "MANIFEST.json").is_file():
         raise _invalid(path, "no MANIFEST.json (an incomplete checkpoint, or not a checkpoint)")
@@ -261,25 +241,14 @@ def load_checkpoint(path: str | Path, *, expected_config_hash: str | None = None
         if actual != digest:
             raise _invalid(path, f"{name} is corrupted (checksum mismatch)")
     state = _check_state(path, _read_json(path, "state.json", MAX_STATE_BYTES))
-    if expected is None and expected_config_hash:
-        expected = Expected(expected_config_hash)
     if expected is not None:
         _check_identity(path, state, expected)
     _check_safetensors_header(path)
-    return Checkpoint(
-        path=path,
-        step=state["step"],
-        epoch=state["epoch"],
-        data_position=state.get("data_position") or {},
-        stage_states=state.get("stage_states") or {},
-        mlflow_run_id=state.get("mlflow_run_id"),
-        config_hash=state.get("config_hash") or "",
-        extra=state.get("extra") or {},
-        run_uid=state.get("run_uid"),
-        data_files=state.get("data_files") or {},
-        settings=state.get("settings"),
-        checkpoint_dir=state.get("checkpoint_dir"),
-    )
+    return Checkpoint(path=path, step=state["step"], epoch=state["epoch"], data_position=state.get("data_position") or {},
+                      stage_states=state.get("stage_states") or {}, mlflow_run_id=state.get("mlflow_run_id"),
+                      config_hash=state.get("config_hash") or "", extra=state.get("extra") or {},
+                      run_uid=state.get("run_uid"), data_files=state.get("data_files") or {},
+                      settings=state.get("settings"), checkpoint_dir=state.get("checkpoint_dir"))
 
 
 def _check_safetensors_header(path: Path) -> None:

@@ -1,10 +1,16 @@
-"""The ``export``, ``eval`` and ``regenerate`` commands: each one function from CLI arguments to an
-exit code (user errors are one line and exit 2)."""
+"""The ``export``, ``eval``, ``regenerate`` and ``serve-target`` commands: each one function from CLI arguments
+to an exit code (user errors are one line and exit 2).
+
+``serve-target PIPELINE`` prints the exact vLLM server command for the pipeline's target (docs/engine.md): the
+target and its layers from ``model:``, the features directory from ``model.engine`` (default tmpfs on one
+node). The command goes to stdout alone (``$(dflash-flow serve-target p.yaml)`` works); notes to stderr."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from dflash_flow.app.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, report_user_error
 
@@ -48,8 +54,8 @@ def export_checkpoint(checkpoint: Path, out: Path, target: str | None = None) ->
     the checkpoint, inside the input, or over a directory holding anything but an earlier export."""
     # torch and transformers (seconds to import) only once the checkpoint and the destination checked out:
     # a mistaken command (no checkpoint there, an output that is an input) fails at once.
+    from dflash_flow.app.checkpoint import Checkpointer
     from dflash_flow.app.checkpoint_format import LATEST, load_checkpoint
-    from dflash_flow.app.checkpointer import Checkpointer
     from dflash_flow.core.errors import CheckpointError
     from dflash_flow.model.export_contract import check_destination, format_serve_commands, serve_commands
 
@@ -80,7 +86,7 @@ def export_checkpoint(checkpoint: Path, out: Path, target: str | None = None) ->
 def write_output_text(path: Path, text: str, what: str) -> int:
     """Write a command's text output file (``graph -o``); a path that cannot be one is one line, exit 2."""
     from dflash_flow.app.exits import UserError
-    from dflash_flow.app.output_dir import check_output_file
+    from dflash_flow.app.prepare import check_output_file
     from dflash_flow.util import atomic_write_text
 
     try:
@@ -112,10 +118,10 @@ def eval_command(drafter: Path, target: str, prompts: Path, max_new_tokens: int,
     """``dflash-flow eval``: real speculative decoding with any exported drafter and its target, greedy and
     (``temperature`` > 0) sampled, at each horizon; with ``walk_data``, the teacher-forced walk beside it."""
     from dflash_flow.app.model_spec import resolve_target
-    from dflash_flow.app.session import quiet_libraries
+    from dflash_flow.app.runner import quiet_libraries
     from dflash_flow.core.errors import CheckpointError
     from dflash_flow.model.evaluation import evaluate_exported
-    from dflash_flow.observe.progress import summary_table
+    from dflash_flow.observe.console import render_table as summary_table
 
     try:
         drafter = _drafter_dir(drafter)
@@ -159,8 +165,8 @@ def eval_command(drafter: Path, target: str, prompts: Path, max_new_tokens: int,
 def _drafter_dir(drafter: Path) -> Path:
     """``eval --drafter``: an export, a training checkpoint, or -- as ``--resume`` takes them -- a checkpoints
     directory or its ``latest`` file, which name its newest checkpoint (its drafter weights and config)."""
+    from dflash_flow.app.checkpoint import Checkpointer
     from dflash_flow.app.checkpoint_format import LATEST
-    from dflash_flow.app.checkpointer import Checkpointer
 
     path = latest_marker_dir(drafter)
     if path.is_dir() and not (path / "config.json").is_file() and (
@@ -177,17 +183,24 @@ def _eval_argument_problem(drafter: Path, target: str, prompts: Path, tokenizer:
                         *(("--horizon", h) for h in horizons)):
         if int(value) < 1:
             return f"{name} must be at least 1, got {value}"
+    if problem := model_path_problem(drafter, target, tokenizer):
+        return problem
+    if not Path(prompts).expanduser().is_file():
+        return f"--prompts {prompts}: no such file"
+    if walk_data not in (None, "embedded") and not Path(walk_data).expanduser().is_file():
+        return f"--walk-data {walk_data}: no such file"
+    return None
+
+
+def model_path_problem(drafter: Path, target: str | None, tokenizer: str | None) -> str | None:
+    """A ``--target`` or ``--tokenizer`` path (absolute, relative, home; anything else is a preset name or a hub
+    id) that does not exist, or a ``--drafter`` that is not a directory (None: neither)."""
     for name, value in (("--target", target), ("--tokenizer", tokenizer)):
-        # A path (absolute, relative, home) must exist; anything else is a preset name or a hub id.
         if value and value != "embedded" and value.startswith(("/", ".", "~")) and not Path(value).expanduser().exists():
             return f"{name} {value} does not exist (a local model directory, a preset name or a hub id)"
     if not Path(drafter).expanduser().is_dir():
         return (f"--drafter {drafter} does not exist" if not Path(drafter).expanduser().exists()
                 else f"--drafter {drafter} is not a directory (an exported drafter is one)")
-    if not Path(prompts).expanduser().is_file():
-        return f"--prompts {prompts}: no such file"
-    if walk_data not in (None, "embedded") and not Path(walk_data).expanduser().is_file():
-        return f"--walk-data {walk_data}: no such file"
     return None
 
 
@@ -228,7 +241,7 @@ def regenerate_command(prompts: Path, target: str | None, out: Path, batch_size:
                        system_prompt: str | None, server_only: list[str] | None = None) -> int:
     """``dflash-flow regenerate``: replies regenerated greedily by the target (batched, resumable)."""
     from dflash_flow.app.model_spec import resolve_target
-    from dflash_flow.app.session import quiet_libraries
+    from dflash_flow.app.runner import quiet_libraries
     from dflash_flow.embedded import regenerate
 
     if server_only:
@@ -328,9 +341,8 @@ def served_summary(stats, out: Path) -> str:
 
 
 def regenerate_warnings(stats, max_new_tokens: int) -> list[str]:
-    """What a finished regeneration should tell the user: empty replies (nothing for a drafter to learn
-    from; usually a chat template or system prompt that makes the target end its turn at once) and
-    replies cut at ``--max-new-tokens``."""
+    """What a finished regeneration should tell the user: empty replies (nothing for a drafter to learn from)
+    and replies cut at ``--max-new-tokens``."""
     lines = []
     if stats.empty:
         lines.append(f"{stats.empty} of {stats.replies} replies generated now are empty (the target ended its "
@@ -340,3 +352,60 @@ def regenerate_warnings(stats, max_new_tokens: int) -> list[str]:
         lines.append(f"{stats.truncated} of {stats.replies} replies stopped at --max-new-tokens {max_new_tokens} "
                      "(finish_reason \"length\"); raise it for whole replies")
     return lines
+
+
+def serve_target_line(v: Any, *, tp: int = 1, port: int = 8000, host: str | None = None, python: str = "python",
+                      dtype: str | None = None, max_model_len: int | None = None,
+                      pythonpath: bool = True) -> tuple[str, list[str]]:
+    """(the shell line, notes) for the validated pipeline ``v``. Raises ValueError with one line when the
+    pipeline's target cannot be served (a preset, unknown depth, the last layer)."""
+    from dflash_flow.app.model_spec import build_model_spec
+    from dflash_flow.engine.command import package_root, shell_line, to_engine_layer_ids, vllm_server_argv
+    from dflash_flow.engine.config import EngineConfig
+    from dflash_flow.model.facts import preset_params
+
+    spec = build_model_spec(v.graph)
+    target = spec.require_target("serve-target")
+    if not isinstance(target, str) or (preset_params(target) is not None and not os.path.isdir(target)):
+        raise ValueError(f"model.target {spec.declared!r} is a preset: it exists only in this process, a vLLM server "
+                         "cannot load it (use a model directory or hub id)")
+    depth = spec.facts.depth if spec.facts is not None else None
+    if depth is None and spec.explicit_layer_ids is None:
+        raise ValueError(f"the depth of {target} is not readable here (no local config.json): set "
+                         "model.target_layer_ids, or run serve-target where the model directory is")
+    ids = spec.layer_ids(depth)
+    engine_ids = to_engine_layer_ids(ids, depth)
+    cfg = spec.engine if spec.engine is not None else EngineConfig()
+    launch = cfg.launch
+    argv = vllm_server_argv(
+        python=python, target=target, engine_layer_ids=engine_ids, features_dir=cfg.server_features_dir(), port=port,
+        host=host, tp=tp, dtype=dtype or (launch.dtype if launch is not None else "auto"),
+        max_model_len=max_model_len or (launch.max_model_len if launch is not None else None),
+        prefix_caching=cfg.prefix_caching, trust_remote_code=spec.trust_remote_code,
+        served_model=cfg.served_model or "target")
+    env = {"PYTHONPATH": package_root()} if pythonpath else {}
+    line = shell_line(argv, env, api_key_env=cfg.api_key_env)
+    notes = [
+        f"target layers {ids} (ours) -> vLLM {engine_ids}; chunked prefill off; prefix caching "
+        f"{'on' if cfg.prefix_caching else 'off'}; our connector writes features to {cfg.server_features_dir()}",
+        f"PYTHONPATH lets vLLM import dflash_flow.engine.vllm_connector from {package_root()}; on another node "
+        "point it at a copy of dflash-flow there (or pip install --no-deps dflash-flow in the vLLM environment)",
+        "then list each server in model.engine.servers (http://<node>:<port>) and keep model.engine.features_dir "
+        "the same directory as seen by the trainer (path_map where it is mounted elsewhere)",
+    ]
+    if spec.engine is None:
+        notes.append("the pipeline has no model.engine section yet: add one (servers: [...]) to train from these servers")
+    return line, notes
+
+
+def serve_target_command(v: Any, *, tp: int, port: int, host: str | None, python: str, dtype: str | None,
+                         max_model_len: int | None) -> int:
+    try:
+        line, notes = serve_target_line(v, tp=tp, port=port, host=host, python=python, dtype=dtype,
+                                        max_model_len=max_model_len)
+    except ValueError as exc:
+        return report_user_error(exc)
+    for n in notes:
+        print(f"# {n}", file=sys.stderr)
+    print(line)
+    return 0

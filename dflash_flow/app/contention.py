@@ -1,20 +1,14 @@
-"""CPU contention in ``plan``'s model: the threads of the ranks on one machine share its cores, and while
-more of them are runnable than there are cores each waits for one. A profile measures every replica
-thread's CPU seconds and its seconds waiting, runnable, for a core (the kernel's run-queue wait,
-``ReplicaSnapshot.cpu_wait_s``); this module predicts that wait for another mix of replicas or ranks.
+"""CPU contention in ``plan``'s model: the threads of the ranks on one machine share its cores. A profile
+measures each replica thread's CPU seconds and its seconds waiting, runnable, for a core
+(``ReplicaSnapshot.cpu_wait_s``); this module predicts that wait for another mix of replicas or ranks.
 
-The model. ``C`` cores are shared equally by the runnable threads (processor sharing), and the threads
-are runnable independently of one another. A thread of stage ``s`` runs ``c_s`` CPU-seconds per trained
-batch (over its replicas) and is runnable ``rho = X (c_s + q_s) / r_s`` of the time at ``X`` batches/s
-with ``r_s`` replicas; while it runs with ``K`` others runnable it progresses at ``C / (K + 1)``, so per
-CPU-second it waits ``E[max(0, (K + 1) / C - 1)]`` (K Poisson-binomial over the other threads, those of
-the other ranks included). Each stage's work per batch is then its measured work plus the change of
-its predicted wait from the profiled mix to the asked one (what the model does not cover, such as
-another process's load, stays as measured; the profiled mix predicts its own rate). The process's CPU that no replica thread ran (the sampler, torch's
-intra-op workers, the Monitor) counts as background threads, runnable in proportion. On a 2-core box the
-model foresaw the drafter's wait with a second TargetForward thread (0.016 s a batch from the 1-target
-profile, against 0.014-0.024 s measured in 2-target runs); it leaves out the GIL (Python-heavy threads
-also wait for it, about as long again there) and correlated threads.
+The model: ``C`` cores shared equally by the runnable threads, runnable independently. A thread of stage
+``s`` runs ``c_s`` CPU-seconds per trained batch and is runnable ``rho = X (c_s + q_s) / r_s`` of the time
+at ``X`` batches/s; with ``K`` others runnable it progresses at ``C / (K + 1)``, so per CPU-second it waits
+``E[max(0, (K + 1) / C - 1)]`` (K Poisson-binomial over the other threads, other ranks' included). A
+stage's work per batch is its measured work plus the change of its predicted wait from the profiled mix
+to the asked one (what the model leaves out, another process's load, stays as measured). The process's
+CPU that no replica thread ran counts as background threads. The GIL and correlated threads are left out.
 """
 
 from __future__ import annotations
@@ -67,14 +61,10 @@ def _capped(name: str, p: float, count: int) -> tuple[str, float, int]:
 def _threads(profile: Any) -> dict[str, tuple[float, float]] | None:
     """Stage -> (CPU seconds, core-wait seconds) per trained batch, for the stages with threads that work
     (observers' sampling left out); None when the profile did not measure them."""
-    out = {}
-    for name, s in profile.stages.items():
-        if s.observer:
-            continue
-        if s.cpu_s_per_batch is None or s.cpu_wait_s_per_batch is None:
-            return None
-        out[name] = (s.cpu_s_per_batch, s.cpu_wait_s_per_batch)
-    return out
+    active = {name: s for name, s in profile.stages.items() if not s.observer}
+    if any(s.cpu_s_per_batch is None or s.cpu_wait_s_per_batch is None for s in active.values()):
+        return None
+    return {name: (s.cpu_s_per_batch, s.cpu_wait_s_per_batch) for name, s in active.items()}
 
 
 def waits(profile: Any, replicas: Mapping[str, int], ranks: int, cores: float, rate: float,
@@ -83,9 +73,8 @@ def waits(profile: Any, replicas: Mapping[str, int], ranks: int, cores: float, r
     ranks with ``replicas`` (stage -> count; the profiled count for stages not named)."""
     threads = _threads(profile) or {}
     counts = {n: max(1, int(replicas.get(n, profile.stages[n].replicas))) for n in threads}
-    background = 0.0
-    if profile.cpu_s_per_batch is not None:
-        background = max(0.0, profile.cpu_s_per_batch - sum(c for c, _ in threads.values()))
+    background = (0.0 if profile.cpu_s_per_batch is None else
+                  max(0.0, profile.cpu_s_per_batch - sum(c for c, _ in threads.values())))
     q = {n: float((start or {}).get(n, w)) for n, (_, w) in threads.items()}
     for _ in range(ITERATIONS):
         rho = {n: min(1.0, rate * (c + q[n]) / counts[n]) for n, (c, _) in threads.items()}

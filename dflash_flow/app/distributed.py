@@ -1,25 +1,19 @@
-"""Data-parallel runs under torchrun: the process group, the per-rank services, and one run per job.
-
-Every rank runs the same DAG on its share of one global plan (``data.epoch``: global steps of one batch per
-rank). This module owns what makes the ranks one job: ``torch.distributed`` initialised once per process
-with a timeout (a collective that waits on a dead rank fails instead of hanging), two extra gloo groups
-so that threads never interleave collectives on one group (the trainer's checkpoint gathers; the
-Monitor's metric reductions), and the reductions themselves. We never schedule anything across
-machines: torchrun starts the processes, rendezvous and restarts are its job.
-"""
+"""Data-parallel runs under torchrun (which starts the processes): what makes the ranks one job.
+``torch.distributed`` initialised with a timeout (a collective waiting on a dead rank fails, never hangs), two
+extra gloo groups so that threads never interleave collectives on one group (the trainer's checkpoint
+gathers; the Monitor's metric reductions), the reductions, and which rank held the job up."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
+import threading
+import time
 from typing import Any
 
 import attrs
-
-
-def under_torchrun() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
 
 
 @attrs.define(eq=False)
@@ -52,9 +46,8 @@ class Distributed:
         dist.barrier(group=self.control)
 
     def agree_to_stop(self, stop_requested: bool) -> bool:
-        """Whether any rank of the job was asked to stop (Ctrl-C, SIGTERM), agreed by every rank at the same
-        step (``RunServices.stop_consensus``; on the control group, from the trainer's thread): the data
-        position then is one for all of them and no collective waits in vain."""
+        """Whether any rank of the job was asked to stop, agreed by every rank at the same step (from the
+        trainer's thread): the data position is then one for all, and no collective waits in vain."""
         return any(self.all_gather_object(stop_requested))
 
     def reduce_train(self, metrics: dict[str, float], position_accuracy: tuple[float, ...],
@@ -85,10 +78,9 @@ def _short(value: Any) -> str:
 
 
 def disagreement(per_rank: list[dict[str, Any]]) -> str | None:
-    """What the ranks of one job disagree on (None: nothing): each rank's start-up facts (the config hash,
-    the data fingerprints, the package version), compared with rank 0's, naming the field and the ranks.
-    The multi-node recipe runs the command on every node separately: another YAML, ``--set``, data copy or
-    code version on one node would otherwise train silently wrong (samples skipped or trained twice)."""
+    """What the ranks of one job disagree on (None: nothing): each rank's start-up facts (config, data
+    fingerprints, package version) against rank 0's, naming the field and the ranks. Each node runs the command
+    separately: another YAML, data copy or version on one node would otherwise train silently wrong."""
     if not per_rank:
         return None
     base = per_rank[0]
@@ -114,20 +106,9 @@ def disagreement(per_rank: list[dict[str, Any]]) -> str | None:
 
 # What a collective raises on a rank whose peer went away (gloo, NCCL, the TCP store): that rank only
 # stopped because another one failed first, and must not be blamed for the job's failure.
-PEER_LOST_MARKERS = (
-    "connection closed by peer",
-    "connection reset by peer",
-    "broken pipe",
-    "remote worker crashing",
-    "communicator was aborted",
-    "nccl error",
-    "ncclremoteerror",
-    "socket timeout",
-    "timed out waiting",
-    "dist_network_error",
-    "distnetworkerror",
-    "distbackenderror",
-)
+PEER_LOST_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote worker crashing",
+                     "communicator was aborted", "nccl error", "ncclremoteerror", "socket timeout", "timed out waiting",
+                     "dist_network_error", "distnetworkerror", "distbackenderror")
 
 
 def lost_peer(exc: BaseException | str | None) -> bool:
@@ -144,18 +125,15 @@ def lost_peer(exc: BaseException | str | None) -> bool:
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         names = {c.__name__ for c in type(exc).__mro__}
-        if names & {"DistNetworkError", "DistBackendError", "DistStoreError"}:
-            return True
-        if lost_peer(f"{type(exc).__name__}: {exc}"):
+        if names & {"DistNetworkError", "DistBackendError", "DistStoreError"} or lost_peer(f"{type(exc).__name__}: {exc}"):
             return True
         exc = (exc.original if isinstance(exc, StageError) else None) or exc.__cause__ or exc.__context__
     return False
 
 
 def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """One dict from every rank's step metrics, each key reduced as declared (``items.TRAIN_METRIC_REDUCTIONS``
-    through ``observe.schema.train_reduction``: sums for tokens and samples, max for times, means otherwise).
-    A rank that has no value for a key (a step of filler batches only has no loss) is left out of it."""
+    """One dict from every rank's step metrics, each key reduced as declared (``observe.schema.train_reduction``);
+    a rank with no value for a key (a step of filler batches only has no loss) is left out of it."""
     from dflash_flow.observe.schema import train_reduction
 
     keys = sorted({k for m in per_rank for k in m})
@@ -171,8 +149,7 @@ def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
 
 def node_layouts(visible: int, local_world_size: int, runtime: Any = None) -> list[Any]:
     """Every local rank's GPU slice (``core.devices.RankLayout``) under ``runtime``'s ``gpus_per_rank`` and
-    ``share_gpus`` (None: the defaults, sharing exactly when there are more ranks than GPUs, the only way such a
-    layout passes validation)."""
+    ``share_gpus`` (None: sharing exactly when there are more ranks than GPUs)."""
     from dflash_flow.core.devices import RankLayout
 
     ranks = max(int(local_world_size), 1)
@@ -184,8 +161,7 @@ def node_layouts(visible: int, local_world_size: int, runtime: Any = None) -> li
 
 def shared_gpus(layouts: list[Any]) -> tuple[int, int, int] | None:
     """``(rank, other rank, GPU)`` for two local ranks whose GPU slices meet (None: every rank has its own): NCCL
-    refuses two ranks of one communicator on one GPU ("Duplicate GPU detected"), and a rank's drafter may run on
-    any GPU of its slice."""
+    refuses two ranks of one communicator on one GPU ("Duplicate GPU detected")."""
     owner: dict[int, int] = {}
     for layout in layouts:
         for gpu in layout.gpus():
@@ -206,8 +182,7 @@ def choose_backend(requested: str, *, cuda: bool, layouts: list[Any]) -> str:
 
 def backend_problem(requested: str, layouts: list[Any]) -> str | None:
     """Why ``distributed.backend: requested`` cannot run on ``layouts`` (None: it can): nccl with two local ranks
-    on one GPU fails in the drafter's first collective, after every target has loaded. For ``validate`` and
-    ``run`` before any thread starts (``node_layouts`` gives the layouts of ``--nproc`` ranks on ``--gpus``)."""
+    on one GPU fails in the drafter's first collective, after every target has loaded."""
     meet = shared_gpus(layouts) if requested == "nccl" else None
     if meet is None:
         return None
@@ -219,9 +194,8 @@ def backend_problem(requested: str, layouts: list[Any]) -> str | None:
 
 def init_distributed(config: Any, *, use_cuda: bool, runtime: Any = None) -> Distributed | None:
     """Join the job torchrun started (None when this process is the whole job). ``runtime``: the pipeline's
-    runtime options (``gpus_per_rank``, ``share_gpus``), which decide whether ranks share GPUs
-    (``choose_backend``)."""
-    if not under_torchrun():
+    runtime options, which decide whether ranks share GPUs (``choose_backend``)."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
         return None
     import torch
     import torch.distributed as dist
@@ -262,11 +236,8 @@ def shutdown_distributed(dist_ctx: Distributed | None, *, failed: bool) -> None:
     if failed:
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
         if abort is not None:
-            try:
+            with contextlib.suppress(Exception):  # the process is ending anyway
                 abort()
-                return
-            except Exception:  # noqa: BLE001 - the process is ending anyway
-                return
         return
     dist.destroy_process_group()
 
@@ -275,18 +246,13 @@ PROGRESS_KEY = "dflash_flow/progress/"
 
 
 class PeerProgress:
-    """Every rank's progress, seen by every rank: a thread publishes this rank's progress count (``progress()``,
-    ``core.watchdog.progress_count`` of its pipeline) with a beat every ``interval_s`` in the job's key-value
-    store (torchrun's, at MASTER_ADDR:MASTER_PORT), and reads the others'. When a collective fails because a
-    peer never joined (a rank stopped with SIGSTOP, frozen, hung), the ranks that waited can say which rank it
-    was: the one whose beat stopped (its process no longer runs), else the one whose progress stopped first --
-    instead of each blaming itself. Best effort: without a store it says nothing."""
+    """Every rank's progress, seen by every rank: a thread publishes this rank's progress count with a beat
+    every ``interval_s`` in the job's key-value store (torchrun's), and reads the others'. When a collective
+    fails because a peer never joined (stopped, frozen, hung), the ranks that waited can name it: the one whose
+    beat stopped, else the one whose progress stopped first. Best effort: without a store it says nothing."""
 
     def __init__(self, dist_ctx: Distributed, progress: Any, interval_s: float = 1.0, store: Any = None,
                  clock: Any = None) -> None:
-        import threading
-        import time
-
         self.rank = dist_ctx.rank
         self.world_size = dist_ctx.world_size
         self.progress = progress
@@ -301,8 +267,6 @@ class PeerProgress:
         self._thread: threading.Thread | None = None
 
     def start(self) -> PeerProgress:
-        import threading
-
         if self._store is None:
             self._store = _job_store()
         if self._store is not None:
@@ -339,10 +303,9 @@ class PeerProgress:
                     seen[1], seen[3] = count, now
 
     def stalled(self) -> tuple[int, float, bool] | None:
-        """``(rank, seconds, silent)``: the other rank that most likely held the job up -- one whose beat
-        stopped (``silent``: its process no longer runs: stopped, frozen, dead) for more than three beats, the
-        longest silent first; else the one whose progress stopped first, if it stopped before this rank's did.
-        None when nothing tells."""
+        """``(rank, seconds, silent)``: the other rank that most likely held the job up -- the longest one
+        whose beat stopped for more than three beats (``silent``); else the one whose progress stopped first,
+        if before this rank's did. None when nothing tells."""
         now = self.clock()
         limit = 3 * self.interval_s
         with self._lock:
@@ -386,7 +349,7 @@ def _job_store() -> Any:
 
 
 def blame_stalled_peer(outcome: Any, peers: PeerProgress | None) -> Any:
-    """``outcome`` (``app.outcome.Outcome``) of a rank whose collective failed waiting for a peer, with the
+    """``outcome`` (``app.endrun.Outcome``) of a rank whose collective failed waiting for a peer, with the
     rank that held it up named (its first line ends with :meth:`PeerProgress.note`; ``held_up_by``,
     ``held_up_s`` set); as it is when nothing tells."""
     if peers is None or not outcome.lost_peer:

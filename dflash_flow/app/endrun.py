@@ -1,24 +1,151 @@
-"""The end of a run, and what it uploads: the resolved YAML and the DAG pictures, the run summary, the
-Monitor's record turned into report files and plots, artifact uploads (never of files outside the output
-directory), the printed table. Nothing here changes a run's outcome."""
+"""The end of a run: its ``Outcome`` (MLflow status, exit code, error) decided from what the pipeline raised,
+the ``RunReport`` the application returns, each rank's outcome record under torchrun (the launcher names the
+failing rank from these); and what it uploads and prints (the resolved YAML, the DAG pictures, the summary,
+the Monitor's report files and plots, never a file outside the output directory): none of it changes the
+outcome."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
+import time
+import traceback
 from pathlib import Path
 from typing import Any
 
+import attrs
+
+from dflash_flow.app.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USER_ERROR, is_user_input_error
+
 log = logging.getLogger("dflash_flow")
+
+
+@attrs.define
+class RunReport:
+    """What a run did: how it ended (MLflow status, exit code, the error shown), where it wrote, its MLflow run,
+    the last checkpoint, and the Monitor's record (``record.evals``, ``record.train``: the last metrics)."""
+
+    status: str
+    exit_code: int
+    error: str | None = None
+    output_dir: Path | None = None
+    mlflow_run_id: str | None = None
+    checkpoint: Path | None = None
+    record: Any = None  # observe.record.RunRecord
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == EXIT_OK
+
+
+@attrs.define
+class Outcome:
+    """How a run ended: MLflow status, exit code, the full error text (summary.json) and what the console
+    shows when that differs (a user error's one line instead of its traceback)."""
+
+    status: str = "FINISHED"
+    code: int = EXIT_OK
+    error: str | None = None
+    shown: str | None = None
+    # Where and when it failed (the launcher blames the rank whose fault came first, not the ranks that
+    # only lost their connection to it): the stage, the wall-clock time, whether it was a lost peer.
+    stage: str | None = None
+    at: float | None = None
+    lost_peer: bool = False
+    # The rank that held the job up (its progress stopped while this rank waited for it in a collective) and
+    # for how long, as this rank saw it (app.distributed.PeerProgress); the launcher names that rank.
+    held_up_by: int | None = None
+    held_up_s: float | None = None
+
+
+def outcome_of(exc: BaseException | None) -> Outcome:
+    from dflash_flow.app.distributed import lost_peer
+    from dflash_flow.core import StageError
+
+    out = _classify(exc)
+    if exc is not None:
+        out.stage = exc.stage if isinstance(exc, StageError) else None
+        out.at = time.time()
+        out.lost_peer = lost_peer(exc)
+    return out
+
+
+def _classify(exc: BaseException | None) -> Outcome:
+    from dflash_flow.core import PipelineInterrupted, PipelineStalled, StageError
+    from dflash_flow.core.stopping import StopSignal
+
+    if exc is None:
+        return Outcome()
+    if isinstance(exc, StageError):
+        original = "".join(traceback.format_exception(exc.original))
+        notes = "".join(f"\n{note}" for note in getattr(exc, "__notes__", []))
+        error = f"{exc}\n\nOriginal traceback ({exc.stage}[{exc.replica}], {exc.phase}):\n{original}{notes}"
+        if is_user_input_error(exc.original):
+            # Bad input data (a file that is missing, empty, truncated, not JSON...): the message names the
+            # file and line; a traceback would only bury it. summary.json keeps the traceback.
+            return Outcome("FAILED", EXIT_USER_ERROR, error, f"{exc}{notes}")
+        return Outcome("FAILED", EXIT_FAILED, error)
+    if isinstance(exc, PipelineStalled):
+        return Outcome("FAILED", EXIT_FAILED, str(exc))
+    if isinstance(exc, PipelineInterrupted):
+        return Outcome("KILLED", EXIT_INTERRUPTED, str(exc))
+    if isinstance(exc, KeyboardInterrupt):
+        # A stop signal before the pipeline's own handling started (the MLflow run's creation, stage imports).
+        name = f"{exc.name}, " if isinstance(exc, StopSignal) else ""
+        return Outcome("KILLED", EXIT_INTERRUPTED, f"pipeline interrupted ({name}before it started)")
+    full = "".join(traceback.format_exception(exc))
+    if is_user_input_error(exc):  # e.g. the disk filled up while the run's own files were written
+        return Outcome("FAILED", EXIT_USER_ERROR, full, str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+    return Outcome("FAILED", EXIT_FAILED, full)
+
+
+def blame_checkpoint(outcome: Outcome, exc: BaseException, path: Path) -> Outcome:
+    """A stage that could not continue from the resumed checkpoint's state (a ``SavedStateError`` raised
+    while restoring it: a crafted or damaged ``state.json``) says so as the loader does, naming the file."""
+    from dflash_flow.core import StageError
+    from dflash_flow.core.errors import SavedStateError
+
+    if not (isinstance(exc, StageError) and isinstance(exc.original, SavedStateError)):
+        return outcome
+    line = f"not a valid checkpoint: {path}: stage '{exc.stage}' replica {exc.replica}: {exc.original}"
+    return attrs.evolve(outcome, shown=line)
+
+
+def write_rank_outcome(output_dir: Path, dist_ctx, outcome: Outcome | None, run_id: str | None = None) -> None:
+    """Under torchrun every rank keeps one record of its state: RUNNING from the start (a rank killed
+    outright leaves it so), then how it ended; the launcher names the failing rank from these."""
+    if dist_ctx is None:
+        return
+    from dflash_flow.util import atomic_write_text
+
+    if outcome is None:
+        record = {"rank": dist_ctx.rank, "status": "RUNNING", "code": None, "error": None}
+    else:
+        first = (outcome.shown or outcome.error or "").strip().splitlines()
+        record = {"rank": dist_ctx.rank, "status": outcome.status, "code": outcome.code, "error": first[0] if first else None,
+                  "stage": outcome.stage, "time": outcome.at, "lost_peer": outcome.lost_peer,
+                  "held_up_by": outcome.held_up_by, "held_up_s": outcome.held_up_s}
+    record["pid"] = os.getpid()  # a second stop signal reaches the ranks through it (app.launch)
+    if run_id:
+        record["mlflow_run_id"] = run_id
+    from dflash_flow.app.launch import OUTCOME_DIR_ENV
+
+    # `dflash-flow run --nproc` gives its job a folder of its own (an earlier or concurrent job's records,
+    # or an output directory that cannot be made, never mix in); plain torchrun: OUTPUT/ranks.
+    own = os.environ.get(OUTCOME_DIR_ENV)
+    folder = Path(own) if own else output_dir / "ranks"
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(folder / f"rank{dist_ctx.rank}.json", json.dumps(record) + "\n")
 
 
 def write_pictures(graph, output_dir: Path) -> list[tuple[Path, str]]:
     """The resolved YAML and the DAG (Mermaid text, a PNG), as (file, artifact folder) pairs."""
     from dflash_flow.app.exits import UserError, describe_os_error
-    from dflash_flow.core.fill import complete_stage_configs
+    from dflash_flow.core.describe import render_image, to_mermaid
+    from dflash_flow.core.identity import complete_stage_configs
     from dflash_flow.core.redact import redact_text
-    from dflash_flow.core.render import render_image, to_mermaid
 
     files = [(output_dir / "pipeline.resolved.yaml", "config"), (output_dir / "pipeline.mmd", "dag")]
     try:
@@ -30,7 +157,7 @@ def write_pictures(graph, output_dir: Path) -> list[tuple[Path, str]]:
     try:
         image = render_image(graph, output_dir / "pipeline.png")
         if image is None:  # no graphviz: draw it ourselves
-            from dflash_flow.observe.dagplot import render_dag_png
+            from dflash_flow.observe.plots import render_dag_png
 
             image = render_dag_png(graph, output_dir / "pipeline.png")
         files.append((image, "dag"))
@@ -41,8 +168,7 @@ def write_pictures(graph, output_dir: Path) -> list[tuple[Path, str]]:
 
 class ContainedUploads:
     """The run's tracker, seen by everything that uploads: a file or directory whose real location (links
-    followed) is outside the output directory is not uploaded (a warning names it). Everything else is the
-    tracker's own."""
+    followed) is outside the output directory is not uploaded (a warning names it)."""
 
     def __init__(self, tracker: Any, root: Path) -> None:
         self._tracker = tracker
@@ -53,8 +179,6 @@ class ContainedUploads:
 
     def escapes(self, path: Path) -> Path | None:
         """The first path (``path`` itself, or a link under it) that leads out of the root, if any."""
-        import os
-
         from dflash_flow.util import is_within
 
         if not is_within(path, self._root):
@@ -68,8 +192,6 @@ class ContainedUploads:
         return None
 
     def log_artifact(self, path: Any, artifact_path: str | None = None) -> None:
-        import os
-
         bad = self.escapes(Path(path))
         if bad is not None:
             log.warning("not uploading %s: it leads outside output_dir %s (to %s)", path, self._root, os.path.realpath(bad))
@@ -142,9 +264,8 @@ def end_of_run(pipeline, services, outcome: Any, output_dir: Path, late: Any = N
 
 
 class RunExporter:
-    """The run's export (``services.Exporter``): the trained drafter written inside the output directory
-    (``model.export.DrafterExporter``), recorded in the run record for the end of run (its upload as the
-    ``drafter`` artifact, the serve commands printed last)."""
+    """The run's export (``services.Exporter``): the trained drafter written inside the output directory,
+    recorded in the run record for the end of run (uploaded as ``drafter``, its serve commands printed last)."""
 
     def __init__(self, output_dir: Path, record: Any) -> None:
         from dflash_flow.model.export import DrafterExporter

@@ -1,24 +1,20 @@
 """The serving engine's side of ``dflash-flow eval --suite ... --server URL``: the same token ids sent to a
 server already serving the drafter, one request at a time, and its acceptance read the engine's ways.
 
-* vLLM (``vllm serve TARGET --speculative-config '{"method": "dflash", "model": DRAFTER, ...}'``):
-  ``POST /v1/completions`` with the prompt as token ids (``return_token_ids``: the reply's ids come back);
-  the spec-decode counters of ``GET /metrics`` scraped before and after each suite (summed over its
-  engines, a reset refused: ``observe.engine_metrics``); per request ``metrics.speculative_decoding``
-  when the server runs with ``--per-request-spec-decode-metrics``.
+* vLLM: ``POST /v1/completions`` with the prompt as token ids (``return_token_ids``); the spec-decode
+  counters of ``GET /metrics`` scraped before and after each suite (``observe.engine_metrics``); per request
+  ``metrics.speculative_decoding`` when the server runs with ``--per-request-spec-decode-metrics``.
 * SGLang: ``POST /generate`` with ``input_ids``; ``meta_info`` carries ``spec_verify_ct``,
   ``completion_tokens`` and the histogram of accepted drafts.
 
-Which one a server is: ``--engine``, or found out (``/metrics`` naming ``vllm:`` metrics: vLLM; an answer
-from ``/server_info`` or ``/get_server_info``: SGLang). Requests go one after another (the counters of a
-suite are then its own: nothing else should use the server meanwhile, and when per-request figures are
-there their sum is checked against the counters). Greedy (temperature 0), the stop tokens sent
-explicitly, prompts never rendered by the server (no template can differ). Credentials in a URL never
-appear in a message or a result.
-"""
+Which one a server is: ``--engine``, or found out (``/metrics`` naming ``vllm:`` metrics; an answer from
+``/server_info`` or ``/get_server_info``: SGLang). Requests go one after another (a suite's counters are then
+its own), greedy, the stop tokens sent explicitly, prompts never rendered by the server. Credentials in a
+URL never appear in a message or a result."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -31,11 +27,11 @@ from dflash_flow.engine.http_client import HttpClient
 from dflash_flow.observe.engine_metrics import (
     EngineCounters,
     RequestSpec,
+    fetch_text,
     sglang_request,
     spec_counters,
     vllm_request,
 )
-from dflash_flow.observe.prometheus import fetch_text
 from dflash_flow.observe.runinfo import redact_text, redact_uri, uri_secrets
 
 __all__ = ["EngineError", "EngineReply", "EngineServer", "free_port", "launch_vllm", "scrape_all", "vllm_drafter_argv",
@@ -91,11 +87,9 @@ class EngineServer:
             raise EngineError(redact_text(f"{method} {self.name}{path}: {exc}", self._secrets)) from None
 
     def _detect(self) -> str:
-        try:
+        with contextlib.suppress(EngineError):
             if "vllm:" in self._get_text("/metrics"):
                 return "vllm"
-        except EngineError:
-            pass
         for path in ("/server_info", "/get_server_info"):
             try:
                 self._request("GET", path)
@@ -196,9 +190,8 @@ def vllm_drafter_argv(*, python: str, target: str, drafter: str, block_size: int
 
 def launch_vllm(argv: Sequence[str], *, port: int, log_path: Path, ready_timeout_s: float = 1200.0,
                 log: Callable[[str], None] | None = None, env: dict[str, str] | None = None):
-    """Start a vLLM server (``engine.launch``: its own process group, stopped on every exit path) and return
-    the ``LocalServers`` holding it (wait with ``wait_ready``, stop with ``stop``) and its base URL. ``env``:
-    the server's whole environment (default: this process's)."""
+    """Start a vLLM server (``engine.launch``: its own process group, stopped on every exit path); returns the
+    ``LocalServers`` holding it and its base URL. ``env``: the server's whole environment (default: ours)."""
     from dflash_flow.engine.launch import LocalServers, ServerSpec
 
     url = f"http://127.0.0.1:{port}"

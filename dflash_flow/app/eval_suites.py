@@ -2,12 +2,9 @@
 ways vLLM, SGLang and z-lab count it, in process and (``--server``) through a serving engine, with the
 check users lack: the engine's acceptance equal to ours on the same prompts, per suite and per position.
 
-What it writes: ``--out`` (JSON, per suite: ours, the engine's figures beside them under ``engine``, and
-``agreement``), a PNG of the per-position rates by suite beside it, a console table, and an MLflow run
-(``--tracking-uri`` / ``--experiment``; ``--no-mlflow`` for none). Exit 0; 1 when an engine disagreed with
-ours beyond the tolerances (after the loud warning); 2 for bad input (one line). ``docs/eval.md`` says
-what every figure counts.
-"""
+It writes ``--out`` (JSON per suite: ours, the engine's under ``engine``, and ``agreement``), a PNG of the
+per-position rates beside it, a console table and an MLflow run. Exit 0; 1 when an engine disagreed with
+ours beyond the tolerances; 2 for bad input. ``docs/eval.md`` says what every figure counts."""
 
 from __future__ import annotations
 
@@ -20,6 +17,7 @@ from typing import Any
 
 import attrs
 
+from dflash_flow.app.commands import model_path_problem
 from dflash_flow.app.exits import EXIT_FAILED, EXIT_OK, report_user_error
 
 log = logging.getLogger("dflash_flow")
@@ -73,12 +71,8 @@ class EvalSuitesOptions:
         if self.launch_vllm and not Path(self.launch_vllm).expanduser().is_file():
             return (f"--launch-vllm {self.launch_vllm}: no such file (the python of an environment with vLLM, "
                     "e.g. .venv-interop/bin/python)")
-        for name, value in (("--target", self.target), ("--tokenizer", self.tokenizer)):
-            if value and value != "embedded" and value.startswith(("/", ".", "~")) and not Path(value).expanduser().exists():
-                return f"{name} {value} does not exist (a local model directory, a preset name or a hub id)"
-        if not Path(self.drafter).expanduser().is_dir():
-            return (f"--drafter {self.drafter} does not exist" if not Path(self.drafter).expanduser().exists()
-                    else f"--drafter {self.drafter} is not a directory (an exported drafter is one)")
+        if problem := model_path_problem(self.drafter, self.target, self.tokenizer):
+            return problem
         if self.api_key_env and not os.environ.get(self.api_key_env):
             return f"--api-key-env: ${self.api_key_env} is not set in this environment"
         if self.out.suffix.lower() != ".json":
@@ -149,9 +143,7 @@ def eval_suites_command(opts: EvalSuitesOptions) -> int:
         if opts.launch_vllm:  # started now: it warms up while we decode in process
             local = _launch(opts, loaded)
         results = _measure(opts, loaded, suites, prompts, servers, local)
-    except (EngineError, LaunchError) as exc:
-        return report_user_error(exc)
-    except (ValueError, DataError) as exc:  # ContextTooLong, CounterReset: the input or the server
+    except (EngineError, LaunchError, ValueError, DataError) as exc:  # ValueError: ContextTooLong, CounterReset
         return report_user_error(exc)
     finally:
         if local is not None:
@@ -189,7 +181,7 @@ def _load(opts: EvalSuitesOptions) -> _Loaded:
     from transformers import AutoTokenizer
 
     from dflash_flow.app.model_spec import resolve_target
-    from dflash_flow.app.session import quiet_libraries
+    from dflash_flow.app.runner import quiet_libraries
     from dflash_flow.data.chat import stop_token_ids
     from dflash_flow.data.suites import thinking_switch
     from dflash_flow.model.block_drafter import draft_settings

@@ -2,8 +2,7 @@
 
 Every problem with the user's input or environment (config, data, checkpoint, paths, a full or read-only
 disk) is printed by :func:`report_user_error` as one ``error:`` line and ends the command with exit code 2;
-:func:`user_error` is the same for code that ends the command on the spot.
-"""
+:func:`user_error` is the same for code that ends the command on the spot."""
 
 from __future__ import annotations
 
@@ -19,10 +18,8 @@ EXIT_INTERRUPTED = 130  # SIGINT / SIGTERM
 # OSErrors that describe the machine the user gave the run, not a bug: a full disk, a read-only mount,
 # missing permissions, a file-size limit. They end a run with one line and exit 2 wherever they happen.
 # A path of the wrong kind (a file where a directory belongs, a loop of links, a name too long) is one too.
-ENVIRONMENT_ERRNOS = frozenset({
-    errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG,
-    errno.EISDIR, errno.ENOTDIR, errno.ELOOP, errno.ENAMETOOLONG,
-})
+ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG,
+                                errno.EISDIR, errno.ENOTDIR, errno.ELOOP, errno.ENAMETOOLONG})
 
 
 def guard_console() -> None:
@@ -37,25 +34,20 @@ class UserError(Exception):
     """Raised by application code for a problem with the user's input; the CLI prints it and exits 2."""
 
 
-def is_environment_error(exc: BaseException) -> bool:
-    return isinstance(exc, OSError) and exc.errno in ENVIRONMENT_ERRNOS
-
-
 def is_user_input_error(exc: BaseException) -> bool:
     """Errors that mean "your input (or your machine) is wrong" (exit code 2) rather than "the program
     failed" (1)."""
     from dflash_flow.core.errors import DflashFlowError
     from dflash_flow.data.records import DataError
 
-    return isinstance(exc, (DataError, DflashFlowError, UserError)) or is_environment_error(exc)
+    return isinstance(exc, (DataError, DflashFlowError, UserError)) or (
+        isinstance(exc, OSError) and exc.errno in ENVIRONMENT_ERRNOS)
 
 
-def describe_os_error(exc: OSError, path: object = None) -> str:
-    """``PATH: reason`` for an OSError, naming the file even when the error itself does not (a failed
-    ``write`` carries no file name)."""
-    where = path if path is not None else exc.filename
+def describe_os_error(exc: OSError) -> str:
+    """``PATH: reason`` for an OSError (the reason alone when it names no file)."""
     reason = exc.strerror or str(exc)
-    return f"{where}: {reason}" if where is not None else reason
+    return f"{exc.filename}: {reason}" if exc.filename is not None else reason
 
 
 def report_user_error(message: object) -> int:

@@ -85,7 +85,7 @@ def pipeline_identity(v, *, sources: Sequence[str] | None = None, ran: bool = Fa
     """The identity a store built for pipeline ``v`` has (``tokens`` aside: it needs the data; ``build`` adds
     it). ``ran``: the source stages have run (their tokenizers are the ones they loaded)."""
     from dflash_flow.app.model_spec import build_model_spec
-    from dflash_flow.data.keys import tokenizer_fingerprint
+    from dflash_flow.data.store import tokenizer_fingerprint
     from dflash_flow.model.feature_identity import store_identity, template_digest
 
     spec = build_model_spec(v.graph)
@@ -183,9 +183,8 @@ def device_for(explicit: str | None, local_rank: int) -> str:
 
 
 def target_backend(pf: PipelineFeatures, device: str):
-    """The backend the training run computes features with, set up on ``device``: the target's inference
-    engines when the pipeline declares ``model.engine``, else the target in this process with the target
-    stage's dtype, attention and threads."""
+    """The backend the training run computes features with, set up on ``device``: ``model.engine``'s servers,
+    else the target in this process with the target stage's dtype, attention and threads."""
     conf = pf.validated.configs[pf.target_stage]
     threads = getattr(conf, "torch_threads", None)
     if threads:
@@ -210,17 +209,7 @@ def compute_fn(backend):
     import torch
 
     def compute(batch):
-        rows = []
-        for sid, toks in batch:
-            ids = torch.from_numpy(np.array(toks, dtype=np.int64))[None]
-            rows.append(backend.features(ids, torch.ones_like(ids), [ids.shape[1]], [sid])[0, : ids.shape[1]].cpu())
-        return rows
+        ids = [(sid, torch.from_numpy(np.array(toks, dtype=np.int64))[None]) for sid, toks in batch]
+        return [backend.features(i, torch.ones_like(i), [i.shape[1]], [sid])[0, : i.shape[1]].cpu() for sid, i in ids]
 
     return compute
-
-
-def features_config(pf: PipelineFeatures):
-    from dflash_flow.model.features_config import FeaturesConfig
-
-    conf = pf.spec.features
-    return conf if isinstance(conf, FeaturesConfig) else FeaturesConfig()

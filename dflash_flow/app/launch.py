@@ -1,18 +1,16 @@
 """``dflash-flow run FILE --nproc N``: start the job under torchrun for the user, and say how it ended.
 
-torchrun (``torch.distributed.run``) starts the processes, runs the rendezvous and restarts workers
-(``--max-restarts``); this wrapper only builds its command line, passes the pipeline's arguments
-through, and afterwards reads each rank's outcome record (written into a folder of this job's own,
-``$DFLASH_FLOW_OUTCOME_DIR``) to name the rank where the fault was, with its stage and error, in one line:
-the earliest failure that is not a lost connection to a failed peer. A rank that died without writing
-one (SIGKILL, OOM) is named too.
+torchrun starts the processes, runs the rendezvous and restarts workers; this wrapper builds its command line
+and afterwards reads each rank's outcome record (in this job's own folder, ``$DFLASH_FLOW_OUTCOME_DIR``) to
+name, in one line, the rank where the fault was: the earliest failure that is not a lost connection to a
+failed peer, or a rank that died without writing one (SIGKILL, OOM).
 
-Stop signals (Ctrl-C, SIGTERM, a closed terminal's SIGHUP) reach this launcher only: torchrun runs in a
-session of its own, and its workers in theirs. The launcher hands the first one to torchrun, which hands
-it to every rank (each checkpoints and stops, as in one process); a second goes straight to the ranks
-still running (they force their stop), since torchrun, already stopping its workers, would die of it and
-leave them behind.
-"""
+Stop signals reach this launcher only (torchrun and its workers run in sessions of their own): the first goes
+to torchrun, which hands it to every rank (each checkpoints and stops); a second goes straight to the ranks
+still running, since torchrun, already stopping, would die of it and leave them behind.
+
+``python -m dflash_flow.app.launch [torchrun arguments]`` is torchrun's main less its ``SignalException``
+traceback on a stop signal: it ends with ``128 + signal``; every other exit is torchrun's own."""
 
 from __future__ import annotations
 
@@ -22,27 +20,18 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from dflash_flow.app.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USER_ERROR
 from dflash_flow.core.stopping import StopSignal, controller
 
 
-def torchrun_command(
-    file: Path,
-    *,
-    nproc: int,
-    nnodes: str = "1",
-    rdzv_endpoint: str | None = None,
-    rdzv_id: str | None = None,
-    max_restarts: int = 0,
-    overrides: list[str] | None = None,
-    resume: str | None = None,
-    extend: bool = False,
-) -> list[str]:
+def torchrun_command(file: Path, *, nproc: int, nnodes: str = "1", rdzv_endpoint: str | None = None,
+                     rdzv_id: str | None = None, max_restarts: int = 0, overrides: list[str] | None = None,
+                     resume: str | None = None, extend: bool = False) -> list[str]:
     """The torchrun command line that runs ``file`` on ``nproc`` processes per node."""
-    # torch.distributed.run's main, less its SignalException traceback when the job is stopped (app.torchrun_main)
-    cmd = [sys.executable, "-m", "dflash_flow.app.torchrun_main", f"--nproc-per-node={nproc}"]
+    cmd = [sys.executable, "-m", "dflash_flow.app.launch", f"--nproc-per-node={nproc}"]  # torchrun_main below
     if rdzv_endpoint is None and str(nnodes) == "1":
         cmd.append("--standalone")
     else:
@@ -128,8 +117,7 @@ def summarize(outcomes: dict[int, dict], ranks: list[int], returncode: int) -> s
     if rec.get("stalled"):
         waiter = rec["stalled"]
         error = str(waiter.get("error") or waiter.get("status")).split(f"; rank {r} made no progress", 1)[0]
-        if error.startswith(f"rank {waiter['by']}: "):
-            error = error[len(f"rank {waiter['by']}: "):]
+        error = error.removeprefix(f"rank {waiter['by']}: ")
         age = waiter.get("held_up_s")
         since = f" for {age:.0f} s" if isinstance(age, (int, float)) else ""
         return (f"rank {r} stopped making progress{since} (stopped with SIGSTOP or a debugger, frozen, or hung), and "
@@ -137,9 +125,7 @@ def summarize(outcomes: dict[int, dict], ranks: list[int], returncode: int) -> s
     if rec.get("status", "RUNNING") == "RUNNING":
         return (f"rank {r} died without reporting (killed by a signal, or out of memory; torchrun exit "
                 f"code {returncode}); the other ranks were stopped")
-    error = str(rec.get("error") or rec.get("status"))
-    if error.startswith(f"rank {r}: "):
-        error = error[len(f"rank {r}: "):]
+    error = str(rec.get("error") or rec.get("status")).removeprefix(f"rank {r}: ")
     line = f"rank {r} failed: {error}"
     followers = sorted(o for o, other in outcomes.items() if o != r and _failed(other) and other.get("lost_peer"))
     if rec.get("lost_peer"):
@@ -173,8 +159,6 @@ def mark_failed(tracking_uri: str | None, outcomes: dict[int, dict]) -> None:
 
 def launch(file: Path, output_dir: Path, *, world_size: int, tracking_uri: str | None = None, **kwargs) -> int:
     """Run torchrun in the foreground and return the job's exit code (see the module docstring)."""
-    import tempfile
-
     multi_node = str(kwargs.get("nnodes", "1")) != "1"
     with tempfile.TemporaryDirectory(prefix="dflash-flow-ranks-") as folder:
         # This job's own folder for the rank records: never an earlier or concurrent job's, and there even
@@ -232,12 +216,8 @@ def _hand_on(proc: subprocess.Popen, folder: Path, sig: int, *, first: bool) -> 
 def running_ranks(folder: Path, parent: int) -> list[int]:
     """The processes of the ranks whose record still says RUNNING and that are ``parent``'s children (a pid
     that died and was reused by another process is never signalled)."""
-    pids = []
-    for rec in rank_outcomes(folder).values():
-        pid = rec.get("pid")
-        if rec.get("status") == "RUNNING" and isinstance(pid, int) and _parent_of(pid) == parent:
-            pids.append(pid)
-    return pids
+    return [rec["pid"] for rec in rank_outcomes(folder).values()
+            if rec.get("status") == "RUNNING" and isinstance(rec.get("pid"), int) and _parent_of(rec["pid"]) == parent]
 
 
 def _parent_of(pid: int) -> int | None:
@@ -246,3 +226,18 @@ def _parent_of(pid: int) -> int | None:
         return int(stat[stat.rindex(")") + 2:].split()[1])  # after "pid (comm) state": the parent's pid
     except (OSError, ValueError, IndexError):
         return None
+
+
+def torchrun_main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import main as torchrun
+
+    try:
+        torchrun(argv)
+    except SignalException as exc:
+        return 128 + int(exc.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(torchrun_main())

@@ -1,16 +1,17 @@
-"""The model facts, resolved once: the one home of target resolution, the ``ModelSpec`` built from the
-``model:`` section, and the static checks that read it (``dflash-flow validate`` and ``run``): the layers the
-drafter fuses exist in the target, the mask token and a source's vocabulary fit the target's vocabulary, each
-stage's own view of the spec (``model.spec.UsesModel``), and the data files and model directories named exist
-(``check_paths=False`` skips that, for validating elsewhere).
-
-Each problem names the file and line of the value to change: the ``model:`` key, or the stage's own field.
-The target's sizes come from its ``config.json`` or its preset (``model.facts``: no torch, no transformers, no
-network); a target that cannot be read here (a hub id) is checked by the stages' setup instead.
-"""
+"""The static checks before a run (``validate`` and ``run``, before any thread starts), and the model facts they
+read, resolved once: target resolution, the ``ModelSpec`` built from the ``model:`` section; the fused layers
+exist in the target, the mask token and vocabularies fit, each stage's own view (``model.spec.UsesModel``),
+the data files and model directories named exist (unless ``check_paths=False``); then the checks across
+stages that generic validation cannot know, and for ``run`` the size of one checkpoint, the fingerprint of the
+data a resume must find unchanged, and whether ``--extend`` has anything to do. Each problem names the file
+and line of the value to change. The target's sizes come from its ``config.json`` or preset (``model.facts``:
+no torch, no network); a target that cannot be read here (a hub id) is checked by the stages' setup."""
 
 from __future__ import annotations
 
+import logging
+import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,8 @@ from dflash_flow.model.spec import ModelSpec, UsesModel
 
 
 def resolve_target(target: Any) -> Any:
-    """A ``target`` value as the model layer takes it: ``embedded`` is the target this project ships (its
-    directory, built on first use when the asset is missing); a mapping is a config preset; anything else a
-    path, preset name or hub id. The one place a declared target becomes a loadable one."""
+    """A declared ``target`` as the model layer takes it: ``embedded`` is the shipped target's directory (built
+    on first use); a mapping is a config preset; anything else a path, preset name or hub id."""
     if target is None:
         return None
     if isinstance(target, dict):
@@ -57,19 +57,12 @@ def build_model_spec(graph: Any) -> ModelSpec:
         section = ModelConfig(**section)
     target = resolve_target(section.target)
     ids = section.target_layer_ids
-    return ModelSpec(
-        declared=section.target,
-        target=target,
-        tokenizer=_tokenizer_dir(section.tokenizer, target),
-        trust_remote_code=bool(section.trust_remote_code),
-        num_draft_layers=section.num_draft_layers,
-        block_size=section.block_size,
-        mask_token_id=section.mask_token_id,
-        explicit_layer_ids=tuple(ids) if ids is not None else None,
-        facts=target_facts(target) if target is not None else None,
-        engine=getattr(section, "engine", None),
-        features=getattr(section, "features", None),
-    )
+    return ModelSpec(declared=section.target, target=target, tokenizer=_tokenizer_dir(section.tokenizer, target),
+                     trust_remote_code=bool(section.trust_remote_code), num_draft_layers=section.num_draft_layers,
+                     block_size=section.block_size, mask_token_id=section.mask_token_id,
+                     explicit_layer_ids=tuple(ids) if ids is not None else None,
+                     facts=target_facts(target) if target is not None else None,
+                     engine=getattr(section, "engine", None), features=getattr(section, "features", None))
 
 
 class _Where:
@@ -148,7 +141,7 @@ def _spec_problems(w: _Where, spec: ModelSpec) -> list[Problem]:
             f"target layer {bad[0]} does not exist: the target has {facts.depth} decoder layers (ids 0-"
             f"{facts.depth - 1})")))
     elif spec.engine is not None:  # the engine's ids are ours + 1: the last layer has no equal there
-        from dflash_flow.engine.layers import to_engine_layer_ids
+        from dflash_flow.engine.command import to_engine_layer_ids
 
         try:
             to_engine_layer_ids(ids, facts.depth)
@@ -197,3 +190,210 @@ def _path_problems(v: Validated, w: _Where, spec: ModelSpec) -> list[Problem]:
             if not any((p.line, p.message) == (found.line, found.message) for p in out):
                 out.append(found)
     return out
+
+
+def _located(loc, message: str, path: tuple, fallback: tuple = (), *, stage: str | None = None,
+             field: str | None = None) -> Problem:
+    """``message`` located at ``path`` of the pipeline file (else at ``fallback``)."""
+    line = None if loc is None else loc.line(*path) or (loc.line(*fallback) if fallback else None)
+    return Problem(message, file=loc.filename if loc is not None else None, line=line, stage=stage, field=field)
+
+
+def preflight_problems(v: Validated, *, check_paths: bool = True, local_world_size: int | None = None,
+                       gpu_count: int | None = None) -> list[Problem]:
+    """The static checks across stages: the model facts and each stage's view of them (``model_problems``:
+    layers the target has, sizes, files that exist unless ``check_paths`` is false), and a Bucketer token budget
+    smaller than the longest sample an upstream source may emit (it would only fail after reading all the
+    data)."""
+    from dflash_flow.stages.bucketer import Bucketer
+
+    graph = v.graph
+    loc = graph.locator
+    problems = model_problems(v, check_paths=check_paths)
+    for i, spec in enumerate(graph.stages):
+        conf = v.configs.get(spec.name)
+        if not isinstance(conf, Bucketer):
+            continue
+        problems += _mixture_problems(v, i, conf.mixture)
+        todo, seen = [inp.stage for inp in spec.inputs], set()
+        while todo:
+            name = todo.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            up = v.configs.get(name)
+            max_length = up.longest_item() if up is not None else None
+            if max_length is not None:
+                multiple = max(conf.pad_to_multiple, 1)
+                padded = math.ceil(max_length / multiple) * multiple
+                if conf.max_tokens < padded:
+                    problems.append(_located(
+                        loc, f"max_tokens={conf.max_tokens} is smaller than one sample: stage '{name}' emits samples "
+                        f"of up to max_length={max_length} tokens ({padded} padded); raise max_tokens or lower max_length",
+                        ("stages", i, "config", "max_tokens"), stage=spec.name, field="max_tokens"))
+                continue
+            todo.extend(inp.stage for inp in graph.stage(name).inputs)
+    if check_paths:
+        problems += aliased_data_files(v)
+    problems += _backend_problems(v, local_world_size, gpu_count)
+    return problems
+
+
+def _backend_problems(v: Validated, local_world_size: int | None, gpu_count: int | None) -> list[Problem]:
+    """``distributed.backend: nccl`` where the node's ranks would share a GPU (``validate --nproc N --gpus G``,
+    or the job's own ranks under torchrun): it would fail at the first collective, after every target loaded."""
+    from dflash_flow.app.distributed import backend_problem, node_layouts
+    from dflash_flow.core.devices import visible_gpu_count
+
+    ranks = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", 1) or 1)
+    gpus = visible_gpu_count() if gpu_count is None else gpu_count
+    if ranks < 2 or gpus < 1:
+        return []
+    graph = v.graph
+    message = backend_problem(graph.sections["distributed"].backend, node_layouts(gpus, ranks, graph.runtime))
+    if message is None:
+        return []
+    return [_located(graph.locator, message, ("distributed", "backend"), field="distributed.backend")]
+
+
+def preflight_warnings(v: Validated) -> list[str]:
+    """What validate says without refusing, one located line each: a stage that emits samples longer than the
+    target's context window (``max_length`` past its ``max_position_embeddings``)."""
+    graph = v.graph
+    loc = graph.locator
+    try:
+        facts = build_model_spec(graph).facts
+    except Exception:  # noqa: BLE001 - the model's own problems are reported by the checks
+        return []
+    window = facts.max_positions if facts is not None else None
+    if window is None:
+        return []
+    out = []
+    for i, spec in enumerate(graph.stages):
+        conf = v.configs.get(spec.name)
+        longest = conf.longest_item() if conf is not None else None
+        if longest is not None and longest > window:
+            out.append("warning: " + _located(
+                loc, f"max_length {longest} is past the target's context window of {window} positions "
+                "(max_position_embeddings): longer samples would run it where it was not trained; set max_length "
+                f"to at most {window}", ("stages", i, "config", "max_length"), stage=spec.name,
+                field="max_length").format())
+    return out
+
+
+def _mixture_problems(v: Validated, index: int, mixture: dict | None) -> list[Problem]:
+    """A Bucketer's mixture must weigh every source it draws from (the source stages upstream of it: samples
+    carry their source's name) and name nothing else; found here, not after every input was read."""
+    if mixture is None:
+        return []
+    graph = v.graph
+    spec = graph.stages[index]
+    sources, ancestors, todo = [], set(), [inp.stage for inp in spec.inputs]
+    while todo:
+        name = todo.pop(0)
+        if name in ancestors:
+            continue
+        ancestors.add(name)
+        up = [inp.stage for inp in graph.stage(name).inputs]
+        if not up:
+            sources.append(name)
+        todo.extend(up)
+    missing = [s for s in sources if s not in mixture]
+    unknown = sorted(k for k in mixture if k not in ancestors)
+    if not (missing or unknown):
+        return []
+    parts = []
+    if missing:
+        parts.append(f"no weight for {', '.join(repr(s) for s in missing)} (give every source a weight; 0 leaves it "
+                     "out)")
+    if unknown:
+        parts.append(f"{', '.join(repr(s) for s in unknown)} {'is' if len(unknown) == 1 else 'are'} not among its "
+                     f"sources")
+    return [_located(graph.locator, f"mixture: {'; '.join(parts)}; its sources are {', '.join(sources)}",
+                     ("stages", index, "config", "mixture"), stage=spec.name, field="mixture")]
+
+
+def aliased_data_files(v: Validated) -> list[Problem]:
+    """A data file read twice -- by two stages, or once by name and once through a link or another spelling
+    (the same inode) -- would train each of its samples twice per epoch without a word: refused, naming both.
+    (One stage listing one name twice is refused by the source's own field check.)"""
+    graph = v.graph
+    loc = graph.locator
+    index = {s.name: i for i, s in enumerate(graph.stages)}
+    seen: dict[tuple[int, int], tuple[str, int, str]] = {}
+    problems: list[Problem] = []
+    for name, conf in v.configs.items():
+        for j, f in enumerate(conf.data_files()):
+            try:
+                st = os.stat(Path(f).expanduser())
+            except OSError:
+                continue  # a missing file is the path check's
+            key = (st.st_dev, st.st_ino)
+            if key not in seen:
+                seen[key] = (name, j, str(f))
+                continue
+            first, k, other = seen[key]
+            where = f"stage '{first}' paths[{k}]" if first != name else f"paths[{k}]"
+            problems.append(_located(
+                loc, f"{f} is the same file as {other} ({where}): its samples would be trained twice per epoch; list "
+                "each file once (to weight a source, give it its own source stage and a Bucketer mixture weight)",
+                ("stages", index[name], "config", "paths", j), ("stages", index[name]), stage=name, field="paths"))
+    return problems
+
+
+def extend_problem(recorded: dict | None, current: dict, length_keys, moved: dict | None = None) -> str | None:
+    """Why ``--extend`` has nothing to do (None: the run gets longer): no run-length setting (``epochs``,
+    ``max_batches``: ``cfg(run_length=True)``) is larger than the checkpoint's; a shorter or equal length would
+    resume, train nothing and write over the real run's summary."""
+    from dflash_flow.core.identity import recorded_as_today
+
+    if recorded is None:  # written before checkpoints recorded their settings: cannot be told
+        return None
+    recorded = recorded_as_today(recorded, moved or {}, current)
+    same, shorter = [], []
+    for key in sorted(length_keys):
+        old, new = recorded.get(key), current.get(key)
+        if old == new:
+            same.append(f"{key.rsplit('.', 1)[-1]} {new if new is not None else 'unlimited'}")
+        elif new is None or (old is not None and isinstance(new, int | float) and new > old):
+            return None  # longer (None: no budget)
+        else:
+            shorter.append(f"{key}: {old if old is not None else 'unlimited'} in the checkpoint, {new} now")
+    what = f"shorter ({'; '.join(shorter)})" if shorter else f"the same ({', '.join(same)})"
+    return (f"nothing to extend: the run length is {what}; --extend trains a run on to a larger epochs or "
+            "max_batches (a stopped run continues with --resume alone); the run and its summary are left as they are")
+
+
+def data_fingerprint(v: Validated) -> dict[str, str]:
+    """sha256 of every data file the sources read (``data_files()``), keyed by the path as configured.
+    Files that do not exist are left out (their source reports them, with its own message)."""
+    from dflash_flow.data.records import file_sha256
+
+    out: dict[str, str] = {}
+    for conf in v.configs.values():
+        for name in conf.data_files():
+            try:
+                out[str(name)] = file_sha256(Path(name).expanduser())
+            except OSError:
+                continue
+    return out
+
+
+def checkpoint_bytes(v: Validated) -> tuple[int, int]:
+    """Upper estimates of (one checkpoint, the final export) of the run, from the stages that report the size
+    of what they train (``parameter_count()``); zeros when none does or it cannot be known yet."""
+    from dflash_flow.app.checkpoint_format import checkpoint_size_estimate
+
+    ckpt = export = 0
+    spec = build_model_spec(v.graph)
+    for name, conf in v.configs.items():
+        try:
+            n = int(conf.parameter_count(spec) if isinstance(conf, UsesModel) else conf.parameter_count())
+        except Exception as exc:  # noqa: BLE001
+            logging.getLogger("dflash_flow").debug("no checkpoint size estimate for stage '%s': %s", name, exc)
+            continue
+        if not n:
+            continue
+        ckpt += checkpoint_size_estimate(n)
+        export += 4 * n
+    return ckpt, export

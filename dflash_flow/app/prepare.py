@@ -1,22 +1,30 @@
 """The prepare phase of a run: everything before the MLflow run that can fail on the user's input or machine
 (``UserError``). Under torchrun every rank first agrees on the config and the data; then the output directory
-is made, checked and locked, the places the run writes checked, the checkpoint to resume found and verified
-(its settings, its data files, every stage's state derivable from it), and the free space measured. Also the
-two hashes a checkpoint's settings are matched with, and the per-stage resume states."""
+is made, checked (writable, no link out of it) and locked, the places the run writes checked, the checkpoint
+to resume found and verified (settings, data files, every stage's state derivable from it), and the free
+space measured. Also the hashes a checkpoint's settings are matched with, and the per-stage resume states."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
 from dflash_flow.app.exits import UserError
 from dflash_flow.core.validate import Validated
+from dflash_flow.util import is_within, move_aside, nearest_existing, probe_write
 
 
 def resume_config_hash(graph) -> str:
     """The hash of what must match to resume: the settings that can change the trained weights or the data
-    order (``core.identity.result_settings``: declared at each field and stage, defaults filled in; a value
-    declared once in a section, e.g. ``model.target``, counts as the stage's)."""
+    order (``core.identity.result_settings``)."""
     from dflash_flow.core.identity import result_settings
     from dflash_flow.util import config_hash
 
@@ -26,7 +34,7 @@ def resume_config_hash(graph) -> str:
 def legacy_config_hash(graph) -> str:
     """The hash checkpoints written before they recorded their settings carry (the seed and every stage's
     spec as written, placement and capacity included): such a checkpoint resumes when it matches."""
-    from dflash_flow.core.fill import legacy_stage_configs
+    from dflash_flow.core.identity import legacy_stage_configs
     from dflash_flow.util import config_hash
 
     d = graph.to_dict()
@@ -40,7 +48,7 @@ def build_resume_state(v: Validated, ckpt) -> dict[str, list[dict[str, Any]]]:
     position (``resume_state_for``), not from how far they had run ahead when the checkpoint was taken."""
     from dflash_flow.app.checkpoint_format import InvalidCheckpoint
     from dflash_flow.core import Stage
-    from dflash_flow.data.position import DataPosition
+    from dflash_flow.data.epoch import DataPosition
 
     if ckpt is None:
         return {}
@@ -86,8 +94,6 @@ def prepare(v: Validated, dist_ctx, output_dir: Path, resume: str | None, extend
         if main:
             _check_space(v, ck_dir, ck_root, output_dir)
         if main and ckpt is None:  # a fresh run: an earlier run's summary and batch logs kept, not overwritten
-            from dflash_flow.app.output_dir import set_aside_earlier_run
-
             set_aside_earlier_run(output_dir)
         return lock, checkpointer, ckpt
     except BaseException:
@@ -101,7 +107,7 @@ def _agree(v: Validated, dist_ctx) -> None:
     from importlib.metadata import version
 
     from dflash_flow.app.distributed import disagreement
-    from dflash_flow.app.preflight import data_fingerprint
+    from dflash_flow.app.model_spec import data_fingerprint
     from dflash_flow.core.identity import result_settings
 
     # The settings field by field (not their hash), so that a disagreement names the field: "seed".
@@ -112,8 +118,6 @@ def _agree(v: Validated, dist_ctx) -> None:
 
 
 def _lock_output_dir(output_dir: Path, main: bool):
-    from dflash_flow.app.output_dir import OutputLock, prepare_output_dir
-
     if main:
         prepare_output_dir(output_dir)
         # Under torchrun the ranks of one job share the output directory: rank 0 holds the lock for them.
@@ -127,7 +131,6 @@ def _lock_output_dir(output_dir: Path, main: bool):
 
 def _check_places(v: Validated, output_dir: Path, ck, ck_dir: Path) -> None:
     """The tracking store, the stages' outputs and the checkpoint directory can be written (rank 0)."""
-    from dflash_flow.app.output_dir import check_stage_outputs, check_writable_dir, escaping_links
     from dflash_flow.observe.store import check_tracking_uri
 
     tracking = v.graph.sections["tracking"]
@@ -137,15 +140,16 @@ def _check_places(v: Validated, output_dir: Path, ck, ck_dir: Path) -> None:
             raise UserError(f"tracking: {problem}")
     check_stage_outputs(v, output_dir)
     check_writable_dir(ck_dir, "checkpoint.dir" if ck.dir else "the checkpoint directory")
-    if ck.dir and ck_dir.is_dir() and escaping_links(ck_dir):
-        link, target = escaping_links(ck_dir)[0]
+    links = escaping_links(ck_dir) if ck.dir and ck_dir.is_dir() else []
+    if links:
+        link, target = links[0]
         raise UserError(f"checkpoint.dir {ck_dir}: {link.relative_to(ck_dir)} is a symbolic link to {target}, "
                         "outside it; checkpoints are written and pruned only inside their directory")
 
 
 def _checkpointer(v: Validated, ck, ck_dir: Path, ck_root: Path, extend: bool, main: bool):
-    from dflash_flow.app.checkpointer import Checkpointer
-    from dflash_flow.app.preflight import data_fingerprint
+    from dflash_flow.app.checkpoint import Checkpointer
+    from dflash_flow.app.model_spec import data_fingerprint
     from dflash_flow.core.identity import moved_setting_keys, result_settings, run_length_keys
 
     graph = v.graph
@@ -180,7 +184,7 @@ def _checkpoint_to_resume(v: Validated, checkpointer, resume: str | None, extend
     if change:
         raise UserError(change)
     if extend:
-        from dflash_flow.app.preflight import extend_problem
+        from dflash_flow.app.model_spec import extend_problem
 
         why = extend_problem(ckpt.settings, checkpointer.settings, checkpointer.length_keys, checkpointer.moved)
         if why:
@@ -196,8 +200,7 @@ def _checkpoint_to_resume(v: Validated, checkpointer, resume: str | None, extend
 
 
 def _check_space(v: Validated, ck_dir: Path, ck_root: Path, output_dir: Path) -> None:
-    from dflash_flow.app.output_dir import check_free_space
-    from dflash_flow.app.preflight import checkpoint_bytes
+    from dflash_flow.app.model_spec import checkpoint_bytes
 
     need_ckpt, need_export = checkpoint_bytes(v)
     if need_ckpt:
@@ -205,3 +208,182 @@ def _check_space(v: Validated, ck_dir: Path, ck_root: Path, output_dir: Path) ->
                          "one checkpoint and the export")
         if ck_root != output_dir:
             check_free_space(output_dir, need_export, "the exported drafter")
+
+
+_LOCK_NAME = ".dflash-flow.lock"
+_MAX_WALK = 20_000  # entries of the output directory looked at for symbolic links (a run makes a few dozen)
+
+
+def escaping_links(root: Path) -> list[tuple[Path, str]]:
+    """Symbolic links under ``root`` that lead out of it (link, where it leads), without following any."""
+    out: list[tuple[Path, str]] = []
+    seen = 0
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        for name in (*dirnames, *filenames):
+            seen += 1
+            p = Path(dirpath) / name
+            if p.is_symlink() and not is_within(p, root):
+                out.append((p, os.path.realpath(p)))
+        if seen >= _MAX_WALK:
+            break
+    return out
+
+
+def prepare_output_dir(output_dir: Path) -> None:
+    """Make the output directory and prove the run can write in it (raises ``UserError``): not a file, not
+    read-only, no symbolic link inside that leads out of it (whatever the run writes or uploads stays in)."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UserError(f"output_dir {output_dir} is an existing file, not a directory; choose another output_dir")
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create output_dir {output_dir}: {exc.strerror or exc}") from None
+    why = probe_write(output_dir)
+    if why:
+        raise UserError(f"output_dir {output_dir} is not writable: {why}")
+    links = escaping_links(output_dir)
+    if links:
+        link, target = links[0]
+        more = f" (and {len(links) - 1} more)" if len(links) > 1 else ""
+        raise UserError(
+            f"output_dir {output_dir}: {link.relative_to(output_dir)} is a symbolic link to {target}, outside "
+            f"the output directory{more}; a run writes and uploads only inside its output_dir (remove the link "
+            "or choose another output_dir)"
+        )
+
+
+def check_writable_dir(path: Path, what: str) -> None:
+    """``path`` is a directory the run can write, or can be created (creating nothing): raises ``UserError``
+    naming ``what`` (e.g. ``checkpoint.dir``) when it is a file or its nearest existing parent is read-only."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{what} {path} is an existing file, not a directory")
+    base = nearest_existing(path)
+    if not base.is_dir():
+        raise UserError(f"cannot create {what} {path}: {base} is not a directory")
+    why = probe_write(base)
+    if why:
+        raise UserError(f"{what} {path} is not writable: {why}" if base == path else
+                        f"cannot create {what} {path}: {base} is not writable ({why})")
+
+
+def check_output_file(path: Path, what: str, *, make_parents: bool = False) -> None:
+    """``path`` can be written as a file, checked before any work (raises ``UserError`` naming ``what``, e.g.
+    ``--out``): not a directory, its folder exists (or, with ``make_parents``, can be created) and is writable."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise UserError(f"{what} {path} is a directory; name a file (for example one inside it)")
+    parent = path.parent
+    if not make_parents and not parent.is_dir():
+        raise UserError(f"{what} {path}: the directory {parent} does not exist (create it first)" if not parent.exists()
+                        else f"{what} {path}: {parent} is not a directory")
+    base = nearest_existing(parent)
+    if not base.is_dir():
+        raise UserError(f"{what} {path}: {base} is not a directory")
+    why = probe_write(base)
+    if why:
+        raise UserError(f"{what} {path}: cannot write in {base} ({why})")
+
+
+def check_stage_outputs(v: Validated, output_dir: Path) -> None:
+    """Directories stages write into at the end of the run (``Stage.output_dirs``, e.g. DrafterStep's
+    ``export_dir``) must not be files, nor directories holding anything but an earlier export (which the
+    export would refuse): found now, not after hours of training."""
+    from dflash_flow.core.errors import CheckpointError
+    from dflash_flow.model.export_contract import check_destination
+
+    for name, conf in v.configs.items():
+        for sub in conf.output_dirs():
+            target = output_dir / sub
+            if target.exists() and not target.is_dir():
+                raise UserError(f"stage '{name}': export_dir {target} is an existing file, not a directory")
+            try:
+                check_destination(target)
+            except CheckpointError as exc:
+                raise UserError(f"stage '{name}': export_dir: {exc} (or set export_dir)") from None
+
+
+#: What a run writes at the top of its output directory that a later fresh run there would overwrite.
+EARLIER_RUN_FILES = ("summary.json", "batches.jsonl", "batches.rank*.jsonl")
+
+
+def set_aside_earlier_run(output_dir: Path) -> list[tuple[Path, Path]]:
+    """A fresh run into an output directory an earlier run wrote (without checkpoints: with them it is
+    refused): that run's ``summary.json`` and batch logs are moved aside (``NAME.old``, ``NAME.old.2``, ...),
+    never overwritten, and the console says so. Returns (file, where it went) pairs."""
+    moved = []
+    for pattern in EARLIER_RUN_FILES:
+        for p in sorted(output_dir.glob(pattern)):
+            if p.is_file() and not p.is_symlink():
+                moved.append((p, move_aside(p)))
+    if moved:
+        logging.getLogger("dflash_flow").warning(
+            "output_dir %s holds an earlier run's %s: moved aside to %s (this run writes its own; --resume "
+            "continues a run instead)", output_dir, ", ".join(p.name for p, _ in moved),
+            ", ".join(q.name for _, q in moved))
+    return moved
+
+
+class OutputLock:
+    """An exclusive ``flock`` on ``OUTPUT/.dflash-flow.lock`` for as long as the run lives (the OS releases it
+    however the process ends): a second run on the same output directory is refused, naming the first's pid."""
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self.fd: int | None = fd
+        self.path = path
+
+    @classmethod
+    def acquire(cls, output_dir: Path) -> OutputLock:
+        path = output_dir / _LOCK_NAME
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise UserError(f"cannot create the run lock {path}: {exc.strerror or exc}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace")
+            os.close(fd)
+            try:
+                info = json.loads(holder)
+                who = f"pid {info['pid']} on {info.get('host', '?')}"
+            except (ValueError, KeyError, TypeError):
+                who = "another process"
+            raise UserError(
+                f"output_dir {output_dir} is in use by another run ({who}); wait for it to end or choose "
+                "another output_dir"
+            ) from None
+        except OSError as exc:
+            os.close(fd)
+            raise UserError(f"cannot lock {path}: {exc.strerror or exc}") from None
+        record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode()
+        with contextlib.suppress(OSError):  # the lock holds without its note
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, record + b"\n", 0)
+        return cls(fd, path)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor drops the flock
+            self.fd = None
+
+
+def check_free_space(directory: Path, need: int, what: str) -> None:
+    """Raise ``UserError`` when the filesystem of ``directory`` (or its nearest existing parent) has less
+    than ``need`` bytes free."""
+    base = nearest_existing(directory)
+    try:
+        free = shutil.disk_usage(base).free
+    except OSError:
+        return
+    if free < need:
+        raise UserError(
+            f"not enough free space in {directory} for {what}: about {_size(need)} needed, {_size(free)} free; "
+            "free some space or choose another output_dir (or checkpoint.dir)"
+        )
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"

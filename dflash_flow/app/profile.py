@@ -1,27 +1,11 @@
 """``dflash-flow profile``: where the time of a pipeline goes, measured over N trainer steps.
 
-The runtime already keeps cumulative per-replica readings (seconds busy / blocked on input / blocked on
-output, items in and out, its input queue: ``Pipeline.snapshot()``). A profile runs the pipeline, reads
-the runtime's sampler (``core.sampler``) every ``interval_s`` and measures one *window*: from the poll at which
-the trainer (the *step stage*) has taken ``warmup`` optimizer steps' worth of batches and every replica is
-past its setup (model loading and the first step's lazy initialisation stay out), to the poll at which it
-has taken ``steps`` more; then it cancels the pipeline (nothing after the window, such as an export or an
-evaluation, is of interest). Differences of the two snapshots give, per stage and replica, the window
-fractions, items/s, the seconds of work per item (``service_s``) and, what the split planner needs,
-the replica-seconds of work per trained batch (``work_s_per_batch``) and the items handled per trained
-batch. Every poll also records each input queue's depth: min/mean/max per queue over the window, and
-the series. The bottleneck verdict is the Monitor's (``observe.bottleneck``) over the window.
-
-Repeated windows: the window is also cut into ``windows`` equal parts by trainer batches (the first poll
-past each cut), and each part's busy seconds and items are kept (``Profile.windows``), with each stage's
-standard deviation of work per batch over them (``work_s_sd``): ``app.splitplan`` turns the parts into
-an interval for every prediction (batch means). A version-1 profile (no parts) still loads and plans.
-
-Balanced replica counts: the stages that cannot be replicated (sources that do not shard, singletons,
-the trainer) cap the pipeline at ``min r / work_s_per_batch`` batches/s; every other stage gets
-``ceil(work_s_per_batch * X*)`` replicas, just enough not to limit it at ``X*``, that cap (or less, when
-the replicas the stages have today could not reach it: ``balanced_replicas``). This assumes replicas
-scale linearly: a device each, or work that releases the GIL.
+A profile runs the pipeline, reads the runtime's sampler every ``interval_s`` and measures one *window*:
+from the poll at which the trainer (the *step stage*) has taken ``warmup`` optimizer steps' worth of
+batches and every replica is past its setup, to the poll at which it has taken ``steps`` more; then it
+cancels the pipeline. The two snapshots' differences give the figures (``app.profile_data``); every poll
+records the input queues' depths; the window is also cut into ``windows`` equal parts by trainer batches,
+from which ``app.splitplan`` makes intervals.
 """
 
 from __future__ import annotations
@@ -34,11 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from dflash_flow.app.interval import batch_means
-
-# The profile's data and its building live in app.profile_data, the graph facts in app.profile_graph (Profile,
-# ProfileError, StageProfile, Window, build_profile and find_step_stage are also imported from here by splitplan
-# and the tests).
+# Also imported from here by splitplan and the tests.
 from dflash_flow.app.profile_data import (  # noqa: F401
     ACTIVE,
     DEFAULT_INTERVAL_S,
@@ -46,13 +26,16 @@ from dflash_flow.app.profile_data import (  # noqa: F401
     MAX_SERIES_POINTS,
     READABLE_VERSIONS,
     Profile,
+    ProfileError,
     QueueSeries,
     StageProfile,
     Window,
     balanced_replicas,
+    batch_means,
     build_profile,
+    find_step_stage,
+    grad_accum_of,
 )
-from dflash_flow.app.profile_graph import ProfileError, find_step_stage, grad_accum_of
 from dflash_flow.core.snapshot import RuntimeSnapshot
 from dflash_flow.core.validate import Validated
 
@@ -63,7 +46,7 @@ if TYPE_CHECKING:
 
 
 class _Sampler:
-    """Reads the runtime's sampler (``core.sampler``: the one the Monitor reads too) every ``interval_s``,
+    """Reads the runtime's sampler (``core.snapshot.Sampler``: the one the Monitor reads too) every ``interval_s``,
     opens and closes the window, then cancels the pipeline."""
 
     def __init__(self, pipeline: Any, step_stage: str, start_at: int, end_at: int, interval_s: float,
@@ -71,18 +54,14 @@ class _Sampler:
         self.pipeline = pipeline
         # Measuring until the rate is known to +-precision: the window grows by parts of the first parts'
         # size until the interval of the per-part rates is that narrow, or it holds max_batches.
-        self.precision = precision
-        self.max_batches = max_batches
+        self.precision, self.max_batches = precision, max_batches
         self.part = 0
         self.reached: float | None = None  # the relative half-width when the window closed
         self.windows = max(1, min(int(windows), end_at - start_at))
         self.cut_at: list[int] = []  # trainer batches at which the parts after the first open
         self.cuts: list[RuntimeSnapshot] = []
         self._next_cut = 0
-        self.step_stage = step_stage
-        self.start_at = start_at
-        self.end_at = end_at
-        self.interval_s = interval_s
+        self.step_stage, self.start_at, self.end_at, self.interval_s = step_stage, start_at, end_at, interval_s
         self.start: RuntimeSnapshot | None = None
         self.end: RuntimeSnapshot | None = None
         self.t0: float | None = None
@@ -117,9 +96,7 @@ class _Sampler:
         self.times.append(snap.time - self.t0)
         inside = self.start is not None
         for name, st in snap.stages.items():
-            for r in st.replicas:
-                if r.channel is None:
-                    continue
+            for r in (r for r in st.replicas if r.channel is not None):
                 self.series.setdefault((name, r.replica), []).append(r.channel.depth)
                 if inside:
                     self.window_depths.setdefault(name, {}).setdefault(r.replica, []).append(r.channel.depth)
@@ -163,8 +140,7 @@ class _Sampler:
         return True
 
     def queue_series(self) -> QueueSeries:
-        n = len(self.times)
-        stride = max(1, math.ceil(n / MAX_SERIES_POINTS))
+        stride = max(1, math.ceil(len(self.times) / MAX_SERIES_POINTS))
         depth = {f"{name}[{rep}]": values[::stride] for (name, rep), values in self.series.items()}
         window = (
             (self.start.time - self.t0, (self.end or self.start).time - self.t0)
@@ -173,30 +149,15 @@ class _Sampler:
         return QueueSeries(t=[round(t, 3) for t in self.times[::stride]], depth=depth, window=window)
 
 
-def profile(
-    v: Validated,
-    steps: int,
-    *,
-    warmup_steps: int = 1,
-    interval_s: float = DEFAULT_INTERVAL_S,
-    step_stage: str | None = None,
-    tracking: bool = False,
-    output_dir: str | Path | None = None,
-    services: RunServices | None = None,
-    windows: int = DEFAULT_WINDOWS,
-    precision: float | None = None,
-    max_steps: int | None = None,
-) -> Profile:
+def profile(v: Validated, steps: int, *, warmup_steps: int = 1, interval_s: float = DEFAULT_INTERVAL_S,
+            step_stage: str | None = None, tracking: bool = False, output_dir: str | Path | None = None,
+            services: RunServices | None = None, windows: int = DEFAULT_WINDOWS,
+            precision: float | None = None, max_steps: int | None = None) -> Profile:
     """Run ``v`` for ``warmup_steps + steps`` optimizer steps of its trainer and profile the last ``steps``,
-    cut into ``windows`` equal parts (fewer when the window has fewer batches).
-
-    ``precision`` (a fraction, e.g. 0.05): go on measuring, a part of the same size at a time, until the
-    90% interval of the parts' batches/s is within +-precision of the window's rate, or the window holds
-    ``max_steps`` steps (default 10 x ``steps``); the profile says what it reached (``Profile.reached``).
-
-    ``tracking``: log the run (the Monitor's samples) and the profile to the pipeline's MLflow store
-    (``tracking:`` section). Raises ``ProfileError`` when the pipeline ends before the window opens, and
-    the runtime's errors (``StageError``, ``PipelineInterrupted`` on Ctrl-C) as ``Pipeline.run`` does.
+    cut into ``windows`` equal parts. ``precision`` (e.g. 0.05): measure on, a part at a time, until the 90%
+    interval of the parts' batches/s is within +-precision of the rate, or the window holds ``max_steps``
+    (default 10 x ``steps``). ``tracking``: log the run and the profile to the pipeline's MLflow store.
+    Raises ``ProfileError`` when the pipeline ends before the window opens, and the runtime's errors.
     """
     from dflash_flow.core.errors import PipelineInterrupted
     from dflash_flow.core.runtime import Pipeline
@@ -248,6 +209,7 @@ def profile(
         if tracker is not None:
             tracker.end(status)
 
+
 def _checked(v: Validated, steps: int, warmup_steps: int, windows: int, precision: float | None,
              max_steps: int | None, step_stage: str | None) -> tuple[str, int]:
     """``profile``'s arguments checked (``ProfileError`` naming the one that is wrong): the trainer stage and
@@ -278,20 +240,14 @@ def _log_profile(tracker: Any, result: Profile, out_dir: Path) -> None:
         tracker.set_tags({"bottleneck": result.bottleneck.stage})
 
 
-
 def _start_tracker(v: Validated, out_dir: Path):
     from dflash_flow.observe.tracking import Tracker
 
     section = v.graph.sections["tracking"]
     return Tracker.start(
-        enabled=True,
-        tracking_uri=section.tracking_uri,
-        experiment=section.experiment,
-        run_name=f"{section.run_name or v.graph.name}-profile",
-        params=v.graph.to_dict(),
-        tags={"dflash_flow.kind": "profile"},
-        system_metrics=False,
-        spool_dir=out_dir / "mlflow-spool",
+        enabled=True, tracking_uri=section.tracking_uri, experiment=section.experiment,
+        run_name=f"{section.run_name or v.graph.name}-profile", params=v.graph.to_dict(),
+        tags={"dflash_flow.kind": "profile"}, system_metrics=False, spool_dir=out_dir / "mlflow-spool",
     )
 
 
@@ -305,10 +261,8 @@ def to_json(p: Profile) -> dict[str, Any]:
 def save_profile(p: Profile, path: str | Path) -> Path:
     from dflash_flow.util import atomic_write_text
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(to_json(p), indent=1, default=str) + "\n")
-    return path
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write_text(Path(path), json.dumps(to_json(p), indent=1, default=str) + "\n")
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -334,17 +288,13 @@ def load_profile(path: str | Path) -> Profile:
         raise ProfileError(f"{path}: not a valid profile: {exc}") from exc
 
 
-def _pct(x: float) -> str:
-    return f"{100 * x:.0f}%"
-
-
 def _short(x: float | None) -> str | None:
     return None if x is None else f"{x:.2g}"
 
 
 def render_profile(p: Profile, *, width: int = 130) -> str:
     """The profile as plain-text tables: stages (and their replicas), queues, the verdict, the balance."""
-    from dflash_flow.observe.console import render_table
+    from dflash_flow.observe.console import pct, render_table
 
     head = (
         f"profile of {p.pipeline}: {p.batches} batches of '{p.step_stage}' in {p.window_s:.2f} s "
@@ -368,22 +318,19 @@ def render_profile(p: Profile, *, width: int = 130) -> str:
              "; no spread measured: re-profile with this version for an interval")
     rows = []
     for s in p.stages.values():
-        sd = _pct(s.work_s_sd / s.work_s_per_batch) if s.work_s_sd is not None and s.work_s_per_batch > 0 else None
-        rows.append([s.name, s.replicas, _pct(s.busy), _pct(s.blocked_in), _pct(s.blocked_out), s.items_per_s,
+        sd = pct(s.work_s_sd / s.work_s_per_batch) if s.work_s_sd is not None and s.work_s_per_batch > 0 else None
+        rows.append([s.name, s.replicas, pct(s.busy), pct(s.blocked_in), pct(s.blocked_out), s.items_per_s,
                      s.service_s, s.items_per_batch, s.work_s_per_batch, sd, _short(s.cpu_s_per_batch),
                      _short(s.cpu_wait_s_per_batch)])
         if s.replicas > 1:
             for r in s.per_replica:
                 handled = r.items_in or r.items_out
-                rows.append([f"  [{r.replica}] {r.device}", None, _pct(r.busy), _pct(r.blocked_in), _pct(r.blocked_out),
+                rows.append([f"  [{r.replica}] {r.device}", None, pct(r.busy), pct(r.blocked_in), pct(r.blocked_out),
                              r.items_per_s, r.busy_s / handled if handled else None, None, None, None, None, None])
     parts = [head, render_table(rows, ["stage", "replicas", "busy", "starved", "blocked out", "items/s", "s/item",
                                        "items/batch", "work s/batch", "sd", "cpu s", "core wait s"], width=width)]
-    qrows = []
-    for s in p.stages.values():
-        for r in s.per_replica:
-            if r.queue is not None:
-                qrows.append([f"{s.name}[{r.replica}]", r.queue.capacity, r.queue.min, round(r.queue.mean, 2), r.queue.max])
+    qrows = [[f"{s.name}[{r.replica}]", r.queue.capacity, r.queue.min, round(r.queue.mean, 2), r.queue.max]
+             for s in p.stages.values() for r in s.per_replica if r.queue is not None]
     if qrows:
         parts.append(f"queue depths over the window ({p.interval_s:g} s polls)")
         parts.append(render_table(qrows, ["input queue", "capacity", "min", "mean", "max"], width=width))
@@ -394,20 +341,9 @@ def render_profile(p: Profile, *, width: int = 130) -> str:
     return "\n".join(parts)
 
 
-def profile_command(
-    file: Path,
-    v: Validated,
-    *,
-    steps: int,
-    warmup_steps: int,
-    interval_s: float,
-    step_stage: str | None,
-    tracking: bool,
-    out: Path | None,
-    windows: int = DEFAULT_WINDOWS,
-    precision: float | None = None,
-    max_steps: int | None = None,
-) -> int:
+def profile_command(file: Path, v: Validated, *, steps: int, warmup_steps: int, interval_s: float,
+                    step_stage: str | None, tracking: bool, out: Path | None, windows: int = DEFAULT_WINDOWS,
+                    precision: float | None = None, max_steps: int | None = None) -> int:
     """``dflash-flow profile``: run, print the tables, write the JSON; an exit code."""
     from dflash_flow.app.exits import (
         EXIT_FAILED,
@@ -416,7 +352,7 @@ def profile_command(
         EXIT_USER_ERROR,
         is_user_input_error,
     )
-    from dflash_flow.app.session import quiet_libraries
+    from dflash_flow.app.runner import quiet_libraries
     from dflash_flow.core.errors import PipelineInterrupted, PipelineStalled, StageError
 
     quiet_libraries()
@@ -428,12 +364,9 @@ def profile_command(
     except ProfileError as exc:
         print(f"error: {file}: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
-    except StageError as exc:
+    except (StageError, PipelineStalled) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR if is_user_input_error(exc.original) else EXIT_FAILED
-    except PipelineStalled as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return EXIT_USER_ERROR if isinstance(exc, StageError) and is_user_input_error(exc.original) else EXIT_FAILED
     except PipelineInterrupted as exc:
         print(f"stopped: {exc}", file=sys.stderr)
         return EXIT_INTERRUPTED

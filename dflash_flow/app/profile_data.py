@@ -1,28 +1,20 @@
-"""What a profile holds and how it is built from two snapshots (``app.profile`` runs one): per stage and
-replica the window fractions, items/s, seconds per item and per trained batch, the queue depths, the
-bottleneck, and the balanced replica counts; the window's equal parts (``Window``: each part's trainer
-batches and every stage's busy seconds and items, from which ``app.splitplan`` makes an interval). The
-graph facts it reads are ``app.profile_graph``'s."""
+"""What a profile holds and how it is built from two snapshots (``app.profile`` runs one), and the graph
+facts it reads: per stage and replica the window's figures, the bottleneck, the balanced replica counts,
+and the window's equal parts (``Window``), whose 90% intervals (batch means: the spread of k per-part values,
+Student's t with k - 1 degrees of freedom) ``profile`` and ``app.splitplan`` give."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import statistics
+from collections.abc import Mapping, Sequence
 
 import attrs
 
-from dflash_flow.app.profile_graph import (
-    direct_feeders,
-    grad_accum_of,
-    graph_edges,
-    is_replicable,
-    observer_stages,
-)
 from dflash_flow.core.snapshot import ReplicaState, RuntimeSnapshot, StageSnapshot
 from dflash_flow.core.validate import Validated
-from dflash_flow.observe.bottleneck import Bottleneck, find_bottleneck
+from dflash_flow.observe.bottleneck import Bottleneck, StageWindow, counter_delta, delta, find_bottleneck
 from dflash_flow.observe.schema import metric
-from dflash_flow.observe.window import StageWindow
 from dflash_flow.util import usable_cores
 
 PROFILE_VERSION = 2  # 2: the window's parts (``windows``) and each stage's spread over them
@@ -32,9 +24,6 @@ DEFAULT_INTERVAL_S = 0.1
 MAX_SERIES_POINTS = 400  # the queue-depth series kept in profile.json (evenly thinned)
 ACTIVE = frozenset({ReplicaState.WAITING, ReplicaState.BUSY, ReplicaState.BLOCKED, ReplicaState.TEARDOWN,
                     ReplicaState.FINISHED})  # past setup
-
-
-# ------------------------------------------------------------------------------------------ results
 
 
 @attrs.frozen
@@ -70,8 +59,7 @@ class ReplicaProfile:
 @attrs.frozen
 class StageProfile:
     """One stage over the window. ``service_s``: replica-seconds of work per item handled (taken; emitted
-    for a source). ``work_s_per_batch``: replica-seconds per trained batch, whatever the stage's item is
-    (a sample, an epoch, a batch): what a throughput model needs."""
+    for a source); ``work_s_per_batch``: per trained batch, whatever the stage's item is."""
 
     name: str
     type: str
@@ -104,9 +92,8 @@ class StageProfile:
 
 @attrs.frozen
 class Window:
-    """One of the equal parts (by trainer batches) of the measured window: what an interval is made of.
-    ``busy_s[stage]``: replica-seconds busy in the part; ``handled[stage]``: items it took (emitted, for a
-    source); ``samples`` / ``tokens``: what the trainer's batches held (None without those counters)."""
+    """One of the equal parts (by trainer batches) of the measured window: ``busy_s[stage]`` replica-seconds,
+    ``handled[stage]`` items taken (emitted, for a source), ``samples``/``tokens`` the trainer's batches held."""
 
     start_s: float  # seconds since the window opened
     window_s: float
@@ -162,80 +149,116 @@ class Profile:
 
     def stage(self, name: str) -> StageProfile:
         return self.stages[name]
-
     def window_work(self, w: Window) -> dict[str, float]:
         return window_work(self.stages, w)
 
 
 def window_work(stages: Mapping[str, StageProfile], w: Window) -> dict[str, float]:
-    """Every stage's replica-seconds of work per trained batch in the part ``w``: its seconds per item
-    there times its items per batch over the whole window (a part's own item count would also count what
-    a stage queued ahead), or its busy seconds per batch when it took no item in the part."""
+    """Every stage's replica-seconds of work per trained batch in the part ``w``: its seconds per item there
+    times its items per batch over the whole window (a part's own count would include what it queued
+    ahead), or its busy seconds per batch when it took no item in the part."""
     out = {}
     for name, s in stages.items():
         busy, handled = w.busy_s.get(name, 0.0), w.handled.get(name, 0)
-        if handled > 0:
-            out[name] = busy / handled * s.items_per_batch
-        else:
-            out[name] = busy / w.batches if w.batches else s.work_s_per_batch
+        out[name] = (busy / handled * s.items_per_batch if handled > 0 else
+                     busy / w.batches if w.batches else s.work_s_per_batch)
     return out
+
+
+# ------------------------------------------------------------------------------------ graph facts
+
+
+class ProfileError(Exception):
+    """The profile could not measure what was asked (the pipeline ended too early, no trainer stage...)."""
+
+
+def graph_edges(v: Validated) -> dict[str, list[str]]:
+    """Each stage's consumers."""
+    edges: dict[str, list[str]] = {}
+    for s in v.graph.stages:
+        for i in s.inputs:
+            edges.setdefault(i.stage, []).append(s.name)
+    return edges
+
+
+def observer_stages(v: Validated) -> set[str]:
+    from dflash_flow.stages.monitor import Monitor
+
+    return {name for name, cls in v.classes.items() if issubclass(cls, Monitor)}
+
+
+def find_step_stage(v: Validated) -> str:
+    """The trainer: the DrafterStep stage; else the one sink that is not a Monitor."""
+    from dflash_flow.stages.drafter_step import DrafterStep
+
+    trainers = [n for n in v.order if issubclass(v.classes[n], DrafterStep)]
+    if len(trainers) == 1:
+        return trainers[0]
+    observers = observer_stages(v)
+    sinks = [n for n in v.order if v.classes[n].is_sink() and n not in observers]
+    if len(trainers) > 1 or len(sinks) != 1:
+        found = trainers if len(trainers) > 1 else sinks
+        raise ProfileError(
+            f"cannot tell which stage is the trainer (found {', '.join(found) or 'no sink'}); name it with --step-stage"
+        )
+    return sinks[0]
+
+
+def direct_feeders(v: Validated, step_stage: str) -> set[str]:
+    """The trainer and the stages that feed it through 1:1 stages only: one item per trained batch each."""
+    out = {step_stage}
+    todo = [i.stage for i in v.graph.stage(step_stage).inputs]
+    while todo:
+        name = todo.pop()
+        cls = v.classes[name]
+        if name in out or cls.is_source() or cls.cardinality != "1:1":
+            continue
+        out.add(name)
+        todo.extend(i.stage for i in v.graph.stage(name).inputs)
+    return out
+
+
+def is_replicable(v: Validated, name: str, step_stage: str) -> bool:
+    """Whether more replicas of ``name`` would share its work (not a singleton, a sharding source, or the
+    trainer, which grows by data-parallel ranks instead)."""
+    cls = v.classes[name]
+    return name != step_stage and not cls.singleton and (not cls.is_source() or cls.shards_by_replica)
+
+
+def grad_accum_of(v: Validated, step_stage: str) -> int:
+    return max(1, v.configs[step_stage].inputs_per_step)
 
 
 # ------------------------------------------------------------------------------------ computation
 
 
-def _counter(st: StageSnapshot | None, name: str) -> float | None:
-    if st is None or st.metric_kinds.get(name) != "counter":
-        return None
-    value = st.metric(name)
-    return float(value) if isinstance(value, (int, float)) else None
-
-
 def _per_batch(cur: StageSnapshot, prev: StageSnapshot, name: str, batches: int) -> float | None:
-    a, b = _counter(cur, name), _counter(prev, name)
-    if a is None or batches <= 0:
-        return None
-    return (a - (b or 0.0)) / batches
+    d = counter_delta(cur, prev, name)
+    return None if d is None or batches <= 0 else d / batches
 
 
 def queue_stats(depths: list[int], capacity: int) -> QueueStats | None:
-    if not depths:
-        return None
-    return QueueStats(capacity=capacity, min=min(depths), mean=sum(depths) / len(depths), max=max(depths), polls=len(depths))
+    return QueueStats(capacity=capacity, min=min(depths), mean=sum(depths) / len(depths), max=max(depths),
+                      polls=len(depths)) if depths else None
 
 
 def _merge_queues(stats: list[QueueStats | None]) -> QueueStats | None:
-    got = [q for q in stats if q is not None]
-    if not got:
+    if not (got := [q for q in stats if q is not None]):
         return None
-    return QueueStats(
-        capacity=sum(q.capacity for q in got),
-        min=min(q.min for q in got),
-        mean=sum(q.mean for q in got) / len(got),
-        max=max(q.max for q in got),
-        polls=min(q.polls for q in got),
-    )
+    return QueueStats(sum(q.capacity for q in got), min(q.min for q in got), sum(q.mean for q in got) / len(got),
+                      max(q.max for q in got), min(q.polls for q in got))
 
 
-def stage_profile(
-    cur: StageSnapshot,
-    prev: StageSnapshot,
-    window_s: float,
-    batches: int,
-    *,
-    is_source: bool,
-    replicable: bool,
-    observer: bool,
-    per_batch: float | None = None,
-    depths: Mapping[int, list[int]] | None = None,
-) -> StageProfile:
-    """One stage's figures from the window's two snapshots (``depths``: replica -> polled queue depths).
+def stage_profile(cur: StageSnapshot, w: StageWindow, batches: int, *, is_source: bool, replicable: bool,
+                  observer: bool, per_batch: float | None = None,
+                  depths: Mapping[int, list[int]] | None = None) -> StageProfile:
+    """One stage's figures from its window ``w`` (``depths``: replica -> polled queue depths).
 
     ``per_batch``: the items it handles per trained batch when that is known exactly (a stage that feeds
     the trainer through 1:1 stages handles one item per batch; counting them in a short window would also
     count what it queued ahead). Otherwise the window's ratio."""
-    w = StageWindow.between(cur, prev, max(window_s, 1e-9))
     window = w.span_s
+    assert window is not None
     reps = []
     for r, rw in zip(cur.replicas, w.replicas, strict=True):
         q = queue_stats(list((depths or {}).get(r.replica, [])), r.channel.capacity) if r.channel is not None else None
@@ -257,33 +280,19 @@ def stage_profile(
 
     measured = all(r.cpu_s is not None for r in reps) and bool(reps)
     return StageProfile(
-        name=cur.name,
-        type=cur.type,
-        replicas=len(reps),
-        replicable=replicable,
-        observer=observer,
-        busy=w.busy,
-        blocked_in=w.blocked_in,
-        blocked_out=w.blocked_out,
-        items_in=w.items_in,
-        items_out=w.items_out,
-        items_per_s=handled / window,
-        service_s=service,
-        items_per_batch=per_batch,
-        work_s_per_batch=work,
-        queue=_merge_queues([r.queue for r in reps]),
-        per_replica=tuple(reps),
+        name=cur.name, type=cur.type, replicas=len(reps), replicable=replicable, observer=observer,
+        busy=w.busy, blocked_in=w.blocked_in, blocked_out=w.blocked_out, items_in=w.items_in,
+        items_out=w.items_out, items_per_s=handled / window, service_s=service, items_per_batch=per_batch,
+        work_s_per_batch=work, queue=_merge_queues([r.queue for r in reps]), per_replica=tuple(reps),
         cpu_s_per_batch=per_trained_batch(sum(r.cpu_s for r in reps)) if measured else None,
         cpu_wait_s_per_batch=per_trained_batch(sum(r.cpu_wait_s for r in reps)) if measured else None,
     )
 
 
 def balanced_replicas(stages: Mapping[str, StageProfile]) -> dict[str, int]:
-    """Replica counts that balance the pipeline (see the module docstring); fixed stages keep theirs.
-
-    The throughput to balance for is ``X* = min(cap, budget)``: ``cap`` is what the fixed stages allow,
-    ``budget`` what today's replicas of the replicable stages would allow if spread by their work (so a
-    trainer that costs nothing, as in a test pipeline, does not ask for hundreds of replicas)."""
+    """Replica counts that balance the pipeline at ``X* = min(cap, budget)``: ``cap`` what the fixed stages
+    (which keep their counts) allow, ``budget`` what today's replicable replicas would if spread by their
+    work (a trainer that costs nothing does not ask for hundreds of replicas)."""
     active = [s for s in stages.values() if not s.observer]
     cap = min((s.max_batches_per_s for s in active if not s.replicable), default=math.inf)
     free = [s for s in active if s.replicable]
@@ -299,41 +308,29 @@ def balanced_replicas(stages: Mapping[str, StageProfile]) -> dict[str, int]:
     }
 
 
-def build_profile(
-    v: Validated,
-    start: RuntimeSnapshot,
-    end: RuntimeSnapshot,
-    *,
-    step_stage: str,
-    steps: int,
-    warmup_batches: int,
-    complete: bool,
-    elapsed_s: float,
-    depths: Mapping[str, Mapping[int, list[int]]] | None = None,
-    series: QueueSeries | None = None,
-    interval_s: float = DEFAULT_INTERVAL_S,
-    cuts: list[RuntimeSnapshot] | None = None,
-) -> Profile:
+def build_profile(v: Validated, start: RuntimeSnapshot, end: RuntimeSnapshot, *, step_stage: str, steps: int,
+                  warmup_batches: int, complete: bool, elapsed_s: float,
+                  depths: Mapping[str, Mapping[int, list[int]]] | None = None,
+                  series: QueueSeries | None = None, interval_s: float = DEFAULT_INTERVAL_S,
+                  cuts: list[RuntimeSnapshot] | None = None) -> Profile:
     """The profile of the window from ``start`` to ``end`` (pure: the tests feed it snapshots); ``cuts``:
     the snapshots inside it that part it (``Window``), in order."""
     window = max(end.time - start.time, 1e-9)
     trainer_end, trainer_start = end.stages[step_stage], start.stages[step_stage]
-    batches = StageWindow.between(trainer_end, trainer_start, window).items_in
+    ws = {name: StageWindow.between(cur, start.stages[name], window) for name, cur in end.stages.items()}
+    batches = ws[step_stage].items_in
     observers = observer_stages(v)
     feeders = direct_feeders(v, step_stage)
-    stages = {}
-    for name, cur in end.stages.items():
-        cls = v.classes[name]
-        stages[name] = stage_profile(
-            cur, start.stages[name], window, batches,
-            is_source=cls.is_source(), replicable=is_replicable(v, name, step_stage),
-            observer=name in observers, per_batch=1.0 if name in feeders else None,
-            depths=(depths or {}).get(name),
+    stages = {
+        name: stage_profile(
+            cur, ws[name], batches, is_source=v.classes[name].is_source(),
+            replicable=is_replicable(v, name, step_stage), observer=name in observers,
+            per_batch=1.0 if name in feeders else None, depths=(depths or {}).get(name),
         )
-    loads = {name: StageWindow.between(cur, start.stages[name], window).load()
-             for name, cur in end.stages.items() if not stages[name].observer}
-    sinks = {step_stage}
-    verdict = find_bottleneck(loads, sinks=sinks, edges=graph_edges(v)) if loads else None
+        for name, cur in end.stages.items()
+    }
+    loads = {name: w.load() for name, w in ws.items() if name not in observers}
+    verdict = find_bottleneck(loads, sinks={step_stage}, edges=graph_edges(v)) if loads else None
     windows = window_parts(v, [start, *(cuts or []), end], step_stage)
     if len(windows) > 1:
         stages = _with_spread(stages, windows)
@@ -341,30 +338,15 @@ def build_profile(
     samples = _per_batch(trainer_end, trainer_start, "samples", batches)
     tokens = _per_batch(trainer_end, trainer_start, "tokens", batches)
     rate = batches / window
-    cpu = end.cpu_s - start.cpu_s if end.cpu_s is not None and start.cpu_s is not None else None
+    cpu = delta(end.cpu_s, start.cpu_s)
     return Profile(
-        pipeline=v.graph.name,
-        step_stage=step_stage,
-        steps=steps,
-        grad_accum=grad_accum,
-        warmup_batches=warmup_batches,
-        complete=complete,
-        batches=batches,
-        window_s=window,
-        elapsed_s=elapsed_s,
-        batches_per_s=rate,
-        steps_per_s=rate / grad_accum,
-        samples_per_batch=samples,
-        tokens_per_batch=tokens,
-        samples_per_s=samples * rate if samples is not None else None,
-        tokens_per_s=tokens * rate if tokens is not None else None,
-        stages=stages,
-        bottleneck=verdict,
-        balanced_replicas=balanced_replicas(stages),
-        interval_s=interval_s,
-        queues=series or QueueSeries(),
-        windows=windows,
-        cpu_s_per_batch=cpu / batches if cpu is not None and batches > 0 else None,
+        pipeline=v.graph.name, step_stage=step_stage, steps=steps, grad_accum=grad_accum,
+        warmup_batches=warmup_batches, complete=complete, batches=batches, window_s=window,
+        elapsed_s=elapsed_s, batches_per_s=rate, steps_per_s=rate / grad_accum, samples_per_batch=samples,
+        tokens_per_batch=tokens, samples_per_s=samples * rate if samples is not None else None,
+        tokens_per_s=tokens * rate if tokens is not None else None, stages=stages, bottleneck=verdict,
+        balanced_replicas=balanced_replicas(stages), interval_s=interval_s, queues=series or QueueSeries(),
+        windows=windows, cpu_s_per_batch=cpu / batches if cpu is not None and batches > 0 else None,
         cores=usable_cores(),
     )
 
@@ -374,28 +356,65 @@ def window_parts(v: Validated, snaps: list[RuntimeSnapshot], step_stage: str) ->
     out = []
     t0 = snaps[0].time
     for a, b in zip(snaps, snaps[1:], strict=False):
-        batches = StageWindow.between(b.stages[step_stage], a.stages[step_stage], None).items_in
-        if batches <= 0:
+        ws = {name: StageWindow.between(cur, a.stages[name], None) for name, cur in b.stages.items()}
+        if ws[step_stage].items_in <= 0:
             continue
-        busy, handled = {}, {}
-        for name, cur in b.stages.items():
-            w = StageWindow.between(cur, a.stages[name], None)
-            busy[name], handled[name] = w.busy_s, w.handled(v.classes[name].is_source())
-        samples = _counter(b.stages[step_stage], "samples")
-        tokens = _counter(b.stages[step_stage], "tokens")
+        trainer = b.stages[step_stage], a.stages[step_stage]
         out.append(Window(
-            start_s=a.time - t0, window_s=max(b.time - a.time, 1e-9), batches=batches,
-            samples=samples - (_counter(a.stages[step_stage], "samples") or 0.0) if samples is not None else None,
-            tokens=tokens - (_counter(a.stages[step_stage], "tokens") or 0.0) if tokens is not None else None,
-            busy_s=busy, handled=handled,
-            cpu_s=b.cpu_s - a.cpu_s if a.cpu_s is not None and b.cpu_s is not None else None,
+            start_s=a.time - t0, window_s=max(b.time - a.time, 1e-9), batches=ws[step_stage].items_in,
+            samples=counter_delta(*trainer, "samples"), tokens=counter_delta(*trainer, "tokens"),
+            busy_s={n: w.busy_s for n, w in ws.items()},
+            handled={n: w.handled(v.classes[n].is_source()) for n, w in ws.items()}, cpu_s=delta(b.cpu_s, a.cpu_s),
         ))
     return out
 
 
 def _with_spread(stages: dict[str, StageProfile], windows: list[Window]) -> dict[str, StageProfile]:
     """``stages`` with each one's ``work_s_sd`` over ``windows``."""
-    import statistics
-
     works = [window_work(stages, w) for w in windows]
     return {n: attrs.evolve(s, work_s_sd=statistics.stdev(w[n] for w in works)) for n, s in stages.items()}
+
+
+# ------------------------------------------------------------------------------------ intervals
+
+LEVEL = 0.90  # the intervals' confidence
+# Student's t, one-sided 0.95 quantile (a two-sided 90% interval), 1..30 degrees of freedom.
+_T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753,
+        1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697)
+
+
+def t95(df: int) -> float:
+    """The 0.95 quantile of Student's t with ``df`` degrees of freedom (past 30: a one-term expansion)."""
+    if df < 1:
+        raise ValueError("df must be >= 1")
+    if df <= len(_T95):
+        return _T95[df - 1]
+    z = 1.6449
+    return z + (z**3 + z) / (4 * df)
+
+
+@attrs.frozen
+class Interval:
+    """A ``LEVEL`` interval from ``windows`` parts of the profile's window."""
+
+    low: float
+    high: float
+    windows: int
+    level: float = LEVEL
+
+    def __contains__(self, x: float) -> bool:
+        return self.low <= x <= self.high
+
+    @property
+    def half_width(self) -> float:
+        return (self.high - self.low) / 2
+
+
+def batch_means(centre: float, per_window: Sequence[float]) -> Interval | None:
+    """``centre +- t(0.95, k-1) * sd / sqrt(k)`` over the ``k`` per-part values; None below two parts or
+    when a value is not finite."""
+    k = len(per_window)
+    if k < 2 or not math.isfinite(centre) or not all(math.isfinite(x) for x in per_window):
+        return None
+    half = t95(k - 1) * statistics.stdev(per_window) / math.sqrt(k)
+    return Interval(low=centre - half, high=centre + half, windows=k)

@@ -1,6 +1,6 @@
-"""Application sections of a pipeline file (beside ``stages``): ``model:``, ``tracking:``, ``checkpoint:``
-and ``distributed:``. attrs only, cheap to import; registered with the core when ``dflash_flow.app`` is
-imported."""
+"""What the application registers with the core when ``dflash_flow.app`` is imported (cheap: attrs, no torch):
+the sections of a pipeline file beside ``stages`` (``model:``, ``tracking:``, ``checkpoint:``,
+``distributed:``), and the setup that puts every stage thread on its GPU."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from typing import Any, Literal
 import attrs
 
 from dflash_flow.core import cfg, register_section
+from dflash_flow.core.devices import register_thread_setup
 from dflash_flow.engine.config import EngineConfig
-from dflash_flow.model.features_config import FeaturesConfig
+from dflash_flow.model.spec import FeaturesConfig
 
 
 @attrs.define(kw_only=True)
@@ -60,15 +61,27 @@ class CheckpointConfig:
 class DistributedConfig:
     """`distributed:` how ranks talk when the pipeline runs under torchrun (ignored in one process)."""
 
-    backend: Literal["auto", "gloo", "nccl"] = cfg(
-        "auto", choices=("auto", "gloo", "nccl"), doc="Process-group backend; auto: nccl on GPUs, gloo on CPU."
-    )
-    timeout_s: float = cfg(
-        600.0, gt=0, le=86400, doc="A collective that waits longer than this fails the job (no rank waits forever)."
-    )
+    backend: Literal["auto", "gloo", "nccl"] = cfg("auto", choices=("auto", "gloo", "nccl"),
+                                                   doc="Process-group backend; auto: nccl on GPUs, gloo on CPU.")
+    timeout_s: float = cfg(600.0, gt=0, le=86400,
+                           doc="A collective that waits longer than this fails the job (no rank waits forever).")
 
 
 register_section("model", ModelConfig, affects_result=True)
 register_section("tracking", TrackingConfig)
 register_section("distributed", DistributedConfig)
 register_section("checkpoint", CheckpointConfig)
+
+
+def bind_stage_thread(devices: list[str], home: str | None) -> None:
+    """Make each replica's thread (and the thread that starts a pipeline) use its GPU, or its rank's first, as
+    the current CUDA device before the stage's setup: else a Padder pinning memory or a ``synchronize()``
+    without a device lands on GPU 0 (another rank's, on a shared node). A CPU run never imports torch here."""
+    if not any(d.startswith("cuda") for d in devices) and not home:
+        return
+    from dflash_flow.model.device import bind_thread_device
+
+    bind_thread_device(devices, home)
+
+
+register_thread_setup(bind_stage_thread)

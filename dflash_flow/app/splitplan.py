@@ -1,40 +1,20 @@
 """``dflash-flow plan``: which split of N GPUs between TargetForward replicas and drafter ranks trains
 fastest, predicted from a measured profile (``app.profile``).
 
-The model. A profile gives each stage's replica-seconds of work per trained batch ``w`` (``work_s_per_
-batch``). With ``r`` replicas a stage can pass at most ``r / w`` batches per second, so one rank's
-pipeline passes
+The model. A stage with ``r`` replicas and ``w`` replica-seconds of work per trained batch passes at most
+``r / w`` batches/s, so one rank passes ``X = min over stages of r_s / w_s`` (replicas assumed to scale
+linearly). D data-parallel ranks each host T TargetForward replicas (a GPU each) and a DrafterStep GPU,
+Padders on CPU; an optimizer step of G micro-batches then waits for the gradient all-reduce, whose exposed
+wait ``a(D) = a(2) * 2 (D - 1) / D`` (ring; ``a(2)`` measured by ``bench/scale_bench.py``) adds ``a(D) / G``
+per batch to the trainer's work: steps/s = X / G, samples/s = X * D * samples_per_batch. The ranks share
+``C`` CPU cores and each spends ``c`` CPU-seconds per batch (measured), so ``X <= C / (D * c)``
+(``CPU_LIMIT``). Splits: every D with at least two GPUs per rank (``T = N // D - 1``), padders just enough
+not to limit; the recommendation is the most samples/s, within ``TIE`` of it the fewest GPUs, then ranks.
 
-    X = min over stages of r_s / w_s        (batches/s; replicas assumed to scale linearly)
-
-Data parallel: D ranks each run the whole DAG on their share of the global plan; a rank's GPUs host its
-T TargetForward replicas (one GPU each) and its DrafterStep (one GPU), its Padders run on CPU. An
-optimizer step of G micro-batches waits for every rank (the ranks are alike, so the max over ranks is one
-rank's time) and then for the gradient all-reduce, whose exposed wait ``a(D)`` (seconds per step) adds
-to the trainer's work: ``w_trainer + a(D) / G`` per batch. ``a(2)`` is measured (``bench/scale_bench.py``
-records it with a DDP comm hook); it grows like a ring all-reduce, ``a(D) = a(2) * 2 (D - 1) / D``. Then
-
-    steps/s = X / G,  samples/s = X * D * samples_per_batch,  tokens/s likewise.
-
-The ranks share one machine's CPU cores (``C``: the profiled machine's, ``--cores`` for another). A
-profile also measures the process's CPU seconds per trained batch ``c`` (every thread: the stages' Python,
-their CPU compute, the padders); D ranks together can spend at most C CPU-seconds per second, so
-
-    X <= C / (D * c)        (the limit ``CPU_LIMIT``; it binds where the busy threads outnumber the cores)
-
-Splits: every D with at least two GPUs per rank (``T = N // D - 1`` targets; leftover GPUs idle), padders
-per rank just enough not to limit (``ceil(w_padder * X)``). The recommendation is the split with the most
-samples/s; within 2% of it, the one using fewer GPUs, then fewer ranks (less memory, no all-reduce).
-Validation against real runs: ``bench/profile_bench.py`` and ``tests/app/test_splitplan.py``.
-
-The confidence. A profile of version 2 keeps its window cut into k equal parts (``Profile.windows``).
-Every prediction is also made from each part's own work per batch (and, for samples/s, the part's own
-samples per batch), which gives k values x_i; the 90% interval is the batch-means one,
-``x +- t(0.95, k-1) * sd(x_i) / sqrt(k)`` about the prediction x from the whole window: an interval for the
-steady-state rate of this machine's pipeline while it was profiled (not for a later run's drift in the
-machine's load). Two splits are *within the noise* when the same interval of their per-part difference
-holds 0. A profile without parts (version 1, or one part) plans as before, with a note instead.
-"""
+The confidence. A profile keeps its window cut into k parts (``Profile.windows``); each prediction is also
+made from each part's own work per batch, and the 90% interval is the batch-means one,
+``x +- t(0.95, k-1) * sd(x_i) / sqrt(k)``: for this machine's steady-state rate while profiled. Two splits
+are *within the noise* when the interval of their per-part difference holds 0."""
 
 from __future__ import annotations
 
@@ -48,8 +28,8 @@ from typing import Any
 import attrs
 
 from dflash_flow.app.contention import contended
-from dflash_flow.app.interval import LEVEL, Interval, batch_means, t95  # noqa: F401 - t95: callers import it here
 from dflash_flow.app.profile import Profile, ProfileError
+from dflash_flow.app.profile_data import LEVEL, Interval, batch_means, t95  # noqa: F401 - t95: callers import it here
 
 TARGET_TYPE = "TargetForward"
 PADDER_TYPE = "Padder"
@@ -97,14 +77,8 @@ def _cpu_rate(cpu_s: float | None, batches: float, cores: float | None, ranks: i
     return cores / (ranks * per_batch) if per_batch > 0 else math.inf
 
 
-def predict(
-    profile: Profile,
-    replicas: Mapping[str, int] | None = None,
-    *,
-    extra_work_s: Mapping[str, float] | None = None,
-    ranks: int = 1,
-    cores: int | None = None,
-) -> Prediction:
+def predict(profile: Profile, replicas: Mapping[str, int] | None = None, *,
+            extra_work_s: Mapping[str, float] | None = None, ranks: int = 1, cores: int | None = None) -> Prediction:
     """Batches/s of one rank with ``replicas`` (stage -> count; the profiled count for stages not named),
     each stage's work per batch raised by ``extra_work_s`` (the all-reduce term), and ``ranks`` such ranks
     sharing ``cores`` CPU cores (default: the profiled machine's), when the profile measured its CPU time."""
@@ -189,17 +163,8 @@ def stage_of_type(profile: Profile, type_name: str) -> str | None:
     return names[0] if len(names) == 1 else None
 
 
-def evaluate_split(
-    profile: Profile,
-    ranks: int,
-    targets: int,
-    *,
-    target_stage: str,
-    padder_stage: str | None,
-    allreduce_at_two: float = 0.0,
-    gpus: int | None = None,
-    cores: int | None = None,
-) -> Split:
+def evaluate_split(profile: Profile, ranks: int, targets: int, *, target_stage: str, padder_stage: str | None,
+                   allreduce_at_two: float = 0.0, gpus: int | None = None, cores: int | None = None) -> Split:
     """The predicted throughput of ``ranks`` ranks with ``targets`` TargetForward replicas each, sharing
     ``cores`` CPU cores (default: the profiled machine's)."""
     trainer = profile.step_stage
@@ -217,31 +182,16 @@ def evaluate_split(
     pred = predict(profile, mix, extra_work_s=extra, ranks=ranks, cores=cores)
     x = pred.batches_per_s
     used = ranks * (targets + 1)
-    return Split(
-        ranks=ranks,
-        targets_per_rank=targets,
-        padders_per_rank=padders,
-        gpus_used=used,
-        idle_gpus=(gpus - used) if gpus is not None else 0,
-        allreduce_s=wait,
-        batches_per_s_rank=x,
-        steps_per_s=x / accum,
-        samples_per_s=x * ranks * profile.samples_per_batch if profile.samples_per_batch is not None else None,
-        tokens_per_s=x * ranks * profile.tokens_per_batch if profile.tokens_per_batch is not None else None,
-        limit=pred.limit,
-        per_window=_per_window_score(profile, pred.per_window, ranks),
-    )
+    return Split(ranks=ranks, targets_per_rank=targets, padders_per_rank=padders, gpus_used=used,
+                 idle_gpus=(gpus - used) if gpus is not None else 0, allreduce_s=wait, batches_per_s_rank=x,
+                 steps_per_s=x / accum,
+                 samples_per_s=x * ranks * profile.samples_per_batch if profile.samples_per_batch is not None else None,
+                 tokens_per_s=x * ranks * profile.tokens_per_batch if profile.tokens_per_batch is not None else None,
+                 limit=pred.limit, per_window=_per_window_score(profile, pred.per_window, ranks))
 
 
-def plan_splits(
-    profile: Profile,
-    gpus: int,
-    *,
-    allreduce_at_two: float = 0.0,
-    target_stage: str | None = None,
-    padder_stage: str | None = None,
-    cores: int | None = None,
-) -> list[Split]:
+def plan_splits(profile: Profile, gpus: int, *, allreduce_at_two: float = 0.0, target_stage: str | None = None,
+                padder_stage: str | None = None, cores: int | None = None) -> list[Split]:
     """Every split of ``gpus`` GPUs into ranks of (targets + one drafter GPU), fewest ranks first, the ranks
     sharing ``cores`` CPU cores (default: the profiled machine's)."""
     if gpus < 2:
@@ -253,12 +203,9 @@ def plan_splits(
         padder_stage = stage_of_type(profile, PADDER_TYPE)
     elif padder_stage not in profile.stages:
         raise ProfileError(f"--padder-stage: no stage named '{padder_stage}' in the profile")
-    out = []
-    for ranks in range(1, gpus // 2 + 1):
-        targets = gpus // ranks - 1
-        out.append(evaluate_split(profile, ranks, targets, target_stage=target_stage, padder_stage=padder_stage,
-                                  allreduce_at_two=allreduce_at_two, gpus=gpus, cores=cores))
-    return out
+    return [evaluate_split(profile, ranks, gpus // ranks - 1, target_stage=target_stage, padder_stage=padder_stage,
+                           allreduce_at_two=allreduce_at_two, gpus=gpus, cores=cores)
+            for ranks in range(1, gpus // 2 + 1)]
 
 
 def recommend(splits: list[Split]) -> Split:
@@ -335,11 +282,8 @@ def render_plan(profile: Profile, splits: list[Split], chosen: Split, gpus: int,
         i = s.interval
         return f"{_num(i.low)}-{_num(i.high)}" if i is not None else "-"
 
-    rows = [
-        ["*" if s == chosen else "", _name(s), s.padders_per_rank, s.gpus_used, s.idle_gpus,
-         s.limit, s.batches_per_s_rank, s.steps_per_s, s.samples_per_s, iv(s), s.tokens_per_s, s.allreduce_s]
-        for s in splits
-    ]
+    rows = [["*" if s == chosen else "", _name(s), s.padders_per_rank, s.gpus_used, s.idle_gpus, s.limit,
+             s.batches_per_s_rank, s.steps_per_s, s.samples_per_s, iv(s), s.tokens_per_s, s.allreduce_s] for s in splits]
     cols = ["", "ranks x targets", "padders", "GPUs", "idle", "limit", "batches/s", "steps/s", "samples/s",
             f"{LEVEL:.0%} interval", "tokens/s", "all-reduce s"]
     head = (f"plan for {gpus} GPUs from the profile of {profile.pipeline} ({profile.batches} batches, "
@@ -364,36 +308,18 @@ def plan_to_json(profile: Profile, splits: list[Split], chosen: Split, gpus: int
                    within_noise_of_recommended=None if s == chosen else within_noise(chosen, s))
         return out
 
-    return {
-        "gpus": gpus,
-        "pipeline": profile.pipeline,
-        "profile_version": profile.version,
-        "windows": len(profile.windows),
-        "splits": [one(s) for s in splits],
-        "recommended": one(chosen),
-        "summary": confidence(profile, chosen),
-        "cores": cores if cores is not None else profile.cores,
-        "cpu_s_per_batch": profile.cpu_s_per_batch,
-        "notes": noise_notes(profile, splits, chosen) + width_notes(profile, chosen) + cpu_notes(profile, splits, cores),
-    }
+    return {"gpus": gpus, "pipeline": profile.pipeline, "profile_version": profile.version,
+            "windows": len(profile.windows), "splits": [one(s) for s in splits], "recommended": one(chosen),
+            "summary": confidence(profile, chosen), "cores": cores if cores is not None else profile.cores,
+            "cpu_s_per_batch": profile.cpu_s_per_batch,
+            "notes": noise_notes(profile, splits, chosen) + width_notes(profile, chosen) + cpu_notes(profile, splits, cores)}
 
 
-def plan_command(
-    file: Path,
-    v,
-    *,
-    gpus: int,
-    profile_path: Path | None,
-    allreduce_at_two: float,
-    steps: int,
-    target_stage: str | None,
-    padder_stage: str | None,
-    out: Path | None = None,
-    cores: int | None = None,
-) -> int:
-    """``dflash-flow plan``: the table and the recommendation with its interval (``out``: also as JSON);
-    profiles first when there is no profile (``--profile``, else OUTPUT/profile.json, else a new
-    ``steps``-step profile)."""
+def plan_command(file: Path, v, *, gpus: int, profile_path: Path | None, allreduce_at_two: float, steps: int,
+                 target_stage: str | None, padder_stage: str | None, out: Path | None = None,
+                 cores: int | None = None) -> int:
+    """``dflash-flow plan``: the table and the recommendation with its interval (``out``: also as JSON), from
+    ``--profile``, else OUTPUT/profile.json, else a new ``steps``-step profile."""
     from dflash_flow.app.exits import EXIT_OK, EXIT_USER_ERROR
     from dflash_flow.app.profile import load_profile, profile_command
 

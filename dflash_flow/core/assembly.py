@@ -1,6 +1,6 @@
-"""A pipeline's replicas built from its validated graph (``Pipeline.__init__``): every stage's replicas
-placed on this rank's devices, one stage object and context each, their resume states, the channels wired,
-and each ordered consumer's upstream; and the walks over the graph the supervisor needs."""
+"""A pipeline's replicas built from its validated graph (``Pipeline.__init__``): placed on this rank's devices,
+one stage object and context each, their resume states, the channels wired; and the graph walks the supervisor
+needs."""
 
 from __future__ import annotations
 
@@ -12,23 +12,20 @@ from typing import Any
 
 import attrs
 
-from .channel import Channel
+from .channel import Channel, make_router
 from .devices import RankLayout, place_replicas, visible_gpu_count
 from .graph import Graph
 from .metrics import MetricSet
 from .replica import Replica
 from .stage import StageContext
 from .validate import Validated
-from .wiring import wire
 
 
 @attrs.frozen
 class Assembly:
-    layout: RankLayout
     home_device: str | None  # this rank's first GPU (devices.setup_thread)
     replicas: dict[str, list[Replica]]
     collect: dict[str, Channel]  # the collected stages' outputs (Pipeline.iterate)
-    warnings: list[str]
 
 
 @attrs.frozen(kw_only=True)
@@ -49,12 +46,10 @@ def assemble(v: Validated, place: Place, *, services: Any, stop: threading.Event
                         local_rank=place.local_rank, gpus_per_rank=g.runtime.gpus_per_rank, shared=g.runtime.share_gpus)
     gpus = layout.gpus()
     home = f"cuda:{gpus[0]}" if gpus else None
-    notes: list[str] = []
     devices: dict[str, list[list[str]]] = {}  # stage -> the devices of each replica, first one first
     for spec in g.stages:
         placed, warning = place_replicas(spec.devices, spec.replicas, layout)
         if warning:
-            notes.append(f"stage '{spec.name}': {warning}")
             warnings.warn(f"stage '{spec.name}': {warning}", RuntimeWarning, stacklevel=3)
         devices[spec.name] = placed
     replicas: dict[str, list[Replica]] = {}
@@ -71,8 +66,7 @@ def assemble(v: Validated, place: Place, *, services: Any, stop: threading.Event
                 name=spec.name, replica=i, num_replicas=spec.replicas, rank=place.rank, world_size=place.world_size,
                 local_rank=place.local_rank, local_world_size=place.local_world_size, device=devices[spec.name][i][0],
                 devices=devices[spec.name][i], downstream_devices=downstream, seed=g.seed, output_dir=place.output_dir,
-                services=services, metrics=MetricSet(), stop_requested=stop, runtime=view,
-            )
+                services=services, metrics=MetricSet(), stop_requested=stop, runtime=view)
             rep = Replica(spec.name, spec.type, i, stage, ctx)
             rep.home_device = home
             if states:
@@ -84,7 +78,48 @@ def assemble(v: Validated, place: Place, *, services: Any, stop: threading.Event
         if spec.ordered:
             for rep in replicas[spec.name]:
                 rep.upstream = [r for name in sorted(upstream_of(g, spec.name)) for r in replicas[name]]
-    return Assembly(layout, home, replicas, channels, notes)
+    return Assembly(home, replicas, channels)
+
+
+def wire(g: Graph, classes: dict[str, Any], replicas: dict[str, list[Replica]], collect: list[str]) -> dict[str, Channel]:
+    """Give every replica its input channel and routers; returns the collect channels by stage name."""
+    collected: dict[str, Channel] = {}
+    # Channels: one per consumer replica, fed by every producer replica of every input edge.
+    for spec in g.stages:
+        if not spec.inputs:
+            continue
+        producers = sum(g.stage(i.stage).replicas for i in spec.inputs)
+        cap = spec.capacity or g.runtime.capacity
+        for rep in replicas[spec.name]:
+            rep.input = Channel(cap, name=rep.label, producers=producers)
+            rep.ordered = spec.ordered
+    # Routers: one per edge, shared by all producer replicas (one round-robin counter per edge).
+    for spec in g.stages:
+        for inp in spec.inputs:
+            router = make_router(inp.policy, [r.input for r in replicas[spec.name]])
+            for prod in replicas[inp.stage]:
+                prod.routers.append(router)
+    for name in collect:
+        ch = collected[name] = Channel(max(g.runtime.capacity, 1), name=f"collect:{name}", producers=len(replicas[name]))
+        router = make_router("round_robin", [ch])
+        for prod in replicas[name]:
+            prod.routers.append(router)
+    # Tombstones are only needed where an ordered consumer lies downstream through 1:1 stages.
+    for spec in g.stages:
+        if spec.ordered:
+            todo = [i.stage for i in spec.inputs]
+            seen = set()
+            while todo:
+                n = todo.pop()
+                if n in seen:
+                    continue
+                seen.add(n)
+                for rep in replicas[n]:
+                    rep.send_tombstones = True
+                cls = classes[n]
+                if cls.cardinality == "1:1" and not cls.is_source():
+                    todo.extend(i.stage for i in g.stage(n).inputs)
+    return collected
 
 
 def upstream_of(g: Graph, stage: str) -> set[str]:

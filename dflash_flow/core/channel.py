@@ -1,12 +1,14 @@
-"""Bounded channels: blocking put is the backpressure, close is end-of-stream, errors travel as values.
+"""Bounded channels: blocking put is the backpressure, close is end-of-stream, errors travel as values; and
+the fan-out policies of an edge into a replicated stage.
 
-A channel is the input queue of exactly one consumer replica; any number of producer replicas put into it.
-It is closed (end-of-stream) once every producer has closed it. ``cancel`` wakes every blocked caller,
-which is how the supervisor stops a pipeline without polling.
+A channel is the input queue of one consumer replica; it ends once every producer closed it. ``cancel`` wakes
+every blocked caller (the supervisor stops a pipeline without polling). One router per edge, shared by its
+producers: the items sent to any two consumer replicas never differ by more than one.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import deque
 from time import perf_counter
@@ -49,23 +51,9 @@ class ChannelStats:
 
 
 class Channel:
-    __slots__ = (
-        "name",
-        "capacity",
-        "_buf",
-        "_lock",
-        "_not_empty",
-        "_not_full",
-        "_open_producers",
-        "_cancelled",
-        "items_in",
-        "items_out",
-        "blocked_put_s",
-        "blocked_get_s",
-        "_waiting_since",
-        "_awaited",
-        "_putters",
-    )
+    __slots__ = ("name", "capacity", "_buf", "_lock", "_not_empty", "_not_full", "_open_producers",
+                 "_cancelled", "items_in", "items_out", "blocked_put_s", "blocked_get_s",
+                 "_waiting_since", "_awaited", "_putters")
 
     def __init__(self, capacity: int, name: str = "", producers: int = 1):
         if capacity < 1:
@@ -82,11 +70,9 @@ class Channel:
         self.items_out = 0
         self.blocked_put_s = 0.0
         self.blocked_get_s = 0.0
-        # thread ident -> perf_counter() when its put or get began to wait: a reading taken during a long
-        # wait counts it so far (the totals above grow only when a wait ends)
+        # thread ident -> perf_counter() when its put or get began to wait (a reading counts a wait so far)
         self._waiting_since: dict[int, float] = {}
-        # The sequence number an ordered consumer waits for while it holds as many items out of order as the
-        # channel holds (``get_seq``): its envelope is let in past the capacity, nothing else is.
+        # The sequence number an ordered consumer awaits in ``get_seq``: let in past the capacity.
         self._awaited: Any = None
         self._putters = 0  # producers waiting in put
 
@@ -155,17 +141,11 @@ class Channel:
             return item
 
     def get_seq(self, seq: Any, progress: Any = None, poll_s: float = 0.1) -> Any:
-        """For an ordered consumer that holds ``capacity`` items out of order already: the envelope ``(seq,
-        item)`` it waits for (let in past the capacity, ``put``), an error item, or an envelope without a
-        sequence number, wherever it is in the buffer; no other item is taken, so the producers of later items
-        stay blocked (bounded memory, e.g. features on a GPU).
-
-        Escapes, so it never waits forever: end-of-stream with ``seq`` not there returns None (it will not come:
-        a cancelled upstream left a gap; the consumer then reads as items come). And a producer that got its
-        items out of order (two upstream replicas racing) may hold ``seq`` behind a later item it cannot put:
-        then the oldest item is taken instead, once every open producer waits in ``put``, or once ``progress()``
-        (the consumer's upstream: None while any of it works, else a count of what it has done) reads the
-        same, not None, at two looks ``poll_s`` apart (the only timed wait, in this state only)."""
+        """For an ordered consumer that holds ``capacity`` items out of order already: the envelope ``(seq, item)``
+        it waits for (let in past the capacity), an error item, or an unnumbered envelope, wherever it is in the
+        buffer; no other item is taken (bounded memory). End-of-stream without ``seq`` returns None (a gap). As a
+        producer may hold ``seq`` behind one it cannot put, the oldest item is taken once every open producer waits
+        in ``put``, or once ``progress()`` (None while upstream works) reads the same twice ``poll_s`` apart."""
         with self._not_empty:
             self._awaited = seq
             self._not_full.notify_all()  # a producer waiting to put `seq` may now
@@ -231,11 +211,64 @@ class Channel:
         return self._cancelled
 
     def stats(self) -> ChannelStats:
-        return ChannelStats(
-            capacity=self.capacity,
-            depth=len(self._buf),
-            items_in=self.items_in,
-            items_out=self.items_out,
-            blocked_put_s=self.blocked_put_s,
-            blocked_get_s=self.blocked_get_s,
-        )
+        return ChannelStats(capacity=self.capacity, depth=len(self._buf), items_in=self.items_in,
+                            items_out=self.items_out, blocked_put_s=self.blocked_put_s, blocked_get_s=self.blocked_get_s)
+
+
+# -- fan-out ------------------------------------------------------------------------------------------
+POLICIES: tuple[str, ...] = ("round_robin", "least_loaded", "broadcast")
+
+
+class Router:
+    """Chooses the consumer channels an item goes to."""
+
+    policy: str = ""
+
+    def __init__(self, channels: list[Channel]):
+        self.channels = channels
+
+    def targets(self) -> list[Channel] | Channel:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+class RoundRobin(Router):
+    policy = "round_robin"
+
+    def __init__(self, channels: list[Channel]):
+        super().__init__(channels)
+        # itertools.count.__next__ is atomic under the GIL: no lock needed on the hot path.
+        self._counter = itertools.count()
+        self._n = len(channels)
+
+    def targets(self) -> Channel:
+        return self.channels[next(self._counter) % self._n]
+
+
+class LeastLoaded(Router):
+    policy = "least_loaded"
+
+    def __init__(self, channels: list[Channel]):
+        super().__init__(channels)
+        self._tiebreak = itertools.count()
+
+    def targets(self) -> Channel:
+        n = len(self.channels)
+        start = next(self._tiebreak) % n  # rotate the scan start so equal depths do not always favour replica 0
+        return min((self.channels[(start + i) % n] for i in range(n)), key=lambda ch: ch.depth)
+
+
+class Broadcast(Router):
+    policy = "broadcast"
+
+    def targets(self) -> list[Channel]:
+        return self.channels
+
+
+def make_router(policy: str, channels: list[Channel]) -> Router:
+    if policy == "broadcast":
+        return Broadcast(channels)
+    if policy == "least_loaded" and len(channels) > 1:
+        return LeastLoaded(channels)
+    if policy in ("round_robin", "least_loaded") or len(channels) == 1:
+        return RoundRobin(channels)
+    raise ValueError(f"unknown fan-out policy {policy!r}; expected one of {', '.join(POLICIES)}")

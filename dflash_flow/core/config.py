@@ -1,8 +1,5 @@
-"""YAML (and dict) -> Graph, with every problem located by file, line, stage and field.
-
-Reading is ``yaml_load`` (safe and bounded), typing is the strict cattrs converter of ``convert``; this
-module puts the two together: the top-level keys, the application sections, the stages, ``--set``.
-"""
+"""YAML (and dict) -> Graph, every problem located: reading is ``yaml_load`` (safe, bounded), typing the strict
+converter of ``convert``; here the top-level keys, the application sections, the stages and ``--set``."""
 
 from __future__ import annotations
 
@@ -14,50 +11,26 @@ from typing import Any
 import yaml
 
 from . import limits
-from .convert import structure
-from .convert_errors import STAGE_KEYS
+from .convert import STAGE_KEYS, structure
+from .convert_types import short
 from .errors import ConfigError, Problem
-from .graph import Graph, RuntimeOptions, StageSpec
-from .sections import registered_sections
-from .wording import describe_type, field_types, short
+from .graph import Graph, RuntimeOptions, StageSpec, registered_sections
 from .yaml_load import Locator, YAMLLimitError, load_value, parse_yaml, read_yaml_file, yaml_problem
 
 TOP_LEVEL_KEYS = ("name", "seed", "output_dir", "runtime", "stages")
 
-# Re-exported: callers read files, locate and describe types through this module.
-__all__ = [
-    "STAGE_KEYS",
-    "TOP_LEVEL_KEYS",
-    "Locator",
-    "apply_overrides",
-    "describe_type",
-    "field_types",
-    "graph_from_dict",
-    "load_graph",
-    "load_graph_text",
-    "parse_yaml",
-    "read_yaml_file",
-    "structure",
-]
-
 
 # -- overrides --------------------------------------------------------------------------------------
 def apply_overrides(data: Any, overrides: list[str]) -> Any:
-    """Apply ``key.path=value`` overrides (values parsed as YAML, by the file's loader and limits).
-
-    In a list of named mappings (``stages``), a path segment may be a stage name or an index. A key
-    under a stage that is not one of the stage's own keys goes into its ``config``.
-    """
+    """Apply ``key.path=value`` overrides (values parsed as YAML, by the file's loader and limits). In a list of
+    named mappings (``stages``), a segment may be a name or an index; a key under a stage that is not one of its
+    own keys goes into its ``config``."""
     if not overrides:
         return data
     if not isinstance(data, dict):
         raise ConfigError("cannot apply --set overrides: the file is not a mapping")
     data = _unshared(data)
-    problems = []
-    for item in overrides:
-        problem = _apply_one(data, item)
-        if problem is not None:
-            problems.append(problem)
+    problems = [p for p in (_apply_one(data, item) for item in overrides) if p is not None]
     if problems:
         raise ConfigError(problems)
     return data
@@ -104,8 +77,7 @@ def _apply_one(data: dict, item: str) -> Problem | None:
 
 
 def _unshared(value: Any) -> Any:
-    """A copy in which no two paths share a list or mapping, so that ``--set`` on a node a YAML alias
-    repeats changes that place only. Bounded: the loader capped the expanded size and the depth."""
+    """A copy in which no two paths share a list or mapping (``--set`` on a node an alias repeats changes one place)."""
     if isinstance(value, dict):
         return {k: _unshared(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -167,46 +139,44 @@ def graph_from_dict(data: Any, locator: Locator | None = None) -> Graph:
 
 def _top_level(data: dict, graph: Graph, loc: Locator, sections: dict[str, type]) -> list[Problem]:
     problems = []
+
+    def bad(key: Any, message: str) -> None:
+        problems.append(loc.problem(message, key, field=short(key)))
+
     allowed = set(TOP_LEVEL_KEYS) | set(sections)
     for key in data:
         if key not in allowed:
             close = difflib.get_close_matches(short(key), sorted(allowed), n=1)
             hint = f"; did you mean '{close[0]}'?" if close else f"; allowed: {', '.join(sorted(allowed))}"
-            problems.append(loc.problem(f"unknown top-level key '{short(key)}'{hint}", key, field=short(key)))
+            bad(key, f"unknown top-level key '{short(key)}'{hint}")
     name = data.get("name", "pipeline")
     if not isinstance(name, str) or not name:
-        problems.append(loc.problem("'name' must be a non-empty string", "name", field="name"))
+        bad("name", "'name' must be a non-empty string")
     elif len(name) > limits.MAX_NAME_CHARS:
-        problems.append(loc.problem(f"'name' has {len(name)} characters; at most {limits.MAX_NAME_CHARS}", "name", field="name"))
+        bad("name", f"'name' has {len(name)} characters; at most {limits.MAX_NAME_CHARS}")
     elif "/" in name or "\\" in name or name in (".", ".."):
-        problems.append(loc.problem(f"'name' {name!r} names the run directory (runs/NAME by default): it may not "
-                                    "contain '/' or '\\' or be '.' or '..'", "name", field="name"))
+        bad("name", f"'name' {name!r} names the run directory (runs/NAME by default): it may not contain '/' or "
+            "'\\' or be '.' or '..'")
     else:
         graph.name = name
     seed = data.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        problems.append(loc.problem(f"'seed' must be a non-negative integer, got {short(repr(seed), 40)}", "seed", field="seed"))
+        bad("seed", f"'seed' must be a non-negative integer, got {short(repr(seed), 40)}")
     elif seed > limits.MAX_SEED:
-        problems.append(loc.problem(f"'seed' must be < 2**63 (seeds are 64-bit), got {short(seed, 40)}", "seed", field="seed"))
+        bad("seed", f"'seed' must be < 2**63 (seeds are 64-bit), got {short(seed, 40)}")
     else:
         graph.seed = seed
     out_dir = data.get("output_dir")
     if out_dir is not None and not isinstance(out_dir, str):
-        problems.append(loc.problem("'output_dir' must be a string", "output_dir", field="output_dir"))
+        bad("output_dir", "'output_dir' must be a string")
     else:
         graph.output_dir = out_dir
     return problems
 
 
 def _runtime(data: dict, graph: Graph, loc: Locator) -> list[Problem]:
-    runtime, problems = structure(
-        RuntimeOptions,
-        data.get("runtime"),
-        locate=_locating(loc, "runtime"),
-        file=loc.filename,
-        field_prefix="runtime.",
-        what="runtime",
-    )
+    runtime, problems = structure(RuntimeOptions, data.get("runtime"), locate=_locating(loc, "runtime"),
+                                  file=loc.filename, field_prefix="runtime.", what="runtime")
     if runtime is not None:
         graph.runtime = runtime
     return problems
@@ -215,11 +185,7 @@ def _runtime(data: dict, graph: Graph, loc: Locator) -> list[Problem]:
 def _sections(data: dict, graph: Graph, loc: Locator, sections: dict[str, type]) -> list[Problem]:
     problems = []
     for key, cls in sections.items():
-        if key not in data:
-            try:
-                graph.sections[key] = cls()
-            except TypeError:  # a section without defaults must be given explicitly
-                pass
+        if key not in data:  # Graph() put in its default (a section without defaults must be given)
             continue
         obj, probs = structure(cls, data[key], locate=_locating(loc, key), file=loc.filename, field_prefix=f"{key}.", what=key)
         problems.extend(probs)
@@ -258,10 +224,7 @@ def stage_spec(raw: Any, i: int, loc: Locator) -> tuple[StageSpec | None, list[P
 
 
 def searched_in(path: str | Path) -> str:
-    """For a path a pipeline names that is not there: where it was looked for. Paths in a pipeline file resolve
-    against the working directory (where ``dflash-flow`` runs), not the file's own directory, so a relative
-    one names that directory: `` (looked for in /home/me, the working directory: relative paths in a
-    pipeline resolve against it, not against the pipeline file)``; "" for an absolute one."""
+    """For a path a pipeline names that is not there: where it was looked for ("" for an absolute one)."""
     if Path(path).expanduser().is_absolute():
         return ""
     return (f" (looked for in {Path.cwd()}, the working directory: relative paths in a pipeline resolve against "
@@ -271,11 +234,9 @@ def searched_in(path: str | Path) -> str:
 def load_graph(path: str | Path, overrides: list[str] | None = None) -> Graph:
     """Read, override and structure a pipeline file (no validation of stage configs yet)."""
     data, loc = read_yaml_file(path)
-    data = apply_overrides(data, overrides or [])
-    return graph_from_dict(data, loc)
+    return graph_from_dict(apply_overrides(data, overrides or []), loc)
 
 
 def load_graph_text(text: str, filename: str | None = None, overrides: list[str] | None = None) -> Graph:
     data, loc = parse_yaml(text, filename)
-    data = apply_overrides(data, overrides or [])
-    return graph_from_dict(data, loc)
+    return graph_from_dict(apply_overrides(data, overrides or []), loc)

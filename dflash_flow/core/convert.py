@@ -1,62 +1,140 @@
-"""The one strict converter (cattrs): attrs classes, StageSpec/InputSpec, structure(); hooks in convert_types.
+"""The one strict converter (cattrs), its pipeline shapes, and its errors located (hooks: ``convert_types``).
 
-``CONVERTER`` structures stage configs (the public init fields of a Stage subclass), ``StageSpec`` /
-``InputSpec`` / ``RuntimeOptions`` and the application sections. It is strict where YAML is loose:
-
-- no unknown keys (each is reported with the closest known one);
-- no coercion: YAML ``"3"`` is not an int, ``1`` is not a bool, ``2.5`` is not an int (an int *is* a
-  float); a list is a list (not a string's characters) and a mapping a mapping;
-- NaN and infinity are refused for every float, unless the field says ``cfg(..., finite=False)``;
-- every field's validators (``cfg(ge=, gt=, le=, lt=, choices=)``, plain attrs validators) run on the
-  structured value and are reported with that field, all fields at once.
-
-cattrs' detailed validation collects every error of a document in one exception tree; ``problems_of``
-turns that tree into one ``Problem`` per error, its path (``("stages", 3, "config", "max_tokens")``) mapped
-to file:line by the ``Locator`` of the file.
+``CONVERTER`` structures stage configs, specs, runtime options and sections strictly: no unknown keys (reported
+with the closest known one); no coercion (``"3"`` is not an int, ``1`` not a bool; an int *is* a float); NaN and
+infinity refused unless ``cfg(finite=False)``; every field's validators run. ``problems_of`` turns cattrs' error
+tree into one ``Problem`` per error, located at file:line.
 """
 
 from __future__ import annotations
 
+import difflib
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import attrs
 import cattrs
+from cattrs.errors import (
+    AttributeValidationNote,
+    BaseValidationError,
+    ClassValidationError,
+    ForbiddenExtraKeysError,
+    IterableValidationNote,
+)
 from cattrs.gen import make_dict_structure_fn, override
 
 from . import limits
-from .convert_errors import INPUT_FORM, NEED_NAME, NEED_TYPE, STAGE_KEYS, error_message, problems_of
-from .convert_types import base_converter, is_int, list_factory
+from .convert_types import Invalid, base_converter, config_fields, exact, is_int, list_factory, short, show
 from .errors import Problem
 from .graph import InputSpec, StageSpec
-from .wording import Invalid, NoneType, config_fields, describe_type, field_types, short, show
 
-# The converter's names keep this module as their documented home; each is defined in the module named above.
-__all__ = [
-    "CONVERTER",
-    "INPUT_FORM",
-    "NEED_NAME",
-    "NEED_TYPE",
-    "STAGE_KEYS",
-    "Invalid",
-    "NoneType",
-    "config_fields",
-    "describe_type",
-    "error_message",
-    "field_types",
-    "problems_of",
-    "short",
-    "show",
-    "structure",
-    "unstructure",
-]
+# The pipeline's own shapes, with the wording users know (``convert``'s hooks say the same).
+STAGE_KEYS = tuple(f.name for f in attrs.fields(StageSpec))
+INPUT_FORM = "an input is a stage name or {stage: NAME, policy: POLICY}"
+NEED_NAME = "stage needs a 'name' (a non-empty string)"
+NEED_TYPE = "stage needs a 'type' (a registered stage type name)"
+
+
+def _unknown_key(cls: type, key: Any) -> str:
+    if cls is StageSpec:
+        close = difflib.get_close_matches(short(key), STAGE_KEYS, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else f"; stage keys are {', '.join(STAGE_KEYS)} (stage settings go under 'config')"
+        return f"unknown stage key '{short(key)}'{hint}"
+    if cls is InputSpec:
+        return f"unknown input key '{short(key)}'; an input has 'stage' and 'policy'"
+    names = [f.name for f in config_fields(cls)]
+    close = difflib.get_close_matches(short(key), names, n=1)
+    hint = (f"; did you mean '{close[0]}'?" if close else f"; known fields: {', '.join(names)}" if names
+            else "; this stage takes no config")
+    return f"unknown field '{short(key)}'{hint}"
+
+
+def _missing_message(cls: type, name: str) -> str:
+    if cls is StageSpec and name == "name":
+        return NEED_NAME
+    if cls is StageSpec and name == "type":
+        return NEED_TYPE
+    if cls is InputSpec:
+        return INPUT_FORM
+    return f"missing required field '{name}'"
+
+
+def _leaves(exc: BaseException, path: tuple) -> Iterator[tuple[tuple, BaseException, type | None, bool]]:
+    """(path, leaf error, class being structured, raised by the class itself) for every error in a
+    cattrs error tree. A path segment is ``("attr", name)`` or ``("item", index or key)``."""
+    if not isinstance(exc, BaseValidationError):
+        yield path, exc, None, False
+        return
+    for sub in exc.exceptions:
+        seg = _segment(sub)
+        if isinstance(sub, BaseValidationError):
+            yield from _leaves(sub, path + seg)
+        else:
+            own = isinstance(exc, ClassValidationError) and not seg
+            yield path + seg, sub, exc.cl, own
+
+
+def _segment(exc: BaseException) -> tuple:
+    for note in reversed(getattr(exc, "__notes__", ())):
+        if isinstance(note, AttributeValidationNote):
+            return (("attr", note.name),)
+        if isinstance(note, IterableValidationNote):
+            return (("item", note.index),)
+    return ()
+
+
+def _where(segs: tuple) -> tuple[str, str]:
+    """(field, message prefix): ``(("attr","sizes"),("item",1))`` -> ``("sizes", "item 1: ")``."""
+    last = max((i for i, (kind, _) in enumerate(segs) if kind == "attr"), default=-1)
+    field = ""
+    for kind, value in segs[: last + 1]:
+        if kind == "attr":
+            field = f"{field}.{value}" if field else str(value)
+        else:
+            field += f"[{short(value, 30)}]"
+    prefix = "".join(f"item {v}: " if isinstance(v, int) else f"key {short(v, 30)!r}: " for _, v in segs[last + 1 :])
+    return field, prefix
+
+
+def error_message(exc: BaseException) -> str:
+    """The user's message of a validator or constructor error."""
+    if isinstance(exc, (ValueError, TypeError)) and exc.args and isinstance(exc.args[0], str):
+        return exc.args[0]
+    return str(exc) or type(exc).__name__
+
+
+def problems_of(exc: BaseException, *, locate: Callable[[tuple], int | None], file: str | None, stage: str | None,
+                field_prefix: str, what: str) -> list[Problem]:
+    """One Problem per error in a cattrs error tree, in document order."""
+    out: list[tuple[int, int, Problem]] = []
+
+    def add(message: str, segs: tuple, field: str) -> None:
+        path = tuple(value for _, value in segs)
+        line = locate(path)
+        full = f"{field_prefix}{field}" if field else field_prefix.rstrip(".") or None
+        out.append((line or 0, len(out), Problem(message, file=file, line=line, stage=stage, field=full)))
+
+    for segs, leaf, cls, own in _leaves(exc, ()):
+        field, prefix = _where(segs)
+        if isinstance(leaf, ForbiddenExtraKeysError):
+            for key in sorted(leaf.extra_fields, key=str):
+                key_field = f"{field}.{short(key)}" if field else short(key)
+                add(prefix + _unknown_key(leaf.cl, key), segs + (("item", key),), key_field)
+        elif isinstance(leaf, KeyError) and segs and segs[-1] == ("attr", leaf.args[0] if leaf.args else None):
+            add(prefix + _missing_message(cls, segs[-1][1]), segs, field)
+        elif isinstance(leaf, Invalid):
+            add(prefix + str(leaf), segs, field)
+        elif own:
+            add(f"{prefix}invalid {what}: {error_message(leaf)}", segs, field)
+        else:
+            add(prefix + error_message(leaf), segs, field)
+    return [p for _, _, p in sorted(out, key=lambda t: (t[0], t[1]))]
 
 
 # -- attrs classes ----------------------------------------------------------------------------------
 def _validating(f: attrs.Attribute, hook: Callable) -> Callable:
-    """Structure one field, then run its validators on the result, so that every field's problems are
-    reported (attrs' ``__init__`` stops at the first)."""
+    """Structure one field, then run its validators, so that every field's problems are reported."""
     validator = f.validator
 
     def structure_field(value: Any, tp: Any) -> Any:
@@ -109,12 +187,6 @@ def _stage_name(value: Any, _: Any) -> str:
     return value
 
 
-def _stage_type(value: Any, _: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise Invalid(NEED_TYPE)
-    return value
-
-
 def _stage_config(value: Any, _: Any) -> dict:
     if value is None:
         return {}
@@ -133,8 +205,7 @@ def _stage_int(key: str, optional: bool) -> Callable:
 
 
 def _stage_devices(value: Any, _: Any) -> str | list[str] | list[list[str]]:
-    """A device string, a flat list (one device per replica) or a list of lists (the devices of each
-    replica, for stages that split a model); what the devices are is validation's business."""
+    """A device string, a flat list (one per replica) or a list of lists (each replica's); checked in validation."""
     if isinstance(value, str):
         return value
     if not isinstance(value, (list, tuple)) or not value:
@@ -152,28 +223,10 @@ def _stage_devices(value: Any, _: Any) -> str | list[str] | list[list[str]]:
     return [list(g) for g in value]
 
 
-def _stage_ordered(value: Any, _: Any) -> bool:
-    if not isinstance(value, bool):
-        raise Invalid("'ordered' must be true or false")
-    return value
-
-
-def _input_stage(value: Any, _: Any) -> str:
-    if not isinstance(value, str):
-        raise Invalid(INPUT_FORM)
-    return value
-
-
-def _input_policy(value: Any, _: Any) -> str:
-    if not isinstance(value, str):
-        raise Invalid("input 'policy' must be a string")
-    return value
-
-
 def _input_spec_hook(conv: cattrs.Converter) -> Callable:
     inner = make_dict_structure_fn(
-        InputSpec, conv, stage=override(struct_hook=_input_stage), policy=override(struct_hook=_input_policy)
-    )
+        InputSpec, conv, stage=override(struct_hook=exact(lambda v: isinstance(v, str), message=INPUT_FORM)),
+        policy=override(struct_hook=exact(lambda v: isinstance(v, str), message="input 'policy' must be a string")))
 
     def structure_input(value: Any, _: Any) -> InputSpec:
         if isinstance(value, str):
@@ -198,17 +251,13 @@ def _stage_spec_hook(conv: cattrs.Converter) -> Callable:
         return inputs_hook(value, list[InputSpec])
 
     inner = make_dict_structure_fn(
-        StageSpec,
-        conv,
-        name=override(struct_hook=_stage_name),
-        type=override(struct_hook=_stage_type),
+        StageSpec, conv, name=override(struct_hook=_stage_name),
+        type=override(struct_hook=exact(lambda v: isinstance(v, str) and v != "", message=NEED_TYPE)),
         config=override(struct_hook=_stage_config),
         replicas=override(struct_hook=_stage_int("replicas", optional=False)),
-        devices=override(struct_hook=_stage_devices),
-        inputs=override(struct_hook=structure_inputs),
+        devices=override(struct_hook=_stage_devices), inputs=override(struct_hook=structure_inputs),
         capacity=override(struct_hook=_stage_int("capacity", optional=True)),
-        ordered=override(struct_hook=_stage_ordered),
-    )
+        ordered=override(struct_hook=exact(lambda v: isinstance(v, bool), message="'ordered' must be true or false")))
 
     def structure_stage(value: Any, _: Any) -> StageSpec:
         if not isinstance(value, Mapping):
@@ -233,34 +282,18 @@ CONVERTER = _build(finite=True)
 _LENIENT = _build(finite=False)
 
 
-def structure(
-    cls: Any,
-    data: Any,
-    *,
-    locate: Callable[[tuple], int | None] | None = None,
-    file: str | None = None,
-    stage: str | None = None,
-    field_prefix: str = "",
-    what: str = "config",
-) -> tuple[Any, list[Problem]]:
+def structure(cls: Any, data: Any, *, locate: Callable[[tuple], int | None] | None = None, file: str | None = None,
+              stage: str | None = None, field_prefix: str = "", what: str = "config") -> tuple[Any, list[Problem]]:
     """Build ``cls`` from ``data`` with the strict converter: (the object, []) or (None, every problem).
-
-    ``locate(path) -> line`` gives the line of a path relative to ``data``; ``field_prefix`` is put before
-    each field name (``"runtime."``). ``what`` names the whole thing in messages ("config", "runtime").
-    A missing mapping (``config:`` with nothing after it) is an empty one.
-    """
+    ``locate(path) -> line`` for a path relative to ``data``; ``field_prefix`` goes before each field name
+    (``"runtime."``); ``what`` names the whole in messages. A missing mapping is an empty one."""
     locate = locate or (lambda _path: None)
     if data is None and attrs.has(cls):
         data = {}
     if attrs.has(cls) and not isinstance(data, Mapping):
-        line = locate(())
-        return None, [Problem(f"{what} must be a mapping, got {type(data).__name__}", file=file, line=line, stage=stage, field=field_prefix.rstrip(".") or None)]
+        return None, [Problem(f"{what} must be a mapping, got {type(data).__name__}", file=file, line=locate(()),
+                              stage=stage, field=field_prefix.rstrip(".") or None)]
     try:
         return CONVERTER.structure(data, cls), []
     except Exception as exc:  # every error of the document, collected by cattrs
         return None, problems_of(exc, locate=locate, file=file, stage=stage, field_prefix=field_prefix, what=what)
-
-
-def unstructure(obj: Any) -> Any:
-    """Plain data of a structured object (the inverse of ``structure`` for the pipeline's shapes)."""
-    return CONVERTER.unstructure(obj)

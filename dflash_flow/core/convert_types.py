@@ -1,4 +1,5 @@
-"""Type conversion: the strict structure hooks of primitives, containers and unions (no coercion)."""
+"""Type conversion's strict hooks (primitives, containers, unions; no coercion) and how values and types
+read in messages (``describe_type``, ``show``, ``short``)."""
 
 from __future__ import annotations
 
@@ -16,19 +17,75 @@ from cattrs.cols import homogenous_tuple_structure_factory, list_structure_facto
 from cattrs.errors import IterableValidationError, IterableValidationNote
 from cattrs.gen import make_mapping_structure_fn
 
-from .wording import Invalid, NoneType, describe_type, show
+NoneType = type(None)
 
-__all__ = ["base_converter", "is_int", "list_factory"]
+
+class Invalid(ValueError):
+    """A value does not fit its field; the message is complete as it is (no wording is added)."""
+
+
+def describe_type(tp: Any) -> str:
+    """A type as a user reads it in messages and in `dflash-flow stages`: ``int | null``, ``list[str]``."""
+    if tp is NoneType:
+        return "null"
+    if isinstance(tp, type):
+        return tp.__name__
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(describe_type(a) for a in args)
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin is not None and args:
+        inner = ", ".join(describe_type(a) for a in args if a is not Ellipsis)
+        return f"{getattr(origin, '__name__', str(origin))}[{inner}]"
+    return str(tp).replace("typing.", "")
+
+
+def show(value: Any) -> str:
+    """A value in a message: its type and a short repr (``str '12'``), YAML's spelling for non-finite
+    numbers, only the type of a container."""
+    if isinstance(value, (dict, list, tuple)):
+        return type(value).__name__
+    if value is None:
+        return "null"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "float " + (".nan" if math.isnan(value) else ".inf" if value > 0 else "-.inf")
+    return f"{type(value).__name__} {short(repr(value), 40)}"
+
+
+def short(value: Any, limit: int = 60) -> str:
+    """``str(value)`` cut to ``limit`` characters (keys and names from a hostile file can be huge)."""
+    text = str(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """Resolved annotations of an attrs class (``{}`` when they cannot be resolved)."""
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:  # a stage class with unresolvable annotations: described as untyped
+        return {}
+
+
+def config_fields(cls: type) -> list[attrs.Attribute]:
+    """The fields a YAML mapping gives: public ``__init__`` fields (``_private`` ones are state)."""
+    return [f for f in attrs.fields(cls) if f.init and not f.name.startswith("_")]
 
 
 def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _structure_int(value: Any, _: Any) -> int:
-    if not is_int(value):
-        raise Invalid(f"expected an integer, got {show(value)}")
-    return value
+def exact(check: Callable[[Any], bool], what: str = "", *, message: str = "") -> Callable:
+    """A hook that passes a value ``check`` accepts as it is (no coercion) and refuses anything else (with
+    ``message``, else ``expected WHAT, got ...``)."""
+    def hook(value: Any, _: Any) -> Any:
+        if not check(value):
+            raise Invalid(message or f"expected {what}, got {show(value)}")
+        return value
+
+    return hook
 
 
 def _structure_float(value: Any, _: Any) -> float:
@@ -50,27 +107,10 @@ def _structure_any_float(value: Any, _: Any) -> float:
     raise Invalid(f"expected a number, got {show(value)}")
 
 
-def _structure_bool(value: Any, _: Any) -> bool:
-    if not isinstance(value, bool):
-        raise Invalid(f"expected a boolean, got {show(value)}")
-    return value
-
-
-def _structure_str(value: Any, _: Any) -> str:
-    if not isinstance(value, str):
-        raise Invalid(f"expected a string, got {show(value)}")
-    return value
-
-
 def _structure_path(value: Any, _: Any) -> Path:
     if not isinstance(value, (str, Path)):
         raise Invalid(f"expected a string, got {show(value)}")
     return Path(value)
-
-
-def _structure_none(value: Any, _: Any) -> None:
-    if value is not None:
-        raise Invalid(f"expected null, got {show(value)}")
 
 
 def _structure_literal(value: Any, tp: Any) -> Any:
@@ -82,32 +122,28 @@ def _structure_literal(value: Any, tp: Any) -> Any:
 
 
 # -- container and union hooks ----------------------------------------------------------------------
-def _origin(tp: Any) -> Any:
-    return typing.get_origin(tp)
-
-
 def _is_union(tp: Any) -> bool:
-    return _origin(tp) in (typing.Union, types.UnionType)
+    return typing.get_origin(tp) in (typing.Union, types.UnionType)
 
 
 def _is_literal(tp: Any) -> bool:
-    return _origin(tp) is typing.Literal
+    return typing.get_origin(tp) is typing.Literal
 
 
 def _is_list(tp: Any) -> bool:
-    return tp is list or _origin(tp) in (list, abc.Sequence, abc.MutableSequence)
+    return tp is list or typing.get_origin(tp) in (list, abc.Sequence, abc.MutableSequence)
 
 
 def _is_tuple(tp: Any) -> bool:
-    return tp is tuple or _origin(tp) is tuple
+    return tp is tuple or typing.get_origin(tp) is tuple
 
 
 def _is_set(tp: Any) -> bool:
-    return tp in (set, frozenset) or _origin(tp) in (set, frozenset, abc.Set, abc.MutableSet)
+    return tp in (set, frozenset) or typing.get_origin(tp) in (set, frozenset, abc.Set, abc.MutableSet)
 
 
 def _is_mapping(tp: Any) -> bool:
-    return tp is dict or _origin(tp) in (dict, abc.Mapping, abc.MutableMapping)
+    return tp is dict or typing.get_origin(tp) in (dict, abc.Mapping, abc.MutableMapping)
 
 
 def _need_list(value: Any) -> None:
@@ -128,7 +164,7 @@ def list_factory(tp: Any, conv: cattrs.Converter) -> Callable:
 def _set_factory(tp: Any, conv: cattrs.Converter) -> Callable:
     args = typing.get_args(tp)
     inner = list_structure_factory(list[args[0]] if args else list, conv)
-    make = frozenset if frozenset in (tp, _origin(tp)) else set
+    make = frozenset if frozenset in (tp, typing.get_origin(tp)) else set
 
     def structure_set(value: Any, _: Any) -> Any:
         if not isinstance(value, (list, tuple, set, frozenset)):
@@ -239,15 +275,14 @@ def _fallback_factory(tp: Any) -> Callable:
 
 def base_converter(*, finite: bool) -> cattrs.Converter:
     """A strict converter with this module's hooks (``convert`` adds attrs classes and the pipeline's shapes)."""
-    conv = cattrs.Converter(
-        forbid_extra_keys=True, detailed_validation=True, structure_fallback_factory=_fallback_factory
-    )
-    conv.register_structure_hook(int, _structure_int)
+    conv = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True,
+                            structure_fallback_factory=_fallback_factory)
+    conv.register_structure_hook(int, exact(is_int, "an integer"))
     conv.register_structure_hook(float, _structure_float if finite else _structure_any_float)
-    conv.register_structure_hook(bool, _structure_bool)
-    conv.register_structure_hook(str, _structure_str)
+    conv.register_structure_hook(bool, exact(lambda v: isinstance(v, bool), "a boolean"))
+    conv.register_structure_hook(str, exact(lambda v: isinstance(v, str), "a string"))
     conv.register_structure_hook(Path, _structure_path)
-    conv.register_structure_hook(NoneType, _structure_none)
+    conv.register_structure_hook(NoneType, exact(lambda v: v is None, "null"))
     conv.register_structure_hook_func(_is_literal, _structure_literal)
     conv.register_structure_hook_factory(_is_list, list_factory)
     conv.register_structure_hook_factory(_is_set, _set_factory)

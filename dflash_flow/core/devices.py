@@ -24,11 +24,7 @@ def check_device_string(dev: str) -> str | None:
 
 
 def visible_gpu_count() -> int:
-    """CUDA devices this process may use.
-
-    Uses torch when it is already imported; otherwise reads the driver's view so that `validate` stays
-    fast (no torch import).
-    """
+    """CUDA devices this process may use: torch's count when it is imported, else the driver's (no torch import)."""
     torch = sys.modules.get("torch")
     if torch is not None:
         try:
@@ -49,13 +45,8 @@ def visible_gpu_count() -> int:
 
 @attrs.frozen(kw_only=True)
 class RankLayout:
-    """Which of a node's visible GPUs one rank (process) owns.
-
-    Under torchrun every rank of a node sees the same GPUs. Rank ``local_rank`` of ``local_world_size``
-    owns ``gpus_per_rank`` consecutive ones (default: ``visible // local_world_size``), so the ranks' slices
-    never overlap and one pipeline file serves every rank and every node count: ``cuda:K`` in YAML is the
-    K-th GPU of the rank's own slice. ``shared`` lets ranks share GPUs (more ranks than GPUs).
-    """
+    """Which of a node's visible GPUs one rank owns: ``gpus_per_rank`` consecutive ones (default: ``visible //
+    local_world_size``), so slices never overlap; ``cuda:K`` in YAML is the K-th GPU of the rank's slice."""
 
     visible: int
     local_world_size: int = 1
@@ -80,11 +71,9 @@ class RankLayout:
         need = self.size * self.local_world_size
         if self.size == 0 or (need > self.visible and not self.shared):
             per = self.size or 1
-            return (
-                f"{self.local_world_size} ranks per node x {per} GPU(s) per rank need {self.local_world_size * per} "
-                f"GPUs but {self.visible} are visible: ranks would share GPUs (set runtime.share_gpus: true to "
-                "allow it, or runtime.gpus_per_rank / fewer ranks per node)"
-            )
+            return (f"{self.local_world_size} ranks per node x {per} GPU(s) per rank need {self.local_world_size * per} "
+                    f"GPUs but {self.visible} are visible: ranks would share GPUs (set runtime.share_gpus: true to "
+                    "allow it, or runtime.gpus_per_rank / fewer ranks per node)")
         return None
 
     def gpus(self) -> list[int]:
@@ -112,19 +101,14 @@ def _map_device(dev: str, slice_: list[int], layout: RankLayout) -> tuple[str | 
     if index >= len(slice_) and layout.local_world_size == 1 and layout.gpus_per_rank is None:
         return None, f"device {dev} requested but only {layout.visible} CUDA device(s) are visible"
     if index >= len(slice_):
-        return None, (
-            f"device {dev} is beyond this rank's {len(slice_)} GPU(s) ({layout.describe()}); cuda:K means the "
-            "K-th GPU of the rank's slice"
-        )
+        return None, (f"device {dev} is beyond this rank's {len(slice_)} GPU(s) ({layout.describe()}); cuda:K means "
+                      "the K-th GPU of the rank's slice")
     return f"cuda:{slice_[index]}", None
 
 
-def plan_groups(
-    groups: list[list[str]], replicas: int, layout: RankLayout
-) -> tuple[list[list[str]], list[str], str | None]:
-    """(devices of each replica, problems, warning). Replica ``i`` runs on ``groups[i % len(groups)]``,
-    each device mapped into the rank's slice: ``auto`` (alone) spreads the replicas over the slice (cpu,
-    with a warning, where there is no GPU); ``cuda`` is the slice's first GPU; ``cuda:K`` its K-th."""
+def plan_groups(groups: list[list[str]], replicas: int, layout: RankLayout) -> tuple[list[list[str]], list[str], str | None]:
+    """(devices of each replica, problems, warning). Replica ``i`` runs on ``groups[i % len(groups)]`` mapped
+    into the rank's slice; ``auto`` (alone) spreads the replicas over the slice (cpu, with a warning, without)."""
     slice_ = layout.gpus()
     problems: list[str] = []
     if groups == [["auto"]]:
@@ -143,36 +127,27 @@ def plan_groups(
     return [list(mapped[i % len(mapped)]) for i in range(replicas)], problems, None
 
 
-def plan_placement(
-    devices: list[str], replicas: int, layout: RankLayout
-) -> tuple[list[str], list[str], str | None]:
-    """(device of each replica, problems, warning) for a flat device list: :func:`plan_groups` with one
-    device per replica."""
+def plan_placement(devices: list[str], replicas: int, layout: RankLayout) -> tuple[list[str], list[str], str | None]:
+    """:func:`plan_groups` for a flat device list (one device per replica)."""
     placed, problems, warning = plan_groups(device_groups(devices), replicas, layout)
     return [g[0] for g in placed], problems, warning
 
 
-def place_replicas(
-    devices: str | list | None, replicas: int, layout: RankLayout
-) -> tuple[list[list[str]], str | None]:
-    """The devices of each replica (first one first) and a warning, for a stage's ``devices`` value as
-    written (a string, a flat list or a list per replica). A device that does not exist is returned as
-    written (``plan_groups``'s problems say why; validation reports them)."""
+def place_replicas(devices: str | list | None, replicas: int, layout: RankLayout) -> tuple[list[list[str]], str | None]:
+    """The devices of each replica and a warning, for a stage's ``devices`` as written (validation reports problems)."""
     placed, _problems, warning = plan_groups(device_groups(devices), replicas, layout)
     return placed, warning
 
 
 # -- several devices per replica --------------------------------------------------------------------
-
-
 def is_nested(devices: Any) -> bool:
     """True for a list of device lists (one per replica): ``[[cuda:0, cuda:1], [cuda:2, cuda:3]]``."""
     return isinstance(devices, list) and any(isinstance(d, list) for d in devices)
 
 
 def device_groups(devices: str | list | None) -> list[list[str]]:
-    """The device lists replicas run on, as written: a string is one list of one device; a flat list
-    one device per list (replica ``i`` takes entry ``i % n``, as always); a nested list its lists."""
+    """The device lists replicas run on, as written: a string is one list of one device; a flat list one device
+    per list; a nested list its lists."""
     if devices is None:
         return [["cpu"]]
     if isinstance(devices, str):
@@ -180,68 +155,45 @@ def device_groups(devices: str | list | None) -> list[list[str]]:
     return [list(d) if isinstance(d, (list, tuple)) else [d] for d in devices]
 
 
-def same_device_key(dev: str) -> str:
-    """One spelling per device: ``cuda`` is ``cuda:0`` (the first GPU of the slice)."""
-    return "cuda:0" if dev == "cuda" else dev
-
-
-def nesting_problems(
-    groups: list[list[str]], replicas: int, *, multi_device: bool, stage_type: str = "this stage type"
-) -> list[tuple[int | None, str]]:
-    """``(index of the inner list or None, message)`` for a nested ``devices`` value: one inner list per
-    replica, or a single one that every replica shares (the way to ask for sharing); several devices
-    per replica only for a ``multi_device`` stage; no ``auto``; no device twice in one replica; and no
-    device in two replicas' lists. ``cpu`` may repeat: the host is one memory, so a split over ``cpu``
-    entries only exercises the split (how CPU machines run it)."""
+def nesting_problems(groups: list[list[str]], replicas: int, *, multi_device: bool,
+                     stage_type: str = "this stage type") -> list[tuple[int | None, str]]:
+    """``(index of the inner list or None, message)`` for a nested ``devices`` value: one list per replica (or
+    one shared), several devices only for a ``multi_device`` stage, no ``auto``, no device used twice (but cpu)."""
     out: list[tuple[int | None, str]] = []
     if len(groups) not in (1, replicas):
-        out.append((None, (
-            f"devices gives {len(groups)} device lists (one per replica) but the stage has {replicas} "
-            "replica(s): give one list per replica, or a single list that every replica shares"
-        )))
+        out.append((None, f"devices gives {len(groups)} device lists (one per replica) but the stage has {replicas} "
+                          "replica(s): give one list per replica, or a single list that every replica shares"))
     owner: dict[str, int] = {}
     for j, group in enumerate(groups):
         if "auto" in group:
             out.append((j, "'auto' cannot be used in a list of devices per replica; name the devices (cuda:K)"))
             continue
         if len(group) > 1 and not multi_device:
-            out.append((j, (
-                f"device list {j} has {len(group)} devices, but {stage_type} runs each replica on one device; "
-                "several devices per replica are for stage types that split a model (TargetForward)"
-            )))
+            out.append((j, f"device list {j} has {len(group)} devices, but {stage_type} runs each replica on one "
+                            "device; several devices per replica are for stage types that split a model (TargetForward)"))
         seen: set[str] = set()
         for dev in group:
-            key = same_device_key(dev)
+            key = "cuda:0" if dev == "cuda" else dev  # one spelling per device
             if key == "cpu":
                 continue
             if key in seen:
-                out.append((j, (
-                    f"device {dev} appears twice in device list {j}; a replica splits its model over "
-                    "distinct devices (only cpu may repeat)"
-                )))
+                out.append((j, f"device {dev} appears twice in device list {j}; a replica splits its model over "
+                                "distinct devices (only cpu may repeat)"))
             seen.add(key)
             if key in owner and owner[key] != j:
-                out.append((j, (
-                    f"device lists {owner[key]} and {j} both use {key}: give each replica its own devices, "
-                    "or write a single list for every replica to share"
-                )))
+                out.append((j, f"device lists {owner[key]} and {j} both use {key}: give each replica its own devices, "
+                                "or write a single list for every replica to share"))
             owner.setdefault(key, j)
     return out
 
 
-# -- binding threads to their GPU -----------------------------------------------------------------------------
-# Every thread starts on CUDA's device 0 of the process. The application registers what binds a replica's thread
-# to its GPU (``app.gpu``: torch's current device), and the runtime calls it in every replica thread before the
-# stage's setup and in the thread that starts the pipeline; the core itself knows no torch.
-
+# -- binding threads to their GPU (the application registers how: the core knows no torch) -------------------
 _THREAD_SETUP: list[Callable[[list[str], str | None], None]] = []
 
 
 def register_thread_setup(fn: Callable[[list[str], str | None], None]) -> None:
-    """Have ``fn(devices, home)`` called in each replica's thread before its setup (``devices``: the replica's,
-    first one first) and in the thread that starts a pipeline (``devices`` empty); ``home`` is the first GPU of
-    this rank's slice (None without one), where a thread without a GPU of its own (pinning host memory, say)
-    belongs. Registering a function twice registers it once."""
+    """Have ``fn(devices, home)`` called in each replica's thread before its setup and in the thread that starts
+    a pipeline (``devices`` empty); ``home``: the first GPU of this rank's slice (None without one). Idempotent."""
     if fn not in _THREAD_SETUP:
         _THREAD_SETUP.append(fn)
 

@@ -54,8 +54,8 @@ class StateVersionError(DflashFlowError, ValueError):
 
 
 class SavedStateError(CheckpointError):
-    """A saved stage state (a resumed checkpoint's) that does not have the shape the stage writes, or that
-    cannot continue the run rebuilt from this data and config: the checkpoint's fault, not the stage's."""
+    """A resumed checkpoint's stage state that does not have the shape the stage writes, or cannot continue the
+    run rebuilt from this data and config: the checkpoint's fault, not the stage's."""
 
 
 class StageError(DflashFlowError):
@@ -66,9 +66,7 @@ class StageError(DflashFlowError):
         self.replica = replica
         self.phase = phase
         self.original = original
-        super().__init__(
-            f"stage '{stage}' replica {replica} failed in {phase}: {type(original).__name__}: {original}"
-        )
+        super().__init__(f"stage '{stage}' replica {replica} failed in {phase}: {type(original).__name__}: {original}")
 
 
 class PipelineStalled(DflashFlowError):
@@ -81,8 +79,7 @@ class PipelineStalled(DflashFlowError):
 
 
 class StopRequested(DflashFlowError):
-    """Raised inside a stage (``StageContext.check_stop``) to abandon the item in hand because the run is
-    stopping: the runtime treats it as no output, never as the stage's failure."""
+    """Raised inside a stage (``StageContext.check_stop``) to abandon the item in hand: no output, not a failure."""
 
 
 class PipelineInterrupted(DflashFlowError):

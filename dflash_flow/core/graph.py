@@ -1,8 +1,6 @@
-"""The pipeline graph: the one object both the Python API and YAML produce.
-
-A ``Graph`` is plain data (stage type names and config dicts), so it compares, serialises to YAML and
-validates without running anything. ``Graph.add`` also accepts Stage instances for programmatic use.
-"""
+"""The pipeline graph, the one object both the Python API and YAML produce: plain data (stage type names and
+config dicts), so it compares, serialises to YAML and validates without running anything. Beside ``stages`` a
+file holds application sections: a layer above the core registers them (``tracking:``, ``checkpoint:``) here."""
 
 from __future__ import annotations
 
@@ -12,16 +10,46 @@ from typing import Any
 
 import attrs
 
-from .sections import registered_sections, section_to_dict
 from .stage import Stage
 
 DEFAULT_CAPACITY = 8
 
+_SECTIONS: dict[str, type] = {}
+_RESULT_SECTIONS: set[str] = set()
+
+
+def register_section(name: str, cls: type, *, affects_result: bool = False) -> None:
+    """Make ``name:`` a valid top-level YAML key, structured into the attrs class ``cls``. ``affects_result``:
+    its fields can change what a run trains (``model:``), so a resume must match them (unless ``cfg(result=False)``)."""
+    _SECTIONS[name] = cls
+    if affects_result:
+        _RESULT_SECTIONS.add(name)
+    else:
+        _RESULT_SECTIONS.discard(name)
+
+
+def result_sections() -> set[str]:
+    """The registered sections whose fields can change a run's result."""
+    return set(_RESULT_SECTIONS)
+
+
+def registered_sections() -> dict[str, type]:
+    return dict(_SECTIONS)
+
+
+def section_to_dict(value: Any) -> Any:
+    if attrs.has(type(value)):
+        return {k: section_to_dict(v) for k, v in attrs.asdict(value, recurse=False).items()}
+    if isinstance(value, (list, tuple)):
+        return [section_to_dict(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
 
 @attrs.define
 class InputSpec:
-    """One input edge: the producing stage and the fan-out policy over this stage's replicas
-    (``round_robin``, ``least_loaded`` or ``broadcast``)."""
+    """One input edge: the producing stage and the fan-out policy over this stage's replicas."""
 
     stage: str
     policy: str = "round_robin"
@@ -35,8 +63,7 @@ class StageSpec:
     type: str
     config: dict[str, Any] = attrs.field(factory=dict)
     replicas: int = 1
-    # A device, one device per replica (cycled), or a list of devices per replica (a stage that splits a
-    # model, e.g. [[cuda:0, cuda:1], [cuda:2, cuda:3]]; a single inner list is shared by every replica).
+    # A device, one device per replica (cycled), or a list of devices per replica ([[cuda:0, cuda:1], ...]).
     devices: str | list[str] | list[list[str]] = "cpu"
     inputs: list[InputSpec] = attrs.field(factory=list)
     capacity: int | None = None
@@ -60,18 +87,15 @@ class RuntimeOptions:
 
 @attrs.define
 class Graph:
-    """A pipeline: stages (``StageSpec``), runtime options and application sections (``tracking``,
-    ``checkpoint``, ``model``... as attrs objects or plain mappings). Built with :meth:`add` in Python or
-    loaded from YAML (``core.load_graph``); the two are equal and :meth:`to_yaml` writes one back. Run it with
-    ``dflash_flow.app.run(graph)`` (what ``dflash-flow run`` does) or ``core.Pipeline(graph).run()`` (the
-    bare runtime: no tracking, no checkpoints)."""
+    """A pipeline: stages, runtime options and application sections (attrs objects or plain mappings). Built
+    with :meth:`add` or loaded from YAML (``core.load_graph``): the two are equal; :meth:`to_yaml` writes one
+    back. Run it with ``dflash_flow.app.run(graph)`` or ``core.Pipeline(graph).run()`` (the bare runtime)."""
 
     name: str = "pipeline"
     seed: int = 0
     output_dir: str | None = None
     runtime: RuntimeOptions = attrs.field(factory=RuntimeOptions)
     stages: list[StageSpec] = attrs.field(factory=list)
-    # Application sections (tracking, checkpoint, ...), structured by classes registered in sections.py.
     sections: dict[str, Any] = attrs.field(factory=dict)
     # Where the graph came from (file name and line numbers); not part of equality.
     locator: Any = attrs.field(default=None, eq=False, repr=False)
@@ -79,8 +103,7 @@ class Graph:
     instances: dict[str, Stage] = attrs.field(factory=dict, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        # A graph built in Python gets the same default sections as one loaded from YAML (which fills in
-        # every registered section), so the two compare equal.
+        # The default sections a YAML load fills in, so that the two compare equal.
         for key, cls in registered_sections().items():
             if key not in self.sections:
                 try:
@@ -89,29 +112,17 @@ class Graph:
                     pass
 
     # -- Python composition -------------------------------------------------------------------------
-    def add(
-        self,
-        name: str,
-        stage: Stage | type[Stage] | str,
-        *,
-        inputs: str | Iterable[str | InputSpec | tuple[str, str] | Mapping[str, str]] = (),
-        replicas: int = 1,
-        devices: str | list[str] | list[list[str]] = "cpu",
-        capacity: int | None = None,
-        ordered: bool = False,
-        policy: str | None = None,
-        config: Mapping[str, Any] | None = None,
-    ) -> Graph:
+    def add(self, name: str, stage: Stage | type[Stage] | str, *,
+            inputs: str | Iterable[str | InputSpec | tuple[str, str] | Mapping[str, str]] = (), replicas: int = 1,
+            devices: str | list[str] | list[list[str]] = "cpu", capacity: int | None = None, ordered: bool = False,
+            policy: str | None = None, config: Mapping[str, Any] | None = None) -> Graph:
         """Add stage ``name`` and return the graph (calls chain).
 
-        ``stage``: a Stage instance (its config fields become the stage's config; the instance itself is
-        replica 0's object, so attributes that are not config, e.g. items handed to a source, travel with
-        it), a Stage class, or a registered type name. ``inputs``: a stage name, or a list of names,
-        ``InputSpec``, ``(name, policy)`` pairs or ``{"stage": name, "policy": ...}`` mappings; ``policy``
-        is the default fan-out policy of the named inputs. ``replicas``, ``devices``, ``capacity`` (this
-        stage's per-replica queue; default ``runtime.capacity``) and ``ordered`` (restore the origin's
-        order; needs ``replicas=1``) are as in YAML. ``config`` adds to, or overrides, the instance's
-        config. Nothing is checked here: validation (``core.validate``, or running) reports every problem.
+        ``stage``: a Stage instance (its config fields become the stage's config; the instance is replica 0's
+        object, so non-config attributes travel with it), a Stage class, or a registered type name. ``inputs``:
+        a stage name, or a list of names, ``InputSpec``, ``(name, policy)`` pairs or ``{"stage", "policy"}``
+        mappings; ``policy``: the default fan-out policy. The rest are as in YAML; ``config`` overrides the
+        instance's config. Nothing is checked here: validation reports every problem.
         """
         from .registry import type_name
 
@@ -124,18 +135,8 @@ class Graph:
             type_ = type_name(stage)
         else:
             type_ = str(stage)
-        self.stages.append(
-            StageSpec(
-                name=name,
-                type=type_,
-                config=conf,
-                replicas=replicas,
-                devices=devices,
-                inputs=_inputs(inputs, policy),
-                capacity=capacity,
-                ordered=ordered,
-            )
-        )
+        self.stages.append(StageSpec(name=name, type=type_, config=conf, replicas=replicas, devices=devices,
+                                     inputs=_inputs(inputs, policy), capacity=capacity, ordered=ordered))
         return self
 
     @property
@@ -156,8 +157,7 @@ class Graph:
 
     def to_dict(self, configs: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
         """The graph as the plain mapping a YAML file holds (defaults left out of the stages); ``configs``:
-        the stages' configs to write instead, by stage name (``core.fill.complete_stage_configs`` writes
-        every default out)."""
+        the stages' configs to write instead, by stage name."""
         out: dict[str, Any] = {"name": self.name, "seed": self.seed}
         if self.output_dir is not None:
             out["output_dir"] = self.output_dir
@@ -168,18 +168,11 @@ class Graph:
         for s in self.stages:
             d: dict[str, Any] = {"name": s.name, "type": s.type}
             if s.inputs:
-                d["inputs"] = [
-                    i.stage if i.policy == "round_robin" else {"stage": i.stage, "policy": i.policy}
-                    for i in s.inputs
-                ]
-            if s.replicas != 1:
-                d["replicas"] = s.replicas
-            if s.devices != "cpu":
-                d["devices"] = s.devices
-            if s.capacity is not None:
-                d["capacity"] = s.capacity
-            if s.ordered:
-                d["ordered"] = True
+                d["inputs"] = [i.stage if i.policy == "round_robin" else {"stage": i.stage, "policy": i.policy}
+                               for i in s.inputs]
+            placement = {"replicas": (s.replicas, 1), "devices": (s.devices, "cpu"), "capacity": (s.capacity, None),
+                         "ordered": (s.ordered, False)}
+            d.update({k: v for k, (v, default) in placement.items() if v != default})
             config = s.config if configs is None else configs.get(s.name, s.config)
             if config:
                 d["config"] = config

@@ -1,10 +1,6 @@
-"""How much work a pipeline definition may ask for before anything runs.
-
-Each bound is checked where the work would happen (reading YAML, applying ``--set``, validating the
-graph), so a hostile or mistaken file is refused in milliseconds with one located message instead of
-expanding, recursing or starting threads. The figures are generous for real pipelines (the shipped ones
-use a few kilobytes, a nesting of 6 and a few dozen replicas) and small next to what one machine holds.
-"""
+"""How much work a pipeline definition may ask for before anything runs. Each bound is checked where the work
+would happen, so a hostile or mistaken file is refused in milliseconds with one located message. The figures are
+generous for real pipelines (a few kilobytes, a nesting of 6, a few dozen replicas)."""
 
 from __future__ import annotations
 
@@ -12,9 +8,8 @@ from __future__ import annotations
 MAX_YAML_BYTES = 256 * 1024
 #: Deepest nesting of lists and mappings in a document, counted after aliases are expanded.
 MAX_YAML_DEPTH = 64
-#: Most nodes (scalars, lists, mappings) a document may stand for once every alias is expanded:
-#: this is what stops alias "billion laughs" bombs and merge-key bombs. The shipped pipelines have ~200;
-#: PyYAML's pure-Python parser (see yaml_load) spends ~35 us per node, so this caps reading at ~0.7 s.
+#: Most nodes (scalars, lists, mappings) a document may stand for once every alias is expanded (stops alias
+#: and merge-key bombs; the shipped pipelines have ~200; this caps reading at ~0.7 s).
 MAX_YAML_NODES = 20_000
 #: Longest number literal (digits and separators). Python's int() refuses more than 4300 digits, and
 #: YAML 1.1's base-60 integers (``1:30:00``) cost quadratic time in their length.

@@ -1,9 +1,7 @@
 """Per-replica metrics: declared once (name, unit, description), written by one thread, read without locks.
 
-Each stage replica owns its metric objects, so the hot path is a plain attribute update under the GIL;
-readers (the Monitor, snapshots) copy values and aggregate across replicas.
-
-A stage declares its metrics as typed fields of a class of its own, the field's name the metric's::
+Each replica owns its metric objects (the hot path is a plain attribute update under the GIL); readers copy
+values and aggregate across replicas. A stage declares its metrics as typed fields of a class of its own::
 
     @attrs.define
     class PadderMetrics:
@@ -13,8 +11,7 @@ A stage declares its metrics as typed fields of a class of its own, the field's 
     def setup(self, ctx):
         self._m = ctx.metrics.declare(PadderMetrics)  # then self._m.real_tokens.inc(n)
 
-The kind comes from the field's type (``Counter``, ``Gauge``, ``Summary``, ``Labeled``), so a name is never
-spelled twice and a metric is read back through its field, not a string.
+The field's name is the metric's and its type the kind, so a metric is read back through its field, not a string.
 """
 
 from __future__ import annotations
@@ -32,8 +29,8 @@ class Metric:
     description: str
     kind = "metric"
 
-    def read(self) -> Any:  # pragma: no cover - overridden
-        raise NotImplementedError
+    def read(self) -> Any:  # Counter, Gauge; the others override it
+        return self.value
 
 
 @attrs.define(eq=False)
@@ -44,9 +41,6 @@ class Counter(Metric):
     def inc(self, n: float = 1) -> None:
         self.value += n
 
-    def read(self) -> float:
-        return self.value
-
 
 @attrs.define(eq=False)
 class Gauge(Metric):
@@ -55,9 +49,6 @@ class Gauge(Metric):
 
     def set(self, v: float) -> None:
         self.value = v
-
-    def read(self) -> float:
-        return self.value
 
 
 @attrs.define(eq=False)
@@ -73,10 +64,7 @@ class Summary(Metric):
     def observe(self, v: float) -> None:
         self.count += 1
         self.total += v
-        if v < self.min:
-            self.min = v
-        if v > self.max:
-            self.max = v
+        self.min, self.max = min(self.min, v), max(self.max, v)
 
     @property
     def mean(self) -> float:
@@ -106,14 +94,12 @@ T = TypeVar("T")
 
 
 def stage_metric(unit: str = "", description: str = "") -> Any:
-    """A field of a stage's metrics class (see the module doc): the metric named as the field, of the
-    field's type, with this unit and description."""
+    """A field of a stage's metrics class (see the module doc)."""
     return attrs.field(metadata={_DECLARED: (unit, description)})
 
 
 def declared_metrics(cls: type) -> list[tuple[str, type[Metric], str, str]]:
-    """(name, kind, unit, description) of every metric a metrics class declares (without a replica: what
-    ``dflash-flow stages`` can list)."""
+    """(name, kind, unit, description) of every metric a metrics class declares (``dflash-flow stages`` lists them)."""
     attrs.resolve_types(cls)
     out = []
     for f in attrs.fields(cls):
@@ -144,9 +130,6 @@ class MetricSet:
     def counter(self, name: str, unit: str = "", description: str = "") -> Counter:
         return self._declare(Counter, name, unit, description)
 
-    def gauge(self, name: str, unit: str = "", description: str = "") -> Gauge:
-        return self._declare(Gauge, name, unit, description)
-
     def summary(self, name: str, unit: str = "", description: str = "") -> Summary:
         return self._declare(Summary, name, unit, description)
 
@@ -154,8 +137,7 @@ class MetricSet:
         return self._declare(Labeled, name, unit, description)
 
     def declare(self, cls: type[T]) -> T:
-        """Declare every metric of a stage's metrics class (``stage_metric`` fields) and return the class with
-        each field holding its metric."""
+        """Declare every metric of a stage's metrics class and return an instance holding them."""
         return cls(**{name: self._declare(kind, name, unit, description)
                       for name, kind, unit, description in declared_metrics(cls)})
 
@@ -164,9 +146,6 @@ class MetricSet:
 
     def read(self) -> dict[str, Any]:
         return {m.name: m.read() for m in list(self._metrics.values())}
-
-    def describe(self) -> dict[str, dict[str, str]]:
-        return {m.name: {"kind": m.kind, "unit": m.unit, "description": m.description} for m in self}
 
 
 def merge_values(kind: str, values: list[Any]) -> Any:
@@ -181,13 +160,8 @@ def merge_values(kind: str, values: list[Any]) -> Any:
     if kind == "summary":
         count = sum(v["count"] for v in values)
         total = sum(v["total"] for v in values)
-        return {
-            "count": count,
-            "total": total,
-            "min": min(v["min"] for v in values),
-            "max": max(v["max"] for v in values),
-            "mean": total / count if count else math.nan,
-        }
+        return {"count": count, "total": total, "min": min(v["min"] for v in values),
+                "max": max(v["max"] for v in values), "mean": total / count if count else math.nan}
     if kind == "labeled":
         out: dict[str, float] = {}
         for v in values:

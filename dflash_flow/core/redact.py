@@ -1,17 +1,6 @@
-"""Credentials out of everything written or printed: the one redaction of the project.
-
-A URL may carry credentials (``http://alice:PASSWORD@host``, ``https://host/x?token=T``): every place that
-writes a setting down or prints one -- the run's params, tags and resolved YAML, checkpoints' settings, the
-MLflow spool, the regenerate summary, warnings and error rows, error messages -- passes it through here.
-
-* :func:`redact_uri` -- one URL without its credentials: the user info becomes ``***`` and so does every
-  query value; anything that is not a URL comes back unchanged;
-* :func:`redact_text` -- every URL inside a text (an error message, a YAML document) redacted, and any of
-  ``secrets`` (:func:`uri_secrets`: the bits an HTTP library may quote on their own) replaced;
-* :func:`redact_value` -- the same through a setting of any shape: strings inside lists and dicts too.
-
-Pure functions of the standard library (every layer may use them).
-"""
+"""Credentials out of everything written or printed: the one redaction. A URL may carry credentials
+(``http://alice:PASSWORD@host``, ``https://host/x?token=T``); every place that writes or prints a setting passes
+it through here."""
 
 from __future__ import annotations
 
@@ -60,9 +49,8 @@ def redact_uri(uri: str | os.PathLike) -> str:
 
 
 def uri_secrets(uri: str | os.PathLike | None) -> tuple[str, ...]:
-    """The credentials a URI carries (user, password, query values), as they may appear in messages: raw,
-    percent-decoded and percent-encoded; longest first. Values shorter than 3 characters are left out (they
-    would blank out unrelated text)."""
+    """The credentials a URI carries (user, password, query values): raw, percent-decoded and percent-encoded;
+    longest first; shorter than 3 characters left out (they would blank out unrelated text)."""
     if uri is None or not _URI_LIKE.match(os.fspath(uri)):
         return ()
     try:
@@ -79,8 +67,7 @@ def uri_secrets(uri: str | os.PathLike | None) -> tuple[str, ...]:
 
 def redact_text(text: str, secrets: tuple[str, ...] = ()) -> str:
     """``text`` with every URL in it passed through :func:`redact_uri` and every one of ``secrets`` replaced
-    by ``***`` wherever it appears (HTTP libraries quote bits of the URL they failed on: ``Max retries
-    exceeded with url: /?token=...``)."""
+    by ``***`` wherever it appears (HTTP libraries quote bits of the URL they failed on)."""
     out = _URL_IN_TEXT.sub(_redact_match, str(text))
     for secret in secrets:
         if secret:
@@ -89,8 +76,8 @@ def redact_text(text: str, secrets: tuple[str, ...] = ()) -> str:
 
 
 def redact_value(value: Any, secrets: tuple[str, ...] = ()) -> Any:
-    """``value`` (a setting: a string, or lists, tuples and dicts of them, nested) with :func:`redact_text`
-    applied to every string in it, keys included; other values as they are. Same shape, new containers."""
+    """``value`` (a string, or nested lists, tuples and dicts) with :func:`redact_text` applied to every string
+    in it, keys included. Same shape, new containers."""
     if isinstance(value, str):
         return redact_text(value, secrets)
     if isinstance(value, dict):

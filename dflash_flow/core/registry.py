@@ -1,8 +1,6 @@
-"""Stage types resolve by name: classes registered in-process (``@register_stage``), then the entry-point
-group ``dflash_flow.stages``, which is also where this package declares its own built-in stages
-(``pyproject.toml``): built-ins and plugins resolve the same way, and listing them imports no stage module.
-A YAML file names a type; it can never name a module to import.
-"""
+"""Stage types resolve by name: classes registered in-process (``@register_stage``), then the entry-point group
+``dflash_flow.stages``, where the built-in stages are declared too: listing them imports no stage module, and a
+YAML file names a type, never a module to import."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A stage replica and the work of its thread: setup, the resume state, produce or process (in order where
-asked), finish, teardown, emitting into its routers. The supervisor (``runtime.Pipeline``) owns the thread
-and is told of failures and of the end through the small :class:`Supervisor` interface."""
+asked), finish, teardown, emitting into its routers; the supervisor (``runtime.Pipeline``) owns the thread and
+hears through :class:`Supervisor`. Also the no-progress watchdog over the replicas (``watch``)."""
 
 from __future__ import annotations
 
@@ -8,21 +8,19 @@ import heapq
 import itertools
 import threading
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any, Protocol
 
-from .channel import END_OF_STREAM, Channel, ChannelCancelled, ErrorItem
+from .channel import END_OF_STREAM, Channel, ChannelCancelled, ErrorItem, Router
 from .devices import setup_thread
-from .errors import DflashFlowError, SavedStateError, StopRequested
-from .routing import Router
+from .errors import DflashFlowError, PipelineStalled, SavedStateError, StopRequested
 from .snapshot import ReplicaSnapshot, ReplicaState
 from .stage import Source, Stage, StageContext
 
 
 def thread_sched(native_id: int | None) -> tuple[float, float] | None:
-    """CPU seconds a thread of this process has run and seconds it has waited, runnable, for a core (the
-    kernel's run-queue wait: what other threads taking the cores cost it), by its native id; None where the
-    OS does not say (not Linux, no schedstats) or the thread has ended."""
+    """(CPU seconds a thread of this process has run, seconds it has waited runnable for a core), by its native
+    id; None where the OS does not say (not Linux, no schedstats) or the thread has ended."""
     if native_id is None:
         return None
     try:
@@ -58,8 +56,7 @@ class Supervisor(Protocol):
 
 
 class Replica:
-    """One stage replica: its stage object and context, its input channel and routers, and what it has done
-    (the supervisor's snapshot reads these fields)."""
+    """One stage replica: its stage object and context, its channels, and what it has done (snapshots read it)."""
 
     def __init__(self, spec_name: str, type_name: str, index: int, stage: Stage, ctx: StageContext):
         self.name = spec_name
@@ -84,12 +81,10 @@ class Replica:
         self.resume_state: dict[str, Any] | None = None
         self.state_loaded = False  # until the resume state is loaded, it is this replica's state
         self.final_state: dict[str, Any] | None = None
-        # Set by the supervisor when every consumer of this replica's output has stopped taking items (a
-        # trainer stopped at a consistent point): what is still queued or still to come is dropped, unprocessed.
+        # Set when every consumer of its output stopped taking items: what is queued or to come is dropped.
         self.abandoned = False
         self.items_dropped = 0
-        # An ordered consumer's items held out of order at once, at most (its input's capacity, bar a producer
-        # that got its items out of order: ``Channel.get_seq``), and the replicas upstream of it (the runtime's).
+        # An ordered consumer's most items held out of order at once, and the replicas upstream of it.
         self.heap_peak = 0
         self.upstream: list[Replica] = []
         self.home_device: str | None = None  # the first GPU of the rank's slice (devices.setup_thread)
@@ -128,21 +123,11 @@ class Replica:
         bout = self.blocked_out_now_s()
         sched = self.sched_at_end if self.ended_at is not None else thread_sched(self.native_id)
         return ReplicaSnapshot(
-            replica=self.index,
-            device=self.ctx.device,
-            state=self.state,
-            items_in=self.items_in,
-            items_out=self.items_out,
-            busy_s=max(alive - bin_ - bout, 0.0),
-            blocked_in_s=bin_,
-            blocked_out_s=bout,
-            alive_s=alive,
-            metrics=self.ctx.metrics.read(),
-            channel=self.input.stats() if self.input is not None else None,
-            cpu_s=sched[0] if sched is not None else None,
-            cpu_wait_s=sched[1] if sched is not None else None,
-            setup_s=setup,
-        )
+            replica=self.index, device=self.ctx.device, state=self.state, items_in=self.items_in,
+            items_out=self.items_out, busy_s=max(alive - bin_ - bout, 0.0), blocked_in_s=bin_, blocked_out_s=bout,
+            alive_s=alive, metrics=self.ctx.metrics.read(), channel=self.input.stats() if self.input is not None else None,
+            cpu_s=sched[0] if sched is not None else None, cpu_wait_s=sched[1] if sched is not None else None,
+            setup_s=setup)
 
 
 def main(rep: Replica, sup: Supervisor) -> None:
@@ -156,11 +141,8 @@ def main(rep: Replica, sup: Supervisor) -> None:
             setup_thread(list(rep.ctx.devices), rep.home_device)  # this thread on its GPU, before the stage uses any
             rep.stage.setup(rep.ctx)
         except StopRequested:
-            # The run stopped during a long setup (a regeneration, a model load that checks): the replica
-            # does no work; its outputs close, so everything downstream ends as a stopped run does.
-            for router in rep.routers:
-                for ch in router.channels:
-                    ch.close()
+            # The run stopped during a long setup: no work; its outputs close, downstream ends as in a stop.
+            _close_outputs(rep)
             return
         if rep.resume_state is not None:
             try:
@@ -168,8 +150,7 @@ def main(rep: Replica, sup: Supervisor) -> None:
             except DflashFlowError:
                 raise
             except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as exc:
-                # A saved state that does not have the shape the stage writes (a crafted or damaged file):
-                # the checkpoint's fault, said in one line, not a crash of the stage.
+                # A saved state without the shape the stage writes: the checkpoint's fault, not the stage's.
                 raise SavedStateError(f"its saved state cannot be restored ({type(exc).__name__}: {exc})") from exc
         rep.state_loaded = True
         rep.setup_ended_at = time.monotonic()
@@ -181,19 +162,14 @@ def main(rep: Replica, sup: Supervisor) -> None:
         phase = "finish"
         try:
             outs = outputs(rep, rep.stage.finish(), "finish")
-            if outs is not None:
-                for out in _unless_abandoned(rep, outs):
-                    emit(rep, None, out)
+            for out in _unless_abandoned(rep, () if outs is None else outs):
+                emit(rep, None, out)
         except StopRequested:
             pass  # the run is stopping: finish's work was abandoned, the outputs still close
-        for router in rep.routers:
-            for ch in router.channels:
-                ch.close()
+        _close_outputs(rep)
         phase = "state_dict"
         rep.final_state = rep.stage.state_dict()
-    except ChannelCancelled:
-        pass
-    except _UpstreamFailed:
+    except (ChannelCancelled, _UpstreamFailed):
         pass
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the supervisor
         sup.fail(rep, phase, exc)
@@ -215,6 +191,12 @@ def main(rep: Replica, sup: Supervisor) -> None:
         sup.replica_ended(rep)
 
 
+def _close_outputs(rep: Replica) -> None:
+    for router in rep.routers:
+        for ch in router.channels:
+            ch.close()
+
+
 def _run_source(rep: Replica, sup: Supervisor) -> None:
     if not isinstance(rep.stage, Source):
         raise TypeError(f"stage '{rep.name}' has no input: its type must be a Source with produce()")
@@ -231,6 +213,7 @@ def _run_source(rep: Replica, sup: Supervisor) -> None:
         seq += 1
     if isinstance(it, Generator):
         it.close()
+
 
 def _run_transform(rep: Replica) -> None:
     ch = rep.input
@@ -269,12 +252,13 @@ def _run_transform(rep: Replica) -> None:
         s, _, it = heapq.heappop(heap)
         _handle(rep, s, it, one_to_one, counter)
 
+
 _WORKING = (ReplicaState.PENDING, ReplicaState.SETUP, ReplicaState.BUSY)
 
 
 def upstream_progress(rep: Replica) -> int | None:
-    """None while a replica upstream of ``rep`` works (or has not started); else how many items they have taken
-    and emitted in all: equal at two looks, nothing upstream moved in between (``Channel.get_seq``)."""
+    """None while a replica upstream of ``rep`` works (or has not started); else the items they have taken and
+    emitted in all: equal at two looks, nothing upstream moved in between (``Channel.get_seq``)."""
     total = 0
     for up in rep.upstream:
         if up.state in _WORKING:
@@ -293,14 +277,21 @@ def _handle(rep: Replica, seq: Any, item: Any, one_to_one: bool, counter) -> Non
         return
     rep.set_state(ReplicaState.BUSY)
     rep.items_in += 1
-    emitted = [0]
+    emitted = 0
     try:
         outs = outputs(rep, rep.stage.process(item), "process")
-        if outs is not None:
-            _emit_outputs(rep, seq, outs, one_to_one, counter, emitted)
+        for out in _unless_abandoned(rep, () if outs is None else outs):
+            emitted += 1
+            if not one_to_one:
+                emit(rep, next(counter), out)
+                continue
+            if emitted > 1:
+                raise RuntimeError(f"stage type '{rep.type_name}' is declared 1:1 but emitted more than one item "
+                                   "for one input (declare cardinality = '1:n')")
+            emit(rep, seq, out)
     except StopRequested:
         pass  # the item was abandoned because the run is stopping: no (further) output
-    if emitted[0] == 0 and one_to_one and rep.send_tombstones:
+    if emitted == 0 and one_to_one and rep.send_tombstones:
         emit(rep, seq, TOMBSTONE)
 
 
@@ -316,20 +307,6 @@ def _unless_abandoned(rep: Replica, outs: Any) -> Iterator[Any]:
     finally:
         if isinstance(it, Generator):
             it.close()
-
-
-def _emit_outputs(rep: Replica, seq: Any, outs: Any, one_to_one: bool, counter, emitted: list[int]) -> None:
-    for out in _unless_abandoned(rep, outs):
-        emitted[0] += 1
-        if one_to_one:
-            if emitted[0] > 1:
-                raise RuntimeError(
-                    f"stage type '{rep.type_name}' is declared 1:1 but emitted more than one item "
-                    "for one input (declare cardinality = '1:n')"
-                )
-            emit(rep, seq, out)
-        else:
-            emit(rep, next(counter), out)
 
 
 def emit(rep: Replica, seq: Any, item: Any) -> None:
@@ -365,13 +342,82 @@ def replica_state(rep: Replica) -> dict[str, Any]:
 
 
 def outputs(rep: Replica, outs: Any, hook: str) -> Any:
-    """What ``process`` / ``finish`` returned, if it is None, a list or tuple of outputs, or an iterator
-    (a generator); anything else is a bare item, which the runtime would otherwise iterate over."""
+    """What ``process`` / ``finish`` returned, if it is None, a list or tuple, or an iterator; refuses a bare item."""
     if outs is None or isinstance(outs, (list, tuple, Iterator)):
         return outs
-    raise TypeError(
-        f"stage '{rep.name}' ({rep.type_name}).{hook}() returned a bare {type(outs).__name__}; return its outputs "
-        f"in a list or tuple (`return (item,)`), yield them, or return None for no output"
-    )
+    raise TypeError(f"stage '{rep.name}' ({rep.type_name}).{hook}() returned a bare {type(outs).__name__}; return its "
+                    "outputs in a list or tuple (`return (item,)`), yield them, or return None for no output")
 
+
+# -- the no-progress watchdog -----------------------------------------------------------------------
+def running_time(gap_s: float, interval_s: float) -> float:
+    """How much of the wall time between two watchdog ticks counts as running time: a tick much later than
+    ``interval_s`` means the process could not run (SIGSTOP, a debugger), so it counts for at most ``interval_s``
+    plus a jitter allowance (half an interval, at least 50 ms)."""
+    cap = interval_s + max(0.5 * interval_s, 0.05)
+    return min(max(gap_s, 0.0), cap)
+
+
+def watch(replicas: dict[str, list[Replica]], rt: Any, should_end: Callable[[float], bool],
+          cancelled: Callable[[], bool], on_stall: Callable[[PipelineStalled], None]) -> None:
+    """The no-progress watchdog (the supervisor thread's loop): no progress for ``stall_timeout_s`` of running time
+    hands ``on_stall`` a :class:`PipelineStalled` naming the stalled stage and every queue depth. ``should_end(s)``
+    waits up to ``s`` seconds and says whether the run ended; ``rt``: the graph's ``RuntimeOptions``."""
+    timeout = rt.stall_timeout_s
+    interval = rt.watchdog_interval_s
+    last_progress = None
+    idle = 0.0  # time the process ran without progress (suspended time excluded: running_time)
+    last_tick = time.monotonic()
+    while not should_end(interval):
+        now = time.monotonic()
+        ran = running_time(now - last_tick, interval)
+        last_tick = now
+        if timeout <= 0 or cancelled():
+            continue
+        progress = progress_count(replicas)
+        if progress != last_progress:
+            last_progress = progress
+            idle = 0.0
+            continue
+        idle += ran
+        if idle >= timeout:
+            on_stall(_stall_error(replicas, idle))
+            return
+
+
+def progress_count(replicas: dict[str, list[Replica]]) -> int:
+    """How much the pipeline has done so far (items in and out, heartbeats): grows while it makes progress."""
+    total = 0
+    for reps in replicas.values():
+        for rep in reps:
+            total += rep.items_in + rep.items_out + rep.ctx.heartbeats
+            if rep.input is not None:
+                total += rep.input.items_in
+    return total
+
+
+def _stall_error(replicas: dict[str, list[Replica]], idle: float) -> PipelineStalled:
+    depths = {}
+    busy = []
+    blocked = []
+    for reps in replicas.values():
+        for rep in reps:
+            if rep.input is not None:
+                depths[rep.label] = f"{rep.input.depth}/{rep.input.capacity}"
+            age = time.monotonic() - rep.state_since
+            if rep.state in (ReplicaState.BUSY, ReplicaState.SETUP):
+                doing = getattr(rep.ctx, "busy_with", "")  # what a long call says it waits on (a server, a file)
+                busy.append((age, f"{rep.label} ({'in setup' if rep.state is ReplicaState.SETUP else 'in process'} "
+                                  f"for {age:.0f}s{': ' + doing if doing else ''})"))
+            elif rep.state is ReplicaState.WAITING:
+                blocked.append(f"{rep.label} (waiting for input)")
+    if busy:
+        busy.sort(reverse=True)
+        stalled = [b[1] for b in busy]
+        head = f"no progress for {idle:.0f}s; stalled stage: {stalled[0]}"
+    else:
+        stalled = blocked
+        head = f"no progress for {idle:.0f}s and no stage is working (deadlock?): " + ", ".join(blocked)
+    depth_text = ", ".join(f"{k}={v}" for k, v in depths.items())
+    return PipelineStalled(f"{head}; queue depths: {depth_text}", stalled, depths)
 

@@ -1,14 +1,13 @@
 """The supervisor: one thread per stage replica, channels between them, and nothing left behind.
 
-Shutdown is explicit: end-of-stream closes channels; an error or a stop cancels every channel, which wakes
-every blocked put/get; every thread is joined, no timeout polling on the data path. A thread stuck in a
-stage's own code past ``shutdown_grace_s`` cannot be interrupted from Python: it is abandoned, named in the
-error (``Pipeline.abandoned``), and being a daemon it does not keep the process from exiting. A supervisor
-thread watches for lack of progress and names the stalled stage.
+End-of-stream closes channels; an error or a stop cancels every channel, which wakes every blocked put/get;
+every thread is joined. A thread stuck in a stage's own code past ``shutdown_grace_s`` is abandoned (a daemon,
+named in the error and in ``Pipeline.abandoned``). A watchdog thread names a stalled stage.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -23,14 +22,12 @@ from .channel import END_OF_STREAM, Channel, ChannelCancelled, ErrorItem
 from .devices import setup_thread
 from .errors import PipelineInterrupted, PipelineStalled, ShutdownTimeout, StageError
 from .graph import Graph
-from .replica import TOMBSTONE, Replica, replica_state
+from .replica import TOMBSTONE, Replica, replica_state, watch
 from .replica import main as replica_main
-from .sampler import Sampler
-from .snapshot import RuntimeSnapshot, StageSnapshot
+from .snapshot import RuntimeSnapshot, Sampler, StageSnapshot
 from .stage import ServicesT
 from .stopping import StopController, StopSignal, controller
 from .validate import Validated, validated
-from .watchdog import watch
 
 
 class RuntimeView:
@@ -77,43 +74,28 @@ class RunResult:
 
 
 class Pipeline(Generic[ServicesT]):
-    """The bare runtime: runs a graph (validated here unless it is already) on a thread per replica. Use
-    ``run()`` for pipelines that end in sinks, ``iterate(stage)`` (with ``collect=[stage]``) to consume a
-    stage's output in the calling thread. ``services``: opaque to the core, handed to every stage in its
-    context (the application passes ``RunServices``); ``resume_state``: ``{stage: [state per replica]}``
-    as ``state_dict()`` returned; ``rank``/``world_size``/...: default from the torchrun environment.
-    Tracking, checkpoints and the end-of-run report are the application's: ``dflash_flow.app.run``."""
+    """The bare runtime: runs a graph (validated here unless it is already) on a thread per replica. ``run()``
+    for pipelines that end in sinks, ``iterate(stage)`` (with ``collect=[stage]``) to consume a stage's output in
+    the calling thread. ``services``: opaque, handed to every stage; ``resume_state``: ``{stage: [state per
+    replica]}`` as ``state_dict()`` returned; ``rank``/``world_size``/...: default from the torchrun environment."""
 
-    def __init__(
-        self,
-        graph: Graph | Validated,
-        *,
-        services: ServicesT | None = None,
-        resume_state: dict[str, list[dict[str, Any]]] | None = None,
-        rank: int | None = None,
-        world_size: int | None = None,
-        local_rank: int | None = None,
-        local_world_size: int | None = None,
-        output_dir: str | Path | None = None,
-        check_devices: bool = True,
-        collect: list[str] | None = None,
-    ):
+    def __init__(self, graph: Graph | Validated, *, services: ServicesT | None = None,
+                 resume_state: dict[str, list[dict[str, Any]]] | None = None, rank: int | None = None,
+                 world_size: int | None = None, local_rank: int | None = None, local_world_size: int | None = None,
+                 output_dir: str | Path | None = None, check_devices: bool = True, collect: list[str] | None = None):
         v = graph if isinstance(graph, Validated) else validated(graph, check_devices=check_devices)
         self.validated = v
         self.graph = v.graph
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank
-        self.local_world_size = (
-            int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if local_world_size is None else local_world_size
-        )
+        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if local_world_size is None else local_world_size
         self.output_dir = Path(output_dir) if output_dir else self.graph.run_dir
         self.services: ServicesT | dict[str, Any] = services if services is not None else {}
         self.view = RuntimeView(self)
         self._lock = threading.Lock()
         self._done = threading.Event()
-        # Set when every thread ended or the run was cancelled: run() then shuts down, which waits at most
-        # shutdown_grace_s for threads stuck outside the channels instead of waiting for them forever.
+        # Set when every thread ended or the run was cancelled: run() then shuts down.
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._errors: list[StageError] = []
@@ -125,26 +107,21 @@ class Pipeline(Generic[ServicesT]):
         self._finished = False
         self._start_time = 0.0
         self._end_time: float | None = None
-        self._collect: dict[str, Channel] = {}
         self._watch_stop = threading.Event()
         self._stuck: list[str] = []
         # The drain timer of a stop (False once shutdown began: none may start after that) and the watchdog.
         self._drain_timer: threading.Timer | bool | None = None
         self._watchdog: threading.Thread | None = None
-        # The one sampler of the run (core.sampler): the Monitor and `profile` subscribe to it.
+        # The one sampler of the run: the Monitor and `profile` subscribe to it.
         self.sampler = Sampler(self.snapshot, self._subscriber_failed)
         built = assemble(v, Place(rank=self.rank, world_size=self.world_size, local_rank=self.local_rank,
                                   local_world_size=self.local_world_size, output_dir=self.output_dir),
                          services=self.services, stop=self._stop, view=self.view, resume_state=resume_state or {},
                          collect=collect or [])
-        self.layout, self.home_device, self.replicas = built.layout, built.home_device, built.replicas
-        self._collect, self._warnings = built.collect, built.warnings
+        self.home_device, self.replicas = built.home_device, built.replicas
+        self._collect: dict[str, Channel] = built.collect
 
     # -- public API -------------------------------------------------------------------------------
-    @property
-    def warnings(self) -> list[str]:
-        return list(self._warnings)
-
     def run(self) -> RunResult:
         """Run to completion. Raises StageError, PipelineStalled or PipelineInterrupted. Stop signals are the
         process's stop controller's (``core.stopping``): in this wait the first stops, the next force."""
@@ -166,9 +143,8 @@ class Pipeline(Generic[ServicesT]):
         return self._result()
 
     def _supervise(self, stopping: StopController, received: list[BaseException]) -> None:
-        """Wait until every thread ended or the run was cancelled. A stop signal lands in the wait (a StopSignal,
-        or the KeyboardInterrupt of a program's own SIGINT handler): the first drains, the next cancel. Each is
-        acted on under a hold, so that one arriving meanwhile waits for its turn instead of being lost."""
+        """Wait until every thread ended or the run was cancelled. A stop signal lands in the wait: the first
+        drains, the next cancel; each is acted on under a hold, so one arriving meanwhile is not lost."""
         acted = 0
         while received or not self._wake.is_set():
             try:
@@ -222,10 +198,8 @@ class Pipeline(Generic[ServicesT]):
         self._raise_if_failed()
 
     def stop(self, reason: str = "stop requested") -> None:
-        """Graceful stop: sources stop producing, in-flight items drain, then everything ends.
-
-        If draining takes longer than ``runtime.drain_timeout_s``, the pipeline is cancelled.
-        """
+        """Graceful stop: sources stop producing, in-flight items drain, then everything ends (cancelled if
+        draining takes longer than ``runtime.drain_timeout_s``)."""
         with self._lock:
             if self._interrupted is None:
                 self._interrupted = reason
@@ -240,10 +214,8 @@ class Pipeline(Generic[ServicesT]):
             t.start()
 
     def abandon_upstream(self, stage: str) -> list[str]:
-        """Stop work that can only reach ``stage``, which takes no more input: every stage all of whose
-        consumers are ``stage`` or stages abandoned here drops its queued and later inputs without
-        processing them (a source stops producing); end-of-stream still flows, so every stage finishes
-        and closes normally. A stage that also feeds another branch keeps working for it."""
+        """Stages whose work can only reach ``stage`` drop their queued and later inputs unprocessed (a source
+        stops producing); end-of-stream still flows, so every stage finishes."""
         gone = only_feeding(self.graph, stage, self._collect)
         for name in gone:
             for rep in self.replicas[name]:
@@ -260,11 +232,8 @@ class Pipeline(Generic[ServicesT]):
                 self._interrupted = reason
         self._stop.set()
         self._wake.set()
-        for reps in self.replicas.values():
-            for rep in reps:
-                if rep.input is not None:
-                    rep.input.cancel()
-        for ch in self._collect.values():
+        inputs = [rep.input for reps in self.replicas.values() for rep in reps if rep.input is not None]
+        for ch in [*inputs, *self._collect.values()]:
             ch.cancel()
 
     def snapshot(self) -> RuntimeSnapshot:
@@ -280,9 +249,8 @@ class Pipeline(Generic[ServicesT]):
                                cpu_s=time.process_time())
 
     def state_dict(self) -> dict[str, list[dict[str, Any]]]:
-        """Every replica's ``state_dict()``; after a run, the state captured when its thread ended. A replica
-        that has not loaded its resume state yet (still in setup) reports that resume state; one that never
-        got one reports its initial state (``Stage.get_state`` works before setup)."""
+        """Every replica's ``state_dict()``: after a run, the state captured when its thread ended; in setup,
+        the resume state it has not loaded yet, else its initial state."""
         return {name: [replica_state(rep) for rep in reps] for name, reps in self.replicas.items()}
 
     # -- internals --------------------------------------------------------------------------------
@@ -290,11 +258,10 @@ class Pipeline(Generic[ServicesT]):
         if self._started:
             raise RuntimeError("a Pipeline runs once; build a new one to run again")
         self._started = True
-        preloaded: set[int] = set()
+        first: dict[type, str] = {}  # each class preloaded once, named by its first stage
         for name, cls in self.validated.classes.items():
-            if id(cls) in preloaded:
-                continue
-            preloaded.add(id(cls))
+            first.setdefault(cls, name)
+        for cls, name in first.items():
             try:
                 cls.preload()
             except Exception as exc:
@@ -303,19 +270,16 @@ class Pipeline(Generic[ServicesT]):
                 self._finished = True
                 raise err from exc
         setup_thread([], self.home_device)  # the starting thread on this rank's GPU too
-        # The threads start together: a stop signal meanwhile is held until they all run (the supervisor then
-        # stops them as it would any time later), never raised with half of them started.
+        # The threads start together: a stop signal meanwhile is held until they all run.
         with controller().hold():
             self._start_time = time.monotonic()
             self.output_dir.mkdir(parents=True, exist_ok=True)
             all_reps = [r for reps in self.replicas.values() for r in reps]
             self._running = len(all_reps)
             for rep in all_reps:
-                # Joined on every path (_shutdown); a daemon only so that one stuck in a stage's own code past the
-                # grace period (abandoned, named in the error) does not keep the interpreter from exiting.
-                rep.thread = threading.Thread(
-                    target=replica_main, args=(rep, self), name=f"dflash-flow:{rep.label}", daemon=True
-                )
+                # Joined on every path (_shutdown); a daemon only so that an abandoned one does not block the exit.
+                rep.thread = threading.Thread(target=replica_main, args=(rep, self), name=f"dflash-flow:{rep.label}",
+                                              daemon=True)
             self.sampler.start()
             for rep in all_reps:
                 rep.thread.start()
@@ -340,10 +304,8 @@ class Pipeline(Generic[ServicesT]):
 
     def _subscriber_failed(self, owner: str, exc: BaseException) -> None:
         """A sampler subscriber raised: the run fails as its owner's (a stage's) failure."""
-        reps = self.replicas.get(owner)
-        if reps:
-            self.fail(reps[0], "sample", exc)
-            return
+        if self.replicas.get(owner):
+            return self.fail(self.replicas[owner][0], "sample", exc)
         err = StageError(owner, 0, "sample", exc)
         err.__cause__ = exc
         with self._lock:
@@ -405,35 +367,24 @@ class Pipeline(Generic[ServicesT]):
         self._finished = True
         self._stuck = alive
         if alive:
-            import logging
-
             logging.getLogger("dflash_flow").warning(
                 "abandoned stage threads still running %.0fs after the stop: %s (stuck in the stage's own code; "
                 "daemon threads, so the process can still exit)", grace, ", ".join(alive))
 
     @property
     def abandoned(self) -> list[str]:
-        """The stage threads (``stage[replica]``) still running after the shutdown grace period: stuck in
-        the stage's own code, left behind as daemon threads (the process can still exit). Empty normally."""
+        """The stage threads (``stage[replica]``) left running, stuck, after the shutdown grace period."""
         return list(self._stuck)
 
     def _raise_if_failed(self) -> None:
-        stuck = None
-        if self._stuck:
-            stuck = (
-                f"stage threads still running {self.graph.runtime.shutdown_grace_s:.0f}s after the stop: "
-                f"{', '.join(self._stuck)} (blocked outside the runtime's channels; abandoned as daemon threads, "
-                "the process can still exit)"
-            )
-        if self._errors:
+        stuck = (f"stage threads still running {self.graph.runtime.shutdown_grace_s:.0f}s after the stop: "
+                 f"{', '.join(self._stuck)} (blocked outside the runtime's channels; abandoned as daemon threads, "
+                 "the process can still exit)") if self._stuck else None
+        err = self._errors[0] if self._errors else self._stall  # it names the culprit; stuck threads are a note
+        if err is not None:
             if stuck:
-                self._errors[0].add_note(stuck)
-            raise self._errors[0]
-        if self._stall is not None:
-            # The stall names the culprit; threads still stuck in it are a note, not a different error.
-            if stuck:
-                self._stall.add_note(stuck)
-            raise self._stall
+                err.add_note(stuck)
+            raise err
         if stuck:
             raise ShutdownTimeout(stuck)
         if self._interrupted is not None:

@@ -1,12 +1,13 @@
-"""What the supervisor reports about a running pipeline: plain attrs objects of cumulative readings
-(seconds busy/blocked, items, metric values), built once per ``Pipeline.snapshot()``.
-
-Readers turn two snapshots into window values (``dflash_flow.observe.sample.take_sample``); there is no
-flat key form here: MLflow keys are made only at the MLflow boundary (``observe.schema``)."""
+"""What the supervisor reports about a running pipeline (plain attrs objects of cumulative readings, built once
+per ``Pipeline.snapshot()``; readers turn two into window values: ``observe.sample.take_sample``), and the runtime's
+one :class:`Sampler`, which takes them on a clock for its subscribers (the Monitor, ``dflash-flow profile``)."""
 
 from __future__ import annotations
 
 import enum
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -43,8 +44,7 @@ class ReplicaSnapshot:
     channel: ChannelStats | None
     cpu_s: float | None = None  # CPU seconds its thread has run (None: the OS does not say)
     cpu_wait_s: float | None = None  # seconds its thread has waited, runnable, for a core
-    # Seconds from its thread's start to the end of its setup (and resume state): a setup still going on counts
-    # so far. ``busy_s`` includes it (busy is alive less blocked); a steady-state rate leaves it out.
+    # Seconds from its thread's start to the end of its setup (and resume state), so far. ``busy_s`` includes it.
     setup_s: float = 0.0
 
 
@@ -61,11 +61,9 @@ class StageSnapshot:
 
     def fractions(self) -> dict[str, float]:
         alive = sum(r.alive_s for r in self.replicas) or 1e-9
-        return {
-            "busy": sum(r.busy_s for r in self.replicas) / alive,
-            "blocked_in": sum(r.blocked_in_s for r in self.replicas) / alive,
-            "blocked_out": sum(r.blocked_out_s for r in self.replicas) / alive,
-        }
+        return {"busy": sum(r.busy_s for r in self.replicas) / alive,
+                "blocked_in": sum(r.blocked_in_s for r in self.replicas) / alive,
+                "blocked_out": sum(r.blocked_out_s for r in self.replicas) / alive}
 
 
 @attrs.define
@@ -74,3 +72,84 @@ class RuntimeSnapshot:
     elapsed_s: float
     stages: dict[str, StageSnapshot]
     cpu_s: float | None = None  # the process's CPU seconds so far, all its threads (None: not read)
+
+
+MIN_INTERVAL_S = 0.01
+IDLE_WAIT_S = 0.5  # how often a sampler without subscribers looks again
+
+
+@attrs.define(eq=False)
+class _Subscription:
+    callback: Callable[[Any], None]
+    interval_s: float
+    owner: str
+    last: float = 0.0
+    active: bool = True
+
+
+class Sampler:
+    """A supervisor-owned thread that calls each subscriber with a snapshot every ``interval_s``, also while
+    nothing moves (a stalled pipeline is sampled like a busy one); one snapshot serves every subscriber due at a
+    tick. Callbacks run on its thread and must be quick (a store write belongs on a writer); one that raises ends
+    the run as its owner's failure (``on_error``). Not a daemon: ``stop()`` (idempotent) wakes and joins it."""
+
+    def __init__(self, snapshot: Callable[[], Any], on_error: Callable[[str, BaseException], None]) -> None:
+        self._snapshot = snapshot
+        self._on_error = on_error
+        self._subs: list[_Subscription] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def subscribe(self, callback: Callable[[Any], None], interval_s: float, *, owner: str) -> _Subscription:
+        sub = _Subscription(callback, max(float(interval_s), MIN_INTERVAL_S), owner, last=time.monotonic())
+        with self._lock:
+            self._subs.append(sub)
+        self._wake.set()  # a shorter interval than the current wait: look again now
+        return sub
+
+    def unsubscribe(self, sub: _Subscription) -> None:
+        """After this returns, ``sub``'s callback is not running and is not called again."""
+        with self._lock:
+            sub.active = False
+            if sub in self._subs:
+                self._subs.remove(sub)
+
+    def start(self) -> None:
+        if self._thread is None and not self._stopped:
+            self._thread = threading.Thread(target=self._loop, name="dflash-flow:sampler", daemon=False)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stopped:
+            with self._lock:
+                subs = list(self._subs)
+            now = time.monotonic()
+            wait = min((s.last + s.interval_s - now for s in subs), default=IDLE_WAIT_S)
+            if wait > 0:
+                self._wake.wait(wait)
+                self._wake.clear()
+                continue
+            snap = None
+            for sub in subs:
+                now = time.monotonic()
+                if now - sub.last < sub.interval_s:
+                    continue
+                sub.last = now
+                with self._lock:  # unsubscribe() waits for a running callback
+                    if not sub.active or self._stopped:
+                        continue
+                    try:
+                        snap = snap if snap is not None else self._snapshot()
+                        sub.callback(snap)
+                    except Exception as exc:  # noqa: BLE001 - becomes the owner's failure
+                        sub.active = False
+                        self._subs.remove(sub)
+                        self._on_error(sub.owner, exc)

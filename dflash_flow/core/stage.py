@@ -1,34 +1,62 @@
-"""The Stage contract: typed config fields (attrs), declared item types, a small lifecycle.
+"""The Stage contract: typed config fields (attrs: ``cfg``, ``include``), declared item types, a small lifecycle.
 
-Subclasses fill in hooks (`setup`, `process`/`produce`, `finish`, `teardown`, `get_state`, `set_state`);
-the base class implements the versioned state once (``state_dict`` / ``load_state_dict``: the version
-stamp, the refusal of another version, the initial state of a stage that was never set up), and the
-runtime implements threading, routing, ordering and accounting once. What the application asks of a
-stage beyond that (the files it reads, the directories it writes, problems only it can judge, the state
-that continues after a trainer's position) are declared methods here with neutral defaults, never
-attributes looked up by name: renaming one breaks loudly. ``tests/core/test_stage_conformance.py`` runs
-one conformance test over every registered type.
+Subclasses fill in hooks (`setup`, `process`/`produce`, `finish`, `teardown`, `get_state`, `set_state`); the base
+class implements the versioned state once. What the application asks of a stage beyond that are declared methods
+here with neutral defaults, never attributes looked up by name: renaming one breaks loudly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import threading
 import time
-from collections.abc import Iterable, Iterator
+import typing
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import attrs
 
-from .errors import StopRequested
+from .errors import StateVersionError, StopRequested
 from .metrics import MetricSet
-from .seeding import derive_seed
-from .versioned import StateVersion
 
-#: Methods the base class implements once; a subclass implements ``get_state`` / ``set_state`` instead.
-_FINAL = ("state_dict", "load_state_dict")
+
+@attrs.frozen
+class StateVersion:
+    """One versioned state (a plain dict with a ``version`` field), written and checked in one place; another
+    version, or no mapping, raises :class:`StateVersionError`. ``what``: its name in messages; ``older``: earlier
+    versions that still load (the loader converts)."""
+
+    what: str
+    version: int
+    older: tuple[int, ...] = ()
+
+    @property
+    def readable(self) -> tuple[int, ...]:
+        return (*self.older, self.version)
+
+    def tag(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        return {"version": self.version, **body}
+
+    def problem(self, state: Any) -> str | None:
+        """What keeps ``state`` from loading (None: it is a mapping of a version this code reads)."""
+        if not isinstance(state, Mapping):
+            return f"{self.what} must be a mapping, got {type(state).__name__}"
+        found = state.get("version")
+        if found in self.readable and not isinstance(found, bool):
+            return None
+        reads = " or ".join(map(str, self.readable))
+        return f"{self.what} version {found!r:.40} is not supported (this version reads {reads})"
+
+    def check(self, state: Any) -> int:
+        """The version of ``state``; :class:`StateVersionError` when it cannot load (:meth:`problem`)."""
+        problem = self.problem(state)
+        if problem is not None:
+            raise StateVersionError(f"{problem}; resume with the dflash-flow version that wrote the checkpoint, "
+                                    "or start afresh")
+        return int(state["version"])
 
 
 class RuntimeAccess(Protocol):
@@ -50,33 +78,22 @@ class RuntimeAccess(Protocol):
     def unsubscribe(self, subscription: Any) -> None: ...
 
 
-_MISSING = attrs.NOTHING
+def derive_seed(run_seed: int, epoch: int = 0, rank: int = 0, stage: str = "", *salt: object) -> int:
+    """Every random choice derives from (run seed, epoch, rank, stage name, salt): a 63-bit seed stable across
+    processes, Python versions and platforms (hashed, so stages stay independent and PYTHONHASHSEED is moot)."""
+    text = "|".join(str(x) for x in (run_seed, epoch, rank, stage, *salt))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
-def cfg(
-    default: Any = _MISSING,
-    *,
-    factory: Any = None,
-    ge: float | None = None,
-    gt: float | None = None,
-    le: float | None = None,
-    lt: float | None = None,
-    choices: Iterable[Any] | None = None,
-    finite: bool = True,
-    result: bool = True,
-    run_length: bool = False,
-    doc: str = "",
-) -> Any:
-    """Declare a config field (of a stage or an application section): default, bounds and a doc line
-    (shown by `dflash-flow stages`).
+def cfg(default: Any = attrs.NOTHING, *, factory: Any = None, ge: float | None = None, gt: float | None = None,
+        le: float | None = None, lt: float | None = None, choices: Iterable[Any] | None = None, finite: bool = True,
+        result: bool = True, run_length: bool = False, doc: str = "") -> Any:
+    """Declare a config field (of a stage or a section): default, bounds and a doc line (`dflash-flow stages`).
 
-    Bounds hold against NaN too (NaN compares false, so it fails every bound). A float field refuses NaN
-    and infinity unless it says ``finite=False``; use ``le=`` to bound budgets by what a machine can hold.
-    ``None`` passes the bounds: whether a field may be null is its type's business (``int | None``).
-    ``result=False`` declares that the value cannot change what a run trains (its weights or its data
-    order): a thread count, a cache location, a logging knob. A resume then accepts another value
-    (``core.identity.result_settings`` leaves it out). ``run_length=True``: the value sets how long the run
-    trains (epochs, a batch budget); a resume asked to extend the run (``--extend``) accepts another value.
+    Bounds fail NaN too; a float refuses NaN and infinity unless ``finite=False``; ``None`` passes the bounds
+    (nullability is the type's business). ``result=False``: the value cannot change what a run trains (a thread
+    count, a cache location), so a resume accepts another value (``core.identity.result_settings``).
+    ``run_length=True``: it sets how long the run trains; a resume with ``--extend`` accepts another value.
     """
     bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
     validators: list[Any] = [getattr(attrs.validators, k)(v) for k, v in bounds.items()]
@@ -87,10 +104,8 @@ def cfg(
         validators.append(_finite)
     metadata = {"doc": doc, "config": True, "bounds": bounds, "choices": options, "finite": finite, "result": result,
                 "run_length": run_length}
-    validator = attrs.validators.optional(validators)
-    if factory is not None:
-        return attrs.field(factory=factory, validator=validator, metadata=metadata, kw_only=True)
-    return attrs.field(default=default, validator=validator, metadata=metadata, kw_only=True)
+    return attrs.field(default=default if factory is None else attrs.Factory(factory), metadata=metadata,
+                       validator=attrs.validators.optional(validators), kw_only=True)
 
 
 def _finite(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -99,15 +114,13 @@ def _finite(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(f"'{attribute.name}' must be a finite number, got {value}")
 
 
-#: The run services a pipeline hands its stages: opaque to the core (the application's ``RunServices``; a
-#: dict where none are given, which tests use to hand stages shared objects).
+#: The run services a pipeline hands its stages: opaque to the core (the application's ``RunServices``; else a dict).
 ServicesT = TypeVar("ServicesT")
 
 
 @attrs.define(eq=False)
 class StageContext(Generic[ServicesT]):
-    """What a replica gets in ``setup``: where it runs, who it is, seeds, metrics and run services
-    (``StageContext[RunServices]`` under the application; ``services`` is whatever the pipeline was given)."""
+    """What a replica gets in ``setup``: where it runs, who it is, seeds, metrics and run services."""
 
     name: str
     replica: int = 0
@@ -117,8 +130,7 @@ class StageContext(Generic[ServicesT]):
     local_rank: int = 0
     local_world_size: int = 1
     device: str = "cpu"  # the replica's (first) device
-    # Every device of the replica, ``device`` first: several for a stage that splits a model
-    # (``multi_device``), else ``[device]``.
+    # Every device of the replica, ``device`` first (several for a ``multi_device`` stage).
     devices: list[str] = attrs.field(default=attrs.Factory(lambda self: [self.device], takes_self=True))
     downstream_devices: list[str] = attrs.field(factory=list)
     seed: int = 0
@@ -134,8 +146,7 @@ class StageContext(Generic[ServicesT]):
         return derive_seed(self.seed, epoch, self.rank, self.name, *salt)
 
     def shared_seed_for(self, epoch: int = 0, *salt: object) -> int:
-        """A seed every rank agrees on (rank 0's ``seed_for``): for choices that must not depend on which
-        rank makes them, e.g. a batch's anchors or the initial weights."""
+        """A seed every rank agrees on (rank 0's ``seed_for``), e.g. for a batch's anchors or the initial weights."""
         return derive_seed(self.seed, epoch, 0, self.name, *salt)
 
     def rng(self, epoch: int = 0, *salt: object):
@@ -144,10 +155,8 @@ class StageContext(Generic[ServicesT]):
         return np.random.default_rng(self.seed_for(epoch, *salt))
 
     def check_stop(self) -> None:
-        """Between the units of a long computation inside one item (decoding a prompt, a batch of the
-        walk, a file of an export): raise :class:`~dflash_flow.core.errors.StopRequested` once the run is
-        stopping, so the item is abandoned at once instead of holding the stop up (the runtime counts it
-        as no output, not as a failure)."""
+        """Inside a long computation: raise :class:`StopRequested` once the run is stopping (the item is abandoned;
+        the runtime counts it as no output, not as a failure)."""
         if self.stop_requested.is_set():
             raise StopRequested(f"stage '{self.name}': stopped")
 
@@ -161,9 +170,8 @@ class StageContext(Generic[ServicesT]):
 
     @contextlib.contextmanager
     def busy(self, what: str = "", *, limit_s: float = 3600.0, every_s: float = 0.1) -> Iterator[None]:
-        """Around one long call that cannot report progress itself (loading a model, tokenizing a large
-        file): beats the watchdog's heartbeat while it runs, for at most ``limit_s`` (after that, a call
-        that never returns is reported as stalled as usual). The beating thread is joined on exit."""
+        """Around one long call that cannot report progress itself (loading a model): beats the watchdog's
+        heartbeat while it runs, for at most ``limit_s`` (then a call that never returns stalls as usual)."""
         done = threading.Event()
         start = time.monotonic()
 
@@ -187,15 +195,13 @@ class StageContext(Generic[ServicesT]):
 class Stage:
     """Base class of every stage. A subclass is an attrs class whose public fields are its config.
 
-    ``input_type`` / ``output_type`` declare the item classes of the ports (``object`` accepts anything,
-    ``None`` means no such port). ``cardinality`` is ``"1:1"`` when each input yields at most one output
-    (this keeps the source's ordering key, so an ordered consumer downstream can restore order), or
-    ``"1:n"`` when a stage may emit any number of items per input (it starts a new ordering).
+    ``input_type`` / ``output_type``: the item classes of the ports (``object`` accepts anything, ``None``: no
+    such port). ``cardinality``: ``"1:1"`` when each input yields at most one output (it keeps the ordering key,
+    so an ordered consumer can restore order), ``"1:n"`` otherwise (it starts a new ordering).
 
-    State: ``get_state()`` returns plain nested data (what JSON holds) and ``set_state(state)`` restores
-    it; ``state_dict()`` adds ``{"version": state_version}`` and ``load_state_dict()`` refuses any other
-    version (:class:`StateVersionError`). ``get_state()`` must also work on an instance that was never set
-    up: it then returns the initial state (what a checkpoint taken before the stage started holds).
+    State: ``get_state()`` returns plain nested data, ``set_state(state)`` restores it; ``state_dict()`` adds
+    the ``state_version`` and ``load_state_dict()`` refuses any other. ``get_state()`` must also work before
+    setup (the initial state: what a checkpoint taken before the stage started holds).
     """
 
     input_type: ClassVar[type | None] = object
@@ -210,37 +216,29 @@ class Stage:
     shards_by_replica: ClassVar[bool] = False
     #: True when one replica may span several devices (``devices: [[cuda:0, cuda:1], ...]``, ``ctx.devices``).
     multi_device: ClassVar[bool] = False
-    #: False for a stage that only observes or evaluates what was trained (a monitor, an evaluation of the
-    #: final drafter): nothing in its spec can change the trained weights or the data order, so a resume
-    #: accepts any change to it (``core.identity.result_settings``). Per field: ``cfg(result=False)``.
+    #: False for a stage that only observes or evaluates what was trained: a resume accepts any change to its
+    #: spec (``core.identity.result_settings``). Per field: ``cfg(result=False)``.
     affects_result: ClassVar[bool] = True
-    #: False when the number of replicas cannot change the result: each replica transforms items on its own
-    #: and keeps no state (its consumer restores the order), e.g. a target forward. A resume onto fewer
-    #: GPUs then accepts fewer replicas.
+    #: False when the number of replicas cannot change the result (stateless replicas, order restored
+    #: downstream, e.g. a target forward): a resume onto fewer GPUs accepts fewer replicas.
     replicas_affect_result: ClassVar[bool] = True
     #: The version of what ``get_state`` returns; raise it when that layout changes.
     state_version: ClassVar[int] = 1
-    #: Config fields that moved out of this stage into a section: ``{field: "section.key"}`` (e.g.
-    #: ``{"target": "model.target"}``). A pipeline that still sets one is refused with where it moved
-    #: (``core.fill.moved_field_message``); a checkpoint written before the move reads as the section's value.
+    #: Config fields that moved into a section: ``{field: "section.key"}``. A pipeline that still sets one is
+    #: refused with where it moved; a checkpoint written before the move reads as the section's value.
     moved_fields: ClassVar[dict[str, str]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        for name in _FINAL:
+        for name in ("state_dict", "load_state_dict"):
             if name in cls.__dict__:
-                raise TypeError(
-                    f"{cls.__qualname__} defines {name}(): the base class implements it (the version stamp and "
-                    "check); implement get_state() / set_state(state) and declare state_version instead"
-                )
+                raise TypeError(f"{cls.__qualname__} defines {name}(): the base class implements it (the version stamp "
+                                "and check); implement get_state() / set_state(state) and declare state_version instead")
 
     @classmethod
     def preload(cls) -> None:
-        """Import what the stage needs, once, on the supervisor's thread before any stage thread starts.
-
-        Some libraries' lazy imports are not thread-safe (two threads importing the same module at once
-        can see it half-initialised), so heavy imports belong here rather than only in ``setup``.
-        """
+        """Import what the stage needs, once, on the supervisor's thread before any stage thread starts (some
+        libraries' lazy imports are not thread-safe)."""
 
     # -- lifecycle (the runtime calls these on the replica's own thread) ---------------------------
     def setup(self, ctx: StageContext) -> None:
@@ -274,26 +272,23 @@ class Stage:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Check the version, then ``set_state``. Another version raises :class:`StateVersionError`."""
-        check_state(type(self), state)
+        StateVersion(f"{type(self).__name__} state", type(self).state_version).check(state)
         self.set_state({k: v for k, v in state.items() if k != "version"})
 
     # -- what the application may ask of a stage (neutral defaults; declared, never looked up by name) --
     @classmethod
     def resume_state_for(cls, position: Any) -> dict[str, Any] | None:
-        """The state (``state_dict`` form) that continues right after a trainer's data ``position`` (opaque to
-        the core: ``data.position.DataPosition``), for a stage that runs ahead of the trainer (the
-        Interleaver); None: resume from its own saved state."""
+        """The state (``state_dict`` form) that continues right after a trainer's data ``position`` (opaque to the
+        core), for a stage that runs ahead of the trainer; None: resume from its own saved state."""
         return None
 
     def device_problems(self, replica_devices: list[list[str]]) -> list[tuple[str, str]]:
-        """``(field, message)`` for each reason this config cannot run on these device lists (each replica
-        runs on one of them, as written in the file); ``field`` is ``"devices"`` or a config field. Called
-        by validation once the generic device checks passed; only a ``multi_device`` stage needs it."""
+        """``(field, message)`` for each reason this config cannot run on these device lists (one per replica);
+        ``field`` is ``"devices"`` or a config field. Called by validation after the generic device checks."""
         return []
 
     def config_problems(self) -> list[tuple[str, str]]:
-        """``(field, message)`` for settings that only this stage can judge from files it can read here
-        (e.g. DrafterStep's DFlash 2 sizes against its target's hidden size). Called by validation."""
+        """``(field, message)`` for settings only this stage can judge (from files it reads). Called by validation."""
         return []
 
     def data_files(self) -> list[str]:
@@ -301,13 +296,11 @@ class Stage:
         return []
 
     def input_paths(self) -> list[tuple[str, str, str]]:
-        """``(field, path, "dir" | "file")`` for the model directories and files (other than
-        ``data_files``) this stage reads, as configured: validation checks that they exist here."""
+        """``(field, path, "dir" | "file")`` for model paths (not ``data_files``) it reads: validation checks them."""
         return []
 
     def output_dirs(self) -> list[str]:
-        """Directories (relative to the output directory) this stage writes at the end of the run: the
-        application refuses a run where one of them is an existing file before it starts."""
+        """Directories (relative to the output directory) it writes at the end: refused up front if one is a file."""
         return []
 
     def longest_item(self) -> int | None:
@@ -340,12 +333,6 @@ class Stage:
         return cls.output_type is None
 
 
-def check_state(cls: type[Stage], state: Any) -> None:
-    """Raise :class:`StateVersionError` unless ``state`` is a ``state_dict`` of ``cls``'s version (the one
-    versioned-state check, ``core.versioned``)."""
-    StateVersion(f"{cls.__name__} state", cls.state_version).check(state)
-
-
 @attrs.define(kw_only=True, eq=False)
 class Source(Stage):
     """A stage with no input: ``produce`` yields its items."""
@@ -361,12 +348,57 @@ class Source(Stage):
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, list):
+    if isinstance(value, (tuple, list)):
         return [_plain(v) for v in value]
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, Path):
         return str(value)
     return value
+
+
+# -- config fields declared once and carried by several classes -------------------------------------
+def include(*sources: type, exclude: Iterable[str] = ()) -> Callable[[type], type]:
+    """Class decorator, under ``@attrs.define``: a knob declared once in a small attrs class (a drafter variant's
+    settings, the recipe) is taken flat by a stage's YAML with the same type, default, bounds, doc and validators.
+    The init fields of ``sources`` (less ``exclude``) become keyword-only fields of the decorated class, after its
+    own; a name declared twice is a TypeError at import (one declaration per knob)."""
+    skip = set(exclude)
+
+    def decorate(cls: type) -> type:
+        own = dict(cls.__dict__.get("__annotations__", {}))
+        added: dict[str, Any] = {}
+        for src in sources:
+            hints = typing.get_type_hints(src)
+            for f in attrs.fields(src):
+                if not f.init or f.name.startswith("_") or f.name in skip:
+                    continue
+                if f.name in own or f.name in added:
+                    raise TypeError(f"{cls.__qualname__}.{f.name}: declared in {src.__qualname__} already")
+                added[f.name] = hints.get(f.name, Any)
+                setattr(cls, f.name, attrs.field(default=f.default, validator=f.validator, converter=f.converter,
+                                                 metadata=dict(f.metadata), kw_only=True))
+        cls.__annotations__ = {**own, **added}
+        return cls
+
+    return decorate
+
+
+def values_of(cls: type, source: Any, *, exclude: Iterable[str] = (), **extra: Any) -> Any:
+    """``cls`` built from the same-named attributes of ``source`` (which includes its fields), plus ``extra``."""
+    skip = set(exclude) | set(extra)
+    kw = {f.name: getattr(source, f.name) for f in attrs.fields(cls) if f.init and f.name not in skip}
+    return cls(**kw, **extra)
+
+
+def field_errors(cls: type, problems: list[tuple[str, str]]) -> Exception:
+    """One error for ``(field, message)`` problems of a whole-instance check, each reported at its own field's
+    YAML line (``convert.problems_of`` reads the attribute notes cattrs puts on field errors)."""
+    from cattrs.errors import AttributeValidationNote, ClassValidationError
+
+    errors = []
+    for name, message in problems:
+        exc = ValueError(message)
+        exc.__notes__ = [AttributeValidationNote(f"Structuring class {cls.__qualname__} @ attribute {name}", name, Any)]
+        errors.append(exc)
+    return ClassValidationError(f"invalid {cls.__qualname__} config", errors, cls)

@@ -1,28 +1,18 @@
-"""How a process stops: the one stop controller, and the only place in dflash-flow that installs signal
-handlers (a test scans the package for any other ``signal.signal``).
+"""How a process stops: the one stop controller, the only place in dflash-flow that installs signal handlers.
 
-A stop signal is Ctrl-C (SIGINT), ``kill`` (SIGTERM) or a closed terminal / dropped SSH session (SIGHUP;
-one that was ignored when the process started, ``nohup``, stays ignored). What it does depends on the
-phase of the run:
+A stop signal is SIGINT, SIGTERM or SIGHUP (one ignored at start, ``nohup``, stays ignored). By phase:
 
-``starting``  from installation until the pipeline runs (imports, model loading, the MLflow run's
-              creation): it raises :class:`StopSignal` (a ``KeyboardInterrupt``) where the main thread is;
-              inside :meth:`StopController.hold` it is recorded and raised when the hold ends, so that a
-              store write or the creation of the MLflow run is never cut in half.
-``running``   the supervisor (``core.runtime.Pipeline.run``) waits for its stage threads: the signal is
-              raised in that wait; the first one asks for a graceful stop, the next ones force it, and
-              ``announce`` (the application's) says so at once. Once the supervisor stops waiting
-              (:meth:`StopController.wind_down`) a signal is a repeat of a stop already under way: dropped.
-``ending``    the outcome is decided: signals are recorded (``ending.received``), never raised; the end of
-              the run reads them and cuts itself short, its status unchanged.
-``late``      the exit code is decided (the status is written): a signal ends the process at once with that
-              code, never with the signal's own death or a traceback from an interpreter exit hook.
+``starting``  until the pipeline runs: it raises :class:`StopSignal` (a ``KeyboardInterrupt``) in the main
+              thread; inside :meth:`StopController.hold` it is raised when the hold ends (a store write or
+              the MLflow run's creation is never cut in half).
+``running``   raised in the supervisor's wait (``Pipeline.run``): the first asks for a graceful stop, the next
+              force it, ``announce`` says so; after :meth:`StopController.wind_down` a signal is dropped.
+``ending``    the outcome is decided: signals are recorded (``ending.received``), never raised.
+``late``      the exit code is decided: a signal ends the process at once with that code.
 
-The CLI installs the controller for the whole process (:meth:`StopController.install`). A Python program
-that runs a pipeline (``Pipeline.run()``, ``dflash_flow.app.run``) gets it for that stretch only
-(:meth:`StopController.scope`): it takes SIGTERM, and SIGINT / SIGHUP where Python's default is in place,
-and gives the program's handlers back afterwards. Signal handlers run in the main thread only: called from
-another thread, every method here does nothing.
+The CLI installs the controller for the whole process (``install``); a Python program that runs a pipeline gets
+it for that stretch only (``scope``: SIGTERM, and SIGINT / SIGHUP where Python's default is in place). Called
+from another thread, every method does nothing.
 """
 
 from __future__ import annotations
@@ -57,18 +47,10 @@ class StopSignal(KeyboardInterrupt):
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal_name(signum))
-        self.signum = signum
-
-    @property
-    def name(self) -> str:
-        return signal_name(self.signum)
+        self.signum, self.name = signum, signal_name(signum)
 
 
-#: The signals that stop a run: Ctrl-C, ``kill``'s default, a closed terminal or dropped SSH session.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-# How a signal is taken: always; unless it is ignored (``nohup`` ignores SIGHUP: it stays ignored); only
-# where Python's default is in place (a program's own handler, or an ignored signal, stays as it is).
+# How a signal is taken: always; unless it is ignored (``nohup``); only where Python's default is in place.
 _ALWAYS, _UNLESS_IGNORED, _IF_DEFAULT = "always", "unless ignored", "if default"
 _PROCESS = {signal.SIGINT: _ALWAYS, signal.SIGTERM: _ALWAYS, signal.SIGHUP: _UNLESS_IGNORED}
 _RUN = {signal.SIGINT: _IF_DEFAULT, signal.SIGTERM: _ALWAYS, signal.SIGHUP: _IF_DEFAULT}
@@ -94,10 +76,8 @@ class StopController:
         self.phase = Phase.STARTING
         self.exit_code: int | None = None  # decided by the command; the code a late signal exits with
         self.ending = Ending()
-        # Called (reason, forced) when the supervisor acts on a stop signal: the console's one line.
         self.announce: Callable[[str, bool], None] | None = None
-        # The phase after the supervisor's run: the application's ENDING (the outcome is decided), else
-        # the phase it started from (a command that goes on working after a pipeline of its own).
+        # The phase after the supervisor's run: the application's ENDING, else the phase it started from.
         self.after_running: Phase | None = None
         self._previous: dict[int, Any] = {}  # signal -> the handler ours replaced
         self._process = False  # installed for the whole process (the CLI)
@@ -158,16 +138,15 @@ class StopController:
         self._process = True
         self._take(_PROCESS)
         if not self._exit_hook:
-            # Registered before any library's, so it runs last: after the exit hooks Python puts the default
-            # death back on handled signals while it tears modules down; ignored ones stay ignored.
+            # Registered before any library's, so it runs last: signals are then ignored while modules tear down.
             atexit.register(self._ignore_in_teardown)
             self._exit_hook = True
 
     @contextlib.contextmanager
     def scope(self, *, announce: Callable[[str, bool], None] | None = None, after_running: Phase | None = None,
               _policy: dict[int, str] = _RUN) -> Iterator[StopController]:
-        """The controller for one stretch of work (a run): installed for it where nobody installed it for the
-        process, the program's handlers given back after; ``announce`` and ``after_running`` hold for it."""
+        """The controller for one stretch of work (a run), installed where nobody installed it for the process;
+        ``announce(reason, forced)`` (the console's line on a stop) and ``after_running`` hold for it."""
         if not _main_thread():
             yield self
             return
@@ -188,7 +167,7 @@ class StopController:
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
         """A stop signal is recorded until the block ends, then raised (StopSignal) where signals raise. In a
-        program that installed nothing, only Ctrl-C is held, and only where Python's default handles it."""
+        program that installed nothing, only Ctrl-C is held (where Python's default handles it)."""
         if not _main_thread():
             yield
             return
@@ -223,8 +202,7 @@ class StopController:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[StopController]:
-        """The supervisor's stretch (``Pipeline.run``): phase ``running``; afterwards ``after_running``, else
-        the phase it started from."""
+        """The supervisor's stretch (``Pipeline.run``): phase ``running``, then ``after_running`` or the phase before."""
         if not _main_thread():
             yield self
             return
@@ -255,8 +233,7 @@ class StopController:
         return self.ending
 
     def decide(self, code: int) -> None:
-        """The command's exit code is decided and its status written: for the process's controller a signal
-        from now on ends the process at once with ``code``."""
+        """The command's exit code is decided and its status written: a signal now ends the process with ``code``."""
         self.exit_code = code
         if self._process and _main_thread():
             self._enter_late()
@@ -285,10 +262,9 @@ def _exit_now(code: int | None) -> None:
 
 
 def _forget_handled_interrupt() -> None:
-    """A StopSignal raised inside code that a C extension ran through ``PyRun_String`` leaves CPython's
-    "unhandled KeyboardInterrupt" flag set even though we handled it; under ``python -m`` (torchrun starts
-    ranks that way) the interpreter then dies by SIGINT (-2) at exit instead of exiting with our code. Running
-    an empty string through the same C entry point clears the flag (every such call resets it)."""
+    """A StopSignal raised inside code a C extension ran through ``PyRun_String`` leaves CPython's "unhandled
+    KeyboardInterrupt" flag set; under ``python -m`` (torchrun's ranks) the interpreter then dies by SIGINT at
+    exit instead of exiting with our code. Running an empty string through the same entry point clears it."""
     if sys.implementation.name != "cpython":
         return
     try:

@@ -1,9 +1,5 @@
-"""Validation before any thread starts: every problem at once, each located.
-
-``validated`` runs small named checks over one shared ``_Check`` (the graph, a problem factory and what
-earlier checks resolved): shapes, names, types and configs, runtime options, placement (replicas,
-capacity, devices), edges, cycles, ordering, and each stage's own view of its config.
-"""
+"""Validation before any thread starts: every problem at once, each located. ``validated`` runs small named
+checks over one shared ``_Check`` (the graph, a problem factory and what earlier checks resolved)."""
 
 from __future__ import annotations
 
@@ -14,7 +10,9 @@ from typing import Any
 import attrs
 
 from . import limits, registry
-from .convert import structure, unstructure
+from .channel import POLICIES
+from .convert import CONVERTER, structure
+from .convert_types import short
 from .devices import (
     RankLayout,
     check_device_string,
@@ -25,30 +23,27 @@ from .devices import (
     visible_gpu_count,
 )
 from .errors import ConfigError, Problem
-from .fill import moved_field_message
-from .graph import Graph, RuntimeOptions, StageSpec
-from .sections import section_to_dict
-from .stage import Stage
-from .validate_graph import check_cycles, check_edges, check_ordering
-from .wording import short
+from .graph import Graph, RuntimeOptions, StageSpec, registered_sections, section_to_dict
+from .identity import moved_field_message
+from .stage import Source, Stage
 
 
+@attrs.define(eq=False, slots=False)
 class Validated:
     """A graph that passed validation, with its resolved stage classes and per-replica configs."""
 
-    def __init__(self, graph: Graph, classes: dict[str, type[Stage]], configs: dict[str, Any], order: list[str]):
-        self.graph = graph
-        self.classes = classes
-        self.configs = configs  # stage name -> a validated Stage instance (the template for replicas)
-        self.order = order  # topological order of stage names
+    graph: Graph
+    classes: dict[str, type[Stage]]
+    configs: dict[str, Any]  # stage name -> a validated Stage instance (the template for replicas)
+    order: list[str]  # topological order of stage names
 
 
 def validate(graph: Graph, *, check_devices: bool = True, gpu_count: int | None = None,
              local_world_size: int | None = None) -> list[Problem]:
-    """Every problem in ``graph`` (empty list when it is valid). ``local_world_size``: ranks per node the
-    placement is checked for (default: ``$LOCAL_WORLD_SIZE`` under torchrun, else 1)."""
+    """Every problem in ``graph`` (empty when it is valid). ``local_world_size``: ranks per node the placement
+    is checked for (default: ``$LOCAL_WORLD_SIZE``, else 1)."""
     try:
-        _validated(graph, check_devices=check_devices, gpu_count=gpu_count, local_world_size=local_world_size)
+        validated(graph, check_devices=check_devices, gpu_count=gpu_count, local_world_size=local_world_size)
     except ConfigError as exc:
         return exc.problems
     return []
@@ -56,7 +51,16 @@ def validate(graph: Graph, *, check_devices: bool = True, gpu_count: int | None 
 
 def validated(graph: Graph, *, check_devices: bool = True, gpu_count: int | None = None,
               local_world_size: int | None = None) -> Validated:
-    return _validated(graph, check_devices=check_devices, gpu_count=gpu_count, local_world_size=local_world_size)
+    """The validated graph; raises ConfigError with every problem."""
+    c = _Check(graph, check_devices, gpu_count, local_world_size)
+    _check_shapes(c)
+    if not c.problems:  # the checks below rely on well-typed specs
+        for check in (_check_names, _check_sections, _check_configs, _check_runtime, _check_placement,
+                      _check_edges, _check_cycles_and_ordering, _check_stage_configs):
+            check(c)
+    if c.problems:
+        raise ConfigError(c.problems)
+    return Validated(graph, c.classes, c.configs, c.order)
 
 
 @attrs.define
@@ -72,7 +76,6 @@ class _Check:
     configs: dict[str, Any] = attrs.field(factory=dict)
     names: set[str] = attrs.field(factory=set)
     order: list[str] = attrs.field(factory=list)
-    cycle: list[str] = attrs.field(factory=list)
     _index: dict[int, int] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
@@ -88,53 +91,25 @@ class _Check:
 
     @property
     def file(self) -> str | None:
-        loc = self.graph.locator
-        return loc.filename if loc is not None else None
+        return getattr(self.graph.locator, "filename", None)
 
     def add(self, message: str, spec: StageSpec | None = None, *path: Any, field: str | None = None) -> None:
         line = self.line(*self.path(spec, *path))
         self.problems.append(Problem(message, file=self.file, line=line, stage=spec.name if spec else None, field=field))
 
-    def add_field(self, message: str, spec: StageSpec, field: str) -> None:
-        """A problem with a config field, located at the stage's value (or the stage when it leaves it out)."""
-        self.add(message, spec, "config", field, field=field)
-
     def add_runtime(self, message: str, key: str) -> None:
         self.problems.append(Problem(message, file=self.file, line=self.line("runtime", key), field=f"runtime.{key}"))
 
-    def extend(self, problems: list[Problem]) -> None:
-        self.problems.extend(problems)
-
-
-def _validated(graph: Graph, *, check_devices: bool, gpu_count: int | None,
-               local_world_size: int | None = None) -> Validated:
-    c = _Check(graph, check_devices, gpu_count, local_world_size)
-    _check_shapes(c)
-    if not c.problems:  # the checks below rely on well-typed specs
-        for check in (_check_names, _check_sections, _check_configs, _check_runtime, _check_placement,
-                      check_edges, check_cycles, check_ordering, _check_stage_configs):
-            check(c)
-    if c.problems:
-        raise ConfigError(c.problems)
-    return Validated(graph, c.classes, c.configs, c.order)
-
 
 def _check_shapes(c: _Check) -> None:
-    """Stage specs built in Python get the checks a YAML file gets when it is read (types of replicas,
-    inputs, devices...). A graph read from YAML passes them by construction."""
+    """Stage specs built in Python get the checks a YAML file gets when it is read (a YAML graph passes)."""
     for spec in c.graph.stages:
         if not isinstance(spec, StageSpec):
             c.add(f"a stage must be a StageSpec, got {type(spec).__name__}")
             continue
-        _, probs = structure(
-            StageSpec,
-            unstructure(spec),
-            locate=lambda path, spec=spec: c.line(*c.path(spec, *path)),
-            file=c.file,
-            stage=short(spec.name) if isinstance(spec.name, str) else None,
-            what="stage",
-        )
-        c.extend(probs)
+        _, probs = structure(StageSpec, CONVERTER.unstructure(spec), locate=lambda path, spec=spec: c.line(*c.path(spec, *path)),
+                             file=c.file, stage=short(spec.name) if isinstance(spec.name, str) else None, what="stage")
+        c.problems.extend(probs)
     if len(c.graph.stages) > limits.MAX_TOTAL_REPLICAS:
         c.add(f"{len(c.graph.stages)} stages: a pipeline may run at most {limits.MAX_TOTAL_REPLICAS} replicas in all")
 
@@ -171,31 +146,19 @@ def _check_configs(c: _Check) -> None:
         if instance is not None and type(instance) is cls and instance.config() == spec.config:
             c.configs[spec.name] = instance
             continue
-        obj, probs = structure(
-            cls,
-            {k: v for k, v in spec.config.items() if k not in moved},
-            locate=lambda path, spec=spec: c.line(*c.path(spec, "config", *path)),
-            file=c.file,
-            stage=spec.name,
-        )
-        c.extend(probs)
+        obj, probs = structure(cls, {k: v for k, v in spec.config.items() if k not in moved}, file=c.file,
+                               locate=lambda path, spec=spec: c.line(*c.path(spec, "config", *path)), stage=spec.name)
+        c.problems.extend(probs)
         if obj is not None:
             c.configs[spec.name] = obj
 
 
 def _check_runtime(c: _Check) -> None:
-    """Types (a graph built in Python skipped the YAML reading), then the bounds. NaN fails every
-    ``>=`` and ``<=``, so each bound is written as ``not (ok)``."""
-    _, probs = structure(
-        RuntimeOptions,
-        attrs.asdict(c.graph.runtime),
-        locate=lambda path: c.line("runtime", *path),
-        file=c.file,
-        field_prefix="runtime.",
-        what="runtime",
-    )
+    """Types (a graph built in Python skipped the YAML reading), then the bounds, as ``not (ok)``: NaN fails."""
+    _, probs = structure(RuntimeOptions, attrs.asdict(c.graph.runtime), locate=lambda path: c.line("runtime", *path),
+                         file=c.file, field_prefix="runtime.", what="runtime")
     if probs:
-        c.extend(probs)
+        c.problems.extend(probs)
         return
     rt = c.graph.runtime
     if not rt.capacity >= 1:
@@ -213,10 +176,7 @@ def _check_runtime(c: _Check) -> None:
 
 
 def _check_sections(c: _Check) -> None:
-    """Sections set in Python get the YAML checks (types, finite numbers, validators) too; one given as a
-    plain mapping (``Graph(sections={"tracking": {"enabled": False}})``) is structured into its class here."""
-    from .sections import registered_sections
-
+    """Sections set in Python get the YAML checks too; one given as a plain mapping is structured here."""
     known = registered_sections()
     for key in c.graph.sections:
         if key not in known:
@@ -227,23 +187,19 @@ def _check_sections(c: _Check) -> None:
         obj = c.graph.sections.get(key)
         if obj is None or not (attrs.has(type(obj)) or isinstance(obj, dict)):
             continue
-        built, probs = structure(
-            cls, section_to_dict(obj), locate=lambda path, key=key: c.line(key, *path), file=c.file,
-            field_prefix=f"{key}.", what=key,
-        )
-        c.extend(probs)
+        built, probs = structure(cls, section_to_dict(obj), locate=lambda path, key=key: c.line(key, *path),
+                                 file=c.file, field_prefix=f"{key}.", what=key)
+        c.problems.extend(probs)
         if isinstance(obj, dict) and built is not None:
             c.graph.sections[key] = built
 
 
 def _capacity_limit(what: str, value: int) -> str:
-    return (f"{what} must be <= {limits.MAX_CAPACITY} (items each input queue may hold in memory), "
-            f"got {value}")
+    return f"{what} must be <= {limits.MAX_CAPACITY} (items each input queue may hold in memory), got {value}"
 
 
 def _check_placement(c: _Check) -> None:
-    """Replicas (a thread each), queue capacity and devices; the bounds come first, so placing
-    replicas on devices never loops over an absurd count."""
+    """Replicas, queue capacity and devices; bounds first, so placing never loops over an absurd count."""
     gpus = visible_gpu_count() if c.gpu_count is None else c.gpu_count
     layouts = _rank_layouts(c, gpus)
     total = 0
@@ -287,8 +243,7 @@ def _rank_layouts(c: _Check, gpus: int) -> list[RankLayout]:
 
 
 def _check_devices(c: _Check, spec: StageSpec, layouts: list[RankLayout]) -> None:
-    """Each device string; for a list per replica its shape (:func:`nesting_problems`); each device inside
-    every rank's slice; then the stage's own check of the lists (``Stage.device_problems``)."""
+    """Each device string; a nested list's shape; each device inside every rank's slice; the stage's own check."""
     groups = device_groups(spec.devices)
     nested = is_nested(spec.devices)
 
@@ -326,8 +281,7 @@ def _check_devices(c: _Check, spec: StageSpec, layouts: list[RankLayout]) -> Non
 
 
 def _check_stage_devices(c: _Check, spec: StageSpec, conf: Stage, groups: list[list[str]]) -> None:
-    """The stage's own view of its device lists (e.g. TargetForward: the deepest layer exists and each
-    replica has at most one device per layer); a failing check is reported, never raised."""
+    """The stage's own view of its device lists (``Stage.device_problems``); a failing check is reported."""
     try:
         found = conf.device_problems(groups)
     except Exception as exc:
@@ -335,10 +289,7 @@ def _check_stage_devices(c: _Check, spec: StageSpec, conf: Stage, groups: list[l
               field="devices")
         return
     for field, message in found:
-        if field == "devices":
-            c.add(message, spec, "devices", field=field)
-        else:
-            c.add_field(message, spec, field)
+        c.add(message, spec, *(("devices",) if field == "devices" else ("config", field)), field=field)
 
 
 def _check_stage_configs(c: _Check) -> None:
@@ -353,7 +304,137 @@ def _check_stage_configs(c: _Check) -> None:
             c.add(f"stage type '{spec.type}' failed to check its config: {type(exc).__name__}: {exc}", spec,
                   "config", field="config")
             continue
-        for field, message in found:
-            c.add_field(message, spec, field)
+        for field, message in found:  # located at the stage's value (or the stage when it leaves it out)
+            c.add(message, spec, "config", field, field=field)
 
 
+# -- the graph's shape: edges, cycles, ordering ----------------------------------------------------
+def _check_edges(c: _Check) -> None:
+    for spec in c.graph.stages:
+        cls = c.classes.get(spec.name)
+        if cls is not None and cls.is_source() and not issubclass(cls, Source):
+            c.add(f"stage type '{spec.type}' takes no input (input_type None) but is not a Source: subclass "
+                  "dflash_flow.core.Source and implement produce()", spec, "type", field="type")
+        if cls is not None and cls.is_source() and spec.inputs:
+            c.add(f"stage type '{spec.type}' is a source and takes no inputs", spec, "inputs", field="inputs")
+        if cls is not None and not cls.is_source() and not spec.inputs:
+            c.add(f"missing input: stage type '{spec.type}' needs an input (inputs: [STAGE])", spec, field="inputs")
+        seen_inputs: set[str] = set()
+        for j, inp in enumerate(spec.inputs):
+            if inp.stage in seen_inputs:
+                c.add(f"input '{inp.stage}' listed twice", spec, "inputs", j, field="inputs")
+            seen_inputs.add(inp.stage)
+            if inp.policy not in POLICIES:
+                c.add(f"unknown fan-out policy '{short(inp.policy)}'; expected one of {', '.join(POLICIES)}", spec, "inputs", j, field="inputs")
+            _check_edge(c, spec, cls, j)
+
+
+def _check_edge(c: _Check, spec: StageSpec, cls: type[Stage] | None, j: int) -> None:
+    inp = spec.inputs[j]
+    if inp.stage == spec.name:
+        c.add("a stage cannot be its own input", spec, "inputs", j, field="inputs")
+        return
+    if inp.stage not in c.names:
+        close = difflib.get_close_matches(inp.stage, sorted(c.names), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        c.add(f"dangling input: no stage named '{short(inp.stage)}'{hint}", spec, "inputs", j, field="inputs")
+        return
+    prod = c.classes.get(inp.stage)
+    if prod is None or cls is None:
+        return
+    if prod.is_sink():
+        c.add(f"stage '{inp.stage}' ({prod.__name__}) has no output", spec, "inputs", j, field="inputs")
+    elif not _accepts(cls.input_type, prod.output_type):
+        c.add(f"type mismatch: '{inp.stage}' emits {_tname(prod.output_type)} but "
+              f"'{spec.name}' ({cls.__name__}) accepts {_tname(cls.input_type)}", spec, "inputs", j, field="inputs")
+
+
+def _check_cycles_and_ordering(c: _Check) -> None:
+    """A cycle; else ``ordered: true`` needs one origin with one replica, reached by one path."""
+    c.order, cycle = _toposort(c.graph)
+    if cycle:
+        spec = c.graph.stage(cycle[0]) if cycle[0] in c.names else None
+        c.add("cycle: " + _show_cycle(cycle), spec, "inputs", field="inputs")
+        return
+    for spec in c.graph.stages:
+        err = _ordering_problem(c.graph, spec, c.classes) if spec.ordered else None
+        if err:
+            c.add(err, spec, "ordered", field="ordered")
+
+
+def _show_cycle(cycle: list[str]) -> str:
+    """``a -> b -> a``; a long cycle shows its ends and its length."""
+    names = cycle if len(cycle) <= 8 else [*cycle[:3], "...", *cycle[-2:]]
+    text = " -> ".join([*names, cycle[0]])
+    return text if len(cycle) <= 8 else f"{text} ({len(cycle)} stages)"
+
+
+def _accepts(consumer_in: type | None, producer_out: type | None) -> bool:
+    """A generic producer (``object``) is checked at run time by the consumer."""
+    if consumer_in is None or producer_out is None:
+        return False
+    return consumer_in is object or producer_out is object or issubclass(producer_out, consumer_in)
+
+
+def _tname(t: type | None) -> str:
+    return "nothing" if t is None else "any item" if t is object else t.__name__
+
+
+def _toposort(graph: Graph) -> tuple[list[str], list[str]]:
+    """(topological order, []) or ([], one cycle). Iterative: a chain of thousands of stages is fine."""
+    names = [s.name for s in graph.stages]
+    known = set(names)
+    # Self-loops are reported on their own; here they would only repeat that.
+    deps = {s.name: [i.stage for i in s.inputs if i.stage in known and i.stage != s.name] for s in graph.stages}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    order: list[str] = []
+    for root in names:
+        if root in state:
+            continue
+        state[root] = 1
+        path = [root]
+        todo = [iter(deps.get(root, []))]
+        while todo:
+            nxt = next(todo[-1], None)
+            if nxt is None:
+                todo.pop()
+                done = path.pop()
+                state[done] = 2
+                order.append(done)
+            elif state.get(nxt) == 1:
+                return [], list(reversed(path[path.index(nxt):]))
+            elif nxt not in state:
+                state[nxt] = 1
+                path.append(nxt)
+                todo.append(iter(deps.get(nxt, [])))
+    return order, []
+
+
+def _ordering_problem(graph: Graph, spec: StageSpec, classes: dict[str, type[Stage]]) -> str | None:
+    if spec.replicas != 1:
+        return "ordered input needs replicas: 1 (one consumer restores one order)"
+    origins: set[str] = set()
+    todo = list(dict.fromkeys(i.stage for i in spec.inputs))  # an input listed twice is reported elsewhere
+    seen = set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            # A diamond: every item of this stage reaches the consumer more than once.
+            return f"ordered input: items of stage '{name}' arrive by more than one path; there is no single order to restore"
+        seen.add(name)
+        cls = classes.get(name)
+        if cls is None:
+            return None
+        up = graph.stage(name)
+        if cls.cardinality != "1:1" or cls.is_source():
+            origins.add(name)
+            if up.replicas != 1:
+                return f"ordered input: stage '{name}' starts the order but has {up.replicas} replicas; it needs replicas: 1"
+        else:
+            for inp in up.inputs:
+                if inp.policy == "broadcast" and up.replicas > 1:
+                    return f"ordered input: '{name}' receives '{inp.stage}' by broadcast to {up.replicas} replicas, so every item arrives {up.replicas} times"
+            todo.extend(dict.fromkeys(inp.stage for inp in up.inputs))
+    if len(origins) > 1:
+        return f"ordered input merges items from several origins ({', '.join(sorted(origins))}); there is no single order to restore"
+    return None

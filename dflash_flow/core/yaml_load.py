@@ -1,20 +1,10 @@
 """Safe, bounded YAML reading: file size, nesting depth and alias expansion are limited while loading.
 
-Only YAML's safe types are built (``SafeConstructor``): a file cannot construct Python objects or import
-modules. On top of that the composer below counts what the document stands for *as it is composed*, so
-the work done before a refusal is bounded by the limits themselves:
-
-- every node is counted, and an alias counts as the whole node it repeats, so an alias bomb ("billion
-  laughs", or ``<<`` merge keys repeated level after level) is refused before it is expanded;
-- nesting is counted on the way down (an alias adds the depth of what it repeats), so a deep document is
-  refused before Python recurses into it;
-- an alias that refers to a node still being composed (a node that contains itself) is refused, and so
-  are mapping keys that are lists or mappings;
-- number literals are bounded in length (YAML 1.1 base-60 integers cost quadratic time).
-
-PyYAML's pure-Python scanner and parser are used on purpose (not libyaml): they word syntax errors best,
-they are there on every install, and the size limit keeps them fast. They are iterative; the composer's
-recursion is bounded by ``MAX_YAML_DEPTH``.
+Only YAML's safe types are built. The composer counts what the document stands for *as it is composed*, so the
+work before a refusal is bounded: every node counts, an alias as the whole node it repeats (alias and ``<<``
+bombs are refused before expansion); nesting counts on the way down (an alias adds its node's depth); a node that
+contains itself and list or mapping keys are refused; number literals are bounded in length (YAML 1.1 base-60
+integers cost quadratic time). PyYAML's pure-Python parser (not libyaml) words syntax errors best.
 """
 
 from __future__ import annotations
@@ -33,12 +23,13 @@ from yaml.resolver import Resolver
 from yaml.scanner import Scanner
 
 from . import limits
+from .convert_types import short
 from .errors import ConfigError, Problem
 
 
 class YAMLLimitError(yaml.MarkedYAMLError):
-    """A document asks for more work than the limits allow (or cannot be built at all, like a node that
-    contains itself). Reported as is, without the "invalid YAML" prefix of syntax errors."""
+    """A document asks for more work than the limits allow (or cannot be built at all). Reported without the
+    "invalid YAML" prefix of syntax errors."""
 
     def __init__(self, problem: str, mark: Any = None):
         super().__init__(problem=problem, problem_mark=mark)
@@ -60,11 +51,8 @@ class _BoundedComposer(Composer):
             event = self.peek_event()
             if event.anchor in self.anchors:  # an undefined alias is the base class's error
                 if event.anchor not in self._expanded:
-                    raise YAMLLimitError(
-                        f"alias '*{event.anchor}' refers to a node that contains it (a structure that "
-                        "contains itself cannot be read)",
-                        event.start_mark,
-                    )
+                    raise YAMLLimitError(f"alias '*{event.anchor}' refers to a node that contains it (a structure "
+                                         "that contains itself cannot be read)", event.start_mark)
                 if is_key:
                     self._plain_key(self.anchors[event.anchor], event.start_mark)
                 nodes, height = self._expanded[event.anchor]
@@ -100,22 +88,16 @@ class _BoundedComposer(Composer):
             kind = "mapping"
         else:
             return
-        raise YAMLLimitError(
-            f"a mapping key must be a plain value such as a name, not a {kind} (YAML '? ' keys are not supported)",
-            mark,
-        )
+        raise YAMLLimitError(f"a mapping key must be a plain value such as a name, not a {kind} (YAML '? ' keys are "
+                             "not supported)", mark)
 
     def _count(self, n: int, mark: Any) -> None:
         self._nodes += n
         if self._nodes > limits.MAX_YAML_NODES:
-            if self._repeated:
-                what = "values once its aliases are expanded (an alias repeats the whole node it names)"
-            else:
-                what = "values (lists, mappings and scalars)"
-            raise YAMLLimitError(
-                f"the document stands for more than {limits.MAX_YAML_NODES} {what}; a pipeline file is far smaller",
-                mark,
-            )
+            what = ("values once its aliases are expanded (an alias repeats the whole node it names)" if self._repeated
+                    else "values (lists, mappings and scalars)")
+            raise YAMLLimitError(f"the document stands for more than {limits.MAX_YAML_NODES} {what}; a pipeline file "
+                                 "is far smaller", mark)
 
     def _reach(self, depth: int, mark: Any) -> None:
         self._deepest = max(self._deepest, depth)
@@ -124,8 +106,7 @@ class _BoundedComposer(Composer):
 
 
 class _BoundedConstructor(SafeConstructor):
-    """SafeConstructor whose value errors (an impossible date, an over-long number) are located YAML
-    errors instead of bare ValueErrors."""
+    """SafeConstructor whose value errors (an impossible date, an over-long number) are located YAML errors."""
 
     def construct_object(self, node: Any, deep: bool = False) -> Any:
         try:
@@ -146,10 +127,8 @@ class _BoundedConstructor(SafeConstructor):
     @staticmethod
     def _bounded_number(node: Any) -> None:
         if len(node.value) > limits.MAX_NUMBER_CHARS:
-            raise YAMLLimitError(
-                f"a number literal of {len(node.value)} characters (at most {limits.MAX_NUMBER_CHARS})",
-                node.start_mark,
-            )
+            raise YAMLLimitError(f"a number literal of {len(node.value)} characters (at most {limits.MAX_NUMBER_CHARS})",
+                                 node.start_mark)
 
 
 _BoundedConstructor.add_constructor("tag:yaml.org,2002:int", _BoundedConstructor.construct_yaml_int)
@@ -157,11 +136,8 @@ _BoundedConstructor.add_constructor("tag:yaml.org,2002:float", _BoundedConstruct
 
 
 class _Loader(Reader, Scanner, Parser, _BoundedComposer, _BoundedConstructor, Resolver):
-    """The one loader of pipeline files and ``--set`` values.
-
-    It also reads ``6e-4`` as a float (YAML 1.1 requires a dot: ``6.0e-4``), which is how everyone
-    writes learning rates.
-    """
+    """The one loader of pipeline files and ``--set`` values. It also reads ``6e-4`` as a float (YAML 1.1 wants
+    ``6.0e-4``), which is how everyone writes learning rates."""
 
     def __init__(self, text: str, depth_offset: int = 0):
         Reader.__init__(self, text)
@@ -173,11 +149,8 @@ class _Loader(Reader, Scanner, Parser, _BoundedComposer, _BoundedConstructor, Re
         self._init_bounds(depth_offset)
 
 
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                              list("-+0123456789"))
 
 
 # -- locating -------------------------------------------------------------------------------------
@@ -208,24 +181,17 @@ def _record(node: yaml.Node, path: tuple, lines: dict[tuple, int], problems: lis
         for key_node, value_node in node.value:
             key = key_node.value  # a scalar: the composer refused list and mapping keys
             if key in seen:
-                problems.append(Problem(f"duplicate key '{_short(key)}'", file=fname, line=key_node.start_mark.line + 1))
+                problems.append(Problem(f"duplicate key '{short(key)}'", file=fname, line=key_node.start_mark.line + 1))
             seen.add(key)
-            lines[path + (key,)] = key_node.start_mark.line + 1
             _record(value_node, path + (key,), lines, problems, fname)
-            lines[path + (key,)] = key_node.start_mark.line + 1
+            lines[path + (key,)] = key_node.start_mark.line + 1  # the key's line, not its value's
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
             _record(item, path + (i,), lines, problems, fname)
 
 
-def _short(text: Any, limit: int = 60) -> str:
-    text = str(text)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _load(text: str, depth_offset: int = 0, on_node: Callable[[yaml.Node], None] | None = None) -> Any:
-    """The data of one document; ``on_node`` sees the composed root first (before merge keys are
-    flattened into it). Raises yaml.YAMLError (YAMLLimitError past a limit)."""
+    """The data of one document; ``on_node`` sees the composed root first (before merge keys are flattened)."""
     loader = _Loader(text, depth_offset)
     try:
         node = loader.get_single_node()
@@ -243,8 +209,7 @@ def _too_big(what: str) -> str:
 
 
 def parse_yaml(text: str, filename: str | None = None) -> tuple[Any, Locator]:
-    """Safe-load ``text`` within the limits; syntax errors, Python tags and limits become located
-    ConfigErrors."""
+    """Safe-load ``text`` within the limits; syntax errors, Python tags and limits become located ConfigErrors."""
     fname = filename or "<string>"
     if len(text) > limits.MAX_YAML_BYTES:
         raise ConfigError(Problem(_too_big("the text"), file=fname))
@@ -279,8 +244,7 @@ def yaml_problem(exc: yaml.YAMLError, fname: str | None, prefix: str = "", text:
 
 
 def read_yaml_file(path: str | Path) -> tuple[Any, Locator]:
-    """Read and parse a pipeline file, reading no more than the size limit (a device or a huge file is
-    refused without being read to its end)."""
+    """Read and parse a pipeline file, reading no more than the size limit (a device or a huge file is refused)."""
     p = Path(path)
     try:
         with p.open("rb") as f:
@@ -299,8 +263,7 @@ def read_yaml_file(path: str | Path) -> tuple[Any, Locator]:
 
 
 def load_value(text: str, depth_offset: int = 0) -> Any:
-    """One YAML value (a ``--set`` value) under the same loader and limits as a file; ``depth_offset`` is
-    the nesting of the place it goes to. Raises yaml.YAMLError (YAMLLimitError past a limit)."""
+    """One ``--set`` value under the same loader and limits as a file; ``depth_offset``: the nesting where it goes."""
     if len(text) > limits.MAX_YAML_BYTES:
         raise YAMLLimitError(_too_big("the value"))
     return _load(text, depth_offset)

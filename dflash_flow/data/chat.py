@@ -14,29 +14,19 @@ template that renders each assistant message's content contiguously (ChatML, Qwe
   supervised span. Tokenizing the whole text at once keeps token boundaries identical to serving.
 
 Templates that rewrite earlier turns (Qwen3 drops reasoning of turns before the last user message) are
-handled because the spans come from the one full rendering, not from rendering prefixes.
-"""
+handled because the spans come from the one full rendering, not from rendering prefixes."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from os.path import commonprefix
 from typing import Any
 
 import attrs
 import numpy as np
 
-__all__ = [
-    "ChatEncoding",
-    "ChatTemplateError",
-    "TemplateInfo",
-    "encode_chat",
-    "parse_conversation",
-    "probe_template",
-    "prompt_turns",
-    "regeneration_plan",
-    "render_chat",
-    "stop_token_ids",
-]
+__all__ = ["ChatEncoding", "ChatTemplateError", "TemplateInfo", "encode_chat", "parse_conversation", "probe_template",
+           "prompt_turns", "regeneration_plan", "render_chat", "stop_token_ids"]
 
 
 class ChatTemplateError(ValueError):
@@ -63,16 +53,8 @@ class ChatEncoding:
 
 
 # Role names of ShareGPT-style turns ({"from", "value"}) and common aliases.
-_ROLE_ALIASES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "system": "system",
-    "tool": "tool",
-    "model": "assistant",
-    "bot": "assistant",
-}
+_ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+                 "tool": "tool", "model": "assistant", "bot": "assistant"}
 
 
 #: Content-part types that carry text (OpenAI chat ``{"type": "text", "text": ...}``; the Responses API's).
@@ -209,22 +191,11 @@ _PROBE_USER = ("zqxuserprobeone", "zqxuserprobetwo")
 _PROBE_ASSISTANT = ("zqxassistantprobeone", "zqxassistantprobetwo")
 
 
-def render_chat(
-    tokenizer: Any,
-    messages: Sequence[Mapping[str, Any]],
-    *,
-    chat_template: str | None = None,
-    add_generation_prompt: bool = False,
-    template_kwargs: Mapping[str, Any] | None = None,
-) -> str:
+def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, chat_template: str | None = None,
+                add_generation_prompt: bool = False, template_kwargs: Mapping[str, Any] | None = None) -> str:
     try:
-        text = tokenizer.apply_chat_template(
-            list(messages),
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template,
-            **dict(template_kwargs or {}),
-        )
+        text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             chat_template=chat_template, **dict(template_kwargs or {}))
     except Exception as exc:  # jinja raises many types (TemplateError, TypeError, our raise_exception)
         raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
     if not isinstance(text, str):
@@ -232,38 +203,16 @@ def render_chat(
     return text
 
 
-def _common_prefix(a: str, b: str) -> str:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return a[:n]
-
-
-def probe_template(
-    tokenizer: Any,
-    *,
-    chat_template: str | None = None,
-    template_kwargs: Mapping[str, Any] | None = None,
-) -> TemplateInfo:
+def probe_template(tokenizer: Any, *, chat_template: str | None = None,
+                   template_kwargs: Mapping[str, Any] | None = None) -> TemplateInfo:
     """Find the template's generation prompt and end-of-turn marker by rendering probe conversations."""
     u, a = _PROBE_USER, _PROBE_ASSISTANT
-    convo = [
-        {"role": "user", "content": u[0]},
-        {"role": "assistant", "content": a[0]},
-        {"role": "user", "content": u[1]},
-        {"role": "assistant", "content": a[1]},
-    ]
+    convo = [{"role": "user", "content": u[0]}, {"role": "assistant", "content": a[0]},
+             {"role": "user", "content": u[1]}, {"role": "assistant", "content": a[1]}]
 
     def render(msgs, gen=False):
-        return render_chat(
-            tokenizer,
-            msgs,
-            chat_template=chat_template,
-            add_generation_prompt=gen,
-            template_kwargs=template_kwargs,
-        )
+        return render_chat(tokenizer, msgs, chat_template=chat_template, add_generation_prompt=gen,
+                           template_kwargs=template_kwargs)
 
     try:
         text = render(convo)
@@ -276,16 +225,14 @@ def probe_template(
         u1 = text.index(u[1], a0)
         a1 = text.index(a[1], u1) + len(a[1])
     except ValueError as exc:
-        raise ChatTemplateError(
-            "the chat template does not render message contents verbatim; loss masks need a template "
-            "that renders each assistant message's content as one contiguous piece"
-        ) from exc
+        raise ChatTemplateError("the chat template does not render message contents verbatim; loss masks need a "
+                                "template that renders each assistant message's content as one contiguous piece") from exc
     after_mid, after_last = text[a0:u1], text[a1:]
-    eot = _common_prefix(after_mid, after_last)
-    u0_end = text.index(u[0]) + len(u[0])
+    eot = commonprefix([after_mid, after_last])
+    between = text[text.index(u[0]) + len(u[0]) : text.index(a[0])]
     # What follows a user message up to the assistant content: user end-of-turn, assistant header and,
     # for some turns, more (Qwen3's think block); the common part minus the end-of-turn is the header.
-    lead = _common_prefix(text[u0_end : text.index(a[0])], text[u1 + len(u[1]) : text.index(a[1], u1)])
+    lead = commonprefix([between, text[u1 + len(u[1]) : text.index(a[1], u1)]])
     if eot and lead.startswith(eot):
         lead = lead[len(eot) :]
     if not eot:
@@ -300,8 +247,6 @@ def probe_template(
     else:
         # No usable add_generation_prompt: take the header the template writes before an assistant
         # message, i.e. what separates the user content from the assistant content minus the end-of-turn.
-        u0 = text.index(u[0]) + len(u[0])
-        between = text[u0 : text.index(a[0])]
         gen_prompt = between[len(eot) :] if eot and between.startswith(eot) else between
     if not gen_prompt:
         raise ChatTemplateError("could not determine the chat template's assistant header")
@@ -324,17 +269,13 @@ def _locate(text: str, content: str, cursor: int) -> tuple[int, int]:
 
 def _message_fields(i: int, msg: Any) -> tuple[str, Any]:
     if not isinstance(msg, Mapping):
-        raise ChatTemplateError(
-            f"message {i} is {type(msg).__name__}, expected an object with role and content"
-        )
+        raise ChatTemplateError(f"message {i} is {type(msg).__name__}, expected an object with role and content")
     if "role" not in msg:
         raise ChatTemplateError(f"message {i} has no 'role'")
     return msg["role"], msg.get("content")
 
 
-def supervised_spans(
-    text: str, messages: Sequence[Mapping[str, Any]], info: TemplateInfo
-) -> list[tuple[int, int]]:
+def supervised_spans(text: str, messages: Sequence[Mapping[str, Any]], info: TemplateInfo) -> list[tuple[int, int]]:
     """Character spans of ``text`` that the model generates (assistant turns after their header)."""
     spans: list[tuple[int, int]] = []
     cursor = 0
@@ -344,9 +285,7 @@ def supervised_spans(
         if content is None and role == "assistant" and msg.get("tool_calls"):
             content = ""  # a turn that only calls tools
         if not isinstance(content, str):
-            raise ChatTemplateError(
-                f"message {i} ({role}): content must be a string, got {type(content).__name__}"
-            )
+            raise ChatTemplateError(f"message {i} ({role}): content must be a string, got {type(content).__name__}")
         if role != "assistant":
             start, end = _locate(text, content, cursor)
             if start >= 0:
@@ -424,14 +363,8 @@ def token_mask(offsets: np.ndarray, spans: Sequence[tuple[int, int]]) -> np.ndar
     return inside.astype(np.uint8)
 
 
-def encode_chat(
-    tokenizer: Any,
-    messages: Sequence[Mapping[str, Any]],
-    *,
-    info: TemplateInfo | None = None,
-    chat_template: str | None = None,
-    template_kwargs: Mapping[str, Any] | None = None,
-) -> ChatEncoding:
+def encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, info: TemplateInfo | None = None,
+                chat_template: str | None = None, template_kwargs: Mapping[str, Any] | None = None) -> ChatEncoding:
     """Render, tokenize and mask one conversation (no truncation; see `records` for that)."""
     if not getattr(tokenizer, "is_fast", False):
         raise ChatTemplateError("loss masks need a fast tokenizer (offset mapping); got a slow tokenizer")

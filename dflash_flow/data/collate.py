@@ -1,28 +1,22 @@
-"""Right-pad a planned batch into tensors, pin host memory, copy to the device without blocking.
-
-torch is imported inside the functions so that importing `dflash_flow.data` stays torch-free.
-"""
+"""Right-pad a planned batch into tensors in pinned host memory (torch is imported inside the functions:
+importing `dflash_flow.data` stays torch-free)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
 from dflash_flow.items import BatchMeta, PaddedBatch, PlannedBatch, Sample
 
-__all__ = ["pad_arrays", "pad_batch", "pad_samples", "to_device"]
+__all__ = ["pad_arrays", "pad_batch", "pad_samples"]
 
 
-def pad_arrays(
-    samples: Sequence[Sample], *, pad_id: int = 0, pad_to_multiple: int = 1, padded_len: int = 0
-) -> dict[str, np.ndarray]:
-    """The padded numpy arrays of a batch: input_ids, attention_mask, position_ids, loss_mask ([b, S]).
-
-    ``S`` is the longest sample rounded up to ``pad_to_multiple``, or ``padded_len`` if that is larger
-    (the planner's padded length, so the Padder spends exactly what the plan budgeted).
-    """
+def pad_arrays(samples: Sequence[Sample], *, pad_id: int = 0, pad_to_multiple: int = 1,
+               padded_len: int = 0) -> dict[str, np.ndarray]:
+    """The padded numpy arrays of a batch: input_ids, attention_mask, position_ids, loss_mask ([b, S]). ``S`` is
+    the longest sample rounded up to ``pad_to_multiple``, or ``padded_len`` if that is larger (the planner's
+    padded length, so the Padder spends exactly what the plan budgeted)."""
     if not samples:
         raise ValueError("cannot pad an empty batch")
     lens = np.fromiter((len(s.input_ids) for s in samples), dtype=np.int64, count=len(samples))
@@ -35,10 +29,8 @@ def pad_arrays(
     for i, s in enumerate(samples):
         n = int(lens[i])
         if len(s.loss_mask) != n:
-            raise ValueError(
-                f"sample {s.sample_id} ({s.source or 'unknown source'}): loss_mask has {len(s.loss_mask)} "
-                f"entries for {n} tokens"
-            )
+            raise ValueError(f"sample {s.sample_id} ({s.source or 'unknown source'}): loss_mask has "
+                             f"{len(s.loss_mask)} entries for {n} tokens")
         ids[i, :n] = s.input_ids
         loss[i, :n] = s.loss_mask
     cols = np.arange(width, dtype=np.int64)
@@ -48,22 +40,8 @@ def pad_arrays(
     return {"input_ids": ids, "attention_mask": attn, "position_ids": pos, "loss_mask": loss}
 
 
-def _want_pin(pin_memory: bool | None) -> bool:
-    import torch
-
-    if pin_memory is None:
-        return torch.cuda.is_available()
-    return bool(pin_memory) and torch.cuda.is_available()
-
-
-def pad_samples(
-    samples: Sequence[Sample],
-    meta: BatchMeta,
-    *,
-    pad_id: int = 0,
-    pad_to_multiple: int = 1,
-    pin_memory: bool | None = None,
-) -> PaddedBatch:
+def pad_samples(samples: Sequence[Sample], meta: BatchMeta, *, pad_id: int = 0, pad_to_multiple: int = 1,
+                pin_memory: bool | None = None) -> PaddedBatch:
     """`PaddedBatch` of int64 CPU tensors, pinned when CUDA is present (``pin_memory=None``) or asked."""
     import torch
 
@@ -73,7 +51,7 @@ def pad_samples(
         arrays = dict.fromkeys(("input_ids", "attention_mask", "position_ids", "loss_mask"), empty)
     else:
         arrays = pad_arrays(samples, pad_id=pad_id, pad_to_multiple=pad_to_multiple, padded_len=meta.padded_len)
-    pin = _want_pin(pin_memory)
+    pin = (pin_memory is None or bool(pin_memory)) and torch.cuda.is_available()
     tensors = {}
     for k, v in arrays.items():
         t = torch.from_numpy(v)
@@ -82,28 +60,7 @@ def pad_samples(
     return PaddedBatch(meta=meta, **tensors)
 
 
-def pad_batch(
-    batch: PlannedBatch, *, pad_id: int = 0, pad_to_multiple: int = 1, pin_memory: bool | None = None
-) -> PaddedBatch:
-    return pad_samples(
-        batch.samples, batch.meta, pad_id=pad_id, pad_to_multiple=pad_to_multiple, pin_memory=pin_memory
-    )
+def pad_batch(batch: PlannedBatch, *, pad_id: int = 0, pad_to_multiple: int = 1,
+              pin_memory: bool | None = None) -> PaddedBatch:
+    return pad_samples(batch.samples, batch.meta, pad_id=pad_id, pad_to_multiple=pad_to_multiple, pin_memory=pin_memory)
 
-
-def to_device(batch: PaddedBatch, device: Any, *, non_blocking: bool = True) -> PaddedBatch:
-    """Copy a batch's tensors to ``device``. From pinned memory the copies are asynchronous on the
-    current stream, so the caller may queue compute right behind them."""
-    import torch
-
-    device = torch.device(device)
-
-    def move(t):
-        return t.to(device, non_blocking=non_blocking) if t.device != device else t
-
-    return PaddedBatch(
-        meta=batch.meta,
-        input_ids=move(batch.input_ids),
-        attention_mask=move(batch.attention_mask),
-        position_ids=move(batch.position_ids),
-        loss_mask=move(batch.loss_mask),
-    )

@@ -1,16 +1,11 @@
 """The corpus the plan is made over: source tables side by side, and the per-epoch mixture of them.
 
-A source emits one `SampleTable` (its files, memory-mapped); the Bucketer puts every table it receives
-(and any loose `Sample`) into one `Corpus`, indexed 0..n-1 in a fixed order (tables by source name,
-then loose samples by id), so that the plan never depends on which thread delivered what first.
-
-Mixture weights (``{"chat": 0.6, "code": 0.3, "math": 0.1}``) decide how many samples each source
-contributes to an epoch of ``samples_per_epoch`` (default: the corpus size): `draw_epoch` is a pure
-function of (sizes, weights, seed, epoch), so a resumed run redraws the same epoch and checkpoints hold
-no per-sample list. Without replacement a source's draws are whole passes over it in a fresh random
-order, then a random subset (every sample at most once more than any other); with replacement they are
-independent uniform draws.
-"""
+A source emits one `SampleTable` (its files, memory-mapped); the Bucketer puts every table (and any loose
+`Sample`) into one `Corpus`, indexed in a fixed order (tables by source name, then loose samples by id), so
+the plan never depends on which thread delivered what first. Mixture weights decide how many samples each
+source contributes to an epoch: `draw_epoch` is a pure function of (sizes, weights, seed, epoch), so a resume
+redraws the same epoch. Without replacement a source's draws are whole passes over it in a fresh random
+order, then a random subset; with replacement, independent uniform draws."""
 
 from __future__ import annotations
 
@@ -119,15 +114,8 @@ def mixture_counts(weights: Sequence[float], total: int) -> list[int]:
     return base.tolist()
 
 
-def draw_epoch(
-    groups: Sequence[tuple[str, int, int]],
-    weights: Mapping[str, float],
-    *,
-    samples_per_epoch: int | None,
-    replacement: bool,
-    seed: int,
-    epoch: int,
-) -> tuple[np.ndarray, dict[str, int]]:
+def draw_epoch(groups: Sequence[tuple[str, int, int]], weights: Mapping[str, float], *, samples_per_epoch: int | None,
+               replacement: bool, seed: int, epoch: int) -> tuple[np.ndarray, dict[str, int]]:
     """Corpus indices of one epoch's samples (sorted) and how many each source contributed."""
     missing = [g for g, _a, _b in groups if g not in weights]
     unknown = sorted(set(weights) - {g for g, _a, _b in groups})

@@ -1,24 +1,24 @@
-"""The epoch's plan and its dealing: EpochPlan, global steps of one batch per rank, order_packed, resume."""
+"""The epoch's plan and its dealing: EpochPlan, global steps of one batch per rank, order_packed, resume; and
+DataPosition, the run's one typed data position (what a checkpoint stores as ``data_position``)."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
-from typing import Literal
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal
 
 import attrs
 import numpy as np
 
-from dflash_flow.core.versioned import StateVersion
+from dflash_flow.core.stage import StateVersion
 from dflash_flow.items import BatchMeta
 
-from .interleave import interleave_buckets
-from .packing import PackedEpoch, PlanConfig, epoch_rng
+from .packing import PackedEpoch, PlanConfig, epoch_rng, interleave_buckets
 
 #: An ``EpochPlan.state_dict``: the plan's chain of world sizes and positions, its fingerprint.
 PLAN_STATE = StateVersion("plan state", 2)
 
-__all__ = ["FILLER", "MAX_POSITION", "EpochPlan", "order_packed", "plan_state_problem", "resume_plan"]
+__all__ = ["FILLER", "MAX_POSITION", "DataPosition", "EpochPlan", "order_packed", "plan_state_problem", "resume_plan"]
 
 # Salts that keep the generators of the plan's steps independent of each other (data.plan has the others).
 _SALT_INTERLEAVE = 0x494E5452
@@ -38,8 +38,7 @@ class EpochPlan:
     batch ``i``; ``sample_ids`` maps a position to the sample's id. With ``world_size`` W, global step s is
     positions ``s*W .. s*W+W-1`` (rank r takes ``s*W + r``); a last step with fewer batches than ranks
     gives the short ranks filler batches (``FILLER``), which train nothing. ``chain`` records the
-    segments of the epoch consumed before this plan was re-dealt (``redeal``): ``((W0, p0), ...)``.
-    """
+    segments of the epoch consumed before this plan was re-dealt (``redeal``): ``((W0, p0), ...)``."""
 
     epoch: int
     seed: int
@@ -96,18 +95,9 @@ class EpochPlan:
         lens = self.lengths[idx]
         padded_len = int(self.padded_lens[position])
         bucket = int(self.buckets[position])
-        return BatchMeta(
-            epoch=self.epoch,
-            index=position,
-            bucket=bucket,
-            bucket_range=self.bucket_range(bucket),
-            lengths=lens.tolist(),
-            real_tokens=int(lens.sum()),
-            padded_tokens=padded_len * int(idx.size),
-            num_samples=int(idx.size),
-            sample_ids=self.sample_ids[idx].tolist(),
-            padded_len=padded_len,
-        )
+        return BatchMeta(epoch=self.epoch, index=position, bucket=bucket, bucket_range=self.bucket_range(bucket),
+                         lengths=lens.tolist(), real_tokens=int(lens.sum()), padded_tokens=padded_len * int(idx.size),
+                         num_samples=int(idx.size), sample_ids=self.sample_ids[idx].tolist(), padded_len=padded_len)
 
     def metas(self, start: int = 0) -> Iterator[BatchMeta]:
         """Batches from global position ``start`` on: resuming mid-epoch is ``plan.metas(consumed)``."""
@@ -116,18 +106,11 @@ class EpochPlan:
         for p in range(start, len(self)):
             yield self.meta(p)
 
-    resume = metas
-
-    def rank_positions(
-        self, rank: int, world_size: int | None = None, *, start: int = 0, tail: Literal["filler", "drop"] = "filler"
-    ) -> np.ndarray:
-        """Global positions that ``rank`` consumes, step by step, from global position ``start`` on.
-
-        At step s rank r takes position ``start + s*W + r``; every rank takes the same number of steps,
-        so collectives never wait on a rank that ran out. ``tail="filler"`` (default) gives the short
-        ranks of the last step ``FILLER`` entries (batches that train nothing); ``tail="drop"`` leaves the
-        last partial step out. ``start`` is counted in global batches and must be a step boundary.
-        """
+    def rank_positions(self, rank: int, world_size: int | None = None, *, start: int = 0,
+                       tail: Literal["filler", "drop"] = "filler") -> np.ndarray:
+        """Global positions that ``rank`` consumes from ``start`` on (a step boundary): at step s rank r takes
+        ``start + s*W + r``; every rank takes as many steps (``tail="filler"``: the short ranks of the last step
+        get ``FILLER``; ``"drop"``: the last partial step is left out)."""
         world_size = self.world_size if world_size is None else world_size
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
@@ -142,9 +125,8 @@ class EpochPlan:
         return np.where(pos < n, pos, FILLER)
 
     def redeal(self, start: int, world_size: int) -> EpochPlan:
-        """The rest of the epoch, from global position ``start`` on, ordered into global steps of
-        ``world_size`` (an elastic resume: the batches not yet trained, each exactly once, for the new
-        number of ranks). The result's ``chain`` records this plan's segment."""
+        """The rest of the epoch from ``start`` on (each batch not yet trained, once) in global steps of
+        ``world_size``: an elastic resume. The result's ``chain`` records this plan's segment."""
         if not 0 <= start <= len(self):
             raise ValueError(f"re-deal position {start} outside 0..{len(self)}")
         if self.padded is None:
@@ -159,16 +141,14 @@ class EpochPlan:
             rng = epoch_rng(self.seed, self.epoch, _SALT_REDEAL, len(self.chain), start, world_size)
             perm, cap = _step_groups(labels, world_size, rng, max_run=max_run, repeat_penalty=repeat_penalty,
                                      evenness=evenness)
-        plan = _plan_from_batches(
-            batches, labels, perm, like=self, epoch=self.epoch, seed=self.seed, cap=cap, max_run=max_run,
-            world_size=world_size, chain=(*self.chain, (self.world_size, int(start))),
-        )
+        plan = _plan_from_batches(batches, labels, perm, like=self, epoch=self.epoch, seed=self.seed, cap=cap,
+                                  max_run=max_run, world_size=world_size,
+                                  chain=(*self.chain, (self.world_size, int(start))))
         plan.interleave = self.interleave
         return plan
 
     def fingerprint(self) -> str:
-        """Hash of the plan's content: equal plans on every rank and across resumes, or a bug. Computed
-        once per plan (a plan is not changed after it is made; every batch's state carries it)."""
+        """Hash of the plan's content (equal on every rank and across resumes), computed once per plan."""
         if self._fingerprint is not None:
             return self._fingerprint
         h = hashlib.blake2b(digest_size=16)
@@ -193,16 +173,12 @@ class EpochPlan:
             raise ValueError(f"plan state is for epoch {state.get('epoch')}, this plan is epoch {self.epoch}")
         chain = [tuple(c) for c in state.get("chain") or [(self.world_size, 0)]]
         if tuple(chain[:-1]) != self.chain or chain[-1][0] != self.world_size:
-            raise ValueError(
-                f"plan state belongs to a plan dealt as {chain}, this one is {[*self.chain, (self.world_size, '?')]}: "
-                "rebuild it with resume_plan()"
-            )
+            raise ValueError(f"plan state belongs to a plan dealt as {chain}, this one is "
+                             f"{[*self.chain, (self.world_size, '?')]}: rebuild it with resume_plan()")
         fp = state.get("fingerprint")
         if fp is not None and fp != self.fingerprint():
-            raise ValueError(
-                "the rebuilt epoch plan differs from the one the checkpoint was taken from "
-                "(data, plan config or seed changed); resuming would repeat or skip samples"
-            )
+            raise ValueError("the rebuilt epoch plan differs from the one the checkpoint was taken from "
+                             "(data, plan config or seed changed); resuming would repeat or skip samples")
         pos = int(chain[-1][1])
         if not 0 <= pos <= len(self):
             raise ValueError(f"plan state position {pos} outside 0..{len(self)}")
@@ -212,26 +188,26 @@ class EpochPlan:
 MAX_POSITION = 2**53  # no real plan holds more batches (or epochs, or ranks) than this
 
 
-def plan_state_problem(state: object) -> str | None:
-    """What is wrong with the shape of an ``EpochPlan.state_dict`` read back from a file (None: nothing):
-    the types and ranges ``resume_plan`` relies on, checked before anything is rebuilt from it. Whether it
-    fits the rebuilt plan (its fingerprint) is ``check_state``'s question."""
-    def count(v: object, lo: int = 0) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= MAX_POSITION
+def _count(v: object, lo: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= MAX_POSITION
 
+
+def plan_state_problem(state: object) -> str | None:
+    """What is wrong with the shape of an ``EpochPlan.state_dict`` read back from a file (None: nothing): the
+    types and ranges ``resume_plan`` relies on. Whether it fits the rebuilt plan is ``check_state``'s question."""
     if not isinstance(state, dict):
         return f"must be an object, got {type(state).__name__}"
     version = PLAN_STATE.problem(state)
     if version is not None:
         return version
-    if not count(state.get("epoch")):
+    if not _count(state.get("epoch")):
         return f"'epoch' must be a non-negative integer, got {state.get('epoch')!r:.40}"
     chain = state.get("chain")
     if chain is not None:
         if not isinstance(chain, list) or not chain:
             return f"'chain' must be a non-empty list of [ranks, position] pairs, got {chain!r:.60}"
         for seg in chain:
-            if not (isinstance(seg, list) and len(seg) == 2 and count(seg[0], 1) and count(seg[1])):
+            if not (isinstance(seg, list) and len(seg) == 2 and _count(seg[0], 1) and _count(seg[1])):
                 return f"'chain' must hold [ranks >= 1, position >= 0] pairs of integers, got {seg!r:.60}"
     fp = state.get("fingerprint")
     if fp is not None and not isinstance(fp, str):
@@ -242,14 +218,10 @@ def plan_state_problem(state: object) -> str | None:
 def resume_plan(base: EpochPlan, state: dict, world_size: int) -> tuple[EpochPlan, int]:
     """The plan to continue an epoch with ``world_size`` ranks, and the global position to start from.
 
-    ``base`` is the epoch's plan for the world size it started with; ``state`` is an `EpochPlan.state_dict`
-    of the plan the checkpointed run was consuming: its ``chain`` lists the segments consumed so far,
-    ``[[W0, p0], [W1, p1], ...]`` (a world size and the global batches consumed of that segment's plan),
-    and its fingerprint must match the rebuilt segment (same data, config and seed). Every segment but
-    the last was re-dealt at its position; the last continues as is when ``world_size`` equals its own,
-    else it is re-dealt too. So a run may change its number of ranks any number of times and still
-    trains every batch of the epoch exactly once.
-    """
+    ``base``: the epoch's plan for the world size it started with; ``state``: the checkpointed plan's
+    `EpochPlan.state_dict`, whose ``chain`` ``[[W0, p0], [W1, p1], ...]`` lists the segments consumed so far.
+    Every segment but the last is re-dealt at its position, the last too when ``world_size`` differs: a run may
+    change its number of ranks any number of times and still trains every batch exactly once."""
     chain = [(int(w), int(p)) for w, p in state.get("chain") or []] or [(base.world_size, 0)]
     if chain[0][0] != base.world_size:
         raise ValueError(f"the epoch started with {chain[0][0]} ranks but the base plan is for {base.world_size}")
@@ -262,28 +234,17 @@ def resume_plan(base: EpochPlan, state: dict, world_size: int) -> tuple[EpochPla
     return plan.redeal(position, world_size), 0
 
 
-def _step_groups(
-    labels: np.ndarray,
-    world_size: int,
-    rng: np.random.Generator,
-    *,
-    max_run: int,
-    repeat_penalty: float,
-    evenness: float,
-) -> tuple[np.ndarray, int]:
-    """Order items (batches, whose buckets are ``labels``) into global steps of ``world_size``.
-
-    A global step is the batches the ranks train on together; it waits for its slowest rank, so its
-    batches should have similar lengths. Each bucket's batches are cut into groups of ``world_size``
-    (one step each, one bucket); what is left of each bucket is pooled in bucket order (neighbouring
-    buckets have neighbouring lengths) and cut into mixed steps. Steps are then interleaved with the run
-    cap on consecutive steps of one bucket, the partial step (fewer batches than ranks: the short ranks
-    get filler batches) last. Returns (item indices in plan order, the enforced cap).
-    """
+def _step_groups(labels: np.ndarray, world_size: int, rng: np.random.Generator, *, max_run: int,
+                 repeat_penalty: float, evenness: float) -> tuple[np.ndarray, int]:
+    """Order batches (of buckets ``labels``) into global steps of ``world_size``; returns (indices in plan
+    order, the enforced cap). A step waits for its slowest rank, so each bucket is cut into steps of its own;
+    the leftovers, pooled in bucket order (neighbouring lengths), into mixed steps. Steps are interleaved with
+    the run cap, the partial step last."""
     w = world_size
+    n_labels = int(labels.max()) + 1 if labels.size else 0
     groups: list[tuple[int, list[int]]] = []
     leftovers: list[int] = []
-    for b in range(int(labels.max()) + 1 if labels.size else 0):
+    for b in range(n_labels):
         items = np.flatnonzero(labels == b).tolist()
         full = len(items) // w
         groups += [(b, items[g * w : (g + 1) * w]) for g in range(full)]
@@ -295,15 +256,12 @@ def _step_groups(
             groups.append((int(labels[chunk[0]]), chunk))
         else:
             partial = chunk
-    n_labels = int(labels.max()) + 1 if labels.size else 0
     counts = [0] * n_labels
     queues: list[list[list[int]]] = [[] for _ in range(n_labels)]
     for label, members in groups:
         counts[label] += 1
         queues[label].append(members)
-    seq, cap = interleave_buckets(
-        counts, max_run=max_run, rng=rng, repeat_penalty=repeat_penalty, evenness=evenness
-    )
+    seq, cap = interleave_buckets(counts, max_run=max_run, rng=rng, repeat_penalty=repeat_penalty, evenness=evenness)
     cursor = [0] * n_labels
     order: list[int] = []
     for label in seq.tolist():
@@ -313,19 +271,9 @@ def _step_groups(
     return np.asarray(order, dtype=np.int64), cap
 
 
-def _plan_from_batches(
-    batches: list[np.ndarray],
-    buckets: np.ndarray,
-    perm: np.ndarray,
-    *,
-    like: PackedEpoch | EpochPlan,
-    epoch: int,
-    seed: int,
-    cap: int,
-    max_run: int,
-    world_size: int,
-    chain: tuple[tuple[int, int], ...] = (),
-) -> EpochPlan:
+def _plan_from_batches(batches: list[np.ndarray], buckets: np.ndarray, perm: np.ndarray, *,
+                       like: PackedEpoch | EpochPlan, epoch: int, seed: int, cap: int, max_run: int, world_size: int,
+                       chain: tuple[tuple[int, int], ...] = ()) -> EpochPlan:
     ordered = [batches[i] for i in perm.tolist()]
     sizes = np.fromiter((a.size for a in ordered), dtype=np.int64, count=len(ordered))
     offsets = np.zeros(len(ordered) + 1, dtype=np.int64)
@@ -333,39 +281,18 @@ def _plan_from_batches(
     order = np.concatenate(ordered) if ordered else np.zeros(0, dtype=np.int64)
     padded = like.padded
     padded_max = np.maximum.reduceat(padded[order], offsets[:-1]) if ordered else np.zeros(0, dtype=np.int64)
-    return EpochPlan(
-        epoch=epoch,
-        seed=seed,
-        order=order,
-        offsets=offsets,
-        buckets=np.asarray(buckets, dtype=np.int64)[perm] if perm.size else np.zeros(0, dtype=np.int64),
-        padded_lens=padded_max.astype(np.int64),
-        lengths=like.lengths,
-        sample_ids=like.sample_ids,
-        boundaries=like.boundaries,
-        max_run=cap,
-        run_cap_feasible=cap == max_run,
-        world_size=world_size,
-        padded=padded,
-        chain=chain,
-    )
+    return EpochPlan(epoch=epoch, seed=seed, order=order, offsets=offsets,
+                     buckets=np.asarray(buckets, dtype=np.int64)[perm] if perm.size else np.zeros(0, dtype=np.int64),
+                     padded_lens=padded_max.astype(np.int64), lengths=like.lengths, sample_ids=like.sample_ids,
+                     boundaries=like.boundaries, max_run=cap, run_cap_feasible=cap == max_run, world_size=world_size,
+                     padded=padded, chain=chain)
 
 
-def order_packed(
-    packed: PackedEpoch,
-    *,
-    max_run: int = _DEFAULTS.max_run,
-    repeat_penalty: float = _DEFAULTS.repeat_penalty,
-    evenness: float = _DEFAULTS.evenness,
-    world_size: int = 1,
-) -> EpochPlan:
-    """Interleave a packed epoch into its `EpochPlan` (the Interleaver's half of the plan).
-
-    With ``world_size`` ranks the plan is a sequence of global steps of ``world_size`` batches
-    (``_step_groups``): rank r trains position ``s * world_size + r`` at step s. The batches are the same
-    for every world size, their order is not; a resume with another world size re-deals the rest of the
-    epoch (`EpochPlan.redeal`).
-    """
+def order_packed(packed: PackedEpoch, *, max_run: int = _DEFAULTS.max_run,
+                 repeat_penalty: float = _DEFAULTS.repeat_penalty, evenness: float = _DEFAULTS.evenness,
+                 world_size: int = 1) -> EpochPlan:
+    """Interleave a packed epoch into its `EpochPlan` (the Interleaver's half of the plan): with ``world_size``
+    ranks, global steps (``_step_groups``); the batches are the same for every world size, their order is not."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if max_run < 1:
@@ -374,13 +301,8 @@ def order_packed(
     batches = [b for bucket in packed.per_bucket for b in bucket]
     buckets = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
     if world_size == 1:
-        seq, cap = interleave_buckets(
-            counts,
-            max_run=max_run,
-            rng=epoch_rng(packed.seed, packed.epoch, _SALT_INTERLEAVE),
-            repeat_penalty=repeat_penalty,
-            evenness=evenness,
-        )
+        seq, cap = interleave_buckets(counts, max_run=max_run, rng=epoch_rng(packed.seed, packed.epoch, _SALT_INTERLEAVE),
+                                      repeat_penalty=repeat_penalty, evenness=evenness)
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64) if counts else np.zeros(0, np.int64)
         cursor = [0] * len(counts)
         perm_list = []
@@ -389,17 +311,74 @@ def order_packed(
             cursor[b] += 1
         perm = np.asarray(perm_list, dtype=np.int64)
     else:
-        perm, cap = _step_groups(
-            buckets,
-            world_size,
-            epoch_rng(packed.seed, packed.epoch, _SALT_INTERLEAVE, world_size),
-            max_run=max_run,
-            repeat_penalty=repeat_penalty,
-            evenness=evenness,
-        )
-    plan = _plan_from_batches(
-        batches, buckets, perm, like=packed, epoch=packed.epoch, seed=packed.seed, cap=cap, max_run=max_run,
-        world_size=world_size,
-    )
+        perm, cap = _step_groups(buckets, world_size, epoch_rng(packed.seed, packed.epoch, _SALT_INTERLEAVE, world_size),
+                                 max_run=max_run, repeat_penalty=repeat_penalty, evenness=evenness)
+    plan = _plan_from_batches(batches, buckets, perm, like=packed, epoch=packed.epoch, seed=packed.seed, cap=cap,
+                              max_run=max_run, world_size=world_size)
     plan.interleave = (max_run, repeat_penalty, evenness)
     return plan
+
+
+@attrs.frozen
+class DataPosition:
+    """Where the data stream has got to: the trainer advances it per batch (:meth:`after`), a checkpoint stores
+    its :meth:`resume_point` as ``data_position``, a resume reads it back once (:meth:`from_dict`) for the
+    Interleaver's ``resume_state_for``. ``epoch``: the epoch of the last batch trained (the next one to train from, at a resume point);
+    ``plan``: that batch's plan state (``EpochPlan.state_dict``; None at an epoch's start); ``total``: batches
+    trained in the whole run on this rank; ``epoch_done``: the last batch trained ended its epoch."""
+
+    epoch: int = 0
+    plan: dict[str, Any] | None = None
+    total: int = 0
+    epoch_done: bool = False
+
+    def after(self, meta: Any) -> DataPosition:
+        """The position once the batch of ``meta`` (a ``BatchMeta``) is trained."""
+        return DataPosition(epoch=meta.epoch, plan=meta.plan_state, total=self.total + 1,
+                            epoch_done=bool(meta.last_of_epoch))
+
+    def resume_point(self) -> DataPosition:
+        """Where a resumed run continues: the next epoch's start after an epoch's last batch (never an
+        epoch's end)."""
+        if self.epoch_done:
+            return DataPosition(epoch=self.epoch + 1, plan=None, total=self.total)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """A checkpoint's ``data_position`` (of :meth:`resume_point`)."""
+        p = self.resume_point()
+        return {"epoch": p.epoch, "plan": p.plan, "total": p.total}
+
+    @staticmethod
+    def problem(d: Any) -> str | None:
+        """What is wrong with a ``data_position`` read back from a file (None: nothing), naming its key."""
+        if not isinstance(d, Mapping):
+            return f"'data_position' must be an object, got {type(d).__name__}"
+        if not _count(d.get("epoch")):
+            return f"'data_position.epoch' must be a non-negative integer, got {d.get('epoch')!r:.80}"
+        if d.get("total") is not None and not _count(d["total"]):
+            return f"'data_position.total' must be a non-negative integer, got {d.get('total')!r:.80}"
+        if d.get("plan") is not None:
+            problem = plan_state_problem(d["plan"])
+            if problem is not None:
+                return f"'data_position.plan': {problem}"
+        return None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> DataPosition:
+        """A checkpoint's ``data_position``; ValueError naming the key when it is not one."""
+        problem = cls.problem(d)
+        if problem is not None:
+            raise ValueError(problem)
+        return cls(epoch=int(d["epoch"]), plan=d.get("plan"), total=int(d.get("total") or 0))
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> DataPosition:
+        """The position a trainer stage keeps in its own state (``epoch``, ``epoch_done``, ``plan``,
+        ``total_consumed``)."""
+        return cls(epoch=int(state["epoch"]), plan=state.get("plan"), total=int(state.get("total_consumed", 0)),
+                   epoch_done=bool(state.get("epoch_done", False)))
+
+    def as_state(self) -> dict[str, Any]:
+        """The fields of :meth:`from_state`."""
+        return {"epoch": self.epoch, "epoch_done": self.epoch_done, "plan": self.plan, "total_consumed": self.total}

@@ -9,11 +9,12 @@
   is refused with its splits named (point at one of them).
 
 Rows of the columnar formats are chat records (a ``conversations`` or ``messages`` column of turns) or
-pre-tokenized ones (``input_ids`` and ``loss_mask`` list columns); they are located by row (from 1).
-"""
+pre-tokenized ones (``input_ids`` and ``loss_mask`` list columns); they are located by row (from 1)."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import os
 from collections.abc import Iterator
@@ -100,18 +101,8 @@ def data_files_of(path: Path) -> list[Path]:
 def _open_stream(path: Path, fmt: InputFormat):
     if fmt.compression is None:
         return open(path, "rb")  # noqa: SIM115 - the caller closes it
-    if fmt.compression == "gzip":
-        import gzip
-
-        return gzip.open(path, "rb")
-    if fmt.compression == "bz2":
-        import bz2
-
-        return bz2.open(path, "rb")
-    if fmt.compression == "lzma":
-        import lzma
-
-        return lzma.open(path, "rb")
+    if fmt.compression in ("gzip", "bz2", "lzma"):
+        return importlib.import_module(fmt.compression).open(path, "rb")
     try:
         import zstandard
     except ImportError:
@@ -148,20 +139,30 @@ def _tables(path: Path, fmt: InputFormat) -> Iterator[Any]:
             except (pa.ArrowInvalid, OSError) as exc:
                 errors.append(f"{opener.__name__}: {exc}")
         else:
-            raise DataError(
-                f"{f}: not a readable Arrow IPC file or stream (truncated or another format?): {'; '.join(errors)}"
-            )
+            raise DataError(f"{f}: not a readable Arrow IPC file or stream (truncated or another format?): "
+                            f"{'; '.join(errors)}")
         yield table
+
+
+def _parquet_file(path: Path) -> Any:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(str(path))
+        pf.schema_arrow  # noqa: B018 - an unconvertible schema fails here, inside our clear error
+        return pf
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a damaged file
+        raise DataError(f"{path}: not a readable Parquet file: {exc}") from None
+
+
+def _damaged(path: Path, no: int, exc: BaseException, fmt: InputFormat) -> DataError:
+    return DataError(f"{path}: cannot read past line {no}: {type(exc).__name__}: {exc} (truncated or corrupt "
+                     f"{fmt.compression or 'file'}?)")
 
 
 def _schema_names(path: Path, fmt: InputFormat) -> list[str]:
     if fmt.kind == "parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            return list(pq.ParquetFile(str(path)).schema_arrow.names)
-        except Exception as exc:  # pyarrow raises several types for a damaged file
-            raise DataError(f"{path}: not a readable Parquet file: {exc}") from None
+        return list(_parquet_file(path).schema_arrow.names)
     for table in _tables(path, fmt):
         return list(table.column_names)
     return []
@@ -196,8 +197,7 @@ def sniff_kind(path: Path, fmt: InputFormat, limit: int = DEFAULT_MAX_RECORD_BYT
     except DataError:
         raise
     except _stream_errors() as exc:  # a damaged compressed stream: the same DataError reading it gives
-        raise DataError(f"{path}: cannot read past line {no}: {type(exc).__name__}: {exc} (truncated or corrupt "
-                        f"{fmt.compression or 'file'}?)") from None
+        raise _damaged(path, no, exc, fmt) from None
     raise DataError(f"{path}: cannot tell the format: no record has 'conversations', 'messages' or 'input_ids'")
 
 
@@ -238,27 +238,21 @@ def iter_chunks(path: Path, fmt: InputFormat, kind: str, *, max_record_bytes: in
     if fmt.kind == "jsonl":
         yield from _jsonl_chunks(path, fmt, max_record_bytes, position)
         return
-    if fmt.kind == "parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            pf = pq.ParquetFile(str(path))
-        except Exception as exc:  # noqa: BLE001
-            raise DataError(f"{path}: not a readable Parquet file: {exc}") from None
-        columns = _needed_columns(path, list(pf.schema_arrow.names), kind)
-        row = 1
-        for batch in pf.iter_batches(batch_size=CHUNK_ROWS, columns=columns):
-            yield ("rows", row, _compact(batch))
-            row += batch.num_rows
-            position.done = row - 1
-        return
     row = 1
-    for table in _tables(path, fmt):
-        columns = _needed_columns(path, list(table.column_names), kind)
-        for batch in table.select(columns).to_batches(max_chunksize=CHUNK_ROWS):
-            yield ("rows", row, _compact(batch))
-            row += batch.num_rows
-            position.done = row - 1
+    for batch in _batches(path, fmt, kind):
+        yield ("rows", row, _compact(batch))
+        row += batch.num_rows
+        position.done = row - 1
+
+
+def _batches(path: Path, fmt: InputFormat, kind: str | None = None) -> Iterator[Any]:
+    """The record batches of a columnar input (with ``kind``: only the columns it needs)."""
+    if fmt.kind == "parquet":
+        pf = _parquet_file(path)
+        columns = _needed_columns(path, list(pf.schema_arrow.names), kind) if kind else None
+        return pf.iter_batches(batch_size=CHUNK_ROWS, columns=columns)
+    return (b for t in _tables(path, fmt) for b in
+            (t.select(_needed_columns(path, list(t.column_names), kind)) if kind else t).to_batches(max_chunksize=CHUNK_ROWS))
 
 
 def _compact(batch):
@@ -292,8 +286,7 @@ def _jsonl_chunks(path: Path, fmt: InputFormat, limit: int, position: Position) 
                     yield ("lines", lines)
                     lines, size = [], 0
         except _stream_errors() as exc:  # a damaged compressed stream
-            raise DataError(f"{path}: cannot read past line {no}: {type(exc).__name__}: {exc} (truncated or corrupt "
-                            f"{fmt.compression or 'file'}?)") from None
+            raise _damaged(path, no, exc, fmt) from None
         if lines:
             _advance(position, raw_file)
             yield ("lines", lines)
@@ -303,10 +296,8 @@ def _jsonl_chunks(path: Path, fmt: InputFormat, limit: int, position: Position) 
 
 
 def _advance(position: Position, f) -> None:
-    try:
+    with contextlib.suppress(OSError, ValueError, AttributeError):
         position.done = min(int(f.tell()), position.total)
-    except (OSError, ValueError, AttributeError):
-        pass
 
 
 def input_bytes(path: Path) -> int:
@@ -345,16 +336,7 @@ def iter_rows(path: Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -
                     raise DataError(f"{path}:{no}: invalid JSON ({exc})") from None
         return
     row = 1
-    if fmt.kind == "parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            batches = pq.ParquetFile(str(path)).iter_batches(batch_size=CHUNK_ROWS)
-        except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a damaged file
-            raise DataError(f"{path}: not a readable Parquet file: {exc}") from None
-    else:
-        batches = (b for table in _tables(path, fmt) for b in table.to_batches(max_chunksize=CHUNK_ROWS))
-    for batch in batches:
+    for batch in _batches(path, fmt):
         for record in batch.to_pylist():
             yield f"row {row}", record
             row += 1

@@ -1,20 +1,15 @@
 """From raw records to kept samples, one chunk at a time: the work a tokenizing process does.
 
-A chunk is a run of consecutive records of one input -- JSONL lines (``("lines", [(line, raw, size),
-...])``) or rows of an Arrow record batch (``("rows", first_row, batch)``) -- and `process_chunk` turns
-it into flat arrays (ids, mask, lengths, line numbers) plus its share of the load report. Chunks are
-independent, so any number of processes can work on them; `ingest` puts the results back in order.
-
-Everything a sample goes through is here, unchanged from the single-process reader it replaced:
-JSON parsing (UTF-8, one byte-order mark on line 1, truncated last record), chat rendering with the
-template and the loss mask on assistant tokens, the vocabulary and value checks of pre-tokenized ids,
-truncation or dropping over ``max_length``, ``min_loss_tokens``. Bad records are listed in line order
-(the order of the file, whatever the chunking), and with ``on_bad_record="fail"`` the first bad line of
-the file is the one that raises.
-"""
+A chunk is a run of consecutive records of one input -- JSONL lines (``("lines", [(line, raw, size), ...])``)
+or rows of an Arrow record batch (``("rows", first_row, batch)``) -- and `process_chunk` turns it into flat
+arrays (ids, mask, lengths, line numbers) plus its share of the load report (`records` keeps chunks in
+order): JSON parsing, chat rendering, masking and batched tokenizing (`ChatEncoder`), the checks of
+pre-tokenized ids, ``max_length`` and ``min_loss_tokens``. Bad records are listed in line order, whatever the
+chunking; with ``on_bad_record="fail"`` the file's first bad line is the one that raises."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import pickle
@@ -23,15 +18,16 @@ from typing import Any
 
 import numpy as np
 
-from .chat_encode import ChatEncoder
-from .reports import MAX_LISTED_BAD, BadRecord, LoadReport, ReadOptions
+from . import chat
+from .reports import MAX_LISTED_BAD, BadRecord, DataError, LoadReport, ReadOptions
 
-__all__ = ["ChunkCollector", "init_worker", "process_chunk", "read_lines", "work"]
+__all__ = ["ChatEncoder", "ChunkCollector", "init_worker", "process_chunk", "read_lines", "work"]
 
 #: Token ids are stored as int32: an id that does not fit is refused, never wrapped by the cast.
 ID_LIMIT = int(np.iinfo(np.int32).max) + 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 SKIP_CHUNK = 2**20
+_TOKENIZE_BATCH = 512
 
 
 def read_lines(f, limit: int) -> Iterator[tuple[int, bytes | None, int]]:
@@ -120,6 +116,107 @@ class ChunkCollector:
         }
 
 
+class ChatEncoder:
+    """Renders, masks and tokenizes conversations in batches; the tokenizer's Rust backend is called directly
+    when it gives the transformers call's ids and offsets (checked on the first texts)."""
+
+    def __init__(self, tokenizer: Any, options: ReadOptions, path: str = "input"):
+        if not getattr(tokenizer, "is_fast", False):
+            raise DataError("chat loss masks need a fast tokenizer (offset mapping); got a slow tokenizer")
+        self.tokenizer = tokenizer
+        self.template = options.chat_template or getattr(tokenizer, "chat_template", None)
+        if not self.template:
+            raise DataError(f"{path}: the tokenizer has no chat template and ReadOptions.chat_template is not set")
+        self.kwargs = dict(options.template_kwargs)
+        try:
+            self.info = chat.probe_template(tokenizer, chat_template=self.template, template_kwargs=self.kwargs)
+        except chat.ChatTemplateError as exc:
+            raise DataError(f"chat template unusable for loss masks: {exc}") from exc
+        self.vocab = options.vocab_size or len(tokenizer)
+        self._backend: Any = None
+        self._checked = False
+
+    def _fast_backend(self):
+        from tokenizers import Tokenizer
+
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return None
+        try:
+            copy = Tokenizer.from_str(backend.to_str())  # never change the caller's tokenizer
+            copy.no_truncation()
+            copy.no_padding()
+            copy.encode_special_tokens = bool(getattr(self.tokenizer, "split_special_tokens", False))
+        except Exception:  # noqa: BLE001 - an older or unusual backend: the transformers call it is
+            return None
+        return copy
+
+    def _slow(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        enc = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        return [(np.asarray(i, dtype=np.int64), np.asarray(o, dtype=np.int64)) for i, o in
+                zip(enc["input_ids"], enc["offset_mapping"], strict=True)]
+
+    def encode(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(ids int64 [n], offsets int64 [n, 2]) per text."""
+        if not self._checked:
+            self._checked = True
+            backend = self._fast_backend()
+            if backend is not None:
+                probe = texts[:4]
+                fast = [(np.asarray(e.ids, dtype=np.int64), np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2))
+                        for e in backend.encode_batch(probe, add_special_tokens=False)]
+                slow = self._slow(probe)
+                same = all(np.array_equal(a[0], b[0]) and np.array_equal(a[1].reshape(-1, 2), b[1].reshape(-1, 2))
+                           for a, b in zip(fast, slow, strict=True))
+                self._backend = backend if same else None
+        if self._backend is None:
+            return self._slow(texts)
+        out = []
+        chain = itertools.chain.from_iterable
+        for e in self._backend.encode_batch(texts, add_special_tokens=False):
+            n = len(e.ids)
+            out.append((np.array(e.ids, dtype=np.int64),
+                        np.fromiter(chain(e.offsets), dtype=np.int64, count=2 * n).reshape(n, 2)))
+        return out
+
+    def process(self, records: Iterator[tuple[int, dict]], col: ChunkCollector) -> None:
+        pending: list[tuple[int, str, list[tuple[int, int]]]] = []
+
+        def flush() -> None:
+            if not pending:
+                return
+            for (line, _text, spans), (ids, offs) in zip(pending, self.encode([p[1] for p in pending]), strict=True):
+                mask = chat.token_mask(offs, spans)
+                if ids.size and int(ids.max()) >= self.vocab:
+                    col.bad(line, "out_of_vocab", f"token id {int(ids.max())} >= vocab size {self.vocab}")
+                    continue
+                col.offer(line, ids, mask)
+            pending.clear()
+
+        for line, obj in records:
+            if isinstance(obj, dict) and obj.get("finish_reason") == "error":  # `regenerate` wrote no reply
+                col.bad(line, "regenerate_error", f"a row regenerate could not answer ({obj.get('error', 'no reply')}); "
+                        "`dflash-flow regenerate --retry-errors` tries it again")
+                continue
+            msgs, kind, reason = chat.parse_conversation(obj)
+            if msgs is None:
+                col.bad(line, kind, reason)
+                continue
+            try:
+                text = chat.render_chat(self.tokenizer, msgs, chat_template=self.template, template_kwargs=self.kwargs)
+                spans = chat.supervised_spans(text, msgs, self.info)
+            except chat.ChatTemplateError as exc:
+                col.bad(line, "template", str(exc))
+                continue
+            if not spans:
+                col.bad(line, "no_supervised", "no assistant turn with content: nothing to supervise")
+                continue
+            pending.append((line, text, spans))
+            if len(pending) >= _TOKENIZE_BATCH:
+                flush()
+        flush()
+
+
 def check_token_values(ids: np.ndarray, mask: np.ndarray, vocab_size: int | None) -> tuple[str, str] | None:
     """Checks the ids in their own integer type (any width, signed or not: min and max are exact), so
     that the int32 cast that follows can never wrap a value."""
@@ -134,20 +231,24 @@ def check_token_values(ids: np.ndarray, mask: np.ndarray, vocab_size: int | None
         pos = int(np.flatnonzero(ids == bad)[0])
         if vocab_size is not None:
             return "out_of_vocab", f"input_ids[{pos}] = {bad} is outside the vocabulary [0, {vocab_size})"
-        return "out_of_vocab", (
-            f"input_ids[{pos}] = {bad} is not a token id (ids must be in [0, 2**31); set vocab_size to check "
-            "them against the vocabulary)"
-        )
+        return "out_of_vocab", (f"input_ids[{pos}] = {bad} is not a token id (ids must be in [0, 2**31); set "
+                                "vocab_size to check them against the vocabulary)")
     if mask.size and (int(mask.min()) < 0 or int(mask.max()) > 1):
         return "bad_mask", "loss_mask values must be 0 or 1"
     return None
 
 
+def _offer_checked(col: ChunkCollector, line: int, ids: np.ndarray, mask: np.ndarray) -> None:
+    problem = check_token_values(ids, mask, col.opt.vocab_size)
+    if problem:
+        col.bad(line, *problem)
+    else:
+        col.offer(line, ids.astype(np.int64), mask.astype(np.uint8))
+
+
 def _int_list(value: Any, *, bools: bool) -> bool:
     """A flat JSON list of integers (``true``/``false`` only where ``bools``: a loss mask)."""
-    if not isinstance(value, list):
-        return False
-    return all(type(x) is int or (bools and type(x) is bool) for x in value)
+    return isinstance(value, list) and all(type(x) is int or (bools and type(x) is bool) for x in value)
 
 
 def _mib(n: int) -> str:
@@ -233,11 +334,7 @@ def _token_json(records: Iterator[tuple[int, dict]], col: ChunkCollector) -> Non
             continue
         ids = np.asarray(raw_ids, dtype=np.int64)
         mask = np.asarray([int(m) if 0 <= m <= 1 else 2 for m in raw_mask], dtype=np.int64)
-        problem = check_token_values(ids, mask, col.opt.vocab_size)
-        if problem:
-            col.bad(line, *problem)
-            continue
-        col.offer(line, ids.astype(np.int64), mask.astype(np.uint8))
+        _offer_checked(col, line, ids, mask)
 
 
 def _flat_lists(column) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -261,32 +358,21 @@ def _flat_lists(column) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
 def _token_rows(first_row: int, batch, col: ChunkCollector) -> None:
     ids_col, mask_col = batch.column("input_ids"), batch.column("loss_mask")
     flat_ids, flat_mask = _flat_lists(ids_col), _flat_lists(mask_col)
-    if flat_ids is not None and flat_mask is not None:
+    flat = flat_ids is not None and flat_mask is not None
+    if flat:
         (io, iv, ivalid), (mo, mv, mvalid) = flat_ids, flat_mask
-        for i in range(batch.num_rows):
-            if col.failed:
-                return
-            row = first_row + i
-            col.report.records += 1
-            if not ivalid[i] or not mvalid[i]:
-                col.bad(row, "missing_field", "null input_ids or loss_mask")
-                continue
-            ids, mask = iv[io[i] : io[i + 1]], mv[mo[i] : mo[i + 1]]
-            problem = check_token_values(ids, mask, col.opt.vocab_size)
-            if problem:
-                col.bad(row, *problem)
-                continue
-            col.offer(row, ids.astype(np.int64), mask.astype(np.uint8))
-        return
     for i in range(batch.num_rows):
         if col.failed:
             return
         row = first_row + i
         col.report.records += 1
-        ids_v, mask_v = ids_col[i], mask_col[i]
-        if not ids_v.is_valid or not mask_v.is_valid:
+        if not (ivalid[i] and mvalid[i] if flat else ids_col[i].is_valid and mask_col[i].is_valid):
             col.bad(row, "missing_field", "null input_ids or loss_mask")
             continue
+        if flat:
+            _offer_checked(col, row, iv[io[i] : io[i + 1]], mv[mo[i] : mo[i + 1]])
+            continue
+        ids_v, mask_v = ids_col[i], mask_col[i]
         try:
             ids = np.asarray(ids_v.values.to_numpy(zero_copy_only=False))
             mask = np.asarray(mask_v.values.to_numpy(zero_copy_only=False))
@@ -299,11 +385,7 @@ def _token_rows(first_row: int, batch, col: ChunkCollector) -> None:
         if mask.size and mask.dtype.kind not in "iub":
             col.bad(row, "bad_type", f"loss_mask must be integers, got {mask.dtype}")
             continue
-        problem = check_token_values(ids, mask, col.opt.vocab_size)
-        if problem:
-            col.bad(row, *problem)
-            continue
-        col.offer(row, ids.astype(np.int64), mask.astype(np.uint8))
+        _offer_checked(col, row, ids, mask)
 
 
 def process_chunk(chunk: tuple, *, path: str, kind: str, options: ReadOptions, encoder: ChatEncoder | None) -> dict[str, Any]:
@@ -316,7 +398,7 @@ def process_chunk(chunk: tuple, *, path: str, kind: str, options: ReadOptions, e
         records = _arrow_chat_records(chunk[1], chunk[2], col) if kind == "chat" else None
     if kind == "chat":
         assert encoder is not None
-        encoder.process(_stop_on_failure(records, col, encoder), col)
+        encoder.process(_stop_on_failure(records, col), col)
     elif records is not None:
         _token_json(records, col)
     else:
@@ -326,7 +408,7 @@ def process_chunk(chunk: tuple, *, path: str, kind: str, options: ReadOptions, e
     return col.result()
 
 
-def _stop_on_failure(records, col: ChunkCollector, encoder: ChatEncoder):
+def _stop_on_failure(records, col: ChunkCollector):
     """Records until the first bad one in fail mode (the encoder then flushes what it holds, so that an
     earlier line failing at tokenization is still the one reported)."""
     for item in records:
@@ -334,9 +416,6 @@ def _stop_on_failure(records, col: ChunkCollector, encoder: ChatEncoder):
         if col.failed:
             return
 
-
-# --------------------------------------------------------------------------------------------------
-# worker processes
 
 _WORKER: dict[str, Any] = {}
 

@@ -1,33 +1,26 @@
-"""The epoch batch plan: BatchPlanner, over packing (buckets), interleave (run cap) and epoch (ranks, resume).
+"""The epoch batch plan: BatchPlanner, over packing (buckets, packing, run cap) and epoch (ranks, resume); and
+the batch-quality figures (padding efficiency, same-bucket runs, window mix) the benchmarks and tests read.
 
-The plan for an epoch is a pure function of (sample lengths, `PlanConfig`, run seed, epoch). Every rank
-builds the same global plan and takes its share of it (`EpochPlan.rank_positions`); resuming means
-rebuilding the plan and skipping the batches already consumed. numpy only: no torch here.
+A pure function of (sample lengths, `PlanConfig`, run seed, epoch), numpy only: every rank builds the same
+global plan and takes its share (`EpochPlan.rank_positions`); a resume rebuilds it and skips what was consumed.
 
-Three steps:
-
-1. Buckets. Lengths are grouped by upper boundaries (explicit, or quantiles of the data). The
-   boundaries depend on the data and the config only, never on the epoch, so bucket ids are stable.
-2. Packing (fairseq style). Inside each bucket the samples are ordered by a jittered length key (the
-   jitter is seeded by run seed and epoch, so batch composition changes every epoch while neighbours
-   stay close in length), then packed greedily: a batch is charged ``n * padded_max_len`` tokens
-   (padded, not real, tokens) and may not exceed ``max_tokens`` nor ``max_batch_size``. The first batch
-   of a bucket takes a random share of its capacity, which moves every later cut point as well.
-3. Interleaving. The sequence of bucket ids is drawn step by step, weighted towards the buckets that are
-   furthest behind their share of the epoch so far, with a penalty for repeating the last bucket.
-   Candidates are restricted to choices after which the rest of the epoch can still be ordered
-   without a run longer than ``max_run`` (an exact feasibility test, see `_run_cap_ok`), so the cap
-   holds to the very last batch instead of breaking when the small buckets run out. With
-   ``world_size > 1`` each rank's strided share is ordered this way instead, since a rank consumes
-   every W-th batch of the global order and would otherwise see long runs.
-"""
+1. Buckets: lengths grouped by upper boundaries (explicit, or quantiles of the data, so ids are stable).
+2. Packing (fairseq style): each bucket's samples ordered by a length key jittered per epoch, packed greedily
+   under ``max_tokens`` padded tokens and ``max_batch_size``; the first batch takes a random share of its
+   capacity, which moves every later cut point.
+3. Interleaving: bucket ids drawn step by step, weighted towards the buckets furthest behind their share,
+   penalising a repeat, among the choices after which the rest can still be ordered within ``max_run``
+   (``packing._run_cap_ok``); with ``world_size > 1``, global steps of one batch per rank."""
 from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
 
 import attrs
 import numpy as np
 
-from .epoch import FILLER, MAX_POSITION, EpochPlan, order_packed, plan_state_problem, resume_plan
-from .interleave import interleave_buckets, min_feasible_run
+from dflash_flow.items import BatchMeta
+
+from .epoch import EpochPlan, order_packed
 from .packing import (
     PackedEpoch,
     PlanConfig,
@@ -36,29 +29,9 @@ from .packing import (
     epoch_rng,
     pack_bucket,
     padded_lengths,
-    plan_field,
 )
 
-# The plan's names keep this module as their documented home; each is defined in the module named above.
-__all__ = [
-    "FILLER",
-    "MAX_POSITION",
-    "BatchPlanner",
-    "EpochPlan",
-    "PackedEpoch",
-    "PlanConfig",
-    "assign_buckets",
-    "bucket_boundaries",
-    "epoch_rng",
-    "interleave_buckets",
-    "min_feasible_run",
-    "order_packed",
-    "pack_bucket",
-    "padded_lengths",
-    "plan_field",
-    "plan_state_problem",
-    "resume_plan",
-]
+__all__ = ["BatchPlanner", "max_same_bucket_run", "padding_efficiency", "window_mix_max_deviation"]
 
 # Salts that keep the generators of the plan's steps independent of each other (data.epoch has the others).
 _SALT_PACK = 0x5041434B
@@ -72,9 +45,8 @@ class BatchPlanner:
     lengths: np.ndarray = attrs.field(converter=lambda v: np.asarray(v, dtype=np.int64))
     config: PlanConfig = attrs.field(factory=PlanConfig)
     seed: int = 0
-    sample_ids: np.ndarray | None = attrs.field(
-        default=None, converter=lambda v: None if v is None else np.asarray(v, dtype=np.int64)
-    )
+    sample_ids: np.ndarray | None = attrs.field(default=None,
+                                                converter=lambda v: None if v is None else np.asarray(v, dtype=np.int64))
     boundaries: np.ndarray = attrs.field(init=False)
     bucket_of: np.ndarray = attrs.field(init=False)
     _padded: np.ndarray = attrs.field(init=False)
@@ -107,35 +79,52 @@ class BatchPlanner:
         cuts = np.searchsorted(self.bucket_of[by_bucket], np.arange(self.num_buckets + 1), side="left")
         for b in range(self.num_buckets):
             idx = by_bucket[cuts[b] : cuts[b + 1]]
-            batches = pack_bucket(
-                idx,
-                self._padded[idx],
-                max_tokens=cfg.max_tokens,
-                max_batch_size=cfg.max_batch_size,
-                rng=pack_rng,
-                length_jitter=cfg.length_jitter,
-            )
+            batches = pack_bucket(idx, self._padded[idx], max_tokens=cfg.max_tokens, max_batch_size=cfg.max_batch_size,
+                                  rng=pack_rng, length_jitter=cfg.length_jitter)
             # Packing runs short to long; draw each bucket's batches in random order so lengths do not
             # drift monotonically through the epoch.
             perm = shuffle_rng.permutation(len(batches))
             per_bucket.append([batches[i] for i in perm])
-        return PackedEpoch(
-            epoch=epoch,
-            seed=self.seed,
-            per_bucket=per_bucket,
-            lengths=self.lengths,
-            padded=self._padded,
-            sample_ids=self.sample_ids,
-            boundaries=self.boundaries,
-        )
+        return PackedEpoch(epoch=epoch, seed=self.seed, per_bucket=per_bucket, lengths=self.lengths, padded=self._padded,
+                           sample_ids=self.sample_ids, boundaries=self.boundaries)
 
     def plan(self, epoch: int, world_size: int = 1) -> EpochPlan:
         """The epoch's plan: `pack` then `order_packed` with this planner's interleaving settings."""
         cfg = self.config
-        return order_packed(
-            self.pack(epoch),
-            max_run=cfg.max_run,
-            repeat_penalty=cfg.repeat_penalty,
-            evenness=cfg.evenness,
-            world_size=world_size,
-        )
+        return order_packed(self.pack(epoch), max_run=cfg.max_run, repeat_penalty=cfg.repeat_penalty,
+                            evenness=cfg.evenness, world_size=world_size)
+
+
+def padding_efficiency(metas: Iterable[BatchMeta]) -> float:
+    """Real tokens / padded tokens over all batches (1.0 = no padding)."""
+    real = padded = 0
+    for m in metas:
+        real += m.real_tokens
+        padded += m.padded_tokens
+    return real / padded if padded else 1.0
+
+
+def max_same_bucket_run(buckets: Sequence[int] | np.ndarray) -> int:
+    """Length of the longest run of consecutive batches from one bucket."""
+    b = np.asarray(buckets)
+    if b.size == 0:
+        return 0
+    change = np.flatnonzero(b[1:] != b[:-1]) + 1
+    edges = np.concatenate(([0], change, [b.size]))
+    return int(np.diff(edges).max())
+
+
+def window_mix_max_deviation(buckets: Sequence[int] | np.ndarray, window: int = 32) -> float:
+    """Largest |share of a bucket in a window - its share in the whole sequence|, over all windows of
+    ``window`` consecutive batches and all buckets. A short sequence counts as one window."""
+    b = np.asarray(buckets, dtype=np.int64)
+    if b.size == 0:
+        return 0.0
+    w = min(window, b.size)
+    n_buckets = int(b.max()) + 1
+    onehot = np.zeros((b.size + 1, n_buckets), dtype=np.int64)
+    onehot[np.arange(1, b.size + 1), b] = 1
+    cum = np.cumsum(onehot, axis=0)
+    in_window = (cum[w:] - cum[:-w]) / w
+    overall = cum[-1] / b.size
+    return float(np.abs(in_window - overall).max())

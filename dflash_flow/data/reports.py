@@ -1,7 +1,5 @@
-"""What reading records produces and reports: options, bad records, load reports, tokenized files.
-
-The types every reader module shares (``records`` is the public entry point and re-exports them).
-"""
+"""What reading records produces and reports: options, bad records, load reports, tokenized files (the types
+every reader module shares; ``records`` is the public entry point and re-exports them)."""
 
 from __future__ import annotations
 
@@ -43,12 +41,8 @@ class ReadOptions:
     fast, never what) are part of the cache key."""
 
     max_length: int = attrs.field(default=3072, validator=attrs.validators.ge(2))
-    overflow: Literal["truncate", "drop"] = attrs.field(
-        default="truncate", validator=attrs.validators.in_(("truncate", "drop"))
-    )
-    on_bad_record: Literal["skip", "fail"] = attrs.field(
-        default="skip", validator=attrs.validators.in_(("skip", "fail"))
-    )
+    overflow: Literal["truncate", "drop"] = attrs.field(default="truncate", validator=attrs.validators.in_(("truncate", "drop")))
+    on_bad_record: Literal["skip", "fail"] = attrs.field(default="skip", validator=attrs.validators.in_(("skip", "fail")))
     # DFlash anchors need two consecutive supervised tokens; 2 * block_size is what TorchSpec requires.
     min_loss_tokens: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     max_record_bytes: int = attrs.field(default=DEFAULT_MAX_RECORD_BYTES, validator=attrs.validators.ge(1))
@@ -59,6 +53,10 @@ class ReadOptions:
     # Tokenizing processes: None = every core this process may use, for inputs large enough to be worth
     # starting them (a few MiB); 0 or 1 = in this process.
     num_workers: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(0)))
+
+
+_COUNTS = ("records", "samples", "tokens", "supervised_tokens", "truncated", "dropped_overlong", "too_few_supervised",
+           "bad")
 
 
 @attrs.define(eq=False)
@@ -80,36 +78,13 @@ class LoadReport:
 
     def merge(self, other: LoadReport) -> None:
         self.files += other.files
-        for f in (
-            "records",
-            "samples",
-            "tokens",
-            "supervised_tokens",
-            "truncated",
-            "dropped_overlong",
-            "too_few_supervised",
-            "bad",
-        ):
+        for f in _COUNTS:
             setattr(self, f, getattr(self, f) + getattr(other, f))
         for k, v in other.bad_by_reason.items():
             self.bad_by_reason[k] = self.bad_by_reason.get(k, 0) + v
         room = MAX_LISTED_BAD - len(self.bad_records)
         self.bad_records += other.bad_records[: max(room, 0)]
         self.from_cache = self.from_cache and other.from_cache
-
-    def counters(self) -> dict[str, int]:
-        out = {
-            "records": self.records,
-            "samples": self.samples,
-            "tokens": self.tokens,
-            "supervised_tokens": self.supervised_tokens,
-            "truncated": self.truncated,
-            "dropped_overlong": self.dropped_overlong,
-            "too_few_supervised": self.too_few_supervised,
-            "bad": self.bad,
-        }
-        out.update({f"bad_{k}": v for k, v in sorted(self.bad_by_reason.items())})
-        return out
 
     def summary(self) -> str:
         parts = [f"{self.samples} samples from {self.records} records in {len(self.files)} file(s)"]
@@ -155,12 +130,8 @@ class TokenizedFile:
 
     def sample(self, i: int, sample_id: int) -> Sample:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
-        return Sample(
-            sample_id=sample_id,
-            input_ids=self.ids[a:b],
-            loss_mask=self.mask[a:b],
-            source=f"{self.path}:{int(self.lines[i])}",
-        )
+        return Sample(sample_id=sample_id, input_ids=self.ids[a:b], loss_mask=self.mask[a:b],
+                      source=f"{self.path}:{int(self.lines[i])}")
 
     def samples(self, first_id: int = 0) -> Iterator[Sample]:
         for i in range(len(self)):

@@ -1,29 +1,22 @@
 """The token store: tokenized files as memory-mapped arrays in a shared cache directory.
 
-One entry per (input content, tokenizer, template, options): a directory holding raw little-endian arrays
-(``ids.i32``, ``mask.u8``, ``offsets.i64``, ``lines.i64``), the load report and a manifest with every
-file's size and blake2b digest. Processes map the arrays instead of reading them (``np.memmap``): the
-page cache holds one copy per node whatever the number of ranks, a process's own memory for a corpus is
-what it touches, and corpora larger than RAM work.
-
-Why our own files and not Arrow/`datasets` (measured: docs/architecture.md): the flat layout is what the
-batch path indexes (one slice per sample), it is written in one sequential pass with bounded memory, and
-the coordination below is what several ranks and runs sharing one directory need.
-
-Integrity and coordination, in the cache directory:
+One entry per (input content, tokenizer, template, options) (:func:`cache_key`): a directory of raw
+little-endian arrays (``ids.i32``, ``mask.u8``, ``offsets.i64``, ``lines.i64``), the load report and a
+manifest with every file's size and blake2b digest. Processes map the arrays (``np.memmap``): the page cache
+holds one copy per node whatever the number of ranks, and corpora larger than RAM work. Our own flat files,
+not Arrow/`datasets` (docs/architecture.md): one slice per sample, written in one pass in bounded memory.
 
 * An entry is built in a private temporary directory and published with one ``rename``: a reader sees a
-  whole entry or none; a builder that died leaves only a temporary directory, removed by the next builder.
-* Builders of one entry take an exclusive ``flock`` on ``.<name>.lock`` (released by the kernel when a
-  process dies, so a crash never leaves a stale lock). The others wait, reading the builder's progress
-  from ``.<name>.progress`` (and telling their watchdog about it), then map the published entry: the
-  ranks of a node, or two unrelated runs, tokenize a file once. Without working locks (some network file
-  systems), two builders both finish and the first rename wins; the loser discards its copy.
-* An entry is checked when opened: manifest, sizes, the offsets' structure, and every file's digest
-  unless the files carry the stamp of a successful check (size, inode, mtime and ctime: any write to a
-  file changes its ctime, which no user tool can set back). A damaged, truncated or altered entry is
-  moved aside and rebuilt, never trusted.
-"""
+  whole entry or none; a dead builder's temporary directory is removed by the next builder.
+* Builders of one entry take an exclusive ``flock`` on ``.<name>.lock`` (the kernel releases it when a process
+  dies); the others wait, reading the builder's progress from ``.<name>.progress``, then map the entry.
+  Without working locks (some network file systems) the first rename wins.
+* An entry is checked when opened: manifest, sizes, the offsets' structure, and every file's digest unless
+  the files carry the stamp of a successful check (size, inode, mtime, ctime). A damaged entry is moved
+  aside and rebuilt, never trusted.
+* A file's content digest is remembered per version of the file (path, device, inode, size, mtime, ctime),
+  in memory and in ``CACHE/digests``: hashing a multi-GB corpus on every start would cost more than a warm
+  start."""
 
 from __future__ import annotations
 
@@ -36,6 +29,7 @@ import logging
 import os
 import shutil
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -44,33 +38,24 @@ from typing import Any
 
 import numpy as np
 
-from dflash_flow.util import atomic_write_text
+from dflash_flow.util import atomic_write_text, cache_root, fsync_dir, sha256_file
 
-__all__ = [
-    "ARRAYS",
-    "EntryWriter",
-    "StoreError",
-    "entry_lock",
-    "open_entry",
-    "read_progress",
-    "write_progress",
-]
+from .formats import data_files_of
+from .reports import ReadOptions
+
+__all__ = ["ARRAYS", "CACHE_VERSION", "EntryWriter", "StoreError", "cache_key", "entry_lock", "file_sha256",
+           "open_entry", "read_progress", "tokenizer_fingerprint", "write_progress"]
 
 log = logging.getLogger(__name__)
 
 STORE_VERSION = 1
 #: name -> dtype of the arrays of an entry (little-endian on disk).
-ARRAYS: dict[str, np.dtype] = {
-    "ids": np.dtype("<i4"),
-    "mask": np.dtype("u1"),
-    "offsets": np.dtype("<i8"),
-    "lines": np.dtype("<i8"),
-}
+ARRAYS: dict[str, np.dtype] = {"ids": np.dtype("<i4"), "mask": np.dtype("u1"), "offsets": np.dtype("<i8"),
+                               "lines": np.dtype("<i8")}
 _FILES = {name: f"{name}.{dt.kind}{dt.itemsize * 8}" for name, dt in ARRAYS.items()}
 _REPORT = "report.json"
 MANIFEST = "manifest.json"
 _STAMP = "verified.json"
-_HASH_CHUNK = 16 * 2**20
 
 
 class StoreError(RuntimeError):
@@ -82,11 +67,8 @@ def _digest() -> Any:
 
 
 def _hash_file(path: Path) -> str:
-    h = _digest()
     with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, _digest).hexdigest()
 
 
 def _stat_sig(path: Path) -> list[int]:
@@ -146,9 +128,7 @@ class EntryWriter:
         for name, arr in (("offsets", offsets), ("lines", lines)):
             data = memoryview(np.ascontiguousarray(arr)).cast("B")
             _write_synced(self.tmp / _FILES[name], data)
-            h = _digest()
-            h.update(data)
-            digests[name] = h.hexdigest()
+            digests[name] = hashlib.blake2b(data, digest_size=20).hexdigest()
         report_bytes = json.dumps(report, sort_keys=True).encode()
         _write_synced(self.tmp / _REPORT, report_bytes)
         manifest = {
@@ -165,7 +145,7 @@ class EntryWriter:
         }
         _write_synced(self.tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         _write_stamp(self.tmp)
-        _fsync_dir(self.tmp)
+        fsync_dir(self.tmp)
         try:
             os.rename(self.tmp, self.final)
         except OSError as exc:
@@ -173,7 +153,7 @@ class EntryWriter:
                 raise
             # Someone published this entry first (no working lock): theirs is as good as ours.
             shutil.rmtree(self.tmp, ignore_errors=True)
-        _fsync_dir(self.final.parent)
+        fsync_dir(self.final.parent)
         return self.final
 
     def abort(self) -> None:
@@ -188,15 +168,6 @@ def _write_synced(path: Path, data: bytes | memoryview) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _write_stamp(entry: Path) -> None:
@@ -269,14 +240,6 @@ def remove_leftovers(cache_dir: Path, name: str) -> int:
     return removed
 
 
-# --------------------------------------------------------------------------------------------------
-# coordination
-
-
-def _lock_path(cache_dir: Path, name: str) -> Path:
-    return cache_dir / f".{name}.lock"
-
-
 def _progress_path(cache_dir: Path, name: str) -> Path:
     return cache_dir / f".{name}.progress"
 
@@ -295,14 +258,9 @@ def read_progress(cache_dir: Path, name: str) -> dict[str, Any] | None:
 
 
 @contextlib.contextmanager
-def entry_lock(
-    cache_dir: Path,
-    name: str,
-    *,
-    ready: Callable[[], bool],
-    on_wait: Callable[[dict[str, Any] | None, float], None] | None = None,
-    poll_s: float = 0.2,
-) -> Iterator[bool]:
+def entry_lock(cache_dir: Path, name: str, *, ready: Callable[[], bool],
+               on_wait: Callable[[dict[str, Any] | None, float], None] | None = None,
+               poll_s: float = 0.2) -> Iterator[bool]:
     """Hold the build lock of entry ``name``: yields True with the lock held (leftovers of dead builders
     removed; the caller checks again whether the entry exists before building it), or False without it
     when ``ready()`` holds (at once, or after another process published the entry while we waited).
@@ -312,7 +270,7 @@ def entry_lock(
         yield False
         return
     cache_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(_lock_path(cache_dir, name), os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(cache_dir / f".{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         start = time.monotonic()
         while True:
@@ -335,3 +293,70 @@ def entry_lock(
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
+
+#: Bump when what an entry holds changes for the same inputs (3: the memory-mapped store).
+CACHE_VERSION = 3
+
+_LOCK = threading.Lock()
+_MEMO: dict[tuple, str] = {}
+
+
+def _file_digest(path: str) -> str:
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    key = (real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    with _LOCK:
+        hit = _MEMO.get(key)
+    if hit is not None:
+        return hit
+    memo = cache_root() / "digests" / (hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest() + ".sha256")
+    try:
+        hit = memo.read_text().strip()
+    except (OSError, ValueError):
+        hit = None
+    if hit is not None and len(hit) != 64:
+        hit = None
+    if hit is None:
+        hit = sha256_file(real)
+        with contextlib.suppress(OSError):  # a read-only cache: hash again next time
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(memo, hit)
+    with _LOCK:
+        _MEMO[key] = hit
+    return hit
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a data file's content (a datasets directory: of its Arrow files, in order), computed
+    once per version of the file: the cache key and the resume check of the application share it."""
+    p = Path(path)
+    if not p.is_dir():
+        return _file_digest(str(p))
+    h = hashlib.sha256()
+    for f in data_files_of(p):
+        h.update(f"{f.name}\0{_file_digest(str(f))}\n".encode())
+    return h.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """Identity of a tokenizer's behaviour (vocab, merges, normalizers, specials), not of its name."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(type(tokenizer).__name__.encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(json.dumps(getattr(tokenizer, "special_tokens_map", {}), sort_keys=True, default=str).encode())
+    h.update(str(bool(getattr(tokenizer, "split_special_tokens", False))).encode())
+    return h.hexdigest()
+
+
+def cache_key(path: Path, kind: str, options: ReadOptions, tokenizer: Any, template: str | None) -> str:
+    parts = {"version": CACHE_VERSION, "kind": kind, "file": file_sha256(path), "max_length": options.max_length,
+             "overflow": options.overflow, "on_bad_record": options.on_bad_record,
+             "min_loss_tokens": options.min_loss_tokens, "max_record_bytes": options.max_record_bytes,
+             "vocab_size": options.vocab_size, "template": template, "template_kwargs": options.template_kwargs,
+             "tokenizer": tokenizer_fingerprint(tokenizer) if tokenizer is not None else None}
+    blob = json.dumps(parts, sort_keys=True, default=str).encode()
+    return hashlib.blake2b(blob, digest_size=16).hexdigest()

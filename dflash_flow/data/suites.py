@@ -1,27 +1,14 @@
 """The standard acceptance suites, read from their published formats, with z-lab's prompt conventions.
 
 The five suites z-lab's ``benchmark.py`` measures a DFlash drafter on, each read from a local copy of its
-published data (JSONL plain or compressed, a ``.json`` array, Parquet, Arrow or a ``datasets`` directory
-written by ``save_to_disk``; ``formats.iter_rows``): nothing is downloaded.
+published data (any format of ``formats.iter_rows``, or a ``.json`` array): nothing is downloaded.
+``SUITES`` names each one's fields: gsm8k's ``question`` and math500's ``problem`` with z-lab's math suffix
+(``MATH_SUFFIX``), humaneval's ``prompt`` in z-lab's instruction and a python code block, mbpp's
+(sanitized) ``prompt`` and mt-bench's turns as they are (its second turn asked after the target's own first
+reply, by the decoder). A file of another suite is refused with the suite it looks like.
 
-* ``gsm8k``: ``openai/gsm8k`` (config main, split test); ``question`` and the math suffix;
-* ``math500``: ``HuggingFaceH4/MATH-500`` (test); ``problem`` and the math suffix;
-* ``humaneval``: ``openai/openai_humaneval`` (test); ``prompt`` inside z-lab's "Write a solution to the
-  following problem and make sure that it passes the tests:" and a python code block;
-* ``mbpp``: ``google-research-datasets/mbpp``, config sanitized (test); ``prompt`` as it is (the original
-  ``sanitized-mbpp.json`` array reads too);
-* ``mt-bench``: ``HuggingFaceH4/mt_bench_prompts`` (train; ``prompt``, a list of turns) or FastChat's
-  ``question.jsonl`` (``turns``); every turn as it is.
-
-The math suffix is z-lab's: "Please reason step by step, and put your final answer within \\boxed{}." A
-file of another suite is refused with the suite it looks like (a ``question`` column given as math500,
-mbpp's full config, whose description is ``text``, given as the sanitized one). mt-bench is multi-turn:
-the second turn is asked after the target's own first reply (the decoder's job, not this module's).
-
-Prompts are rendered with the tokenizer's chat template and the generation prompt, with the template's
-thinking switch (``enable_thinking``) set as asked (z-lab: off); :func:`thinking_switch` tells whether the
-template reads the switch at all, which the results record beside the flag.
-"""
+Prompts are rendered with the tokenizer's chat template and the generation prompt, ``enable_thinking`` as
+asked (z-lab: off); :func:`thinking_switch` tells whether the template reads the switch at all."""
 
 from __future__ import annotations
 
@@ -34,17 +21,8 @@ import attrs
 from .formats import iter_rows
 from .reports import DataError
 
-__all__ = [
-    "MATH_SUFFIX",
-    "SUITES",
-    "Suite",
-    "SuitePrompt",
-    "parse_suite_args",
-    "read_suite",
-    "suite_named",
-    "template_ids",
-    "thinking_switch",
-]
+__all__ = ["MATH_SUFFIX", "SUITES", "Suite", "SuitePrompt", "parse_suite_args", "read_suite", "suite_named",
+           "template_ids", "thinking_switch"]
 
 #: z-lab's suffix of the math prompts (gsm8k, math500).
 MATH_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."

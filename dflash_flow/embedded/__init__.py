@@ -14,13 +14,5 @@ from .regenerate import regenerate
 from .tokenizer import load_tokenizer
 from .train_target import embedded_target_path, train_target
 
-__all__ = [
-    "build_default_dataset",
-    "embedded_target_path",
-    "embedded_walk_data",
-    "load_tokenizer",
-    "regenerate",
-    "shipped_dataset",
-    "train_target",
-    "write_eval_prompts",
-]
+__all__ = ["build_default_dataset", "embedded_target_path", "embedded_walk_data", "load_tokenizer", "regenerate",
+           "shipped_dataset", "train_target", "write_eval_prompts"]

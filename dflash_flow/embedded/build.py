@@ -1,16 +1,9 @@
 """The default dataset: corpus prompts, answered by the shipped target (greedy), cached.
 
-``build_default_dataset(out_dir, n_train, n_eval, seed)`` writes into ``out_dir``:
-
-* ``train_prompts.jsonl`` / ``eval_prompts.jsonl``: the corpus prompts (no answers), held-out split
-  disjoint from the training one and from the target's own training data;
-* ``train.jsonl`` / ``eval.jsonl``: the same prompts with the target's regenerated greedy replies
-  (the DFlash recipe: the drafter learns the target's own distribution, not the templates' answers);
-* ``manifest.json``: the cache key and build figures.
-
-The cache key hashes every input (sizes, seed, corpus version, target weights and tokenizer, decoding
-settings), so a second call with the same inputs returns at once, and a build killed half-way resumes
-where regeneration stopped.
+``build_default_dataset`` writes ``train_prompts.jsonl`` / ``eval_prompts.jsonl`` (corpus prompts; the held-out
+split disjoint from the training one and the target's data), ``train.jsonl`` / ``eval.jsonl`` (with the target's
+greedy replies) and ``manifest.json``, keyed by a hash of every input: the same inputs return at once, and a build
+killed half-way resumes.
 """
 
 from __future__ import annotations
@@ -70,13 +63,9 @@ def build_default_dataset(out_dir: str | Path, n_train: int = 1024, n_eval: int 
                           target_path: str | Path | None = None, cache_dir: str | Path | None = None,
                           batch_size: int = 32, max_new_tokens: int = 448, progress=None,
                           num_threads: int | None = None, log=print, check_stop=None) -> DefaultDataset:
-    """Build (or return the cached) default dataset in ``out_dir``. See the module docstring.
-
-    ``target_path=None`` uses the shipped target (``ensure_target(cache_dir)``). Note the batch size does
-    not enter the cache key: greedy replies do not depend on it. ``progress`` is regeneration's callback
-    (``embedded.regenerate.ProgressFn``), called for each split in turn; ``check_stop`` is regeneration's
-    too (called between batches; it raises to stop, and the next call resumes the build).
-    """
+    """Build (or return the cached) default dataset in ``out_dir`` (see the module docstring).
+    ``target_path=None``: the shipped target. The batch size is not in the key (greedy replies do not depend
+    on it). ``progress`` and ``check_stop`` are regeneration's, for each split in turn."""
     from .corpus import make_split
     from .regenerate import regenerate
     from .train_target import ensure_target, load_model_and_tokenizer
@@ -99,9 +88,8 @@ def build_default_dataset(out_dir: str | Path, n_train: int = 1024, n_eval: int 
         result.manifest, result.cached = manifest, True
         return result
 
-    # A partial build with the same key resumes (regenerate skips finished ids); any other content in
-    # out_dir is from different inputs and is discarded -- when this build wrote it (its manifest or its
-    # ".building" marker is there): files of the same names that something else wrote are never deleted.
+    # A partial build with the same key resumes; other content this build wrote (its manifest or ".building"
+    # marker is there) is discarded; files of the same names that something else wrote are never deleted.
     building = out / ".building"
     if manifest is None and not building.exists():
         foreign = [p.name for p in list(paths.values()) + [manifest_path] if p.exists()]
@@ -114,15 +102,10 @@ def build_default_dataset(out_dir: str | Path, n_train: int = 1024, n_eval: int 
             p.unlink(missing_ok=True)
         building.write_text(key + "\n")
 
-    train, evals = make_split(n_train, n_eval, seed)
-    _write_jsonl_atomic(paths["train_prompts"], [
-        {"id": f"train-{i:06d}", "family": ex.family, "conversations": ex.conversations(with_answer=False)}
-        for i, ex in enumerate(train)
-    ])
-    _write_jsonl_atomic(paths["eval_prompts"], [
-        {"id": f"eval-{i:05d}", "family": ex.family, "conversations": ex.conversations(with_answer=False)}
-        for i, ex in enumerate(evals)
-    ])
+    for split, examples, width in zip(("train", "eval"), make_split(n_train, n_eval, seed), (6, 5), strict=True):
+        _write_jsonl_atomic(paths[f"{split}_prompts"], [
+            {"id": f"{split}-{i:0{width}d}", "family": ex.family, "conversations": ex.conversations(with_answer=False)}
+            for i, ex in enumerate(examples)])
 
     model, tokenizer = load_model_and_tokenizer(target)
     figures = {}
@@ -144,12 +127,8 @@ def build_default_dataset(out_dir: str | Path, n_train: int = 1024, n_eval: int 
 
 
 def shipped_dataset(n_train: int, n_eval: int, seed: int, target_path: str | Path, max_new_tokens: int):
-    """The regenerated dataset shipped with the package, when it was built from exactly these inputs.
-
-    Regenerating 1024 replies greedily takes minutes on two CPU cores; the shipped copy is what
-    ``build_default_dataset`` would write (its manifest records the same cache key), so the first run on a
-    fresh machine starts training at once. Any other size, seed or target builds (and caches) its own.
-    """
+    """The regenerated dataset shipped with the package (what ``build_default_dataset`` would write), when it
+    was built from exactly these inputs (the same key), else None."""
     manifest = SHIPPED_DATASET / "manifest.json"
     if not manifest.is_file():
         return None
@@ -157,16 +136,8 @@ def shipped_dataset(n_train: int, n_eval: int, seed: int, target_path: str | Pat
     data = json.loads(manifest.read_text())
     if data.get("key") != key:
         return None
-    return DefaultDataset(
-        root=SHIPPED_DATASET,
-        train_path=SHIPPED_DATASET / "train.jsonl",
-        eval_path=SHIPPED_DATASET / "eval.jsonl",
-        eval_prompts_path=SHIPPED_DATASET / "eval_prompts.jsonl",
-        target_path=Path(target_path),
-        key=key,
-        manifest=data,
-        cached=True,
-    )
+    return DefaultDataset(SHIPPED_DATASET, SHIPPED_DATASET / "train.jsonl", SHIPPED_DATASET / "eval.jsonl",
+                          SHIPPED_DATASET / "eval_prompts.jsonl", Path(target_path), key, data, cached=True)
 
 
 def write_eval_prompts(path: str | Path, limit: int, seed: int = 0) -> Path:
@@ -183,8 +154,7 @@ def write_eval_prompts(path: str | Path, limit: int, seed: int = 0) -> Path:
 
 
 def embedded_walk_data() -> Path:
-    """The held-out split of the embedded dataset (``eval.jsonl``: corpus prompts with the shipped
-    target's greedy replies): the shipped copy, else the one ``EmbeddedChatSource`` builds and caches."""
+    """The embedded dataset's held-out ``eval.jsonl``: the shipped copy, else the one built and cached."""
     from dflash_flow.util import cache_root
 
     from .train_target import embedded_target_path

@@ -1,23 +1,14 @@
-"""A deterministic chat corpus written by the project itself (no download).
-
-Every example is produced from templates: arithmetic word problems, counting, multiplication tables,
-sorting, spelling, unit conversions, calendars, alphabet ranges, code-like snippets, JSON records and
-story fragments. The text is deliberately *regular*: a tiny target LM trained on it produces predictable
-continuations, and a DFlash drafter that sees the target's hidden states can then guess several tokens
-ahead (which is the whole point of the CPU default: a speed-up that is measurable in minutes).
-
-The prompt usually fixes the answer's length ("count from 7 to 61", "in 5 parts", "from 3 to 18"), so
-the target learns *when to stop* and the regenerated answers spread over roughly 20-400 tokens, which
-gives the pipeline's length bucketing real work.
-
-Determinism: one ``random.Random(seed)`` stream (its integer API is stable across CPython versions).
-Held-out split: decided by a hash of the prompt text alone, never by position or seed, so an evaluation
-prompt can never appear in any training set, whatever ``n`` or ``seed`` the caller picks.
+"""A deterministic chat corpus written by the project itself (no download): templated word problems, counting,
+tables, sorting, spelling, conversions, calendars, alphabet ranges, code, JSON records and stories, deliberately
+*regular* so that a tiny target continues predictably and a drafter can guess ahead; the prompt usually fixes
+the answer's length (replies of roughly 20-400 tokens). One ``random.Random(seed)`` stream; the held-out split
+is a hash of the prompt text alone, so an evaluation prompt never appears in any training set.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -54,10 +45,6 @@ def split_of(prompt: str) -> str:
     digest = hashlib.sha256(("dflash-flow-heldout:" + prompt).encode("utf-8")).digest()
     return "eval" if int.from_bytes(digest[:4], "big") % 1000 < EVAL_FRACTION_PER_MILLE else "train"
 
-
-# ---------------------------------------------------------------------------------------------------
-# Vocabulary for the templates
-# ---------------------------------------------------------------------------------------------------
 
 NAMES = [
     "Anna", "Ben", "Clara", "David", "Emma", "Felix", "Grace", "Hugo", "Iris", "Jack", "Kate", "Leo",
@@ -103,18 +90,11 @@ SYSTEM_PROMPTS = [
 
 # Unit conversions: (from plural, from singular, to plural, factor).
 CONVERSIONS = [
-    ("kilometers", "kilometer", "meters", 1000),
-    ("meters", "meter", "centimeters", 100),
-    ("centimeters", "centimeter", "millimeters", 10),
-    ("hours", "hour", "minutes", 60),
-    ("minutes", "minute", "seconds", 60),
-    ("days", "day", "hours", 24),
-    ("weeks", "week", "days", 7),
-    ("kilograms", "kilogram", "grams", 1000),
-    ("liters", "liter", "milliliters", 1000),
-    ("feet", "foot", "inches", 12),
-    ("yards", "yard", "feet", 3),
-    ("dozens", "dozen", "items", 12),
+    ("kilometers", "kilometer", "meters", 1000), ("meters", "meter", "centimeters", 100),
+    ("centimeters", "centimeter", "millimeters", 10), ("hours", "hour", "minutes", 60),
+    ("minutes", "minute", "seconds", 60), ("days", "day", "hours", 24), ("weeks", "week", "days", 7),
+    ("kilograms", "kilogram", "grams", 1000), ("liters", "liter", "milliliters", 1000),
+    ("feet", "foot", "inches", 12), ("yards", "yard", "feet", 3), ("dozens", "dozen", "items", 12),
 ]
 
 
@@ -122,9 +102,7 @@ def _join(values: list) -> str:
     return ", ".join(str(v) for v in values)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Families. Each takes the shared rng and returns (prompt, answer).
-# ---------------------------------------------------------------------------------------------------
+# Families: each takes the shared rng and returns (prompt, answer).
 
 
 def _word_problem(rng: random.Random) -> tuple[str, str]:
@@ -223,10 +201,7 @@ def _conversion(rng: random.Random) -> tuple[str, str]:
 
 
 def _calendar(rng: random.Random) -> tuple[str, str]:
-    if rng.random() < 0.5:
-        seq, unit = DAYS, "days"
-    else:
-        seq, unit = MONTHS, "months"
+    seq, unit = (DAYS, "days") if rng.random() < 0.5 else (MONTHS, "months")
     start = rng.randrange(len(seq))
     k = rng.randint(3, 20)
     prompt = f"List {k} {unit} in order, starting from {seq[start]}."
@@ -240,9 +215,7 @@ def _alphabet(rng: random.Random) -> tuple[str, str]:
     a = rng.randrange(0, 20)
     b = rng.randrange(a + 3, 26)
     upper = rng.random() < 0.3
-    span = letters[a : b + 1]
-    if upper:
-        span = span.upper()
+    span = letters[a : b + 1].upper() if upper else letters[a : b + 1]
     case = "capital letters" if upper else "letters"
     prompt = f"Write the {case} of the alphabet from {span[0]} to {span[-1]}."
     answer = f"The {case} from {span[0]} to {span[-1]} are: {_join(list(span))}.\nThat is {len(span)} letters."
@@ -282,7 +255,7 @@ def _code(rng: random.Random) -> tuple[str, str]:
             val = fn(xs)
         else:
             body = f"    result = {init}\n    for x in numbers:\n        result = result {op} x\n    return result"
-            val = sum(xs) if op == "+" else _product(xs)
+            val = sum(xs) if op == "+" else math.prod(xs)
         prompt = f"Write a Python function called {fname} that returns the {desc} of a list of numbers."
         answer = (f"Here is the function:\n```python\ndef {fname}(numbers):\n{body}\n```\n"
                   f"For example, {fname}([{_join(xs)}]) returns {val}.")
@@ -306,18 +279,9 @@ def _code(rng: random.Random) -> tuple[str, str]:
     return prompt, answer
 
 
-def _product(xs: list[int]) -> int:
-    out = 1
-    for x in xs:
-        out *= x
-    return out
-
-
 def _json_records(rng: random.Random) -> tuple[str, str]:
     n = rng.randint(1, 5)
-    people = []
-    for name in rng.sample(NAMES, n):
-        people.append((name, rng.randint(18, 80), rng.choice(CITIES), rng.choice(JOBS)))
+    people = [(name, rng.randint(18, 80), rng.choice(CITIES), rng.choice(JOBS)) for name in rng.sample(NAMES, n)]
     desc = "; ".join(f"{p[0]}, {p[1]} years old, a {p[3]} from {p[2]}" for p in people)
     prompt = f"Make a JSON list of people from this description: {desc}."
     objs = ",\n".join(
@@ -362,17 +326,9 @@ def _story(rng: random.Random) -> tuple[str, str]:
 
 # (name, generator, weight). Weights favour the long, highly regular families a drafter can exploit.
 FAMILIES: list[tuple[str, Callable[[random.Random], tuple[str, str]], int]] = [
-    ("word_problem", _word_problem, 3),
-    ("counting", _counting, 3),
-    ("times_table", _times_table, 3),
-    ("sorting", _sorting, 2),
-    ("spelling", _spelling, 2),
-    ("conversion", _conversion, 2),
-    ("calendar", _calendar, 2),
-    ("alphabet", _alphabet, 1),
-    ("compare", _compare, 1),
-    ("code", _code, 3),
-    ("json", _json_records, 2),
+    ("word_problem", _word_problem, 3), ("counting", _counting, 3), ("times_table", _times_table, 3),
+    ("sorting", _sorting, 2), ("spelling", _spelling, 2), ("conversion", _conversion, 2), ("calendar", _calendar, 2),
+    ("alphabet", _alphabet, 1), ("compare", _compare, 1), ("code", _code, 3), ("json", _json_records, 2),
     ("story", _story, 3),
 ]
 
@@ -380,9 +336,7 @@ FAMILIES: list[tuple[str, Callable[[random.Random], tuple[str, str]], int]] = [
 def iter_examples(seed: int) -> Iterator[ChatExample]:
     """An endless, deterministic stream of examples (duplicates possible: callers dedupe by prompt)."""
     rng = random.Random(seed)
-    names = [f[0] for f in FAMILIES]
-    gens = [f[1] for f in FAMILIES]
-    weights = [f[2] for f in FAMILIES]
+    names, gens, weights = zip(*FAMILIES, strict=True)
     while True:
         i = rng.choices(range(len(FAMILIES)), weights=weights)[0]
         prompt, answer = gens[i](rng)
@@ -392,11 +346,8 @@ def iter_examples(seed: int) -> Iterator[ChatExample]:
 
 
 def make_split(n_train: int, n_eval: int, seed: int = 0) -> tuple[list[ChatExample], list[ChatExample]]:
-    """``n_train`` training and ``n_eval`` held-out examples with distinct prompts.
-
-    Membership comes from :func:`split_of` (prompt hash), so the two sides are disjoint for any arguments,
-    and the first ``k`` examples of a side do not depend on how many of the other side were asked for.
-    """
+    """``n_train`` training and ``n_eval`` held-out examples with distinct prompts; sides come from
+    :func:`split_of`, so they are disjoint and a side's first ``k`` do not depend on the other's size."""
     train: list[ChatExample] = []
     evals: list[ChatExample] = []
     seen: set[str] = set()

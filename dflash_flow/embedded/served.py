@@ -1,45 +1,19 @@
-"""Regenerate replies through OpenAI-compatible inference servers (``vllm serve``, SGLang, any other).
+"""Regenerate replies through OpenAI-compatible inference servers (``vllm serve``, SGLang, any other): each reply
+a ``POST /v1/chat/completions`` to one of several servers, many in flight, appended to the same JSONL the
+in-process :mod:`.regenerate` writes (:mod:`.regen_io`). The endpoint renders with the served model's template
+(``chat_template_kwargs``: ``enable_thinking``); a reasoning block returned apart is put back in front of the
+answer as ``<think>\n...\n</think>\n\n`` (the drafter trains on the raw stream).
 
-The in-process :mod:`.regenerate` is right for the embedded target; an 8B target and 800K conversations
-need many servers. This module sends each prompt to ``POST /v1/chat/completions`` of one of several
-servers, many requests in flight, and appends every reply to the same JSONL the in-process path writes
-(through :mod:`.regen_io`: never into the input, resumable, torn lines repaired only when ours).
-
-Why the chat endpoint and not ``/v1/completions``: the server renders the conversation with the chat
-template of the model it serves (the one the drafter will be served beside), so nothing here needs the
-target's tokenizer or files; ``chat_template_kwargs`` (``enable_thinking``) exists only there; and the
-reply comes back split from the template's end-of-turn marker, which the training side's template writes
-itself. The drafter trains on the target's raw stream, so a reasoning block a server returns separately
-(``reasoning_content``/``reasoning``, with a reasoning parser on) is put back in front of the answer as
-``<think>\\n...\\n</think>\\n\\n`` (how Qwen3-style templates render it).
-
-Faults, and what happens:
-
-* every request has a timeout; a failed attempt (timeout, 5xx/429, malformed JSON, a connection dropped
-  mid-request) is retried after an exponential backoff whose jitter is derived from the row id and the
-  attempt (deterministic), preferably on a server that has not failed this row; a row that fails
-  ``max_attempts`` times, or gets a 4xx (the request itself is wrong, e.g. a prompt longer than the
-  context), is written with ``finish_reason: "error"`` and its last error, and reported;
-* a server that refuses connections or drops one, or fails ``fail_threshold`` times in a row, is taken out
-  of rotation for a cool-down (doubling each time), then tried with one request; after ``max_trials`` failed
-  trials it is removed. Its requests go to the others. When no server is left the run stops, with
-  everything finished so far written (the same command continues);
-* resumable: ids already in the output are skipped (an ``error`` row too, unless ``retry_errors``, which
-  drops those rows first), unless the row's ``prompt_digest`` says its prompts have changed since (the
-  prompts file was edited): such rows are dropped and asked again, and ``stale`` says how many. Output
-  order is completion order.
-
-Every assistant turn of a conversation is regenerated, in order, each request carrying the conversation so
-far with the servers' own earlier replies (:func:`~dflash_flow.data.chat.regeneration_plan`). Each record:
-``{"id", "conversations": prompt turns with every reply, "finish_reason"}`` (and ``finish_reasons``, one per
-reply, when there are several), the reason (the last reply's) ``"stop"``, ``"length"`` (``max_new_tokens``
-reached), ``"empty"`` (a blank reply: nothing to train on) or ``"error"`` (no reply turns; ``"error"`` says why),
-and ``"model"``: the model that answered. A completion naming another model than the one requested is a
-failure of that server (retried elsewhere; the server taken out like any failing one), never a reply.
+A failed attempt (timeout, 5xx/429, malformed JSON, dropped connection) is retried after a deterministic
+backoff, preferably elsewhere; after ``max_attempts`` (at once on a 4xx) the row is written with
+``finish_reason: "error"``. A failing server cools down (doubling) and is removed after ``max_trials`` failed
+trials; with none left the run stops (the same command continues). Output order is completion order; records
+also carry ``"model"``, and a completion naming another model is a server failure, never a reply.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import threading
@@ -56,45 +30,27 @@ from dflash_flow.engine.http_client import HttpClient as _Client
 from dflash_flow.engine.http_client import body_cap, discover_model
 
 from .regen_io import (
-    OutputWriter,
+    ProgressFn,
+    RegenCounts,
     check_output_is_not_input,
-    plan_digest,
-    read_plans,
+    open_output,
+    row_record,
     scan_output,
     write_in_input_order,
 )
-from .served_replies import parse_reply, sampling_params
 
-__all__ = ["AllServersDown", "ServedStats", "ServerPool", "backoff_delay", "regenerate_served"]
-
-#: ``progress(done_records, total_records, new_tokens)`` after every row written.
-ProgressFn = Callable[[int, int, int], None]
-
-FINISH_REASONS = ("stop", "length", "empty", "error")
-# Kinds of failed attempts. "refused": the request never reached a server (not counted against the row).
-RETRYABLE = ("refused", "reset", "timeout", "server", "malformed")
+__all__ = ["AllServersDown", "ServedStats", "ServerPool", "backoff_delay", "parse_reply", "regenerate_served",
+           "sampling_params"]
 
 
 @dataclass
-class ServedStats:
-    total: int = 0  # records in the input
-    skipped: int = 0  # already in the output (resume)
-    generated: int = 0  # rows written by this call (errors included)
-    new_tokens: int = 0  # completion tokens of this call (the servers' usage counts)
-    seconds: float = 0.0
+class ServedStats(RegenCounts):  # new_tokens: the servers' usage counts
     reasons: Counter = field(default_factory=Counter)  # finish_reason -> rows written by this call
     reply_reasons: Counter = field(default_factory=Counter)  # finish_reason -> replies (every turn of a row)
     failures: Counter = field(default_factory=Counter)  # failed attempts by kind (retried or not)
     retries: int = 0
     servers: list[dict] = field(default_factory=list)  # per server: url, ok, failures, taken_out, state
-    errors: list[tuple[object, str]] = field(default_factory=list)  # (id, last error) of the error rows
     dropped_errors: int = 0  # error rows dropped from the output to retry them (retry_errors)
-    stale: int = 0  # rows written for prompts that have changed since: dropped and generated again
-    moved_aside: Path | None = None  # where resume=False moved the old output (never deleted)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds else 0.0
 
     # the names the in-process RegenStats uses (regenerate_warnings reads them)
     @property
@@ -110,11 +66,6 @@ class ServedStats:
         return self.reply_reasons["length"]
 
 
-# ---------------------------------------------------------------------------------------------------
-# Entry point
-# ---------------------------------------------------------------------------------------------------
-
-
 def regenerate_served(prompts_jsonl: str | Path, servers: list[str], out_jsonl: str | Path | None = None, *,
                       out: str | Path | None = None, ordered_out: str | Path | None = None,
                       max_new_tokens: int = 512, concurrency: int = 32, model: str | None = None,
@@ -127,18 +78,10 @@ def regenerate_served(prompts_jsonl: str | Path, servers: list[str], out_jsonl: 
                       check_stop: Callable[[], None] | None = None,
                       wait: Callable[[], None] | None = None, api_key: str | None = None,
                       option: str = "--server", busy: Callable[[str], None] | None = None) -> ServedStats:
-    """Write the servers' replies to the prompts of ``prompts_jsonl`` into ``out_jsonl`` (see the module
-    docstring). ``concurrency`` is the number of requests in flight per server. Raises AllServersDown when
-    every server is gone (the output holds every row finished; the same call continues), ValueError for a
-    bad argument or input. ``ordered_out``: also write the records in input order there once all are
-    written (what a pipeline's source reads: the same file on every node). ``wait``: called while another process writes ``out_jsonl`` (then this call waits
-    for it and continues with what it left); None: refused at once. ``timeout_s`` bounds each request as a whole
-    (a server trickling its answer is cut off there), and a reply body is read up to what ``max_new_tokens``
-    tokens can take (:func:`~dflash_flow.engine.http_client.body_cap`): either breach is a failed attempt of that
-    server, the row an error row naming it once the attempts are spent. ``api_key``: sent as a Bearer token
-    (never written; a server URL's own credentials are sent as Basic authentication otherwise). ``option``:
-    what messages call the server list. ``busy(text)``: told, several times a second, what the requests in
-    flight wait for (which server, for how long): a pipeline's watchdog names it."""
+    """Write the servers' replies to ``prompts_jsonl`` into ``out_jsonl``; AllServersDown when every server is gone.
+    ``concurrency``: requests in flight per server. ``ordered_out``: also the records in input order once all are
+    written. ``wait``: called while another process writes the output (None: refused). ``timeout_s`` bounds a
+    whole request. ``option``: what messages call the server list. ``busy(text)``: what the requests wait for."""
     if max_new_tokens < 1 or concurrency < 1 or max_attempts < 1 or timeout_s <= 0:
         raise ValueError("max_new_tokens, concurrency and max_attempts must be >= 1 and the timeout > 0")
     out_jsonl = out_jsonl if out_jsonl is not None else out
@@ -151,21 +94,20 @@ def regenerate_served(prompts_jsonl: str | Path, servers: list[str], out_jsonl: 
         if Path(ordered_out).exists():
             scan_output(ordered_out, repair=False)  # replaced at the end: only when regenerate wrote it
     sampling_fields = sampling_params(sampling, target)
-    check_output_is_not_input(prompts_jsonl, out_jsonl)
-    jobs = read_plans(prompts_jsonl, system_prompt, limit)  # a record that is no prompt fails before any request
-    digests = {str(rid): plan_digest(plan) for rid, plan in jobs}
+    jobs, writer = open_output(prompts_jsonl, out_jsonl, system_prompt, limit, resume=resume,
+                               drop_errors=retry_errors, wait=wait)
     pool = ServerPool(servers, per_server=concurrency, fail_threshold=fail_threshold, cooldown_s=cooldown_s,
                       max_trials=max_trials, log=log, option=option)
     client = _Client(timeout_s, {"Authorization": f"Bearer {api_key}"} if api_key else None)
     stats = ServedStats(total=len(jobs))
-    with OutputWriter(out_jsonl, resume=resume, drop_errors=retry_errors, wait=wait, expected=digests) as writer:
+    with writer:
         stats.dropped_errors = writer.dropped
         stats.moved_aside = writer.moved_aside
         stats.stale = writer.stale
         if writer.stale:
             log(f"{writer.stale} rows of {out_jsonl} were written for prompts that have changed since (the prompts "
                 "file was edited): they are regenerated")
-        todo = [(rid, plan) for rid, plan in jobs if str(rid) not in writer.done]
+        todo = writer.todo(jobs)
         stats.skipped = len(jobs) - len(todo)
         if todo:
             name = discover_model(pool, client, model, log, option="--served-model" if option == "--server"
@@ -200,8 +142,7 @@ def _in_flight(flying: dict, now: float) -> str:
 
 def _run(todo, pool, client, base, sampled, seed, writer, stats, max_attempts, backoff_s, backoff_max_s, n_threads,
          progress, check_stop, log=lambda _m: None, busy=None) -> None:
-    """Ask for every row of ``todo`` on up to ``n_threads`` request threads, and write each row (counted in
-    ``stats``) as it finishes."""
+    """Ask for every row of ``todo`` on up to ``n_threads`` threads; write (and count) each as it finishes."""
     rows: queue.Queue = queue.Queue()
     for job in todo:
         rows.put(job)
@@ -214,7 +155,14 @@ def _run(todo, pool, client, base, sampled, seed, writer, stats, max_attempts, b
     finished = False
     try:
         for _ in range(len(todo)):
-            kind, rec, tokens = _next_result(results, asker.flying, check_stop, busy)
+            while True:  # the next finished row, checking for a stop (and telling busy) while waiting
+                if check_stop is not None:
+                    check_stop()
+                if busy is not None:
+                    busy(_in_flight(asker.flying, time.monotonic()))
+                with contextlib.suppress(queue.Empty):
+                    kind, rec, tokens = results.get(timeout=0.2)
+                    break
             if kind == "down":
                 raise AllServersDown(f"every server is out of rotation ({rec}); {stats.generated} rows written now, "
                                      "the same command continues from there once a server answers")
@@ -223,15 +171,19 @@ def _run(todo, pool, client, base, sampled, seed, writer, stats, max_attempts, b
             now = time.monotonic()
             writer.write_lines([json.dumps(rec, ensure_ascii=False) + "\n"], fsync=now - last_sync > 1.0)
             last_sync = now if now - last_sync > 1.0 else last_sync
-            _count_row(stats, rec, tokens)
+            stats.generated += 1
+            stats.new_tokens += tokens
+            stats.reasons[rec["finish_reason"]] += 1
+            for r in rec.get("finish_reasons") or ([rec["finish_reason"]] if rec["finish_reason"] != "error" else []):
+                stats.reply_reasons[r] += 1
+            if rec["finish_reason"] == "error":
+                stats.errors.append((rec["id"], rec["error"]))
             report(stats.skipped + stats.generated, stats.total, tokens)
         finished = True
     finally:
         asker.stop.set()
         pool.wake()
-        # Finished: every worker has returned or is returning. Stopped early: a worker blocked in a request
-        # ends at its timeout at the latest (daemon threads: never keep the process alive); its row is not
-        # written and the next call does it.
+        # Stopped early: a (daemon) worker blocked in a request ends at its timeout; its row is left for next time.
         for t in threads:
             t.join(timeout=None if finished else 0.05)
 
@@ -293,8 +245,7 @@ class _Asker:
             return reply, finish, tokens
 
     def row(self, rid, plan) -> tuple[dict, int]:
-        """Every reply of the row in order, each asked on the conversation so far (earlier replies the
-        servers' own); the row's finish_reason is its last reply's."""
+        """Every reply of the row in order, each asked on the conversation so far; (record, tokens)."""
         conv: list[dict] = []
         reasons: list[str] = []
         tokens = 0
@@ -304,21 +255,15 @@ class _Asker:
                 continue
             got = self.ask(rid, conv, len(reasons))
             if isinstance(got, str):
-                return {"id": rid, "conversations": [t for t in plan if t is not None], "finish_reason": "error",
-                        "error": got, "prompt_digest": plan_digest(plan)}, tokens
+                return row_record(rid, plan, conv, reasons, got), tokens
             reply, finish, n = got
             conv.append(reply)
             reasons.append(finish)
             tokens += n
-        rec = {"id": rid, "conversations": conv, "finish_reason": reasons[-1], "prompt_digest": plan_digest(plan),
-               "model": self.base["model"]}  # every reply's completion named it (or named none)
-        if len(reasons) > 1:
-            rec["finish_reasons"] = reasons
-        return rec, tokens
+        return row_record(rid, plan, conv, reasons, model=self.base["model"]), tokens
 
     def worker(self, rows: queue.Queue, results: queue.Queue) -> None:
-        """One request thread: rows from ``rows`` until none is left or the run stops; ``(kind, record or
-        error, tokens)`` into ``results``."""
+        """One request thread: ``(kind, record or error, tokens)`` into ``results`` for each row of ``rows``."""
         while not self.stop.is_set():
             try:
                 rid, plan = rows.get_nowait()
@@ -353,27 +298,84 @@ def _start_threads(work: Callable[[], None], n: int, log: Callable[[str], None])
     return threads
 
 
-def _next_result(results: queue.Queue, flying: dict, check_stop: Callable[[], None] | None,
-                 busy: Callable[[str], None] | None) -> tuple:
-    """The next finished row from the request threads, checking for a stop (and telling ``busy`` what the
-    requests in flight wait for) while it waits."""
-    while True:
-        if check_stop is not None:
-            check_stop()
-        if busy is not None:
-            busy(_in_flight(flying, time.monotonic()))
-        try:
-            return results.get(timeout=0.2)
-        except queue.Empty:
-            continue
+def sampling_params(sampling: str, target: str | Path | None = None) -> dict:
+    """The request's sampling fields: ``"greedy"``: temperature 0; ``"target"``: the target directory's
+    ``generation_config.json`` settings, else none (the server's own defaults)."""
+    if sampling == "greedy":
+        return {"temperature": 0.0}
+    if sampling != "target":
+        raise ValueError(f"--sampling {sampling!r}: use 'greedy' or 'target'")
+    if target is None:
+        return {}
+    path = Path(target) / "generation_config.json"
+    if not path.is_file():
+        if Path(target).is_dir():
+            return {}
+        raise ValueError(f"--target {target}: not a model directory (its generation_config.json gives the "
+                         "sampling settings of --sampling target)")
+    try:
+        gc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--sampling target: {path} cannot be read as JSON ({exc})") from None
+    if not isinstance(gc, dict):
+        raise ValueError(f"--sampling target: {path} holds a JSON {type(gc).__name__}, not the object of a generation "
+                         "config; fix it, or use --sampling greedy")
+    if gc.get("do_sample") is False:
+        return {"temperature": 0.0}
+    out = {}
+    for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        if gc.get(key) is not None:
+            out[key] = gc[key]
+    return out
 
 
-def _count_row(stats: ServedStats, rec: dict, tokens: int) -> None:
-    """A written row in ``stats``: its finish reason, its replies' reasons, its tokens, its error."""
-    stats.generated += 1
-    stats.new_tokens += tokens
-    stats.reasons[rec["finish_reason"]] += 1
-    for r in rec.get("finish_reasons") or ([rec["finish_reason"]] if rec["finish_reason"] != "error" else []):
-        stats.reply_reasons[r] += 1
-    if rec["finish_reason"] == "error":
-        stats.errors.append((rec["id"], rec["error"]))
+_STOP_REASONS = {"stop", "eos", "stop_sequence", "end_turn", "tool_calls"}
+
+
+def parse_reply(resp: dict, model: str | None = None) -> tuple[dict, str, int]:
+    """(assistant turn with any ``tool_calls``, finish_reason, completion tokens) of a chat completion;
+    RequestFailed('malformed') when it is not one (or holds a lone surrogate), RequestFailed('server') when the
+    server aborted it or (``model`` given) it names another model."""
+    if isinstance(resp, dict) and "choices" not in resp and resp.get("error"):  # an error sent with status 200
+        err = resp["error"]
+        msg = err.get("message") if isinstance(err, dict) else err
+        raise RequestFailed("server", f"the server answered with an error: {str(msg)[:300]}")
+    answered = resp.get("model") if isinstance(resp, dict) else None
+    if model is not None and answered is not None and answered != model:
+        raise RequestFailed("server", f"the reply is from model {answered!r}, not {model!r} (this server serves "
+                                      "another model)")
+    try:
+        choice = resp["choices"][0]
+        msg = choice["message"]
+        content = msg.get("content") or ""
+        reasoning = msg.get("reasoning_content") or msg.get("reasoning") or ""
+        reason = choice.get("finish_reason")
+        calls = msg.get("tool_calls")
+        if not isinstance(content, str) or not isinstance(reasoning, str):
+            raise TypeError("content is not text")
+    except (KeyError, IndexError, TypeError, AttributeError) as e:
+        raise RequestFailed("malformed", f"not a chat completion ({type(e).__name__}: {e})") from None
+    if reason == "length":
+        finish = "length"
+    elif reason in _STOP_REASONS:
+        finish = "stop"
+    else:
+        raise RequestFailed("server", f"the server ended the request with finish_reason {reason!r}")
+    if reasoning.strip():
+        content = f"<think>\n{reasoning.strip()}\n</think>\n\n{content.lstrip()}"
+    try:  # JSON may escape a lone surrogate ("\\ud800"): no text, and the output file could not hold it
+        content.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestFailed("malformed", f"the reply is not valid text (a lone surrogate at character {e.start})"
+                            ) from None
+    usage = resp.get("usage") or {}
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    tokens = int(tokens) if isinstance(tokens, int | float) else 0
+    if calls is not None and (not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls)):
+        raise RequestFailed("malformed", "tool_calls is not a list of objects")
+    if not content.strip() and not calls:
+        finish = "empty"
+    turn = {"role": "assistant", "content": content}
+    if calls:  # the target called tools (a server with a tool parser split them out): kept, rendered by the template
+        turn["tool_calls"] = calls
+    return turn, finish, tokens

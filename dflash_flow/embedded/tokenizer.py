@@ -1,14 +1,8 @@
 """A byte-level BPE tokenizer trained on the embedded corpus, with a ChatML chat template.
 
-Why byte-level: every string round-trips (no unknown token), so users can feed the CPU default any
-prompt. Why digits split one by one: numbers are the corpus's main "content" and a tiny target learns
-digit-wise arithmetic and counting far better than it learns thousands of multi-digit tokens.
-
-The template is Qwen's ChatML (``<|im_start|>role\\ncontent<|im_end|>\\n``), the layout the pipeline's
-loss-mask logic and the DFlash reference recipes expect. As in Qwen3 chat models, ``eos_token`` is
-``<|im_end|>`` (the end of an assistant turn is where generation stops); ``<|endoftext|>`` is kept as a
-document separator (also a stop token), and padding has a token of its own so that a pad is never
-confused with a real end of turn.
+Byte-level so that every string round-trips; digits split one by one, as a tiny target learns digit-wise
+arithmetic far better than multi-digit tokens. The template is Qwen's ChatML; as in Qwen3, ``eos_token`` is
+``<|im_end|>``, ``<|endoftext|>`` a document separator (also a stop token), and padding has its own token.
 """
 
 from __future__ import annotations
@@ -37,10 +31,8 @@ CHAT_TEMPLATE = (
 
 
 def train_tokenizer(texts, vocab_size: int = DEFAULT_VOCAB_SIZE):
-    """Train a byte-level BPE on ``texts`` (an iterable of str) and wrap it as ``PreTrainedTokenizerFast``.
-
-    Deterministic for a given text sequence (the `tokenizers` BPE trainer breaks ties by byte order).
-    """
+    """A byte-level BPE trained on ``texts`` as ``PreTrainedTokenizerFast`` (deterministic: ties break by byte
+    order)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -48,14 +40,9 @@ def train_tokenizer(texts, vocab_size: int = DEFAULT_VOCAB_SIZE):
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=SPECIAL_TOKENS,
-        # All 256 bytes are in the base vocabulary: any input string is encodable.
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    # All 256 bytes are in the base vocabulary: any input string is encodable.
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(list(texts), trainer=trainer)
     return wrap(tok)
 
@@ -64,19 +51,10 @@ def wrap(tok):
     """Wrap a `tokenizers.Tokenizer` with our special tokens and chat template."""
     from transformers import PreTrainedTokenizerFast
 
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=None,
-        eos_token=IM_END,
-        pad_token=PAD,
-        unk_token=None,
-        additional_special_tokens=[ENDOFTEXT, IM_START],
-        # Byte-level text needs no cleanup; the default cleanup would eat spaces before punctuation.
-        clean_up_tokenization_spaces=False,
-        # Regeneration pads on the left so that every row's last token is the generation prompt.
-        padding_side="left",
-        model_max_length=2048,
-    )
+    # No cleanup (it would eat spaces before punctuation); left padding: every row ends in the generation prompt.
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=None, eos_token=IM_END, pad_token=PAD, unk_token=None,
+                                   additional_special_tokens=[ENDOFTEXT, IM_START], clean_up_tokenization_spaces=False,
+                                   padding_side="left", model_max_length=2048)
     fast.chat_template = CHAT_TEMPLATE
     return fast
 

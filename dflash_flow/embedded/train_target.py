@@ -1,18 +1,12 @@
 """Train the embedded target: a small Qwen3 causal LM on the project's own chat corpus.
 
-The CPU default needs a target *worth speeding up*: its greedy answers must follow the corpus's
-structure (not noise), so that a DFlash drafter conditioned on its hidden states can predict several
-tokens ahead. Eight layers give distinct DFlash target-layer ids.
-
-Training costs 1000 steps of 8 x 512 tokens: 28 min measured on 2 *shared* CPU cores (1 thread, load
-3-9), roughly 15-20 min on an idle 2-core machine. That is why the result is shipped (6.4 MiB float32)
-rather than trained on every fresh machine. Run once to (re)produce the shipped asset::
+Eight layers whose greedy answers follow the corpus's structure, so that a drafter can predict several tokens
+ahead. Training takes 15-30 min on 2 CPU cores, so the result is shipped; to (re)produce it::
 
     python -m dflash_flow.embedded.train_target --out dflash_flow/embedded/assets/target
 
-``ensure_target(cache_dir)`` is the cached build step used by the pipeline: it returns the shipped asset
-when present and otherwise trains the same recipe into ``cache_dir`` (deterministically, keyed by a hash
-of the recipe), so a checkout without the asset still works offline.
+``ensure_target(cache_dir)`` returns the shipped asset when present, else trains the same recipe into
+``cache_dir`` (keyed by a hash of the recipe), so a checkout without the asset still works offline.
 """
 
 from __future__ import annotations
@@ -74,30 +68,17 @@ def target_config(tokenizer, recipe: TargetRecipe = TargetRecipe()):
     from dflash_flow.data.chat import stop_token_ids
 
     return Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=recipe.hidden_size,
-        intermediate_size=recipe.intermediate_size,
-        num_hidden_layers=recipe.num_layers,
-        num_attention_heads=recipe.num_heads,
-        num_key_value_heads=recipe.num_kv_heads,
-        head_dim=recipe.head_dim,
-        max_position_embeddings=recipe.max_position_embeddings,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=stop_token_ids(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        attn_implementation="sdpa",
-        dtype="float32",
-    )
+        vocab_size=len(tokenizer), hidden_size=recipe.hidden_size, intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.num_layers, num_attention_heads=recipe.num_heads,
+        num_key_value_heads=recipe.num_kv_heads, head_dim=recipe.head_dim,
+        max_position_embeddings=recipe.max_position_embeddings, rope_theta=10000.0, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id,
+        attn_implementation="sdpa", dtype="float32")
 
 
 def _pack(conversations_ids: list[list[int]], seq_len: int) -> list[list[int]]:
-    """Greedy first-fit of whole conversations into windows of ``seq_len``.
-
-    Every window starts at a conversation start (position 0 = ``<|im_start|>``), as at inference time;
-    conversations later in a window attend to earlier ones, which is ordinary LM packing.
-    """
+    """Greedy first-fit of whole conversations into windows of ``seq_len``, each starting at a conversation
+    start (position 0 = ``<|im_start|>``), as at inference time."""
     windows: list[list[int]] = []
     current: list[int] = []
     for ids in conversations_ids:
@@ -125,14 +106,10 @@ def answer_loss(model, tokenizer, examples, batch_size: int = 16) -> float:
     with torch.no_grad():
         for i in range(0, len(examples), batch_size):
             chunk = examples[i : i + batch_size]
-            prompts = [
-                tokenizer.apply_chat_template(ex.conversations(with_answer=False), tokenize=False,
-                                              add_generation_prompt=True)
-                for ex in chunk
-            ]
-            fulls = [tokenizer.apply_chat_template(ex.conversations(), tokenize=False) for ex in chunk]
+            prompts = [tokenizer.apply_chat_template(ex.conversations(with_answer=False), tokenize=False,
+                                                     add_generation_prompt=True) for ex in chunk]
             p_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-            f_ids = tokenizer(fulls, add_special_tokens=False)["input_ids"]
+            f_ids = _render_ids(tokenizer, chunk)
             width = max(len(f) for f in f_ids)
             ids = torch.full((len(chunk), width), tokenizer.pad_token_id, dtype=torch.long)
             labels = torch.full((len(chunk), width), -100, dtype=torch.long)
@@ -152,11 +129,9 @@ def answer_loss(model, tokenizer, examples, batch_size: int = 16) -> float:
 
 def train_target(out_dir: str | Path, recipe: TargetRecipe = TargetRecipe(), *, num_threads: int = 1,
                  log_every: int = 25, log=print) -> dict:
-    """Train the target with ``recipe`` and save model + config + tokenizer into ``out_dir``.
-
-    Returns the training summary (also written to ``out_dir/training_info.json``). Bit-identical weights
-    for the same recipe, thread count and torch build.
-    """
+    """Train the target with ``recipe`` and save model + config + tokenizer into ``out_dir``; the training
+    summary (also ``out_dir/training_info.json``). Bit-identical weights for the same recipe, thread count
+    and torch build."""
     import torch
 
     t_start = time.perf_counter()
@@ -196,12 +171,10 @@ def _train(out_dir, recipe: TargetRecipe, num_threads: int, log_every: int, log,
     n_params = sum(p.numel() for p in model.parameters())
     log(f"[target] Qwen3 {recipe.num_layers} layers, hidden {recipe.hidden_size}: {n_params / 1e6:.2f} M params")
 
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=recipe.lr, betas=(0.9, 0.95), eps=1e-8,
-    )
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.95), eps=1e-8)
     rng = np.random.default_rng(recipe.seed)
     order: list[int] = []
     pad = tokenizer.pad_token_id
@@ -228,23 +201,14 @@ def _train(out_dir, recipe: TargetRecipe, num_threads: int, log_every: int, log,
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.generation_config = GenerationConfig(
-        do_sample=False, eos_token_id=stop_token_ids(tokenizer), pad_token_id=pad, max_new_tokens=512,
-    )
+    model.generation_config = GenerationConfig(do_sample=False, eos_token_id=stop_token_ids(tokenizer),
+                                               pad_token_id=pad, max_new_tokens=512)
     model.save_pretrained(str(out_dir), safe_serialization=True)
     save_tokenizer(tokenizer, out_dir)
-    info = {
-        "recipe": asdict(recipe),
-        "recipe_key": recipe.key(),
-        "params": n_params,
-        "train_tokens_per_epoch": n_tokens,
-        "final_train_loss": float(np.mean(losses[-20:])),
-        "heldout_answer_loss": eval_loss,
-        "heldout_answer_ppl": math.exp(eval_loss),
-        "train_seconds": round(train_s, 1),
-        "num_threads": num_threads,
-        "torch": torch.__version__,
-    }
+    info = {"recipe": asdict(recipe), "recipe_key": recipe.key(), "params": n_params,
+            "train_tokens_per_epoch": n_tokens, "final_train_loss": float(np.mean(losses[-20:])),
+            "heldout_answer_loss": eval_loss, "heldout_answer_ppl": math.exp(eval_loss),
+            "train_seconds": round(train_s, 1), "num_threads": num_threads, "torch": torch.__version__}
     (out_dir / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
     log(f"[target] done in {train_s:.0f}s: train loss {info['final_train_loss']:.4f}, "
         f"held-out answer loss {eval_loss:.4f} (ppl {math.exp(eval_loss):.2f})")
@@ -274,13 +238,6 @@ def _next_batch(windows: list[list[int]], order: list[int], rng, batch_size: int
     return ids
 
 
-def _recipe_key_of(path: Path) -> str | None:
-    try:
-        return json.loads((path / "training_info.json").read_text()).get("recipe_key")
-    except (OSError, ValueError):
-        return None
-
-
 def is_complete(path: str | Path) -> bool:
     path = Path(path)
     return all((path / f).is_file() for f in _REQUIRED_FILES)
@@ -288,15 +245,16 @@ def is_complete(path: str | Path) -> bool:
 
 def ensure_target(cache_dir: str | Path | None = None, recipe: TargetRecipe | None = None, *,
                   log=print) -> Path:
-    """Path of a ready target: the shipped asset if present, else a cached build (trained on first use).
-
-    With ``recipe=None`` the shipped asset is returned whenever it is complete. With an explicit recipe
-    the asset is used only if it was trained with that recipe (``training_info.json`` records its key).
-    The cache entry is ``cache_dir/target-<recipe key>``, written to a temporary directory and renamed
-    into place, so an interrupted build never leaves a half-written target behind.
-    """
-    if is_complete(ASSET_DIR) and (recipe is None or _recipe_key_of(ASSET_DIR) == recipe.key()):
-        return ASSET_DIR
+    """Path of a ready target: the shipped asset if complete (and, with an explicit ``recipe``, trained with
+    it: ``training_info.json`` records its key), else the cache entry ``cache_dir/target-<recipe key>``,
+    trained on first use into a temporary directory renamed into place (never half-written)."""
+    if is_complete(ASSET_DIR):
+        try:
+            key = json.loads((ASSET_DIR / "training_info.json").read_text()).get("recipe_key")
+        except (OSError, ValueError):
+            key = None
+        if recipe is None or key == recipe.key():
+            return ASSET_DIR
     recipe = recipe or TargetRecipe()
     if cache_dir is None:
         from dflash_flow.util import cache_root

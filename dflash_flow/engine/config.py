@@ -1,20 +1,7 @@
 """``model.engine``: the target's features from vLLM servers instead of an in-process forward (torch-free,
-cheap to import). The target itself stays declared once (``model.target``, ``model.target_layer_ids``);
-this section says only where the servers are and how to talk to them.
-
-    model:
-      target: /models/Qwen3-8B
-      num_draft_layers: 5
-      engine:
-        servers: [http://gpu-node-1:8000, http://gpu-node-2:8000]   # started with `dflash-flow serve-target`
-        features_dir: /shared/dflash-features                      # their shared_storage_path, seen from here
-
-    model:
-      target: embedded
-      engine:
-        launch: {count: 1, dtype: float32}    # local servers, started and stopped by the run
-
-See docs/engine.md for the deployment and the checks.
+cheap to import). The target stays declared once (``model.target``, ``model.target_layer_ids``); this section
+says where the servers are (``servers``, or ``launch`` to start local ones) and how to talk to them
+(docs/engine.md: the deployment, the checks, examples).
 """
 
 from __future__ import annotations
@@ -99,24 +86,20 @@ class EngineConfig:
     prefix_caching: bool = cfg(False, result=False,
                                doc="Let launched/printed servers reuse cached prefixes (later epochs skip the prefill).")
 
-    def urls(self) -> list[str]:
-        return list(self.servers)
-
     def local_path(self, server_path: str) -> str:
         """A path a server returned, as this process sees it (``path_map``, longest prefix first)."""
-        for prefix in sorted(self.path_map, key=len, reverse=True):
-            if server_path == prefix or server_path.startswith(prefix.rstrip("/") + "/"):
-                return self.path_map[prefix].rstrip("/") + server_path[len(prefix.rstrip("/")):]
-        return server_path
+        return _remap(server_path, self.path_map)
 
     def server_features_dir(self) -> str:
         """The directory to give the servers (``shared_storage_path``): ``features_dir`` mapped back."""
-        inverse = {v: k for k, v in self.path_map.items()}
-        for prefix in sorted(inverse, key=len, reverse=True):
-            d = self.features_dir
-            if d == prefix or d.startswith(prefix.rstrip("/") + "/"):
-                return inverse[prefix].rstrip("/") + d[len(prefix.rstrip("/")):]
-        return self.features_dir
+        return _remap(self.features_dir, {v: k for k, v in self.path_map.items()})
+
+    def check(self) -> EngineConfig:
+        """Raise ValueError naming every problem (:meth:`problems`); else return self."""
+        bad = self.problems()
+        if bad:
+            raise ValueError("; ".join(f"model.engine.{f}: {m}" for f, m in bad))
+        return self
 
     def problems(self) -> list[tuple[str, str]]:
         """(field, message) for what the bounds cannot say."""
@@ -138,6 +121,13 @@ class EngineConfig:
         return out
 
 
+def _remap(path: str, prefixes: dict[str, str]) -> str:
+    for prefix in sorted(prefixes, key=len, reverse=True):
+        if path == prefix or path.startswith(prefix.rstrip("/") + "/"):
+            return prefixes[prefix].rstrip("/") + path[len(prefix.rstrip("/")):]
+    return path
+
+
 def engine_config_from(value: Any) -> EngineConfig:
     """An EngineConfig from a mapping (tests, the interop check, the bench); the pipeline's ``model.engine``
     is structured by the core converter like every section. Raises ValueError with every problem."""
@@ -146,7 +136,4 @@ def engine_config_from(value: Any) -> EngineConfig:
     cfg_, problems = structure(EngineConfig, value, what="model.engine", field_prefix="model.engine.")
     if problems:
         raise ValueError("; ".join(p.format() for p in problems))
-    bad = cfg_.problems()
-    if bad:
-        raise ValueError("; ".join(f"model.engine.{f}: {m}" for f, m in bad))
-    return cfg_
+    return cfg_.check()

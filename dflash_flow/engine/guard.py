@@ -1,11 +1,9 @@
 """The small process between a run and a server it started: ``python -m dflash_flow.engine.guard FD GRACE -- CMD...``.
 
-It is started in a session (and process group) of its own, starts ``CMD`` in that group, and reads the pipe
-``FD`` whose other end only the run holds. When that end closes -- the run stopped the server, or the run
-died, even by SIGKILL, where no handler of the run's could act -- the read returns, and the guard stops the
-whole group: SIGTERM, then after ``GRACE`` seconds SIGKILL (the guard's own group, so the server's
-children go too). When the server exits by itself the guard exits with its status. Stdlib only: it starts
-in a few milliseconds and needs nothing of the vLLM environment.
+Started in a session of its own, it starts ``CMD`` in its group and reads the pipe ``FD`` whose other end only
+the run holds. When that end closes (the run stopped the server, or died, even by SIGKILL) it stops the whole
+group: SIGTERM, then after ``GRACE`` seconds SIGKILL. When the server exits by itself the guard exits with its
+status. Stdlib only: it starts in milliseconds and needs nothing of the vLLM environment.
 """
 
 from __future__ import annotations

@@ -1,30 +1,21 @@
 """The feature files between a vLLM server and the trainer: how our connector writes them, how the client
-reads them.
+reads them. One safetensors file per request, the layout vLLM's ``load_hidden_states`` reads: ``token_ids
+[S]`` (int64) and ``hidden_states [S, n_layers, H]`` in the engine's dtype. Files work on one node and across
+nodes alike, and on tmpfs (``/dev/shm``, the default) they *are* shared memory: the writer's one copy lands in
+the page cache, the reader maps those pages and copies them once, into the batch (docs/engine.md).
 
-One safetensors file per request, the layout vLLM's own ``load_hidden_states`` reads: ``token_ids [S]``
-(int64) and ``hidden_states [S, n_layers, H]`` in the engine's dtype. Why files (docs/engine.md, "Handing
-features over"): they work on one node and across nodes alike, the kernel owns their lifetime, and on one
-node a directory on tmpfs (``/dev/shm``, the default) *is* shared memory: the writer's one copy lands in
-the page cache, the reader maps those pages (``mmap``) and copies them once, straight into the batch.
-
-Writer (:class:`FeatureWriter`, in the server): the rows are gathered out of the hidden-states cache (on a GPU
-into pinned host memory, asynchronously on the current stream, so the cache blocks can be freed at once:
-later kernels are ordered after the copy), then written to a temporary name and renamed onto the final
-one, so a reader never sees half a file. On CPU the write is synchronous by default: the file is complete
-before the engine answers the request. A failed write leaves ``<file>.error`` with the reason. Files nobody
-collected (a client that timed out or died) are swept after ``orphan_age_s``.
-
-Reader (:func:`wait_for_file`, :func:`open_features`): waits for the final name (polling that starts at
-0.5 ms; with synchronous writes the file is there at once) or its ``.error``, maps the file, checks the
-header (names, dtypes, shapes, offsets inside the file) and returns tensor views over the mapping.
-
-Torch and safetensors are imported inside the functions: the module itself is stdlib only (vLLM's
-processes import it through the connector; the layer rule keeps torch out of module level here).
+Writer (:class:`FeatureWriter`, in the server): rows gathered out of the hidden-states cache (on a GPU into
+pinned memory, asynchronously on the current stream, so the blocks can be freed at once), written to a
+temporary name and renamed, so a reader never sees half a file; a failed write leaves ``<file>.error``;
+uncollected files are swept after ``orphan_age_s``. Reader (:func:`wait_for_file`, :func:`open_features`):
+waits for the file (or its ``.error``), maps it, checks the header and returns tensor views over the mapping.
+Torch and safetensors are imported inside the functions: vLLM's processes import this module.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import re
@@ -58,11 +49,6 @@ def feature_file_name(req_id: str) -> str:
     request id never picks a directory)."""
     name = _SAFE.sub("_", req_id).lstrip(".") or "request"
     return name[:200] + SUFFIX
-
-
-# ---------------------------------------------------------------------------------------------------
-# Writer (the server side)
-# ---------------------------------------------------------------------------------------------------
 
 
 def gather_rows(cache: Any, block_ids: list[int], block_size: int, n_tokens: int) -> Any:
@@ -165,11 +151,6 @@ def sweep_orphans(directory: str | os.PathLike, age_s: float) -> int:
         except OSError:
             pass
     return removed
-
-
-# ---------------------------------------------------------------------------------------------------
-# Reader (the client side)
-# ---------------------------------------------------------------------------------------------------
 
 
 def wait_for_file(path: str, timeout_s: float, stop: threading.Event | None = None) -> None:
@@ -282,10 +263,7 @@ def _check_header(path: str, header: Any, data_size: int) -> None:
         if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
                 or not 0 <= offsets[0] <= offsets[1] <= data_size):
             raise HandoverError(f"{path}: {name}'s byte range {offsets!r} lies outside the file")
-        count = 1
-        for d in shape:
-            count *= d
-        if offsets[1] - offsets[0] != count * ITEMSIZE[dtype]:
+        if offsets[1] - offsets[0] != math.prod(shape) * ITEMSIZE[dtype]:
             raise HandoverError(f"{path}: {name} holds {offsets[1] - offsets[0]} bytes for shape {shape} {dtype}")
     if header["token_ids"]["dtype"] not in ("I64", "I32"):
         raise HandoverError(f"{path}: token_ids are {header['token_ids']['dtype']}, not integers")

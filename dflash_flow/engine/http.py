@@ -1,16 +1,9 @@
-"""HTTP to inference servers: the pool that spreads requests over servers and keeps track of their health,
-and the failures (``engine.http_client``: the keep-alive client that sends the requests). Shared by
-``regenerate --server`` (``embedded.served``) and the engine backend (``engine.backend``); stdlib only.
-
-* :class:`RequestFailed` -- every failed request, classified (``refused``, ``reset``, ``timeout``, ``server``
-  (5xx, 408, 429), ``malformed``, ``client`` (other 4xx)).
-* :class:`ServerPool` -- which server gets the next request: ``least_loaded`` (fewest in flight, ties in
-  turn) or ``round_robin`` (in turn, skipping full and resting servers); at most ``per_server`` in flight
-  each. A server that refuses or drops a connection, or fails ``fail_threshold`` times in a row, is taken
-  out of rotation for a cool-down (doubling with each failed trial), then tried with one request; after
-  ``max_trials`` failed trials it is removed. With none left :meth:`ServerPool.acquire` raises
-  :class:`AllServersDown` naming each server and its last error.
-* :func:`backoff_delay` -- the retry schedule, deterministic per (key, attempt).
+"""HTTP to inference servers: the pool that spreads requests over servers and tracks their health, and the
+failures (``http_client`` sends the requests). Shared by ``regenerate --server`` and the engine backend;
+stdlib only. Failures are :class:`RequestFailed` of a kind: ``refused``, ``reset``, ``timeout``, ``server``
+(5xx, 408, 429), ``malformed``, ``client`` (other 4xx). :class:`ServerPool`: a server that refuses or drops a
+connection, or fails ``fail_threshold`` times in a row, leaves the rotation for a cool-down (doubling with
+each failed trial), then gets one trial request; after ``max_trials`` failed trials it is removed.
 """
 
 from __future__ import annotations
@@ -47,8 +40,7 @@ class Stopped(Exception):
 
 def redact_url(url: str) -> str:
     """``url`` without its credentials (``http://user:secret@host`` -> ``http://***@host``): what logs, errors
-    and files may show. The one redaction of the project (:func:`dflash_flow.core.redact.redact_uri`); a
-    server given without a scheme (``user:pw@host:8000``) is read as http."""
+    and files may show (:func:`dflash_flow.core.redact.redact_uri`; no scheme is read as http)."""
     return redact_uri(url if "://" in url else f"http://{url}")
 
 
@@ -56,9 +48,8 @@ DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"  # read, when set, where no variable is n
 
 
 def api_key_from_env(name: str | None, option: str = "--api-key-env") -> str | None:
-    """The servers' API key: from the environment variable ``name`` (which must be set: ValueError naming
-    ``option`` otherwise), or, with no name, from $OPENAI_API_KEY when that is set; else None. Only the
-    variable's name is ever configured or written anywhere, never the key."""
+    """The servers' API key: from the variable ``name`` (which must be set: ValueError naming ``option``), or
+    with no name from $OPENAI_API_KEY when set; else None. Only the variable's name is ever configured."""
     import os
 
     if name is None:
@@ -78,15 +69,13 @@ def unit(*parts: object) -> float:
 
 def backoff_delay(row_id: object, attempt: int, base_s: float, max_s: float) -> float:
     """Seconds to wait before attempt ``attempt + 1`` of a row: ``base * 2**(attempt-1)`` capped at
-    ``max_s``, times a jitter in [0.5, 1) derived from the row id and the attempt (spreads the retries of
-    many rows failed at once, and is reproducible)."""
+    ``max_s``, times a reproducible jitter in [0.5, 1) from the row id and the attempt."""
     return min(max_s, base_s * 2 ** max(0, attempt - 1)) * (0.5 + 0.5 * unit("backoff", row_id, attempt))
 
 
 class Server:
-    """One server of a pool. ``url`` may carry credentials (``http://user:pw@host``): they are sent as HTTP
-    Basic authentication (unless an API key is), and never shown: :attr:`url` is redacted. ``option`` names
-    the setting in messages (``--server``, ``regenerate.servers``)."""
+    """One server of a pool. Credentials in ``url`` are sent as HTTP Basic authentication (unless an API key
+    is) and never shown (:attr:`url` is redacted). ``option`` names the setting in messages."""
 
     def __init__(self, url: str, index: int, option: str = "--server"):
         full = url if "://" in url else f"http://{url}"
@@ -134,10 +123,8 @@ class Lease:
 
 
 class ServerPool:
-    """Which server gets the next request (``spread``: ``least_loaded``, the one with the fewest in flight,
-    ties in turn; ``round_robin``, the next in turn), at most ``per_server`` each, never one out of rotation;
-    health from each request's outcome. One pool per set of servers is shared by all its callers, so the
-    spread holds over all of them."""
+    """Which server gets the next request (``spread``: ``least_loaded``, fewest in flight, ties in turn; or
+    ``round_robin``), at most ``per_server`` each, never one out of rotation; health from each outcome."""
 
     def __init__(self, urls: list[str], *, per_server: int = 32, fail_threshold: int = 3, cooldown_s: float = 2.0,
                  cooldown_max_s: float = 60.0, max_trials: int = 5, log: Callable[[str], None] | None = None,

@@ -19,10 +19,9 @@ __all__ = ["DEFAULT_MAX_BODY", "HttpClient", "body_cap", "discover_model"]
 
 
 class _Deadlines:
-    """Ends requests that outlive their deadline: one daemon thread (started on first use, shared by every
-    client of the process) shuts down the socket of an overdue request, which ends whatever read it is in.
-    A socket timeout alone bounds each read, not the request: a server trickling one byte a second, or
-    sending an endless chunked body, would hold it for ever."""
+    """Ends requests that outlive their deadline: one daemon thread per process shuts down an overdue
+    request's socket, ending whatever read it is in (a socket timeout bounds each read, not the request: a
+    server trickling a byte a second, or an endless chunked body, would hold it for ever)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -87,11 +86,9 @@ def body_cap(max_tokens: int, n: int = 1) -> int:
 
 
 class HttpClient:
-    """JSON requests, one keep-alive connection per thread and server. ``timeout_s`` bounds each request as a
-    whole (connecting, sending, the answer's headers and body): a deadline, not a bound on each read.
-    ``headers``: sent with every request (an ``Authorization`` header read from the environment; never
-    logged); a server whose URL carries credentials gets them as Basic authentication unless these hold an
-    ``Authorization`` header. ``max_body``: the largest body read (``request`` may name a smaller one)."""
+    """JSON requests, one keep-alive connection per thread and server. ``timeout_s``: a deadline for each
+    request as a whole. ``headers``: sent with every request (never logged); URL credentials are sent as Basic
+    authentication unless these hold an ``Authorization``. ``max_body``: the largest body read."""
 
     def __init__(self, timeout_s: float, headers: dict[str, str] | None = None, max_body: int = DEFAULT_MAX_BODY):
         self.timeout_s = timeout_s
@@ -149,27 +146,17 @@ class HttpClient:
             except RequestFailed:
                 _DEADLINES.disarm(token)
                 raise
-            except TimeoutError:
-                _DEADLINES.disarm(token)
-                self._drop(s)
-                raise RequestFailed("timeout", f"no complete answer within {self.timeout_s:g} s") from None
-            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
-                late = _DEADLINES.disarm(token)
-                self._drop(s)
-                if late:
-                    raise RequestFailed("timeout", f"no complete answer within {self.timeout_s:g} s") from None
-                if not fresh and not again:
-                    continue  # a keep-alive connection the server had closed: once more on a new one
-                raise RequestFailed("reset", f"connection dropped ({type(e).__name__})") from None
-            except ConnectionRefusedError:
-                _DEADLINES.disarm(token)
-                self._drop(s)
-                raise RequestFailed("refused", "connection refused") from None
             except (http.client.HTTPException, OSError, ValueError) as e:  # ValueError: a socket closed under it
                 late = _DEADLINES.disarm(token)
                 self._drop(s)
-                if late:
+                if isinstance(e, ConnectionRefusedError):
+                    raise RequestFailed("refused", "connection refused") from None
+                if late or isinstance(e, TimeoutError):
                     raise RequestFailed("timeout", f"no complete answer within {self.timeout_s:g} s") from None
+                if isinstance(e, ConnectionResetError | BrokenPipeError):  # RemoteDisconnected included
+                    if not fresh and not again:
+                        continue  # a keep-alive connection the server had closed: once more on a new one
+                    raise RequestFailed("reset", f"connection dropped ({type(e).__name__})") from None
                 kind = "reset" if isinstance(e, http.client.HTTPException) else "refused"
                 raise RequestFailed(kind, f"{type(e).__name__}: {e}") from None
         if 300 <= status < 400:
@@ -190,9 +177,8 @@ class HttpClient:
 
 
 def _read_body(resp: http.client.HTTPResponse, cap: int) -> bytes | None:
-    """The whole body, or None as soon as it is known to be over ``cap`` bytes (a declared length over it is
-    refused before a byte is read). Read piecewise: every piece is checked against the cap, and the deadline
-    (:class:`_Deadlines`) can end any read."""
+    """The whole body, or None as soon as it is known to be over ``cap`` bytes; read piecewise, so that the
+    deadline (:class:`_Deadlines`) can end any read."""
     length = resp.getheader("Content-Length")
     if length is not None and length.strip().isdigit() and int(length) > cap:
         return None

@@ -1,21 +1,10 @@
-"""Local servers a run starts itself, and always stops: :class:`LocalServers`.
-
-Generic: any server command with a URL that answers when it is ready (the target's vLLM servers of
-``model.engine.launch``; the eval suites start a vLLM server serving a drafter the same way). Each server
-
-* runs under a guard (:mod:`.guard`) in a session and process group of its own, with its log
-  (stdout and stderr) in a file the caller names (``OUTPUT_DIR/engine/server-<i>.log`` for a run);
-* is ready when ``GET ready_url`` answers 200; :meth:`LocalServers.wait_ready` waits at most
-  ``ready_timeout_s`` and, failing, says which URL it waited for, how long, and the log's last lines (also
-  when the server exits during start-up);
-* is stopped on every exit path: :meth:`LocalServers.stop` (also on leaving the ``with`` block: an error,
-  Ctrl-C, a SIGTERM that the CLI turns into KeyboardInterrupt), an ``atexit`` hook for what is still running
-  when the interpreter exits, and -- where no code of ours runs any more (SIGKILL, a crash of the
-  interpreter) -- the guard, which stops its group as soon as the pipe from this process closes. Stopping
-  is SIGTERM to the server's whole group, then SIGKILL after ``grace_s``: no process is left behind.
-
-Ports: :func:`port_free` checks a port before a server is started on it (a busy port is refused with one line,
-not a server that dies at start-up for a reason hidden in its log).
+"""Local servers a run starts itself, and always stops: :class:`LocalServers` (the target's vLLM servers of
+``model.engine.launch``, the eval suites' drafter server). Each runs under a guard (:mod:`.guard`) in a
+process group of its own, logging to a file the caller names; is ready when ``GET ready_url`` answers 200
+(a failed wait says which URL, how long, and the log's last lines); and is stopped on every exit path:
+:meth:`LocalServers.stop` (also on leaving the ``with`` block), an ``atexit`` hook, and -- where no code of
+ours runs any more (SIGKILL) -- the guard, which stops its group when the pipe from this process closes.
+Stopping is SIGTERM to the whole group, then SIGKILL after ``grace_s``. Busy ports are refused up front.
 """
 
 from __future__ import annotations
@@ -33,6 +22,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 __all__ = ["LaunchError", "LocalServers", "ServerSpec", "port_free", "shared_servers"]
 
@@ -57,20 +47,20 @@ class ServerSpec:
     headers: Mapping[str, str] = field(default_factory=dict)  # for the readiness request (an API key)
 
 
+@dataclass
 class _Running:
-    def __init__(self, spec: ServerSpec, proc: subprocess.Popen, pipe_w: int, log):
-        self.spec = spec
-        self.proc = proc
-        self.pipe_w = pipe_w
-        self.log = log
-        self.ready = False
+    spec: ServerSpec
+    proc: subprocess.Popen
+    pipe_w: int
+    log: Any
+    ready: bool = False
 
 
 _LIVE: set[LocalServers] = set()
 _LIVE_LOCK = threading.Lock()
-_ATEXIT = []
 
 
+@atexit.register
 def _stop_all_at_exit() -> None:
     with _LIVE_LOCK:
         live = list(_LIVE)
@@ -114,8 +104,6 @@ class LocalServers:
         self._lock = threading.Lock()
         self.start_s: float | None = None
 
-    # -- start ---------------------------------------------------------------------------------------
-
     def start(self) -> LocalServers:
         busy = [s for s in self.specs if s.port is not None and not port_free(s.port)]
         if busy:
@@ -123,9 +111,6 @@ class LocalServers:
                               "choose another first port (model.engine.launch.port)")
         with _LIVE_LOCK:
             _LIVE.add(self)
-            if not _ATEXIT:
-                atexit.register(_stop_all_at_exit)
-                _ATEXIT.append(True)
         try:
             for spec in self.specs:
                 self._start_one(spec)
@@ -197,8 +182,6 @@ class LocalServers:
         except (urllib.error.URLError, OSError, ValueError):
             return False
 
-    # -- stop ----------------------------------------------------------------------------------------
-
     def stop(self) -> None:
         """Stop every server (idempotent, safe from any thread and at exit)."""
         with self._lock:
@@ -236,16 +219,13 @@ class LocalServers:
         self.stop()
 
 
-# -- shared between the replicas of a process --------------------------------------------------------
-
-
+@dataclass
 class _Shared:
-    def __init__(self, servers: LocalServers):
-        self.servers = servers
-        self.users = 0
-        self.lock = threading.Lock()
-        self.ready = False
-        self.failed: BaseException | None = None
+    servers: LocalServers
+    users: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    ready: bool = False
+    failed: BaseException | None = None
 
 
 _SHARED: dict[object, _Shared] = {}

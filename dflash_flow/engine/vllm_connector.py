@@ -1,34 +1,18 @@
 """Our KV connector for vLLM's ``extract_hidden_states``: the target's hidden states of each prompt, written to
-one file per request, on CPU and GPU alike. vLLM imports this module into its own processes::
+one file per request, on CPU and GPU alike. vLLM imports this module into its own processes
+(``kv_connector_module_path``; ``dflash-flow serve-target PIPELINE`` prints the whole command); nothing of
+ours imports it.
 
-    --kv-transfer-config '{"kv_connector": "DFlashHiddenStatesConnector", "kv_role": "kv_producer",
-        "kv_connector_module_path": "dflash_flow.engine.vllm_connector",
-        "kv_connector_extra_config": {"shared_storage_path": "/dev/shm/dflash-flow-features"}}'
+It reuses vLLM's ``ExampleHiddenStatesConnector`` (0.32) for the cache group, block size, TP-rank-0 writer
+and cache layout, and replaces how a request's rows leave the engine. The example fails on CPU (pinned host
+memory, ``event.query()``, docs/engine.md) and writes a request's rows only at the engine's *next* step,
+holding its blocks past its end. Here the rows are written in the step that computes the prompt's last token
+(``wait_for_save``): the scheduler side marks the request in that step's metadata, the worker gathers its rows
+and hands them to :class:`~dflash_flow.engine.handover.FeatureWriter`, so the blocks are freed at once. The
+reply's ``kv_transfer_params.hidden_states_path`` names the file; clients never choose a path.
 
-(``dflash-flow serve-target PIPELINE`` prints the whole command.) Nothing of ours imports this module: it
-imports vLLM at the top and runs only inside a vLLM server.
-
-It reuses vLLM's ``ExampleHiddenStatesConnector`` (0.32) for what that gets right (finding the hidden-states
-cache group and its block size, the TP-rank-0-only writer, the cache layout) and replaces how a request's
-rows leave the engine. The example fails three ways on CPU (docs/engine.md): it allocates pinned host
-memory (CPU torch has no pinned allocator), it polls ``event.query()`` (vLLM's CPU event shim has none),
-and it extracts a request's rows only at the engine's *next* step (from ``request_finished``'s pending
-saves), so the last request of a burst waits for another one -- and, to make that work, it holds the
-request's cache blocks past its end (``finished_sending``).
-
-Here the rows are written in the step that computes the prompt's last token (``wait_for_save``, which vLLM
-calls after the extract-hidden-states forward of that step): the scheduler side marks a request for saving
-in the step's connector metadata when that step completes its prompt; the worker gathers its rows and hands
-them to :class:`~dflash_flow.engine.handover.FeatureWriter` (on a GPU: an asynchronous copy into pinned
-memory on the current stream; on CPU: the gathered tensor itself, written before the step returns).
-So the file is complete (CPU) or its copy queued ahead of any reuse of the blocks (GPU) before
-``request_finished`` runs: the blocks are freed at once, nothing waits for a later step, no lock files, no
-event polling. The reply's ``kv_transfer_params.hidden_states_path`` names the file, as vLLM's connector
-does; clients never choose a path (``allow_custom_save_path`` is ignored).
-
-Extra config (``kv_connector_extra_config``): ``shared_storage_path`` (default ``/dev/shm/dflash-flow-features``),
-``writer_threads`` (default 0 on CPU: write in the step; 4 on GPU), ``orphan_age_s`` (files older than this are
-swept, default 900).
+Extra config: ``shared_storage_path`` (default ``/dev/shm/dflash-flow-features``), ``writer_threads`` (default
+0 on CPU: write in the step; 4 on GPU), ``orphan_age_s`` (default 900).
 """
 
 from __future__ import annotations

@@ -61,8 +61,8 @@ class InProcessBackend:
     def setup(self, *, devices: Sequence[str], out_device: str, name: str) -> None:  # noqa: ARG002
         import torch
 
+        from . import MODEL_LOAD_LOCK
         from .features import TargetFeatureExtractor
-        from .loading import MODEL_LOAD_LOCK
         from .spec import ModelSpecError
         from .target import (
             TargetOfflineError,
@@ -78,14 +78,11 @@ class InProcessBackend:
                 target = spec.require_target(f"stage '{name}'")
                 depth = num_hidden_layers(load_target_config(target, trust_remote_code=spec.trust_remote_code))
                 ids = spec.layer_ids(depth)
-                self.model = load_target(
-                    target,
-                    devices=list(devices),
-                    num_layers=min(max(ids) + 1, depth) if min(ids) >= 0 else None,
-                    dtype=resolve_dtype(self.dtype, devices[0]),
-                    trust_remote_code=spec.trust_remote_code,
-                    attn_implementation=self.attn_implementation,
-                )
+                self.model = load_target(target, devices=list(devices),
+                                         num_layers=min(max(ids) + 1, depth) if min(ids) >= 0 else None,
+                                         dtype=resolve_dtype(self.dtype, devices[0]),
+                                         trust_remote_code=spec.trust_remote_code,
+                                         attn_implementation=self.attn_implementation)
             except (TargetOfflineError, ModelSpecError, ValueError, OSError) as exc:
                 raise BackendConfigError(str(exc)) from exc
         self.layer_ids = list(ids)

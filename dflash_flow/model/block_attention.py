@@ -3,14 +3,7 @@
 per group on a view of the context keys, and every block over its own keys by two batched matmuls, joined by
 log-sum-exp. ``_BlockAttention``: one call per group over the group's own blocks and context slice in one
 key buffer. ``BlockLayout`` (``drafter_layers``) says which queries form a group and which keys they see.
-
-Measured (torch 2.13, fp32, one thread, ``bench/peer_step.py`` shapes, both in one process): the split
-form is faster where the context slices are long against the own keys (the peer step: 4 x 512, loss on
-the second half, head_dim 64: no other block's own keys are scored, and its groups are larger, as
-``objective._layer_spans`` regroups it by its own cost). Where they are short it was slower (5% at 4 x 256,
-30% at 8 x 128) while its own blocks went through the kernel; forced there now it is 0-5% faster
-(``bench/dflash2_step.py``, DFlash and DFlash 2), a gain too small to move ``layout.split_pays``'
-threshold without measuring shorter rows too.
+The split form pays where the context slices are long against the own keys (``layout.split_pays``).
 """
 
 from __future__ import annotations
@@ -58,12 +51,9 @@ class _Keys:
 
 class _BlockAttention(torch.autograd.Function):
     """Attention of block queries over [their group's own blocks; their group's context slice], one CPU
-    flash kernel call per group on a view: no key is copied per group, no hidden range is scored.
-
-    Our own code: no library kernel attends to "a slice of one key tensor plus a block of another". The
-    context keys sit once in a buffer with scratch slots before them (``_Keys``); each group writes its
-    own blocks' keys next to its context slice, calls the kernel on that contiguous range, and puts the
-    context back. The backward reuses the forward's buffers and redoes the writes around the kernel's backward.
+    flash kernel call per group on a view: the context keys sit once in a buffer with scratch slots before
+    them (``_Keys``); each group writes its own keys next to its context slice, calls the kernel on that
+    range, and puts the context back (the backward redoes the writes around the kernel's backward).
     Shapes: q [b, h, Q, d]; ctx_k, ctx_v [b, kv, S, d]; own_k, own_v [b, kv, N*B, d].
     """
 
@@ -73,13 +63,8 @@ class _BlockAttention(torch.autograd.Function):
         for g, (q0, q1, lo, hi) in enumerate(layout.groups):
             k0, k1 = layout.own_keys(q0, q1)
             own = k1 - k0
-            result = kernel(
-                g,
-                q0,
-                q1,
-                keys.group(own_k.narrow(2, k0, own), lo, hi),
-                values.group(own_v.narrow(2, k0, own), lo, hi),
-            )
+            result = kernel(g, q0, q1, keys.group(own_k.narrow(2, k0, own), lo, hi),
+                            values.group(own_v.narrow(2, k0, own), lo, hi))
             keys.restore()
             values.restore()
             yield (own, lo, hi), result
@@ -95,8 +80,7 @@ class _BlockAttention(torch.autograd.Function):
         # Kept in the kernel's [b, Q, h, d] memory order, so o_proj reads the result without a copy.
         out = torch.cat([o.transpose(1, 2) for o, _lse in results], dim=1).transpose(1, 2)
         lse = torch.cat([lse for _o, lse in results], dim=2)
-        # The key buffers hold the context again; saved instead of ctx_k / ctx_v (the backward reads them
-        # as they are, no second copy of the context).
+        # The key buffers hold the context again: saved instead of ctx_k / ctx_v (no second copy).
         ctx.save_for_backward(q, keys.buf, values.buf, own_k, own_v, out, lse)
         ctx.layout, ctx.scale = layout, scale
         return out
@@ -109,18 +93,8 @@ class _BlockAttention(torch.autograd.Function):
 
         def kernel(g, q0, q1, k, v):
             n = q1 - q0
-            return _flash_cpu_backward(
-                grad_out.narrow(2, q0, n),
-                q.narrow(2, q0, n),
-                k,
-                v,
-                out.narrow(2, q0, n),
-                lse.narrow(2, q0, n),
-                0.0,
-                False,
-                attn_mask=layout.group_masks[g],
-                scale=scale,
-            )
+            return _flash_cpu_backward(grad_out.narrow(2, q0, n), q.narrow(2, q0, n), k, v, out.narrow(2, q0, n),
+                                       lse.narrow(2, q0, n), 0.0, False, attn_mask=layout.group_masks[g], scale=scale)
 
         dq, dk_own, dv_own = [], [], []
         ctx_shape = keys.context.transpose(1, 2).shape  # [b, S, kv, d]
@@ -166,28 +140,14 @@ def _block_pairs(t: torch.Tensor, m: int, kv: int) -> torch.Tensor:
 
 
 class _SplitAttention(torch.autograd.Function):
-    """The same attention as ``_BlockAttention``, computed in two parts joined by log-sum-exp: each group's
-    queries over its context slice (one CPU flash kernel call per group, on a view of the context keys:
-    no own keys in the call, so no other block's own keys are scored and masked, and a group's keys
-    stay within one of the kernel's 512-key tiles up to 512 positions), and every block's queries over
-    its own block's keys: one ``[m*h, B*kv]`` matrix of scores per block from a batched matmul, of which
-    the head-matched entries (``_block_pairs``) are softmaxed together with the context part's
-    log-sum-exp, and a second batched matmul with those probabilities (zero off the matched heads)
-    adds the own values into the context part's output in place. The backward hands the
-    context kernel the final output and log-sum-exp, which gives that part its exact share of the
-    gradient, and differentiates the own part by hand from its kept probabilities. Queries that see no
-    context (padding blocks, anchor 0, sliding slots past the window: ``layout.has_context``) get the
-    own part alone. Shapes as ``_BlockAttention``: q [b, h, Q, d]; ctx_k, ctx_v [b, kv, S, d]; own_k,
-    own_v [b, kv, N*B, d].
-
-    Why not the kernel for the own blocks too (as before, each block and head a batch entry of one call):
-    its cost is per (block, head) problem, not per score, ~3 us forward and ~6 us backward for 8 x 8
-    scores; the matmuls over one ``[m*h, B*kv]`` matrix per block (every head pair scored, the matched
-    ones kept: kv times the scores, still a few MFLOP) and a few passes over ``[blocks, m, h, B]`` took
-    5-8% off the whole step at the ``bench/peer_step.py`` embedded shapes and 2-3% at the peer shape (one
-    thread, in one process against the kernel version). Per-block, per-head matrices
-    (``[b*n*kv, g*m, d]``) were slower than the kernel: their transposing copies over 8-wide dimensions
-    cost more than the arithmetic.
+    """The same attention as ``_BlockAttention``, in two parts joined by log-sum-exp: each group's queries
+    over its context slice (one CPU flash kernel call per group, no own keys in the call), and every block's
+    queries over its own block's keys: one ``[m*h, B*kv]`` score matrix per block from a batched matmul, whose
+    head-matched entries (``_block_pairs``) are softmaxed with the context part's log-sum-exp; a second matmul
+    adds the own values into the context part's output in place. The backward hands the context kernel the
+    final output and log-sum-exp (its exact share of the gradient) and differentiates the own part by hand.
+    Queries that see no context (``layout.has_context``) get the own part alone. Shapes as ``_BlockAttention``.
+    (The kernel for the own blocks too costs per (block, head) problem, not per score: slower at these sizes.)
     """
 
     @staticmethod
@@ -199,15 +159,8 @@ class _SplitAttention(torch.autograd.Function):
         outs, lses = [], []
         for g, (q0, q1, lo, hi) in enumerate(layout.groups):
             if hi > lo:
-                o, lse = _flash_cpu(
-                    q.narrow(2, q0, q1 - q0),
-                    ctx_k.narrow(2, lo, hi - lo),
-                    ctx_v.narrow(2, lo, hi - lo),
-                    0.0,
-                    False,
-                    attn_mask=layout.context_mask(g),
-                    scale=scale,
-                )
+                o, lse = _flash_cpu(q.narrow(2, q0, q1 - q0), ctx_k.narrow(2, lo, hi - lo), ctx_v.narrow(2, lo, hi - lo),
+                                    0.0, False, attn_mask=layout.context_mask(g), scale=scale)
             else:  # no query of the group sees any context
                 o = q.new_zeros(b, q1 - q0, h, d).transpose(1, 2)
                 lse = q.new_full((b, h, q1 - q0), float("-inf"))
@@ -261,17 +214,9 @@ class _SplitAttention(torch.autograd.Function):
                 dq_parts.append(q.new_zeros(b, rows, h, d))
                 continue
             gq, gk, gv = _flash_cpu_backward(
-                grad_out.narrow(2, q0, rows),
-                q.narrow(2, q0, rows),
-                ctx_k.narrow(2, lo, hi - lo),
-                ctx_v.narrow(2, lo, hi - lo),
-                out.narrow(2, q0, rows),
-                lse.narrow(2, q0, rows),
-                0.0,
-                False,
-                attn_mask=layout.context_mask(g),
-                scale=scale,
-            )
+                grad_out.narrow(2, q0, rows), q.narrow(2, q0, rows), ctx_k.narrow(2, lo, hi - lo),
+                ctx_v.narrow(2, lo, hi - lo), out.narrow(2, q0, rows), lse.narrow(2, q0, rows), 0.0, False,
+                attn_mask=layout.context_mask(g), scale=scale)
             dq_parts.append(gq.transpose(1, 2))
             dk_ctx.narrow(2, lo, hi - lo).add_(gk)
             dv_ctx.narrow(2, lo, hi - lo).add_(gv)

@@ -12,6 +12,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from .decoding import crop_cache, new_cache, target_device
+from .dflash2 import is_dflash2_config, select_path
+from .drafter_config import draft_value
 
 __all__ = ["BlockDrafter", "DraftSettings", "draft_settings", "features"]
 
@@ -22,10 +24,7 @@ def _draft_setting(drafter: nn.Module, name: str, default: Any = None) -> Any:
     if value is not None:
         return value
     config = getattr(drafter, "config", None)
-    dflash_config = getattr(config, "dflash_config", None) or {}
-    if name in dflash_config:
-        return dflash_config[name]
-    return getattr(config, name, default) if config is not None else default
+    return draft_value(config, name, default) if config is not None else default
 
 
 def features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
@@ -49,13 +48,8 @@ class DraftSettings:
     embed_scale: float = 1.0
 
 
-def draft_settings(
-    drafter: nn.Module,
-    *,
-    block_size: int | None = None,
-    mask_token_id: int | None = None,
-    target_layer_ids: Sequence[int] | None = None,
-) -> DraftSettings:
+def draft_settings(drafter: nn.Module, *, block_size: int | None = None, mask_token_id: int | None = None,
+                   target_layer_ids: Sequence[int] | None = None) -> DraftSettings:
     """Block size, mask token and target layers: the arguments where given, else the drafter's own
     (``drafter.block_size`` / ``config.dflash_config``). Raises ValueError when something is missing."""
     size = int(block_size if block_size is not None else _draft_setting(drafter, "block_size", 16))
@@ -65,9 +59,7 @@ def draft_settings(
     ids = target_layer_ids if target_layer_ids is not None else _draft_setting(drafter, "target_layer_ids")
     layer_ids = [int(i) for i in (ids or ())]
     if size > 1 and (mask is None or not layer_ids):
-        raise ValueError(
-            "mask_token_id and target_layer_ids are needed (pass them or set them in the drafter config)"
-        )
+        raise ValueError("mask_token_id and target_layer_ids are needed (pass them or set them in the drafter config)")
     scale = float(_draft_setting(drafter, "input_embedding_scale", 1.0) or 1.0)
     return DraftSettings(size, None if mask is None else int(mask), layer_ids, scale)
 
@@ -89,21 +81,16 @@ class BlockDrafter:
         head = target.get_output_embeddings()
         self.lm_head = head if head is not None else target.lm_head
         self.cache = new_cache(drafter.config) if hasattr(drafter, "config") else None
+        #: A DFlash 2 drafter (ours or z-lab's, by its config): its drafts are its candidate selector's walk.
+        self.selects = is_dflash2_config(getattr(drafter, "config", None))
         self.calls = 0
 
     def fork(self) -> BlockDrafter:
-        """A copy that shares the models and owns a copy of the cache: driven from here on, it computes
-        exactly what this one would (the teacher-forced walk forks its longest horizon's walk where a
-        shorter horizon starts to differ, instead of walking that one again from the start)."""
+        """A copy that shares the models and owns a copy of the cache: driven from here on, it computes exactly
+        what this one would (the teacher-forced walk forks where a shorter horizon starts to differ)."""
         twin = copy.copy(self)
         twin.cache = copy.deepcopy(self.cache)
         return twin
-
-    @property
-    def selects(self) -> bool:
-        """A DFlash 2 drafter (ours or z-lab's): its drafts are its candidate selector's walk, not the
-        argmax of its logits."""
-        return getattr(self.drafter, "candidate_selector", None) is not None
 
     def logits(self, block: torch.Tensor, context: torch.Tensor, start: int) -> torch.Tensor:
         """Draft logits ``[1, v - 1, V]`` for the slots 1.. of ``block`` ``[1, v]`` (its first token at
@@ -116,36 +103,19 @@ class BlockDrafter:
             return self.drafter.compute_logits(hidden, self.lm_head)
         return self.lm_head(hidden)
 
-    def propose(
-        self,
-        block: torch.Tensor,
-        context: torch.Tensor,
-        start: int,
-        temperature: float = 0.0,
-        generator: torch.Generator | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The drafts ``[1, v - 1]`` for the slots 1.. of ``block``, and at ``temperature > 0`` their
-        proposal distribution ``[v - 1, V]`` (float32; what speculative sampling checks against).
-
-        A plain drafter proposes its argmax (greedy; sampling its logits is :func:`spec_generate`'s
-        business, with top-p / top-k). A DFlash 2 drafter proposes its selector's walk from the block's
-        first token (``dflash2.select_path``, z-lab's ``propose``): greedy, or sampled from the softmax
-        of the candidate scores at ``temperature`` (no top-p / top-k: z-lab's rule), one draw per slot,
-        in order; the distribution is then zero outside each slot's candidates."""
+    def propose(self, block: torch.Tensor, context: torch.Tensor, start: int, temperature: float = 0.0,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The drafts ``[1, v - 1]`` for the slots 1.. of ``block``, and at ``temperature > 0`` their proposal
+        distribution ``[v - 1, V]`` (float32). A plain drafter proposes its argmax (sampling its logits is
+        :func:`spec_generate`'s business); a DFlash 2 drafter its selector's walk (z-lab's ``propose``: greedy,
+        or one draw per slot from the softmax of the candidate scores; zero outside the candidates)."""
         hidden = self.hidden(block, context, start)
         logits = self._logits(hidden)
         if not self.selects:
             return logits.argmax(dim=-1), None
-        from .dflash2 import select_path
-
-        path, candidates, probs = select_path(
-            self.drafter.candidate_selector,
-            hidden,
-            logits,
-            block[:, 0].to(hidden.device),
-            temperature=temperature,
-            generator=generator,
-        )
+        path, candidates, probs = select_path(self.drafter.candidate_selector, hidden, logits,
+                                              block[:, 0].to(hidden.device), temperature=temperature,
+                                              generator=generator)
         if probs is None:
             return path, None
         full = torch.zeros(probs.shape[1], logits.shape[-1], dtype=torch.float32, device=probs.device)
@@ -164,14 +134,8 @@ class BlockDrafter:
             noise = noise * self.settings.embed_scale
         ctx_len = context.shape[1]
         positions = torch.arange(start - ctx_len, start + verify, device=self.device)[None]
-        hidden = self.drafter(
-            position_ids=positions,
-            noise_embedding=noise,
-            target_hidden=context.to(self.device),
-            attention_mask=None,
-            past_key_values=self.cache,
-            use_cache=True,
-        )
+        hidden = self.drafter(position_ids=positions, noise_embedding=noise, target_hidden=context.to(self.device),
+                              attention_mask=None, past_key_values=self.cache, use_cache=True)
         if not isinstance(hidden, torch.Tensor):  # a ModelOutput-returning drafter
             hidden = hidden[0]
         self.calls += 1

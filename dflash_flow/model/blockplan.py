@@ -44,19 +44,11 @@ def valid_anchor_mask(loss_mask: torch.Tensor, attention_mask: torch.Tensor | No
     return valid
 
 
-def anchor_candidates(
-    loss_mask: torch.Tensor,
-    width: int,
-    *,
-    attention_mask: torch.Tensor | None,
-    generator: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``width`` sorted anchors per row, padding last, and the valid counts; no device->host read.
-
-    A uniformly random subset = the smallest of i.i.d. uniform keys; invalid positions get key 2 so they
-    are only picked when a row runs out of valid ones (and then become padding). Any prefix of the
-    result is what a smaller ``width`` would draw from the same generator state.
-    """
+def anchor_candidates(loss_mask: torch.Tensor, width: int, *, attention_mask: torch.Tensor | None,
+                      generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``width`` sorted anchors per row, padding last, and the valid counts; no device->host read. A uniform
+    random subset is the smallest of i.i.d. uniform keys (invalid positions get key 2: padding, picked only
+    when a row runs out of valid ones); any prefix is what a smaller ``width`` draws from the same state."""
     valid = valid_anchor_mask(loss_mask, attention_mask)
     b, s = valid.shape
     device = valid.device
@@ -73,28 +65,17 @@ def anchor_candidates(
     return anchors, keep, valid.sum(dim=1)
 
 
-def sample_anchors(
-    loss_mask: torch.Tensor,
-    num_anchors: int,
-    *,
-    attention_mask: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw ``W = min(num_anchors, max #valid)`` anchors per row, uniformly without replacement, sorted.
-
-    Random keys are drawn on ``generator``'s device (CPU without one). A CPU generator gives the same
-    anchors for a seed whatever device the batch is on; a CUDA generator works but draws differently.
-    Returns ``(anchors [b, W] long, keep [b, W] bool)``; rows with fewer valid positions are padded at
-    the end with anchor 0 and keep False.
-    """
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, *, attention_mask: torch.Tensor | None = None,
+                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(anchors [b, W] long, keep [b, W] bool)``: ``W = min(num_anchors, max #valid)`` anchors per row,
+    uniformly without replacement, sorted; rows with fewer valid positions padded at the end (anchor 0, keep
+    False). Keys are drawn on ``generator``'s device (CPU without one: the same anchors on any device)."""
     b, s = loss_mask.shape
     width = min(int(num_anchors), s)
     if b == 0 or width <= 0:
         empty = torch.zeros(b, 0, dtype=torch.long, device=loss_mask.device)
         return empty, empty.bool()
-    anchors, keep, counts = anchor_candidates(
-        loss_mask, width, attention_mask=attention_mask, generator=generator
-    )
+    anchors, keep, counts = anchor_candidates(loss_mask, width, attention_mask=attention_mask, generator=generator)
     w = min(width, int(counts.max().item()))  # the block count sets every shape after it
     return anchors[:, :w], keep[:, :w]
 
@@ -102,10 +83,8 @@ def sample_anchors(
 def decay_weights(
     block_size: int, gamma: float | None, *, device: torch.device | None = None
 ) -> torch.Tensor:
-    """Per-slot loss weights ``[B]``: slot 0 is never supervised (0), then ``exp(-(k-1)/gamma)``, k >= 1.
-
-    ``gamma`` None or <= 0 means no decay (1 on every slot k >= 1).
-    """
+    """Per-slot loss weights ``[B]``: 0 on slot 0 (never supervised), then ``exp(-(k-1)/gamma)`` (``gamma``
+    None or <= 0: no decay, 1)."""
     k = torch.arange(block_size, device=device, dtype=torch.float32)
     if gamma is None or gamma <= 0:
         w = torch.ones(block_size, device=device)
@@ -116,14 +95,10 @@ def decay_weights(
 
 @attrs.frozen(kw_only=True)
 class PrefixPrior:
-    """The variable-prefix objective's prior over a block's visible prefix length ``l`` (D2SD VP-Drafter,
-    arXiv 2606.04446, as NeMo AutoModel's ``loss_type: variable_prefix`` defines it): a truncated
-    geometric law ``Pr(l) ~ weight_base ** l`` on ``min_length..max_length``.
-
-    ``l`` counts the anchor slot: slots ``0..l-1`` hold the real tokens ``input_ids[a..a+l-1]``, slots
-    ``l..B-1`` the mask token, and only those are supervised; ``l = 1`` is DFlash's block. ``max_length``
-    None means ``B - 1`` (at least one masked slot). NeMo fixes the range to ``min(2, B-1)..B-1``; our
-    default starts at 1 because inference (z-lab's decoding) drafts every block with ``l = 1``.
+    """The variable-prefix objective's prior over a block's visible prefix length ``l`` (D2SD VP-Drafter, as
+    NeMo AutoModel's ``loss_type: variable_prefix``): ``Pr(l) ~ weight_base ** l`` on ``min_length..max_length``.
+    Slots ``0..l-1`` hold real tokens, the masked rest is supervised; ``l = 1`` is DFlash's block.
+    ``max_length`` None: ``B - 1``. The default starts at 1 (not NeMo's 2): inference drafts with ``l = 1``.
     Errors name the config fields (``prefix_weight_base``, ``prefix_min_length``, ``prefix_max_length``).
     """
 
@@ -147,20 +122,11 @@ class PrefixPrior:
         return w / w.sum()
 
 
-def sample_prefix_lengths(
-    shape: tuple[int, int] | torch.Size,
-    prior: PrefixPrior,
-    *,
-    block_size: int,
-    device: torch.device | str | None = None,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Visible prefix lengths ``[b, N]`` long, i.i.d. from ``prior``, by inverse CDF of one uniform each.
-
-    Drawn on ``generator``'s device (CPU without one) like the anchor keys, then moved to ``device``:
-    one vectorised draw, no Python loop over blocks, no device->host read; the same generator state gives
-    the same lengths.
-    """
+def sample_prefix_lengths(shape: tuple[int, int] | torch.Size, prior: PrefixPrior, *, block_size: int,
+                          device: torch.device | str | None = None,
+                          generator: torch.Generator | None = None) -> torch.Tensor:
+    """Visible prefix lengths ``[b, N]`` long, i.i.d. from ``prior`` by inverse CDF of one uniform each, drawn
+    on ``generator``'s device (CPU without one) like the anchor keys, then moved to ``device``."""
     lo, hi = prior.bounds(block_size)
     draw_on = generator.device if generator is not None else torch.device("cpu")
     cdf = prior._probabilities(lo, hi).cumsum(0).to(draw_on)
@@ -182,23 +148,13 @@ def prefix_decay_weights(prefix_lengths: torch.Tensor, block_size: int, gamma: f
     return torch.where(shift >= 0, w, torch.zeros_like(w))
 
 
-def plan_blocks(
-    input_ids: torch.Tensor,
-    loss_mask: torch.Tensor,
-    anchors: torch.Tensor,
-    keep: torch.Tensor,
-    *,
-    block_size: int,
-    mask_token_id: int,
-    gamma: float | None = 7.0,
-    attention_mask: torch.Tensor | None = None,
-    prefix_lengths: torch.Tensor | None = None,
-) -> BlockPlan:
-    """Block inputs, positions, same-position labels and loss weights for given anchors.
-
-    ``prefix_lengths`` ``[b, N]`` (the variable-prefix objective): block n shows the real tokens at
-    ``a..a+l-1`` (the mask token where that position is padding or past the row), and only slots
-    ``k >= l`` are supervised, weighted ``exp(-(k-l)/gamma)``. None: DFlash's block (``l = 1``)."""
+def plan_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor,
+                *, block_size: int, mask_token_id: int, gamma: float | None = 7.0,
+                attention_mask: torch.Tensor | None = None,
+                prefix_lengths: torch.Tensor | None = None) -> BlockPlan:
+    """Block inputs, positions, same-position labels and loss weights for given anchors. ``prefix_lengths``
+    ``[b, N]`` (variable prefix): block n shows the real tokens at ``a..a+l-1`` (the mask token past the row or on
+    padding) and supervises slots ``k >= l``, weighted ``exp(-(k-l)/gamma)``; None: ``l = 1``."""
     b, s = input_ids.shape
     device = input_ids.device
     k = torch.arange(block_size, device=device)
@@ -206,14 +162,9 @@ def plan_blocks(
     in_row = pos < s
     idx = pos.clamp(max=s - 1)
     labels = input_ids.gather(1, idx.flatten(1)).view_as(idx)
-    lm = loss_mask.bool()
-    if attention_mask is not None:
-        lm = lm & attention_mask.bool()
-    context_valid = (
-        attention_mask.bool()
-        if attention_mask is not None
-        else torch.ones(b, s, dtype=torch.bool, device=device)
-    )
+    context_valid = attention_mask.bool() if attention_mask is not None else torch.ones(b, s, dtype=torch.bool,
+                                                                                          device=device)
+    lm = loss_mask.bool() & context_valid
     if prefix_lengths is None:
         sup = keep[:, :, None] & in_row & (k >= 1) & lm.gather(1, idx.flatten(1)).view_as(idx)
         weights = sup.float() * decay_weights(block_size, gamma, device=device)
@@ -229,17 +180,5 @@ def plan_blocks(
         block_ids = torch.where(shown & real, labels, torch.full_like(labels, int(mask_token_id)))
         sup = keep[:, :, None] & in_row & ~shown & lm.gather(1, idx.flatten(1)).view_as(idx)
         weights = sup.float() * prefix_decay_weights(prefix_lengths, block_size, gamma)
-    return BlockPlan(
-        anchors=anchors,
-        keep=keep,
-        block_ids=block_ids,
-        block_positions=pos,
-        labels=labels,
-        supervised=sup,
-        weights=weights,
-        context_valid=context_valid,
-        prefix_lengths=prefix_lengths,
-    )
-
-
-# ------------------------------------------------------------------------------------------ masks
+    return BlockPlan(anchors=anchors, keep=keep, block_ids=block_ids, block_positions=pos, labels=labels,
+                     supervised=sup, weights=weights, context_valid=context_valid, prefix_lengths=prefix_lengths)

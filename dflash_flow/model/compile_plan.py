@@ -1,27 +1,14 @@
 """``compile: auto``: torch.compile the training step only when the run's planned steps repay the compiling.
 
-Compiling the step's work outside the attention kernels (``DFlashDrafter.compiled``) makes each step 10-19%
-faster on CPU after 12-57 s of compiling per batch shape (docs/benchmarks.md); a test or a short run never
-earns that back, a long one does. ``CompilePlan`` decides once per run, by measurement:
-
-1. the trainer says how many micro-batches the run plans (``plan_steps``); a run of fewer than
-   ``MIN_MICRO_BATCHES`` stays eager and measures nothing (tests, short runs: no compiling, no cost);
-2. otherwise the first ``WARMUP`` eager steps are timed (the gap between one step's start and the next, so
-   the optimizer and the input are in it; the very first step is left out);
-3. compiling costs ``compile_s`` per compiled shape (one, or two when the batches seen differ in shape: the
-   second compiles with dynamic sizes; stretched by wall / CPU time of the timed steps when other work holds
-   the cores, since compiling would wait as long) and saves ``saving`` of each step; both come from this machine's
-   record (``compile_plan.json`` in the cache directory, written by the last run that compiled under
-   ``auto``, key: torch, device, CPU model, threads, drafter class and size), else from the defaults below
-   (measured on the project's 2-core boxes with inductor's cache cold);
-4. it compiles when the saving over the micro-batches left exceeds ``MARGIN`` times the compiling, and says
-   either way, once, at the start: ``compiling: ~N s, saves ~M s over K steps`` (or why not);
-5. a run that compiled times its next ``CALIBRATE`` steps, records what compiling really cost and saved
-   (the next run's estimate), and goes back to eager for the rest of the run when the compiled steps turned
-   out slower.
-
-Only on CPU (the defaults are CPU measurements; elsewhere ``compile: true`` turns it on). Each rank decides
-by its own clock. Compiled and eager steps agree to float rounding (tests/model/test_compiled_step.py).
+Compiling the step's work outside the attention kernels (``DFlashDrafter.compiled``) makes CPU steps faster
+after tens of seconds of compiling per batch shape (docs/benchmarks.md). ``CompilePlan`` decides once per run,
+by measurement: a run planning fewer than ``MIN_MICRO_BATCHES`` stays eager and measures nothing; otherwise
+the first ``WARMUP`` eager steps are timed, and it compiles when the saving over the micro-batches left
+exceeds ``MARGIN`` times the compiling (per compiled shape, stretched by wall / CPU time when other work holds
+the cores). Cost and saving come from this machine's record (``compile_plan.json`` in the cache directory,
+written by the last run that compiled), else from the defaults below. A run that compiled times its next
+``CALIBRATE`` steps, records what compiling cost and saved, and goes back to eager when it turned out slower.
+Only on CPU; each rank decides by its own clock.
 """
 
 from __future__ import annotations
@@ -73,8 +60,7 @@ def _cpu_model() -> str:
 
 
 class CompilePlan:
-    """One run's ``compile: auto`` decision for one drafter (``DFlashDrafter.compile_plan``); ``tick`` is
-    called at the start of every training step, ``steps_left`` set by ``plan_steps``."""
+    """One run's ``compile: auto`` decision for one drafter; ``tick`` at the start of every training step."""
 
     def __init__(self, drafter: Any, *, record: str | Path | None = None, clock=time.perf_counter,
                  cpu_clock=time.process_time) -> None:
@@ -92,7 +78,6 @@ class CompilePlan:
         self._eager_s: float | None = None
         self._compiles = 1
 
-    # -- inputs ------------------------------------------------------------------------------------
     def planned(self, micro_batches_left: int) -> None:
         if self.steps_left is None:
             self.steps_left = max(0, int(micro_batches_left))
@@ -125,12 +110,10 @@ class CompilePlan:
             self._cpu_gaps.append(cpu_gap)
         if len(self._gaps) > WARMUP:  # the first gap holds the first step's warm-up
             step_s = statistics.median(self._gaps[1:])
-            # Steps that took longer than the CPU they got waited for a core (other work on the machine):
-            # compiling would wait as much, so its estimate (measured on a quiet box) is stretched alike.
+            # Steps that took longer than the CPU they got waited for a core: compiling would wait as much.
             slowdown = max(1.0, step_s / max(statistics.median(self._cpu_gaps[1:]), 1e-9))
             self._decide(step_s, slowdown)
 
-    # -- the decision ------------------------------------------------------------------------------
     def estimate(self) -> Estimate:
         saving = DEFAULT_SAVING.get(type(self.drafter).__name__, OTHER_SAVING)
         found = self._records().get(self.key())
@@ -168,7 +151,6 @@ class CompilePlan:
         if message:
             log.info("%s", message)
 
-    # -- the record --------------------------------------------------------------------------------
     def _calibrated(self) -> None:
         gaps = self._gaps
         eager = self._eager_s
@@ -204,8 +186,7 @@ class CompilePlan:
 
 
 def plan_steps(drafter: Any, micro_batches_left: int) -> None:
-    """The trainer's hook: the run plans ``micro_batches_left`` more micro-batches (a no-op unless the drafter's
-    ``compile`` is ``auto``)."""
+    """The trainer's hook: the run plans ``micro_batches_left`` more micro-batches (unless ``compile: auto``, a no-op)."""
     plan = getattr(drafter, "compile_plan", None)
     if plan is not None:
         plan.planned(micro_batches_left)

@@ -27,10 +27,8 @@ def default_dtype(device: str | torch.device) -> torch.dtype:
 
 
 def default_attn_implementation(device: str | torch.device, dtype: torch.dtype | None = None) -> str:
-    """flash_attention_2 only where it can actually run: a CUDA device of compute capability 8.0 or more
-    (Ampere on), a 16-bit ``dtype`` (bf16 or fp16; None: the device's default, bf16), and the package imports;
-    sdpa otherwise. flash-attn is an optional extra and cannot even be built on CPU-only machines; on a V100 or
-    T4, or in float32, it fails at the first forward."""
+    """flash_attention_2 only where it can run: a CUDA device of compute capability >= 8.0, a 16-bit ``dtype``
+    (None: the device's default), and the package imports; sdpa otherwise."""
     dev = as_device(device)
     if dev.type != "cuda":
         return "sdpa"
@@ -48,7 +46,6 @@ def default_attn_implementation(device: str | torch.device, dtype: torch.dtype |
     return "flash_attention_2"
 
 
-
 def resolve_dtype(name: str | None, device: str | torch.device) -> torch.dtype:
     """A dtype from its config name; ``auto`` (or None) is :func:`default_dtype` for the device."""
     if name in (None, "auto"):
@@ -59,14 +56,10 @@ def resolve_dtype(name: str | None, device: str | torch.device) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; expected auto, float32, bfloat16 or float16") from None
 
 
-
-# -- streams ----------------------------------------------------------------------------------------------
-# Every thread of a process starts on each GPU's legacy default stream, shared by all threads: a target replica's
-# forward and the drafter's step on one GPU then run one after the other, and a copy between two GPUs makes each
-# side's stream wait for the other's queued work (torch's device-to-device copy is a two-way barrier between the
-# two devices' current streams). A stage that runs a model enters a stream of its own per device
-# (``side_streams``) and synchronizes only those; whoever takes a tensor made there marks it used on its own
-# stream (``take``), so the caching allocator does not hand the memory back to the maker while it is read.
+# -- streams: every thread starts on each GPU's legacy default stream, shared by all threads (a target replica's
+# forward and the drafter's step would run one after the other, and a copy between two GPUs is a two-way
+# barrier). A stage that runs a model enters a stream of its own per device (``side_streams``) and synchronizes
+# only those; whoever takes a tensor made there marks it used on its own stream (``take``).
 
 _streams = threading.local()
 
@@ -83,10 +76,9 @@ def _thread_stream(device: torch.device) -> torch.cuda.Stream:
 
 @contextlib.contextmanager
 def side_streams(devices: Iterable[torch.device | str]) -> Iterator[None]:
-    """Run the block on this thread's own stream of each CUDA device in ``devices`` (nothing on other
-    devices). Each stream first waits for what this thread queued on the device's current stream before (the
-    inputs' copies); at the end the block's work is synchronized, on those streams only: what it made is
-    complete, and no other thread's queued work was waited for."""
+    """Run the block on this thread's own stream of each CUDA device in ``devices``: each first waits for what
+    this thread queued on the device's current stream; at the end the block's work is synchronized, on those
+    streams only."""
     cuda = sorted({as_device(d) for d in devices if as_device(d).type == "cuda"}, key=str)
     if not cuda:
         yield
@@ -104,9 +96,8 @@ def side_streams(devices: Iterable[torch.device | str]) -> Iterator[None]:
 
 
 def take(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (made on another thread's stream, e.g. a target replica's features) marked in use on this thread's
-    current stream of its device before this thread reads or copies it, so its memory is not reused by the
-    maker's stream while that read is queued. A no-op off CUDA."""
+    """``t`` (made on another thread's stream) marked in use on this thread's current stream before it is read,
+    so the maker's stream does not reuse its memory meanwhile. A no-op off CUDA."""
     if t.is_cuda:
         t.record_stream(torch.cuda.current_stream(t.device))
     return t
@@ -118,19 +109,17 @@ ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 
 
 def use_expandable_segments() -> None:
-    """Have CUDA's caching allocator grow segments in place (``expandable_segments:True``) unless the user set
-    ``PYTORCH_CUDA_ALLOC_CONF``: batches of every shape (features, activations that change with each batch and
-    chunk) otherwise leave reserved memory far above allocated, and an out-of-memory error can come while memory
-    is free. Read when CUDA first allocates, so it is set before that (a later call changes nothing)."""
+    """Have CUDA's caching allocator grow segments in place unless the user set ``PYTORCH_CUDA_ALLOC_CONF``
+    (batches of every shape otherwise leave reserved memory far above allocated). Effective before CUDA's
+    first allocation only."""
     if ALLOC_CONF not in os.environ and not torch.cuda.is_initialized():
         os.environ[ALLOC_CONF] = "expandable_segments:True"
 
 
 def bind_thread_device(devices: list[str], home: str | None = None) -> None:
     """Make the calling thread's current CUDA device its own: the first GPU of ``devices``, else ``home`` (the
-    rank's first GPU: a thread without a GPU of its own still creates contexts, e.g. pinning host memory, and
-    must not create them on another rank's GPU 0). A no-op without CUDA. Every stage thread runs this before
-    its setup (registered by ``app.gpu`` with the runtime, ``core.devices.register_thread_setup``)."""
+    rank's first GPU: a thread without one still creates contexts, and not on another rank's GPU 0). Every
+    stage thread runs this before its setup; a no-op without CUDA."""
     cuda = [d for d in devices if d.startswith("cuda")] or ([home] if home else [])
     if not cuda or not torch.cuda.is_available():
         return
@@ -140,9 +129,7 @@ def bind_thread_device(devices: list[str], home: str | None = None) -> None:
 
 def to_host(tree: Any) -> Any:
     """``tree`` (tensors in dicts, lists and tuples) with every CUDA tensor copied to pinned host memory without
-    blocking, then one synchronization of the devices involved; other leaves as they are. A checkpoint's state
-    made this way adds no GPU memory (a clone on the device was a transient of the masters' size, ~4 GB at the
-    recipe's 1B drafter, at a step boundary where the allocator is at its fullest) and the copies overlap."""
+    blocking, then one synchronization; other leaves as they are. Adds no GPU memory, the copies overlap."""
     devices: set[torch.device] = set()
 
     def copy(x: Any) -> Any:

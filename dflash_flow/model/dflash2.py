@@ -21,25 +21,9 @@ Contract (must stay equal to z-lab ``dflash.model.DFlash2DraftModel`` 0.1.0, whi
   first (known) token. Greedy takes the best score; sampling draws from ``softmax(scores / T)`` over
   the candidates (temperature only, as z-lab does), which is the proposal speculative sampling checks.
 
-Initialisation (NeMo AutoModel's DFlash 2 start; z-lab ships no initialiser): each convolution is the
-identity (unit self-tap, zero correction) and the successor codebook is zero, so a fresh DFlash 2
-drafter computes exactly what the DFlash drafter with the same weights does; training moves it away.
-
-Training (``objective.dflash_loss``, the selector's part in ``selector_terms``) follows NeMo AutoModel's
-DFlash 2 recipe (``DFlash2TrainerModule``): the convolutions need no supervision of their own (they are
-part of the backbone, trained by the DFlash loss), and the selector adds one term,
-``loss = dflash_loss + selector_loss_weight * selector_loss``. ``selector_loss`` is a cross-entropy over
-each supervised slot's top-k candidates (of the drafter's own logits), scored after the *true* previous
-token (teacher forcing; slot 1's predecessor is the block's first token, as at decoding), with the true
-token's index among the candidates as the target, each slot weighted by its DFlash decay weight, and
-normalised by its own weight sum. Slots whose true token is not among the candidates carry no selector
-term (there is nothing to select; their share is reported as ``candidate_recall``). Gradients reach the
-backbone through the unary logits and the hidden projection as well, as in NeMo. Why this rule and not
-speculators' (which swaps the weakest candidate for a missing target so that every slot has a k-way
-label): NeMo's trains the selector only on the candidate sets it will rerank at decoding, and it is the
-recipe the issue names. Along the accepted run of a block the true and the selected predecessors are
-the same, so the teacher-forced run of correct selector picks is exactly the greedy walk's acceptance
-(``selector_accept_len``).
+A fresh drafter starts at the identity (NeMo AutoModel's start): it computes what the DFlash drafter with the
+same weights does. Training (docs/dflash2.md): the DFlash loss, plus ``selector_loss_weight *`` the selector's
+cross-entropy over each supervised slot's top-k candidates after the *true* previous token (``selector_terms``).
 """
 
 from __future__ import annotations
@@ -50,14 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_flow.model.dflash2_conv import GroupedDynamicConv, block_causal_conv
 from dflash_flow.model.drafter import DFlashDrafter
 from dflash_flow.model.drafter_config import draft_value, make_drafter_config
 from dflash_flow.model.drafter_layers import DrafterLayer, SlotRows, gated_mlp
-from dflash_flow.model.strategies import (  # noqa: F401 - re-exported: the settings live with the strategies
+from dflash_flow.model.strategies import (
     DFLASH2_DEFAULTS,
     DFLASH2_KEYS,
-    VARIANTS,
     Variant,
     as_variant,
     dflash2_problems,
@@ -73,25 +55,15 @@ def is_dflash2_config(config: Any) -> bool:
     return ARCHITECTURE in (getattr(config, "architectures", None) or [])
 
 
-def make_dflash2_config(
-    target_config: Any,
-    *,
-    conv_kernel_size: int | None = None,
-    conv_group_size: int | None = None,
-    selector_rank: int | None = None,
-    selector_top_k: int | None = None,
-    **drafter_kw: Any,
-):
+def make_dflash2_config(target_config: Any, *, conv_kernel_size: int | None = None,
+                        conv_group_size: int | None = None, selector_rank: int | None = None,
+                        selector_top_k: int | None = None, **drafter_kw: Any):
     """``drafter.make_drafter_config`` plus the DFlash 2 settings (written into ``dflash_config``, where
     z-lab reads them; None: ``DFLASH2_DEFAULTS``). Raises ValueError naming every bad setting."""
     config = make_drafter_config(target_config, **drafter_kw)
     settings = dflash2_settings(conv_kernel_size, conv_group_size, selector_rank, selector_top_k)
-    problems = dflash2_problems(
-        settings,
-        hidden_size=config.hidden_size,
-        vocab_size=config.vocab_size,
-        block_size=int(draft_value(config, "block_size", 16)),
-    )
+    problems = dflash2_problems(settings, hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+                                block_size=int(draft_value(config, "block_size", 16)))
     if problems:
         raise ValueError("invalid DFlash 2 settings: " + "; ".join(message for _, message in problems))
     config.dflash_config = {**config.dflash_config, **settings}
@@ -120,6 +92,103 @@ def make_variant_config(target_config: Any, *, variant: str = "dflash", **kw: An
     return variant_config(target_config, cls(**{k: v for k, v in given.items() if k in own}), **kw)
 
 
+# -- the in-block convolution
+class _BlockCausalConv(torch.autograd.Function):
+    """``block_causal_conv`` on ``xs`` ``[b, N, B, G, gs]``, ``dyn`` ``[b, N, B, K, G, 1]``, ``w`` ``[K, G, gs]``.
+    Forward: tap ``o`` adds ``w[o] * x[t - o]`` then ``dyn[o] * x[t - o]`` to slots ``t >= o`` in place: z-lab's
+    roundings of its zero-padded sum, without the padding. Backward: the gradients autograd gives that
+    formulation, bit for bit (each ``grad * x`` product once for both its reductions, summed in autograd's order).
+    """
+
+    @staticmethod
+    def forward(ctx, xs, dyn, w):
+        out = (w[0] * xs).addcmul_(dyn[:, :, :, 0], xs)
+        for o in range(1, min(w.shape[0], xs.shape[2])):
+            prev = xs[:, :, :-o]
+            out[:, :, o:].add_(w[o] * prev).addcmul_(dyn[:, :, o:, o], prev)
+        ctx.save_for_backward(xs, dyn, w)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        # Few buffers (each fresh one costs its page faults): ``scratch`` holds one product at a time.
+        xs, dyn, w = ctx.saved_tensors
+        grad_dyn, grad_w = torch.empty_like(dyn, memory_format=torch.contiguous_format), torch.empty_like(w)
+        scratch = grad * xs
+        grad_dyn[:, :, :, 0] = scratch.sum(-1, keepdim=True)
+        grad_w[0] = scratch.sum((0, 1, 2))
+        grad_x = None
+        for o in range(1, w.shape[0]):
+            if o >= xs.shape[2]:  # the tap never reaches into the block
+                grad_dyn[:, :, :, o] = 0
+                grad_w[o] = 0
+                continue
+            prev, tail = xs[:, :, :-o], grad[:, :, o:]
+            scratch[:, :, :o] = 0  # the kernel's gradient sums over the padded slots, as autograd's does
+            torch.mul(tail, prev, out=scratch[:, :, o:])
+            grad_w[o] = scratch.sum((0, 1, 2))
+            grad_dyn[:, :, :o, o] = 0
+            grad_dyn[:, :, o:, o] = scratch[:, :, o:].sum(-1, keepdim=True)
+            shifted = torch.empty_like(xs)
+            shifted[:, :, -o:] = 0
+            torch.mul(tail, dyn[:, :, o:, o], out=shifted[:, :, :-o]).add_(torch.mul(tail, w[o], out=scratch[:, :, o:]))
+            grad_x = shifted if grad_x is None else grad_x.add_(shifted)
+        if grad_x is None:
+            return torch.mul(grad, dyn[:, :, :, 0]).add_(torch.mul(grad, w[0], out=scratch)), grad_dyn, grad_w
+        grad_x.add_(torch.mul(grad, dyn[:, :, :, 0], out=scratch))
+        return grad_x.add_(torch.mul(grad, w[0], out=scratch)), grad_dyn, grad_w
+
+
+def block_causal_conv(
+    x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, group_size: int, block: int
+) -> torch.Tensor:
+    """``y[t] = sum_o (base[o] + dynamic[t, o, group]) * x[t - o]`` along each block's slots.
+
+    ``x`` ``[b, T, H]`` holds ``T / block`` blocks end to end; tap ``o`` reads slot ``t - o`` of the same block
+    (zero before its first slot), so blocks side by side (training) give what each alone gives (inference).
+    ``dynamic`` ``[b, T, K, G]``, ``base`` ``[K, H]``. Tap by tap, base then correction: z-lab's rounding.
+    """
+    b, t, h = x.shape
+    groups = h // group_size
+    taps = base.shape[0]
+    xs = x.view(b, t // block, block, groups, group_size)
+    dyn = dynamic.reshape(b, t // block, block, taps, groups, 1)
+    w = base.view(taps, groups, group_size).to(x.dtype)
+    return _BlockCausalConv.apply(xs, dyn, w).view(b, t, h)
+
+
+class GroupedDynamicConv(nn.Module):
+    """The convolution around one sublayer: ``prepare`` before it, ``finish`` after it. Both halves'
+    corrections are predicted once, from the sublayer's (normed) input."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int) -> None:
+        super().__init__()
+        if hidden_size % group_size:
+            raise ValueError(f"conv_group_size {group_size} must divide the hidden size {hidden_size}")
+        self.kernel_size = int(kernel_size)
+        self.group_size = int(group_size)
+        self.groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, self.kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * self.kernel_size * self.groups, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The identity: unit self-tap, no correction (a fresh DFlash 2 layer is a DFlash layer)."""
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def prepare(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        dynamic = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.groups)
+        conv = block_causal_conv(x, dynamic[..., 0, :, :], self.base_kernel[0], self.group_size, block)
+        return conv, dynamic[..., 1, :, :]
+
+    def finish(self, x: torch.Tensor, dynamic: torch.Tensor, block: int) -> torch.Tensor:
+        return block_causal_conv(x, dynamic, self.base_kernel[1], self.group_size, block)
+
+
 class DFlash2Layer(DrafterLayer):
     """A DFlash decoder layer with the in-block convolution around its attention and its MLP."""
 
@@ -144,10 +213,8 @@ class DFlash2Layer(DrafterLayer):
         return x + self.mlp_conv.finish(gated_mlp(self.mlp, h), dyn, block)
 
     def _prepare_rows(self, rows: SlotRows, block: int):
-        """``attention_conv.prepare`` of the first layer's input given as ``rows`` (slots 1..B-1 hold the
-        mask token): ``(SlotRows, dynamic)``. The convolution reads slots t-K+1..t, so only slots 0..K-1
-        of a block differ and slots K..B-1 are one row; each is the convolution of a block of K rows
-        (slot t depends on slots <= t only), normed and projected once."""
+        """``attention_conv.prepare`` of the first layer's input given as ``rows``: ``(SlotRows, dynamic)``. The
+        convolution reads slots t-K+1..t, so only slots 0..K-1 differ and slots K..B-1 are one row."""
         taps = min(self.attention_conv.kernel_size, block)
         b, n, hidden = rows.first.shape
         rest = self.input_layernorm(rows.rest)
@@ -178,9 +245,7 @@ class DFlash2Layer(DrafterLayer):
         return self._sublayers(x, attend, block, self._prepare_rows(rows, block) if factored else None)
 
 
-# ---------------------------------------------------------------------------------------------------
-# The candidate selector
-# ---------------------------------------------------------------------------------------------------
+# -- the candidate selector
 
 
 def _table(weight: Any) -> torch.Tensor:
@@ -214,9 +279,8 @@ class CandidateSelector(nn.Module):
             self.successor_codebook.zero_()
             self.hidden_projection.weight.normal_(0.0, self.init_std)
 
-    def pair_scores(
-        self, hidden: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor, predecessors: torch.Tensor
-    ) -> torch.Tensor:
+    def pair_scores(self, hidden: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor,
+                    predecessors: torch.Tensor) -> torch.Tensor:
         """``[..., k]`` scores of ``candidates`` (``[..., k]``, unary logits ``unary``) after
         ``predecessors`` (``[...]``), at slots with normed hidden states ``hidden`` (``[..., H]``)."""
         # index_select: F.embedding's values and gradients (checked bit for bit), a cheaper backward on CPU.
@@ -224,23 +288,14 @@ class CandidateSelector(nn.Module):
         return unary + torch.einsum("...r,...kr->...k", gate, _lookup(self.successor_codebook, candidates))
 
 
-def select_path(
-    selector: nn.Module,
-    hidden: torch.Tensor,
-    logits: torch.Tensor,
-    anchor_ids: torch.Tensor,
-    *,
-    temperature: float = 0.0,
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The decode-time walk of a selector (ours or z-lab's ``CandidateSelector``) through the
-    candidates of a block's draft slots.
+def select_path(selector: nn.Module, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor, *,
+                temperature: float = 0.0, generator: torch.Generator | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The decode-time walk of a selector (ours or z-lab's) through a block's draft slots' candidates.
 
-    ``hidden`` ``[b, P, H]`` and ``logits`` ``[b, P, V]`` of the P draft slots, ``anchor_ids`` ``[b]``
-    the block's first token. Returns the path ``[b, P]``, the candidates ``[b, P, k]`` and, when
-    ``temperature > 0``, each step's proposal over them ``[b, P, k]`` (else None). The candidates come
-    from ``topk(sorted=False)`` and the draws are one multinomial per slot, in order, as z-lab's walk
-    makes them: the same generator state gives the same path.
+    ``hidden`` ``[b, P, H]``, ``logits`` ``[b, P, V]``, ``anchor_ids`` ``[b]`` the block's first token. Returns
+    the path ``[b, P]``, the candidates ``[b, P, k]`` and, when ``temperature > 0``, each step's proposal
+    ``[b, P, k]`` (else None); candidates and draws are made as z-lab's walk makes them (same generator, same path).
     """
     pred_table = _table(selector.predecessor_codebook)
     succ_table = _table(selector.successor_codebook)
@@ -272,12 +327,9 @@ def top_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
 
 
 def top_candidate_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """The indices of ``top_candidates`` (no gradient).
-
-    In two small top-k's (CPU ``topk`` over a 768-token vocabulary costs twice these): the vocabulary is cut
-    into ``V / 8`` columns of 8 tokens ``j, j + V/8, ...``; the k columns with the largest maxima hold k
-    distinct tokens at least as large as the k-th of those maxima, and every other column is at most that,
-    so the top k are among those k columns' 8k tokens."""
+    """The indices of ``top_candidates`` (no gradient), in two small top-k's: the vocabulary is cut into ``V / 8``
+    columns of 8 tokens ``j, j + V/8, ...``; the top k are among the 8k tokens of the k columns with the largest
+    maxima (those hold k tokens at least as large as the k-th maximum, every other column at most that)."""
     rows, vocab = logits.shape
     parts = 8
     with torch.no_grad():
@@ -290,28 +342,16 @@ def top_candidate_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
         return tokens.gather(-1, flat.gather(-1, tokens).topk(k, dim=-1).indices)
 
 
-def selector_terms(
-    selector: CandidateSelector,
-    hidden: torch.Tensor,
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    predecessors: torch.Tensor,
-    weights: torch.Tensor,
-    supervised: torch.Tensor,
-    candidates: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The selector's training terms over ``M`` draft slots (see the module docstring).
-
-    ``hidden`` ``[M, H]`` (normed drafter outputs), ``logits`` ``[M, V]``, ``labels`` ``[M]`` (the true
-    tokens), ``predecessors`` ``[M]`` (the true previous tokens), ``weights`` ``[M]`` (DFlash decay
-    weights, 0 where unsupervised), ``supervised`` ``[M]`` bool. Returns ``(loss_sum, weight_sum, hits,
-    in_candidates)``: the weighted candidate cross-entropy summed over the slots whose true token is a
-    candidate, those slots' weight sum (the selector loss is ``loss_sum / weight_sum``), and ``[M]`` bool
-    masks (no gradient) of supervised slots where the teacher-forced selector picks the true token, and
-    where the true token is a candidate. ``candidates``: ``(unary, indices)`` already taken from ``logits``
-    (``top_candidates``' values and indices; the training loss gathers them in its cross-entropy,
-    ``fused.weighted_cross_entropy``), else taken here.
-    """
+def selector_terms(selector: CandidateSelector, hidden: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
+                   predecessors: torch.Tensor, weights: torch.Tensor, supervised: torch.Tensor,
+                   candidates: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The selector's training terms over ``M`` draft slots: ``hidden`` ``[M, H]``, ``logits`` ``[M, V]``,
+    ``labels`` and ``predecessors`` ``[M]`` (the true tokens and their previous ones), ``weights`` ``[M]``
+    (0 where unsupervised). Returns ``(loss_sum, weight_sum, hits, in_candidates)``: the weighted candidate
+    cross-entropy over slots whose true token is a candidate, their weight sum, and ``[M]`` bool masks of
+    supervised slots where the selector picks the true token and where it is a candidate. ``candidates``:
+    ``(unary, indices)`` already taken from ``logits``, else taken here."""
     unary, candidates = candidates if candidates is not None else top_candidates(logits, selector.top_k)
     scores = selector.pair_scores(hidden, unary, candidates, predecessors).float()
     match = candidates == labels[:, None]
@@ -326,9 +366,7 @@ def selector_terms(
     return (ce * w).sum(), w.sum(), hits, in_candidates
 
 
-# ---------------------------------------------------------------------------------------------------
-# The drafter
-# ---------------------------------------------------------------------------------------------------
+# -- the drafter
 
 
 class DFlash2Drafter(DFlashDrafter):
@@ -350,23 +388,14 @@ class DFlash2Drafter(DFlashDrafter):
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
-        for layer in self.layers:
-            layer.attention_conv.reset_parameters()
-            layer.mlp_conv.reset_parameters()
-        selector = getattr(self, "candidate_selector", None)  # absent while DFlashDrafter.__init__ runs
-        if selector is not None:
-            selector.reset_parameters()
+        for module in self.modules():  # the selector is built (and resets itself) after DFlashDrafter.__init__
+            if isinstance(module, (GroupedDynamicConv, CandidateSelector)):
+                module.reset_parameters()
 
     def propose(self, hidden, anchor_ids, output_head, temperature: float = 0.0, generator=None):
         """z-lab's ``DFlash2DraftModel.propose``: the selector's path through the draft slots."""
-        return select_path(
-            self.candidate_selector,
-            hidden,
-            self.compute_logits(hidden, output_head),
-            anchor_ids,
-            temperature=temperature,
-            generator=generator,
-        )
+        return select_path(self.candidate_selector, hidden, self.compute_logits(hidden, output_head),
+                           anchor_ids, temperature=temperature, generator=generator)
 
 
 def drafter_from_config(config: Any) -> DFlashDrafter:
@@ -379,24 +408,7 @@ def drafter_variant(config: Any) -> str:
 
 
 __all__ = [
-    "ARCHITECTURE",
-    "DFLASH2_DEFAULTS",
-    "DFLASH2_KEYS",
-    "CandidateSelector",
-    "DFlash2Drafter",
-    "DFlash2Layer",
-    "GroupedDynamicConv",
-    "block_causal_conv",
-    "dflash2_problems",
-    "drafter_from_config",
-    "drafter_variant",
-    "dflash2_settings",
-    "make_variant_config",
-    "variant_config",
-    "is_dflash2_config",
-    "make_dflash2_config",
-    "select_path",
-    "selector_terms",
-    "top_candidate_indices",
-    "top_candidates",
+    "ARCHITECTURE", "CandidateSelector", "DFlash2Drafter", "DFlash2Layer", "GroupedDynamicConv", "block_causal_conv",
+    "drafter_from_config", "drafter_variant", "is_dflash2_config", "make_dflash2_config", "make_variant_config",
+    "select_path", "selector_terms", "top_candidate_indices", "top_candidates", "variant_config",
 ]

@@ -5,25 +5,17 @@ Contract (must stay equal to z-lab ``dflash.model.DFlashDraftModel``, which infe
 * parameter names ``layers.{i}.self_attn.{q,k,v,o}_proj``, ``layers.{i}.self_attn.{q,k}_norm``,
   ``layers.{i}.mlp.{gate,up,down}_proj``, ``layers.{i}.{input,post_attention}_layernorm``, ``norm``, ``fc``,
   ``hidden_norm``; no embedding and no LM head (the target's are shared);
-* ``forward(position_ids, attention_mask=None, noise_embedding=None, target_hidden=None,
-  past_key_values=None, use_cache=False)`` returns the normed hidden states of the block tokens;
-  ``position_ids`` covers the context and then the block, ``target_hidden`` is the raw concatenation of
-  target features ``[b, ctx, n*H]``;
-* the fused context ``hidden_norm(fc(target_hidden))`` is projected by the *same* ``k_proj``/``v_proj``
-  as the block tokens and prepended to the block's keys and values in every layer (k_norm and RoPE on both);
-* with no mask, full-attention layers see every key (bidirectional) and sliding layers are causal and
-  windowed by key index (with a KV cache, key index == absolute position).
+* ``forward(position_ids, attention_mask=None, noise_embedding=None, target_hidden=None, past_key_values=None,
+  use_cache=False)`` returns the normed hidden states of the block tokens (``position_ids``: the context, then
+  the block; ``target_hidden``: the raw concatenation of target features ``[b, ctx, n*H]``);
+* the fused context ``hidden_norm(fc(target_hidden))`` is projected by the *same* ``k_proj``/``v_proj`` as the
+  block tokens and prepended to the block's keys and values in every layer (k_norm and RoPE on both);
+* with no mask, full-attention layers see every key and sliding layers are causal and windowed by key index.
 
-The layers are transformers' Qwen3 pieces (``Qwen3RMSNorm``, ``Qwen3MLP``, ``Qwen3RotaryEmbedding``,
-``apply_rotary_pos_emb``), the ones z-lab's model is built from, so the arithmetic is the same.
-
-Two entry points share the weights:
-
-* ``forward`` / ``decode``: the inference layout above, or training with a dense bool mask
-  ``[b, 1, Q, KV]`` (or a dict of masks keyed by layer type); ``objective.block_attention_mask`` builds it;
-* ``context_kv`` + ``decode_blocks``: the training layout. The context's keys and values are the same
-  for every block (and every chunk of blocks), so they are projected once per layer; blocks are
-  processed in groups (``BlockLayout``) that attend only to the context slice their anchors can see.
+The layers are transformers' Qwen3 pieces, the ones z-lab's model is built from. Two entry points share the
+weights: ``forward`` / ``decode`` (the inference layout, or a dense bool mask ``[b, 1, Q, KV]``), and
+``context_kv`` + ``decode_blocks``, the training layout: the context's keys and values projected once per
+layer, blocks in groups (``BlockLayout``) that attend only to the context their anchors see.
 """
 from __future__ import annotations
 
@@ -35,49 +27,18 @@ from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from dflash_flow.model.drafter_config import (
-    FULL_ATTENTION,
-    LAYER_TYPES,
-    SLIDING_ATTENTION,
-    draft_value,
-    make_drafter_config,
-)
+from dflash_flow.model.drafter_config import draft_value
 from dflash_flow.model.drafter_layers import (
     BlockLayout,
-    DrafterAttention,
     DrafterLayer,
     RMSNorm,
     RotaryEmbedding,
     SlotRows,
-    drop_first_slot,
-    index_mask,
     maybe_compiled,
 )
 from dflash_flow.model.facts import build_target_layer_ids
 
-# The drafter's names keep this module as their documented home; each is defined in the module named above.
-__all__ = [
-    "FULL_ATTENTION",
-    "LAYER_TYPES",
-    "SLIDING_ATTENTION",
-    "BlockLayout",
-    "DFlashDrafter",
-    "DrafterAttention",
-    "DrafterLayer",
-    "RMSNorm",
-    "RotaryEmbedding",
-    "SlotRows",
-    "build_target_layer_ids",
-    "draft_value",
-    "drop_first_slot",
-    "index_mask",
-    "make_drafter_config",
-]
-
-
-# ---------------------------------------------------------------------------------------------------
-# The drafter
-# ---------------------------------------------------------------------------------------------------
+__all__ = ["DFlashDrafter"]
 
 
 class DFlashDrafter(nn.Module):
@@ -85,8 +46,7 @@ class DFlashDrafter(nn.Module):
 
     layer_class: type[DrafterLayer] = DrafterLayer
     # Block slots interact only through attention: the training layout may factor the first layer's
-    # mask-token rows (``SlotRows``) and drop the last layer's slot-0 queries. DFlash 2's in-block
-    # convolutions mix neighbouring slots, so it sets this False.
+    # mask-token rows (``SlotRows``) and drop the last layer's slot-0 queries (not DFlash 2's).
     independent_slots: bool = True
 
     def __init__(self, config: Qwen3Config) -> None:
@@ -110,7 +70,6 @@ class DFlashDrafter(nn.Module):
         self.compile_plan = None  # ``compile: auto``'s decision (model.compile_plan), else None
         self.reset_parameters()
 
-    # -- properties used by decoding loops ---------------------------------------------------------
     @property
     def layer_types(self) -> list[str]:
         return [layer.layer_type for layer in self.layers]
@@ -137,34 +96,23 @@ class DFlashDrafter(nn.Module):
             elif isinstance(module, Qwen3RMSNorm):
                 nn.init.ones_(module.weight)
 
-    # -- forward -----------------------------------------------------------------------------------
     def fuse_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """``hidden_norm(fc(concat of target features))``: computed once, shared by every layer."""
         return self.hidden_norm(self.fc(target_hidden))
 
-    def decode(
-        self,
-        noise_embedding: torch.Tensor,
-        context: torch.Tensor,
-        position_ids: torch.Tensor,
-        attention_mask: torch.Tensor | dict[str, torch.Tensor] | None = None,
-        past_key_values: Any = None,
-    ) -> torch.Tensor:
-        """Run the layers on block embeddings with an already fused ``context`` ``[b, ctx, H]``.
-
-        ``position_ids`` is ``[b, ctx + q]`` (or ``[ctx + q]``): context positions, then block positions.
-        ``attention_mask`` is a bool mask broadcastable to ``[b, 1, q, kv]`` (True = visible), a dict
-        ``{layer_type: mask}``, or None for the inference default.
-        """
+    def decode(self, noise_embedding: torch.Tensor, context: torch.Tensor, position_ids: torch.Tensor,
+               attention_mask: torch.Tensor | dict[str, torch.Tensor] | None = None,
+               past_key_values: Any = None) -> torch.Tensor:
+        """Run the layers on block embeddings with an already fused ``context`` ``[b, ctx, H]``. ``position_ids``
+        ``[b, ctx + q]`` (or ``[ctx + q]``); ``attention_mask``: a bool mask broadcastable to ``[b, 1, q, kv]``
+        (True = visible), a dict ``{layer_type: mask}``, or None for the inference default."""
         if position_ids.dim() == 1:
             position_ids = position_ids[None]
         if position_ids.shape[0] != noise_embedding.shape[0]:
             position_ids = position_ids.expand(noise_embedding.shape[0], -1)
         expected = context.shape[1] + noise_embedding.shape[1]
         if position_ids.shape[-1] != expected:
-            raise ValueError(
-                f"position_ids cover {position_ids.shape[-1]} positions; expected context + block = {expected}"
-            )
+            raise ValueError(f"position_ids cover {position_ids.shape[-1]} positions; expected context + block = {expected}")
         cos, sin = self.rotary_emb(noise_embedding, position_ids)
         x = noise_embedding
         for layer in self.layers:
@@ -179,10 +127,7 @@ class DFlashDrafter(nn.Module):
         return self.gradient_checkpointing and self.training and torch.is_grad_enabled()
 
     def context_kv(self, context: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, keys and values ``[b, kv_heads, ctx, d]`` of a fused ``context`` at positions 0..ctx-1.
-
-        Training computes them once per step: every block and every chunk of blocks reads slices of them.
-        """
+        """Per layer, keys and values ``[b, kv_heads, ctx, d]`` of a fused ``context`` at positions 0..ctx-1."""
         cos, sin = self.rotary_emb.table(context.shape[1], context)
         return self._context_kv(context, cos, sin)
 
@@ -201,12 +146,9 @@ class DFlashDrafter(nn.Module):
 
     @property
     def compiled(self) -> bool:
-        """Whether the training step's work outside the attention kernels runs through ``torch.compile``
-        (the context projections, each layer before and after its attention, the loss head); the attention
-        itself (``_BlockAttention``) and the block plan stay eager. Same values to float rounding.
-
-        Set to True / False, or to ``"auto"``: eager until ``model.compile_plan.CompilePlan`` finds that the
-        run's planned steps repay the compiling (it then turns this on by itself)."""
+        """Whether the training step's work outside the attention kernels runs through ``torch.compile`` (same
+        values to float rounding). Set to True / False, or ``"auto"``: eager until ``CompilePlan`` finds that the
+        run's planned steps repay the compiling."""
         return self._compiled
 
     @compiled.setter
@@ -227,21 +169,12 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             layer.compiled = value
 
-    def decode_blocks(
-        self,
-        noise_embedding: torch.Tensor,
-        context_kv: list[tuple[torch.Tensor, torch.Tensor]],
-        block_positions: torch.Tensor,
-        layouts: list[BlockLayout],
-        rows: SlotRows | None = None,
-    ) -> torch.Tensor:
-        """Normed hidden states of block tokens (training layout, see ``BlockLayout``): ``[b, N*B, H]``,
-        or ``[b, N*(B-1), H]`` (slots 1..B-1) when the last layout drops slot 0.
-
-        ``block_positions`` ``[b, N*B]`` are the absolute positions of the block tokens, ``context_kv``
-        comes from ``context_kv``, ``layouts`` has one layout per layer (only the last may drop slot 0).
-        ``rows``: ``noise_embedding`` in factored form (``SlotRows``), when slots 1..B-1 share one row.
-        """
+    def decode_blocks(self, noise_embedding: torch.Tensor,
+                      context_kv: list[tuple[torch.Tensor, torch.Tensor]], block_positions: torch.Tensor,
+                      layouts: list[BlockLayout], rows: SlotRows | None = None) -> torch.Tensor:
+        """Normed hidden states of block tokens in the training layout: ``[b, N*B, H]`` (``[b, N*(B-1), H]`` when
+        the last layout drops slot 0). ``block_positions`` ``[b, N*B]``: absolute positions; ``layouts``: one per
+        layer; ``rows``: ``noise_embedding`` in factored form (``SlotRows``)."""
         # Block positions are anchor + k < context length + B: looked up in the RoPE table.
         limit = context_kv[0][0].shape[-2] + self.block_size if context_kv else 0
         cos, sin = self.rotary_emb.at(block_positions, noise_embedding, limit)
@@ -254,22 +187,12 @@ class DFlashDrafter(nn.Module):
                 x = layer.forward_blocks(*args)
         return self.norm(x)
 
-    def forward(
-        self,
-        position_ids: torch.LongTensor,
-        attention_mask: torch.Tensor | dict[str, torch.Tensor] | None = None,
-        noise_embedding: torch.Tensor | None = None,
-        target_hidden: torch.Tensor | None = None,
-        past_key_values: Any = None,
-        use_cache: bool = False,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        """Inference-compatible entry point (same keywords as z-lab ``DFlashDraftModel.forward``).
-
-        ``past_key_values`` (a transformers ``Cache``) is updated whenever given, as in z-lab; the caller
-        crops it back to the committed length after each step. ``use_cache`` is accepted for signature
-        compatibility.
-        """
+    def forward(self, position_ids: torch.LongTensor,
+                attention_mask: torch.Tensor | dict[str, torch.Tensor] | None = None,
+                noise_embedding: torch.Tensor | None = None, target_hidden: torch.Tensor | None = None,
+                past_key_values: Any = None, use_cache: bool = False, **kwargs: Any) -> torch.Tensor:
+        """Inference-compatible entry point (z-lab ``DFlashDraftModel.forward``'s keywords). ``past_key_values``
+        is updated whenever given (the caller crops it after each step); ``use_cache`` is accepted only."""
         if noise_embedding is None or target_hidden is None:
             raise ValueError("noise_embedding and target_hidden are required")
         context = self.fuse_context(target_hidden)

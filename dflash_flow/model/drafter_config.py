@@ -23,25 +23,13 @@ def draft_value(config: Any, name: str, default: Any = None) -> Any:
     return getattr(config, name, default)
 
 
-def make_drafter_config(
-    target_config: Any,
-    *,
-    num_layers: int,
-    block_size: int = 16,
-    mask_token_id: int,
-    target_layer_ids: list[int] | None = None,
-    layer_types: list[str] | None = None,
-    sliding_window: int | None = None,
-    intermediate_size: int | None = None,
-    input_embedding_scale: float | None = None,
-    output_multiplier: float | None = None,
-    final_logit_softcapping: float | None = None,
-) -> Qwen3Config:
-    """A drafter config sized to ``target_config`` (hidden size, heads, RoPE, vocabulary).
-
-    The drafter shares the target's embedding and LM head, so hidden and vocabulary sizes are taken from
-    the target; attention geometry and RoPE are copied too (what released drafters do).
-    """
+def make_drafter_config(target_config: Any, *, num_layers: int, block_size: int = 16, mask_token_id: int,
+                        target_layer_ids: list[int] | None = None, layer_types: list[str] | None = None,
+                        sliding_window: int | None = None, intermediate_size: int | None = None,
+                        input_embedding_scale: float | None = None, output_multiplier: float | None = None,
+                        final_logit_softcapping: float | None = None) -> Qwen3Config:
+    """A drafter config sized to ``target_config``: its hidden and vocabulary sizes (the drafter shares its
+    embedding and LM head), attention geometry and RoPE (what released drafters do)."""
     tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     if num_layers < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
@@ -53,15 +41,10 @@ def make_drafter_config(
     if not 0 <= int(mask_token_id) < vocab_size:
         raise ValueError(f"mask_token_id {mask_token_id} outside the target vocabulary [0, {vocab_size})")
     layer_types, sliding_window = _checked_layer_types(layer_types, sliding_window, num_layers)
-    dflash_config: dict[str, Any] = {
-        "mask_token_id": int(mask_token_id),
-        "target_layer_ids": target_layer_ids,
-    }
-    for key, value in (
-        ("input_embedding_scale", input_embedding_scale),
-        ("output_multiplier", output_multiplier),
-        ("final_logit_softcapping", final_logit_softcapping),
-    ):
+    dflash_config: dict[str, Any] = {"mask_token_id": int(mask_token_id), "target_layer_ids": target_layer_ids}
+    for key, value in (("input_embedding_scale", input_embedding_scale),
+                       ("output_multiplier", output_multiplier),
+                       ("final_logit_softcapping", final_logit_softcapping)):
         if value is not None:
             dflash_config[key] = float(value)
     return _qwen3_config(tc, num_layers=num_layers, layer_types=layer_types, sliding_window=sliding_window,

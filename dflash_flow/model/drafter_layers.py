@@ -20,13 +20,7 @@ from dflash_flow.model.block_attention import block_attention, split_block_atten
 from dflash_flow.model.drafter_config import FULL_ATTENTION, SLIDING_ATTENTION
 
 __all__ = [
-    "BlockLayout",
-    "DrafterAttention",
-    "DrafterLayer",
-    "RMSNorm",
-    "RotaryEmbedding",
-    "SlotRows",
-    "drop_first_slot",
+    "BlockLayout", "DrafterAttention", "DrafterLayer", "RMSNorm", "RotaryEmbedding", "SlotRows", "drop_first_slot",
     "index_mask",
 ]
 
@@ -37,16 +31,14 @@ class RotaryEmbedding(Qwen3RotaryEmbedding):
     def __init__(self, config: Qwen3Config) -> None:
         params = getattr(config, "rope_parameters", None) or {}
         if params.get("rope_type", "default") == "dynamic":
-            # Dynamic NTK rescales with the longest position in the call: training rows and inference
-            # prefixes would use different frequencies.
+            # Dynamic NTK rescales with the longest position: training and inference would differ.
             raise ValueError("dynamic RoPE rescales with sequence length and is not supported by the drafter")
         super().__init__(config)
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def table(self, length: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos, sin`` ``[L, d]`` (``L >= length``) at positions 0..L-1, in ``like``'s dtype and device; made
-        once and grown by doubling. Each entry is ``forward``'s arithmetic for that position alone (one
-        product per frequency), so lookups equal ``forward`` bit for bit."""
+        """``cos, sin`` ``[L, d]`` (``L >= length``) at positions 0..L-1, in ``like``'s dtype and device, grown
+        by doubling; lookups equal ``forward`` bit for bit."""
         key = (like.device, like.dtype)
         cached = self._tables.get(key)
         if cached is None or cached[0].shape[0] < length:
@@ -63,8 +55,7 @@ class RotaryEmbedding(Qwen3RotaryEmbedding):
         return cos.index_select(0, flat).view(shape), sin.index_select(0, flat).view(shape)
 
     def _apply(self, fn, recurse=True):
-        # Kept from our own module: model.to(bfloat16) must not round the frequencies (positions in the
-        # thousands would drift); transformers relies on PreTrainedModel's fp32 rules, which we do not have.
+        # model.to(bfloat16) must not round the frequencies (positions in the thousands would drift).
         before = dict(self._buffers)
         self._tables = {}  # remade on the new device / from the new frequencies when next needed
         super()._apply(fn, recurse)
@@ -76,12 +67,8 @@ class RotaryEmbedding(Qwen3RotaryEmbedding):
 
 
 class RMSNorm(Qwen3RMSNorm):
-    """transformers' Qwen3RMSNorm; fp32 goes through torch's fused ``rms_norm``.
-
-    Our one change, for speed: the fused kernel gives the same fp32 values (bit-equal in our checks) in
-    one op forward, and ``fused.rms_norm`` gives it a hand-written backward (autograd differentiates the
-    kernel's six-op decomposition; 12 norms run per step). Other dtypes keep transformers' arithmetic (normalise in fp32, round, then scale), as z-lab does.
-    """
+    """transformers' Qwen3RMSNorm; fp32 goes through ``fused.rms_norm`` (the same values, one op forward, a
+    hand-written backward). Other dtypes keep transformers' arithmetic, as z-lab does."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if hidden_states.dtype == torch.float32 and self.weight.dtype == torch.float32:
@@ -90,18 +77,13 @@ class RMSNorm(Qwen3RMSNorm):
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # Our own one-liner for keys alone: transformers' apply_rotary_pos_emb rotates a (q, k) pair at the
-    # same positions, and the context keys have positions of their own. x: [b, heads, T, d]; cos: [b, T, d]
+    # For keys alone (apply_rotary_pos_emb rotates a (q, k) pair). x: [b, heads, T, d]; cos: [b, T, d]
     return fused.rope(x, cos[:, None], sin[:, None])
 
 
-def index_mask(
-    q_len: int, kv_len: int, *, causal: bool, window: int | None, device: torch.device
-) -> torch.Tensor:
-    """Mask used when no mask is passed: queries are the last ``q_len`` keys, positions are key indices.
-
-    At inference the cache holds exactly the committed context, so key index equals absolute position.
-    """
+def index_mask(q_len: int, kv_len: int, *, causal: bool, window: int | None, device: torch.device) -> torch.Tensor:
+    """Mask used when no mask is passed: queries are the last ``q_len`` keys, positions are key indices
+    (at inference the cache holds exactly the committed context)."""
     q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
     k_pos = torch.arange(kv_len, device=device)[None, :]
     visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
@@ -115,18 +97,12 @@ def index_mask(
 
 
 class BlockLayout(NamedTuple):
-    """How the block queries of the training layout attend (one per layer).
-
-    A block needs the context before its anchor and its own block, nothing else; a dense mask over all
-    context and all blocks spends most of its work on keys it hides. Blocks are grouped by anchor:
-    group ``(q0, q1, lo, hi)`` = queries ``[q0, q1)`` (whole blocks) seeing context keys ``[lo, hi)``
-    and the keys of the group's own blocks. Key layout: ``scratch`` slots, then the S context
-    positions; a group's own keys are placed just before its context slice, so the group attends to
-    one contiguous key range ``[scratch + lo - own, scratch + hi)``. ``mask`` is additive
-    ``[b, 1, Q, scratch + S]`` in that layout (each group's rows hold its own-block pattern in its own
-    columns); ``group_masks`` are the groups' views of it. ``queries_per_block`` is B, or B - 1 when
-    the layer's slot-0 queries are dropped (the last layer: slot 0 is never supervised, so only its key
-    and value are needed).
+    """How the block queries of the training layout attend (one per layer). A block needs the context before
+    its anchor and its own block, nothing else. Group ``(q0, q1, lo, hi)``: queries ``[q0, q1)`` (whole blocks)
+    seeing context keys ``[lo, hi)`` and their own blocks' keys. Key layout: ``scratch`` slots, then the S
+    context positions; a group's own keys go just before its context slice (one contiguous key range).
+    ``mask``: additive ``[b, 1, Q, scratch + S]`` in that layout; ``group_masks``: the groups' views of it.
+    ``queries_per_block``: B, or B - 1 when the layer's slot-0 queries are dropped.
     """
 
     block_size: int
@@ -135,21 +111,16 @@ class BlockLayout(NamedTuple):
     scratch: int
     mask: torch.Tensor | None
     group_masks: list[torch.Tensor] | None
-    # For the split attention (``block_attention``): each group's additive context mask (``context_mask``),
-    # made from ``visible`` (bool ``[b, N, 1 or queries_per_block, S]``: which context positions each block's
-    # queries see) when the layout was made without ``mask`` (``block_layouts(split=True)``: the training
-    # path on CPU), else a view of ``mask``; the own-block pattern ``[1, 1, queries_per_block, B]``
-    # (additive; None: every slot sees its whole block) and which queries see any context (bool ``[b, 1, Q]``).
+    # For the split attention: ``visible`` (bool ``[b, N, 1 or queries_per_block, S]``) when the layout has no
+    # ``mask``; the own-block pattern ``[1, 1, queries_per_block, B]`` (additive; None: every slot sees its whole
+    # block); which queries see any context (bool ``[b, 1, Q]``).
     visible: torch.Tensor | None = None
     own_mask: torch.Tensor | None = None
     has_context: torch.Tensor | None = None
 
     def context_mask(self, g: int) -> torch.Tensor:
-        """Group ``g``'s additive mask over its context slice alone, ``[b, 1, q1 - q0, hi - lo]``.
-
-        Made from ``visible`` once per layout and kept in ``masks`` (the forward and the backward of
-        every layer sharing the layout read the same tensor): the visibility goes to an additive
-        ``[b, N, 1 or queries_per_block, S]`` once, each group's rows are a copy of its slice of that."""
+        """Group ``g``'s additive mask over its context slice alone, ``[b, 1, q1 - q0, hi - lo]``: made from
+        ``visible`` once per layout and kept in ``masks`` (every layer sharing the layout reads the same one)."""
         q0, q1, lo, hi = self.groups[g]
         if self.visible is None:
             return self.mask.narrow(2, q0, q1 - q0).narrow(3, self.scratch + lo, hi - lo)
@@ -165,8 +136,7 @@ class BlockLayout(NamedTuple):
 
     dtype: torch.dtype = torch.float32  # of the masks
     split: bool = False  # the CPU training path takes the split attention (block_layouts' choice)
-    # The context masks made so far (``context_mask``), by group, and the additive visibility they are cut
-    # from; None: made anew at every call.
+    # The context masks made so far, by group, and the additive visibility; None: made anew at every call.
     masks: dict | None = None
 
     @property
@@ -186,11 +156,9 @@ def drop_first_slot(x: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 class SlotRows(NamedTuple):
-    """Block-token rows in factored form: ``first`` ``[b, N, H]`` for slot 0 of every block and one row
-    ``rest`` ``[H]`` shared by slots 1..B-1. The first layer's input is this (slots 1..B-1 all hold the
-    mask token), so its norm and q/k/v projections run on N + 1 rows per sequence instead of N*B.
-    ``first`` may be ``[b, N, f, H]``, slots 0..f-1 (DFlash 2's first layer, whose convolution makes the
-    first ``kernel size`` slots distinct), then ``rest`` is shared by slots f..B-1."""
+    """Block-token rows in factored form: ``first`` ``[b, N, H]`` for slot 0 of every block and one row ``rest``
+    ``[H]`` shared by slots 1..B-1 (they all hold the mask token in the first layer's input). ``first`` may be
+    ``[b, N, f, H]``, slots 0..f-1 (DFlash 2's first layer), then ``rest`` is shared by slots f..B-1."""
 
     first: torch.Tensor
     rest: torch.Tensor
@@ -222,9 +190,7 @@ class DrafterAttention(nn.Module):
         self.is_causal = self.layer_type == SLIDING_ATTENTION if forced is None else bool(forced)
         self.sliding_window = config.sliding_window if self.layer_type == SLIDING_ATTENTION else None
 
-    def _heads(
-        self, x: torch.Tensor, proj: nn.Linear, heads: int, norm: nn.Module | None = None
-    ) -> torch.Tensor:
+    def _heads(self, x: torch.Tensor, proj: nn.Linear, heads: int, norm: nn.Module | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         y = proj(x).view(b, t, heads, self.head_dim)
         if norm is not None:
@@ -235,23 +201,12 @@ class DrafterAttention(nn.Module):
         # SDPA shares the KV heads (enable_gqa): the CPU kernel and, on CUDA, the memory-efficient and cuDNN
         # kernels (masks allowed) take them as they are; only the math fallback repeats them.
         gqa = self.num_heads > self.num_kv_heads
-        return F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            dropout_p=self.attention_dropout if self.training else 0.0,
-            scale=self.scaling,
-            enable_gqa=gqa,
-        )
+        dropout = self.attention_dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.scaling, enable_gqa=gqa)
 
-    def context_kv(
-        self, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (k_norm, RoPE at the context positions) and values of the fused context, ``[b, kv, T, d]``.
-
-        The same ``k_proj``/``v_proj`` as the block tokens; the context never goes through the MLP.
-        """
+    def context_kv(self, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (k_norm, RoPE at the context positions) and values of the fused context, ``[b, kv, T, d]``,
+        through the same ``k_proj``/``v_proj`` as the block tokens."""
         k = self._heads(context, self.k_proj, self.num_kv_heads, self.k_norm)
         v = self._heads(context, self.v_proj, self.num_kv_heads)
         return _rope(k, cos, sin), v
@@ -263,15 +218,8 @@ class DrafterAttention(nn.Module):
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         return q, k, v
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        context: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        past_key_values: Any = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attention_mask: torch.Tensor | None, past_key_values: Any = None) -> torch.Tensor:
         """Inference layout: keys/values are [context; block], cos/sin cover context then block."""
         b, q_len, _ = x.shape
         ctx_len = context.shape[1]
@@ -282,15 +230,12 @@ class DrafterAttention(nn.Module):
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         if attention_mask is None and (self.is_causal or self.sliding_window is not None):
-            attention_mask = index_mask(
-                q_len, k.shape[-2], causal=self.is_causal, window=self.sliding_window, device=q.device
-            )
-        out = self._attend(q, k, v, attention_mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
+            attention_mask = index_mask(q_len, k.shape[-2], causal=self.is_causal, window=self.sliding_window,
+                                        device=q.device)
+        return self.project_out(self._attend(q, k, v, attention_mask))
 
     def _slot_heads(self, h, proj: nn.Linear, heads: int, norm: nn.Module | None, bsz: int, drop: bool):
-        """``_heads`` of block rows ``h`` (a tensor ``[b, N*B, H]`` or ``SlotRows``), without slot 0 if
-        ``drop``."""
+        """``_heads`` of block rows ``h`` (``[b, N*B, H]`` or ``SlotRows``), without slot 0 if ``drop``."""
         d = self.head_dim
         if not isinstance(h, SlotRows):
             return self._heads(drop_first_slot(h, bsz) if drop else h, proj, heads, norm)
@@ -334,18 +279,10 @@ class DrafterAttention(nn.Module):
         b, _h, q_len, _d = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
 
-    def forward_blocks(
-        self,
-        h: torch.Tensor | SlotRows,
-        ctx_k: torch.Tensor,
-        ctx_v: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        layout: BlockLayout,
-    ) -> torch.Tensor:
-        """Training layout: normed block tokens ``h`` (``[b, N*B, H]`` or ``SlotRows``; cos/sin at the
-        block positions) attend to the precomputed context keys and their own block as ``layout``
-        says; returns one output per query (``[b, N*queries_per_block, H]``)."""
+    def forward_blocks(self, h: torch.Tensor | SlotRows, ctx_k: torch.Tensor, ctx_v: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+        """Training layout: normed block tokens ``h`` attend to the precomputed context keys and their own block
+        as ``layout`` says; one output per query (``[b, N*queries_per_block, H]``)."""
         q, k, v = self.block_qkv(h, cos, sin, layout.block_size, layout.drops_first_slot)
         return self.project_out(self.attend_blocks(q, ctx_k, ctx_v, k, v, layout))
 

@@ -1,20 +1,13 @@
-"""Evaluation of an exported drafter against its target: real speculative decoding (greedy and sampled,
-at one or more horizons) beside an untrained drafter of the same shape (the baseline that says how much
-training bought), and the teacher-forced walk on held-out conversations (``model.walk``).
-
-The results (``evaluate_exported``), typed ``items.EvalReport``s, in the order they are reported:
-
-* ``trained`` / ``untrained`` at temperature 0: real greedy decoding, lossless-checked against plain
-  greedy decoding;
-* ``walk``: the trained drafter's teacher-forced walk over the target's own held-out replies;
-* ``trained`` / ``untrained`` at temperature ``t`` > 0: real speculative sampling.
-
-Each carries its figures per horizon (new tokens per prompt) keyed by the horizon; the names MLflow shows
-(``trained-T0_7``, ``tau_h448``) are made from these fields by ``observe.names``, not here.
+"""Evaluation of an exported drafter against its target, as typed ``items.EvalReport``s in report order:
+``trained`` / ``untrained`` (a fresh drafter of the same shape: what training bought) real greedy decoding,
+lossless-checked; ``walk``, the trained drafter's teacher-forced walk (``model.walk``) on held-out replies;
+then ``trained`` / ``untrained`` speculative sampling at each temperature > 0. Figures are keyed by horizon;
+the names MLflow shows are made by ``observe.names``.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -25,13 +18,7 @@ from dflash_flow.items import EvalReport
 
 from .walk import WALK
 
-__all__ = [
-    "WALK",
-    "decoding_report",
-    "evaluate_exported",
-    "read_prompt_ids",
-    "read_walk_conversations",
-]
+__all__ = ["WALK", "decoding_report", "evaluate_exported", "read_prompt_ids", "read_walk_conversations"]
 
 
 def _template_ids(tokenizer: Any, turns: list[dict], *, add_generation_prompt: bool) -> list[int]:
@@ -81,14 +68,9 @@ def read_prompt_ids(path: str | Path, tokenizer, limit: int, *, window: int | No
 def read_walk_conversations(
     path: str | Path, tokenizer, limit: int, stop_token_ids: Sequence[int]
 ) -> list[tuple[list[int], list[int]]]:
-    """``(prompt ids, reply ids)`` of conversations whose last turn is the target's own reply.
-
-    The prompt is rendered as real decoding renders it (the turns before the reply plus the generation
-    prompt); the reply is what the full conversation's rendering adds after it, up to and including
-    the first stop token. A reply the target did not finish (``"finish_reason": "length"``, as
-    ``dflash-flow regenerate`` writes) loses the end-of-turn marker the template adds: the target never
-    chose it.
-    """
+    """``(prompt ids, reply ids)`` of conversations whose last turn is the target's own reply: the prompt as
+    real decoding renders it, the reply what the full rendering adds, up to the first stop token (dropped for
+    a ``"finish_reason": "length"`` reply: the target never chose it)."""
     from dflash_flow.data.chat import parse_conversation
 
     from .walk import reply_until_stop
@@ -103,23 +85,17 @@ def read_walk_conversations(
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{where}: invalid JSON ({exc.msg})") from None
-            msgs, _, reason = (
-                parse_conversation(record) if isinstance(record, dict) else (None, "", "not an object")
-            )
+            msgs, _, reason = parse_conversation(record) if isinstance(record, dict) else (None, "", "not an object")
             if msgs is None:
                 raise ValueError(f"{where}: {reason}")
             if len(msgs) < 2 or msgs[-1]["role"] != "assistant":
-                raise ValueError(
-                    f"{where}: the last turn must be the target's reply (role 'assistant') after a prompt"
-                )
+                raise ValueError(f"{where}: the last turn must be the target's reply (role 'assistant') after a prompt")
             turns = [{"role": m["role"], "content": m["content"]} for m in msgs]
             prompt = _template_ids(tokenizer, turns[:-1], add_generation_prompt=True)
             full = _template_ids(tokenizer, turns, add_generation_prompt=False)
             if full[: len(prompt)] != prompt:
-                raise ValueError(
-                    f"{where}: the chat template does not render the prompt as a prefix of the "
-                    "conversation, so the reply's tokens cannot be located"
-                )
+                raise ValueError(f"{where}: the chat template does not render the prompt as a prefix of the "
+                                 "conversation, so the reply's tokens cannot be located")
             reply, stopped = reply_until_stop(full[len(prompt) :], stop_token_ids)
             if stopped and record.get("finish_reason") == "length":
                 reply = reply[:-1]
@@ -132,8 +108,7 @@ def read_walk_conversations(
     return out
 
 
-#: The walk drafts for many more rows at once than decoding (no target forward per step): conversations
-#: walked together per prompt decoded together (16 prompts -> 64 conversations: ~2x less CPU than 16 here).
+#: Conversations walked together per prompt decoded together (the walk has no target forward per step).
 WALK_BATCH_FACTOR = 4
 
 #: What a decoding measures at every horizon (``by_horizon``); the rest of ``evaluate_drafter``'s figures
@@ -143,20 +118,11 @@ PER_HORIZON = ("tau", "speedup_forwards", "tokens_generated")
 _FACTS = ("lossless", "num_prompts", "temperature", "top_p", "top_k")
 
 
-def decoding_report(
-    name: str,
-    target: Any,
-    drafter: Any,
-    prompts: Sequence[Sequence[int]],
-    *,
-    horizons: Sequence[int],
-    sampling: Any = None,
-    stop_token_ids: Sequence[int] | None = None,
-    seed: int = 0,
-    on_unit: Callable[[int], None] | None = None,
-    batch_size: int = 1,
-) -> EvalReport:
-    """``speculative.evaluate_drafter`` at each horizon (``batch_size`` prompts decoding together), as the typed report ``name``: the first horizon's
+def decoding_report(name: str, target: Any, drafter: Any, prompts: Sequence[Sequence[int]], *,
+                    horizons: Sequence[int], sampling: Any = None,
+                    stop_token_ids: Sequence[int] | None = None, seed: int = 0,
+                    on_unit: Callable[[int], None] | None = None, batch_size: int = 1) -> EvalReport:
+    """``speculative.evaluate_drafter`` at each horizon, as the typed report ``name``: the first horizon's
     figures in ``metrics``, every horizon's ``PER_HORIZON`` figures in ``by_horizon``; greedy ``lossless``
     only when every horizon was lossless."""
     from .sampling import Sampling
@@ -170,79 +136,46 @@ def decoding_report(
     lossless: bool | None = None
     num_prompts = 0
     for i, h in enumerate(horizons):
-        m = evaluate_drafter(
-            target,
-            drafter,
-            prompts,
-            max_new_tokens=int(h),
-            stop_token_ids=stop_token_ids,
-            sampling=sampling,
-            seed=seed,
-            on_unit=on_unit,
-            batch_size=batch_size,
-        )
+        m = evaluate_drafter(target, drafter, prompts, max_new_tokens=int(h), stop_token_ids=stop_token_ids,
+                             sampling=sampling, seed=seed, on_unit=on_unit, batch_size=batch_size)
         if "lossless" in m:
             lossless = bool(m["lossless"]) and lossless is not False
         if i == 0:
             metrics = {k: v for k, v in m.items() if k not in _FACTS}
             num_prompts = int(m["num_prompts"])
         by_horizon[int(h)] = {k: m[k] for k in PER_HORIZON}
-    return EvalReport(
-        name=name,
-        metrics=metrics,
-        by_horizon=by_horizon,
-        temperature=float(sampling.temperature) if not sampling.greedy else 0.0,
-        top_p=None if sampling.greedy else float(sampling.top_p),
-        top_k=None if sampling.greedy else int(sampling.top_k),
-        lossless=lossless,
-        num_prompts=num_prompts,
-    )
+    greedy = sampling.greedy
+    return EvalReport(name=name, metrics=metrics, by_horizon=by_horizon,
+                      temperature=0.0 if greedy else float(sampling.temperature),
+                      top_p=None if greedy else float(sampling.top_p), top_k=None if greedy else int(sampling.top_k),
+                      lossless=lossless, num_prompts=num_prompts)
 
 
-def evaluate_exported(
-    *,
-    target: Any,
-    drafter_path: str | Path,
-    prompts_path: str | Path,
-    tokenizer_path: str | None = None,
-    limit: int = 32,
-    max_new_tokens: int | Sequence[int] = 64,
-    baseline: bool = True,
-    temperatures: Sequence[float] = (0.0,),
-    top_p: float = 1.0,
-    top_k: int = 0,
-    walk_data: str | Path | None = None,
-    walk_limit: int = 64,
-    walk_horizons: Sequence[int] | None = None,
-    seed: int = 0,
-    device: str = "cpu",
-    progress: Callable[[int, int, int], None] | None = None,
-    batch_size: int = 16,
-) -> list[EvalReport]:
-    """The results named in the module docstring. ``target`` is a model spec as ``model.target.load_target``
-    takes it (a directory, preset or hub id); ``max_new_tokens`` one horizon or several (the first is
-    the one ``tau`` reports); ``walk_horizons`` the walk's (None: the same; the walk is cheap at any
-    horizon, one target forward per conversation, real decoding is not); ``temperatures`` the decodings to run (0 = greedy); ``walk_data`` a JSONL of
-    held-out conversations whose last turn is the target's own greedy reply (None: no walk). Sampled
-    decoding draws from generators seeded by ``seed`` (the same for both drafters: common random numbers).
-    ``progress(done, total, tokens)`` is called once the work is known (``done`` 0) and after each unit
-    (a prompt decoded at one horizon, a conversation walked); it may raise (a stop) to abandon the rest.
-    ``batch_size``: prompts decoded together, and ``WALK_BATCH_FACTOR`` times as many conversations walked
-    together (``model.batched``; the same figures as one at a time but the wall-clock ones; 1: one at a
-    time)."""
+def evaluate_exported(*, target: Any, drafter_path: str | Path, prompts_path: str | Path,
+                      tokenizer_path: str | None = None, limit: int = 32,
+                      max_new_tokens: int | Sequence[int] = 64, baseline: bool = True,
+                      temperatures: Sequence[float] = (0.0,), top_p: float = 1.0, top_k: int = 0,
+                      walk_data: str | Path | None = None, walk_limit: int = 64,
+                      walk_horizons: Sequence[int] | None = None, seed: int = 0, device: str = "cpu",
+                      progress: Callable[[int, int, int], None] | None = None,
+                      batch_size: int = 16) -> list[EvalReport]:
+    """The results named in the module docstring. ``target``: a ``model.target.load_target`` spec;
+    ``max_new_tokens``: one horizon or several (``tau`` at the first); ``walk_horizons`` (None: the same);
+    ``temperatures`` (0 = greedy); ``walk_data``: held-out conversations ending in the target's greedy reply
+    (None: no walk). Both drafters sample with the same ``seed`` (common random numbers). ``progress(done,
+    total, tokens)`` runs at 0 and after each unit; it may raise to abandon. ``batch_size``: prompts decoded
+    together (``WALK_BATCH_FACTOR`` times as many conversations walked together)."""
     from dflash_flow.data.chat import stop_token_ids
 
+    from .decoding import text_config
 
     horizons, samplings = _decodings(max_new_tokens, temperatures, top_p, top_k)
     tokenizer, model, drafter = _load_models(target, tokenizer_path, drafter_path, device)
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    window = getattr(config, "max_position_embeddings", None)
+    window = getattr(text_config(model), "max_position_embeddings", None)
     prompts = read_prompt_ids(prompts_path, tokenizer, limit, window=window if isinstance(window, int) else None,
                               reserve=max(horizons))
     stops = stop_token_ids(tokenizer)
-    walk_set = (
-        read_walk_conversations(walk_data, tokenizer, walk_limit, stops) if walk_data is not None else None
-    )
+    walk_set = read_walk_conversations(walk_data, tokenizer, walk_limit, stops) if walk_data is not None else None
 
     drafters = {"trained": drafter}
     if baseline:
@@ -291,11 +224,8 @@ def _decode_then_walk(model, drafters: dict[str, Any], samplings: list, prompts:
 
 def _walk_inputs_beside(pool: ThreadPoolExecutor, model: Any, drafter: Any, walk_set: list | None, longest: int,
                         stops: Sequence[int], walk_batch: int) -> Future | None:
-    """The batched walk's first ``walk_batch`` target forwards (``walk.walk_inputs``), started on ``pool``'s
-    thread to run while this one decodes: their large matrix products leave Python's lock free for decoding's
-    many small steps, so the second core does them (the walk then only drafts). Started beside a sampled
-    decoding only: a greedy one times itself against the plain greedy reference (``speedup_wall``), which a
-    second thread would skew. None when the walk is not batched. The features are the same on either thread."""
+    """The batched walk's first ``walk_batch`` target forwards (``walk.walk_inputs``) on ``pool``'s thread, run
+    beside a sampled decoding (a greedy one times itself: ``speedup_wall``); None when the walk is not batched."""
     from .walk import batched_walk_settings, walk_inputs
 
     settings = batched_walk_settings(model, drafter, len(walk_set), walk_batch) if walk_set is not None else None
@@ -313,9 +243,7 @@ def _decodings(max_new_tokens: int | Sequence[int], temperatures: Sequence[float
     horizons = [int(max_new_tokens)] if isinstance(max_new_tokens, int) else [int(h) for h in max_new_tokens]
     if not horizons or min(horizons) < 1:
         raise ValueError("max_new_tokens must be >= 1 (one horizon or a non-empty list)")
-    samplings = [
-        Sampling(t, top_p if t > 0 else 1.0, top_k if t > 0 else 0) for t in dict.fromkeys(temperatures)
-    ]
+    samplings = [Sampling(t, top_p if t > 0 else 1.0, top_k if t > 0 else 0) for t in dict.fromkeys(temperatures)]
     if not samplings:
         raise ValueError("no temperatures to evaluate")
     return horizons, samplings
@@ -351,11 +279,5 @@ def _untrained_like(drafter: Any, seed: int, device: str) -> Any:
 
 def _counter(progress: Callable[[int, int, int], None] | None, total: int) -> Callable[[int], None]:
     """``on_unit``: counts the units done and reports each to ``progress``."""
-    done = [0]
-
-    def on_unit(tokens: int) -> None:
-        done[0] += 1
-        if progress is not None:
-            progress(done[0], total, tokens)
-
-    return on_unit
+    done = itertools.count(1)
+    return lambda tokens: progress(next(done), total, tokens) if progress is not None else None

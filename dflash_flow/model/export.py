@@ -1,21 +1,11 @@
 """Save and load drafter checkpoints in the Hugging Face layout DFlash inference engines load.
 
 A checkpoint directory holds ``config.json`` (a Qwen3 config plus ``block_size``, ``num_target_layers``,
-``layer_types``, ``sliding_window`` and ``dflash_config: {mask_token_id, target_layer_ids}``) and
-``model.safetensors`` with the drafter's own weights only (no embedding, no LM head). Loading never
-unpickles anything.
-
-No ``auto_map``: the engines load their own DFlash model (``model/export_contract.py`` states and checks
-everything vLLM and SGLang read; every export is checked against it). Files are world-readable (0644):
-an inference server often runs as another user. An export never writes into a directory that holds
-anything but an earlier drafter export (a training checkpoint, another model): see ``check_destination``.
-
-A DFlash 2 drafter (``dflash2``) is written as z-lab's ``DFlash2DraftModel`` reads it:
-``architectures: [DFlash2DraftModel]``, ``dflash_config`` also holding ``block_size``,
-``conv_kernel_size``, ``conv_group_size``, ``selector_rank`` and ``selector_top_k``, and the
-selector's codebooks stored as ``candidate_selector.{predecessor,successor}_codebook`` (no ``.weight``:
-the names z-lab's ``from_pretrained`` maps onto its embeddings). ``load_drafter`` builds either variant
-from ``architectures`` and also accepts codebooks saved with ``.weight`` (a z-lab module's state dict).
+``layer_types``, ``sliding_window`` and ``dflash_config: {mask_token_id, target_layer_ids}``; a DFlash 2
+drafter also its settings there) and ``model.safetensors`` with the drafter's own weights only; loading
+never unpickles anything. No ``auto_map``: every export is checked against what vLLM and SGLang read
+(``export_contract``). Files are world-readable: an inference server often runs as another user.
+``load_drafter`` builds either variant from ``architectures``, and accepts z-lab's ``.weight`` codebooks.
 """
 
 from __future__ import annotations
@@ -34,13 +24,10 @@ from dflash_flow.core.errors import CheckpointError
 from dflash_flow.model import dflash2
 from dflash_flow.model.drafter import DFlashDrafter
 from dflash_flow.model.drafter_config import LAYER_TYPES, SLIDING_ATTENTION, draft_value
-from dflash_flow.model.export_contract import check_destination, read_json_object  # noqa: F401 - part of this API
+from dflash_flow.model.export_contract import CONFIG_NAME, WEIGHTS_NAME, check_destination, read_json_object
+from dflash_flow.model.export_contract import DFLASH as ARCHITECTURE
 from dflash_flow.util import atomic_path, atomic_write_text, refuse_outside
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-ARCHITECTURE = "DFlashDraftModel"
-EXPORT_FILES = (CONFIG_NAME, WEIGHTS_NAME)
 FILE_MODE = 0o644  # read by inference servers, often another user
 DIR_MODE = 0o755
 
@@ -73,8 +60,8 @@ _OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
-    """``safetensors.torch.save_file``, with its I/O failures (a full disk, a read-only mount) raised as the
-    OSError they are: the Rust writer reports them as ``SafetensorError: ... (os error 28)``."""
+    """``safetensors.torch.save_file``, with its I/O failures (``SafetensorError: ... (os error 28)``) raised
+    as the OSError they are."""
     from safetensors.torch import save_file
 
     try:
@@ -89,35 +76,22 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike,
         raise OSError(code, os.strerror(code), str(path)) from exc
 
 
-def _nonfinite_tensor(state: dict[str, torch.Tensor], check_stop: Callable[[], None] | None = None) -> str | None:
-    for name, t in state.items():
-        if check_stop is not None:
-            check_stop()
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            return name
-    return None
-
-
 def save_drafter(drafter: DFlashDrafter, path: str | os.PathLike, *, state: dict[str, Any] | None = None,
                  inputs: tuple = (), check_stop: Callable[[], None] | None = None) -> Path:
     """Write ``config.json`` and ``model.safetensors`` into ``path`` (created); returns the directory.
 
-    Files are written to fresh temporary names and renamed, so a crash never leaves a half-written
-    checkpoint under the final names and a link at a final name is replaced, never written through.
-    Weights holding NaN or infinity are refused (CheckpointError): an inference engine would load them.
+    Files are written to temporary names and renamed (a crash never leaves a half-written checkpoint; a
+    link at a final name is replaced, not written through). Weights holding NaN or infinity are refused.
     ``path`` must pass ``check_destination`` (with ``inputs``); the result is checked against the serving
-    contract (``export_contract.check_export``): files world-readable, fields as the engines read them.
-    ``check_stop()`` (a run's ``StageContext.check_stop``: it raises to stop) is called between tensors
-    while the weights are gathered and checked, and before the files are written: a stop abandons the
-    export before anything is written (the run's last checkpoint holds the same weights).
+    contract. ``check_stop()`` (raises to stop) is called between tensors and before the files are
+    written: a stop abandons the export before anything is written.
     """
     from dflash_flow.model.export_contract import check_export
 
     out = Path(path)
     check_destination(out, inputs)
     config = drafter_config_dict(drafter.config)
-    # The instance may have been built from a config whose ids were defaulted; what the module trained
-    # with is the truth.
+    # The config's ids may have been defaulted; what the module trained with is the truth.
     if config["dflash_config"]["target_layer_ids"] != list(drafter.target_layer_ids):
         raise CheckpointError(
             f"config target_layer_ids {config['dflash_config']['target_layer_ids']} differ from the "
@@ -128,19 +102,19 @@ def save_drafter(drafter: DFlashDrafter, path: str | os.PathLike, *, state: dict
     for k, v in (state if state is not None else drafter.state_dict()).items():
         stop()
         gathered[k] = v.detach().contiguous().cpu()
-    state = gathered
-    bad = _nonfinite_tensor(state, stop)
-    if bad is not None:
-        raise CheckpointError(
-            f"refusing to export the drafter to {out}: weight {bad} holds NaN or infinite values (the training "
-            "diverged); export an earlier checkpoint instead"
-        )
+    for k, t in gathered.items():  # a second pass: a stop is checked between tensors here too
+        stop()
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(
+                f"refusing to export the drafter to {out}: weight {k} holds NaN or infinite values (the training "
+                "diverged); export an earlier checkpoint instead"
+            )
     stop()  # the last point before files are written: from here the export completes
     if not out.is_dir():
         out.mkdir(parents=True, exist_ok=True)
         os.chmod(out, DIR_MODE)  # whatever the umask: a server running as another user must enter it
     with atomic_path(out / WEIGHTS_NAME, mode=FILE_MODE) as tmp:
-        write_safetensors(state, tmp, metadata={"format": "pt"})
+        write_safetensors(gathered, tmp, metadata={"format": "pt"})
     atomic_write_text(out / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n", mode=FILE_MODE)
     check_export(out)
     return out
@@ -154,9 +128,8 @@ class Exported:
 
 @attrs.define(frozen=True)
 class DrafterExporter:
-    """A run's final export (``services.Exporter``): the drafter written to ``root/out`` by ``save_drafter``,
-    never outside ``root`` (the run's output directory, a symbolic link followed), and the commands that
-    serve it."""
+    """A run's final export (``services.Exporter``): the drafter written to ``root/out``, never outside ``root``
+    (a symbolic link followed), and the commands that serve it."""
 
     root: Path
 
@@ -166,7 +139,6 @@ class DrafterExporter:
 
         path = self.root / out
         refuse_outside(path, self.root)
-        # Checked against the serving contract; a stop while the weights are gathered abandons the export.
         save_drafter(drafter, path, state=state, check_stop=check_stop)
         return Exported(path, serve_commands(path, target))
 
@@ -193,9 +165,7 @@ def _validate_config_dict(d: dict[str, Any], where: Path) -> None:
         ids = dcfg.get("target_layer_ids")
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
             problems.append(f"dflash_config.target_layer_ids must be a non-empty list of ints, got {ids!r}")
-        elif isinstance(d.get("num_target_layers"), int) and not all(
-            0 <= i < d["num_target_layers"] for i in ids
-        ):
+        elif isinstance(d.get("num_target_layers"), int) and not all(0 <= i < d["num_target_layers"] for i in ids):
             problems.append(f"target_layer_ids {ids} out of range for {d['num_target_layers']} target layers")
     block_size = d.get("block_size")
     if not isinstance(block_size, int) or block_size < 2:
@@ -203,9 +173,8 @@ def _validate_config_dict(d: dict[str, Any], where: Path) -> None:
     if isinstance(archs, list) and dflash2.ARCHITECTURE in archs and isinstance(dcfg, dict):
         hidden, vocab = d.get("hidden_size"), d.get("vocab_size")
         if isinstance(hidden, int) and hidden > 0 and isinstance(vocab, int) and vocab > 0:
-            found = dflash2.dflash2_problems(
-                {k: dcfg.get(k) for k in dflash2.DFLASH2_KEYS}, hidden_size=hidden, vocab_size=vocab
-            )
+            found = dflash2.dflash2_problems({k: dcfg.get(k) for k in dflash2.DFLASH2_KEYS}, hidden_size=hidden,
+                                             vocab_size=vocab)
             problems.extend(f"dflash_config.{message}" for _, message in found)
     layer_types = d.get("layer_types")
     if layer_types is not None:
@@ -245,9 +214,7 @@ def check_compatible(config: Any, target_config: Any, *, mask_token_id: int | No
     if config.vocab_size != tc.vocab_size:
         problems.append(f"vocab_size {config.vocab_size} != target {tc.vocab_size}")
     if config.num_target_layers != tc.num_hidden_layers:
-        problems.append(
-            f"num_target_layers {config.num_target_layers} != target layers {tc.num_hidden_layers}"
-        )
+        problems.append(f"num_target_layers {config.num_target_layers} != target layers {tc.num_hidden_layers}")
     ids = draft_value(config, "target_layer_ids")
     if any(not 0 <= i < tc.num_hidden_layers for i in ids):
         problems.append(f"target_layer_ids {ids} out of range for {tc.num_hidden_layers} target layers")
@@ -257,32 +224,20 @@ def check_compatible(config: Any, target_config: Any, *, mask_token_id: int | No
         raise CheckpointError("drafter does not match the target:\n  " + "\n  ".join(problems))
 
 
-def load_drafter(
-    path: str | os.PathLike,
-    *,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-    target_config: Any = None,
-    mask_token_id: int | None = None,
-) -> DFlashDrafter:
-    """Load a drafter checkpoint (safetensors only) and check weights against the config.
-
-    Raises CheckpointError for a missing or corrupted file, weights that do not fit the config (e.g. a
-    safetensors file from another config), or, when ``target_config``/``mask_token_id`` are given, a
-    drafter made for another target.
-    """
+def load_drafter(path: str | os.PathLike, *, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | None = None, target_config: Any = None,
+                 mask_token_id: int | None = None) -> DFlashDrafter:
+    """Load a drafter checkpoint (safetensors only); CheckpointError for a missing or corrupted file, weights
+    that do not fit the config, or a drafter made for another ``target_config``/``mask_token_id``."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     root = Path(path)
     config = load_drafter_config(root)
-    if target_config is not None or mask_token_id is not None:
-        if target_config is not None:
-            check_compatible(config, target_config, mask_token_id=mask_token_id)
-        elif draft_value(config, "mask_token_id") != mask_token_id:
-            raise CheckpointError(
-                f"mask_token_id {draft_value(config, 'mask_token_id')} != expected {mask_token_id}"
-            )
+    if target_config is not None:
+        check_compatible(config, target_config, mask_token_id=mask_token_id)
+    elif mask_token_id is not None and draft_value(config, "mask_token_id") != mask_token_id:
+        raise CheckpointError(f"mask_token_id {draft_value(config, 'mask_token_id')} != expected {mask_token_id}")
     weights = root / WEIGHTS_NAME
     if not weights.is_file():
         raise CheckpointError(f"no {WEIGHTS_NAME} in {root}")

@@ -2,29 +2,21 @@
 
 ``check_export(dir)`` validates an exported drafter against the fields vLLM (``qwen3_dflash`` /
 ``qwen3_dflash2``) and SGLang (``srt/models/dflash.py``) read, and against the files a server running as
-another user must be able to open. It reads only ``config.json`` and the safetensors header (never the
-weights), so it is cheap enough to run after every export. ``serve_commands(dir, target)`` gives the exact
-commands that serve the drafter with each engine.
+another user must open; it reads only ``config.json`` and the safetensors header. ``serve_commands(dir,
+target)`` gives the commands that serve the drafter with each engine. What each engine reads:
 
-What each engine reads (late 2026, from their sources):
-
-* vLLM: ``architectures`` (``DFlashDraftModel`` -> ``DFlashQwen3ForCausalLM``, ``DFlash2DraftModel`` ->
-  ``DFlash2Qwen3ForCausalLM``); ``dflash_config.mask_token_id`` (else top level); the target layers from
-  ``eagle_aux_hidden_state_layer_ids`` when present, else ``dflash_config.target_layer_ids`` + 1 (so an
-  ``eagle_aux_*`` that is not exactly the ids + 1 silently feeds other layers); ``target_hidden_size``
-  (else ``hidden_size``); ``layer_types`` and ``sliding_window``; ``is_causal`` / ``dflash_config.causal``
-  (a DFlash block is bidirectional); ``draft_vocab_size``. Weights bare (``layers.N...``, ``fc.weight``
-  [H, H*K], ``hidden_norm.weight``, ``norm.weight``; the loader adds ``model.``), no ``mask_hidden``.
-  ``num_speculative_tokens`` must be ``block_size - 1``.
-* SGLang: architecture ``DFlashDraftModel``; ``block_size`` (``dflash_config`` first, then top level;
-  default 16); ``target_layer_ids``; ``mask_token_id``; ``num_target_layers`` (without it the ids are
-  range-checked against the drafter's own depth); ``hidden_act`` ``silu``. Unknown tensors are skipped
-  silently, so a renamed tensor serves random weights: names are checked here.
-  ``--speculative-num-draft-tokens`` is ``block_size``.
-* DFlash 2 (vLLM): ``dflash_config.{conv_kernel_size, conv_group_size, selector_rank, selector_top_k}`` and
-  ``dflash_config.block_size``; the selector's codebooks and convolution tensors.
-* Neither engine wants ``auto_map`` (SpecForge's serving gate strips it; with it, ``trust_remote_code``
-  would look for a ``dflash.py`` that is not there).
+* vLLM: ``architectures`` (``DFlashDraftModel`` / ``DFlash2DraftModel``); ``dflash_config.mask_token_id``
+  (else top level); the target layers from ``eagle_aux_hidden_state_layer_ids`` when present, else
+  ``dflash_config.target_layer_ids`` + 1; ``target_hidden_size`` (else ``hidden_size``); ``layer_types``,
+  ``sliding_window``; ``is_causal`` / ``dflash_config.causal``; ``draft_vocab_size``. Weights bare
+  (``layers.N...``, ``fc.weight`` [H, H*K], ``hidden_norm.weight``, ``norm.weight``), no ``mask_hidden``;
+  ``num_speculative_tokens`` is ``block_size - 1``. DFlash 2: ``dflash_config.{conv_kernel_size,
+  conv_group_size, selector_rank, selector_top_k, block_size}``, the selector's and convolutions' tensors.
+* SGLang: architecture ``DFlashDraftModel``; ``block_size`` (``dflash_config`` first, default 16);
+  ``target_layer_ids``; ``mask_token_id``; ``num_target_layers``; ``hidden_act`` ``silu``. Unknown tensors
+  are skipped silently (a renamed tensor serves random weights). ``--speculative-num-draft-tokens`` is
+  ``block_size``.
+* Neither wants ``auto_map`` (with it, ``trust_remote_code`` would look for a ``dflash.py`` that is not there).
 """
 
 from __future__ import annotations

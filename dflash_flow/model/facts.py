@@ -10,34 +10,19 @@ from typing import Any
 
 import attrs
 
-# Tiny random-weight targets for CPU runs and tests. Eight or more layers, because the DFlash layer-id
-# rule (spread over [1, L-3]) repeats ids on shallower targets. `seed` fixes the random weights, so the
-# same preset always yields the same model. Any key may be overridden by passing a dict spec
-# {"preset": name, **overrides}.
+# Tiny random-weight targets for CPU runs and tests. Eight or more layers, because the DFlash layer-id rule
+# (spread over [1, L-3]) repeats ids on shallower targets; `seed` fixes the random weights. Any key may be
+# overridden by a dict spec {"preset": name, **overrides}.
 _TINY_COMMON: dict[str, Any] = {
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
-    "seed": 0,
+    "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096, "tie_word_embeddings": False, "seed": 0,
 }
 
 TARGET_PRESETS: dict[str, dict[str, Any]] = {
     "tiny-qwen3-8l": {"model_type": "qwen3", **_TINY_COMMON},
     "tiny-qwen3-8l-tied": {"model_type": "qwen3", **_TINY_COMMON, "tie_word_embeddings": True},
-    "tiny-qwen3-12l": {
-        "model_type": "qwen3",
-        **_TINY_COMMON,
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 12,
-        "head_dim": 32,
-    },
+    "tiny-qwen3-12l": {"model_type": "qwen3", **_TINY_COMMON, "hidden_size": 128, "intermediate_size": 256,
+                       "num_hidden_layers": 12, "head_dim": 32},
     "tiny-llama-8l": {"model_type": "llama", **_TINY_COMMON},
 }
 
@@ -99,10 +84,8 @@ def _positive_int(v: Any) -> bool:
 
 
 def build_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
-    """Target layers whose outputs feed the drafter: ``[L//2]`` for one, else n points over [1, L-3].
-
-    Uses Python's ``round`` (banker's rounding) on purpose: released checkpoints were made with it.
-    """
+    """Target layers whose outputs feed the drafter: ``[L//2]`` for one, else n points over [1, L-3] (Python's
+    banker's ``round`` on purpose: released checkpoints were made with it)."""
     if n < 1:
         raise ValueError(f"need at least one target layer, got n={n}")
     if num_target_layers < 1:
@@ -111,8 +94,6 @@ def build_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
         return [num_target_layers // 2]
     start, end = 1, num_target_layers - 3
     if end < start:
-        raise ValueError(
-            f"a target with {num_target_layers} layers is too shallow for {n} feature layers "
-            "(the rule spreads them over [1, L-3]); pass target_layer_ids explicitly"
-        )
+        raise ValueError(f"a target with {num_target_layers} layers is too shallow for {n} feature layers "
+                         "(the rule spreads them over [1, L-3]); pass target_layer_ids explicitly")
     return [round(start + i * (end - start) / (n - 1)) for i in range(n)]

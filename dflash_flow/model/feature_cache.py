@@ -1,20 +1,10 @@
-"""The RAM tier of the target's features: what later epochs read instead of running the target again.
+"""The RAM tier of the target's features: what later epochs read instead of running the target again
+(which leaves its cores to the drafter). The first tier of the feature store: ``model.store_backend`` looks
+here before the store on disk; ``TargetForward.cache_features`` is this tier alone.
 
-On a CPU run the frozen target's forward competes with the drafter for the same cores; from the second
-epoch on every sample's features are already known, so :class:`FeatureCache` keeps them (up to a byte
-budget) and they are read back instead of running the target, which leaves its cores to the drafter
-(``DrafterStep.torch_threads_after_first_epoch``). It is the first tier of the feature store: the
-``StoreBackend`` (``model.store_backend``, ``model.features`` mode hybrid or offline) looks here before the
-store on disk (``model.feature_store``), and hybrid without a store path is this tier alone, which is what
-``TargetForward.cache_features`` does (through :func:`per_sample_features`).
-
-What makes a cached run reproducible and its resume exact: each sample's features are computed alone (a
-batch of one, its own length, no padding) whether or not they are cached, so they do not depend on which
-batch, epoch, replica or process computed them. A run that resumes with an empty cache computes the same
-values again. Padded positions are zeros, as the extractor gives them.
-
-One cache serves every replica of a stage in a process: a stage's replicas are deep copies of one
-template, and a copy of a cache is the cache itself.
+Each sample's features are computed alone (a batch of one, its own length, no padding) whether or not they
+are cached, so they do not depend on which batch, epoch, replica or process computed them: a run resumed
+with an empty cache computes the same values. One cache serves every replica of a stage in a process.
 """
 
 from __future__ import annotations
@@ -75,20 +65,12 @@ class FeatureCache:
             return True
 
 
-def compute_alone(
-    features: Callable[..., torch.Tensor],
-    rows: Sequence[torch.Tensor],
-    sample_ids: Sequence[Any],
-    *,
-    together: bool = False,
-) -> list[torch.Tensor]:
-    """Each 1-D row of tokens' features ``[length, F]`` as if computed alone (a batch of one, its own length,
-    no padding), through ``features(input_ids, attention_mask, lengths, sample_ids)`` (a TargetBackend's).
-
-    ``together``: the backend computes every row of a batch independently of the others (its
-    ``rows_independent``: each row is its own engine request, unpadded), so all the rows go in one right-padded
-    call and keep the backend's concurrency; otherwise one call per row (a padded batch through an in-process
-    model is not bit-equal to its rows alone)."""
+def compute_alone(features: Callable[..., torch.Tensor], rows: Sequence[torch.Tensor],
+                  sample_ids: Sequence[Any], *, together: bool = False) -> list[torch.Tensor]:
+    """Each 1-D row of tokens' features ``[length, F]`` as if computed alone, through ``features(input_ids,
+    attention_mask, lengths, sample_ids)`` (a TargetBackend's). ``together``: the backend computes every row
+    independently (``rows_independent``), so all go in one right-padded call; otherwise one call per row (a
+    padded batch through an in-process model is not bit-equal to its rows alone)."""
     import torch
 
     if not rows:
@@ -109,19 +91,11 @@ def compute_alone(
     return [batch[i, :length] for i, length in enumerate(lengths)]
 
 
-def per_sample_features(
-    features: Callable[..., torch.Tensor],
-    input_ids: torch.Tensor,
-    lengths: Sequence[int],
-    sample_ids: Sequence[int],
-    cache: FeatureCache | None,
-    *,
-    device: Any = None,
-    together: bool = False,
-) -> tuple[torch.Tensor, list[int]]:
-    """Features ``[b, S, F]`` of a right-padded batch, each row computed alone (:func:`compute_alone`, through
-    a TargetBackend's ``features``) or read from ``cache``; padded positions zero. Returns the features and
-    the rows that ran the target."""
+def per_sample_features(features: Callable[..., torch.Tensor], input_ids: torch.Tensor,
+                        lengths: Sequence[int], sample_ids: Sequence[int], cache: FeatureCache | None, *,
+                        device: Any = None, together: bool = False) -> tuple[torch.Tensor, list[int]]:
+    """Features ``[b, S, F]`` of a right-padded batch, each row computed alone or read from ``cache`` (padded
+    positions zero), and the rows that ran the target."""
     import torch
 
     b, s = input_ids.shape

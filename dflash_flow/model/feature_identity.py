@@ -1,13 +1,7 @@
-"""What a feature store's rows depend on, as plain comparable values: the store's identity.
-
-``store_identity`` gathers them: the target (a digest of its config and of its weights), the layer ids,
-the tokenizer (a fingerprint of its behaviour), the chat template (a digest of its text) and its kwargs;
-the build adds the samples' tokens (``feature_store.corpus_digest``). ``feature_store.compare_identity``
-names every field that differs.
-
-Weights are digested without loading them: a preset by its parameters and seed (its weights are drawn
-from the seed); a model directory by the sha256 of each weights file (computed once per file version and
-remembered, ``data.keys.file_sha256``; a file in the Hugging Face cache is named by its sha256 already).
+"""What a feature store's rows depend on, as plain comparable values (``store_identity``): the target (a digest
+of its config and weights), the layer ids, the tokenizer's fingerprint, the chat template's digest and kwargs;
+the build adds the samples' tokens. Weights are digested without loading them: a preset by its parameters and
+seed, a model directory by the sha256 of each weights file (remembered per file version).
 """
 
 from __future__ import annotations
@@ -45,7 +39,7 @@ def _file_sha256(path: Path) -> str:
     real = Path(os.path.realpath(path))
     if _SHA256.match(real.name):  # a Hugging Face cache blob: named by its content's sha256
         return real.name
-    from dflash_flow.data.keys import file_sha256
+    from dflash_flow.data.store import file_sha256
 
     return file_sha256(real)
 
@@ -90,17 +84,11 @@ def template_digest(template: str | None) -> str | None:
     return None if template is None else hashlib.blake2b(template.encode(), digest_size=16).hexdigest()
 
 
-def store_identity(
-    target: Any,
-    layer_ids: Sequence[int],
-    *,
-    trust_remote_code: bool = False,
-    tokenizer: str | None = None,
-    chat_template: str | None = None,
-    template_kwargs: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
+def store_identity(target: Any, layer_ids: Sequence[int], *, trust_remote_code: bool = False,
+                   tokenizer: str | None = None, chat_template: str | None = None,
+                   template_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The identity a store built for this target and data has (``tokens`` comes from the build).
-    ``tokenizer``: a fingerprint (``data.keys.tokenizer_fingerprint``); ``chat_template``: the template's
+    ``tokenizer``: a fingerprint (``data.store.tokenizer_fingerprint``); ``chat_template``: the template's
     text (digested here). None: not known here (not compared)."""
     return {
         "target": target_fingerprint(target, trust_remote_code=trust_remote_code),

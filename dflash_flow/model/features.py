@@ -34,7 +34,6 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return backbone(model).layers
 
 
-
 def target_depth(model: nn.Module) -> int:
     """Decoder layers of the full target, also when only the first few were loaded (``num_layers``)."""
     return int(getattr(model, DEPTH_ATTR, None) or len(decoder_layers(model)))
@@ -45,41 +44,17 @@ class _ReachedDeepestLayer(Exception):
 
 
 class TargetFeatureExtractor:
-    """DFlash context features of a frozen target, computed no deeper than needed.
+    """DFlash context features of a frozen target, computed no deeper than needed: ``extractor(input_ids,
+    attention_mask)`` returns ``[b, S, n * H]``, the residual stream after each layer of ``target_layer_ids``
+    (HF ``output_hidden_states[id + 1]``) concatenated, aligned 1:1 with ``input_ids``, right padding zeroed.
 
-    ``extractor(input_ids, attention_mask)`` returns ``[b, S, n * H]``: the concatenation, in
-    ``target_layer_ids`` order, of the residual stream after each decoder layer ``id`` (HF
-    ``output_hidden_states[id + 1]``), aligned 1:1 with ``input_ids``. Positions where ``attention_mask`` is 0
-    (right padding) are zeroed, the same value collation gives padded features.
+    The model's own backbone forward runs; hooks on the requested layers record their outputs (only in the
+    calling context, a ContextVar) and the deepest one's raises, ending the forward. On a split model each
+    output is gathered onto ``output_device``. On CUDA a call runs on the calling thread's own streams; the
+    consumer copies the features on its own stream (``device.take``), so neither GPU's queue waits."""
 
-    How it stops early: the model's own backbone forward runs (so embedding scaling, rotary embedding
-    and the per-layer-type masks are exactly the model's), and forward hooks on the requested layers
-    record their outputs; the hook on the deepest one raises, which ends the forward there. Layers above
-    it, the final norm and the LM head never run. The hooks exist only during a call and act only in the
-    calling context (a ContextVar), so concurrent callers on the same model do not see each other.
-
-    On a model split over several devices (:func:`place_on_devices`) the inputs go to the embedding's
-    device and each chosen layer's output is gathered onto ``output_device`` (default: the embedding's
-    device) before concatenation. A model loaded only partway (``num_layers``) works as long as it reaches
-    the deepest requested layer.
-
-    On CUDA a call runs on the calling thread's own streams (``device.side_streams``: a target replica's forward
-    neither waits for nor holds up the drafter's queued work on a shared GPU) and returns once its work is done
-    on them. Features meant for another GPU (``output_device`` a GPU other than the model's) stay on the model's
-    GPU: the consumer copies them on its own stream when it takes them (``device.take``), so a copy between two
-    GPUs never makes one's queue wait for the other's, and features waiting in a queue hold the producing GPU's
-    memory, not the trainer's.
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        target_layer_ids: Sequence[int],
-        *,
-        dtype: torch.dtype | None = None,
-        zero_padding: bool = True,
-        output_device: str | torch.device | None = None,
-    ) -> None:
+    def __init__(self, model: nn.Module, target_layer_ids: Sequence[int], *, dtype: torch.dtype | None = None,
+                 zero_padding: bool = True, output_device: str | torch.device | None = None) -> None:
         self.model = model
         self.backbone = backbone(model)
         self.layers = self.backbone.layers
@@ -105,9 +80,8 @@ class TargetFeatureExtractor:
         # The text stack's own config: multimodal wrappers keep hidden_size there, not at the top.
         stack_config = getattr(self.backbone, "config", None) or getattr(model, "config", None)
         self.hidden_size = int(getattr(stack_config, "hidden_size", 0) or 0) or None
-        # HF replaces the last entry of `hidden_states` by the final-normed `last_hidden_state`
-        # (`tie_last_hidden_states`, default on for LMs). Requesting the last layer therefore means the
-        # post-norm state; we then run the whole backbone instead of stopping, to match HF exactly.
+        # HF's last `hidden_states` entry is the final-normed state (`tie_last_hidden_states`): for the last
+        # layer the whole backbone runs, to match HF exactly.
         config = getattr(self.backbone, "config", None)
         self._last_is_normed = getattr(config, "tie_last_hidden_states", None) is not False
         self._devices: set[torch.device] | None = None  # where the model's layers are (the first call looks)
@@ -141,17 +115,10 @@ class TargetFeatureExtractor:
     def _stops_at_end(self) -> bool:
         return self.deepest == self.num_target_layers - 1 and self._last_is_normed
 
-    def __call__(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Features ``[b, S, n * H]`` for right-padded ``input_ids [b, S]`` (or ``[S]``).
-
-        ``position_ids`` defaults to ``0..S-1`` per row, which is right for right padding; pass them
-        only for layouts where that is not true.
-        """
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Features ``[b, S, n * H]`` for right-padded ``input_ids [b, S]`` (or ``[S]``); ``position_ids``
+        default to ``0..S-1`` per row."""
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
         embed = self.model.get_input_embeddings()
@@ -195,10 +162,7 @@ class TargetFeatureExtractor:
                 f"target layers {missing} did not run; is {type(self.backbone).__name__} a "
                 "decoder that calls its layers in order?"
             )
-        # Concatenate outside inference mode: the result is then an ordinary tensor that a trainer may
-        # feed into autograd (inference tensors cannot be saved for backward).
-        # Each layer's output is gathered onto the output device first (on a split model they lie on
-        # several devices).
+        # Concatenated outside inference mode: an ordinary tensor a trainer may feed into autograd.
         out = self.output_device or device
         if out.type == "cuda" and device.type == "cuda" and out != device:
             out = device  # the consumer takes them from the producing GPU (class docstring)
@@ -208,4 +172,3 @@ class TargetFeatureExtractor:
         if self.zero_padding and attention_mask is not None:
             feats = feats * attention_mask.to(out).unsqueeze(-1).to(feats.dtype)
         return feats
-

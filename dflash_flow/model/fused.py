@@ -1,13 +1,7 @@
-"""Hand-written backward passes for the training step's elementwise work (fp32 RMSNorm, RoPE, the
-SiLU gate, the weighted cross-entropy): the same values as the library ops, in fewer passes over memory
-and fewer temporaries than autograd's generic graphs of them.
-
-Measured on the project's 2-core CPU (torch 2.13, fp32; ``bench/peer_step.py``): autograd records
-``F.rms_norm`` as six ops and differentiates each (``pow``, ``mean``, ``rsqrt``, two ``mul``s), RoPE as a
-``cat`` of a negated half plus two products, and ``F.cross_entropy`` keeps the log-softmax and scatters
-into a zero tensor in its backward; each here is one Function whose backward reads its inputs once or
-twice. Forward values are bit-equal to the library's (RMSNorm through the same fused kernel); backward
-values agree to float rounding (the tests compare both against autograd).
+"""Hand-written backward passes for the training step's elementwise work (fp32 RMSNorm, RoPE, the SiLU gate,
+the weighted cross-entropy): each one Function whose backward reads its inputs once or twice, where autograd
+differentiates a graph of several ops. Forward values are bit-equal to the library's; backward values agree
+to float rounding (the tests compare both against autograd).
 """
 
 from __future__ import annotations
@@ -24,8 +18,7 @@ _fused_rms_norm = torch.ops.aten._fused_rms_norm
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        # The library's fused kernel (F.rms_norm's own, bit-equal), which also returns 1 / rms per row:
-        # kept, so the backward does not read x once more to recompute it.
+        # F.rms_norm's own fused kernel, which also returns 1 / rms per row (kept for the backward).
         y, rstd = _fused_rms_norm(x, [x.shape[-1]], weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         return y
@@ -89,10 +82,8 @@ class _SiluMul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         gate, up = ctx.saved_tensors
-        # aten's fused silu_backward (autograd's own for F.silu: g * sig * (1 + x * (1 - sig)) in one
-        # pass): four passes over [rows, intermediate] in all, where the formula spelled out took nine
-        # (3.6 -> 1.0 ms per call at 2,048 x 384 on one thread). silu(gate) is recomputed, not kept from the
-        # forward: keeping it (one [rows, intermediate] tensor more) made the whole step 2.5-3% slower.
+        # aten's fused silu_backward (autograd's own for F.silu, one pass); silu(gate) is recomputed, not
+        # kept from the forward (keeping one [rows, intermediate] tensor more made the step slower).
         d_gate = _silu_backward(grad * up, gate)
         return d_gate, F.silu(gate).mul_(grad)
 
@@ -125,11 +116,9 @@ class _WeightedCE(torch.autograd.Function):
         return d, None, None, None
 
 
-def weighted_cross_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, gather: torch.Tensor | None = None
-):
+def weighted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                           gather: torch.Tensor | None = None):
     """``(F.cross_entropy(logits, labels, reduction="none") * weights).sum()`` for fp32 ``logits`` ``[n, V]``:
-    no log-softmax kept, the gradient written into one tensor. ``gather`` (indices ``[n, k]``): also
-    ``logits.gather(-1, gather)`` (DFlash 2's candidates' unary logits), returned as ``(loss, gathered)``,
-    whose gradient lands in the same tensor (autograd would zero-fill a ``[n, V]`` one and add it)."""
+    no log-softmax kept, the gradient written into one tensor. ``gather`` (indices ``[n, k]``): also returns
+    ``logits.gather(-1, gather)`` (DFlash 2's candidates), whose gradient lands in the same tensor."""
     return _WeightedCE.apply(logits, labels, weights, gather)

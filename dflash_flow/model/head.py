@@ -21,30 +21,19 @@ from dflash_flow.model.target import is_preset, load_target, preset_init_device
 
 
 class SharedHead(nn.Module):
-    """The target's frozen token embedding and LM head, as used by the drafter.
+    """The target's frozen token embedding and LM head, as used by the drafter. ``embed(ids)`` is the raw
+    lookup (the drafter applies its own ``input_embedding_scale``, as z-lab does); with tied embeddings both
+    modules hold the very same tensor."""
 
-    ``embed(ids)`` is the raw embedding lookup (``F.embedding`` on the weight, no model-specific scaling:
-    the drafter applies its own ``input_embedding_scale``, as z-lab's inference does). ``logits(h)`` is
-    ``lm_head(h)``. With tied embeddings both modules hold the very same tensor.
-    """
-
-    def __init__(
-        self,
-        embed_weight: torch.Tensor,
-        lm_head_weight: torch.Tensor,
-        lm_head_bias: torch.Tensor | None = None,
-    ) -> None:
+    def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                 lm_head_bias: torch.Tensor | None = None) -> None:
         super().__init__()
         vocab, hidden = embed_weight.shape
         if lm_head_weight.shape[1] != hidden:
-            raise ValueError(
-                f"lm_head {tuple(lm_head_weight.shape)} does not match embedding {tuple(embed_weight.shape)}"
-            )
+            raise ValueError(f"lm_head {tuple(lm_head_weight.shape)} does not match embedding {tuple(embed_weight.shape)}")
         self.embed_tokens = nn.Embedding(vocab, hidden, device="meta")
         self.embed_tokens.weight = nn.Parameter(embed_weight, requires_grad=False)
-        self.lm_head = nn.Linear(
-            hidden, lm_head_weight.shape[0], bias=lm_head_bias is not None, device="meta"
-        )
+        self.lm_head = nn.Linear(hidden, lm_head_weight.shape[0], bias=lm_head_bias is not None, device="meta")
         self.lm_head.weight = nn.Parameter(lm_head_weight, requires_grad=False)
         if lm_head_bias is not None:
             self.lm_head.bias = nn.Parameter(lm_head_bias, requires_grad=False)
@@ -72,8 +61,8 @@ class SharedHead(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    # The two accessors of a HF causal LM that decoding asks its target for (block_drafter.BlockDrafter):
-    # a drafter can then be driven with the head alone (the held-out probe during training, model.heldout).
+    # The two accessors of a HF causal LM that decoding asks its target for: a drafter can be driven with the
+    # head alone (the held-out probe during training).
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
 
@@ -86,11 +75,8 @@ class SharedHead(nn.Module):
 
 
 _HEAD_LOCK = threading.Lock()
-# Keyed by the model object itself (weakly: a freed target frees its heads, and a recycled id() can
-# never return a stale head), then by (device, dtype).
-_MODEL_HEADS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, torch.dtype], SharedHead]] = (
-    weakref.WeakKeyDictionary()
-)
+# Keyed weakly by the model object itself (a freed target frees its heads), then by (device, dtype).
+_MODEL_HEADS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, torch.dtype], SharedHead]] = weakref.WeakKeyDictionary()
 _CHECKPOINT_HEADS: dict[tuple[str, str, torch.dtype | None], SharedHead] = {}
 _PRESET_HEADS: dict[tuple[str, str, torch.dtype | None], SharedHead] = {}
 
@@ -103,16 +89,13 @@ def clear_shared_head_cache() -> None:
 
 
 def _place(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    # `.to` returns the same storage when nothing changes: on the target's own device the head then
-    # costs no memory at all.
+    # `.to` returns the same storage when nothing changes: on the target's own device the head costs nothing.
     return t.detach().to(device=device, dtype=dtype)
 
 
-def shared_head_from_model(
-    model: nn.Module, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
-) -> SharedHead:
-    """The frozen embedding and LM head of a loaded target, on ``device``; built once per
-    (model, device, dtype) and then returned from the cache."""
+def shared_head_from_model(model: nn.Module, device: str | torch.device = "cpu",
+                           dtype: torch.dtype | None = None) -> SharedHead:
+    """The frozen embedding and LM head of a loaded target, on ``device`` (cached per model, device, dtype)."""
     dev = as_device(device)
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()
@@ -129,22 +112,15 @@ def shared_head_from_model(
             return cached
         embed_w = _place(embed.weight, dev, dtype)
         # Tied: one tensor for both (HF ties by sharing the Parameter, so compare storage).
-        if head.weight.data_ptr() == embed.weight.data_ptr():
-            head_w = embed_w
-        else:
-            head_w = _place(head.weight, dev, dtype)
+        head_w = embed_w if head.weight.data_ptr() == embed.weight.data_ptr() else _place(head.weight, dev, dtype)
         bias = getattr(head, "bias", None)
         built = SharedHead(embed_w, head_w, None if bias is None else _place(bias, dev, dtype))
         per_model[key] = built
         return built
 
 
-_EMBED_KEYS = (
-    "model.embed_tokens.weight",
-    "model.language_model.embed_tokens.weight",
-    "language_model.model.embed_tokens.weight",
-    "transformer.wte.weight",
-)
+_EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
+               "language_model.model.embed_tokens.weight", "transformer.wte.weight")
 _HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight")
 
 
@@ -183,12 +159,10 @@ def _read_tensor(file: Path, key: str, device: torch.device) -> torch.Tensor:
         return f.get_tensor(key)
 
 
-def shared_head_from_checkpoint(
-    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
-) -> SharedHead:
-    """Read only the embedding and LM head tensors of a safetensors checkpoint directory (sharded or
-    not); ``tie_word_embeddings`` in config.json (or a missing ``lm_head.weight``) reuses the embedding.
-    Cached per (directory, device, dtype)."""
+def shared_head_from_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu",
+                                dtype: torch.dtype | None = None) -> SharedHead:
+    """Read only the embedding and LM head tensors of a safetensors checkpoint directory (sharded or not);
+    ``tie_word_embeddings`` (or a missing ``lm_head.weight``) reuses the embedding. Cached."""
     directory = Path(path).expanduser().resolve()
     dev = as_device(device)
     key = (str(directory), str(dev), dtype)
@@ -209,34 +183,24 @@ def shared_head_from_checkpoint(
         head_key = _find_key(mapping, _HEAD_KEYS, "lm_head.weight")
         if head_key is None and tied is False:
             raise KeyError(f"{directory}: tie_word_embeddings is false but there is no lm_head.weight")
-        embed_w = _read_tensor(mapping[embed_key], embed_key, dev)
-        if dtype is not None:
-            embed_w = embed_w.to(dtype)
-        if tied or head_key is None:
-            head_w = embed_w
-        else:
-            head_w = _read_tensor(mapping[head_key], head_key, dev)
-            if dtype is not None:
-                head_w = head_w.to(dtype)
+
+        def read(k: str) -> torch.Tensor:
+            t = _read_tensor(mapping[k], k, dev)
+            return t if dtype is None else t.to(dtype)
+
+        embed_w = read(embed_key)
+        head_w = embed_w if tied or head_key is None else read(head_key)
         bias_key = head_key[: -len("weight")] + "bias" if head_key else None
-        bias = None
-        if bias_key and bias_key in mapping and not tied:
-            bias = _read_tensor(mapping[bias_key], bias_key, dev)
-            if dtype is not None:
-                bias = bias.to(dtype)
+        bias = read(bias_key) if bias_key and bias_key in mapping and not tied else None
         built = SharedHead(embed_w, head_w, bias)
         _CHECKPOINT_HEADS[key] = built
         return built
 
 
-def shared_head_from_preset(
-    spec: str | Mapping[str, Any],
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-) -> SharedHead:
-    """The head of a config-preset target (name or dict). The preset's weights depend only on its
-    parameters and seed, so the head is cached by them: built once per (preset, device, dtype), and the
-    temporary full model is dropped after its two tensors are copied out."""
+def shared_head_from_preset(spec: str | Mapping[str, Any], device: str | torch.device = "cpu",
+                            dtype: torch.dtype | None = None) -> SharedHead:
+    """The head of a config-preset target (name or dict), cached by its parameters and seed (its weights
+    depend only on them); the temporary full model is dropped after its two tensors are copied out."""
     dev = as_device(device)
     name = spec if isinstance(spec, str) else json.dumps(dict(spec), sort_keys=True, default=str)
     key = (name, str(dev), dtype)
@@ -257,30 +221,20 @@ def shared_head_from_preset(
         return _PRESET_HEADS.setdefault(key, built)
 
 
-def load_shared_head(
-    spec: str | os.PathLike | Mapping[str, Any],
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-    *,
-    trust_remote_code: bool = False,
-) -> SharedHead:
-    """The frozen embedding and LM head of the target named by ``spec`` on ``device``: a preset is rebuilt
-    from its seed (the TargetForward's exact weights), a directory is read for just those two tensors, a
-    hub id is loaded once on the CPU."""
+def load_shared_head(spec: str | os.PathLike | Mapping[str, Any], device: str | torch.device = "cpu",
+                     dtype: torch.dtype | None = None, *, trust_remote_code: bool = False) -> SharedHead:
+    """The frozen embedding and LM head of the target named by ``spec`` on ``device``: a preset rebuilt from its
+    seed, a directory read for just those two tensors, a hub id loaded once on the CPU."""
     if is_preset(spec) or Path(os.fspath(spec)).expanduser().is_dir():
         return shared_head(spec, device, dtype)
     model = load_target(spec, device="cpu", dtype=dtype, trust_remote_code=trust_remote_code)
     return shared_head(model, device, dtype)
 
 
-def shared_head(
-    source: nn.Module | str | os.PathLike | Mapping[str, Any],
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-) -> SharedHead:
-    """The shared head of ``source``: a loaded model (:func:`shared_head_from_model`), a preset name or
-    dict (:func:`shared_head_from_preset`), or a safetensors checkpoint directory
-    (:func:`shared_head_from_checkpoint`). Each is built once per (source, device, dtype)."""
+def shared_head(source: nn.Module | str | os.PathLike | Mapping[str, Any], device: str | torch.device = "cpu",
+                dtype: torch.dtype | None = None) -> SharedHead:
+    """The shared head of ``source``: a loaded model, a preset name or dict, or a safetensors checkpoint
+    directory; each built once per (source, device, dtype)."""
     if isinstance(source, nn.Module):
         return shared_head_from_model(source, device, dtype)
     if is_preset(source):

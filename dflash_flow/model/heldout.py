@@ -1,14 +1,7 @@
-"""Acceptance over time: the teacher-forced walk (``model.walk``) on a fixed held-out sample, measured
-while the drafter trains, so a run shows its time-to-acceptance and can be stopped when it is enough.
-
-The target's side of the walk does not change during training: :meth:`HeldoutProbe.prepare` runs the
-target once over the sample (one forward per conversation) and keeps the features; every measurement
-after that is drafter calls only (one per block, with the head the trainer already holds). The walk is
-real greedy decoding's acceptance on the target's own replies (see ``model.walk``), so the last value
-is the final evaluation's walk on the same conversations.
-
-A measurement draws no random numbers and leaves the drafter's weights, mode and gradients as they
-were: a run with the probe trains exactly as one without it.
+"""Acceptance over time: the teacher-forced walk (``model.walk``) on a fixed held-out sample, measured while
+the drafter trains. :meth:`HeldoutProbe.prepare` runs the target once and keeps the features; a measurement is
+drafter calls only, draws no random numbers and leaves the drafter's weights, mode and gradients as they were
+(a run with the probe trains exactly as one without it).
 """
 
 from __future__ import annotations
@@ -22,7 +15,8 @@ import attrs
 import torch
 from torch import nn
 
-from .block_drafter import BlockDrafter, DraftSettings, draft_settings
+from .block_drafter import BlockDrafter, draft_settings
+from .decoding import eval_mode
 from .walk import WalkInput, walk_features, walk_inputs
 
 __all__ = ["HeldoutProbe", "ProbeResult", "prepare_probe"]
@@ -30,8 +24,7 @@ __all__ = ["HeldoutProbe", "ProbeResult", "prepare_probe"]
 
 @attrs.frozen
 class ProbeResult:
-    """One measurement: ``tau`` (tokens per block, bonus included, over all blocks of the sample, as the
-    walk's ``tau``), the blocks walked, and the seconds it took."""
+    """One measurement: ``tau`` (the walk's, over all blocks of the sample), the blocks walked, the seconds."""
 
     tau: float
     blocks: int
@@ -51,57 +44,40 @@ class HeldoutProbe:
         self.layer_ids = [int(i) for i in layer_ids]
 
     @classmethod
-    def prepare(
-        cls,
-        target: nn.Module,
-        conversations: Sequence[tuple[Sequence[int], Sequence[int]]],
-        *,
-        horizon: int,
-        layer_ids: Sequence[int],
-        stop_token_ids: Sequence[int] | None = None,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
-    ) -> HeldoutProbe:
-        """Run ``target`` once over each ``(prompt ids, reply ids)`` (``walk.walk_inputs``: no deeper than the
-        deepest feature layer) and keep what the walks need, on ``device`` in ``dtype`` (the drafter's); the
-        target can be freed afterwards."""
+    def prepare(cls, target: nn.Module, conversations: Sequence[tuple[Sequence[int], Sequence[int]]], *,
+                horizon: int, layer_ids: Sequence[int], stop_token_ids: Sequence[int] | None = None,
+                device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> HeldoutProbe:
+        """Run ``target`` once over each ``(prompt ids, reply ids)`` (``walk.walk_inputs``) and keep what the walks
+        need on ``device`` in ``dtype`` (the drafter's); the target can be freed afterwards."""
         dev = torch.device(device)
         inputs = [attrs.evolve(inp, seq=inp.seq.to(dev), feats=inp.feats.to(device=dev, dtype=dtype))
                   for inp in walk_inputs(target, conversations, longest=horizon, layer_ids=layer_ids,
                                          stop_token_ids=stop_token_ids)]
         return cls(inputs, horizon=horizon, layer_ids=layer_ids)
 
-    def settings(self, drafter: nn.Module) -> DraftSettings:
-        return draft_settings(drafter, target_layer_ids=self.layer_ids)
-
     def measure(self, drafter: nn.Module, head: Any) -> ProbeResult:
         """Walk the sample with ``drafter`` (in eval mode for the walk, restored after) and ``head`` (the
         target's embedding and LM head: a ``model.head.SharedHead`` or the target itself)."""
         t0 = time.perf_counter()
-        settings = self.settings(drafter)
-        was_training = drafter.training
-        drafter.eval()
+        settings = draft_settings(drafter, target_layer_ids=self.layer_ids)
         committed = blocks = 0
-        try:
+        with eval_mode(drafter):
             for inp in self.inputs:
                 r = walk_features(BlockDrafter(head, drafter, settings), inp, self.horizon)
                 committed += sum(r.accept_lengths)
                 blocks += len(r.accept_lengths)
-        finally:
-            drafter.train(was_training)
         return ProbeResult(committed / blocks if blocks else 1.0, blocks, time.perf_counter() - t0)
 
 
 def prepare_probe(knobs: Any, path: str | Path, *, target: Any, tokenizer_path: str | None, trust_remote_code: bool,
                   layer_ids: Sequence[int], device: str, dtype: torch.dtype) -> HeldoutProbe:
-    """The fixed held-out sample of ``path``: its first ``heldout_limit`` conversations (``knobs``:
-    ``model.heldout_schedule.HeldoutKnobs``) and the target's features over them (the target is loaded for
-    this, under the model-load lock, and freed)."""
+    """The probe over the first ``knobs.heldout_limit`` conversations of ``path`` (the target loaded for it,
+    under the model-load lock, and freed)."""
     from transformers import AutoTokenizer
 
     from dflash_flow.data.chat import stop_token_ids
+    from dflash_flow.model import MODEL_LOAD_LOCK
     from dflash_flow.model.evaluation import read_walk_conversations
-    from dflash_flow.model.loading import MODEL_LOAD_LOCK
     from dflash_flow.model.target import load_target
 
     if tokenizer_path is None:

@@ -13,16 +13,9 @@ from dflash_flow.model.drafter_config import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_flow.model.drafter_layers import BlockLayout
 
 
-def _context_visibility(
-    anchors: torch.Tensor,
-    keep: torch.Tensor,
-    context_valid: torch.Tensor,
-    *,
-    block_size: int,
-    first_slot: int,
-    layer_type: str,
-    sliding_window: int | None,
-) -> torch.Tensor:
+def _context_visibility(anchors: torch.Tensor, keep: torch.Tensor, context_valid: torch.Tensor, *,
+                        block_size: int, first_slot: int, layer_type: str,
+                        sliding_window: int | None) -> torch.Tensor:
     """Which context positions the queries of blocks at ``anchors`` see: bool ``[b, N, 1, S]`` for
     full layers (every slot of a block sees the same context), ``[b, N, B - first_slot, S]`` (slots
     ``first_slot..B-1``) for sliding layers.
@@ -54,15 +47,9 @@ def _within_block(block_size: int, layer_type: str, sliding_window: int | None, 
     return torch.ones(block_size, block_size, dtype=torch.bool, device=device)
 
 
-def block_attention_mask(
-    anchors: torch.Tensor,
-    keep: torch.Tensor,
-    context_valid: torch.Tensor,
-    *,
-    block_size: int,
-    layer_type: str = FULL_ATTENTION,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
+def block_attention_mask(anchors: torch.Tensor, keep: torch.Tensor, context_valid: torch.Tensor, *,
+                         block_size: int, layer_type: str = FULL_ATTENTION,
+                         sliding_window: int | None = None) -> torch.Tensor:
     """Dense bool mask ``[b, 1, N*B, S + N*B]`` for blocks at ``anchors`` over context + the blocks.
 
     The layout of ``DFlashDrafter.forward`` (and SpecForge's sdpa path); training uses the grouped
@@ -70,24 +57,14 @@ def block_attention_mask(
     context), so no row is fully masked (sdpa would return NaN) and nothing else sees them.
     """
     b, n = anchors.shape
-    ctx = _context_visibility(
-        anchors,
-        keep,
-        context_valid,
-        block_size=block_size,
-        first_slot=0,
-        layer_type=layer_type,
-        sliding_window=sliding_window,
-    )
+    ctx = _context_visibility(anchors, keep, context_valid, block_size=block_size, first_slot=0,
+                              layer_type=layer_type, sliding_window=sliding_window)
     ctx = ctx.expand(b, n, block_size, ctx.shape[-1]).reshape(b, n * block_size, -1)
     within = _within_block(block_size, layer_type, sliding_window, anchors.device)
     blk = torch.arange(n, device=anchors.device)
     same_block = blk[:, None, None, None] == blk[None, None, :, None]  # [N, 1, N, 1]
     own = (same_block & within[None, :, None, :]).reshape(n * block_size, n * block_size)
     return torch.cat([ctx, own.expand(b, -1, -1)], dim=-1)[:, None]
-
-
-# ------------------------------------------------------------------------------------------ grouping
 
 
 @attrs.frozen
@@ -115,15 +92,8 @@ def read_bounds(
     return ColumnBounds(hi=flat[:n], lo=flat[n : 2 * n], seq_len=seq_len), count
 
 
-def group_spans(
-    bounds: ColumnBounds,
-    start: int,
-    stop: int,
-    *,
-    group_blocks: int,
-    layer_type: str,
-    sliding_window: int | None,
-) -> list[tuple[int, int, int, int]]:
+def group_spans(bounds: ColumnBounds, start: int, stop: int, *, group_blocks: int, layer_type: str,
+                sliding_window: int | None) -> list[tuple[int, int, int, int]]:
     """Groups ``(n0, n1, lo, hi)`` of ``group_blocks`` consecutive blocks in ``[start, stop)`` and the
     context slice ``[lo, hi)`` that holds every position their queries can see (``c < anchor``, and for
     sliding layers ``c > anchor - W``)."""
@@ -142,26 +112,19 @@ def group_spans(
     return spans
 
 
-# Measured on the project's 2-core CPU (torch 2.13, fp32, 2 threads): the flash kernel's forward +
-# backward costs ~7 ns per query-key pair per row and head at head_dim 64; one group's fixed cost (its
-# kernel calls, views, own-key writes and gradient adds, per layer) ~250 us. In units of
-# (query-key pair x row x head x head_dim):
+# CPU: the flash kernel's forward + backward costs ~7 ns per query-key pair per row and head at head_dim 64,
+# one group's fixed cost ~250 us per layer. In units of (query-key pair x row x head x head_dim):
 GROUP_FIXED_COST = 250e-6 / (7e-9 / 64)
 
 
-# The grouped SDPA path (``DrafterAttention.grouped_attention``: every device but the CPU kernels, i.e. CUDA, and
-# the CPU under attention dropout) makes one SDPA call per group after copying the group's own keys and its
-# context slice into one key tensor (KV heads shared, not repeated: ``enable_gqa``). Not measured on a GPU yet
-# (none lent; ``bench/gpu.py`` times the attention at a few group sizes against this choice): per group and
-# layer a few kernels in the forward, the recomputation and the backward, taken as ~1 ms with their launches and
-# the Python between them, against ~14 FLOP per unit above (QK and PV in the forward, the recomputation and the
-# backward) at ~2e14 FLOP/s; at the Qwen3-8B recipe shape this picks 32-64 blocks per group (the CPU's cost
-# picked one block per group there: 512 calls per layer, each copying ~1,900 context keys).
+# The grouped SDPA path (``DrafterAttention.grouped_attention``: CUDA, and the CPU under attention dropout) makes
+# one SDPA call per group after copying its own keys and context slice into one key tensor: taken as ~1 ms per
+# group and layer (launches included; not measured on a GPU yet) against ~14 FLOP per unit above at ~2e14 FLOP/s.
 SDPA_GROUP_FIXED_COST = 1e-3 * 2e14 / 14
 # Each group's key copies stay saved for the backward (``chunk_activation_bytes`` counts this many per chunk).
 SDPA_MAX_GROUPS = 16
 # Columns of an SDPA path group mask are padded to this multiple: CUDA's memory-efficient kernel needs the
-# mask's pointer and row stride aligned (16 bytes; SDPA would otherwise copy a misaligned mask per call).
+# mask's pointer and row stride aligned.
 MASK_ALIGN = 16
 
 
@@ -173,34 +136,18 @@ def uses_sdpa(drafter: nn.Module) -> bool:
 
 
 # The split attention (``block_attention._SplitAttention``) scores no own keys in its per-group kernel calls,
-# but each group's backward writes a gradient for every context key of its slice (the kernel zero-fills
-# its dK / dV, then they are added into the context's): per context position of a group, about the time of
-# this many query-key pairs per (row x KV head x head_dim). Fitted on whole steps, torch 2.13, fp32, one
-# thread, split form forced (``bench/peer_step.py`` shapes, 64 anchors; sizes 8-64 in one process): the
-# best group was 32 blocks at the peer shape (0.92 of the step at 8), 16 at embedded 4 x 512 (0.945 of 8)
-# and 8-32 at embedded 8 x 256 (within 2%); this cost picks 32, 16 and 16 there, the former model 8, 8, 4.
+# but each group's backward writes a gradient for every context key of its slice: per context position of a
+# group, about the time of this many query-key pairs per (row x KV head x head_dim) (fitted on whole steps).
 SPLIT_KEY_COST = 16
 
 
-def auto_group_blocks(
-    bounds: ColumnBounds,
-    start: int,
-    stop: int,
-    *,
-    block_size: int,
-    pair_cost: int,
-    key_cost: int | None = None,
-    fixed_cost: float = GROUP_FIXED_COST,
-    max_groups: int | None = None,
-) -> int:
+def auto_group_blocks(bounds: ColumnBounds, start: int, stop: int, *, block_size: int, pair_cost: int,
+                      key_cost: int | None = None, fixed_cost: float = GROUP_FIXED_COST,
+                      max_groups: int | None = None) -> int:
     """Blocks per attention group for blocks ``start..stop-1``: the power of two with the least estimated
     time, ``pair_cost`` (rows x heads x head_dim) per visible-range query-key pair plus ``fixed_cost`` per
-    group. Small groups skip more hidden context; each group costs a few kernel calls.
-
-    ``key_cost`` (rows x KV heads x head_dim x ``SPLIT_KEY_COST``): the split attention's grouping, where a
-    group's queries score no own keys and each group costs this much per context key of its slice.
-    ``fixed_cost`` / ``max_groups``: the grouped SDPA path's (``SDPA_GROUP_FIXED_COST``, ``SDPA_MAX_GROUPS``):
-    no size that makes more than ``max_groups`` groups is chosen."""
+    group. ``key_cost``: the split attention's grouping (no own keys scored; this much per context key of a
+    group's slice). ``max_groups``: no size that makes more groups is chosen (the grouped SDPA path)."""
     n = stop - start
     # Per group of `size` blocks: its context end (the largest anchor), by pairwise maxima as size doubles.
     ends = [max(0, min(h, bounds.seq_len)) for h in bounds.hi[start:stop]]
@@ -224,11 +171,8 @@ def auto_group_blocks(
         size *= 2
 
 
-# Measured (torch 2.13, fp32, one thread, whole steps and the attention alone, bench/peer_step.py shapes):
-# the split attention (context and own blocks in separate kernel calls, joined by log-sum-exp) pays when
-# the groups' context slices are long against their own keys: 4-7% faster at 4 x 512 with the loss on the
-# second half (context / own keys ~6), about even at ~5, 5% slower at 4 x 256 (~2.6) and 30% slower at
-# 8 x 128 (~2.5), where the joining passes over every query cost more than the own keys it stops scoring.
+# The split attention pays when the groups' context slices are long against their own keys (context / own
+# keys ~6: faster; ~2.5: slower, the joining passes cost more than the own keys it stops scoring).
 SPLIT_CONTEXT_RATIO = 4.0
 
 
@@ -249,34 +193,16 @@ def split_pays(spans: list[tuple[int, int, int, int]], block_size: int) -> bool:
     return context >= SPLIT_CONTEXT_RATIO * own
 
 
-def block_layouts(
-    plan: BlockPlan,
-    spans: dict[str, list[tuple[int, int, int, int]]],
-    start: int,
-    stop: int,
-    *,
-    layer_types: list[str],
-    sliding_window: int | None,
-    dtype: torch.dtype,
-    last_drops_first_slot: bool = False,
-    split: bool | None | frozenset[str] = False,
-    sdpa: bool = False,
-) -> list[BlockLayout]:
-    """One ``BlockLayout`` per layer for blocks ``start..stop-1`` grouped by ``spans`` (``group_spans``,
-    per layer type). Layers of a type share one layout (one mask per type and chunk).
-
-    ``last_drops_first_slot``: the last layer computes no slot-0 queries (the loss never reads them).
-    ``split``: True: layouts for the split attention (``block_attention._SplitAttention``; the CPU training
-    path takes it), carrying only what it reads: no ``mask`` in the [scratch | context] key layout
-    (``[b, 1, Q, scratch + S]``, 19 MB per layout at 4 x 512 with 64 anchors), each group's context mask
-    made when its kernel call needs it. None: those where the split attention pays (``split_pays``), the
-    others as False gives them (for ``_BlockAttention``). A set of layer types: those types' layouts split
-    (the objective's choice, ``Grouping.split``, made on the block form's groups before regrouping).
-    ``sdpa``: layouts for the grouped SDPA path (``uses_sdpa``; the layer types that do not split): each group's
-    mask is a tensor of its own, ``[b, 1, q1 - q0, own + hi - lo]`` in a buffer whose rows are padded to
-    ``MASK_ALIGN`` columns (CUDA's memory-efficient kernel refuses a mask whose pointer or row stride is
-    misaligned, as a view into one ``[scratch | context]`` mask is for block sizes or window starts off 16),
-    and no ``mask``.
+def block_layouts(plan: BlockPlan, spans: dict[str, list[tuple[int, int, int, int]]], start: int, stop: int,
+                  *, layer_types: list[str], sliding_window: int | None, dtype: torch.dtype,
+                  last_drops_first_slot: bool = False, split: bool | None | frozenset[str] = False,
+                  sdpa: bool = False) -> list[BlockLayout]:
+    """One ``BlockLayout`` per layer for blocks ``start..stop-1`` grouped by ``spans`` (per layer type); layers
+    of a type share one layout. ``last_drops_first_slot``: the last layer computes no slot-0 queries.
+    ``split``: True: layouts for the split attention, with no ``[scratch | context]`` mask (each group's context
+    mask is made when its kernel call needs it); None: split where it pays (``split_pays``); a set of layer
+    types: those types' layouts split; else layouts for ``_BlockAttention``. ``sdpa``: the grouped SDPA path's
+    layouts: one mask per group in a buffer padded to ``MASK_ALIGN`` columns, no ``mask``.
     """
     made: dict[tuple[str, bool], BlockLayout] = {}
     last = len(layer_types) - 1
@@ -296,15 +222,8 @@ def _type_layout(plan: BlockPlan, spans: list[tuple[int, int, int, int]], start:
     bsz = plan.block_size
     b, n = plan.anchors.shape[0], stop - start
     per_block = bsz - first
-    vis = _context_visibility(
-        plan.anchors[:, start:stop],
-        plan.keep[:, start:stop],
-        plan.context_valid,
-        block_size=bsz,
-        first_slot=first,
-        layer_type=layer_type,
-        sliding_window=sliding_window,
-    )
+    vis = _context_visibility(plan.anchors[:, start:stop], plan.keep[:, start:stop], plan.context_valid,
+                              block_size=bsz, first_slot=first, layer_type=layer_type, sliding_window=sliding_window)
     scratch = max(n1 - n0 for n0, n1, _lo, _hi in spans) * bsz
     zero = torch.zeros((), dtype=dtype, device=vis.device)
     within = _within_block(bsz, layer_type, sliding_window, vis.device)[first:]
@@ -329,9 +248,8 @@ def _type_layout(plan: BlockPlan, spans: list[tuple[int, int, int, int]], start:
 
 def _additive_mask(vis, within, groups, scratch: int, per_block: int, bsz: int, zero,
                    dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The one additive mask (sdpa would convert a bool mask in every call, forward and backward), in the key
-    layout [scratch | context], and each group's view of it; each group's rows get its own-block pattern
-    next to its slice."""
+    """The one additive mask in the key layout [scratch | context], and each group's view of it (its rows get
+    its own-block pattern next to its slice)."""
     b, n, _, seq = vis.shape  # seq: the context's length
     mask = torch.empty((b, 1, n * per_block, scratch + seq), dtype=dtype, device=vis.device)
     mask[..., :scratch] = float("-inf")
@@ -352,8 +270,7 @@ def _additive_mask(vis, within, groups, scratch: int, per_block: int, bsz: int, 
 
 def _group_masks(vis, within, groups, per_block: int, bsz: int, zero) -> list[torch.Tensor]:
     """The grouped SDPA path's additive mask of each group, ``[b, 1, q1 - q0, own + hi - lo]`` (its own blocks'
-    keys, block-diagonal, then its context slice), each a view at the start of a buffer whose rows are padded to
-    ``MASK_ALIGN`` columns: aligned pointer and row stride, so SDPA passes it to the kernel as it is."""
+    keys, block-diagonal, then its context slice), a view into a buffer with rows padded to ``MASK_ALIGN``."""
     b = vis.shape[0]
     out = []
     for q0, q1, lo, hi in groups:
@@ -371,16 +288,9 @@ def _group_masks(vis, within, groups, per_block: int, bsz: int, zero) -> list[to
     return out
 
 
-# ------------------------------------------------------------------------------------------ forward
-
-
 def activation_bytes_per_block(drafter: nn.Module, *, vocab_size: int, context_len: int) -> int:
-    """Estimated bytes one block of one row keeps for the backward when its chunk is not checkpointed.
-
-    Per block token: each layer's saved activations (norm outputs, q/k/v, attention output, residuals,
-    the MLP's gate/up/product), its attention mask row, and the fp32 logits with their log-softmax.
-    An estimate for choosing chunks, within a factor ~2 of what the allocator sees.
-    """
+    """Estimated bytes (within ~2x) one block of one row keeps for the backward when its chunk is not
+    checkpointed: per token, each layer's saved activations, its mask row, the fp32 logits and log-softmax."""
     cfg = drafter.config
     elem = torch.finfo(drafter.dtype).bits // 8
     h = int(cfg.hidden_size)
@@ -389,25 +299,17 @@ def activation_bytes_per_block(drafter: nn.Module, *, vocab_size: int, context_l
     per_layer = elem * (6 * h + 2 * heads * d + 2 * kv * d + 4 * int(cfg.intermediate_size))
     # two context masks (all slots; the last layer without slot 0) and fp32 logits, log-softmax, grad
     per_token = len(drafter.layers) * per_layer + 2 * elem * context_len + 3 * 4 * int(vocab_size)
-    per_token += _variant_terms(drafter).activation_bytes_per_token(drafter, elem)  # DFlash 2's own
+    from dflash_flow.model.dflash2 import drafter_variant
+    from dflash_flow.model.lossstats import terms_for
+
+    per_token += terms_for(drafter_variant(drafter.config)).activation_bytes_per_token(drafter, elem)  # DFlash 2's
     return per_token * drafter.block_size
 
 
-def _variant_terms(drafter: nn.Module):
-    """The loss terms of the drafter's variant (``model.terms``), by its config's name."""
-    from dflash_flow.model.dflash2 import drafter_variant
-    from dflash_flow.model.terms import terms_for
-
-    return terms_for(drafter_variant(drafter.config))
-
-
 def chunk_activation_bytes(drafter: nn.Module, *, batch: int, blocks: int, context_len: int, vocab_size: int) -> int:
-    """Estimated bytes a chunk of ``blocks`` blocks of ``batch`` rows keeps for its backward.
-
-    The CPU kernels: ``blocks`` x ``activation_bytes_per_block``. The grouped SDPA path (``uses_sdpa``) also keeps
-    what each SDPA call saves: its group's key and value copies (own blocks and context slice, at most
-    ``SDPA_MAX_GROUPS`` slices of up to ``context_len`` keys per chunk and layer), its output and log-sum-exp,
-    and the groups' masks, whose own-key columns grow with the group (taken as the whole chunk: one group)."""
+    """Estimated bytes a chunk of ``blocks`` blocks of ``batch`` rows keeps for its backward: ``blocks`` x
+    ``activation_bytes_per_block``, plus on the grouped SDPA path what each SDPA call saves (its group's key and
+    value copies, at most ``SDPA_MAX_GROUPS`` per chunk and layer, its output and log-sum-exp, the masks)."""
     per_block = activation_bytes_per_block(drafter, vocab_size=vocab_size, context_len=context_len)
     if not uses_sdpa(drafter):
         return batch * blocks * per_block

@@ -1,8 +1,7 @@
-"""The DFlash loss's statistics: what one micro-batch's loss reports (``DFlashLossOutput``), and the
-statistics each objective owns (``ObjectiveStats``: the simulated acceptance of a block, plus the variable
-prefix's own). A variant's statistics are its loss terms' (``model.terms``). The names of every extra
-statistic are declared once, by the strategies (``model.strategies``: ``metric_names``); the code here
-pairs them with their values, never spelling a key twice."""
+"""The DFlash loss's statistics and each variant's loss terms. ``DFlashLossOutput``: what one micro-batch's
+loss reports; ``ObjectiveStats``: each objective's own (the variable prefix's); ``HeadTerms`` / ``SelectorTerms``:
+the LM head's weighted cross-entropy (DFlash) and DFlash 2's selector term, picked by ``terms_for``. Every extra
+statistic's name is declared once, by the strategies' ``metric_names``; here they are only paired with values."""
 
 from __future__ import annotations
 
@@ -12,11 +11,16 @@ import attrs
 import torch
 
 from dflash_flow.model.blockplan import BlockPlan
-from dflash_flow.model.strategies import Objective, VariablePrefix
+from dflash_flow.model.drafter_layers import maybe_compiled
+from dflash_flow.model.fused import weighted_cross_entropy
+from dflash_flow.model.strategies import DFlash2, Objective, VariablePrefix, Variant
 
 __all__ = [
-    "DFlashLossOutput", "ObjectiveStats", "PrefixStats", "StepSums", "acceptance_runs", "objective_stats", "zero_extras",
+    "DFlashLossOutput", "HeadTerms", "ObjectiveStats", "PrefixStats", "SelectorTerms", "StepSums", "acceptance_runs",
+    "objective_stats", "terms_for", "zero_extras",
 ]
+
+Extras = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 @attrs.define(eq=False)
@@ -31,7 +35,7 @@ class DFlashLossOutput:
     kept_blocks: torch.Tensor  # number of kept (non-padding) blocks
     # Scalar statistics of a variant or objective (DFlash 2's selector, the variable prefix), as
     # (numerator, denominator): metrics() reports numerator / denominator (0 when the denominator is 0).
-    extra: dict[str, tuple[torch.Tensor, torch.Tensor]] = attrs.field(factory=dict)
+    extra: Extras = attrs.field(factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -57,7 +61,7 @@ class DFlashLossOutput:
         return float(self.acceptance_sum.item() / n) if n else 0.0
 
     def metrics(self, prefix: str = "") -> dict[str, float]:
-        """The scalar statistics (the per-slot accuracies are :meth:`values`' typed sequence), from :meth:`values`."""
+        """The scalar statistics of :meth:`values`."""
         scalars, _positions = self.values()
         return {f"{prefix}{k}": v for k, v in scalars.items()}
 
@@ -67,10 +71,8 @@ class DFlashLossOutput:
         return ["loss", "accuracy", "acceptance_length", "num_tokens", "num_blocks", *self.extra]
 
     def stat_vector(self) -> torch.Tensor:
-        """:meth:`values` as one tensor on the statistics' device, read nowhere: the scalars (``stat_names``) then
-        the accuracy of slots k = 1..B-1, in float64 (float32 on MPS), with the arithmetic of :meth:`values`
-        (each input rounded to float32 first, a ratio 0 where its denominator is 0), so a caller can sum the
-        micro-batches of a step on the device and read them once."""
+        """:meth:`values` as one device tensor (``stat_names``, then the per-slot accuracies), in float64
+        (float32 on MPS) with the same arithmetic, so a step's micro-batches are summed on the device, read once."""
         wide = torch.float32 if self.loss.device.type == "mps" else torch.float64
 
         def f(t: torch.Tensor) -> torch.Tensor:
@@ -130,12 +132,11 @@ def acceptance_runs(hits: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
 
 
 class ObjectiveStats:
-    """The DFlash objective's statistics: none beyond the simulated acceptance every objective reports."""
+    """The DFlash objective's: none beyond the simulated acceptance every objective reports."""
 
     names: tuple[str, ...] = Objective.metric_names
 
-    def extras(self, plan: BlockPlan, run: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """``{name: (numerator, denominator)}`` of its statistics, given each block's acceptance ``run``."""
+    def extras(self, plan: BlockPlan, run: torch.Tensor) -> Extras:
         return {}
 
 
@@ -145,7 +146,7 @@ class PrefixStats(ObjectiveStats):
 
     names = VariablePrefix.metric_names
 
-    def extras(self, plan: BlockPlan, run: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def extras(self, plan: BlockPlan, run: torch.Tensor) -> Extras:
         kept, lengths = plan.keep, plan.prefix_lengths
         first = kept & (lengths == 1)
         values = (((lengths * kept).sum().float(), kept.sum().float()),
@@ -154,19 +155,16 @@ class PrefixStats(ObjectiveStats):
 
 
 def objective_stats(plan: BlockPlan) -> ObjectiveStats:
-    """The statistics of the objective that drew ``plan`` (visible prefixes: the variable prefix's)."""
     return ObjectiveStats() if plan.prefix_lengths is None else PrefixStats()
 
 
-def zero_extras(names: tuple[str, ...], zero: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Each statistic of ``names`` as 0 / 0 (a micro-batch without a supervised block)."""
+def zero_extras(names: tuple[str, ...], zero: torch.Tensor) -> Extras:
     return {name: (zero.sum(), zero.sum()) for name in names}
 
 
 class StepSums:
-    """An optimizer step's statistics summed over its micro-batches on the device (``DFlashLossOutput.stat_vector``),
-    read once at the step together with the gradient norm (:meth:`read`: the step's one device->host read), and
-    the micro-batches, tokens and samples it counted (fillers train nothing and are not counted)."""
+    """An optimizer step's statistics summed on the device (``DFlashLossOutput.stat_vector``), read once with
+    the gradient norm (:meth:`read`), and the micro-batches, tokens and samples it counted (fillers are not)."""
 
     def __init__(self, device: str | torch.device) -> None:
         self.device = torch.device(device)
@@ -199,12 +197,11 @@ class StepSums:
         return grad_norm, dict(zip(names, flat[: len(names)], strict=True)), flat[len(names) :]
 
     def reset(self) -> None:
-        """After an optimizer step."""
         self.sum = None
         self.counted = self.tokens = self.samples = 0
 
     def state(self) -> dict[str, Any]:
-        """A partial step's sums, as plain values (a checkpoint's partial accumulation)."""
+        """A partial step's sums as plain values (a checkpoint's partial accumulation)."""
         _norm, sums, pos_sums = self.read()
         return {"sums": sums, "pos_sums": pos_sums, "counted": self.counted, "tokens": self.tokens,
                 "samples": self.samples}
@@ -215,3 +212,97 @@ class StepSums:
         values = list(sums.values()) + [float(v) for v in acc["pos_sums"]]
         self.sum = torch.tensor(values, dtype=self.wide, device=self.device) if values else None
         self.counted, self.tokens, self.samples = int(acc["counted"]), int(acc["tokens"]), int(acc["samples"])
+
+
+def _head_terms(drafter, lm_head, h, labels, weights):
+    logits = drafter.compute_logits(h, lm_head).float()
+    return weighted_cross_entropy(logits, labels, weights), logits.argmax(dim=-1)
+
+
+class HeadTerms:
+    """DFlash: the LM head's weighted cross-entropy; no term or statistic of its own."""
+
+    names: tuple[str, ...] = Variant.metric_names
+
+    def __init__(self, loss_weight: float = 0.0) -> None:
+        self.loss_weight = float(loss_weight)
+
+    def chunk(self, drafter: Any, lm_head: Any, h: torch.Tensor, plan: BlockPlan, start: int, stop: int) -> tuple:
+        """``(loss sum, argmax [b, n, B-1], *own parts)`` of blocks ``start..stop-1``; ``h`` ``[b*n*(B-1), H]``:
+        their supervised slots' hidden states. ``total`` adds the variant's own loss once every chunk is in."""
+        labels = plan.labels[:, start:stop, 1:].reshape(-1)
+        weights = plan.weights[:, start:stop, 1:].reshape(-1)
+        loss_sum, pred = maybe_compiled(_head_terms, drafter.compiled)(drafter, lm_head, h, labels, weights)
+        return loss_sum, pred.view(plan.anchors.shape[0], stop - start, plan.block_size - 1)
+
+    def total(self, loss: torch.Tensor, parts: list[tuple]) -> tuple[torch.Tensor, Any]:
+        return loss, None
+
+    def activation_bytes_per_token(self, drafter: Any, elem: int) -> int:
+        """Bytes its own parts keep for the backward per block token, beyond the DFlash drafter's."""
+        return 0
+
+    def extras(self, plan: BlockPlan, parts: list[tuple], sums: Any, loss_sum: torch.Tensor,
+               weight_sum: torch.Tensor) -> Extras:
+        return {}
+
+
+class SelectorTerms(HeadTerms):
+    """DFlash 2: the head's cross-entropy over the top-k candidates, and the selector's (teacher-forced)."""
+
+    names = DFlash2.metric_names
+
+    def chunk(self, drafter: Any, lm_head: Any, h: torch.Tensor, plan: BlockPlan, start: int, stop: int) -> tuple:
+        from dflash_flow.model.dflash2 import selector_terms, top_candidate_indices
+
+        shape = (plan.anchors.shape[0], stop - start, plan.block_size - 1)
+        labels = plan.labels[:, start:stop, 1:].reshape(-1)
+        weights = plan.weights[:, start:stop, 1:].reshape(-1)
+        selector = drafter.candidate_selector
+        logits = drafter.compute_logits(h, lm_head).float()
+        candidates = top_candidate_indices(logits, selector.top_k)
+        ce_sum, unary = weighted_cross_entropy(logits, labels, weights, gather=candidates)
+        # max's indices: argmax's (the first maximum, checked with ties), in under half its CPU time.
+        pred = logits.max(dim=-1).indices.view(shape)
+        previous = plan.labels[:, start:stop, :-1].reshape(-1)  # the true previous token of each slot
+        sel_sum, sel_weight, hits, present = selector_terms(
+            selector, h, logits, labels, previous, weights, plan.supervised[:, start:stop, 1:].reshape(-1),
+            candidates=(unary, candidates))
+        return ce_sum, pred, sel_sum, sel_weight, hits.view(shape), present.view(shape)
+
+    def activation_bytes_per_token(self, drafter: Any, elem: int) -> int:
+        """Four convolutions per layer (in, out, taps), the candidates' codes."""
+        selector, h = drafter.candidate_selector, int(drafter.config.hidden_size)
+        return len(drafter.layers) * elem * 16 * h + 4 * 3 * selector.top_k * selector.successor_codebook.shape[1]
+
+    def total(self, loss: torch.Tensor, parts: list[tuple]) -> tuple[torch.Tensor, Any]:
+        selector_sum = sum(part[0] for part in parts)
+        selector_weight = sum(part[1] for part in parts)
+        loss = loss + float(self.loss_weight) * selector_sum / selector_weight.clamp(min=1e-6)
+        return loss, (selector_sum, selector_weight)
+
+    def extras(self, plan: BlockPlan, parts: list[tuple], sums: Any, loss_sum: torch.Tensor,
+               weight_sum: torch.Tensor) -> Extras:
+        """The two loss terms, the selector's accuracy, the candidates' recall (its ceiling), and the simulated
+        acceptance of the selector's greedy walk (along its run of correct picks the predecessors are true)."""
+        selector_sum, selector_weight = sums
+        hits = torch.cat([part[2] for part in parts], dim=1)  # [b, N, B-1]
+        present = torch.cat([part[3] for part in parts], dim=1)
+        supervised = plan.supervised[:, :, 1:].sum().float()
+        run = acceptance_runs(hits, plan)
+        kept = plan.keep
+        values = ((loss_sum.detach(), weight_sum.detach()), (selector_sum.detach(), selector_weight.detach()),
+                  (hits.sum().float(), supervised), (present.sum().float(), supervised),
+                  (((1 + run).float() * kept).sum(), kept.sum().float()))
+        return dict(zip(self.names, values, strict=True))
+
+
+TERMS: dict[str, type[HeadTerms]] = {Variant.name: HeadTerms, DFlash2.name: SelectorTerms}
+
+
+def terms_for(variant: Variant | str, loss_weight: float | None = None) -> HeadTerms:
+    """The loss terms of ``variant`` (a strategy or its name), weighted ``loss_weight`` (default: its own)."""
+    name = variant if isinstance(variant, str) else variant.name
+    if loss_weight is None:
+        loss_weight = 0.0 if isinstance(variant, str) else variant.loss_weight
+    return TERMS[name](loss_weight)

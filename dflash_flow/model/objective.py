@@ -1,45 +1,25 @@
-"""The DFlash training objective (SpecForge ``OnlineDFlashModel``, loss "dflash"): plan, terms, statistics.
+"""The DFlash training objective (SpecForge ``OnlineDFlashModel``, loss "dflash").
 
 Per row, up to ``num_anchors`` anchors are drawn among positions ``i`` with ``loss_mask[i]`` and
-``loss_mask[i+1]``. Each anchor opens a block ``[input_ids[a], MASK x (B-1)]`` at positions ``a..a+B-1``.
-A block sees the target features of positions strictly before its anchor (the anchor's own feature is
-not available at inference: it is the bonus token being verified) and the keys of its own block
-(all of them in full-attention layers, offsets <= j in sliding layers). Slot k is supervised with the
-token at ``a+k`` (same-position labels, slot 0 excluded), weighted by ``exp(-(k-1)/gamma)``.
+``loss_mask[i+1]``. Each anchor opens a block ``[input_ids[a], MASK x (B-1)]`` at positions ``a..a+B-1``
+that sees the target features strictly before its anchor (the anchor's own is the bonus token being
+verified at inference) and the keys of its own block (offsets <= j in sliding layers). Slot k is supervised
+with the token at ``a+k`` (slot 0 excluded), weighted ``exp(-(k-1)/gamma)``. The variable-prefix objective
+(docs/objectives.md) shows a prefix of ``l`` real tokens and supervises slots ``k >= l``, weighted
+``exp(-(k-l)/gamma)``. A DFlash 2 drafter adds its selector's loss; its convolutions mix slots, so the
+independent-slot shortcuts are off for it (``independent_slots``).
 
-The variable-prefix objective (D2SD VP-Drafter, ``PrefixPrior``; docs/objectives.md) changes only the
-block plan: block n draws a visible prefix length ``l`` (``1 <= l <= B-1``), slots ``0..l-1`` hold the
-real tokens ``a..a+l-1``, and only slots ``k >= l`` are supervised, weighted ``exp(-(k-l)/gamma)``.
-
-A DFlash 2 drafter trains with NeMo AutoModel's DFlash 2 rule: ``loss = dflash + selector_loss_weight *
-selector`` (``model.terms.SelectorTerms``; why that rule: the ``dflash2`` module docstring). Its in-block
-convolutions mix slots, so the two shortcuts below that assume independent slots (factored first-layer
-rows, no slot-0 queries in the last layer) are off for it (``independent_slots``).
-
-The loss is three parts, each in its module: the **plan** (``model.lossplan``: the anchors and blocks,
-drawn from the host rows on the trainer's path, ``host_plan``), the **terms** of the drafter's variant
-(``model.terms``, polymorphic: the LM head's cross-entropy, DFlash 2's selector), and the **statistics**
-(``model.lossstats``: ``DFlashLossOutput``, each objective's own). Here, each step the work a block actually
-needs and nothing else:
-
-* the fused context and its keys/values are computed once per layer (``DFlashDrafter.context_kv``);
-* blocks never see each other, so they run in chunks (``chunk_blocks``, or from a memory budget,
-  ``activation_budget_mb``); a chunk runs drafter + LM head + cross-entropy, under activation
-  checkpointing only when there is more than one chunk (then only one chunk's activations and logits
-  exist at a time);
-* inside a chunk, blocks are grouped by anchor (``group_spans``, ``auto_group_blocks``): a group's
-  queries attend to the context slice their anchors can see plus their own block (``BlockLayout``),
-  not to the whole row and every block as a dense ``[N*B, S + N*B]`` mask would
-  (``block_attention_mask``, kept as the reference layout);
-* the first layer projects N + 1 distinct rows per sequence (slots 1..B-1 all hold the mask token;
-  not under the variable-prefix objective, whose visible prefixes put real tokens there),
-  the last layer computes no slot-0 queries and the head no slot-0 logits (slot 0 is never supervised);
-* ``DFlashLossOutput.stat_vector`` keeps the statistics on the device, so a trainer reads them once per
-  optimizer step (``DFlashLossOutput.metrics`` reads them once more).
+The plan is drawn before the drafter runs (``host_plan`` on the host rows: its shapes are known without a
+device read; ``draw_plan`` on the batch's device); terms and statistics are ``model.lossstats``'. Here: the
+context's keys/values once per layer; blocks in chunks, checkpointed when more than one; blocks grouped by
+anchor (``BlockLayout``) instead of a dense ``[N*B, S + N*B]`` mask (``block_attention_mask``, the reference);
+the first layer on N + 1 distinct rows (not under the variable prefix), no slot-0 queries in the last layer.
 """
 
 from __future__ import annotations
 
+import attrs
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -47,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from dflash_flow.model.blockplan import (
     BlockPlan,
     PrefixPrior,
+    anchor_candidates,
     decay_weights,
     plan_blocks,
     prefix_decay_weights,
@@ -72,14 +53,17 @@ from dflash_flow.model.layout import (
     split_pays,
     uses_sdpa,
 )
-from dflash_flow.model.lossplan import HostPlan, block_settings, check_inputs, draw_plan, host_plan
-from dflash_flow.model.lossstats import DFlashLossOutput, acceptance_runs, objective_stats, zero_extras
-from dflash_flow.model.recipe import TrainerConfig
-from dflash_flow.model.strategies import VARIANTS
-from dflash_flow.model.terms import HeadTerms, terms_for
+from dflash_flow.model.lossstats import (
+    DFlashLossOutput,
+    HeadTerms,
+    acceptance_runs,
+    objective_stats,
+    terms_for,
+    zero_extras,
+)
+from dflash_flow.model.strategies import VARIANTS, TrainerConfig
 
-# The plan, the layouts and the statistics live in their modules; these names are re-exported for the
-# callers of the objective.
+# Re-exported for the objective's callers.
 __all__ = [
     "BlockPlan", "ColumnBounds", "DFlashLossOutput", "DFlashObjective", "HostPlan", "PrefixPrior",
     "activation_bytes_per_block", "auto_chunk_blocks", "auto_group_blocks", "block_attention_mask", "block_layouts",
@@ -88,13 +72,137 @@ __all__ = [
 ]
 
 
-def _layer_spans(drafter, bounds, start, stop, group_blocks, rows) -> Grouping:
-    """Attention groups per layer type (``group_spans``) and which layer types take the split attention.
+# -- the plan
+@attrs.frozen
+class HostPlan:
+    """A micro-batch's anchors drawn on the host from its (pinned) loss mask: exactly what ``dflash_loss``
+    draws from the same generator, copied over without blocking."""
 
-    The form is decided on the block form's groups (``auto_group_blocks``, or ``group_blocks``): the split
-    attention where ``split_pays`` and the layers run it (CPU). Unless ``group_blocks`` is given, the split
-    layer types are then regrouped by the split form's own cost (``key_cost``: its groups score no own
-    keys, so larger groups pay there)."""
+    anchors: torch.Tensor  # [b, W] long, CPU
+    keep: torch.Tensor  # [b, W] bool, CPU
+    bounds: ColumnBounds
+    prefix_lengths: torch.Tensor | None = None  # [b, W] long, CPU (the variable-prefix objective)
+
+
+def host_plan(loss_mask: torch.Tensor, attention_mask: torch.Tensor | None, *, num_anchors: int,
+              block_size: int, generator: torch.Generator | None,
+              prefix_prior: PrefixPrior | None = None) -> HostPlan:
+    """The anchors (and prefix lengths) ``dflash_loss`` would draw from ``generator``, from CPU tensors."""
+    if loss_mask.device.type != "cpu" or (attention_mask is not None and attention_mask.device.type != "cpu"):
+        raise ValueError("host_plan draws from the batch's host rows: pass the CPU loss and attention masks")
+    b, s = loss_mask.shape
+    if prefix_prior is not None:
+        prefix_prior.bounds(block_size)
+    width = min(int(num_anchors), s)
+    if b and width > 0:
+        anchors, keep, counts = anchor_candidates(loss_mask, width, attention_mask=attention_mask, generator=generator)
+        a, k = anchors.numpy(), keep.numpy()  # host rows: no tensor read-back (train_batch reads once a step)
+        w = min(width, int(counts.numpy().max()))
+        anchors, keep = anchors[:, :w], keep[:, :w]
+        bounds = ColumnBounds(hi=np.where(k, a, -1).max(axis=0)[:w].tolist(),
+                              lo=np.where(k, a, s).min(axis=0)[:w].tolist(), seq_len=s)
+    else:
+        anchors = torch.zeros(b, 0, dtype=torch.long)
+        keep = anchors.bool()
+        bounds = ColumnBounds(hi=[], lo=[], seq_len=s)
+    lengths = None
+    if prefix_prior is not None:
+        lengths = sample_prefix_lengths(keep.shape, prefix_prior, block_size=block_size, device="cpu",
+                                        generator=generator)
+    return HostPlan(anchors, keep, bounds, lengths)
+
+
+def _to_device(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """A host tensor on ``device``, through pinned memory without blocking on CUDA."""
+    if t is None or t.device == device:
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def block_settings(drafter: nn.Module, block_size: int | None, mask_token_id: int | None) -> tuple[int, int]:
+    """The block size and mask token: the drafter config's (what inference uses); a different value raises."""
+    cfg_block, cfg_mask = drafter.block_size, drafter.mask_token_id
+    if block_size is None:
+        block_size = cfg_block
+    elif cfg_block is not None and int(block_size) != int(cfg_block):
+        raise ValueError(f"block_size {block_size} differs from the drafter config's {cfg_block}")
+    if mask_token_id is None:
+        mask_token_id = cfg_mask
+    elif cfg_mask is not None and int(mask_token_id) != int(cfg_mask):
+        raise ValueError(f"mask_token_id {mask_token_id} differs from the drafter config's {cfg_mask}")
+    if block_size is None or mask_token_id is None:
+        raise ValueError("block_size and mask_token_id are needed (none in the drafter config)")
+    return int(block_size), int(mask_token_id)
+
+
+def check_inputs(drafter: nn.Module, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                 hidden_states: torch.Tensor) -> None:
+    """The batch's tensors share [batch, seq] and carry the features the drafter fuses."""
+    if input_ids.shape != loss_mask.shape or hidden_states.shape[:2] != input_ids.shape:
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)}, loss_mask {tuple(loss_mask.shape)} and hidden_states "
+            f"{tuple(hidden_states.shape)} must share [batch, seq]"
+        )
+    n_feat = drafter.fc.in_features
+    if hidden_states.shape[-1] != n_feat:
+        raise ValueError(
+            f"hidden_states carry {hidden_states.shape[-1]} features; the drafter expects {n_feat} "
+            f"({len(drafter.target_layer_ids)} target layers {drafter.target_layer_ids} x hidden size)"
+        )
+
+
+def _anchors(input_ids, loss_mask, attention_mask, num_anchors, generator, anchors, host):
+    """(anchors, keep, bounds, prefix lengths or None) from a host plan, given anchors, or drawn here."""
+    b, s = input_ids.shape
+    device = input_ids.device
+    if host is not None:
+        return (_to_device(host.anchors, device), _to_device(host.keep, device), host.bounds,
+                _to_device(host.prefix_lengths, device))
+    if anchors is not None:
+        anchors_t, keep = anchors
+        return anchors_t, keep, read_bounds(anchors_t, keep, s)[0], None
+    width = min(int(num_anchors), s)
+    if b and width > 0:
+        anchors_t, keep, counts = anchor_candidates(loss_mask, width, attention_mask=attention_mask, generator=generator)
+        bounds, count = read_bounds(anchors_t, keep, s, counts)
+        w = min(width, count)
+        return anchors_t[:, :w], keep[:, :w], ColumnBounds(hi=bounds.hi[:w], lo=bounds.lo[:w], seq_len=s), None
+    anchors_t = torch.zeros(b, 0, dtype=torch.long, device=device)
+    return anchors_t, anchors_t.bool(), ColumnBounds(hi=[], lo=[], seq_len=s), None
+
+
+def draw_plan(input_ids: torch.Tensor, loss_mask: torch.Tensor, *, block_size: int, mask_token_id: int,
+              gamma: float | None, attention_mask: torch.Tensor | None = None, num_anchors: int = 512,
+              generator: torch.Generator | None = None, prefix_prior: PrefixPrior | None = None,
+              anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
+              prefix_lengths: torch.Tensor | None = None,
+              host: HostPlan | None = None) -> tuple[BlockPlan, ColumnBounds]:
+    """The block plan and its anchors' column bounds. ``host``: drawn on the host already (``host_plan``),
+    replacing ``anchors``, the draws and ``prefix_lengths``; ``anchors``: given ``(anchors, keep)``; else drawn
+    from ``generator`` (one device->host read). ``prefix_prior``: visible lengths drawn after the anchors,
+    unless ``prefix_lengths`` gives them."""
+    if prefix_prior is not None:
+        prefix_prior.bounds(block_size)  # a bad setting fails before anything is drawn
+    anchors_t, keep, bounds, drawn = _anchors(input_ids, loss_mask, attention_mask, num_anchors, generator, anchors,
+                                              host)
+    if host is not None:
+        prefix_lengths = drawn
+    if prefix_lengths is None and prefix_prior is not None:
+        prefix_lengths = sample_prefix_lengths(
+            keep.shape, prefix_prior, block_size=block_size, device=input_ids.device, generator=generator
+        )
+    plan = plan_blocks(input_ids, loss_mask, anchors_t, keep, block_size=block_size, mask_token_id=mask_token_id,
+                       gamma=gamma, attention_mask=attention_mask, prefix_lengths=prefix_lengths)
+    return plan, bounds
+
+
+# -- the loss
+def _layer_spans(drafter, bounds, start, stop, group_blocks, rows) -> Grouping:
+    """Attention groups per layer type (``group_spans``) and which layer types take the split attention
+    (CPU, where ``split_pays`` on the block form's groups); unless ``group_blocks`` is given, split layer
+    types are regrouped by the split form's own cost (its groups score no own keys, so larger groups pay)."""
     window = getattr(drafter.config, "sliding_window", None)
     attn = drafter.layers[0].self_attn
     bsz = drafter.block_size
@@ -137,37 +245,18 @@ def _decode_span(drafter, plan, embed_tokens, context_kv, start, stop, grouping,
     rows = None
     if plan.prefix_lengths is None:
         rows = SlotRows(embed(ids[:, :, 0]), embed(ids[:1, :1, 1]).reshape(-1))
-    layouts = block_layouts(
-        plan,
-        grouping.spans,
-        start,
-        stop,
-        layer_types=drafter.layer_types,
-        sliding_window=getattr(drafter.config, "sliding_window", None),
-        dtype=dtype,
-        last_drops_first_slot=drop_first_slot,
-        split=grouping.split,
-        sdpa=grouping.sdpa,
-    )
+    layouts = block_layouts(plan, grouping.spans, start, stop, layer_types=drafter.layer_types,
+                            sliding_window=getattr(drafter.config, "sliding_window", None), dtype=dtype,
+                            last_drops_first_slot=drop_first_slot, split=grouping.split, sdpa=grouping.sdpa)
     positions = plan.block_positions[:, start:stop].reshape(b, -1)
     return drafter.decode_blocks(noise, context_kv, positions, layouts, rows)
 
 
-def draft_block_hidden(
-    drafter: nn.Module,
-    plan: BlockPlan,
-    *,
-    embed_tokens: nn.Module,
-    hidden_states: torch.Tensor,
-    context: torch.Tensor | None = None,
-    blocks: slice | None = None,
-    group_blocks: int | None = None,
-) -> torch.Tensor:
-    """Training-path drafter hidden states ``[b, n*B, H]`` for the blocks in ``blocks`` (default all).
-
-    ``group_blocks``: blocks per attention group (None: chosen from the anchors, ``auto_group_blocks``);
-    any value gives the same result.
-    """
+def draft_block_hidden(drafter: nn.Module, plan: BlockPlan, *, embed_tokens: nn.Module,
+                       hidden_states: torch.Tensor, context: torch.Tensor | None = None,
+                       blocks: slice | None = None, group_blocks: int | None = None) -> torch.Tensor:
+    """Training-path drafter hidden states ``[b, n*B, H]`` for the blocks in ``blocks`` (default all);
+    ``group_blocks`` (None: from the anchors) changes only the speed."""
     blocks = blocks or slice(0, plan.num_blocks)
     start, stop, _ = blocks.indices(plan.num_blocks)
     if context is None:
@@ -180,11 +269,9 @@ def draft_block_hidden(
 
 
 def _chunk_terms(drafter, lm_head, embed_tokens, plan, start, stop, grouping, *context_kv, terms=None):
-    """The variant's terms (``model.terms``; default: those of the drafter's config) of blocks
-    ``start..stop-1``: the weighted CE sum, the argmax ``[b, n, B-1]``, then the variant's own parts. Slot 0 is
-    never supervised: the last layer computes no slot-0 queries and the head gets no slot-0 rows; a drafter
-    whose slots are not independent (DFlash 2's convolutions read neighbouring slots) computes every slot and
-    drops slot 0 before the head."""
+    """The variant's terms (default: the drafter config's) of blocks ``start..stop-1``: the weighted CE sum,
+    the argmax ``[b, n, B-1]``, the variant's own parts. Slot 0 is never supervised: no slot-0 queries in the
+    last layer (a drafter whose slots are not independent computes them and drops slot 0 before the head)."""
     kv = list(zip(context_kv[::2], context_kv[1::2], strict=True))
     independent = drafter.independent_slots
     h = _decode_span(
@@ -208,8 +295,8 @@ def _zero_output(drafter: nn.Module, plan: BlockPlan, terms: HeadTerms) -> DFlas
 
 
 def _statistics(plan: BlockPlan, pred, terms: HeadTerms, parts, sums, loss, loss_sum, weight_sum) -> DFlashLossOutput:
-    """The micro-batch's statistics (no gradient): per-slot accuracy, the simulated acceptance (the run of
-    consecutive correct slots, ``lossstats.acceptance_runs``), the objective's and the variant's own."""
+    """The micro-batch's statistics: per-slot accuracy, the simulated acceptance, the objective's and the
+    variant's own."""
     with torch.no_grad():
         sup = plan.supervised
         hits = (pred == plan.labels[:, :, 1:]) & sup[:, :, 1:]
@@ -227,22 +314,12 @@ def _statistics(plan: BlockPlan, pred, terms: HeadTerms, parts, sums, loss, loss
                             kept_blocks=kept_blocks, extra=extra)
 
 
-def block_loss(
-    drafter: nn.Module,
-    plan: BlockPlan,
-    bounds: ColumnBounds,
-    *,
-    embed_tokens: nn.Module,
-    lm_head: nn.Module,
-    hidden_states: torch.Tensor,
-    terms: HeadTerms,
-    chunk_blocks: int | None = 128,
-    activation_budget_mb: float | None = None,
-    group_blocks: int | None = None,
-) -> DFlashLossOutput:
-    """The loss of a drawn ``plan`` (``lossplan.draw_plan``): the drafter over its blocks, chunk by chunk,
-    the variant's ``terms``, then the statistics. ``chunk_blocks``, ``activation_budget_mb``, ``group_blocks``:
-    see ``dflash_loss``."""
+def block_loss(drafter: nn.Module, plan: BlockPlan, bounds: ColumnBounds, *, embed_tokens: nn.Module,
+               lm_head: nn.Module, hidden_states: torch.Tensor, terms: HeadTerms,
+               chunk_blocks: int | None = 128, activation_budget_mb: float | None = None,
+               group_blocks: int | None = None) -> DFlashLossOutput:
+    """The loss of a drawn ``plan`` (``draw_plan``) with the variant's ``terms``, chunk by chunk;
+    the knobs are ``dflash_loss``'s."""
     n = plan.num_blocks
     if n == 0:
         return _zero_output(drafter, plan, terms)
@@ -251,8 +328,7 @@ def block_loss(
         vocab = int(getattr(lm_head, "out_features", None) or drafter.config.vocab_size)
         chunk_blocks = auto_chunk_blocks(drafter, batch=b, num_blocks=n, context_len=s, vocab_size=vocab,
                                          budget_mb=activation_budget_mb)
-    # Context keys/values once per layer: every chunk reads slices of them (checkpointing recomputes
-    # the blocks only).
+    # Context keys/values once per layer: chunks read slices (checkpointing recomputes the blocks only).
     context_kv = drafter.training_context(hidden_states)
     grad = torch.is_grad_enabled()
     step = n if not chunk_blocks or chunk_blocks >= n else int(chunk_blocks)
@@ -276,51 +352,21 @@ def block_loss(
     return _statistics(plan, pred, terms, parts, sums, loss, loss_sum, weight_sum)
 
 
-def dflash_loss(
-    drafter: nn.Module,
-    *,
-    embed_tokens: nn.Module,
-    lm_head: nn.Module,
-    input_ids: torch.Tensor,
-    loss_mask: torch.Tensor,
-    hidden_states: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    num_anchors: int = 512,
-    block_size: int | None = None,
-    mask_token_id: int | None = None,
-    gamma: float | None = 7.0,
-    generator: torch.Generator | None = None,
-    chunk_blocks: int | None = 128,
-    anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
-    activation_budget_mb: float | None = None,
-    group_blocks: int | None = None,
-    prefix_prior: PrefixPrior | None = None,
-    prefix_lengths: torch.Tensor | None = None,
-    selector_loss_weight: float = 1.0,
-    host_plan: HostPlan | None = None,
-) -> DFlashLossOutput:
-    """Token-weighted DFlash loss for one micro-batch: its plan (``lossplan.draw_plan``), then
-    ``block_loss`` with the terms of the drafter's variant (its config's).
-
-    ``hidden_states`` ``[b, S, n*H]`` are the target features aligned 1:1 with ``input_ids`` (no shift).
-    ``embed_tokens``/``lm_head`` are the target's frozen modules (the caller sets requires_grad=False);
-    ``embed_tokens`` must be a plain lookup (z-lab uses ``F.embedding`` on the raw weight), any
-    Gemma-style scaling comes from ``input_embedding_scale`` in the drafter config.
-    ``chunk_blocks``: blocks per checkpointed chunk; None or 0 runs everything in one pass without
-    checkpointing (more memory: activations and logits of all blocks are kept for the backward).
-    ``activation_budget_mb``: when set, replaces ``chunk_blocks``: one pass if the estimated activations
-    (``activation_bytes_per_block``) fit the budget, else the largest chunks that do.
-    ``group_blocks``: blocks per attention group (None: from the anchors); only speed depends on it.
-    ``anchors``, ``prefix_prior``, ``prefix_lengths``, ``host_plan``: see ``draw_plan``. Under the
-    variable prefix the simulated acceptance counts, per block, the bonus token and the run of correct drafts
-    from the first masked slot ``l``; its statistics (``VariablePrefix.metric_names``) are reported beside it.
-    ``selector_loss_weight``: a DFlash 2 drafter's loss is the DFlash loss plus this times its selector's;
-    its statistics come in ``extra`` (``DFlash2.metric_names``).
-    ``block_size``/``mask_token_id`` default to the drafter config's; passing different values raises.
-
-    Without ``host_plan``, one device->host read before the backward (the block count and the anchors'
-    column bounds, which set the attention shapes); ``DFlashLossOutput.metrics`` is the second.
-    """
+def dflash_loss(drafter: nn.Module, *, embed_tokens: nn.Module, lm_head: nn.Module, input_ids: torch.Tensor,
+                loss_mask: torch.Tensor, hidden_states: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, num_anchors: int = 512,
+                block_size: int | None = None, mask_token_id: int | None = None, gamma: float | None = 7.0,
+                generator: torch.Generator | None = None, chunk_blocks: int | None = 128,
+                anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
+                activation_budget_mb: float | None = None, group_blocks: int | None = None,
+                prefix_prior: PrefixPrior | None = None, prefix_lengths: torch.Tensor | None = None,
+                selector_loss_weight: float = 1.0, host_plan: HostPlan | None = None) -> DFlashLossOutput:
+    """Token-weighted DFlash loss for one micro-batch: its plan (``draw_plan``), then ``block_loss`` with the
+    terms of the drafter config's variant. ``hidden_states`` ``[b, S, n*H]``: the target features aligned 1:1
+    with ``input_ids``; ``embed_tokens``/``lm_head``: the target's frozen modules (any embedding scale is the
+    drafter config's). ``chunk_blocks``: blocks per checkpointed chunk (None or 0: one pass);
+    ``activation_budget_mb`` replaces it (one pass if the activations fit, else the largest chunks that do).
+    ``block_size``/``mask_token_id`` default to the drafter config's; different values raise."""
     block_size, mask_token_id = block_settings(drafter, block_size, mask_token_id)
     check_inputs(drafter, input_ids, loss_mask, hidden_states)
     plan, bounds = draw_plan(
@@ -334,10 +380,8 @@ def dflash_loss(
 
 
 class DFlashObjective(nn.Module):
-    """The drafter and its DFlash loss as one module: a data-parallel wrapper sees every parameter use
-    in its ``forward`` (the loss calls the drafter's ``fuse_context``/``decode``/``compute_logits``, not
-    its ``forward``). The target's frozen head is held outside the module's parameters. The strategies
-    (``model.strategies``) choose the variant's loss terms and the objective's prior."""
+    """The drafter and its DFlash loss as one module, so a data-parallel wrapper sees every parameter use in
+    its ``forward``; the target's frozen head is held outside the module's parameters."""
 
     def __init__(self, drafter: nn.Module, head, *, gamma: float, config: TrainerConfig) -> None:
         super().__init__()
@@ -359,7 +403,6 @@ class DFlashObjective(nn.Module):
             weight_base=config.objective.prefix_weight_base, min_length=bounds[0], max_length=bounds[1])
 
     def plan_on_host(self, loss_mask, attention_mask, generator) -> HostPlan:
-        """This micro-batch's anchors (and prefix lengths) drawn from its host rows (``lossplan.host_plan``)."""
         return host_plan(loss_mask, attention_mask, num_anchors=self.num_anchors, block_size=self.drafter.block_size,
                          generator=generator, prefix_prior=self.prefix_prior)
 

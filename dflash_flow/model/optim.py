@@ -1,15 +1,15 @@
-"""Optimizer pieces of the drafter recipe: AdamW on fp32 masters, warmup + cosine, clipping, accumulation.
+"""Optimizer pieces of the drafter recipe: AdamW on fp32 masters, warmup + cosine, clipping, accumulation; and
+its data-parallel training: DDP (its all-reduce timed by a comm hook when asked) or FSDP (one unit at the root).
 
-The DFlash recipe (SpecForge ``BF16Optimizer``) keeps bf16 model weights for compute and an fp32 master
-copy for the update: with lr ~6e-4 and decaying to 0, most late updates are far below a bf16 ulp and
-would be rounded away if applied to bf16 weights directly. Every piece has ``state_dict`` /
-``load_state_dict`` so a run resumes from exactly its saved state (bit for bit on the CPU; on CUDA the later
-steps' own kernels are not deterministic: ``trainer``'s docstring).
+The DFlash recipe (SpecForge ``BF16Optimizer``) keeps bf16 weights for compute and an fp32 master copy for
+the update: most late updates are far below a bf16 ulp. Every piece has ``state_dict`` / ``load_state_dict``
+so a run resumes from exactly its saved state.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from dflash_flow.core.errors import DflashFlowError
-from dflash_flow.core.versioned import StateVersion
+from dflash_flow.core.stage import StateVersion
 
 STATE_VERSION = 1
 OPTIMIZER_STATE = StateVersion("optimizer state", STATE_VERSION)
@@ -27,53 +27,37 @@ ACCUMULATOR_STATE = StateVersion("accumulator state", STATE_VERSION)
 
 
 class NonFiniteError(DflashFlowError, FloatingPointError):
-    """The loss or the gradient norm of a step is NaN or infinite (the training diverged): the message
-    names the step and the batch. A user's problem (learning rate, data), so the run ends with one line."""
+    """The loss or the gradient norm of a step is NaN or infinite (the training diverged); a user's problem
+    (learning rate, data), so the run ends with one line naming the step and the batch."""
 
 
 class MasterAdamW:
-    """AdamW whose state and update live on fp32 masters; model params are refreshed from them.
+    """AdamW whose state and update live on fp32 masters (an fp32 parameter is its own); ``step()`` moves the
+    gradients to the masters, clips, updates, copies the masters back into the parameters, clears gradients.
 
-    fp32 parameters are their own master (no copy). ``step()`` moves gradients to the masters, clips
-    the global norm, updates, copies the masters back into the (bf16) parameters and clears gradients.
-
-    ``accumulate_in_fp32()``: each backward's gradient of a bf16 parameter is added into its master's fp32
-    gradient as soon as autograd has it (a post-accumulate-grad hook), instead of summing the micro-batches of
-    a step in the bf16 ``.grad`` (8 mantissa bits: every add of a long accumulation rounded); ``reduce``
-    then averages the masters' gradients over the data-parallel ranks in fp32 before the update.
+    ``accumulate_in_fp32()``: each backward's gradient of a bf16 parameter goes into its master's fp32 gradient
+    at once (a post-accumulate-grad hook), not summed in bf16; ``reduce`` then averages the masters' gradients
+    over the data-parallel ranks in fp32 before the update.
     """
 
-    def __init__(
-        self,
-        params: Iterable[nn.Parameter],
-        *,
-        lr: float = 6e-4,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        max_grad_norm: float | None = 1.0,
-        skip_nonfinite: bool = True,
-    ) -> None:
+    def __init__(self, params: Iterable[nn.Parameter], *, lr: float = 6e-4,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 max_grad_norm: float | None = 1.0, skip_nonfinite: bool = True) -> None:
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("no trainable parameters")
-        self.masters = [
-            p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True)
-            for p in self.params
-        ]
+        self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True)
+                        for p in self.params]
         self.max_grad_norm = max_grad_norm
         self.skip_nonfinite = skip_nonfinite
-        self.optimizer = torch.optim.AdamW(
-            self.masters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
-        )
+        self.optimizer = torch.optim.AdamW(self.masters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.skipped_steps = 0
         self.fp32_accumulation = False
         self.reduce: Any = None  # callable(list of fp32 gradients): averages them over the ranks in place
         self._hooks: list[Any] = []
 
     def accumulate_in_fp32(self, reduce: Any = None) -> None:
-        """Add every backward's gradient of a bf16 parameter into its master's fp32 ``.grad`` right away (the
-        parameter's own ``.grad`` is then left empty); ``reduce``: see the class docstring."""
+        """Add every backward's gradient of a bf16 parameter into its master's fp32 ``.grad`` right away."""
         if self.fp32_accumulation:
             return
         self.fp32_accumulation, self.reduce = True, reduce
@@ -95,21 +79,18 @@ class MasterAdamW:
             m.grad = None
 
     def step(self) -> torch.Tensor:
-        """One update; returns the global gradient norm before clipping (a 0-d tensor).
-
-        A non-finite norm skips the update (and counts it in ``skipped_steps``) instead of writing NaN
-        into the weights: one bad batch must not end a multi-day run. ``prepare`` then ``apply`` are the same
-        in two halves, for a caller that reads the norm together with other values (one device read)."""
+        """One update; returns the global gradient norm before clipping (a 0-d tensor). A non-finite norm skips
+        the update (counted in ``skipped_steps``). ``prepare`` then ``apply`` are the same in two halves."""
         norm = self.prepare()
         self.apply(bool(torch.isfinite(norm)))
         return norm
 
     def prepare(self) -> torch.Tensor:
-        """The first half of ``step``: gradients onto the masters (averaged over the ranks where ``reduce`` is
-        set), clipped; returns their norm before clipping, unread (a 0-d tensor on their device)."""
+        """The first half of ``step``: gradients onto the masters (averaged over the ranks with ``reduce``),
+        clipped; returns their norm before clipping, unread."""
         for p, m in zip(self.params, self.masters, strict=True):
             if m is not p and p.grad is not None:  # (already in the master under fp32 accumulation)
-                m.grad = p.grad.detach().float() if m.grad is None else m.grad.add_(p.grad.detach())
+                _add_grad(m, p.grad)
         if self.reduce is not None:
             for m in self.masters:  # every rank reduces the same list, a parameter no loss reached as zeros
                 if m.grad is None:
@@ -123,8 +104,7 @@ class MasterAdamW:
         return norm
 
     def apply(self, finite: bool) -> None:
-        """The second half of ``step``: the update (skipped, and counted, when the norm was not ``finite`` and
-        ``skip_nonfinite``), the masters copied into the parameters, the gradients cleared."""
+        """The second half of ``step``: the update (skipped when not ``finite`` and ``skip_nonfinite``)."""
         if self.skip_nonfinite and not finite:
             self.skipped_steps += 1
             self.zero_grad()
@@ -137,8 +117,7 @@ class MasterAdamW:
         self.zero_grad()
 
     def state_dict(self) -> dict[str, Any]:
-        """The state, a copy: GPU tensors copied to host memory (``device.to_host``: no GPU copy of the masters,
-        one synchronization), others cloned."""
+        """The state, a copy (GPU tensors copied to host memory in one synchronization, others cloned)."""
         from dflash_flow.model.device import to_host
 
         def copy(m: torch.Tensor) -> torch.Tensor:
@@ -168,18 +147,17 @@ class MasterAdamW:
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
 
+def _add_grad(master: torch.Tensor, g: torch.Tensor) -> None:
+    master.grad = g.detach().float() if master.grad is None else master.grad.add_(g.detach())
+
+
 def _into_master(master: torch.Tensor):
     """The post-accumulate-grad hook of a bf16 parameter: its gradient goes into ``master.grad`` (fp32)."""
 
     def hook(p: torch.Tensor) -> None:
-        g = p.grad
-        if g is None:
-            return
-        if master.grad is None:
-            master.grad = g.detach().float()
-        else:
-            master.grad.add_(g.detach())
-        p.grad = None
+        if p.grad is not None:
+            _add_grad(master, p.grad)
+            p.grad = None
 
     return hook
 
@@ -214,32 +192,109 @@ def allreduce_mean(grads: list[torch.Tensor], *, bucket_bytes: int = 256 * 2**20
     flush()
 
 
+# -- data parallel
+def is_distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class AllReduceClock:
+    """When the last gradient bucket of a backward was handed to the all-reduce and when the last all-reduce
+    completed (or the fp32 masters' reduction began and ended): the wait the all-reduce added to the step.
+    ``cuda``: the stamps are CUDA events, read once done (``settle``): under NCCL an all-reduce returns once
+    queued, so a host clock would measure the launch."""
+
+    def __init__(self, cuda: bool = False) -> None:
+        self.cuda = cuda
+        self.handed: Any = None
+        self.done: Any = None
+        self._pending: list[tuple[Any, Any]] = []
+
+    def stamp(self) -> Any:
+        """Now: a host clock reading, or a CUDA event recorded on the current stream."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def take(self) -> float | None:
+        """The exposed wait of the reduction just finished in seconds (None when none was timed, or on CUDA:
+        see ``settle``); resets."""
+        handed, done = self.handed, self.done
+        self.handed = self.done = None
+        if handed is None or done is None:
+            return None
+        if self.cuda:
+            self._pending.append((handed, done))
+            return None
+        return max(done - handed, 0.0)
+
+    def settle(self) -> float:
+        """The CUDA-timed waits taken so far, in seconds (after the step's device read their events are done)."""
+        total = 0.0
+        for handed, done in self._pending:
+            done.synchronize()
+            total += max(handed.elapsed_time(done), 0.0) / 1000.0
+        self._pending.clear()
+        return total
+
+
+def timed_allreduce_hook(clock: AllReduceClock, bucket):
+    """DDP comm hook: torch's default all-reduce, timed into ``clock`` (no annotations: DDP checks them)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    clock.handed = clock.stamp()
+
+    def finished(fut: torch.futures.Future) -> torch.Tensor:
+        clock.done = clock.stamp()  # (on CUDA the callback's stream waits for the work: the event marks its end)
+        return fut.value()
+
+    return allreduce_hook(None, bucket).then(finished)
+
+
+def data_parallel(objective: nn.Module, mode: str, device: torch.device,
+                  clock: AllReduceClock | None = None) -> nn.Module:
+    """``objective`` wrapped for the process group torch.distributed has (itself when there is none)."""
+    if not is_distributed():
+        return objective
+    if mode == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # One FSDP unit at the root: the loss reaches the layers through helper methods, not only their forward,
+        # so per-layer units would miss their unshard hooks. bf16 weights: gradients reduce-scatter in fp32.
+        objective.needs_input_grad = True
+        low = any(p.dtype != torch.float32 for p in objective.parameters())
+        fully_shard(objective, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32 if low else None))
+        return objective
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    # Buffers (RoPE frequencies) are equal by construction: no broadcast before every forward.
+    params = inspect.signature(DistributedDataParallel).parameters
+    sync_kw = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+    ddp = DistributedDataParallel(objective, device_ids=[device] if device.type == "cuda" else None, **{sync_kw: False})
+    if clock is not None:
+        ddp.register_comm_hook(clock, timed_allreduce_hook)
+    return ddp
+
+
 class WarmupCosineSchedule(torch.optim.lr_scheduler.LambdaLR):
     """torch's ``LambdaLR`` with the recipe's factor: linear warmup to the base lr, then cosine decay to
-    ``min_lr_ratio * base`` (0 by default), reaching the floor at ``total_steps``.
-
-    The factor is ours, not transformers' ``get_cosine_with_min_lr_schedule_with_warmup``, for one reason:
-    step s of the warmup runs at ``(s+1)/warmup`` of the lr, so the first update is not wasted at lr 0.
-    ``optimizer``: a torch optimizer or ``MasterAdamW`` (its torch AdamW is scheduled).
+    ``min_lr_ratio * base``, reaching the floor at ``total_steps``. Step s of the warmup runs at
+    ``(s+1)/warmup`` of the lr (the first update is not wasted at lr 0). ``optimizer``: torch's or ``MasterAdamW``.
     """
 
-    def __init__(
-        self,
-        optimizer: Any,
-        *,
-        total_steps: int,
-        warmup_ratio: float = 0.04,
-        warmup_steps: int | None = None,
-        min_lr_ratio: float = 0.0,
-    ) -> None:
+    def __init__(self, optimizer: Any, *, total_steps: int, warmup_ratio: float = 0.04,
+                 warmup_steps: int | None = None, min_lr_ratio: float = 0.0) -> None:
         if total_steps < 1:
             raise ValueError(f"total_steps must be >= 1, got {total_steps}")
         if not 0.0 <= warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}")
         self.total_steps = int(total_steps)
-        self.warmup_steps = int(
-            warmup_steps if warmup_steps is not None else math.ceil(total_steps * warmup_ratio)
-        )
+        self.warmup_steps = int(warmup_steps if warmup_steps is not None else math.ceil(total_steps * warmup_ratio))
         self.min_lr_ratio = float(min_lr_ratio)
         self.respan_from: tuple[int, float] | None = None
         super().__init__(getattr(optimizer, "optimizer", optimizer), lr_lambda=self.factor)
@@ -251,9 +306,8 @@ class WarmupCosineSchedule(torch.optim.lr_scheduler.LambdaLR):
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     def progress(self, step: int) -> float:
-        """How far the cosine is at ``step`` (0 after the warmup, 1 at ``total_steps``). After a re-span
-        (``retarget(respan=True)`` at step s0, where the progress was p0) it runs linearly from p0 at s0 to 1
-        at the new total."""
+        """How far the cosine is at ``step`` (0 after the warmup, 1 at ``total_steps``); after a re-span at step
+        s0 (progress p0), linearly from p0 to 1 at the new total."""
         if self.respan_from is not None:
             s0, p0 = self.respan_from
             if step >= s0:
@@ -262,13 +316,9 @@ class WarmupCosineSchedule(torch.optim.lr_scheduler.LambdaLR):
         return min(1.0, max(0.0, (step - self.warmup_steps) / span))
 
     def retarget(self, total_steps: int, *, respan: bool) -> None:
-        """A new length for a run in progress (a resume that changed it, see ``DrafterTrainer.plan``).
-
-        ``respan``: the decay goes on from where it is now to the floor at the new total, with no jump in
-        the learning rate (a resume at another world size: the same data in more or fewer steps).
-        Otherwise the schedule is re-planned: from this step on the learning rate is that of a run planned
-        with the new length from the start (an extended run; a finished run's rises from its floor).
-        """
+        """A new length for a run in progress. ``respan``: the decay goes on from where it is to the floor at the
+        new total, with no jump (a resume at another world size); else re-planned: from this step on the lr is
+        that of a run planned with the new length from the start (an extended run)."""
         if total_steps < 1:
             raise ValueError(f"total_steps must be >= 1, got {total_steps}")
         step = self.step_count
@@ -277,6 +327,9 @@ class WarmupCosineSchedule(torch.optim.lr_scheduler.LambdaLR):
         else:  # (the warmup stays as it was planned)
             self.respan_from = None
         self.total_steps = int(total_steps)
+        self._set_lrs(step)
+
+    def _set_lrs(self, step: int) -> None:
         for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
             group["lr"] = base * self.factor(step)
         self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
@@ -307,19 +360,13 @@ class WarmupCosineSchedule(torch.optim.lr_scheduler.LambdaLR):
         torch_state = {k: v for k, v in state.items()
                        if k not in ("version", "total_steps", "warmup_steps", "min_lr_ratio", "respan_from")}
         super().load_state_dict({**torch_state, "lr_lambdas": [None] * len(self.base_lrs)})
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
-            group["lr"] = base * self.factor(self.last_epoch)
-        self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        self._set_lrs(self.last_epoch)
 
 
 def planned_updates(batches_ahead: Iterable[int], grad_accum: int, *, accumulated: int = 0) -> int:
-    """Optimizer updates still to come: every epoch's batches make ``ceil(n / grad_accum)`` updates (an
-    epoch's last, partial accumulation is stepped early, and so is the run's last batch), the current
-    epoch's together with the ``accumulated`` micro-batches already in its open accumulation.
-
-    ``batches_ahead``: this rank's batches per epoch from now on (this epoch's rest first), as the
-    Interleaver plans them (``BatchMeta.batches_ahead``).
-    """
+    """Optimizer updates still to come: every epoch's batches make ``ceil(n / grad_accum)`` updates (a last,
+    partial accumulation is stepped early), the current epoch's with the ``accumulated`` micro-batches.
+    ``batches_ahead``: this rank's batches per epoch from now on, this epoch's rest first."""
     if grad_accum < 1:
         raise ValueError(f"accumulation steps must be >= 1, got {grad_accum}")
     total = 0
@@ -330,12 +377,8 @@ def planned_updates(batches_ahead: Iterable[int], grad_accum: int, *, accumulate
 
 
 class GradientAccumulator:
-    """Counts micro-batches and scales their losses so that ``steps`` micro-batches make one update.
-
-    Each micro-batch loss is already a token-weighted mean, so the update uses the mean of the
-    micro-batch means (the per-rank convention of SpecForge). ``reset()`` after every optimizer step; a
-    step may come early (an epoch's last micro-batches), the scale stays ``1 / steps``.
-    """
+    """Counts micro-batches and scales their losses by ``1 / steps`` (the mean of the micro-batch means,
+    SpecForge's per-rank convention); ``reset()`` after every optimizer step, which may come early."""
 
     def __init__(self, steps: int = 1) -> None:
         if steps < 1:
@@ -355,8 +398,7 @@ class GradientAccumulator:
 
     @property
     def next_is_last(self) -> bool:
-        """Whether the next micro-batch completes the accumulation (data-parallel training all-reduces
-        gradients on that one only)."""
+        """Whether the next micro-batch completes the accumulation."""
         return self.micro + 1 >= self.steps
 
     def reset(self) -> None:
@@ -372,28 +414,11 @@ class GradientAccumulator:
         self.micro = int(state["micro"])
 
 
-def build_optimizer(
-    model: nn.Module,
-    *,
-    total_steps: int,
-    lr: float = 6e-4,
-    weight_decay: float = 0.0,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    max_grad_norm: float | None = 1.0,
-    warmup_ratio: float = 0.04,
-    min_lr_ratio: float = 0.0,
-) -> tuple[MasterAdamW, WarmupCosineSchedule]:
+def build_optimizer(model: nn.Module, *, total_steps: int, lr: float = 6e-4, weight_decay: float = 0.0,
+                    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                    max_grad_norm: float | None = 1.0, warmup_ratio: float = 0.04,
+                    min_lr_ratio: float = 0.0) -> tuple[MasterAdamW, WarmupCosineSchedule]:
     """The recipe defaults: AdamW (fp32 masters) lr 6e-4, wd 0, clip 1.0, 4% warmup, cosine to 0."""
-    opt = MasterAdamW(
-        model.parameters(),
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        max_grad_norm=max_grad_norm,
-    )
-    sched = WarmupCosineSchedule(
-        opt, total_steps=total_steps, warmup_ratio=warmup_ratio, min_lr_ratio=min_lr_ratio
-    )
-    return opt, sched
+    opt = MasterAdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                      max_grad_norm=max_grad_norm)
+    return opt, WarmupCosineSchedule(opt, total_steps=total_steps, warmup_ratio=warmup_ratio, min_lr_ratio=min_lr_ratio)

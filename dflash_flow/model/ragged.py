@@ -1,23 +1,15 @@
 """The row-exact batched forward: a ragged KV cache and the rules that make each row of a batched forward
-compute bit for bit what it computes alone (``batched``, ``batch_drafter`` and ``batched_walk`` decode on it).
+compute bit for bit what it computes alone (``batched`` decodes and walks on it; ``tests/model/test_batched.py``):
 
-Three things make a row's numbers identical (checked bit for bit on CPU by ``tests/model/test_batched.py``):
+* **attention, row by row**: each row's attention runs alone over exactly its own keys (:class:`RaggedCache`;
+  SDPA's CPU kernel rounds a softmax over ``n`` keys differently from ``n`` keys plus masked padding), with the
+  one-row call's mask, GQA handling and layout (:class:`RowExact` intercepts ``scaled_dot_product_attention``);
+* **linear layers by row count**: a CPU ``linear`` over fewer than 4 rows takes another kernel. Rows with 4 or
+  more tokens share one call; rows with 1-3 go through ``bmm`` with the weight expanded (their one-row result);
+* **the rest per row**: each prompt prefills alone (``decoding.prefill``); callers draw per row and batch rows
+  near their end separately.
 
-* **attention, row by row**: each row's attention runs alone over exactly its own keys (a ragged KV cache,
-  :class:`RaggedCache`; no padding among the keys: SDPA's CPU kernel rounds a softmax over ``n`` keys
-  differently from one over ``n`` keys plus masked padding), with the mask, GQA handling and memory layout
-  the one-row call has (:class:`RowExact` intercepts ``scaled_dot_product_attention``);
-* **linear layers by row count**: a CPU ``linear`` over fewer than 4 rows takes another kernel than over 4
-  or more, and a row's result differs between them. Rows that have 4 or more tokens of their own share one
-  call (rows are independent in that kernel); rows with 1-3 tokens (the drafter's new context after a short
-  acceptance, the plain greedy reference's one token) go through ``bmm`` with the weight expanded, which
-  gives each row exactly its one-row result;
-* **everything else per row where it draws or is ragged**: the prefill runs per prompt (the one-row call
-  itself, :func:`prefill`), and the callers draw per row and batch rows near their end separately.
-
-Elementwise kernels (RoPE's cos/sin, SiLU, the norms) are per element and the same in both; this holds
-when a head's width is a multiple of 16 floats, as in every model here (a vector kernel's scalar tail
-could otherwise round one element differently).
+Elementwise kernels agree too, given a head width that is a multiple of 16 floats (as in every model here).
 """
 
 from __future__ import annotations
@@ -31,27 +23,20 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-from .decoding import cache_kwarg, new_cache
+from .decoding import cache_kwarg, text_config
 
-__all__ = ["SMALL_ROWS", "RaggedCache", "RowExact", "RowPlan", "plan_writes", "prefill", "target_forward"]
+__all__ = ["SMALL_ROWS", "RaggedCache", "RowExact", "RowPlan", "plan_writes", "target_forward"]
 
 #: A CPU linear over fewer rows than this takes another kernel (see the module docstring).
 SMALL_ROWS = 4
 
 
-# ---------------------------------------------------------------------------------------------------
-# The ragged cache and the row-exact forward
-# ---------------------------------------------------------------------------------------------------
-
-
 @attrs.define
 class RowPlan:
-    """One batched forward: batch row ``g`` is cache row ``rows[g]``; its ``segments`` (ranges along the
-    sequence axis of the keys a layer hands the cache) are appended after its ``base`` tokens; its queries
-    are the first ``q_lens[g]`` and its keys the first ``kv_lens[g]``. ``causal``: each row's queries see
-    the keys up to their own position (the target's block); else no mask (the drafter, one-token
-    decoding, or a no-cache forward, whose call says ``is_causal`` itself). ``axes``: padded sequence
-    length -> each row's own length (the linear rule)."""
+    """One batched forward: batch row ``g`` is cache row ``rows[g]``; its ``segments`` (ranges of the keys a
+    layer hands the cache) go after its ``base`` tokens; its queries are the first ``q_lens[g]``, its keys the
+    first ``kv_lens[g]``. ``causal``: queries see keys up to their own position (the target's block), else no
+    mask. ``axes``: padded sequence length -> each row's own length (the linear rule)."""
 
     rows: list[int]
     q_lens: list[int]
@@ -65,11 +50,9 @@ class RowPlan:
 
 
 class RaggedCache:
-    """A KV cache whose rows each hold their own number of tokens (per layer one ``[rows, kv heads,
-    capacity, d]`` store; row ``r`` holds ``lengths[r]`` tokens, what lies past them is stale). Layers hand
-    it their new keys through ``update`` as they hand a transformers ``Cache`` (it returns them unchanged:
-    :class:`RowExact` reads each row's keys from here); what each batch row appends, and where, is the
-    current plan's."""
+    """A KV cache whose row ``r`` holds ``lengths[r]`` tokens (per layer a ``[rows, kv heads, capacity, d]``
+    store). ``update`` takes a layer's new keys as a transformers ``Cache`` does (returned unchanged:
+    :class:`RowExact` reads each row's keys from here), placed as the current plan says."""
 
     def __init__(self, capacity: int = 64) -> None:
         self.keys: dict[int, torch.Tensor] = {}
@@ -87,12 +70,11 @@ class RaggedCache:
         """``store[layer]`` with room for every row and ``length`` tokens."""
         old = store.get(layer)
         rows = len(self.lengths)
-        if old is not None and old.shape[0] >= rows and old.shape[2] >= length:
+        have_rows, have_len = (old.shape[0], old.shape[2]) if old is not None else (0, 0)
+        if old is not None and have_rows >= rows and have_len >= length:
             return old
-        cap = max(length, self.capacity, 2 * old.shape[2] if old is not None and old.shape[2] < length else 0,
-                  old.shape[2] if old is not None else 0)
-        n = max(rows, 2 * old.shape[0] if old is not None and old.shape[0] < rows else 0,
-                old.shape[0] if old is not None else 0)
+        cap = max(length, self.capacity, 2 * have_len if have_len < length else 0, have_len)
+        n = max(rows, 2 * have_rows if have_rows < rows else 0, have_rows)
         grown = like.new_zeros(n, like.shape[1], cap, like.shape[-1])
         if old is not None:
             grown[: old.shape[0], :, : old.shape[2]] = old
@@ -165,6 +147,12 @@ def _causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
     return (torch.arange(kv_len, device=device)[None, :] <= q).view(1, 1, q_len, kv_len)
 
 
+def _bmm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` of ``x`` ``[G, n, in]`` through ``bmm`` with the weight expanded: each row's one-row result."""
+    w = weight.t().expand(x.shape[0], *weight.t().shape)
+    return torch.bmm(x, w) if bias is None else torch.baddbmm(bias.expand(*x.shape[:2], -1), x, w)
+
+
 class RowExact(TorchFunctionMode):
     """Inside one batched forward: attention row by row over each row's own keys, and linear layers by row
     count (the module docstring's rules)."""
@@ -198,18 +186,11 @@ class RowExact(TorchFunctionMode):
         if lens is None or min(lens) >= SMALL_ROWS:
             return F.linear(x, weight, bias)
         if min(lens) == max(lens) == x.shape[1]:  # every row its own few tokens (one-token decoding)
-            w = weight.t().expand(x.shape[0], *weight.t().shape)
-            return torch.bmm(x, w) if bias is None else torch.baddbmm(bias.expand(*x.shape[:2], -1), x, w)
-        if max(lens) >= SMALL_ROWS:
-            out = F.linear(x, weight, bias)
-        else:
-            out = x.new_zeros(*x.shape[:2], weight.shape[0])
+            return _bmm_linear(x, weight, bias)
+        out = F.linear(x, weight, bias) if max(lens) >= SMALL_ROWS else x.new_zeros(*x.shape[:2], weight.shape[0])
         for n in sorted({n for n in lens if 0 < n < SMALL_ROWS}):
             idx = [g for g, m in enumerate(lens) if m == n]
-            xs = x[idx, :n]
-            w = weight.t().expand(len(idx), *weight.t().shape)
-            y = torch.bmm(xs, w) if bias is None else torch.baddbmm(bias.expand(len(idx), n, -1), xs, w)
-            out[idx, :n] = y
+            out[idx, :n] = _bmm_linear(x[idx, :n], weight, bias)
         return out
 
     def _attention(self, q, k, v, attn_mask=None, **kwargs):
@@ -231,12 +212,6 @@ class RowExact(TorchFunctionMode):
         return out
 
 
-
-# ---------------------------------------------------------------------------------------------------
-# The target's side: a batched step over the ragged cache, and one prompt's prefill
-# ---------------------------------------------------------------------------------------------------
-
-
 def target_forward(target: nn.Module, cache: RaggedCache, rows: Sequence[int], ids: torch.Tensor,
                     starts: Sequence[int], *, hidden_states: bool) -> Any:
     """The target on ``ids`` ``[G, q]`` (row ``g``'s first at position ``starts[g]``, after that many
@@ -249,20 +224,10 @@ def target_forward(target: nn.Module, cache: RaggedCache, rows: Sequence[int], i
                  base=list(starts), segments=[[(0, q)]] * g_rows,
                  masks=[_causal_mask(q, k, device) for k in kv] if q > 1 else [])
     plan.writes = plan_writes(plan.rows, plan.base, plan.segments, device)
-    config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
     # A mask given: transformers then handles the KV heads as the one-row call with its mask does; one query:
     # none, as the one-row decoding step has none.
     stand_in = torch.ones(g_rows, 1, q, 1, dtype=torch.bool, device=device) if q > 1 else None
-    masks = {t: stand_in for t in set(getattr(config, "layer_types", None) or ["full_attention"])}
+    masks = {t: stand_in for t in set(getattr(text_config(target), "layer_types", None) or ["full_attention"])}
     with RowExact(plan, cache):
         return target(input_ids=ids, position_ids=positions, attention_mask=masks, use_cache=True,
                       output_hidden_states=hidden_states, **{cache_kwarg(target): cache})
-
-
-def prefill(target: nn.Module, ids: torch.Tensor, *, hidden_states: bool) -> tuple[Any, Any]:
-    """One prompt's prefill, the one-row call itself: (output, its DynamicCache)."""
-    cache = new_cache(target.config)
-    positions = torch.arange(ids.shape[1], device=ids.device)[None]
-    out = target(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1,
-                 output_hidden_states=hidden_states, **{cache_kwarg(target): cache})
-    return out, cache

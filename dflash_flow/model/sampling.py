@@ -22,13 +22,9 @@ def _check_sampling(inst: Sampling, _attr: Any, _value: Any) -> None:
 
 @attrs.frozen
 class Sampling:
-    """How the target (and, for its proposals, the drafter) chooses tokens.
-
-    ``temperature == 0`` is greedy (argmax; ``top_p`` and ``top_k`` are then unused). Otherwise logits
-    are divided by ``temperature``, only the ``top_k`` largest are kept (0 = all), then only the
-    smallest set of most likely tokens whose mass reaches ``top_p``, renormalised: the order of
-    transformers' and vLLM's samplers and of z-lab's ``dflash_generate``.
-    """
+    """How the target (and the drafter's proposals) choose tokens: ``temperature == 0`` is greedy; otherwise
+    logits / ``temperature``, the ``top_k`` largest (0 = all), then the smallest set whose mass reaches
+    ``top_p``, renormalised (transformers', vLLM's and z-lab's order)."""
 
     temperature: float = attrs.field(default=0.0, converter=float)
     top_p: float = attrs.field(default=1.0, converter=float)
@@ -65,12 +61,8 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
 
 
-def verify_sampled(
-    drafts: torch.Tensor,
-    draft_probs: torch.Tensor,
-    target_probs: torch.Tensor,
-    generator: torch.Generator | None,
-) -> tuple[int, int]:
+def verify_sampled(drafts: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                   generator: torch.Generator | None) -> tuple[int, int]:
     """The speculative-sampling acceptance rule for one block (see the module docstring).
 
     ``drafts`` ``[g]`` were sampled from ``draft_probs`` ``[g, V]``; ``target_probs`` ``[g + 1, V]`` is the

@@ -1,26 +1,19 @@
 """Batched greedy decoding for regeneration: many replies at once (continuous batching), each row's numbers
 its own.
 
-A batched float computation may round a row differently from the same row alone, and a greedy argmax near
-a tie then flips: measured here (MKL, fp32, AVX2), a CPU ``linear`` over 1-3 rows takes other kernels than
-over 4 or more (a row's result differs between them, not among counts >= 4), and attention over ``n`` keys
-rounds differently from attention over ``n`` keys plus masked padding (SDPA and the plain ops: the q.k
-matmul and the softmax's sum change with the key count). :class:`SlotDecoder` therefore computes every row
-as a function of that row alone, whatever else is in the batch:
+A batched float computation may round a row differently from the row alone (on CPU a ``linear`` over 1-3
+rows takes other kernels than over 4 or more; attention over padded keys rounds differently), and a greedy
+argmax near a tie then flips. :class:`SlotDecoder` computes every row as a function of that row alone:
 
-* the prefill runs per prompt (the model's own forward on that prompt, nothing else in it);
-* a decoding step runs every slot (at least ``MIN_ROWS``, idle slots as stand-ins): the linear layers see
-  the same row count >= 4 whatever the batch size, so one kernel family, rows independent;
-* attention runs over fixed blocks of ``BLOCK`` keys from each row's first token: per block the q.k
-  products, the block's exp-sum and its p.v are computed on fixed shapes (a row's blocks are the same
-  tensors alone or in a batch; keys past its length are masked to an exact 0), and the blocks are combined
-  with ``cumsum``, a sequential scan, so the all-masked blocks a longer neighbour adds contribute exact
-  zeros at the end of the sum.
+* the prefill runs per prompt;
+* a decoding step runs every slot (at least ``MIN_ROWS``, idle slots as stand-ins): the same row count >= 4;
+* attention runs over fixed blocks of ``BLOCK`` keys from each row's first token, on fixed shapes (keys past a
+  row's length masked to an exact 0), combined with a sequential ``cumsum``, so a longer neighbour's
+  all-masked blocks add exact zeros.
 
-Rows of a batch are then the one-at-a-time rows bit for bit (``tests/embedded/test_batched_regen.py``),
-though not bit for bit transformers' ``generate`` (other kernels: a reply may differ from it at a near
-tie). Llama-shaped decoders (Llama, Qwen2, Qwen3, Mistral without a sliding window) decode this way;
-others one prompt at a time through ``generation.greedy_continuations`` (``SlotDecoder.supports``).
+Rows are the one-at-a-time rows bit for bit (not transformers' ``generate``'s: other kernels). Llama-shaped
+decoders decode this way (``SlotDecoder.supports``); others one prompt at a time
+(``generation.greedy_continuations``).
 """
 
 from __future__ import annotations
@@ -32,7 +25,7 @@ import attrs
 import torch
 from torch import nn
 
-from .decoding import cache_kwarg, new_cache, target_device
+from .decoding import full_attention, prefill, target_device, text_config
 
 __all__ = ["BLOCK", "MIN_ROWS", "SlotDecoder", "greedy_batched"]
 
@@ -57,14 +50,13 @@ class _Parts:
 def _parts(model: nn.Module) -> _Parts | None:
     import sys
 
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model)
     if getattr(config, "model_type", None) not in ("llama", "qwen2", "qwen3", "mistral"):
         return None
     base = getattr(model, "model", None)
     need = ("embed_tokens", "layers", "norm", "rotary_emb")
-    if base is None or not all(hasattr(base, n) for n in need) or getattr(model, "lm_head", None) is None:
-        return None
-    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ["full_attention"]):
+    if base is None or not all(hasattr(base, n) for n in need) or getattr(model, "lm_head", None) is None or \
+            not full_attention(config):
         return None
     attn = base.layers[0].self_attn
     if getattr(config, "use_sliding_window", False) or any(
@@ -74,19 +66,14 @@ def _parts(model: nn.Module) -> _Parts | None:
     rope = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
     if rope is None or getattr(config, "final_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None):
         return None
-    head_dim = int(attn.head_dim)
     return _Parts(base.embed_tokens, base.layers, base.norm, base.rotary_emb, model.lm_head, rope,
-                  int(config.num_key_value_heads), head_dim)
+                  int(config.num_key_value_heads), int(attn.head_dim))
 
 
 class SlotDecoder:
-    """Greedy decoding of many prompts at once in ``slots`` rows (continuous batching: a finished row's slot
-    takes the next prompt at once). ``add(key, ids)`` prefills a prompt into a free slot; ``step()`` decodes
-    one token for every busy slot and returns the replies that ended: ``(key, new ids, "stop" | "length")``
-    as ``generation.greedy_continuations`` gives them (a stop token that ended the reply included). Each reply is
-    what the prompt alone gives (see the module docstring); ``supports(model)`` says whether the model decodes this way.
-    Busy rows are kept first (a finished row's place is taken by the last one), so a step computes only
-    them (at least ``MIN_ROWS``)."""
+    """Greedy decoding of many prompts in ``slots`` rows (continuous batching): ``add(key, ids)`` prefills a
+    free slot; ``step()`` decodes a token per busy slot and returns the ended replies, ``(key, new ids, "stop" |
+    "length")``. Busy rows are kept first, so a step computes only them (at least ``MIN_ROWS``)."""
 
     def __init__(self, model: nn.Module, *, slots: int, max_new_tokens: int, stop_ids: Sequence[int] = ()):
         if max_new_tokens < 1 or slots < 1:
@@ -146,9 +133,7 @@ class SlotDecoder:
             raise ValueError("empty prompt")
         row = self.busy
         ids_t = torch.as_tensor(list(ids), dtype=torch.long, device=self.device)[None]
-        cache = new_cache(self.model.config)
-        out = self.model(input_ids=ids_t, position_ids=torch.arange(ids_t.shape[1], device=self.device)[None],
-                         use_cache=True, logits_to_keep=1, **{cache_kwarg(self.model): cache})
+        out, cache = prefill(self.model, ids_t, hidden_states=False)
         tokens = [int(out.logits[0, -1].argmax())]
         reason = self._ended(tokens)
         if reason is not None:

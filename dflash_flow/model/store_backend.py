@@ -1,23 +1,15 @@
-"""``StoreBackend``: the target's features from a store on disk, as a TargetBackend (``model.backend``'s protocol:
-``layer_ids``, ``hidden_size``, ``setup``, ``features``, ``close``).
+"""``StoreBackend``: the target's features from a store on disk, as a TargetBackend (``model.backend``).
 
-* ``offline``: every row is read from a finished store (``model.feature_store``); no target is loaded. The
-  store's identity must match what the pipeline declares (``identity``: refused naming the field), each
-  row's tokens must be the batch's (a digest per row), and a sample the store lacks is an error naming it.
-* ``hybrid``: a row the store does not hold yet is computed through the wrapped backend (``inner``: the
-  in-process target or the engine), alone (a batch of one, its own length: what it is does not depend on
-  its batch), written to the store and kept in the RAM tier; later epochs read it. A computed row is
-  passed through the store's codec before use, so the values trained on are the values a later read gives
-  (with fp32 the codec changes nothing). Without ``path`` the store is RAM only: what
-  ``TargetForward.cache_features`` has always done.
+* ``offline``: every row is read from a finished store; no target is loaded. The store's identity must match
+  the pipeline's (refused naming the field), each row's tokens the batch's (a digest per row); a sample the
+  store lacks is an error naming it.
+* ``hybrid``: a row the store lacks is computed alone through ``inner`` (the in-process target or the engine),
+  passed through the store's codec (so the values trained on are those a later read gives), written to the
+  store and kept in the RAM tier. Without ``path`` the store is RAM only (``TargetForward.cache_features``).
 
-Lookup order for a row: the RAM tier (``feature_cache.FeatureCache``, ``ram_budget_bytes``), the rows of
-the shard being written, the store on disk (and, before computing or failing, a fresh look at the shards
-other processes wrote, at most every ``rescan_s``), then the target. What the replicas of a stage in one
-process share -- the RAM tier, the open store, the shard being written, the lock -- is one
-:class:`StoreTier` (``store_backend`` finds it by the store's path, or the stage's name without one);
-each replica has its own backend and its own target (``inner``: its device). The tier counts its users:
-the last replica to close flushes the shard being written and merges the shards into the manifest.
+A row is looked up in the RAM tier, the shard being written, the store (re-listing other processes' shards at
+most every ``rescan_s``), then the target. The replicas of a stage in one process share one
+:class:`StoreTier` (RAM tier, open store, shard being written, lock); the last to close flushes and merges.
 """
 
 from __future__ import annotations
@@ -39,7 +31,6 @@ from dflash_flow.model.feature_store import (
     StoreAppender,
     StoreLock,
     StoreMismatch,
-    Write,
     codec,
     compare_identity,
     merge_store,
@@ -47,7 +38,7 @@ from dflash_flow.model.feature_store import (
     token_digest,
 )
 
-__all__ = ["StoreBackend", "StoreTier", "expected_identity", "shared_tier", "store_backend"]
+__all__ = ["StoreBackend", "StoreTier", "expected_identity", "store_backend"]
 
 MODES = ("offline", "hybrid")
 
@@ -57,10 +48,10 @@ class StoreTier:
     shard being written and the lock. Thread-safe; opened by the first replica, closed by the last."""
 
     def __init__(self, *, mode: str, path: Path | None, identity: Mapping[str, Any], dtype: str, ram_budget_bytes: int,
-                 shard_bytes: int, verify_tokens: bool, rescan_s: float, write: Write | None, key: Any = None) -> None:
+                 shard_bytes: int, verify_tokens: bool, rescan_s: float = 5.0) -> None:
         self.mode, self.path, self.identity, self.dtype = mode, path, dict(identity), dtype
-        self.shard_bytes, self.verify_tokens, self.rescan_s, self._write = shard_bytes, verify_tokens, rescan_s, write
-        self.key = key
+        self.shard_bytes, self.verify_tokens, self.rescan_s = shard_bytes, verify_tokens, rescan_s
+        self.key: Any = None
         self.ram = FeatureCache(budget_bytes=int(ram_budget_bytes))
         self.store: FeatureStore | None = None
         self.codec: Codec | None = None
@@ -76,13 +67,11 @@ class StoreTier:
         self.out_dtype: torch.dtype | None = None
         self.last_scan = 0.0
         self.disk_hits = 0
-        self.computed = 0
 
     @property
     def width(self) -> int:
         return len(self.layer_ids) * self.hidden_size
 
-    # -- opening --------------------------------------------------------------------------------------
     def open_offline(self, layer_ids: Sequence[int] | None) -> None:
         store = FeatureStore(self.path, complete=True)
         fields = compare_identity(store.identity, self.identity)
@@ -130,7 +119,7 @@ class StoreTier:
                              width=self.width, vocab_size=self.vocab_size or None, compute_dtype=self.compute_dtype)
         self.codec = c
         self.appender = StoreAppender(self.path, codec=c, width=self.width, identity_digest=m["identity_digest"],
-                                      shard_bytes=self.shard_bytes, write=self._write, on_shard=self._on_shard)
+                                      shard_bytes=self.shard_bytes, on_shard=self._on_shard)
 
     def _on_shard(self, _info) -> None:
         if self.store is None:
@@ -153,7 +142,6 @@ class StoreTier:
             if self.store is not None:
                 self.store.close()
 
-    # -- rows -----------------------------------------------------------------------------------------
     def read(self, dst: torch.Tensor, sid: int, digest: int | None) -> bool:
         appender = self.appender
         if appender is not None:
@@ -173,7 +161,6 @@ class StoreTier:
     def keep(self, sid: int, toks: torch.Tensor, digest: int | None, row: torch.Tensor) -> torch.Tensor:
         """A row just computed: written to the store (hybrid with a path) and kept in the RAM tier; returns
         the values a later read gives (the row through the store's codec)."""
-        self.computed += 1
         if self.path is None:
             self.ram.put(sid, row)
             return row
@@ -188,12 +175,6 @@ class StoreTier:
         self.ram.put(sid, row)
         return row
 
-    def stats(self) -> dict[str, float]:
-        """Counters for the stage's metrics: RAM hits, disk reads, rows computed and written, RAM use."""
-        return {"ram_hits": self.ram.hits, "disk_hits": self.disk_hits, "computed": self.computed,
-                "ram_rows": len(self.ram), "ram_mb": self.ram.bytes / 2**20,
-                "written": self.appender.rows if self.appender is not None else 0}
-
 
 _TIERS: dict[Any, StoreTier] = {}
 _TIERS_LOCK = threading.Lock()
@@ -204,23 +185,9 @@ class StoreBackend:
     the backend that computes (hybrid only), this replica's own; ``tier``: the state shared with the stage's
     other replicas in this process (default: a tier of its own)."""
 
-    def __init__(
-        self,
-        *,
-        mode: str,
-        path: str | Path | None,
-        inner: Any = None,
-        identity: Mapping[str, Any] | None = None,
-        layer_ids: Sequence[int] | None = None,
-        dtype: str = "auto",
-        ram_budget_bytes: int = 0,
-        shard_bytes: int = 256 * 2**20,
-        verify_tokens: bool = True,
-        out_dtype: torch.dtype | None = None,
-        rescan_s: float = 5.0,
-        write: Write | None = None,
-        tier: StoreTier | None = None,
-    ) -> None:
+    def __init__(self, *, mode: str, path: str | Path | None, inner: Any = None, identity: Mapping[str, Any] | None = None,
+                 layer_ids: Sequence[int] | None = None, dtype: str = "auto", ram_budget_bytes: int = 0,
+                 shard_bytes: int = 256 * 2**20, verify_tokens: bool = True, tier: StoreTier | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"StoreBackend mode must be one of {MODES}, got {mode!r}")
         if mode == "offline" and path is None:
@@ -234,9 +201,7 @@ class StoreBackend:
         self.inner = inner
         self.tier = tier or StoreTier(mode=mode, path=self.path, identity=identity or {}, dtype=dtype,
                                       ram_budget_bytes=ram_budget_bytes, shard_bytes=shard_bytes,
-                                      verify_tokens=verify_tokens, rescan_s=rescan_s, write=write)
-        if out_dtype is not None:
-            self.tier.out_dtype = out_dtype
+                                      verify_tokens=verify_tokens)
         self._want_layers = list(layer_ids) if layer_ids is not None else None
         self.layer_ids: list[int] = list(layer_ids or getattr(inner, "layer_ids", []) or [])
         self.hidden_size: int = int(getattr(inner, "hidden_size", 0) or 0)
@@ -254,10 +219,6 @@ class StoreBackend:
         return self.tier.ram
 
     @property
-    def store(self) -> FeatureStore | None:
-        return self.tier.store
-
-    @property
     def disk_hits(self) -> int:
         return self.tier.disk_hits
 
@@ -265,10 +226,6 @@ class StoreBackend:
     def width(self) -> int:
         return len(self.layer_ids) * self.hidden_size
 
-    def stats(self) -> dict[str, float]:
-        return self.tier.stats()
-
-    # -- protocol -------------------------------------------------------------------------------------
     def setup(self, *, devices: list[str], out_device: str, name: str) -> None:
         self._users += 1
         if self._users > 1:
@@ -364,7 +321,6 @@ class StoreBackend:
             out = out.pin_memory().to(self._out_device, non_blocking=True)
         return out
 
-    # -- rows -----------------------------------------------------------------------------------------
     def _out_dtype_known(self) -> bool:
         t = self.tier
         if t.out_dtype is None and t.codec is not None:
@@ -381,16 +337,6 @@ class StoreBackend:
             out = self._new_out(b, s)
         out[i, : row.shape[0]] = row
         return out
-
-
-def shared_tier(key: Any, make) -> StoreTier:
-    """The tier registered under ``key`` in this process (made by ``make()`` when there is none)."""
-    with _TIERS_LOCK:
-        tier = _TIERS.get(key)
-        if tier is None:
-            tier = _TIERS[key] = make()
-            tier.key = key
-        return tier
 
 
 def expected_identity(spec: Any, *, layer_ids: Sequence[int] | None = None) -> dict[str, Any]:
@@ -416,7 +362,7 @@ def expected_identity(spec: Any, *, layer_ids: Sequence[int] | None = None) -> d
         try:
             from transformers import AutoTokenizer
 
-            from dflash_flow.data.keys import tokenizer_fingerprint
+            from dflash_flow.data.store import tokenizer_fingerprint
 
             ident["tokenizer"] = tokenizer_fingerprint(AutoTokenizer.from_pretrained(spec.tokenizer))
         except Exception as exc:  # noqa: BLE001
@@ -431,13 +377,13 @@ def store_backend(spec: Any, *, inner: Any, output_dir: Any = None, name: str = 
     conf = spec.features
     path = Path(conf.path).expanduser().resolve() if conf.path else None
     layer_ids = list(spec.explicit_layer_ids) if spec.explicit_layer_ids is not None else None
-
-    def make() -> StoreTier:
-        return StoreTier(mode=conf.mode, path=path, identity=expected_identity(spec, layer_ids=layer_ids),
-                         dtype=conf.dtype, ram_budget_bytes=conf.ram_budget_bytes,
-                         shard_bytes=min(conf.shard_bytes, 256 * 2**20), verify_tokens=conf.verify_tokens,
-                         rescan_s=5.0, write=None)
-
-    # The replicas of the stage share one tier (keyed by the store, or by the stage without one).
-    tier = shared_tier((conf.mode, str(path) if path is not None else f"ram:{name}"), make)
+    key = (conf.mode, str(path) if path is not None else f"ram:{name}")
+    with _TIERS_LOCK:  # the replicas of the stage share one tier (keyed by the store, or by the stage without one)
+        tier = _TIERS.get(key)
+        if tier is None:
+            tier = _TIERS[key] = StoreTier(
+                mode=conf.mode, path=path, identity=expected_identity(spec, layer_ids=layer_ids), dtype=conf.dtype,
+                ram_budget_bytes=conf.ram_budget_bytes, shard_bytes=min(conf.shard_bytes, 256 * 2**20),
+                verify_tokens=conf.verify_tokens)
+            tier.key = key
     return StoreBackend(mode=conf.mode, path=path, inner=inner, layer_ids=layer_ids, dtype=conf.dtype, tier=tier)

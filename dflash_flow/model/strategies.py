@@ -1,18 +1,13 @@
 """The drafter's variants (``dflash``, ``dflash2``) and training objectives (``dflash``, ``variable_prefix``)
-as small strategies, torch-free. Each strategy is an attrs class that owns its knobs (their one
-declaration, with doc and bounds: the DrafterStep's YAML fields and its ``dflash-flow stages`` lines are
-included from here, ``core.fields.include``), their checks (each once), its loss term, the metrics it adds
-and, for a variant, the keys it writes into the exported ``dflash_config``.
-
-``VARIANTS`` and ``OBJECTIVES`` map each name to its class; ``variant_of`` / ``objective_of`` build the
-chosen one from a config that carries the knobs flat (the stage), and ``misplaced_knobs`` is the one rule
-that refuses a knob set for a strategy that is not the chosen one.
-"""
+as small torch-free strategies: each owns its knobs (DrafterStep's YAML fields are included from here), their
+checks, the metrics it adds and, for a variant, the keys it writes into the exported ``dflash_config``.
+``variant_of`` / ``objective_of`` build the chosen one from a config that carries the knobs flat. Also the
+recipe that holds them: ``DrafterShape`` (what a drafter is made of) and ``TrainerConfig`` (how it is trained)."""
 
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import attrs
 
@@ -29,10 +24,8 @@ DFLASH2_KEYS = tuple(DFLASH2_DEFAULTS)
 def dflash2_problems(
     settings: dict[str, Any], *, hidden_size: int, vocab_size: int, block_size: int | None = None
 ) -> list[tuple[str, str]]:
-    """``(setting, message)`` for what is wrong with DFlash 2 settings for a drafter of this hidden and
-    vocabulary size (and block size, when given); each message also names the setting. The one check of
-    the settings against the sizes (the stage's preflight, the drafter's config and an exported
-    checkpoint's all ask it)."""
+    """``(setting, message)`` for what is wrong with DFlash 2 settings for a drafter of these sizes: the one
+    check (the stage's preflight, the drafter's config and an exported checkpoint's all ask it)."""
     problems = []
     for key in DFLASH2_KEYS:
         value = settings.get(key)
@@ -52,30 +45,19 @@ def dflash2_problems(
 
 
 def kernel_problems(kernel: Any, block_size: int) -> list[tuple[str, str]]:
-    """The in-block convolution's taps against the block (the one check of it)."""
     if isinstance(kernel, int) and kernel > block_size:
         return [("conv_kernel_size", f"'conv_kernel_size' must be <= block_size = {block_size}: {kernel} taps, and "
                                      "taps past the block's first slot read nothing")]
     return []
 
 
-def dflash2_settings(
-    conv_kernel_size: int | None = None,
-    conv_group_size: int | None = None,
-    selector_rank: int | None = None,
-    selector_top_k: int | None = None,
-) -> dict[str, int]:
-    """The four DFlash 2 settings, None replaced by the published defaults (``DFLASH2_DEFAULTS``)."""
-    given = {
-        "conv_kernel_size": conv_kernel_size,
-        "conv_group_size": conv_group_size,
-        "selector_rank": selector_rank,
-        "selector_top_k": selector_top_k,
-    }
-    return {k: DFLASH2_DEFAULTS[k] if v is None else v for k, v in given.items()}
+def dflash2_settings(conv_kernel_size: int | None = None, conv_group_size: int | None = None,
+                     selector_rank: int | None = None, selector_top_k: int | None = None) -> dict[str, int]:
+    """The four DFlash 2 settings, None replaced by the published defaults."""
+    given = (conv_kernel_size, conv_group_size, selector_rank, selector_top_k)
+    return {k: DFLASH2_DEFAULTS[k] if v is None else v for k, v in zip(DFLASH2_KEYS, given, strict=True)}
 
 
-# -- variants --------------------------------------------------------------------------------------------
 @attrs.frozen(kw_only=True)
 class Variant:
     """The DFlash drafter (z-lab's architecture): no knobs, no loss term or metrics of its own."""
@@ -98,8 +80,7 @@ class Variant:
         return []
 
     def block_problems(self, block_size: int) -> list[tuple[str, str]]:
-        """``(knob, message)``: what its knobs cannot do with blocks of ``block_size`` (known before any
-        target is read)."""
+        """``(knob, message)``: what its knobs cannot do with blocks of ``block_size``."""
         return []
 
 
@@ -138,7 +119,6 @@ class DFlash2(Variant):
         return kernel_problems(self.conv_kernel_size, block_size)
 
 
-# -- objectives ------------------------------------------------------------------------------------------
 @attrs.frozen(kw_only=True)
 class Objective:
     """DFlash's objective: one real token (the anchor) per block, every other slot supervised."""
@@ -173,8 +153,6 @@ class VariablePrefix(Objective):
     )
 
     def block_problems(self, block_size: int) -> list[tuple[str, str]]:
-        """The one check of the prefix settings against the block (the stage's validation reads it through
-        ``DrafterStep.model_problems``; the trainer's and the loss's prior through ``bounds``)."""
         base, lo = self.prefix_weight_base, self.prefix_min_length
         if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 0:
             return [("prefix_weight_base", f"prefix_weight_base must be a finite number > 0, got {base!r}")]
@@ -189,8 +167,7 @@ class VariablePrefix(Objective):
         return []
 
     def bounds(self, block_size: int) -> tuple[int, int]:
-        """``(lo, hi)``: the visible prefix lengths drawn for blocks of ``block_size``; ValueError with the
-        first of ``block_problems`` (naming its field)."""
+        """``(lo, hi)`` for blocks of ``block_size``; ValueError with the first of ``block_problems``."""
         problems = self.block_problems(block_size)
         if problems:
             raise ValueError(problems[0][1])
@@ -202,20 +179,42 @@ VARIANTS: dict[str, type[Variant]] = {cls.name: cls for cls in (Variant, DFlash2
 OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (Objective, VariablePrefix)}
 
 
+@attrs.frozen(kw_only=True)
+class StrategyChoice:
+    """The chosen variant and objective (included flat by a config that carries every strategy's knobs)."""
+
+    variant: Literal["dflash", "dflash2"] = cfg(
+        "dflash", choices=tuple(VARIANTS),
+        doc="dflash, or dflash2: in-block convolutions and a candidate selector (docs/dflash2.md).",
+    )
+    objective: Literal["dflash", "variable_prefix"] = cfg(
+        "dflash", choices=tuple(OBJECTIVES),
+        doc="dflash: one real token per block; variable_prefix: D2SD VP-Drafter, each block shows l real tokens, "
+        "only the masked suffix is supervised (docs/objectives.md).",
+    )
+
+    @objective.validator
+    def _refuse_misplaced(self, _attribute: attrs.Attribute, _value: str) -> None:
+        refuse_misplaced_knobs(self)  # self: the including config; the checks against the block size need the model
+
+
 def knobs(cls: type) -> tuple[attrs.Attribute, ...]:
-    """A strategy's knobs (its init fields)."""
     return tuple(f for f in attrs.fields(cls) if f.init)
 
 
-def _build(registry: dict[str, type], kind: str, name: Any, conf: Any) -> Any:
+def _known(registry: dict[str, type], kind: str, name: Any) -> type:
     if name not in registry:
         raise ValueError(f"unknown {kind} {name!r}; expected one of {list(registry)}")
-    cls = registry[name]
+    return registry[name]
+
+
+def _build(registry: dict[str, type], kind: str, name: Any, conf: Any) -> Any:
+    cls = _known(registry, kind, name)
     return cls(**{f.name: getattr(conf, f.name) for f in knobs(cls)})
 
 
 def variant_of(conf: Any) -> Variant:
-    """The variant a config that carries the knobs flat (DrafterStep) asks for (``conf.variant``)."""
+    """The variant a config that carries the knobs flat (DrafterStep) asks for."""
     return _build(VARIANTS, "drafter variant", conf.variant, conf)
 
 
@@ -226,20 +225,12 @@ def objective_of(conf: Any) -> Objective:
 
 def as_variant(value: Variant | str) -> Variant:
     """A variant strategy, or a variant's name (its knobs at their defaults)."""
-    if isinstance(value, Variant):
-        return value
-    if value not in VARIANTS:
-        raise ValueError(f"unknown drafter variant {value!r}; expected one of {list(VARIANTS)}")
-    return VARIANTS[value]()
+    return value if isinstance(value, Variant) else _known(VARIANTS, "drafter variant", value)()
 
 
 def as_objective(value: Objective | str) -> Objective:
     """An objective strategy, or an objective's name (its knobs at their defaults)."""
-    if isinstance(value, Objective):
-        return value
-    if value not in OBJECTIVES:
-        raise ValueError(f"unknown objective {value!r}; expected one of {list(OBJECTIVES)}")
-    return OBJECTIVES[value]()
+    return value if isinstance(value, Objective) else _known(OBJECTIVES, "objective", value)()
 
 
 def misplaced_knobs(conf: Any) -> list[tuple[str, str]]:
@@ -265,9 +256,8 @@ def _at_model(problems: list[tuple[str, str]]) -> list[tuple[str, str]]:
 
 def setting_problems(variant: Variant, objective: Objective, *, block_size: int, facts: Any = None,
                      init_from: str | None = None) -> list[tuple[str, str]]:
-    """``(field, message)``: the strategies against the block size; with the target's ``facts`` (its sizes),
-    a fresh DFlash 2 drafter's settings against its hidden and vocabulary size, and a drafter to start from
-    (``init_from``) made for this target's hidden size and this block size. Setup would fail the same way."""
+    """``(field, message)``: the strategies against the block size; with the target's ``facts``, a fresh
+    drafter's settings against its sizes and ``init_from`` made for this target and block size."""
     out = _at_model([*variant.block_problems(block_size), *objective.block_problems(block_size)])
     if facts is None:
         return out
@@ -301,10 +291,70 @@ def init_from_problems(init_from: str | None, *, hidden_size: int, block_size: i
 
 
 def refuse_misplaced_knobs(conf: Any) -> None:
-    """``misplaced_knobs`` as one error, each problem at its own field (its own YAML line): a validator that
-    runs once every field of ``conf`` is set."""
-    from dflash_flow.core.fields import field_errors
+    """``misplaced_knobs`` as one error, each problem at its own field (its YAML line)."""
+    from dflash_flow.core.stage import field_errors
 
     problems = misplaced_knobs(conf)
     if problems:
         raise field_errors(type(conf), problems)
+
+
+def _optional_variant(value: Variant | str | None) -> Variant | None:
+    return None if value is None else as_variant(value)
+
+
+@attrs.frozen(kw_only=True)
+class DrafterShape:
+    """What a fresh drafter is made of (the rest comes from the target's config)."""
+
+    num_layers: int = cfg(1, ge=1, doc="Drafter decoder layers.")
+    block_size: int = cfg(16, ge=2, doc="Block size B: one anchor token + B-1 mask tokens.")
+    mask_token_id: int | None = cfg(None, ge=0, doc="Mask token id (default: tokenizer mask, else first free embedding row).")
+    target_layer_ids: list[int] | None = cfg(None, doc="Target layers fused as context (default: the DFlash rule).")
+    layer_types: list[str] | None = cfg(None, doc="Per-layer full_attention / sliding_attention (default: all full).")
+    sliding_window: int | None = cfg(None, ge=1, doc="Window of sliding_attention layers.")
+    #: The variant (``strategies.Variant``, ``DFlash2``, or a name: its knobs at their defaults).
+    variant: Variant = attrs.field(default="dflash", converter=as_variant)
+
+
+@attrs.frozen(kw_only=True)
+class TrainerConfig:
+    """The optimisation recipe (defaults: SpecForge's DFlash recipe)."""
+
+    num_anchors: int = cfg(512, ge=1, doc="Anchors (blocks) drawn per sequence each step.")
+    gamma: float | None = cfg(None, gt=0, doc="Loss decay exp(-(k-1)/gamma) (default 7 for B=16, 5 for B=10, 4 for B=8).")
+    chunk_blocks: int | None = cfg(
+        None, ge=1, doc="Blocks per checkpointed loss chunk; null: chosen from activation_budget_mb."
+    )
+    activation_budget_mb: float | None = cfg(
+        4096.0, gt=0, le=1e7, doc="Activation memory one step may use: one pass (no recomputation) when it fits, "
+        "else the largest checkpointed chunks that do (null: always one pass).",
+    )
+    compile: bool | Literal["auto"] = cfg(
+        "auto", result=False, doc="torch.compile the step's work outside the attention kernels (the drafter's layers, the context "
+        "projections, the loss head): same loss, 10-20% faster steps on CPU (1 thread) after 12-56 s of compiling per "
+        "batch shape, 5-18 s with a warm compile cache (docs/benchmarks.md); false: never (no start-up cost); auto: "
+        "on CPU, compile when the run's planned steps repay it, measured on its first steps and said at the start "
+        "(model.compile_plan; runs under 300 micro-batches and tests never compile).",
+    )
+    lr: float = cfg(6e-4, gt=0, doc="Peak learning rate.")
+    warmup_ratio: float = cfg(0.04, ge=0, le=1, doc="Linear warmup share of all steps.")
+    min_lr_ratio: float = cfg(0.0, ge=0, le=1, doc="Cosine floor as a share of lr.")
+    weight_decay: float = cfg(0.0, ge=0, doc="AdamW weight decay.")
+    max_grad_norm: float | None = cfg(1.0, gt=0, doc="Global gradient-norm clip.")
+    grad_accum: int = cfg(1, ge=1, doc="Micro-batches per optimizer step.")
+    total_steps: int | None = cfg(None, ge=1, doc="Schedule length (default: from the batch plan).")
+    data_parallel: Literal["ddp", "fsdp"] = cfg(
+        "ddp", choices=("ddp", "fsdp"), doc="Under torchrun: ddp replicates the drafter per rank; fsdp shards it."
+    )
+    on_nonfinite: Literal["stop", "skip"] = cfg(
+        "stop", choices=("stop", "skip"),
+        doc="A NaN/inf loss or gradient norm: stop the run naming the step and batch, or skip that update (warned).",
+    )
+    #: Under ddp: time the gradient all-reduce with a comm hook around the default one (step metric
+    #: ``allreduce_wait_s``); a clock read per bucket, nothing else changes. Not a YAML field.
+    time_allreduce: bool = True
+    #: The objective (``strategies.Objective``, ``VariablePrefix``, or a name: its knobs at their defaults).
+    objective: Objective = attrs.field(default="dflash", converter=as_objective)
+    #: The variant whose loss term is added (its ``loss_weight``); None: the drafter's own, at its defaults.
+    variant: Variant | None = attrs.field(default=None, converter=_optional_variant)

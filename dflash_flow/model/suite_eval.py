@@ -1,19 +1,10 @@
 """Speculative decoding of a standard suite in process, counted every way users count acceptance.
 
-One request is one user turn (mt-bench has two per prompt: the second is asked after the target's own
-first reply, decoded to text without special tokens and put back as the assistant turn, as z-lab does).
-Each request is decoded once by ``generation.spec_generate`` (greedy, batch size 1) and once by plain
-greedy decoding (the reference that says the output is lossless, and the wall-clock baseline).
-
-The speculative run goes ``block_size - 1`` tokens past ``max_new_tokens`` and its steps are counted up to
-the output's end at ``max_new_tokens`` (or its stop token): so the last step verifies a whole block, as a
-serving engine's does (z-lab's loop shrinks the last block to what is left, which changes that step's
-drafts; at most one step per request differs). Per step it records the tokens committed (cut at the
-output's end: our count) and the drafts accepted (not cut: vLLM's count, a draft accepted past
-``max_tokens`` or a stop token included). :func:`suite_figures` turns the requests into the figures.
-
-Batch size 1 per request (the DFlash reference's contract); ``decode_suite`` decodes the same turn of many
-prompts together (``model.batched``), each request's numbers exactly its own.
+One request is one user turn (mt-bench's second turn follows the target's own first reply, as z-lab does),
+decoded by ``generation.spec_generate`` (greedy) and by plain greedy decoding (the lossless reference and the
+wall-clock baseline). The speculative run goes ``block_size - 1`` tokens past ``max_new_tokens`` and its steps
+are counted up to the output's end, so the last step verifies a whole block as a serving engine's does; per
+step it records the tokens committed (cut at the end: our count) and the drafts accepted (not cut: vLLM's).
 """
 
 from __future__ import annotations
@@ -28,6 +19,7 @@ from torch import nn
 from dflash_flow.data.suites import SuitePrompt, template_ids
 
 from .block_drafter import draft_settings
+from .decoding import eval_mode
 from .generation import greedy_generate, spec_generate
 
 __all__ = ["ContextTooLong", "RequestResult", "decode_request", "decode_suite", "suite_figures"]
@@ -39,13 +31,9 @@ class ContextTooLong(ValueError):
 
 @attrs.define
 class RequestResult:
-    """One request (one user turn) decoded in process.
-
-    ``committed[i]``: tokens step i committed, bonus included, cut at the output's end (1..B);
-    ``accepted[i]``: drafts step i accepted, not cut (0..B-1); ``new_ids``: the speculative output (the
-    stop token that ended it included); ``greedy_ids``: plain greedy decoding's (the target's own reply),
-    equal to it when ``lossless``.
-    """
+    """One request (one user turn): ``committed[i]`` tokens step i committed, bonus included, cut at the
+    output's end (1..B); ``accepted[i]`` drafts it accepted, not cut (0..B-1); ``new_ids`` the speculative output
+    (its stop token included); ``greedy_ids`` plain greedy decoding's (equal when ``lossless``)."""
 
     prompt_id: str
     turn: int
@@ -75,20 +63,10 @@ def decode_request(target: nn.Module, drafter: nn.Module, prompt_ids: Sequence[i
                    stop_token_ids: Sequence[int], prompt_id: str = "", turn: int = 0,
                    max_positions: int | None = None) -> RequestResult:
     """Decode one request both ways (see the module docstring)."""
-    settings = draft_settings(drafter)
-    block = settings.block_size
+    block = draft_settings(drafter).block_size
     _check_fits(prompt_ids, max_new_tokens, block, max_positions, prompt_id, turn)
-    stops = list(stop_token_ids)
-    t0 = time.perf_counter()
-    ref = greedy_generate(target, list(prompt_ids), max_new_tokens, stops)
-    t1 = time.perf_counter()
-    trace: list[tuple[int, list[int]]] = []
-    accepted: list[int] = []
-    res = spec_generate(target, drafter, list(prompt_ids), max_new_tokens=max_new_tokens + block - 1,
-                        stop_token_ids=stops, trace=trace, accepted_drafts=accepted)
-    t2 = time.perf_counter()
-    return _result(prompt_id, turn, prompt_ids, ref.new_ids, res, trace, accepted, max_new_tokens, stops,
-                   t2 - t1, t1 - t0)
+    return _decode(target, drafter, [(prompt_id, turn, list(prompt_ids))], max_new_tokens=max_new_tokens,
+                   stops=list(stop_token_ids), block=block, together=False)[0]
 
 
 def _check_fits(prompt_ids, max_new_tokens: int, block: int, max_positions: int | None, prompt_id: str,
@@ -119,22 +97,23 @@ def _result(prompt_id, turn, prompt_ids, greedy_ids, res, trace, accepted, max_n
                          new_ids == list(greedy_ids), finish, spec_s, len(long_ids), greedy_s, len(kept))
 
 
-def _decode_batch(target, drafter, requests: list[tuple[str, int, list[int]]], *, max_new_tokens: int,
-                  stops: list[int], block: int) -> list[RequestResult]:
-    """``decode_request`` of every ``(prompt id, turn, prompt ids)``, decoded together (``model.batched``: each
-    request's tokens and steps its own); a batch's seconds are shared by its requests in proportion to their
-    tokens."""
+def _decode(target, drafter, requests: list[tuple[str, int, list[int]]], *, max_new_tokens: int,
+            stops: list[int], block: int, together: bool = True) -> list[RequestResult]:
+    """``(prompt id, turn, prompt ids)`` each decoded both ways, one by one or ``together`` (``model.batched``)."""
     from .batched import greedy_generate_batch, spec_generate_batch
 
     prompts = [ids for _, _, ids in requests]
-    t0 = time.perf_counter()
-    refs = greedy_generate_batch(target, prompts, max_new_tokens, stops, batch_size=len(prompts))
-    t1 = time.perf_counter()
     traces: list[list] = [[] for _ in prompts]
     accepted: list[list] = [[] for _ in prompts]
-    results = spec_generate_batch(target, drafter, prompts, max_new_tokens=max_new_tokens + block - 1,
-                                  stop_token_ids=stops, traces=traces, accepted_drafts=accepted,
-                                  batch_size=len(prompts))
+    spec = dict(max_new_tokens=max_new_tokens + block - 1, stop_token_ids=stops)
+    t0 = time.perf_counter()
+    refs = (greedy_generate_batch(target, prompts, max_new_tokens, stops, batch_size=len(prompts)) if together
+            else [greedy_generate(target, p, max_new_tokens, stops) for p in prompts])
+    t1 = time.perf_counter()
+    results = (spec_generate_batch(target, drafter, prompts, traces=traces, accepted_drafts=accepted,
+                                   batch_size=len(prompts), **spec) if together
+               else [spec_generate(target, drafter, p, trace=tr, accepted_drafts=acc, **spec)
+                     for p, tr, acc in zip(prompts, traces, accepted, strict=True)])
     t2 = time.perf_counter()
     spec_tokens = sum(r.num_new_tokens for r in results) or 1
     greedy_tokens = sum(r.num_new_tokens for r in refs) or 1
@@ -148,19 +127,14 @@ def decode_suite(target: nn.Module, drafter: nn.Module, tokenizer: Any, prompts:
                  max_positions: int | None = None,
                  on_request: Callable[[RequestResult], None] | None = None,
                  batch_size: int = 16) -> list[RequestResult]:
-    """Every turn of every prompt, in order; a later turn follows the target's own reply to the earlier
-    ones. ``on_request`` is called after each request (progress; it may raise to stop).
-
-    ``batch_size`` > 1: the same turn of up to that many prompts decodes together (``model.batched``; every
-    request's tokens, steps and counts are exactly its own, a batch's seconds are shared by its requests in
-    proportion to their tokens), when the models allow it; ``on_request`` then follows each batch, turn by
-    turn. The requests come back in prompt order either way."""
+    """Every turn of every prompt, in prompt order; a later turn follows the target's own earlier replies.
+    ``on_request`` follows each request (it may raise to stop). ``batch_size`` > 1: the same turn of that many
+    prompts decodes together where the models allow (each request's counts its own; a batch's seconds shared
+    in proportion to tokens)."""
     from .batched import batchable
 
-    was_training = drafter.training
-    drafter.eval()
     out: list[RequestResult] = []
-    try:
+    with eval_mode(drafter):
         block = draft_settings(drafter).block_size
         if batch_size > 1 and len(prompts) > 1 and block > 1 and batchable(target, drafter):
             return _decode_suite_batched(target, drafter, tokenizer, prompts, max_new_tokens=max_new_tokens,
@@ -178,8 +152,6 @@ def decode_suite(target: nn.Module, drafter: nn.Module, tokenizer: Any, prompts:
                 if on_request is not None:
                     on_request(r)
                 messages.append({"role": "assistant", "content": tokenizer.decode(r.greedy_ids, skip_special_tokens=True)})
-    finally:
-        drafter.train(was_training)
     return out
 
 
@@ -198,7 +170,7 @@ def _decode_suite_batched(target, drafter, tokenizer, prompts, *, max_new_tokens
             requests.append((i, ids))
         for lo in range(0, len(requests), batch_size):
             part = requests[lo : lo + batch_size]
-            results = _decode_batch(target, drafter, [(prompts[i].id, turn, ids) for i, ids in part],
+            results = _decode(target, drafter, [(prompts[i].id, turn, ids) for i, ids in part],
                                     max_new_tokens=max_new_tokens, stops=stops, block=block)
             for (i, _), r in zip(part, results, strict=True):
                 done[(i, turn)] = r
@@ -213,18 +185,15 @@ def _decode_suite_batched(target, drafter, tokenizer, prompts, *, max_new_tokens
 def suite_figures(requests: Sequence[RequestResult], block_size: int) -> dict[str, Any]:
     """Our figures for one suite, named by how they count:
 
-    * ``tau_per_step``: committed tokens per verify step over all steps (cut at the output's end; the
-      ``eval`` command's count); ``tau_per_request``: the mean of each request's own (z-lab's average);
-      ``tau_per_token``: new tokens per verify step (SpecForge's / SGLang's ``completion_tokens /
-      spec_verify_ct``); ``tau_engine_count``: ``1 + accepted drafts / steps`` with every accepted draft
-      counted (vLLM's counters);
+    * ``tau_per_step``: committed tokens per verify step (the ``eval`` command's); ``tau_per_request``: the mean
+      of each request's (z-lab's); ``tau_per_token``: new tokens per step (SpecForge's / SGLang's);
+      ``tau_engine_count``: ``1 + accepted drafts / steps`` (vLLM's counters);
     * ``accept_rate_per_position``: per draft position k (1..B-1), the share of steps that accepted it
       (vLLM's ``num_accepted_tokens_per_pos / num_drafts``);
     * ``histogram``: steps by tokens committed, index 0..B (z-lab's layout; index 0 is always 0);
       ``histogram_accepted_drafts``: steps by drafts accepted, index 0..B-1 (vLLM's and SGLang's layout);
-    * ``lossless`` ``"k/n"`` requests whose output equals plain greedy decoding; ``speedup_forwards``: new
-      tokens / target forwards (plain decoding takes one per token); ``speedup_wall``: speculative tokens/s
-      over plain tokens/s (the drafter's cost included);
+    * ``lossless`` ``"k/n"`` outputs equal to greedy decoding's; ``speedup_forwards``: new tokens / target
+      forwards; ``speedup_wall``: speculative over plain tokens/s;
     * counts: ``requests``, ``verify_steps``, ``tokens``, ``target_forwards``, ``drafter_forwards``.
     """
     steps = sum(r.steps for r in requests)

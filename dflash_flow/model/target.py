@@ -1,27 +1,18 @@
-"""The frozen target model: loading it, reading its hidden states, sharing its embedding and LM head.
-
-Three jobs, all pure (no pipeline runtime):
-
-* :func:`load_target` turns a *spec* (local directory, hub id, or a tiny config preset) into a frozen,
-  eval-mode causal LM on a device, or split layer-wise over several devices (a target larger than one
-  GPU), optionally loaded only as deep as the deepest layer it will run.
-* :class:`TargetFeatureExtractor` runs the target only as deep as the deepest requested layer and returns
-  the DFlash context features ``concat(hidden_states[id + 1] for id in target_layer_ids)``, aligned 1:1
-  with ``input_ids`` (no shift).
-* :class:`~dflash_flow.model.head.SharedHead` (``model.head``) gives the drafter the target's frozen
-  ``embed_tokens`` and ``lm_head``.
-
-The pieces live in rooms of their own: ``model.device`` (dtypes, attention kernel), ``model.hub`` (hub
-ids, offline mode), ``model.features`` (the extractor), ``model.split`` (several devices), ``model.head``.
-This module loads; it re-exports the names callers use with a target.
+"""The frozen target model: :func:`load_target` turns a *spec* (local directory, hub id, or a tiny config
+preset) into a frozen, eval-mode causal LM on a device, or split layer-wise over several devices
+(``place_on_devices``), optionally loaded only as deep as the deepest layer it will run. Hub ids: the local
+Hugging Face cache first, the hub only when it is not in offline mode. The extractor of the DFlash context
+features is ``model.features``'; the shared embedding and LM head ``model.head``'s. Re-exports the names
+callers use with a target.
 """
-
 
 from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Mapping, Sequence
+import re
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,41 +28,64 @@ from dflash_flow.model.features import (
     decoder_layers,
     target_depth,
 )
-from dflash_flow.model.hub import TargetOfflineError, cache_then_hub, hub_id
-from dflash_flow.model.split import layer_devices, place_on_devices, split_device_map
 
 __all__ = [
-    "TARGET_PRESETS",
-    "TargetOfflineError",
-    "TargetFeatureExtractor",
-    "load_target",
-    "load_target_config",
-    "layer_devices",
-    "num_hidden_layers",
-    "peek_target_depth",
-    "place_on_devices",
-    "split_device_map",
-    "target_depth",
-    "resolve_dtype",
-    "is_preset",
-    "default_dtype",
-    "default_attn_implementation",
-    "decoder_layers",
+    "TARGET_PRESETS", "TargetOfflineError", "TargetFeatureExtractor", "load_target", "load_target_config",
+    "layer_devices", "num_hidden_layers", "peek_target_depth", "place_on_devices", "split_device_map",
+    "target_depth", "resolve_dtype", "is_preset", "default_dtype", "default_attn_implementation", "decoder_layers",
 ]
 
 
-# ---------------------------------------------------------------------------------------------------
-# Presets
-# ---------------------------------------------------------------------------------------------------
+# -- hub ids
+class TargetOfflineError(RuntimeError):
+    """A hub id was requested but the hub cannot be reached (offline) and the model is not cached."""
 
 
+def is_offline() -> bool:
+    """huggingface_hub's offline mode (``HF_HUB_OFFLINE``, read when huggingface_hub was imported) or the
+    same variables set since (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``)."""
+    import huggingface_hub
+
+    flags = (os.environ.get(n, "").strip().lower() for n in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return bool(huggingface_hub.is_offline_mode()) or any(f in {"1", "true", "yes", "on"} for f in flags)
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
+
+
+def hub_id(spec: str | os.PathLike, presets: Iterable[str]) -> str:
+    """``spec`` as a hub id (``org/name``), or ValueError naming what else it could have been."""
+    spec_str = os.fspath(spec)
+    if not _HUB_ID.match(spec_str):
+        raise ValueError(
+            f"target spec {spec_str!r} is not a preset ({sorted(presets)}), not an existing "
+            "directory and not a hub id"
+        )
+    return spec_str
+
+
+def cache_then_hub(read: Callable[[bool], Any], spec_str: str, example_preset: str) -> Any:
+    """``read(local_files_only)``: the local cache first (no network, works offline), then the hub unless
+    huggingface_hub is in offline mode; either way a model that cannot be had is :class:`TargetOfflineError`."""
+    try:
+        return read(True)
+    except OSError:
+        why = "offline mode is on (HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE)" if is_offline() else None
+        if why is None:
+            try:
+                return read(False)
+            except OSError as exc:
+                why = f"the hub did not provide it ({str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__})"
+        raise TargetOfflineError(
+            f"target {spec_str!r} is not a local directory, not a preset and not in the local Hugging Face "
+            f"cache, and {why} (offline, or no network). Pass a local path or a preset such as {example_preset!r}."
+        ) from None
+
+
+# -- presets
 def preset_init_device(spec: Mapping[str, Any] | str) -> str:
-    """Where a preset's random weights are drawn: ``cpu`` (default: the weights depend only on the seed)
-    or an accelerator (``init_device: cuda``: a large random target, e.g. for ``bench/gpu.py``, is built in
-    seconds where it runs instead of minutes on the host; its weights then depend on the seed and the
-    device type)."""
+    """Where a preset's random weights are drawn: ``cpu`` (default: they depend only on the seed) or an
+    accelerator (``init_device: cuda``: a large random target is built in seconds where it runs)."""
     return str(spec.get("init_device", "cpu")) if isinstance(spec, Mapping) else "cpu"
 
 
@@ -88,7 +102,6 @@ def _preset_config(spec: Mapping[str, Any] | str) -> tuple[Any, int]:
     return AutoConfig.for_model(model_type, **params), seed
 
 
-
 def is_preset(spec: Any) -> bool:
     return isinstance(spec, Mapping) or (isinstance(spec, str) and spec in TARGET_PRESETS)
 
@@ -96,12 +109,9 @@ def is_preset(spec: Any) -> bool:
 def load_target_config(
     spec: str | os.PathLike | Mapping[str, Any], *, trust_remote_code: bool = False, local_only: bool = False
 ):
-    """The target's config without its weights (a preset's, or ``config.json`` of a directory/hub id).
-
-    A hub id is read from the local HF cache first; the hub is asked only when it is reachable and
-    ``local_only`` is false (validation passes ``local_only=True``: it never touches the network), else
-    :class:`TargetOfflineError` (``OSError`` with ``local_only`` when the id is not cached).
-    """
+    """The target's config without its weights (a preset's, or ``config.json`` of a directory/hub id). A hub
+    id is read from the local HF cache first, then from the hub unless ``local_only`` (validation: never the
+    network; ``OSError`` when not cached) or offline (:class:`TargetOfflineError`)."""
     if is_preset(spec):
         config, _ = _preset_config(spec)  # type: ignore[arg-type]
         return config
@@ -109,15 +119,11 @@ def load_target_config(
 
     path = Path(os.fspath(spec)).expanduser()
     if path.exists():
-        return AutoConfig.from_pretrained(
-            str(path), local_files_only=True, trust_remote_code=trust_remote_code
-        )
+        return AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
     spec_str = hub_id(spec, TARGET_PRESETS)
 
     def read(local: bool):
-        return AutoConfig.from_pretrained(
-            spec_str, local_files_only=local, trust_remote_code=trust_remote_code
-        )
+        return AutoConfig.from_pretrained(spec_str, local_files_only=local, trust_remote_code=trust_remote_code)
 
     if local_only:
         return read(True)
@@ -130,19 +136,13 @@ def num_hidden_layers(config: Any) -> int:
     return int(text.num_hidden_layers)
 
 
-def peek_target_depth(
-    spec: str | os.PathLike | Mapping[str, Any], *, trust_remote_code: bool = False
-) -> int | None:
-    """The target's decoder depth when its config can be read here without weights and without the
-    network (a preset, a local directory, a cached hub id); None otherwise (the stage's setup then
-    reports what is wrong)."""
+def peek_target_depth(spec: str | os.PathLike | Mapping[str, Any], *, trust_remote_code: bool = False) -> int | None:
+    """The target's decoder depth when its config can be read here without weights and without the network;
+    None otherwise (the stage's setup then reports what is wrong)."""
     try:
-        return num_hidden_layers(
-            load_target_config(spec, trust_remote_code=trust_remote_code, local_only=True)
-        )
+        return num_hidden_layers(load_target_config(spec, trust_remote_code=trust_remote_code, local_only=True))
     except Exception:  # unreadable here (not cached, remote code refused, malformed): not validation's call
         return None
-
 
 
 def _freeze(model: nn.Module) -> nn.Module:
@@ -152,47 +152,17 @@ def _freeze(model: nn.Module) -> nn.Module:
     return model
 
 
-def load_target(
-    spec: str | os.PathLike | Mapping[str, Any],
-    *,
-    device: str | torch.device | None = None,
-    devices: Sequence[str | torch.device] | None = None,
-    num_layers: int | None = None,
-    dtype: torch.dtype | None = None,
-    trust_remote_code: bool = False,
-    attn_implementation: str | None = None,
-) -> nn.Module:
-    """Load the frozen target causal LM.
-
-    ``spec`` is, in order of precedence:
-
-    * a dict: a config preset, ``{"preset": "tiny-qwen3-8l", **overrides}`` or a full
-      ``{"model_type": "qwen3", ...config kwargs, "seed": 0}``; random weights seeded by ``seed``;
-    * a name in :data:`TARGET_PRESETS`;
-    * an existing local directory (loaded with ``local_files_only=True``: no network);
-    * a hub id (``org/name``): taken from the local HF cache if present, downloaded only when the hub is
-      reachable; otherwise :class:`TargetOfflineError`.
-
-    Placement: ``device`` (default cpu) puts the whole model on one device; ``devices=[d0, d1, ...]``
-    splits it layer-wise (:func:`place_on_devices`: embedding and the first layers on ``d0``, later layers
-    on the next devices, balanced by layer count, activations moved by hooks). ``num_layers`` loads only
-    the first ``num_layers`` decoder layers: the config is truncated before the model is built, so the
-    checkpoint tensors of the layers above are never read (a preset is built whole from its seed, so
-    that its weights equal the unsplit preset's, and the layers above are dropped before placement).
-    :func:`target_depth` still gives the full depth. ``dtype`` and ``attn_implementation`` default by the
-    (first) device.
-
-    Memory of a split (bf16): a Qwen3-8B-shaped target (36 layers, hidden 4096, MLP 12288, GQA 32/8 heads
-    of 128, vocab 151936, untied) holds 0.39 GB per decoder layer and 1.24 GB each for the embedding and
-    the LM head. Over 2 GPUs with the deepest layer 33 (the default 5-layer DFlash ids 1..33): 34 layers
-    load, 17 per device; the first device holds the embedding + 17 layers (about 7.8 GB), the second 17
-    layers + final norm + LM head (about 7.8 GB); layers 34-35 (0.8 GB) are never loaded. Activations
-    come on top: per 12288-token batch each residual state is 100 MB, the MLP transient about 0.9 GB per
-    device, the gathered features (5 layers) 0.5 GB on the output device.
-
-    The result is in eval mode with ``requires_grad=False`` everywhere. Remote code runs only when
-    ``trust_remote_code=True``.
-    """
+def load_target(spec: str | os.PathLike | Mapping[str, Any], *, device: str | torch.device | None = None,
+                devices: Sequence[str | torch.device] | None = None, num_layers: int | None = None,
+                dtype: torch.dtype | None = None, trust_remote_code: bool = False,
+                attn_implementation: str | None = None) -> nn.Module:
+    """Load the frozen target causal LM (eval mode, ``requires_grad=False``). ``spec``, in order: a dict (a
+    preset with overrides, ``{"preset": "tiny-qwen3-8l", ...}``, or ``{"model_type": "qwen3", ..., "seed": 0}``:
+    random weights from ``seed``); a name in :data:`TARGET_PRESETS`; a local directory; a hub id, from the
+    local HF cache, else downloaded when the hub is reachable, else :class:`TargetOfflineError`.
+    ``devices=[d0, d1, ...]`` splits it layer-wise (:func:`place_on_devices`); ``num_layers`` loads only the
+    first decoder layers (:func:`target_depth` still gives the full depth). ``dtype`` and
+    ``attn_implementation`` default by the (first) device."""
 
     if device is not None and devices:
         raise ValueError("pass either device or devices, not both")
@@ -207,8 +177,7 @@ def load_target(
         return _placed(_build_preset(spec, num_layers, common), placement)
 
     if len(placement) == 1 and placement[0].type == "cuda" and importlib.util.find_spec("accelerate") is not None:
-        # Read straight onto the GPU (transformers needs accelerate for a device_map): not through host memory
-        # and a copy, which took minutes for six 16 GB replicas in turn under MODEL_LOAD_LOCK.
+        # Read straight onto the GPU (a device_map needs accelerate), not through host memory and a copy.
         common["device_map"] = {"": str(placement[0])}
     path = Path(os.fspath(spec)).expanduser()
     if path.exists():
@@ -230,8 +199,7 @@ def _build_preset(spec: Any, num_layers: int | None, common: dict[str, Any]) -> 
     from transformers import AutoModelForCausalLM
 
     config, seed = _preset_config(spec)
-    # Build on CPU under a private RNG: the weights then depend only on the seed, not on the device
-    # or on whatever the caller did with the global RNG before.
+    # Under a private RNG: the weights depend only on the seed, not on the caller's global RNG.
     init = torch.device(preset_init_device(spec))
     rng_devices = [init.index or 0] if init.type == "cuda" else []
     with torch.random.fork_rng(devices=rng_devices), init:
@@ -276,10 +244,8 @@ def _drop_layers_above(model: nn.Module, num_layers: int | None) -> None:
 
 
 def _drop_output_head(model: nn.Module, num_layers: int, depth: int) -> None:
-    """A target loaded only partway serves features: its final norm and LM head would act on a middle layer's
-    output (logits that mean nothing), and the LM head is the largest single tensor (1.24 GB at Qwen3-8B, vocab
-    151,936): both go (the norm becomes an identity, so the backbone's forward still runs to its end; the LM
-    head is None, so a call of the model for logits fails at once instead of giving wrong ones)."""
+    """A target loaded only partway serves features: its final norm becomes an identity (the backbone still
+    runs to its end) and its LM head (the largest tensor) None, so a call for logits fails at once."""
     if num_layers >= depth:
         return
     stack = backbone(model)
@@ -305,10 +271,8 @@ def _from_pretrained(source: str | Path, config: Any, num_layers: int | None, **
 
 def _skipping_layers_above(config: Any, num_layers: int, depth: int) -> Any:
     """The model class of ``config`` with the checkpoint's layers ``num_layers..depth-1`` declared as
-    expected-unexpected keys (transformers' own ``_keys_to_ignore_on_load_unexpected``): they are in the
-    checkpoint on purpose, so transformers neither loads nor reports them, and still reports any other
-    unexpected key. A class transformers does not map (remote code) loads as usual (the layers above are
-    then listed in transformers' load report)."""
+    ``_keys_to_ignore_on_load_unexpected``: neither loaded nor reported, any other unexpected key still is.
+    A class transformers does not map (remote code) loads as usual."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -319,3 +283,130 @@ def _skipping_layers_above(config: Any, num_layers: int, depth: int) -> Any:
     pattern = rf"(^|\.)layers\.({'|'.join(str(i) for i in range(num_layers, depth))})\."
     ignore = [*(cls._keys_to_ignore_on_load_unexpected or ()), pattern]
     return type(cls.__name__, (cls,), {"_keys_to_ignore_on_load_unexpected": ignore, "__module__": cls.__module__})
+
+
+# -- a target split layer-wise over several devices (a model larger than one GPU)
+def layer_devices(num_layers: int, num_devices: int) -> list[int]:
+    """The device index of each decoder layer: contiguous runs, balanced by layer count (the later devices
+    take one more: the first also holds the embedding)."""
+    if num_devices < 1:
+        raise ValueError("at least one device is needed")
+    if num_devices > num_layers:
+        raise ValueError(f"{num_devices} devices for {num_layers} decoder layers: every device needs at least one layer "
+                         f"(use at most {num_layers} devices)")
+    base, extra = divmod(num_layers, num_devices)
+    counts = [base + (1 if d >= num_devices - extra else 0) for d in range(num_devices)]
+    return [d for d, n in enumerate(counts) for _ in range(n)]
+
+
+def _tied(model: nn.Module) -> bool:
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    return head is not None and embed is not None and head.weight is embed.weight
+
+
+def split_device_map(model: nn.Module, devices: Sequence[str | torch.device]) -> dict[str, str]:
+    """Module name -> device (transformers' ``device_map`` form, the largest subtrees on one device): decoder
+    layers by :func:`layer_devices`, the final norm and an untied LM head on the last, everything else first."""
+    devs = [str(as_device(d)) for d in devices]
+    stack = backbone(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    layers = list(stack.layers)
+    plan = layer_devices(len(layers), len(devs))
+    placed = {names[id(layer)]: devs[plan[i]] for i, layer in enumerate(layers)}
+    norm = getattr(stack, "norm", None)
+    if isinstance(norm, nn.Module):
+        placed[names[id(norm)]] = devs[-1]
+    head = model.get_output_embeddings()
+    if head is not None and not _tied(model):
+        placed[names[id(head)]] = devs[-1]
+    rest: dict[str, str] = {}
+    _fill_rest(model, "", placed, devs[0], rest)
+    return {**rest, **placed}
+
+
+def _fill_rest(module: nn.Module, prefix: str, placed: Mapping[str, str], device: str, out: dict[str, str]) -> None:
+    for name, child in module.named_children():
+        path = f"{prefix}{name}"
+        if path in placed:
+            continue
+        if any(p.startswith(path + ".") for p in placed):
+            _fill_rest(child, path + ".", placed, device, out)
+        else:
+            out[path] = device
+
+
+class _ToDevice:
+    """Forward pre-hook of every module of one run of modules on a device: moves the tensors among its inputs
+    there; the inputs every layer shares are moved once per run (a per-thread cache)."""
+
+    def __init__(self, device: torch.device, first: nn.Module, last: nn.Module) -> None:
+        self.device = device
+        self.first = first
+        self.last = last
+        self._local = threading.local()
+
+    def _move(self, x: Any, moved: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        if isinstance(x, torch.Tensor):
+            if x.device == self.device:
+                return x
+            hit = moved.get(id(x))
+            if hit is not None and hit[0] is x:
+                return hit[1]
+            y = x.to(self.device)
+            moved[id(x)] = (x, y)
+            return y
+        if isinstance(x, tuple):
+            return tuple(self._move(v, moved) for v in x)
+        if isinstance(x, list):
+            return [self._move(v, moved) for v in x]
+        if isinstance(x, dict):
+            return {k: self._move(v, moved) for k, v in x.items()}
+        return x
+
+    def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if module is self.first or getattr(self._local, "moved", None) is None:
+            self._local.moved = {}
+        moved = self._local.moved
+        # The residual stream (first argument) comes from the module before: moved, never cached.
+        head = tuple(a.to(self.device) if isinstance(a, torch.Tensor) else a for a in args[:1])
+        return head + self._move(args[1:], moved), self._move(kwargs, moved)
+
+    def post(self, module: nn.Module, _args: Any, _output: Any) -> None:
+        if module is self.last:
+            self._local.moved = None
+
+
+def place_on_devices(model: nn.Module, devices: Sequence[str | torch.device]) -> nn.Module:
+    """Split ``model`` over ``devices`` by :func:`split_device_map` (each module moved straight to its own
+    device) and hook every module after the first device's run so that its inputs follow it; the map is kept
+    as ``model.dflash_device_map``. Unlike accelerate's ``dispatch_model``, the inputs every layer shares cross
+    to a device once per run of layers. Hooks go by position in the map (a split over ``cpu`` runs this path)."""
+    devs = [as_device(d) for d in devices]
+    device_map = split_device_map(model, devs)
+    for name, dev in device_map.items():
+        model.get_submodule(name).to(dev)
+    stack = backbone(model)
+    layers = list(stack.layers)
+    plan = layer_devices(len(layers), len(devs))
+    runs: list[list[nn.Module]] = []
+    for i, layer in enumerate(layers):
+        if i and plan[i] == plan[i - 1]:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    tails = [m for m in (getattr(stack, "norm", None), model.get_output_embeddings()) if isinstance(m, nn.Module)]
+    for run in runs[1:] + [[m] for m in tails]:
+        hook = _ToDevice(_module_device(run[0]), run[0], run[-1])
+        for module in run:
+            module.register_forward_pre_hook(hook.pre, with_kwargs=True)
+        run[-1].register_forward_hook(hook.post)
+    model.dflash_device_map = device_map
+    return model
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    for b in module.buffers():
+        return b.device
+    return torch.device("cpu")

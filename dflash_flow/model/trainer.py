@@ -1,53 +1,134 @@
-"""The drafter's training loop: building the drafter, the DFlash loss per micro-batch, gradient
-accumulation, AdamW on fp32 masters under warmup + cosine, step reports, and the state that makes a
-resumed run continue bit for bit on the CPU. On CUDA a resume continues from exactly the saved state, but the
-steps after it are not bit-identical to an uninterrupted run's: the attention kernels' backward (and
-atomics-based reductions) are not deterministic there, and nothing sets ``torch.use_deterministic_algorithms``
-(docs/gpu.md).
-
-Pure model code, no pipeline runtime: the ``DrafterStep`` stage adapts it to the DAG (items in, step
-reports out, checkpoints through the run services), tests drive it directly, and data-parallel training
-wraps its loss module (``model.parallel``). Building the drafter: ``model.build``; the loss: ``model.objective``.
-"""
+"""The drafter's training loop: the DFlash loss per micro-batch, gradient accumulation, AdamW on fp32 masters
+under warmup + cosine, step reports, and the state that makes a resumed run continue bit for bit on the CPU
+(on CUDA the attention backward is not deterministic: docs/gpu.md). Also building the drafter it trains (fresh
+or ``init_from``), its parameter count on the meta device, the shape-dependent defaults (``gamma``, the mask)."""
 
 from __future__ import annotations
 
 import contextlib
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from dflash_flow.core.versioned import StateVersion
+from dflash_flow.core.stage import StateVersion
 from dflash_flow.items import TargetFeatures
-from dflash_flow.model.build import build_drafter, default_gamma, drafter_config, parameter_count
 from dflash_flow.model.device import take, to_host
+from dflash_flow.model.dflash2 import drafter_from_config, drafter_variant, variant_config
 from dflash_flow.model.drafter import DFlashDrafter
 from dflash_flow.model.lossstats import StepSums
 from dflash_flow.model.objective import DFlashObjective
 from dflash_flow.model.optim import (
+    AllReduceClock,
     GradientAccumulator,
     NonFiniteError,
     allreduce_mean,
     build_optimizer,
+    data_parallel,
+    is_distributed,
     planned_updates,
 )
-from dflash_flow.model.parallel import AllReduceClock, data_parallel, is_distributed
-from dflash_flow.model.recipe import DrafterShape, TrainerConfig
+from dflash_flow.model.strategies import DrafterShape, TrainerConfig
 
-# The drafter's builders and recipe types are re-exported: the trainer is where its callers find them.
+# DFlashObjective, DrafterShape, TrainerConfig: re-exported, the trainer is where its callers find them.
 __all__ = [
     "DFlashObjective", "DrafterShape", "DrafterTrainer", "TrainerConfig", "build_drafter", "default_gamma",
-    "drafter_config", "parameter_count",
+    "drafter_config", "parameter_count", "parameter_count_for", "resolve_mask_token_id",
 ]
 
 STATE_VERSION = 1
 TRAINER_STATE = StateVersion("trainer state", STATE_VERSION)
 
 
+# -- building the drafter: fresh for a target's config, or loaded from an exported directory
+# Loss decay by block size from the DFlash recipes (gamma 7 for B=16, 5 for B=10, 4 for B=8).
+_GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    if block_size in _GAMMA_BY_BLOCK:
+        return _GAMMA_BY_BLOCK[block_size]
+    # Between the published points, keep gamma proportional to the block size (7/16 per slot).
+    return max(1.0, round(block_size * 7.0 / 16.0, 2))
+
+
+def resolve_mask_token_id(explicit: int | None, tokenizer_path: str | None, vocab_size: int) -> int:
+    """Explicit id, else the tokenizer's mask token, else the first embedding row past the tokenizer,
+    else its pad token (SpecForge's order; the id is written into the exported config)."""
+    if explicit is not None:
+        return explicit
+    if tokenizer_path:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+        if getattr(tok, "mask_token_id", None) is not None:
+            return int(tok.mask_token_id)
+        if len(tok) < vocab_size:
+            return len(tok)
+        if tok.pad_token_id is not None:
+            return int(tok.pad_token_id)
+    raise ValueError(
+        "cannot choose a mask token: set mask_token_id (the target's embedding has no free row past the "
+        "tokenizer and the tokenizer has no mask or pad token)"
+    )
+
+
+def drafter_config(target_config: Any, shape: DrafterShape, *, mask_token_id: int) -> Any:
+    """The config of a fresh drafter of ``shape`` for ``target_config``."""
+    return variant_config(
+        target_config, shape.variant, num_layers=shape.num_layers, block_size=shape.block_size,
+        mask_token_id=mask_token_id, target_layer_ids=shape.target_layer_ids, layer_types=shape.layer_types,
+        sliding_window=shape.sliding_window,
+    )
+
+
+def parameter_count(target_config: Any, shape: DrafterShape, *, init_from: str | Path | None = None) -> int:
+    """Trainable parameters of the drafter ``build_drafter`` would make, counted on the meta device."""
+    from dflash_flow.model.export import load_drafter_config
+
+    config = load_drafter_config(init_from) if init_from else drafter_config(target_config, shape, mask_token_id=0)
+    with torch.device("meta"):
+        model = drafter_from_config(config)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def parameter_count_for(target: Any, shape: DrafterShape, *, trust_remote_code: bool = False,
+                        init_from: str | Path | None = None) -> int:
+    """``parameter_count`` of the drafter for ``target`` (its config read; not needed with ``init_from``)."""
+    from dflash_flow.model.target import load_target_config
+
+    target_config = None if init_from else load_target_config(target, trust_remote_code=trust_remote_code)
+    return parameter_count(target_config, shape, init_from=init_from)
+
+
+def build_drafter(target_config: Any, shape: DrafterShape, *, seed: int, device: str | torch.device,
+                  dtype: torch.dtype, tokenizer_path: str | None = None,
+                  init_from: str | Path | None = None) -> DFlashDrafter:
+    """A drafter for ``target_config``: loaded from an exported directory (``init_from``), or fresh with
+    weights drawn from ``seed`` under a private RNG (so nothing else in the process changes them)."""
+    from dflash_flow.model.export import load_drafter
+
+    if init_from:
+        drafter = load_drafter(init_from, device=device, dtype=dtype, target_config=target_config)
+        found = drafter_variant(drafter.config)
+        if found != shape.variant.name:
+            raise ValueError(f"init_from {init_from} holds a {found} drafter, but variant is {shape.variant.name}")
+    else:
+        tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        mask_id = resolve_mask_token_id(shape.mask_token_id, tokenizer_path, int(tc.vocab_size))
+        config = drafter_config(target_config, shape, mask_token_id=mask_id)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            drafter = drafter_from_config(config)
+        drafter.to(device=torch.device(device), dtype=dtype)
+    drafter.train()
+    return drafter
+
+
 def _host(t: torch.Tensor) -> torch.Tensor:
-    """A batch tensor in host memory (the Padder's pinned rows as they are; a device tensor is read back)."""
+    """A batch tensor in host memory (pinned rows as they are; a device tensor is read back)."""
     return t if t.device.type == "cpu" else t.cpu()
 
 
@@ -56,25 +137,13 @@ def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return take(t).to(device, non_blocking=True)
 
 
-
 class DrafterTrainer:
-    """Trains one drafter on target features, one micro-batch at a time.
+    """Trains one drafter on target features, one micro-batch at a time; ``train_batch`` returns the metrics of
+    an optimizer step when one happened (means over its micro-batches, ``grad_norm``, the next ``lr``,
+    throughput), else None."""
 
-    ``train_batch`` returns the metrics of an optimizer step when one happened (every ``grad_accum``
-    micro-batches, or early with ``force_step``, e.g. at the end of an epoch), else None. Metrics are means
-    over the step's micro-batches, plus ``grad_norm``, ``lr`` (of the next update), throughput since the
-    previous step and ``total_steps``.
-    """
-
-    def __init__(
-        self,
-        drafter: DFlashDrafter,
-        head: Any,
-        config: TrainerConfig,
-        *,
-        device: str | torch.device,
-        dtype: torch.dtype,
-    ) -> None:
+    def __init__(self, drafter: DFlashDrafter, head: Any, config: TrainerConfig, *,
+                 device: str | torch.device, dtype: torch.dtype) -> None:
         self.drafter = drafter
         self.head = head  # the target's frozen embedding and LM head (model.head.SharedHead)
         self.config = config
@@ -103,11 +172,11 @@ class DrafterTrainer:
     def for_target(cls, target: Any, shape: DrafterShape, config: TrainerConfig, *, device: str, dtype: str,
                    seed: int, tokenizer_path: str | None = None, trust_remote_code: bool = False,
                    init_from: str | None = None) -> DrafterTrainer:
-        """A trainer of a drafter for ``target`` (its config read, its frozen head loaded, under the model-load
-        lock), run on ``device`` (this thread's collectives too) in ``dtype`` ("auto": bf16 on GPU, fp32 on CPU)."""
+        """A trainer of a drafter for ``target`` (its frozen head loaded under the model-load lock) on ``device``
+        in ``dtype`` ("auto": bf16 on GPU, fp32 on CPU)."""
+        from dflash_flow.model import MODEL_LOAD_LOCK
         from dflash_flow.model.device import resolve_dtype
         from dflash_flow.model.head import load_shared_head
-        from dflash_flow.model.loading import MODEL_LOAD_LOCK
         from dflash_flow.model.target import load_target_config
 
         if device.startswith("cuda"):
@@ -130,15 +199,10 @@ class DrafterTrainer:
 
     # -- schedule ----------------------------------------------------------------------------------
     def plan(self, planned_batches: int, batches_ahead: tuple[int, ...] = ()) -> None:
-        """Build the optimizer and schedule once the run's length is known: ``total_steps`` from the
-        config, else the optimizer steps the plan makes (``optim.planned_updates`` over ``batches_ahead``,
-        the batches this rank still takes per epoch), else ``ceil(planned_batches / grad_accum)``.
-
-        On the first batch after a resume the plan is counted again: a run resumed at another world size
-        (or extended, ``extend=True``) takes another number of steps, and the schedule is retargeted to it
-        (``WarmupCosineSchedule.retarget``: re-spanned, or re-planned when extended), so the learning rate
-        reaches its floor at the last step the run really takes.
-        """
+        """Build the optimizer and schedule once the run's length is known: ``total_steps`` from the config,
+        else the optimizer steps the plan makes over ``batches_ahead``, else ``ceil(planned_batches /
+        grad_accum)``. After a resume (another world size, or ``extend``) the schedule is retargeted to the
+        steps the run really takes, so the learning rate reaches its floor at its last step."""
         exact = None
         if batches_ahead and self.config.total_steps is None:
             exact = self.step + planned_updates(batches_ahead, self.config.grad_accum, accumulated=self.accumulator.micro)
@@ -166,15 +230,11 @@ class DrafterTrainer:
 
         plan_steps(self.drafter, (self.total_steps - self.step) * self.config.grad_accum)
         c = self.config
-        self.optimizer, self.schedule = build_optimizer(
-            self.drafter,
-            total_steps=self.total_steps,
-            lr=c.lr,
-            weight_decay=c.weight_decay,
-            max_grad_norm=c.max_grad_norm,
-            warmup_ratio=c.warmup_ratio,
-            min_lr_ratio=c.min_lr_ratio,
-        )
+        self.optimizer, self.schedule = build_optimizer(self.drafter, total_steps=self.total_steps, lr=c.lr,
+                                                        weight_decay=c.weight_decay,
+                                                        max_grad_norm=c.max_grad_norm,
+                                                        warmup_ratio=c.warmup_ratio,
+                                                        min_lr_ratio=c.min_lr_ratio)
         if self.optimizer.uses_masters and not self.sharded:
             # bf16 weights: each micro-batch's gradient is summed into the fp32 masters; under DDP the ranks then
             # average those sums in fp32 at the step (every backward runs under no_sync), not bf16 buckets.
@@ -189,16 +249,14 @@ class DrafterTrainer:
             )
 
     def train_batch(self, feats: TargetFeatures, *, anchor_seed: int, force_step: bool = False) -> dict[str, float] | None:
-        """Forward and backward of one micro-batch; an optimizer step when the accumulation is complete
-        (or ``force_step``). Anchors come from a CPU generator seeded with ``anchor_seed``: the same batch
-        gets the same anchors after a resume and on every device."""
+        """Forward and backward of one micro-batch; an optimizer step when the accumulation is complete (or
+        ``force_step``). Anchors come from a CPU generator seeded with ``anchor_seed`` (the same after a resume)."""
         self.check_features(feats)
         self.plan(feats.meta.total_batches, feats.meta.batches_ahead)
         self._last_batch = feats.meta
         gen = torch.Generator()
         gen.manual_seed(anchor_seed)
-        # Anchors from the host rows: the shapes they set are known without reading the device (one read per
-        # optimizer step, in _optimizer_step; a loss mask that arrives on the device is read back here).
+        # Anchors from the host rows: the shapes they set are known without reading the device.
         plan = self.objective.plan_on_host(_host(feats.loss_mask), _host(feats.attention_mask), gen)
         # Data parallel: gradients are all-reduced on the micro-batch that completes the step only; with fp32
         # accumulation (bf16 weights) by the optimizer at the step, so DDP never reduces in the backward.
@@ -212,14 +270,8 @@ class DrafterTrainer:
         if self.sharded:  # FSDP: reduce-scatter on the step's last micro-batch only (it did on every one)
             self.model.set_requires_gradient_sync(force_step or self.accumulator.next_is_last)
         with self.model.no_sync() if self.ddp and not syncs else contextlib.nullcontext():
-            out = self.model(
-                _on(feats.input_ids, self.device),
-                _on(feats.loss_mask, self.device),
-                hidden,
-                _on(feats.attention_mask, self.device),
-                gen,
-                plan,
-            )
+            out = self.model(_on(feats.input_ids, self.device), _on(feats.loss_mask, self.device), hidden,
+                             _on(feats.attention_mask, self.device), gen, plan)
             ready = self.accumulator.backward(out.loss)
         if syncs and self.allreduce_clock is not None:
             self._allreduce_wait += self.allreduce_clock.take() or 0.0
@@ -230,8 +282,7 @@ class DrafterTrainer:
         return self._optimizer_step()
 
     def _reduce_masters(self, grads: list[torch.Tensor]) -> None:
-        """The masters' gradients averaged over the ranks in fp32 (``optim.allreduce_mean``), timed as the step's
-        all-reduce wait (``allreduce_wait_s``): every backward ran under no_sync, so this is all the step waits."""
+        """The masters' gradients averaged over the ranks in fp32, timed as the step's all-reduce wait."""
         clock = self.allreduce_clock
         if clock is not None:
             clock.handed = clock.stamp()
@@ -242,7 +293,7 @@ class DrafterTrainer:
 
     @property
     def fp32_accumulation(self) -> bool:
-        """Whether the step's micro-batch gradients are summed in the fp32 masters (``MasterAdamW.accumulate_in_fp32``)."""
+        """Whether the step's micro-batch gradients are summed in the fp32 masters."""
         return self.optimizer is not None and self.optimizer.fp32_accumulation
 
     def _nonfinite(self, what: str) -> None:
@@ -283,11 +334,8 @@ class DrafterTrainer:
             metrics["sim_accept_len"] = metrics.pop("acceptance_length")
         if math.isfinite(grad_norm):
             metrics["grad_norm"] = grad_norm
-        metrics.update(
-            lr=float(self.schedule.get_last_lr()[0]),
-            tokens_per_s=self.sums.tokens / dt,
-            samples_per_s=self.sums.samples / dt,
-        )
+        metrics.update(lr=float(self.schedule.get_last_lr()[0]), tokens_per_s=self.sums.tokens / dt,
+                       samples_per_s=self.sums.samples / dt)
         # The step's accuracy per block slot (k = 1..B-1): a sequence of its own, not keys in the metrics.
         pos = [v / n for v in pos_sums]
         self.position_accuracy = tuple(pos) if all(math.isfinite(v) for v in pos) else ()
@@ -315,21 +363,16 @@ class DrafterTrainer:
         return self.config.data_parallel == "fsdp" and self.model is self.objective and is_distributed()
 
     def full_model_state(self) -> dict[str, torch.Tensor]:
-        """The drafter's whole state dict (under fsdp a collective: every rank must call it; rank 0 gets
-        full tensors on the CPU)."""
+        """The drafter's whole state dict (under fsdp a collective; rank 0 gets full tensors on the CPU)."""
         if not self.sharded:
             return self.drafter.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(self.drafter, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def model_state(self) -> dict[str, torch.Tensor]:
-        return self.full_model_state()
-
     def optimizer_state(self) -> dict[str, Any]:
-        """Optimizer and schedule; mid-accumulation (a stop between the micro-batches of a step) also the
-        partial accumulation: the gradients summed so far and the step's metric sums, so that a resumed
-        run completes that step exactly as an uninterrupted one would."""
+        """Optimizer and schedule; mid-accumulation also the gradients and metric sums so far, so a resumed run
+        completes that step exactly as an uninterrupted one would."""
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.schedule.state_dict()}
         if self.accumulator.micro:
             state["accumulation"] = self._accumulation_state()
@@ -339,19 +382,16 @@ class DrafterTrainer:
         if self.sharded or self.ddp:
             # Data-parallel ranks stop at an agreed optimizer step (services.agree_to_stop): never in between.
             raise RuntimeError("a data-parallel trainer cannot checkpoint in the middle of an accumulation")
-        grads = to_host({name: g.detach() if g.is_cuda else g.detach().clone() for name, g in self._partial_grads()})
+        grads = to_host({name: t.grad.detach() if t.grad.is_cuda else t.grad.detach().clone()
+                         for name, t in self._grad_holders() if t.grad is not None})
         return {"micro": self.accumulator.micro, "grads": grads, **self.sums.state()}
 
     def _grad_holders(self) -> list[tuple[str, torch.Tensor]]:
-        """(name, tensor whose ``.grad`` holds the step's partial sum): the fp32 master under fp32 accumulation,
-        else the parameter."""
+        """(name, tensor whose ``.grad`` holds the step's partial sum: the fp32 master, else the parameter)."""
         masters = {}
         if self.fp32_accumulation:
             masters = {id(p): m for p, m in zip(self.optimizer.params, self.optimizer.masters, strict=True)}
         return [(name, masters.get(id(p), p)) for name, p in self.drafter.named_parameters()]
-
-    def _partial_grads(self) -> list[tuple[str, torch.Tensor]]:
-        return [(name, t.grad) for name, t in self._grad_holders() if t.grad is not None]
 
     def _load_accumulation(self, acc: dict[str, Any]) -> None:
         holders = dict(self._grad_holders())

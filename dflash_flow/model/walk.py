@@ -1,29 +1,11 @@
 """The teacher-forced walk: a held-out acceptance length that predicts real greedy decoding, at a
 fraction of its cost.
 
-On a conversation whose last reply is the target's own (greedy, regenerated), real greedy speculative
-decoding from the prompt would produce exactly that reply. The walk replays it without decoding:
-
-1. One target forward over prompt + reply (the first ``horizon`` reply tokens) gives every position's
-   features at once (causal attention: the features of a prefix do not depend on what follows it).
-2. ``start`` = the first reply token (real decoding takes it from the prefill). Loop: the drafter gets
-   the block ``[token at start, MASK x (B-1)]`` with the features of the committed prefix, exactly as in
-   :func:`generation.spec_generate` (the same :class:`block_drafter.BlockDrafter`); its longest prefix
-   of drafts equal to the reference, plus one (the bonus the target would add), is committed; advance.
-3. The end rules are real decoding's: the block shrinks near the horizon, the step's count is capped by
-   the horizon, and the reply's stop token ends the walk.
-
-Cost: one target forward per conversation plus one drafter call per block (real decoding also needs a
-target forward per block, and its greedy reference one per token).
-
-When it equals real decoding: when the reference reply is what the target's greedy decoding of the
-prompt produces, token for token, up to the horizon -- then the target's argmax after each committed
-prefix is the next reference token, so the accepted prefix and the bonus are the same, step by step.
-Differences come only from (a) a reply that is not the target's greedy output (other data, a
-re-tokenized text that splits differently, batched regeneration whose padding flipped a near-tie),
-(b) float rounding between the one full forward and the cached block forwards (a near-tie argmax of
-the drafter), and (c) a reply cut by a length limit before the horizon: the walk stops at its end,
-where real decoding would go on (``WalkResult.complete`` says whether it reached the horizon or a stop).
+One target forward over prompt + reply gives every position's features; the drafter then gets each block
+``[token at start, MASK x (B-1)]`` with the committed prefix's features, exactly as in
+:func:`generation.spec_generate`, and its longest prefix of drafts equal to the reference, plus the bonus, is
+committed with real decoding's end rules. It equals real decoding when the reply is the target's greedy output,
+up to float rounding (near-tie argmaxes) and a reply cut before the horizon (``WalkResult.complete``).
 """
 
 from __future__ import annotations
@@ -38,6 +20,7 @@ from torch import nn
 from dflash_flow.items import EvalReport
 
 from .block_drafter import BlockDrafter, draft_settings, features
+from .decoding import eval_mode, reply_until_stop, target_device
 from .features import TargetFeatureExtractor
 
 #: The name of the teacher-forced walk's results.
@@ -46,26 +29,14 @@ WALK = "walk"
 #: Conversations per batched target forward of :func:`walk_inputs` (sorted by length).
 WALK_INPUT_ROWS = 8
 
-__all__ = [
-    "WALK",
-    "WalkInput",
-    "WalkResult",
-    "batched_walk_settings",
-    "evaluate_walk",
-    "reply_until_stop",
-    "teacher_forced_walk",
-    "walk_features",
-    "walk_input",
-    "walk_inputs",
-]
+__all__ = ["WALK", "WalkInput", "WalkResult", "batched_walk_settings", "evaluate_walk", "reply_until_stop",
+           "teacher_forced_walk", "walk_features", "walk_input", "walk_inputs"]
 
 
 @attrs.frozen
 class WalkResult:
-    """One walk: ``accept_lengths[i]`` tokens committed by block ``i`` (bonus included), as
-    ``SpecResult.accept_lengths``; ``tokens`` reply tokens covered, the first (the prefill's) included.
-    ``complete``: the walk ended where real decoding would (horizon or stop token), not at the end of
-    a truncated reply."""
+    """One walk: ``accept_lengths[i]`` tokens committed by block ``i`` (bonus included); ``tokens`` reply tokens
+    covered (the prefill's included); ``complete``: it ended at the horizon or a stop, not a truncated reply."""
 
     accept_lengths: list[int]
     tokens: int
@@ -76,20 +47,9 @@ class WalkResult:
         return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
 
 
-def reply_until_stop(reply: Sequence[int], stop_token_ids: Sequence[int] | None) -> tuple[list[int], bool]:
-    """The reply up to and including its first stop token, and whether it has one."""
-    stops = set(int(t) for t in stop_token_ids or ())
-    out = [int(t) for t in reply]
-    for i, t in enumerate(out):
-        if t in stops:
-            return out[: i + 1], True
-    return out, False
-
-
 @attrs.define
 class _Position:
-    """Where a walk stands: the next block starts at ``start`` with ``pending`` features not yet given
-    to the drafter; ``lengths`` the tokens each block so far committed."""
+    """Where a walk stands: the next block's ``start``, the ``pending`` features, each block's ``lengths``."""
 
     start: int
     pending: torch.Tensor
@@ -99,33 +59,22 @@ class _Position:
         return _Position(self.start, self.pending, list(self.lengths))
 
 
-def _walk(
-    proposer: BlockDrafter,
-    feats: torch.Tensor,
-    seq: torch.Tensor,
-    n_in: int,
-    reply_len: int,
-    horizon: int,
-    stopped_ref: bool,
-    at: _Position | None = None,
-    forks: dict[int, Callable[[BlockDrafter, _Position], None]] | None = None,
-) -> WalkResult:
-    """Walk one horizon over precomputed features ``feats`` ``[1, >= n_in + reply_len - 1, F]``, from the
-    start or from ``at``. ``forks``: shorter horizons to hand over, each called once with a fork of the
-    proposer and the position where that horizon's walk first differs from this one's (see
-    :func:`_walk_horizons`)."""
+@torch.inference_mode()
+def walk_features(proposer: BlockDrafter, inp: WalkInput, horizon: int, at: _Position | None = None,
+                  forks: dict[int, Callable[[BlockDrafter, _Position], None]] | None = None) -> WalkResult:
+    """Walk one prepared conversation at ``horizon`` with a fresh ``proposer``, from the start or ``at``. ``forks``:
+    shorter horizons, each called once with a proposer fork where its walk first differs (:func:`_walk_horizons`)."""
     settings = proposer.settings
     block_size = settings.block_size
-    max_length = n_in + horizon
-    end = n_in + reply_len - 1  # the last reference position
+    feats, seq, n_in = inp.feats, inp.seq, inp.n_in
+    max_length = n_in + int(horizon)
+    end = n_in + inp.reply_len - 1  # the last reference position
     pos = at or _Position(n_in, feats[:, :n_in], [])
     pending = dict(forks or {})
     mask = settings.mask_token_id if settings.mask_token_id is not None else 0
     while True:
         start = pos.start
-        # A shorter horizon h takes the same step as this one while start + block_size + 1 <= n_in + h
-        # (its block is not shortened, nor its count capped, nor its loop ended): hand it over before
-        # the first step where that fails.
+        # A shorter horizon h takes the same step while start + block_size + 1 <= n_in + h: hand it over before.
         for h in [h for h in pending if start + block_size + 1 > n_in + h]:
             pending.pop(h)(proposer.fork(), pos.copy())
         if not (start + 1 < max_length and start < end):
@@ -146,24 +95,22 @@ def _walk(
     for hand_over in pending.values():  # the loop ended before their turn (a stop, the reply's end)
         hand_over(proposer.fork(), pos.copy())
     start = pos.start
-    complete = start + 1 >= max_length or (start == end and stopped_ref)
+    complete = start + 1 >= max_length or (start == end and inp.stopped)
     return WalkResult(pos.lengths, min(start + 1, max_length) - n_in, complete)
 
 
 def _walk_horizons(
     proposer: BlockDrafter, inp: WalkInput, horizons: Sequence[int]
 ) -> tuple[dict[int, WalkResult], int]:
-    """The walk at every horizon, and the drafter calls it took: the longest horizon is walked from the
-    start; each shorter one forks from it where its first step would differ and walks on alone from
-    there, so the blocks they share are drafted once. Each result is exactly what a walk of that horizon
-    alone gives (the fork carries the drafter's cache as it stands)."""
+    """The walk at every horizon and the drafter calls it took: each shorter horizon forks from the longest
+    where its first step would differ, so shared blocks are drafted once; each result equals a walk alone."""
     longest, *shorter = sorted({int(h) for h in horizons}, reverse=True)
     results: dict[int, WalkResult] = {}
     calls = [0]
 
     def walk(h: int, prop: BlockDrafter, at: _Position | None, forks=None) -> None:
         before = prop.calls
-        results[h] = _walk(prop, inp.feats, inp.seq, inp.n_in, inp.reply_len, h, inp.stopped, at, forks)
+        results[h] = walk_features(prop, inp, h, at, forks)
         calls[0] += prop.calls - before
 
     walk(longest, proposer, None, {h: (lambda p, at, h=h: walk(h, p, at)) for h in shorter})
@@ -172,9 +119,8 @@ def _walk_horizons(
 
 @attrs.frozen
 class WalkInput:
-    """One conversation ready to walk: its tokens (prompt + reply, cut after the first stop token) and
-    the target's features over them, from one forward (:func:`walk_input`). Walking it again needs only
-    drafter calls: a probe during training keeps a fixed held-out sample of these."""
+    """One conversation ready to walk (:func:`walk_input`): prompt + reply (cut after the first stop token) and
+    the target's features over them; walking it again needs only drafter calls."""
 
     seq: torch.Tensor
     feats: torch.Tensor
@@ -184,55 +130,38 @@ class WalkInput:
 
 
 def _walk_sequence(prompt_ids, reply_ids, longest: int, stop_token_ids, device) -> tuple[torch.Tensor, int, int, bool]:
-    """A walk's token sequence (prompt + reply cut after its first stop token), the width of the target
-    forward it needs, the reply's length and whether it stopped."""
+    """(prompt + reply cut after its first stop, target forward width, reply length, whether it stopped)."""
     if not len(prompt_ids) or not len(reply_ids):
         raise ValueError("the walk needs a non-empty prompt and reply")
     reply, stopped = reply_until_stop(reply_ids, stop_token_ids)
     n_in = len(prompt_ids)
     longest = min(int(longest), len(reply))
     seq = torch.tensor([*map(int, prompt_ids), *reply], dtype=torch.long, device=device)
-    # Features are needed up to the last position a block can start at: n_in + longest - 2 (the
-    # reply's last token only ever is a bonus).
-    return seq, max(n_in + max(longest - 1, 0), n_in), len(reply), stopped
+    # Features up to the last position a block can start at (the reply's last token is only ever a bonus).
+    return seq, n_in + max(longest - 1, 0), len(reply), stopped
 
 
 @torch.inference_mode()
-def walk_input(
-    target: nn.Module,
-    prompt_ids: Sequence[int],
-    reply_ids: Sequence[int],
-    *,
-    longest: int,
-    layer_ids: Sequence[int],
-    stop_token_ids: Sequence[int] | None = None,
-) -> WalkInput:
+def walk_input(target: nn.Module, prompt_ids: Sequence[int], reply_ids: Sequence[int], *, longest: int,
+               layer_ids: Sequence[int], stop_token_ids: Sequence[int] | None = None) -> WalkInput:
     """The target's side of a walk up to ``longest`` new tokens: one forward over prompt + reply."""
     seq, width, reply_len, stopped = _walk_sequence(prompt_ids, reply_ids, longest, stop_token_ids,
-                                                    next(target.parameters()).device)
+                                                    target_device(target))
     out = target(input_ids=seq[None, :width], output_hidden_states=True, use_cache=False)
     return WalkInput(seq, features(out.hidden_states, layer_ids), len(prompt_ids), reply_len, stopped)
 
 
 @torch.inference_mode()
-def walk_inputs(
-    target: nn.Module,
-    conversations: Sequence[tuple[Sequence[int], Sequence[int]]],
-    *,
-    longest: int,
-    layer_ids: Sequence[int],
-    stop_token_ids: Sequence[int] | None = None,
-) -> list[WalkInput]:
-    """:func:`walk_input` of each ``(prompt, reply)``, bit for bit, run no deeper than the deepest feature layer
-    (``features.TargetFeatureExtractor``: the layers above, the final norm and the LM head do not change the
-    features, so a target loaded only that deep serves). For the models ``batched.batchable`` accepts (SDPA, fp32,
-    full attention) the conversations go ``WALK_INPUT_ROWS`` of like length at a time, right-padded, under
-    ``ragged.RowExact`` (each row's attention alone over its own tokens, as the one-row call's); other models
-    one conversation a call."""
+def walk_inputs(target: nn.Module, conversations: Sequence[tuple[Sequence[int], Sequence[int]]], *,
+                longest: int, layer_ids: Sequence[int],
+                stop_token_ids: Sequence[int] | None = None) -> list[WalkInput]:
+    """:func:`walk_input` of each ``(prompt, reply)``, bit for bit, run no deeper than the deepest feature layer.
+    For models ``batched.batchable`` accepts, ``WALK_INPUT_ROWS`` of like length go together, right-padded, under
+    ``ragged.RowExact`` (each row's attention as the one-row call's); other models one conversation a call."""
     from .batched import batchable
     from .ragged import SMALL_ROWS, RowExact, RowPlan
 
-    device = next(target.parameters()).device
+    device = target_device(target)
     prepared = [_walk_sequence(p, r, longest, stop_token_ids, device) for p, r in conversations]
     widths = [w for _, w, _, _ in prepared]
     extract = TargetFeatureExtractor(target, layer_ids, zero_padding=False)
@@ -243,7 +172,6 @@ def walk_inputs(
             feats[g] = extract(seq[None, :width])
     order = sorted((g for g in range(len(prepared)) if together and widths[g] >= SMALL_ROWS), key=widths.__getitem__)
     for part in (order[lo : lo + WALK_INPUT_ROWS] for lo in range(0, len(order), WALK_INPUT_ROWS)):
-        # rows of like length together: little padding
         lens = [widths[g] for g in part]
         ids = torch.zeros(len(part), max(lens), dtype=torch.long, device=device)
         for i, g in enumerate(part):
@@ -259,31 +187,13 @@ def walk_inputs(
 
 
 @torch.inference_mode()
-def walk_features(proposer: BlockDrafter, inp: WalkInput, horizon: int) -> WalkResult:
-    """Walk one prepared conversation at ``horizon`` with ``proposer`` (a fresh :class:`BlockDrafter`)."""
-    return _walk(proposer, inp.feats, inp.seq, inp.n_in, inp.reply_len, int(horizon), inp.stopped)
-
-
-@torch.inference_mode()
-def teacher_forced_walk(
-    target: nn.Module,
-    drafter: nn.Module,
-    prompt_ids: Sequence[int],
-    reply_ids: Sequence[int],
-    *,
-    horizons: Sequence[int],
-    stop_token_ids: Sequence[int] | None = None,
-    block_size: int | None = None,
-    mask_token_id: int | None = None,
-    target_layer_ids: Sequence[int] | None = None,
-) -> dict[int, WalkResult]:
-    """Walk the reference ``reply_ids`` after ``prompt_ids`` at each horizon (new tokens, as
-    ``max_new_tokens`` of real decoding); one target forward for all of them (see the module docstring),
-    and the blocks the horizons share drafted once.
-
-    The reply is cut after its first stop token (``stop_token_ids``), as real decoding stops there.
-    Greedy only: the reference is one greedy continuation; a sampled decoding has no single reference.
-    """
+def teacher_forced_walk(target: nn.Module, drafter: nn.Module, prompt_ids: Sequence[int],
+                        reply_ids: Sequence[int], *, horizons: Sequence[int],
+                        stop_token_ids: Sequence[int] | None = None, block_size: int | None = None,
+                        mask_token_id: int | None = None,
+                        target_layer_ids: Sequence[int] | None = None) -> dict[int, WalkResult]:
+    """Walk the reference ``reply_ids`` (cut after its first stop token) after ``prompt_ids`` at each horizon
+    (``max_new_tokens`` of real decoding): one target forward, the shared blocks drafted once. Greedy only."""
     return _teacher_forced_walk(
         target, drafter, prompt_ids, reply_ids, horizons=horizons, stop_token_ids=stop_token_ids,
         block_size=block_size, mask_token_id=mask_token_id, target_layer_ids=target_layer_ids,
@@ -303,13 +213,8 @@ def _teacher_forced_walk(
         raise ValueError("the walk needs block_size >= 2 (a drafter that proposes)")
     inp = walk_input(target, prompt_ids, reply_ids, longest=max(horizons), layer_ids=settings.layer_ids,
                      stop_token_ids=stop_token_ids)
-    was_training = drafter.training
-    drafter.eval()
-    try:
-        with torch.inference_mode():
-            results, calls = _walk_horizons(BlockDrafter(target, drafter, settings), inp, horizons)
-    finally:
-        drafter.train(was_training)
+    with eval_mode(drafter), torch.inference_mode():
+        results, calls = _walk_horizons(BlockDrafter(target, drafter, settings), inp, horizons)
     return {int(h): results[int(h)] for h in horizons}, calls
 
 
@@ -327,23 +232,18 @@ def batched_walk_settings(target: nn.Module, drafter: nn.Module, conversations: 
 
 def _walks(target, drafter, conversations, horizons, stop_token_ids, batch_size: int, settings: dict,
            prepared: Sequence[WalkInput] = ()):
-    """Per conversation, in order: ``(results by horizon, drafter calls, reply ids)``, one at a time or
-    ``batch_size`` at a time (see :func:`evaluate_walk`)."""
-    from .batched_walk import walk_batch
+    """Per conversation: ``(results by horizon, drafter calls, reply ids)``, ``batch_size`` at a time."""
+    from .batched import walk_batch
 
     if not horizons or min(horizons) < 1:
         raise ValueError("horizons must be a non-empty list of integers >= 1")
     resolved = batched_walk_settings(target, drafter, len(conversations), batch_size, **settings)
     if resolved is None:
         for prompt, reply in conversations:
-            results, n_calls = _teacher_forced_walk(
-                target, drafter, prompt, reply, horizons=horizons, stop_token_ids=stop_token_ids, **settings
-            )
-            yield {int(h): results[int(h)] for h in horizons}, n_calls, reply
+            yield *_teacher_forced_walk(target, drafter, prompt, reply, horizons=horizons,
+                                        stop_token_ids=stop_token_ids, **settings), reply
         return
-    was_training = drafter.training
-    drafter.eval()
-    try:
+    with eval_mode(drafter):
         for lo in range(0, len(conversations), batch_size):
             part = conversations[lo : lo + batch_size]
             inputs = list(prepared[lo : lo + batch_size])
@@ -352,63 +252,33 @@ def _walks(target, drafter, conversations, horizons, stop_token_ids, batch_size:
             for (results, n_calls), (_, reply) in zip(walk_batch(target, drafter, inputs, horizons, resolved), part,
                                                       strict=True):
                 yield {int(h): WalkResult(*results[int(h)]) for h in horizons}, n_calls, reply
-    finally:
-        drafter.train(was_training)
 
 
-def evaluate_walk(
-    target: nn.Module,
-    drafter: nn.Module,
-    conversations: Sequence[tuple[Sequence[int], Sequence[int]]],
-    *,
-    horizons: Sequence[int],
-    stop_token_ids: Sequence[int] | None = None,
-    on_unit: Callable[[int], None] | None = None,
-    batch_size: int = 1,
-    prepared: Sequence[WalkInput] = (),
-    **settings: Any,
-) -> EvalReport:
-    """The walk over held-out ``(prompt ids, reply ids)`` pairs, as the typed report ``walk``.
-    ``on_unit(tokens)`` is called after each conversation (progress; it may raise to abandon the walk).
-    ``batch_size`` > 1: the walks of up to that many conversations draft together (``batched_walk.walk_batch``:
-    every figure the same as one at a time), when the models allow it (``batched.batchable``); ``on_unit``
-    is then called for each conversation of a batch once the batch is done. ``prepared``: the
-    :func:`walk_inputs` of the first conversations, computed already (``evaluation.evaluate_exported`` computes
-    them beside decoding; the batched walk only).
-
-    Per horizon (``by_horizon``): ``tau``, tokens per block over all blocks of all conversations, as
-    ``evaluate_drafter``'s ``tau``; ``verify_steps``, ``tokens_walked``, ``complete_frac`` (conversations
-    whose walk reached the horizon or a stop token). ``metrics``: ``tau`` at the first horizon and
-    ``drafter_forwards`` (the drafter calls made: the horizons share their common blocks);
-    ``num_conversations`` a field.
+def evaluate_walk(target: nn.Module, drafter: nn.Module,
+                  conversations: Sequence[tuple[Sequence[int], Sequence[int]]], *, horizons: Sequence[int],
+                  stop_token_ids: Sequence[int] | None = None, on_unit: Callable[[int], None] | None = None,
+                  batch_size: int = 1, prepared: Sequence[WalkInput] = (), **settings: Any) -> EvalReport:
+    """The walk over held-out ``(prompt ids, reply ids)`` pairs, as the typed report ``walk``. ``on_unit(tokens)``
+    follows each conversation (it may raise to abandon). ``batch_size`` > 1 drafts that many together
+    (``batched.walk_batch``, same figures) where the models allow; ``prepared``: the first conversations'
+    :func:`walk_inputs`, already computed. ``by_horizon``: ``tau`` (tokens per block), ``verify_steps``,
+    ``tokens_walked``, ``complete_frac``; ``metrics``: ``tau`` at the first horizon and ``drafter_forwards``.
     """
     if not conversations:
         raise ValueError("no conversations to walk")
-    steps = {int(h): 0 for h in horizons}
-    committed = dict(steps)
-    tokens = dict(steps)
-    complete = dict(steps)
+    sums = {int(h): (0, 0, 0, 0) for h in horizons}  # blocks, tokens committed, tokens walked, complete
     calls = 0
     for results, n_calls, reply in _walks(target, drafter, conversations, horizons, stop_token_ids, batch_size,
                                           settings, prepared):
         for h, r in results.items():
-            steps[h] += len(r.accept_lengths)
-            committed[h] += sum(r.accept_lengths)
-            tokens[h] += r.tokens
-            complete[h] += int(r.complete)
+            got = (len(r.accept_lengths), sum(r.accept_lengths), r.tokens, int(r.complete))
+            sums[h] = tuple(a + b for a, b in zip(sums[h], got, strict=True))
         calls += n_calls
         if on_unit is not None:
             on_unit(len(reply))
     n = len(conversations)
     first = int(horizons[0])
-    by_horizon = {
-        h: {
-            "tau": committed[h] / steps[h] if steps[h] else 1.0,
-            "verify_steps": float(steps[h]),
-            "tokens_walked": float(tokens[h]),
-            "complete_frac": complete[h] / n,
-        }
-        for h in steps
-    }
+    by_horizon = {h: {"tau": c / s if s else 1.0, "verify_steps": float(s), "tokens_walked": float(t),
+                      "complete_frac": k / n} for h, (s, c, t, k) in sums.items()}
     metrics = {"tau": by_horizon[first]["tau"], "drafter_forwards": float(calls)}
     return EvalReport(name=WALK, metrics=metrics, by_horizon=by_horizon, num_conversations=n)

@@ -1,49 +1,33 @@
-"""Which stage is holding the others back, and how many replicas would fix it. Pure functions.
+"""Which stage is holding the others back, and how many replicas would fix it (pure functions), from the
+loads of one window of two runtime snapshots (``StageWindow``, the section at the end).
 
-Inputs are per-stage fractions of wall time over a sampling window, averaged over the stage's
-replicas (each in [0, 1]):
+Inputs are per-stage fractions of wall time over a window, averaged over the stage's replicas: ``busy``
+(running its own work), ``blocked_in`` (starved by upstream), ``blocked_out`` (back-pressured by downstream).
 
-- ``busy``        the replica was running its own work (``process``/``next``);
-- ``blocked_in``  it waited for an input item (starved by upstream);
-- ``blocked_out`` it waited to put an output item (back-pressured by downstream).
+Model. In steady state every stage passes the same items per second ``X``; a stage with ``r`` replicas and
+service time ``t`` is busy ``u = X * t / r``, so the busiest stage saturates first: it is the bottleneck.
+Stages upstream of it show ``blocked_out``, downstream ``blocked_in``. Busy fractions within
+``tie_tolerance`` are broken by that waiting (given the DAG ``edges``: the stage whose producers are blocked
+on output and consumers on input), then by the stage itself less blocked on output, then by a sink.
 
-Model. In steady state every stage passes the same items per second ``X``. A stage with ``r``
-replicas and per-item service time ``t`` is busy ``u = X * t / r`` of the time, so the stage with the
-highest busy fraction is the one that saturates first as ``X`` grows: it is the bottleneck. Stages
-upstream of it show ``blocked_out`` (they wait for it to take their output), stages downstream show
-``blocked_in`` (they wait for its output). When busy fractions are within ``tie_tolerance`` of each
-other, that waiting is the evidence used to break the tie (given the DAG ``edges``, the stage whose
-producers are blocked on output and whose consumers are blocked on input wins); then the stage that is
-itself less blocked on output; then a sink.
-
-Replicas needed. The bottleneck's work is ``r * u`` replica-equivalents at the current throughput.
-Spread over ``r'`` replicas its busy fraction becomes ``r * u / r'``. It stops being the bottleneck
-when that is no more than the next-busiest stage's busy fraction ``u2`` (which is then the new
-bottleneck), so::
-
-    replicas_needed = max(r + 1, ceil(r * u / max(u2, min_util)))
-
-``min_util`` (default 0.05) keeps the answer finite when every other stage is nearly idle. The number
-assumes replicas scale linearly (work that releases the GIL, or a device per replica); for a sink
-(the trainer) the sentence says the pipeline is doing what it should: keeping the trainer fed.
-
-Only what the user can change is advised. A stage named in ``fixed`` cannot take more replicas (a
-singleton such as the trainer, an ``ordered`` stage, a source that does not shard): its
-``replicas_needed`` is its replica count and the sentence names the lever that exists instead (more
-data-parallel ranks for the trainer, a cheaper stage otherwise).
-
-Which stages are judged is the caller's choice (``observe.sample``): the run's verdict is taken over the
-steady state (first to last training step), among the stages alive for most of it, so a one-shot reader
-that finished before training started is never named.
+Replicas needed: spread over ``r'`` replicas its busy fraction becomes ``r * u / r'``; it stops being the
+bottleneck at the next-busiest stage's ``u2``, so ``replicas_needed = max(r + 1, ceil(r * u / max(u2,
+min_util)))`` (``min_util`` keeps it finite; replicas are assumed to scale linearly). A stage in ``fixed``
+(a singleton, an ``ordered`` stage, a source that does not shard) keeps its count; the sentence names the
+lever that exists instead.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import attrs
 
+from dflash_flow.core.snapshot import ReplicaSnapshot, StageSnapshot
+
+from .console import pct
 from .schema import metric
 
 
@@ -57,17 +41,10 @@ class StageLoad:
     blocked_in: float = 0.0
     blocked_out: float = 0.0
 
-    @property
-    def idle(self) -> float:
-        return max(0.0, 1.0 - self.busy - self.blocked_in - self.blocked_out)
-
 
 @attrs.frozen
 class Bottleneck:
-    """The verdict: ``stage`` is the bottleneck; see the module docstring for the definitions.
-
-    The numbers are exported as ``bottleneck/*`` metrics (``observe.schema``); the stage's name and the
-    sentence are text, for the run summary and the ``bottleneck`` tag."""
+    """The verdict (``bottleneck/*`` metrics; the stage's name and the sentence are text)."""
 
     stage: str
     busy: float = metric("busy", reduce="max", doc="Busy fraction of the bottleneck stage")
@@ -84,39 +61,23 @@ class Bottleneck:
 
 def _clip(x: float) -> float:
     x = float(x)
-    if math.isnan(x):
-        return 0.0
-    return min(1.0, max(0.0, x))
+    return 0.0 if math.isnan(x) else min(1.0, max(0.0, x))
 
 
 def to_loads(stages: Mapping[str, Mapping[str, float]]) -> dict[str, StageLoad]:
     """``{stage: {"replicas", "busy", "blocked_in", "blocked_out"}}`` -> ``{stage: StageLoad}``."""
-    out = {}
-    for name, d in stages.items():
-        out[name] = StageLoad(
-            name=name,
-            replicas=max(1, int(d.get("replicas", 1))),
-            busy=_clip(d.get("busy", 0.0)),
-            blocked_in=_clip(d.get("blocked_in", 0.0)),
-            blocked_out=_clip(d.get("blocked_out", 0.0)),
-        )
-    return out
+    return {name: StageLoad(name, max(1, int(d.get("replicas", 1))), _clip(d.get("busy", 0.0)),
+                            _clip(d.get("blocked_in", 0.0)), _clip(d.get("blocked_out", 0.0)))
+            for name, d in stages.items()}
 
 
-def _waiting_evidence(
-    name: str, loads: Mapping[str, StageLoad], edges: Mapping[str, Sequence[str]] | None
-) -> float:
+def _waiting_evidence(name: str, loads: Mapping[str, StageLoad], edges: Mapping[str, Sequence[str]] | None) -> float:
     """How much its neighbours wait for ``name``: producers blocked on output + consumers blocked on input."""
     if not edges:
         return 0.0
-    consumers = [c for c in edges.get(name, ()) if c in loads]
-    producers = [p for p, cs in edges.items() if name in cs and p in loads]
-    ev = 0.0
-    if consumers:
-        ev += sum(loads[c].blocked_in for c in consumers) / len(consumers)
-    if producers:
-        ev += sum(loads[p].blocked_out for p in producers) / len(producers)
-    return ev
+    starved = [loads[c].blocked_in for c in edges.get(name, ()) if c in loads]
+    blocked = [loads[p].blocked_out for p, cs in edges.items() if name in cs and p in loads]
+    return 0.0 + (sum(starved) / len(starved) if starved else 0.0) + (sum(blocked) / len(blocked) if blocked else 0.0)
 
 
 def replicas_needed(replicas: int, busy: float, next_busy: float, *, min_util: float = 0.05) -> int:
@@ -127,24 +88,13 @@ def replicas_needed(replicas: int, busy: float, next_busy: float, *, min_util: f
     return max(r + 1, math.ceil(r * float(busy) / target - 1e-9))
 
 
-def find_bottleneck(
-    stages: Mapping[str, Mapping[str, float]] | Mapping[str, StageLoad],
-    sinks: Iterable[str] = (),
-    *,
-    edges: Mapping[str, Sequence[str]] | None = None,
-    tie_tolerance: float = 0.02,
-    saturation: float = 0.8,
-    min_util: float = 0.05,
-    fixed: Iterable[str] = (),
-) -> Bottleneck | None:
-    """Name the bottleneck stage, the replicas it needs to stop being one, and a sentence.
-
-    ``stages``: ``{stage: {"replicas": r, "busy": f, "blocked_in": f, "blocked_out": f}}`` (or
-    ``StageLoad`` values). ``sinks``: stages that end the pipeline (the trainer), for which being the
-    bottleneck is the goal. ``edges``: optional ``{stage: [downstream stages]}`` used as tie-break
-    evidence. ``fixed``: stages that cannot take more replicas (see the module docstring). Returns None
-    for an empty mapping.
-    """
+def find_bottleneck(stages: Mapping[str, Mapping[str, float]] | Mapping[str, StageLoad],
+                    sinks: Iterable[str] = (), *, edges: Mapping[str, Sequence[str]] | None = None,
+                    tie_tolerance: float = 0.02, saturation: float = 0.8, min_util: float = 0.05,
+                    fixed: Iterable[str] = ()) -> Bottleneck | None:
+    """Name the bottleneck stage, the replicas it needs to stop being one, and a sentence (None: no stages).
+    ``stages``: ``StageLoad`` values or ``{stage: {"replicas", "busy", ...}}``; ``sinks``: stages for which
+    being the bottleneck is the goal; ``edges``: ``{stage: [downstream stages]}``, tie-break evidence."""
     if not stages:
         return None
     first = next(iter(stages.values()))
@@ -160,79 +110,182 @@ def find_bottleneck(
     others = [ld for ld in loads.values() if ld.name != best.name]
     nxt = max(others, key=lambda ld: ld.busy) if others else None
     next_busy = nxt.busy if nxt else 0.0
-    replicable = best.name not in set(fixed)
+    replicable, saturated, is_sink = best.name not in set(fixed), best.busy >= saturation, best.name in sinks
     need = replicas_needed(best.replicas, best.busy, next_busy, min_util=min_util) if replicable else best.replicas
-    saturated = best.busy >= saturation
-    is_sink = best.name in sinks
     sentence = _sentence(best, nxt, need, is_sink, saturated, loads, min_util, replicable)
-    return Bottleneck(
-        stage=best.name,
-        busy=best.busy,
-        replicas=best.replicas,
-        replicas_needed=need,
-        next_stage=nxt.name if nxt else None,
-        next_busy=next_busy,
-        is_sink=is_sink,
-        replicable=replicable,
-        saturated=saturated,
-        sentence=sentence,
-        loads=loads,
-    )
+    return Bottleneck(best.name, best.busy, best.replicas, need, nxt.name if nxt else None, next_busy, is_sink,
+                      replicable, saturated, sentence, loads)
 
 
-def _pct(x: float) -> str:
-    return f"{100 * x:.0f}%"
-
-
-def _sentence(
-    b: StageLoad,
-    nxt: StageLoad | None,
-    need: int,
-    is_sink: bool,
-    saturated: bool,
-    loads: Mapping[str, StageLoad],
-    min_util: float,
-    replicable: bool = True,
-) -> str:
+def _sentence(b: StageLoad, nxt: StageLoad | None, need: int, is_sink: bool, saturated: bool,
+              loads: Mapping[str, StageLoad], min_util: float, replicable: bool = True) -> str:
     reps = f"{b.replicas} replica" + ("s" if b.replicas != 1 else "")
-    waiting = sorted(
-        (ld for ld in loads.values() if ld.name != b.name and max(ld.blocked_in, ld.blocked_out) >= 0.2),
-        key=lambda ld: -max(ld.blocked_in, ld.blocked_out),
-    )
+    waiting = sorted((ld for ld in loads.values() if ld.name != b.name and max(ld.blocked_in, ld.blocked_out) >= 0.2),
+                     key=lambda ld: -max(ld.blocked_in, ld.blocked_out))
     wait_txt = ""
     if waiting:
-        parts = [
-            f"{ld.name} {_pct(ld.blocked_out)} blocked on output"
-            if ld.blocked_out >= ld.blocked_in
-            else f"{ld.name} {_pct(ld.blocked_in)} starved"
-            for ld in waiting[:3]
-        ]
+        parts = [f"{ld.name} {pct(ld.blocked_out)} blocked on output" if ld.blocked_out >= ld.blocked_in
+                 else f"{ld.name} {pct(ld.blocked_in)} starved" for ld in waiting[:3]]
         wait_txt = " (" + ", ".join(parts) + ")"
     if not saturated:
         return (
-            f"No stage is saturated: the busiest, {b.name}, is busy {_pct(b.busy)} of the time on {reps}; "
+            f"No stage is saturated: the busiest, {b.name}, is busy {pct(b.busy)} of the time on {reps}; "
             f"the pipeline is limited by latency or by its source, not by one stage's capacity."
         )
     if is_sink:
-        lever = (
-            " To go faster, add data-parallel ranks (`--nproc N`): it cannot be replicated within a rank."
-            if not replicable
-            else ""
-        )
+        lever = "" if replicable else (" To go faster, add data-parallel ranks (`--nproc N`): it cannot be "
+                                       "replicated within a rank.")
         return (
-            f"{b.name} is the bottleneck, busy {_pct(b.busy)} on {reps}{wait_txt}: the input pipeline keeps it fed, "
+            f"{b.name} is the bottleneck, busy {pct(b.busy)} on {reps}{wait_txt}: the input pipeline keeps it fed, "
             f"which is the goal.{lever}"
         )
     if nxt is None:
-        return f"{b.name} is the only stage, busy {_pct(b.busy)} on {reps}."
+        return f"{b.name} is the only stage, busy {pct(b.busy)} on {reps}."
     if not replicable:
         return (
-            f"{b.name} is the bottleneck: busy {_pct(b.busy)} on {reps}{wait_txt}. It cannot be replicated "
+            f"{b.name} is the bottleneck: busy {pct(b.busy)} on {reps}{wait_txt}. It cannot be replicated "
             f"within a rank: make its work cheaper, or add data-parallel ranks (`--nproc N`), each with its own {b.name}."
         )
     nb = max(nxt.busy, min_util)
     return (
-        f"{b.name} is the bottleneck: busy {_pct(b.busy)} on {reps}{wait_txt}. "
-        f"With {need} replicas it would drop to about {_pct(b.replicas * b.busy / need)} busy, "
-        f"no more than the next-busiest stage, {nxt.name} ({_pct(nb)})."
+        f"{b.name} is the bottleneck: busy {pct(b.busy)} on {reps}{wait_txt}. "
+        f"With {need} replicas it would drop to about {pct(b.replicas * b.busy / need)} busy, "
+        f"no more than the next-busiest stage, {nxt.name} ({pct(nb)})."
     )
+
+
+# ------------------------------------------------------------------------------------------ windows
+# One window of the runtime's cumulative readings, the one delta code of the Monitor (``observe.sample``),
+# the profiler (``app.profile_data``) and the analysis above: a window is the difference of two snapshots
+# (``prev=None``: from the start), read as seconds, items, counters and fractions of a span.
+
+
+def number(value: object) -> float | None:
+    """``value`` as a finite float (None: not a number, a bool, or not finite)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    x = float(value)
+    return x if math.isfinite(x) else None
+
+
+def counter(st: StageSnapshot | None, name: str) -> float | None:
+    """The stage's counter ``name`` (None: no such counter)."""
+    return None if st is None or st.metric_kinds.get(name) != "counter" else number(st.metric(name))
+
+
+def counter_delta(cur: StageSnapshot, prev: StageSnapshot | None, name: str) -> float | None:
+    """What counter ``name`` added from ``prev`` to ``cur`` (from 0 where ``prev`` lacks it)."""
+    a = counter(cur, name)
+    return None if a is None else a - (counter(prev, name) or 0.0)
+
+
+def delta(cur: float | None, prev: float | None) -> float | None:
+    """``cur - prev`` of two optional readings (None where either is missing)."""
+    return cur - prev if cur is not None and prev is not None else None
+
+
+def fraction(seconds: float, span: float) -> float:
+    """``seconds`` over ``span``, clipped to [0, 1] (0 for an empty span or a non-finite ratio)."""
+    x = seconds / span if span > 0 else 0.0
+    return min(1.0, max(0.0, x)) if math.isfinite(x) else 0.0
+
+
+@attrs.frozen
+class ReplicaWindow:
+    """One replica over a window: seconds (never negative), items, and its thread's CPU and core-wait
+    seconds (None where a snapshot did not read them; a replica that started inside the window counts from 0)."""
+
+    replica: int
+    busy_s: float
+    blocked_in_s: float
+    blocked_out_s: float
+    alive_s: float
+    items_in: int
+    items_out: int
+    cpu_s: float | None = None
+    cpu_wait_s: float | None = None
+
+    @classmethod
+    def between(cls, cur: ReplicaSnapshot, prev: ReplicaSnapshot | None) -> ReplicaWindow:
+        """The window from ``prev`` to ``cur`` (``prev=None``: from the replica's start)."""
+        sched = None not in (cur.cpu_s, cur.cpu_wait_s) and (prev is None or None not in (prev.cpu_s, prev.cpu_wait_s))
+
+        def d(name: str, clip: bool = True) -> Any:  # seconds never go negative; items are as counted
+            x = getattr(cur, name) - (getattr(prev, name) if prev is not None else 0)
+            return max(x, 0.0) if clip and prev is not None else x
+
+        return cls(cur.replica, d("busy_s"), d("blocked_in_s"), d("blocked_out_s"), d("alive_s"),
+                   d("items_in", False), d("items_out", False), d("cpu_s") if sched else None,
+                   d("cpu_wait_s") if sched else None)
+
+    def handled(self, is_source: bool) -> int:
+        """Items it handled: emitted for a source, taken otherwise."""
+        return self.items_out if is_source else self.items_in
+
+    def busy(self, span: float) -> float:
+        return fraction(self.busy_s, span)
+
+    def blocked_in(self, span: float) -> float:
+        return fraction(self.blocked_in_s, span)
+
+    def blocked_out(self, span: float) -> float:
+        return fraction(self.blocked_out_s, span)
+
+
+@attrs.frozen
+class StageWindow:
+    """A stage's replicas over one window of ``span_s`` seconds (fractions: means over replicas;
+    ``span_s=None``: each replica's fractions of its own life, the whole-run view)."""
+
+    name: str
+    replicas: tuple[ReplicaWindow, ...]
+    span_s: float | None
+
+    @classmethod
+    def between(cls, cur: StageSnapshot, prev: StageSnapshot | None, span_s: float | None) -> StageWindow:
+        before = {r.replica: r for r in prev.replicas} if prev is not None else {}
+        return cls(cur.name, tuple(ReplicaWindow.between(r, before.get(r.replica)) for r in cur.replicas), span_s)
+
+    def span_of(self, r: ReplicaWindow) -> float:
+        return r.alive_s if self.span_s is None else self.span_s
+
+    def _mean(self, seconds: str) -> float:
+        return sum(fraction(getattr(r, seconds), self.span_of(r)) for r in self.replicas) / max(1, len(self.replicas))
+
+    @property
+    def busy(self) -> float:
+        return self._mean("busy_s")
+
+    @property
+    def blocked_in(self) -> float:
+        return self._mean("blocked_in_s")
+
+    @property
+    def blocked_out(self) -> float:
+        return self._mean("blocked_out_s")
+
+    @property
+    def busy_s(self) -> float:
+        return sum(r.busy_s for r in self.replicas)
+
+    @property
+    def items_in(self) -> int:
+        return sum(r.items_in for r in self.replicas)
+
+    @property
+    def items_out(self) -> int:
+        return sum(r.items_out for r in self.replicas)
+
+    def handled(self, is_source: bool) -> int:
+        return sum(r.handled(is_source) for r in self.replicas)
+
+    def alive(self, window: float) -> float:
+        """The fraction of ``window`` its replicas were alive (started, not yet ended), mean over replicas:
+        ``alive_s`` stops growing when a replica ends."""
+        if window <= 0 or not self.replicas:
+            return 0.0
+        return min(1.0, sum(r.alive_s for r in self.replicas) / len(self.replicas) / window)
+
+    def load(self) -> StageLoad:
+        """What the bottleneck analysis reads of it."""
+        return StageLoad(self.name, len(self.replicas), self.busy, self.blocked_in, self.blocked_out)

@@ -1,8 +1,5 @@
-"""Console output built with rich: consoles for a stream, tables rendered to plain strings.
-
-One place decides how rich is configured, so that every table and progress line behaves alike: no
-markup or emoji interpretation of our text (stage names and paths are printed as they are), no
-highlighting, colour only on a real terminal, and never Jupyter widgets.
+"""Console output built with rich, configured in one place: no markup, emoji or highlighting of our text,
+colour only on a real terminal, never Jupyter widgets; and streams whose reader may go away.
 """
 
 from __future__ import annotations
@@ -22,24 +19,14 @@ _GONE_ERRNOS = frozenset({errno.EPIPE, errno.ESHUTDOWN, errno.ECONNRESET, errno.
 
 
 class PipeSafeStream:
-    """A text stream whose writes never fail because its reader went away.
-
-    ``dflash-flow run ... | head`` closes the pipe after a few lines; every later write would raise
-    ``BrokenPipeError`` in whichever thread prints next (the progress line, a warning, the summary) and
-    fail a run that is training fine. The first such write instead points the stream's file descriptor
-    at ``/dev/null`` (so every other writer of that descriptor, the interpreter's flush at exit included,
-    is silent too) and from then on output is dropped: printing stops, the run goes on and ends as it
-    would have. Every other attribute is the wrapped stream's.
-    """
+    """A text stream whose writes never fail because its reader went away (``run ... | head``): the first
+    such write points its file descriptor at ``/dev/null`` (silencing every writer of it, the interpreter's
+    flush at exit included) and drops output from then on, so the run goes on and ends as it would have."""
 
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
         self._lock = threading.Lock()
         self.reader_gone = False
-
-    @property
-    def wrapped(self) -> TextIO:
-        return self._stream
 
     def _gone(self) -> None:
         with self._lock:
@@ -98,34 +85,24 @@ def stream_console(stream: TextIO, *, tty: bool, width: int | None = None):
     """A rich console writing to ``stream``; ``tty`` decides live rendering (rich would guess)."""
     from rich.console import Console
 
-    return Console(
-        file=stream,
-        force_terminal=tty,
-        force_jupyter=False,
-        color_system="auto" if tty else None,
-        width=width,
-        soft_wrap=not tty,  # a log line is never wrapped at rich's default 80 columns
-        highlight=False,
-        markup=False,
-        emoji=False,
-    )
+    return Console(file=stream, force_terminal=tty, force_jupyter=False, color_system="auto" if tty else None,
+                   width=width, soft_wrap=not tty,  # a log line is never wrapped at rich's default 80 columns
+                   highlight=False, markup=False, emoji=False)
 
 
 def render(*renderables: Any, width: int = 100) -> str:
     """Render rich objects to plain text (no colour, trailing spaces and blank tail stripped)."""
-    from rich.console import Console
-
     buf = io.StringIO()
-    console = Console(
-        file=buf, width=width, force_terminal=False, force_jupyter=False, color_system=None,
-        highlight=False, markup=False, emoji=False,
-    )
+    console = stream_console(buf, tty=False, width=width)
+    console.soft_wrap = False
     for r in renderables:
         console.print(r)
-    lines = [ln.rstrip() for ln in buf.getvalue().splitlines()]
-    while lines and not lines[-1]:
-        lines.pop()
-    return "\n".join(lines)
+    return "\n".join(ln.rstrip() for ln in buf.getvalue().splitlines()).rstrip("\n")
+
+
+def pct(x: float) -> str:
+    """A fraction as a whole percentage: ``0.456`` -> ``46%``."""
+    return f"{100 * x:.0f}%"
 
 
 def cell(v: Any) -> str:
@@ -152,25 +129,17 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def table(
-    rows: Sequence[Mapping[str, Any]] | Sequence[Sequence[Any]],
-    columns: Sequence[str] | None = None,
-    *,
-    title: str | None = None,
-):
-    """A rich Table. ``rows`` are dicts (columns = keys in first-seen order, unless given) or sequences
-    (then ``columns`` are the headers, if any). Columns whose values are all numbers are right-aligned."""
+def table(rows: Sequence[Mapping[str, Any]] | Sequence[Sequence[Any]], columns: Sequence[str] | None = None,
+          *, title: str | None = None):
+    """A rich Table of dicts (columns: keys in first-seen order, unless given) or sequences (``columns``:
+    the headers, if any); all-number columns right-aligned."""
     from rich import box
     from rich.table import Table
 
     rows = list(rows)
     if rows and isinstance(rows[0], Mapping):
         if columns is None:
-            seen: dict[str, None] = {}
-            for r in rows:
-                for k in r:  # type: ignore[union-attr]
-                    seen.setdefault(k, None)
-            columns = list(seen)
+            columns = list(dict.fromkeys(k for r in rows for k in r))  # type: ignore[union-attr]
         body = [[r.get(c) for c in columns] for r in rows]  # type: ignore[union-attr]
     else:
         body = [list(r) for r in rows]
@@ -186,13 +155,8 @@ def table(
     return t
 
 
-def render_table(
-    rows: Sequence[Mapping[str, Any]] | Sequence[Sequence[Any]],
-    columns: Sequence[str] | None = None,
-    *,
-    title: str | None = None,
-    width: int = 100,
-) -> str:
+def render_table(rows: Sequence[Mapping[str, Any]] | Sequence[Sequence[Any]],
+                 columns: Sequence[str] | None = None, *, title: str | None = None, width: int = 100) -> str:
     """:func:`table` rendered to a plain string ("" for no rows and no columns)."""
     rows = list(rows)
     if not rows and not columns:

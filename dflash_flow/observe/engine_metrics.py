@@ -1,60 +1,101 @@
-"""Acceptance as serving engines count it, and the check that the engine's count equals ours.
+"""Acceptance as serving engines count it, the check that the engine's count equals ours, and the Prometheus
+text a server's ``/metrics`` answers (:func:`fetch_text`, :func:`parse_prometheus`). Stdlib only (and attrs).
 
-Three counts of the same run, always named (they differ on the same decoding; the servers' metrics are read
-with ``observe.prometheus``):
+Three counts of the same run, always named (they differ on the same decoding):
 
-* **per verify step, vLLM's** (Prometheus counters, :func:`spec_counters`, :func:`spec_delta`): over a
-  workload, ``tau = 1 + d(vllm:spec_decode_num_accepted_tokens_total) / d(vllm:spec_decode_num_drafts_total)``
-  and the rate of draft position ``k`` ``d(..._num_accepted_tokens_per_pos_total{position=k}) / d(drafts)``,
-  every counter summed over the engines of every server scraped (an engine is a label set without
-  ``position``: ``model_name``, ``engine``). vLLM counts a draft accepted past ``max_tokens`` or a stop
-  token too. A counter that went down, or an engine whose counters vanished, between the two scrapes is a
-  reset (an engine restarted): :class:`CounterReset`, never a silently wrong delta;
-* **per request** (vLLM's ``--per-request-spec-decode-metrics``, ``metrics.speculative_decoding`` of each
-  response; SGLang's ``meta_info``): :func:`vllm_request` / :func:`sglang_request`, aggregated by
-  :func:`request_summary` (the mean of the requests' own means: z-lab's average);
+* **per verify step, vLLM's** (:func:`spec_counters`, :func:`spec_delta`): ``tau = 1 + d(accepted_tokens) /
+  d(drafts)``, position ``k``'s rate ``d(accepted_tokens_per_pos{position=k}) / d(drafts)``, summed over
+  engines and servers (vLLM counts a draft accepted past ``max_tokens`` or a stop token too);
+* **per request** (vLLM's ``--per-request-spec-decode-metrics``, SGLang's ``meta_info``):
+  :func:`vllm_request` / :func:`sglang_request`, aggregated by :func:`request_summary` (z-lab's average);
 * **per token, SGLang's / SpecForge's**: ``sum(completion_tokens) / sum(spec_verify_ct)``.
 
-:func:`compare` puts an engine's figures beside ours (tau and every position, within stated tolerances)
-and :func:`mismatch_warning` is the loud message when they disagree, with the usual causes.
-:func:`weak_drafter_note` is the end-of-run verdict when a trained drafter barely beats plain decoding.
-
-Stdlib only (and attrs): importable anywhere, cheap.
+:func:`compare` and :func:`mismatch_warning` put an engine's figures beside ours, loudly when they disagree.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
+import urllib.error
+import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 
-from .prometheus import parse_prometheus
-
-__all__ = [
-    "LIKELY_CAUSES",
-    "Comparison",
-    "CounterReset",
-    "EngineCounters",
-    "RequestSpec",
-    "SpecDelta",
-    "compare",
-    "dumps",
-    "mismatch_warning",
-    "rates_from_histogram",
-    "request_summary",
-    "sglang_request",
-    "spec_counters",
-    "spec_delta",
-    "vllm_request",
-    "weak_drafter_note",
-]
+from .runinfo import redact_text, redact_uri, uri_secrets
 
 SPEC_PREFIX = "vllm:spec_decode_"
 _COUNTERS = {"num_drafts": "drafts", "num_draft_tokens": "draft_tokens", "num_accepted_tokens": "accepted"}
 _PER_POS = "num_accepted_tokens_per_pos"
+
+
+# ------------------------------------------------------------------------------ Prometheus text
+
+
+@attrs.frozen
+class MetricSample:
+    """One sample line: the metric name, its labels (sorted pairs) and value."""
+
+    name: str
+    labels: tuple[tuple[str, str], ...]
+    value: float
+
+
+_NAME = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
+_LABEL = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*(,|(?=}))')
+_ESCAPES = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+
+
+def parse_prometheus(text: str) -> list[MetricSample]:
+    """The samples of a Prometheus text exposition (version 0.0.4, and OpenMetrics' ``# EOF``): comments and
+    ``# HELP``/``# TYPE`` lines skipped, label values unescaped, a trailing timestamp ignored. A line that
+    is not a sample raises ValueError naming its line number."""
+    out: list[MetricSample] = []
+    for no, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _NAME.match(line)
+        if m is None:
+            raise ValueError(f"metrics line {no}: not a sample: {line[:80]!r}")
+        name, rest = m.group(0), line[m.end():]
+        labels: list[tuple[str, str]] = []
+        if rest.startswith("{"):
+            pos = 1
+            while True:
+                if rest[pos:].lstrip().startswith("}"):
+                    pos += rest[pos:].index("}") + 1
+                    break
+                lm = _LABEL.match(rest, pos)
+                if lm is None:
+                    raise ValueError(f"metrics line {no}: malformed labels: {line[:80]!r}")
+                value = re.sub(r"\\[\\\"n]", lambda e: _ESCAPES[e.group(0)], lm.group(2))
+                labels.append((lm.group(1), value))
+                pos = lm.end()
+            rest = rest[pos:]
+        parts = rest.split()
+        if not parts or len(parts) > 2:
+            raise ValueError(f"metrics line {no}: expected a value after the name: {line[:80]!r}")
+        try:
+            value = float(parts[0])  # +Inf, -Inf, NaN too
+        except ValueError:
+            raise ValueError(f"metrics line {no}: {parts[0]!r} is not a number") from None
+        out.append(MetricSample(name, tuple(sorted(labels)), value))
+    return out
+
+
+def fetch_text(url: str, *, timeout_s: float = 10.0) -> str:
+    """GET ``url`` as text. Any failure raises OSError with one line naming the URL, credentials redacted."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 - http(s) URLs the user gave
+            return r.read().decode("utf-8", errors="replace")
+    except urllib.error.HTTPError as exc:
+        raise OSError(f"GET {redact_uri(url)}: HTTP {exc.code} {exc.reason}") from None
+    except (OSError, ValueError) as exc:
+        raise OSError(redact_text(f"GET {redact_uri(url)}: {exc}", uri_secrets(url))) from None
 
 
 # ------------------------------------------------------------------------------------ vLLM counters
@@ -161,8 +202,7 @@ def spec_delta(before: Mapping[str, EngineCounters], after: Mapping[str, EngineC
                 raise CounterReset(f"engine {key}: {SPEC_PREFIX}{name}_total went down from {b:g} to {a:g} "
                                    "between the two scrapes (the engine restarted); measure again")
             totals[field] += a - b
-        lacking = tuple(k for k in positions if k not in now.per_position)
-        if lacking:
+        if lacking := tuple(k for k in positions if k not in now.per_position):
             missing[key] = lacking
         for k, a in now.per_position.items():
             b = was.per_position.get(k, 0.0)
@@ -257,16 +297,14 @@ def request_summary(requests: Sequence[RequestSpec]) -> dict[str, Any]:
     width = max((len(r.histogram) for r in requests), default=0)
     hist = [sum(r.histogram[j] for r in requests if j < len(r.histogram)) for j in range(width)]
     tokens = [r.completion_tokens for r in requests]
-    out: dict[str, Any] = {
-        "requests": len(requests),
-        "steps": steps,
+    return {
+        "requests": len(requests), "steps": steps,
         "tau_per_step": 1.0 + sum(r.accepted for r in requests) / steps if steps else None,
         "tau_per_request": sum(r.mean_acceptance for r in requests) / len(requests),
         "tau_per_token": (sum(tokens) / steps if steps and all(t is not None for t in tokens) else None),
         "histogram_accepted_drafts": hist if width else None,
         "accept_rate_per_position": rates_from_histogram(hist) if width else None,
     }
-    return out
 
 
 # ------------------------------------------------------------------------------ engine against ours
@@ -303,9 +341,7 @@ class Comparison:
 
     @property
     def tau_difference(self) -> float | None:
-        if self.ours_tau is None or self.engine_tau is None:
-            return None
-        return self.engine_tau - self.ours_tau
+        return None if self.ours_tau is None or self.engine_tau is None else self.engine_tau - self.ours_tau
 
     def to_json(self) -> dict[str, Any]:
         return {"ok": self.ok, "tau_tolerance": self.tau_tolerance, "rate_tolerance": self.rate_tolerance,
@@ -371,13 +407,6 @@ def weak_drafter_note(label: str, tau: float, *, threshold: float = 1.3) -> str 
 
 def dumps(obj: Any) -> str:
     """JSON with NaN/inf as null (results files must parse everywhere)."""
-    def clean(x: Any) -> Any:
-        if isinstance(x, float) and not math.isfinite(x):
-            return None
-        if isinstance(x, Mapping):
-            return {str(k): clean(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [clean(v) for v in x]
-        return x
+    from .record import jsonable
 
-    return json.dumps(clean(obj), indent=1, ensure_ascii=False)
+    return json.dumps(jsonable(obj), indent=1, ensure_ascii=False)

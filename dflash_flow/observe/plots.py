@@ -1,17 +1,9 @@
-"""PNG plots of a run from its structured history (``observe.record.History``): loss, throughput, queue
-depths, bucket mix, stage load, held-out acceptance over steps and wall time.
-
-Read at a glance: noisy per-step curves (loss, throughput) are drawn smoothed with the raw values faint
-behind; the bucket mix covers the whole run (the trained steps' buckets) and names each bucket's length
-range; legends sit beside the axes, never over the data. ``<name>_figure(history)`` returns the
-matplotlib figure (None without data), ``plot_<name>(history, path)`` writes it.
-
-Series are read from the typed history (trainer columns, Monitor samples, evaluations), never picked
-out of metric names. A plot without data is skipped (its function returns None); NaN points are
-dropped. Window plots leave out the Monitor's closing whole-run sample, which is not a window.
-matplotlib is imported lazily and used through ``matplotlib.figure.Figure`` with the Agg canvas --
-never pyplot -- so plotting needs no display, leaves global pyplot state alone, and is safe from a
-non-main thread.
+"""PNG plots of a run from its typed history (``observe.record.History``): loss, throughput, queue depths,
+bucket mix, stage load, held-out acceptance; and of the pipeline DAG (:func:`render_dag_png`, for machines
+without graphviz). ``<name>_figure(history)`` returns the figure (None without data), ``plot_<name>(history,
+path)`` writes it. Noisy curves are smoothed with the raw values faint behind; legends sit beside the axes;
+NaN points are dropped; window plots leave out the Monitor's closing whole-run sample. matplotlib is used
+through ``Figure`` and the Agg canvas, never pyplot: no display, no global state, safe off the main thread.
 """
 
 from __future__ import annotations
@@ -45,12 +37,7 @@ def _windows(history: History):
 
 def loss_series(history: History) -> Series:
     """Trainer columns named ``*loss`` per step, and evaluation metrics named ``*loss``."""
-    out: Series = {}
-    for name in history.train.columns:
-        if name.endswith("loss"):
-            pts = history.train.series(name)
-            if pts:
-                out[name] = pts
+    out: Series = {n: pts for n in history.train.columns if n.endswith("loss") and (pts := history.train.series(n))}
     for point in history.evals:
         for report in point.reports:
             for k, v in report.metrics.items():
@@ -60,12 +47,7 @@ def loss_series(history: History) -> Series:
 
 
 def throughput_series(history: History) -> Series:
-    out: Series = {}
-    for name in ("tokens_per_s", "samples_per_s"):
-        pts = history.train.series(name)
-        if pts:
-            out[name] = pts
-    return out
+    return {name: pts for name in ("tokens_per_s", "samples_per_s") if (pts := history.train.series(name))}
 
 
 def queue_depth_series(history: History) -> Series:
@@ -145,12 +127,17 @@ def smoothed(ys: Sequence[float], span: int | None = None) -> list[float]:
 # ----------------------------------------------------------------------------------------- drawing
 
 
-def _figure(title: str):
+def _new_figure(**kwargs):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(8, 4.5), dpi=100)
+    fig = Figure(**kwargs)
     FigureCanvasAgg(fig)
+    return fig
+
+
+def _figure(title: str):
+    fig = _new_figure(figsize=(8, 4.5), dpi=100)
     ax = fig.add_subplot(1, 1, 1)
     ax.set_title(title)
     ax.set_xlabel("step")
@@ -193,14 +180,11 @@ def label(name: str) -> str:
     return name.encode("ascii", "backslashreplace").decode("ascii")
 
 
-def _lines(ax, series: Series, **style) -> list:
-    drawn = []
+def _each(series: Series):
+    """``(colour, legend label, finite points)`` of each series with data, in natural order."""
     for i, name in enumerate(sorted(series, key=_natural_key)):
-        pts = _finite_points(series[name])
-        if pts:
-            xs, ys = zip(*pts, strict=True)
-            drawn += ax.plot(xs, ys, label=label(name), color=f"C{i % 10}", **style)
-    return drawn
+        if pts := _finite_points(series[name]):
+            yield f"C{i % 10}", label(name), pts
 
 
 def _smoothed_line(ax, pts: Sequence[tuple[float, float]], name: str, color: str, **style) -> list:
@@ -219,10 +203,8 @@ def loss_figure(history: History):
     if not series:
         return None
     fig, ax = _figure("loss")
-    for i, name in enumerate(sorted(series, key=_natural_key)):
-        pts = _finite_points(series[name])
-        if pts:
-            _smoothed_line(ax, pts, label(name), f"C{i % 10}")
+    for color, name, pts in _each(series):
+        _smoothed_line(ax, pts, name, color)
     ys = [v for pts in series.values() for _, v in pts]
     if min(ys) > 0 and max(ys) / min(ys) > 30:
         ax.set_yscale("log")  # early losses dwarf the rest otherwise
@@ -249,29 +231,28 @@ def throughput_figure(history: History):
     return fig
 
 
-def queue_depths_figure(history: History):
-    series = queue_depth_series(history)
+def _lines_figure(series: Series, title: str, ylabel: str, ylim: tuple[float, float] | None = None, **style):
     if not series:
         return None
-    fig, ax = _figure("input queue depth per replica")
-    _lines(ax, series, linewidth=1.0, drawstyle="steps-post")
-    ax.set_ylabel("items waiting")
+    fig, ax = _figure(title)
+    for color, name, pts in _each(series):
+        ax.plot(*zip(*pts, strict=True), label=name, color=color, **style)
+    if ylim is not None:
+        ax.set_ylim(*ylim)
+    ax.set_ylabel(ylabel)
     if len(series) <= 16:
         _legend(ax, fontsize=7, ncol=2 if len(series) > 8 else 1)
     return fig
+
+
+def queue_depths_figure(history: History):
+    return _lines_figure(queue_depth_series(history), "input queue depth per replica", "items waiting",
+                         linewidth=1.0, drawstyle="steps-post")
 
 
 def stage_load_figure(history: History):
-    series = stage_load_series(history)
-    if not series:
-        return None
-    fig, ax = _figure("stage busy fraction (mean over replicas)")
-    _lines(ax, series, linewidth=1.2)
-    ax.set_ylim(0, 1.05)
-    ax.set_ylabel("busy")
-    if len(series) <= 16:
-        _legend(ax, fontsize=7, ncol=2 if len(series) > 8 else 1)
-    return fig
+    return _lines_figure(stage_load_series(history), "stage busy fraction (mean over replicas)", "busy", (0, 1.05),
+                         linewidth=1.2)
 
 
 def bucket_mix_figure(history: History):
@@ -323,11 +304,7 @@ def plot_heldout(history: History, path: str | Path) -> Path | None:
     points = [(p.step, p.values.elapsed_s, p.values.tau) for p in history.heldout if math.isfinite(p.values.tau)]
     if not points:
         return None
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(10, 4), dpi=100)
-    FigureCanvasAgg(fig)
+    fig = _new_figure(figsize=(10, 4), dpi=100)
     by_step = fig.add_subplot(1, 2, 1)
     by_time = fig.add_subplot(1, 2, 2, sharey=by_step)
     fig.suptitle("held-out acceptance (teacher-forced walk) during training")
@@ -367,21 +344,75 @@ def plot_position_rates(ours: dict[str, Sequence[float]], path: str | Path, *,
 
 
 PLOTS = {
-    "loss": plot_loss,
-    "throughput": plot_throughput,
-    "queue_depths": plot_queue_depths,
-    "bucket_mix": plot_bucket_mix,
-    "stage_load": plot_stage_load,
-    "heldout_acceptance": plot_heldout,
+    "loss": plot_loss, "throughput": plot_throughput, "queue_depths": plot_queue_depths,
+    "bucket_mix": plot_bucket_mix, "stage_load": plot_stage_load, "heldout_acceptance": plot_heldout,
 }
 
 
 def write_plots(history: History, out_dir: str | Path) -> dict[str, Path]:
     """Write every plot that has data into ``out_dir``; returns ``{plot name: path}``."""
-    out_dir = Path(out_dir)
-    made = {}
-    for name, fn in PLOTS.items():
-        p = fn(history, out_dir / f"{name}.png")
-        if p is not None:
-            made[name] = p
-    return made
+    made = {name: fn(history, Path(out_dir) / f"{name}.png") for name, fn in PLOTS.items()}
+    return {name: p for name, p in made.items() if p is not None}
+
+
+# ------------------------------------------------------------------------------------------- the DAG
+# Stages in columns by their depth from the sources (longest path), rows in file order within a column;
+# edges labelled with the fan-out policy when the consumer is replicated.
+
+
+def _depths(graph) -> dict[str, int]:
+    depth: dict[str, int] = {}
+    names = {s.name for s in graph.stages}
+
+    def visit(name: str, seen: frozenset = frozenset()) -> int:
+        if name not in depth:
+            ups = [i.stage for i in graph.stage(name).inputs if i.stage in names and i.stage not in seen]
+            depth[name] = 1 + max(visit(u, seen | {name}) for u in ups) if ups else 0
+        return depth[name]
+
+    for s in graph.stages:
+        visit(s.name)
+    return depth
+
+
+def render_dag_png(graph, path: str | Path) -> Path:
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+
+    depth = _depths(graph)
+    columns: dict[int, list[str]] = {}
+    for s in graph.stages:
+        columns.setdefault(depth[s.name], []).append(s.name)
+    ncols = max(columns) + 1
+    nrows = max(len(v) for v in columns.values())
+    pos = {name: (c * 3.0, -(r - (len(names) - 1) / 2) * 1.4)
+           for c, names in columns.items() for r, name in enumerate(names)}
+    fig = _new_figure(figsize=(max(6, ncols * 2.6), max(2.5, nrows * 1.3)))
+    ax = fig.add_subplot(1, 1, 1)
+    w, h = 2.3, 0.8
+    for s in graph.stages:
+        x, y = pos[s.name]
+        ax.add_patch(FancyBboxPatch((x - w / 2, y - h / 2), w, h, boxstyle="round,pad=0.05", fc="#eef3fb", ec="#3b5b92"))
+        extra = f" x{s.replicas}" if s.replicas > 1 else ""
+        ax.text(x, y + 0.12, s.name, ha="center", va="center", fontsize=9, weight="bold")
+        ax.text(x, y - 0.18, f"{s.type}{extra}", ha="center", va="center", fontsize=7)
+        for inp in s.inputs:
+            if inp.stage not in pos:
+                continue
+            x0, y0 = pos[inp.stage]
+            # An edge that skips columns arcs over the boxes in between.
+            skip = depth[s.name] - depth[inp.stage] > 1
+            ax.add_patch(FancyArrowPatch(
+                (x0 + w / 2, y0 + (0.25 if skip else 0)), (x - w / 2, y + (0.25 if skip else 0)),
+                arrowstyle="-|>", mutation_scale=10, color="#555",
+                connectionstyle="arc3,rad=-0.25" if skip else "arc3,rad=0",
+            ))
+            if s.replicas > 1 or s.ordered:
+                tag = inp.policy if s.replicas > 1 else "ordered"
+                ax.text((x0 + x) / 2, (y0 + y) / 2 + 0.12, tag, ha="center", fontsize=6, color="#555")
+    xs, ys = zip(*pos.values(), strict=True)
+    ax.set_xlim(min(xs) - w, max(xs) + w)
+    ax.set_ylim(min(ys) - 1, max(ys) + 1)
+    ax.set_axis_off()
+    ax.set_title(graph.name, fontsize=10)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return Path(path)

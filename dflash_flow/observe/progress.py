@@ -1,14 +1,7 @@
-"""Console progress, built on rich: a live line on a terminal, plain periodic lines otherwise.
-
-Two kinds of progress share one status line implementation:
-
-- :class:`ProgressPrinter`, the training line (step, epoch, throughput, loss, ETA, bottleneck);
-- :class:`ProgressBar`, counted work (``done/total``, rate, ETA), e.g. regenerating a data set.
-
-Why two modes: a live line is the least noisy thing on a terminal, but in a log file or a CI capture
-every redraw becomes ``\\r``/escape-code garbage (Ray Data turned its bars off in jobs for that reason).
-So when the stream is not a TTY we print a complete line every ``interval_s`` seconds instead. Output
-is rate-limited, so ``update`` is cheap enough to call every step or item.
+"""Console progress on rich: :class:`ProgressPrinter` (the training line) and :class:`ProgressBar` (counted
+work), on one status line: a live line on a terminal, and a complete line every ``interval_s`` otherwise (in
+a log every redraw would be escape-code garbage). Output is rate-limited: ``update`` is cheap every step.
+:class:`LoadProgress`: a source's reading and tokenizing, as bars and `LoadPoint` metrics (``data/<stage>/``).
 """
 
 from __future__ import annotations
@@ -18,13 +11,13 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, TextIO
 
-from .console import render_table, stream_console
+import attrs
 
-# The generic table lives in observe.console; this name stays importable for the application's eval
-# command (``observe.report.summary_table(record)`` is the run summary).
-summary_table = render_table
+from .console import stream_console
+from .schema import metric, mlflow_metrics
 
 
 def format_duration(seconds: float | None) -> str:
@@ -66,23 +59,14 @@ class _StatusLine:
     """One status line on ``stream``: a rich ``Live`` line on a terminal (redrawn at most every
     ``tty_interval_s``), a printed line every ``interval_s`` otherwise. Messages go above the line."""
 
-    def __init__(
-        self,
-        stream: TextIO | None,
-        *,
-        tty: bool | None,
-        width: int | None,
-        interval_s: float,
-        tty_interval_s: float,
-    ) -> None:
+    def __init__(self, stream: TextIO | None, *, tty: bool | None, width: int | None, interval_s: float,
+                 tty_interval_s: float) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.tty = _isatty(self.stream) if tty is None else bool(tty)
-        self.interval_s = float(interval_s)
-        self.tty_interval_s = float(tty_interval_s)
+        self.interval_s, self.tty_interval_s = float(interval_s), float(tty_interval_s)
         self.console = stream_console(self.stream, tty=self.tty, width=width)
         self.lock = threading.RLock()
         self.last_emit: float | None = None
-        self.text = ""
         self.closed = False
         self._live: Any = None
 
@@ -109,7 +93,6 @@ class _StatusLine:
         else:
             self.console.print(text)
         self.stream.flush()
-        self.text = text
         self.last_emit = now
 
     def message(self, text: str) -> None:
@@ -152,26 +135,32 @@ def notice(text: str) -> None:
         pass
 
 
-class ProgressPrinter:
-    """Training progress on ``stream`` (default stderr).
+class _Shown:
+    """What both kinds of progress share: their status line (``_line``), a context manager that closes it."""
 
-    ``update(step, ...)`` is cheap and may be called every step: output is rate-limited to one
-    redraw per ``tty_interval_s`` on a terminal and one line per ``interval_s`` otherwise. ETA comes
-    from the step rate since the first update (or ``eta_s`` when the caller knows better).
-    """
+    _line: _StatusLine
 
-    def __init__(
-        self,
-        stream: TextIO | None = None,
-        total_steps: int | None = None,
-        interval_s: float = 30.0,
-        *,
-        tty: bool | None = None,
-        tty_interval_s: float = 0.2,
-        width: int | None = None,
-        clock=time.monotonic,
-        elapsed_before_s: float = 0.0,
-    ) -> None:
+    @property
+    def tty(self) -> bool:
+        return self._line.tty
+
+    def close(self) -> None:
+        self._line.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ProgressPrinter(_Shown):
+    """Training progress on ``stream`` (default stderr), redrawn at most every ``tty_interval_s`` on a
+    terminal, a line every ``interval_s`` otherwise; ETA from the step rate since the first update."""
+
+    def __init__(self, stream: TextIO | None = None, total_steps: int | None = None, interval_s: float = 30.0,
+                 *, tty: bool | None = None, tty_interval_s: float = 0.2, width: int | None = None,
+                 clock=time.monotonic, elapsed_before_s: float = 0.0) -> None:
         self._line = _StatusLine(stream, tty=tty, width=width, interval_s=interval_s, tty_interval_s=tty_interval_s)
         self.total_steps = total_steps
         self._clock = clock
@@ -180,37 +169,17 @@ class ProgressPrinter:
         self._t0: float | None = None
         self._step0 = 0
 
-    @property
-    def tty(self) -> bool:
-        return self._line.tty
-
-    @property
-    def stream(self) -> TextIO:
-        return self._line.stream
-
     # ------------------------------------------------------------------ formatting
     def eta_s(self, step: int, now: float) -> float | None:
         if self.total_steps is None or self._t0 is None:
             return None
-        done = step - self._step0
-        elapsed = now - self._t0
-        if done <= 0 or elapsed <= 0:
-            return None
-        return max(0.0, (self.total_steps - step) * elapsed / done)
+        done, elapsed = step - self._step0, now - self._t0
+        return max(0.0, (self.total_steps - step) * elapsed / done) if done > 0 and elapsed > 0 else None
 
-    def format_line(
-        self,
-        step: int,
-        *,
-        epoch: int | None = None,
-        tokens_per_s: float | None = None,
-        samples_per_s: float | None = None,
-        loss: float | None = None,
-        eta_s: float | None = None,
-        bottleneck: str | None = None,
-        elapsed_s: float | None = None,
-        extra: Mapping[str, Any] | None = None,
-    ) -> str:
+    def format_line(self, step: int, *, epoch: int | None = None, tokens_per_s: float | None = None,
+                    samples_per_s: float | None = None, loss: float | None = None, eta_s: float | None = None,
+                    bottleneck: str | None = None, elapsed_s: float | None = None,
+                    extra: Mapping[str, Any] | None = None) -> str:
         """The progress text. Fields that are None are left out; a log line starts with the elapsed time."""
         parts = [f"step {step}/{self.total_steps}" if self.total_steps else f"step {step}"]
         if epoch is not None:
@@ -233,20 +202,9 @@ class ProgressPrinter:
         return line
 
     # ------------------------------------------------------------------ output
-    def update(
-        self,
-        step: int,
-        *,
-        epoch: int | None = None,
-        tokens_per_s: float | None = None,
-        samples_per_s: float | None = None,
-        loss: float | None = None,
-        bottleneck: str | None = None,
-        eta_s: float | None = None,
-        extra: Mapping[str, Any] | None = None,
-        force: bool = False,
-    ) -> bool:
-        """Record progress; draw it if the interval elapsed (or ``force``). Returns whether it drew."""
+    def update(self, step: int, *, eta_s: float | None = None, force: bool = False, **fields: Any) -> bool:
+        """Record progress; draw it if the interval elapsed (or ``force``). Returns whether it drew.
+        ``fields``: :meth:`format_line`'s (epoch, tokens_per_s, samples_per_s, loss, bottleneck, extra)."""
         now = self._clock()
         with self._line.lock:
             if self._line.closed:
@@ -255,17 +213,8 @@ class ProgressPrinter:
                 self._t0, self._step0 = now, step
             if not self._line.due(now, force):
                 return False
-            line = self.format_line(
-                step,
-                epoch=epoch,
-                tokens_per_s=tokens_per_s,
-                samples_per_s=samples_per_s,
-                loss=loss,
-                eta_s=eta_s if eta_s is not None else self.eta_s(step, now),
-                bottleneck=bottleneck,
-                elapsed_s=self.elapsed_before_s + now - self._t0,
-                extra=extra,
-            )
+            line = self.format_line(step, eta_s=eta_s if eta_s is not None else self.eta_s(step, now),
+                                    elapsed_s=self.elapsed_before_s + now - self._t0, **fields)
             self._line.draw(line, now)
             return True
 
@@ -285,58 +234,25 @@ class ProgressPrinter:
         """Print a full line (a warning, an eval result) without mangling the progress line."""
         self._line.message(text)
 
-    def close(self) -> None:
-        """End the live line (it stays on screen). Idempotent."""
-        self._line.close()
 
-    def __enter__(self) -> ProgressPrinter:
-        return self
+class ProgressBar(_Shown):
+    """Counted work: ``done/total`` with a bar, the rate, further rates and the ETA. ``update(8, tok=4096)``
+    adds 8 units and 4096 of a further count (shown as ``tok/s``). ``done``: work done before this run (it
+    counts toward ``done/total``, not the rates). With ``enabled=False`` nothing is printed."""
 
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class ProgressBar:
-    """Counted work: ``done/total`` with a bar, the rate, further rates and the ETA.
-
-    ``update(done_delta, **extra)`` adds ``done_delta`` units of work done; each keyword is a further
-    count done in the same update (``update(8, tok=4096)``), shown as a rate (``tok/s``). ``done`` is
-    the work already done before this run (a resumed job): it counts toward ``done/total`` but not
-    toward the rates. With ``enabled=False`` nothing is ever printed.
-    """
-
-    def __init__(
-        self,
-        total: int,
-        label: str = "",
-        unit: str = "items",
-        *,
-        done: int = 0,
-        stream: TextIO | None = None,
-        interval_s: float = 5.0,
-        tty: bool | None = None,
-        tty_interval_s: float = 0.1,
-        width: int | None = None,
-        clock=time.monotonic,
-        enabled: bool = True,
-        bar_width: int = 24,
-    ) -> None:
+    def __init__(self, total: int, label: str = "", unit: str = "items", *, done: int = 0,
+                 stream: TextIO | None = None, interval_s: float = 5.0, tty: bool | None = None,
+                 tty_interval_s: float = 0.1, width: int | None = None, clock=time.monotonic,
+                 enabled: bool = True, bar_width: int = 24) -> None:
         self.total = max(0, int(total))
-        self.label = label
-        self.unit = unit
-        self.done = int(done)
-        self.enabled = bool(enabled)
-        self.bar_width = int(bar_width)
+        self.label, self.unit, self.done = label, unit, int(done)
+        self.enabled, self.bar_width = bool(enabled), int(bar_width)
         self._done0 = self.done
         self._extra: dict[str, float] = {}
         self._clock = clock
         self._t0 = clock()
         self._line = _StatusLine(stream, tty=tty, width=width, interval_s=interval_s, tty_interval_s=tty_interval_s)
         self._shown_done: int | None = None
-
-    @property
-    def tty(self) -> bool:
-        return self._line.tty
 
     def _stats(self, now: float) -> tuple[float, float, float | None, dict[str, float]]:
         elapsed = max(now - self._t0, 0.0)
@@ -409,8 +325,87 @@ class ProgressBar:
                 self._show(self._clock())
             self._line.close()
 
-    def __enter__(self) -> ProgressBar:
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+# ----------------------------------------------------------------- reading a source's inputs (data.records)
+
+
+@attrs.frozen
+class SourceLoad:
+    records: int = metric("records", reduce="sum", doc="Records read so far (the current input)")
+    samples: int = metric("samples", reduce="sum", doc="Samples kept so far (the current input)")
+    tokens: int = metric("tokens", reduce="sum", doc="Tokens kept so far (the current input)")
+    tokens_per_s: float = metric("tokens_per_s", reduce="sum", doc="Tokens kept per second")
+    records_per_s: float = metric("records_per_s", reduce="sum", doc="Records read per second")
+    fraction: float = metric("fraction", reduce="mean", doc="Fraction of the current input read")
+    eta_s: float | None = metric("eta_s", reduce="max", default=None, doc="Seconds left for the current input")
+    inputs_done: int = metric("inputs_done", reduce="max", default=0, doc="Inputs of the source read so far")
+    waiting: float = metric("waiting", reduce="max", default=0.0,
+                            doc="1 while another process builds the cache entry the source waits for")
+
+
+@attrs.frozen
+class LoadPoint:
+    step: int
+    sources: dict[str, SourceLoad] = metric("data", doc="Per source stage while it reads")
+
+
+class LoadProgress:
+    """One source's reading progress on the console (``console``) and in MLflow (``tracker``)."""
+
+    def __init__(self, name: str, *, console: bool, tracker: Any = None, log_every_s: float = 5.0,
+                 stream: Any = None, interval_s: float = 5.0) -> None:
+        self.name = name
+        try:  # a machine without rich (the bare GPU image) reads without a progress line
+            import rich.console  # noqa: F401
+        except ImportError:
+            console = False
+        self.console, self.tracker, self.log_every_s, self.interval_s = console, tracker, log_every_s, interval_s
+        self.stream = stream if stream is not None else sys.stderr
+        self._bar: ProgressBar | None = None
+        self._key: tuple | None = None
+        self._done = self._records = self._tokens = 0
+        self._last_log = -math.inf
+        self.inputs_done = 0
+
+    def update(self, p: Any) -> None:
+        done, total, unit = (-(-p.done // 2**20), -(-p.total // 2**20), "MiB") if p.unit == "bytes" else (
+            p.done, p.total, p.unit)
+        verb = {"reading": "tokenizing", "waiting": f"waiting for {p.holder or 'another process'} to tokenize",
+                "cached": "mapped from the cache", "done": "tokenized"}[p.state]
+        key = (p.path, p.state == "waiting")
+        if p.state == "cached" and self.console and self._bar is None:  # no work to show: one line
+            self.stream.write(f"{self.name}: {Path(p.path).name}: {p.samples:,} samples, {p.tokens:,} tokens mapped "
+                              f"from the cache in {p.elapsed_s:.2f} s\n")
+            self.stream.flush()
+        elif self.console and (self._bar is None or key != self._key):  # a new input, or it started waiting
+            if self._bar is not None:
+                self._bar.close()
+            self._bar = ProgressBar(total, "", unit, stream=self.stream, interval_s=self.interval_s)
+            self._done = self._records = self._tokens = 0
+            self._key = key
+        final = p.state in ("cached", "done")
+        if final and self._bar is not None and self._bar.done:  # complete the bar in the unit it counts
+            done = total = self._bar.total
+        if self._bar is not None:
+            self._bar.total = max(total, 1)
+            self._bar.label = f"{self.name}: {verb} {Path(p.path).name}"
+            self._bar.update(max(done - self._done, 0), records=max(p.records - self._records, 0),
+                             tok=max(p.tokens - self._tokens, 0))
+            self._done, self._records, self._tokens = done, p.records, p.tokens
+        if final:
+            self.inputs_done += 1
+            if self._bar is not None:
+                self.close()
+                self._key = None
+        now = time.monotonic()
+        if self.tracker is not None and (final or now - self._last_log >= self.log_every_s):
+            self._last_log = now
+            load = SourceLoad(records=p.records, samples=p.samples, tokens=p.tokens, tokens_per_s=p.tokens_per_s,
+                              records_per_s=p.records_per_s, fraction=p.fraction if not final else 1.0, eta_s=p.eta_s,
+                              inputs_done=self.inputs_done, waiting=1.0 if p.state == "waiting" else 0.0)
+            self.tracker.log_metrics(mlflow_metrics(LoadPoint(step=0, sources={self.name: load})), step=0)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

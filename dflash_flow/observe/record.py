@@ -1,8 +1,5 @@
-"""What a run has recorded so far: filled by the Monitor while the pipeline runs (``services.record``),
-read by the application's end of run (``observe.report``: summary and history files, plots, the table).
-
-Everything here is structured (``observe.sample`` objects and columns of numbers); MLflow keys are made
-only when logging (``observe.schema``). Importing this module costs nothing heavy (attrs only).
+"""What a run has recorded so far, as typed objects: filled by the Monitor while the pipeline runs
+(``services.record``), read by the application's end of run (``observe.report``).
 """
 
 from __future__ import annotations
@@ -24,11 +21,8 @@ from .sample import EvalPoint, HeldoutPoint, MonitorSample, TrainPoint, data_qua
 
 @attrs.define(eq=False)
 class TrainSeries:
-    """Per-step trainer metrics as columns of float64 (NaN where a step did not report a metric).
-
-    Columns, not one dict per step: 8 bytes a value, so a 100k-step run with 30 metrics holds ~24 MB
-    instead of the ~250 MB of per-step dicts of boxed floats.
-    """
+    """Per-step trainer metrics as columns of float64 (NaN where a step did not report a metric): 8 bytes a
+    value, a tenth of per-step dicts of boxed floats."""
 
     steps: array = attrs.field(factory=lambda: array("q"))
     columns: dict[str, array] = attrs.field(factory=dict)
@@ -52,18 +46,14 @@ class TrainSeries:
     def series(self, name: str) -> list[tuple[int, float]]:
         """``[(step, value)]`` of one metric, finite values only."""
         col = self.columns.get(name)
-        if col is None:
-            return []
-        return [(s, v) for s, v in zip(self.steps, col, strict=True) if math.isfinite(v)]
+        return [] if col is None else [(s, v) for s, v in zip(self.steps, col, strict=True) if math.isfinite(v)]
 
     def __len__(self) -> int:
         return len(self.steps)
 
     def to_json(self) -> dict[str, list]:
-        out: dict[str, list] = {"step": list(self.steps)}
-        for name, col in self.columns.items():
-            out[name] = [v if math.isfinite(v) else None for v in col]
-        return out
+        return {"step": list(self.steps),
+                **{name: [v if math.isfinite(v) else None for v in col] for name, col in self.columns.items()}}
 
 
 @attrs.define(eq=False)
@@ -122,6 +112,16 @@ class PhaseProgress:
 class _Mean:
     total: float = 0.0
     count: int = 0
+
+    def add(self, value: Any) -> None:
+        """Count ``value`` when it is a finite number."""
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            return
+        if math.isfinite(x):
+            self.total += x
+            self.count += 1
 
 
 @attrs.define(eq=False)
@@ -206,17 +206,11 @@ class RunRecord:
             slots = self._epoch_positions.setdefault(epoch, [])
             slots.extend(_Mean() for _ in range(len(point.positions) - len(slots)))
             for m, v in zip(slots, point.positions, strict=False):
-                x = _finite(v)
-                if x is not None:
-                    m.total += x
-                    m.count += 1
+                m.add(v)
         acc = self._epoch_means.setdefault(epoch, {})
         for name, value in self.train.items():
-            x = _finite(value)
-            if x is not None:
-                m = acc.setdefault(name, _Mean())
-                m.total += x
-                m.count += 1
+            if _finite(value) is not None:
+                acc.setdefault(name, _Mean()).add(value)
 
     def add_eval(self, point: EvalPoint) -> None:
         for report in point.reports:
@@ -232,19 +226,21 @@ class RunRecord:
             self.bottleneck = sample.bottleneck
 
     # -- read at the end ----------------------------------------------------------------------------
+    def _epoch(self, by_epoch: dict, epoch: int | None) -> Any:
+        """``by_epoch``'s entry for ``epoch`` (default: the last epoch trained)."""
+        return by_epoch.get(epoch if epoch is not None else self.epoch if self.epoch in by_epoch else max(by_epoch))
+
     def epoch_mean(self, epoch: int | None = None) -> dict[str, float]:
         """Mean of each trainer metric over the steps of ``epoch`` (default: the last epoch trained)."""
         if not self._epoch_means:
             return {}
-        key = epoch if epoch is not None else (self.epoch if self.epoch in self._epoch_means else max(self._epoch_means))
-        return {k: m.total / m.count for k, m in self._epoch_means.get(key, {}).items() if m.count}
+        return {k: m.total / m.count for k, m in (self._epoch(self._epoch_means, epoch) or {}).items() if m.count}
 
     def epoch_positions(self, epoch: int | None = None) -> tuple[float, ...]:
         """Mean of each per-position accuracy over the steps of ``epoch`` (default: the last epoch trained)."""
         if not self._epoch_positions:
             return ()
-        key = epoch if epoch is not None else (self.epoch if self.epoch in self._epoch_positions else max(self._epoch_positions))
-        return tuple(m.total / m.count if m.count else math.nan for m in self._epoch_positions.get(key, []))
+        return tuple(m.total / m.count if m.count else math.nan for m in self._epoch(self._epoch_positions, epoch) or [])
 
     @property
     def last_sample(self) -> MonitorSample | None:
@@ -266,27 +262,11 @@ class RunRecord:
                 "eval": {label: eval_json(r) for label, r in self.evals.items()},
                 "heldout": None if not self.history.heldout else _heldout_summary(self.history.heldout),
                 "artifacts": self.artifacts,
-                "bottleneck": None
-                if b is None
-                else {
-                    "stage": b.stage,
-                    "busy": b.busy,
-                    "replicas": b.replicas,
-                    "replicas_needed": b.replicas_needed,
-                    "next_stage": b.next_stage,
-                    "saturated": b.saturated,
-                    "is_sink": b.is_sink,
-                    "sentence": b.sentence,
-                },
+                "bottleneck": None if b is None else {k: getattr(b, k) for k in (
+                    "stage", "busy", "replicas", "replicas_needed", "next_stage", "saturated", "is_sink", "sentence")},
                 "stage_load": {
-                    name: {
-                        "replicas": st.replicas,
-                        "busy": st.busy,
-                        "blocked_in": st.blocked_in,
-                        "blocked_out": st.blocked_out,
-                        "items_in": st.items_in,
-                        "items_out": st.items_out,
-                    }
+                    name: {k: getattr(st, k) for k in ("replicas", "busy", "blocked_in", "blocked_out", "items_in",
+                                                       "items_out")}
                     for name, st in (last.stages.items() if last is not None else ())
                 },
                 "stage_load_window": None if last is None else last.window_label,
@@ -299,11 +279,8 @@ def _heldout_summary(points: list[HeldoutPoint]) -> dict[str, Any]:
     """The held-out walk's last value and its curve (step, seconds, tau), for summary.json."""
     last = points[-1]
     return {
-        "tau": last.values.tau,
-        "step": last.step,
-        "elapsed_s": last.values.elapsed_s,
-        "conversations": last.conversations,
-        "horizon": last.horizon,
+        "tau": last.values.tau, "step": last.step, "elapsed_s": last.values.elapsed_s,
+        "conversations": last.conversations, "horizon": last.horizon,
         "probe_s_total": math.fsum(p.values.probe_s for p in points),
         "curve": [[p.step, p.values.elapsed_s, p.values.tau] for p in points],
     }

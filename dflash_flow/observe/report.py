@@ -1,8 +1,5 @@
-"""The end of a run's observability: files, plots, uploads and the summary table, from the RunRecord.
-
-The application calls :func:`write_run_report` once the pipeline has ended (finished, failed or
-interrupted: the record holds whatever was sampled), and prints :func:`summary_table` where it
-chooses. The Monitor only fills the record while the run goes; it writes nothing at the end.
+"""The end of a run's observability, from the RunRecord: :func:`write_run_report` (files, plots, uploads),
+called by the application once the pipeline has ended however it ended, and :func:`summary_table`.
 """
 
 from __future__ import annotations
@@ -11,25 +8,18 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 
 from dflash_flow.util import atomic_write_text
 
+from .console import pct
 from .names import eval_facts, horizon_name
 from .record import RunRecord
 from .sample import data_quality
 
 log = logging.getLogger(__name__)
-
-
-class ReportSink(Protocol):
-    """What the report needs of a tracker (``observe.tracking.Tracker`` has both)."""
-
-    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None: ...
-
-    def set_tags(self, tags: dict[str, Any]) -> None: ...
 
 
 @attrs.frozen
@@ -43,24 +33,14 @@ class RunReportFiles:
 
 
 def _write_json(path: Path, data: Any) -> Path:
-    # A reader never sees half a file.
     return atomic_write_text(path, json.dumps(data, indent=1, ensure_ascii=False, allow_nan=False))
 
 
-def write_run_report(
-    record: RunRecord,
-    *,
-    output_dir: str | os.PathLike,
-    tracker: ReportSink | None = None,
-    plots: bool | None = None,
-) -> RunReportFiles:
-    """Write ``monitor/summary.json``, ``monitor/history.json`` and (``plots``, default: what the run
-    asked for, ``record.plots``) PNG plots under ``monitor/plots/``; upload them through ``tracker``
-    (artifact paths ``monitor/`` and ``plots/``) and tag the run with the bottleneck.
-
-    A plot that cannot be drawn is logged and skipped: it must never turn a finished run into a
-    failed one. Returns the paths written.
-    """
+def write_run_report(record: RunRecord, *, output_dir: str | os.PathLike, tracker: Any = None,
+                     plots: bool | None = None) -> RunReportFiles:
+    """Write ``monitor/summary.json``, ``monitor/history.json`` and (``plots``, default ``record.plots``) PNG
+    plots under ``monitor/plots/`` (a plot that fails is logged and skipped, never failing a finished run);
+    upload them through ``tracker`` (a Tracker) and tag the run with the bottleneck. Returns the paths written."""
     out = Path(output_dir) / "monitor"
     out.mkdir(parents=True, exist_ok=True)
     summary = _write_json(out / "summary.json", record.summary())
@@ -81,10 +61,6 @@ def write_run_report(
         if record.bottleneck is not None:
             tracker.set_tags({"bottleneck": record.bottleneck.stage, "bottleneck_sentence": record.bottleneck.sentence})
     return RunReportFiles(dir=out, summary=summary, history=history, plots=made)
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.0f}%"
 
 
 _TRAIN_SHOWN = ("loss", "accuracy", "sim_accept_len", "grad_norm", "lr", "tokens_per_s", "samples_per_s",
@@ -108,14 +84,9 @@ def _eval_shown(r: Any, tau_shown: bool) -> list[tuple[str, Any]]:
     """An evaluation's rows of the summary: its facts and figures once each. The first horizon's figures are
     ``metrics`` themselves (``tau`` is ``tau_h64``: not shown twice), and ``tau`` (at every horizon) is in the
     acceptance table above when there is one (``tau_shown``)."""
-    first = r.max_new_tokens
     out = list(eval_facts(r).items()) + [(k, v) for k, v in r.metrics.items() if not (k == "tau" and tau_shown)]
-    for h, figures in r.by_horizon.items():
-        for k, v in figures.items():
-            if (h == first and r.metrics.get(k) == v) or (k == "tau" and tau_shown):
-                continue
-            out.append((horizon_name(k, h), v))
-    return out
+    return out + [(horizon_name(k, h), v) for h, figures in r.by_horizon.items() for k, v in figures.items()
+                  if not ((h == r.max_new_tokens and r.metrics.get(k) == v) or (k == "tau" and tau_shown))]
 
 
 def summary_table(record: RunRecord, *, width: int = 100) -> str:
@@ -131,28 +102,19 @@ def summary_table(record: RunRecord, *, width: int = 100) -> str:
     mean = record.epoch_mean()
     names = [k for k in _TRAIN_SHOWN if k in record.train or k in mean]
     mean_title = f"epoch {record.epoch} mean" if record.epoch is not None else "mean"
-    if names:
-        parts.append(table([[k, record.train.get(k), mean.get(k)] for k in names], ["metric", "last", mean_title], title=head))
-    else:
-        parts.append(Text(head))
-    acceptance = _acceptance(record, mean)
-    if acceptance is not None:
+    parts.append(table([[k, record.train.get(k), mean.get(k)] for k in names], ["metric", "last", mean_title],
+                       title=head) if names else Text(head))
+    if (acceptance := _acceptance(record, mean)) is not None:
         parts.append(table(*acceptance, title="acceptance length (tokens per target step)"))
-    evals = [[label, k, v] for label, r in record.evals.items() for k, v in _eval_shown(r, acceptance is not None)]
-    if evals:
+    if evals := [[label, k, v] for label, r in record.evals.items() for k, v in _eval_shown(r, acceptance is not None)]:
         parts.append(table(evals, ["evaluation", "metric", "value"], title="evaluations"))
     last = record.last_sample
     if last is not None and last.stages:
-        window = last.window_label
-        rows = [
-            [name, st.replicas, _pct(st.busy), _pct(st.blocked_in), _pct(st.blocked_out), st.items_out]
-            for name, st in last.stages.items()
-        ]
-        parts.append(
-            table(rows, ["stage", "replicas", "busy", "starved", "blocked out", "items out"], title=f"stage load ({window})")
-        )
-    quality = data_quality(last)
-    if quality:
+        rows = [[name, st.replicas, pct(st.busy), pct(st.blocked_in), pct(st.blocked_out), st.items_out]
+                for name, st in last.stages.items()]
+        parts.append(table(rows, ["stage", "replicas", "busy", "starved", "blocked out", "items out"],
+                           title=f"stage load ({last.window_label})"))
+    if quality := data_quality(last):
         parts.append(table(quality, ["stage", "records", "what happened"], title="data: records not trained as read (see the log for file:line)"))
     if record.bottleneck is not None:
         parts.append(Text(f"bottleneck: {record.bottleneck.sentence}"))

@@ -1,11 +1,10 @@
-"""Run metadata for MLflow: params flattened from the resolved config, the standard tags (git commit,
-config hash, world size, devices), MLflow's limits on names and values, and credential redaction.
-
-Pure functions, no mlflow import.
+"""Run metadata for MLflow (no mlflow import): params flattened from the resolved config, the standard tags,
+MLflow's limits on names and values, and credential redaction (``core.redact``'s, importable from here).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -14,9 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-# The one redaction lives in core.redact; importable from here as before.
 from dflash_flow.core.redact import REDACTED, redact_text, redact_uri, redact_value, uri_secrets  # noqa: F401
-from dflash_flow.util import config_hash as util_config_hash
+from dflash_flow.util import config_hash
 
 # mlflow's limits (mlflow.utils.validation); duplicated so that they are usable without importing mlflow.
 MAX_METRICS_PER_BATCH = 1000
@@ -41,10 +39,8 @@ def default_run_name(name: str, output_dir: str | os.PathLike | None) -> str:
 
 
 def sanitize_key(key: str) -> str:
-    """Make ``key`` acceptable to mlflow (word characters, ``-. /``; at most 250 characters).
-
-    The last guard before the store: metric keys built by ``observe.schema`` are already valid.
-    """
+    """Make ``key`` acceptable to mlflow (word characters, ``-. /``; at most 250 characters): the last guard
+    before the store (``observe.schema``'s keys are already valid)."""
     key = _KEY_BAD_CHARS.sub("_", str(key)).strip() or "_"
     return key[:MAX_ENTITY_KEY_LENGTH]
 
@@ -68,15 +64,9 @@ def hide_mlflow_urls(uri: str | os.PathLike | None) -> None:
 def stringify(value: Any) -> str:
     """A param or tag value as MLflow text, with every URL in it (strings inside lists and dicts too) without
     its credentials (``core.redact``)."""
-    if isinstance(value, str):
-        return redact_text(value)
-    if isinstance(value, Path):
-        return redact_text(str(value))
     if isinstance(value, (list, tuple, set, frozenset, dict)):
-        try:
+        with contextlib.suppress(TypeError, ValueError):
             return json.dumps(redact_value(list(value) if isinstance(value, (set, frozenset)) else value), default=str)
-        except (TypeError, ValueError):
-            return redact_text(str(value))
     return redact_text(str(value))
 
 
@@ -85,12 +75,9 @@ def tag_values(tags: Mapping[str, Any]) -> dict[str, str]:
 
 
 def flatten_params(params: Mapping[str, Any] | None, *, prefix: str = "") -> dict[str, str]:
-    """Flatten a nested config into ``{"a.b.c": "value"}``.
-
-    Dicts recurse with dotted keys; lists that contain dicts (e.g. a list of stage configs) recurse
-    with the index as a key part (``stages.0.name``); other lists become JSON strings. Values are
-    stringified (URLs redacted) and truncated to mlflow's 6000-character limit; keys are sanitized.
-    """
+    """Flatten a nested config into ``{"a.b.c": "value"}``: dicts recurse with dotted keys, lists holding
+    containers with the index as a key part (``stages.0.name``), other lists become JSON strings; values
+    stringified (URLs redacted) and truncated to mlflow's limit, keys sanitized."""
     out: dict[str, str] = {}
 
     def walk(obj: Any, key: str) -> None:
@@ -116,47 +103,28 @@ def run_params(config: Mapping[str, Any]) -> dict[str, Any]:
     stage's config fields beside its spec keys, as ``--set`` names them (``stages.drafter.lr``,
     ``stages.padder.replicas``), so two runs of pipelines whose stages sit in another order, or that add
     a stage, still compare key by key. Everything else as it is (``runtime.*``, ``model.*``, ...)."""
-    out = {k: v for k, v in config.items() if k != "stages"}
-    stages: dict[str, Any] = {}
-    for stage in config.get("stages", []):
-        spec = {k: v for k, v in stage.items() if k not in ("name", "config")}
-        stages[str(stage["name"])] = {**spec, **stage.get("config", {})}
-    out["stages"] = stages
-    return out
-
-
-config_hash = util_config_hash  # the one copy lives in dflash_flow.util
+    stages = {str(stage["name"]): {**{k: v for k, v in stage.items() if k not in ("name", "config")},
+                                   **stage.get("config", {})} for stage in config.get("stages", [])}
+    return {**{k: v for k, v in config.items() if k != "stages"}, "stages": stages}
 
 
 def git_commit(cwd: str | os.PathLike | None = None) -> str | None:
     """The current git commit (with ``-dirty`` when the tree has changes), or None outside git."""
     try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=cwd,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        ).stdout.strip()
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return f"{sha}-dirty" if dirty else sha
 
 
-def run_tags(
-    config: Mapping[str, Any] | None = None,
-    *,
-    world_size: int | None = None,
-    device_summary: str | None = None,
-    cwd: str | os.PathLike | None = None,
-) -> dict[str, str]:
+def run_tags(config: Mapping[str, Any] | None = None, *, world_size: int | None = None,
+             device_summary: str | None = None, cwd: str | os.PathLike | None = None) -> dict[str, str]:
     """The standard tags of a run: git commit, config hash, world size, device summary."""
     tags: dict[str, str] = {}
-    commit = git_commit(cwd)
-    if commit:
+    if commit := git_commit(cwd):
         tags["git_commit"] = commit
     if config is not None:
         tags["config_hash"] = config_hash(config)

@@ -1,28 +1,21 @@
 """What the Monitor records: one :class:`MonitorSample` per sampling window, one :class:`TrainPoint` per
-optimizer step, one :class:`EvalPoint` per evaluation. Structured attrs objects with declared metric
-fields (``observe.schema``); MLflow keys are made from them only when logging.
-
-:func:`take_sample` turns two runtime snapshots (cumulative times and counts) into window values:
-fractions of the window each replica was busy / blocked on input / blocked on output, item and counter
-rates, queue depths, the stages' own metrics by kind, the bucket mix, and the bottleneck verdict.
-Cumulative readings, not instantaneous states, make the fractions exact whatever the interval.
+optimizer step, one :class:`EvalPoint` per evaluation, as attrs objects with declared metric fields
+(``observe.schema``). :func:`take_sample` makes a sample from two runtime snapshots (``bottleneck.StageWindow``).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
 
-from dflash_flow.core.snapshot import ReplicaSnapshot, RuntimeSnapshot, StageSnapshot
+from dflash_flow.core.snapshot import RuntimeSnapshot, StageSnapshot
 from dflash_flow.items import EvalReport
 
-from .bottleneck import Bottleneck, StageLoad, find_bottleneck
+from .bottleneck import Bottleneck, StageLoad, StageWindow, counter_delta, find_bottleneck, number
 from .names import position_accuracy_name
 from .schema import metric, train_reduction
-from .window import ReplicaWindow, StageWindow
 
 
 def _slot_name(i: int) -> str:
@@ -197,32 +190,12 @@ class EvalPoint:
 # ------------------------------------------------------------------------------------ from snapshots
 
 
-def _replica(cur: ReplicaSnapshot, w: ReplicaWindow, span: float) -> ReplicaSample:
-    """One replica's sample: its window's fractions of ``span``, its cumulative items, its queue now."""
-    ch = cur.channel
-    return ReplicaSample(
-        replica=cur.replica,
-        device=cur.device,
-        state=cur.state,
-        busy=w.busy(span),
-        blocked_in=w.blocked_in(span),
-        blocked_out=w.blocked_out(span),
-        items_in=cur.items_in,
-        items_out=cur.items_out,
-        queue_depth=ch.depth if ch is not None else None,
-        queue_capacity=ch.capacity if ch is not None else None,
-    )
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    x = float(value)
-    return x if math.isfinite(x) else None
-
-
 def _stage(cur: StageSnapshot, w: StageWindow, window: float, prev: StageSnapshot | None) -> StageSample:
-    reps = tuple(_replica(r, rw, w.span_of(rw)) for r, rw in zip(cur.replicas, w.replicas, strict=True))
+    reps = []
+    for r, rw in zip(cur.replicas, w.replicas, strict=True):  # its window's fractions, cumulative items, queue now
+        span, ch = w.span_of(rw), r.channel
+        reps.append(ReplicaSample(r.replica, r.device, r.state, rw.busy(span), rw.blocked_in(span),
+                                  rw.blocked_out(span), r.items_in, r.items_out, ch and ch.depth, ch and ch.capacity))
     counters: dict[str, float] = {}
     rates: dict[str, float] = {}
     gauges: dict[str, float] = {}
@@ -230,39 +203,22 @@ def _stage(cur: StageSnapshot, w: StageWindow, window: float, prev: StageSnapsho
     labeled: dict[str, dict[str, float]] = {}
     for name, kind in cur.metric_kinds.items():
         value = cur.metric(name)
-        if kind == "counter":
-            x = _number(value)
-            if x is None:
-                continue
-            counters[name] = x
-            before = _number(prev.metric(name)) if prev is not None and name in prev.metric_kinds else None
-            rates[name] = (x - (before or 0.0)) / window if window > 0 else 0.0
-        elif kind == "gauge":
-            x = _number(value)
-            if x is not None:
-                gauges[name] = x
-        elif kind == "summary":
+        if kind == "summary":
             if value and value.get("count"):
                 summaries[name] = SummaryStats(value["count"], value["mean"], value["min"], value["max"])
         elif kind == "labeled":
             labeled[name] = {str(k): float(v) for k, v in (value or {}).items()}
+        elif kind == "gauge" and (x := number(value)) is not None:
+            gauges[name] = x
+        elif kind == "counter" and (x := number(value)) is not None:
+            counters[name] = x
+            rates[name] = counter_delta(cur, prev, name) / window if window > 0 else 0.0  # type: ignore[operator]
     return StageSample(
-        name=cur.name,
-        type=cur.type,
-        replicas=len(reps),
-        busy=w.busy,
-        blocked_in=w.blocked_in,
-        blocked_out=w.blocked_out,
-        items_in=sum(r.items_in for r in cur.replicas),
-        items_out=sum(r.items_out for r in cur.replicas),
+        cur.name, cur.type, len(reps), w.busy, w.blocked_in, w.blocked_out,
+        items_in=sum(r.items_in for r in cur.replicas), items_out=sum(r.items_out for r in cur.replicas),
         items_in_per_s=w.items_in / window if window > 0 else 0.0,
         items_out_per_s=w.items_out / window if window > 0 else 0.0,
-        per_replica=reps,
-        counters=counters,
-        rates=rates,
-        gauges=gauges,
-        summaries=summaries,
-        labeled=labeled,
+        per_replica=tuple(reps), counters=counters, rates=rates, gauges=gauges, summaries=summaries, labeled=labeled,
     )
 
 
@@ -282,28 +238,15 @@ def _buckets(now: Mapping[str, float], before: Mapping[str, float]) -> dict[str,
     return {b: BucketSample(dispatched=n, share=deltas[b] / total if total > 0 else None) for b, n in now.items()}
 
 
-def take_sample(
-    cur: RuntimeSnapshot,
-    prev: RuntimeSnapshot | None,
-    *,
-    step: int,
-    positions: Sequence[float] = (),
-    throughput: Throughput | None = None,
-    sinks: Iterable[str] = (),
-    edges: Mapping[str, Sequence[str]] | None = None,
-    exclude: Iterable[str] = (),
-    fixed: Iterable[str] = (),
-    whole_run: bool | None = None,
-    min_alive: float = 0.5,
-) -> MonitorSample:
-    """The window from ``prev`` to ``cur`` (``prev=None``: the whole run so far).
-
-    ``exclude``: stages left out of the bottleneck analysis (the Monitor itself, whose load is its own
-    sampling). ``sinks``/``edges``/``fixed``: see ``find_bottleneck``. Only stages alive for at least
-    ``min_alive`` of the window are judged (``StageWindow.alive``): a reader that finished early is not
-    a bottleneck. ``whole_run`` (default: ``prev is None``) marks the run's closing sample, whose verdict
-    is the run's (the Monitor passes the steady state, first to last training step, as the window).
-    """
+def take_sample(cur: RuntimeSnapshot, prev: RuntimeSnapshot | None, *, step: int,
+                positions: Sequence[float] = (), throughput: Throughput | None = None,
+                sinks: Iterable[str] = (), edges: Mapping[str, Sequence[str]] | None = None,
+                exclude: Iterable[str] = (), fixed: Iterable[str] = (), whole_run: bool | None = None,
+                min_alive: float = 0.5) -> MonitorSample:
+    """The window from ``prev`` to ``cur`` (``prev=None``: the whole run so far). The bottleneck analysis
+    (``sinks``/``edges``/``fixed``: ``find_bottleneck``'s) leaves out ``exclude`` (the Monitor) and stages alive
+    for less than ``min_alive`` of the window. ``whole_run`` (default: ``prev is None``) marks the run's
+    closing sample, whose verdict is the run's."""
     whole = prev is None
     window = cur.elapsed_s if whole else max(cur.time - prev.time, 1e-9)
     before = {} if whole else prev.stages
@@ -313,14 +256,10 @@ def take_sample(
     skip = set(exclude)
     loads = {name: w.load() for name, w in windows.items() if name not in skip and w.alive(window) >= min_alive}
     return MonitorSample(
-        step=int(step),
-        elapsed_s=cur.elapsed_s,
-        window_s=window,
-        whole_run=whole if whole_run is None else bool(whole_run),
-        stages=stages,
+        step=int(step), elapsed_s=cur.elapsed_s, window_s=window,
+        whole_run=whole if whole_run is None else bool(whole_run), stages=stages,
         buckets=_buckets(_bucket_counts(cur), _bucket_counts(prev)),
-        positions=tuple(float(v) for v in positions),
-        throughput=throughput or Throughput(),
+        positions=tuple(float(v) for v in positions), throughput=throughput or Throughput(),
         bottleneck=find_bottleneck(loads, sinks=sinks, edges=edges, fixed=fixed) if loads else None,
     )
 

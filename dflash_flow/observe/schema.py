@@ -1,26 +1,10 @@
-"""The metric schema: metrics declared once, as typed attrs fields, and exported to MLflow mechanically.
-
-Why: the Monitor, the plots, the bottleneck analysis and the end-of-run report all read the same
-structured objects (``observe.sample``, ``observe.record``); nothing builds ``"a/b/c"`` strings to parse
-them back later. Keys exist only at the MLflow boundary, made by :func:`metric_points` /
-:func:`mlflow_metrics` from the field declarations (Ray Data's ``metric_field`` idea, at our scale).
-``docs/metrics.md`` lists every key.
-
-Declaring: a field made with :func:`metric` is exported under ``key``, with the reduction that combines
-its values across ranks (``sum`` for counts, tokens and throughput, ``mean`` for fractions, loss and
-acceptance, ``max`` for times and depths). Fields made without it (names, states, sentences) are data,
-not metrics.
-
-Walking (one rule per value type, applied recursively from the object passed in):
-
-- an attrs instance: each declared field adds ``/<key>`` to the path;
-- a mapping: each entry adds ``/<key_part(name)>`` (stage names, metric names, labels, buckets);
-- a list/tuple: each element adds ``/<position>`` (replicas);
-- a number (a bool counts 0/1): one point at the path; None, NaN and infinities: no point.
-
-Ranks: a scale-out run reduces each rank's :class:`MetricPoint` list with :func:`reduce_ranks` (the
-reduction travels with every point) and may log each rank's own values under ``rank<r>/`` with
-``mlflow_metrics(obj, rank=r)`` -- same keys, one schema.
+"""The metric schema: metrics declared once, as typed attrs fields (:func:`metric`, with the reduction that
+combines a value across ranks), and exported to MLflow keys mechanically, only at the boundary
+(:func:`metric_points` / :func:`mlflow_metrics`); ``docs/metrics.md`` lists every key. Walking from the
+object passed in: an attrs instance adds ``/<key>`` per declared field, a mapping ``/<key_part(name)>`` per
+entry, a list/tuple ``/<position>`` per element; a number (a bool counts 0/1) is one point; None, NaN and
+infinities give none. Ranks: :func:`reduce_ranks` combines each rank's points by their declared reduction;
+``mlflow_metrics(obj, rank=r)`` logs a rank's own values under ``rank<r>/``.
 """
 
 from __future__ import annotations
@@ -38,15 +22,8 @@ REDUCTIONS = frozenset({"sum", "mean", "max", "min", "last"})
 #: The metrics a person charts first, in that order (docs/metrics.md "Chart these first" lists the same; a
 #: run carries them in its ``headline_metrics`` tag). The rest are grouped by their first key segment.
 HEADLINE_METRICS: tuple[str, ...] = (
-    "train/loss",
-    "train_epoch/sim_accept_len",
-    "heldout/tau",
-    "eval/trained/tau",
-    "eval/trained/speedup_forwards",
-    "eval/walk/tau",
-    "train/tokens_per_s",
-    "train/lr",
-    "bottleneck/busy",
+    "train/loss", "train_epoch/sim_accept_len", "heldout/tau", "eval/trained/tau",
+    "eval/trained/speedup_forwards", "eval/walk/tau", "train/tokens_per_s", "train/lr", "bottleneck/busy",
 )
 _SPEC = "dflash_flow.metric"
 
@@ -84,27 +61,11 @@ class MetricPoint:
 
 # Our own escaping: urllib.parse.quote keeps "~" and uses "%", neither of which MLflow accepts in a key.
 def key_part(name: object) -> str:
-    """A name as one MLflow key segment, injectively.
-
-    Unicode letters and digits, ``_`` and ``-`` are kept (MLflow accepts them, and they are all a stage
-    name may hold, so stage names appear verbatim); every other character, ``.`` and ``/`` included,
-    becomes ``.`` plus two hex digits per UTF-8 byte. ``.`` never survives unescaped, so two different
-    names always give two different segments (``"a b"`` -> ``a.20b``, ``"a.20b"`` -> ``a.2e20b``).
-    """
-    text = str(name)
-    out = []
-    for ch in text:
-        if ch.isalnum() or ch in "_-":
-            out.append(ch)
-        else:
-            out.append("".join(f".{b:02x}" for b in ch.encode("utf-8")))
+    """A name as one MLflow key segment, injectively: letters, digits, ``_`` and ``-`` kept (stage names
+    appear verbatim), every other character, ``.`` included, ``.`` plus two hex digits per UTF-8 byte
+    (``"a b"`` -> ``a.20b``, ``"a.20b"`` -> ``a.2e20b``)."""
+    out = [ch if ch.isalnum() or ch in "_-" else "".join(f".{b:02x}" for b in ch.encode("utf-8")) for ch in str(name)]
     return "".join(out) or ".00"  # the empty name still needs a segment (and "\0" is never a real name)
-
-
-def _reduction(spec: MetricSpec, name: str | None) -> str:
-    if callable(spec.reduce):
-        return spec.reduce(name or "")
-    return spec.reduce
 
 
 def _walk(value: Any, path: str, spec: MetricSpec | None, leaf: str | None) -> Iterator[MetricPoint]:
@@ -112,25 +73,18 @@ def _walk(value: Any, path: str, spec: MetricSpec | None, leaf: str | None) -> I
         return
     if attrs.has(type(value)):
         for f in attrs.fields(type(value)):
-            inner = f.metadata.get(_SPEC)
-            if inner is not None:
+            if (inner := f.metadata.get(_SPEC)) is not None:
                 yield from _walk(getattr(value, f.name), f"{path}/{inner.key}" if path else inner.key, inner, None)
+    elif spec is None:
         return
-    if spec is None:
-        return
-    if isinstance(value, Mapping):
+    elif isinstance(value, Mapping):
         for name, v in value.items():
             yield from _walk(v, f"{path}/{key_part(name)}", spec, str(name) if leaf is None else leaf)
-        return
-    if isinstance(value, (list, tuple)):
+    elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
-            part = spec.element(i) if spec.element is not None else str(i)
-            yield from _walk(v, f"{path}/{part}", spec, leaf)
-        return
-    if isinstance(value, (int, float)):
-        x = float(value)
-        if math.isfinite(x):
-            yield MetricPoint(path, x, _reduction(spec, leaf))
+            yield from _walk(v, f"{path}/{spec.element(i) if spec.element is not None else i}", spec, leaf)
+    elif isinstance(value, (int, float)) and math.isfinite(x := float(value)):
+        yield MetricPoint(path, x, spec.reduce(leaf or "") if callable(spec.reduce) else spec.reduce)
 
 
 def metric_points(obj: Any) -> list[MetricPoint]:
@@ -138,41 +92,22 @@ def metric_points(obj: Any) -> list[MetricPoint]:
     return list(_walk(obj, "", None, None))
 
 
-def rank_prefix(rank: int) -> str:
-    return f"rank{int(rank)}"
-
-
 def mlflow_metrics(obj: Any, *, rank: int | None = None) -> dict[str, float]:
     """The MLflow boundary: ``obj`` as ``{"a/b/c": value}``; with ``rank``, under ``rank<r>/``."""
-    prefix = "" if rank is None else rank_prefix(rank) + "/"
+    prefix = "" if rank is None else f"rank{int(rank)}/"
     return {prefix + p.key: p.value for p in metric_points(obj)}
 
 
 def reduce_ranks(per_rank: Sequence[Sequence[MetricPoint]]) -> dict[str, float]:
-    """Combine the points of several ranks key by key with each point's declared reduction.
-
-    A key missing on some ranks is reduced over the ranks that have it (a stage may run on rank 0 only).
-    """
+    """Combine the points of several ranks key by key with each point's declared reduction (a key missing
+    on some ranks: over the ranks that have it)."""
     groups: dict[str, tuple[str, list[float]]] = {}
     for points in per_rank:
         for p in points:
             groups.setdefault(p.key, (p.reduce, []))[1].append(p.value)
-    out = {}
-    for key, (how, values) in groups.items():
-        if how == "sum":
-            out[key] = math.fsum(values)
-        elif how == "mean":
-            out[key] = math.fsum(values) / len(values)
-        elif how == "max":
-            out[key] = max(values)
-        elif how == "min":
-            out[key] = min(values)
-        else:  # "last": the highest rank's value
-            out[key] = values[-1]
-    return out
-
-
-# -------------------------------------------------------------------------- train metric reductions
+    how_to = {"sum": math.fsum, "mean": lambda v: math.fsum(v) / len(v), "max": max, "min": min}
+    last = lambda v: v[-1]  # noqa: E731 - "last": the highest rank's value
+    return {key: how_to.get(how, last)(values) for key, (how, values) in groups.items()}
 
 
 def train_reduction(name: str) -> str:

@@ -1,17 +1,10 @@
-"""The spool: a local JSONL outbox of store ops that the tracking store has not accepted yet, and its
-replay into a store (``dflash-flow import-spool``) when a run ended with ops still spooled.
-
-Layout, next to each other in the spool directory::
-
-    spool-<run>.jsonl             a header ({"op": "meta", ...}, then {"op": "run", ...} when the run
-                                  exists), then the ops in order, one JSON object a line
-    spool-<run>-artifacts/<n>/    copies of the artifacts logged while spooling (the upload later sees
-                                  the file as it was when logged); spooled ops name them relative to
-                                  this directory, so a moved run directory still imports
-
-Replay trusts the spool only as far as it must: it uploads files inside the spool's own artifact
-directory only (symlinks are not followed out of it), and every failure is one :class:`SpoolError`
-line naming the file.
+"""The spool: a local JSONL outbox of the ops the tracking store has not accepted yet, and its replay
+(``dflash-flow import-spool``). ``spool-<run>.jsonl`` holds a header (``meta``, then ``run`` once the run
+exists) and the ops in order; ``spool-<run>-artifacts/<n>/`` the copies of artifacts logged while spooling,
+named relative to it (a moved run directory still imports). Replay uploads only files inside that directory
+(no symlink out of it), and every failure is one :class:`SpoolError` line naming the file.
+:class:`SpooledDelivery`, the Tracker's base class, sends its store writes in order, spooled from the first
+transient failure on and replayed with backoff (``tracking`` explains the design).
 """
 
 from __future__ import annotations
@@ -21,12 +14,14 @@ import json
 import logging
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from dflash_flow.core.stopping import controller as stop_controller
 from dflash_flow.util import atomic_write_text
 
-from .runinfo import REDACTED, hide_mlflow_urls, redact_uri, redact_value, uri_secrets
+from .runinfo import MAX_METRICS_PER_BATCH, REDACTED, hide_mlflow_urls, redact_uri, redact_value, uri_secrets
 from .store import (
     RUN_OPS,
     apply_op,
@@ -35,12 +30,14 @@ from .store import (
     default_artifact_location,
     first_line,
     is_missing_resource,
+    is_transient_error,
     quiet_store_errors,
     resolve_tracking_uri,
     sqlite_path,
 )
 
 log = logging.getLogger(__name__)
+_tracking_log = logging.getLogger("dflash_flow.observe.tracking")  # the Tracker's warnings
 
 IMPORT_HTTP_TIMEOUT_S = 120  # an artifact upload may be large
 IMPORT_HTTP_RETRIES = 2
@@ -56,11 +53,8 @@ def stash_dir_for(spool_path: str | os.PathLike) -> Path:
 
 
 class SpoolFile:
-    """The tracker's outbox on disk (the ops themselves are also held in memory by the tracker).
-
-    ``header()`` gives the lines written first whenever the file is (re)created. Write failures are
-    the caller's to report: the file is crash-safety, not the only copy.
-    """
+    """The tracker's outbox on disk (crash-safety: the tracker holds the ops in memory too, and reports write
+    failures). ``header()`` gives the lines written first whenever the file is (re)created."""
 
     def __init__(self, path: Path, header: Callable[[], list[dict]]) -> None:
         self.path = path
@@ -101,13 +95,9 @@ class SpoolFile:
             return op
         src = Path(op["path"])
         self._artifact_seq += 1
-        dst_dir = self.stash_dir / str(self._artifact_seq)
-        dst = dst_dir / src.name
-        dst_dir.mkdir(parents=True, exist_ok=True)
-        if src.is_dir():
-            shutil.copytree(src, dst)
-        else:
-            shutil.copy2(src, dst)
+        dst = self.stash_dir / str(self._artifact_seq) / src.name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, dst)
         return {**op, "path": str(dst), "stashed": True}
 
     @staticmethod
@@ -121,10 +111,7 @@ def read_spool(path: str | os.PathLike) -> list[dict]:
     """The ops of a spool file (a torn line, from a crash mid-write, is skipped with a warning)."""
     ops = []
     with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
+        for line in filter(None, map(str.strip, f)):
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
@@ -152,9 +139,9 @@ def _artifact_source(op: dict, spool: Path, stash_real: Path) -> Path:
     named = Path(op["path"])
     candidate = named if named.is_absolute() else stash_dir_for(spool) / named
     real = Path(os.path.realpath(candidate))
-    refuse = f"{spool}: refusing to upload {named}: only files inside the spool's artifact directory {stash_dir_for(spool)} are uploaded"
     if not _inside(stash_real, real):
-        raise SpoolError(refuse)
+        raise SpoolError(f"{spool}: refusing to upload {named}: only files inside the spool's artifact directory "
+                         f"{stash_dir_for(spool)} are uploaded")
     if not real.exists():
         raise SpoolError(f"{spool}: the artifact {named} named by the spool is missing from {stash_dir_for(spool)}")
     if real.is_dir():
@@ -176,25 +163,16 @@ def _keep_rest(spool: Path, meta: dict | None, run_id: str | None, rest: list[di
 
 
 def import_spool(path: str | os.PathLike, tracking_uri: str | os.PathLike | None = None) -> str:
-    """Replay a spool file left behind into ``tracking_uri`` (default: the URI recorded in the spool,
-    else mlflow's default). Returns the run id. Raises :class:`SpoolError` (one line) on any problem.
-
-    Nothing is sent until the whole spool checked out (artifacts inside its own directory, a store
-    that is usable, the run it continues still there). The file is removed once every op was applied;
-    after a failure midway it keeps the ops not yet applied, so importing again neither repeats nor
-    loses anything (metrics are deduplicated by SQL stores anyway).
-    """
+    """Replay a spool file into ``tracking_uri`` (default: the spool's, else mlflow's); the run id, or a
+    one-line :class:`SpoolError`. Nothing is sent until the whole spool checked out; the file is removed once
+    every op was applied, and after a failure midway keeps the ops not yet applied (no repeat, no loss)."""
     spool = Path(path)
     meta, body = _spooled_ops(spool)
     uri = _import_uri(spool, meta, body, tracking_uri)
     # A run created offline against a server has no artifact location; in a sqlite store it gets the
     # store's own (next to the .db file), not ./mlruns of whatever directory the import ran in.
-    body = [
-        {**o, "artifact_location": default_artifact_location(uri, o.get("experiment") or "")}
-        if o["op"] == "create_run" and not o.get("artifact_location")
-        else o
-        for o in body
-    ]
+    body = [{**o, "artifact_location": default_artifact_location(uri, o.get("experiment") or "")}
+            if o["op"] == "create_run" and not o.get("artifact_location") else o for o in body]
     run_id = _replay(spool, meta, body, uri)
     spool.unlink(missing_ok=True)
     shutil.rmtree(stash_dir_for(spool), ignore_errors=True)
@@ -211,7 +189,7 @@ def _spooled_ops(spool: Path) -> tuple[dict | None, list[dict]]:
         raise SpoolError(f"{spool}: cannot read the spool ({first_line(exc)})") from None
     meta = next((o for o in ops if o["op"] == "meta"), None)
     body = [o for o in ops if o["op"] != "meta"]
-    if not body or body[0]["op"] not in ("create_run", "run"):
+    if not body or body[0]["op"] not in RUN_OPS[:2]:
         raise SpoolError(f"{spool}: not a dflash-flow spool (it does not start with a run record)")
     stash_real = Path(os.path.realpath(stash_dir_for(spool)))
     body = [{**o, "path": str(_artifact_source(o, spool, stash_real))} if o["op"] == "artifact" else o for o in body]
@@ -228,8 +206,7 @@ def _import_uri(spool: Path, meta: dict | None, body: list[dict], tracking_uri: 
             "pass --tracking-uri"
         )
     source = tracking_uri if tracking_uri is not None else recorded
-    problem = check_tracking_uri(source)
-    if problem:
+    if problem := check_tracking_uri(source):
         raise SpoolError(f"{spool}: {problem}")
     try:
         uri = resolve_tracking_uri(source)
@@ -274,3 +251,145 @@ def _replay(spool: Path, meta: dict | None, body: list[dict], uri: str) -> str:
                 f"{spool}: importing into {shown} failed at the {op['op']} op: {first_line(exc, secrets=secrets)}"
             ) from exc
     return state["run_id"]
+
+
+# ------------------------------------------------------------------------------------------- delivery
+
+
+class SpooledDelivery:
+    """The delivery half of a Tracker: the state it uses (``_client``, ``_state``, ``_io_lock``,
+    ``_pending``, ``_spool``, the retry clock, ``spool_dir``, the timeouts) is set by ``Tracker.__init__``."""
+
+    def _submit(self, ops: list[dict], *, force_retry: bool = False) -> None:
+        """Send ops in order; on a transient failure spool the failing op and all later ones."""
+        if not ops and not self._pending:
+            return
+        with self._io_lock:
+            if self._pending:
+                self._spool_append(ops)
+                if force_retry or time.monotonic() >= self._retry_at:
+                    self._drain(None if force_retry else self.drain_budget_s)
+                return
+            for i, op in enumerate(ops):
+                try:
+                    self._send(op)
+                except Exception as exc:
+                    if not is_transient_error(exc):
+                        if op["op"] in RUN_OPS:
+                            raise  # e.g. resuming a run that does not exist: a config error, say so
+                        _tracking_log.warning("MLflow rejected a %s operation (dropped): %s", op["op"], first_line(exc, secrets=self._secrets))
+                        continue
+                    self._enter_spool(ops[i:], exc)
+                    return
+
+    def _send(self, op: dict) -> None:
+        timeout = self.artifact_timeout_s if op["op"] == "artifact" else self.http_timeout_s
+        # A KeyboardInterrupt inside a sqlite transaction would leave it open and the database locked (the
+        # run's final status could never be written): a stop signal waits until the write is done.
+        with stop_controller().hold(), bounded_http(self.tracking_uri or "", timeout, self.http_max_retries):
+            apply_op(self._client, op, self._state)
+
+    def _enter_spool(self, ops: list[dict], exc: BaseException) -> None:
+        self._outages += 1
+        self._retry_delay = self.retry_initial_s
+        self._retry_at = time.monotonic() + self._retry_delay
+        self._spool_append(ops)
+        # One warning per outage (not per step); the recovery is logged at INFO.
+        _tracking_log.warning("MLflow tracking at %s is unreachable (%s). Training continues; metrics are spooled "
+                    "to %s and sent when the store is back.", self.display_uri, first_line(exc, 200, self._secrets),
+                    self.spool_path)
+
+    def _drain(self, budget_s: float | None = None) -> None:
+        """Replay spooled ops from the oldest; stop at the first transient failure (then back off)
+        or when ``budget_s`` is spent (the rest goes out on the next flush, so a long backlog never
+        holds the Monitor for long). Consecutive metric ops are merged into batches of <= 1000."""
+        sent = 0
+        t_end = None if budget_s is None else time.monotonic() + budget_s
+        try:
+            while self._pending:
+                if t_end is not None and sent and time.monotonic() >= t_end:
+                    return
+                group = self._head_group()
+                op = (group[0] if len(group) == 1 else
+                      {"op": "metrics", "metrics": [m for g in group for m in g["metrics"]]})
+                try:
+                    self._send(op)
+                except Exception as exc:
+                    if is_transient_error(exc):
+                        self._retry_delay = min(self.retry_max_s, self._retry_delay * 2)
+                        self._retry_at = time.monotonic() + self._retry_delay
+                        return
+                    if op["op"] in RUN_OPS:
+                        # Nothing after it can be applied to this store; keep the spool for import_spool.
+                        _tracking_log.error("MLflow rejected the spooled %s operation (%s); tracking stops, the spool stays in %s",
+                                  op["op"], first_line(exc, secrets=self._secrets), self.spool_path)
+                        self._retry_at = float("inf")
+                        return
+                    _tracking_log.warning("MLflow rejected a spooled %s operation (dropped): %s", op["op"], first_line(exc, secrets=self._secrets))
+                for _ in group:
+                    SpoolFile.discard(self._pending.popleft())
+                    sent += 1
+        finally:
+            if sent:
+                self._rewrite_spool()
+        _tracking_log.info("MLflow tracking at %s is back: replayed %d spooled operations.", self.display_uri, sent)
+        self._retry_delay = self.retry_initial_s
+
+    def _head_group(self) -> list[dict]:
+        """The head op, or the run of consecutive metric ops at the head that fits one log_batch."""
+        head = self._pending[0]
+        if head["op"] != "metrics":
+            return [head]
+        group, n = [], 0
+        for op in self._pending:
+            if op["op"] != "metrics" or n + len(op["metrics"]) > MAX_METRICS_PER_BATCH:
+                break
+            group.append(op)
+            n += len(op["metrics"])
+        return group or [head]
+
+    def _spool_file(self) -> SpoolFile:
+        if self._spool is None:
+            assert self.spool_dir is not None
+            path = self.spool_dir / f"spool-{self.run_id or self._local_id}.jsonl"
+            self._spool = SpoolFile(path, self._header)
+        return self._spool
+
+    def _header(self) -> list[dict]:
+        head = {"op": "meta", "tracking_uri": self.display_uri, "experiment": self.experiment}
+        return [head] + ([{"op": "run", "run_id": self.run_id}] if self.run_id else [])
+
+    def _spool_append(self, ops: list[dict]) -> None:
+        if not ops:
+            return
+        spool = self._spool_file()
+        new = not spool.path.exists() or not self._pending
+        ops = [self._stash(spool, op) for op in ops]
+        self._pending.extend(ops)
+        try:
+            spool.append(ops, new=new)
+        except OSError as exc:
+            # The ops are still held in memory and replayed from there; only the crash-safety of the
+            # file is lost. Say so once, never stop training over it.
+            self._warn_spool_write(spool.path, exc)
+
+    def _rewrite_spool(self) -> None:
+        if self._spool is None:
+            return
+        try:
+            self._spool.rewrite(self._pending)
+        except OSError as exc:
+            self._warn_spool_write(self._spool.path, exc)
+
+    def _warn_spool_write(self, path: Path, exc: OSError) -> None:
+        if not self._spool_write_failed:
+            self._spool_write_failed = True
+            _tracking_log.warning("cannot write the MLflow spool file %s (%s); spooling in memory only", path, exc)
+
+    @staticmethod
+    def _stash(spool: SpoolFile, op: dict) -> dict:
+        try:
+            return spool.stash(op)
+        except OSError as exc:
+            _tracking_log.warning("could not stash artifact %s for later upload: %s", op.get("path"), exc)
+            return op

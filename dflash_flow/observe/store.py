@@ -1,8 +1,6 @@
-"""The MLflow store: where a run goes (URI resolution and a fast pre-flight check), which errors mean
-"try again later", and the store writes ("ops") shared by the live tracker and the spool import.
-
-Every write is an op, a small JSON-able dict (``create_run``, ``run``, ``resume``, ``params``, ``tags``,
-``metrics``, ``artifact``, ``end``), so the same record can be sent now, spooled, or replayed later.
+"""The MLflow store: where a run goes (URI resolution, a fast pre-flight check), which errors mean "try again
+later", and the store writes: *ops*, small JSON-able dicts (``create_run``, ``run``, ``resume``, ``params``,
+``tags``, ``metrics``, ``artifact``, ``end``) sent now, spooled, or replayed later by ``import-spool``.
 """
 
 from __future__ import annotations
@@ -36,10 +34,6 @@ def chunks(seq: list, n: int) -> Iterator[list]:
         yield seq[i : i + n]
 
 
-def is_http(uri: str) -> bool:
-    return uri.startswith(("http://", "https://"))
-
-
 # ------------------------------------------------------------------------------------ where a run goes
 
 
@@ -67,9 +61,7 @@ def sqlite_path(uri: str) -> Path | None:
         return None
     rest = uri[len("sqlite://") :].split("?", 1)[0]
     path = unquote(rest[1:] if rest.startswith("/") else rest)  # sqlite:///rel.db, sqlite:////abs.db
-    if path in ("", ":memory:"):
-        return None
-    return Path(path)
+    return None if path in ("", ":memory:") else Path(path)
 
 
 def _probe_dir(directory: Path, target: Path) -> str | None:
@@ -79,6 +71,13 @@ def _probe_dir(directory: Path, target: Path) -> str | None:
     return f"cannot write {target}: {directory} is not writable ({why})" if why else None
 
 
+def _check_new(target: Path, start: Path, what: str) -> str | None:
+    base = nearest_existing(start)
+    if not base.is_dir():
+        return f"cannot create {what} {target}: {base} is not a directory"
+    return _probe_dir(base, target)
+
+
 def _check_file(db: Path) -> str | None:
     if db.exists():
         if db.is_dir():
@@ -86,29 +85,13 @@ def _check_file(db: Path) -> str | None:
         if not os.access(db, os.W_OK):
             return f"tracking database {db} is not writable"
         return _probe_dir(db.parent, db)  # sqlite writes its journal next to the file
-    base = nearest_existing(db.parent)
-    if not base.is_dir():
-        return f"cannot create tracking database {db}: {base} is not a directory"
-    return _probe_dir(base, db)
-
-
-def _check_dir(directory: Path) -> str | None:
-    if directory.exists() and not directory.is_dir():
-        return f"tracking store {directory} is not a directory"
-    base = nearest_existing(directory)
-    if not base.is_dir():
-        return f"cannot create tracking store {directory}: {base} is not a directory"
-    return _probe_dir(base, directory)
+    return _check_new(db, db.parent, "tracking database")
 
 
 def check_tracking_uri(tracking_uri: str | os.PathLike | None) -> str | None:
-    """None when the store at ``tracking_uri`` looks usable, else a one-line reason naming the path.
-
-    Instant, and safe to call before any thread starts: local stores (a plain path, ``sqlite:``,
-    ``file:``) must be writable or creatable -- checked by creating a probe file in the nearest
-    existing directory, creating nothing else; ``http(s):`` URIs are only checked for a host and a
-    valid port (no request is made). Other schemes are left to mlflow.
-    """
+    """None when the store at ``tracking_uri`` looks usable, else a one-line reason naming the path. Instant:
+    a local store must be writable or creatable (a probe file in the nearest existing directory, nothing else
+    created); ``http(s):`` needs a host and a valid port (no request); other schemes are left to mlflow."""
     if tracking_uri is None:
         tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or str(Path.cwd() / "mlflow.db")
     uri = os.fspath(tracking_uri)
@@ -124,7 +107,10 @@ def check_tracking_uri(tracking_uri: str | os.PathLike | None) -> str | None:
         db = sqlite_path(uri)
         return None if db is None else _check_file(db.expanduser().absolute())
     if scheme == "file":
-        return _check_dir(Path(unquote(urlsplit(uri).path)))
+        directory = Path(unquote(urlsplit(uri).path))
+        if directory.exists() and not directory.is_dir():
+            return f"tracking store {directory} is not a directory"
+        return _check_new(directory, directory, "tracking store")
     if scheme in ("http", "https"):
         try:
             parts = urlsplit(uri)
@@ -137,9 +123,8 @@ def check_tracking_uri(tracking_uri: str | os.PathLike | None) -> str | None:
 
 
 def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:
-    """Keep a sqlite store self-contained: artifacts of experiments we create go next to the .db
-    file (``<db dir>/mlartifacts/<experiment>``), not into whatever directory the process ran in.
-    Other stores (a server) choose their own artifact root."""
+    """Keep a sqlite store self-contained: artifacts of experiments we create go to ``<db
+    dir>/mlartifacts/<experiment>``, not the process's directory (None: other stores choose their own)."""
     db = sqlite_path(tracking_uri)
     if db is None or not tracking_uri.startswith("sqlite:///"):
         return None
@@ -151,25 +136,19 @@ def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:
 
 
 def is_transient_error(exc: BaseException) -> bool:
-    """Whether an error from the store means "try again later" (spool) rather than "this op is bad".
+    """Whether an error from the store means "try again later" (spool) rather than "this op is bad": client
+    errors (HTTP 4xx but 429) are permanent, retrying would wedge the spool; connection failures, timeouts,
+    5xx, 429, local I/O and database locks are transient."""
+    from mlflow.exceptions import MlflowException
 
-    Client errors (HTTP 4xx other than 429: invalid parameter, changed param value, missing run...)
-    are permanent: retrying them would wedge the spool forever. Connection failures, timeouts, 5xx,
-    429 and local I/O / database-lock errors are transient.
-    """
-    try:
-        from mlflow.exceptions import MlflowException
-    except ImportError:  # pragma: no cover - mlflow is a dependency
-        MlflowException = ()  # type: ignore[assignment]
-    if MlflowException and isinstance(exc, MlflowException):
+    if isinstance(exc, MlflowException):
         try:
             status = int(exc.get_http_status_code())
         except Exception:
             status = 500
         return not (400 <= status < 500 and status != 429)
-    if isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError, ValueError, TypeError)):
-        return False
-    return True  # requests/urllib3 connection errors, OSError, sqlalchemy OperationalError, ...
+    # else transient: requests/urllib3 connection errors, OSError, sqlalchemy OperationalError, ...
+    return not isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError, ValueError, TypeError))
 
 
 def is_missing_resource(exc: BaseException) -> bool:
@@ -191,10 +170,8 @@ def first_line(exc: BaseException, limit: int = 300, secrets: tuple[str, ...] = 
 
 
 class _CaughtDatabaseError(logging.Filter):
-    """mlflow's SQLAlchemy store logs every database error it re-raises with its whole traceback and the
-    SQL with its parameters (screens of text per metric batch while a disk is full). The error is raised
-    to the caller all the same, and the Tracker reports it in one line (its outage warning names it and
-    the spool): the log record is dropped, unless DEBUG is asked for."""
+    """Drops mlflow's log of every database error it re-raises (traceback and SQL: screens of text per batch
+    while a disk is full; the Tracker reports the error in one line), unless DEBUG is asked for."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if str(record.msg).startswith("SQLAlchemy database error"):
@@ -206,7 +183,6 @@ _FILTER = _CaughtDatabaseError()
 
 
 def quiet_store_errors() -> None:
-    """Install the filter above (idempotent) on the logger of mlflow's database helpers."""
     logger = logging.getLogger("mlflow.store.db.utils")
     if _FILTER not in logger.filters:
         logger.addFilter(_FILTER)
@@ -214,19 +190,14 @@ def quiet_store_errors() -> None:
 
 @contextlib.contextmanager
 def bounded_http(uri: str, timeout_s: int, max_retries: int) -> Iterator[None]:
-    """Bound mlflow's HTTP retries/timeout for the calls made inside.
-
-    mlflow's HTTP client retries 7 times with exponential backoff and a 120 s timeout by default; those
-    knobs are environment variables read on every request (``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` /
-    ``_TIMEOUT`` / ``_BACKOFF_FACTOR``), not per-client settings, so a temporary override is the only
-    per-call control it offers. Variables the user set are left alone.
-    """
-    if not is_http(uri):
+    """Bound mlflow's HTTP retries/timeout (7 retries, 120 s by default) for the calls made inside: they are
+    environment variables read on every request, so a temporary override is the only per-call control.
+    Variables the user set are left alone."""
+    if not uri.startswith(("http://", "https://")):
         yield
         return
     overrides = {
-        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(int(max_retries)),
-        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0",
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(int(max_retries)), "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0",
         "MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, int(timeout_s))),
     }
     with _HTTP_ENV_LOCK:
@@ -247,9 +218,8 @@ def bounded_http(uri: str, timeout_s: int, max_retries: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def store_creation_lock(uri: str, timeout_s: float = 120.0) -> Iterator[None]:
-    """Held while a process first opens a sqlite store: mlflow creates (or upgrades) the tables of a new
-    database on first use, and two runs starting at once on one fresh file would both try ("table
-    experiments already exists"). A file lock next to the database serializes that; other URIs: no-op."""
+    """A file lock next to a sqlite database, held while a process first opens it: mlflow makes a new
+    database's tables on first use, and two runs starting at once would both try. Other URIs: no-op."""
     db = sqlite_path(uri)
     if db is None:
         yield
@@ -307,13 +277,8 @@ def _ensure_experiment(client: Any, name: str, artifact_location: str | None) ->
 
 def logged_steps(client: Any, run_id: str) -> dict[str, int]:
     """The last step the run has of each of its metrics (what a resumed run must not log again)."""
-    run = client.get_run(run_id)
-    out = {}
-    for key in run.data.metrics:
-        steps = [m.step for m in client.get_metric_history(run_id, key)]
-        if steps:
-            out[key] = max(steps)
-    return out
+    return {key: max(steps) for key in client.get_run(run_id).data.metrics
+            if (steps := [m.step for m in client.get_metric_history(run_id, key)])}
 
 
 def new_metric_rows(rows: list, last_steps: dict[str, int]) -> list:
@@ -340,9 +305,8 @@ def apply_op(client: Any, op: dict, state: dict) -> None:
     kind = op["op"]
     if kind == "create_run":
         exp_id = _ensure_experiment(client, op["experiment"], op.get("artifact_location"))
-        run = client.create_run(
-            exp_id, start_time=op.get("start_time"), tags=op.get("tags") or None, run_name=op.get("run_name")
-        )
+        run = client.create_run(exp_id, start_time=op.get("start_time"), tags=op.get("tags") or None,
+                                run_name=op.get("run_name"))
         state["run_id"] = run.info.run_id
         return
     if kind == "run":
@@ -376,11 +340,8 @@ def apply_op(client: Any, op: dict, state: dict) -> None:
     elif kind == "tags":
         client.log_batch(run_id, tags=[RunTag(k, v) for k, v in op["tags"].items()], synchronous=True)
     elif kind == "artifact":
-        path = op["path"]
-        if os.path.isdir(path):
-            client.log_artifacts(run_id, path, op.get("artifact_path"))
-        else:
-            client.log_artifact(run_id, path, op.get("artifact_path"))
+        log = client.log_artifacts if os.path.isdir(op["path"]) else client.log_artifact
+        log(run_id, op["path"], op.get("artifact_path"))
     elif kind == "end":
         client.set_terminated(run_id, status=op["status"], end_time=op.get("end_time"))
     else:

@@ -128,14 +128,9 @@ class Bucketer(Stage):
         corpus = self._corpus() if self._samples or self._tables else None
         if corpus is None or len(corpus) == 0:
             raise self._no_samples()
-        config = PlanConfig(
-            max_tokens=self.max_tokens,
-            max_batch_size=self.max_batch_size,
-            pad_to_multiple=self.pad_to_multiple,
-            boundaries=self.boundaries,
-            num_buckets=self.num_buckets,
-            length_jitter=self.length_jitter,
-        )
+        config = PlanConfig(max_tokens=self.max_tokens, max_batch_size=self.max_batch_size,
+                            pad_to_multiple=self.pad_to_multiple, boundaries=self.boundaries,
+                            num_buckets=self.num_buckets, length_jitter=self.length_jitter)
         # rank 0 on purpose: every rank must build the same global plan.
         seed = derive_seed(self._ctx.seed, 0, 0, self._ctx.name)
         planner: Any = None

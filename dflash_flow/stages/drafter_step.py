@@ -1,33 +1,22 @@
-"""DrafterStep: adapts a drafter's training run (``model.training.DrafterRun`` over ``model.trainer``) to the
-pipeline: target features in, step reports out; the stop, checkpoints and the export through the run services.
-The knobs are declared where they act (``core.fields.include``): the run's, the shape's, the recipe's, the
-strategies', the threads' and the held-out walk's."""
+"""DrafterStep: adapts a drafter's training run (``model.training.DrafterRun``) to the pipeline: target features in,
+step reports out; the stop, checkpoints and the export through the run services. Its knobs are included from where
+they act (``model.training.include_knobs``)."""
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import attrs
 
-from dflash_flow.core import Stage, cfg
-from dflash_flow.core.fields import include
+from dflash_flow.core import Stage
 from dflash_flow.core.metrics import Counter, Gauge, Summary, stage_metric
-from dflash_flow.data.position import DataPosition
 from dflash_flow.items import StepReport, TargetFeatures
-from dflash_flow.model import strategies
-from dflash_flow.model.heldout_schedule import HeldoutKnobs
-from dflash_flow.model.recipe import NOT_IN_YAML, DrafterShape, TrainerConfig
+from dflash_flow.model import training
 from dflash_flow.model.spec import ModelSpec, UsesModel, model_of
-from dflash_flow.model.threads import ThreadKnobs
-from dflash_flow.model.training import RunKnobs, drafter_shape
 from dflash_flow.services import CheckpointPayload, CheckpointSource, services_of
 
 log = logging.getLogger(__name__)
-
-#: The drafter's shape fields that the model spec declares once (``model:``), not the stage.
-IN_MODEL = ("num_layers", "block_size", "mask_token_id", "target_layer_ids")
 
 
 @attrs.define
@@ -43,17 +32,11 @@ class DrafterStepMetrics:
 
 
 @attrs.define(kw_only=True, eq=False)
-@include(RunKnobs, DrafterShape, TrainerConfig, *strategies.VARIANTS.values(), *strategies.OBJECTIVES.values(),
-         ThreadKnobs, HeldoutKnobs, exclude=(*NOT_IN_YAML, *IN_MODEL))
+@training.include_knobs
 class DrafterStep(Stage, CheckpointSource, UsesModel):
     """Trains the DFlash drafter on target features; checkpoints; exports the inference checkpoint."""
 
-    @classmethod
-    def preload(cls) -> None:
-        import dflash_flow.model.export  # noqa: F401
-        import dflash_flow.model.target  # noqa: F401
-        import dflash_flow.model.trainer  # noqa: F401
-
+    preload = staticmethod(training.preload)
     input_type = TargetFeatures
     output_type = StepReport
     stage_metrics = (DrafterStepMetrics,)
@@ -64,67 +47,31 @@ class DrafterStep(Stage, CheckpointSource, UsesModel):
         "block_size": "model.block_size", "mask_token_id": "model.mask_token_id",
     }
 
-    variant: Literal["dflash", "dflash2"] = cfg(
-        "dflash", choices=tuple(strategies.VARIANTS),
-        doc="dflash, or dflash2: in-block convolutions and a candidate selector (docs/dflash2.md).",
-    )
-    objective: Literal["dflash", "variable_prefix"] = cfg(
-        "dflash", choices=tuple(strategies.OBJECTIVES),
-        doc="dflash: one real token per block; variable_prefix: D2SD VP-Drafter, each block shows l real tokens, "
-        "only the masked suffix is supervised (docs/objectives.md).",
-    )
     _run: Any = attrs.field(default=None, init=False)  # model.training.DrafterRun, from setup on
     _batch_log: Any = attrs.field(default=None, init=False)
 
-    @objective.validator
-    def _check_strategies(self, _attribute: attrs.Attribute, _value: str) -> None:
-        strategies.refuse_misplaced_knobs(self)  # the checks against the block size need the model spec
-
     def model_problems(self, spec: ModelSpec, devices: list[list[str]]) -> list[tuple[str, str]]:  # noqa: ARG002
-        """(field, message): a target declared; the strategies' settings against the block size and the target's
-        sizes, a drafter to start from made for them (``strategies.setting_problems``)."""
-        if spec.target is None:
-            return [("model.target", "DrafterStep needs the target (its embedding and LM head are shared): set "
-                                     "model.target")]
-        return strategies.setting_problems(strategies.variant_of(self), strategies.objective_of(self),
-                                           block_size=spec.block_size, facts=spec.facts, init_from=self.init_from)
+        return training.drafter_problems(self, spec)
 
-    # -- lifecycle --------------------------------------------------------------------------------
     def setup(self, ctx) -> None:
-        from dflash_flow.model.training import DrafterRun
-
         self._ctx, self._services, self._stopping = ctx, services_of(ctx), False
         self._spec = spec = model_of(ctx)
         spec.require_target(f"stage '{ctx.name}'")
-        self._run = run = DrafterRun.build(self, spec, device=ctx.device, seed=ctx.shared_seed_for(0, "init"),
-                                           busy=ctx.busy)
+        self._run = run = training.DrafterRun.build(self, spec, device=ctx.device,
+                                                    seed=ctx.shared_seed_for(0, "init"), busy=ctx.busy)
         if self.heldout_data is not None and ctx.rank == 0 and not run.trainer.sharded:
+            from dflash_flow.embedded import embedded_walk_data
+
             with ctx.busy("preparing the held-out sample (one target forward per conversation)"):
-                run.prepare_heldout(spec, self._heldout_path(), device=ctx.device)
+                run.prepare_heldout(spec, self.heldout_data, embedded_walk_data, device=ctx.device,
+                                    who=f"stage '{ctx.name}'")
         if self.record_batches:
             self._batch_log = self._services.open_batch_log(ctx)
         self._m = ctx.metrics.declare(DrafterStepMetrics)
 
-    def _heldout_path(self) -> Path:
-        from dflash_flow.embedded import embedded_walk_data
-
-        name = self._ctx.name
-        if self.heldout_data == "embedded" and not self._spec.is_embedded:
-            raise ValueError(f"stage '{name}': heldout_data 'embedded' holds the embedded target's "
-                             "replies; with another target, give a JSONL of that target's own replies")
-        if self._spec.tokenizer is None:
-            raise ValueError(f"stage '{name}': heldout_data needs a tokenizer (set model.tokenizer)")
-        return embedded_walk_data() if self.heldout_data == "embedded" else Path(self.heldout_data)
-
     def process(self, feats: TargetFeatures):
-        """Train one micro-batch; after an optimizer step, emit its report, then checkpoint when due (the
-        Monitor has the report before the checkpoint commits: its metrics are in MLflow by then).
-
-        A stop (Ctrl-C, SIGTERM) trains at most the micro-batch in flight: from then on batches are dropped
-        and the stages that only feed this one drop theirs (``abandon_upstream``); the data position stays
-        the last batch trained, so a resume trains the dropped ones. In one process the stop takes effect
-        at once (a partial accumulation goes into the stop checkpoint); under torchrun the ranks agree on
-        the optimizer step after which they all stop (``services.stop_consensus``)."""
+        """Train one micro-batch; after an optimizer step, report it, then checkpoint when due. A stop drops the
+        later batches (and upstream's); under torchrun the ranks agree on the step after which all stop."""
         if not self._stopping and self._services.stop_consensus is None and self._ctx.stop_requested.is_set():
             self._begin_stop()
         if self._stopping:
@@ -171,15 +118,7 @@ class DrafterStep(Stage, CheckpointSource, UsesModel):
                 runtime.request_stop(reason)
 
     def parameter_count(self, spec: ModelSpec | None = None) -> int:
-        """Trainable parameters of the drafter this stage builds with ``spec``, counted on the meta device (no
-        memory, no weights): the application sizes the free space one checkpoint needs from it before the run
-        starts."""
-        from dflash_flow.model.build import parameter_count_for
-
-        spec = spec or ModelSpec()
-        target = None if self.init_from else spec.require_target("DrafterStep")
-        return parameter_count_for(target, drafter_shape(self, spec), trust_remote_code=spec.trust_remote_code,
-                                   init_from=self.init_from)
+        return training.parameter_count(self, spec)
 
     def output_dirs(self) -> list[str]:
         return [self.export_dir]
@@ -193,21 +132,11 @@ class DrafterStep(Stage, CheckpointSource, UsesModel):
     def inputs_per_step(self) -> int:
         return self.grad_accum
 
-    # -- checkpoints --------------------------------------------------------------------------------
     def checkpoint_payload(self, epoch_end: bool = False) -> CheckpointPayload:
-        run = self._run
-        trainer = run.trainer
-        return CheckpointPayload(
-            step=trainer.step, epoch=run.position.epoch, model_state=trainer.full_model_state(),
-            optimizer_state=trainer.optimizer_state(), data_position=run.position.to_dict(), stage=self._ctx.name,
-            stage_state=self.state_dict(), extra={"total_steps": trainer.total_steps},
-            files={"config.json": trainer.config_json()},
-        )
+        return CheckpointPayload(**self._run.checkpoint(), stage=self._ctx.name, stage_state=self.state_dict())
 
     def get_state(self) -> dict[str, Any]:
-        if self._run is None:  # before setup: a fresh stage's
-            return {**DataPosition().as_state(), "threads_fallback_at": None, "trainer": None}
-        return self._run.state()
+        return training.DrafterRun.fresh_state() if self._run is None else self._run.state()
 
     def set_state(self, state: dict[str, Any]) -> None:
         # One channel: the stage's own state; a resumed checkpoint adds its weights and optimizer.
@@ -223,19 +152,13 @@ class DrafterStep(Stage, CheckpointSource, UsesModel):
             return None
         run.check_trained(f"stage '{ctx.name}'")
         state = run.trainer.full_model_state()  # collective under fsdp: every rank takes part
-        step, epoch = run.trainer.step, run.position.epoch
-        if ctx.rank != 0:  # one export per job, by rank 0 (the weights are the same on every rank)
-            return (StepReport(step=step, epoch=epoch, meta=None, metrics={}, final=True),)
-        exporter = self._services.exporter
-        if exporter is None:  # a pipeline built without the application: into the context's output_dir
-            from dflash_flow.model.export import DrafterExporter
-
-            exporter = DrafterExporter(Path(ctx.output_dir))
-        target = self._spec.target
-        done = exporter.export(run.trainer.drafter, state, self.export_dir, check_stop=ctx.check_stop,
-                               target=target if isinstance(target, str) else None)
-        return (StepReport(step=step, epoch=epoch, meta=None, metrics={}, final=True,
-                           artifacts={"drafter": str(done.path)}),)
+        artifacts = {}
+        if ctx.rank == 0:  # one export per job (the weights are the same on every rank)
+            artifacts["drafter"] = run.export(state, self._services.exporter, self.export_dir,
+                                              output_dir=ctx.output_dir, target=self._spec.target,
+                                              check_stop=ctx.check_stop)
+        return (StepReport(step=run.trainer.step, epoch=run.position.epoch, meta=None, metrics={}, final=True,
+                           artifacts=artifacts),)
 
     def teardown(self) -> None:
         if self._batch_log is not None:

@@ -10,8 +10,8 @@ import attrs
 from dflash_flow.core import Stage, StageContext, cfg
 from dflash_flow.core.errors import SavedStateError
 from dflash_flow.core.metrics import Counter, Gauge, Labeled, stage_metric
+from dflash_flow.data.epoch import DataPosition
 from dflash_flow.data.packing import plan_field
-from dflash_flow.data.position import DataPosition
 from dflash_flow.items import EpochBatches, PlannedBatch, RunPlan
 
 
@@ -163,7 +163,7 @@ class Interleaver(Stage):
         """The state that continues right after what the trainer consumed.
 
         The Interleaver runs ahead of the trainer by whatever sits in the queues; resuming from its own
-        state would skip those batches. ``position`` is the trainer's (``data.position.DataPosition``, at its
+        state would skip those batches. ``position`` is the trainer's (``data.epoch.DataPosition``, at its
         resume point): the epoch, the plan state of the last batch it trained (None at an epoch's start) and
         the run's total of batches on this rank.
         """

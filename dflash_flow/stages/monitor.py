@@ -1,18 +1,10 @@
 """Monitor: samples the whole pipeline every `interval_s`, keeps the run's structured record, logs it to
 MLflow, shows progress and names the bottleneck.
 
-Sampling runs on the runtime's sampler (``core.sampler``, ``ctx.runtime.subscribe``): on the clock, also
-while no report arrives (a stall is sampled like any window). Under torchrun the ranks sample together
-instead, at the step reports where any rank's interval ran out (the samples are gathered collectively).
-
-What it records (``services.record``, an ``observe.record.RunRecord``) is structured; it is flattened to
-MLflow keys only when logged (``observe.schema.mlflow_metrics``; the keys are in docs/metrics.md). At each
-epoch's end (its last step; else the first step of the next epoch, the trainer's final report, or the end
-of input) it also logs the epoch's mean of every trainer metric under ``train_epoch/<metric>`` (``observe.sample.EpochPoint``):
-per-step values such as ``sim_accept_len`` swing from batch to batch, the epoch mean is the trend. It
-writes nothing at the end of the run: summary files, plots, uploads and the printed table are the
-application's end of run (``observe.report.write_run_report`` / ``summary_table``), which also runs
-when the pipeline failed.
+Sampling runs on the runtime's sampler, on the clock (a stall is sampled like any window); under torchrun the
+ranks sample together at the step reports where any rank's interval ran out. The record is flattened to MLflow
+keys only when logged (docs/metrics.md). At each epoch's end it also logs the epoch's mean of every trainer
+metric under ``train_epoch/<metric>``. The end of run (summary files, plots, the table) is the application's.
 """
 
 from __future__ import annotations
@@ -75,12 +67,10 @@ class Monitor(Stage):
         self._prev = ctx.runtime.snapshot() if ctx.runtime is not None else None
         self._window: list[list[float]] = []  # per block slot: [sum, count] over the sampling window
         self._open_epoch: tuple[int, int] | None = None  # (epoch, its last step) whose mean is not logged yet
-        self._printer = (
-            ProgressPrinter(sys.stderr, total_steps=self.total_steps, interval_s=self.progress_interval_s or self.interval_s,
-                            elapsed_before_s=self._record.elapsed_before_s)
-            if self.progress and self._main
-            else None
-        )
+        self._printer = None
+        if self.progress and self._main:
+            self._printer = ProgressPrinter(sys.stderr, total_steps=self.total_steps, elapsed_before_s=self._record.elapsed_before_s,
+                                            interval_s=self.progress_interval_s or self.interval_s)
         if self._printer is not None:
             printer = self._printer
             self._record.watch_phase(lambda p: printer.show(p.line(), force=p.done in (0, p.total)))
@@ -127,15 +117,10 @@ class Monitor(Stage):
                 self._sample(now)
         if self._printer is not None and isinstance(item, StepReport):
             r, m = self._record, self._record.train
-            self._printer.update(
-                r.step,
-                epoch=r.epoch,
-                tokens_per_s=m.get("tokens_per_s"),
-                samples_per_s=m.get("samples_per_s"),
-                loss=m.get("loss"),
-                bottleneck=r.bottleneck.stage if r.bottleneck is not None else None,
-                extra=self._accept_extra(),
-            )
+            self._printer.update(r.step, epoch=r.epoch, tokens_per_s=m.get("tokens_per_s"),
+                                 samples_per_s=m.get("samples_per_s"), loss=m.get("loss"),
+                                 bottleneck=r.bottleneck.stage if r.bottleneck is not None else None,
+                                 extra=self._accept_extra())
         return None
 
     def _on_step(self, item: StepReport, due: bool) -> bool:
@@ -276,17 +261,9 @@ class Monitor(Stage):
         self._window = []
         m = self._record.train
         sample = take_sample(
-            snap,
-            prev,
-            step=self._record.step,
-            positions=positions,
+            snap, prev, step=self._record.step, positions=positions,
             throughput=Throughput(tokens_per_s=m.get("tokens_per_s"), samples_per_s=m.get("samples_per_s")),
-            sinks=self._sinks,
-            edges=self._edges,
-            exclude={self._ctx.name},
-            fixed=self._fixed,
-            whole_run=whole_run,
-        )
+            sinks=self._sinks, edges=self._edges, exclude={self._ctx.name}, fixed=self._fixed, whole_run=whole_run)
         self._prev = snap
         per_rank = self._dist.gather_to_main(sample) if self._dist is not None else None
         self._record.add_sample(sample)

@@ -1,10 +1,7 @@
-"""Sources of training samples: chat records (rendered with a chat template) and pre-tokenized records,
-from JSONL (plain or compressed), Parquet, Arrow or `datasets` directories.
-
-Thin wrappers over `dflash_flow.data.records`: each input is read into the token store (once per node,
-on every core; the other ranks wait for it and map the result), and the source emits one `SampleTable`
-over all of its inputs. Reading shows its progress on the console (rank 0) and in MLflow. transformers is
-imported only in `setup`.
+"""Sources of training samples: chat records (rendered with a chat template) and pre-tokenized records, from
+JSONL (plain or compressed), Parquet, Arrow or `datasets` directories. Thin wrappers over `data.records`: each
+input is read into the token store (once per node; the other ranks map the result), and the source emits one
+`SampleTable` over all of its inputs.
 """
 
 from __future__ import annotations
@@ -120,14 +117,10 @@ class _RecordSource(Source):
                   "save_to_disk directory), read in this order (sample ids follow it); each at most once."},
     )
     max_length: int = cfg(3072, ge=2, doc="Longest sample in tokens; longer ones are truncated or dropped.")
-    overflow: Literal["truncate", "drop"] = cfg(
-        "truncate", choices=("truncate", "drop"), doc="What to do with samples over max_length."
-    )
+    overflow: Literal["truncate", "drop"] = cfg("truncate", choices=("truncate", "drop"),
+                                                doc="What to do with samples over max_length.")
     on_bad_record: Literal["skip", "fail"] = cfg(
-        "skip",
-        choices=("skip", "fail"),
-        doc="skip: count and report bad records (file:line); fail: raise at the first.",
-    )
+        "skip", choices=("skip", "fail"), doc="skip: count and report bad records (file:line); fail: raise at the first.")
     min_loss_tokens: int = cfg(1, ge=1, doc="Drop samples with fewer supervised tokens (after truncation).")
     max_record_bytes: int = cfg(
         64 * 2**20, ge=1024, le=2**31,
@@ -153,16 +146,9 @@ class _RecordSource(Source):
     def _options(self):
         from dflash_flow.data.records import ReadOptions
 
-        return ReadOptions(
-            max_length=self.max_length,
-            overflow=self.overflow,
-            on_bad_record=self.on_bad_record,
-            min_loss_tokens=self.min_loss_tokens,
-            max_record_bytes=self.max_record_bytes,
-            cache_dir=_cache_dir(self.cache_dir),
-            num_workers=self.num_workers,
-            **self._extra_options(),
-        )
+        return ReadOptions(max_length=self.max_length, overflow=self.overflow, on_bad_record=self.on_bad_record,
+                           min_loss_tokens=self.min_loss_tokens, max_record_bytes=self.max_record_bytes,
+                           cache_dir=_cache_dir(self.cache_dir), num_workers=self.num_workers, **self._extra_options())
 
     def _extra_options(self) -> dict[str, Any]:
         return {}
@@ -181,7 +167,7 @@ class _RecordSource(Source):
         raise NotImplementedError
 
     def _progress(self):
-        from dflash_flow.observe.loading import LoadProgress
+        from dflash_flow.observe.progress import LoadProgress
 
         services = services_of(self._ctx)
         return LoadProgress(self._ctx.name, console=self._ctx.rank == 0 and self._ctx.replica == 0,
@@ -189,8 +175,7 @@ class _RecordSource(Source):
 
     def produce(self):
         from dflash_flow.data.corpus import file_table
-        from dflash_flow.data.ingest import ReadCancelled
-        from dflash_flow.data.records import LoadReport, file_sha256
+        from dflash_flow.data.records import LoadReport, ReadCancelled, file_sha256
 
         ctx = self._ctx
         options = self._options()
@@ -243,8 +228,7 @@ class _RecordSource(Source):
         if not ctx.stop_requested.is_set():
             yield table
 
-    # Every run re-reads all samples (the plan needs all of them): no state of its own (the base class's
-    # empty one); resume state lives in the Interleaver.
+    # Every run re-reads all samples: no state of its own (resume state lives in the Interleaver).
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -418,7 +402,7 @@ class EmbeddedChatSource(ChatSource):
 
     def setup(self, ctx: StageContext) -> None:
         from dflash_flow.embedded import build_default_dataset, embedded_target_path, shipped_dataset
-        from dflash_flow.model.loading import MODEL_LOAD_LOCK
+        from dflash_flow.model import MODEL_LOAD_LOCK
 
         root = cache_root() / "embedded-dataset" if self.dataset_dir == "auto" else Path(self.dataset_dir)
         target = embedded_target_path()

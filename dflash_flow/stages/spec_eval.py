@@ -29,6 +29,10 @@ def _each(check, what: str, nonempty: bool):
     return validate
 
 
+_NOT_EMBEDDED = ("walk_data 'embedded' holds the embedded target's replies; with another target, give a JSONL of "
+                 "that target's own replies")
+
+
 def _list_field(default: list | None, check, what: str, doc: str, *, nonempty: bool = False) -> Any:
     """A list config field whose every element is checked (``cfg`` bounds apply to scalars only);
     ``default`` None makes it optional (null allowed, a given list must be non-empty)."""
@@ -85,8 +89,7 @@ class SpecDecodeEval(Stage, UsesModel):
         if spec.target is None:
             return [("model.target", "SpecDecodeEval needs the target (the drafter's own): set model.target")]
         if self.walk_data == "embedded" and not spec.is_embedded:
-            return [("walk_data", "walk_data 'embedded' holds the embedded target's replies; with another target, "
-                                  "give a JSONL of that target's own replies")]
+            return [("walk_data", _NOT_EMBEDDED)]
         return []
 
     def setup(self, ctx) -> None:
@@ -94,8 +97,7 @@ class SpecDecodeEval(Stage, UsesModel):
         self._spec = model_of(ctx)
         self._spec.require_target(f"stage '{ctx.name}'")
         if self.walk_data == "embedded" and not self._spec.is_embedded:
-            raise ValueError(f"stage '{ctx.name}': walk_data 'embedded' holds the embedded target's replies; "
-                             "with another target, give a JSONL of that target's own replies")
+            raise ValueError(f"stage '{ctx.name}': {_NOT_EMBEDDED}")
 
     def _progress_hook(self):
         """Between units of the evaluation: the watchdog hears of progress, a stop abandons the rest, and the
@@ -129,28 +131,18 @@ class SpecDecodeEval(Stage, UsesModel):
         prompts = self.prompts
         if prompts == "embedded":
             prompts = str(write_eval_prompts(Path(output_dir) / "eval_prompts.jsonl", limit))
-        return {
-            "target": spec.target,
-            "prompts_path": prompts,
-            "tokenizer_path": spec.tokenizer,
-            "limit": limit,
-            "max_new_tokens": [self.max_new_tokens, *(h for h in horizons if h != self.max_new_tokens)],
-            "baseline": baseline,
-            "temperatures": temperatures,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "walk_data": str(embedded_walk_data()) if self.walk_data == "embedded" else self.walk_data,
-            "walk_limit": walk_limit,
-            "walk_horizons": walk_horizons,
-            "batch_size": self.batch_size,
-        }
+        return dict(target=spec.target, prompts_path=prompts, tokenizer_path=spec.tokenizer, limit=limit,
+                    max_new_tokens=[self.max_new_tokens, *(h for h in horizons if h != self.max_new_tokens)],
+                    baseline=baseline, temperatures=temperatures, top_p=self.top_p, top_k=self.top_k,
+                    walk_data=str(embedded_walk_data()) if self.walk_data == "embedded" else self.walk_data,
+                    walk_limit=walk_limit, walk_horizons=walk_horizons, batch_size=self.batch_size)
 
     def process(self, report: StepReport):
         # Under torchrun only rank 0's final report names the export: one evaluation per job.
         if not report.final or "drafter" not in report.artifacts:
             return None
+        from dflash_flow.model import MODEL_LOAD_LOCK
         from dflash_flow.model.evaluation import evaluate_exported
-        from dflash_flow.model.loading import MODEL_LOAD_LOCK
 
         if self.torch_threads:
             import torch
@@ -158,11 +150,8 @@ class SpecDecodeEval(Stage, UsesModel):
             torch.set_num_threads(self.torch_threads)
         # Evaluation builds models (target, drafters): hold the process-wide model lock.
         with MODEL_LOAD_LOCK:
-            results = evaluate_exported(
-                progress=self._progress_hook(),
-                drafter_path=report.artifacts["drafter"],
-                seed=self._ctx.seed_for(0, "evaluation"),
-                device=self._ctx.device,
-                **self.evaluation_settings(self._spec, self._ctx.output_dir),
-            )
+            results = evaluate_exported(progress=self._progress_hook(),
+                                        drafter_path=report.artifacts["drafter"],
+                                        seed=self._ctx.seed_for(0, "evaluation"), device=self._ctx.device,
+                                        **self.evaluation_settings(self._spec, self._ctx.output_dir))
         return results

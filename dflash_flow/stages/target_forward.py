@@ -1,8 +1,6 @@
-"""TargetForward: the frozen target LM, run (and loaded) only as deep as the deepest requested layer.
-
-A replica may span several devices (``devices: [[cuda:0, cuda:1], [cuda:2, cuda:3]]``: two replicas of
-two GPUs each): the target's layers are split over them (``model.target.load_target(devices=...)``) and
-the features are gathered on the consumer's device.
+"""TargetForward: the frozen target LM, run (and loaded) only as deep as the deepest requested layer. A replica
+may span several devices (``devices: [[cuda:0, cuda:1], [cuda:2, cuda:3]]``): the target's layers are split over
+them and the features gathered on the consumer's device.
 """
 
 from __future__ import annotations
@@ -150,7 +148,8 @@ class TargetForward(Stage, UsesModel):
         self._layer_ids = list(self._backend.layer_ids)
         self._m = ctx.metrics.declare(TargetForwardMetrics)
         if self.cache_features:
-            self._setup_cache(ctx)
+            self._cache.budget_bytes = int(self.cache_budget_mb * 2**20)
+            self._m_cache = ctx.metrics.declare(FeatureCacheMetrics)
 
     def _make_backend(self, ctx):
         """Where the features come from (``model.backend.TargetBackend``): the target in this process, or on
@@ -174,10 +173,6 @@ class TargetForward(Stage, UsesModel):
 
             return store_backend(spec, inner=inner, output_dir=ctx.output_dir, name=ctx.name, rank=ctx.rank)
         return inner
-
-    def _setup_cache(self, ctx) -> None:
-        self._cache.budget_bytes = int(self.cache_budget_mb * 2**20)
-        self._m_cache = ctx.metrics.declare(FeatureCacheMetrics)
 
     def _cached_forward(self, batch: PaddedBatch, input_ids):
         from dflash_flow.model.feature_cache import per_sample_features
@@ -223,9 +218,8 @@ class TargetForward(Stage, UsesModel):
                 "for another model (set TokenizedSource.vocab_size to reject such rows when reading)"
             )
         t0 = time.perf_counter()
-        # The backend takes the batch's host rows (pinned on CUDA machines) and copies them on its own stream;
-        # it returns an ordinary tensor (computed under inference_mode) that the drafter's autograd may use, on
-        # the output device, its stream already synchronized: no wait here for the drafter's queued work.
+        # The backend copies the host rows on its own stream and returns an ordinary tensor on the output device,
+        # its stream already synchronized.
         if self.cache_features:
             hidden, forwarded = self._cached_forward(batch, batch.input_ids)
         else:
@@ -236,16 +230,8 @@ class TargetForward(Stage, UsesModel):
         self._m.tokens.inc(forwarded)  # a cached row ran no target
         self._m.batches.inc()
         # The token rows stay on the host: the trainer copies them without blocking beside the features.
-        return (
-            TargetFeatures(
-                meta=batch.meta,
-                input_ids=batch.input_ids,
-                loss_mask=batch.loss_mask,
-                attention_mask=batch.attention_mask,
-                hidden_states=hidden,
-                target_layer_ids=self._layer_ids,
-            ),
-        )
+        return (TargetFeatures(meta=batch.meta, input_ids=batch.input_ids, loss_mask=batch.loss_mask,
+                               attention_mask=batch.attention_mask, hidden_states=hidden, target_layer_ids=self._layer_ids),)
 
     def teardown(self) -> None:
         backend = getattr(self, "_backend", None)

@@ -279,7 +279,7 @@ def test_end_of_run_says_when_the_drafter_barely_beats_plain_decoding(tmp_path, 
     from types import SimpleNamespace
 
     from dflash_flow.app.endrun import end_of_run
-    from dflash_flow.app.session import Outcome
+    from dflash_flow.app.runner import Outcome
     from dflash_flow.core import Graph, Pipeline
     from dflash_flow.items import EvalReport
     from dflash_flow.observe.record import EvalPoint, RunRecord

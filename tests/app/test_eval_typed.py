@@ -89,7 +89,7 @@ def test_evaluate_exported_figures_do_not_depend_on_the_batch(exported, temperat
 
 def test_batch_size_one_walks_every_conversation_alone(exported, monkeypatch):
     """Batch 1 is main's loop (the bench's "before"): no batched walk forwards, no batched drafts."""
-    import dflash_flow.model.batched_walk as batched_walk
+    import dflash_flow.model.batched as batched_walk
     import dflash_flow.model.walk as walk
     from dflash_flow.embedded import embedded_walk_data
     from dflash_flow.model.evaluation import evaluate_exported

@@ -133,7 +133,7 @@ def test_profile_until_the_rate_is_known_to_the_asked_precision(tmp_path):
     p = profile(v, 60, warmup_steps=2, interval_s=0.01, windows=6, precision=0.05)
     assert p.precision == 0.05 and p.reached is not None and p.complete
     assert 60 < p.steps <= 600 and p.batches >= p.steps - 10 and len(p.windows) > 6
-    from dflash_flow.app.interval import batch_means
+    from dflash_flow.app.profile_data import batch_means
 
     rates = [w.batches / w.window_s for w in p.windows]
     assert batch_means(p.batches_per_s, rates).half_width <= p.reached * p.batches_per_s * 1.01  # what it says

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import tracemalloc
 
-from dflash_flow.app.checkpointer import _run_uid_of
+from dflash_flow.app.checkpoint import _run_uid_of
 
 
 def test_reading_a_small_state_json_allocates_about_its_size(tmp_path):

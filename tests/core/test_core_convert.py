@@ -11,10 +11,10 @@ import attrs
 import pytest
 
 from dflash_flow.core import Graph, RuntimeOptions, Stage, cfg, load_graph_text, validate
-from dflash_flow.core import sections as core_sections
+from dflash_flow.core import graph as core_sections
 from dflash_flow.core.convert import structure
+from dflash_flow.core.convert_types import describe_type
 from dflash_flow.core.describe import describe_stage
-from dflash_flow.core.wording import describe_type
 
 
 @attrs.define(kw_only=True)

@@ -169,7 +169,7 @@ def test_a_replica_gets_all_its_devices_and_producers_see_the_consumers_first_de
 
 def test_graph_labels_show_each_replicas_devices():
     from dflash_flow.core import Graph
-    from dflash_flow.core.render import to_dot, to_mermaid
+    from dflash_flow.core.describe import to_dot, to_mermaid
 
     g = Graph()
     g.add("src", "TestSource")

@@ -9,7 +9,7 @@ import pytest
 from stages_for_tests import fast_runtime
 
 from dflash_flow.core import Channel, Graph, Pipeline
-from dflash_flow.core.routing import Broadcast, LeastLoaded, RoundRobin, make_router
+from dflash_flow.core.channel import Broadcast, LeastLoaded, RoundRobin, make_router
 
 
 def test_round_robin_router_one_counter_for_many_producer_threads():

@@ -1,4 +1,4 @@
-"""The runtime's one sampler (core.sampler): snapshots on a clock, also while nothing moves; a subscriber
+"""The runtime's one sampler (core.snapshot.Sampler): snapshots on a clock, also while nothing moves; a subscriber
 that raises fails the run as its owner's failure; its thread is joined with the rest."""
 
 from __future__ import annotations

@@ -12,10 +12,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflash_flow.data.epoch import FILLER, resume_plan
-from dflash_flow.data.interleave import _run_cap_ok, interleave_buckets, min_feasible_run
-from dflash_flow.data.packing import PlanConfig, assign_buckets, bucket_boundaries, epoch_rng
-from dflash_flow.data.plan import BatchPlanner
-from dflash_flow.data.stats import max_same_bucket_run, padding_efficiency, window_mix_max_deviation
+from dflash_flow.data.packing import (
+    PlanConfig,
+    _run_cap_ok,
+    assign_buckets,
+    bucket_boundaries,
+    epoch_rng,
+    interleave_buckets,
+    min_feasible_run,
+)
+from dflash_flow.data.plan import (
+    BatchPlanner,
+    max_same_bucket_run,
+    padding_efficiency,
+    window_mix_max_deviation,
+)
 
 # ------------------------------------------------------------------------------------------------ buckets
 
@@ -149,7 +160,7 @@ def test_interleave_never_breaks_a_feasible_cap(counts, max_run, seed):
 
 def test_infeasible_cap_warns_once_and_does_its_best(caplog):
     counts = [30, 2, 1]  # 30 of 33: a cap of 3 would need at least 10 separators
-    with caplog.at_level(logging.WARNING, logger="dflash_flow.data.interleave"):
+    with caplog.at_level(logging.WARNING, logger="dflash_flow.data.packing"):
         for e in range(3):
             seq, cap = interleave_buckets(counts, max_run=3, rng=epoch_rng(0, e))
             assert cap == min_feasible_run(counts) == 8
@@ -267,7 +278,7 @@ def test_resume_continues_with_exactly_the_unconsumed_batches(plan):
     state = plan.state_dict(k)
     rebuilt = BatchPlanner(plan.lengths, PlanConfig(max_tokens=16384), seed=5).plan(2)
     pos = rebuilt.check_state(state)
-    assert [m.sample_ids for m in rebuilt.resume(pos)] == full[k:]
+    assert [m.sample_ids for m in rebuilt.metas(pos)] == full[k:]
     other = BatchPlanner(plan.lengths, PlanConfig(max_tokens=16384), seed=6).plan(2)
     with pytest.raises(ValueError, match="differs"):
         other.check_state(state)

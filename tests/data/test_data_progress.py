@@ -8,7 +8,7 @@ import json
 
 from dflash_flow.core import StageContext
 from dflash_flow.data.records import ReadOptions, read_records
-from dflash_flow.observe.loading import LoadProgress
+from dflash_flow.observe.progress import LoadProgress
 from dflash_flow.observe.tracking import Tracker
 from dflash_flow.services import RunServices
 from dflash_flow.stages.sources import ChatSource

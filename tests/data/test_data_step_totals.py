@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflash_flow.core import StageContext
-from dflash_flow.data.position import DataPosition
+from dflash_flow.data.epoch import DataPosition
 from dflash_flow.items import Sample
 from dflash_flow.model.optim import GradientAccumulator, planned_updates
 from dflash_flow.stages.bucketer import Bucketer

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from dflash_flow.app.distributed import Distributed, PeerProgress, blame_stalled_peer
+from dflash_flow.app.endrun import Outcome
 from dflash_flow.app.launch import summarize
-from dflash_flow.app.outcome import Outcome
 
 
 class Clock:

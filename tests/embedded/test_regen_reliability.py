@@ -308,7 +308,7 @@ def test_eval_prompts_past_the_window_are_skipped_and_counted(tmp_path, target_d
 
 
 def test_a_generation_config_that_is_not_an_object_is_one_line(tmp_path):
-    from dflash_flow.embedded.served_replies import sampling_params
+    from dflash_flow.embedded.served import sampling_params
 
     (tmp_path / "generation_config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match=r"generation_config.json holds a JSON list, not the object"):
@@ -319,8 +319,7 @@ def test_a_generation_config_that_is_not_an_object_is_one_line(tmp_path):
 
 
 def test_an_error_sent_with_200_keeps_the_servers_message_and_tool_calls_are_not_empty():
-    from dflash_flow.embedded.served import RequestFailed
-    from dflash_flow.embedded.served_replies import parse_reply
+    from dflash_flow.embedded.served import RequestFailed, parse_reply
 
     with pytest.raises(RequestFailed) as e:
         parse_reply({"error": {"message": "KV cache is full", "type": "server_error"}})

@@ -16,8 +16,13 @@ from pathlib import Path
 import pytest
 
 from dflash_flow.embedded.regen_io import journal_path
-from dflash_flow.embedded.served import AllServersDown, backoff_delay, regenerate_served
-from dflash_flow.embedded.served_replies import parse_chat_completion, sampling_params
+from dflash_flow.embedded.served import (
+    AllServersDown,
+    backoff_delay,
+    parse_reply,
+    regenerate_served,
+    sampling_params,
+)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -315,13 +320,13 @@ def test_parse_chat_completion_kinds():
     from dflash_flow.embedded.served import RequestFailed
 
     ok = {"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}], "usage": {"completion_tokens": 2}}
-    assert parse_chat_completion(ok) == ("hi", "stop", 2)
+    assert parse_reply(ok) == ({"role": "assistant", "content": "hi"}, "stop", 2)
     reasoning = {"choices": [{"message": {"content": "4", "reasoning": " 2+2 "}, "finish_reason": "length"}]}
-    assert parse_chat_completion(reasoning) == ("<think>\n2+2\n</think>\n\n4", "length", 0)
+    assert parse_reply(reasoning) == ({"role": "assistant", "content": "<think>\n2+2\n</think>\n\n4"}, "length", 0)
     for bad, kind in [({"choices": []}, "malformed"), ({"choices": [{"message": None}]}, "malformed"),
                       ({"choices": [{"message": {"content": "x"}, "finish_reason": "abort"}]}, "server")]:
         with pytest.raises(RequestFailed) as e:
-            parse_chat_completion(bad)
+            parse_reply(bad)
         assert e.value.kind == kind
     assert os.path.exists(HERE / "fake_openai_server.py")
 

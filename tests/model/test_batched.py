@@ -15,7 +15,7 @@ import torch
 from model_testlib import MASK_ID, VOCAB, build_drafter, build_target, target_features
 
 from dflash_flow.model import batched
-from dflash_flow.model.batched_walk import walk_batch
+from dflash_flow.model.batched import walk_batch
 from dflash_flow.model.block_drafter import BlockDrafter, draft_settings
 from dflash_flow.model.dflash2 import drafter_from_config, make_variant_config
 from dflash_flow.model.generation import greedy_generate, spec_generate

@@ -13,7 +13,7 @@ import torch
 from model_testlib import MASK_ID, build_drafter
 from safetensors.torch import load_file, save_file
 
-from dflash_flow.app.checkpointer import Checkpointer
+from dflash_flow.app.checkpoint import Checkpointer
 from dflash_flow.app.commands import export_checkpoint
 from dflash_flow.core.errors import CheckpointError
 from dflash_flow.model.dflash2 import DFlash2Drafter, make_dflash2_config

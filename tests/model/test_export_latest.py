@@ -8,7 +8,7 @@ import json
 import pytest
 from model_testlib import build_drafter
 
-from dflash_flow.app.checkpointer import Checkpointer
+from dflash_flow.app.checkpoint import Checkpointer
 from dflash_flow.app.commands import _drafter_dir, eval_command, export_checkpoint
 from dflash_flow.model.export import drafter_config_dict, load_drafter
 from dflash_flow.model.export_contract import check_export

@@ -179,7 +179,7 @@ def test_a_cached_run_skips_the_target_after_the_first_epoch_and_trains_what_an_
 
 
 def test_the_drafters_threads_follow_the_epoch():
-    from dflash_flow.model.threads import ThreadKnobs, ThreadPolicy
+    from dflash_flow.model.training import ThreadKnobs, ThreadPolicy
 
     before = torch.get_num_threads()
     try:
@@ -197,7 +197,7 @@ def test_the_drafters_threads_follow_the_epoch():
 
 
 def test_a_thread_switch_that_made_steps_slower_is_reported_once_with_what_to_set():
-    from dflash_flow.model.threads import ThreadSwitchWatch
+    from dflash_flow.model.training import ThreadSwitchWatch
 
     watch = ThreadSwitchWatch(window=4)
     assert [watch.observe(0.10) for _ in range(6)] == [None] * 6
@@ -235,7 +235,7 @@ def test_a_thread_switch_that_made_steps_slower_is_reported_once_with_what_to_se
 
 
 def test_two_threads_that_made_steps_slower_fall_back_to_one_for_the_rest_of_the_run_and_resume_so():
-    from dflash_flow.model.threads import ThreadKnobs, ThreadPolicy, ThreadSwitchWatch
+    from dflash_flow.model.training import ThreadKnobs, ThreadPolicy, ThreadSwitchWatch
 
     def policy(fallback_at=None, **knobs):
         p = ThreadPolicy(ThreadKnobs(torch_threads=1, torch_threads_after_first_epoch=2, **knobs), fallback_at)

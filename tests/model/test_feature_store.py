@@ -334,7 +334,7 @@ def test_a_store_on_a_read_only_filesystem_is_read(tmp_path):
 
 
 def test_the_features_section_names_what_cannot_work_together():
-    from dflash_flow.model.features_config import FeaturesConfig
+    from dflash_flow.model.spec import FeaturesConfig
 
     assert FeaturesConfig().problems() == []
     assert [f for f, _ in FeaturesConfig(mode="offline").problems()] == ["path"]

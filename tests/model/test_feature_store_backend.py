@@ -193,8 +193,7 @@ def test_hybrid_refuses_a_store_of_another_identity_and_a_running_build(tmp_path
 
 
 def test_the_replicas_of_a_stage_share_one_tier_and_the_last_one_to_close_merges(tmp_path, model, data):
-    from dflash_flow.model.features_config import FeaturesConfig
-    from dflash_flow.model.spec import ModelSpec
+    from dflash_flow.model.spec import FeaturesConfig, ModelSpec
     from dflash_flow.model.store_backend import store_backend
 
     _, toks = data

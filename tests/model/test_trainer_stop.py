@@ -54,7 +54,7 @@ def _through_files(trainer) -> tuple[dict, dict, dict]:
     torch.save(trainer.optimizer_state(), buf)
     buf.seek(0)
     optimizer_state = torch.load(buf, weights_only=True)
-    model_state = {k: v.clone() for k, v in trainer.model_state().items()}
+    model_state = {k: v.clone() for k, v in trainer.full_model_state().items()}
     return model_state, optimizer_state, json.loads(json.dumps(trainer.state_dict()))
 
 

@@ -15,7 +15,9 @@ from dflash_flow.observe.engine_metrics import (
     LIKELY_CAUSES,
     CounterReset,
     compare,
+    fetch_text,
     mismatch_warning,
+    parse_prometheus,
     rates_from_histogram,
     request_summary,
     sglang_request,
@@ -24,7 +26,6 @@ from dflash_flow.observe.engine_metrics import (
     vllm_request,
     weak_drafter_note,
 )
-from dflash_flow.observe.prometheus import fetch_text, parse_prometheus
 
 
 def post(url: str, path: str, payload: dict) -> dict:

@@ -11,7 +11,7 @@ import pytest
 from samples_for_tests import full_sample
 
 from dflash_flow.items import EvalReport
-from dflash_flow.observe.loading import LoadPoint, SourceLoad
+from dflash_flow.observe.progress import LoadPoint, SourceLoad
 from dflash_flow.observe.runinfo import sanitize_key
 from dflash_flow.observe.sample import (
     BucketSample,
@@ -35,7 +35,7 @@ from dflash_flow.observe.schema import (
     reduce_ranks,
     train_reduction,
 )
-from dflash_flow.observe.system_metrics import SystemSample
+from dflash_flow.observe.tracking import SystemSample
 
 REPO = Path(__file__).resolve().parents[2]
 

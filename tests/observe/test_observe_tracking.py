@@ -103,7 +103,6 @@ def test_finished_run_params_metrics_artifacts(sqlite_uri, tmp_path):
         if step % 10 == 9:
             tr.flush()
     tr.log_text("run:\n  seed: 7\n", "config/resolved.yaml")
-    tr.log_dict({"steps": 40, "bottleneck": "padder"}, "summary.json")
     tr.log_artifact(png, "plots")
     tr.end("FINISHED")
     assert tr.spool_path is None, "nothing should be spooled against a healthy store"
@@ -123,10 +122,8 @@ def test_finished_run_params_metrics_artifacts(sqlite_uri, tmp_path):
     assert sorted(m.step for m in q) == list(range(40))
     assert any(k.startswith("system/") for k in run.data.metrics), "psutil system metrics expected"
     top = {a.path for a in c.list_artifacts(tr.run_id)}
-    assert {"config", "summary.json", "plots"} <= top
+    assert {"config", "plots"} <= top
     assert [a.path for a in c.list_artifacts(tr.run_id, "config")] == ["config/resolved.yaml"]
-    local = c.download_artifacts(tr.run_id, "summary.json", str(tmp_path / "dl"))
-    assert json.loads(Path(local).read_text()) == {"steps": 40, "bottleneck": "padder"}
     assert (
         Path(c.download_artifacts(tr.run_id, "plots/loss.png", str(tmp_path / "dl"))).read_bytes()
         == png.read_bytes()
@@ -352,7 +349,7 @@ def test_disabled_tracking_is_a_noop_and_imports_nothing(tmp_path):
         from dflash_flow.observe.tracking import Tracker
         tr = Tracker.start(experiment="off", enabled=False, params={"a": 1}, tags={"t": 1})
         tr.log_metrics({"loss": 1.0}, step=0); tr.flush()
-        tr.log_text("x", "a.txt"); tr.log_dict({"a": 1}, "b.json"); tr.log_artifact("missing.png")
+        tr.log_text("x", "a.txt"); tr.log_artifact("missing.png")
         tr.end("FINISHED")
         with Tracker(enabled=False) as t2:
             t2.log_metrics({"x": 1}, step=1)
@@ -548,7 +545,7 @@ def test_ctrl_c_waits_for_the_store_write_in_progress():
 
     done = []
     with pytest.raises(KeyboardInterrupt):
-        with controller().hold():  # what every store write of the tracker is wrapped in (observe.delivery)
+        with controller().hold():  # what every store write of the tracker is wrapped in (observe.spool)
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.05)  # the handler has run by now: a plain KeyboardInterrupt would have come here
             done.append("write finished")

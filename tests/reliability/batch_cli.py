@@ -54,7 +54,7 @@ def warm_up() -> None:
     import transformers  # noqa: F401
     from transformers import AutoConfig, AutoTokenizer  # noqa: F401
 
-    import dflash_flow.app.session  # noqa: F401
+    import dflash_flow.app.runner  # noqa: F401
     import dflash_flow.cli  # noqa: F401
     import dflash_flow.model.target  # noqa: F401
     import dflash_flow.model.trainer  # noqa: F401

@@ -112,7 +112,7 @@ def make_checkpoint(directory: Path, step: int, *, config_hash: str, data_files:
     """A real checkpoint (the application's writer) of the reading pipeline."""
     import torch
 
-    from dflash_flow.app.checkpointer import Checkpointer
+    from dflash_flow.app.checkpoint import Checkpointer
 
     ck = Checkpointer(directory, keep_last=10, config_hash=config_hash, data_files=data_files)
     return ck.save(step=step, epoch=0, model_state={"w": torch.zeros(2)}, optimizer_state={"step": step},
@@ -336,7 +336,7 @@ def _fill(directory: Path, leave: int) -> Path:
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_disk_full_mid_checkpoint_is_one_line_the_last_checkpoint_intact_and_mlflow_failed(tmp_path, mounts):
-    from dflash_flow.app.checkpointer import Checkpointer
+    from dflash_flow.app.checkpoint import Checkpointer
 
     disk = mounts.tmpfs(tmp_path / "disk", size="16m")
     out = disk / "out"

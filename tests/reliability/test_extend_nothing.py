@@ -9,7 +9,7 @@ import pytest
 from reltools import read_lines, train_pipeline, write_tokenized, write_yaml
 
 from dflash_flow.app import run
-from dflash_flow.app.preflight import extend_problem
+from dflash_flow.app.model_spec import extend_problem
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -206,7 +206,7 @@ def test_cli_failures_exit_code_message_mlflow_failed_checkpoint_intact(tmp_path
 
     from reltools import cli_env
 
-    from dflash_flow.app.checkpointer import Checkpointer
+    from dflash_flow.app.checkpoint import Checkpointer
 
     data = write_tokenized(tmp_path / "data.jsonl", 24, seed=5)
     procs = []

@@ -16,8 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dflash_flow.app.checkpoint import Checkpointer
 from dflash_flow.app.checkpoint_format import InvalidCheckpoint
-from dflash_flow.app.checkpointer import Checkpointer
 from dflash_flow.core.errors import CheckpointError
 
 GiB = 2**30
@@ -226,7 +226,7 @@ def test_the_run_lock_refuses_a_second_holder_and_is_released(tmp_path):
     import os
 
     from dflash_flow.app.exits import UserError
-    from dflash_flow.app.output_dir import OutputLock
+    from dflash_flow.app.prepare import OutputLock
 
     first = OutputLock.acquire(tmp_path)
     with pytest.raises(UserError, match=rf"output_dir {tmp_path} is in use by another run \(pid {os.getpid()} on "):
@@ -313,7 +313,7 @@ def test_arrow_ids_that_do_not_fit_int32_are_refused_not_wrapped(tmp_path):
 def test_suspended_time_never_counts_as_no_progress_time(interval, ticks):
     """Each tick is (scheduling delay as a share of the interval, seconds the process was stopped). However
     long the suspensions, they add at most a bounded allowance per tick; delays within it count in full."""
-    from dflash_flow.core.watchdog import running_time
+    from dflash_flow.core.replica import running_time
 
     allowance = max(0.5 * interval, 0.05)
     counted = ran = 0.0

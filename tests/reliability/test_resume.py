@@ -385,7 +385,7 @@ def test_checkpoints_of_an_earlier_run_do_not_shadow_a_fresh_runs(tmp_path):
     fresh run prunes only its own checkpoints, never the earlier run's."""
     import torch
 
-    from dflash_flow.app.checkpointer import Checkpointer
+    from dflash_flow.app.checkpoint import Checkpointer
 
     def save(ck, step):
         return ck.save(step=step, epoch=0, model_state={"w": torch.full((2,), float(step))},

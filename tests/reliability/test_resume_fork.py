@@ -14,7 +14,7 @@ import pytest
 from reltools import train_pipeline, write_tokenized, write_yaml
 
 from dflash_flow.app import run
-from dflash_flow.app.session import PARENT_CHECKPOINT_TAG, PARENT_RUN_TAG
+from dflash_flow.app.runner import PARENT_CHECKPOINT_TAG, PARENT_RUN_TAG
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -64,7 +64,7 @@ def test_a_resume_into_another_output_dir_forks_a_new_run_and_leaves_the_parent_
     assert steps and min(steps) > 6, steps
     assert "summary.json" in _artifacts(client, fork.mlflow_run_id)
     # Its checkpoints record its own run, so resuming the fork in place continues the fork.
-    from dflash_flow.app.checkpointer import Checkpointer
+    from dflash_flow.app.checkpoint import Checkpointer
 
     assert Checkpointer(tmp_path / "fork" / "checkpoints").load("latest", check_config=False).mlflow_run_id == fork.mlflow_run_id
 
@@ -74,7 +74,7 @@ def test_a_checkpoint_copied_into_another_directory_is_not_that_directorys_own(t
 
     import torch
 
-    from dflash_flow.app.checkpointer import Checkpointer
+    from dflash_flow.app.checkpoint import Checkpointer
 
     ck = Checkpointer(tmp_path / "a", config_hash="h")
     ck.save(step=1, epoch=0, model_state={"w": torch.zeros(2)}, optimizer_state={"step": 1},

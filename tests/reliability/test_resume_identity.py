@@ -98,7 +98,7 @@ def test_a_checkpoint_without_recorded_settings_resumes_when_its_hash_matches_an
     """A checkpoint written before they recorded their settings carries only the old hash."""
     import shutil
 
-    from dflash_flow.app.checkpointer import Checkpointer
+    from dflash_flow.app.checkpoint import Checkpointer
     from dflash_flow.app.prepare import legacy_config_hash
     from dflash_flow.app.runner import load
     from dflash_flow.core.errors import CheckpointError

@@ -42,7 +42,7 @@ def test_a_yaml_cannot_name_a_module_as_stage_type(name):
 
 def test_trust_remote_code_is_off_by_default_everywhere():
     import dflash_flow.app  # noqa: F401 - registers the model: section
-    from dflash_flow.core.sections import registered_sections
+    from dflash_flow.core.graph import registered_sections
     from dflash_flow.model.spec import ModelSpec
 
     # Declared once, in model: (and the spec every stage reads); no stage has a copy of it.
@@ -75,7 +75,7 @@ def test_a_checkpoint_with_a_malicious_pickle_is_refused_not_executed(tmp_path, 
     import torch
     from safetensors.torch import save_file
 
-    from dflash_flow.app.checkpoint_format import load_checkpoint
+    from dflash_flow.app.checkpoint_format import Expected, load_checkpoint
 
     marker = tmp_path / "pwned"
     monkeypatch.setenv("DFLASH_EXPLOIT_MARKER", str(marker))
@@ -87,7 +87,7 @@ def test_a_checkpoint_with_a_malicious_pickle_is_refused_not_executed(tmp_path, 
     (d / "state.json").write_text(json.dumps({"format_version": 1, "step": 1, "epoch": 0, "config_hash": "x",
                                               "stage_states": {}}))
     (d / "MANIFEST.json").write_text(json.dumps({n: _sha(d / n) for n in ("model.safetensors", "optimizer.pt", "state.json")}))
-    ck = load_checkpoint(d, expected_config_hash="x")  # the checksums are right: the content is hostile
+    ck = load_checkpoint(d, expected=Expected("x"))  # the checksums are right: the content is hostile
     assert set(ck.model_state()) == {"w"}  # safetensors: tensors only
     with pytest.raises(CheckpointError) as info:
         ck.optimizer_state()  # torch.load(weights_only=True) refuses arbitrary globals

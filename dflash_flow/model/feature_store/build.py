@@ -25,11 +25,9 @@ from dflash_flow.model.feature_store.format import (
     Codec,
     FeatureStoreError,
     StoreMismatch,
+    corpus_digest,
     estimate_bytes,
     token_digest,
-)
-from dflash_flow.model.feature_store.identity import (
-    corpus_digest,
 )
 from dflash_flow.model.feature_store.manifest import (
     StoreLock,
@@ -160,37 +158,21 @@ def free_bytes(path: Path) -> int:
     return int(shutil.disk_usage(p).free)
 
 
-def build_store(
-    root: str | os.PathLike,
-    *,
-    identity: Mapping[str, Any],
-    dtype: str,
-    width: int,
-    samples: SampleIndex,
-    compute: Compute,
-    comm: Comm | None = None,
-    shard_bytes: int = 2**30,
-    margin_bytes: int = 2**30,
-    rows_per_call: int = 1,
-    wait_s: float = 0.0,
-    compute_dtype: str | None = None,
-    vocab_size: int | None = None,
-    on_estimate: Callable[[int, int, int, int], None] | None = None,
-    on_wait: Callable[[str, float], None] | None = None,
-    progress: Callable[[BuildProgress], None] | None = None,
-    should_stop: Callable[[], bool] | None = None,
-    write: Write | None = None,
-) -> BuildResult:
+def build_store(root: str | os.PathLike, *, identity: Mapping[str, Any], dtype: str, width: int, samples: SampleIndex,
+                compute: Compute, comm: Comm | None = None, shard_bytes: int = 2**30, margin_bytes: int = 2**30,
+                rows_per_call: int = 1, wait_s: float = 0.0, compute_dtype: str | None = None,
+                vocab_size: int | None = None, on_estimate: Callable[[int, int, int, int], None] | None = None,
+                on_wait: Callable[[str, float], None] | None = None,
+                progress: Callable[[BuildProgress], None] | None = None, should_stop: Callable[[], bool] | None = None,
+                write: Write | None = None) -> BuildResult:
     """Compute and write the features of every sample the store lacks; resumable, several ranks at once.
 
-    ``identity``: what the features depend on (``compare_identity``'s fields; ``tokens`` is filled in here
-    from the samples). ``compute(batch)``: ``[(sid, token ids)] -> [features [L, F]]`` (the target, through
-    its backend). Every rank calls this with the same arguments and its ``comm``; rank 0 takes the lock
-    (``wait_s``), checks the manifest (another identity is refused naming the field), removes damaged shards
-    and dead writers' temporary files, plans what is missing over the ranks (contiguous id ranges of equal
-    tokens), checks the size estimate against the free space (``on_estimate(need, free, tokens, samples)``
-    first; refused when it does not fit with ``margin_bytes`` to spare) and, at the end, merges the shards
-    into the manifest. An error on any rank ends the build on all of them, the finished shards kept.
+    ``identity``: what the features depend on (``tokens`` is filled in here). ``compute(batch)``: ``[(sid,
+    token ids)] -> [features [L, F]]``. Every rank calls this with the same arguments; rank 0 takes the lock
+    (``wait_s``), checks the manifest, removes damaged shards and leftovers, splits what is missing over the
+    ranks (contiguous, equal tokens), refuses a build that does not fit the free space with ``margin_bytes``
+    to spare (``on_estimate(need, free, tokens, samples)`` first) and at the end merges the shards. An error
+    on any rank ends the build on all of them, the finished shards kept.
     """
     comm = comm or LocalComm()
     root = Path(root)

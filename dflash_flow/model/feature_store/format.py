@@ -1,13 +1,13 @@
-"""The store's format: file names, the shard trailer and index rows, the errors, the dtypes (codecs) and the
-token digest. Dtypes (bytes per token for F features): fp32 4F, bf16 2F, fp16 2F, fp8 F + 4 (e4m3 "fn" values,
-one fp32 scale per token: ``amax / 448``, so every token uses the format's whole range)."""
+"""The store's format: file names, the shard trailer and index rows, the errors, the dtypes (codecs), the
+token digest, and the identity (what the features depend on: target, layers, tokenizer, template, the
+samples' tokens), compared field by field and digested."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from dflash_flow.core.errors import DflashFlowError
+from dflash_flow.util import config_hash
 
 FORMAT = "dflash-flow-feature-store"
 VERSION = 1
@@ -101,24 +102,20 @@ class Codec:
         x = q.to(torch.float32) * scale[:, None]
         return x if out_dtype in (None, torch.float32) else x.to(out_dtype)
 
-    def decode_into(self, payload: np.ndarray, out: torch.Tensor) -> None:
-        """Decode into ``out [L, F]`` (a CPU tensor): one copy from the page cache when ``out`` has the
-        storage dtype."""
-        length, width = out.shape
-        if not self.scaled and out.dtype == self.torch_dtype and out.device.type == "cpu" and out.is_contiguous():
-            n = length * width * self.itemsize
-            if self.itemsize == 2:
-                np.copyto(out.view(torch.int16).numpy(), payload[:n].view(np.int16).reshape(length, width))
-            else:
-                np.copyto(out.numpy(), payload[:n].view(np.float32).reshape(length, width))
-            return
-        out.copy_(self.decode(payload, length, width, out.dtype))
+    def direct(self, out: torch.Tensor) -> np.ndarray | None:
+        """``out``'s bytes (writable uint8) when a stored row is copied straight into it (the storage dtype,
+        contiguous, on CPU); else None."""
+        if self.scaled or out.dtype != self.torch_dtype or out.device.type != "cpu" or not out.is_contiguous():
+            return None
+        return (out.view(torch.int16) if self.itemsize == 2 else out).numpy().reshape(-1).view(np.uint8)
 
-    def roundtrip(self, row: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """What a read of ``row`` gives back (hybrid training uses these values from the first epoch on, so
-        that a row computed now and one read later are the same)."""
-        length, width = row.shape
-        return self.decode(self.encode(row), length, width, out_dtype)
+    def decode_into(self, payload: np.ndarray, out: torch.Tensor) -> None:
+        """Decode into ``out [L, F]`` (a CPU tensor): one copy when ``out`` has the storage dtype."""
+        raw = self.direct(out)
+        if raw is not None:
+            np.copyto(raw, payload[: raw.size])
+        else:
+            out.copy_(self.decode(payload, out.shape[0], out.shape[1], out.dtype))
 
     def default_out_dtype(self) -> torch.dtype:
         return torch.float32 if self.scaled else self.torch_dtype
@@ -171,3 +168,53 @@ def id_ranges(ids: Iterable[int]) -> list[list[int]]:
         elif not out or out[-1][1] < i:
             out.append([i, i + 1])
     return out
+
+
+def flatten_identity(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """An identity as dotted fields (``target.weights``); ``template_kwargs`` stays one field."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, Mapping) and k != "template_kwargs":
+            out.update(flatten_identity(v, name + "."))
+        else:
+            out[name] = v
+    return out
+
+
+def compare_identity(stored: Mapping[str, Any], expected: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(field, stored, expected) for every field (dotted: ``target.weights``) known on both sides (not None)
+    whose values differ. A field the store did not record (a hybrid store knows no corpus digest) is not
+    compared here: every row's token digest is (``FeatureStore.read_into``)."""
+    s, e = flatten_identity(stored), flatten_identity(expected)
+    return [(k, s.get(k), v) for k, v in sorted(e.items())
+            if v is not None and s.get(k) is not None and _norm(s.get(k)) != _norm(v)]
+
+
+def fill_unknown(stored: dict[str, Any], expected: Mapping[str, Any]) -> bool:
+    """Record in ``stored`` the fields of ``expected`` it did not know; whether any was added."""
+    added = False
+    for k, v in expected.items():
+        if isinstance(v, Mapping) and k != "template_kwargs" and isinstance(stored.get(k), dict):
+            added |= fill_unknown(stored[k], v)
+        elif stored.get(k) is None and v is not None:
+            stored[k] = _norm(v)
+            added = True
+    return added
+
+
+def _norm(v: Any) -> Any:
+    return json.loads(json.dumps(v, sort_keys=True, default=str))
+
+
+def identity_digest(identity: Mapping[str, Any]) -> str:
+    return config_hash(_norm(identity))
+
+
+def corpus_digest(sample_ids: Sequence[int], lengths: Sequence[int], digests: Sequence[int]) -> str:
+    """The samples' identity: every (id, length, token digest), in id order."""
+    order = np.argsort(np.asarray(sample_ids, dtype=np.int64), kind="stable")
+    table = np.stack([np.asarray(sample_ids, dtype=np.int64)[order].astype("<u8"),
+                      np.asarray(lengths, dtype=np.int64)[order].astype("<u8"),
+                      np.asarray(digests, dtype=np.uint64)[order].astype("<u8")], axis=1)
+    return hashlib.blake2b(np.ascontiguousarray(table).tobytes(), digest_size=16).hexdigest()

@@ -31,11 +31,9 @@ from dflash_flow.model.feature_store.format import (
     Codec,
     FeatureStoreError,
     StoreMismatch,
-    id_ranges,
-)
-from dflash_flow.model.feature_store.identity import (
     compare_identity,
     fill_unknown,
+    id_ranges,
     identity_digest,
 )
 from dflash_flow.model.feature_store.shard import Shard, ShardInfo
@@ -178,23 +176,8 @@ def _recorded_digests(root: Path, manifest: Mapping[str, Any] | None) -> dict[st
 
 
 def file_blake2b(path: Path) -> str:
-    h = hashlib.blake2b(digest_size=20)
     with open(path, "rb") as f:
-        while chunk := f.read(16 * 2**20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _new_manifest(identity: Mapping[str, Any], codec: Codec, width: int, *, expected_samples: int | None,
-                  expected_tokens: int | None, compute_dtype: str | None, vocab_size: int | None) -> dict[str, Any]:
-    return {
-        "format": FORMAT, "version": VERSION, "identity": dict(identity), "identity_digest": identity_digest(identity),
-        "dtype": codec.name, "width": int(width), "bytes_per_token": codec.bytes_per_token(width),
-        "compute_dtype": compute_dtype, "vocab_size": vocab_size, "expected_samples": expected_samples,
-        "expected_tokens": expected_tokens,
-        "complete": False, "samples": 0, "tokens": 0, "bytes": 0, "shards": [],
-        "created": {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()},
-    }
+        return hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=20)).hexdigest()
 
 
 def write_json(path: Path, obj: Any, durable: bool = True) -> None:
@@ -214,8 +197,11 @@ def open_for_writing(root: Path, *, identity: Mapping[str, Any], codec: Codec, w
         if shard_names(root):
             raise FeatureStoreError(f"{root}/{SHARDS} holds shards but {root} has no {MANIFEST}: delete the directory "
                                     "and build again")
-        m = _new_manifest(identity, codec, width, expected_samples=expected_samples, expected_tokens=expected_tokens,
-                          compute_dtype=compute_dtype, vocab_size=vocab_size)
+        m = {"format": FORMAT, "version": VERSION, "identity": dict(identity), "identity_digest": identity_digest(identity),
+             "dtype": codec.name, "width": int(width), "bytes_per_token": codec.bytes_per_token(width),
+             "compute_dtype": compute_dtype, "vocab_size": vocab_size, "expected_samples": expected_samples,
+             "expected_tokens": expected_tokens, "complete": False, "samples": 0, "tokens": 0, "bytes": 0, "shards": [],
+             "created": {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}}
         write_json(root / MANIFEST, m)
         fsync_dir(root)
         return m

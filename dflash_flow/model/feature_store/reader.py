@@ -70,7 +70,6 @@ class FeatureStore:
         else:
             self.refresh()
 
-    # -- index --------------------------------------------------------------------------------------
     def _load_merged(self) -> None:
         m = self.manifest
         self._files = [s["file"] for s in m["shards"]]
@@ -161,7 +160,6 @@ class FeatureStore:
                 k = next(iter(self._open))
                 self._open.pop(k).close()
 
-    # -- rows ---------------------------------------------------------------------------------------
     def locate(self, sid: int) -> tuple[Shard, int, int, int, int] | None:
         """(shard, offset, length, crc32, tokens digest) of sample ``sid``; None when the store has none."""
         rec = self._find(int(sid))
@@ -175,7 +173,7 @@ class FeatureStore:
         if loc is None:
             return None
         shard, offset, length, crc, tokens = loc
-        return shard.payload(offset, length), length, crc, tokens
+        return shard.read(offset, length), length, crc, tokens
 
     def row(self, sid: int, out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
         """Sample ``sid``'s features ``[L, F]`` (None when the store does not hold it)."""
@@ -210,12 +208,11 @@ class FeatureStore:
             raise FeatureStoreError(
                 f"feature store {self.root}: the tokens of sample {sid} differ from the ones it was built from: "
                 "the store was built from other data, tokenizer or chat template (field 'tokens')")
-        c = self.codec
-        if not c.scaled and out.dtype == c.torch_dtype and out.device.type == "cpu" and out.is_contiguous():
-            raw = out.view(torch.int16) if c.itemsize == 2 else out
-            shard.read(offset, length, into=raw.numpy().reshape(-1).view(np.uint8))  # one copy, into the batch
+        raw = self.codec.direct(out)
+        if raw is not None:
+            shard.read(offset, length, into=raw)  # one copy, into the batch
         else:
-            c.decode_into(shard.read(offset, length), out)
+            self.codec.decode_into(shard.read(offset, length), out)
         return True
 
     def close(self) -> None:

@@ -49,10 +49,6 @@ class ShardInfo:
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
 
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> ShardInfo:
-        return cls(**{f.name: d.get(f.name) for f in attrs.fields(cls)})
-
 
 Write = Callable[[Any, memoryview], None]
 
@@ -112,9 +108,6 @@ class ShardWriter:
     def bytes(self) -> int:
         return self._pos
 
-    def __len__(self) -> int:
-        return len(self._rows)
-
     def close(self) -> ShardInfo:
         """Complete the shard (index, meta, trailer), fsync and rename it into place; on any error (a full
         disk) the temporary file is removed and the error raised."""
@@ -146,9 +139,7 @@ class ShardWriter:
 
 class Shard:
     """One shard file, opened read-only; its trailer, index and meta checked. Rows are read with ``pread``
-    straight into the caller's buffer (one copy from the page cache and one call per row, where ``mmap``
-    faults the row in page by page; bench/feature_store_bench.py measures both), announced beforehand with
-    ``posix_fadvise(WILLNEED)`` so that a batch's rows are read side by side."""
+    straight into the caller's buffer, announced with ``posix_fadvise(WILLNEED)`` (:meth:`advise`)."""
 
     def __init__(self, path: Path, *, expect_bytes: int | None = None):
         self.path = Path(path)
@@ -215,9 +206,6 @@ class Shard:
             done += got
         return buf
 
-    def payload(self, offset: int, length: int) -> np.ndarray:
-        return self.read(offset, length)
-
     def close(self) -> None:
         fd, self._fd = getattr(self, "_fd", None), None
         if fd is not None:
@@ -232,13 +220,12 @@ class StoreAppender:
     coordinating (each holds the shared lock; a build's exclusive lock keeps builds out). Thread-safe."""
 
     def __init__(self, root: Path, *, codec: Codec, width: int, identity_digest: str, shard_bytes: int,
-                 write: Write | None = None, on_shard: Callable[[ShardInfo], None] | None = None):
+                 on_shard: Callable[[ShardInfo], None] | None = None):
         self.root = Path(root)
         self.codec = codec
         self.width = width
         self.shard_bytes = int(shard_bytes)
         self._meta = {"identity": identity_digest, "writer": "hybrid"}
-        self._write = write
         self._on_shard = on_shard
         host = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:24] or "host"
         self._stem = f"h-{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -246,8 +233,6 @@ class StoreAppender:
         self._writer: ShardWriter | None = None
         self.pending: dict[int, tuple[np.ndarray, int]] = {}
         self._lock = threading.Lock()
-        self.shards: list[ShardInfo] = []
-        self.rows = 0
 
     def append(self, sid: int, tokens: int, payload: np.ndarray) -> None:
         with self._lock:
@@ -255,7 +240,7 @@ class StoreAppender:
                 return
             if self._writer is None:
                 self._writer = ShardWriter(self.root / SHARDS / f"{self._stem}-{self._k:06d}{SUFFIX}", codec=self.codec,
-                                           width=self.width, meta=self._meta, write=self._write)
+                                           width=self.width, meta=self._meta)
                 self._k += 1
             try:
                 self._writer.add(sid, tokens, payload)
@@ -265,26 +250,20 @@ class StoreAppender:
                 self.pending.clear()
                 raise
             self.pending[sid] = (payload, tokens)
-            self.rows += 1
             if self._writer.bytes >= self.shard_bytes:
                 self._flush_locked()
 
-    def flush(self) -> ShardInfo | None:
-        with self._lock:
-            return self._flush_locked()
-
-    def _flush_locked(self) -> ShardInfo | None:
+    def _flush_locked(self) -> None:
         w, self._writer = self._writer, None
         if w is None:
-            return None
+            return
         try:
             info = w.close()
         finally:
             self.pending.clear()
-        self.shards.append(info)
         if self._on_shard is not None:
             self._on_shard(info)
-        return info
 
     def close(self) -> None:
-        self.flush()
+        with self._lock:
+            self._flush_locked()
