@@ -52,6 +52,12 @@ def sha256_file(path: str | os.PathLike) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def blake2b_file(path: str | os.PathLike) -> str:
+    """Hex 20-byte blake2b of a file's content: the data cache's and the feature store's file digest."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=20)).hexdigest()
+
+
 def is_within(path: str | os.PathLike, root: str | os.PathLike) -> bool:
     """Whether ``path``, with every symbolic link followed, lies inside ``root`` (also resolved)."""
     real, base = os.path.realpath(path), os.path.realpath(root)

@@ -207,7 +207,7 @@ def check_store(path: str | os.PathLike, *, pipeline: PipelineFeatures | None = 
 
 def _check_files(rep: CheckReport, store: Any, path: Path, digests: bool) -> None:
     """The manifest's figures, and every shard it lists: there, of its size (``digests``: of its digest)."""
-    from dflash_flow.model.feature_store.manifest import file_blake2b
+    from dflash_flow.util import blake2b_file
 
     m = store.manifest
     n, tokens = len(store), store.tokens
@@ -228,7 +228,7 @@ def _check_files(rep: CheckReport, store: Any, path: Path, digests: bool) -> Non
         elif f.stat().st_size != int(info["bytes"]):
             rep.problem(f"shard {rel} has {f.stat().st_size} bytes, the manifest says {info['bytes']} (truncated: "
                         "delete it and run `dflash-flow features build PIPELINE`)")
-        elif digests and info.get("blake2b") and file_blake2b(f) != info["blake2b"]:
+        elif digests and info.get("blake2b") and blake2b_file(f) != info["blake2b"]:
             rep.problem(f"shard {rel} does not match its digest (changed on disk: delete it and run "
                         "`dflash-flow features build PIPELINE`)")
 

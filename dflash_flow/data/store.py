@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash_flow.util import atomic_write_text, cache_root, fsync_dir, sha256_file
+from dflash_flow.util import atomic_write_text, blake2b_file, cache_root, fsync_dir, sha256_file
 
 from .formats import data_files_of
 from .reports import ReadOptions
@@ -64,11 +64,6 @@ class StoreError(RuntimeError):
 
 def _digest() -> Any:
     return hashlib.blake2b(digest_size=20)
-
-
-def _hash_file(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, _digest).hexdigest()
 
 
 def _stat_sig(path: Path) -> list[int]:
@@ -205,7 +200,7 @@ def open_entry(entry: Path) -> tuple[dict[str, np.ndarray], dict[str, Any], dict
                 raise StoreError(f"{files[name]['file']} has {size} bytes, expected {counts[name] * dt.itemsize}")
         if not _stamp_holds(entry):
             for name in ARRAYS:
-                if _hash_file(entry / files[name]["file"]) != files[name]["blake2b"]:
+                if blake2b_file(entry / files[name]["file"]) != files[name]["blake2b"]:
                     raise StoreError(f"{files[name]['file']} does not match its digest")
             _write_stamp(entry)
         arrays = {name: _map(entry / files[name]["file"], ARRAYS[name], counts[name]) for name in ARRAYS}

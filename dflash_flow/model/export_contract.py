@@ -51,7 +51,6 @@ def read_json_object(path: Path) -> dict[str, Any]:
     return d
 
 
-
 def read_safetensors_header(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     """``{tensor name: shape}`` from a safetensors file's JSON header, without reading the weights."""
     path = Path(path)

@@ -195,7 +195,8 @@ def _stage(cur: StageSnapshot, w: StageWindow, window: float, prev: StageSnapsho
     for r, rw in zip(cur.replicas, w.replicas, strict=True):  # its window's fractions, cumulative items, queue now
         span, ch = w.span_of(rw), r.channel
         reps.append(ReplicaSample(r.replica, r.device, r.state, rw.busy(span), rw.blocked_in(span),
-                                  rw.blocked_out(span), r.items_in, r.items_out, ch and ch.depth, ch and ch.capacity))
+                                  rw.blocked_out(span), r.items_in, r.items_out, None if ch is None else ch.depth,
+                                  None if ch is None else ch.capacity))
     counters: dict[str, float] = {}
     rates: dict[str, float] = {}
     gauges: dict[str, float] = {}

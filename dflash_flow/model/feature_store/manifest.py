@@ -37,7 +37,7 @@ from dflash_flow.model.feature_store.format import (
     identity_digest,
 )
 from dflash_flow.model.feature_store.shard import Shard, ShardInfo
-from dflash_flow.util import atomic_write_bytes, atomic_write_text, fsync_dir
+from dflash_flow.util import atomic_write_bytes, atomic_write_text, blake2b_file, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -175,11 +175,6 @@ def _recorded_digests(root: Path, manifest: Mapping[str, Any] | None) -> dict[st
     return out
 
 
-def file_blake2b(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=20)).hexdigest()
-
-
 def write_json(path: Path, obj: Any, durable: bool = True) -> None:
     atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True) + "\n", durable=durable)
 
@@ -255,7 +250,7 @@ def merge_store(root: str | os.PathLike, *, expected: Iterable[int] | None = Non
         rel = f"{SHARDS}/{s.path.name}"
         parts.append(merged_rows(s.index, k))
         infos.append(ShardInfo(file=rel, bytes=s.size, samples=len(s.index), tokens=int(s.index["length"].sum()),
-                               ids=id_ranges(s.index["sid"].tolist()), blake2b=digests.get(rel) or file_blake2b(s.path)))
+                               ids=id_ranges(s.index["sid"].tolist()), blake2b=digests.get(rel) or blake2b_file(s.path)))
         s.close()
     loc, duplicates = first_of_each(parts)
     data = loc.tobytes()
