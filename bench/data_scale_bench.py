@@ -128,7 +128,7 @@ def rank_main(args) -> None:
     tf = read_records(args.rank, tokenizer=tok, kind="chat",
                       options=ReadOptions(cache_dir=args.cache, max_length=MAX_LENGTH),
                       progress=lambda p: states.add(p.state))
-    from dflash_flow.data.corpus import file_table
+    from dflash_flow.data.plan import file_table
 
     table = file_table("source", [tf])
     load_s = time.perf_counter() - t0

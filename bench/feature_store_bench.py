@@ -338,8 +338,8 @@ def offline_equals_online() -> dict[str, Any]:
 
 def rank_worker(store: str, n: int, out: str) -> None:
     """One torchrun rank of ``two_rank_build``."""
+    from dflash_flow.app import DistributedConfig
     from dflash_flow.app.distributed import init_distributed, shutdown_distributed
-    from dflash_flow.app.sections import DistributedConfig
     from dflash_flow.model.feature_store import build_store
 
     dist = init_distributed(DistributedConfig(), use_cuda=False)

@@ -123,8 +123,9 @@ def correctness(device: str, checks: Checks) -> dict:
     parameter the loss reaches through every layer's backward) at a cosine of at least 0.99."""
     import torch
 
+    from dflash_flow.model.blockplan import sample_anchors
     from dflash_flow.model.head import load_shared_head
-    from dflash_flow.model.objective import dflash_loss, sample_anchors
+    from dflash_flow.model.objective import dflash_loss
     from dflash_flow.model.target import TargetFeatureExtractor, load_target, load_target_config
     from dflash_flow.model.trainer import DrafterShape, build_drafter
 
@@ -540,7 +541,7 @@ def must_check(checks: Checks) -> None:
     checks.look("13", "determinism on CUDA is not bit for bit: two identical runs' losses agree to bf16 noise, not "
                       "exactly (docs/gpu.md)")
     checks.look("8", "nvidia-smi during the run: one CUDA context per GPU of this process, none of ~0.5 GB on a GPU "
-                     "the process has no stage on (threads bound before setup, app.sections)")
+                     "the process has no stage on (threads bound before setup, dflash_flow.app)")
     checks.look("6", "sync_warnings in alone: where any sync above one per step comes from; and in the pipeline "
                      "a loss mask that reaches DrafterStep on the GPU costs one more per micro-batch (read back)")
     checks.look("2", "nsys / torch.profiler trace of a few steps: target replicas' kernels on their own streams, "
@@ -562,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from dflash_flow.model.device import ALLOC_CONF, use_expandable_segments
 
-    use_expandable_segments()  # as every run's stage threads set it (app.sections), before CUDA starts here
+    use_expandable_segments()  # as every run's stage threads set it (dflash_flow.app), before CUDA starts here
     if args.device == "cpu":
         torch.set_num_threads(1)  # the smoke run on a small shared CPU: contended intra-op threads crawl
     t0 = time.perf_counter()

@@ -202,7 +202,7 @@ def build_case(case: dict, seed: int = 0) -> dict[str, Any]:
 def draw_anchors(c: dict, seed: int):
     import torch
 
-    from dflash_flow.model.objective import sample_anchors
+    from dflash_flow.model.blockplan import sample_anchors
 
     return sample_anchors(
         c["loss_mask"],

@@ -7,7 +7,7 @@ is missing (``bench/peers.py``), or exits 2 naming the command that would.
 The work: ``--samples`` synthetic tokenized samples (lengths from bench/data/lengths-chat-100k.txt),
 planned into length-bucketed batches under a padded-token budget (our ``BatchPlanner`` + ``order_packed``:
 torchdata has no token-budget bucketing, so both sides use the same plan functions), right-padded into
-tensors (``data.collate.pad_batch``) by 2 workers, a TargetForward stand-in with 3 workers sleeping in
+tensors (``data.plan.pad_batch``) by 2 workers, a TargetForward stand-in with 3 workers sleeping in
 proportion to the padded tokens (GIL-free, like a GPU kernel), and an in-order trainer stand-in sleeping
 in proportion to the real tokens.
 
@@ -172,7 +172,7 @@ def planned_batches(data: list[Sample]):
 def theirs(data: list[Sample], costs: Costs) -> tuple[float, list[tuple]]:
     import torchdata.nodes as tn
 
-    from dflash_flow.data.collate import pad_batch
+    from dflash_flow.data.plan import pad_batch
 
     def target(batch: PaddedBatch) -> PaddedBatch:
         time.sleep(costs.target(batch))

@@ -1,7 +1,4 @@
-"""The `dflash-flow` command line. Thin: parsing, messages and exit codes; the work lives elsewhere.
-
-Nothing here imports torch or mlflow at module level, so `--help`, `validate`, `graph` and `stages` start fast.
-"""
+"""The `dflash-flow` command line: parsing, messages and exit codes (no torch or mlflow at module level)."""
 
 from __future__ import annotations
 
@@ -33,15 +30,13 @@ def _check_output_file(path: Path, what: str, *, make_parents: bool = False) -> 
         user_error(str(exc))
 
 
-def _load(file: Path, overrides: Optional[list[str]], check_devices: bool = True, local_world_size: Optional[int] = None,
-          gpu_count: Optional[int] = None, check_paths: Optional[bool] = None):
+def _load(file: Path, overrides: Optional[list[str]], **options):
     """Load and validate (``app.runner.load``); print one line per problem and exit 2 on user errors."""
     from dflash_flow.app.runner import load
     from dflash_flow.core import ConfigError
 
     try:
-        return load(file, overrides=overrides, check_devices=check_devices, check_paths=check_paths,
-                    local_world_size=local_world_size, gpu_count=gpu_count)
+        return load(file, overrides=overrides, **options)
     except ConfigError as exc:
         lines = [p.format() for p in exc.problems]
         user_error(f"error: {file}: {len(lines)} problem(s)\n" + "\n".join(lines))
@@ -72,35 +67,30 @@ def graph(
     set_: Optional[list[str]] = SetOpt,
 ) -> None:
     """Print the DAG as Mermaid or Graphviz dot (or render an image)."""
-    from dflash_flow.core.describe import render_image, to_dot, to_mermaid
+    from dflash_flow.core.graph import render_image, to_dot, to_mermaid
 
     v = _load(file, set_, check_devices=False)
     if format not in ("mermaid", "dot"):
         user_error(f"error: --format must be mermaid or dot, got {format!r}")
-    if output is not None:
-        _check_output_file(output, "--output")
-    if output is not None and output.suffix.lower() in (".png", ".svg", ".pdf"):
+    text = to_mermaid(v.graph) if format == "mermaid" else to_dot(v.graph)
+    if output is None:
+        return typer.echo(text, nl=False)
+    _check_output_file(output, "--output")
+    if output.suffix.lower() in (".png", ".svg", ".pdf"):
         if render_image(v.graph, output) is None:
             user_error("error: rendering an image needs graphviz's `dot` (apt-get install graphviz); use --format dot")
-        typer.echo(f"wrote {output}")
-        return
-    text = to_mermaid(v.graph) if format == "mermaid" else to_dot(v.graph)
-    if output is not None:
+    else:
         from dflash_flow.app.commands import write_output_text
 
-        code = write_output_text(output, text, "--output")
-        if code:
-            raise typer.Exit(code)
-        typer.echo(f"wrote {output}")
-    else:
-        typer.echo(text, nl=False)
+        write_output_text(output, text, "--output")
+    typer.echo(f"wrote {output}")
 
 
 @app.command()
 def stages(name: Optional[str] = typer.Argument(None, help="Show one stage type in detail.")) -> None:
     """List registered stage types with their ports and config fields."""
     from dflash_flow.core import registry
-    from dflash_flow.core.describe import describe_stage
+    from dflash_flow.core.graph import describe_stage
 
     names = registry.available()
     if name is not None:
@@ -139,12 +129,9 @@ def run(
     if nproc is not None:
         from dflash_flow.app.launch import launch
 
-        output_dir = v.graph.run_dir
-        world = nproc * (int(str(nnodes).split(":")[-1]) if str(nnodes).split(":")[-1].isdigit() else 1)
         tracking = v.graph.sections["tracking"]
-        code = launch(file, output_dir, world_size=world, nproc=nproc, nnodes=nnodes,
-                      tracking_uri=tracking.tracking_uri if tracking.enabled else None,
-                      rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts,
+        code = launch(file, nproc=nproc, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
+                      tracking_uri=tracking.tracking_uri if tracking.enabled else None, max_restarts=max_restarts,
                       overrides=set_ or [], resume=resume, extend=extend)
         controller().decide(code)
         raise typer.Exit(code)

@@ -83,9 +83,7 @@ class BatchMeta:
     num_samples: int
     sample_ids: list[int] = attrs.field(factory=list)
     padded_len: int = 0
-    # Batches in this epoch for this rank, and over the whole run (the trainer's schedule and checkpoints).
-    epoch_batches: int = 0
-    total_batches: int = 0
+    total_batches: int = 0  # over the whole run, for this rank (the trainer's schedule and checkpoints)
     # Batches this rank will still take from this one on, per epoch (max_batches applied): the steps left.
     batches_ahead: tuple[int, ...] = ()
     rank: int = 0
@@ -146,20 +144,18 @@ TRAIN_METRIC_REDUCTIONS: dict[str, str] = {
 
 @attrs.frozen
 class HeldoutWalk:
-    """The drafter's teacher-forced walk on a fixed held-out sample during training (``model.heldout``).
-    ``elapsed_s``: seconds since the trainer's setup began; ``probe_s``: what this measurement cost."""
+    """The drafter's teacher-forced walk on a fixed held-out sample (``model.walk.HeldoutProbe``)."""
 
     tau: float
-    elapsed_s: float
-    probe_s: float
+    elapsed_s: float  # seconds since the trainer's setup began
+    probe_s: float  # what this measurement cost
     conversations: int
     horizon: int
 
 
 @attrs.define(eq=False)
 class StepReport:
-    """What one optimizer step of the drafter reports: ``metrics`` are its scalar curves (loss, accuracy, ``lr``,
-    throughput, a variant's terms); the per-slot accuracies and the run's facts are typed fields of their own."""
+    """What one optimizer step of the drafter reports; ``metrics``: its scalar curves (loss, ``lr``, ...)."""
 
     step: int
     epoch: int
@@ -174,9 +170,8 @@ class StepReport:
 
 @attrs.define(eq=False)
 class EvalReport:
-    """One evaluation's result, typed (``observe.names`` makes the MLflow keys from it). ``name``: ``trained`` /
-    ``untrained``, ``walk`` or a custom evaluation's. ``metrics``: figures at the first horizon and those tied to
-    none; ``by_horizon``: ``{H: {"tau": ..., ...}}`` for every horizon measured, in order."""
+    """One evaluation's result (``observe.names`` makes the MLflow keys from it). ``metrics``: figures at the first
+    horizon and those tied to none; ``by_horizon``: ``{H: {"tau": ..., ...}}`` for every horizon, in order."""
 
     name: str
     metrics: dict[str, float] = attrs.field(factory=dict)

@@ -1,6 +1,5 @@
-"""Run services: what the application (``dflash_flow.app``) hands the DFlash stages besides their config, one
-typed object per run (``StageContext[RunServices].services``; opaque to the core). Stages read its fields and
-never build services; a run's missing ones are None (``RunServices()`` without the application)."""
+"""Run services: what the application hands the DFlash stages besides their config, one typed object per run
+(``StageContext[RunServices].services``; opaque to the core); a run's missing ones are None."""
 
 from __future__ import annotations
 
@@ -85,15 +84,11 @@ class Collective(Protocol):
 
     def gather_to_main(self, obj: Any) -> list[Any] | None: ...
 
-
-class StopConsensus(Protocol):
-    """The job's ranks agreeing on a stop (``dflash_flow.app.distributed.Distributed`` under torchrun)."""
-
     def agree_to_stop(self, stop_requested: bool) -> bool: ...
 
 
 class BatchLog(Protocol):
-    """The trained-batch log (``dflash_flow.observe.batchlog.BatchLog``)."""
+    """The trained-batch log (``dflash_flow.observe.record.BatchLog``)."""
 
     def write(self, meta: Any) -> None: ...
 
@@ -121,12 +116,12 @@ class RunServices:
     record: RunRecord = attrs.field(factory=RunRecord)
     tokenizer: Any = None  # a tokenizer object for ChatSource stages given no tokenizer path
     dist: Collective | None = None  # set when the pipeline runs as one rank of a torchrun job
-    stop_consensus: StopConsensus | None = None  # under torchrun: the ranks agree on the step they stop after
+    stop_consensus: Collective | None = None  # under torchrun: the ranks agree on the step they stop after
     exporter: Exporter | None = None  # None: the trainer stage exports into its context's output_dir
 
     def open_batch_log(self, ctx: StageContext[RunServices]) -> BatchLog:
         """The trained-batch log of a trainer stage: ``OUTPUT/batches.jsonl`` (one per rank), continued on resume."""
-        from dflash_flow.observe.batchlog import BatchLog as FileBatchLog
+        from dflash_flow.observe.record import BatchLog as FileBatchLog
 
         return FileBatchLog(Path(ctx.output_dir), rank=ctx.rank, world_size=ctx.world_size,
                             append=self.resume is not None)
@@ -134,5 +129,4 @@ class RunServices:
 
 def services_of(ctx: StageContext[Any]) -> RunServices:
     """The run services of a stage context (empty ones when the pipeline was built without them)."""
-    services = ctx.services
-    return services if isinstance(services, RunServices) else RunServices()
+    return ctx.services if isinstance(ctx.services, RunServices) else RunServices()

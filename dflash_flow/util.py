@@ -97,7 +97,6 @@ def atomic_path(path: str | os.PathLike, *, mode: int = 0o644, durable: bool = T
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, mode: int = 0o644, durable: bool = True) -> Path:
-    """``data`` written to ``path`` atomically (:func:`atomic_path`)."""
     with atomic_path(path, mode=mode, durable=durable) as tmp:
         tmp.write_bytes(data)
     return Path(path)
@@ -137,8 +136,7 @@ def nearest_existing(path: Path) -> Path:
 
 
 def probe_write(directory: str | os.PathLike) -> str | None:
-    """Create and remove a file in ``directory``: None when that works, else why not (unlike ``os.access``, right
-    for root, read-only mounts and ACLs)."""
+    """None when a file can be made in ``directory``, else why (unlike ``os.access``: right for root)."""
     try:
         fd, name = tempfile.mkstemp(prefix=".dflash-probe-", dir=directory)
         os.close(fd)
@@ -149,8 +147,7 @@ def probe_write(directory: str | os.PathLike) -> str | None:
 
 
 def local_dirs(*fields: tuple[str, Any]) -> list[tuple[str, str, str]]:
-    """``(field, path, "dir")`` for the values that name a local directory (starting ``/``, ``.``, ``~``, or one
-    that exists), not a preset name or a hub id (``Stage.input_paths``)."""
+    """``(field, path, "dir")`` for the values naming a local directory, not a preset or a hub id."""
     return [(field, value, "dir") for field, value in fields if isinstance(value, str) and value
             and (value.startswith(("/", ".", "~")) or Path(value).expanduser().exists())]
 

@@ -112,8 +112,7 @@ def feature_check(python: Path, work: Path, n: int) -> dict:
 
     from dflash_flow.embedded.train_target import embedded_target_path
     from dflash_flow.engine.backend import EngineBackend
-    from dflash_flow.engine.command import vllm_server_env
-    from dflash_flow.engine.config import engine_config_from
+    from dflash_flow.engine.config import engine_config_from, vllm_server_env
     from dflash_flow.engine.launch import LocalServers, ServerSpec
     from dflash_flow.model.features import TargetFeatureExtractor
     from dflash_flow.model.target import load_target

@@ -1,18 +1,14 @@
-"""The run's checkpoints: CheckpointService, the Checkpointer (writing atomically, pruning this run's lineage,
-finding the newest valid one), over checkpoint_format (the files, loading).
+"""The run's checkpoints: CheckpointService and the Checkpointer (writing atomically, pruning this run's lineage,
+finding the newest valid one); the files and loading are checkpoint_format's.
 
 Layout of one checkpoint directory ``step-00000123/``:
   model.safetensors   trainable weights (safetensors: loading never runs code)
   optimizer.pt        optimizer + scheduler state (loaded with ``torch.load(weights_only=True)``)
-  state.json          step, epoch, data position, every stage's state_dict, MLflow run id, the settings
-                      that can change the result (``core.identity.result_settings``) and their hash,
-                      the run's lineage id, the directory it was written into (a copy elsewhere is a
-                      fork: ``Checkpointer.holds``) and the sha256 of every data file
+  state.json          step, epoch, data position, every stage's state, MLflow run id, the result settings and
+                      their hash, the lineage id (``run_uid``: the only checkpoints a run prunes), the directory
+                      it was written into (a copy elsewhere is a fork) and the sha256 of every data file
   MANIFEST.json       sha256 of every file above; written last
-A checkpoint is written to a hidden temporary directory and renamed into place: a crash or a full disk
-leaves the previous checkpoints or a complete new one. Pruning removes only checkpoints of this run's lineage
-(``run_uid``: a fresh run draws one, a resumed run keeps its checkpoint's). Loading checks everything it
-reads and names the checkpoint and the reason: ``not a valid checkpoint: PATH: why``."""
+Written to a hidden temporary directory and renamed into place: a crash leaves the old ones or a complete new one."""
 from __future__ import annotations
 
 import io
@@ -39,18 +35,12 @@ from .checkpoint_format import (
     InvalidCheckpoint,
     load_checkpoint,
     plain_name,
+    read_json,
 )
 
 _STEP_NAME = re.compile(r"^step-\d{8,}$")
 
 log = logging.getLogger("dflash_flow")
-
-__all__ = ["CheckpointService", "Checkpointer", "new_run_uid"]
-
-
-def new_run_uid() -> str:
-    """The lineage id of a fresh run (which checkpoints it may prune)."""
-    return uuid.uuid4().hex
 
 
 class _RecordingFile(io.FileIO):
@@ -67,33 +57,9 @@ class _RecordingFile(io.FileIO):
             raise
 
 
-def _torch_save(torch: Any, obj: Any, path: Path) -> None:
-    with _RecordingFile(path, "w") as f:
-        try:
-            torch.save(obj, f)
-        except Exception:
-            if f.error is not None:
-                raise f.error from None
-            raise
-
-
-def _nonfinite(tensors: dict[str, Any]) -> str | None:
-    import torch
-
-    for name, t in tensors.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            return name
-    return None
-
-
 class Checkpointer:
-    """Writes and finds checkpoints in one directory.
-
-    ``root``: the directory every write must stay in once symbolic links are followed. ``run_uid``: this
-    run's lineage, the only checkpoints it prunes. ``data_files``: sha256 per data file, recorded for resume.
-    ``settings`` (``core.identity.result_settings``), ``config_hash`` (their hash) and ``legacy_hash`` (of a
-    checkpoint that predates recorded settings): what a checkpoint must match to be resumed; ``length_keys``
-    (``core.identity.run_length_keys``) may differ when ``extend``."""
+    """Writes and finds checkpoints in one directory, never outside ``root`` (links followed). ``expected``: what
+    a resume must match (from ``config_hash``, ``settings``, ...); ``data_files``: sha256 per data file."""
 
     def __init__(self, directory: str | Path, *, keep_last: int = 3, config_hash: str = "",
                  run_uid: str | None = None, data_files: dict[str, str] | None = None,
@@ -102,33 +68,32 @@ class Checkpointer:
                  moved: dict[str, str] | None = None):
         self.dir = Path(directory)
         self.keep_last = keep_last
-        self.config_hash = config_hash
-        self.settings = settings
-        self.legacy_hash = legacy_hash
-        self.length_keys = frozenset(length_keys)
-        self.extend = extend
-        self.moved = dict(moved or {})  # core.identity.moved_setting_keys: older checkpoints' keys, read as today's
-        self.run_uid = run_uid or new_run_uid()
+        self.expected = Expected(config_hash, settings, legacy_hash, frozenset(length_keys), extend, dict(moved or {}))
+        self.run_uid = run_uid or uuid.uuid4().hex  # a fresh run's lineage
         self.data_files = dict(data_files or {})
         self.root = Path(root) if root is not None else None
         self.mlflow_run_id: str | None = None  # recorded when a save names none
 
-    # -- writing ------------------------------------------------------------------------------------
     def save(self, *, step: int, epoch: int, model_state: dict[str, Any], optimizer_state: dict[str, Any],
              data_position: dict[str, Any], stage_states: dict[str, list[dict[str, Any]]] | None = None,
              extra: dict[str, Any] | None = None, files: dict[str, str] | None = None,
              mlflow_run_id: str | None = None) -> Path:
-        """Write one checkpoint. ``files`` adds small text files (e.g. the drafter's ``config.json`` for
-        ``dflash-flow export``). A failed write raises CheckpointError naming the checkpoint."""
+        """Write one checkpoint (``files``: small text files, e.g. the drafter's ``config.json``)."""
         final = self.dir / f"step-{step:08d}"
+        import torch
+
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
-        bad = _nonfinite(tensors)
+        bad = next((k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())),
+                   None)
         if bad is not None:
             raise CheckpointError(f"refusing to write checkpoint {final}: weight {bad} holds NaN or infinite values (the "
                                   "training diverged); the last checkpoint written stays the newest")
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            self._check_contained()
+            if self.root is not None and not is_within(self.dir, self.root):
+                raise CheckpointError(f"checkpoint directory {self.dir} leads outside {self.root} (through a symbolic "
+                                      f"link to {os.path.realpath(self.dir)}); the run writes only inside its output "
+                                      "directory")
             path = self._write(final, step, epoch, tensors, optimizer_state, data_position, stage_states, extra, files,
                                mlflow_run_id or self.mlflow_run_id)
         except OSError as exc:
@@ -136,11 +101,6 @@ class Checkpointer:
                                   "are intact") from exc
         self._prune()
         return path
-
-    def _check_contained(self) -> None:
-        if self.root is not None and not is_within(self.dir, self.root):
-            raise CheckpointError(f"checkpoint directory {self.dir} leads outside {self.root} (through a symbolic link "
-                                  f"to {os.path.realpath(self.dir)}); the run writes only inside its output directory")
 
     def _write(self, final, step, epoch, tensors, optimizer_state, data_position, stage_states, extra, files,
                mlflow_run_id) -> Path:
@@ -151,10 +111,17 @@ class Checkpointer:
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step-{step:08d}-{self.run_uid[:12]}-", dir=self.dir))
         try:
             write_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-            _torch_save(torch, optimizer_state, tmp / "optimizer.pt")
+            with _RecordingFile(tmp / "optimizer.pt", "w") as f:
+                try:
+                    torch.save(optimizer_state, f)
+                except Exception:
+                    if f.error is not None:
+                        raise f.error from None
+                    raise
             state = {"format_version": FORMAT_VERSION, "step": step, "epoch": epoch, "data_position": data_position,
-                     "stage_states": stage_states or {}, "mlflow_run_id": mlflow_run_id, "config_hash": self.config_hash,
-                     "settings": self.settings, "checkpoint_dir": os.path.realpath(self.dir), "run_uid": self.run_uid,
+                     "stage_states": stage_states or {}, "mlflow_run_id": mlflow_run_id,
+                     "config_hash": self.expected.config_hash, "settings": self.expected.settings,
+                     "checkpoint_dir": os.path.realpath(self.dir), "run_uid": self.run_uid,
                      "data_files": self.data_files, "extra": extra or {}}
             (tmp / "state.json").write_text(json.dumps(state, indent=1, default=_json_default))
             names = list(REQUIRED_FILES)
@@ -181,8 +148,7 @@ class Checkpointer:
         return final
 
     def _prune(self) -> None:
-        # The last K *written* of this run's lineage, not the K highest steps: a fresh run in a directory
-        # that still holds an earlier run's (higher-step) checkpoints keeps its own, and leaves theirs alone.
+        # The last K *written* of this run's lineage, not the K highest steps: an earlier run's stay.
         own = [p for p in self._by_write_time() if _run_uid_of(p) == self.run_uid]
         for old in own[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
@@ -190,10 +156,8 @@ class Checkpointer:
             if leftover.is_dir() and not leftover.is_symlink():
                 shutil.rmtree(leftover, ignore_errors=True)
 
-    # -- finding ------------------------------------------------------------------------------------
     def holds(self, ckpt: Checkpoint) -> bool:
-        """Whether ``ckpt`` is one of this directory's own: it lies here and was written here (not copied or
-        moved in from elsewhere). A resume from one continues its run; from any other, it forks a new one."""
+        """Whether ``ckpt`` lies here and was written here (a resume from any other forks a new run)."""
         here = os.path.realpath(self.dir)
         return os.path.realpath(ckpt.path.parent) == here and ckpt.checkpoint_dir in (None, here)
 
@@ -242,20 +206,17 @@ class Checkpointer:
         p = Path(spec)
         if _is_checkpoint(p):
             return p
-        if _holds_checkpoints(p):
+        if holds_checkpoints(p):
             return Checkpointer(p).resolve(LATEST)
         raise CheckpointError(f"no checkpoint at {p}")
 
     def load(self, spec: str | Path, *, check_config: bool = True) -> Checkpoint:
-        """Load ``spec``. For ``latest`` (or a directory of checkpoints) an invalid newest checkpoint is
-        skipped with one warning and the newest valid one is loaded; a single checkpoint path must be valid."""
-        expected = (Expected(self.config_hash, self.settings, self.legacy_hash, self.length_keys, self.extend,
-                             self.moved)
-                    if check_config else None)
+        """Load ``spec``; ``latest`` or a checkpoints directory: the newest valid one (invalid ones warned of)."""
+        expected = self.expected if check_config else None
         p = Path(spec)
         if str(spec) == LATEST:
             return _load_newest_valid(self, LATEST, expected)
-        if not _is_checkpoint(p) and _holds_checkpoints(p):
+        if not _is_checkpoint(p) and holds_checkpoints(p):
             return _load_newest_valid(Checkpointer(p), str(p), expected)
         return load_checkpoint(self.resolve(spec), expected=expected)
 
@@ -264,7 +225,7 @@ def _is_checkpoint(p: Path) -> bool:
     return (p / "MANIFEST.json").is_file() or (p / "state.json").is_file()
 
 
-def _holds_checkpoints(p: Path) -> bool:
+def holds_checkpoints(p: Path) -> bool:
     return (p / LATEST).is_file() or any(p.glob("step-*"))
 
 
@@ -289,12 +250,8 @@ def _load_newest_valid(ck: Checkpointer, spec: str, expected: Expected | None) -
 
 def _run_uid_of(path: Path) -> str | None:
     try:
-        with open(path / "state.json", "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > MAX_STATE_BYTES:
-                return None
-            state = json.loads(f.read(size))  # read(limit) would allocate the whole limit for a small file
-    except (OSError, ValueError, RecursionError):
+        state = read_json(path, "state.json", MAX_STATE_BYTES)
+    except InvalidCheckpoint:
         return None
     return state.get("run_uid") if isinstance(state, dict) else None
 
@@ -312,9 +269,8 @@ def _json_default(obj: Any) -> Any:
 
 
 class CheckpointService:
-    """The run's checkpoint policy (``checkpoint:`` section) in front of a :class:`Checkpointer`: a trainer
-    stage reports each optimizer step (``after_step``) and hands over a ``services.CheckpointPayload`` when one
-    is due; the service adds every other stage's state and writes it."""
+    """The ``checkpoint:`` policy in front of a :class:`Checkpointer`: the trainer reports each step and hands
+    over a ``services.CheckpointPayload`` when one is due; the service adds the other stages' states."""
 
     def __init__(self, checkpointer: Checkpointer, policy: Any, *, stage_states: Any = None, dist: Any = None,
                  tracker: Any = None, before_commit: Any = None, elapsed_s: Any = None) -> None:
@@ -326,12 +282,10 @@ class CheckpointService:
         self.elapsed_s = elapsed_s  # () -> seconds run, resumed runs included (state.json's extra.elapsed_s)
         self.last_path: Path | None = None
 
-    def due(self, step: int, epoch_end: bool) -> bool:
-        every = self.policy.every_steps
-        return bool(every and step % every == 0) or (epoch_end and self.policy.at_epoch_end)
-
     def after_step(self, source: Any, *, step: int, epoch_end: bool) -> Path | None:
-        return self.save(source, epoch_end=epoch_end) if self.due(step, epoch_end) else None
+        every = self.policy.every_steps
+        due = bool(every and step % every == 0) or (epoch_end and self.policy.at_epoch_end)
+        return self.save(source, epoch_end=epoch_end) if due else None
 
     def at_stop(self, source: Any, *, trained: bool) -> Path | None:
         """The stop checkpoint (``on_signal``), when the trainer trained since its last one; under torchrun
@@ -341,8 +295,7 @@ class CheckpointService:
         return None
 
     def save(self, source: Any, *, epoch_end: bool = False) -> Path | None:
-        """Write a checkpoint. Under torchrun every rank calls this at the same step (it is collective):
-        the ranks' data positions are gathered, rank 0 writes once, and nobody goes on before it is done."""
+        """Write a checkpoint; under torchrun collective: positions gathered, rank 0 writes, all wait for it."""
         payload = source.checkpoint_payload(epoch_end)
         extra = dict(payload.extra)
         if self.elapsed_s is not None:

@@ -20,9 +20,6 @@ MAX_MANIFEST_BYTES = 1 * 2**20
 MAX_STATE_BYTES = 256 * 2**20
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
-__all__ = ["FORMAT_VERSION", "LATEST", "MAX_MANIFEST_BYTES", "MAX_STATE_BYTES", "REQUIRED_FILES", "Checkpoint", "Expected",
-           "InvalidCheckpoint", "checkpoint_size_estimate", "load_checkpoint", "plain_name"]
-
 
 class InvalidCheckpoint(CheckpointError):
     """Not a usable checkpoint (missing, corrupted or malformed files): ``--resume latest`` falls back past these
@@ -66,8 +63,7 @@ class Checkpoint:
             raise _invalid(self.path, f"optimizer.pt cannot be loaded safely ({_first_line(exc)})") from None
 
     def data_change(self, current: dict[str, str]) -> str | None:
-        """A sentence naming the first data file whose content differs from the one this checkpoint was
-        trained on (None when all match, or when the checkpoint recorded none)."""
+        """A sentence naming the first data file that changed since this checkpoint (None: none did)."""
         for name, digest in current.items():
             old = self.data_files.get(name)
             if old is not None and old != digest:
@@ -101,11 +97,8 @@ def _check_identity(path: Path, state: dict[str, Any], expected: Expected) -> No
     recorded = state.get("settings")
     if recorded is not None and expected.settings is not None:
         recorded = recorded_as_today(recorded, expected.moved, expected.settings)
-        length = expected.length_keys
-        diffs = settings_differences({k: v for k, v in recorded.items() if k not in length},
-                                     {k: v for k, v in expected.settings.items() if k not in length})
-        longer = settings_differences({k: v for k, v in recorded.items() if k in length},
-                                      {k: v for k, v in expected.settings.items() if k in length})
+        diffs, longer = (settings_differences(*({k: v for k, v in d.items() if (k in expected.length_keys) == length}
+                                                for d in (recorded, expected.settings))) for length in (False, True))
         if diffs:
             shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
             raise CheckpointError(f"cannot resume from {path}: the checkpoint was written by another configuration "
@@ -130,7 +123,7 @@ def plain_name(name: Any) -> bool:
     return isinstance(name, str) and bool(name) and "/" not in name and "\\" not in name and not name.startswith(".")
 
 
-def _read_json(path: Path, name: str, limit: int) -> Any:
+def read_json(path: Path, name: str, limit: int) -> Any:
     f = path / name
     try:
         if f.stat().st_size > limit:
@@ -223,13 +216,12 @@ def _check_state(path: Path, state: Any) -> dict[str, Any]:
 
 
 def load_checkpoint(path: str | Path, *, expected: Expected | None = None) -> Checkpoint:
-    """Read and verify one checkpoint directory (nothing is unpickled here; the weights and the optimizer
-    state are loaded on demand, from safetensors and with ``weights_only``). ``expected``: the configuration
-    it must have been written by, else CheckpointError naming each setting that differs."""
+    """Read and verify one checkpoint directory (nothing unpickled; weights and optimizer load on demand);
+    ``expected``: the configuration it must have been written by, else CheckpointError naming what differs."""
     path = Path(path)
     if not (path / "MANIFEST.json").is_file():
         raise _invalid(path, "no MANIFEST.json (an incomplete checkpoint, or not a checkpoint)")
-    manifest = _check_manifest(path, _read_json(path, "MANIFEST.json", MAX_MANIFEST_BYTES))
+    manifest = _check_manifest(path, read_json(path, "MANIFEST.json", MAX_MANIFEST_BYTES))
     for name, digest in manifest.items():
         f = path / name
         if f.is_symlink() or not f.is_file():
@@ -240,7 +232,7 @@ def load_checkpoint(path: str | Path, *, expected: Expected | None = None) -> Ch
             raise _invalid(path, f"{name} cannot be read ({exc.strerror or exc})") from None
         if actual != digest:
             raise _invalid(path, f"{name} is corrupted (checksum mismatch)")
-    state = _check_state(path, _read_json(path, "state.json", MAX_STATE_BYTES))
+    state = _check_state(path, read_json(path, "state.json", MAX_STATE_BYTES))
     if expected is not None:
         _check_identity(path, state, expected)
     _check_safetensors_header(path)
@@ -261,8 +253,3 @@ def _check_safetensors_header(path: Path) -> None:
     except Exception as exc:  # noqa: BLE001 - SafetensorError and friends: the file is not what it claims
         raise _invalid(path, f"model.safetensors is not a safetensors file ({_first_line(exc)})") from None
 
-
-def checkpoint_size_estimate(num_params: int) -> int:
-    """Bytes one checkpoint of a drafter with ``num_params`` trainable parameters may take: fp32 weights,
-    fp32 masters and two AdamW moments (16 bytes a parameter), plus a little for the JSON files."""
-    return int(math.ceil(num_params * 16)) + 2**20

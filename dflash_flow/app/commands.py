@@ -1,9 +1,5 @@
-"""The ``export``, ``eval``, ``regenerate`` and ``serve-target`` commands: each one function from CLI arguments
-to an exit code (user errors are one line and exit 2).
-
-``serve-target PIPELINE`` prints the exact vLLM server command for the pipeline's target (docs/engine.md): the
-target and its layers from ``model:``, the features directory from ``model.engine`` (default tmpfs on one
-node). The command goes to stdout alone (``$(dflash-flow serve-target p.yaml)`` works); notes to stderr."""
+"""The ``export``, ``eval``, ``regenerate``, ``import-spool`` and ``serve-target`` commands: each one function from
+CLI arguments to an exit code (user errors are one line and exit 2)."""
 
 from __future__ import annotations
 
@@ -12,12 +8,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dflash_flow.app.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, report_user_error
+from dflash_flow.app.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, report_user_error, user_error
 
 
 def _run_target(checkpoint: Path) -> str | None:
-    """The target of the run that wrote ``checkpoint``, from its output directory's resolved YAML (the
-    checkpoint's parents), as a path the engines take; None when that cannot be told."""
+    """The target of the run that wrote ``checkpoint`` (its output directory's resolved YAML), or None."""
     import yaml
 
     for parent in list(checkpoint.resolve().parents)[:3]:
@@ -39,8 +34,7 @@ def _run_target(checkpoint: Path) -> str | None:
 
 
 def latest_marker_dir(path: Path) -> Path:
-    """``.../checkpoints/latest`` (the file naming the newest checkpoint, which ``--resume latest`` reads) as
-    the checkpoints directory it lies in, whose latest checkpoint is then taken; any other path as given."""
+    """``.../checkpoints/latest`` (the file) as the checkpoints directory; any other path as given."""
     from dflash_flow.app.checkpoint_format import LATEST
 
     path = Path(path).expanduser()
@@ -48,12 +42,8 @@ def latest_marker_dir(path: Path) -> Path:
 
 
 def export_checkpoint(checkpoint: Path, out: Path, target: str | None = None) -> int:
-    """``dflash-flow export``: a training checkpoint (or a checkpoints directory: its latest) into the
-    layout inference engines load (config.json + model.safetensors with the drafter weights only), checked
-    against the serving contract; prints the commands that serve it with vLLM and SGLang. Never writes into
-    the checkpoint, inside the input, or over a directory holding anything but an earlier export."""
-    # torch and transformers (seconds to import) only once the checkpoint and the destination checked out:
-    # a mistaken command (no checkpoint there, an output that is an input) fails at once.
+    """``dflash-flow export``: a training checkpoint into the layout engines load (never into or over an input)."""
+    # torch and transformers only once the checkpoint and the destination checked out: a mistake fails at once.
     from dflash_flow.app.checkpoint import Checkpointer
     from dflash_flow.app.checkpoint_format import LATEST, load_checkpoint
     from dflash_flow.core.errors import CheckpointError
@@ -83,20 +73,14 @@ def export_checkpoint(checkpoint: Path, out: Path, target: str | None = None) ->
     return EXIT_OK
 
 
-def write_output_text(path: Path, text: str, what: str) -> int:
-    """Write a command's text output file (``graph -o``); a path that cannot be one is one line, exit 2."""
-    from dflash_flow.app.exits import UserError
-    from dflash_flow.app.prepare import check_output_file
+def write_output_text(path: Path, text: str, what: str) -> None:
+    """Write a command's output file, checked before (``prepare.check_output_file``); a full disk exits 2."""
     from dflash_flow.util import atomic_write_text
 
     try:
-        check_output_file(path, what)
         atomic_write_text(path, text, durable=False)
-    except UserError as exc:
-        return report_user_error(exc)
-    except OSError as exc:  # e.g. the disk is full
-        return report_user_error(f"{what} {path}: {exc.strerror or exc}")
-    return EXIT_OK
+    except OSError as exc:
+        user_error(f"{what} {path}: {exc.strerror or exc}")
 
 
 def import_spool_command(spool: Path, tracking_uri: str | None) -> int:
@@ -115,8 +99,7 @@ def eval_command(drafter: Path, target: str, prompts: Path, max_new_tokens: int,
                  tokenizer: str | None, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  horizons: list[int] | None = None, walk_data: str | None = None, walk_limit: int = 64,
                  seed: int = 0, torch_threads: int | None = None, batch_size: int = 16) -> int:
-    """``dflash-flow eval``: real speculative decoding with any exported drafter and its target, greedy and
-    (``temperature`` > 0) sampled, at each horizon; with ``walk_data``, the teacher-forced walk beside it."""
+    """``dflash-flow eval``: real speculative decoding, greedy and sampled, at each horizon; and the walk."""
     from dflash_flow.app.model_spec import resolve_target
     from dflash_flow.app.runner import quiet_libraries
     from dflash_flow.core.errors import CheckpointError
@@ -163,22 +146,18 @@ def eval_command(drafter: Path, target: str, prompts: Path, max_new_tokens: int,
 
 
 def _drafter_dir(drafter: Path) -> Path:
-    """``eval --drafter``: an export, a training checkpoint, or -- as ``--resume`` takes them -- a checkpoints
-    directory or its ``latest`` file, which name its newest checkpoint (its drafter weights and config)."""
-    from dflash_flow.app.checkpoint import Checkpointer
-    from dflash_flow.app.checkpoint_format import LATEST
+    """``eval --drafter``: an export, a checkpoint, or a checkpoints directory (or its ``latest``): its newest."""
+    from dflash_flow.app.checkpoint import Checkpointer, holds_checkpoints
 
     path = latest_marker_dir(drafter)
-    if path.is_dir() and not (path / "config.json").is_file() and (
-            (path / LATEST).is_file() or any(path.glob("step-*"))):
-        return Checkpointer(path).resolve(LATEST)
+    if path.is_dir() and not (path / "config.json").is_file() and holds_checkpoints(path):
+        return Checkpointer(path).resolve("latest")
     return path
 
 
 def _eval_argument_problem(drafter: Path, target: str, prompts: Path, tokenizer: str | None, walk_data: str | None,
                            *, limit: int, max_new_tokens: int, horizons: list[int], walk_limit: int) -> str | None:
-    """What is wrong with ``eval``'s arguments, found before any model is loaded (None: nothing): counts
-    below 1 are refused, never clamped; a path that does not exist is named as such."""
+    """What is wrong with ``eval``'s arguments, found before any model loads (None: nothing)."""
     for name, value in (("--limit", limit), ("--max-new-tokens", max_new_tokens), ("--walk-limit", walk_limit),
                         *(("--horizon", h) for h in horizons)):
         if int(value) < 1:
@@ -205,8 +184,7 @@ def model_path_problem(drafter: Path, target: str | None, tokenizer: str | None)
 
 
 class _ReplyProgress:
-    """The regenerate commands' progress bar (made at the first report, when the total is known), their
-    log lines above it, and what a Ctrl-C prints."""
+    """The regenerate commands' progress bar (made once the total is known), log lines, and Ctrl-C's note."""
 
     def __init__(self) -> None:
         self.bar = None
@@ -277,8 +255,7 @@ def regenerate_served_command(prompts: Path, servers: list[str], out: Path, *, t
                               concurrency: int, sampling: str, thinking: bool | None, timeout: float,
                               max_attempts: int, retry_errors: bool, seed: int, api_key_env: str | None = None,
                               in_process_only: list[str] | None = None) -> int:
-    """``dflash-flow regenerate --server URL ...``: replies from OpenAI-compatible servers (many in flight,
-    retried, failover, resumable), with each row's finish reason counted and reported."""
+    """``dflash-flow regenerate --server URL ...``: replies from OpenAI-compatible servers (resumable)."""
     from dflash_flow.app.model_spec import resolve_target
     from dflash_flow.embedded.served import AllServersDown, regenerate_served
 
@@ -341,8 +318,7 @@ def served_summary(stats, out: Path) -> str:
 
 
 def regenerate_warnings(stats, max_new_tokens: int) -> list[str]:
-    """What a finished regeneration should tell the user: empty replies (nothing for a drafter to learn from)
-    and replies cut at ``--max-new-tokens``."""
+    """Warnings of a finished regeneration: empty replies and replies cut at ``--max-new-tokens``."""
     lines = []
     if stats.empty:
         lines.append(f"{stats.empty} of {stats.replies} replies generated now are empty (the target ended its "
@@ -355,13 +331,16 @@ def regenerate_warnings(stats, max_new_tokens: int) -> list[str]:
 
 
 def serve_target_line(v: Any, *, tp: int = 1, port: int = 8000, host: str | None = None, python: str = "python",
-                      dtype: str | None = None, max_model_len: int | None = None,
-                      pythonpath: bool = True) -> tuple[str, list[str]]:
-    """(the shell line, notes) for the validated pipeline ``v``. Raises ValueError with one line when the
-    pipeline's target cannot be served (a preset, unknown depth, the last layer)."""
+                      dtype: str | None = None, max_model_len: int | None = None) -> tuple[str, list[str]]:
+    """(the shell line (stdout alone), notes (stderr)) for ``v``; ValueError when its target cannot be served."""
     from dflash_flow.app.model_spec import build_model_spec
-    from dflash_flow.engine.command import package_root, shell_line, to_engine_layer_ids, vllm_server_argv
-    from dflash_flow.engine.config import EngineConfig
+    from dflash_flow.engine.config import (
+        EngineConfig,
+        package_root,
+        shell_line,
+        to_engine_layer_ids,
+        vllm_server_argv,
+    )
     from dflash_flow.model.facts import preset_params
 
     spec = build_model_spec(v.graph)
@@ -383,8 +362,7 @@ def serve_target_line(v: Any, *, tp: int = 1, port: int = 8000, host: str | None
         max_model_len=max_model_len or (launch.max_model_len if launch is not None else None),
         prefix_caching=cfg.prefix_caching, trust_remote_code=spec.trust_remote_code,
         served_model=cfg.served_model or "target")
-    env = {"PYTHONPATH": package_root()} if pythonpath else {}
-    line = shell_line(argv, env, api_key_env=cfg.api_key_env)
+    line = shell_line(argv, {"PYTHONPATH": package_root()}, api_key_env=cfg.api_key_env)
     notes = [
         f"target layers {ids} (ours) -> vLLM {engine_ids}; chunked prefill off; prefix caching "
         f"{'on' if cfg.prefix_caching else 'off'}; our connector writes features to {cfg.server_features_dir()}",
@@ -398,11 +376,9 @@ def serve_target_line(v: Any, *, tp: int = 1, port: int = 8000, host: str | None
     return line, notes
 
 
-def serve_target_command(v: Any, *, tp: int, port: int, host: str | None, python: str, dtype: str | None,
-                         max_model_len: int | None) -> int:
+def serve_target_command(v: Any, **options: Any) -> int:
     try:
-        line, notes = serve_target_line(v, tp=tp, port=port, host=host, python=python, dtype=dtype,
-                                        max_model_len=max_model_len)
+        line, notes = serve_target_line(v, **options)
     except ValueError as exc:
         return report_user_error(exc)
     for n in notes:

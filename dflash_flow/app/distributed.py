@@ -1,7 +1,5 @@
-"""Data-parallel runs under torchrun (which starts the processes): what makes the ranks one job.
-``torch.distributed`` initialised with a timeout (a collective waiting on a dead rank fails, never hangs), two
-extra gloo groups so that threads never interleave collectives on one group (the trainer's checkpoint
-gathers; the Monitor's metric reductions), the reductions, and which rank held the job up."""
+"""Data-parallel runs under torchrun: the process group (with a timeout: a collective waiting on a dead rank fails),
+a gloo group per thread that runs collectives (trainer, Monitor), the reductions, which rank held the job up."""
 
 from __future__ import annotations
 
@@ -46,15 +44,13 @@ class Distributed:
         dist.barrier(group=self.control)
 
     def agree_to_stop(self, stop_requested: bool) -> bool:
-        """Whether any rank of the job was asked to stop, agreed by every rank at the same step (from the
-        trainer's thread): the data position is then one for all, and no collective waits in vain."""
+        """Whether any rank was asked to stop, agreed by every rank at the same step (from the trainer's thread)."""
         return any(self.all_gather_object(stop_requested))
 
     def reduce_train(self, metrics: dict[str, float], position_accuracy: tuple[float, ...],
                      sample: bool) -> tuple[dict[str, float], tuple[float, ...], bool]:
-        """One step's report combined over ranks; every rank gets the result: the scalar metrics
-        (``combine_metrics``), the per-slot accuracies (the mean over the ranks that trained), and whether
-        any rank wants to sample now. Called by each rank's Monitor for the same steps in the same order."""
+        """One step's report combined over ranks, on every rank: the metrics (``combine_metrics``), the per-slot
+        accuracies (mean over the ranks that trained), whether any rank samples now. Each rank's Monitor calls it."""
         import torch.distributed as dist
 
         gathered: list[Any] = [None] * self.world_size
@@ -78,9 +74,8 @@ def _short(value: Any) -> str:
 
 
 def disagreement(per_rank: list[dict[str, Any]]) -> str | None:
-    """What the ranks of one job disagree on (None: nothing): each rank's start-up facts (config, data
-    fingerprints, package version) against rank 0's, naming the field and the ranks. Each node runs the command
-    separately: another YAML, data copy or version on one node would otherwise train silently wrong."""
+    """What the ranks' start-up facts (config, data fingerprints, version) disagree on with rank 0's, naming the
+    field and the ranks (None: nothing): another YAML or data copy on one node would train silently wrong."""
     if not per_rank:
         return None
     base = per_rank[0]
@@ -104,20 +99,16 @@ def disagreement(per_rank: list[dict[str, Any]]) -> str | None:
     return None
 
 
-# What a collective raises on a rank whose peer went away (gloo, NCCL, the TCP store): that rank only
-# stopped because another one failed first, and must not be blamed for the job's failure.
+# What a collective raises on a rank whose peer went away (gloo, NCCL, the TCP store): not that rank's fault.
 PEER_LOST_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote worker crashing",
                      "communicator was aborted", "nccl error", "ncclremoteerror", "socket timeout", "timed out waiting",
                      "dist_network_error", "distnetworkerror", "distbackenderror")
 
 
 def lost_peer(exc: BaseException | str | None) -> bool:
-    """Whether ``exc`` (an exception, its chain, or an error text) is a collective failing because another
-    rank of the job went away: a consequence of that rank's fault, not a fault of its own."""
+    """Whether ``exc`` (an exception, its chain, or an error text) is a collective failing for a lost peer."""
     from dflash_flow.core.errors import StageError
 
-    if exc is None:
-        return False
     if isinstance(exc, str):
         low = exc.lower()
         return any(m in low for m in PEER_LOST_MARKERS)
@@ -148,8 +139,7 @@ def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
 
 
 def node_layouts(visible: int, local_world_size: int, runtime: Any = None) -> list[Any]:
-    """Every local rank's GPU slice (``core.devices.RankLayout``) under ``runtime``'s ``gpus_per_rank`` and
-    ``share_gpus`` (None: sharing exactly when there are more ranks than GPUs)."""
+    """Every local rank's GPU slice (``core.devices.RankLayout``) under ``runtime`` (None: share when needed)."""
     from dflash_flow.core.devices import RankLayout
 
     ranks = max(int(local_world_size), 1)
@@ -172,9 +162,8 @@ def shared_gpus(layouts: list[Any]) -> tuple[int, int, int] | None:
 
 
 def choose_backend(requested: str, *, cuda: bool, layouts: list[Any]) -> str:
-    """The process group's backend: ``requested`` unless it is ``auto``, which is nccl on GPUs where every local
-    rank has GPUs of its own, else gloo (CPU runs, and ranks sharing a GPU under ``runtime.share_gpus``: gloo
-    reduces CUDA tensors through the host, slower but it runs)."""
+    """``requested``, or for ``auto`` nccl on GPUs where every local rank has its own, else gloo (CPU runs, and
+    ranks sharing a GPU: gloo reduces CUDA tensors through the host, slower but it runs)."""
     if requested != "auto":
         return requested
     return "nccl" if cuda and shared_gpus(layouts) is None else "gloo"
@@ -193,8 +182,7 @@ def backend_problem(requested: str, layouts: list[Any]) -> str | None:
 
 
 def init_distributed(config: Any, *, use_cuda: bool, runtime: Any = None) -> Distributed | None:
-    """Join the job torchrun started (None when this process is the whole job). ``runtime``: the pipeline's
-    runtime options, which decide whether ranks share GPUs (``choose_backend``)."""
+    """Join the job torchrun started (None when this process is the whole job)."""
     if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
         return None
     import torch
@@ -225,8 +213,7 @@ def init_distributed(config: Any, *, use_cuda: bool, runtime: Any = None) -> Dis
 
 
 def shutdown_distributed(dist_ctx: Distributed | None, *, failed: bool) -> None:
-    """Leave the process group. After a failure the group may hold a collective a dead peer never joins:
-    abort it instead of waiting in a clean shutdown."""
+    """Leave the process group; after a failure abort it (a dead peer never joins a clean shutdown)."""
     if dist_ctx is None:
         return
     import torch.distributed as dist
@@ -246,10 +233,8 @@ PROGRESS_KEY = "dflash_flow/progress/"
 
 
 class PeerProgress:
-    """Every rank's progress, seen by every rank: a thread publishes this rank's progress count with a beat
-    every ``interval_s`` in the job's key-value store (torchrun's), and reads the others'. When a collective
-    fails because a peer never joined (stopped, frozen, hung), the ranks that waited can name it: the one whose
-    beat stopped, else the one whose progress stopped first. Best effort: without a store it says nothing."""
+    """Every rank's progress count and beat, published every ``interval_s`` in torchrun's key-value store: when a
+    collective fails waiting for a peer, the ranks that waited name it (best effort: no store, no word)."""
 
     def __init__(self, dist_ctx: Distributed, progress: Any, interval_s: float = 1.0, store: Any = None,
                  clock: Any = None) -> None:
@@ -349,9 +334,8 @@ def _job_store() -> Any:
 
 
 def blame_stalled_peer(outcome: Any, peers: PeerProgress | None) -> Any:
-    """``outcome`` (``app.endrun.Outcome``) of a rank whose collective failed waiting for a peer, with the
-    rank that held it up named (its first line ends with :meth:`PeerProgress.note`; ``held_up_by``,
-    ``held_up_s`` set); as it is when nothing tells."""
+    """``outcome`` of a rank whose collective failed waiting for a peer, naming the rank that held it up
+    (:meth:`PeerProgress.note` ends its first line; ``held_up_by``, ``held_up_s`` set)."""
     if peers is None or not outcome.lost_peer:
         return outcome
     found = peers.stalled()

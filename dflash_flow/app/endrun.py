@@ -1,8 +1,5 @@
-"""The end of a run: its ``Outcome`` (MLflow status, exit code, error) decided from what the pipeline raised,
-the ``RunReport`` the application returns, each rank's outcome record under torchrun (the launcher names the
-failing rank from these); and what it uploads and prints (the resolved YAML, the DAG pictures, the summary,
-the Monitor's report files and plots, never a file outside the output directory): none of it changes the
-outcome."""
+"""The end of a run: its ``Outcome`` decided from what the pipeline raised, the ``RunReport``, each rank's outcome
+record under torchrun; and what it uploads (never from outside the output directory) and prints."""
 
 from __future__ import annotations
 
@@ -49,61 +46,47 @@ class Outcome:
     code: int = EXIT_OK
     error: str | None = None
     shown: str | None = None
-    # Where and when it failed (the launcher blames the rank whose fault came first, not the ranks that
-    # only lost their connection to it): the stage, the wall-clock time, whether it was a lost peer.
+    # Where and when it failed (the launcher blames the first fault, not the ranks that lost their peer).
     stage: str | None = None
     at: float | None = None
     lost_peer: bool = False
-    # The rank that held the job up (its progress stopped while this rank waited for it in a collective) and
-    # for how long, as this rank saw it (app.distributed.PeerProgress); the launcher names that rank.
+    # The rank that held this one up in a collective, and for how long (app.distributed.PeerProgress).
     held_up_by: int | None = None
     held_up_s: float | None = None
 
 
-def outcome_of(exc: BaseException | None) -> Outcome:
+def outcome_of(exc: BaseException) -> Outcome:
     from dflash_flow.app.distributed import lost_peer
-    from dflash_flow.core import StageError
-
-    out = _classify(exc)
-    if exc is not None:
-        out.stage = exc.stage if isinstance(exc, StageError) else None
-        out.at = time.time()
-        out.lost_peer = lost_peer(exc)
-    return out
-
-
-def _classify(exc: BaseException | None) -> Outcome:
     from dflash_flow.core import PipelineInterrupted, PipelineStalled, StageError
     from dflash_flow.core.stopping import StopSignal
 
-    if exc is None:
-        return Outcome()
     if isinstance(exc, StageError):
         original = "".join(traceback.format_exception(exc.original))
         notes = "".join(f"\n{note}" for note in getattr(exc, "__notes__", []))
         error = f"{exc}\n\nOriginal traceback ({exc.stage}[{exc.replica}], {exc.phase}):\n{original}{notes}"
-        if is_user_input_error(exc.original):
-            # Bad input data (a file that is missing, empty, truncated, not JSON...): the message names the
-            # file and line; a traceback would only bury it. summary.json keeps the traceback.
-            return Outcome("FAILED", EXIT_USER_ERROR, error, f"{exc}{notes}")
-        return Outcome("FAILED", EXIT_FAILED, error)
-    if isinstance(exc, PipelineStalled):
-        return Outcome("FAILED", EXIT_FAILED, str(exc))
-    if isinstance(exc, PipelineInterrupted):
-        return Outcome("KILLED", EXIT_INTERRUPTED, str(exc))
-    if isinstance(exc, KeyboardInterrupt):
+        # Bad input: the message names the file and line (summary.json keeps the traceback).
+        out = (Outcome("FAILED", EXIT_USER_ERROR, error, f"{exc}{notes}") if is_user_input_error(exc.original)
+               else Outcome("FAILED", EXIT_FAILED, error))
+    elif isinstance(exc, PipelineStalled):
+        out = Outcome("FAILED", EXIT_FAILED, str(exc))
+    elif isinstance(exc, PipelineInterrupted):
+        out = Outcome("KILLED", EXIT_INTERRUPTED, str(exc))
+    elif isinstance(exc, KeyboardInterrupt):
         # A stop signal before the pipeline's own handling started (the MLflow run's creation, stage imports).
         name = f"{exc.name}, " if isinstance(exc, StopSignal) else ""
-        return Outcome("KILLED", EXIT_INTERRUPTED, f"pipeline interrupted ({name}before it started)")
-    full = "".join(traceback.format_exception(exc))
-    if is_user_input_error(exc):  # e.g. the disk filled up while the run's own files were written
-        return Outcome("FAILED", EXIT_USER_ERROR, full, str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
-    return Outcome("FAILED", EXIT_FAILED, full)
+        out = Outcome("KILLED", EXIT_INTERRUPTED, f"pipeline interrupted ({name}before it started)")
+    else:
+        full = "".join(traceback.format_exception(exc))
+        out = Outcome("FAILED", EXIT_FAILED, full)
+        if is_user_input_error(exc):  # e.g. the disk filled up while the run's own files were written
+            out = Outcome("FAILED", EXIT_USER_ERROR, full, str(exc).strip().splitlines()[0] if str(exc).strip()
+                          else type(exc).__name__)
+    return attrs.evolve(out, stage=exc.stage if isinstance(exc, StageError) else None, at=time.time(),
+                        lost_peer=lost_peer(exc))
 
 
 def blame_checkpoint(outcome: Outcome, exc: BaseException, path: Path) -> Outcome:
-    """A stage that could not continue from the resumed checkpoint's state (a ``SavedStateError`` raised
-    while restoring it: a crafted or damaged ``state.json``) says so as the loader does, naming the file."""
+    """A stage that cannot restore the resumed checkpoint's state (``SavedStateError``) says so as the loader does."""
     from dflash_flow.core import StageError
     from dflash_flow.core.errors import SavedStateError
 
@@ -132,8 +115,7 @@ def write_rank_outcome(output_dir: Path, dist_ctx, outcome: Outcome | None, run_
         record["mlflow_run_id"] = run_id
     from dflash_flow.app.launch import OUTCOME_DIR_ENV
 
-    # `dflash-flow run --nproc` gives its job a folder of its own (an earlier or concurrent job's records,
-    # or an output directory that cannot be made, never mix in); plain torchrun: OUTPUT/ranks.
+    # `dflash-flow run --nproc` gives its job a folder of its own; plain torchrun: OUTPUT/ranks.
     own = os.environ.get(OUTCOME_DIR_ENV)
     folder = Path(own) if own else output_dir / "ranks"
     folder.mkdir(parents=True, exist_ok=True)
@@ -143,7 +125,7 @@ def write_rank_outcome(output_dir: Path, dist_ctx, outcome: Outcome | None, run_
 def write_pictures(graph, output_dir: Path) -> list[tuple[Path, str]]:
     """The resolved YAML and the DAG (Mermaid text, a PNG), as (file, artifact folder) pairs."""
     from dflash_flow.app.exits import UserError, describe_os_error
-    from dflash_flow.core.describe import render_image, to_mermaid
+    from dflash_flow.core.graph import render_image, to_mermaid
     from dflash_flow.core.identity import complete_stage_configs
     from dflash_flow.core.redact import redact_text
 
@@ -167,8 +149,7 @@ def write_pictures(graph, output_dir: Path) -> list[tuple[Path, str]]:
 
 
 class ContainedUploads:
-    """The run's tracker, seen by everything that uploads: a file or directory whose real location (links
-    followed) is outside the output directory is not uploaded (a warning names it)."""
+    """The run's tracker for uploads: nothing whose real location is outside the output directory goes up."""
 
     def __init__(self, tracker: Any, root: Path) -> None:
         self._tracker = tracker
@@ -200,9 +181,8 @@ class ContainedUploads:
 
 
 def end_of_run(pipeline, services, outcome: Any, output_dir: Path, late: Any = None) -> None:
-    """Everything after the last stage thread ended: run summary, the Monitor's record turned into report
-    files and plots, artifact uploads, the printed table. Nothing here may change the run's outcome: a file
-    that cannot be written (a full disk) is a warning; a signal (``late``) cuts the rest short."""
+    """Summary, report files and plots, uploads, the printed table: never changing the outcome (a file that
+    cannot be written is a warning; a signal, ``late``, cuts the rest short)."""
     from dflash_flow.app.exits import describe_os_error
     from dflash_flow.observe.report import summary_table, write_run_report
     from dflash_flow.util import atomic_write_text
@@ -264,8 +244,7 @@ def end_of_run(pipeline, services, outcome: Any, output_dir: Path, late: Any = N
 
 
 class RunExporter:
-    """The run's export (``services.Exporter``): the trained drafter written inside the output directory,
-    recorded in the run record for the end of run (uploaded as ``drafter``, its serve commands printed last)."""
+    """The run's export (``services.Exporter``), inside the output directory, recorded for the end of run."""
 
     def __init__(self, output_dir: Path, record: Any) -> None:
         from dflash_flow.model.export import DrafterExporter

@@ -1,16 +1,7 @@
 """The serving engine's side of ``dflash-flow eval --suite ... --server URL``: the same token ids sent to a
-server already serving the drafter, one request at a time, and its acceptance read the engine's ways.
-
-* vLLM: ``POST /v1/completions`` with the prompt as token ids (``return_token_ids``); the spec-decode
-  counters of ``GET /metrics`` scraped before and after each suite (``observe.engine_metrics``); per request
-  ``metrics.speculative_decoding`` when the server runs with ``--per-request-spec-decode-metrics``.
-* SGLang: ``POST /generate`` with ``input_ids``; ``meta_info`` carries ``spec_verify_ct``,
-  ``completion_tokens`` and the histogram of accepted drafts.
-
-Which one a server is: ``--engine``, or found out (``/metrics`` naming ``vllm:`` metrics; an answer from
-``/server_info`` or ``/get_server_info``: SGLang). Requests go one after another (a suite's counters are then
-its own), greedy, the stop tokens sent explicitly, prompts never rendered by the server. Credentials in a
-URL never appear in a message or a result."""
+server serving the drafter, one greedy request at a time, and its acceptance read the engine's ways (vLLM:
+``/v1/completions`` and the ``/metrics`` spec-decode counters; SGLang: ``/generate`` and its ``meta_info``).
+Credentials in a URL never appear in a message or a result."""
 
 from __future__ import annotations
 
@@ -22,8 +13,7 @@ from pathlib import Path
 
 import attrs
 
-from dflash_flow.engine.http import RequestFailed, Server
-from dflash_flow.engine.http_client import HttpClient
+from dflash_flow.engine.http import HttpClient, RequestFailed, Server
 from dflash_flow.observe.engine_metrics import (
     EngineCounters,
     RequestSpec,
@@ -32,7 +22,7 @@ from dflash_flow.observe.engine_metrics import (
     spec_counters,
     vllm_request,
 )
-from dflash_flow.observe.runinfo import redact_text, redact_uri, uri_secrets
+from dflash_flow.observe.store import redact_text, redact_uri, uri_secrets
 
 __all__ = ["EngineError", "EngineReply", "EngineServer", "free_port", "launch_vllm", "scrape_all", "vllm_drafter_argv",
            "wait_for_counters"]
@@ -46,17 +36,14 @@ class EngineError(RuntimeError):
 
 @attrs.frozen
 class EngineReply:
-    """One request's reply: the new token ids (None when the server did not return them), why it ended,
-    and the engine's per-request figures (None when it gives none)."""
+    """One request's reply: new token ids and the engine's per-request figures (each may be None)."""
 
     new_ids: list[int] | None
-    finish: str | None
     spec: RequestSpec | None
 
 
 class EngineServer:
-    """One server, by base URL (``http://host:port``); requests through ``engine.http`` (the client the
-    other engine users share), ``headers`` sent with each (an API key)."""
+    """One server, by base URL (``http://host:port``); ``headers`` are sent with each request (an API key)."""
 
     def __init__(self, url: str, *, kind: str = "auto", model: str | None = None, timeout_s: float = 600.0,
                  headers: dict[str, str] | None = None) -> None:
@@ -73,7 +60,6 @@ class EngineServer:
         self.kind = kind if kind != "auto" else self._detect()
         self.model = model if model is not None or self.kind != "vllm" else self._served_model()
 
-    # ------------------------------------------------------------------------------------------ HTTP
     def _get_text(self, path: str) -> str:
         try:
             return fetch_text(self.url + path, timeout_s=min(self._client.timeout_s, 30.0))
@@ -106,7 +92,6 @@ class EngineServer:
             raise EngineError(f"--server {self.name}: cannot read the served model from /v1/models ({exc}); "
                               "pass --served-model") from None
 
-    # ------------------------------------------------------------------------------------- requests
     def counters(self) -> dict[str, EngineCounters]:
         """The spec-decode counters per engine of this server (vLLM; empty for SGLang)."""
         if self.kind != "vllm":
@@ -123,12 +108,9 @@ class EngineServer:
             out = self._request("POST", "/generate", {"input_ids": ids, "sampling_params": {
                 "temperature": 0.0, "max_new_tokens": int(max_new_tokens), "stop_token_ids": list(stop_token_ids),
                 "skip_special_tokens": False}})
-            meta = out.get("meta_info") or {}
-            finish = meta.get("finish_reason")
-            finish = finish.get("type") if isinstance(finish, dict) else finish
             new_ids = out.get("output_ids")
             return EngineReply([int(t) for t in new_ids] if isinstance(new_ids, list) else None,
-                               None if finish is None else str(finish), self._spec(sglang_request, meta))
+                               self._spec(sglang_request, out.get("meta_info") or {}))
         out = self._request("POST", "/v1/completions", {
             "model": self.model, "prompt": ids, "max_tokens": int(max_new_tokens), "temperature": 0.0,
             "stop_token_ids": list(stop_token_ids), "return_token_ids": True, "skip_special_tokens": False})
@@ -138,7 +120,7 @@ class EngineServer:
             raise EngineError(f"POST {self.name}/v1/completions: no choices in the reply") from None
         new_ids = choice.get("token_ids")
         return EngineReply([int(t) for t in new_ids] if isinstance(new_ids, list) else None,
-                           choice.get("finish_reason"), self._spec(vllm_request, out))
+                           self._spec(vllm_request, out))
 
     def _spec(self, read, payload) -> RequestSpec | None:
         try:
@@ -158,8 +140,7 @@ def scrape_all(servers: Sequence[EngineServer]) -> dict[str, EngineCounters]:
 
 def wait_for_counters(servers: Sequence[EngineServer], expect_drafts: float | None, before: dict[str, EngineCounters],
                       *, timeout_s: float = 10.0) -> dict[str, EngineCounters]:
-    """The counters after a suite. vLLM publishes a step's stats a moment after the reply: when the
-    per-request figures say how many drafts to expect, poll until the counters have them (or ``timeout_s``)."""
+    """The counters after a suite, polled until they hold ``expect_drafts`` (vLLM publishes them a moment late)."""
     deadline = time.monotonic() + timeout_s
     while True:
         after = scrape_all(servers)
@@ -174,10 +155,8 @@ def wait_for_counters(servers: Sequence[EngineServer], expect_drafts: float | No
 def vllm_drafter_argv(*, python: str, target: str, drafter: str, block_size: int, port: int, dtype: str,
                       max_model_len: int | None = None, served_model: str = "drafter-eval",
                       extra_args: Sequence[str] = ()) -> list[str]:
-    """The command of a vLLM server serving ``drafter`` beside ``target`` for the suites: DFlash speculative
-    decoding with ``block_size - 1`` speculative tokens (vLLM refuses anything else), per-request figures in
-    every reply (``detailed``), prefix caching off (a second turn computes its prompt afresh, as ours does).
-    ``extra_args`` last: a later flag overrides an earlier one."""
+    """A vLLM server serving ``drafter`` beside ``target``: DFlash with ``block_size - 1`` speculative tokens,
+    per-request figures, prefix caching off (as ours); ``extra_args`` last, so they override."""
     spec = {"method": "dflash", "model": drafter, "num_speculative_tokens": int(block_size) - 1}
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--served-model-name", served_model,
             "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--seed", "0",
@@ -190,8 +169,7 @@ def vllm_drafter_argv(*, python: str, target: str, drafter: str, block_size: int
 
 def launch_vllm(argv: Sequence[str], *, port: int, log_path: Path, ready_timeout_s: float = 1200.0,
                 log: Callable[[str], None] | None = None, env: dict[str, str] | None = None):
-    """Start a vLLM server (``engine.launch``: its own process group, stopped on every exit path); returns the
-    ``LocalServers`` holding it and its base URL. ``env``: the server's whole environment (default: ours)."""
+    """Start a vLLM server (``engine.launch``); returns its ``LocalServers`` and base URL."""
     from dflash_flow.engine.launch import LocalServers, ServerSpec
 
     url = f"http://127.0.0.1:{port}"
@@ -201,7 +179,7 @@ def launch_vllm(argv: Sequence[str], *, port: int, log_path: Path, ready_timeout
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the launcher checks it again before the start)."""
+    """A TCP port free on 127.0.0.1 now."""
     import socket
 
     with socket.socket() as s:

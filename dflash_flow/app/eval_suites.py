@@ -1,10 +1,7 @@
-"""``dflash-flow eval --suite NAME=PATH ...``: a drafter's acceptance on the standard suites, counted the
-ways vLLM, SGLang and z-lab count it, in process and (``--server``) through a serving engine, with the
-check users lack: the engine's acceptance equal to ours on the same prompts, per suite and per position.
-
-It writes ``--out`` (JSON per suite: ours, the engine's under ``engine``, and ``agreement``), a PNG of the
-per-position rates beside it, a console table and an MLflow run. Exit 0; 1 when an engine disagreed with
-ours beyond the tolerances; 2 for bad input. ``docs/eval.md`` says what every figure counts."""
+"""``dflash-flow eval --suite NAME=PATH ...``: a drafter's acceptance on the standard suites, in process and
+(``--server``) through a serving engine, checked to agree with ours. Writes ``--out`` (JSON), a PNG beside it,
+a console table and an MLflow run. Exit 0; 1 when an engine disagreed with ours; 2 for bad input
+(docs/eval.md)."""
 
 from __future__ import annotations
 
@@ -88,9 +85,8 @@ SUITES_ONLY = ("--server", "--engine", "--served-model", "--api-key-env", "--lau
 
 
 def eval_mode_problem(*, prompts: Path | None, suites: list[str], out: Path | None, given: dict[str, bool]) -> str | None:
-    """``eval`` measures either ``--prompts`` (held-out prompts, the baseline, sampling, the walk) or
-    ``--suite``s (the standard suites, an engine beside them): exactly one, with only its own options.
-    ``given``: option -> whether the user set it. None when the combination is right."""
+    """What is wrong with ``eval``'s mode: exactly one of ``--prompts`` or ``--suite``, with only its own options
+    (``given``: option -> whether the user set it). None when the combination is right."""
     if (prompts is None) == (not suites):
         return ("eval needs --prompts FILE (held-out prompts) or --suite NAME=PATH (the standard suites), not both"
                 if prompts is not None else "eval needs --prompts FILE or --suite NAME=PATH (e.g. --suite gsm8k=test.jsonl)")
@@ -104,12 +100,11 @@ def eval_mode_problem(*, prompts: Path | None, suites: list[str], out: Path | No
 
 
 def plot_path(out: Path) -> Path:
-    """Where the per-position plot of ``--out`` goes: ``RESULTS.positions.png`` beside it."""
+    """``RESULTS.positions.png`` beside ``--out``."""
     return out.with_name(out.stem + ".positions.png")
 
 
 def eval_suites_command(opts: EvalSuitesOptions) -> int:
-    """The command (see the module docstring)."""
     from dflash_flow.core.errors import CheckpointError
     from dflash_flow.data.reports import DataError
     from dflash_flow.data.suites import parse_suite_args, read_suite
@@ -214,8 +209,7 @@ def _load(opts: EvalSuitesOptions) -> _Loaded:
 
 
 def _measure(opts: EvalSuitesOptions, m: _Loaded, suites, prompts, servers, local=None) -> dict[str, Any]:
-    """Every suite decoded in process (a local server warms up meanwhile), then, with a server, the same
-    requests through it."""
+    """Every suite decoded in process (a local server warms up meanwhile), then through the servers."""
     from dflash_flow.model.suite_eval import decode_suite, suite_figures
     from dflash_flow.observe.progress import ProgressBar
 
@@ -259,9 +253,7 @@ def _measure(opts: EvalSuitesOptions, m: _Loaded, suites, prompts, servers, loca
 
 
 def _through_engine(opts: EvalSuitesOptions, servers, requests, ours: dict, stops: list[int]) -> tuple[dict, dict]:
-    """The suite's requests (the same token ids, the same stop tokens: the tokenizer's eos and end-of-turn
-    ones, never the server's own guess) through the servers, round robin, one at a time; the engine's
-    figures, and how they compare with ours."""
+    """The suite's requests through the servers, one at a time; the engine's figures and their agreement."""
     from dflash_flow.observe.engine_metrics import compare, request_summary, spec_delta
 
     from .eval_engine import scrape_all, wait_for_counters
@@ -376,8 +368,7 @@ def _plot(results: dict[str, Any], path: Path) -> Path | None:
 
 
 def _metrics(results: dict[str, Any]) -> tuple[dict[str, float], list[tuple[str, list[float]]]]:
-    """Flat MLflow metrics (``suite/<name>/<figure>``, the engine's under ``suite/<name>/engine/``) and the
-    per-position series (logged with the position as the step)."""
+    """Flat MLflow metrics (``suite/<name>/[engine/]<figure>``) and the per-position series."""
     flat: dict[str, float] = {}
     series: list[tuple[str, list[float]]] = []
     for name, s in results["suites"].items():

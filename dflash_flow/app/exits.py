@@ -1,8 +1,5 @@
-"""Exit codes of the ``dflash-flow`` commands, and the one way a user error ends a command.
-
-Every problem with the user's input or environment (config, data, checkpoint, paths, a full or read-only
-disk) is printed by :func:`report_user_error` as one ``error:`` line and ends the command with exit code 2;
-:func:`user_error` is the same for code that ends the command on the spot."""
+"""Exit codes of the ``dflash-flow`` commands, and the one way a user error ends a command: one ``error:`` line
+and exit code 2 (:func:`report_user_error` returns the code, :func:`user_error` exits)."""
 
 from __future__ import annotations
 
@@ -15,16 +12,13 @@ EXIT_FAILED = 1  # the program failed (a stage crashed, a stall): a traceback go
 EXIT_USER_ERROR = 2  # the input is wrong (config, data, checkpoint, paths): one clear line, no traceback
 EXIT_INTERRUPTED = 130  # SIGINT / SIGTERM
 
-# OSErrors that describe the machine the user gave the run, not a bug: a full disk, a read-only mount,
-# missing permissions, a file-size limit. They end a run with one line and exit 2 wherever they happen.
-# A path of the wrong kind (a file where a directory belongs, a loop of links, a name too long) is one too.
+# OSErrors of the user's machine, not bugs (a full disk, read-only, permissions, a path of the wrong kind).
 ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG,
                                 errno.EISDIR, errno.ENOTDIR, errno.ELOOP, errno.ENAMETOOLONG})
 
 
 def guard_console() -> None:
-    """Console output survives a reader that went away (``dflash-flow run ... | head``): printing stops,
-    the command goes on and ends as it would have (``observe.console.PipeSafeStream``)."""
+    """Console output survives a reader that went away (``dflash-flow run ... | head``): the command goes on."""
     from dflash_flow.observe.console import guard_console_streams
 
     guard_console_streams()
@@ -35,8 +29,7 @@ class UserError(Exception):
 
 
 def is_user_input_error(exc: BaseException) -> bool:
-    """Errors that mean "your input (or your machine) is wrong" (exit code 2) rather than "the program
-    failed" (1)."""
+    """Whether ``exc`` means "your input (or your machine) is wrong" (exit 2), not "the program failed" (1)."""
     from dflash_flow.core.errors import DflashFlowError
     from dflash_flow.data.records import DataError
 
@@ -51,8 +44,7 @@ def describe_os_error(exc: OSError) -> str:
 
 
 def report_user_error(message: object) -> int:
-    """Print ``message`` as one ``error:`` line on stderr; returns the exit code (2) to end with. The one
-    place user errors are printed."""
+    """Print ``message`` as one ``error:`` line on stderr; returns the exit code (2) to end with."""
     text = str(message).rstrip("\n")
     if not text.startswith("error:"):
         text = f"error: {text}"

@@ -1,11 +1,6 @@
-"""``dflash-flow features build PIPELINE`` and ``dflash-flow features check STORE [--pipeline P]``.
-
-``build`` runs the pipeline's own sources upstream of its ``TargetForward`` (the same corpus, so the same
-sample ids, as a training run's Bucketer), then its target once over every sample through the training run's
-backend, writing the store (``model.feature_store.build_store``: resumable; under torchrun every rank
-computes its share). ``check`` reads a store: manifest and shards (``digests``: every byte), every row for
-zeros, NaN and infinities (``limit``: a sample), and with a pipeline: the store's identity against the
-pipeline's, and a sample of rows computed again and compared within the dtype's tolerance."""
+"""``dflash-flow features build PIPELINE`` (the pipeline's sources, then its target once over every sample
+through the training run's backend, into a store) and ``features check STORE [--pipeline P]`` (files, rows,
+and with a pipeline its identity and rows computed again)."""
 
 from __future__ import annotations
 
@@ -187,7 +182,7 @@ class CheckReport:
 def check_store(path: str | os.PathLike, *, pipeline: PipelineFeatures | None = None, backend: Any = None,
                 recompute: int = 8, tolerance: float | None = None, limit: int | None = None,
                 digests: bool = False, seed: int = 0) -> CheckReport:
-    """Everything ``features check`` looks at (see the module doc), as a report of lines and problems."""
+    """Everything ``features check`` looks at, as a report of lines and problems."""
     from dflash_flow.model.feature_store import FeatureStore
 
     rep = CheckReport()
@@ -275,8 +270,7 @@ def _check_rows(rep: CheckReport, store: Any, limit: int | None, seed: int) -> N
 
 
 def _check_identity(rep: CheckReport, store: Any, pipeline: PipelineFeatures) -> list[tuple[str, Any, Any]]:
-    """The store's identity against the pipeline's, field by field, and its samples against the pipeline's;
-    the fields that differ."""
+    """The store's identity and samples against the pipeline's; the identity fields that differ."""
     from dflash_flow.model.feature_store import compare_identity, flatten_identity
 
     fields = compare_identity(store.identity, pipeline.identity)

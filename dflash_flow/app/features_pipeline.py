@@ -1,6 +1,5 @@
-"""What ``features build`` and ``features check`` read of a pipeline: its target stage, the sources upstream
-of it (run on the core runtime into one corpus: the Bucketer's, so the same sample ids), the identity a
-store built for it has, and the target backend a training run computes features with."""
+"""What ``features build`` and ``features check`` read of a pipeline: its target stage, the samples of the
+sources upstream of it, a store's identity, and the target backend a training run computes features with."""
 
 from __future__ import annotations
 
@@ -82,8 +81,7 @@ def _one(values: Mapping[str, Any]) -> Any:
 
 
 def pipeline_identity(v, *, sources: Sequence[str] | None = None, ran: bool = False) -> dict[str, Any]:
-    """The identity a store built for pipeline ``v`` has (``tokens`` aside: it needs the data; ``build`` adds
-    it). ``ran``: the source stages have run (their tokenizers are the ones they loaded)."""
+    """The identity (but ``tokens``) of a store built for ``v``; ``ran``: the sources ran (use their tokenizers)."""
     from dflash_flow.app.model_spec import build_model_spec
     from dflash_flow.data.store import tokenizer_fingerprint
     from dflash_flow.model.feature_identity import store_identity, template_digest
@@ -152,7 +150,7 @@ def _run_sources(v, sources: list[str]):
 
     from dflash_flow.app.runner import model_services
     from dflash_flow.core import Graph, Pipeline
-    from dflash_flow.data.corpus import Corpus
+    from dflash_flow.data.plan import Corpus
     from dflash_flow.model.feature_store import SampleIndex
 
     g = Graph(name=f"{v.graph.name}-features", seed=v.graph.seed, runtime=v.graph.runtime,
@@ -183,8 +181,7 @@ def device_for(explicit: str | None, local_rank: int) -> str:
 
 
 def target_backend(pf: PipelineFeatures, device: str):
-    """The backend the training run computes features with, set up on ``device``: ``model.engine``'s servers,
-    else the target in this process with the target stage's dtype, attention and threads."""
+    """The backend the training run computes features with (the engine, else in process), set up on ``device``."""
     conf = pf.validated.configs[pf.target_stage]
     threads = getattr(conf, "torch_threads", None)
     if threads:

@@ -1,16 +1,8 @@
-"""``dflash-flow run FILE --nproc N``: start the job under torchrun for the user, and say how it ended.
+"""``dflash-flow run FILE --nproc N``: start the job under torchrun, then name in one line the rank where the
+fault was, from each rank's outcome record (in this job's own folder, ``$DFLASH_FLOW_OUTCOME_DIR``).
 
-torchrun starts the processes, runs the rendezvous and restarts workers; this wrapper builds its command line
-and afterwards reads each rank's outcome record (in this job's own folder, ``$DFLASH_FLOW_OUTCOME_DIR``) to
-name, in one line, the rank where the fault was: the earliest failure that is not a lost connection to a
-failed peer, or a rank that died without writing one (SIGKILL, OOM).
-
-Stop signals reach this launcher only (torchrun and its workers run in sessions of their own): the first goes
-to torchrun, which hands it to every rank (each checkpoints and stops); a second goes straight to the ranks
-still running, since torchrun, already stopping, would die of it and leave them behind.
-
-``python -m dflash_flow.app.launch [torchrun arguments]`` is torchrun's main less its ``SignalException``
-traceback on a stop signal: it ends with ``128 + signal``; every other exit is torchrun's own."""
+Stop signals reach this launcher only (torchrun and its workers run in sessions of their own). ``python -m
+dflash_flow.app.launch`` is torchrun's main ending with ``128 + signal`` on a stop signal (no traceback)."""
 
 from __future__ import annotations
 
@@ -54,8 +46,7 @@ OUTCOME_DIR_ENV = "DFLASH_FLOW_OUTCOME_DIR"  # where each rank writes its outcom
 
 
 def rank_outcomes(folder: Path) -> dict[int, dict]:
-    """Each rank's outcome record in ``folder`` (rank -> {status, code, error, stage, time, lost_peer});
-    ranks without one are absent."""
+    """Each rank's outcome record in ``folder`` (rank -> record; ranks without one are absent)."""
     out = {}
     for f in sorted(folder.glob("rank*.json")):
         try:
@@ -71,14 +62,17 @@ def _failed(rec: dict) -> bool:
 
 
 def blame(outcomes: dict[int, dict], ranks: list[int], returncode: int) -> tuple[int, dict] | None:
-    """The rank where the job's fault was, with its record (None when no rank failed).
-
-    A rank whose record still says RUNNING (or that has none, of ``ranks``) died outright: it is the cause.
-    Otherwise the earliest failure that is not a lost peer: a rank whose collective broke because another
-    rank went away ("Connection closed by peer") only stopped because of that one."""
-    held = held_up_by(outcomes)
-    if held is not None:
-        return held
+    """The rank where the job's fault was, with its record (None when no rank failed): one that held the others
+    up, else one that died outright (its record says RUNNING, or it has none), else the earliest failure that
+    is not a lost peer (a rank whose collective broke because another went away only followed it)."""
+    waiting = sorted((r, rec) for r, rec in outcomes.items()
+                     if _failed(rec) and isinstance(rec.get("held_up_by"), int) and rec["held_up_by"] != r)
+    for waiter, rec in waiting:  # held up by a rank with no fault of its own (stopped, frozen, hung)
+        culprit = rec["held_up_by"]
+        own = outcomes.get(culprit, {})
+        if own.get("status", "RUNNING") == "RUNNING" or own.get("lost_peer"):
+            status = own.get("status", "RUNNING")
+            return culprit, {"rank": culprit, "status": status, "stalled": {"by": waiter, **rec}}
     died = [r for r in ranks if outcomes.get(r, {}).get("status", "RUNNING") == "RUNNING"]
     if returncode != 0 and died:
         return died[0], outcomes.get(died[0], {"rank": died[0], "status": "RUNNING"})
@@ -92,20 +86,6 @@ def blame(outcomes: dict[int, dict], ranks: list[int], returncode: int) -> tuple
         return (bool(rec.get("lost_peer")), at if isinstance(at, (int, float)) else float("inf"), r)
 
     return min(failed, key=order)
-
-
-def held_up_by(outcomes: dict[int, dict]) -> tuple[int, dict] | None:
-    """The rank that held the job up, when a rank's collective failed waiting for it and that rank has no fault
-    of its own to report (its record says RUNNING: it was stopped, frozen, hung, then killed): ``(rank, record)``
-    where the record says so (``stalled``: the waiting rank's record). None otherwise."""
-    waiting = sorted((r, rec) for r, rec in outcomes.items()
-                     if _failed(rec) and isinstance(rec.get("held_up_by"), int) and rec["held_up_by"] != r)
-    for waiter, rec in waiting:
-        culprit = rec["held_up_by"]
-        own = outcomes.get(culprit, {})
-        if own.get("status", "RUNNING") == "RUNNING" or own.get("lost_peer"):
-            return culprit, {"rank": culprit, "status": own.get("status", "RUNNING"), "stalled": {"by": waiter, **rec}}
-    return None
 
 
 def summarize(outcomes: dict[int, dict], ranks: list[int], returncode: int) -> str | None:
@@ -143,34 +123,32 @@ def mark_failed(tracking_uri: str | None, outcomes: dict[int, dict]) -> None:
     try:
         from mlflow import MlflowClient
 
-        from dflash_flow.observe.runinfo import hide_mlflow_urls
-        from dflash_flow.observe.store import resolve_tracking_uri
+        from dflash_flow.observe.store import hide_mlflow_urls, resolve_tracking_uri
 
         uri = resolve_tracking_uri(tracking_uri)
         hide_mlflow_urls(uri)
         MlflowClient(tracking_uri=uri).set_terminated(run_id, status="FAILED")
     except Exception as exc:  # noqa: BLE001 - the job's outcome is already printed
         from dflash_flow.core.redact import redact_text
-        from dflash_flow.observe.runinfo import uri_secrets
+        from dflash_flow.observe.store import uri_secrets
 
         print(f"warning: could not mark MLflow run {run_id} FAILED: "
               f"{redact_text(str(exc), uri_secrets(tracking_uri))}", file=sys.stderr)
 
 
-def launch(file: Path, output_dir: Path, *, world_size: int, tracking_uri: str | None = None, **kwargs) -> int:
+def launch(file: Path, *, nproc: int, tracking_uri: str | None = None, **kwargs) -> int:
     """Run torchrun in the foreground and return the job's exit code (see the module docstring)."""
     multi_node = str(kwargs.get("nnodes", "1")) != "1"
     with tempfile.TemporaryDirectory(prefix="dflash-flow-ranks-") as folder:
-        # This job's own folder for the rank records: never an earlier or concurrent job's, and there even
-        # when a rank refuses to start before the output directory exists.
+        # This job's own folder for the rank records (there even when the output directory cannot be made).
         env = {**os.environ, OUTCOME_DIR_ENV: folder}
-        cmd = torchrun_command(file, **kwargs)
+        cmd = torchrun_command(file, nproc=nproc, **kwargs)
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         returncode = _wait_handing_on_stops(proc, Path(folder))
         controller().enter_ending()  # the job ended: a signal no longer cuts its summary (or the FAILED mark) short
         outcomes = rank_outcomes(Path(folder))
     # On several nodes this launcher sees only its own node's ranks, whichever global ranks they are.
-    ranks = sorted(outcomes) if multi_node else list(range(world_size))
+    ranks = sorted(outcomes) if multi_node else list(range(nproc))
     if multi_node and returncode != 0 and not outcomes:
         print(f"error: the ranks of this node ended without reporting (torchrun exit code {returncode})", file=sys.stderr)
         return EXIT_FAILED
@@ -178,8 +156,7 @@ def launch(file: Path, output_dir: Path, *, world_size: int, tracking_uri: str |
     if line:
         print(f"error: {line}", file=sys.stderr)
         mark_failed(tracking_uri, outcomes)
-        found = blame(outcomes, ranks, returncode)
-        code = found[1].get("code") if found else None
+        code = blame(outcomes, ranks, returncode)[1].get("code")  # a line means a blamed rank
         return code if code in (EXIT_FAILED, EXIT_USER_ERROR) else EXIT_FAILED
     if returncode == 0:
         return EXIT_OK
@@ -195,22 +172,18 @@ def _wait_handing_on_stops(proc: subprocess.Popen, folder: Path) -> int:
     while True:
         try:
             with controller().hold():  # a signal meanwhile is handed on in its turn, never twice
-                while handed < len(received):
-                    _hand_on(proc, folder, received[handed], first=handed == 0)
+                for sig in received[handed:]:
+                    if handed == 0:
+                        with contextlib.suppress(ProcessLookupError):
+                            proc.send_signal(sig)  # torchrun hands it to every worker: each checkpoints and stops
+                    else:  # torchrun, already stopping, would die of it: straight to the ranks still running
+                        for pid in running_ranks(folder, proc.pid):
+                            with contextlib.suppress(ProcessLookupError, PermissionError):
+                                os.kill(pid, sig)
                     handed += 1
             return proc.wait()
         except KeyboardInterrupt as exc:
             received.append(exc.signum if isinstance(exc, StopSignal) else signal.SIGINT)
-
-
-def _hand_on(proc: subprocess.Popen, folder: Path, sig: int, *, first: bool) -> None:
-    if first:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(sig)  # torchrun hands it to every worker: each checkpoints and stops
-        return
-    for pid in running_ranks(folder, proc.pid):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
 
 
 def running_ranks(folder: Path, parent: int) -> list[int]:

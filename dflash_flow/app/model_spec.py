@@ -1,11 +1,7 @@
-"""The static checks before a run (``validate`` and ``run``, before any thread starts), and the model facts they
-read, resolved once: target resolution, the ``ModelSpec`` built from the ``model:`` section; the fused layers
-exist in the target, the mask token and vocabularies fit, each stage's own view (``model.spec.UsesModel``),
-the data files and model directories named exist (unless ``check_paths=False``); then the checks across
-stages that generic validation cannot know, and for ``run`` the size of one checkpoint, the fingerprint of the
-data a resume must find unchanged, and whether ``--extend`` has anything to do. Each problem names the file
-and line of the value to change. The target's sizes come from its ``config.json`` or preset (``model.facts``:
-no torch, no network); a target that cannot be read here (a hub id) is checked by the stages' setup."""
+"""The ``ModelSpec`` resolved from ``model:``, and the static checks before a run that generic validation cannot
+know (the model facts, each stage's view of them, paths, checks across stages), each located at the value to
+change; for ``run`` also the checkpoint size, the data fingerprint and whether ``--extend`` has work to do.
+The target's sizes come from its ``config.json`` or preset (no torch, no network)."""
 
 from __future__ import annotations
 
@@ -35,15 +31,6 @@ def resolve_target(target: Any) -> Any:
     return str(target)
 
 
-def _tokenizer_dir(tokenizer: str | None, target: Any) -> str | None:
-    """``model.tokenizer``, else the target when it is a local directory (its tokenizer lives beside it)."""
-    if tokenizer:
-        return tokenizer if tokenizer != "embedded" else resolve_target("embedded")
-    if isinstance(target, str) and Path(target).expanduser().is_dir():
-        return target
-    return None
-
-
 def build_model_spec(graph: Any) -> ModelSpec:
     """``graph``'s ``model:`` section resolved (a graph without one: a spec with nothing declared)."""
     from dflash_flow.model.facts import target_facts
@@ -52,12 +39,14 @@ def build_model_spec(graph: Any) -> ModelSpec:
     if section is None:
         return ModelSpec()
     if isinstance(section, dict):  # set in Python and not validated yet
-        from dflash_flow.app.sections import ModelConfig
+        from dflash_flow.app import ModelConfig
 
         section = ModelConfig(**section)
-    target = resolve_target(section.target)
-    ids = section.target_layer_ids
-    return ModelSpec(declared=section.target, target=target, tokenizer=_tokenizer_dir(section.tokenizer, target),
+    target, tok, ids = resolve_target(section.target), section.tokenizer, section.target_layer_ids
+    # model.tokenizer, else the target when it is a local directory (its tokenizer lives beside it)
+    tokenizer = ((tok if tok != "embedded" else resolve_target("embedded")) if tok else
+                 target if isinstance(target, str) and Path(target).expanduser().is_dir() else None)
+    return ModelSpec(declared=section.target, target=target, tokenizer=tokenizer,
                      trust_remote_code=bool(section.trust_remote_code), num_draft_layers=section.num_draft_layers,
                      block_size=section.block_size, mask_token_id=section.mask_token_id,
                      explicit_layer_ids=tuple(ids) if ids is not None else None,
@@ -69,27 +58,18 @@ class _Where:
     """File and line of a ``model:`` key or of a stage's field."""
 
     def __init__(self, v: Validated) -> None:
-        self.v = v
         self.loc = v.graph.locator
         self.index = {s.name: i for i, s in enumerate(v.graph.stages)}
-
-    def _line(self, *paths: tuple[Any, ...]) -> int | None:
-        for path in paths:
-            line = self.loc.line(*path) if self.loc is not None else None
-            if line is not None:
-                return line
-        return None
 
     def problem(self, stage: str | None, field: str, message: str, item: int | None = None) -> Problem:
         if field.startswith("model."):
             keys = tuple(field.split(".")[1:])  # model.engine.servers: the deepest key written, else its parents
             stage_line = ("stages", self.index[stage]) if stage is not None else ("model",)
-            line = self._line(*(("model", *keys[:n]) for n in range(len(keys), 0, -1)), ("model",), stage_line)
+            paths = (*(("model", *keys[:n]) for n in range(len(keys), 0, -1)), ("model",), stage_line)
         else:  # a stage's own config field, or its placement (devices)
             path: tuple[Any, ...] = ("stages", self.index[stage], *(() if field == "devices" else ("config",)), field)
-            line = self._line((*path, item) if item is not None else path, ("stages", self.index[stage]))
-        return Problem(message, file=self.loc.filename if self.loc is not None else None, line=line,
-                       stage=stage, field=field)
+            paths = ((*path, item) if item is not None else path, ("stages", self.index[stage]))
+        return _located(self.loc, message, *paths, stage=stage, field=field)
 
 
 def model_problems(v: Validated, *, check_paths: bool = True) -> list[Problem]:
@@ -117,7 +97,9 @@ def model_problems(v: Validated, *, check_paths: bool = True) -> list[Problem]:
 
 def _spec_problems(w: _Where, spec: ModelSpec) -> list[Problem]:
     """The layers exist in the target and the rule can place them; the mask token is in its vocabulary."""
-    out = _subsection_problems(w, spec)
+    out = [w.problem(None, f"model.{key}.{field}", message)  # what model.engine and model.features say of themselves
+           for key, section in (("engine", spec.engine), ("features", spec.features)) if section is not None
+           for field, message in section.problems()]
     facts = spec.facts
     ids = list(spec.explicit_layer_ids) if spec.explicit_layer_ids is not None else None
     if ids is not None and not ids:
@@ -141,7 +123,7 @@ def _spec_problems(w: _Where, spec: ModelSpec) -> list[Problem]:
             f"target layer {bad[0]} does not exist: the target has {facts.depth} decoder layers (ids 0-"
             f"{facts.depth - 1})")))
     elif spec.engine is not None:  # the engine's ids are ours + 1: the last layer has no equal there
-        from dflash_flow.engine.command import to_engine_layer_ids
+        from dflash_flow.engine.config import to_engine_layer_ids
 
         try:
             to_engine_layer_ids(ids, facts.depth)
@@ -151,15 +133,6 @@ def _spec_problems(w: _Where, spec: ModelSpec) -> list[Problem]:
         out.append(w.problem(None, "model.mask_token_id", (
             f"mask_token_id {spec.mask_token_id} is outside the target's vocabulary of {facts.vocab_size} "
             f"tokens (ids 0-{facts.vocab_size - 1})")))
-    return out
-
-
-def _subsection_problems(w: _Where, spec: ModelSpec) -> list[Problem]:
-    """What ``model.engine`` and ``model.features`` say of themselves (values that cannot work together)."""
-    out = []
-    for key, section in (("engine", spec.engine), ("features", spec.features)):
-        if section is not None:
-            out += [w.problem(None, f"model.{key}.{field}", message) for field, message in section.problems()]
     return out
 
 
@@ -192,19 +165,16 @@ def _path_problems(v: Validated, w: _Where, spec: ModelSpec) -> list[Problem]:
     return out
 
 
-def _located(loc, message: str, path: tuple, fallback: tuple = (), *, stage: str | None = None,
-             field: str | None = None) -> Problem:
-    """``message`` located at ``path`` of the pipeline file (else at ``fallback``)."""
-    line = None if loc is None else loc.line(*path) or (loc.line(*fallback) if fallback else None)
+def _located(loc, message: str, *paths: tuple, stage: str | None = None, field: str | None = None) -> Problem:
+    """``message`` located at the first of ``paths`` the pipeline file has."""
+    line = next((n for p in paths if (n := loc.line(*p)) is not None), None) if loc is not None else None
     return Problem(message, file=loc.filename if loc is not None else None, line=line, stage=stage, field=field)
 
 
 def preflight_problems(v: Validated, *, check_paths: bool = True, local_world_size: int | None = None,
                        gpu_count: int | None = None) -> list[Problem]:
-    """The static checks across stages: the model facts and each stage's view of them (``model_problems``:
-    layers the target has, sizes, files that exist unless ``check_paths`` is false), and a Bucketer token budget
-    smaller than the longest sample an upstream source may emit (it would only fail after reading all the
-    data)."""
+    """``model_problems``, then the checks across stages: a Bucketer token budget smaller than the longest
+    sample upstream (it would only fail after reading all the data), its mixture, aliased files, the backend."""
     from dflash_flow.stages.bucketer import Bucketer
 
     graph = v.graph
@@ -240,8 +210,7 @@ def preflight_problems(v: Validated, *, check_paths: bool = True, local_world_si
 
 
 def _backend_problems(v: Validated, local_world_size: int | None, gpu_count: int | None) -> list[Problem]:
-    """``distributed.backend: nccl`` where the node's ranks would share a GPU (``validate --nproc N --gpus G``,
-    or the job's own ranks under torchrun): it would fail at the first collective, after every target loaded."""
+    """``distributed.backend: nccl`` where the node's ranks would share a GPU (fails at the first collective)."""
     from dflash_flow.app.distributed import backend_problem, node_layouts
     from dflash_flow.core.devices import visible_gpu_count
 
@@ -257,8 +226,7 @@ def _backend_problems(v: Validated, local_world_size: int | None, gpu_count: int
 
 
 def preflight_warnings(v: Validated) -> list[str]:
-    """What validate says without refusing, one located line each: a stage that emits samples longer than the
-    target's context window (``max_length`` past its ``max_position_embeddings``)."""
+    """What validate warns of, located: a ``max_length`` past the target's ``max_position_embeddings``."""
     graph = v.graph
     loc = graph.locator
     try:
@@ -314,12 +282,9 @@ def _mixture_problems(v: Validated, index: int, mixture: dict | None) -> list[Pr
 
 
 def aliased_data_files(v: Validated) -> list[Problem]:
-    """A data file read twice -- by two stages, or once by name and once through a link or another spelling
-    (the same inode) -- would train each of its samples twice per epoch without a word: refused, naming both.
-    (One stage listing one name twice is refused by the source's own field check.)"""
-    graph = v.graph
-    loc = graph.locator
-    index = {s.name: i for i, s in enumerate(graph.stages)}
+    """A data file read twice (the same inode: two stages, a link or another spelling) would train its samples
+    twice per epoch without a word: refused, naming both."""
+    w = _Where(v)
     seen: dict[tuple[int, int], tuple[str, int, str]] = {}
     problems: list[Problem] = []
     for name, conf in v.configs.items():
@@ -334,17 +299,16 @@ def aliased_data_files(v: Validated) -> list[Problem]:
                 continue
             first, k, other = seen[key]
             where = f"stage '{first}' paths[{k}]" if first != name else f"paths[{k}]"
-            problems.append(_located(
-                loc, f"{f} is the same file as {other} ({where}): its samples would be trained twice per epoch; list "
-                "each file once (to weight a source, give it its own source stage and a Bucketer mixture weight)",
-                ("stages", index[name], "config", "paths", j), ("stages", index[name]), stage=name, field="paths"))
+            problems.append(w.problem(
+                name, "paths", f"{f} is the same file as {other} ({where}): its samples would be trained twice per "
+                "epoch; list each file once (to weight a source, give it its own source stage and a Bucketer mixture "
+                "weight)", item=j))
     return problems
 
 
 def extend_problem(recorded: dict | None, current: dict, length_keys, moved: dict | None = None) -> str | None:
-    """Why ``--extend`` has nothing to do (None: the run gets longer): no run-length setting (``epochs``,
-    ``max_batches``: ``cfg(run_length=True)``) is larger than the checkpoint's; a shorter or equal length would
-    resume, train nothing and write over the real run's summary."""
+    """Why ``--extend`` has nothing to do (None: the run gets longer): no run-length setting is larger than the
+    checkpoint's (a shorter or equal one would train nothing and write over the run's summary)."""
     from dflash_flow.core.identity import recorded_as_today
 
     if recorded is None:  # written before checkpoints recorded their settings: cannot be told
@@ -365,8 +329,7 @@ def extend_problem(recorded: dict | None, current: dict, length_keys, moved: dic
 
 
 def data_fingerprint(v: Validated) -> dict[str, str]:
-    """sha256 of every data file the sources read (``data_files()``), keyed by the path as configured.
-    Files that do not exist are left out (their source reports them, with its own message)."""
+    """sha256 of every data file the sources read, keyed by the path as configured (missing ones left out)."""
     from dflash_flow.data.records import file_sha256
 
     out: dict[str, str] = {}
@@ -380,10 +343,7 @@ def data_fingerprint(v: Validated) -> dict[str, str]:
 
 
 def checkpoint_bytes(v: Validated) -> tuple[int, int]:
-    """Upper estimates of (one checkpoint, the final export) of the run, from the stages that report the size
-    of what they train (``parameter_count()``); zeros when none does or it cannot be known yet."""
-    from dflash_flow.app.checkpoint_format import checkpoint_size_estimate
-
+    """Upper estimates of (one checkpoint, the export) from the stages' ``parameter_count()``; zeros if unknown."""
     ckpt = export = 0
     spec = build_model_spec(v.graph)
     for name, conf in v.configs.items():
@@ -394,6 +354,6 @@ def checkpoint_bytes(v: Validated) -> tuple[int, int]:
             continue
         if not n:
             continue
-        ckpt += checkpoint_size_estimate(n)
+        ckpt += 16 * n + 2**20  # fp32 weights, fp32 masters and two AdamW moments, plus the JSON files
         export += 4 * n
     return ckpt, export

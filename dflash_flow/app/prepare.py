@@ -1,8 +1,6 @@
 """The prepare phase of a run: everything before the MLflow run that can fail on the user's input or machine
-(``UserError``). Under torchrun every rank first agrees on the config and the data; then the output directory
-is made, checked (writable, no link out of it) and locked, the places the run writes checked, the checkpoint
-to resume found and verified (settings, data files, every stage's state derivable from it), and the free
-space measured. Also the hashes a checkpoint's settings are matched with, and the per-stage resume states."""
+(``UserError``): the ranks agree, the output directory is made, checked and locked, the places the run writes
+checked, the checkpoint to resume found and verified, the free space measured."""
 
 from __future__ import annotations
 
@@ -19,14 +17,12 @@ from typing import Any
 
 from dflash_flow.app.exits import UserError
 from dflash_flow.core.validate import Validated
-from dflash_flow.util import is_within, move_aside, nearest_existing, probe_write
+from dflash_flow.util import config_hash, is_within, move_aside, nearest_existing, probe_write
 
 
 def resume_config_hash(graph) -> str:
-    """The hash of what must match to resume: the settings that can change the trained weights or the data
-    order (``core.identity.result_settings``)."""
+    """The hash of what must match to resume (``core.identity.result_settings``)."""
     from dflash_flow.core.identity import result_settings
-    from dflash_flow.util import config_hash
 
     return config_hash(result_settings(graph))
 
@@ -35,7 +31,6 @@ def legacy_config_hash(graph) -> str:
     """The hash checkpoints written before they recorded their settings carry (the seed and every stage's
     spec as written, placement and capacity included): such a checkpoint resumes when it matches."""
     from dflash_flow.core.identity import legacy_stage_configs
-    from dflash_flow.util import config_hash
 
     d = graph.to_dict()
     configs = legacy_stage_configs(graph)
@@ -69,30 +64,44 @@ def build_resume_state(v: Validated, ckpt) -> dict[str, list[dict[str, Any]]]:
         elif spec.name in ckpt.stage_states:
             out[spec.name] = ckpt.stage_states[spec.name]
         elif ckpt.stage_states and cls.affects_result and cls.get_state is not Stage.get_state:
-            # The checkpoint has the other stages' states but not this one's, which keeps a state (the
-            # trainer's step and weights): it would start over while the data continues from the checkpoint.
+            # This stage keeps a state (the trainer's) and would start over while the data continues.
             raise InvalidCheckpoint(f"not a valid checkpoint: {ckpt.path}: state.json has no state for stage "
                                     f"'{spec.name}' ({spec.type})")
     return out
 
 
 def prepare(v: Validated, dist_ctx, output_dir: Path, resume: str | None, extend: bool = False):
-    """The prepare phase (see the module docstring); raises UserError. Returns (the output directory's lock or
-    None on ranks other than 0, the checkpointer, the checkpoint to resume or None)."""
-    main = dist_ctx is None or dist_ctx.is_main
+    """The prepare phase; raises UserError. Returns (the lock, None off rank 0; the checkpointer; the checkpoint)."""
+    from dflash_flow.app.checkpoint import Checkpointer
+    from dflash_flow.app.model_spec import checkpoint_bytes, data_fingerprint
+    from dflash_flow.core.identity import moved_setting_keys, result_settings, run_length_keys
+
+    graph, main = v.graph, dist_ctx is None or dist_ctx.is_main
     if dist_ctx is not None:
         _agree(v, dist_ctx)
-    lock = _lock_output_dir(output_dir, main)
+    lock = None
+    if main:
+        prepare_output_dir(output_dir)
+        lock = OutputLock.acquire(output_dir)  # under torchrun rank 0 holds it for the ranks of the job
+    else:
+        _make_output_dir(output_dir)
     try:
-        ck = v.graph.sections["checkpoint"]
+        ck = graph.sections["checkpoint"]
         # OUTPUT/checkpoints inside the output directory by default; a directory the user chose is its own root.
         ck_dir, ck_root = (Path(ck.dir).expanduser(),) * 2 if ck.dir else (output_dir / "checkpoints", output_dir)
         if main:
             _check_places(v, output_dir, ck, ck_dir)
-        checkpointer = _checkpointer(v, ck, ck_dir, ck_root, extend, main)
+        checkpointer = Checkpointer(
+            ck_dir, keep_last=ck.keep_last, config_hash=resume_config_hash(graph), settings=result_settings(graph),
+            legacy_hash=legacy_config_hash(graph), length_keys=run_length_keys(graph), extend=extend,
+            moved=moved_setting_keys(graph), data_files=data_fingerprint(v) if main else {}, root=ck_root)
         ckpt = _checkpoint_to_resume(v, checkpointer, resume, extend, main)
-        if main:
-            _check_space(v, ck_dir, ck_root, output_dir)
+        need_ckpt, need_export = checkpoint_bytes(v) if main else (0, 0)
+        if need_ckpt:
+            check_free_space(ck_dir, need_ckpt + (need_export if ck_root == output_dir else 0),
+                             "one checkpoint and the export")
+            if ck_root != output_dir:
+                check_free_space(output_dir, need_export, "the exported drafter")
         if main and ckpt is None:  # a fresh run: an earlier run's summary and batch logs kept, not overwritten
             set_aside_earlier_run(output_dir)
         return lock, checkpointer, ckpt
@@ -117,16 +126,11 @@ def _agree(v: Validated, dist_ctx) -> None:
         raise UserError(f"rank {dist_ctx.rank}: {problem}")
 
 
-def _lock_output_dir(output_dir: Path, main: bool):
-    if main:
-        prepare_output_dir(output_dir)
-        # Under torchrun the ranks of one job share the output directory: rank 0 holds the lock for them.
-        return OutputLock.acquire(output_dir)
+def _make_output_dir(output_dir: Path) -> None:
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"cannot create output_dir {output_dir}: {exc.strerror or exc}") from None
-    return None
 
 
 def _check_places(v: Validated, output_dir: Path, ck, ck_dir: Path) -> None:
@@ -147,21 +151,8 @@ def _check_places(v: Validated, output_dir: Path, ck, ck_dir: Path) -> None:
                         "outside it; checkpoints are written and pruned only inside their directory")
 
 
-def _checkpointer(v: Validated, ck, ck_dir: Path, ck_root: Path, extend: bool, main: bool):
-    from dflash_flow.app.checkpoint import Checkpointer
-    from dflash_flow.app.model_spec import data_fingerprint
-    from dflash_flow.core.identity import moved_setting_keys, result_settings, run_length_keys
-
-    graph = v.graph
-    return Checkpointer(ck_dir, keep_last=ck.keep_last, config_hash=resume_config_hash(graph),
-                        settings=result_settings(graph), legacy_hash=legacy_config_hash(graph),
-                        length_keys=run_length_keys(graph), extend=extend, moved=moved_setting_keys(graph),
-                        data_files=data_fingerprint(v) if main else {}, root=ck_root)
-
-
 def _checkpoint_to_resume(v: Validated, checkpointer, resume: str | None, extend: bool, main: bool):
-    """The checkpoint ``resume`` names, verified; None for a fresh run (refused where another run's
-    checkpoints are)."""
+    """The checkpoint ``resume`` names, verified; None for a fresh run (refused over another run's checkpoints)."""
     from dflash_flow.core.errors import CheckpointError
 
     if resume == "auto":  # torchrun --max-restarts: the first attempt starts fresh, a restart continues
@@ -186,7 +177,8 @@ def _checkpoint_to_resume(v: Validated, checkpointer, resume: str | None, extend
     if extend:
         from dflash_flow.app.model_spec import extend_problem
 
-        why = extend_problem(ckpt.settings, checkpointer.settings, checkpointer.length_keys, checkpointer.moved)
+        want = checkpointer.expected
+        why = extend_problem(ckpt.settings, want.settings, want.length_keys, want.moved)
         if why:
             raise UserError(why)
     try:
@@ -199,18 +191,6 @@ def _checkpoint_to_resume(v: Validated, checkpointer, resume: str | None, extend
     return ckpt
 
 
-def _check_space(v: Validated, ck_dir: Path, ck_root: Path, output_dir: Path) -> None:
-    from dflash_flow.app.model_spec import checkpoint_bytes
-
-    need_ckpt, need_export = checkpoint_bytes(v)
-    if need_ckpt:
-        check_free_space(ck_dir, need_ckpt + (need_export if ck_root == output_dir else 0),
-                         "one checkpoint and the export")
-        if ck_root != output_dir:
-            check_free_space(output_dir, need_export, "the exported drafter")
-
-
-_LOCK_NAME = ".dflash-flow.lock"
 _MAX_WALK = 20_000  # entries of the output directory looked at for symbolic links (a run makes a few dozen)
 
 
@@ -234,10 +214,7 @@ def prepare_output_dir(output_dir: Path) -> None:
     read-only, no symbolic link inside that leads out of it (whatever the run writes or uploads stays in)."""
     if output_dir.exists() and not output_dir.is_dir():
         raise UserError(f"output_dir {output_dir} is an existing file, not a directory; choose another output_dir")
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"cannot create output_dir {output_dir}: {exc.strerror or exc}") from None
+    _make_output_dir(output_dir)
     why = probe_write(output_dir)
     if why:
         raise UserError(f"output_dir {output_dir} is not writable: {why}")
@@ -285,9 +262,8 @@ def check_output_file(path: Path, what: str, *, make_parents: bool = False) -> N
 
 
 def check_stage_outputs(v: Validated, output_dir: Path) -> None:
-    """Directories stages write into at the end of the run (``Stage.output_dirs``, e.g. DrafterStep's
-    ``export_dir``) must not be files, nor directories holding anything but an earlier export (which the
-    export would refuse): found now, not after hours of training."""
+    """Directories stages write into at the end (``Stage.output_dirs``: ``export_dir``) are neither files nor
+    hold anything but an earlier export: found now, not after hours of training."""
     from dflash_flow.core.errors import CheckpointError
     from dflash_flow.model.export_contract import check_destination
 
@@ -302,16 +278,11 @@ def check_stage_outputs(v: Validated, output_dir: Path) -> None:
                 raise UserError(f"stage '{name}': export_dir: {exc} (or set export_dir)") from None
 
 
-#: What a run writes at the top of its output directory that a later fresh run there would overwrite.
-EARLIER_RUN_FILES = ("summary.json", "batches.jsonl", "batches.rank*.jsonl")
-
-
 def set_aside_earlier_run(output_dir: Path) -> list[tuple[Path, Path]]:
-    """A fresh run into an output directory an earlier run wrote (without checkpoints: with them it is
-    refused): that run's ``summary.json`` and batch logs are moved aside (``NAME.old``, ``NAME.old.2``, ...),
-    never overwritten, and the console says so. Returns (file, where it went) pairs."""
+    """An earlier run's ``summary.json`` and batch logs moved aside (``NAME.old``, ...) for a fresh run, never
+    overwritten, with a warning. Returns (file, where it went) pairs."""
     moved = []
-    for pattern in EARLIER_RUN_FILES:
+    for pattern in ("summary.json", "batches.jsonl", "batches.rank*.jsonl"):
         for p in sorted(output_dir.glob(pattern)):
             if p.is_file() and not p.is_symlink():
                 moved.append((p, move_aside(p)))
@@ -333,7 +304,7 @@ class OutputLock:
 
     @classmethod
     def acquire(cls, output_dir: Path) -> OutputLock:
-        path = output_dir / _LOCK_NAME
+        path = output_dir / ".dflash-flow.lock"
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except OSError as exc:
@@ -368,8 +339,7 @@ class OutputLock:
 
 
 def check_free_space(directory: Path, need: int, what: str) -> None:
-    """Raise ``UserError`` when the filesystem of ``directory`` (or its nearest existing parent) has less
-    than ``need`` bytes free."""
+    """Raise ``UserError`` when the filesystem of ``directory`` has less than ``need`` bytes free."""
     base = nearest_existing(directory)
     try:
         free = shutil.disk_usage(base).free

@@ -1,12 +1,6 @@
-"""``dflash-flow profile``: where the time of a pipeline goes, measured over N trainer steps.
-
-A profile runs the pipeline, reads the runtime's sampler every ``interval_s`` and measures one *window*:
-from the poll at which the trainer (the *step stage*) has taken ``warmup`` optimizer steps' worth of
-batches and every replica is past its setup, to the poll at which it has taken ``steps`` more; then it
-cancels the pipeline. The two snapshots' differences give the figures (``app.profile_data``); every poll
-records the input queues' depths; the window is also cut into ``windows`` equal parts by trainer batches,
-from which ``app.splitplan`` makes intervals.
-"""
+"""``dflash-flow profile``: run the pipeline, poll the runtime's sampler every ``interval_s`` and measure one
+*window*, from the poll where the trainer has taken ``warmup`` steps and every replica is past its setup to the
+poll where it has taken ``steps`` more, cut into ``windows`` equal parts; then cancel the pipeline."""
 
 from __future__ import annotations
 
@@ -18,8 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-# Also imported from here by splitplan and the tests.
-from dflash_flow.app.profile_data import (  # noqa: F401
+from dflash_flow.app.profile_data import (  # noqa: F401 - also imported from here by splitplan and the tests
     ACTIVE,
     DEFAULT_INTERVAL_S,
     DEFAULT_WINDOWS,
@@ -30,7 +23,6 @@ from dflash_flow.app.profile_data import (  # noqa: F401
     QueueSeries,
     StageProfile,
     Window,
-    balanced_replicas,
     batch_means,
     build_profile,
     find_step_stage,
@@ -42,18 +34,14 @@ from dflash_flow.core.validate import Validated
 if TYPE_CHECKING:
     from dflash_flow.services import RunServices
 
-# ------------------------------------------------------------------------------------------ running
-
 
 class _Sampler:
-    """Reads the runtime's sampler (``core.snapshot.Sampler``: the one the Monitor reads too) every ``interval_s``,
-    opens and closes the window, then cancels the pipeline."""
+    """Polls the runtime's sampler every ``interval_s``, opens and closes the window, then cancels the pipeline."""
 
     def __init__(self, pipeline: Any, step_stage: str, start_at: int, end_at: int, interval_s: float,
                  windows: int = 1, precision: float | None = None, max_batches: int | None = None):
         self.pipeline = pipeline
-        # Measuring until the rate is known to +-precision: the window grows by parts of the first parts'
-        # size until the interval of the per-part rates is that narrow, or it holds max_batches.
+        # With a precision: the window grows a part at a time until the rate is known that well, or max_batches.
         self.precision, self.max_batches = precision, max_batches
         self.part = 0
         self.reached: float | None = None  # the relative half-width when the window closed
@@ -105,8 +93,7 @@ class _Sampler:
             ready = all(r.state in ACTIVE for st in snap.stages.values() for r in st.replicas)
             if taken >= self.start_at and ready:
                 self.start = snap
-                # The window holds the asked-for steps from where it really opened (a poll can land
-                # past start_at, e.g. while a replica was still setting up).
+                # The asked-for steps from where it really opened (a poll can land past start_at).
                 n = self.end_at - self.start_at
                 self.end_at = taken + n
                 self.cut_at = [taken + round(j * n / self.windows) for j in range(1, self.windows)]
@@ -153,12 +140,9 @@ def profile(v: Validated, steps: int, *, warmup_steps: int = 1, interval_s: floa
             step_stage: str | None = None, tracking: bool = False, output_dir: str | Path | None = None,
             services: RunServices | None = None, windows: int = DEFAULT_WINDOWS,
             precision: float | None = None, max_steps: int | None = None) -> Profile:
-    """Run ``v`` for ``warmup_steps + steps`` optimizer steps of its trainer and profile the last ``steps``,
-    cut into ``windows`` equal parts. ``precision`` (e.g. 0.05): measure on, a part at a time, until the 90%
-    interval of the parts' batches/s is within +-precision of the rate, or the window holds ``max_steps``
-    (default 10 x ``steps``). ``tracking``: log the run and the profile to the pipeline's MLflow store.
-    Raises ``ProfileError`` when the pipeline ends before the window opens, and the runtime's errors.
-    """
+    """Profile the last ``steps`` of ``warmup_steps + steps`` trainer steps. ``precision``: measure on, a part at
+    a time, until the rate's 90% interval is within +-precision, or up to ``max_steps`` (default 10 x ``steps``).
+    Raises ``ProfileError`` when the pipeline ends before the window opens, and the runtime's errors."""
     from dflash_flow.core.errors import PipelineInterrupted
     from dflash_flow.core.runtime import Pipeline
     from dflash_flow.services import RunServices
@@ -167,7 +151,15 @@ def profile(v: Validated, steps: int, *, warmup_steps: int = 1, interval_s: floa
     accum = grad_accum_of(v, step_stage)
     start_at, end_at = warmup_steps * accum, (warmup_steps + steps) * accum
     out_dir = Path(output_dir) if output_dir else v.graph.run_dir
-    tracker = _start_tracker(v, out_dir) if tracking else None
+    tracker = None
+    if tracking:
+        from dflash_flow.observe.tracking import Tracker
+
+        section = v.graph.sections["tracking"]
+        tracker = Tracker.start(
+            enabled=True, tracking_uri=section.tracking_uri, experiment=section.experiment,
+            run_name=f"{section.run_name or v.graph.name}-profile", params=v.graph.to_dict(),
+            tags={"dflash_flow.kind": "profile"}, system_metrics=False, spool_dir=out_dir / "mlflow-spool")
     if services is None:
         from dflash_flow.app.model_spec import build_model_spec
 
@@ -202,8 +194,13 @@ def profile(v: Validated, steps: int, *, warmup_steps: int = 1, interval_s: floa
             result = attrs.evolve(result, steps=max(steps, grown), precision=precision, reached=sampler.reached,
                                   complete=result.complete or result.batches >= steps * accum)
         status = "FINISHED"
-        if tracker is not None:
-            _log_profile(tracker, result, out_dir)
+        if tracker is not None:  # the metrics, profile.json and the bottleneck tag into the tracked run
+            from dflash_flow.observe.schema import mlflow_metrics
+
+            tracker.log_metrics(mlflow_metrics(result), step=0)
+            tracker.log_artifact(save_profile(result, out_dir / "profile.json"))
+            if result.bottleneck is not None:
+                tracker.set_tags({"bottleneck": result.bottleneck.stage})
         return result
     finally:
         if tracker is not None:
@@ -212,8 +209,7 @@ def profile(v: Validated, steps: int, *, warmup_steps: int = 1, interval_s: floa
 
 def _checked(v: Validated, steps: int, warmup_steps: int, windows: int, precision: float | None,
              max_steps: int | None, step_stage: str | None) -> tuple[str, int]:
-    """``profile``'s arguments checked (``ProfileError`` naming the one that is wrong): the trainer stage and
-    the most steps the window may grow to."""
+    """``profile``'s arguments checked (else ``ProfileError``); returns the trainer stage and the step limit."""
     if steps < 1 or warmup_steps < 0:
         raise ProfileError(f"steps must be >= 1 and warmup >= 0, got steps={steps}, warmup={warmup_steps}")
     if windows < 1:
@@ -230,30 +226,6 @@ def _checked(v: Validated, steps: int, warmup_steps: int, windows: int, precisio
     return step_stage, max_steps
 
 
-def _log_profile(tracker: Any, result: Profile, out_dir: Path) -> None:
-    """The profile's metrics, its ``profile.json`` and the bottleneck tag, into the tracked run."""
-    from dflash_flow.observe.schema import mlflow_metrics
-
-    tracker.log_metrics(mlflow_metrics(result), step=0)
-    tracker.log_artifact(save_profile(result, out_dir / "profile.json"))
-    if result.bottleneck is not None:
-        tracker.set_tags({"bottleneck": result.bottleneck.stage})
-
-
-def _start_tracker(v: Validated, out_dir: Path):
-    from dflash_flow.observe.tracking import Tracker
-
-    section = v.graph.sections["tracking"]
-    return Tracker.start(
-        enabled=True, tracking_uri=section.tracking_uri, experiment=section.experiment,
-        run_name=f"{section.run_name or v.graph.name}-profile", params=v.graph.to_dict(),
-        tags={"dflash_flow.kind": "profile"}, system_metrics=False, spool_dir=out_dir / "mlflow-spool",
-    )
-
-
-# ----------------------------------------------------------------------------------- files, tables
-
-
 def to_json(p: Profile) -> dict[str, Any]:
     return attrs.asdict(p)
 
@@ -266,8 +238,7 @@ def save_profile(p: Profile, path: str | Path) -> Path:
 
 
 def load_profile(path: str | Path) -> Profile:
-    """A profile written by :func:`save_profile`. Raises ``ProfileError`` with the file's name when it is
-    not one (missing, not JSON, another version)."""
+    """A profile written by :func:`save_profile`, else ``ProfileError`` naming the file."""
     import cattrs
 
     path = Path(path)
@@ -341,36 +312,27 @@ def render_profile(p: Profile, *, width: int = 130) -> str:
     return "\n".join(parts)
 
 
-def profile_command(file: Path, v: Validated, *, steps: int, warmup_steps: int, interval_s: float,
-                    step_stage: str | None, tracking: bool, out: Path | None, windows: int = DEFAULT_WINDOWS,
-                    precision: float | None = None, max_steps: int | None = None) -> int:
-    """``dflash-flow profile``: run, print the tables, write the JSON; an exit code."""
-    from dflash_flow.app.exits import (
-        EXIT_FAILED,
-        EXIT_INTERRUPTED,
-        EXIT_OK,
-        EXIT_USER_ERROR,
-        is_user_input_error,
-    )
+def profile_command(file: Path, v: Validated, *, out: Path | None, **options: Any) -> int:
+    """``dflash-flow profile``: run (``options``: :func:`profile`'s), print the tables, write the JSON; an exit code."""
+    from dflash_flow.app import exits
     from dflash_flow.app.runner import quiet_libraries
     from dflash_flow.core.errors import PipelineInterrupted, PipelineStalled, StageError
 
     quiet_libraries()
     out_dir = v.graph.run_dir
     try:
-        result = profile(v, steps, warmup_steps=warmup_steps, interval_s=interval_s, step_stage=step_stage,
-                         tracking=tracking, output_dir=out_dir, windows=windows, precision=precision,
-                         max_steps=max_steps)
+        result = profile(v, output_dir=out_dir, **options)
     except ProfileError as exc:
         print(f"error: {file}: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return exits.EXIT_USER_ERROR
     except (StageError, PipelineStalled) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR if isinstance(exc, StageError) and is_user_input_error(exc.original) else EXIT_FAILED
+        user = isinstance(exc, StageError) and exits.is_user_input_error(exc.original)
+        return exits.EXIT_USER_ERROR if user else exits.EXIT_FAILED
     except PipelineInterrupted as exc:
         print(f"stopped: {exc}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return exits.EXIT_INTERRUPTED
     path = save_profile(result, out or out_dir / "profile.json")
     print(render_profile(result))
     print(f"wrote {path}", file=sys.stderr)
-    return EXIT_OK
+    return exits.EXIT_OK

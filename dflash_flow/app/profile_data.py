@@ -1,7 +1,5 @@
-"""What a profile holds and how it is built from two snapshots (``app.profile`` runs one), and the graph
-facts it reads: per stage and replica the window's figures, the bottleneck, the balanced replica counts,
-and the window's equal parts (``Window``), whose 90% intervals (batch means: the spread of k per-part values,
-Student's t with k - 1 degrees of freedom) ``profile`` and ``app.splitplan`` give."""
+"""What a profile holds and how it is built from snapshots: per stage and replica the window's figures, the
+bottleneck, the balanced replica counts, the window's parts and their 90% intervals (batch means)."""
 
 from __future__ import annotations
 
@@ -149,14 +147,11 @@ class Profile:
 
     def stage(self, name: str) -> StageProfile:
         return self.stages[name]
-    def window_work(self, w: Window) -> dict[str, float]:
-        return window_work(self.stages, w)
 
 
 def window_work(stages: Mapping[str, StageProfile], w: Window) -> dict[str, float]:
-    """Every stage's replica-seconds of work per trained batch in the part ``w``: its seconds per item there
-    times its items per batch over the whole window (a part's own count would include what it queued
-    ahead), or its busy seconds per batch when it took no item in the part."""
+    """Every stage's work per trained batch in the part ``w``: its seconds per item there times its items per
+    batch over the whole window (a part's own count includes what it queued ahead), else busy s per batch."""
     out = {}
     for name, s in stages.items():
         busy, handled = w.busy_s.get(name, 0.0), w.handled.get(name, 0)
@@ -165,20 +160,8 @@ def window_work(stages: Mapping[str, StageProfile], w: Window) -> dict[str, floa
     return out
 
 
-# ------------------------------------------------------------------------------------ graph facts
-
-
 class ProfileError(Exception):
     """The profile could not measure what was asked (the pipeline ended too early, no trainer stage...)."""
-
-
-def graph_edges(v: Validated) -> dict[str, list[str]]:
-    """Each stage's consumers."""
-    edges: dict[str, list[str]] = {}
-    for s in v.graph.stages:
-        for i in s.inputs:
-            edges.setdefault(i.stage, []).append(s.name)
-    return edges
 
 
 def observer_stages(v: Validated) -> set[str]:
@@ -229,17 +212,9 @@ def grad_accum_of(v: Validated, step_stage: str) -> int:
     return max(1, v.configs[step_stage].inputs_per_step)
 
 
-# ------------------------------------------------------------------------------------ computation
-
-
 def _per_batch(cur: StageSnapshot, prev: StageSnapshot, name: str, batches: int) -> float | None:
     d = counter_delta(cur, prev, name)
     return None if d is None or batches <= 0 else d / batches
-
-
-def queue_stats(depths: list[int], capacity: int) -> QueueStats | None:
-    return QueueStats(capacity=capacity, min=min(depths), mean=sum(depths) / len(depths), max=max(depths),
-                      polls=len(depths)) if depths else None
 
 
 def _merge_queues(stats: list[QueueStats | None]) -> QueueStats | None:
@@ -252,16 +227,15 @@ def _merge_queues(stats: list[QueueStats | None]) -> QueueStats | None:
 def stage_profile(cur: StageSnapshot, w: StageWindow, batches: int, *, is_source: bool, replicable: bool,
                   observer: bool, per_batch: float | None = None,
                   depths: Mapping[int, list[int]] | None = None) -> StageProfile:
-    """One stage's figures from its window ``w`` (``depths``: replica -> polled queue depths).
-
-    ``per_batch``: the items it handles per trained batch when that is known exactly (a stage that feeds
-    the trainer through 1:1 stages handles one item per batch; counting them in a short window would also
-    count what it queued ahead). Otherwise the window's ratio."""
+    """One stage's figures from its window ``w`` (``depths``: replica -> polled queue depths). ``per_batch``:
+    its items per trained batch when known exactly (1 through 1:1 stages), else the window's ratio."""
     window = w.span_s
     assert window is not None
     reps = []
     for r, rw in zip(cur.replicas, w.replicas, strict=True):
-        q = queue_stats(list((depths or {}).get(r.replica, [])), r.channel.capacity) if r.channel is not None else None
+        d = list((depths or {}).get(r.replica, []))
+        q = QueueStats(capacity=r.channel.capacity, min=min(d), mean=sum(d) / len(d), max=max(d),
+                       polls=len(d)) if r.channel is not None and d else None
         reps.append(ReplicaProfile(
             replica=r.replica, device=r.device, busy_s=rw.busy_s, blocked_in_s=rw.blocked_in_s,
             blocked_out_s=rw.blocked_out_s, busy=rw.busy(window), blocked_in=rw.blocked_in(window),
@@ -313,8 +287,7 @@ def build_profile(v: Validated, start: RuntimeSnapshot, end: RuntimeSnapshot, *,
                   depths: Mapping[str, Mapping[int, list[int]]] | None = None,
                   series: QueueSeries | None = None, interval_s: float = DEFAULT_INTERVAL_S,
                   cuts: list[RuntimeSnapshot] | None = None) -> Profile:
-    """The profile of the window from ``start`` to ``end`` (pure: the tests feed it snapshots); ``cuts``:
-    the snapshots inside it that part it (``Window``), in order."""
+    """The profile of the window from ``start`` to ``end``, parted at ``cuts`` (pure: tests feed it snapshots)."""
     window = max(end.time - start.time, 1e-9)
     trainer_end, trainer_start = end.stages[step_stage], start.stages[step_stage]
     ws = {name: StageWindow.between(cur, start.stages[name], window) for name, cur in end.stages.items()}
@@ -330,10 +303,15 @@ def build_profile(v: Validated, start: RuntimeSnapshot, end: RuntimeSnapshot, *,
         for name, cur in end.stages.items()
     }
     loads = {name: w.load() for name, w in ws.items() if name not in observers}
-    verdict = find_bottleneck(loads, sinks={step_stage}, edges=graph_edges(v)) if loads else None
+    edges: dict[str, list[str]] = {}  # each stage's consumers
+    for s in v.graph.stages:
+        for i in s.inputs:
+            edges.setdefault(i.stage, []).append(s.name)
+    verdict = find_bottleneck(loads, sinks={step_stage}, edges=edges) if loads else None
     windows = window_parts(v, [start, *(cuts or []), end], step_stage)
-    if len(windows) > 1:
-        stages = _with_spread(stages, windows)
+    if len(windows) > 1:  # each stage's work_s_sd over the parts
+        works = [window_work(stages, w) for w in windows]
+        stages = {n: attrs.evolve(s, work_s_sd=statistics.stdev(w[n] for w in works)) for n, s in stages.items()}
     grad_accum = grad_accum_of(v, step_stage)
     samples = _per_batch(trainer_end, trainer_start, "samples", batches)
     tokens = _per_batch(trainer_end, trainer_start, "tokens", batches)
@@ -369,14 +347,6 @@ def window_parts(v: Validated, snaps: list[RuntimeSnapshot], step_stage: str) ->
     return out
 
 
-def _with_spread(stages: dict[str, StageProfile], windows: list[Window]) -> dict[str, StageProfile]:
-    """``stages`` with each one's ``work_s_sd`` over ``windows``."""
-    works = [window_work(stages, w) for w in windows]
-    return {n: attrs.evolve(s, work_s_sd=statistics.stdev(w[n] for w in works)) for n, s in stages.items()}
-
-
-# ------------------------------------------------------------------------------------ intervals
-
 LEVEL = 0.90  # the intervals' confidence
 # Student's t, one-sided 0.95 quantile (a two-sided 90% interval), 1..30 degrees of freedom.
 _T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753,
@@ -411,8 +381,7 @@ class Interval:
 
 
 def batch_means(centre: float, per_window: Sequence[float]) -> Interval | None:
-    """``centre +- t(0.95, k-1) * sd / sqrt(k)`` over the ``k`` per-part values; None below two parts or
-    when a value is not finite."""
+    """``centre +- t(0.95, k-1) * sd / sqrt(k)`` over ``k`` per-part values; None below two or if not finite."""
     k = len(per_window)
     if k < 2 or not math.isfinite(centre) or not all(math.isfinite(x) for x in per_window):
         return None

@@ -1,16 +1,7 @@
-"""The Python runner: one call that does what ``dflash-flow run`` does.
-
-    from dflash_flow.app import run
-
-    report = run("pipelines/dflash.yaml", overrides=["stages.interleaver.max_batches=20"])
-    print(report.status, report.record.evals)
-
-``run`` validates a pipeline file or :class:`~dflash_flow.core.Graph` (with ``--set``-style overrides) as
-``dflash-flow validate`` does, then runs it with the run services (output directory, MLflow, checkpoints,
-resume, end-of-run report): a failed or interrupted run is a report with its status and exit code, not an
-exception. ``run_validated`` runs in named phases: prepare (``app.prepare``), open (the MLflow run), build
-(the complete ``RunServices``, then the pipeline), run, end (``app.endrun``); the process's stop controller
-(``core.stopping``) is told what the phases mean."""
+"""The Python runner: ``run(...)`` does what ``dflash-flow run`` does (README shows it), and a failed or
+interrupted run is a report with its status and exit code, not an exception. ``run_validated`` runs
+in phases: prepare (``app.prepare``), open (the MLflow run), build (the ``RunServices``, then the pipeline),
+run, end (``app.endrun``)."""
 
 from __future__ import annotations
 
@@ -27,7 +18,7 @@ from typing import Any
 import attrs
 
 from dflash_flow.app.endrun import Outcome, RunReport, blame_checkpoint, outcome_of, write_rank_outcome
-from dflash_flow.app.exits import EXIT_INTERRUPTED, EXIT_OK, EXIT_USER_ERROR
+from dflash_flow.app.exits import EXIT_INTERRUPTED, EXIT_OK, EXIT_USER_ERROR, UserError, report_user_error
 from dflash_flow.core.graph import Graph
 from dflash_flow.core.validate import Validated
 
@@ -36,9 +27,8 @@ log = logging.getLogger("dflash_flow")
 
 def load(source: str | Path | Graph, *, overrides: list[str] | None = None, check_devices: bool = True,
          check_paths: bool | None = None, local_world_size: int | None = None, gpu_count: int | None = None) -> Validated:
-    """A pipeline file or a Graph, with ``overrides`` (``key.path=value``) applied, validated like
-    ``dflash-flow validate`` (ConfigError with every problem). ``check_paths`` (default: ``check_devices``):
-    that data files and model directories exist."""
+    """A pipeline file or a Graph, with ``overrides`` (``key.path=value``) applied, validated like ``dflash-flow
+    validate`` (ConfigError with every problem; ``check_paths``, default ``check_devices``: files exist)."""
     import dflash_flow.app  # noqa: F401 - registers the application sections
     from dflash_flow.app.model_spec import preflight_problems, preflight_warnings
     from dflash_flow.core.config import apply_overrides, graph_from_dict, load_graph
@@ -81,8 +71,7 @@ def run(source: str | Path | Graph, *, overrides: list[str] | None = None, resum
     return run_validated(v, config_path=config_path, resume=resume, overrides=overrides or [], extend=extend)
 
 
-#: MLflow tags of a run resumed from another run directory's checkpoint (a fork): the run it continues
-#: from and that checkpoint. Only a resume in place continues the checkpoint's own MLflow run.
+#: MLflow tags of a run forked from another run directory's checkpoint: the run and checkpoint it came from.
 PARENT_RUN_TAG = "dflash_flow.parent_run_id"
 PARENT_CHECKPOINT_TAG = "dflash_flow.parent_checkpoint"
 
@@ -107,8 +96,7 @@ def quiet_libraries() -> None:
         hf_logging.set_verbosity_warning()
     except ImportError:  # pragma: no cover
         pass
-    # mlflow sets its loggers' level from MLFLOW_LOGGING_LEVEL when it is imported (later than this, for
-    # the store's "Creating initial MLflow database tables..." lines): both, so neither order prints them.
+    # mlflow sets its loggers' level from MLFLOW_LOGGING_LEVEL when imported: both, so neither order prints.
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     logging.getLogger("mlflow").setLevel(logging.WARNING)
 
@@ -134,14 +122,6 @@ def _announce_stop(reason: str, forced: bool) -> None:
         notice(f"{reason}: stopping after the batch in flight ({reason} again to force)")
 
 
-def _elapsed_before(ckpt) -> float:
-    """The seconds the resumed runs had run (their checkpoint's clock); 0 when there is none."""
-    value = ckpt.extra.get("elapsed_s") if ckpt is not None and isinstance(ckpt.extra, dict) else None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf"):
-        return float(value)
-    return 0.0
-
-
 @attrs.define
 class _Plan:
     """What the prepare phase hands on: everything decided before the MLflow run exists."""
@@ -157,12 +137,9 @@ class _Plan:
 
 def run_validated(v: Validated, *, config_path: Path | None = None, resume: str | None = None,
                   overrides: list[str] | None = None, extend: bool = False) -> RunReport:
-    """Run ``v`` with tracking and checkpoints (one rank of a torchrun job, or the whole job; rank 0 owns the
-    MLflow run, the console and the end of run). A user error in **prepare** ends the run with no MLflow run;
-    from **open** on (stop signals held until the pipeline runs) every path ends the MLflow run; a stop signal
-    in **end** cuts it short, never its status. ``extend`` (with ``resume``): :data:`EXTEND_RULE`."""
+    """Run ``v`` with tracking and checkpoints (rank 0 owns the MLflow run, the console and the end of run). A user
+    error in **prepare** ends it with no MLflow run; from **open** on every path ends the MLflow run."""
     from dflash_flow.app.distributed import init_distributed
-    from dflash_flow.app.exits import UserError
     from dflash_flow.core.stopping import Phase, controller
 
     graph = v.graph
@@ -188,7 +165,6 @@ def _refused(exc: Exception, dist_ctx, output_dir: Path) -> RunReport:
     """A user error before the MLflow run exists: one line, exit 2; under torchrun this rank's record says
     why (so the launcher names it, not a rank that "died")."""
     from dflash_flow.app.distributed import shutdown_distributed
-    from dflash_flow.app.exits import report_user_error
 
     if dist_ctx is not None:
         with contextlib.suppress(OSError):
@@ -198,13 +174,12 @@ def _refused(exc: Exception, dist_ctx, output_dir: Path) -> RunReport:
 
 
 def _prepare_run(v: Validated, dist_ctx, config_path: Path | None, resume: str | None, extend: bool) -> _Plan:
-    """Phase **prepare**: ``app.prepare.prepare``, then the pictures and the resolved config written and the
-    MLflow params and tags composed. Raises UserError (the output directory's lock released)."""
+    """Phase **prepare**: ``app.prepare.prepare``, the pictures, the MLflow params and tags; raises UserError."""
     from dflash_flow.app.endrun import write_pictures
     from dflash_flow.app.prepare import prepare
     from dflash_flow.core.identity import complete_stage_configs
-    from dflash_flow.observe.runinfo import redact_value, run_params, run_tags
     from dflash_flow.observe.schema import HEADLINE_METRICS
+    from dflash_flow.observe.store import redact_value, run_params, run_tags
 
     graph = v.graph
     output_dir = graph.run_dir
@@ -221,7 +196,7 @@ def _prepare_run(v: Validated, dist_ctx, config_path: Path | None, resume: str |
         resolved = redact_value(graph.to_dict(complete_stage_configs(graph)))
         tags = {
             **run_tags(resolved),  # the device summary is tagged once the pipeline has placed its replicas
-            "config_hash": checkpointer.config_hash,
+            "config_hash": checkpointer.expected.config_hash,
             "config_file": str(config_path) if config_path else "",
             "headline_metrics": ", ".join(HEADLINE_METRICS),  # docs/metrics.md: "Chart these first"
         }
@@ -239,8 +214,7 @@ def _prepare_run(v: Validated, dist_ctx, config_path: Path | None, resume: str |
 def _open_and_run(v: Validated, plan: _Plan, dist_ctx, stopping) -> RunReport:
     """Phases **open**, **build**, **run** and **end** (see ``run_validated``)."""
     from dflash_flow.app.distributed import blame_stalled_peer, shutdown_distributed
-    from dflash_flow.app.exits import report_user_error
-    from dflash_flow.observe.runinfo import default_run_name
+    from dflash_flow.observe.store import default_run_name
     from dflash_flow.observe.tracking import Tracker, TrackingError
 
     graph, output_dir = v.graph, v.graph.run_dir
@@ -256,7 +230,11 @@ def _open_and_run(v: Validated, plan: _Plan, dist_ctx, stopping) -> RunReport:
                 tags=plan.tags, resume_run_id=plan.ckpt.mlflow_run_id if plan.ckpt is not None and not plan.fork else None,
                 system_metrics=tracking.system_metrics, spool_dir=output_dir / "mlflow-spool")
             services, pipeline = _build(v, plan, dist_ctx, tracker)
-            peers = _watch_peers(dist_ctx, pipeline)
+            if dist_ctx is not None:  # every rank's progress shared with the others
+                from dflash_flow.app.distributed import PeerProgress
+                from dflash_flow.core.replica import progress_count
+
+                peers = PeerProgress(dist_ctx, lambda: progress_count(pipeline.replicas)).start()
             devs = collections.Counter(r.ctx.device for reps in pipeline.replicas.values() for r in reps)
             tracker.set_tags({"device_summary": ", ".join(f"{d} x{n}" for d, n in sorted(devs.items()))})
             write_rank_outcome(output_dir, dist_ctx, None, tracker.run_id)
@@ -284,19 +262,8 @@ def _open_and_run(v: Validated, plan: _Plan, dist_ctx, stopping) -> RunReport:
     return _report(outcome, services, tracker, dist_ctx, output_dir)
 
 
-def _watch_peers(dist_ctx, pipeline):
-    """Under torchrun, every rank's progress shared with the others (``app.distributed.PeerProgress``)."""
-    if dist_ctx is None:
-        return None
-    from dflash_flow.app.distributed import PeerProgress
-    from dflash_flow.core.replica import progress_count
-
-    return PeerProgress(dist_ctx, lambda: progress_count(pipeline.replicas)).start()
-
-
 def _build(v: Validated, plan: _Plan, dist_ctx, tracker):
-    """Phase **build**: the run services, complete, then the pipeline built with them (whose stage states and
-    clock the checkpoint service reads when it saves)."""
+    """Phase **build**: the complete run services, then the pipeline built with them."""
     from dflash_flow.app.checkpoint import CheckpointService
     from dflash_flow.app.endrun import ContainedUploads, RunExporter
     from dflash_flow.app.model_spec import build_model_spec
@@ -306,7 +273,10 @@ def _build(v: Validated, plan: _Plan, dist_ctx, tracker):
     from dflash_flow.services import RunServices
 
     graph, output_dir = v.graph, v.graph.run_dir
-    record = RunRecord(elapsed_before_s=_elapsed_before(plan.ckpt))
+    # The seconds the resumed runs had run (their checkpoint's clock); 0 when there is none.
+    before = plan.ckpt.extra.get("elapsed_s") if plan.ckpt is not None and isinstance(plan.ckpt.extra, dict) else None
+    valid = isinstance(before, (int, float)) and not isinstance(before, bool) and 0 <= before < float("inf")
+    record = RunRecord(elapsed_before_s=float(before) if valid else 0.0)
     pipeline = None  # built below, from the complete services
 
     def stage_states() -> dict[str, list[dict[str, Any]]]:
@@ -319,8 +289,7 @@ def _build(v: Validated, plan: _Plan, dist_ctx, tracker):
         plan.checkpointer, graph.sections["checkpoint"], stage_states=stage_states, dist=dist_ctx, tracker=tracker,
         before_commit=functools.partial(flush_tracking, record, tracker) if tracker.enabled else None,
         elapsed_s=elapsed_s)
-    # Under torchrun the ranks agree on the step they stop after (the Distributed is the consensus); the
-    # export is written inside the output directory only.
+    # Under torchrun the Distributed is the stop consensus; the export stays inside the output directory.
     services = RunServices(model=build_model_spec(graph), tracker=ContainedUploads(tracker, output_dir),
                            checkpoints=checkpoints, resume=plan.ckpt, record=record, dist=dist_ctx,
                            stop_consensus=dist_ctx, exporter=RunExporter(output_dir, record))
@@ -352,8 +321,6 @@ def _end(pipeline, services, outcome: Outcome, tracker, dist_ctx, output_dir: Pa
 
 def _report(outcome: Outcome, services, tracker, dist_ctx, output_dir: Path) -> RunReport:
     """The console's last lines (the error, where the checkpoint is, the MLflow run) and the report."""
-    from dflash_flow.app.exits import report_user_error
-
     main = dist_ctx is None or dist_ctx.is_main
     if outcome.error:
         text = outcome.shown or outcome.error

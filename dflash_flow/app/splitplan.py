@@ -1,23 +1,13 @@
-"""``dflash-flow plan``: which split of N GPUs between TargetForward replicas and drafter ranks trains
-fastest, predicted from a measured profile (``app.profile``).
-
-The model. A stage with ``r`` replicas and ``w`` replica-seconds of work per trained batch passes at most
-``r / w`` batches/s, so one rank passes ``X = min over stages of r_s / w_s`` (replicas assumed to scale
-linearly). D data-parallel ranks each host T TargetForward replicas (a GPU each) and a DrafterStep GPU,
-Padders on CPU; an optimizer step of G micro-batches then waits for the gradient all-reduce, whose exposed
-wait ``a(D) = a(2) * 2 (D - 1) / D`` (ring; ``a(2)`` measured by ``bench/scale_bench.py``) adds ``a(D) / G``
-per batch to the trainer's work: steps/s = X / G, samples/s = X * D * samples_per_batch. The ranks share
-``C`` CPU cores and each spends ``c`` CPU-seconds per batch (measured), so ``X <= C / (D * c)``
-(``CPU_LIMIT``). Splits: every D with at least two GPUs per rank (``T = N // D - 1``), padders just enough
-not to limit; the recommendation is the most samples/s, within ``TIE`` of it the fewest GPUs, then ranks.
-
-The confidence. A profile keeps its window cut into k parts (``Profile.windows``); each prediction is also
-made from each part's own work per batch, and the 90% interval is the batch-means one,
-``x +- t(0.95, k-1) * sd(x_i) / sqrt(k)``: for this machine's steady-state rate while profiled. Two splits
-are *within the noise* when the interval of their per-part difference holds 0."""
+"""``dflash-flow plan``: which split of N GPUs between TargetForward replicas and drafter ranks trains fastest,
+predicted from a measured profile (``app.profile``). One rank passes ``X = min over stages of r_s / w_s``
+batches/s, the trainer's work raised by the exposed all-reduce (``a(2) * 2 (D - 1) / D`` per step) and each
+stage's by the change of its wait for a core (``contended``: the ranks' threads share ``C`` cores equally); the
+90% interval is the batch-means one over the profile's parts. The model in full: docs/benchmarks.md ("Where the
+time goes and which GPU split")."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
@@ -26,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import numpy as np
 
-from dflash_flow.app.contention import contended
-from dflash_flow.app.profile import Profile, ProfileError
-from dflash_flow.app.profile_data import LEVEL, Interval, batch_means, t95  # noqa: F401 - t95: callers import it here
+from dflash_flow.app.profile import Profile, ProfileError, load_profile, profile_command
+from dflash_flow.app.profile_data import LEVEL, Interval, batch_means, t95, window_work  # noqa: F401 - t95 re-exported
 
 TARGET_TYPE = "TargetForward"
 PADDER_TYPE = "Padder"
@@ -37,6 +27,106 @@ TIE = 0.02  # splits within 2% of the best count as equal
 NO_SPREAD = "no spread measured: re-profile with this version (`dflash-flow profile`) for an interval"
 CPU_LIMIT = "cpu cores"  # the limit named when the ranks' CPU work fills the machine's cores
 WIDE = 0.10  # an interval wider than +-10% of its figure gets a note saying how to narrow it
+ITERATIONS = 4  # fixed-point passes for the waits at one rate (each wait raises the others' runnable time)
+BISECTIONS = 40
+TOLERANCE = 1e-4  # of the rate: where the bisection stops
+MAX_CLASS = 256  # threads of one class the distribution counts one by one
+
+
+@functools.lru_cache(maxsize=1024)
+def _comb(n: int) -> np.ndarray:
+    return np.array([math.comb(n, i) for i in range(n + 1)], dtype=np.float64)
+
+
+def wait_per_cpu_s(cores: float, others: Sequence[tuple[float, int]]) -> float:
+    """Seconds a thread waits for a core per CPU-second it runs on ``cores`` cores while ``count`` other threads
+    of each ``(p, count)`` are each runnable with probability ``p``: ``E[max(0, (K + 1) / cores - 1)]``."""
+    if sum(k for _, k in others) + 1 <= cores:
+        return 0.0  # never more runnable threads than cores
+    dist = np.ones(1)
+    for p, count in others:
+        if count > 0 and p > 0:  # each class's runnable count is binomial
+            n, p = int(count), min(max(float(p), 0.0), 1.0)
+            k = np.arange(n + 1)
+            dist = np.convolve(dist, _comb(n) * p**k * (1.0 - p) ** (n - k))
+    k = np.arange(dist.size)
+    return float(np.sum(dist * np.maximum(0.0, (k + 1) / cores - 1.0)))
+
+
+def _capped(name: str, p: float, count: int) -> tuple[str, float, int]:
+    """A class of more than ``MAX_CLASS`` threads as ``MAX_CLASS`` threads with the same runnable total
+    (a binomial that wide is as good as its Poisson limit; e.g. the padders the planner sizes as unbounded)."""
+    if count <= MAX_CLASS:
+        return name, p, count
+    return name, min(1.0, p * count / MAX_CLASS), MAX_CLASS
+
+
+def _threads(profile: Any) -> dict[str, tuple[float, float]] | None:
+    """Stage -> (CPU seconds, core-wait seconds) per trained batch, for the stages with threads that work
+    (observers' sampling left out); None when the profile did not measure them."""
+    active = {name: s for name, s in profile.stages.items() if not s.observer}
+    if any(s.cpu_s_per_batch is None or s.cpu_wait_s_per_batch is None for s in active.values()):
+        return None
+    return {name: (s.cpu_s_per_batch, s.cpu_wait_s_per_batch) for name, s in active.items()}
+
+
+def waits(profile: Any, replicas: Mapping[str, int], ranks: int, cores: float, rate: float,
+          start: Mapping[str, float] | None = None) -> dict[str, float]:
+    """Each stage's predicted core-wait seconds per trained batch at ``rate`` batches/s of each of ``ranks``
+    ranks with ``replicas`` (stage -> count; the profiled count for stages not named)."""
+    threads = _threads(profile) or {}
+    counts = {n: max(1, int(replicas.get(n, profile.stages[n].replicas))) for n in threads}
+    background = (0.0 if profile.cpu_s_per_batch is None else
+                  max(0.0, profile.cpu_s_per_batch - sum(c for c, _ in threads.values())))
+    q = {n: float((start or {}).get(n, w)) for n, (_, w) in threads.items()}
+    for _ in range(ITERATIONS):
+        rho = {n: min(1.0, rate * (c + q[n]) / counts[n]) for n, (c, _) in threads.items()}
+        busy_bg = rate * background
+        n_bg = math.ceil(busy_bg - 1e-9) if busy_bg > 0 else 0
+        population = [_capped(n, rho[n], counts[n] * ranks) for n in threads]
+        if n_bg:
+            population.append(_capped("", min(1.0, busy_bg / n_bg), n_bg * ranks))
+        q = {n: c * wait_per_cpu_s(cores, [(p, k - (1 if m == n else 0)) for m, p, k in population]) if c > 0 else 0.0
+             for n, (c, _) in threads.items()}
+    return q
+
+
+def contended(profile: Any, replicas: Mapping[str, int], ranks: int, cores: float | None,
+              rate_of: Any) -> dict[str, float]:
+    """Each stage's predicted wait at this mix minus the model's wait for the profiled run, at the fixed point
+    where the pipeline's rate ``rate_of(deltas)`` meets the rate the waits were predicted at; empty when the
+    profile has no thread figures or no cores."""
+    threads = _threads(profile)
+    if threads is None or not cores:
+        return {}
+    measured = {n: w for n, (_, w) in threads.items()}
+    # The model's waits as profiled (one rank, this machine's cores, at the rate the measured work gives it).
+    profiled = min((s.replicas / s.work_s_per_batch for n, s in profile.stages.items()
+                    if n in threads and s.work_s_per_batch > 0), default=math.inf)
+    if not math.isfinite(profiled):
+        return {}
+    base = waits(profile, {}, 1, profile.cores or cores, profiled, start=measured)
+
+    def deltas_at(x: float) -> dict[str, float]:
+        q = waits(profile, replicas, ranks, cores, x, start=measured)
+        return {n: q[n] - base[n] for n in threads}
+
+    # The rate falls as the waits grow with it: the fixed point lies between 0 and the rate with no waits.
+    high = rate_of({n: -w for n, w in base.items()})
+    if not math.isfinite(high) or high <= 0:
+        return {}
+    if rate_of(deltas_at(high)) >= high:
+        return deltas_at(high)
+    low = 0.0
+    for _ in range(BISECTIONS):
+        if high - low <= TOLERANCE * high:
+            break
+        mid = (low + high) / 2
+        if rate_of(deltas_at(mid)) >= mid:
+            low = mid
+        else:
+            high = mid
+    return deltas_at(low)
 
 
 @attrs.frozen
@@ -69,8 +159,7 @@ def _min_rate(work: Mapping[str, float], profile: Profile, replicas: Mapping[str
 
 
 def _cpu_rate(cpu_s: float | None, batches: float, cores: float | None, ranks: int) -> float | None:
-    """Batches/s per rank the machine's cores allow ``ranks`` ranks that each spend ``cpu_s`` CPU-seconds
-    per ``batches`` batches (None: not measured)."""
+    """Batches/s per rank that ``cores`` allow ``ranks`` ranks spending ``cpu_s`` per ``batches`` (None: unknown)."""
     if cpu_s is None or cores is None or batches <= 0:
         return None
     per_batch = cpu_s / batches
@@ -79,9 +168,8 @@ def _cpu_rate(cpu_s: float | None, batches: float, cores: float | None, ranks: i
 
 def predict(profile: Profile, replicas: Mapping[str, int] | None = None, *,
             extra_work_s: Mapping[str, float] | None = None, ranks: int = 1, cores: int | None = None) -> Prediction:
-    """Batches/s of one rank with ``replicas`` (stage -> count; the profiled count for stages not named),
-    each stage's work per batch raised by ``extra_work_s`` (the all-reduce term), and ``ranks`` such ranks
-    sharing ``cores`` CPU cores (default: the profiled machine's), when the profile measured its CPU time."""
+    """Batches/s of one rank with ``replicas`` (stage -> count; else as profiled), each stage's work raised by
+    ``extra_work_s`` (the all-reduce), ``ranks`` such ranks sharing ``cores`` (default: the profiled machine's)."""
     replicas = replicas or {}
     extra = extra_work_s or {}
     unknown = sorted(set(replicas) - set(profile.stages))
@@ -95,13 +183,13 @@ def predict(profile: Profile, replicas: Mapping[str, int] | None = None, *,
     def with_waits(base: Mapping[str, float], waits: Mapping[str, float]) -> dict[str, float]:
         return {n: max(w + waits.get(n, 0.0), 0.0) for n, w in base.items()}
 
-    # Each stage's wait for a core at this mix, in place of the profiled one (app.contention).
+    # Each stage's wait for a core at this mix, in place of the profiled one (``contended``).
     waits = contended(profile, replicas, ranks, cores,
                       lambda d: min(_min_rate(with_waits(work, d), profile, replicas, extra, cap).values()))
     rates = _min_rate(with_waits(work, waits), profile, replicas, extra, cap)
     limit = min(rates, key=lambda n: rates[n])
     # A part without its CPU seconds (a profile written before they were measured) uses the window's.
-    per_window = tuple(min(_min_rate(with_waits(profile.window_work(w), waits), profile, replicas, extra,
+    per_window = tuple(min(_min_rate(with_waits(window_work(profile.stages, w), waits), profile, replicas, extra,
                                      _cpu_rate(w.cpu_s, w.batches, cores, ranks) if w.cpu_s is not None
                                      else cap).values())
                        for w in profile.windows)
@@ -139,8 +227,7 @@ class Split:
 
 
 def within_noise(a: Split, b: Split) -> bool | None:
-    """Whether the interval of the per-part difference of two splits' scores holds 0 (the parts cannot
-    rank them); None without parts."""
+    """Whether the interval of two splits' per-part score difference holds 0; None without parts."""
     if len(a.per_window) < 2 or len(a.per_window) != len(b.per_window):
         return None
     diff = batch_means(a.score - b.score, [x - y for x, y in zip(a.per_window, b.per_window, strict=True)])
@@ -148,14 +235,11 @@ def within_noise(a: Split, b: Split) -> bool | None:
 
 
 def _per_window_score(profile: Profile, per_window: Sequence[float], ranks: int) -> tuple[float, ...]:
-    out = []
-    for x, w in zip(per_window, profile.windows, strict=True):
-        if profile.samples_per_batch is None:
-            out.append(x * ranks)
-        else:
-            spb = w.samples / w.batches if w.samples is not None and w.batches else profile.samples_per_batch
-            out.append(x * ranks * spb)
-    return tuple(out)
+    if profile.samples_per_batch is None:
+        return tuple(x * ranks for x in per_window)
+    spb = [w.samples / w.batches if w.samples is not None and w.batches else profile.samples_per_batch
+           for w in profile.windows]
+    return tuple(x * ranks * s for x, s in zip(per_window, spb, strict=True))
 
 
 def stage_of_type(profile: Profile, type_name: str) -> str | None:
@@ -165,8 +249,7 @@ def stage_of_type(profile: Profile, type_name: str) -> str | None:
 
 def evaluate_split(profile: Profile, ranks: int, targets: int, *, target_stage: str, padder_stage: str | None,
                    allreduce_at_two: float = 0.0, gpus: int | None = None, cores: int | None = None) -> Split:
-    """The predicted throughput of ``ranks`` ranks with ``targets`` TargetForward replicas each, sharing
-    ``cores`` CPU cores (default: the profiled machine's)."""
+    """The predicted throughput of ``ranks`` ranks with ``targets`` TargetForward replicas each."""
     trainer = profile.step_stage
     accum = profile.grad_accum
     wait = allreduce_s(ranks, allreduce_at_two)
@@ -192,8 +275,7 @@ def evaluate_split(profile: Profile, ranks: int, targets: int, *, target_stage: 
 
 def plan_splits(profile: Profile, gpus: int, *, allreduce_at_two: float = 0.0, target_stage: str | None = None,
                 padder_stage: str | None = None, cores: int | None = None) -> list[Split]:
-    """Every split of ``gpus`` GPUs into ranks of (targets + one drafter GPU), fewest ranks first, the ranks
-    sharing ``cores`` CPU cores (default: the profiled machine's)."""
+    """Every split of ``gpus`` GPUs into ranks of (targets + one drafter GPU), fewest ranks first."""
     if gpus < 2:
         raise ProfileError(f"--gpus must be at least 2 (one TargetForward and one DrafterStep GPU), got {gpus}")
     target_stage = target_stage or stage_of_type(profile, TARGET_TYPE)
@@ -251,27 +333,23 @@ def noise_notes(profile: Profile, splits: list[Split], chosen: Split) -> list[st
             "(`dflash-flow profile --precision 0.05`)"]
 
 
-def width_notes(profile: Profile, chosen: Split) -> list[str]:
-    """A note when the recommendation's interval is wider than ``WIDE`` of its figure."""
+def notes(profile: Profile, splits: list[Split], chosen: Split, cores: int | None = None) -> list[str]:
+    """``noise_notes``; the recommendation's interval when wider than ``WIDE`` of its figure; the splits the
+    machine's cores limit, with what each rank spends and what would lift it."""
+    out = noise_notes(profile, splits, chosen)
     iv = chosen.interval
-    if iv is None or not chosen.score or iv.half_width <= WIDE * chosen.score:
-        return []
-    return [f"the interval is wider than +-{WIDE:.0%}: profile until it is narrower (`dflash-flow profile "
-            "--precision 0.05`, or more --steps), on a "
-            "machine with nothing else running, for a figure good to 10% (the interval covers the profiled run; "
-            "a change in the machine's load moves a later run)"]
-
-
-def cpu_notes(profile: Profile, splits: list[Split], cores: int | None = None) -> list[str]:
-    """A note when the machine's cores limit a split: what each rank spends and what would lift it."""
+    if iv is not None and chosen.score and iv.half_width > WIDE * chosen.score:
+        out.append(f"the interval is wider than +-{WIDE:.0%}: profile until it is narrower (`dflash-flow profile "
+                   "--precision 0.05`, or more --steps), on a machine with nothing else running, for a figure good "
+                   "to 10% (the interval covers the profiled run; a change in the machine's load moves a later run)")
     limited = [s for s in splits if s.limit == CPU_LIMIT]
-    if not limited or profile.cpu_s_per_batch is None:
-        return []
-    n = cores if cores is not None else profile.cores
-    names = ", ".join(_name(s) for s in limited)
-    return [f"the CPU limits {names}: each rank spends {profile.cpu_s_per_batch:.3g} CPU-seconds per batch "
-            f"(every thread of the profiled process) and the ranks share {n} cores; on a node with more cores "
-            "pass --cores, or move CPU work off the ranks (fewer padders, torch_threads)"]
+    if limited and profile.cpu_s_per_batch is not None:
+        n = cores if cores is not None else profile.cores
+        out.append(f"the CPU limits {', '.join(_name(s) for s in limited)}: each rank spends "
+                   f"{profile.cpu_s_per_batch:.3g} CPU-seconds per batch (every thread of the profiled process) and "
+                   f"the ranks share {n} cores; on a node with more cores pass --cores, or move CPU work off the "
+                   "ranks (fewer padders, torch_threads)")
+    return out
 
 
 def render_plan(profile: Profile, splits: list[Split], chosen: Split, gpus: int, *, width: int = 120,
@@ -293,8 +371,7 @@ def render_plan(profile: Profile, splits: list[Split], chosen: Split, gpus: int,
     pad = f", {chosen.padders_per_rank} padder(s)" if chosen.padders_per_rank is not None else ""
     tail = (f"recommended: {chosen.ranks} rank(s) x ({chosen.targets_per_rank} TargetForward + 1 DrafterStep){pad}; "
             f"limited by {chosen.limit}; {confidence(profile, chosen)}")
-    return "\n".join([head, render_table(rows, cols, width=width), tail, *noise_notes(profile, splits, chosen),
-                      *width_notes(profile, chosen), *cpu_notes(profile, splits, cores)])
+    return "\n".join([head, render_table(rows, cols, width=width), tail, *notes(profile, splits, chosen, cores)])
 
 
 def plan_to_json(profile: Profile, splits: list[Split], chosen: Split, gpus: int,
@@ -312,16 +389,14 @@ def plan_to_json(profile: Profile, splits: list[Split], chosen: Split, gpus: int
             "windows": len(profile.windows), "splits": [one(s) for s in splits], "recommended": one(chosen),
             "summary": confidence(profile, chosen), "cores": cores if cores is not None else profile.cores,
             "cpu_s_per_batch": profile.cpu_s_per_batch,
-            "notes": noise_notes(profile, splits, chosen) + width_notes(profile, chosen) + cpu_notes(profile, splits, cores)}
+            "notes": notes(profile, splits, chosen, cores)}
 
 
 def plan_command(file: Path, v, *, gpus: int, profile_path: Path | None, allreduce_at_two: float, steps: int,
                  target_stage: str | None, padder_stage: str | None, out: Path | None = None,
                  cores: int | None = None) -> int:
-    """``dflash-flow plan``: the table and the recommendation with its interval (``out``: also as JSON), from
-    ``--profile``, else OUTPUT/profile.json, else a new ``steps``-step profile."""
+    """``dflash-flow plan`` from ``--profile``, else OUTPUT/profile.json, else a new ``steps``-step profile."""
     from dflash_flow.app.exits import EXIT_OK, EXIT_USER_ERROR
-    from dflash_flow.app.profile import load_profile, profile_command
 
     out_dir = v.graph.run_dir
     path = profile_path or out_dir / "profile.json"

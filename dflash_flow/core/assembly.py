@@ -1,19 +1,15 @@
-"""A pipeline's replicas built from its validated graph (``Pipeline.__init__``): placed on this rank's devices,
-one stage object and context each, their resume states, the channels wired; and the graph walks the supervisor
-needs."""
+"""A pipeline's replicas built from its validated graph (placed, with contexts, resume states, channels)."""
 
 from __future__ import annotations
 
 import copy
 import threading
 import warnings
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-import attrs
-
 from .channel import Channel, make_router
-from .devices import RankLayout, place_replicas, visible_gpu_count
+from .devices import RankLayout, device_groups, plan_groups, visible_gpu_count
 from .graph import Graph
 from .metrics import MetricSet
 from .replica import Replica
@@ -21,34 +17,17 @@ from .stage import StageContext
 from .validate import Validated
 
 
-@attrs.frozen
-class Assembly:
-    home_device: str | None  # this rank's first GPU (devices.setup_thread)
-    replicas: dict[str, list[Replica]]
-    collect: dict[str, Channel]  # the collected stages' outputs (Pipeline.iterate)
-
-
-@attrs.frozen(kw_only=True)
-class Place:
-    """Where and as whom the replicas run."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    output_dir: Path
-
-
-def assemble(v: Validated, place: Place, *, services: Any, stop: threading.Event, view: Any,
-             resume_state: dict[str, list[dict[str, Any]]], collect: list[str]) -> Assembly:
+def assemble(v: Validated, pipe: Any, *, stop: threading.Event, resume_state: dict[str, list[dict[str, Any]]],
+             collect: list[str]) -> tuple[str | None, dict[str, list[Replica]], dict[str, Channel]]:
+    """(this rank's first GPU, replicas by stage, collect channels); ``pipe``: the Pipeline they run in."""
     g = v.graph
-    layout = RankLayout(visible=visible_gpu_count(), local_world_size=place.local_world_size,
-                        local_rank=place.local_rank, gpus_per_rank=g.runtime.gpus_per_rank, shared=g.runtime.share_gpus)
+    layout = RankLayout(visible=visible_gpu_count(), local_world_size=pipe.local_world_size,
+                        local_rank=pipe.local_rank, gpus_per_rank=g.runtime.gpus_per_rank, shared=g.runtime.share_gpus)
     gpus = layout.gpus()
     home = f"cuda:{gpus[0]}" if gpus else None
     devices: dict[str, list[list[str]]] = {}  # stage -> the devices of each replica, first one first
     for spec in g.stages:
-        placed, warning = place_replicas(spec.devices, spec.replicas, layout)
+        placed, _problems, warning = plan_groups(device_groups(spec.devices), spec.replicas, layout)  # validated
         if warning:
             warnings.warn(f"stage '{spec.name}': {warning}", RuntimeWarning, stacklevel=3)
         devices[spec.name] = placed
@@ -63,25 +42,29 @@ def assemble(v: Validated, place: Place, *, services: Any, stop: threading.Event
             # Each replica owns its stage object; replica 0 reuses the validated (or user's) instance.
             stage = template if i == 0 else copy.deepcopy(template)
             ctx = StageContext(
-                name=spec.name, replica=i, num_replicas=spec.replicas, rank=place.rank, world_size=place.world_size,
-                local_rank=place.local_rank, local_world_size=place.local_world_size, device=devices[spec.name][i][0],
-                devices=devices[spec.name][i], downstream_devices=downstream, seed=g.seed, output_dir=place.output_dir,
-                services=services, metrics=MetricSet(), stop_requested=stop, runtime=view)
+                name=spec.name, replica=i, num_replicas=spec.replicas, rank=pipe.rank, world_size=pipe.world_size,
+                local_rank=pipe.local_rank, local_world_size=pipe.local_world_size, device=devices[spec.name][i][0],
+                devices=devices[spec.name][i], downstream_devices=downstream, seed=g.seed, output_dir=pipe.output_dir,
+                services=pipe.services, metrics=MetricSet(), stop_requested=stop, runtime=pipe)
             rep = Replica(spec.name, spec.type, i, stage, ctx)
             rep.home_device = home
             if states:
                 rep.resume_state = states[i] if i < len(states) else states[-1]
             reps.append(rep)
         replicas[spec.name] = reps
-    channels = wire(g, v.classes, replicas, collect)
-    for spec in g.stages:  # an ordered consumer watches its upstream's progress (Channel.get_seq)
-        if spec.ordered:
-            for rep in replicas[spec.name]:
-                rep.upstream = [r for name in sorted(upstream_of(g, spec.name)) for r in replicas[name]]
-    return Assembly(home, replicas, channels)
+    channels = wire(g, replicas, collect)
+    one_to_one = {n for n, c in v.classes.items() if c.cardinality == "1:1" and not c.is_source()}
+    for spec in (s for s in g.stages if s.ordered):
+        # Tombstones are needed where an ordered consumer lies downstream through 1:1 stages.
+        for name in upstream_of(g, spec.name, one_to_one.__contains__):
+            for rep in replicas[name]:
+                rep.send_tombstones = True
+        for rep in replicas[spec.name]:  # it watches its upstream's progress (Channel.get_seq)
+            rep.upstream = [r for name in sorted(upstream_of(g, spec.name)) for r in replicas[name]]
+    return home, replicas, channels
 
 
-def wire(g: Graph, classes: dict[str, Any], replicas: dict[str, list[Replica]], collect: list[str]) -> dict[str, Channel]:
+def wire(g: Graph, replicas: dict[str, list[Replica]], collect: list[str]) -> dict[str, Channel]:
     """Give every replica its input channel and routers; returns the collect channels by stage name."""
     collected: dict[str, Channel] = {}
     # Channels: one per consumer replica, fed by every producer replica of every input edge.
@@ -104,38 +87,23 @@ def wire(g: Graph, classes: dict[str, Any], replicas: dict[str, list[Replica]], 
         router = make_router("round_robin", [ch])
         for prod in replicas[name]:
             prod.routers.append(router)
-    # Tombstones are only needed where an ordered consumer lies downstream through 1:1 stages.
-    for spec in g.stages:
-        if spec.ordered:
-            todo = [i.stage for i in spec.inputs]
-            seen = set()
-            while todo:
-                n = todo.pop()
-                if n in seen:
-                    continue
-                seen.add(n)
-                for rep in replicas[n]:
-                    rep.send_tombstones = True
-                cls = classes[n]
-                if cls.cardinality == "1:1" and not cls.is_source():
-                    todo.extend(i.stage for i in g.stage(n).inputs)
     return collected
 
 
-def upstream_of(g: Graph, stage: str) -> set[str]:
-    """Every stage ``stage`` reads from, directly or not."""
+def upstream_of(g: Graph, stage: str, through: Callable[[str], bool] = lambda _: True) -> set[str]:
+    """Every stage ``stage`` reads from, directly or through stages ``through`` accepts."""
     todo, seen = [i.stage for i in g.stage(stage).inputs], set()
     while todo:
         name = todo.pop()
         if name not in seen:
             seen.add(name)
-            todo.extend(i.stage for i in g.stage(name).inputs)
+            if through(name):
+                todo.extend(i.stage for i in g.stage(name).inputs)
     return seen
 
 
 def only_feeding(g: Graph, stage: str, collected: Any = ()) -> list[str]:
-    """The stages all of whose consumers are ``stage`` or such stages (a collected stage has a consumer
-    outside the graph): the work that can only reach ``stage``."""
+    """The stages whose work can only reach ``stage`` (a collected stage has a consumer outside the graph)."""
     gone = {stage}
     changed = True
     while changed:

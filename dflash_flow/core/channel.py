@@ -1,10 +1,5 @@
-"""Bounded channels: blocking put is the backpressure, close is end-of-stream, errors travel as values; and
-the fan-out policies of an edge into a replicated stage.
-
-A channel is the input queue of one consumer replica; it ends once every producer closed it. ``cancel`` wakes
-every blocked caller (the supervisor stops a pipeline without polling). One router per edge, shared by its
-producers: the items sent to any two consumer replicas never differ by more than one.
-"""
+"""Bounded channels (one per consumer replica): blocking put is backpressure, the last close is end-of-stream,
+errors travel as values, ``cancel`` wakes every blocked caller; and the fan-out routers (one per edge)."""
 
 from __future__ import annotations
 
@@ -21,14 +16,19 @@ class ChannelCancelled(Exception):
     """Raised in a blocked or later put/get after the pipeline was cancelled."""
 
 
-class _EndOfStream:
-    __slots__ = ()
+class Sentinel:
+    """A marker object compared by identity, shown by its name."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
 
     def __repr__(self) -> str:
-        return "END_OF_STREAM"
+        return self.name
 
 
-END_OF_STREAM = _EndOfStream()
+END_OF_STREAM = Sentinel("END_OF_STREAM")
 
 
 @attrs.frozen
@@ -70,10 +70,8 @@ class Channel:
         self.items_out = 0
         self.blocked_put_s = 0.0
         self.blocked_get_s = 0.0
-        # thread ident -> perf_counter() when its put or get began to wait (a reading counts a wait so far)
-        self._waiting_since: dict[int, float] = {}
-        # The sequence number an ordered consumer awaits in ``get_seq``: let in past the capacity.
-        self._awaited: Any = None
+        self._waiting_since: dict[int, float] = {}  # thread ident -> when its put or get began to wait
+        self._awaited: Any = None  # the seq an ordered consumer awaits in get_seq: let in past the capacity
         self._putters = 0  # producers waiting in put
 
     def _full_for(self, item: Any) -> bool:
@@ -82,8 +80,7 @@ class Channel:
         return not (self._awaited is not None and type(item) is tuple and len(item) == 2 and item[0] == self._awaited)
 
     def put(self, item: Any) -> float:
-        """Append ``item``, blocking while the channel is full (the envelope an ordered consumer awaits,
-        ``get_seq``, goes in past the capacity). Returns the seconds spent blocked."""
+        """Append ``item``, blocking while the channel is full; returns the seconds spent blocked."""
         blocked = 0.0
         with self._not_full:
             if self._cancelled:
@@ -141,11 +138,10 @@ class Channel:
             return item
 
     def get_seq(self, seq: Any, progress: Any = None, poll_s: float = 0.1) -> Any:
-        """For an ordered consumer that holds ``capacity`` items out of order already: the envelope ``(seq, item)``
-        it waits for (let in past the capacity), an error item, or an unnumbered envelope, wherever it is in the
-        buffer; no other item is taken (bounded memory). End-of-stream without ``seq`` returns None (a gap). As a
-        producer may hold ``seq`` behind one it cannot put, the oldest item is taken once every open producer waits
-        in ``put``, or once ``progress()`` (None while upstream works) reads the same twice ``poll_s`` apart."""
+        """For an ordered consumer holding ``capacity`` items out of order: the envelope ``(seq, item)`` (let in past
+        the capacity), an error or an unnumbered envelope, wherever it is in the buffer; None at end-of-stream. The
+        oldest item is taken instead once every open producer waits in ``put``, or once ``progress()`` (None while
+        upstream works) reads the same twice ``poll_s`` apart (a producer may hold ``seq`` behind one it cannot put)."""
         with self._not_empty:
             self._awaited = seq
             self._not_full.notify_all()  # a producer waiting to put `seq` may now
@@ -222,44 +218,27 @@ POLICIES: tuple[str, ...] = ("round_robin", "least_loaded", "broadcast")
 class Router:
     """Chooses the consumer channels an item goes to."""
 
-    policy: str = ""
-
     def __init__(self, channels: list[Channel]):
         self.channels = channels
+        self._counter = itertools.count()  # next() is atomic under the GIL: no lock on the hot path
 
     def targets(self) -> list[Channel] | Channel:  # pragma: no cover - overridden
         raise NotImplementedError
 
 
 class RoundRobin(Router):
-    policy = "round_robin"
-
-    def __init__(self, channels: list[Channel]):
-        super().__init__(channels)
-        # itertools.count.__next__ is atomic under the GIL: no lock needed on the hot path.
-        self._counter = itertools.count()
-        self._n = len(channels)
-
     def targets(self) -> Channel:
-        return self.channels[next(self._counter) % self._n]
+        return self.channels[next(self._counter) % len(self.channels)]
 
 
 class LeastLoaded(Router):
-    policy = "least_loaded"
-
-    def __init__(self, channels: list[Channel]):
-        super().__init__(channels)
-        self._tiebreak = itertools.count()
-
     def targets(self) -> Channel:
         n = len(self.channels)
-        start = next(self._tiebreak) % n  # rotate the scan start so equal depths do not always favour replica 0
+        start = next(self._counter) % n  # rotate the scan start so equal depths do not always favour replica 0
         return min((self.channels[(start + i) % n] for i in range(n)), key=lambda ch: ch.depth)
 
 
 class Broadcast(Router):
-    policy = "broadcast"
-
     def targets(self) -> list[Channel]:
         return self.channels
 

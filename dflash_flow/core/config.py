@@ -1,5 +1,4 @@
-"""YAML (and dict) -> Graph, every problem located: reading is ``yaml_load`` (safe, bounded), typing the strict
-converter of ``convert``; here the top-level keys, the application sections, the stages and ``--set``."""
+"""YAML (and dict) -> Graph, every problem located: the top-level keys, the sections, the stages and ``--set``."""
 
 from __future__ import annotations
 
@@ -22,9 +21,8 @@ TOP_LEVEL_KEYS = ("name", "seed", "output_dir", "runtime", "stages")
 
 # -- overrides --------------------------------------------------------------------------------------
 def apply_overrides(data: Any, overrides: list[str]) -> Any:
-    """Apply ``key.path=value`` overrides (values parsed as YAML, by the file's loader and limits). In a list of
-    named mappings (``stages``), a segment may be a name or an index; a key under a stage that is not one of its
-    own keys goes into its ``config``."""
+    """Apply ``key.path=value`` overrides (values parsed as YAML). In a list of named mappings a segment may be a
+    name or an index; a key under a stage that is not a stage key goes into its ``config``."""
     if not overrides:
         return data
     if not isinstance(data, dict):
@@ -58,7 +56,8 @@ def _apply_one(data: dict, item: str) -> Problem | None:
                 return Problem(f"--set {short(key)}: no element '{short(part)}' in {where}{_suggest(node, part)}")
             nxt = node.setdefault(part, {})
         # A stage mapping: unknown keys go into its config.
-        if _is_stage(nxt) and i + 2 == len(parts) and parts[-1] not in STAGE_KEYS:
+        stage = isinstance(nxt, dict) and "type" in nxt and "name" in nxt
+        if stage and i + 2 == len(parts) and parts[-1] not in STAGE_KEYS:
             nxt = nxt.setdefault("config", {})
             if not isinstance(nxt, dict):
                 return Problem(f"--set {short(key)}: the stage's 'config' is not a mapping")
@@ -83,10 +82,6 @@ def _unshared(value: Any) -> Any:
     if isinstance(value, list):
         return [_unshared(v) for v in value]
     return value
-
-
-def _is_stage(node: Any) -> bool:
-    return isinstance(node, dict) and "type" in node and "name" in node
 
 
 def _index(node: list, part: str) -> int | None:
@@ -129,7 +124,6 @@ def graph_from_dict(data: Any, locator: Locator | None = None) -> Graph:
     sections = registered_sections()
     graph = Graph(locator=loc)
     problems = _top_level(data, graph, loc, sections)
-    problems += _runtime(data, graph, loc)
     problems += _sections(data, graph, loc, sections)
     problems += _stages(data, graph, loc)
     if problems:
@@ -174,22 +168,17 @@ def _top_level(data: dict, graph: Graph, loc: Locator, sections: dict[str, type]
     return problems
 
 
-def _runtime(data: dict, graph: Graph, loc: Locator) -> list[Problem]:
-    runtime, problems = structure(RuntimeOptions, data.get("runtime"), locate=_locating(loc, "runtime"),
-                                  file=loc.filename, field_prefix="runtime.", what="runtime")
-    if runtime is not None:
-        graph.runtime = runtime
-    return problems
-
-
 def _sections(data: dict, graph: Graph, loc: Locator, sections: dict[str, type]) -> list[Problem]:
+    """``runtime`` and the application sections the file gives (Graph() holds the defaults of the others)."""
     problems = []
-    for key, cls in sections.items():
-        if key not in data:  # Graph() put in its default (a section without defaults must be given)
+    for key, cls in {"runtime": RuntimeOptions, **sections}.items():
+        if key not in data:
             continue
         obj, probs = structure(cls, data[key], locate=_locating(loc, key), file=loc.filename, field_prefix=f"{key}.", what=key)
         problems.extend(probs)
-        if obj is not None:
+        if obj is not None and key == "runtime":
+            graph.runtime = obj
+        elif obj is not None:
             graph.sections[key] = obj
     return problems
 
@@ -207,20 +196,16 @@ def _stages(data: dict, graph: Graph, loc: Locator) -> list[Problem]:
                             "(threads) in all, one per stage at least", "stages", field="stages")]
     problems = []
     for i, raw in enumerate(stages):
-        spec, probs = stage_spec(raw, i, loc)
+        if not isinstance(raw, dict):
+            problems.append(loc.problem(f"stage #{i + 1} must be a mapping", "stages", i))
+            continue
+        label = raw.get("name") if isinstance(raw.get("name"), str) and raw.get("name") else f"#{i + 1}"
+        spec, probs = structure(StageSpec, raw, locate=_locating(loc, "stages", i), file=loc.filename,
+                                stage=short(label), what="stage")
         problems.extend(probs)
         if spec is not None:
             graph.stages.append(spec)
     return problems
-
-
-def stage_spec(raw: Any, i: int, loc: Locator) -> tuple[StageSpec | None, list[Problem]]:
-    """Structure stage #i of the file (``raw`` is its mapping)."""
-    if not isinstance(raw, dict):
-        return None, [loc.problem(f"stage #{i + 1} must be a mapping", "stages", i)]
-    name = raw.get("name")
-    label = name if isinstance(name, str) and name else f"#{i + 1}"
-    return structure(StageSpec, raw, locate=_locating(loc, "stages", i), file=loc.filename, stage=short(label), what="stage")
 
 
 def searched_in(path: str | Path) -> str:

@@ -1,10 +1,5 @@
-"""The one strict converter (cattrs), its pipeline shapes, and its errors located (hooks: ``convert_types``).
-
-``CONVERTER`` structures stage configs, specs, runtime options and sections strictly: no unknown keys (reported
-with the closest known one); no coercion (``"3"`` is not an int, ``1`` not a bool; an int *is* a float); NaN and
-infinity refused unless ``cfg(finite=False)``; every field's validators run. ``problems_of`` turns cattrs' error
-tree into one ``Problem`` per error, located at file:line.
-"""
+"""The one strict converter (cattrs): no unknown keys, no coercion (an int *is* a float), NaN and infinity
+refused unless ``cfg(finite=False)``, every validator run; ``problems_of`` locates each error at file:line."""
 
 from __future__ import annotations
 
@@ -61,8 +56,7 @@ def _missing_message(cls: type, name: str) -> str:
 
 
 def _leaves(exc: BaseException, path: tuple) -> Iterator[tuple[tuple, BaseException, type | None, bool]]:
-    """(path, leaf error, class being structured, raised by the class itself) for every error in a
-    cattrs error tree. A path segment is ``("attr", name)`` or ``("item", index or key)``."""
+    """(path of ``("attr", name)`` / ``("item", index or key)``, leaf error, class, raised by the class itself)."""
     if not isinstance(exc, BaseValidationError):
         yield path, exc, None, False
         return
@@ -284,9 +278,7 @@ _LENIENT = _build(finite=False)
 
 def structure(cls: Any, data: Any, *, locate: Callable[[tuple], int | None] | None = None, file: str | None = None,
               stage: str | None = None, field_prefix: str = "", what: str = "config") -> tuple[Any, list[Problem]]:
-    """Build ``cls`` from ``data`` with the strict converter: (the object, []) or (None, every problem).
-    ``locate(path) -> line`` for a path relative to ``data``; ``field_prefix`` goes before each field name
-    (``"runtime."``); ``what`` names the whole in messages. A missing mapping is an empty one."""
+    """(``cls`` built from ``data``, []) or (None, every problem, located by ``locate(path) -> line``)."""
     locate = locate or (lambda _path: None)
     if data is None and attrs.has(cls):
         data = {}

@@ -1,5 +1,4 @@
-"""Type conversion's strict hooks (primitives, containers, unions; no coercion) and how values and types
-read in messages (``describe_type``, ``show``, ``short``)."""
+"""Type conversion's strict hooks (no coercion) and how values and types read in messages."""
 
 from __future__ import annotations
 
@@ -43,8 +42,7 @@ def describe_type(tp: Any) -> str:
 
 
 def show(value: Any) -> str:
-    """A value in a message: its type and a short repr (``str '12'``), YAML's spelling for non-finite
-    numbers, only the type of a container."""
+    """A value in a message: its type and a short repr (``str '12'``); a container's type only."""
     if isinstance(value, (dict, list, tuple)):
         return type(value).__name__
     if value is None:
@@ -73,13 +71,19 @@ def config_fields(cls: type) -> list[attrs.Attribute]:
     return [f for f in attrs.fields(cls) if f.init and not f.name.startswith("_")]
 
 
+def field_default(f: attrs.Attribute) -> Any:
+    """A config field's default value (None for a required field or a default computed from the instance)."""
+    if isinstance(f.default, attrs.Factory):  # type: ignore[arg-type]
+        return f.default.factory() if not f.default.takes_self else None
+    return None if f.default is attrs.NOTHING else f.default
+
+
 def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def exact(check: Callable[[Any], bool], what: str = "", *, message: str = "") -> Callable:
-    """A hook that passes a value ``check`` accepts as it is (no coercion) and refuses anything else (with
-    ``message``, else ``expected WHAT, got ...``)."""
+    """A hook that passes what ``check`` accepts, as it is, and refuses anything else."""
     def hook(value: Any, _: Any) -> Any:
         if not check(value):
             raise Invalid(message or f"expected {what}, got {show(value)}")
@@ -122,28 +126,17 @@ def _structure_literal(value: Any, tp: Any) -> Any:
 
 
 # -- container and union hooks ----------------------------------------------------------------------
-def _is_union(tp: Any) -> bool:
-    return typing.get_origin(tp) in (typing.Union, types.UnionType)
+def _kind(bare: tuple, origins: tuple) -> Callable[[Any], bool]:
+    """A predicate on types: one of ``bare``, or a generic alias whose origin is one of ``origins``."""
+    return lambda tp: tp in bare or typing.get_origin(tp) in origins
 
 
-def _is_literal(tp: Any) -> bool:
-    return typing.get_origin(tp) is typing.Literal
-
-
-def _is_list(tp: Any) -> bool:
-    return tp is list or typing.get_origin(tp) in (list, abc.Sequence, abc.MutableSequence)
-
-
-def _is_tuple(tp: Any) -> bool:
-    return tp is tuple or typing.get_origin(tp) is tuple
-
-
-def _is_set(tp: Any) -> bool:
-    return tp in (set, frozenset) or typing.get_origin(tp) in (set, frozenset, abc.Set, abc.MutableSet)
-
-
-def _is_mapping(tp: Any) -> bool:
-    return tp is dict or typing.get_origin(tp) in (dict, abc.Mapping, abc.MutableMapping)
+_is_union = _kind((), (typing.Union, types.UnionType))
+_is_literal = _kind((), (typing.Literal,))
+_is_list = _kind((list,), (list, abc.Sequence, abc.MutableSequence))
+_is_tuple = _kind((tuple,), (tuple,))
+_is_set = _kind((set, frozenset), (set, frozenset, abc.Set, abc.MutableSet))
+_is_mapping = _kind((dict,), (dict, abc.Mapping, abc.MutableMapping))
 
 
 def _need_list(value: Any) -> None:

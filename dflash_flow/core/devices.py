@@ -127,18 +127,6 @@ def plan_groups(groups: list[list[str]], replicas: int, layout: RankLayout) -> t
     return [list(mapped[i % len(mapped)]) for i in range(replicas)], problems, None
 
 
-def plan_placement(devices: list[str], replicas: int, layout: RankLayout) -> tuple[list[str], list[str], str | None]:
-    """:func:`plan_groups` for a flat device list (one device per replica)."""
-    placed, problems, warning = plan_groups(device_groups(devices), replicas, layout)
-    return [g[0] for g in placed], problems, warning
-
-
-def place_replicas(devices: str | list | None, replicas: int, layout: RankLayout) -> tuple[list[list[str]], str | None]:
-    """The devices of each replica and a warning, for a stage's ``devices`` as written (validation reports problems)."""
-    placed, _problems, warning = plan_groups(device_groups(devices), replicas, layout)
-    return placed, warning
-
-
 # -- several devices per replica --------------------------------------------------------------------
 def is_nested(devices: Any) -> bool:
     """True for a list of device lists (one per replica): ``[[cuda:0, cuda:1], [cuda:2, cuda:3]]``."""
@@ -146,8 +134,7 @@ def is_nested(devices: Any) -> bool:
 
 
 def device_groups(devices: str | list | None) -> list[list[str]]:
-    """The device lists replicas run on, as written: a string is one list of one device; a flat list one device
-    per list; a nested list its lists."""
+    """The device lists replicas run on: a string or a flat list gives one device per list."""
     if devices is None:
         return [["cpu"]]
     if isinstance(devices, str):
@@ -157,8 +144,7 @@ def device_groups(devices: str | list | None) -> list[list[str]]:
 
 def nesting_problems(groups: list[list[str]], replicas: int, *, multi_device: bool,
                      stage_type: str = "this stage type") -> list[tuple[int | None, str]]:
-    """``(index of the inner list or None, message)`` for a nested ``devices`` value: one list per replica (or
-    one shared), several devices only for a ``multi_device`` stage, no ``auto``, no device used twice (but cpu)."""
+    """``(index of the inner list or None, message)`` for each problem of a nested ``devices`` value."""
     out: list[tuple[int | None, str]] = []
     if len(groups) not in (1, replicas):
         out.append((None, f"devices gives {len(groups)} device lists (one per replica) but the stage has {replicas} "
@@ -199,6 +185,5 @@ def register_thread_setup(fn: Callable[[list[str], str | None], None]) -> None:
 
 
 def setup_thread(devices: list[str], home: str | None) -> None:
-    """Run the registered thread setups (``register_thread_setup``) in the calling thread."""
     for fn in list(_THREAD_SETUP):
         fn(devices, home)

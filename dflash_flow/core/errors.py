@@ -37,10 +37,8 @@ class ConfigError(DflashFlowError):
     """A pipeline definition is invalid. Holds every problem found, each located."""
 
     def __init__(self, problems: list[Problem] | Problem | str):
-        if isinstance(problems, str):
-            problems = [Problem(problems)]
-        elif isinstance(problems, Problem):
-            problems = [problems]
+        if isinstance(problems, (str, Problem)):
+            problems = [problems if isinstance(problems, Problem) else Problem(problems)]
         self.problems: list[Problem] = list(problems)
         super().__init__("\n".join(p.format() for p in self.problems))
 
@@ -54,8 +52,7 @@ class StateVersionError(DflashFlowError, ValueError):
 
 
 class SavedStateError(CheckpointError):
-    """A resumed checkpoint's stage state that does not have the shape the stage writes, or cannot continue the
-    run rebuilt from this data and config: the checkpoint's fault, not the stage's."""
+    """A resumed stage state without the shape the stage writes, or that cannot continue this run's data."""
 
 
 class StageError(DflashFlowError):

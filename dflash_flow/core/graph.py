@@ -1,26 +1,29 @@
-"""The pipeline graph, the one object both the Python API and YAML produce: plain data (stage type names and
-config dicts), so it compares, serialises to YAML and validates without running anything. Beside ``stages`` a
-file holds application sections: a layer above the core registers them (``tracking:``, ``checkpoint:``) here."""
+"""The pipeline graph both the Python API and YAML produce: plain data (it compares, serialises and validates
+without running anything); its pictures (Mermaid, dot) and the text of a stage type (`dflash-flow stages`)."""
 
 from __future__ import annotations
 
+import inspect
+import shutil
+import subprocess
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from .stage import Stage
-
-DEFAULT_CAPACITY = 8
+from . import registry
+from .convert_types import describe_type, field_default, field_types
+from .devices import device_groups
+from .metrics import declared_metrics
+from .stage import Stage, to_plain
 
 _SECTIONS: dict[str, type] = {}
 _RESULT_SECTIONS: set[str] = set()
 
 
 def register_section(name: str, cls: type, *, affects_result: bool = False) -> None:
-    """Make ``name:`` a valid top-level YAML key, structured into the attrs class ``cls``. ``affects_result``:
-    its fields can change what a run trains (``model:``), so a resume must match them (unless ``cfg(result=False)``)."""
+    """Make ``name:`` a top-level YAML key (the attrs class ``cls``); ``affects_result``: a resume must match it."""
     _SECTIONS[name] = cls
     if affects_result:
         _RESULT_SECTIONS.add(name)
@@ -35,16 +38,6 @@ def result_sections() -> set[str]:
 
 def registered_sections() -> dict[str, type]:
     return dict(_SECTIONS)
-
-
-def section_to_dict(value: Any) -> Any:
-    if attrs.has(type(value)):
-        return {k: section_to_dict(v) for k, v in attrs.asdict(value, recurse=False).items()}
-    if isinstance(value, (list, tuple)):
-        return [section_to_dict(v) for v in value]
-    if isinstance(value, Path):
-        return str(value)
-    return value
 
 
 @attrs.define
@@ -74,7 +67,7 @@ class StageSpec:
 class RuntimeOptions:
     """Runtime knobs, all in one place."""
 
-    capacity: int = DEFAULT_CAPACITY  # default input-queue capacity of every replica
+    capacity: int = 8  # default input-queue capacity of every replica
     stall_timeout_s: float = 600.0  # no-progress watchdog; 0 turns it off
     drain_timeout_s: float = 30.0  # after Ctrl-C: time allowed to finish in-flight items
     shutdown_grace_s: float = 10.0  # after cancel: time allowed for threads to exit
@@ -87,9 +80,8 @@ class RuntimeOptions:
 
 @attrs.define
 class Graph:
-    """A pipeline: stages, runtime options and application sections (attrs objects or plain mappings). Built
-    with :meth:`add` or loaded from YAML (``core.load_graph``): the two are equal; :meth:`to_yaml` writes one
-    back. Run it with ``dflash_flow.app.run(graph)`` or ``core.Pipeline(graph).run()`` (the bare runtime)."""
+    """A pipeline: stages, runtime options and application sections. Built with :meth:`add` or loaded from YAML
+    (``core.load_graph``), the two equal; run with ``dflash_flow.app.run(graph)`` or ``core.Pipeline(graph).run()``."""
 
     name: str = "pipeline"
     seed: int = 0
@@ -116,23 +108,15 @@ class Graph:
             inputs: str | Iterable[str | InputSpec | tuple[str, str] | Mapping[str, str]] = (), replicas: int = 1,
             devices: str | list[str] | list[list[str]] = "cpu", capacity: int | None = None, ordered: bool = False,
             policy: str | None = None, config: Mapping[str, Any] | None = None) -> Graph:
-        """Add stage ``name`` and return the graph (calls chain).
-
-        ``stage``: a Stage instance (its config fields become the stage's config; the instance is replica 0's
-        object, so non-config attributes travel with it), a Stage class, or a registered type name. ``inputs``:
-        a stage name, or a list of names, ``InputSpec``, ``(name, policy)`` pairs or ``{"stage", "policy"}``
-        mappings; ``policy``: the default fan-out policy. The rest are as in YAML; ``config`` overrides the
-        instance's config. Nothing is checked here: validation reports every problem.
-        """
-        from .registry import type_name
-
+        """Add stage ``name`` (a Stage instance, which becomes replica 0's object, a class or a type name);
+        the rest as in YAML, ``policy`` the inputs' default. Unchecked: validation reports every problem."""
         conf = dict(config or {})
         if isinstance(stage, Stage):
-            type_ = type_name(type(stage))
+            type_ = registry.type_name(type(stage))
             conf = {**stage.config(), **conf}
             self.instances[name] = stage
         elif isinstance(stage, type) and issubclass(stage, Stage):
-            type_ = type_name(stage)
+            type_ = registry.type_name(stage)
         else:
             type_ = str(stage)
         self.stages.append(StageSpec(name=name, type=type_, config=conf, replicas=replicas, devices=devices,
@@ -145,7 +129,6 @@ class Graph:
         return Path(self.output_dir or f"runs/{self.name}")
 
     def stage(self, name: str) -> StageSpec:
-        """The spec of stage ``name`` (KeyError when there is none)."""
         for spec in self.stages:
             if spec.name == name:
                 return spec
@@ -156,14 +139,12 @@ class Graph:
         return [(s, i) for s in self.stages for i in s.inputs if i.stage == name]
 
     def to_dict(self, configs: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-        """The graph as the plain mapping a YAML file holds (defaults left out of the stages); ``configs``:
-        the stages' configs to write instead, by stage name."""
+        """The graph as the plain mapping a YAML file holds; ``configs``: stage configs to write instead, by name."""
         out: dict[str, Any] = {"name": self.name, "seed": self.seed}
         if self.output_dir is not None:
             out["output_dir"] = self.output_dir
         out["runtime"] = attrs.asdict(self.runtime)
-        for key, value in self.sections.items():
-            out[key] = section_to_dict(value)
+        out.update({key: to_plain(value) for key, value in self.sections.items()})
         stages = []
         for s in self.stages:
             d: dict[str, Any] = {"name": s.name, "type": s.type}
@@ -181,7 +162,7 @@ class Graph:
         return out
 
     def to_yaml(self, configs: dict[str, dict[str, Any]] | None = None) -> str:
-        """The graph as YAML text that loads back into an equal graph (``configs``: as for ``to_dict``)."""
+        """The graph as YAML text that loads back into an equal graph."""
         import yaml
 
         return yaml.safe_dump(self.to_dict(configs), sort_keys=False, default_flow_style=None, width=100)
@@ -203,3 +184,101 @@ def _inputs(inputs: Any, policy: str | None) -> list[InputSpec]:
         else:
             raise TypeError(f"cannot read input spec {item!r}")
     return out
+
+
+# -- pictures of a graph, and the text of a stage type ---------------------------------------------
+def describe_stage(name: str) -> str:
+    cls = registry.resolve(name)
+    doc = inspect.getdoc(cls) or ""
+    summary = doc.splitlines()[0] if doc else ""
+    lines = [f"{name}  ({cls.__module__}.{cls.__qualname__})"]
+    if summary:
+        lines.append(f"  {summary}")
+    ins, outs = (f"none ({none})" if t is None else "any" if t is object else t.__name__
+                 for t, none in ((cls.input_type, "source"), (cls.output_type, "sink")))
+    lines.append(f"  input: {ins}   output: {outs}   cardinality: {cls.cardinality}")
+    fields = cls.config_fields()
+    hints = field_types(cls)
+    if not fields:
+        lines.append("  config: (none)")
+    for f in fields:
+        default = "required" if f.default is attrs.NOTHING else f"default {field_default(f)!r}"
+        doc_line = f.metadata.get("doc", "")
+        rules = _rules(f)
+        lines.append(f"  - {f.name}: {describe_type(hints.get(f.name, object))} ({default})"
+                     f"{'  ' + doc_line if doc_line else ''}{f'  [{rules}]' if rules else ''}")
+    return "\n".join(lines + _metric_lines(cls))
+
+
+def _metric_lines(cls: type) -> list[str]:
+    """The metrics the stage declares (its ``stage_metrics`` classes), as MLflow names them."""
+    listed = [m for group in cls.stage_metrics for m in declared_metrics(group)]
+    if not listed:
+        return []
+    rows = [f"  - {name}: {kind.__name__.lower()}{f', {unit}' if unit else ''}  {description}"
+            for name, kind, unit, description in listed]
+    return ["  metrics (in MLflow: stage/<stage>/metric/<name>; a summary's /count /mean /min /max, a labeled "
+            "one's /<label>):", *rows]
+
+
+_OPS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+
+
+def _rules(f: attrs.Attribute) -> str:
+    """What ``cfg`` declared beyond the type: bounds, choices, whether .inf/.nan are accepted."""
+    rules = [f"{_OPS[k]} {v}" for k, v in f.metadata.get("bounds", {}).items()]
+    if f.metadata.get("choices"):
+        rules.append("one of " + ", ".join(repr(c) for c in f.metadata["choices"]))
+    if f.metadata.get("finite") is False:
+        rules.append(".inf and .nan accepted")
+    return ", ".join(rules)
+
+
+def _label(graph: Graph, name: str) -> str:
+    s = graph.stage(name)
+    extra = []
+    if s.replicas > 1:
+        extra.append(f"x{s.replicas}")
+    if s.devices not in ("cpu", ["cpu"]):
+        # One entry per replica list; a replica's own devices joined by '+': cuda:0+cuda:1,cuda:2+cuda:3
+        extra.append(s.devices if isinstance(s.devices, str) else ",".join("+".join(g) for g in device_groups(s.devices)))
+    suffix = f" ({' '.join(extra)})" if extra else ""
+    return f"{name}: {s.type}{suffix}"
+
+
+def _edges(graph: Graph, sep: str):
+    """(stage, input, edge label) of every edge: its policy (where it fans out) and capacity."""
+    for s in graph.stages:
+        for inp in s.inputs:
+            cap = s.capacity or graph.runtime.capacity
+            yield s, inp, f"{inp.policy}{sep}cap {cap}" if s.replicas > 1 else f"cap {cap}"
+
+
+def to_mermaid(graph: Graph) -> str:
+    lines = ["flowchart LR", *(f'    {_id(s.name)}["{_label(graph, s.name)}"]' for s in graph.stages)]
+    for s, inp, text in _edges(graph, " "):
+        lines.append(f"    {_id(inp.stage)} -->|{text}{' ordered' if s.ordered else ''}| {_id(s.name)}")
+    return "\n".join(lines) + "\n"
+
+
+def to_dot(graph: Graph) -> str:
+    lines = [f'digraph "{graph.name}" {{', "  rankdir=LR;", '  node [shape=box, style=rounded, fontname="Helvetica"];']
+    lines += [f'  {_id(s.name)} [label="{_label(graph, s.name)}"];' for s in graph.stages]
+    lines += [f'  {_id(inp.stage)} -> {_id(s.name)} [label="{text}"];' for s, inp, text in _edges(graph, "\\n")]
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def render_image(graph: Graph, path: str | Path) -> Path | None:
+    """Write an image with graphviz's `dot` when it is installed; None otherwise."""
+    dot = shutil.which("dot")
+    if dot is None:
+        return None
+    path = Path(path)
+    fmt = path.suffix.lstrip(".") or "png"
+    subprocess.run([dot, f"-T{fmt}", "-o", str(path)], input=to_dot(graph).encode(), check=True, timeout=60)
+    return path
+
+
+def _id(name: str) -> str:
+    return "s_" + "".join(c if c.isalnum() else "_" for c in name)

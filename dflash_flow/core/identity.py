@@ -1,23 +1,21 @@
-"""What identifies a run's result (what a resume must match), and stage configs as a run records them.
-
-The rule is declared where the setting is: ``cfg(result=False)``, ``cfg(run_length=True)`` (``--extend`` may
-change it), ``Stage.affects_result`` / ``replicas_affect_result``. A stage's name, type, inputs and ``ordered``
-always count, and so does ``seed``; devices, ``capacity`` and runtime options never do; of the sections only
-those registered ``affects_result``. Also: fields that moved from the stages into a section (``moved_fields``).
-"""
+"""What identifies a run's result (what a resume must match), and stage configs as a run records them. A
+stage's name, type, inputs, ``ordered`` and ``seed`` always count; devices, ``capacity`` and runtime options
+never do; the rest is declared where the setting is (``cfg(result=False)``, ``Stage.affects_result``, ...)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import typing
 from typing import Any
 
 import attrs
 
-from .convert_types import short
-from .graph import registered_sections, result_sections, section_to_dict
+from .convert_types import field_default, short
+from .graph import registered_sections, result_sections
 from .redact import redact_value
 from .registry import resolve
+from .stage import to_plain
 
 
 def moved_field_message(field: str, path: str) -> str:
@@ -40,54 +38,38 @@ def moved_fields_of(graph: Any) -> dict[str, dict[str, str]]:
             if (cls := _class_of(spec)) is not None and cls.moved_fields}
 
 
-def section_value(graph: Any, path: str) -> Any:
-    """The value of ``section.key`` in ``graph`` as plain data (None when the section or key is absent)."""
-    key, _, attr = path.partition(".")
-    section = graph.sections.get(key)
-    return section_to_dict(getattr(section, attr, None)) if section is not None and attr else None
-
-
 def legacy_stage_configs(graph: Any) -> dict[str, dict[str, Any]]:
-    """Every stage's config as releases before the move gave it (moved fields filled from their sections): only
-    for the hash of checkpoints that predate recorded settings (``app.prepare.legacy_config_hash``)."""
+    """Every stage's config with its moved fields filled from their sections (for the hash of old checkpoints)."""
     moved = moved_fields_of(graph)
     out = {}
     for spec in graph.stages:
-        filled = {field: section_value(graph, path) for field, path in moved.get(spec.name, {}).items()}
-        out[spec.name] = {**{k: v for k, v in filled.items() if v is not None}, **spec.config}
+        filled = {}
+        for field, path in moved.get(spec.name, {}).items():
+            key, _, attr = path.partition(".")
+            value = to_plain(getattr(graph.sections.get(key), attr, None)) if attr else None
+            if value is not None:
+                filled[field] = value
+        out[spec.name] = {**filled, **spec.config}
     return out
 
 
-def field_default(f: attrs.Attribute) -> Any:
-    """A config field's default value (None for a required field or a default computed from the instance)."""
-    if isinstance(f.default, attrs.Factory):  # type: ignore[arg-type]
-        return f.default.factory() if not f.default.takes_self else None
-    return None if f.default is attrs.NOTHING else f.default
-
-
 def complete_stage_configs(graph: Any) -> dict[str, dict[str, Any]]:
-    """Every stage's config with every default written out (a required field left out stays out), as plain JSON:
-    what the run records (MLflow params, ``pipeline.resolved.yaml``), so runs compare field by field."""
+    """Every stage's config with every default written out, as plain JSON: what the run records."""
     out = {}
     for spec in graph.stages:
         config = dict(spec.config)
         if (cls := _class_of(spec)) is None:  # its own values are all there is
             out[spec.name] = config
             continue
-        full = {}
-        for f in cls.config_fields():
-            if f.name in config:
-                full[f.name] = config[f.name]
-            elif f.default is not attrs.NOTHING:
-                full[f.name] = field_default(f)
+        full = {f.name: config[f.name] if f.name in config else field_default(f) for f in cls.config_fields()
+                if f.name in config or f.default is not attrs.NOTHING}
         full.update({k: v for k, v in config.items() if k not in full})  # undeclared keys: validation's to refuse
         out[spec.name] = json.loads(json.dumps(full, default=str))
     return out
 
 
 def run_length_keys(graph: Any) -> set[str]:
-    """The keys of :func:`result_settings` that only set how long the run trains (``cfg(run_length=True)``):
-    what a resume that extends the run may change."""
+    """The keys of :func:`result_settings` a resume with ``--extend`` may change (``cfg(run_length=True)``)."""
     out = set()
     for spec in graph.stages:
         if (cls := _class_of(spec)) is not None and cls.affects_result:
@@ -95,14 +77,8 @@ def run_length_keys(graph: Any) -> set[str]:
     return out
 
 
-def _canonical(value: Any) -> Any:
-    """The value as JSON holds it (tuples become lists, paths strings): what a checkpoint reads back."""
-    return json.loads(json.dumps(value, default=str, sort_keys=True))
-
-
 def result_settings(graph: Any) -> dict[str, Any]:
-    """``{"seed": 7, "stages.drafter.type": "DrafterStep", "stages.drafter.lr": 0.003, ...}``: every setting that
-    can change what ``graph`` trains, keyed as ``--set`` names them, defaults filled in, JSON-plain."""
+    """Every setting that can change what ``graph`` trains, keyed as ``--set`` names them, defaults filled in."""
     out: dict[str, Any] = {"seed": graph.seed}
     out.update(_section_settings(graph))
     for spec in graph.stages:
@@ -120,19 +96,17 @@ def result_settings(graph: Any) -> dict[str, Any]:
             continue
         if cls.replicas_affect_result:
             out[f"{key}.replicas"] = spec.replicas
-        for f in cls.config_fields():
-            if f.metadata.get("result", True) is False:
-                continue
-            out[f"{key}.{f.name}"] = config[f.name] if f.name in config else field_default(f)
+        out.update({f"{key}.{f.name}": config[f.name] if f.name in config else field_default(f)
+                    for f in cls.config_fields() if f.metadata.get("result", True) is not False})
         # A key the class does not declare (validation refuses it; here it still counts).
         for name in sorted(set(config) - {f.name for f in cls.config_fields()}):
             out[f"{key}.{name}"] = config[name]
-    return redact_value(_canonical(out))  # checkpoints write them down: no credential (a server URL's) in them
+    # As JSON holds it (what a checkpoint reads back), and with no credential (a server URL's) in it.
+    return redact_value(json.loads(json.dumps(out, default=str, sort_keys=True)))
 
 
 def _section_settings(graph: Any) -> dict[str, Any]:
-    """``{"model.target": ..., "model.features.mode": ...}``: the fields of the sections that can change the
-    result, defaults filled, a nested section field by field (an unset nested section: no keys)."""
+    """``{"model.target": ..., "model.features.mode": ...}``: the result fields of the sections, defaults filled."""
     out: dict[str, Any] = {}
     known = registered_sections()
     for name in sorted(result_sections()):
@@ -143,10 +117,8 @@ def _section_settings(graph: Any) -> dict[str, Any]:
 def _fields_of(cls: Any, value: Any, prefix: str, out: dict[str, Any]) -> None:
     if cls is None or not attrs.has(cls):
         return
-    try:
-        attrs.resolve_types(cls)  # string annotations (``from __future__ import annotations``) -> types
-    except Exception:  # noqa: BLE001 - unresolvable: the field is then recorded as a plain value
-        pass
+    with contextlib.suppress(Exception):  # string annotations -> types (unresolvable: recorded as plain values)
+        attrs.resolve_types(cls)
     for f in attrs.fields(cls):
         if f.metadata.get("result", True) is False:
             continue
@@ -154,7 +126,7 @@ def _fields_of(cls: Any, value: Any, prefix: str, out: dict[str, Any]) -> None:
         if attrs.has(type(v)):
             _fields_of(type(v), v, f"{prefix}.{f.name}", out)
         elif v is not None or not _is_section_type(f.type):
-            out[f"{prefix}.{f.name}"] = section_to_dict(v)
+            out[f"{prefix}.{f.name}"] = to_plain(v)
 
 
 def _is_section_type(tp: Any) -> bool:
@@ -170,9 +142,8 @@ def moved_setting_keys(graph: Any) -> dict[str, str]:
 
 
 def recorded_as_today(recorded: dict[str, Any], moved: dict[str, str], current: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint's recorded settings in today's keys: a stage field that has since moved into a section
-    (``moved``: ``stages.drafter.target`` -> ``model.target``) reads as that section key, from the first stage
-    that recorded a value ("" counts as unset); one whose new key is not a result setting is dropped."""
+    """A checkpoint's recorded settings in today's keys: a stage field since moved into a section reads as that
+    key, from the first stage that recorded a value ("" is unset); one whose key is no result setting is dropped."""
     out = dict(recorded)
     found: dict[str, Any] = {}
     for key, path in moved.items():

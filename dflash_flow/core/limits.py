@@ -1,6 +1,5 @@
-"""How much work a pipeline definition may ask for before anything runs. Each bound is checked where the work
-would happen, so a hostile or mistaken file is refused in milliseconds with one located message. The figures are
-generous for real pipelines (a few kilobytes, a nesting of 6, a few dozen replicas)."""
+"""How much work a pipeline definition may ask for, each checked where the work would happen (a hostile file is
+refused in milliseconds); generous for real pipelines (a few kilobytes, a nesting of 6, a few dozen replicas)."""
 
 from __future__ import annotations
 
@@ -8,11 +7,9 @@ from __future__ import annotations
 MAX_YAML_BYTES = 256 * 1024
 #: Deepest nesting of lists and mappings in a document, counted after aliases are expanded.
 MAX_YAML_DEPTH = 64
-#: Most nodes (scalars, lists, mappings) a document may stand for once every alias is expanded (stops alias
-#: and merge-key bombs; the shipped pipelines have ~200; this caps reading at ~0.7 s).
+#: Most nodes a document may stand for once every alias is expanded (stops alias and merge-key bombs).
 MAX_YAML_NODES = 20_000
-#: Longest number literal (digits and separators). Python's int() refuses more than 4300 digits, and
-#: YAML 1.1's base-60 integers (``1:30:00``) cost quadratic time in their length.
+#: Longest number literal: YAML 1.1's base-60 integers (``1:30:00``) cost quadratic time in their length.
 MAX_NUMBER_CHARS = 100
 
 #: Replicas of one stage: every replica is a thread (and often a model copy).

@@ -1,7 +1,4 @@
-"""Per-replica metrics: declared once (name, unit, description), written by one thread, read without locks.
-
-Each replica owns its metric objects (the hot path is a plain attribute update under the GIL); readers copy
-values and aggregate across replicas. A stage declares its metrics as typed fields of a class of its own::
+"""Per-replica metrics, written by one thread, read without locks; a stage declares them as typed fields::
 
     @attrs.define
     class PadderMetrics:
@@ -10,8 +7,6 @@ values and aggregate across replicas. A stage declares its metrics as typed fiel
 
     def setup(self, ctx):
         self._m = ctx.metrics.declare(PadderMetrics)  # then self._m.real_tokens.inc(n)
-
-The field's name is the metric's and its type the kind, so a metric is read back through its field, not a string.
 """
 
 from __future__ import annotations
@@ -118,13 +113,9 @@ class MetricSet:
         self._metrics: dict[str, Metric] = {}
 
     def _declare(self, cls: type[Metric], name: str, unit: str, description: str) -> Any:
-        existing = self._metrics.get(name)
-        if existing is not None:
-            if type(existing) is not cls:
-                raise ValueError(f"metric '{name}' already declared as {existing.kind}")
-            return existing
-        metric = cls(name=name, unit=unit, description=description)
-        self._metrics[name] = metric
+        metric = self._metrics.setdefault(name, cls(name=name, unit=unit, description=description))
+        if type(metric) is not cls:
+            raise ValueError(f"metric '{name}' already declared as {metric.kind}")
         return metric
 
     def counter(self, name: str, unit: str = "", description: str = "") -> Counter:

@@ -1,6 +1,4 @@
-"""Credentials out of everything written or printed: the one redaction. A URL may carry credentials
-(``http://alice:PASSWORD@host``, ``https://host/x?token=T``); every place that writes or prints a setting passes
-it through here."""
+"""Credentials out of everything written or printed: user info and query values of URLs, the one redaction."""
 
 from __future__ import annotations
 
@@ -27,8 +25,7 @@ def _redact_match(m: re.Match) -> str:
 
 
 def redact_uri(uri: str | os.PathLike) -> str:
-    """``uri`` without credentials: user info (``user:pass@``) and every query value become ``***``
-    (``http://***@host:8000/v1``). Strings that are not URLs come back unchanged."""
+    """``uri`` with user info and query values as ``***``; strings that are not URLs come back unchanged."""
     text = os.fspath(uri)
     if not _URI_LIKE.match(text):
         return text
@@ -49,8 +46,7 @@ def redact_uri(uri: str | os.PathLike) -> str:
 
 
 def uri_secrets(uri: str | os.PathLike | None) -> tuple[str, ...]:
-    """The credentials a URI carries (user, password, query values): raw, percent-decoded and percent-encoded;
-    longest first; shorter than 3 characters left out (they would blank out unrelated text)."""
+    """A URI's credentials, raw, percent-decoded and -encoded, longest first (under 3 characters left out)."""
     if uri is None or not _URI_LIKE.match(os.fspath(uri)):
         return ()
     try:
@@ -66,8 +62,7 @@ def uri_secrets(uri: str | os.PathLike | None) -> tuple[str, ...]:
 
 
 def redact_text(text: str, secrets: tuple[str, ...] = ()) -> str:
-    """``text`` with every URL in it passed through :func:`redact_uri` and every one of ``secrets`` replaced
-    by ``***`` wherever it appears (HTTP libraries quote bits of the URL they failed on)."""
+    """``text`` with every URL redacted and every one of ``secrets`` replaced by ``***``."""
     out = _URL_IN_TEXT.sub(_redact_match, str(text))
     for secret in secrets:
         if secret:
@@ -76,8 +71,7 @@ def redact_text(text: str, secrets: tuple[str, ...] = ()) -> str:
 
 
 def redact_value(value: Any, secrets: tuple[str, ...] = ()) -> Any:
-    """``value`` (a string, or nested lists, tuples and dicts) with :func:`redact_text` applied to every string
-    in it, keys included. Same shape, new containers."""
+    """:func:`redact_text` applied to every string in nested lists, tuples and dicts (keys included)."""
     if isinstance(value, str):
         return redact_text(value, secrets)
     if isinstance(value, dict):

@@ -1,6 +1,5 @@
 """Stage types resolve by name: classes registered in-process (``@register_stage``), then the entry-point group
-``dflash_flow.stages``, where the built-in stages are declared too: listing them imports no stage module, and a
-YAML file names a type, never a module to import."""
+``dflash_flow.stages`` (the built-ins too: listing them imports no stage module; YAML names no module)."""
 
 from __future__ import annotations
 
@@ -59,7 +58,6 @@ def available() -> list[str]:
 
 
 def resolve(name: str) -> type[Stage]:
-    """The Stage class registered under ``name``."""
     if name in _REGISTERED:
         return _REGISTERED[name]
     ep = _entry_points().get(name)

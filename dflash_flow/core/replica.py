@@ -1,6 +1,4 @@
-"""A stage replica and the work of its thread: setup, the resume state, produce or process (in order where
-asked), finish, teardown, emitting into its routers; the supervisor (``runtime.Pipeline``) owns the thread and
-hears through :class:`Supervisor`. Also the no-progress watchdog over the replicas (``watch``)."""
+"""A stage replica and its thread's work, told to the supervisor; and the no-progress watchdog (``watch``)."""
 
 from __future__ import annotations
 
@@ -9,9 +7,9 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
-from typing import Any, Protocol
+from typing import Any
 
-from .channel import END_OF_STREAM, Channel, ChannelCancelled, ErrorItem, Router
+from .channel import END_OF_STREAM, Channel, ChannelCancelled, ErrorItem, Router, Sentinel
 from .devices import setup_thread
 from .errors import DflashFlowError, PipelineStalled, SavedStateError, StopRequested
 from .snapshot import ReplicaSnapshot, ReplicaState
@@ -19,8 +17,7 @@ from .stage import Source, Stage, StageContext
 
 
 def thread_sched(native_id: int | None) -> tuple[float, float] | None:
-    """(CPU seconds a thread of this process has run, seconds it has waited runnable for a core), by its native
-    id; None where the OS does not say (not Linux, no schedstats) or the thread has ended."""
+    """(CPU seconds a thread has run, seconds it waited runnable for a core); None where the OS does not say."""
     if native_id is None:
         return None
     try:
@@ -31,28 +28,8 @@ def thread_sched(native_id: int | None) -> tuple[float, float] | None:
         return None
 
 
-class _Tombstone:
-    """Stands for an input that produced no output, so an ordered consumer does not wait for it."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "TOMBSTONE"
-
-
-TOMBSTONE = _Tombstone()
-
-
-class Supervisor(Protocol):
-    """What a replica's thread tells the supervisor, and the stop it watches."""
-
-    stop_event: threading.Event
-
-    def fail(self, rep: Replica, phase: str, exc: BaseException) -> None: ...
-
-    def has_failed(self, rep: Replica) -> bool: ...
-
-    def replica_ended(self, rep: Replica) -> None: ...
+#: Stands for an input that produced no output, so an ordered consumer does not wait for it.
+TOMBSTONE = Sentinel("TOMBSTONE")
 
 
 class Replica:
@@ -72,12 +49,11 @@ class Replica:
         self.state = ReplicaState.PENDING
         self.state_since = time.monotonic()
         self.started_at: float | None = None
-        self.setup_ended_at: float | None = None  # when its setup (and resume state) was done
+        self.setup_ended_at: float | None = None
         self.ended_at: float | None = None
         self.items_in = 0
         self.items_out = 0
         self.blocked_out_s = 0.0
-        self.setup_done = False
         self.resume_state: dict[str, Any] | None = None
         self.state_loaded = False  # until the resume state is loaded, it is this replica's state
         self.final_state: dict[str, Any] | None = None
@@ -89,7 +65,7 @@ class Replica:
         self.upstream: list[Replica] = []
         self.home_device: str | None = None  # the first GPU of the rank's slice (devices.setup_thread)
         self.native_id: int | None = None  # its thread's, once running
-        self.sched_at_end: tuple[float, float] | None = None  # its thread's CPU and core-wait seconds when it ended
+        self.sched_at_end: tuple[float, float] | None = None  # thread_sched when it ended
 
     @property
     def label(self) -> str:
@@ -130,13 +106,13 @@ class Replica:
             setup_s=setup)
 
 
-def main(rep: Replica, sup: Supervisor) -> None:
+def main(rep: Replica, sup: Any) -> None:
+    """The replica's thread; it tells ``sup`` (``runtime.Pipeline``) ``fail``, ``has_failed`` and ``replica_ended``."""
     phase = "setup"
     rep.native_id = threading.get_native_id()
     rep.started_at = time.monotonic()
     rep.set_state(ReplicaState.SETUP)
     try:
-        rep.setup_done = True
         try:
             setup_thread(list(rep.ctx.devices), rep.home_device)  # this thread on its GPU, before the stage uses any
             rep.stage.setup(rep.ctx)
@@ -155,14 +131,10 @@ def main(rep: Replica, sup: Supervisor) -> None:
         rep.state_loaded = True
         rep.setup_ended_at = time.monotonic()
         phase = "produce" if rep.input is None else "process"
-        if rep.input is None:
-            _run_source(rep, sup)
-        else:
-            _run_transform(rep)
+        (_run_source if rep.input is None else _run_transform)(rep)
         phase = "finish"
         try:
-            outs = outputs(rep, rep.stage.finish(), "finish")
-            for out in _unless_abandoned(rep, () if outs is None else outs):
+            for out in _outputs(rep, rep.stage.finish(), "finish"):
                 emit(rep, None, out)
         except StopRequested:
             pass  # the run is stopping: finish's work was abandoned, the outputs still close
@@ -174,12 +146,11 @@ def main(rep: Replica, sup: Supervisor) -> None:
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the supervisor
         sup.fail(rep, phase, exc)
     finally:
-        if rep.setup_done:
-            rep.set_state(ReplicaState.TEARDOWN)
-            try:
-                rep.stage.teardown()
-            except BaseException as exc:  # noqa: BLE001
-                sup.fail(rep, "teardown", exc)
+        rep.set_state(ReplicaState.TEARDOWN)
+        try:
+            rep.stage.teardown()
+        except BaseException as exc:  # noqa: BLE001
+            sup.fail(rep, "teardown", exc)
         if rep.final_state is None:
             try:
                 rep.final_state = rep.stage.state_dict()
@@ -197,12 +168,12 @@ def _close_outputs(rep: Replica) -> None:
             ch.close()
 
 
-def _run_source(rep: Replica, sup: Supervisor) -> None:
+def _run_source(rep: Replica) -> None:
     if not isinstance(rep.stage, Source):
         raise TypeError(f"stage '{rep.name}' has no input: its type must be a Source with produce()")
     it = iter(rep.stage.produce())
     seq = 0
-    stop = sup.stop_event
+    stop = rep.ctx.stop_requested  # the pipeline's stop
     while not stop.is_set() and not rep.abandoned:
         rep.set_state(ReplicaState.BUSY)
         try:
@@ -217,8 +188,7 @@ def _run_source(rep: Replica, sup: Supervisor) -> None:
 
 def _run_transform(rep: Replica) -> None:
     ch = rep.input
-    stage = rep.stage
-    one_to_one = type(stage).cardinality == "1:1"
+    one_to_one = type(rep.stage).cardinality == "1:1"
     counter = itertools.count()
     heap: list[tuple[int, int, Any]] = []
     expected = 0
@@ -253,15 +223,12 @@ def _run_transform(rep: Replica) -> None:
         _handle(rep, s, it, one_to_one, counter)
 
 
-_WORKING = (ReplicaState.PENDING, ReplicaState.SETUP, ReplicaState.BUSY)
-
-
 def upstream_progress(rep: Replica) -> int | None:
-    """None while a replica upstream of ``rep`` works (or has not started); else the items they have taken and
-    emitted in all: equal at two looks, nothing upstream moved in between (``Channel.get_seq``)."""
+    """None while a replica upstream of ``rep`` works; else the items they took and emitted in all (equal at two
+    looks: nothing upstream moved; ``Channel.get_seq``)."""
     total = 0
     for up in rep.upstream:
-        if up.state in _WORKING:
+        if up.state in (ReplicaState.PENDING, ReplicaState.SETUP, ReplicaState.BUSY):
             return None
         total += up.items_in + up.items_out
     return total
@@ -279,8 +246,7 @@ def _handle(rep: Replica, seq: Any, item: Any, one_to_one: bool, counter) -> Non
     rep.items_in += 1
     emitted = 0
     try:
-        outs = outputs(rep, rep.stage.process(item), "process")
-        for out in _unless_abandoned(rep, () if outs is None else outs):
+        for out in _outputs(rep, rep.stage.process(item), "process"):
             emitted += 1
             if not one_to_one:
                 emit(rep, next(counter), out)
@@ -295,9 +261,12 @@ def _handle(rep: Replica, seq: Any, item: Any, one_to_one: bool, counter) -> Non
         emit(rep, seq, TOMBSTONE)
 
 
-def _unless_abandoned(rep: Replica, outs: Any) -> Iterator[Any]:
-    """The outputs of one call, until the replica is abandoned (a generator is closed then, unfinished)."""
-    it = iter(outs)
+def _outputs(rep: Replica, outs: Any, hook: str) -> Iterator[Any]:
+    """What ``process`` / ``finish`` returned (a bare item is refused), until the replica is abandoned."""
+    if outs is not None and not isinstance(outs, (list, tuple, Iterator)):
+        raise TypeError(f"stage '{rep.name}' ({rep.type_name}).{hook}() returned a bare {type(outs).__name__}; return "
+                        "its outputs in a list or tuple (`return (item,)`), yield them, or return None for no output")
+    it = iter(() if outs is None else outs)
     try:
         for out in it:
             if rep.abandoned:
@@ -316,11 +285,8 @@ def emit(rep: Replica, seq: Any, item: Any) -> None:
     rep.state = ReplicaState.BLOCKED  # a put that waits shows as blocked on output, not busy, to the watchdog
     for router in rep.routers:
         target = router.targets()
-        if isinstance(target, list):
-            for ch in target:
-                blocked += ch.put(env)
-        else:
-            blocked += target.put(env)
+        for ch in target if isinstance(target, list) else (target,):
+            blocked += ch.put(env)
     rep.state, rep.state_since = state, since
     if item is not TOMBSTONE:
         rep.items_out += 1
@@ -341,28 +307,18 @@ def replica_state(rep: Replica) -> dict[str, Any]:
     return rep.stage.state_dict()
 
 
-def outputs(rep: Replica, outs: Any, hook: str) -> Any:
-    """What ``process`` / ``finish`` returned, if it is None, a list or tuple, or an iterator; refuses a bare item."""
-    if outs is None or isinstance(outs, (list, tuple, Iterator)):
-        return outs
-    raise TypeError(f"stage '{rep.name}' ({rep.type_name}).{hook}() returned a bare {type(outs).__name__}; return its "
-                    "outputs in a list or tuple (`return (item,)`), yield them, or return None for no output")
-
-
 # -- the no-progress watchdog -----------------------------------------------------------------------
 def running_time(gap_s: float, interval_s: float) -> float:
-    """How much of the wall time between two watchdog ticks counts as running time: a tick much later than
-    ``interval_s`` means the process could not run (SIGSTOP, a debugger), so it counts for at most ``interval_s``
-    plus a jitter allowance (half an interval, at least 50 ms)."""
+    """The running time between two watchdog ticks: a late tick means the process was suspended, so a gap counts
+    for at most ``interval_s`` plus half an interval (at least 50 ms) of jitter."""
     cap = interval_s + max(0.5 * interval_s, 0.05)
     return min(max(gap_s, 0.0), cap)
 
 
 def watch(replicas: dict[str, list[Replica]], rt: Any, should_end: Callable[[float], bool],
           cancelled: Callable[[], bool], on_stall: Callable[[PipelineStalled], None]) -> None:
-    """The no-progress watchdog (the supervisor thread's loop): no progress for ``stall_timeout_s`` of running time
-    hands ``on_stall`` a :class:`PipelineStalled` naming the stalled stage and every queue depth. ``should_end(s)``
-    waits up to ``s`` seconds and says whether the run ended; ``rt``: the graph's ``RuntimeOptions``."""
+    """The supervisor thread's loop: no progress for ``rt.stall_timeout_s`` of running time hands ``on_stall`` a
+    :class:`PipelineStalled`; ``should_end(s)`` waits up to ``s`` seconds and says whether the run ended."""
     timeout = rt.stall_timeout_s
     interval = rt.watchdog_interval_s
     last_progress = None
@@ -386,14 +342,9 @@ def watch(replicas: dict[str, list[Replica]], rt: Any, should_end: Callable[[flo
 
 
 def progress_count(replicas: dict[str, list[Replica]]) -> int:
-    """How much the pipeline has done so far (items in and out, heartbeats): grows while it makes progress."""
-    total = 0
-    for reps in replicas.values():
-        for rep in reps:
-            total += rep.items_in + rep.items_out + rep.ctx.heartbeats
-            if rep.input is not None:
-                total += rep.input.items_in
-    return total
+    """Items in and out and heartbeats so far: grows while the pipeline makes progress."""
+    return sum(rep.items_in + rep.items_out + rep.ctx.heartbeats + (rep.input.items_in if rep.input else 0)
+               for reps in replicas.values() for rep in reps)
 
 
 def _stall_error(replicas: dict[str, list[Replica]], idle: float) -> PipelineStalled:

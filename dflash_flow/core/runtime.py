@@ -1,9 +1,5 @@
-"""The supervisor: one thread per stage replica, channels between them, and nothing left behind.
-
-End-of-stream closes channels; an error or a stop cancels every channel, which wakes every blocked put/get;
-every thread is joined. A thread stuck in a stage's own code past ``shutdown_grace_s`` is abandoned (a daemon,
-named in the error and in ``Pipeline.abandoned``). A watchdog thread names a stalled stage.
-"""
+"""The supervisor: one thread per stage replica, channels between them. An error or a stop cancels every
+channel and joins every thread; one stuck past ``shutdown_grace_s`` is abandoned (``Pipeline.abandoned``)."""
 
 from __future__ import annotations
 
@@ -17,8 +13,8 @@ from typing import Any, Generic
 
 import attrs
 
-from .assembly import Place, assemble, only_feeding
-from .channel import END_OF_STREAM, Channel, ChannelCancelled, ErrorItem
+from .assembly import assemble, only_feeding
+from .channel import END_OF_STREAM, ChannelCancelled, ErrorItem
 from .devices import setup_thread
 from .errors import PipelineInterrupted, PipelineStalled, ShutdownTimeout, StageError
 from .graph import Graph
@@ -28,40 +24,6 @@ from .snapshot import RuntimeSnapshot, Sampler, StageSnapshot
 from .stage import ServicesT
 from .stopping import StopController, StopSignal, controller
 from .validate import Validated, validated
-
-
-class RuntimeView:
-    """What a stage may see of the runtime: snapshots (for the Monitor) and other stages' states."""
-
-    def __init__(self, pipeline: Pipeline):
-        self._p = pipeline
-
-    def snapshot(self) -> RuntimeSnapshot:
-        return self._p.snapshot()
-
-    @property
-    def graph(self) -> Graph:
-        return self._p.graph
-
-    def stage_states(self) -> dict[str, list[dict[str, Any]]]:
-        return self._p.state_dict()
-
-    def request_stop(self, reason: str) -> None:
-        """Stop the pipeline gracefully, as SIGINT would (e.g. because another rank of the job stops)."""
-        self._p.stop(reason)
-
-    def abandon_upstream(self, stage: str) -> list[str]:
-        """``stage`` takes no more input (a trainer stopped at a consistent point): the stages that only
-        feed it drop what is queued and still to come, unprocessed; returns their names."""
-        return self._p.abandon_upstream(stage)
-
-    def subscribe(self, callback: Any, interval_s: float, *, owner: str) -> Any:
-        """Have the runtime's sampler call ``callback(snapshot)`` every ``interval_s`` on its own thread
-        (also while no item moves); returns the subscription for :meth:`unsubscribe`."""
-        return self._p.sampler.subscribe(callback, interval_s, owner=owner)
-
-    def unsubscribe(self, subscription: Any) -> None:
-        self._p.sampler.unsubscribe(subscription)
 
 
 @attrs.define
@@ -74,10 +36,8 @@ class RunResult:
 
 
 class Pipeline(Generic[ServicesT]):
-    """The bare runtime: runs a graph (validated here unless it is already) on a thread per replica. ``run()``
-    for pipelines that end in sinks, ``iterate(stage)`` (with ``collect=[stage]``) to consume a stage's output in
-    the calling thread. ``services``: opaque, handed to every stage; ``resume_state``: ``{stage: [state per
-    replica]}`` as ``state_dict()`` returned; ``rank``/``world_size``/...: default from the torchrun environment."""
+    """The bare runtime: a graph on a thread per replica; ``run()``, or ``iterate(stage)`` with ``collect``.
+    ``resume_state``: as ``state_dict()`` returned; ``rank``/``world_size``/...: default from torchrun's env."""
 
     def __init__(self, graph: Graph | Validated, *, services: ServicesT | None = None,
                  resume_state: dict[str, list[dict[str, Any]]] | None = None, rank: int | None = None,
@@ -92,7 +52,6 @@ class Pipeline(Generic[ServicesT]):
         self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if local_world_size is None else local_world_size
         self.output_dir = Path(output_dir) if output_dir else self.graph.run_dir
         self.services: ServicesT | dict[str, Any] = services if services is not None else {}
-        self.view = RuntimeView(self)
         self._lock = threading.Lock()
         self._done = threading.Event()
         # Set when every thread ended or the run was cancelled: run() then shuts down.
@@ -114,17 +73,12 @@ class Pipeline(Generic[ServicesT]):
         self._watchdog: threading.Thread | None = None
         # The one sampler of the run: the Monitor and `profile` subscribe to it.
         self.sampler = Sampler(self.snapshot, self._subscriber_failed)
-        built = assemble(v, Place(rank=self.rank, world_size=self.world_size, local_rank=self.local_rank,
-                                  local_world_size=self.local_world_size, output_dir=self.output_dir),
-                         services=self.services, stop=self._stop, view=self.view, resume_state=resume_state or {},
-                         collect=collect or [])
-        self.home_device, self.replicas = built.home_device, built.replicas
-        self._collect: dict[str, Channel] = built.collect
+        self.home_device, self.replicas, self._collect = assemble(
+            v, self, stop=self._stop, resume_state=resume_state or {}, collect=collect or [])
 
     # -- public API -------------------------------------------------------------------------------
     def run(self) -> RunResult:
-        """Run to completion. Raises StageError, PipelineStalled or PipelineInterrupted. Stop signals are the
-        process's stop controller's (``core.stopping``): in this wait the first stops, the next force."""
+        """Run to completion. Raises StageError, PipelineStalled or PipelineInterrupted."""
         if self._collect:
             raise RuntimeError("this pipeline collects outputs; use iterate()")
         with controller().running() as stopping:
@@ -140,11 +94,12 @@ class Pipeline(Generic[ServicesT]):
             finally:
                 stopping.wind_down()
                 self._shutdown()
-        return self._result()
+        self._raise_if_failed()
+        snap = self.snapshot()
+        return RunResult(snap.elapsed_s, snap, self.state_dict())
 
     def _supervise(self, stopping: StopController, received: list[BaseException]) -> None:
-        """Wait until every thread ended or the run was cancelled. A stop signal lands in the wait: the first
-        drains, the next cancel; each is acted on under a hold, so one arriving meanwhile is not lost."""
+        """Wait until the run ends; a stop signal lands here (first: drain, next: cancel), under a hold."""
         acted = 0
         while received or not self._wake.is_set():
             try:
@@ -153,10 +108,7 @@ class Pipeline(Generic[ServicesT]):
                         exc = received.pop(0)
                         acted += 1
                         reason = exc.name if isinstance(exc, StopSignal) else "SIGINT"
-                        if acted == 1:
-                            self.stop(reason)
-                        else:
-                            self.cancel(reason)
+                        (self.stop if acted == 1 else self.cancel)(reason)
                         stopping.announce_stop(reason, forced=acted > 1)
                 if not received:
                     self._wake.wait()
@@ -177,8 +129,7 @@ class Pipeline(Generic[ServicesT]):
                 except ChannelCancelled:
                     break
                 if env is END_OF_STREAM:
-                    # The collected stage is done, other branches may not be: let them finish rather
-                    # than have _shutdown cancel them (which would also report an interruption).
+                    # Let other branches finish rather than have _shutdown cancel them (an interruption).
                     self._wake.wait()
                     break
                 if isinstance(env, ErrorItem):
@@ -198,8 +149,7 @@ class Pipeline(Generic[ServicesT]):
         self._raise_if_failed()
 
     def stop(self, reason: str = "stop requested") -> None:
-        """Graceful stop: sources stop producing, in-flight items drain, then everything ends (cancelled if
-        draining takes longer than ``runtime.drain_timeout_s``)."""
+        """Graceful stop: sources stop, in-flight items drain (cancelled after ``runtime.drain_timeout_s``)."""
         with self._lock:
             if self._interrupted is None:
                 self._interrupted = reason
@@ -214,8 +164,8 @@ class Pipeline(Generic[ServicesT]):
             t.start()
 
     def abandon_upstream(self, stage: str) -> list[str]:
-        """Stages whose work can only reach ``stage`` drop their queued and later inputs unprocessed (a source
-        stops producing); end-of-stream still flows, so every stage finishes."""
+        """``stage`` takes no more input (a trainer stopped at a consistent point): the stages whose work can only
+        reach it drop their inputs unprocessed (end-of-stream still flows); returns their names."""
         gone = only_feeding(self.graph, stage, self._collect)
         for name in gone:
             for rep in self.replicas[name]:
@@ -249,9 +199,19 @@ class Pipeline(Generic[ServicesT]):
                                cpu_s=time.process_time())
 
     def state_dict(self) -> dict[str, list[dict[str, Any]]]:
-        """Every replica's ``state_dict()``: after a run, the state captured when its thread ended; in setup,
-        the resume state it has not loaded yet, else its initial state."""
+        """Every replica's ``state_dict()`` (``replica.replica_state``)."""
         return {name: [replica_state(rep) for rep in reps] for name, reps in self.replicas.items()}
+
+    # -- what a stage may use as ``ctx.runtime`` (stage.RuntimeAccess) ---------------------------------
+    request_stop = stop  # e.g. because another rank of the job stops
+    stage_states = state_dict
+
+    def subscribe(self, callback: Any, interval_s: float, *, owner: str) -> Any:
+        """Have the sampler call ``callback(snapshot)`` every ``interval_s`` on its thread (see :meth:`unsubscribe`)."""
+        return self.sampler.subscribe(callback, interval_s, owner=owner)
+
+    def unsubscribe(self, subscription: Any) -> None:
+        self.sampler.unsubscribe(subscription)
 
     # -- internals --------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -265,10 +225,8 @@ class Pipeline(Generic[ServicesT]):
             try:
                 cls.preload()
             except Exception as exc:
-                err = StageError(name, 0, "preload", exc)
-                self._errors.append(err)
                 self._finished = True
-                raise err from exc
+                raise self._record_error(name, 0, "preload", exc) from exc
         setup_thread([], self.home_device)  # the starting thread on this rank's GPU too
         # The threads start together: a stop signal meanwhile is held until they all run.
         with controller().hold():
@@ -284,43 +242,38 @@ class Pipeline(Generic[ServicesT]):
             for rep in all_reps:
                 rep.thread.start()
             self._watchdog = threading.Thread(
-                target=watch, args=(self.replicas, self.graph.runtime, self._watch_should_end, lambda: self._cancelled,
+                target=watch, args=(self.replicas, self.graph.runtime,
+                                    lambda s: self._done.wait(s) or self._watch_stop.is_set(), lambda: self._cancelled,
                                     self._on_stall), name="dflash-flow:supervisor", daemon=False)
             self._watchdog.start()
 
-    def fail(self, rep: Replica, phase: str, exc: BaseException) -> None:
-        err = StageError(rep.name, rep.index, phase, exc)
+    def _record_error(self, stage: str, replica: int, phase: str, exc: BaseException) -> StageError:
+        err = StageError(stage, replica, phase, exc)
         err.__cause__ = exc
         with self._lock:
             self._errors.append(err)
+        return err
+
+    def fail(self, rep: Replica, phase: str, exc: BaseException) -> None:
+        self._record_error(rep.name, rep.index, phase, exc)
         # The error travels downstream as a value, then everything is cancelled.
         for router in rep.routers:
             for ch in router.channels:
                 ch.put_error(ErrorItem(rep.name, rep.index, exc))
         self.cancel(f"stage '{rep.name}' failed")
 
-    def _watch_should_end(self, interval_s: float) -> bool:
-        return self._done.wait(interval_s) or self._watch_stop.is_set()
-
     def _subscriber_failed(self, owner: str, exc: BaseException) -> None:
         """A sampler subscriber raised: the run fails as its owner's (a stage's) failure."""
         if self.replicas.get(owner):
             return self.fail(self.replicas[owner][0], "sample", exc)
-        err = StageError(owner, 0, "sample", exc)
-        err.__cause__ = exc
-        with self._lock:
-            self._errors.append(err)
+        self._record_error(owner, 0, "sample", exc)
         self.cancel(f"'{owner}' failed while sampling")
 
     def _on_stall(self, err: PipelineStalled) -> None:
         self._stall = err
         self.cancel("stalled")
 
-    # -- what a replica's thread tells the supervisor (replica.Supervisor) ----------------------------
-    @property
-    def stop_event(self) -> threading.Event:
-        return self._stop
-
+    # -- what a replica's thread tells the supervisor (replica.main) ----------------------------------
     def has_failed(self, rep: Replica) -> bool:
         return any(e.stage == rep.name and e.replica == rep.index for e in self._errors)
 
@@ -361,9 +314,8 @@ class Pipeline(Generic[ServicesT]):
             timer.join()
         self.sampler.stop()
         self._watch_stop.set()
-        wd = self._watchdog
-        if wd is not None:
-            wd.join()
+        if self._watchdog is not None:
+            self._watchdog.join()
         self._finished = True
         self._stuck = alive
         if alive:
@@ -389,11 +341,6 @@ class Pipeline(Generic[ServicesT]):
             raise ShutdownTimeout(stuck)
         if self._interrupted is not None:
             raise PipelineInterrupted(self._interrupted)
-
-    def _result(self) -> RunResult:
-        self._raise_if_failed()
-        snap = self.snapshot()
-        return RunResult(snap.elapsed_s, snap, self.state_dict())
 
     @property
     def errors(self) -> list[StageError]:

@@ -1,6 +1,4 @@
-"""What the supervisor reports about a running pipeline (plain attrs objects of cumulative readings, built once
-per ``Pipeline.snapshot()``; readers turn two into window values: ``observe.sample.take_sample``), and the runtime's
-one :class:`Sampler`, which takes them on a clock for its subscribers (the Monitor, ``dflash-flow profile``)."""
+"""Snapshots of a running pipeline (cumulative readings) and the runtime's one :class:`Sampler` of them."""
 
 from __future__ import annotations
 
@@ -17,7 +15,7 @@ from .metrics import merge_values
 
 
 class ReplicaState(enum.StrEnum):
-    """Where a replica's thread is. String-valued, so a snapshot's state prints and compares as its name."""
+    """Where a replica's thread is (string-valued: prints and compares as its name)."""
 
     PENDING = "pending"  # its thread has not started
     SETUP = "setup"  # in the stage's setup (and loading its resume state)
@@ -44,8 +42,7 @@ class ReplicaSnapshot:
     channel: ChannelStats | None
     cpu_s: float | None = None  # CPU seconds its thread has run (None: the OS does not say)
     cpu_wait_s: float | None = None  # seconds its thread has waited, runnable, for a core
-    # Seconds from its thread's start to the end of its setup (and resume state), so far. ``busy_s`` includes it.
-    setup_s: float = 0.0
+    setup_s: float = 0.0  # from its thread's start to the end of setup and resume state (within busy_s)
 
 
 @attrs.define
@@ -61,9 +58,8 @@ class StageSnapshot:
 
     def fractions(self) -> dict[str, float]:
         alive = sum(r.alive_s for r in self.replicas) or 1e-9
-        return {"busy": sum(r.busy_s for r in self.replicas) / alive,
-                "blocked_in": sum(r.blocked_in_s for r in self.replicas) / alive,
-                "blocked_out": sum(r.blocked_out_s for r in self.replicas) / alive}
+        return {k: sum(getattr(r, f"{k}_s") for r in self.replicas) / alive
+                for k in ("busy", "blocked_in", "blocked_out")}
 
 
 @attrs.define
@@ -88,10 +84,8 @@ class _Subscription:
 
 
 class Sampler:
-    """A supervisor-owned thread that calls each subscriber with a snapshot every ``interval_s``, also while
-    nothing moves (a stalled pipeline is sampled like a busy one); one snapshot serves every subscriber due at a
-    tick. Callbacks run on its thread and must be quick (a store write belongs on a writer); one that raises ends
-    the run as its owner's failure (``on_error``). Not a daemon: ``stop()`` (idempotent) wakes and joins it."""
+    """A thread that calls each subscriber with a snapshot every ``interval_s``, also while nothing moves. Callbacks
+    run on its thread and must be quick; one that raises fails the run as its owner's (``on_error``)."""
 
     def __init__(self, snapshot: Callable[[], Any], on_error: Callable[[str, BaseException], None]) -> None:
         self._snapshot = snapshot

@@ -1,9 +1,5 @@
-"""The Stage contract: typed config fields (attrs: ``cfg``, ``include``), declared item types, a small lifecycle.
-
-Subclasses fill in hooks (`setup`, `process`/`produce`, `finish`, `teardown`, `get_state`, `set_state`); the base
-class implements the versioned state once. What the application asks of a stage beyond that are declared methods
-here with neutral defaults, never attributes looked up by name: renaming one breaks loudly.
-"""
+"""The Stage contract: typed config fields (``cfg``, ``include``), declared item types, a small lifecycle, the
+versioned state; what the application asks beyond that are declared methods with neutral defaults."""
 
 from __future__ import annotations
 
@@ -19,15 +15,33 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import attrs
 
+from . import convert_types
 from .errors import StateVersionError, StopRequested
 from .metrics import MetricSet
 
 
+class RuntimeAccess(Protocol):
+    """What a stage may use of the running pipeline as ``ctx.runtime`` (``runtime.Pipeline`` has these)."""
+
+    @property
+    def graph(self) -> Any: ...
+
+    def snapshot(self) -> Any: ...
+
+    def stage_states(self) -> dict[str, list[dict[str, Any]]]: ...
+
+    def request_stop(self, reason: str) -> None: ...
+
+    def abandon_upstream(self, stage: str) -> list[str]: ...
+
+    def subscribe(self, callback: Any, interval_s: float, *, owner: str) -> Any: ...
+
+    def unsubscribe(self, subscription: Any) -> None: ...
+
+
 @attrs.frozen
 class StateVersion:
-    """One versioned state (a plain dict with a ``version`` field), written and checked in one place; another
-    version, or no mapping, raises :class:`StateVersionError`. ``what``: its name in messages; ``older``: earlier
-    versions that still load (the loader converts)."""
+    """A versioned state (a dict with a ``version`` field); ``older``: earlier versions that still load."""
 
     what: str
     version: int
@@ -59,28 +73,8 @@ class StateVersion:
         return int(state["version"])
 
 
-class RuntimeAccess(Protocol):
-    """What a stage may see of the running pipeline (``runtime.RuntimeView`` implements it)."""
-
-    @property
-    def graph(self) -> Any: ...
-
-    def snapshot(self) -> Any: ...
-
-    def stage_states(self) -> dict[str, list[dict[str, Any]]]: ...
-
-    def request_stop(self, reason: str) -> None: ...
-
-    def abandon_upstream(self, stage: str) -> list[str]: ...
-
-    def subscribe(self, callback: Any, interval_s: float, *, owner: str) -> Any: ...
-
-    def unsubscribe(self, subscription: Any) -> None: ...
-
-
 def derive_seed(run_seed: int, epoch: int = 0, rank: int = 0, stage: str = "", *salt: object) -> int:
-    """Every random choice derives from (run seed, epoch, rank, stage name, salt): a 63-bit seed stable across
-    processes, Python versions and platforms (hashed, so stages stay independent and PYTHONHASHSEED is moot)."""
+    """A 63-bit seed from (run seed, epoch, rank, stage name, salt), stable across processes and platforms."""
     text = "|".join(str(x) for x in (run_seed, epoch, rank, stage, *salt))
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
@@ -88,13 +82,9 @@ def derive_seed(run_seed: int, epoch: int = 0, rank: int = 0, stage: str = "", *
 def cfg(default: Any = attrs.NOTHING, *, factory: Any = None, ge: float | None = None, gt: float | None = None,
         le: float | None = None, lt: float | None = None, choices: Iterable[Any] | None = None, finite: bool = True,
         result: bool = True, run_length: bool = False, doc: str = "") -> Any:
-    """Declare a config field (of a stage or a section): default, bounds and a doc line (`dflash-flow stages`).
-
-    Bounds fail NaN too; a float refuses NaN and infinity unless ``finite=False``; ``None`` passes the bounds
-    (nullability is the type's business). ``result=False``: the value cannot change what a run trains (a thread
-    count, a cache location), so a resume accepts another value (``core.identity.result_settings``).
-    ``run_length=True``: it sets how long the run trains; a resume with ``--extend`` accepts another value.
-    """
+    """A config field (of a stage or a section): default, bounds (NaN fails them; ``None`` passes) and a doc line.
+    A float refuses NaN and infinity unless ``finite=False``. ``result=False``: it cannot change what a run trains,
+    so a resume accepts another value; ``run_length=True``: a resume with ``--extend`` does."""
     bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
     validators: list[Any] = [getattr(attrs.validators, k)(v) for k, v in bounds.items()]
     options = tuple(choices) if choices is not None else None
@@ -109,7 +99,6 @@ def cfg(default: Any = attrs.NOTHING, *, factory: Any = None, ge: float | None =
 
 
 def _finite(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    """NaN and infinity make no sense as a setting unless a field says so (``cfg(finite=False)``)."""
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"'{attribute.name}' must be a finite number, got {value}")
 
@@ -138,9 +127,9 @@ class StageContext(Generic[ServicesT]):
     services: ServicesT = attrs.field(factory=dict)  # type: ignore[assignment]  # no services: a dict
     metrics: MetricSet = attrs.field(factory=MetricSet)
     stop_requested: threading.Event = attrs.field(factory=threading.Event)
-    runtime: RuntimeAccess | None = None
+    runtime: RuntimeAccess | None = None  # the running pipeline, seen through RuntimeAccess only
     busy_with: str = ""  # what a long call inside `busy()` is doing (the watchdog's message names it)
-    _heartbeats: int = 0
+    heartbeats: int = 0  # what heartbeat() counted (the watchdog's progress)
 
     def seed_for(self, epoch: int = 0, *salt: object) -> int:
         return derive_seed(self.seed, epoch, self.rank, self.name, *salt)
@@ -155,23 +144,17 @@ class StageContext(Generic[ServicesT]):
         return np.random.default_rng(self.seed_for(epoch, *salt))
 
     def check_stop(self) -> None:
-        """Inside a long computation: raise :class:`StopRequested` once the run is stopping (the item is abandoned;
-        the runtime counts it as no output, not as a failure)."""
+        """Raise :class:`StopRequested` once the run is stopping (the item is abandoned, not failed)."""
         if self.stop_requested.is_set():
             raise StopRequested(f"stage '{self.name}': stopped")
 
     def heartbeat(self) -> None:
         """Tell the watchdog that a long computation inside one item is still making progress."""
-        self._heartbeats += 1
-
-    @property
-    def heartbeats(self) -> int:
-        return self._heartbeats
+        self.heartbeats += 1
 
     @contextlib.contextmanager
     def busy(self, what: str = "", *, limit_s: float = 3600.0, every_s: float = 0.1) -> Iterator[None]:
-        """Around one long call that cannot report progress itself (loading a model): beats the watchdog's
-        heartbeat while it runs, for at most ``limit_s`` (then a call that never returns stalls as usual)."""
+        """Beat the heartbeat around one long call that cannot report progress itself, for at most ``limit_s``."""
         done = threading.Event()
         start = time.monotonic()
 
@@ -193,22 +176,14 @@ class StageContext(Generic[ServicesT]):
 # slots=False: replicas keep runtime handles (models, metrics) as plain attributes set in setup().
 @attrs.define(kw_only=True, eq=False, slots=False)
 class Stage:
-    """Base class of every stage. A subclass is an attrs class whose public fields are its config.
-
-    ``input_type`` / ``output_type``: the item classes of the ports (``object`` accepts anything, ``None``: no
-    such port). ``cardinality``: ``"1:1"`` when each input yields at most one output (it keeps the ordering key,
-    so an ordered consumer can restore order), ``"1:n"`` otherwise (it starts a new ordering).
-
-    State: ``get_state()`` returns plain nested data, ``set_state(state)`` restores it; ``state_dict()`` adds
-    the ``state_version`` and ``load_state_dict()`` refuses any other. ``get_state()`` must also work before
-    setup (the initial state: what a checkpoint taken before the stage started holds).
-    """
+    """Base class of every stage: an attrs class whose public fields are its config. ``input_type`` /
+    ``output_type``: the item classes of the ports (``object``: anything, ``None``: no port). ``cardinality``:
+    ``"1:1"`` when each input yields at most one output (it keeps the ordering key), else ``"1:n"``."""
 
     input_type: ClassVar[type | None] = object
     output_type: ClassVar[type | None] = object
     cardinality: ClassVar[str] = "1:1"
-    #: The classes of ``core.metrics.stage_metric`` fields it declares (``ctx.metrics.declare``) when it runs:
-    #: ``dflash-flow stages NAME`` lists their metrics.
+    #: The classes of ``stage_metric`` fields it declares when it runs (``dflash-flow stages NAME`` lists them).
     stage_metrics: ClassVar[tuple[type, ...]] = ()
     #: True for stages that must run once per process (e.g. they own an MLflow run).
     singleton: ClassVar[bool] = False
@@ -216,16 +191,13 @@ class Stage:
     shards_by_replica: ClassVar[bool] = False
     #: True when one replica may span several devices (``devices: [[cuda:0, cuda:1], ...]``, ``ctx.devices``).
     multi_device: ClassVar[bool] = False
-    #: False for a stage that only observes or evaluates what was trained: a resume accepts any change to its
-    #: spec (``core.identity.result_settings``). Per field: ``cfg(result=False)``.
+    #: False for a stage that only observes: a resume accepts any change to its spec.
     affects_result: ClassVar[bool] = True
-    #: False when the number of replicas cannot change the result (stateless replicas, order restored
-    #: downstream, e.g. a target forward): a resume onto fewer GPUs accepts fewer replicas.
+    #: False when the number of replicas cannot change the result: a resume accepts another count.
     replicas_affect_result: ClassVar[bool] = True
     #: The version of what ``get_state`` returns; raise it when that layout changes.
     state_version: ClassVar[int] = 1
-    #: Config fields that moved into a section: ``{field: "section.key"}``. A pipeline that still sets one is
-    #: refused with where it moved; a checkpoint written before the move reads as the section's value.
+    #: Config fields that moved into a section, ``{field: "section.key"}``: refused with where they moved.
     moved_fields: ClassVar[dict[str, str]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -237,8 +209,7 @@ class Stage:
 
     @classmethod
     def preload(cls) -> None:
-        """Import what the stage needs, once, on the supervisor's thread before any stage thread starts (some
-        libraries' lazy imports are not thread-safe)."""
+        """Import what the stage needs before any stage thread starts (some lazy imports are not thread-safe)."""
 
     # -- lifecycle (the runtime calls these on the replica's own thread) ---------------------------
     def setup(self, ctx: StageContext) -> None:
@@ -250,7 +221,6 @@ class Stage:
 
     def finish(self) -> Iterable[Any] | None:
         """End of input reached: emit anything held back (None, a list or tuple, or yield)."""
-        return None
 
     def teardown(self) -> None:
         """Release resources. Called once after setup started, also after a failure."""
@@ -264,7 +234,6 @@ class Stage:
         """Restore what ``get_state`` returned (the version already checked). Called after ``setup``."""
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"version": state_version, **get_state()}``."""
         body = self.get_state()
         if not isinstance(body, dict) or "version" in body:
             raise TypeError(f"{type(self).__name__}.get_state() must return a dict without a 'version' key")
@@ -278,17 +247,14 @@ class Stage:
     # -- what the application may ask of a stage (neutral defaults; declared, never looked up by name) --
     @classmethod
     def resume_state_for(cls, position: Any) -> dict[str, Any] | None:
-        """The state (``state_dict`` form) that continues right after a trainer's data ``position`` (opaque to the
-        core), for a stage that runs ahead of the trainer; None: resume from its own saved state."""
-        return None
+        """The state that continues right after a trainer's data ``position``; None: its own saved state."""
 
     def device_problems(self, replica_devices: list[list[str]]) -> list[tuple[str, str]]:
-        """``(field, message)`` for each reason this config cannot run on these device lists (one per replica);
-        ``field`` is ``"devices"`` or a config field. Called by validation after the generic device checks."""
+        """``(field, message)`` for each reason this config cannot run on these device lists (one per replica)."""
         return []
 
     def config_problems(self) -> list[tuple[str, str]]:
-        """``(field, message)`` for settings only this stage can judge (from files it reads). Called by validation."""
+        """``(field, message)`` for settings only this stage can judge (from files it reads)."""
         return []
 
     def data_files(self) -> list[str]:
@@ -305,7 +271,6 @@ class Stage:
 
     def longest_item(self) -> int | None:
         """An upper bound on the length (tokens) of the items this stage emits; None: unknown."""
-        return None
 
     def parameter_count(self) -> int:
         """Trainable parameters this stage checkpoints (sizes the free space a checkpoint needs); 0: none."""
@@ -317,12 +282,10 @@ class Stage:
         return 1
 
     # -- helpers shared by every stage ------------------------------------------------------------
-    @classmethod
-    def config_fields(cls) -> list[attrs.Attribute]:
-        return [f for f in attrs.fields(cls) if f.init and not f.name.startswith("_")]
+    config_fields = classmethod(convert_types.config_fields)  # its public init fields (``_private`` ones: state)
 
     def config(self) -> dict[str, Any]:
-        return {f.name: _plain(getattr(self, f.name)) for f in self.config_fields()}
+        return {f.name: to_plain(getattr(self, f.name)) for f in self.config_fields()}
 
     @classmethod
     def is_source(cls) -> bool:
@@ -343,15 +306,15 @@ class Source(Stage):
     def produce(self) -> Iterator[Any]:
         raise NotImplementedError(f"{type(self).__name__} must implement produce()")
 
-    def process(self, item: Any) -> Iterable[Any] | None:  # pragma: no cover - sources take no input
-        raise TypeError("a Source has no input")
 
-
-def _plain(value: Any) -> Any:
+def to_plain(value: Any) -> Any:
+    """Plain nested data (lists, dicts, str for a path) of a config value or an attrs section."""
+    if attrs.has(type(value)):
+        value = attrs.asdict(value, recurse=False)
     if isinstance(value, (tuple, list)):
-        return [_plain(v) for v in value]
+        return [to_plain(v) for v in value]
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: to_plain(v) for k, v in value.items()}
     if isinstance(value, Path):
         return str(value)
     return value
@@ -359,10 +322,8 @@ def _plain(value: Any) -> Any:
 
 # -- config fields declared once and carried by several classes -------------------------------------
 def include(*sources: type, exclude: Iterable[str] = ()) -> Callable[[type], type]:
-    """Class decorator, under ``@attrs.define``: a knob declared once in a small attrs class (a drafter variant's
-    settings, the recipe) is taken flat by a stage's YAML with the same type, default, bounds, doc and validators.
-    The init fields of ``sources`` (less ``exclude``) become keyword-only fields of the decorated class, after its
-    own; a name declared twice is a TypeError at import (one declaration per knob)."""
+    """Class decorator, under ``@attrs.define``: the init fields of ``sources`` (less ``exclude``) become
+    keyword-only fields of the class, after its own, with the same type, default, doc and validators."""
     skip = set(exclude)
 
     def decorate(cls: type) -> type:
@@ -392,8 +353,7 @@ def values_of(cls: type, source: Any, *, exclude: Iterable[str] = (), **extra: A
 
 
 def field_errors(cls: type, problems: list[tuple[str, str]]) -> Exception:
-    """One error for ``(field, message)`` problems of a whole-instance check, each reported at its own field's
-    YAML line (``convert.problems_of`` reads the attribute notes cattrs puts on field errors)."""
+    """One error for ``(field, message)`` problems, each located at its field's YAML line (``convert.problems_of``)."""
     from cattrs.errors import AttributeValidationNote, ClassValidationError
 
     errors = []

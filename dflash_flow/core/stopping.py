@@ -1,19 +1,8 @@
-"""How a process stops: the one stop controller, the only place in dflash-flow that installs signal handlers.
-
-A stop signal is SIGINT, SIGTERM or SIGHUP (one ignored at start, ``nohup``, stays ignored). By phase:
-
-``starting``  until the pipeline runs: it raises :class:`StopSignal` (a ``KeyboardInterrupt``) in the main
-              thread; inside :meth:`StopController.hold` it is raised when the hold ends (a store write or
-              the MLflow run's creation is never cut in half).
-``running``   raised in the supervisor's wait (``Pipeline.run``): the first asks for a graceful stop, the next
-              force it, ``announce`` says so; after :meth:`StopController.wind_down` a signal is dropped.
-``ending``    the outcome is decided: signals are recorded (``ending.received``), never raised.
-``late``      the exit code is decided: a signal ends the process at once with that code.
-
-The CLI installs the controller for the whole process (``install``); a Python program that runs a pipeline gets
-it for that stretch only (``scope``: SIGTERM, and SIGINT / SIGHUP where Python's default is in place). Called
-from another thread, every method does nothing.
-"""
+"""The one stop controller, the only place that installs signal handlers (SIGINT, SIGTERM, SIGHUP; one
+ignored at start stays ignored). Phases: ``starting`` raises :class:`StopSignal` in the main thread (deferred to
+the end of a :meth:`StopController.hold`); ``running`` raises it in the supervisor's wait (first: drain, next:
+force); ``ending`` records signals; ``late`` exits at once with the decided code. The CLI installs it for the
+process, a Python program for one run (``scope``). From another thread every method does nothing."""
 
 from __future__ import annotations
 
@@ -35,19 +24,16 @@ class Phase(enum.Enum):
     LATE = "late"
 
 
-def signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
 class StopSignal(KeyboardInterrupt):
-    """A stop signal, raised in the main thread as Ctrl-C's KeyboardInterrupt is (``signum``, ``name``)."""
+    """A stop signal, raised in the main thread as Ctrl-C's KeyboardInterrupt is."""
 
     def __init__(self, signum: int) -> None:
-        super().__init__(signal_name(signum))
-        self.signum, self.name = signum, signal_name(signum)
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        super().__init__(name)
+        self.signum, self.name = signum, name
 
 
 # How a signal is taken: always; unless it is ignored (``nohup``); only where Python's default is in place.
@@ -63,14 +49,14 @@ def _main_thread() -> bool:
 
 
 class Ending:
-    """The end of a run: the stop signals that came while it ran (``received``; it cuts itself short)."""
+    """The stop signals received while a run ends."""
 
     def __init__(self) -> None:
         self.received: list[int] = []
 
 
 class StopController:
-    """The process's stop controller (one per process: :func:`controller`). See the module docstring."""
+    """The process's stop controller (one per process: :func:`controller`)."""
 
     def __init__(self) -> None:
         self.phase = Phase.STARTING
@@ -132,7 +118,7 @@ class StopController:
 
     # -- installation ------------------------------------------------------------------------------
     def install(self) -> None:
-        """For the whole process (the CLI's first act): never given back; the process ends in ``late``."""
+        """For the whole process (the CLI's first act): never given back."""
         if not _main_thread():
             return
         self._process = True
@@ -145,8 +131,7 @@ class StopController:
     @contextlib.contextmanager
     def scope(self, *, announce: Callable[[str, bool], None] | None = None, after_running: Phase | None = None,
               _policy: dict[int, str] = _RUN) -> Iterator[StopController]:
-        """The controller for one stretch of work (a run), installed where nobody installed it for the process;
-        ``announce(reason, forced)`` (the console's line on a stop) and ``after_running`` hold for it."""
+        """The controller for one run (with its ``announce`` and ``after_running``), installed unless it is."""
         if not _main_thread():
             yield self
             return
@@ -166,8 +151,7 @@ class StopController:
     # -- phases ------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
-        """A stop signal is recorded until the block ends, then raised (StopSignal) where signals raise. In a
-        program that installed nothing, only Ctrl-C is held (where Python's default handles it)."""
+        """A stop signal is recorded until the block ends, then raised (installed by nobody: only Ctrl-C)."""
         if not _main_thread():
             yield
             return
@@ -233,20 +217,16 @@ class StopController:
         return self.ending
 
     def decide(self, code: int) -> None:
-        """The command's exit code is decided and its status written: a signal now ends the process with ``code``."""
+        """The exit code is decided: a signal now ends the process with ``code``."""
         self.exit_code = code
-        if self._process and _main_thread():
-            self._enter_late()
+        self.end_process()
 
     def end_process(self) -> None:
-        """The command returned (its code decided, else 130 for a signal): ``late`` until the process ends."""
+        """The command returned: ``late`` until the process ends (a signal exits 130 without a code)."""
         if self._process and _main_thread():
-            self._enter_late()
-
-    def _enter_late(self) -> None:
-        self.phase = Phase.LATE
-        if self._raised:
-            _forget_handled_interrupt()
+            self.phase = Phase.LATE
+            if self._raised:
+                _forget_handled_interrupt()
 
     def _ignore_in_teardown(self) -> None:
         if self.phase is Phase.LATE and _main_thread():
@@ -262,22 +242,18 @@ def _exit_now(code: int | None) -> None:
 
 
 def _forget_handled_interrupt() -> None:
-    """A StopSignal raised inside code a C extension ran through ``PyRun_String`` leaves CPython's "unhandled
-    KeyboardInterrupt" flag set; under ``python -m`` (torchrun's ranks) the interpreter then dies by SIGINT at
-    exit instead of exiting with our code. Running an empty string through the same entry point clears it."""
+    """Clear CPython's "unhandled KeyboardInterrupt" flag a StopSignal inside ``PyRun_String`` code leaves set
+    (else ``python -m`` dies by SIGINT at exit instead of exiting with our code)."""
     if sys.implementation.name != "cpython":
         return
-    try:
+    with contextlib.suppress(ImportError, AttributeError, OSError):  # no ctypes or no C API
         import ctypes
 
         ctypes.pythonapi.PyRun_SimpleString(b"")
-    except (ImportError, AttributeError, OSError):  # pragma: no cover - no ctypes or no C API
-        pass
 
 
 _CONTROLLER = StopController()
 
 
 def controller() -> StopController:
-    """The process's stop controller."""
     return _CONTROLLER

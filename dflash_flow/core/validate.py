@@ -1,10 +1,10 @@
-"""Validation before any thread starts: every problem at once, each located. ``validated`` runs small named
-checks over one shared ``_Check`` (the graph, a problem factory and what earlier checks resolved)."""
+"""Validation before any thread starts: every problem at once, each located, from small named checks."""
 
 from __future__ import annotations
 
 import difflib
 import os
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -23,9 +23,9 @@ from .devices import (
     visible_gpu_count,
 )
 from .errors import ConfigError, Problem
-from .graph import Graph, RuntimeOptions, StageSpec, registered_sections, section_to_dict
+from .graph import Graph, RuntimeOptions, StageSpec, registered_sections
 from .identity import moved_field_message
-from .stage import Source, Stage
+from .stage import Source, Stage, to_plain
 
 
 @attrs.define(eq=False, slots=False)
@@ -40,8 +40,7 @@ class Validated:
 
 def validate(graph: Graph, *, check_devices: bool = True, gpu_count: int | None = None,
              local_world_size: int | None = None) -> list[Problem]:
-    """Every problem in ``graph`` (empty when it is valid). ``local_world_size``: ranks per node the placement
-    is checked for (default: ``$LOCAL_WORLD_SIZE``, else 1)."""
+    """Every problem in ``graph``; ``local_world_size``: ranks per node (default ``$LOCAL_WORLD_SIZE``, else 1)."""
     try:
         validated(graph, check_devices=check_devices, gpu_count=gpu_count, local_world_size=local_world_size)
     except ConfigError as exc:
@@ -76,10 +75,8 @@ class _Check:
     configs: dict[str, Any] = attrs.field(factory=dict)
     names: set[str] = attrs.field(factory=set)
     order: list[str] = attrs.field(factory=list)
-    _index: dict[int, int] = attrs.field(init=False, factory=dict)
-
-    def __attrs_post_init__(self) -> None:
-        self._index = {id(s): i for i, s in enumerate(self.graph.stages)}
+    _index: dict[int, int] = attrs.field(init=False, default=attrs.Factory(
+        lambda self: {id(s): i for i, s in enumerate(self.graph.stages)}, takes_self=True))
 
     def path(self, spec: StageSpec | None, *path: Any) -> tuple:
         i = self._index.get(id(spec)) if spec is not None else None
@@ -117,10 +114,8 @@ def _check_shapes(c: _Check) -> None:
 def _check_names(c: _Check) -> None:
     seen: dict[str, int] = {}
     for i, spec in enumerate(c.graph.stages):
-        if spec.name in seen:
+        if seen.setdefault(spec.name, i) != i:
             c.add(f"duplicate stage name '{spec.name}' (first defined as stage #{seen[spec.name] + 1})", spec, "name", field="name")
-        else:
-            seen[spec.name] = i
     c.names = set(seen)
 
 
@@ -187,7 +182,7 @@ def _check_sections(c: _Check) -> None:
         obj = c.graph.sections.get(key)
         if obj is None or not (attrs.has(type(obj)) or isinstance(obj, dict)):
             continue
-        built, probs = structure(cls, section_to_dict(obj), locate=lambda path, key=key: c.line(key, *path),
+        built, probs = structure(cls, to_plain(obj), locate=lambda path, key=key: c.line(key, *path),
                                  file=c.file, field_prefix=f"{key}.", what=key)
         c.problems.extend(probs)
         if isinstance(obj, dict) and built is not None:
@@ -200,8 +195,7 @@ def _capacity_limit(what: str, value: int) -> str:
 
 def _check_placement(c: _Check) -> None:
     """Replicas, queue capacity and devices; bounds first, so placing never loops over an absurd count."""
-    gpus = visible_gpu_count() if c.gpu_count is None else c.gpu_count
-    layouts = _rank_layouts(c, gpus)
+    layouts = _rank_layouts(c, visible_gpu_count() if c.gpu_count is None else c.gpu_count)
     total = 0
     for spec in c.graph.stages:
         if spec.replicas < 1:
@@ -215,19 +209,15 @@ def _check_placement(c: _Check) -> None:
             c.add(f"capacity must be >= 1, got {spec.capacity}", spec, "capacity", field="capacity")
         elif spec.capacity is not None and spec.capacity > limits.MAX_CAPACITY:
             c.add(_capacity_limit("capacity", spec.capacity), spec, "capacity", field="capacity")
-        _check_replica_kind(c, spec)
-        _check_devices(c, spec, layouts)
+        cls = c.classes.get(spec.name)
+        if cls is not None and cls.is_source() and not cls.shards_by_replica and spec.replicas > 1:
+            c.add(f"source type '{spec.type}' would emit its whole output once per replica; replicas must be 1", spec, "replicas", field="replicas")
+        elif cls is not None and cls.singleton and spec.replicas > 1:
+            c.add(f"stage type '{spec.type}' runs once per process; replicas must be 1", spec, "replicas", field="replicas")
+        _check_devices(c, spec, cls, layouts)
     if total > limits.MAX_TOTAL_REPLICAS:
         c.add(f"the stages ask for {total} replicas in all; one process runs at most "
               f"{limits.MAX_TOTAL_REPLICAS} (each replica is a thread)", None, "stages", field="replicas")
-
-
-def _check_replica_kind(c: _Check, spec: StageSpec) -> None:
-    cls = c.classes.get(spec.name)
-    if cls is not None and cls.is_source() and not cls.shards_by_replica and spec.replicas > 1:
-        c.add(f"source type '{spec.type}' would emit its whole output once per replica; replicas must be 1", spec, "replicas", field="replicas")
-    elif cls is not None and cls.singleton and spec.replicas > 1:
-        c.add(f"stage type '{spec.type}' runs once per process; replicas must be 1", spec, "replicas", field="replicas")
 
 
 def _rank_layouts(c: _Check, gpus: int) -> list[RankLayout]:
@@ -242,7 +232,7 @@ def _rank_layouts(c: _Check, gpus: int) -> list[RankLayout]:
     return layouts
 
 
-def _check_devices(c: _Check, spec: StageSpec, layouts: list[RankLayout]) -> None:
+def _check_devices(c: _Check, spec: StageSpec, cls: type[Stage] | None, layouts: list[RankLayout]) -> None:
     """Each device string; a nested list's shape; each device inside every rank's slice; the stage's own check."""
     groups = device_groups(spec.devices)
     nested = is_nested(spec.devices)
@@ -261,51 +251,37 @@ def _check_devices(c: _Check, spec: StageSpec, layouts: list[RankLayout]) -> Non
     if not nested and "auto" in flat and len(flat) > 1:
         c.add("'auto' cannot be combined with other devices", spec, "devices", field="devices")
         bad = True
-    cls = c.classes.get(spec.name)
     if nested and not bad and 1 <= spec.replicas <= limits.MAX_REPLICAS:
         multi = bool(cls and cls.multi_device)
         for j, err in nesting_problems(groups, spec.replicas, multi_device=multi, stage_type=f"stage type '{short(spec.type)}'"):
             c.add(err, spec, *at(j), field="devices")
             bad = True
     if not bad and c.check_devices and spec.replicas <= limits.MAX_REPLICAS:
-        seen: set[str] = set()
-        for layout in layouts:  # `cuda:K` is the K-th GPU of each rank's own slice
-            _placed, problems, _ = plan_groups(groups, max(spec.replicas, 1), layout)
-            for err in problems:
-                if err not in seen:
-                    seen.add(err)
-                    c.add(err, spec, "devices", field="devices")
+        # `cuda:K` is the K-th GPU of each rank's own slice: each rank's problems, each once.
+        found = [err for layout in layouts for err in plan_groups(groups, max(spec.replicas, 1), layout)[1]]
+        for err in dict.fromkeys(found):
+            c.add(err, spec, "devices", field="devices")
     conf = c.configs.get(spec.name)
     if not bad and conf is not None:
-        _check_stage_devices(c, spec, conf, groups)
-
-
-def _check_stage_devices(c: _Check, spec: StageSpec, conf: Stage, groups: list[list[str]]) -> None:
-    """The stage's own view of its device lists (``Stage.device_problems``); a failing check is reported."""
-    try:
-        found = conf.device_problems(groups)
-    except Exception as exc:
-        c.add(f"stage type '{spec.type}' failed to check its devices: {type(exc).__name__}: {exc}", spec, "devices",
-              field="devices")
-        return
-    for field, message in found:
-        c.add(message, spec, *(("devices",) if field == "devices" else ("config", field)), field=field)
+        _ask_stage(c, spec, "devices", lambda: conf.device_problems(groups))
 
 
 def _check_stage_configs(c: _Check) -> None:
-    """Each stage's own judgement of its settings (``Stage.config_problems``); a failing check is reported."""
     for spec in c.graph.stages:
-        conf = c.configs.get(spec.name)
-        if conf is None:
-            continue
-        try:
-            found = conf.config_problems()
-        except Exception as exc:
-            c.add(f"stage type '{spec.type}' failed to check its config: {type(exc).__name__}: {exc}", spec,
-                  "config", field="config")
-            continue
-        for field, message in found:  # located at the stage's value (or the stage when it leaves it out)
-            c.add(message, spec, "config", field, field=field)
+        if (conf := c.configs.get(spec.name)) is not None:
+            _ask_stage(c, spec, "config", conf.config_problems)
+
+
+def _ask_stage(c: _Check, spec: StageSpec, what: str, ask: Callable[[], list[tuple[str, str]]]) -> None:
+    """The stage's own judgement of its ``what`` (``device_problems`` / ``config_problems``), located."""
+    try:
+        found = ask()
+    except Exception as exc:
+        c.add(f"stage type '{spec.type}' failed to check its {what}: {type(exc).__name__}: {exc}", spec, what,
+              field=what)
+        return
+    for field, message in found:
+        c.add(message, spec, *(("devices",) if what == field == "devices" else ("config", field)), field=field)
 
 
 # -- the graph's shape: edges, cycles, ordering ----------------------------------------------------
@@ -326,27 +302,19 @@ def _check_edges(c: _Check) -> None:
             seen_inputs.add(inp.stage)
             if inp.policy not in POLICIES:
                 c.add(f"unknown fan-out policy '{short(inp.policy)}'; expected one of {', '.join(POLICIES)}", spec, "inputs", j, field="inputs")
-            _check_edge(c, spec, cls, j)
-
-
-def _check_edge(c: _Check, spec: StageSpec, cls: type[Stage] | None, j: int) -> None:
-    inp = spec.inputs[j]
-    if inp.stage == spec.name:
-        c.add("a stage cannot be its own input", spec, "inputs", j, field="inputs")
-        return
-    if inp.stage not in c.names:
-        close = difflib.get_close_matches(inp.stage, sorted(c.names), n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        c.add(f"dangling input: no stage named '{short(inp.stage)}'{hint}", spec, "inputs", j, field="inputs")
-        return
-    prod = c.classes.get(inp.stage)
-    if prod is None or cls is None:
-        return
-    if prod.is_sink():
-        c.add(f"stage '{inp.stage}' ({prod.__name__}) has no output", spec, "inputs", j, field="inputs")
-    elif not _accepts(cls.input_type, prod.output_type):
-        c.add(f"type mismatch: '{inp.stage}' emits {_tname(prod.output_type)} but "
-              f"'{spec.name}' ({cls.__name__}) accepts {_tname(cls.input_type)}", spec, "inputs", j, field="inputs")
+            if inp.stage == spec.name:
+                c.add("a stage cannot be its own input", spec, "inputs", j, field="inputs")
+            elif inp.stage not in c.names:
+                close = difflib.get_close_matches(inp.stage, sorted(c.names), n=1)
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+                c.add(f"dangling input: no stage named '{short(inp.stage)}'{hint}", spec, "inputs", j, field="inputs")
+            elif (prod := c.classes.get(inp.stage)) is None or cls is None:
+                continue
+            elif prod.is_sink():
+                c.add(f"stage '{inp.stage}' ({prod.__name__}) has no output", spec, "inputs", j, field="inputs")
+            elif not _accepts(cls.input_type, prod.output_type):
+                c.add(f"type mismatch: '{inp.stage}' emits {_tname(prod.output_type)} but "
+                      f"'{spec.name}' ({cls.__name__}) accepts {_tname(cls.input_type)}", spec, "inputs", j, field="inputs")
 
 
 def _check_cycles_and_ordering(c: _Check) -> None:

@@ -1,11 +1,6 @@
-"""Safe, bounded YAML reading: file size, nesting depth and alias expansion are limited while loading.
-
-Only YAML's safe types are built. The composer counts what the document stands for *as it is composed*, so the
-work before a refusal is bounded: every node counts, an alias as the whole node it repeats (alias and ``<<``
-bombs are refused before expansion); nesting counts on the way down (an alias adds its node's depth); a node that
-contains itself and list or mapping keys are refused; number literals are bounded in length (YAML 1.1 base-60
-integers cost quadratic time). PyYAML's pure-Python parser (not libyaml) words syntax errors best.
-"""
+"""Safe, bounded YAML reading. The composer counts nodes (an alias as the whole node it repeats) and depth *as
+it composes*, so alias bombs are refused before expansion; number literals are bounded in length (YAML 1.1
+base-60 integers cost quadratic time). PyYAML's pure-Python parser words syntax errors best."""
 
 from __future__ import annotations
 
@@ -28,8 +23,7 @@ from .errors import ConfigError, Problem
 
 
 class YAMLLimitError(yaml.MarkedYAMLError):
-    """A document asks for more work than the limits allow (or cannot be built at all). Reported without the
-    "invalid YAML" prefix of syntax errors."""
+    """A document asks for more work than the limits allow (reported without the "invalid YAML" prefix)."""
 
     def __init__(self, problem: str, mark: Any = None):
         super().__init__(problem=problem, problem_mark=mark)
@@ -136,8 +130,7 @@ _BoundedConstructor.add_constructor("tag:yaml.org,2002:float", _BoundedConstruct
 
 
 class _Loader(Reader, Scanner, Parser, _BoundedComposer, _BoundedConstructor, Resolver):
-    """The one loader of pipeline files and ``--set`` values. It also reads ``6e-4`` as a float (YAML 1.1 wants
-    ``6.0e-4``), which is how everyone writes learning rates."""
+    """The one loader of pipeline files and ``--set`` values; it also reads ``6e-4`` as a float (YAML 1.1 does not)."""
 
     def __init__(self, text: str, depth_offset: int = 0):
         Reader.__init__(self, text)
@@ -162,7 +155,6 @@ class Locator:
         self.lines = lines or {}
 
     def line(self, *path: Any) -> int | None:
-        path = tuple(path)
         while path:
             if path in self.lines:
                 return self.lines[path]
@@ -174,7 +166,7 @@ class Locator:
 
 
 def _record(node: yaml.Node, path: tuple, lines: dict[tuple, int], problems: list[Problem], fname: str) -> None:
-    """Line of every path, and duplicate keys. The composer bounded the depth and the expanded size."""
+    """Line of every path, and duplicate keys."""
     lines[path] = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
         seen: set[Any] = set()

@@ -1,20 +1,6 @@
-"""Render chat conversations with the tokenizer's chat template and mark the assistant tokens.
-
-The loss mask is 1 on what the model would generate at serving time: everything of an assistant turn
-after its header, up to and including the end-of-turn marker (e.g. ``<|im_end|>\\n``). Works for any
-template that renders each assistant message's content contiguously (ChatML, Qwen3, Llama 3, Gemma...):
-
-* The template's *generation prompt* (what ``add_generation_prompt=True`` appends) and *end-of-turn*
-  marker are found once per template by rendering probe conversations (`probe_template`).
-* The full conversation is rendered once. Each assistant message's content is located in the text; the
-  supervised character span starts after the last generation prompt before it (so a reasoning block the
-  model writes itself, ``<think>...</think>``, is supervised, while the empty one that Qwen3 puts into
-  the prompt when ``enable_thinking=False`` is not) and ends after the end-of-turn marker that follows.
-* The text is tokenized once with offsets; a token is supervised when its first character lies in a
-  supervised span. Tokenizing the whole text at once keeps token boundaries identical to serving.
-
-Templates that rewrite earlier turns (Qwen3 drops reasoning of turns before the last user message) are
-handled because the spans come from the one full rendering, not from rendering prefixes."""
+"""Render chat conversations with the tokenizer's chat template and mark the assistant tokens: the loss mask
+is 1 on what the model generates at serving time (an assistant turn after the last generation prompt before
+it, through the end-of-turn marker; both probed once per template); rendered and tokenized once."""
 
 from __future__ import annotations
 
@@ -82,12 +68,8 @@ def _content_text(content: Any) -> tuple[str | None, str]:
 
 def parse_conversation(obj: dict) -> tuple[list[dict] | None, str, str]:
     """The messages of a chat record (``conversations`` or ``messages``; ``{role, content}`` or ShareGPT
-    ``{from, value}`` turns), as ``(messages, "", "")``, or ``(None, error kind, reason)``.
-
-    Content may be OpenAI-style parts (``[{"type": "text", "text": ...}]``: the text parts joined with
-    newlines); an assistant turn may carry ``tool_calls`` with ``content: null`` (read as ""), and ``tool``
-    turns carry the results: both are kept for the chat template to render. A record with both
-    ``conversations`` and ``messages`` is refused: which one to train on would be a guess."""
+    ``{from, value}`` turns; content a string or text parts) as ``(messages, "", "")``, or ``(None, error kind,
+    reason)``. ``tool_calls`` (``content: null`` read as "") and ``tool`` turns are kept for the template."""
     if "conversations" in obj and "messages" in obj:
         return None, "conflicting_fields", ("the record has both 'conversations' and 'messages'; keep one (which "
                                             "turns to train on would be a guess)")
@@ -145,13 +127,9 @@ def prompt_turns(record: dict, system_prompt: str | None = None) -> list[dict]:
 
 
 def regeneration_plan(record: dict, system_prompt: str | None = None) -> list[dict | None]:
-    """The conversation a regeneration writes, with ``None`` where each reply of the target goes: the turns up
-    to the last user turn, each run of assistant turns that answers a user turn replaced by one ``None``, and
-    one ``None`` after the last user turn. Filled in order, every reply is generated on the conversation so
-    far, the target's own earlier replies included (``{"prompt": text}`` is one user turn and one reply).
-    Assistant turns before the first user turn are kept as they are (context, not answers). Raises
-    ValueError for a record that cannot be a prompt, or that calls tools (their results would not answer
-    the regenerated calls)."""
+    """The conversation a regeneration writes, ``None`` where each reply of the target goes: the turns up to the
+    last user turn, each run of assistant turns after a user turn replaced by one ``None``, and a ``None`` at the
+    end (assistant turns before the first user turn are context). ValueError for no prompt, or tool calls."""
     msgs = parse_conversation(record)[0] if "conversations" in record or "messages" in record else None
     for i, m in enumerate(msgs or ()):
         if m.get("tool_calls") or m["role"] == "tool":
@@ -318,14 +296,9 @@ def supervised_spans(text: str, messages: Sequence[Mapping[str, Any]], info: Tem
                 mask_end = end + len(eot)
             else:
                 # Something the model also generates (tool calls) may sit between content and end-of-turn.
-                nxt = len(text)
-                if i + 1 < len(messages):
-                    nxt_role, nxt_content = _message_fields(i + 1, messages[i + 1])
-                    if isinstance(nxt_content, str) and nxt_content:
-                        p = text.find(nxt_content, end)
-                        if p >= 0:
-                            nxt = p
-                p = text.find(eot, end, nxt)
+                nxt_content = _message_fields(i + 1, messages[i + 1])[1] if i + 1 < len(messages) else None
+                p = text.find(nxt_content, end) if isinstance(nxt_content, str) and nxt_content else -1
+                p = text.find(eot, end, p if p >= 0 else len(text))
                 if p >= 0:
                     mask_end = p + len(eot)
         spans.append((mask_start, mask_end))
@@ -356,20 +329,18 @@ def token_mask(offsets: np.ndarray, spans: Sequence[tuple[int, int]]) -> np.ndar
     # Byte-level BPE with trim_offsets shrinks a whitespace-only token to (end, end): its real first
     # character is before that, so use end - 1 to keep it on the correct side of a span boundary.
     key = np.where(ends > starts, starts, np.maximum(ends - 1, 0))
-    s = np.fromiter((a for a, _ in spans), dtype=np.int64, count=len(spans))
-    e = np.fromiter((b for _, b in spans), dtype=np.int64, count=len(spans))
+    s, e = np.asarray(spans, dtype=np.int64).reshape(-1, 2).T
     j = np.searchsorted(s, key, side="right") - 1
     inside = (j >= 0) & (key < e[np.clip(j, 0, None)])
     return inside.astype(np.uint8)
 
 
-def encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, info: TemplateInfo | None = None,
-                chat_template: str | None = None, template_kwargs: Mapping[str, Any] | None = None) -> ChatEncoding:
+def encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, chat_template: str | None = None,
+                template_kwargs: Mapping[str, Any] | None = None) -> ChatEncoding:
     """Render, tokenize and mask one conversation (no truncation; see `records` for that)."""
     if not getattr(tokenizer, "is_fast", False):
         raise ChatTemplateError("loss masks need a fast tokenizer (offset mapping); got a slow tokenizer")
-    if info is None:
-        info = probe_template(tokenizer, chat_template=chat_template, template_kwargs=template_kwargs)
+    info = probe_template(tokenizer, chat_template=chat_template, template_kwargs=template_kwargs)
     text = render_chat(tokenizer, messages, chat_template=chat_template, template_kwargs=template_kwargs)
     spans = supervised_spans(text, messages, info)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

@@ -4,7 +4,7 @@ DataPosition, the run's one typed data position (what a checkpoint stores as ``d
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import attrs
@@ -23,22 +23,16 @@ __all__ = ["FILLER", "MAX_POSITION", "DataPosition", "EpochPlan", "order_packed"
 # Salts that keep the generators of the plan's steps independent of each other (data.plan has the others).
 _SALT_INTERLEAVE = 0x494E5452
 _SALT_REDEAL = 0x5245444C
-
 _DEFAULTS = PlanConfig()
-
 
 FILLER = -1  # the position of a filler batch in a rank's schedule
 
 
 @attrs.define(eq=False)
 class EpochPlan:
-    """The ordered batches of one epoch. Positions are global (all ranks together).
-
-    ``order[offsets[i]:offsets[i+1]]`` are the sample positions (indices into the planner's lengths) of
-    batch ``i``; ``sample_ids`` maps a position to the sample's id. With ``world_size`` W, global step s is
-    positions ``s*W .. s*W+W-1`` (rank r takes ``s*W + r``); a last step with fewer batches than ranks
-    gives the short ranks filler batches (``FILLER``), which train nothing. ``chain`` records the
-    segments of the epoch consumed before this plan was re-dealt (``redeal``): ``((W0, p0), ...)``."""
+    """The ordered batches of one epoch. ``order[offsets[i]:offsets[i+1]]`` are the sample positions of batch
+    ``i``. With ``world_size`` W, global step s is positions ``s*W .. s*W+W-1``; the short ranks of a last partial
+    step get filler batches (``FILLER``). ``chain``: the segments ``((W0, p0), ...)`` consumed before a re-deal."""
 
     epoch: int
     seed: int
@@ -64,11 +58,6 @@ class EpochPlan:
     @property
     def num_buckets(self) -> int:
         return int(self.boundaries.size) + 1
-
-    @property
-    def steps(self) -> int:
-        """Global steps of this plan (every rank takes this many batches, fillers included)."""
-        return -(-len(self) // self.world_size)
 
     def bucket_range(self, bucket: int) -> tuple[int, int]:
         """The sample lengths bucket ``bucket`` holds, ``(shortest, longest)``: above the previous boundary
@@ -99,18 +88,10 @@ class EpochPlan:
                          lengths=lens.tolist(), real_tokens=int(lens.sum()), padded_tokens=padded_len * int(idx.size),
                          num_samples=int(idx.size), sample_ids=self.sample_ids[idx].tolist(), padded_len=padded_len)
 
-    def metas(self, start: int = 0) -> Iterator[BatchMeta]:
-        """Batches from global position ``start`` on: resuming mid-epoch is ``plan.metas(consumed)``."""
-        if not 0 <= start <= len(self):
-            raise ValueError(f"resume position {start} outside 0..{len(self)}")
-        for p in range(start, len(self)):
-            yield self.meta(p)
-
     def rank_positions(self, rank: int, world_size: int | None = None, *, start: int = 0,
                        tail: Literal["filler", "drop"] = "filler") -> np.ndarray:
-        """Global positions that ``rank`` consumes from ``start`` on (a step boundary): at step s rank r takes
-        ``start + s*W + r``; every rank takes as many steps (``tail="filler"``: the short ranks of the last step
-        get ``FILLER``; ``"drop"``: the last partial step is left out)."""
+        """Global positions ``rank`` consumes from ``start`` on (a step boundary): ``start + s*W + r`` at step
+        s; ``tail="filler"`` gives the short ranks of the last step ``FILLER``, ``"drop"`` leaves it out."""
         world_size = self.world_size if world_size is None else world_size
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
@@ -141,11 +122,8 @@ class EpochPlan:
             rng = epoch_rng(self.seed, self.epoch, _SALT_REDEAL, len(self.chain), start, world_size)
             perm, cap = _step_groups(labels, world_size, rng, max_run=max_run, repeat_penalty=repeat_penalty,
                                      evenness=evenness)
-        plan = _plan_from_batches(batches, labels, perm, like=self, epoch=self.epoch, seed=self.seed, cap=cap,
-                                  max_run=max_run, world_size=world_size,
-                                  chain=(*self.chain, (self.world_size, int(start))))
-        plan.interleave = self.interleave
-        return plan
+        return _plan_from_batches(batches, labels, perm, like=self, cap=cap, interleave=self.interleave,
+                                  world_size=world_size, chain=(*self.chain, (self.world_size, int(start))))
 
     def fingerprint(self) -> str:
         """Hash of the plan's content (equal on every rank and across resumes), computed once per plan."""
@@ -193,8 +171,8 @@ def _count(v: object, lo: int = 0) -> bool:
 
 
 def plan_state_problem(state: object) -> str | None:
-    """What is wrong with the shape of an ``EpochPlan.state_dict`` read back from a file (None: nothing): the
-    types and ranges ``resume_plan`` relies on. Whether it fits the rebuilt plan is ``check_state``'s question."""
+    """What is wrong with the types and ranges of an ``EpochPlan.state_dict`` read back from a file (None: nothing;
+    whether it fits the rebuilt plan is ``check_state``'s question)."""
     if not isinstance(state, dict):
         return f"must be an object, got {type(state).__name__}"
     version = PLAN_STATE.problem(state)
@@ -216,12 +194,8 @@ def plan_state_problem(state: object) -> str | None:
 
 
 def resume_plan(base: EpochPlan, state: dict, world_size: int) -> tuple[EpochPlan, int]:
-    """The plan to continue an epoch with ``world_size`` ranks, and the global position to start from.
-
-    ``base``: the epoch's plan for the world size it started with; ``state``: the checkpointed plan's
-    `EpochPlan.state_dict`, whose ``chain`` ``[[W0, p0], [W1, p1], ...]`` lists the segments consumed so far.
-    Every segment but the last is re-dealt at its position, the last too when ``world_size`` differs: a run may
-    change its number of ranks any number of times and still trains every batch exactly once."""
+    """The plan to continue an epoch with ``world_size`` ranks and the global position to start from: ``base``
+    re-dealt along the ``chain`` of ``state``, so the number of ranks may change any number of times."""
     chain = [(int(w), int(p)) for w, p in state.get("chain") or []] or [(base.world_size, 0)]
     if chain[0][0] != base.world_size:
         raise ValueError(f"the epoch started with {chain[0][0]} ranks but the base plan is for {base.world_size}")
@@ -236,44 +210,36 @@ def resume_plan(base: EpochPlan, state: dict, world_size: int) -> tuple[EpochPla
 
 def _step_groups(labels: np.ndarray, world_size: int, rng: np.random.Generator, *, max_run: int,
                  repeat_penalty: float, evenness: float) -> tuple[np.ndarray, int]:
-    """Order batches (of buckets ``labels``) into global steps of ``world_size``; returns (indices in plan
-    order, the enforced cap). A step waits for its slowest rank, so each bucket is cut into steps of its own;
-    the leftovers, pooled in bucket order (neighbouring lengths), into mixed steps. Steps are interleaved with
-    the run cap, the partial step last."""
+    """Order batches (of buckets ``labels``) into global steps of ``world_size``: (indices in order, cap).
+    A step waits for its slowest rank, so each bucket makes steps of its own; leftovers, pooled in bucket
+    order, make mixed steps; steps are interleaved under the run cap, the partial step last."""
     w = world_size
     n_labels = int(labels.max()) + 1 if labels.size else 0
-    groups: list[tuple[int, list[int]]] = []
+    queues: list[list[list[int]]] = [[] for _ in range(n_labels)]  # the steps of each bucket, in order
     leftovers: list[int] = []
     for b in range(n_labels):
         items = np.flatnonzero(labels == b).tolist()
         full = len(items) // w
-        groups += [(b, items[g * w : (g + 1) * w]) for g in range(full)]
+        queues[b] += [items[g * w : (g + 1) * w] for g in range(full)]
         leftovers += items[full * w :]
     partial: list[int] = []
     for j in range(0, len(leftovers), w):
         chunk = leftovers[j : j + w]
         if len(chunk) == w:
-            groups.append((int(labels[chunk[0]]), chunk))
+            queues[int(labels[chunk[0]])].append(chunk)
         else:
             partial = chunk
-    counts = [0] * n_labels
-    queues: list[list[list[int]]] = [[] for _ in range(n_labels)]
-    for label, members in groups:
-        counts[label] += 1
-        queues[label].append(members)
-    seq, cap = interleave_buckets(counts, max_run=max_run, rng=rng, repeat_penalty=repeat_penalty, evenness=evenness)
-    cursor = [0] * n_labels
-    order: list[int] = []
-    for label in seq.tolist():
-        order += queues[label][cursor[label]]
-        cursor[label] += 1
+    seq, cap = interleave_buckets([len(q) for q in queues], max_run=max_run, rng=rng, repeat_penalty=repeat_penalty,
+                                  evenness=evenness)
+    steps = [iter(q) for q in queues]
+    order: list[int] = [i for label in seq.tolist() for i in next(steps[label])]
     order += partial
     return np.asarray(order, dtype=np.int64), cap
 
 
 def _plan_from_batches(batches: list[np.ndarray], buckets: np.ndarray, perm: np.ndarray, *,
-                       like: PackedEpoch | EpochPlan, epoch: int, seed: int, cap: int, max_run: int, world_size: int,
-                       chain: tuple[tuple[int, int], ...] = ()) -> EpochPlan:
+                       like: PackedEpoch | EpochPlan, cap: int, interleave: tuple[int, float, float],
+                       world_size: int, chain: tuple[tuple[int, int], ...] = ()) -> EpochPlan:
     ordered = [batches[i] for i in perm.tolist()]
     sizes = np.fromiter((a.size for a in ordered), dtype=np.int64, count=len(ordered))
     offsets = np.zeros(len(ordered) + 1, dtype=np.int64)
@@ -281,11 +247,11 @@ def _plan_from_batches(batches: list[np.ndarray], buckets: np.ndarray, perm: np.
     order = np.concatenate(ordered) if ordered else np.zeros(0, dtype=np.int64)
     padded = like.padded
     padded_max = np.maximum.reduceat(padded[order], offsets[:-1]) if ordered else np.zeros(0, dtype=np.int64)
-    return EpochPlan(epoch=epoch, seed=seed, order=order, offsets=offsets,
+    return EpochPlan(epoch=like.epoch, seed=like.seed, order=order, offsets=offsets,
                      buckets=np.asarray(buckets, dtype=np.int64)[perm] if perm.size else np.zeros(0, dtype=np.int64),
                      padded_lens=padded_max.astype(np.int64), lengths=like.lengths, sample_ids=like.sample_ids,
-                     boundaries=like.boundaries, max_run=cap, run_cap_feasible=cap == max_run, world_size=world_size,
-                     padded=padded, chain=chain)
+                     boundaries=like.boundaries, max_run=cap, run_cap_feasible=cap == interleave[0],
+                     world_size=world_size, padded=padded, chain=chain, interleave=interleave)
 
 
 def order_packed(packed: PackedEpoch, *, max_run: int = _DEFAULTS.max_run,
@@ -300,32 +266,19 @@ def order_packed(packed: PackedEpoch, *, max_run: int = _DEFAULTS.max_run,
     counts = packed.counts
     batches = [b for bucket in packed.per_bucket for b in bucket]
     buckets = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-    if world_size == 1:
-        seq, cap = interleave_buckets(counts, max_run=max_run, rng=epoch_rng(packed.seed, packed.epoch, _SALT_INTERLEAVE),
-                                      repeat_penalty=repeat_penalty, evenness=evenness)
-        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64) if counts else np.zeros(0, np.int64)
-        cursor = [0] * len(counts)
-        perm_list = []
-        for b in seq.tolist():
-            perm_list.append(int(starts[b]) + cursor[b])
-            cursor[b] += 1
-        perm = np.asarray(perm_list, dtype=np.int64)
-    else:
-        perm, cap = _step_groups(buckets, world_size, epoch_rng(packed.seed, packed.epoch, _SALT_INTERLEAVE, world_size),
-                                 max_run=max_run, repeat_penalty=repeat_penalty, evenness=evenness)
-    plan = _plan_from_batches(batches, buckets, perm, like=packed, epoch=packed.epoch, seed=packed.seed, cap=cap,
-                              max_run=max_run, world_size=world_size)
-    plan.interleave = (max_run, repeat_penalty, evenness)
-    return plan
+    # One rank: steps of one batch, the bucket interleaving itself (its generator salted without the world size).
+    rng = epoch_rng(packed.seed, packed.epoch, _SALT_INTERLEAVE, *([world_size] if world_size > 1 else []))
+    perm, cap = _step_groups(buckets, world_size, rng, max_run=max_run, repeat_penalty=repeat_penalty,
+                             evenness=evenness)
+    return _plan_from_batches(batches, buckets, perm, like=packed, cap=cap,
+                              interleave=(max_run, repeat_penalty, evenness), world_size=world_size)
 
 
 @attrs.frozen
 class DataPosition:
-    """Where the data stream has got to: the trainer advances it per batch (:meth:`after`), a checkpoint stores
-    its :meth:`resume_point` as ``data_position``, a resume reads it back once (:meth:`from_dict`) for the
-    Interleaver's ``resume_state_for``. ``epoch``: the epoch of the last batch trained (the next one to train from, at a resume point);
-    ``plan``: that batch's plan state (``EpochPlan.state_dict``; None at an epoch's start); ``total``: batches
-    trained in the whole run on this rank; ``epoch_done``: the last batch trained ended its epoch."""
+    """Where the data stream has got to: the trainer advances it per batch (:meth:`after`), a checkpoint stores its
+    :meth:`resume_point` as ``data_position``. ``epoch`` and ``plan`` (``EpochPlan.state_dict``, None at an epoch's
+    start) of the last batch trained; ``total``: batches trained on this rank; ``epoch_done``: it ended its epoch."""
 
     epoch: int = 0
     plan: dict[str, Any] | None = None
@@ -338,8 +291,7 @@ class DataPosition:
                             epoch_done=bool(meta.last_of_epoch))
 
     def resume_point(self) -> DataPosition:
-        """Where a resumed run continues: the next epoch's start after an epoch's last batch (never an
-        epoch's end)."""
+        """Where a resumed run continues (the next epoch's start after an epoch's last batch)."""
         if self.epoch_done:
             return DataPosition(epoch=self.epoch + 1, plan=None, total=self.total)
         return self
@@ -374,8 +326,7 @@ class DataPosition:
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> DataPosition:
-        """The position a trainer stage keeps in its own state (``epoch``, ``epoch_done``, ``plan``,
-        ``total_consumed``)."""
+        """The position a trainer stage keeps in its own state (the fields of :meth:`as_state`)."""
         return cls(epoch=int(state["epoch"]), plan=state.get("plan"), total=int(state.get("total_consumed", 0)),
                    epoch_done=bool(state.get("epoch_done", False)))
 

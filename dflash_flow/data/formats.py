@@ -1,15 +1,6 @@
-"""The formats training records are held in, read as chunks of consecutive records (`parse` chunks).
-
-* JSONL, plain or compressed (``.gz``, ``.bz2``, ``.xz``; ``.zst`` with the ``zstandard`` package): one
-  record per line, located by line number. Read as a stream, a line at most ``max_record_bytes`` in memory.
-* Parquet (``.parquet``, ``.pq``): read a record batch at a time (only the columns needed).
-* Arrow IPC, file or stream format (``.arrow``, ``.feather``, ``.ipc``): memory-mapped.
-* A Hugging Face ``datasets`` directory written by ``save_to_disk`` (``state.json`` naming the Arrow
-  files): read with pyarrow, memory-mapped, rows numbered across its files. A ``DatasetDict`` directory
-  is refused with its splits named (point at one of them).
-
-Rows of the columnar formats are chat records (a ``conversations`` or ``messages`` column of turns) or
-pre-tokenized ones (``input_ids`` and ``loss_mask`` list columns); they are located by row (from 1)."""
+"""The formats training records are held in, read as `parse` chunks: JSONL (plain or
+``.gz``/``.bz2``/``.xz``/``.zst``, at most ``max_record_bytes`` of a line in memory), Parquet by record batch,
+and Arrow IPC files or ``datasets`` directories, memory-mapped."""
 
 from __future__ import annotations
 
@@ -111,8 +102,7 @@ def _open_stream(path: Path, fmt: InputFormat):
 
 
 def _stream_errors() -> tuple[type[BaseException], ...]:
-    """What a damaged or truncated compressed stream raises: gzip's BadGzipFile and bz2's are OSError, a cut
-    stream EOFError, a bad deflate block zlib.error, lzma its own LZMAError, zstandard its ZstdError."""
+    """What a damaged or truncated compressed stream raises (per codec)."""
     import lzma
     import zlib
 
@@ -160,18 +150,11 @@ def _damaged(path: Path, no: int, exc: BaseException, fmt: InputFormat) -> DataE
                      f"{fmt.compression or 'file'}?)")
 
 
-def _schema_names(path: Path, fmt: InputFormat) -> list[str]:
-    if fmt.kind == "parquet":
-        return list(_parquet_file(path).schema_arrow.names)
-    for table in _tables(path, fmt):
-        return list(table.column_names)
-    return []
-
-
 def sniff_kind(path: Path, fmt: InputFormat, limit: int = DEFAULT_MAX_RECORD_BYTES) -> Literal["chat", "tokens"]:
     """Chat or pre-tokenized records: the columns, or the first JSONL record that tells."""
     if fmt.kind != "jsonl":
-        names = _schema_names(path, fmt)
+        names = (list(_parquet_file(path).schema_arrow.names) if fmt.kind == "parquet"
+                 else next((list(t.column_names) for t in _tables(path, fmt)), []))
         if "input_ids" in names:
             return "tokens"
         if "conversations" in names or "messages" in names:
@@ -265,7 +248,6 @@ def _compact(batch):
 
 def _jsonl_chunks(path: Path, fmt: InputFormat, limit: int, position: Position) -> Iterator[tuple]:
     seen_content = False
-    raw_file = None
     try:
         f = _open_stream(path, fmt)
     except OSError as exc:
@@ -305,10 +287,8 @@ def input_bytes(path: Path) -> int:
 
 
 def iter_rows(path: Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Iterator[tuple[str, Any]]:
-    """Every record of any supported format as ``(location, record)``, in order: ``"line N"`` of JSONL,
-    ``"row N"`` of the columnar formats, ``"item N"`` of a ``.json`` file holding one JSON array (as some
-    benchmarks publish theirs). A record is what the file holds (a dict, normally); JSON that does not parse
-    or a line longer than ``max_record_bytes`` raises ``DataError`` naming ``path:line``."""
+    """Every record of any format as ``(location, record)`` in order (``"line N"``, ``"row N"``, ``"item N"``
+    of a ``.json`` array); bad JSON or an over-long line raises ``DataError`` (``path:line``)."""
     path = Path(path)
     check_input(path)
     fmt = detect(path)

@@ -76,8 +76,7 @@ def bucket_boundaries(lengths: Sequence[int] | np.ndarray, config: PlanConfig) -
         return np.zeros(0, dtype=np.int64)
     qs = np.arange(1, config.num_buckets) / config.num_buckets
     # 'inverted_cdf' returns observed lengths, so a boundary is a real length and "<=" splits at it.
-    cuts = np.quantile(lengths, qs, method="inverted_cdf").astype(np.int64)
-    cuts = np.unique(cuts)
+    cuts = np.unique(np.quantile(lengths, qs, method="inverted_cdf").astype(np.int64))
     # A boundary at the maximum would leave the last bucket empty.
     return cuts[cuts < lengths.max()]
 
@@ -113,20 +112,14 @@ def pack_bucket(indices: np.ndarray, padded: np.ndarray, *, max_tokens: int, max
     batches: list[np.ndarray] = []
     cap_limit = max_batch_size or n
     start = 0
-    first = True
     min_len = int(lens.min())
     while start < n:
         width = min(n - start, cap_limit, max_tokens // max(min_len, 1))
-        window = lens[start : start + width]
-        run_max = np.maximum.accumulate(window)
-        cost = run_max * np.arange(1, width + 1, dtype=np.int64)
+        cost = np.maximum.accumulate(lens[start : start + width]) * np.arange(1, width + 1, dtype=np.int64)
         # cost is non-decreasing, so the fitting prefix is found by bisection.
-        take = int(np.searchsorted(cost, max_tokens, side="right"))
-        take = max(take, 1)
-        if first:
-            first = False
-            if take > 1:
-                take = int(rng.integers(1, take + 1))
+        take = max(int(np.searchsorted(cost, max_tokens, side="right")), 1)
+        if start == 0 and take > 1:
+            take = int(rng.integers(1, take + 1))
         batches.append(idx[start : start + take])
         start += take
     return batches
@@ -153,14 +146,7 @@ _DEFAULTS = PlanConfig()
 
 log = logging.getLogger(__name__)
 
-_warned: set[tuple] = set()
-
-
-def _warn_once(key: tuple, message: str) -> None:
-    # Plans are rebuilt every epoch (and on every rank); one warning per distinct situation is enough.
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(message)
+_warned: set[tuple] = set()  # plans are rebuilt every epoch (and on every rank): one warning per situation
 
 
 def min_feasible_run(counts: Sequence[int] | np.ndarray) -> int:
@@ -174,15 +160,9 @@ def min_feasible_run(counts: Sequence[int] | np.ndarray) -> int:
 
 
 def _run_cap_ok(rem: list[int], total: int, last: int, run: int, cap: int) -> bool:
-    """Whether ``rem`` (batches left per bucket, ``total`` of them) can follow a run of ``run`` batches
-    of bucket ``last`` without any run longer than ``cap``.
-
-    Bucket b's remaining batches fall into at most ``total - rem[b] + 1`` groups separated by other
-    batches; each group holds at most ``cap``, and the group that continues the current run (when b is
-    ``last``) only ``cap - run``. So it is necessary that for every b:
-    ``rem[b] * (cap + 1) <= cap * (total + 1) - run * [b == last]``. It is also sufficient (the tests
-    check this against exhaustive search), which lets the interleaver keep the cap by looking one step
-    ahead (`interleave_buckets` evaluates the same inequalities incrementally)."""
+    """Whether ``rem`` (batches left per bucket) can follow a run of ``run`` of bucket ``last`` with no run
+    over ``cap``: ``rem[b] * (cap + 1) <= cap * (total + 1) - run * [b == last]`` for every b, necessary and
+    (tested exhaustively) sufficient: the interleaver looks one step ahead."""
     limit = cap * (total + 1)
     return all(r * (cap + 1) <= limit - (run if b == last else 0) for b, r in enumerate(rem))
 
@@ -193,20 +173,20 @@ def _effective_cap(counts: list[int], max_run: int) -> int:
     if best <= max_run:
         return max_run
     total, top = sum(counts), max(counts)
-    _warn_once(("run-cap", max_run, tuple(sorted(counts))),
-               f"run cap max_run={max_run} cannot hold: the largest bucket has {top} of {total} batches "
-               f"({top / total:.1%} > {max_run / (max_run + 1):.1%}); ordering with the smallest feasible cap "
-               f"{best} instead")
+    key = (max_run, tuple(sorted(counts)))
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(f"run cap max_run={max_run} cannot hold: the largest bucket has {top} of {total} batches "
+                    f"({top / total:.1%} > {max_run / (max_run + 1):.1%}); ordering with the smallest feasible cap "
+                    f"{best} instead")
     return best
 
 
 def interleave_buckets(counts: Sequence[int] | np.ndarray, *, max_run: int, rng: np.random.Generator,
                        repeat_penalty: float = _DEFAULTS.repeat_penalty,
                        evenness: float = _DEFAULTS.evenness) -> tuple[np.ndarray, int]:
-    """Order ``counts[b]`` batches of each bucket b; returns (bucket id per position, effective cap).
-
-    The effective cap is ``max_run`` when the mix allows it (largest share <= max_run/(max_run+1)),
-    otherwise the smallest feasible cap (a warning is logged once)."""
+    """Order ``counts[b]`` batches of each bucket b: (bucket id per position, effective cap), the cap being
+    ``max_run`` when the mix allows it, else the smallest feasible one (a warning is logged once)."""
     counts = [int(c) for c in counts]
     if any(c < 0 for c in counts):
         raise ValueError(f"negative batch count in {counts}")

@@ -1,11 +1,6 @@
-"""From raw records to kept samples, one chunk at a time: the work a tokenizing process does.
-
-A chunk is a run of consecutive records of one input -- JSONL lines (``("lines", [(line, raw, size), ...])``)
-or rows of an Arrow record batch (``("rows", first_row, batch)``) -- and `process_chunk` turns it into flat
-arrays (ids, mask, lengths, line numbers) plus its share of the load report (`records` keeps chunks in
-order): JSON parsing, chat rendering, masking and batched tokenizing (`ChatEncoder`), the checks of
-pre-tokenized ids, ``max_length`` and ``min_loss_tokens``. Bad records are listed in line order, whatever the
-chunking; with ``on_bad_record="fail"`` the file's first bad line is the one that raises."""
+"""From raw records to kept samples, one chunk (JSONL lines or an Arrow record batch) at a time: the work a
+tokenizing process does. `process_chunk` gives flat arrays and its share of the load report; bad records are
+listed in line order whatever the chunking."""
 
 from __future__ import annotations
 
@@ -156,6 +151,13 @@ class ChatEncoder:
         return [(np.asarray(i, dtype=np.int64), np.asarray(o, dtype=np.int64)) for i, o in
                 zip(enc["input_ids"], enc["offset_mapping"], strict=True)]
 
+    @staticmethod
+    def _fast(backend, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        chain = itertools.chain.from_iterable
+        return [(np.array(e.ids, dtype=np.int64),
+                 np.fromiter(chain(e.offsets), dtype=np.int64, count=2 * len(e.ids)).reshape(len(e.ids), 2))
+                for e in backend.encode_batch(texts, add_special_tokens=False)]
+
     def encode(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
         """(ids int64 [n], offsets int64 [n, 2]) per text."""
         if not self._checked:
@@ -163,21 +165,10 @@ class ChatEncoder:
             backend = self._fast_backend()
             if backend is not None:
                 probe = texts[:4]
-                fast = [(np.asarray(e.ids, dtype=np.int64), np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2))
-                        for e in backend.encode_batch(probe, add_special_tokens=False)]
-                slow = self._slow(probe)
-                same = all(np.array_equal(a[0], b[0]) and np.array_equal(a[1].reshape(-1, 2), b[1].reshape(-1, 2))
-                           for a, b in zip(fast, slow, strict=True))
+                same = all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1].reshape(-1, 2))
+                           for a, b in zip(self._fast(backend, probe), self._slow(probe), strict=True))
                 self._backend = backend if same else None
-        if self._backend is None:
-            return self._slow(texts)
-        out = []
-        chain = itertools.chain.from_iterable
-        for e in self._backend.encode_batch(texts, add_special_tokens=False):
-            n = len(e.ids)
-            out.append((np.array(e.ids, dtype=np.int64),
-                        np.fromiter(chain(e.offsets), dtype=np.int64, count=2 * n).reshape(n, 2)))
-        return out
+        return self._slow(texts) if self._backend is None else self._fast(self._backend, texts)
 
     def process(self, records: Iterator[tuple[int, dict]], col: ChunkCollector) -> None:
         pending: list[tuple[int, str, list[tuple[int, int]]]] = []
@@ -217,42 +208,31 @@ class ChatEncoder:
         flush()
 
 
-def check_token_values(ids: np.ndarray, mask: np.ndarray, vocab_size: int | None) -> tuple[str, str] | None:
-    """Checks the ids in their own integer type (any width, signed or not: min and max are exact), so
-    that the int32 cast that follows can never wrap a value."""
+def _offer_checked(col: ChunkCollector, line: int, ids: np.ndarray, mask: np.ndarray) -> None:
+    """Offer a pre-tokenized sample, or report why not: ids checked in their own integer type (any width, signed
+    or not), so that the int32 cast that follows can never wrap a value."""
+    vocab_size = col.opt.vocab_size
     if ids.size != mask.size:
-        return "length_mismatch", f"input_ids has {ids.size} tokens but loss_mask has {mask.size}"
+        return col.bad(line, "length_mismatch", f"input_ids has {ids.size} tokens but loss_mask has {mask.size}")
     if ids.size == 0:
-        return "empty", "input_ids is empty"
+        return col.bad(line, "empty", "input_ids is empty")
     lo, hi = int(ids.min()), int(ids.max())
     limit = min(vocab_size, ID_LIMIT) if vocab_size is not None else ID_LIMIT
     if lo < 0 or hi >= limit:
         bad = lo if lo < 0 else hi
         pos = int(np.flatnonzero(ids == bad)[0])
         if vocab_size is not None:
-            return "out_of_vocab", f"input_ids[{pos}] = {bad} is outside the vocabulary [0, {vocab_size})"
-        return "out_of_vocab", (f"input_ids[{pos}] = {bad} is not a token id (ids must be in [0, 2**31); set "
-                                "vocab_size to check them against the vocabulary)")
+            return col.bad(line, "out_of_vocab", f"input_ids[{pos}] = {bad} is outside the vocabulary [0, {vocab_size})")
+        return col.bad(line, "out_of_vocab", f"input_ids[{pos}] = {bad} is not a token id (ids must be in [0, 2**31); "
+                       "set vocab_size to check them against the vocabulary)")
     if mask.size and (int(mask.min()) < 0 or int(mask.max()) > 1):
-        return "bad_mask", "loss_mask values must be 0 or 1"
-    return None
-
-
-def _offer_checked(col: ChunkCollector, line: int, ids: np.ndarray, mask: np.ndarray) -> None:
-    problem = check_token_values(ids, mask, col.opt.vocab_size)
-    if problem:
-        col.bad(line, *problem)
-    else:
-        col.offer(line, ids.astype(np.int64), mask.astype(np.uint8))
+        return col.bad(line, "bad_mask", "loss_mask values must be 0 or 1")
+    col.offer(line, ids.astype(np.int64), mask.astype(np.uint8))
 
 
 def _int_list(value: Any, *, bools: bool) -> bool:
     """A flat JSON list of integers (``true``/``false`` only where ``bools``: a loss mask)."""
     return isinstance(value, list) and all(type(x) is int or (bools and type(x) is bool) for x in value)
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n} bytes"
 
 
 def _parse_line(no: int, raw: bytes, col: ChunkCollector) -> dict | None:
@@ -283,12 +263,13 @@ def _parse_line(no: int, raw: bytes, col: ChunkCollector) -> dict | None:
 
 def _json_records(lines, col: ChunkCollector) -> Iterator[tuple[int, dict]]:
     limit = col.opt.max_record_bytes
+    size_text = f"{limit / 2**20:.0f} MiB" if limit >= 2**20 else f"{limit} bytes"
     for no, raw, size in lines:
         if col.failed:
             return
         if raw is None:
             col.report.records += 1
-            col.bad(no, "too_long", f"record of {size} bytes is longer than max_record_bytes={limit} ({_mib(limit)}); "
+            col.bad(no, "too_long", f"record of {size} bytes is longer than max_record_bytes={limit} ({size_text}); "
                     "raise max_record_bytes or split the record")
             continue
         if not raw.strip():
@@ -389,32 +370,24 @@ def _token_rows(first_row: int, batch, col: ChunkCollector) -> None:
 
 
 def process_chunk(chunk: tuple, *, path: str, kind: str, options: ReadOptions, encoder: ChatEncoder | None) -> dict[str, Any]:
-    """The kept samples and the report of one chunk (see the module doc). With ``on_bad_record="fail"``
-    the result's ``failure`` holds the message of the chunk's first bad line instead of samples."""
+    """The kept samples and report of one chunk; in fail mode ``failure`` holds its first bad line's message."""
     col = ChunkCollector(path, options)
     if chunk[0] == "lines":
         records = _json_records(chunk[1], col)
+    elif kind == "chat":
+        records = _arrow_chat_records(chunk[1], chunk[2], col)
     else:
-        records = _arrow_chat_records(chunk[1], chunk[2], col) if kind == "chat" else None
+        records = None
+        _token_rows(chunk[1], chunk[2], col)
+    # The record generators stop at the first bad record in fail mode (the encoder then flushes what it
+    # holds, so that an earlier line failing at tokenization is still the one reported).
     if kind == "chat":
-        assert encoder is not None
-        encoder.process(_stop_on_failure(records, col), col)
+        encoder.process(records, col)
     elif records is not None:
         _token_json(records, col)
-    else:
-        _token_rows(chunk[1], chunk[2], col)
     if col.failed:
         return {"failure": col.failure(), "report": col.report}
     return col.result()
-
-
-def _stop_on_failure(records, col: ChunkCollector):
-    """Records until the first bad one in fail mode (the encoder then flushes what it holds, so that an
-    earlier line failing at tokenization is still the one reported)."""
-    for item in records:
-        yield item
-        if col.failed:
-            return
 
 
 _WORKER: dict[str, Any] = {}

@@ -1,22 +1,5 @@
-"""Read training records: chat records (rendered and masked) and pre-tokenized ones, in any supported
-format (`formats`: JSONL plain or compressed, Parquet, Arrow, a `datasets` directory).
-
-* Chat records: ``{"conversations": [{"role", "content"}, ...]}`` (``"messages"`` and ShareGPT's
-  ``{"from", "value"}`` are accepted too), rendered with the tokenizer's chat template; the loss mask is 1
-  on the assistant tokens (`chat`).
-* Pre-tokenized records: ``{"input_ids": [...], "loss_mask": [...]}``.
-
-A record that cannot be used is counted by reason and reported as ``file:line: reason`` (rows count from 1),
-in line order; with ``on_bad_record="fail"`` the first bad line raises `DataError`. Over-long samples are
-truncated or dropped (``overflow``); samples under ``min_loss_tokens`` supervised tokens are dropped and
-counted; one with none is a bad record.
-
-With ``cache_dir``, `read_records` returns the input's entry in the memory-mapped token store (`store`, keyed
-by everything that changes it), building it once per node: the input is read as a stream of chunks
-(`formats`) that worker processes (one per core; spawned, so a threaded parent is safe) render, tokenize and
-mask (`parse`), in order, at most two chunks per worker in flight. Only the holder of the entry's build lock
-builds it; every other process waits, reports the builder's progress and maps the result. Without a cache
-directory the same chunks are collected in memory."""
+"""Read training records (chat or pre-tokenized) in any supported format (`formats`), checked by `parse`'s
+rules; with ``cache_dir``, through the token store (`store`), tokenized by spawned workers."""
 
 from __future__ import annotations
 
@@ -26,14 +9,13 @@ import logging
 import pickle
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 import attrs
 import numpy as np
 
-from dflash_flow.items import Sample
 from dflash_flow.util import usable_cores
 
 from .formats import (
@@ -61,7 +43,7 @@ from .store import (
 )
 
 __all__ = ["BadRecord", "DataError", "LoadReport", "ReadOptions", "ReadProgress", "TokenizedFile", "file_sha256",
-           "load_samples", "read_chat_jsonl", "read_pretokenized_arrow", "read_pretokenized_jsonl", "read_records"]
+           "read_records"]
 
 log = logging.getLogger(__name__)
 
@@ -107,15 +89,6 @@ class ReadProgress:
         if self.state in ("cached", "done"):
             return 0.0
         return self.elapsed_s * (1 - f) / f if f > 0 and self.elapsed_s > 0 else None
-
-
-def worker_count(options: ReadOptions, size: int) -> int:
-    if options.num_workers is not None:
-        return options.num_workers
-    if size < PARALLEL_MIN_BYTES:
-        return 0
-    cores = usable_cores()
-    return cores if cores > 1 else 0
 
 
 class _MemoryWriter:
@@ -181,7 +154,10 @@ def _build(writer, path: Path, fmt: InputFormat, kind: str, options: ReadOptions
     report = LoadReport()
     position = total_size(path, fmt)
     chunks = iter_chunks(path, fmt, kind, max_record_bytes=options.max_record_bytes, position=position)
-    workers = worker_count(options, input_bytes(path))
+    workers = options.num_workers
+    if workers is None:
+        cores = usable_cores() if input_bytes(path) >= PARALLEL_MIN_BYTES else 0
+        workers = cores if cores > 1 else 0
 
     blob = b""  # the workers' payload
     if workers > 1:
@@ -209,19 +185,23 @@ def _build(writer, path: Path, fmt: InputFormat, kind: str, options: ReadOptions
     return report
 
 
-def _as_file(path: Path, arrays: dict[str, np.ndarray], report: LoadReport, from_cache: bool) -> TokenizedFile:
+def _as_file(path: Path, arrays: dict[str, np.ndarray], report: LoadReport, from_cache: bool, progress,
+             t0: float) -> TokenizedFile:
     report.from_cache = from_cache
     # The key hashes content, not location: a moved or copied file hits, so point the report at it.
     report.files = [str(path)]
     report.bad_records = [BadRecord(str(path), r.line, r.reason) for r in report.bad_records]
+    if progress is not None:
+        size = input_bytes(path)
+        progress(ReadProgress(str(path), "cached" if from_cache else "done", "bytes", size, size, report.records,
+                              report.samples, report.tokens, time.monotonic() - t0))
     return TokenizedFile(str(path), arrays["ids"], arrays["mask"], arrays["offsets"], arrays["lines"], report)
 
 
 def read_records(path: str | Path, *, tokenizer: Any = None, options: ReadOptions | None = None,
                  kind: Literal["auto", "chat", "tokens"] = "auto", progress: Callable[[ReadProgress], None] | None = None,
                  should_stop: Callable[[], bool] | None = None) -> TokenizedFile:
-    """The kept samples of one input of any supported format (``kind="auto"`` looks at its columns or first
-    record), from the store when it has them."""
+    """The kept samples of one input (any format; ``kind="auto"`` looks at it), from the store when it has them."""
     options = options or ReadOptions()
     path = Path(path)
     check_input(path)
@@ -251,15 +231,22 @@ def read_records(path: str | Path, *, tokenizer: Any = None, options: ReadOption
         name = ""
         mem = _MemoryWriter()
         report = _build(mem, path, fmt, kind, options, encoder, tokenizer, on_chunk)
-        tf = _as_file(path, mem.arrays(), report, False)
-        _finish(progress, tf, path, "done", t0)
-        return tf
+        return _as_file(path, mem.arrays(), report, False, progress, t0)
 
     key = cache_key(path, kind, options, tokenizer if kind == "chat" else None, encoder.template if encoder else None)
     name = f"{path.name}-{key}"
     entry = cache_dir / name
 
-    on_wait = _on_wait(path, progress, should_stop)
+    def on_wait(other: dict | None, waited: float) -> None:  # another process builds it: report its progress
+        if should_stop is not None and should_stop():
+            raise ReadCancelled(str(path))
+        if progress is not None:
+            o = other or {}
+            holder = f"pid {o.get('pid', '?')} on {o.get('host', '?')}"
+            progress(ReadProgress(str(path), "waiting", o.get("unit", "bytes"), int(o.get("done", 0)),
+                                  int(o.get("total", 0)), int(o.get("records", 0)), int(o.get("samples", 0)),
+                                  int(o.get("tokens", 0)), float(o.get("elapsed_s", waited)), holder))
+
     damaged = False
     for _attempt in range(3):
         if not damaged and (entry / MANIFEST).exists():
@@ -289,63 +276,7 @@ def read_records(path: str | Path, *, tokenizer: Any = None, options: ReadOption
                     "is another process deleting it? (set cache_dir elsewhere)")
 
 
-def _on_wait(path: Path, progress, should_stop) -> Callable[[dict | None, float], None]:
-    """What a reader does while another process builds the same entry: report the holder's progress."""
-
-    def on_wait(other: dict | None, waited: float) -> None:
-        if should_stop is not None and should_stop():
-            raise ReadCancelled(str(path))
-        if progress is not None:
-            o = other or {}
-            holder = f"pid {o.get('pid', '?')} on {o.get('host', '?')}"
-            progress(ReadProgress(str(path), "waiting", o.get("unit", "bytes"), int(o.get("done", 0)),
-                                  int(o.get("total", 0)), int(o.get("records", 0)), int(o.get("samples", 0)),
-                                  int(o.get("tokens", 0)), float(o.get("elapsed_s", waited)), holder))
-
-    return on_wait
-
-
 def _open_cached(entry: Path, path: Path, progress, t0: float, *, cached: bool) -> TokenizedFile:
-    """The store's entry for ``path`` mapped (StoreError when it fails its check); ``cached``: it was there
-    before this read (not built by it)."""
+    """The store's entry for ``path`` mapped (StoreError when it fails its check); ``cached``: not built now."""
     arrays, rep, _meta = open_entry(entry)
-    tf = _as_file(path, arrays, LoadReport.from_json(rep), cached)
-    _finish(progress, tf, path, "cached" if cached else "done", t0)
-    return tf
-
-
-def _finish(progress, tf: TokenizedFile, path: Path, state: str, t0: float) -> None:
-    if progress is not None:
-        r = tf.report
-        size = input_bytes(path)
-        progress(ReadProgress(str(path), state, "bytes", size, size, r.records, r.samples, r.tokens,
-                              time.monotonic() - t0))
-
-
-def read_chat_jsonl(path: str | Path, tokenizer: Any, options: ReadOptions | None = None) -> TokenizedFile:
-    """Render, tokenize and mask chat records (cached when ``options.cache_dir`` is set). Despite the
-    name, any format of `formats` holding chat records reads."""
-    return read_records(path, kind="chat", tokenizer=tokenizer, options=options)
-
-
-def read_pretokenized_jsonl(path: str | Path, options: ReadOptions | None = None) -> TokenizedFile:
-    """Pre-tokenized records, ``{"input_ids": [...], "loss_mask": [...]}`` per line, or list columns of those
-    names in any format of `formats` (an Arrow table: ``read_pretokenized_arrow``; rows reported 1-based)."""
-    return read_records(path, kind="tokens", options=options)
-
-
-read_pretokenized_arrow = read_pretokenized_jsonl
-
-
-def load_samples(paths: Sequence[str | Path], *, tokenizer: Any = None, options: ReadOptions | None = None,
-                 kind: Literal["auto", "chat", "tokens"] = "auto") -> tuple[list[Sample], LoadReport]:
-    """Read several files; sample ids run 0..n-1 in file order, then line order."""
-    report = LoadReport(from_cache=True)
-    samples: list[Sample] = []
-    for p in paths:
-        tf = read_records(p, tokenizer=tokenizer, options=options, kind=kind)
-        samples.extend(tf.samples(first_id=len(samples)))
-        report.merge(tf.report)
-    if not paths:
-        report.from_cache = False
-    return samples, report
+    return _as_file(path, arrays, LoadReport.from_json(rep), cached, progress, t0)

@@ -3,7 +3,7 @@ every reader module shares; ``records`` is the public entry point and re-exports
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -132,7 +132,3 @@ class TokenizedFile:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         return Sample(sample_id=sample_id, input_ids=self.ids[a:b], loss_mask=self.mask[a:b],
                       source=f"{self.path}:{int(self.lines[i])}")
-
-    def samples(self, first_id: int = 0) -> Iterator[Sample]:
-        for i in range(len(self)):
-            yield self.sample(i, first_id + i)

@@ -1,22 +1,6 @@
-"""The token store: tokenized files as memory-mapped arrays in a shared cache directory.
-
-One entry per (input content, tokenizer, template, options) (:func:`cache_key`): a directory of raw
-little-endian arrays (``ids.i32``, ``mask.u8``, ``offsets.i64``, ``lines.i64``), the load report and a
-manifest with every file's size and blake2b digest. Processes map the arrays (``np.memmap``): the page cache
-holds one copy per node whatever the number of ranks, and corpora larger than RAM work. Our own flat files,
-not Arrow/`datasets` (docs/architecture.md): one slice per sample, written in one pass in bounded memory.
-
-* An entry is built in a private temporary directory and published with one ``rename``: a reader sees a
-  whole entry or none; a dead builder's temporary directory is removed by the next builder.
-* Builders of one entry take an exclusive ``flock`` on ``.<name>.lock`` (the kernel releases it when a process
-  dies); the others wait, reading the builder's progress from ``.<name>.progress``, then map the entry.
-  Without working locks (some network file systems) the first rename wins.
-* An entry is checked when opened: manifest, sizes, the offsets' structure, and every file's digest unless
-  the files carry the stamp of a successful check (size, inode, mtime, ctime). A damaged entry is moved
-  aside and rebuilt, never trusted.
-* A file's content digest is remembered per version of the file (path, device, inode, size, mtime, ctime),
-  in memory and in ``CACHE/digests``: hashing a multi-GB corpus on every start would cost more than a warm
-  start."""
+"""The token store: tokenized files as memory-mapped arrays in a shared cache, one entry per `cache_key`,
+built in a private directory and published by one ``rename`` by the holder of ``.<name>.lock`` (the others
+wait); opening checks its digests (unless stamped checked); a damaged entry is moved aside and rebuilt."""
 
 from __future__ import annotations
 
@@ -62,8 +46,8 @@ class StoreError(RuntimeError):
     """A cache entry that cannot be used (the caller rebuilds it)."""
 
 
-def _digest() -> Any:
-    return hashlib.blake2b(digest_size=20)
+def _digest(data: bytes | memoryview = b"") -> Any:
+    return hashlib.blake2b(data, digest_size=20)
 
 
 def _stat_sig(path: Path) -> list[int]:
@@ -71,15 +55,8 @@ def _stat_sig(path: Path) -> list[int]:
     return [st.st_size, st.st_ino, st.st_dev, st.st_mtime_ns, st.st_ctime_ns]
 
 
-def _map(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
-    if count == 0:
-        return np.zeros(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
-
-
 class EntryWriter:
-    """Writes one entry into a temporary directory, chunk by chunk (memory bounded by a chunk plus one
-    length and one line number per sample), then publishes it with a rename."""
+    """Writes one entry into a temporary directory chunk by chunk, then publishes it with a rename."""
 
     def __init__(self, final: Path):
         self.final = final
@@ -90,8 +67,6 @@ class EntryWriter:
         self._h = {"ids": _digest(), "mask": _digest()}
         self._lengths: list[np.ndarray] = []
         self._lines: list[np.ndarray] = []
-        self.tokens = 0
-        self.samples = 0
 
     def append(self, ids: np.ndarray, mask: np.ndarray, lengths: np.ndarray, lines: np.ndarray) -> None:
         ids = np.ascontiguousarray(ids, dtype=ARRAYS["ids"])
@@ -104,12 +79,10 @@ class EntryWriter:
             self._h[name].update(buf)
         self._lengths.append(np.asarray(lengths, dtype=np.int64))
         self._lines.append(np.asarray(lines, dtype=np.int64))
-        self.tokens += int(ids.size)
-        self.samples += len(lines)
 
     def finish(self, report: dict[str, Any], meta: dict[str, Any]) -> Path:
-        """Write the small arrays, the report and the manifest; fsync; rename into place. Returns the
-        published directory (another process's, when it published the same entry first)."""
+        """Write the small arrays, report and manifest, fsynced, and rename into place; the published directory
+        (another process's, when it published first)."""
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
         offsets = np.zeros(lengths.size + 1, dtype=ARRAYS["offsets"])
         np.cumsum(lengths, out=offsets[1:])
@@ -123,21 +96,14 @@ class EntryWriter:
         for name, arr in (("offsets", offsets), ("lines", lines)):
             data = memoryview(np.ascontiguousarray(arr)).cast("B")
             _write_synced(self.tmp / _FILES[name], data)
-            digests[name] = hashlib.blake2b(data, digest_size=20).hexdigest()
+            digests[name] = _digest(data).hexdigest()
         report_bytes = json.dumps(report, sort_keys=True).encode()
         _write_synced(self.tmp / _REPORT, report_bytes)
-        manifest = {
-            "version": STORE_VERSION,
-            "samples": int(lines.size),
-            "tokens": int(offsets[-1]),
-            "files": {
-                name: {"file": _FILES[name], "bytes": (self.tmp / _FILES[name]).stat().st_size, "blake2b": digests[name]}
-                for name in ARRAYS
-            },
-            "report_blake2b": hashlib.blake2b(report_bytes, digest_size=20).hexdigest(),
-            "meta": meta,
-            "built": {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()},
-        }
+        files = {name: {"file": _FILES[name], "bytes": (self.tmp / _FILES[name]).stat().st_size,
+                        "blake2b": digests[name]} for name in ARRAYS}
+        manifest = {"version": STORE_VERSION, "samples": int(lines.size), "tokens": int(offsets[-1]), "files": files,
+                    "report_blake2b": _digest(report_bytes).hexdigest(), "meta": meta,
+                    "built": {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}}
         _write_synced(self.tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         _write_stamp(self.tmp)
         fsync_dir(self.tmp)
@@ -166,8 +132,7 @@ def _write_synced(path: Path, data: bytes | memoryview) -> None:
 
 
 def _write_stamp(entry: Path) -> None:
-    """Record the files' identity after a successful check (or a build): while it holds, opening the entry
-    skips hashing the arrays."""
+    """Record the files' identity after a check or build: while it holds, opening skips hashing the arrays."""
     stamp = {name: _stat_sig(entry / _FILES[name]) for name in ARRAYS}
     with contextlib.suppress(OSError):  # a read-only cache still works; it is checked in full each time
         atomic_write_text(entry / _STAMP, json.dumps(stamp), durable=False)
@@ -189,7 +154,7 @@ def open_entry(entry: Path) -> tuple[dict[str, np.ndarray], dict[str, Any], dict
             raise StoreError(f"store version {manifest.get('version')!r}, expected {STORE_VERSION}")
         files = manifest["files"]
         report_bytes = (entry / _REPORT).read_bytes()
-        if hashlib.blake2b(report_bytes, digest_size=20).hexdigest() != manifest["report_blake2b"]:
+        if _digest(report_bytes).hexdigest() != manifest["report_blake2b"]:
             raise StoreError("report does not match its digest")
         report = json.loads(report_bytes)
         n, tokens = int(manifest["samples"]), int(manifest["tokens"])
@@ -203,7 +168,8 @@ def open_entry(entry: Path) -> tuple[dict[str, np.ndarray], dict[str, Any], dict
                 if blake2b_file(entry / files[name]["file"]) != files[name]["blake2b"]:
                     raise StoreError(f"{files[name]['file']} does not match its digest")
             _write_stamp(entry)
-        arrays = {name: _map(entry / files[name]["file"], ARRAYS[name], counts[name]) for name in ARRAYS}
+        arrays = {name: np.memmap(entry / files[name]["file"], dtype=dt, mode="r", shape=(counts[name],))
+                  if counts[name] else np.zeros(0, dtype=dt) for name, dt in ARRAYS.items()}
         off = arrays["offsets"]
         if off[0] != 0 or off[-1] != tokens or (n and bool((np.diff(off) < 0).any())):
             raise StoreError("offsets are not a valid index of the ids")
@@ -223,16 +189,6 @@ def discard_entry(entry: Path, why: str) -> None:
     except FileNotFoundError:
         return
     shutil.rmtree(trash, ignore_errors=True)
-
-
-def remove_leftovers(cache_dir: Path, name: str) -> int:
-    """Temporary and trash directories of entry ``name`` left by dead builders (call with its lock held)."""
-    removed = 0
-    for p in cache_dir.glob(f".{name}.*"):
-        if p.is_dir() and (".tmp-" in p.name or ".trash-" in p.name):
-            shutil.rmtree(p, ignore_errors=True)
-            removed += 1
-    return removed
 
 
 def _progress_path(cache_dir: Path, name: str) -> Path:
@@ -256,11 +212,8 @@ def read_progress(cache_dir: Path, name: str) -> dict[str, Any] | None:
 def entry_lock(cache_dir: Path, name: str, *, ready: Callable[[], bool],
                on_wait: Callable[[dict[str, Any] | None, float], None] | None = None,
                poll_s: float = 0.2) -> Iterator[bool]:
-    """Hold the build lock of entry ``name``: yields True with the lock held (leftovers of dead builders
-    removed; the caller checks again whether the entry exists before building it), or False without it
-    when ``ready()`` holds (at once, or after another process published the entry while we waited).
-    ``on_wait(progress, waited_s)`` runs at every poll while another process builds (it may raise to
-    give up, e.g. on a stop request)."""
+    """Yields True with entry ``name``'s build lock held (the caller checks again for the entry), or False
+    once ``ready()`` holds; ``on_wait(progress, waited_s)`` runs at every poll (it may raise to give up)."""
     if ready():
         yield False
         return
@@ -280,7 +233,9 @@ def entry_lock(cache_dir: Path, name: str, *, ready: Callable[[], bool],
                     on_wait(read_progress(cache_dir, name), time.monotonic() - start)
                 time.sleep(poll_s)
         try:
-            remove_leftovers(cache_dir, name)
+            for p in cache_dir.glob(f".{name}.*"):  # temporary and trash directories of dead builders
+                if p.is_dir() and (".tmp-" in p.name or ".trash-" in p.name):
+                    shutil.rmtree(p, ignore_errors=True)
             yield True
         finally:
             with contextlib.suppress(OSError):
@@ -308,10 +263,8 @@ def _file_digest(path: str) -> str:
     try:
         hit = memo.read_text().strip()
     except (OSError, ValueError):
-        hit = None
-    if hit is not None and len(hit) != 64:
-        hit = None
-    if hit is None:
+        hit = ""
+    if len(hit) != 64:
         hit = sha256_file(real)
         with contextlib.suppress(OSError):  # a read-only cache: hash again next time
             memo.parent.mkdir(parents=True, exist_ok=True)

@@ -1,14 +1,8 @@
-"""The standard acceptance suites, read from their published formats, with z-lab's prompt conventions.
-
-The five suites z-lab's ``benchmark.py`` measures a DFlash drafter on, each read from a local copy of its
-published data (any format of ``formats.iter_rows``, or a ``.json`` array): nothing is downloaded.
-``SUITES`` names each one's fields: gsm8k's ``question`` and math500's ``problem`` with z-lab's math suffix
-(``MATH_SUFFIX``), humaneval's ``prompt`` in z-lab's instruction and a python code block, mbpp's
-(sanitized) ``prompt`` and mt-bench's turns as they are (its second turn asked after the target's own first
-reply, by the decoder). A file of another suite is refused with the suite it looks like.
-
-Prompts are rendered with the tokenizer's chat template and the generation prompt, ``enable_thinking`` as
-asked (z-lab: off); :func:`thinking_switch` tells whether the template reads the switch at all."""
+"""The standard acceptance suites (gsm8k, math500, humaneval, mbpp, mt-bench: what z-lab's ``benchmark.py`` measures
+a DFlash drafter on), read from a local copy of their published data (any format of ``formats.iter_rows``, or a
+``.json`` array) with z-lab's prompt conventions (``SUITES``); nothing is downloaded. A file of another suite is
+refused with the suite it looks like. Prompts are rendered with the tokenizer's chat template and generation
+prompt, ``enable_thinking`` as asked (z-lab: off)."""
 
 from __future__ import annotations
 
@@ -155,11 +149,13 @@ def read_suite(suite: Suite | str, path: str | Path, *, limit: int | None = None
     return out
 
 
-def template_ids(tokenizer: Any, messages: Sequence[dict], *, enable_thinking: bool) -> list[int]:
-    """``messages`` rendered with the tokenizer's chat template and its generation prompt, as token ids,
-    with the template's thinking switch set to ``enable_thinking`` (a template without one ignores it)."""
-    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
-                                        enable_thinking=enable_thinking)
+def template_ids(tokenizer: Any, messages: Sequence[dict], *, enable_thinking: bool | None,
+                 add_generation_prompt: bool = True) -> list[int]:
+    """``messages`` rendered with the tokenizer's chat template (and its generation prompt), as token ids, with
+    the template's thinking switch set to ``enable_thinking`` (None: not passed; a template without one ignores it)."""
+    switch = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=True,
+                                        **switch)
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return [int(i) for i in ids]

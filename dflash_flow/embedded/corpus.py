@@ -1,8 +1,5 @@
-"""A deterministic chat corpus written by the project itself (no download): templated word problems, counting,
-tables, sorting, spelling, conversions, calendars, alphabet ranges, code, JSON records and stories, deliberately
-*regular* so that a tiny target continues predictably and a drafter can guess ahead; the prompt usually fixes
-the answer's length (replies of roughly 20-400 tokens). One ``random.Random(seed)`` stream; the held-out split
-is a hash of the prompt text alone, so an evaluation prompt never appears in any training set.
+"""A deterministic, deliberately *regular* chat corpus made by the project (no download), so that a tiny
+target continues predictably; one ``random.Random(seed)`` stream; held out by a hash of the prompt alone.
 """
 
 from __future__ import annotations
@@ -230,32 +227,23 @@ def _compare(rng: random.Random) -> tuple[str, str]:
     return prompt, answer
 
 
-_OPS = [
-    # (name, description, init, python operator, reducer)
-    ("total", "sum", "0", "+", lambda xs: sum(xs)),
-    ("product", "product", "1", "*", None),
-    ("largest", "largest value", None, "max", lambda xs: max(xs)),
-    ("count_even", "number of even values", "0", "even", lambda xs: sum(1 for x in xs if x % 2 == 0)),
+_LOOP = "    result = {}\n    for x in numbers:\n{}\n    return result"
+_OPS = [  # (name, description, function body, its value)
+    ("total", "sum", _LOOP.format(0, "        result = result + x"), sum),
+    ("product", "product", _LOOP.format(1, "        result = result * x"), math.prod),
+    ("largest", "largest value", _LOOP.format("numbers[0]", "        if x > result:\n            result = x"), max),
+    ("count_even", "number of even values", _LOOP.format(0, "        if x % 2 == 0:\n            result = result + 1"),
+     lambda xs: sum(1 for x in xs if x % 2 == 0)),
 ]
 
 
 def _code(rng: random.Random) -> tuple[str, str]:
     kind = rng.randrange(3)
     if kind == 0:
-        op_name, desc, init, op, fn = rng.choice(_OPS)
+        op_name, desc, body, fn = rng.choice(_OPS)
         fname = f"{op_name}_{rng.choice(['of', 'in', 'for'])}_{rng.choice(['list', 'numbers', 'values', 'items'])}"
         xs = [rng.randint(1, 9) for _ in range(rng.randint(2, 5))]
-        if op == "max":
-            body = ("    result = numbers[0]\n    for x in numbers:\n        if x > result:\n"
-                    "            result = x\n    return result")
-            val = max(xs)
-        elif op == "even":
-            body = ("    result = 0\n    for x in numbers:\n        if x % 2 == 0:\n"
-                    "            result = result + 1\n    return result")
-            val = fn(xs)
-        else:
-            body = f"    result = {init}\n    for x in numbers:\n        result = result {op} x\n    return result"
-            val = sum(xs) if op == "+" else math.prod(xs)
+        val = fn(xs)
         prompt = f"Write a Python function called {fname} that returns the {desc} of a list of numbers."
         answer = (f"Here is the function:\n```python\ndef {fname}(numbers):\n{body}\n```\n"
                   f"For example, {fname}([{_join(xs)}]) returns {val}.")

@@ -1,10 +1,6 @@
-"""The files of a regeneration (shared by :mod:`.regenerate` and :mod:`.served`): the prompts it reads and the
-JSONL of replies it appends to. Both are precious, so an output that is the input (same path or same inode) is
-refused; every record carries ``"id"`` and ``"finish_reason"`` and a file whose complete lines lack them is never
-appended to; while appending, a journal (``OUT.regen-journal``: device, inode, size when appending began) marks
-the bytes this tool writes, so only a torn last line inside that region is truncated (elsewhere: an error); the
-output is ``flock``ed; starting over moves only a file this tool wrote aside (``OUT.old``, ...), never deletes it.
-"""
+"""The files of a regeneration: the prompts it reads and the JSONL of replies it appends to, both precious: an
+output that is the input is refused, the output is ``flock``ed, a journal marks the bytes being appended (only
+a torn last line of ours is cut), and starting over moves the old output aside."""
 
 from __future__ import annotations
 
@@ -49,7 +45,6 @@ def read_prompts(path: str | Path) -> list[tuple[object, dict]]:
     out = []
     seen: set[str] = set()
     with open(path, encoding="utf-8") as f:
-        index = 0
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -59,23 +54,21 @@ def read_prompts(path: str | Path) -> list[tuple[object, dict]]:
                 raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
             if not isinstance(rec, dict):
                 raise ValueError(f"{path}:{lineno}: a record is a JSON object, got {type(rec).__name__}")
-            rid = rec.get("id", index)
+            rid = rec.get("id", len(out))
             if str(rid) in seen:
                 raise ValueError(f"{path}:{lineno}: duplicate id {rid!r} (resume needs unique ids)")
             seen.add(str(rid))
             out.append((rid, rec))
-            index += 1
     return out
 
 
 def check_output_is_not_input(prompts: str | Path, out: str | Path) -> None:
     """Refuse an output that is the input: the same path, or the same file by a symlink or a hard link."""
     prompts, out = Path(prompts), Path(out)
-    same = False
     if out.exists() and prompts.exists():
         same = os.path.samefile(prompts, out)
-    elif os.path.abspath(prompts) == os.path.abspath(out) or prompts.resolve() == out.resolve():
-        same = True
+    else:
+        same = os.path.abspath(prompts) == os.path.abspath(out) or prompts.resolve() == out.resolve()
     if same:
         raise ValueError(f"--out {out} is the input file {prompts} (the same file); writing replies there would "
                          "destroy the prompts: choose another --out")
@@ -83,8 +76,7 @@ def check_output_is_not_input(prompts: str | Path, out: str | Path) -> None:
 
 def open_output(prompts: str | Path, out: str | Path, system_prompt: str | None, limit: int | None,
                 **writer_kw) -> tuple[list, OutputWriter]:
-    """(id, :func:`~dflash_flow.data.chat.regeneration_plan`) of the first ``limit`` records of ``prompts``
-    (an output that is the input refused first; a record that is no prompt fails before any work) and the
+    """(id, regeneration plan) of the first ``limit`` records of ``prompts`` (checked before any work) and the
     writer of ``out``."""
     from dflash_flow.data.chat import regeneration_plan
 
@@ -110,8 +102,7 @@ def _ours(out: Path, offset: int) -> bool:
 
 
 def plan_digest(plan: list[dict | None]) -> str:
-    """A row's ``prompt_digest``: its prompt turns (role, content) and reply slots; a resume redoes a row whose
-    digest changed."""
+    """A row's ``prompt_digest`` (its turns and reply slots): a resume redoes a row whose digest changed."""
     import hashlib
 
     data = json.dumps([None if t is None else [t["role"], t["content"]] for t in plan], ensure_ascii=False,
@@ -133,9 +124,8 @@ def row_record(rid: object, plan: list[dict | None], conv: list[dict], reasons: 
 
 
 def scan_output(path: str | Path, *, repair: bool = True, digests: dict[str, str] | None = None) -> dict[str, str]:
-    """``{id: finish_reason}`` of the records in ``path`` (their ``prompt_digest`` into ``digests``). A damaged
-    last line is truncated when the journal says this tool wrote it (never with ``repair=False``); any other
-    damage, or a record this tool did not write, is an error."""
+    """``{id: finish_reason}`` of the records in ``path`` (``prompt_digest``s into ``digests``); a torn last
+    line is cut when the journal says this tool wrote it (``repair``), any other damage raises."""
     path = Path(path)
     if not path.exists():
         return {}
@@ -175,12 +165,9 @@ def scan_output(path: str | Path, *, repair: bool = True, digests: dict[str, str
 
 
 class OutputWriter:
-    """Appends complete lines to the output, under a lock and a journal (see the module docstring).
-
-    Entering locks the output and reads the ids already there (``done``) -- or, with ``resume=False``, moves
-    an old output of ours aside (``moved_aside``) -- and writes the journal. Rows whose ``prompt_digest``
-    differs from ``expected`` (``{id: digest}`` now) are dropped (``stale``) to be generated again.
-    """
+    """Appends complete lines to the output under a lock and a journal. Entering reads the ids already there
+    (``done``; with ``resume=False`` an old output is moved aside first) and drops (``stale``) the rows whose
+    ``prompt_digest`` differs from ``expected`` (``{id: digest}`` now), to be generated again."""
 
     def __init__(self, out: str | Path, *, resume: bool = True, drop_errors: bool = False,
                  wait: Callable[[], None] | None = None, expected: dict[str, str] | None = None):

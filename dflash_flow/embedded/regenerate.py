@@ -1,12 +1,5 @@
-"""Regenerate chat responses with the target (greedy), as the DFlash recipe does: a drafter trained on the
-target's own greedy answers is what gets its guesses accepted.
-
-Every assistant reply of a prompt record (and one after the last user turn) is generated again, in order, on
-the conversation so far (:func:`~dflash_flow.data.chat.regeneration_plan`), ``batch_size`` at a time in slots
-(:class:`~dflash_flow.model.slot_decoder.SlotDecoder`), each as if alone: the file is byte-identical whatever
-the batch size, order or a resume. Resumable and never written into the input (:mod:`.regen_io`); a prompt
-past the target's ``max_position_embeddings`` is written as an ``"error"`` row.
-"""
+"""Regenerate chat replies with the target (greedy), as the DFlash recipe does, each as if alone (the file
+is byte-identical whatever the batch size, order or a resume); and the default dataset built so."""
 
 from __future__ import annotations
 
@@ -14,14 +7,16 @@ import heapq
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_flow.data.chat import stop_token_ids
+from dflash_flow.util import atomic_write_text, cache_root, config_hash, sha256_file
 
 from .regen_io import ProgressFn, RegenCounts, open_output, read_prompts, row_record, scan_output
 
-__all__ = ["ProgressFn", "RegenStats", "read_prompts", "regenerate", "scan_output"]
+__all__ = ["DefaultDataset", "ProgressFn", "RegenStats", "build_default_dataset", "embedded_walk_data", "read_prompts",
+           "regenerate", "scan_output", "shipped_dataset", "write_eval_prompts"]
 
 
 @dataclass
@@ -37,12 +32,9 @@ def regenerate(prompts_jsonl: str | Path, target_path: str | Path | None, out_js
                system_prompt: str | None = None, device: str = "cpu", num_threads: int | None = None,
                limit: int | None = None, model=None, tokenizer=None,
                check_stop: Callable[[], None] | None = None) -> RegenStats:
-    """Write the target's greedy replies to the prompts of ``prompts_jsonl`` into ``out_jsonl``, in input order.
-
-    ``target_path=None``: the embedded target; ``model``/``tokenizer`` may come loaded. ``progress(done, total,
-    new_tokens)`` runs before the first batch and after each; ``check_stop()`` before each batch (it raises to
-    stop; a later call resumes). Byte-identical output for a fixed thread count.
-    """
+    """Write the target's greedy replies to ``prompts_jsonl`` into ``out_jsonl`` in input order
+    (``target_path=None``: the embedded target); ``progress(done, total, new_tokens)`` runs before the first
+    batch and after each, ``check_stop()`` before each (it raises to stop; a later call resumes)."""
     import torch
 
     if batch_size < 1 or max_new_tokens < 1:
@@ -79,10 +71,6 @@ def _generate(todo, writer, stats, target_path, batch_size, max_new_tokens, prog
 
     window = getattr(text_config(model), "max_position_embeddings", None)  # a longer prompt is skipped
 
-    def encode(conv: list[dict]) -> list[int]:
-        text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-
     if SlotDecoder.supports(model):
         decoder = SlotDecoder(model, slots=batch_size, max_new_tokens=max_new_tokens, stop_ids=stops)
     else:  # another architecture: one reply at a time through transformers' generate
@@ -96,7 +84,8 @@ def _generate(todo, writer, stats, target_path, batch_size, max_new_tokens, prog
         r = rows[i]
         if not r.advance():
             return
-        ids = encode(r.conv)
+        text = tokenizer.apply_chat_template(r.conv, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if isinstance(window, int) and len(ids) >= window:  # nothing could be generated in the window
             r.fail(f"the prompt of {len(ids)} tokens does not fit the target's context window of {window} "
                    "positions (max_position_embeddings)")
@@ -140,7 +129,7 @@ def _write(chunk: list[_Row], writer, stats) -> None:
     lines = []
     n_tok = 0
     for r in chunk:
-        lines.append(json.dumps(r.record(), ensure_ascii=False) + "\n")
+        lines.append(json.dumps(row_record(r.rid, r.plan, r.conv, r.reasons, r.error), ensure_ascii=False) + "\n")
         n_tok += r.tokens
         if r.error is not None:
             stats.errors.append((r.rid, r.error))
@@ -211,11 +200,7 @@ class _Row:
         self.error, self.rest = error, []
 
     def replies(self) -> list[dict]:
-        at = [i for i, t in enumerate(self.plan) if t is None]  # the reply k is turn at[k] of conv
-        return [self.conv[i] for i in at]
-
-    def record(self) -> dict:
-        return row_record(self.rid, self.plan, self.conv, self.reasons, self.error)
+        return [self.conv[i] for i, t in enumerate(self.plan) if t is None]  # reply k is the k-th slot of the plan
 
 
 def _load(target_path, device: str):
@@ -232,3 +217,149 @@ def _load(target_path, device: str):
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{path}: the tokenizer has no chat template; regeneration renders prompts with it")
     return load_target(path, device=device, dtype=torch.float32), tokenizer
+
+
+BUILD_VERSION = "1"
+
+
+@dataclass
+class DefaultDataset:
+    root: Path
+    train_path: Path  # regenerated conversations (train split)
+    eval_path: Path  # regenerated conversations (held-out split)
+    eval_prompts_path: Path  # held-out prompts only, e.g. for acceptance-length measurement
+    target_path: Path
+    key: str
+    manifest: dict = field(default_factory=dict)
+    cached: bool = False  # True when nothing had to be built
+
+
+SHIPPED_DATASET = Path(__file__).resolve().parent / "assets" / "dataset"
+
+
+def _write_jsonl_atomic(path: Path, records: list[dict]) -> None:
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+
+
+def dataset_key(n_train: int, n_eval: int, seed: int, target_path: Path, max_new_tokens: int) -> str:
+    from .corpus import CORPUS_VERSION
+
+    return config_hash({
+        "build": BUILD_VERSION, "corpus": CORPUS_VERSION, "n_train": n_train, "n_eval": n_eval, "seed": seed,
+        "max_new_tokens": max_new_tokens,
+        "weights": sha256_file(target_path / "model.safetensors"),
+        "tokenizer": sha256_file(target_path / "tokenizer.json"),
+        "template": (target_path / "chat_template.jinja").read_text()
+        if (target_path / "chat_template.jinja").exists() else "",
+    }, compact=False)
+
+
+def _our_manifest(path: Path) -> dict | None:
+    """The manifest a build wrote (a JSON object with its "key" and "files"), else None."""
+    try:
+        m = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return m if isinstance(m, dict) and isinstance(m.get("key"), str) and isinstance(m.get("files"), dict) else None
+
+
+def build_default_dataset(out_dir: str | Path, n_train: int = 1024, n_eval: int = 64, seed: int = 0, *,
+                          target_path: str | Path | None = None, cache_dir: str | Path | None = None,
+                          batch_size: int = 32, max_new_tokens: int = 448, progress=None,
+                          num_threads: int | None = None, log=print, check_stop=None) -> DefaultDataset:
+    """Build (or return the cached) default dataset in ``out_dir``: corpus prompts, the target's replies
+    (``train.jsonl``, ``eval.jsonl``) and ``manifest.json``, keyed by a hash of every input but the batch
+    size; a build killed half-way resumes."""
+    from .corpus import make_split
+    from .train_target import ensure_target, load_model_and_tokenizer
+
+    t0 = time.perf_counter()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target = Path(target_path) if target_path is not None else ensure_target(cache_dir, log=log)
+    key = dataset_key(n_train, n_eval, seed, target, max_new_tokens)
+    paths = {k: out / f"{k}.jsonl" for k in ("train_prompts", "eval_prompts", "train", "eval")}
+    manifest_path = out / "manifest.json"
+    result = DefaultDataset(root=out, train_path=paths["train"], eval_path=paths["eval"],
+                            eval_prompts_path=paths["eval_prompts"], target_path=target, key=key)
+
+    manifest = _our_manifest(manifest_path)
+    if manifest is not None and manifest.get("key") == key and all(p.exists() for p in paths.values()):
+        result.manifest, result.cached = manifest, True
+        return result
+
+    # A partial build with the same key resumes; other content this build wrote (its manifest or ".building"
+    # marker is there) is discarded; files of the same names that something else wrote are never deleted.
+    building = out / ".building"
+    if manifest is None and not building.exists():
+        foreign = [p.name for p in list(paths.values()) + [manifest_path] if p.exists()]
+        if foreign:
+            raise ValueError(f"{out} holds {', '.join(foreign)}, which the embedded dataset build did not write "
+                             "(no manifest.json of its own, no .building marker); building there would delete "
+                             "them: choose a new or empty dataset_dir")
+    if not (building.exists() and building.read_text().strip() == key):
+        for p in list(paths.values()) + [manifest_path]:
+            p.unlink(missing_ok=True)
+        building.write_text(key + "\n")
+
+    for split, examples, width in zip(("train", "eval"), make_split(n_train, n_eval, seed), (6, 5), strict=True):
+        _write_jsonl_atomic(paths[f"{split}_prompts"], [
+            {"id": f"{split}-{i:0{width}d}", "family": ex.family, "conversations": ex.conversations(with_answer=False)}
+            for i, ex in enumerate(examples)])
+
+    model, tokenizer = load_model_and_tokenizer(target)
+    figures = {}
+    for split in ("eval", "train"):  # eval first: small, and a quick sanity check of the target
+        log(f"[dataset] regenerating {split} split with the target ({target.name}) ...")
+        s = regenerate(paths[f"{split}_prompts"], target, paths[split], batch_size=batch_size,
+                       max_new_tokens=max_new_tokens, resume=True, progress=progress, num_threads=num_threads,
+                       model=model, tokenizer=tokenizer, check_stop=check_stop)
+        figures[split] = {"records": s.total, "generated_now": s.generated, "new_tokens_now": s.new_tokens,
+                          "truncated_now": s.truncated, "empty_now": s.empty, "seconds": round(s.seconds, 1),
+                          "tokens_per_s": round(s.tokens_per_s, 1)}
+    manifest = {"key": key, "n_train": n_train, "n_eval": n_eval, "seed": seed, "max_new_tokens": max_new_tokens,
+                "target": str(target), "build_seconds": round(time.perf_counter() - t0, 1), "regeneration": figures,
+                "files": {k: p.name for k, p in paths.items()}}
+    atomic_write_text(manifest_path, json.dumps(manifest, indent=2) + "\n")
+    building.unlink(missing_ok=True)
+    result.manifest = manifest
+    return result
+
+
+def shipped_dataset(n_train: int, n_eval: int, seed: int, target_path: str | Path, max_new_tokens: int):
+    """The regenerated dataset shipped with the package (what ``build_default_dataset`` would write), when it
+    was built from exactly these inputs (the same key), else None."""
+    manifest = SHIPPED_DATASET / "manifest.json"
+    if not manifest.is_file():
+        return None
+    key = dataset_key(n_train, n_eval, seed, Path(target_path), max_new_tokens)
+    data = json.loads(manifest.read_text())
+    if data.get("key") != key:
+        return None
+    return DefaultDataset(SHIPPED_DATASET, SHIPPED_DATASET / "train.jsonl", SHIPPED_DATASET / "eval.jsonl",
+                          SHIPPED_DATASET / "eval_prompts.jsonl", Path(target_path), key, data, cached=True)
+
+
+def write_eval_prompts(path: str | Path, limit: int, seed: int = 0) -> Path:
+    """Held-out prompts of the built-in corpus (disjoint from every training prompt)."""
+    from .corpus import make_split
+
+    _, evals = make_split(0, limit, seed)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_jsonl_atomic(path, [
+        {"id": f"eval-{i:05d}", "conversations": ex.conversations(with_answer=False)} for i, ex in enumerate(evals)
+    ])
+    return path
+
+
+def embedded_walk_data() -> Path:
+    """The embedded dataset's held-out ``eval.jsonl``: the shipped copy, else the one built and cached."""
+    from .train_target import embedded_target_path
+
+    target = embedded_target_path()
+    ds = shipped_dataset(1024, 64, 0, target, 448)
+    if ds is None:
+        ds = build_default_dataset(cache_root() / "embedded-dataset", n_train=1024, n_eval=64, seed=0,
+                                   target_path=target, max_new_tokens=448)
+    return ds.eval_path

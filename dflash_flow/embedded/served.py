@@ -1,15 +1,6 @@
-"""Regenerate replies through OpenAI-compatible inference servers (``vllm serve``, SGLang, any other): each reply
-a ``POST /v1/chat/completions`` to one of several servers, many in flight, appended to the same JSONL the
-in-process :mod:`.regenerate` writes (:mod:`.regen_io`). The endpoint renders with the served model's template
-(``chat_template_kwargs``: ``enable_thinking``); a reasoning block returned apart is put back in front of the
-answer as ``<think>\n...\n</think>\n\n`` (the drafter trains on the raw stream).
-
-A failed attempt (timeout, 5xx/429, malformed JSON, dropped connection) is retried after a deterministic
-backoff, preferably elsewhere; after ``max_attempts`` (at once on a 4xx) the row is written with
-``finish_reason: "error"``. A failing server cools down (doubling) and is removed after ``max_trials`` failed
-trials; with none left the run stops (the same command continues). Output order is completion order; records
-also carry ``"model"``, and a completion naming another model is a server failure, never a reply.
-"""
+"""Regenerate replies through OpenAI-compatible servers (``/v1/chat/completions``, many in flight) into the
+JSONL :mod:`.regenerate` writes; a reasoning block returned apart is put back before the answer (the drafter
+trains on the raw stream); failures are retried elsewhere, then written as ``"error"`` rows."""
 
 from __future__ import annotations
 
@@ -23,11 +14,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_flow.engine.http import AllServersDown, RequestFailed, ServerPool, backoff_delay
+from dflash_flow.engine.http import (
+    AllServersDown,
+    RequestFailed,
+    ServerPool,
+    backoff_delay,
+    body_cap,
+    discover_model,
+)
+from dflash_flow.engine.http import HttpClient as _Client
 from dflash_flow.engine.http import Stopped as _Stopped
 from dflash_flow.engine.http import unit as _unit
-from dflash_flow.engine.http_client import HttpClient as _Client
-from dflash_flow.engine.http_client import body_cap, discover_model
 
 from .regen_io import (
     ProgressFn,
@@ -78,10 +75,10 @@ def regenerate_served(prompts_jsonl: str | Path, servers: list[str], out_jsonl: 
                       check_stop: Callable[[], None] | None = None,
                       wait: Callable[[], None] | None = None, api_key: str | None = None,
                       option: str = "--server", busy: Callable[[str], None] | None = None) -> ServedStats:
-    """Write the servers' replies to ``prompts_jsonl`` into ``out_jsonl``; AllServersDown when every server is gone.
-    ``concurrency``: requests in flight per server. ``ordered_out``: also the records in input order once all are
-    written. ``wait``: called while another process writes the output (None: refused). ``timeout_s`` bounds a
-    whole request. ``option``: what messages call the server list. ``busy(text)``: what the requests wait for."""
+    """Write the servers' replies to ``prompts_jsonl`` into ``out_jsonl``; AllServersDown when every server is
+    gone. ``concurrency``: requests in flight per server; ``ordered_out``: also the records in input order at
+    the end; ``wait``: called while another process writes the output (None: refused); ``timeout_s`` bounds a
+    request; ``option``: the server list's name in messages; ``busy(text)``: what the requests wait for."""
     if max_new_tokens < 1 or concurrency < 1 or max_attempts < 1 or timeout_s <= 0:
         raise ValueError("max_new_tokens, concurrency and max_attempts must be >= 1 and the timeout > 0")
     out_jsonl = out_jsonl if out_jsonl is not None else out
@@ -99,11 +96,9 @@ def regenerate_served(prompts_jsonl: str | Path, servers: list[str], out_jsonl: 
     pool = ServerPool(servers, per_server=concurrency, fail_threshold=fail_threshold, cooldown_s=cooldown_s,
                       max_trials=max_trials, log=log, option=option)
     client = _Client(timeout_s, {"Authorization": f"Bearer {api_key}"} if api_key else None)
-    stats = ServedStats(total=len(jobs))
     with writer:
-        stats.dropped_errors = writer.dropped
-        stats.moved_aside = writer.moved_aside
-        stats.stale = writer.stale
+        stats = ServedStats(total=len(jobs), dropped_errors=writer.dropped, moved_aside=writer.moved_aside,
+                            stale=writer.stale)
         if writer.stale:
             log(f"{writer.stale} rows of {out_jsonl} were written for prompts that have changed since (the prompts "
                 "file was edited): they are regenerated")
@@ -115,9 +110,8 @@ def regenerate_served(prompts_jsonl: str | Path, servers: list[str], out_jsonl: 
             base = {"model": name, "max_tokens": max_new_tokens, "n": 1, "stream": False, **sampling_fields}
             if enable_thinking is not None:
                 base["chat_template_kwargs"] = {"enable_thinking": bool(enable_thinking)}
-            sampled = base.get("temperature", 1.0) != 0.0
             try:
-                _run(todo, pool, client, base, sampled, seed, writer, stats, max_attempts, backoff_s, backoff_max_s,
+                _run(todo, pool, client, base, seed, writer, stats, max_attempts, backoff_s, backoff_max_s,
                      concurrency * len(servers), progress, check_stop, log, busy)
             finally:
                 stats.servers = pool.report()
@@ -140,14 +134,14 @@ def _in_flight(flying: dict, now: float) -> str:
                                      f"{max(ages):.0f} s)" for url, ages in parts)
 
 
-def _run(todo, pool, client, base, sampled, seed, writer, stats, max_attempts, backoff_s, backoff_max_s, n_threads,
+def _run(todo, pool, client, base, seed, writer, stats, max_attempts, backoff_s, backoff_max_s, n_threads,
          progress, check_stop, log=lambda _m: None, busy=None) -> None:
     """Ask for every row of ``todo`` on up to ``n_threads`` threads; write (and count) each as it finishes."""
     rows: queue.Queue = queue.Queue()
     for job in todo:
         rows.put(job)
     results: queue.Queue = queue.Queue()
-    asker = _Asker(pool, client, base, sampled, seed, stats, max_attempts, backoff_s, backoff_max_s)
+    asker = _Asker(pool, client, base, seed, stats, max_attempts, backoff_s, backoff_max_s)
     threads = _start_threads(lambda: asker.worker(rows, results), min(n_threads, len(todo)), log)
     report = progress or (lambda *_: None)
     report(stats.skipped, stats.total, 0)
@@ -195,7 +189,6 @@ class _Asker:
     pool: ServerPool
     client: _Client
     base: dict
-    sampled: bool
     seed: int
     stats: ServedStats
     max_attempts: int
@@ -211,7 +204,7 @@ class _Asker:
     def ask(self, rid, conv: list[dict], k: int):
         """One reply to ``conv``: (reply, finish, tokens), or the error row's message once retries are spent."""
         payload = dict(self.base, messages=conv)
-        if self.sampled:  # reproducible sampling per row (and per reply after the first)
+        if self.base.get("temperature", 1.0) != 0.0:  # sampled: reproducibly per row (and per reply after the first)
             payload["seed"] = int((_unit("seed", self.seed, rid) if k == 0 else _unit("seed", self.seed, rid, k)) * 2**31)
         avoid: set[str] = set()
         attempts = 0

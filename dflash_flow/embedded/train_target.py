@@ -1,12 +1,6 @@
-"""Train the embedded target: a small Qwen3 causal LM on the project's own chat corpus.
-
-Eight layers whose greedy answers follow the corpus's structure, so that a drafter can predict several tokens
-ahead. Training takes 15-30 min on 2 CPU cores, so the result is shipped; to (re)produce it::
-
-    python -m dflash_flow.embedded.train_target --out dflash_flow/embedded/assets/target
-
-``ensure_target(cache_dir)`` returns the shipped asset when present, else trains the same recipe into
-``cache_dir`` (keyed by a hash of the recipe), so a checkout without the asset still works offline.
+"""Train the embedded target: an 8-layer Qwen3 causal LM and byte-level BPE tokenizer on the project's own
+chat corpus, shipped (``python -m dflash_flow.embedded.train_target --out dflash_flow/embedded/assets/target``
+remakes it); ``ensure_target`` trains the same recipe into a cache when the asset is missing.
 """
 
 from __future__ import annotations
@@ -22,10 +16,82 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dflash_flow.util import config_hash
+from dflash_flow.util import cache_root, config_hash
 
 ASSET_DIR = Path(__file__).resolve().parent / "assets" / "target"
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+# The tokenizer: byte-level BPE (every string round-trips) with digits split one by one (a tiny target learns
+# digit-wise arithmetic far better than multi-digit tokens) and Qwen's ChatML template; as in Qwen3, ``eos_token``
+# is ``<|im_end|>``, ``<|endoftext|>`` a document separator (also a stop token), and padding has its own token.
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+ENDOFTEXT = "<|endoftext|>"
+PAD = "<|pad|>"
+# Order fixes the ids: pad 0, endoftext 1, im_start 2, im_end 3.
+SPECIAL_TOKENS = [PAD, ENDOFTEXT, IM_START, IM_END]
+
+DEFAULT_VOCAB_SIZE = 768
+
+# ChatML. `add_generation_prompt` opens an assistant turn; no default system prompt is injected, so the
+# rendered text is exactly what the conversation holds (regeneration and training must render alike).
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
+)
+
+
+def train_tokenizer(texts, vocab_size: int = DEFAULT_VOCAB_SIZE):
+    """A byte-level BPE trained on ``texts`` as ``PreTrainedTokenizerFast`` with our special tokens and chat
+    template (deterministic: ties break by byte order)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    # All 256 bytes are in the base vocabulary: any input string is encodable.
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(list(texts), trainer=trainer)
+    # No cleanup (it would eat spaces before punctuation); left padding: every row ends in the generation prompt.
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=None, eos_token=IM_END, pad_token=PAD, unk_token=None,
+                                   additional_special_tokens=[ENDOFTEXT, IM_START], clean_up_tokenization_spaces=False,
+                                   padding_side="left", model_max_length=2048)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_default_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE, n_texts: int = 4000, seed: int = 0):
+    """The project's tokenizer: BPE trained on the *training* side of the embedded corpus."""
+    from .corpus import SYSTEM_PROMPTS, corpus_text, make_split
+
+    train, _ = make_split(n_texts, 0, seed)
+    texts = list(SYSTEM_PROMPTS) + list(corpus_text(train))
+    return train_tokenizer(texts, vocab_size=vocab_size)
+
+
+def save_tokenizer(tokenizer, path: str | Path) -> Path:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
+def load_tokenizer(path: str | Path):
+    """Load a saved tokenizer offline (no hub lookup)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if tok.chat_template is None:  # older saves kept the template only in tokenizer_config.json
+        tok.chat_template = CHAT_TEMPLATE
+    return tok
 
 
 @dataclass(frozen=True)
@@ -62,23 +128,8 @@ class TargetRecipe:
         return config_hash({"recipe": asdict(self), "corpus": CORPUS_VERSION}, compact=False)
 
 
-def target_config(tokenizer, recipe: TargetRecipe = TargetRecipe()):
-    from transformers import Qwen3Config
-
-    from dflash_flow.data.chat import stop_token_ids
-
-    return Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=recipe.hidden_size, intermediate_size=recipe.intermediate_size,
-        num_hidden_layers=recipe.num_layers, num_attention_heads=recipe.num_heads,
-        num_key_value_heads=recipe.num_kv_heads, head_dim=recipe.head_dim,
-        max_position_embeddings=recipe.max_position_embeddings, rope_theta=10000.0, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id,
-        attn_implementation="sdpa", dtype="float32")
-
-
 def _pack(conversations_ids: list[list[int]], seq_len: int) -> list[list[int]]:
-    """Greedy first-fit of whole conversations into windows of ``seq_len``, each starting at a conversation
-    start (position 0 = ``<|im_start|>``), as at inference time."""
+    """Whole conversations packed greedily into windows of ``seq_len``, each starting at a conversation start."""
     windows: list[list[int]] = []
     current: list[int] = []
     for ids in conversations_ids:
@@ -129,9 +180,8 @@ def answer_loss(model, tokenizer, examples, batch_size: int = 16) -> float:
 
 def train_target(out_dir: str | Path, recipe: TargetRecipe = TargetRecipe(), *, num_threads: int = 1,
                  log_every: int = 25, log=print) -> dict:
-    """Train the target with ``recipe`` and save model + config + tokenizer into ``out_dir``; the training
-    summary (also ``out_dir/training_info.json``). Bit-identical weights for the same recipe, thread count
-    and torch build."""
+    """Train the target with ``recipe`` into ``out_dir``; the training summary (also ``training_info.json``).
+    Bit-identical weights for the same recipe, thread count and torch build."""
     import torch
 
     t_start = time.perf_counter()
@@ -149,12 +199,11 @@ def train_target(out_dir: str | Path, recipe: TargetRecipe = TargetRecipe(), *, 
 def _train(out_dir, recipe: TargetRecipe, num_threads: int, log_every: int, log, t_start: float) -> dict:
     import numpy as np
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
 
     from dflash_flow.data.chat import stop_token_ids
 
     from .corpus import make_split
-    from .tokenizer import build_default_tokenizer, save_tokenizer
 
     torch.manual_seed(recipe.seed)
     random.seed(recipe.seed)
@@ -166,7 +215,13 @@ def _train(out_dir, recipe: TargetRecipe, num_threads: int, log_every: int, log,
     log(f"[target] {len(train)} conversations -> {len(windows)} windows of <= {recipe.seq_len} "
         f"({n_tokens} tokens, fill {n_tokens / (len(windows) * recipe.seq_len):.0%})")
 
-    model = AutoModelForCausalLM.from_config(target_config(tokenizer, recipe))
+    model = AutoModelForCausalLM.from_config(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=recipe.hidden_size, intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.num_layers, num_attention_heads=recipe.num_heads,
+        num_key_value_heads=recipe.num_kv_heads, head_dim=recipe.head_dim,
+        max_position_embeddings=recipe.max_position_embeddings, rope_theta=10000.0, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id,
+        attn_implementation="sdpa", dtype="float32"))
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     log(f"[target] Qwen3 {recipe.num_layers} layers, hidden {recipe.hidden_size}: {n_params / 1e6:.2f} M params")
@@ -224,8 +279,7 @@ def _lr_at(recipe: TargetRecipe, step: int) -> float:
 
 
 def _next_batch(windows: list[list[int]], order: list[int], rng, batch_size: int, pad: int):
-    """The next ``batch_size`` windows, right-padded ``[b, width]``; ``order`` is refilled with an epoch-wise
-    reshuffle drawn from the seeded generator."""
+    """The next ``batch_size`` windows, right-padded ``[b, width]`` (``order`` refilled by a seeded reshuffle)."""
     import torch
 
     while len(order) < batch_size:
@@ -245,9 +299,8 @@ def is_complete(path: str | Path) -> bool:
 
 def ensure_target(cache_dir: str | Path | None = None, recipe: TargetRecipe | None = None, *,
                   log=print) -> Path:
-    """Path of a ready target: the shipped asset if complete (and, with an explicit ``recipe``, trained with
-    it: ``training_info.json`` records its key), else the cache entry ``cache_dir/target-<recipe key>``,
-    trained on first use into a temporary directory renamed into place (never half-written)."""
+    """Path of a ready target: the shipped asset if complete (and trained with an explicit ``recipe``), else
+    ``cache_dir/target-<recipe key>``, trained on first use and renamed into place."""
     if is_complete(ASSET_DIR):
         try:
             key = json.loads((ASSET_DIR / "training_info.json").read_text()).get("recipe_key")
@@ -256,10 +309,7 @@ def ensure_target(cache_dir: str | Path | None = None, recipe: TargetRecipe | No
         if recipe is None or key == recipe.key():
             return ASSET_DIR
     recipe = recipe or TargetRecipe()
-    if cache_dir is None:
-        from dflash_flow.util import cache_root
-
-        cache_dir = cache_root() / "embedded-target"
+    cache_dir = cache_root() / "embedded-target" if cache_dir is None else cache_dir
     final = Path(cache_dir) / f"target-{recipe.key()}"
     if is_complete(final):
         return final
@@ -285,8 +335,6 @@ def load_model_and_tokenizer(path: str | Path, device: str = "cpu"):
     import torch
 
     from dflash_flow.model.target import load_target as load_model
-
-    from .tokenizer import load_tokenizer
 
     return load_model(path, device=device, dtype=torch.float32), load_tokenizer(path)
 

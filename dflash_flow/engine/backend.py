@@ -1,13 +1,8 @@
-""":class:`EngineBackend`: the target's features from vLLM servers, for TargetForward (``model.backend``'s
-TargetBackend protocol). Each sample (token ids, prompt only, ``max_tokens: 1``) goes to a server of the
-shared pool (:mod:`.http`); the reply names the file our connector wrote, which the sending thread checks and
-copies into the batch ``[b, S, n*H]`` (padding zeroed, like the transformers backend's).
-
-Faults: a failed attempt (timeout, reset, 5xx, a file that never appeared) is retried after a backoff,
-preferably elsewhere; a failing server leaves the rotation; ``max_attempts`` failures of a sample, or no
-server left, stop the run (:class:`EngineUnavailable`). A 4xx stops it at once (retrying cannot help). Bad
-features stop it naming server, sample and layer, the file kept (:class:`.checks.FeatureFault`). At start
-the first ``check_samples`` samples are checked (:class:`.checks.StartCheck`).
+""":class:`EngineBackend`: the target's features from vLLM servers, a TargetBackend for TargetForward. Each
+sample (prompt token ids, ``max_tokens: 1``) goes to a server of the shared pool; the reply names the file our
+connector wrote, which the sending thread checks and copies into the batch ``[b, S, n*H]`` (padding zeroed).
+A failed attempt is retried after a backoff, preferably elsewhere; ``max_attempts`` failures, no server left or
+a 4xx stop the run (:class:`EngineUnavailable`); bad features stop it too (:class:`.checks.FeatureFault`).
 """
 
 from __future__ import annotations
@@ -29,11 +24,17 @@ from dflash_flow.core.metrics import Counter as CounterMetric
 from dflash_flow.core.metrics import Gauge, MetricSet, Summary, stage_metric
 
 from .checks import FeatureFault, RowBatch, StartCheck, features_path, read_row, reference_fits
-from .command import API_KEY_VAR, to_engine_layer_ids, vllm_server_argv, vllm_server_env
-from .config import EngineConfig
+from .config import API_KEY_VAR, EngineConfig, to_engine_layer_ids, vllm_server_argv, vllm_server_env
 from .handover import HandoverError, wait_for_file
-from .http import AllServersDown, RequestFailed, ServerPool, Stopped, backoff_delay
-from .http_client import HttpClient, discover_model
+from .http import (
+    AllServersDown,
+    HttpClient,
+    RequestFailed,
+    ServerPool,
+    Stopped,
+    backoff_delay,
+    discover_model,
+)
 
 __all__ = ["EngineBackend", "EngineUnavailable", "engine_backend"]
 
@@ -42,8 +43,7 @@ class EngineUnavailable(RuntimeError):
     """No server could give a sample's features (every one gone, or every attempt failed)."""
 
 
-# Pools and start checks, one per set of servers and settings, shared by the replicas of a process:
-# key -> [object, users]. A start check is run by the first replica; the others wait for its verdict.
+# Pools and start checks shared by the replicas of a process: key -> [object, users].
 _SHARED: dict[tuple, list] = {}
 _SHARED_LOCK = threading.Lock()
 
@@ -78,8 +78,7 @@ class EngineMetrics:
 
 
 class EngineBackend:
-    """See the module docstring. ``target`` (a directory, hub id or preset) is loaded here only for the start
-    check, and is the model launched servers serve."""
+    """See the module docstring. ``target``: loaded here only for the start check; what launched servers serve."""
 
     def __init__(self, config: EngineConfig, *, layer_ids: list[int], hidden_size: int, depth: int | None = None,
                  target: Any = None, trust_remote_code: bool = False, output_dir: str | os.PathLike | None = None,
@@ -97,9 +96,7 @@ class EngineBackend:
         self.log = log or logging.getLogger("dflash_flow.engine").info
         self.heartbeat = heartbeat  # called while local servers start (the stage's: not a stall)
         self.vocab_size = 0  # set by engine_backend (the TargetBackend protocol's; the stage checks ids against it)
-        # Each row is its own request (unpadded; the server batches requests as it likes, whoever sends them), so
-        # a per-sample feature cache may send all its missing rows in one call and keep the concurrency.
-        self.rows_independent = True
+        self.rows_independent = True  # each row is its own request: a feature cache may send its misses together
         self.stats: Counter = Counter()
         self.start_check: StartCheck | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -332,9 +329,7 @@ class EngineBackend:
 
 def engine_backend(spec: Any, *, output_dir: str | os.PathLike | None = None, name: str = "target",
                    heartbeat: Callable[[], None] | None = None) -> EngineBackend:
-    """The backend TargetForward runs when ``model.engine`` is set, from the run's ``ModelSpec`` (the target's
-    config read without weights when its facts are not known). A spec that does not fit (no target, the last
-    layer, a bad ``model.engine``) raises ``BackendConfigError``."""
+    """The backend TargetForward runs when ``model.engine`` is set (``BackendConfigError`` when it cannot)."""
     from dflash_flow.model.backend import BackendConfigError
     from dflash_flow.model.spec import ModelSpecError
 

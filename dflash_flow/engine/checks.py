@@ -1,23 +1,14 @@
 """Checks of the features an engine returns, and one row of an engine batch read, checked and copied.
 
-Why always: a vLLM bug returned all-zero hidden states for hybrid Mamba/attention targets until PR #46301,
-and a wrong layer mapping gives plausible numbers; either way training "converges" and real acceptance is
-~0 (speculators #613, #738). So:
-
-* **every sample** (:func:`check_sample`): shape (tokens, layers, hidden size), NaN/inf, positions all zero
-  in some layer; a fault stops the run naming the server, the sample and the layer (ours and vLLM's id);
-* **at start** (:class:`StartCheck`), the first ``check_samples`` samples: ``transformers`` (the target run
-  here, CPU fp32, only as deep as needed: per layer ``||engine - ref|| / ||ref||`` within ``rtol``, and each
-  engine layer nearest to the hidden state it claims to be, so an off-by-one mapping fails whatever the
-  tolerance) or ``statistics`` (a target too large to load here: each layer varies, has a sane scale, and no
-  two are equal); ``auto`` picks transformers when the first layers fit in half the free memory.
-
-A row (:func:`read_row`): the file a reply names (:func:`features_path`, inside ``features_dir``), its token
-ids compared with those sent, checked, copied into the batch tensor and deleted (kept, and named, on a fault).
+Always on: all-zero hidden states (a vLLM bug for hybrid targets) or a wrong layer mapping still "converge" to
+an acceptance of ~0. Every sample (:func:`check_sample`): shape, NaN/inf, all-zero positions. At start
+(:class:`StartCheck`): against a transformers forward here (relative error per layer, and each layer nearest to
+the hidden state it claims to be, so an off-by-one fails) or, for a target too large, by statistics.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -42,8 +33,7 @@ def _layer_name(layer_ids: Sequence[int], j: int) -> str:
 
 
 def check_sample(feats: Any, *, layer_ids: Sequence[int], hidden_size: int, n_tokens: int, where: str) -> None:
-    """Raise FeatureFault unless ``feats`` ``[S, n, H]`` has the expected shape, is finite, and has no
-    position whose features are all zero in a layer. ``where``: "server URL, sample ID" for the message."""
+    """Raise FeatureFault unless ``feats [S, n, H]`` has the expected shape, is finite, has no all-zero row."""
     import torch
 
     shape = tuple(feats.shape)
@@ -81,19 +71,8 @@ def default_rtol(dtype_name: str) -> float:
     return 1e-4 if dtype_name in ("float32", "float64") else 5e-2
 
 
-def _mem_available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def reference_fits(spec: Any, deepest: int, depth: int | None) -> tuple[bool, str]:
-    """Whether the target's first ``deepest + 2`` layers fit, in fp32, in half of this machine's free memory
-    (presets always; a local directory by its weight files; anything else: no). With the reason."""
+    """Whether the target's first ``deepest + 2`` layers fit, in fp32, in half the free memory; and why."""
     from dflash_flow.model.facts import preset_params
 
     try:
@@ -110,18 +89,17 @@ def reference_fits(spec: Any, deepest: int, depth: int | None) -> tuple[bool, st
         return False, f"no weight files in {root}"
     share = min(1.0, (deepest + 2) / depth) if depth else 1.0
     need = weights * share * 2  # stored in 16 bits, most likely; fp32 here
-    avail = _mem_available()
-    if avail is None:
-        return False, "this machine's free memory is unknown"
+    import psutil
+
+    avail = psutil.virtual_memory().available
     if need > avail / 2:
         return False, f"~{need / 2**30:.1f} GiB for its first {deepest + 2} layers in fp32, {avail / 2**30:.1f} GiB free"
     return True, f"~{need / 2**30:.1f} GiB in fp32 of {avail / 2**30:.1f} GiB free"
 
 
 class StartCheck:
-    """The start check over the first batch's first ``k`` samples: ``offer(rows)`` (each ``(where, token ids,
-    feats [S, n, H])``) checks them before the batch is returned, raising FeatureFault; :attr:`report` then
-    holds the figures per layer. ``mode``: "transformers" or "statistics"."""
+    """The start check over the first batch's first ``k`` samples: ``offer(rows)`` (``(where, token ids,
+    feats [S, n, H])``) raises FeatureFault or fills :attr:`report`. ``mode``: transformers or statistics."""
 
     def __init__(self, *, mode: str, k: int, layer_ids: Sequence[int], target: Any = None,
                  trust_remote_code: bool = False, depth: int | None = None, rtol: float | None = None,
@@ -166,11 +144,8 @@ class StartCheck:
             self.rows = []  # the copies are not needed any more
 
     def _where(self) -> str:
-        """The server and the samples checked, for the messages."""
         samples = ", ".join(w.split(", ", 1)[-1] for w, _, _ in self.rows)
         return f"{self.rows[0][0].split(',')[0]} (samples {samples})"
-
-
     def _transformers(self) -> dict:
         import torch
 
@@ -263,8 +238,7 @@ class StartCheck:
 
 
 class RowBatch:
-    """One batch in flight: the output tensor (allocated by the first row read, in the features' dtype),
-    the stop flag its rows watch, the rows kept for the start check."""
+    """One batch in flight: its output tensor (made by the first row read), stop flag and start-check rows."""
 
     def __init__(self, b: int, s: int, width: int, dtype: Any, pin: bool):
         self.shape = (b, s, width)
@@ -289,8 +263,7 @@ class RowBatch:
 
 
 def features_path(resp: dict, config: Any, url: str, sid: Any) -> str:
-    """The local path of the features file a reply names (refused when the server does not run our connector,
-    or names a file outside ``features_dir``)."""
+    """The local path of the features file a reply names (inside ``features_dir``)."""
     params = resp.get("kv_transfer_params")
     path = params.get("hidden_states_path") if isinstance(params, dict) else None
     if not isinstance(path, str) or not path:
@@ -306,8 +279,7 @@ def features_path(resp: dict, config: Any, url: str, sid: Any) -> str:
 
 def read_row(batch: RowBatch, i: int, ids: list[int], where: str, path: str, *, layer_ids: list[int],
              hidden_size: int, keep_for_check: bool) -> None:
-    """Row ``i`` of ``batch`` from the file at ``path`` (``where``: server and sample, for the messages);
-    ``keep_for_check``: a copy goes to the start check."""
+    """Row ``i`` of ``batch`` from the file at ``path``, checked; ``keep_for_check``: a copy for the start check."""
     import torch
 
     f = open_features(path)
@@ -334,7 +306,5 @@ def read_row(batch: RowBatch, i: int, ids: list[int], where: str, path: str, *, 
                 batch.check_rows.append((i, where, ids, hs.clone()))
     finally:
         f.close()
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(path)
-    except OSError:
-        pass

@@ -1,18 +1,29 @@
-"""``model.engine``: the target's features from vLLM servers instead of an in-process forward (torch-free,
-cheap to import). The target stays declared once (``model.target``, ``model.target_layer_ids``); this section
-says where the servers are (``servers``, or ``launch`` to start local ones) and how to talk to them
-(docs/engine.md: the deployment, the checks, examples).
+"""``model.engine`` (the target's features from vLLM servers instead of an in-process forward; torch-free;
+docs/engine.md) and the vLLM server command for the target (``dflash-flow serve-target``, ``model.engine.launch``):
+chunked prefill off (``extract_hidden_states`` requires it), our connector writing into the features directory;
+the module form, since the CPU wheel's ``vllm`` script fails to start.
+
+The layer-id mapping: ours are transformers' decoder-layer indices (``hidden_states[k + 1]``), vLLM's count
+from the embedding, so **vLLM id = our id + 1**. Our last layer is refused: transformers gives its final-normed
+state, vLLM the state before the norm.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shlex
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
 
 from dflash_flow.core import cfg
 
-__all__ = ["DEFAULT_FEATURES_DIR", "EngineConfig", "LaunchConfig"]
+__all__ = ["CONNECTOR_CLASS", "CONNECTOR_MODULE", "DEFAULT_FEATURES_DIR", "EngineConfig", "LaunchConfig",
+           "from_engine_layer_ids", "package_root", "shell_line", "to_engine_layer_ids", "vllm_server_argv",
+           "vllm_server_env"]
 
 #: tmpfs on one node: the feature files live in shared memory (docs/engine.md, "Handing features over").
 DEFAULT_FEATURES_DIR = "/dev/shm/dflash-flow-features"
@@ -20,8 +31,7 @@ DEFAULT_FEATURES_DIR = "/dev/shm/dflash-flow-features"
 
 @attrs.define(kw_only=True)
 class LaunchConfig:
-    """``model.engine.launch``: vLLM servers this run starts on its own node, keeps the logs of
-    (``OUTPUT_DIR/engine/server-<i>.log``) and stops on every exit path."""
+    """``model.engine.launch``: vLLM servers this run starts on its node (logs in ``OUTPUT_DIR/engine``)."""
 
     count: int = cfg(1, ge=1, le=64, result=False, doc="Servers to start (each on its own port, devices and log).")
     port: int = cfg(8100, ge=1024, le=65535, result=False,
@@ -46,8 +56,7 @@ class LaunchConfig:
 
 @attrs.define(kw_only=True)
 class EngineConfig:
-    """``model.engine``: TargetForward sends each batch's samples (token ids, prompt only) to vLLM servers
-    running our connector and reads the target's features from the files they write."""
+    """``model.engine``: where the servers are and how to talk to them."""
 
     servers: list[str] = cfg(factory=list, result=False,
                              doc="Base URLs of running servers (started with the command `dflash-flow serve-target` prints).")
@@ -129,11 +138,100 @@ def _remap(path: str, prefixes: dict[str, str]) -> str:
 
 
 def engine_config_from(value: Any) -> EngineConfig:
-    """An EngineConfig from a mapping (tests, the interop check, the bench); the pipeline's ``model.engine``
-    is structured by the core converter like every section. Raises ValueError with every problem."""
+    """An EngineConfig from a mapping (tests, the interop check); ValueError with every problem."""
     from dflash_flow.core.convert import structure
 
     cfg_, problems = structure(EngineConfig, value, what="model.engine", field_prefix="model.engine.")
     if problems:
         raise ValueError("; ".join(p.format() for p in problems))
     return cfg_.check()
+
+
+CONNECTOR_MODULE = "dflash_flow.engine.vllm_connector"
+CONNECTOR_CLASS = "DFlashHiddenStatesConnector"
+API_KEY_VAR = "VLLM_API_KEY"  # vLLM reads its API key from here: it never appears in a command line
+
+
+def to_engine_layer_ids(ids: Sequence[int], depth: int | None = None) -> list[int]:
+    """Our ``target_layer_ids`` as vLLM's (+1 each); with ``depth``, each must exist and not be the last."""
+    out = []
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise ValueError(f"target layer id {i!r} is not an integer")
+        if i < 0:
+            raise ValueError(f"target layer id {i} is negative")
+        if depth is not None:
+            if i >= depth:
+                raise ValueError(f"target layer {i} does not exist: the target has {depth} decoder layers "
+                                 f"(ids 0-{depth - 1})")
+            if i == depth - 1:
+                raise ValueError(
+                    f"target layer {i} is the target's last layer: transformers gives its final-normed state, "
+                    "vLLM the state before the final norm, so engine features would differ from in-process "
+                    f"ones; pick layers up to {depth - 2}")
+        out.append(i + 1)
+    if not out:
+        raise ValueError("no target layer ids")
+    return out
+
+
+def from_engine_layer_ids(ids: Sequence[int]) -> list[int]:
+    """vLLM's layer ids as ours (-1 each); vLLM's 0 (the embedding output) has none: ValueError."""
+    out = []
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise ValueError(f"vLLM layer id {i!r} is not an integer")
+        if i < 1:
+            raise ValueError(f"vLLM layer id {i} is the embedding output (or negative): no decoder layer of ours")
+        out.append(i - 1)
+    return out
+
+
+def package_root() -> str:
+    """The directory holding the ``dflash_flow`` package (on a server's PYTHONPATH, for our connector)."""
+    return str(Path(__file__).resolve().parents[2])
+
+
+def vllm_server_argv(*, python: str, target: str, engine_layer_ids: Sequence[int], features_dir: str, port: int,
+                     host: str | None = None, served_model: str = "target", tp: int = 1, dtype: str = "auto",
+                     max_model_len: int | None = None, gpu_memory_utilization: float | None = None,
+                     prefix_caching: bool = False, trust_remote_code: bool = False,
+                     extra_args: Sequence[str] = ()) -> list[str]:
+    """The server's argv (see the module docstring)."""
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(engine_layer_ids)}}}
+    kv = {"kv_connector": CONNECTOR_CLASS, "kv_role": "kv_producer", "kv_connector_module_path": CONNECTOR_MODULE,
+          "kv_connector_extra_config": {"shared_storage_path": features_dir}}
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--served-model-name", served_model,
+            "--port", str(port)]
+    if host is not None:
+        argv += ["--host", host]
+    argv += ["--dtype", dtype, "--tensor-parallel-size", str(tp)]
+    if max_model_len is not None:
+        argv += ["--max-model-len", str(max_model_len)]
+    if gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", f"{gpu_memory_utilization:g}"]
+    argv += ["--no-enable-chunked-prefill", "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+    if trust_remote_code:
+        argv.append("--trust-remote-code")
+    argv += ["--speculative-config", json.dumps(spec, separators=(",", ":")),
+             "--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
+    return argv + list(extra_args)
+
+
+def vllm_server_env(extra: Mapping[str, str] | None = None, *, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: this process's environment), our package root in front of PYTHONPATH, then ``extra``."""
+    env = dict(os.environ if base is None else base)
+    root = package_root()
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in parts if p != root])
+    env.update(extra or {})
+    return env
+
+
+def shell_line(argv: Sequence[str], env: Mapping[str, str] | None = None, *, api_key_env: str | None = None) -> str:
+    """``VAR=value ... argv`` quoted for a POSIX shell; an API key by its variable, never written out."""
+    pre = [f"{k}={shlex.quote(v)}" for k, v in (env or {}).items()]
+    if api_key_env:
+        pre.append(f'{API_KEY_VAR}="${{{api_key_env}}}"')
+    return " ".join(pre + [shlex.join(argv)])

@@ -1,13 +1,12 @@
 """The small process between a run and a server it started: ``python -m dflash_flow.engine.guard FD GRACE -- CMD...``.
 
-Started in a session of its own, it starts ``CMD`` in its group and reads the pipe ``FD`` whose other end only
-the run holds. When that end closes (the run stopped the server, or died, even by SIGKILL) it stops the whole
-group: SIGTERM, then after ``GRACE`` seconds SIGKILL. When the server exits by itself the guard exits with its
-status. Stdlib only: it starts in milliseconds and needs nothing of the vLLM environment.
+In a session of its own, it starts ``CMD`` in its group and, when the pipe ``FD`` from the run closes (even by
+SIGKILL), stops the group: SIGTERM, then SIGKILL after ``GRACE`` seconds. Stdlib only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -60,10 +59,8 @@ def main(argv: list[str]) -> int:
         rc = proc.poll()
         if rc is not None:  # the server ended by itself: its children (vLLM's engine core) go with it
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(os.getpgid(0), signal.SIGTERM)
-            except ProcessLookupError:
-                pass
             return rc if rc >= 0 else 128 - rc
 
 

@@ -1,19 +1,13 @@
-"""The feature files between a vLLM server and the trainer: how our connector writes them, how the client
-reads them. One safetensors file per request, the layout vLLM's ``load_hidden_states`` reads: ``token_ids
-[S]`` (int64) and ``hidden_states [S, n_layers, H]`` in the engine's dtype. Files work on one node and across
-nodes alike, and on tmpfs (``/dev/shm``, the default) they *are* shared memory: the writer's one copy lands in
-the page cache, the reader maps those pages and copies them once, into the batch (docs/engine.md).
-
-Writer (:class:`FeatureWriter`, in the server): rows gathered out of the hidden-states cache (on a GPU into
-pinned memory, asynchronously on the current stream, so the blocks can be freed at once), written to a
-temporary name and renamed, so a reader never sees half a file; a failed write leaves ``<file>.error``;
-uncollected files are swept after ``orphan_age_s``. Reader (:func:`wait_for_file`, :func:`open_features`):
-waits for the file (or its ``.error``), maps it, checks the header and returns tensor views over the mapping.
-Torch and safetensors are imported inside the functions: vLLM's processes import this module.
+"""The feature files between a vLLM server and the trainer: one safetensors file per request in the layout
+vLLM's ``load_hidden_states`` reads (``token_ids [S]`` int64, ``hidden_states [S, n_layers, H]``). On tmpfs
+(the default) they are shared memory: the reader maps the writer's pages and copies them once, into the batch.
+A file is written under a temporary name and renamed (a failed write leaves ``<file>.error``). Torch and
+safetensors are imported inside the functions: vLLM's processes import this module.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
@@ -45,16 +39,13 @@ class HandoverError(Exception):
 
 
 def feature_file_name(req_id: str) -> str:
-    """The file name of a request's features: its id with anything but ``[A-Za-z0-9._-]`` replaced (a
-    request id never picks a directory)."""
+    """The file name of a request's features (its id made safe: it never picks a directory)."""
     name = _SAFE.sub("_", req_id).lstrip(".") or "request"
     return name[:200] + SUFFIX
 
 
 def gather_rows(cache: Any, block_ids: list[int], block_size: int, n_tokens: int) -> Any:
-    """The first ``n_tokens`` rows ``[n_tokens, n_layers, H]`` of a request out of a hidden-states cache
-    ``[num_blocks, n_layers, block_size, H]`` (vLLM's cache-only layer), by its block ids. One gather (a new
-    tensor on the cache's device)."""
+    """A request's first ``n_tokens`` rows out of a cache ``[num_blocks, n_layers, block_size, H]``."""
     import torch
 
     blocks = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
@@ -64,9 +55,8 @@ def gather_rows(cache: Any, block_ids: list[int], block_size: int, n_tokens: int
 
 
 class FeatureWriter:
-    """Writes one file per request under ``directory`` (see the module docstring). ``threads``: 0 writes in
-    the caller (the file exists when :meth:`submit` returns); more: a pool writes, the caller only waits for
-    the device-to-host copy to be *queued*."""
+    """Writes one file per request under ``directory``; ``threads``: 0 writes in the caller, more: a pool writes
+    (the caller only queues the device-to-host copy). Uncollected files are swept after ``orphan_age_s``."""
 
     def __init__(self, directory: str | os.PathLike, *, threads: int = 0, orphan_age_s: float = 900.0,
                  log: Any = None):
@@ -78,9 +68,6 @@ class FeatureWriter:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="dflash-features") if threads else None
         self._swept = time.monotonic()
         self._lock = threading.Lock()
-
-    def path_for(self, req_id: str) -> str:
-        return str(self.directory / feature_file_name(req_id))
 
     def submit(self, path: str, hidden: Any, token_ids: list[int]) -> None:
         """Write ``hidden [S, n, H]`` (on any device) and ``token_ids`` to ``path``."""
@@ -110,10 +97,8 @@ class FeatureWriter:
             with atomic_path(path, durable=False) as tmp:  # tmpfs or a shared FS: a crash loses nothing of value
                 save_file({"hidden_states": host, "token_ids": ids}, str(tmp))
         except BaseException as e:  # the client must hear of it, not wait out its timeout
-            try:
+            with contextlib.suppress(OSError):
                 Path(path + ERROR_SUFFIX).write_text(f"{type(e).__name__}: {e}"[:2000])
-            except OSError:
-                pass
             if self.log is not None:
                 self.log(f"writing {path} failed: {type(e).__name__}: {e}")
             if not isinstance(e, Exception):
@@ -133,8 +118,7 @@ class FeatureWriter:
 
 
 def sweep_orphans(directory: str | os.PathLike, age_s: float) -> int:
-    """Remove feature files (and their temporaries and error notes) older than ``age_s``: a client that
-    timed out or died never collects its file, and on tmpfs an uncollected file is memory."""
+    """Remove feature files (and temporaries, error notes) older than ``age_s``: on tmpfs they are memory."""
     cutoff = time.time() - age_s
     removed = 0
     try:
@@ -144,18 +128,15 @@ def sweep_orphans(directory: str | os.PathLike, age_s: float) -> int:
     for e in entries:
         if not (e.name.endswith(SUFFIX) or e.name.endswith(ERROR_SUFFIX) or e.name.endswith(".tmp")):
             continue
-        try:
+        with contextlib.suppress(OSError):
             if e.is_file(follow_symlinks=False) and e.stat(follow_symlinks=False).st_mtime < cutoff:
                 os.unlink(e.path)
                 removed += 1
-        except OSError:
-            pass
     return removed
 
 
 def wait_for_file(path: str, timeout_s: float, stop: threading.Event | None = None) -> None:
-    """Return once ``path`` exists (the writer renames a complete file onto it); raise HandoverError when
-    the writer left ``<path>.error`` or ``timeout_s`` passed. Polls from 0.5 ms up to 20 ms."""
+    """Return once ``path`` exists; HandoverError when the writer left ``<path>.error`` or ``timeout_s`` passed."""
     deadline = time.monotonic() + timeout_s
     delay = 0.0005
     while True:
@@ -180,8 +161,7 @@ def wait_for_file(path: str, timeout_s: float, stop: threading.Event | None = No
 
 
 class FeatureFile:
-    """One mapped feature file: ``hidden_states`` ``[S, n, H]`` and ``token_ids`` ``[S]`` as tensors over the
-    mapping (no copy). :meth:`close` drops them and unmaps."""
+    """One mapped feature file: ``hidden_states`` and ``token_ids`` as tensors over the mapping (no copy)."""
 
     def __init__(self, path: str, mm: mmap.mmap, header: dict, base: int):
         self.path = path
@@ -203,21 +183,14 @@ class FeatureFile:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(self._mm, dtype=dtype, count=count, offset=self._base + begin).view(shape)
 
-    @property
-    def dtype_name(self) -> str:
-        return DTYPES[self.header["hidden_states"]["dtype"]]
-
     def close(self) -> None:
         self.hidden_states = self.token_ids = None
-        try:
+        with contextlib.suppress(BufferError):  # a view is still held somewhere: the mapping goes with it
             self._mm.close()
-        except BufferError:  # a view is still held somewhere: the mapping goes with it
-            pass
 
 
 def open_features(path: str) -> FeatureFile:
-    """Map a feature file and check its header: both tensors, known dtypes, 1-D int ``token_ids``, 3-D
-    ``hidden_states`` with as many rows, every byte range inside the file. Raises HandoverError."""
+    """Map a feature file and check its header (tensors, dtypes, shapes, byte ranges); raises HandoverError."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except OSError as e:

@@ -1,15 +1,13 @@
-"""Local servers a run starts itself, and always stops: :class:`LocalServers` (the target's vLLM servers of
-``model.engine.launch``, the eval suites' drafter server). Each runs under a guard (:mod:`.guard`) in a
-process group of its own, logging to a file the caller names; is ready when ``GET ready_url`` answers 200
-(a failed wait says which URL, how long, and the log's last lines); and is stopped on every exit path:
-:meth:`LocalServers.stop` (also on leaving the ``with`` block), an ``atexit`` hook, and -- where no code of
-ours runs any more (SIGKILL) -- the guard, which stops its group when the pipe from this process closes.
-Stopping is SIGTERM to the whole group, then SIGKILL after ``grace_s``. Busy ports are refused up front.
+"""Local servers a run starts itself and always stops (:class:`LocalServers`): each under a guard
+(:mod:`.guard`) in a process group of its own, ready when ``GET ready_url`` answers 200, stopped (SIGTERM to
+the group, then SIGKILL) by :meth:`LocalServers.stop`, an ``atexit`` hook, or -- after a SIGKILL of this
+process -- the guard, when the pipe from this process closes.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import socket
@@ -30,7 +28,7 @@ GUARD = str(Path(__file__).with_name("guard.py"))
 
 
 class LaunchError(RuntimeError):
-    """A local server that could not be started or did not become ready (one line saying why)."""
+    """A local server that could not be started or did not become ready."""
 
 
 @dataclass
@@ -89,7 +87,7 @@ def _tail(path: str | os.PathLike, n: int = 5) -> str:
 
 
 class LocalServers:
-    """Start, wait for and stop a set of local servers (see the module docstring)."""
+    """Start, wait for and stop a set of local servers."""
 
     def __init__(self, specs: Sequence[ServerSpec], *, ready_timeout_s: float = 1200.0, grace_s: float = 30.0,
                  log: Callable[[str], None] | None = None):
@@ -139,9 +137,7 @@ class LocalServers:
         self.log(f"started server {spec.name} (pid {proc.pid}; log {spec.log_path})")
 
     def wait_ready(self, stop: threading.Event | None = None, on_wait: Callable[[], None] | None = None) -> None:
-        """Return when every server answers ``GET ready_url`` with 200; LaunchError when one exits or the
-        timeout passes (saying what it waited for). ``on_wait`` is called at every poll (a stage's
-        heartbeat: a long model load is not a stalled pipeline)."""
+        """Return when every server answers 200; LaunchError when one exits or the timeout passes."""
         t0 = time.monotonic()
         deadline = t0 + self.ready_timeout_s
         while True:
@@ -187,23 +183,15 @@ class LocalServers:
         with self._lock:
             running, self._running = self._running, []
         for r in running:  # closing the pipe tells each guard to stop its group (SIGTERM, then SIGKILL)
-            try:
+            with contextlib.suppress(OSError):
                 os.close(r.pipe_w)
-            except OSError:
-                pass
         for r in running:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 r.proc.wait(timeout=self.grace_s + 10)
-            except subprocess.TimeoutExpired:
-                pass
-            try:  # whatever is left of the group (a guard that hung, a child that ignored SIGTERM)
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # what is left (a hung guard, a child)
                 os.killpg(r.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 r.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
             r.log.close()
             self.log(f"stopped server {r.spec.name}")
         with _LIVE_LOCK:
@@ -234,9 +222,8 @@ _SHARED_LOCK = threading.Lock()
 
 def shared_servers(key: object, make: Callable[[], LocalServers], stop: threading.Event | None = None,
                    on_wait: Callable[[], None] | None = None):
-    """The started and ready servers for ``key``, made by ``make()`` for the first user (the others wait for
-    them, and get the same error when they fail); returns ``(servers, release)``: call ``release()`` once
-    per user; the last one stops them."""
+    """``(servers, release)``: the ready servers for ``key``, made by ``make()`` for the first user (the others
+    wait, and share its error); the last ``release()`` stops them."""
     with _SHARED_LOCK:
         entry = _SHARED.get(key)
         if entry is None:

@@ -1,15 +1,9 @@
-"""Our KV connector for vLLM's ``extract_hidden_states``: the target's hidden states of each prompt, written to
-one file per request, on CPU and GPU alike. vLLM imports this module into its own processes
-(``kv_connector_module_path``; ``dflash-flow serve-target PIPELINE`` prints the whole command); nothing of
-ours imports it.
+"""Our KV connector for vLLM's ``extract_hidden_states``: each prompt's hidden states written to one file per
+request, on CPU and GPU alike. vLLM imports this module into its own processes; nothing of ours imports it.
 
-It reuses vLLM's ``ExampleHiddenStatesConnector`` (0.32) for the cache group, block size, TP-rank-0 writer
-and cache layout, and replaces how a request's rows leave the engine. The example fails on CPU (pinned host
-memory, ``event.query()``, docs/engine.md) and writes a request's rows only at the engine's *next* step,
-holding its blocks past its end. Here the rows are written in the step that computes the prompt's last token
-(``wait_for_save``): the scheduler side marks the request in that step's metadata, the worker gathers its rows
-and hands them to :class:`~dflash_flow.engine.handover.FeatureWriter`, so the blocks are freed at once. The
-reply's ``kv_transfer_params.hidden_states_path`` names the file; clients never choose a path.
+It reuses vLLM's ``ExampleHiddenStatesConnector`` but writes a request's rows in the step that computes the
+prompt's last token (``wait_for_save``), so its blocks are freed at once (the example writes them a step later
+and fails on CPU). The reply's ``kv_transfer_params.hidden_states_path`` names the file.
 
 Extra config: ``shared_storage_path`` (default ``/dev/shm/dflash-flow-features``), ``writer_threads`` (default
 0 on CPU: write in the step; 4 on GPU), ``orphan_age_s`` (default 900).

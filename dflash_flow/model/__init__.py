@@ -1,8 +1,6 @@
 """Model side of DFlash: drafter, objective, target loading, optimizer, export, speculative decoding.
-
-Submodules import torch; import them directly (``from dflash_flow.model.drafter import ...``) so that
-importing this package stays cheap.
-"""
+Submodules import torch: import them directly (``from dflash_flow.model.drafter import ...``) to keep
+importing this package cheap."""
 
 import threading
 

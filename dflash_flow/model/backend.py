@@ -1,37 +1,19 @@
-"""Where the target's features come from: the :class:`TargetBackend` protocol ``TargetForward`` runs, and its
-in-process implementation (transformers, loaded only as deep as the deepest requested layer, on one device or
-split layer-wise over several). Other backends (an inference engine, a feature store) implement the same
-protocol, so the trainer and everything after it cannot tell them apart.
+"""Where the target's features come from. A TargetBackend (what ``TargetForward`` runs) has ``layer_ids``,
+``hidden_size`` (of one layer), ``vocab_size`` (ids at or above it are refused before the forward),
+``rows_independent`` (a row's features do not depend on the other rows of its call, as an engine's requests; then
+a per-sample cache sends all its missing rows in one call), ``setup(*, devices, out_device, name)``,
+``features(input_ids, attention_mask, lengths, sample_ids)`` -> ``[b, S, n*H]`` of right-padded rows (our layer
+ids: ``hidden_states[id + 1]``) and ``close()``. Here the in-process one (transformers, loaded only as deep as
+the deepest requested layer); an engine and a feature store implement the same, so the trainer cannot tell them
+apart.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 from .spec import ModelSpec
-
-if TYPE_CHECKING:
-    import torch
-
-
-class TargetBackend(Protocol):
-    """Computes ``[b, S, n*H]`` features of right-padded token rows (our layer ids: ``hidden_states[id + 1]``)."""
-
-    layer_ids: list[int]
-    hidden_size: int  # of one layer
-    vocab_size: int  # token ids at or above it are refused before the forward
-    # Each row's features do not depend on the other rows of its call (an engine: every row is its own
-    # request); a per-sample cache then sends all its missing rows in one call. False for a padded batch
-    # through an in-process model, whose rows alone are not bit-equal to the batch's.
-    rows_independent: bool
-
-    def setup(self, *, devices: Sequence[str], out_device: str, name: str) -> None: ...
-
-    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, lengths: Sequence[int],
-                 sample_ids: Sequence[Any]) -> torch.Tensor: ...
-
-    def close(self) -> None: ...
 
 
 class BackendConfigError(ValueError):
@@ -54,7 +36,7 @@ class InProcessBackend:
         self.layer_ids: list[int] = []
         self.hidden_size = 0
         self.vocab_size = 0
-        self.rows_independent = False
+        self.rows_independent = False  # a padded batch's rows are not bit-equal to each row alone
         self.model: Any = None
         self.extractor: Any = None
 

@@ -15,8 +15,6 @@ from .decoding import crop_cache, new_cache, target_device
 from .dflash2 import is_dflash2_config, select_path
 from .drafter_config import draft_value
 
-__all__ = ["BlockDrafter", "DraftSettings", "draft_settings", "features"]
-
 
 def _draft_setting(drafter: nn.Module, name: str, default: Any = None) -> Any:
     """A DFlash setting from the drafter: attribute, then config.dflash_config, then config."""
@@ -31,11 +29,6 @@ def features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) ->
     """The drafter's context features from HF ``hidden_states``: the feature of target layer ``id`` is
     ``hidden_states[id + 1]`` (entry 0 is the embeddings), concatenated along the hidden dimension."""
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
-
-
-def _model_device(model: nn.Module, fallback: torch.device) -> torch.device:
-    p = next(model.parameters(), None)
-    return p.device if p is not None else fallback
 
 
 @attrs.frozen
@@ -65,18 +58,15 @@ def draft_settings(drafter: nn.Module, *, block_size: int | None = None, mask_to
 
 
 class BlockDrafter:
-    """The drafter's side of one decoding: its KV cache of context features, the embedding of each
-    block, and the logits of the block's draft slots.
-
-    Real decoding (:func:`spec_generate`) and the teacher-forced walk (``model.walk``) both drive the
-    drafter through this, so they feed it identically: context features enter the cache once, the
-    cache is cropped back to the block's start after every call.
-    """
+    """The drafter's side of one decoding (real, and the teacher-forced walk, fed identically): its KV cache
+    of context features (each enters once; cropped back to the block's start after every call), the embedding
+    of each block, and the logits of the block's draft slots."""
 
     def __init__(self, target: nn.Module, drafter: nn.Module, settings: DraftSettings) -> None:
         self.drafter = drafter
         self.settings = settings
-        self.device = _model_device(drafter, target_device(target))
+        p = next(drafter.parameters(), None)
+        self.device = p.device if p is not None else target_device(target)
         self.embed_weight = target.get_input_embeddings().weight.to(self.device)
         head = target.get_output_embeddings()
         self.lm_head = head if head is not None else target.lm_head
@@ -91,12 +81,6 @@ class BlockDrafter:
         twin = copy.copy(self)
         twin.cache = copy.deepcopy(self.cache)
         return twin
-
-    def logits(self, block: torch.Tensor, context: torch.Tensor, start: int) -> torch.Tensor:
-        """Draft logits ``[1, v - 1, V]`` for the slots 1.. of ``block`` ``[1, v]`` (its first token at
-        position ``start``); ``context`` ``[1, c, F]`` holds the features of positions ``start - c ..
-        start - 1`` not yet in the cache."""
-        return self._logits(self.hidden(block, context, start))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if hasattr(self.drafter, "compute_logits"):
@@ -126,8 +110,9 @@ class BlockDrafter:
         return self.propose(block, context, start)[0][0]
 
     def hidden(self, block: torch.Tensor, context: torch.Tensor, start: int) -> torch.Tensor:
-        """The drafter's normed hidden states ``[1, v - 1, H]`` of the slots 1.. of ``block`` (see
-        :meth:`logits`)."""
+        """The drafter's normed hidden states ``[1, v - 1, H]`` of the slots 1.. of ``block`` ``[1, v]`` (its
+        first token at position ``start``); ``context`` ``[1, c, F]``: the features of positions
+        ``start - c .. start - 1`` not yet in the cache."""
         verify = block.shape[1]
         noise = F.embedding(block.to(self.device), self.embed_weight)
         if self.settings.embed_scale != 1.0:

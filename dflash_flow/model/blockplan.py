@@ -57,7 +57,6 @@ def anchor_candidates(loss_mask: torch.Tensor, width: int, *, attention_mask: to
     keys = torch.where(valid, keys, torch.full_like(keys, 2.0))
     picked = torch.topk(keys, width, dim=1, largest=False).indices
     keep = valid.gather(1, picked)
-    # Sort kept anchors ascending and push padding to the end.
     order = torch.where(keep, picked, picked + s).argsort(dim=1)
     anchors = picked.gather(1, order)
     keep = keep.gather(1, order)
@@ -80,17 +79,9 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, *, attention_mask:
     return anchors[:, :w], keep[:, :w]
 
 
-def decay_weights(
-    block_size: int, gamma: float | None, *, device: torch.device | None = None
-) -> torch.Tensor:
-    """Per-slot loss weights ``[B]``: 0 on slot 0 (never supervised), then ``exp(-(k-1)/gamma)`` (``gamma``
-    None or <= 0: no decay, 1)."""
-    k = torch.arange(block_size, device=device, dtype=torch.float32)
-    if gamma is None or gamma <= 0:
-        w = torch.ones(block_size, device=device)
-    else:
-        w = torch.exp(-(k - 1.0).clamp(min=0.0) / float(gamma))
-    return torch.where(k >= 1, w, torch.zeros_like(w))
+def decay_weights(block_size: int, gamma: float | None, *, device: torch.device | None = None) -> torch.Tensor:
+    """Per-slot loss weights ``[B]``: :func:`prefix_decay_weights` at ``l = 1`` (0 on slot 0, never supervised)."""
+    return prefix_decay_weights(torch.ones(1, dtype=torch.long, device=device), block_size, gamma)[0]
 
 
 @attrs.frozen(kw_only=True)
@@ -98,9 +89,7 @@ class PrefixPrior:
     """The variable-prefix objective's prior over a block's visible prefix length ``l`` (D2SD VP-Drafter, as
     NeMo AutoModel's ``loss_type: variable_prefix``): ``Pr(l) ~ weight_base ** l`` on ``min_length..max_length``.
     Slots ``0..l-1`` hold real tokens, the masked rest is supervised; ``l = 1`` is DFlash's block.
-    ``max_length`` None: ``B - 1``. The default starts at 1 (not NeMo's 2): inference drafts with ``l = 1``.
-    Errors name the config fields (``prefix_weight_base``, ``prefix_min_length``, ``prefix_max_length``).
-    """
+    ``max_length`` None: ``B - 1``. The default starts at 1 (not NeMo's 2): inference drafts with ``l = 1``."""
 
     weight_base: float = 0.9
     min_length: int = 1
@@ -113,11 +102,9 @@ class PrefixPrior:
                               prefix_max_length=self.max_length).bounds(block_size)
 
     def probabilities(self, block_size: int) -> torch.Tensor:
-        """``[hi - lo + 1]`` float64 on the CPU: ``Pr(l)`` for ``l = lo..hi``."""
-        return self._probabilities(*self.bounds(block_size))
-
-    def _probabilities(self, lo: int, hi: int) -> torch.Tensor:
-        # Relative to the first term, so large bases or long blocks cannot overflow.
+        """``[hi - lo + 1]`` float64 on the CPU: ``Pr(l)`` for ``l = lo..hi`` (relative to the first term, so
+        large bases or long blocks cannot overflow)."""
+        lo, hi = self.bounds(block_size)
         w = torch.tensor([float(self.weight_base) ** (n - lo) for n in range(lo, hi + 1)], dtype=torch.float64)
         return w / w.sum()
 
@@ -129,7 +116,7 @@ def sample_prefix_lengths(shape: tuple[int, int] | torch.Size, prior: PrefixPrio
     on ``generator``'s device (CPU without one) like the anchor keys, then moved to ``device``."""
     lo, hi = prior.bounds(block_size)
     draw_on = generator.device if generator is not None else torch.device("cpu")
-    cdf = prior._probabilities(lo, hi).cumsum(0).to(draw_on)
+    cdf = prior.probabilities(block_size).cumsum(0).to(draw_on)
     u = torch.rand(tuple(shape), generator=generator, device=draw_on, dtype=torch.float64)
     idx = torch.searchsorted(cdf, u, right=True).clamp(max=hi - lo)
     return (idx + lo).to(device if device is not None else draw_on)
@@ -137,8 +124,7 @@ def sample_prefix_lengths(shape: tuple[int, int] | torch.Size, prior: PrefixPrio
 
 def prefix_decay_weights(prefix_lengths: torch.Tensor, block_size: int, gamma: float | None) -> torch.Tensor:
     """``[b, N, B]`` weights of the variable-prefix objective: 0 on the visible slots ``k < l``, then
-    ``exp(-(k-l)/gamma)`` (the decay re-anchored at the prefix boundary); ``l = 1`` gives exactly
-    ``decay_weights`` (the same arithmetic)."""
+    ``exp(-(k-l)/gamma)`` (the decay re-anchored at the prefix boundary; ``gamma`` None or <= 0: no decay, 1)."""
     k = torch.arange(block_size, device=prefix_lengths.device, dtype=torch.float32)
     shift = k - prefix_lengths[..., None].to(torch.float32)
     if gamma is None or gamma <= 0:

@@ -1,14 +1,10 @@
-"""``compile: auto``: torch.compile the training step only when the run's planned steps repay the compiling.
+"""``compile: auto``: torch.compile the training step (CPU only) when the run's planned steps repay the compiling.
 
-Compiling the step's work outside the attention kernels (``DFlashDrafter.compiled``) makes CPU steps faster
-after tens of seconds of compiling per batch shape (docs/benchmarks.md). ``CompilePlan`` decides once per run,
-by measurement: a run planning fewer than ``MIN_MICRO_BATCHES`` stays eager and measures nothing; otherwise
-the first ``WARMUP`` eager steps are timed, and it compiles when the saving over the micro-batches left
-exceeds ``MARGIN`` times the compiling (per compiled shape, stretched by wall / CPU time when other work holds
-the cores). Cost and saving come from this machine's record (``compile_plan.json`` in the cache directory,
-written by the last run that compiled), else from the defaults below. A run that compiled times its next
-``CALIBRATE`` steps, records what compiling cost and saved, and goes back to eager when it turned out slower.
-Only on CPU; each rank decides by its own clock.
+Decided once per run and rank, by measurement: the first ``WARMUP`` eager steps are timed, and it compiles when
+the saving over the micro-batches left exceeds ``MARGIN`` times the compiling (per shape, stretched by wall /
+CPU time when other work holds the cores). Cost and saving come from this machine's record (``RECORD`` in the
+cache directory, written by the last run that compiled), else the defaults below. A compiled run times its
+next ``CALIBRATE`` steps, records them, and goes back to eager when it turned out slower.
 """
 
 from __future__ import annotations

@@ -29,8 +29,7 @@ def new_cache(config: Any):
     from transformers import DynamicCache
 
     cache = DynamicCache(config=config)
-    # Sliding-window / linear-attention layers can only be cropped back if they keep their past;
-    # plain full-attention layers ignore this.
+    # Sliding-window / linear-attention layers can be cropped back only if they keep their past.
     if hasattr(cache, "activate_past_recording"):
         cache.activate_past_recording()
     return cache

@@ -30,9 +30,7 @@ def default_attn_implementation(device: str | torch.device, dtype: torch.dtype |
     """flash_attention_2 only where it can run: a CUDA device of compute capability >= 8.0, a 16-bit ``dtype``
     (None: the device's default), and the package imports; sdpa otherwise."""
     dev = as_device(device)
-    if dev.type != "cuda":
-        return "sdpa"
-    if (dtype or default_dtype(dev)) not in (torch.bfloat16, torch.float16):
+    if dev.type != "cuda" or (dtype or default_dtype(dev)) not in (torch.bfloat16, torch.float16):
         return "sdpa"
     try:
         if torch.cuda.get_device_capability(dev) < (8, 0):
@@ -66,9 +64,7 @@ _streams = threading.local()
 
 def _thread_stream(device: torch.device) -> torch.cuda.Stream:
     """This thread's own stream on ``device`` (made once per thread and device)."""
-    table = getattr(_streams, "table", None)
-    if table is None:
-        table = _streams.table = {}
+    table = _streams.__dict__.setdefault("table", {})
     if device not in table:
         table[device] = torch.cuda.Stream(device=device)
     return table[device]

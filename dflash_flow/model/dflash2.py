@@ -392,11 +392,6 @@ class DFlash2Drafter(DFlashDrafter):
             if isinstance(module, (GroupedDynamicConv, CandidateSelector)):
                 module.reset_parameters()
 
-    def propose(self, hidden, anchor_ids, output_head, temperature: float = 0.0, generator=None):
-        """z-lab's ``DFlash2DraftModel.propose``: the selector's path through the draft slots."""
-        return select_path(self.candidate_selector, hidden, self.compute_logits(hidden, output_head),
-                           anchor_ids, temperature=temperature, generator=generator)
-
 
 def drafter_from_config(config: Any) -> DFlashDrafter:
     """A fresh drafter of the variant ``config`` describes (DFlash 2 or DFlash)."""
@@ -405,10 +400,3 @@ def drafter_from_config(config: Any) -> DFlashDrafter:
 
 def drafter_variant(config: Any) -> str:
     return "dflash2" if is_dflash2_config(config) else "dflash"
-
-
-__all__ = [
-    "ARCHITECTURE", "CandidateSelector", "DFlash2Drafter", "DFlash2Layer", "GroupedDynamicConv", "block_causal_conv",
-    "drafter_from_config", "drafter_variant", "is_dflash2_config", "make_dflash2_config", "make_variant_config",
-    "select_path", "selector_terms", "top_candidate_indices", "top_candidates", "variant_config",
-]

@@ -12,10 +12,8 @@ Contract (must stay equal to z-lab ``dflash.model.DFlashDraftModel``, which infe
   block tokens and prepended to the block's keys and values in every layer (k_norm and RoPE on both);
 * with no mask, full-attention layers see every key and sliding layers are causal and windowed by key index.
 
-The layers are transformers' Qwen3 pieces, the ones z-lab's model is built from. Two entry points share the
-weights: ``forward`` / ``decode`` (the inference layout, or a dense bool mask ``[b, 1, Q, KV]``), and
-``context_kv`` + ``decode_blocks``, the training layout: the context's keys and values projected once per
-layer, blocks in groups (``BlockLayout``) that attend only to the context their anchors see.
+Two entry points share the weights: ``forward`` / ``decode`` (the inference layout, or a dense bool mask), and
+``context_kv`` + ``decode_blocks`` (training: context keys/values once per layer, blocks grouped by anchor).
 """
 from __future__ import annotations
 
@@ -37,8 +35,6 @@ from dflash_flow.model.drafter_layers import (
     maybe_compiled,
 )
 from dflash_flow.model.facts import build_target_layer_ids
-
-__all__ = ["DFlashDrafter"]
 
 
 class DFlashDrafter(nn.Module):
@@ -117,14 +113,14 @@ class DFlashDrafter(nn.Module):
         x = noise_embedding
         for layer in self.layers:
             mask = attention_mask[layer.layer_type] if isinstance(attention_mask, dict) else attention_mask
-            if self._checkpoint_layers():
-                x = checkpoint(layer, x, context, cos, sin, mask, past_key_values, use_reentrant=False)
-            else:
-                x = layer(x, context, cos, sin, mask, past_key_values)
+            x = self._call(layer, x, context, cos, sin, mask, past_key_values)
         return self.norm(x)
 
-    def _checkpoint_layers(self) -> bool:
-        return self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+    def _call(self, fn, *args):
+        """``fn(*args)``, activation-checkpointed under ``gradient_checkpointing`` in training."""
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
 
     def context_kv(self, context: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, keys and values ``[b, kv_heads, ctx, d]`` of a fused ``context`` at positions 0..ctx-1."""
@@ -180,11 +176,7 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary_emb.at(block_positions, noise_embedding, limit)
         x = noise_embedding
         for i, (layer, (k, v), layout) in enumerate(zip(self.layers, context_kv, layouts, strict=True)):
-            args = (x, k, v, cos, sin, layout, rows if i == 0 else None)
-            if self._checkpoint_layers():
-                x = checkpoint(layer.forward_blocks, *args, use_reentrant=False)
-            else:
-                x = layer.forward_blocks(*args)
+            x = self._call(layer.forward_blocks, x, k, v, cos, sin, layout, rows if i == 0 else None)
         return self.norm(x)
 
     def forward(self, position_ids: torch.LongTensor,

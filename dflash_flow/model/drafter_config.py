@@ -8,8 +8,6 @@ from transformers import Qwen3Config
 
 from dflash_flow.model.facts import build_target_layer_ids
 
-__all__ = ["FULL_ATTENTION", "LAYER_TYPES", "SLIDING_ATTENTION", "draft_value", "make_drafter_config"]
-
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
@@ -47,8 +45,34 @@ def make_drafter_config(target_config: Any, *, num_layers: int, block_size: int 
                        ("final_logit_softcapping", final_logit_softcapping)):
         if value is not None:
             dflash_config[key] = float(value)
-    return _qwen3_config(tc, num_layers=num_layers, layer_types=layer_types, sliding_window=sliding_window,
-                         intermediate_size=intermediate_size, block_size=block_size, dflash_config=dflash_config)
+    num_heads = int(tc.num_attention_heads)
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // num_heads
+    rope_parameters = getattr(tc, "rope_parameters", None)
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=int(tc.hidden_size),
+        intermediate_size=int(intermediate_size or tc.intermediate_size),
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or num_heads),
+        head_dim=int(head_dim),
+        hidden_act=getattr(tc, "hidden_act", "silu"),
+        max_position_embeddings=int(getattr(tc, "max_position_embeddings", 32768)),
+        initializer_range=float(getattr(tc, "initializer_range", 0.02)),
+        rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
+        rope_parameters=dict(rope_parameters) if rope_parameters else None,
+        attention_bias=bool(getattr(tc, "attention_bias", False)),
+        # Qwen3Config drops sliding_window unless use_sliding_window is set, also when reloading config.json.
+        use_sliding_window=SLIDING_ATTENTION in layer_types,
+        sliding_window=sliding_window,
+        layer_types=layer_types,
+        tie_word_embeddings=False,
+        architectures=["DFlashDraftModel"],
+        auto_map={"AutoModel": "dflash.DFlashDraftModel"},
+        block_size=int(block_size),
+        num_target_layers=num_target_layers,
+        dflash_config=dflash_config,
+    )
 
 
 def _checked_layer_ids(target_layer_ids: list[int] | None, num_target_layers: int, num_layers: int) -> list[int]:
@@ -79,36 +103,3 @@ def _checked_layer_types(layer_types: list[str] | None, sliding_window: int | No
     if uses_sliding and (sliding_window is None or sliding_window < 1):
         raise ValueError("sliding_attention layers need a positive sliding_window")
     return layer_types, sliding_window if uses_sliding else None
-
-
-def _qwen3_config(tc: Any, *, num_layers: int, layer_types: list[str], sliding_window: int | None,
-                  intermediate_size: int | None, block_size: int, dflash_config: dict[str, Any]) -> Qwen3Config:
-    """The config itself: the target text config ``tc``'s sizes, attention geometry and RoPE, our layers."""
-    num_heads = int(tc.num_attention_heads)
-    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // num_heads
-    rope_parameters = getattr(tc, "rope_parameters", None)
-    return Qwen3Config(
-        vocab_size=int(tc.vocab_size),
-        hidden_size=int(tc.hidden_size),
-        intermediate_size=int(intermediate_size or tc.intermediate_size),
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or num_heads),
-        head_dim=int(head_dim),
-        hidden_act=getattr(tc, "hidden_act", "silu"),
-        max_position_embeddings=int(getattr(tc, "max_position_embeddings", 32768)),
-        initializer_range=float(getattr(tc, "initializer_range", 0.02)),
-        rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
-        rope_parameters=dict(rope_parameters) if rope_parameters else None,
-        attention_bias=bool(getattr(tc, "attention_bias", False)),
-        # Qwen3Config drops sliding_window unless use_sliding_window is set, also when reloading config.json.
-        use_sliding_window=SLIDING_ATTENTION in layer_types,
-        sliding_window=sliding_window,
-        layer_types=layer_types,
-        tie_word_embeddings=False,
-        architectures=["DFlashDraftModel"],
-        auto_map={"AutoModel": "dflash.DFlashDraftModel"},
-        block_size=int(block_size),
-        num_target_layers=int(tc.num_hidden_layers),
-        dflash_config=dflash_config,
-    )

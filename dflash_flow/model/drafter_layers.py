@@ -19,11 +19,6 @@ from dflash_flow.model import fused
 from dflash_flow.model.block_attention import block_attention, split_block_attention
 from dflash_flow.model.drafter_config import FULL_ATTENTION, SLIDING_ATTENTION
 
-__all__ = [
-    "BlockLayout", "DrafterAttention", "DrafterLayer", "RMSNorm", "RotaryEmbedding", "SlotRows", "drop_first_slot",
-    "index_mask",
-]
-
 
 class RotaryEmbedding(Qwen3RotaryEmbedding):
     """transformers' Qwen3 RoPE (every static RoPE type it knows), with fp32 tables under ``.to(bf16)``."""

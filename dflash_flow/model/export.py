@@ -1,12 +1,7 @@
-"""Save and load drafter checkpoints in the Hugging Face layout DFlash inference engines load.
-
-A checkpoint directory holds ``config.json`` (a Qwen3 config plus ``block_size``, ``num_target_layers``,
-``layer_types``, ``sliding_window`` and ``dflash_config: {mask_token_id, target_layer_ids}``; a DFlash 2
-drafter also its settings there) and ``model.safetensors`` with the drafter's own weights only; loading
-never unpickles anything. No ``auto_map``: every export is checked against what vLLM and SGLang read
-(``export_contract``). Files are world-readable: an inference server often runs as another user.
-``load_drafter`` builds either variant from ``architectures``, and accepts z-lab's ``.weight`` codebooks.
-"""
+"""Save and load drafter checkpoints in the Hugging Face layout DFlash inference engines load: ``config.json``
+(a Qwen3 config plus the DFlash keys, checked against what vLLM and SGLang read: ``export_contract``) and
+``model.safetensors`` with the drafter's own weights (never unpickled), world-readable (a server often runs as
+another user). ``load_drafter`` builds either variant from ``architectures`` and accepts z-lab's codebooks."""
 
 from __future__ import annotations
 
@@ -78,14 +73,9 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike,
 
 def save_drafter(drafter: DFlashDrafter, path: str | os.PathLike, *, state: dict[str, Any] | None = None,
                  inputs: tuple = (), check_stop: Callable[[], None] | None = None) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` into ``path`` (created); returns the directory.
-
-    Files are written to temporary names and renamed (a crash never leaves a half-written checkpoint; a
-    link at a final name is replaced, not written through). Weights holding NaN or infinity are refused.
-    ``path`` must pass ``check_destination`` (with ``inputs``); the result is checked against the serving
-    contract. ``check_stop()`` (raises to stop) is called between tensors and before the files are
-    written: a stop abandons the export before anything is written.
-    """
+    """Write ``config.json`` and ``model.safetensors`` into ``path`` (which must pass ``check_destination``),
+    atomically; refuses NaN or infinite weights; checks the result against the serving contract.
+    ``check_stop()`` (raises to stop) runs between tensors: a stop abandons the export before any write."""
     from dflash_flow.model.export_contract import check_export
 
     out = Path(path)
@@ -255,19 +245,11 @@ def load_drafter(path: str | os.PathLike, *, device: str | torch.device = "cpu",
             state[key] = state.pop(f"{key}.weight")
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
-    wrong = [
-        f"{k}: file {tuple(state[k].shape)} vs config {tuple(expected[k].shape)}"
-        for k in sorted(set(expected) & set(state))
-        if tuple(state[k].shape) != tuple(expected[k].shape)
-    ]
-    if missing or unexpected or wrong:
-        lines = []
-        if missing:
-            lines.append(f"missing {len(missing)} tensors, e.g. {missing[:3]}")
-        if unexpected:
-            lines.append(f"unexpected {len(unexpected)} tensors, e.g. {unexpected[:3]}")
-        if wrong:
-            lines.append(f"{len(wrong)} shape mismatches, e.g. {wrong[:3]}")
+    wrong = [f"{k}: file {tuple(state[k].shape)} vs config {tuple(expected[k].shape)}"
+             for k in sorted(set(expected) & set(state)) if state[k].shape != expected[k].shape]
+    lines = [f"{what.format(len(keys))}, e.g. {keys[:3]}" for what, keys in (
+        ("missing {} tensors", missing), ("unexpected {} tensors", unexpected), ("{} shape mismatches", wrong)) if keys]
+    if lines:
         raise CheckpointError(
             f"{weights} does not match {root / CONFIG_NAME} (a checkpoint from another config?):\n  "
             + "\n  ".join(lines)

@@ -201,17 +201,14 @@ def check_export(path: str | os.PathLike) -> dict[str, Any]:
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"{root} is not a directory holding an exported drafter")
-    problems: list[str] = []
     cfg_path, weights = root / CONFIG_NAME, root / WEIGHTS_NAME
     for f in (cfg_path, weights):
         if not f.is_file():
             raise CheckpointError(f"{root}: no {f.name} (export a checkpoint with `dflash-flow export CK OUT`)")
-    unreadable = [m for m in (_readable_by_others(root, directory=True), _readable_by_others(cfg_path),
-                              _readable_by_others(weights)) if m]
-    problems.extend(unreadable)
+    problems = [m for m in (_readable_by_others(root, directory=True), _readable_by_others(cfg_path),
+                            _readable_by_others(weights)) if m]
     d = read_json_object(cfg_path)
-    problems.extend(config_problems(d))
-    problems.extend(weight_problems(d, read_safetensors_header(weights)))
+    problems += config_problems(d) + weight_problems(d, read_safetensors_header(weights))
     if problems:
         raise CheckpointError(f"{root} breaks the serving contract (vLLM / SGLang):\n  " + "\n  ".join(problems))
     dcfg = d["dflash_config"]

@@ -1,10 +1,7 @@
-"""The RAM tier of the target's features: what later epochs read instead of running the target again
-(which leaves its cores to the drafter). The first tier of the feature store: ``model.store_backend`` looks
-here before the store on disk; ``TargetForward.cache_features`` is this tier alone.
-
-Each sample's features are computed alone (a batch of one, its own length, no padding) whether or not they
-are cached, so they do not depend on which batch, epoch, replica or process computed them: a run resumed
-with an empty cache computes the same values. One cache serves every replica of a stage in a process.
+"""The RAM tier of the target's features, read by later epochs instead of running the target (the feature
+store's first tier; ``TargetForward.cache_features`` alone). Each sample's features are computed alone (no
+padding) whether or not they are cached, so they do not depend on which batch, epoch, replica or process
+computed them. One cache serves every replica of a stage in a process.
 """
 
 from __future__ import annotations

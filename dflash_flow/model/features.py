@@ -44,14 +44,10 @@ class _ReachedDeepestLayer(Exception):
 
 
 class TargetFeatureExtractor:
-    """DFlash context features of a frozen target, computed no deeper than needed: ``extractor(input_ids,
-    attention_mask)`` returns ``[b, S, n * H]``, the residual stream after each layer of ``target_layer_ids``
-    (HF ``output_hidden_states[id + 1]``) concatenated, aligned 1:1 with ``input_ids``, right padding zeroed.
-
-    The model's own backbone forward runs; hooks on the requested layers record their outputs (only in the
-    calling context, a ContextVar) and the deepest one's raises, ending the forward. On a split model each
-    output is gathered onto ``output_device``. On CUDA a call runs on the calling thread's own streams; the
-    consumer copies the features on its own stream (``device.take``), so neither GPU's queue waits."""
+    """``extractor(input_ids, attention_mask)``: ``[b, S, n * H]``, the residual stream after each layer of
+    ``target_layer_ids`` (HF ``output_hidden_states[id + 1]``) concatenated, right padding zeroed. Hooks on the
+    requested layers record their outputs (in the calling context only, a ContextVar); the deepest one's raises,
+    ending the backbone's forward. On CUDA a call runs on the calling thread's own streams (``device.take``)."""
 
     def __init__(self, model: nn.Module, target_layer_ids: Sequence[int], *, dtype: torch.dtype | None = None,
                  zero_padding: bool = True, output_device: str | torch.device | None = None) -> None:
@@ -77,9 +73,6 @@ class TargetFeatureExtractor:
         self.deepest = max(ids)
         self.dtype = dtype
         self.zero_padding = zero_padding
-        # The text stack's own config: multimodal wrappers keep hidden_size there, not at the top.
-        stack_config = getattr(self.backbone, "config", None) or getattr(model, "config", None)
-        self.hidden_size = int(getattr(stack_config, "hidden_size", 0) or 0) or None
         # HF's last `hidden_states` entry is the final-normed state (`tie_last_hidden_states`): for the last
         # layer the whole backbone runs, to match HF exactly.
         config = getattr(self.backbone, "config", None)
@@ -88,16 +81,6 @@ class TargetFeatureExtractor:
         self._collect: contextvars.ContextVar[dict[int, torch.Tensor] | None] = contextvars.ContextVar(
             f"dflash_flow_target_features_{id(self)}", default=None
         )
-
-    @property
-    def feature_dim(self) -> int | None:
-        """n * H, the width of the returned features (None if the config has no hidden_size)."""
-        return None if self.hidden_size is None else self.hidden_size * len(self.target_layer_ids)
-
-    @property
-    def layers_run(self) -> int:
-        """How many decoder layers one call executes."""
-        return self.deepest + 1
 
     def _hook(self, index: int):
         def hook(_module, _args, output):

@@ -9,8 +9,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["rms_norm", "rope", "silu_mul", "weighted_cross_entropy"]
-
 _silu_backward = torch.ops.aten.silu_backward
 _fused_rms_norm = torch.ops.aten._fused_rms_norm
 

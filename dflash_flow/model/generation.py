@@ -1,19 +1,13 @@
 """The generation loops, z-lab ``dflash_generate``'s inference contract (batch size 1): speculative decoding
-with a DFlash drafter (greedy and sampled) and plain greedy decoding.
-
-Prefill the target: its choice is the first new token, the prompt's features the draft context. Then loop:
-the block ``[last token, MASK x (B-1)]`` at ``start .. start+B-1`` is drafted (slot k predicts ``start + k``)
-on the drafter's cached context plus the last step's features; the target verifies it in one forward and
-commits a prefix of the drafts plus its own bonus token; both KV caches are cropped to the committed length.
-
-Greedy: the longest prefix equal to the target's argmax is accepted, so the output is plain greedy decoding's.
-Sampled: the speculative-sampling rule (``sampling.verify_sampled``), every draw from one seeded generator in
-z-lab's order (prefill sample; per step the drafts, the acceptance uniforms, the bonus): the same seed gives
-z-lab's output. A DFlash 2 drafter proposes its selector's walk (``BlockDrafter.propose``); sampled, its
-per-slot distribution (temperature only) is the rule's ``q``, while the target's ``p`` keeps top-p / top-k.
+with a DFlash drafter (greedy and sampled) and plain greedy decoding. Per step the block ``[last token, MASK x
+(B-1)]`` is drafted, the target verifies it in one forward and commits a prefix of the drafts plus its bonus
+token. Greedy equals plain greedy decoding; sampled follows the speculative-sampling rule (:class:`Sampling`,
+:func:`verify_sampled`), every draw from one seeded generator in z-lab's order (prefill sample; per step the
+drafts, the acceptance uniforms, the bonus).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,9 +17,10 @@ from torch import nn
 
 from .block_drafter import BlockDrafter, DraftSettings, draft_settings, features
 from .decoding import cache_kwarg, crop_cache, prefill, reply_until_stop, target_device
-from .sampling import Sampling, sample_from, sampling_probs, verify_sampled
+from .dflash2 import select_path
 
-__all__ = ["SpecResult", "greedy_continuations", "greedy_generate", "spec_generate"]
+__all__ = ["Sampling", "SpecResult", "greedy_continuations", "greedy_generate", "propose", "sample_from",
+           "sampling_probs", "spec_generate", "verify_sampled"]
 
 
 @attrs.define(eq=False)
@@ -135,7 +130,12 @@ def spec_generate(target: nn.Module, drafter: nn.Module, input_ids: Any, *, max_
         # Near the end the block shrinks to what is left (as z-lab's): the drafter sees the reference's block.
         verify = min(settings.block_size, state.max_length - start)
         block = state.seq[None, start : start + verify].clone()  # [last token, MASK, ...]
-        draft_probs = _draft(drafts, block, state.pending, start, sampling, state.generator) if verify > 1 else None
+        draft_probs = None
+        if verify > 1:  # the drafts into the block's slots 1.., and their proposal distribution when sampled
+            hidden = drafts.hidden(block, state.pending, start)
+            logits = drafts._logits(hidden)
+            block[:, 1:], draft_probs = propose(drafts.drafter, drafts.selects, hidden, logits, block, sampling,
+                                                state.generator)
         if trace is not None:
             trace.append((start, block[0, 1:].tolist()))
         out = target(input_ids=block, position_ids=torch.arange(start, start + verify, device=device)[None],
@@ -213,20 +213,24 @@ def start_decoding(target: nn.Module, ids: torch.Tensor, max_new_tokens: int, se
     return Decoding(seq, n_in, max_length, n_in, pending, stopped, generator), cache
 
 
-def _draft(drafts: BlockDrafter, block: torch.Tensor, pending: torch.Tensor | None, start: int,
-           sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor | None:
-    """The drafts into ``block``'s slots 1.. (in place); the drafter's proposal distribution when sampled
-    (greedy, or a DFlash 2 selector's walk: ``BlockDrafter.propose``)."""
+def propose(drafter: nn.Module, selects: bool, hidden: torch.Tensor, logits: torch.Tensor, block: torch.Tensor,
+            sampling: Sampling, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The drafts ``[1, v - 1]`` of one ``block`` (on its device) from the drafter's ``hidden`` and ``logits`` of
+    its slots 1.., and their proposal distribution when sampled: the argmax, a draw from ``sampling_probs``, or a
+    DFlash 2 drafter's selector walk (as ``BlockDrafter.propose``; zero outside the candidates)."""
     device = block.device
-    if drafts.selects or sampling.greedy:
-        proposed, draft_probs = drafts.propose(
-            block, pending, start, 0.0 if sampling.greedy else sampling.temperature, generator
-        )
-        block[:, 1:] = proposed.to(device)
-        return draft_probs.to(device) if draft_probs is not None else None
-    draft_probs = sampling_probs(drafts.logits(block, pending, start).to(device)[0], sampling)
-    block[0, 1:] = sample_from(draft_probs, generator)
-    return draft_probs
+    if not selects:
+        if sampling.greedy:
+            return logits.argmax(dim=-1).to(device), None
+        probs = sampling_probs(logits.to(device)[0], sampling)
+        return sample_from(probs, generator)[None], probs
+    path, candidates, probs = select_path(drafter.candidate_selector, hidden, logits, block[:, 0].to(hidden.device),
+                                          temperature=0.0 if sampling.greedy else sampling.temperature,
+                                          generator=generator)
+    if probs is None:
+        return path.to(device), None
+    full = torch.zeros(probs.shape[1], logits.shape[-1], dtype=torch.float32, device=probs.device)
+    return path.to(device), full.scatter_(-1, candidates[0], probs[0].float()).to(device)
 
 
 def accept(logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None, sampling: Sampling,
@@ -240,3 +244,78 @@ def accept(logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor
     target_probs = sampling_probs(logits, sampling)
     q = draft_probs if draft_probs is not None else target_probs[:0]
     return verify_sampled(drafts, q, target_probs, generator)
+
+
+def _check_sampling(inst: Sampling, _attr: Any, _value: Any) -> None:
+    if not (math.isfinite(inst.temperature) and inst.temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {inst.temperature}")
+    if not 0 < inst.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {inst.top_p}")
+    if isinstance(inst.top_k, bool) or not isinstance(inst.top_k, int) or inst.top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = no limit), got {inst.top_k!r}")
+
+
+@attrs.frozen
+class Sampling:
+    """How the target (and the drafter's proposals) choose tokens: ``temperature == 0`` is greedy; otherwise
+    logits / ``temperature``, the ``top_k`` largest (0 = all), then the smallest set whose mass reaches
+    ``top_p``, renormalised (transformers', vLLM's and z-lab's order)."""
+
+    temperature: float = attrs.field(default=0.0, converter=float)
+    top_p: float = attrs.field(default=1.0, converter=float)
+    top_k: int = attrs.field(default=0, validator=_check_sampling)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def sampling_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """The sampling distribution (float32, last dim the vocabulary) of ``logits`` under ``sampling``
+    (temperature > 0). Ties at the k-th largest logit are all kept, as transformers' top-k does."""
+    if sampling.greedy:
+        raise ValueError("sampling_probs needs temperature > 0 (temperature 0 is argmax)")
+    scores = logits.float() / sampling.temperature
+    if 0 < sampling.top_k < scores.shape[-1]:
+        kth = scores.topk(sampling.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    if sampling.top_p < 1.0:
+        ranked, order = probs.sort(dim=-1, descending=True)
+        above = ranked.cumsum(dim=-1) - ranked  # mass of the tokens ranked above each one
+        ranked = ranked.masked_fill(above >= sampling.top_p, 0.0)  # the most likely token always stays
+        probs = torch.zeros_like(probs).scatter(-1, order, ranked)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``probs`` (``[..., V]`` -> ``[...]``): a single ``multinomial`` call over all
+    rows, so a block's drafts take the same draws from the generator as z-lab's loop."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def verify_sampled(drafts: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                   generator: torch.Generator | None) -> tuple[int, int]:
+    """Speculative sampling's acceptance of one block: ``drafts`` ``[g]`` sampled from ``draft_probs`` ``[g, V]``;
+    ``target_probs`` ``[g + 1, V]`` the target's distribution after each slot. Returns ``(accepted drafts, next
+    token)``, the next drawn from ``norm(max(0, p - q))`` at the first rejected slot, else from ``p`` after the
+    last draft. Draws: ``g`` uniforms (none when ``g == 0``), then one multinomial."""
+    g = int(drafts.numel())
+    accepted = 0
+    if g:
+        index = drafts.reshape(g, 1)
+        p = target_probs[:g].gather(-1, index)[:, 0]
+        q = draft_probs.gather(-1, index)[:, 0]
+        u = torch.rand(q.shape, generator=generator, dtype=q.dtype, device=q.device)
+        # u < p/q without dividing: a draft the target gives at least q's mass is always accepted.
+        accepted = int((u * q < p).to(torch.int32).cumprod(0).sum())
+    if accepted == g:
+        nxt = sample_from(target_probs[g : g + 1], generator)
+    else:
+        residual = (target_probs[accepted] - draft_probs[accepted]).clamp_min(0.0)
+        # Exactly p == q leaves no residual mass; the rejection then had probability 0 (rounding): use p.
+        dist = residual if bool(residual.sum() > 0) else target_probs[accepted]
+        nxt = sample_from(dist[None], generator)
+    return accepted, int(nxt[0])

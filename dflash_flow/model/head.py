@@ -77,20 +77,23 @@ class SharedHead(nn.Module):
 _HEAD_LOCK = threading.Lock()
 # Keyed weakly by the model object itself (a freed target frees its heads), then by (device, dtype).
 _MODEL_HEADS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, torch.dtype], SharedHead]] = weakref.WeakKeyDictionary()
-_CHECKPOINT_HEADS: dict[tuple[str, str, torch.dtype | None], SharedHead] = {}
-_PRESET_HEADS: dict[tuple[str, str, torch.dtype | None], SharedHead] = {}
+# Checkpoint directories (absolute) and presets (a name or JSON) by (source, device, dtype).
+_HEADS: dict[tuple[str, str, torch.dtype | None], SharedHead] = {}
 
 
 def clear_shared_head_cache() -> None:
     with _HEAD_LOCK:
         _MODEL_HEADS.clear()
-        _CHECKPOINT_HEADS.clear()
-        _PRESET_HEADS.clear()
+        _HEADS.clear()
 
 
-def _place(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    # `.to` returns the same storage when nothing changes: on the target's own device the head costs nothing.
-    return t.detach().to(device=device, dtype=dtype)
+def _copy_head(embed: nn.Module, head: nn.Module, place: Any) -> SharedHead:
+    """A SharedHead of ``place(t)`` of the embedding and head tensors; tied (HF shares the Parameter: storage
+    compared), one tensor for both."""
+    embed_w = place(embed.weight)
+    head_w = embed_w if head.weight.data_ptr() == embed.weight.data_ptr() else place(head.weight)
+    bias = getattr(head, "bias", None)
+    return SharedHead(embed_w, head_w, None if bias is None else place(bias))
 
 
 def shared_head_from_model(model: nn.Module, device: str | torch.device = "cpu",
@@ -110,12 +113,8 @@ def shared_head_from_model(model: nn.Module, device: str | torch.device = "cpu",
         cached = per_model.get(key)
         if cached is not None:
             return cached
-        embed_w = _place(embed.weight, dev, dtype)
-        # Tied: one tensor for both (HF ties by sharing the Parameter, so compare storage).
-        head_w = embed_w if head.weight.data_ptr() == embed.weight.data_ptr() else _place(head.weight, dev, dtype)
-        bias = getattr(head, "bias", None)
-        built = SharedHead(embed_w, head_w, None if bias is None else _place(bias, dev, dtype))
-        per_model[key] = built
+        # `.to` returns the same storage when nothing changes: on the target's own device the head costs nothing.
+        built = per_model[key] = _copy_head(embed, head, lambda t: t.detach().to(device=dev, dtype=dtype))
         return built
 
 
@@ -128,8 +127,7 @@ def _weight_map(directory: Path) -> dict[str, Path]:
     """tensor name -> safetensors file, from the index when sharded, else by reading file headers."""
     index = directory / "model.safetensors.index.json"
     if index.exists():
-        with open(index) as f:
-            return {k: directory / v for k, v in json.load(f)["weight_map"].items()}
+        return {k: directory / v for k, v in json.loads(index.read_text())["weight_map"].items()}
     from safetensors import safe_open
 
     files = sorted(directory.glob("*.safetensors"))
@@ -151,29 +149,21 @@ def _find_key(mapping: Mapping[str, Path], preferred: Sequence[str], suffix: str
     return matches[0] if matches else None
 
 
-def _read_tensor(file: Path, key: str, device: torch.device) -> torch.Tensor:
-    from safetensors import safe_open
-
-    # safetensors reads just this tensor (memory-mapped), straight onto the device.
-    with safe_open(str(file), framework="pt", device=str(device)) as f:
-        return f.get_tensor(key)
-
-
 def shared_head_from_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu",
                                 dtype: torch.dtype | None = None) -> SharedHead:
     """Read only the embedding and LM head tensors of a safetensors checkpoint directory (sharded or not);
     ``tie_word_embeddings`` (or a missing ``lm_head.weight``) reuses the embedding. Cached."""
+    from safetensors import safe_open
+
     directory = Path(path).expanduser().resolve()
     dev = as_device(device)
     key = (str(directory), str(dev), dtype)
     with _HEAD_LOCK:
-        cached = _CHECKPOINT_HEADS.get(key)
+        cached = _HEADS.get(key)
         if cached is not None:
             return cached
-        config: dict[str, Any] = {}
-        if (directory / "config.json").exists():
-            with open(directory / "config.json") as f:
-                config = json.load(f)
+        config_file = directory / "config.json"
+        config: dict[str, Any] = json.loads(config_file.read_text()) if config_file.exists() else {}
         text_config = config.get("text_config") or {}
         tied = config.get("tie_word_embeddings", text_config.get("tie_word_embeddings"))
         mapping = _weight_map(directory)
@@ -185,7 +175,9 @@ def shared_head_from_checkpoint(path: str | os.PathLike, device: str | torch.dev
             raise KeyError(f"{directory}: tie_word_embeddings is false but there is no lm_head.weight")
 
         def read(k: str) -> torch.Tensor:
-            t = _read_tensor(mapping[k], k, dev)
+            # safetensors reads just this tensor (memory-mapped), straight onto the device.
+            with safe_open(str(mapping[k]), framework="pt", device=str(dev)) as f:
+                t = f.get_tensor(k)
             return t if dtype is None else t.to(dtype)
 
         embed_w = read(embed_key)
@@ -193,7 +185,7 @@ def shared_head_from_checkpoint(path: str | os.PathLike, device: str | torch.dev
         bias_key = head_key[: -len("weight")] + "bias" if head_key else None
         bias = read(bias_key) if bias_key and bias_key in mapping and not tied else None
         built = SharedHead(embed_w, head_w, bias)
-        _CHECKPOINT_HEADS[key] = built
+        _HEADS[key] = built
         return built
 
 
@@ -205,20 +197,16 @@ def shared_head_from_preset(spec: str | Mapping[str, Any], device: str | torch.d
     name = spec if isinstance(spec, str) else json.dumps(dict(spec), sort_keys=True, default=str)
     key = (name, str(dev), dtype)
     with _HEAD_LOCK:
-        cached = _PRESET_HEADS.get(key)
+        cached = _HEADS.get(key)
     if cached is not None:
         return cached
     model = load_target(spec, device=preset_init_device(spec), dtype=dtype)
-    embed = model.get_input_embeddings().weight
-    head = model.get_output_embeddings()
     # Copies (clone) so that the head does not keep the whole temporary model's storage alive.
-    embed_w = embed.detach().to(dev).clone()
-    head_w = embed_w if head.weight.data_ptr() == embed.data_ptr() else head.weight.detach().to(dev).clone()
-    bias = getattr(head, "bias", None)
-    built = SharedHead(embed_w, head_w, None if bias is None else bias.detach().to(dev).clone())
+    built = _copy_head(model.get_input_embeddings(), model.get_output_embeddings(),
+                       lambda t: t.detach().to(dev).clone())
     with _HEAD_LOCK:
         # Two threads may have built it concurrently; keep the first so every caller shares one.
-        return _PRESET_HEADS.setdefault(key, built)
+        return _HEADS.setdefault(key, built)
 
 
 def load_shared_head(spec: str | os.PathLike | Mapping[str, Any], device: str | torch.device = "cpu",

@@ -16,13 +16,9 @@ from dflash_flow.model.drafter_layers import BlockLayout
 def _context_visibility(anchors: torch.Tensor, keep: torch.Tensor, context_valid: torch.Tensor, *,
                         block_size: int, first_slot: int, layer_type: str,
                         sliding_window: int | None) -> torch.Tensor:
-    """Which context positions the queries of blocks at ``anchors`` see: bool ``[b, N, 1, S]`` for
-    full layers (every slot of a block sees the same context), ``[b, N, B - first_slot, S]`` (slots
-    ``first_slot..B-1``) for sliding layers.
-
-    Context visibility is decided by the anchor's *position* (``c < a``), never by block index: blocks
-    overlap in position, and index-based rules leak future context. Padding blocks see no context.
-    """
+    """Which context positions the queries of blocks at ``anchors`` see: bool ``[b, N, 1, S]`` for full layers,
+    ``[b, N, B - first_slot, S]`` for sliding ones. Decided by the anchor's *position* (``c < a``), never by
+    block index (blocks overlap in position: index rules leak future context); padding blocks see none."""
     device = anchors.device
     c = torch.arange(context_valid.shape[1], device=device)
     a = anchors[:, :, None, None]  # [b, N, 1, 1]
@@ -50,12 +46,8 @@ def _within_block(block_size: int, layer_type: str, sliding_window: int | None, 
 def block_attention_mask(anchors: torch.Tensor, keep: torch.Tensor, context_valid: torch.Tensor, *,
                          block_size: int, layer_type: str = FULL_ATTENTION,
                          sliding_window: int | None = None) -> torch.Tensor:
-    """Dense bool mask ``[b, 1, N*B, S + N*B]`` for blocks at ``anchors`` over context + the blocks.
-
-    The layout of ``DFlashDrafter.forward`` (and SpecForge's sdpa path); training uses the grouped
-    layout (``block_layouts``) with the same rules. Padding blocks see only their own block (no
-    context), so no row is fully masked (sdpa would return NaN) and nothing else sees them.
-    """
+    """Dense bool mask ``[b, 1, N*B, S + N*B]`` for blocks at ``anchors`` over context + the blocks (the reference
+    the grouped training layout follows). Padding blocks see only their own block: no row is fully masked."""
     b, n = anchors.shape
     ctx = _context_visibility(anchors, keep, context_valid, block_size=block_size, first_slot=0,
                               layer_type=layer_type, sliding_window=sliding_window)
@@ -69,11 +61,8 @@ def block_attention_mask(anchors: torch.Tensor, keep: torch.Tensor, context_vali
 
 @attrs.frozen
 class ColumnBounds:
-    """Host copy of what the grouped attention needs from the anchors, read in one transfer.
-
-    Per block column n (over the batch rows, kept blocks only): ``hi[n]`` the largest anchor (-1 if no
-    row keeps block n), ``lo[n]`` the smallest (``seq_len`` if none).
-    """
+    """Host copy of the anchors' bounds per block column n (over the rows' kept blocks): ``hi[n]`` the largest
+    anchor (-1 if no row keeps block n), ``lo[n]`` the smallest (``seq_len`` if none)."""
 
     hi: list[int]
     lo: list[int]

@@ -1,7 +1,7 @@
 """The DFlash loss's statistics and each variant's loss terms. ``DFlashLossOutput``: what one micro-batch's
-loss reports; ``ObjectiveStats``: each objective's own (the variable prefix's); ``HeadTerms`` / ``SelectorTerms``:
-the LM head's weighted cross-entropy (DFlash) and DFlash 2's selector term, picked by ``terms_for``. Every extra
-statistic's name is declared once, by the strategies' ``metric_names``; here they are only paired with values."""
+loss reports; ``objective_extras``: each objective's own; ``HeadTerms`` / ``SelectorTerms``: the LM head's
+weighted cross-entropy (DFlash) and DFlash 2's selector term, picked by ``terms_for``. Every extra statistic's
+name is declared once, by the strategies' ``metric_names``; here they are only paired with values."""
 
 from __future__ import annotations
 
@@ -13,52 +13,24 @@ import torch
 from dflash_flow.model.blockplan import BlockPlan
 from dflash_flow.model.drafter_layers import maybe_compiled
 from dflash_flow.model.fused import weighted_cross_entropy
-from dflash_flow.model.strategies import DFlash2, Objective, VariablePrefix, Variant
-
-__all__ = [
-    "DFlashLossOutput", "HeadTerms", "ObjectiveStats", "PrefixStats", "SelectorTerms", "StepSums", "acceptance_runs",
-    "objective_stats", "terms_for", "zero_extras",
-]
+from dflash_flow.model.strategies import DFlash2, VariablePrefix, Variant
 
 Extras = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 @attrs.define(eq=False)
 class DFlashLossOutput:
-    """Loss (with graph) and detached statistics; properties sync per access, ``metrics()`` syncs once."""
+    """Loss (with graph) and detached statistics (``values()`` reads them from the device once)."""
 
     loss: torch.Tensor
     weight_sum: torch.Tensor  # sum of loss weights (the loss denominator)
     correct_per_position: torch.Tensor  # [B] correct argmax on supervised slots, per slot k
     supervised_per_position: torch.Tensor  # [B] supervised slots per k
-    acceptance_sum: torch.Tensor  # sum over kept blocks of the simulated acceptance length
+    acceptance_sum: torch.Tensor  # sum over kept blocks of 1 + their run of correct slots (``acceptance_runs``)
     kept_blocks: torch.Tensor  # number of kept (non-padding) blocks
     # Scalar statistics of a variant or objective (DFlash 2's selector, the variable prefix), as
     # (numerator, denominator): metrics() reports numerator / denominator (0 when the denominator is 0).
     extra: Extras = attrs.field(factory=dict)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.supervised_per_position.sum().item())
-
-    @property
-    def accuracy(self) -> float:
-        n = self.supervised_per_position.sum().item()
-        return float(self.correct_per_position.sum().item() / n) if n else 0.0
-
-    @property
-    def position_accuracy(self) -> list[float]:
-        """Accuracy of slots k = 1..B-1 (0.0 where a slot had no supervised token)."""
-        c = self.correct_per_position[1:].tolist()
-        s = self.supervised_per_position[1:].tolist()
-        return [ci / si if si else 0.0 for ci, si in zip(c, s, strict=True)]
-
-    @property
-    def acceptance_length(self) -> float:
-        """Mean over kept blocks of ``1 + sum_k prod_{j<=k} [argmax_j == t_j]`` (the bonus token counts);
-        under the variable-prefix objective the products start at the block's first masked slot ``l``."""
-        n = self.kept_blocks.item()
-        return float(self.acceptance_sum.item() / n) if n else 0.0
 
     def metrics(self, prefix: str = "") -> dict[str, float]:
         """The scalar statistics of :meth:`values`."""
@@ -90,35 +62,9 @@ class DFlashLossOutput:
         return torch.cat(parts)
 
     def values(self) -> tuple[dict[str, float], list[float]]:
-        """(scalar statistics, accuracy of slots k = 1..B-1), fetched from the device in one transfer."""
-        names = list(self.extra)
-        flat = torch.cat(
-            [
-                self.loss.detach().float().reshape(1),
-                self.acceptance_sum.float().reshape(1),
-                self.kept_blocks.float().reshape(1),
-                self.correct_per_position.float(),
-                self.supervised_per_position.float(),
-                *(t.detach().float().reshape(1) for name in names for t in self.extra[name]),
-            ]
-        ).tolist()
-        loss, accept, blocks = flat[:3]
-        block = self.correct_per_position.numel()
-        correct, supervised = flat[3 : 3 + block], flat[3 + block : 3 + 2 * block]
-        ratios = flat[3 + 2 * block :]
-        total = sum(supervised)
-        out = {
-            "loss": loss,
-            "accuracy": sum(correct) / total if total else 0.0,
-            "acceptance_length": accept / blocks if blocks else 0.0,
-            "num_tokens": total,
-            "num_blocks": blocks,
-        }
-        for i, name in enumerate(names):
-            num, den = ratios[2 * i], ratios[2 * i + 1]
-            out[name] = num / den if den else 0.0
-        positions = [correct[k] / supervised[k] if supervised[k] else 0.0 for k in range(1, block)]
-        return out, positions
+        """(scalar statistics by ``stat_names``, accuracy of slots k = 1..B-1), in one device->host transfer."""
+        names, flat = self.stat_names, self.stat_vector().tolist()
+        return dict(zip(names, flat[: len(names)], strict=True)), flat[len(names) :]
 
 
 def acceptance_runs(hits: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
@@ -131,35 +77,16 @@ def acceptance_runs(hits: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
     return ((hits | shown).long().cumprod(dim=-1) * ~shown).sum(dim=-1)
 
 
-class ObjectiveStats:
-    """The DFlash objective's: none beyond the simulated acceptance every objective reports."""
-
-    names: tuple[str, ...] = Objective.metric_names
-
-    def extras(self, plan: BlockPlan, run: torch.Tensor) -> Extras:
+def objective_extras(plan: BlockPlan, run: torch.Tensor) -> Extras:
+    """The objective's own statistics: DFlash has none; the variable prefix the mean visible prefix ``l`` of kept
+    blocks, and the acceptance of the blocks drawn with ``l = 1`` (the inference regime)."""
+    if plan.prefix_lengths is None:
         return {}
-
-
-class PrefixStats(ObjectiveStats):
-    """The variable prefix's: the mean visible prefix ``l`` of kept blocks, and the acceptance of the blocks
-    drawn with ``l = 1`` (the inference regime)."""
-
-    names = VariablePrefix.metric_names
-
-    def extras(self, plan: BlockPlan, run: torch.Tensor) -> Extras:
-        kept, lengths = plan.keep, plan.prefix_lengths
-        first = kept & (lengths == 1)
-        values = (((lengths * kept).sum().float(), kept.sum().float()),
-                  (((1 + run).float() * first).sum(), first.sum().float()))
-        return dict(zip(self.names, values, strict=True))
-
-
-def objective_stats(plan: BlockPlan) -> ObjectiveStats:
-    return ObjectiveStats() if plan.prefix_lengths is None else PrefixStats()
-
-
-def zero_extras(names: tuple[str, ...], zero: torch.Tensor) -> Extras:
-    return {name: (zero.sum(), zero.sum()) for name in names}
+    kept, lengths = plan.keep, plan.prefix_lengths
+    first = kept & (lengths == 1)
+    values = (((lengths * kept).sum().float(), kept.sum().float()),
+              (((1 + run).float() * first).sum(), first.sum().float()))
+    return dict(zip(VariablePrefix.metric_names, values, strict=True))
 
 
 class StepSums:
@@ -300,9 +227,6 @@ class SelectorTerms(HeadTerms):
 TERMS: dict[str, type[HeadTerms]] = {Variant.name: HeadTerms, DFlash2.name: SelectorTerms}
 
 
-def terms_for(variant: Variant | str, loss_weight: float | None = None) -> HeadTerms:
-    """The loss terms of ``variant`` (a strategy or its name), weighted ``loss_weight`` (default: its own)."""
-    name = variant if isinstance(variant, str) else variant.name
-    if loss_weight is None:
-        loss_weight = 0.0 if isinstance(variant, str) else variant.loss_weight
-    return TERMS[name](loss_weight)
+def terms_for(variant: str, loss_weight: float = 0.0) -> HeadTerms:
+    """The loss terms of the variant named ``variant``, its own term weighted ``loss_weight``."""
+    return TERMS[variant](loss_weight)

@@ -9,11 +9,9 @@ with the token at ``a+k`` (slot 0 excluded), weighted ``exp(-(k-1)/gamma)``. The
 ``exp(-(k-l)/gamma)``. A DFlash 2 drafter adds its selector's loss; its convolutions mix slots, so the
 independent-slot shortcuts are off for it (``independent_slots``).
 
-The plan is drawn before the drafter runs (``host_plan`` on the host rows: its shapes are known without a
-device read; ``draw_plan`` on the batch's device); terms and statistics are ``model.lossstats``'. Here: the
-context's keys/values once per layer; blocks in chunks, checkpointed when more than one; blocks grouped by
-anchor (``BlockLayout``) instead of a dense ``[N*B, S + N*B]`` mask (``block_attention_mask``, the reference);
-the first layer on N + 1 distinct rows (not under the variable prefix), no slot-0 queries in the last layer.
+The plan is drawn first (``host_plan`` on the host rows: no device read; ``draw_plan`` on the device); terms
+and statistics are ``model.lossstats``'. Blocks run in chunks (checkpointed when more than one), grouped by anchor
+(``BlockLayout``) instead of a dense mask (``block_attention_mask``, the reference).
 """
 
 from __future__ import annotations
@@ -28,12 +26,8 @@ from dflash_flow.model.blockplan import (
     BlockPlan,
     PrefixPrior,
     anchor_candidates,
-    decay_weights,
     plan_blocks,
-    prefix_decay_weights,
-    sample_anchors,
     sample_prefix_lengths,
-    valid_anchor_mask,
 )
 from dflash_flow.model.dflash2 import drafter_variant
 from dflash_flow.model.drafter_layers import SlotRows
@@ -43,10 +37,8 @@ from dflash_flow.model.layout import (
     SPLIT_KEY_COST,
     ColumnBounds,
     Grouping,
-    activation_bytes_per_block,
     auto_chunk_blocks,
     auto_group_blocks,
-    block_attention_mask,
     block_layouts,
     group_spans,
     read_bounds,
@@ -57,26 +49,16 @@ from dflash_flow.model.lossstats import (
     DFlashLossOutput,
     HeadTerms,
     acceptance_runs,
-    objective_stats,
+    objective_extras,
     terms_for,
-    zero_extras,
 )
 from dflash_flow.model.strategies import VARIANTS, TrainerConfig
-
-# Re-exported for the objective's callers.
-__all__ = [
-    "BlockPlan", "ColumnBounds", "DFlashLossOutput", "DFlashObjective", "HostPlan", "PrefixPrior",
-    "activation_bytes_per_block", "auto_chunk_blocks", "auto_group_blocks", "block_attention_mask", "block_layouts",
-    "block_loss", "decay_weights", "dflash_loss", "draft_block_hidden", "group_spans", "host_plan", "plan_blocks",
-    "prefix_decay_weights", "read_bounds", "sample_anchors", "sample_prefix_lengths", "valid_anchor_mask",
-]
 
 
 # -- the plan
 @attrs.frozen
 class HostPlan:
-    """A micro-batch's anchors drawn on the host from its (pinned) loss mask: exactly what ``dflash_loss``
-    draws from the same generator, copied over without blocking."""
+    """A micro-batch's anchors drawn on the host (what ``dflash_loss`` draws from the same generator)."""
 
     anchors: torch.Tensor  # [b, W] long, CPU
     keep: torch.Tensor  # [b, W] bool, CPU
@@ -90,9 +72,9 @@ def host_plan(loss_mask: torch.Tensor, attention_mask: torch.Tensor | None, *, n
     """The anchors (and prefix lengths) ``dflash_loss`` would draw from ``generator``, from CPU tensors."""
     if loss_mask.device.type != "cpu" or (attention_mask is not None and attention_mask.device.type != "cpu"):
         raise ValueError("host_plan draws from the batch's host rows: pass the CPU loss and attention masks")
-    b, s = loss_mask.shape
     if prefix_prior is not None:
         prefix_prior.bounds(block_size)
+    b, s = loss_mask.shape
     width = min(int(num_anchors), s)
     if b and width > 0:
         anchors, keep, counts = anchor_candidates(loss_mask, width, attention_mask=attention_mask, generator=generator)
@@ -123,18 +105,15 @@ def _to_device(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | N
 
 def block_settings(drafter: nn.Module, block_size: int | None, mask_token_id: int | None) -> tuple[int, int]:
     """The block size and mask token: the drafter config's (what inference uses); a different value raises."""
-    cfg_block, cfg_mask = drafter.block_size, drafter.mask_token_id
-    if block_size is None:
-        block_size = cfg_block
-    elif cfg_block is not None and int(block_size) != int(cfg_block):
-        raise ValueError(f"block_size {block_size} differs from the drafter config's {cfg_block}")
-    if mask_token_id is None:
-        mask_token_id = cfg_mask
-    elif cfg_mask is not None and int(mask_token_id) != int(cfg_mask):
-        raise ValueError(f"mask_token_id {mask_token_id} differs from the drafter config's {cfg_mask}")
-    if block_size is None or mask_token_id is None:
+    values = []
+    for name, given in (("block_size", block_size), ("mask_token_id", mask_token_id)):
+        own = getattr(drafter, name)
+        if given is not None and own is not None and int(given) != int(own):
+            raise ValueError(f"{name} {given} differs from the drafter config's {own}")
+        values.append(own if given is None else given)
+    if None in values:
         raise ValueError("block_size and mask_token_id are needed (none in the drafter config)")
-    return int(block_size), int(mask_token_id)
+    return int(values[0]), int(values[1])
 
 
 def check_inputs(drafter: nn.Module, input_ids: torch.Tensor, loss_mask: torch.Tensor,
@@ -179,10 +158,8 @@ def draw_plan(input_ids: torch.Tensor, loss_mask: torch.Tensor, *, block_size: i
               anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
               prefix_lengths: torch.Tensor | None = None,
               host: HostPlan | None = None) -> tuple[BlockPlan, ColumnBounds]:
-    """The block plan and its anchors' column bounds. ``host``: drawn on the host already (``host_plan``),
-    replacing ``anchors``, the draws and ``prefix_lengths``; ``anchors``: given ``(anchors, keep)``; else drawn
-    from ``generator`` (one device->host read). ``prefix_prior``: visible lengths drawn after the anchors,
-    unless ``prefix_lengths`` gives them."""
+    """The block plan and its column bounds, from ``host`` (``host_plan``), given ``anchors`` ``(anchors, keep)``
+    or drawn from ``generator``; ``prefix_prior``: lengths drawn after the anchors unless ``prefix_lengths``."""
     if prefix_prior is not None:
         prefix_prior.bounds(block_size)  # a bad setting fails before anything is drawn
     anchors_t, keep, bounds, drawn = _anchors(input_ids, loss_mask, attention_mask, num_anchors, generator, anchors,
@@ -290,7 +267,8 @@ def _zero_output(drafter: nn.Module, plan: BlockPlan, terms: HeadTerms) -> DFlas
     data-parallel gradient reduction) works the same as for any other batch."""
     zero = sum(p.sum() * 0.0 for p in drafter.parameters() if p.requires_grad)
     z = torch.zeros(plan.block_size, device=plan.anchors.device)
-    extra = zero_extras((*objective_stats(plan).names, *terms.names), z)
+    extra = objective_extras(plan, torch.zeros_like(plan.anchors))  # zeros: there is no block
+    extra.update({name: (z.sum(), z.sum()) for name in terms.names})
     return DFlashLossOutput(zero, z.sum(), z, z.clone(), z.sum(), z.sum(), extra=extra)
 
 
@@ -305,7 +283,7 @@ def _statistics(plan: BlockPlan, pred, terms: HeadTerms, parts, sums, loss, loss
         sup_per_pos = sup.sum(dim=(0, 1)).float()
         kept = plan.keep
         run = acceptance_runs(hits, plan)
-        extra = objective_stats(plan).extras(plan, run)
+        extra = objective_extras(plan, run)
         acceptance_sum = ((1 + run).float() * kept).sum()
         kept_blocks = kept.sum().float()
         extra.update(terms.extras(plan, parts, sums, loss_sum, weight_sum))
@@ -361,12 +339,10 @@ def dflash_loss(drafter: nn.Module, *, embed_tokens: nn.Module, lm_head: nn.Modu
                 activation_budget_mb: float | None = None, group_blocks: int | None = None,
                 prefix_prior: PrefixPrior | None = None, prefix_lengths: torch.Tensor | None = None,
                 selector_loss_weight: float = 1.0, host_plan: HostPlan | None = None) -> DFlashLossOutput:
-    """Token-weighted DFlash loss for one micro-batch: its plan (``draw_plan``), then ``block_loss`` with the
-    terms of the drafter config's variant. ``hidden_states`` ``[b, S, n*H]``: the target features aligned 1:1
-    with ``input_ids``; ``embed_tokens``/``lm_head``: the target's frozen modules (any embedding scale is the
-    drafter config's). ``chunk_blocks``: blocks per checkpointed chunk (None or 0: one pass);
-    ``activation_budget_mb`` replaces it (one pass if the activations fit, else the largest chunks that do).
-    ``block_size``/``mask_token_id`` default to the drafter config's; different values raise."""
+    """Token-weighted DFlash loss for one micro-batch (``draw_plan``, then ``block_loss``). ``hidden_states``
+    ``[b, S, n*H]``: target features aligned 1:1 with ``input_ids``; ``chunk_blocks``: blocks per checkpointed
+    chunk (None or 0: one pass), replaced by ``activation_budget_mb`` when given; ``block_size`` /
+    ``mask_token_id`` default to the drafter config's (different values raise)."""
     block_size, mask_token_id = block_settings(drafter, block_size, mask_token_id)
     check_inputs(drafter, input_ids, loss_mask, hidden_states)
     plan, bounds = draw_plan(
@@ -397,7 +373,7 @@ class DFlashObjective(nn.Module):
         variant = config.variant or VARIANTS[found]()
         if variant.name != found:
             raise ValueError(f"the trainer's variant is {variant.name} but the drafter is a {found}")
-        self.terms = terms_for(variant)
+        self.loss_weight = variant.loss_weight  # of the variant's own term
         bounds = config.objective.bounds(drafter.block_size)  # a bad setting fails here, naming the field
         self.prefix_prior = None if bounds is None else PrefixPrior(
             weight_base=config.objective.prefix_weight_base, min_length=bounds[0], max_length=bounds[1])
@@ -407,13 +383,9 @@ class DFlashObjective(nn.Module):
                          generator=generator, prefix_prior=self.prefix_prior)
 
     def forward(self, input_ids, loss_mask, hidden_states, attention_mask, generator, plan=None):
-        drafter = self.drafter
-        check_inputs(drafter, input_ids, loss_mask, hidden_states)
-        drawn, bounds = draw_plan(
-            input_ids, loss_mask, block_size=drafter.block_size, mask_token_id=int(drafter.mask_token_id),
-            gamma=self.gamma, attention_mask=attention_mask, num_anchors=self.num_anchors, generator=generator,
-            prefix_prior=self.prefix_prior, host=plan,
-        )
-        return block_loss(drafter, drawn, bounds, embed_tokens=self._head.embed_tokens, lm_head=self._head.lm_head,
-                          hidden_states=hidden_states, terms=self.terms, chunk_blocks=self.chunk_blocks,
-                          activation_budget_mb=self.activation_budget_mb)
+        return dflash_loss(self.drafter, embed_tokens=self._head.embed_tokens, lm_head=self._head.lm_head,
+                           input_ids=input_ids, loss_mask=loss_mask, hidden_states=hidden_states,
+                           attention_mask=attention_mask, num_anchors=self.num_anchors, gamma=self.gamma,
+                           generator=generator, chunk_blocks=self.chunk_blocks,
+                           activation_budget_mb=self.activation_budget_mb, prefix_prior=self.prefix_prior,
+                           selector_loss_weight=self.loss_weight, host_plan=plan)

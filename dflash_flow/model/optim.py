@@ -1,10 +1,6 @@
-"""Optimizer pieces of the drafter recipe: AdamW on fp32 masters, warmup + cosine, clipping, accumulation; and
-its data-parallel training: DDP (its all-reduce timed by a comm hook when asked) or FSDP (one unit at the root).
-
-The DFlash recipe (SpecForge ``BF16Optimizer``) keeps bf16 weights for compute and an fp32 master copy for
-the update: most late updates are far below a bf16 ulp. Every piece has ``state_dict`` / ``load_state_dict``
-so a run resumes from exactly its saved state.
-"""
+"""Optimizer pieces of the drafter recipe (SpecForge's): AdamW on fp32 masters (most late updates are far below
+a bf16 ulp), warmup + cosine, clipping, accumulation, each resumable exactly (``state_dict``); and data-parallel
+training: DDP (its all-reduce timed by a comm hook when asked) or FSDP (one unit at the root)."""
 
 from __future__ import annotations
 
@@ -33,12 +29,7 @@ class NonFiniteError(DflashFlowError, FloatingPointError):
 
 class MasterAdamW:
     """AdamW whose state and update live on fp32 masters (an fp32 parameter is its own); ``step()`` moves the
-    gradients to the masters, clips, updates, copies the masters back into the parameters, clears gradients.
-
-    ``accumulate_in_fp32()``: each backward's gradient of a bf16 parameter goes into its master's fp32 gradient
-    at once (a post-accumulate-grad hook), not summed in bf16; ``reduce`` then averages the masters' gradients
-    over the data-parallel ranks in fp32 before the update.
-    """
+    gradients to the masters, clips, updates, copies the masters back into the parameters, clears gradients."""
 
     def __init__(self, params: Iterable[nn.Parameter], *, lr: float = 6e-4,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
@@ -57,7 +48,8 @@ class MasterAdamW:
         self._hooks: list[Any] = []
 
     def accumulate_in_fp32(self, reduce: Any = None) -> None:
-        """Add every backward's gradient of a bf16 parameter into its master's fp32 ``.grad`` right away."""
+        """Add every backward's gradient of a bf16 parameter into its master's fp32 ``.grad`` right away (a hook,
+        not summed in bf16); ``reduce`` then averages the masters' gradients over the ranks in fp32."""
         if self.fp32_accumulation:
             return
         self.fp32_accumulation, self.reduce = True, reduce
@@ -369,11 +361,7 @@ def planned_updates(batches_ahead: Iterable[int], grad_accum: int, *, accumulate
     ``batches_ahead``: this rank's batches per epoch from now on, this epoch's rest first."""
     if grad_accum < 1:
         raise ValueError(f"accumulation steps must be >= 1, got {grad_accum}")
-    total = 0
-    for i, n in enumerate(batches_ahead):
-        n = int(n) + (accumulated if i == 0 else 0)
-        total += -(-n // grad_accum)
-    return total
+    return sum(-(-(int(n) + (accumulated if i == 0 else 0)) // grad_accum) for i, n in enumerate(batches_ahead))
 
 
 class GradientAccumulator:

@@ -1,19 +1,10 @@
-"""Batched greedy decoding for regeneration: many replies at once (continuous batching), each row's numbers
-its own.
-
-A batched float computation may round a row differently from the row alone (on CPU a ``linear`` over 1-3
-rows takes other kernels than over 4 or more; attention over padded keys rounds differently), and a greedy
-argmax near a tie then flips. :class:`SlotDecoder` computes every row as a function of that row alone:
-
-* the prefill runs per prompt;
-* a decoding step runs every slot (at least ``MIN_ROWS``, idle slots as stand-ins): the same row count >= 4;
-* attention runs over fixed blocks of ``BLOCK`` keys from each row's first token, on fixed shapes (keys past a
-  row's length masked to an exact 0), combined with a sequential ``cumsum``, so a longer neighbour's
-  all-masked blocks add exact zeros.
-
-Rows are the one-at-a-time rows bit for bit (not transformers' ``generate``'s: other kernels). Llama-shaped
-decoders decode this way (``SlotDecoder.supports``); others one prompt at a time
-(``generation.greedy_continuations``).
+"""Batched greedy decoding for regeneration (continuous batching), each row bit for bit what it gives alone
+(not transformers' ``generate``'s: other kernels). A batched float computation may round a row differently
+(a CPU ``linear`` over 1-3 rows takes other kernels; attention over padded keys rounds differently), so: the
+prefill runs per prompt; a step runs every slot (at least ``MIN_ROWS``, idle slots standing in); attention
+runs over fixed blocks of ``BLOCK`` keys on fixed shapes (keys past a row's length masked to an exact 0),
+combined by a sequential ``cumsum``. Llama-shaped decoders only (``SlotDecoder.supports``); others decode one
+prompt at a time (``generation.greedy_continuations``).
 """
 
 from __future__ import annotations
@@ -27,7 +18,7 @@ from torch import nn
 
 from .decoding import full_attention, prefill, target_device, text_config
 
-__all__ = ["BLOCK", "MIN_ROWS", "SlotDecoder", "greedy_batched"]
+__all__ = ["BLOCK", "MIN_ROWS", "SlotDecoder"]
 
 MIN_ROWS = 4  # a CPU linear over fewer rows takes another kernel
 BLOCK = 32  # keys per attention block
@@ -228,19 +219,3 @@ def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: to
     part = torch.cat([pv, e.sum(-1, keepdim=True)], dim=-1)  # per block: p.v and the exp-sum
     total = part.cumsum(dim=2)[:, :, -1]  # a sequential scan over blocks: trailing all-masked blocks add 0
     return (total[..., :d] / total[..., d:]).reshape(rows, heads, d)
-
-
-def greedy_batched(model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                   stop_ids: Sequence[int] | None = None, slots: int = 16) -> list[tuple[list[int], str]]:
-    """``generation.greedy_continuations``' result for ``prompts`` through :class:`SlotDecoder` (``slots`` rows at
-    once, continuous): each row what the prompt alone gives through it, whatever ``slots`` is."""
-    dec = SlotDecoder(model, slots=slots, max_new_tokens=max_new_tokens, stop_ids=stop_ids or ())
-    out: dict[int, tuple[list[int], str]] = {}
-    todo = list(enumerate(prompts))[::-1]
-    while todo or dec.busy:
-        while todo and dec.free:
-            i, ids = todo.pop()
-            dec.add(i, ids)
-        for i, tokens, reason in dec.step():
-            out[i] = (tokens, reason)
-    return [out[i] for i in range(len(prompts))]

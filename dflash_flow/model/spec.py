@@ -1,10 +1,7 @@
-"""The model facts of a run, resolved once: which target, its sizes, the layers the drafter fuses, the
-block size, the mask token, the tokenizer. Built by the application from the ``model:`` section at
-validation (``app.model_spec.build_model_spec``) and handed to every stage through ``RunServices.model``;
-no stage keeps a copy. torch-free (``validate`` imports it). ``FeaturesConfig``: ``model.features``, where the
-target's features come from (a store must match the pipeline; without ``path`` hybrid is RAM only; the store:
-``model.feature_store``, its backend ``model.store_backend``, the guide docs/features.md).
-"""
+"""The model facts of a run, resolved once from the ``model:`` section (``app.model_spec.build_model_spec``) and
+handed to every stage through ``RunServices.model``: the target, its sizes, the fused layers, block size, mask
+token, tokenizer. torch-free. ``FeaturesConfig``: ``model.features``, where the target's features come from
+(docs/features.md)."""
 
 from __future__ import annotations
 

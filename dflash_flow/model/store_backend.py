@@ -1,19 +1,14 @@
 """``StoreBackend``: the target's features from a store on disk, as a TargetBackend (``model.backend``).
 
-* ``offline``: every row is read from a finished store; no target is loaded. The store's identity must match
-  the pipeline's (refused naming the field), each row's tokens the batch's (a digest per row); a sample the
-  store lacks is an error naming it.
-* ``hybrid``: a row the store lacks is computed alone through ``inner`` (the in-process target or the engine),
-  passed through the store's codec (so the values trained on are those a later read gives), written to the
-  store and kept in the RAM tier. Without ``path`` the store is RAM only (``TargetForward.cache_features``).
-
-A row is looked up in the RAM tier, the shard being written, the store (re-listing other processes' shards at
-most every ``rescan_s``), then the target. The replicas of a stage in one process share one
-:class:`StoreTier` (RAM tier, open store, shard being written, lock); the last to close flushes and merges.
+``offline``: every row from a finished store of the pipeline's identity; no target is loaded. ``hybrid``: a row
+the store lacks is computed alone through ``inner``, passed through the store's codec (so training sees what a
+later read gives), written to the store and kept in RAM (without ``path``: RAM only). A row is looked up in
+RAM, the shard being written, the store, then the target.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -44,8 +39,7 @@ MODES = ("offline", "hybrid")
 
 
 class StoreTier:
-    """What every replica of a stage in one process shares for one store: the RAM tier, the open store, the
-    shard being written and the lock. Thread-safe; opened by the first replica, closed by the last."""
+    """What the replicas of a stage in one process share for one store (RAM tier, store, writer, lock)."""
 
     def __init__(self, *, mode: str, path: Path | None, identity: Mapping[str, Any], dtype: str, ram_budget_bytes: int,
                  shard_bytes: int, verify_tokens: bool, rescan_s: float = 5.0) -> None:
@@ -78,9 +72,7 @@ class StoreTier:
         for want in (layer_ids, self.identity.get("layer_ids")):
             if want and list(want) != list(store.layer_ids) and not any(f[0] == "layer_ids" for f in fields):
                 fields.append(("layer_ids", list(store.layer_ids), list(want)))
-        if self.dtype != "auto" and self.dtype != store.codec.name:
-            fields.append(("dtype", store.codec.name, self.dtype))
-        if fields:
+        if fields := fields + self._dtype_differs(store):
             store.close()
             raise StoreMismatch(self.path, fields)
         self.store, self.codec = store, store.codec
@@ -105,14 +97,15 @@ class StoreTier:
         fields = compare_identity(store.identity, {**self.identity, "layer_ids": self.layer_ids})
         if store.width != self.width:
             fields.append(("width", store.width, self.width))
-        if self.dtype != "auto" and self.dtype != store.codec.name:
-            fields.append(("dtype", store.codec.name, self.dtype))
-        if fields:
+        if fields := fields + self._dtype_differs(store):
             store.close()
             self.lock.release()
             raise StoreMismatch(self.path, fields)
         self.store = store
         self._start_writing(store.codec)
+
+    def _dtype_differs(self, store: FeatureStore) -> list[tuple[str, Any, Any]]:
+        return [("dtype", store.codec.name, self.dtype)] if self.dtype not in ("auto", store.codec.name) else []
 
     def _start_writing(self, c: Codec) -> None:
         m = open_for_writing(self.path, identity={**self.identity, "layer_ids": self.layer_ids}, codec=c,
@@ -128,8 +121,7 @@ class StoreTier:
             self.store.refresh()
 
     def close(self) -> None:
-        """The last user: flush the shard being written, merge the shards into the manifest (when no other
-        process writes this store), release the lock."""
+        """The last user: flush, merge the shards into the manifest (when no other process writes), unlock."""
         try:
             if self.appender is not None:
                 self.appender.close()
@@ -159,8 +151,7 @@ class StoreTier:
         return False
 
     def keep(self, sid: int, toks: torch.Tensor, digest: int | None, row: torch.Tensor) -> torch.Tensor:
-        """A row just computed: written to the store (hybrid with a path) and kept in the RAM tier; returns
-        the values a later read gives (the row through the store's codec)."""
+        """Store a row just computed (and keep it in RAM); returns the values a later read gives."""
         if self.path is None:
             self.ram.put(sid, row)
             return row
@@ -181,9 +172,7 @@ _TIERS_LOCK = threading.Lock()
 
 
 class StoreBackend:
-    """A TargetBackend over a feature store (see the module doc). Construct with plain values; ``inner`` is
-    the backend that computes (hybrid only), this replica's own; ``tier``: the state shared with the stage's
-    other replicas in this process (default: a tier of its own)."""
+    """A TargetBackend over a feature store; ``inner`` computes (hybrid only); ``tier``: the shared state."""
 
     def __init__(self, *, mode: str, path: str | Path | None, inner: Any = None, identity: Mapping[str, Any] | None = None,
                  layer_ids: Sequence[int] | None = None, dtype: str = "auto", ram_budget_bytes: int = 0,
@@ -268,8 +257,7 @@ class StoreBackend:
 
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, lengths: Sequence[int],
                  sample_ids: Sequence[Any]) -> torch.Tensor:
-        """``[b, S, n * H]`` for a right-padded batch, every row from the RAM tier, the store or (hybrid) the
-        target; padding zero."""
+        """``[b, S, n * H]`` for a right-padded batch (padding zero)."""
         b, s = input_ids.shape
         if len(lengths) != b or len(sample_ids) != b:
             raise ValueError(f"a batch of {b} rows needs {b} lengths and sample ids (got {len(lengths)}, {len(sample_ids)})")
@@ -340,9 +328,8 @@ class StoreBackend:
 
 
 def expected_identity(spec: Any, *, layer_ids: Sequence[int] | None = None) -> dict[str, Any]:
-    """The identity a store must have for this run's model spec (``model.spec.ModelSpec``): the target's config
-    and weights digest, the layer ids, the tokenizer's fingerprint. What cannot be had here (an offline run on
-    a machine without the target) is None: not compared (each row's tokens still are)."""
+    """The identity a store must have for this run's ``ModelSpec``: target fingerprint, layer ids, tokenizer
+    fingerprint; what cannot be read here is None (not compared)."""
     import logging
 
     from dflash_flow.model.feature_identity import target_fingerprint
@@ -354,10 +341,8 @@ def expected_identity(spec: Any, *, layer_ids: Sequence[int] | None = None) -> d
     except Exception as exc:  # noqa: BLE001 - not readable here: the store's own record is trusted, said once
         log.info("the target %s cannot be read here (%s): the store's target fingerprint is not compared", spec.target, exc)
     if ident["layer_ids"] is None:
-        try:
+        with contextlib.suppress(ValueError):  # depth unknown here: the store's (offline) or the target's ids
             ident["layer_ids"] = spec.layer_ids()
-        except ValueError:
-            pass  # depth unknown here: the store's layer ids (offline) or the target's (hybrid)
     if spec.tokenizer:
         try:
             from transformers import AutoTokenizer
@@ -371,9 +356,7 @@ def expected_identity(spec: Any, *, layer_ids: Sequence[int] | None = None) -> d
 
 
 def store_backend(spec: Any, *, inner: Any, output_dir: Any = None, name: str = "target", rank: int = 0) -> StoreBackend:  # noqa: ARG001
-    """The backend a ``TargetForward`` replica runs for ``model.features`` mode offline or hybrid
-    (``spec.features``, a ``FeaturesConfig``), wrapping this replica's ``inner`` (None offline: no target is
-    loaded); the stage's replicas in this process share one :class:`StoreTier`."""
+    """A ``TargetForward`` replica's backend for ``model.features`` offline or hybrid (one tier per stage)."""
     conf = spec.features
     path = Path(conf.path).expanduser().resolve() if conf.path else None
     layer_ids = list(spec.explicit_layer_ids) if spec.explicit_layer_ids is not None else None

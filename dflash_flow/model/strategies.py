@@ -1,8 +1,6 @@
-"""The drafter's variants (``dflash``, ``dflash2``) and training objectives (``dflash``, ``variable_prefix``)
-as small torch-free strategies: each owns its knobs (DrafterStep's YAML fields are included from here), their
-checks, the metrics it adds and, for a variant, the keys it writes into the exported ``dflash_config``.
-``variant_of`` / ``objective_of`` build the chosen one from a config that carries the knobs flat. Also the
-recipe that holds them: ``DrafterShape`` (what a drafter is made of) and ``TrainerConfig`` (how it is trained)."""
+"""The drafter's variants (``dflash``, ``dflash2``) and objectives (``dflash``, ``variable_prefix``) as
+torch-free strategies, each owning its knobs (DrafterStep's YAML fields), checks, metrics and exported
+``dflash_config`` keys; and the recipe that holds them: ``DrafterShape`` and ``TrainerConfig``."""
 
 from __future__ import annotations
 
@@ -11,7 +9,7 @@ from typing import Any, ClassVar, Literal
 
 import attrs
 
-from dflash_flow.core.stage import cfg
+from dflash_flow.core.stage import cfg, field_errors
 
 # The published DFlash 2 settings (NeMo AutoModel's and speculators' defaults; z-lab reads them from
 # the checkpoint's dflash_config and has none of its own): two taps, 16 channels per dynamic group, a
@@ -195,7 +193,10 @@ class StrategyChoice:
 
     @objective.validator
     def _refuse_misplaced(self, _attribute: attrs.Attribute, _value: str) -> None:
-        refuse_misplaced_knobs(self)  # self: the including config; the checks against the block size need the model
+        """``misplaced_knobs`` of the including config as one error, each at its own field (its YAML line)."""
+        problems = misplaced_knobs(self)
+        if problems:
+            raise field_errors(type(self), problems)
 
 
 def knobs(cls: type) -> tuple[attrs.Attribute, ...]:
@@ -290,19 +291,6 @@ def init_from_problems(init_from: str | None, *, hidden_size: int, block_size: i
     return out
 
 
-def refuse_misplaced_knobs(conf: Any) -> None:
-    """``misplaced_knobs`` as one error, each problem at its own field (its YAML line)."""
-    from dflash_flow.core.stage import field_errors
-
-    problems = misplaced_knobs(conf)
-    if problems:
-        raise field_errors(type(conf), problems)
-
-
-def _optional_variant(value: Variant | str | None) -> Variant | None:
-    return None if value is None else as_variant(value)
-
-
 @attrs.frozen(kw_only=True)
 class DrafterShape:
     """What a fresh drafter is made of (the rest comes from the target's config)."""
@@ -357,4 +345,4 @@ class TrainerConfig:
     #: The objective (``strategies.Objective``, ``VariablePrefix``, or a name: its knobs at their defaults).
     objective: Objective = attrs.field(default="dflash", converter=as_objective)
     #: The variant whose loss term is added (its ``loss_weight``); None: the drafter's own, at its defaults.
-    variant: Variant | None = attrs.field(default=None, converter=_optional_variant)
+    variant: Variant | None = attrs.field(default=None, converter=attrs.converters.optional(as_variant))

@@ -9,7 +9,6 @@ step it records the tokens committed (cut at the end: our count) and the drafts 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,9 +19,9 @@ from dflash_flow.data.suites import SuitePrompt, template_ids
 
 from .block_drafter import draft_settings
 from .decoding import eval_mode
-from .generation import greedy_generate, spec_generate
+from .evaluation import decode_both
 
-__all__ = ["ContextTooLong", "RequestResult", "decode_request", "decode_suite", "suite_figures"]
+__all__ = ["ContextTooLong", "RequestResult", "decode_suite", "suite_figures"]
 
 
 class ContextTooLong(ValueError):
@@ -59,16 +58,6 @@ class RequestResult:
         return 1 + self.steps
 
 
-def decode_request(target: nn.Module, drafter: nn.Module, prompt_ids: Sequence[int], *, max_new_tokens: int,
-                   stop_token_ids: Sequence[int], prompt_id: str = "", turn: int = 0,
-                   max_positions: int | None = None) -> RequestResult:
-    """Decode one request both ways (see the module docstring)."""
-    block = draft_settings(drafter).block_size
-    _check_fits(prompt_ids, max_new_tokens, block, max_positions, prompt_id, turn)
-    return _decode(target, drafter, [(prompt_id, turn, list(prompt_ids))], max_new_tokens=max_new_tokens,
-                   stops=list(stop_token_ids), block=block, together=False)[0]
-
-
 def _check_fits(prompt_ids, max_new_tokens: int, block: int, max_positions: int | None, prompt_id: str,
                 turn: int) -> None:
     n = len(prompt_ids)
@@ -98,27 +87,18 @@ def _result(prompt_id, turn, prompt_ids, greedy_ids, res, trace, accepted, max_n
 
 
 def _decode(target, drafter, requests: list[tuple[str, int, list[int]]], *, max_new_tokens: int,
-            stops: list[int], block: int, together: bool = True) -> list[RequestResult]:
+            stops: list[int], block: int, together: bool) -> list[RequestResult]:
     """``(prompt id, turn, prompt ids)`` each decoded both ways, one by one or ``together`` (``model.batched``)."""
-    from .batched import greedy_generate_batch, spec_generate_batch
-
     prompts = [ids for _, _, ids in requests]
     traces: list[list] = [[] for _ in prompts]
     accepted: list[list] = [[] for _ in prompts]
-    spec = dict(max_new_tokens=max_new_tokens + block - 1, stop_token_ids=stops)
-    t0 = time.perf_counter()
-    refs = (greedy_generate_batch(target, prompts, max_new_tokens, stops, batch_size=len(prompts)) if together
-            else [greedy_generate(target, p, max_new_tokens, stops) for p in prompts])
-    t1 = time.perf_counter()
-    results = (spec_generate_batch(target, drafter, prompts, traces=traces, accepted_drafts=accepted,
-                                   batch_size=len(prompts), **spec) if together
-               else [spec_generate(target, drafter, p, trace=tr, accepted_drafts=acc, **spec)
-                     for p, tr, acc in zip(prompts, traces, accepted, strict=True)])
-    t2 = time.perf_counter()
+    refs, results, greedy_s, spec_s = decode_both(
+        target, drafter, prompts, together=together, reference_tokens=max_new_tokens, stop_token_ids=stops,
+        traces=traces, accepted_drafts=accepted, max_new_tokens=max_new_tokens + block - 1)
     spec_tokens = sum(r.num_new_tokens for r in results) or 1
     greedy_tokens = sum(r.num_new_tokens for r in refs) or 1
     return [_result(pid, turn, ids, ref.new_ids, res, trace, acc, max_new_tokens, stops,
-                    (t2 - t1) * res.num_new_tokens / spec_tokens, (t1 - t0) * ref.num_new_tokens / greedy_tokens)
+                    spec_s * res.num_new_tokens / spec_tokens, greedy_s * ref.num_new_tokens / greedy_tokens)
             for (pid, turn, ids), ref, res, trace, acc in zip(requests, refs, results, traces, accepted, strict=True)]
 
 
@@ -127,75 +107,44 @@ def decode_suite(target: nn.Module, drafter: nn.Module, tokenizer: Any, prompts:
                  max_positions: int | None = None,
                  on_request: Callable[[RequestResult], None] | None = None,
                  batch_size: int = 16) -> list[RequestResult]:
-    """Every turn of every prompt, in prompt order; a later turn follows the target's own earlier replies.
-    ``on_request`` follows each request (it may raise to stop). ``batch_size`` > 1: the same turn of that many
-    prompts decodes together where the models allow (each request's counts its own; a batch's seconds shared
-    in proportion to tokens)."""
+    """Every turn of every prompt (see the module docstring), in prompt order; a later turn follows the target's
+    own earlier replies. ``on_request`` follows each request (it may raise to stop). ``batch_size`` > 1: the same
+    turn of that many prompts decodes together where the models allow (each request's counts its own; a batch's
+    seconds shared in proportion to tokens); else prompt by prompt."""
     from .batched import batchable
 
-    out: list[RequestResult] = []
-    with eval_mode(drafter):
-        block = draft_settings(drafter).block_size
-        if batch_size > 1 and len(prompts) > 1 and block > 1 and batchable(target, drafter):
-            return _decode_suite_batched(target, drafter, tokenizer, prompts, max_new_tokens=max_new_tokens,
-                                         stops=list(stop_token_ids), enable_thinking=enable_thinking,
-                                         max_positions=max_positions, on_request=on_request,
-                                         batch_size=batch_size, block=block)
-        for p in prompts:
-            messages: list[dict] = []
-            for turn, text in enumerate(p.turns):
-                messages.append({"role": "user", "content": text})
-                ids = template_ids(tokenizer, messages, enable_thinking=enable_thinking)
-                r = decode_request(target, drafter, ids, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
-                                   prompt_id=p.id, turn=turn, max_positions=max_positions)
-                out.append(r)
-                if on_request is not None:
-                    on_request(r)
-                messages.append({"role": "assistant", "content": tokenizer.decode(r.greedy_ids, skip_special_tokens=True)})
-    return out
-
-
-def _decode_suite_batched(target, drafter, tokenizer, prompts, *, max_new_tokens, stops, enable_thinking,
-                          max_positions, on_request, batch_size, block) -> list[RequestResult]:
-    """``decode_suite``'s requests turn by turn, each turn's requests ``batch_size`` at a time."""
     messages: list[list[dict]] = [[] for _ in prompts]
     done: dict[tuple[int, int], RequestResult] = {}
-    for turn in range(max((len(p.turns) for p in prompts), default=0)):
-        live = [i for i, p in enumerate(prompts) if turn < len(p.turns)]
-        requests = []
-        for i in live:
-            messages[i].append({"role": "user", "content": prompts[i].turns[turn]})
-            ids = template_ids(tokenizer, messages[i], enable_thinking=enable_thinking)
-            _check_fits(ids, max_new_tokens, block, max_positions, prompts[i].id, turn)
-            requests.append((i, ids))
-        for lo in range(0, len(requests), batch_size):
-            part = requests[lo : lo + batch_size]
-            results = _decode(target, drafter, [(prompts[i].id, turn, ids) for i, ids in part],
-                                    max_new_tokens=max_new_tokens, stops=stops, block=block)
-            for (i, _), r in zip(part, results, strict=True):
-                done[(i, turn)] = r
-                if on_request is not None:
-                    on_request(r)
-        for i in live:
-            reply = tokenizer.decode(done[(i, turn)].greedy_ids, skip_special_tokens=True)
-            messages[i].append({"role": "assistant", "content": reply})
+    with eval_mode(drafter):
+        block = draft_settings(drafter).block_size
+        together = batch_size > 1 and len(prompts) > 1 and block > 1 and batchable(target, drafter)
+        for group in [range(len(prompts))] if together else [[i] for i in range(len(prompts))]:
+            for turn in range(max((len(prompts[i].turns) for i in group), default=0)):
+                live = [i for i in group if turn < len(prompts[i].turns)]
+                requests = []
+                for i in live:
+                    messages[i].append({"role": "user", "content": prompts[i].turns[turn]})
+                    ids = template_ids(tokenizer, messages[i], enable_thinking=enable_thinking)
+                    _check_fits(ids, max_new_tokens, block, max_positions, prompts[i].id, turn)
+                    requests.append((i, ids))
+                for lo in range(0, len(requests), batch_size):
+                    part = requests[lo : lo + batch_size]
+                    results = _decode(target, drafter, [(prompts[i].id, turn, ids) for i, ids in part],
+                                      max_new_tokens=max_new_tokens, stops=list(stop_token_ids), block=block,
+                                      together=together)
+                    for (i, _), r in zip(part, results, strict=True):
+                        done[(i, turn)] = r
+                        if on_request is not None:
+                            on_request(r)
+                for i in live:
+                    reply = tokenizer.decode(done[(i, turn)].greedy_ids, skip_special_tokens=True)
+                    messages[i].append({"role": "assistant", "content": reply})
     return [done[(i, turn)] for i, p in enumerate(prompts) for turn in range(len(p.turns))]
 
 
 def suite_figures(requests: Sequence[RequestResult], block_size: int) -> dict[str, Any]:
-    """Our figures for one suite, named by how they count:
-
-    * ``tau_per_step``: committed tokens per verify step (the ``eval`` command's); ``tau_per_request``: the mean
-      of each request's (z-lab's); ``tau_per_token``: new tokens per step (SpecForge's / SGLang's);
-      ``tau_engine_count``: ``1 + accepted drafts / steps`` (vLLM's counters);
-    * ``accept_rate_per_position``: per draft position k (1..B-1), the share of steps that accepted it
-      (vLLM's ``num_accepted_tokens_per_pos / num_drafts``);
-    * ``histogram``: steps by tokens committed, index 0..B (z-lab's layout; index 0 is always 0);
-      ``histogram_accepted_drafts``: steps by drafts accepted, index 0..B-1 (vLLM's and SGLang's layout);
-    * ``lossless`` ``"k/n"`` outputs equal to greedy decoding's; ``speedup_forwards``: new tokens / target
-      forwards; ``speedup_wall``: speculative over plain tokens/s;
-    * counts: ``requests``, ``verify_steps``, ``tokens``, ``target_forwards``, ``drafter_forwards``.
-    """
+    """Our figures for one suite, named by how they count (docs/eval.md's table says whose count each is), and
+    the counts: ``requests``, ``verify_steps``, ``tokens``, ``target_forwards``, ``drafter_forwards``."""
     steps = sum(r.steps for r in requests)
     tokens = sum(len(r.new_ids) for r in requests)
     hist = [0] * (block_size + 1)

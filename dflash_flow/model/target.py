@@ -1,14 +1,12 @@
 """The frozen target model: :func:`load_target` turns a *spec* (local directory, hub id, or a tiny config
-preset) into a frozen, eval-mode causal LM on a device, or split layer-wise over several devices
-(``place_on_devices``), optionally loaded only as deep as the deepest layer it will run. Hub ids: the local
-Hugging Face cache first, the hub only when it is not in offline mode. The extractor of the DFlash context
-features is ``model.features``'; the shared embedding and LM head ``model.head``'s. Re-exports the names
-callers use with a target.
+preset) into a frozen causal LM on a device, or split layer-wise over several (``place_on_devices``),
+optionally loaded only as deep as the deepest layer it will run. Re-exports the names callers use with a target.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import re
 import threading
@@ -145,25 +143,14 @@ def peek_target_depth(spec: str | os.PathLike | Mapping[str, Any], *, trust_remo
         return None
 
 
-def _freeze(model: nn.Module) -> nn.Module:
-    model.eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model
-
-
 def load_target(spec: str | os.PathLike | Mapping[str, Any], *, device: str | torch.device | None = None,
                 devices: Sequence[str | torch.device] | None = None, num_layers: int | None = None,
                 dtype: torch.dtype | None = None, trust_remote_code: bool = False,
                 attn_implementation: str | None = None) -> nn.Module:
-    """Load the frozen target causal LM (eval mode, ``requires_grad=False``). ``spec``, in order: a dict (a
-    preset with overrides, ``{"preset": "tiny-qwen3-8l", ...}``, or ``{"model_type": "qwen3", ..., "seed": 0}``:
-    random weights from ``seed``); a name in :data:`TARGET_PRESETS`; a local directory; a hub id, from the
-    local HF cache, else downloaded when the hub is reachable, else :class:`TargetOfflineError`.
-    ``devices=[d0, d1, ...]`` splits it layer-wise (:func:`place_on_devices`); ``num_layers`` loads only the
-    first decoder layers (:func:`target_depth` still gives the full depth). ``dtype`` and
-    ``attn_implementation`` default by the (first) device."""
-
+    """Load the frozen target causal LM. ``spec``, in order: a dict (a preset with overrides, or a config with
+    a ``seed`` for its random weights); a name in :data:`TARGET_PRESETS`; a local directory; a hub id (the local
+    HF cache, else the hub unless offline: :class:`TargetOfflineError`). ``devices`` splits it layer-wise;
+    ``num_layers`` loads only the first decoder layers. ``dtype`` and ``attn_implementation`` default by device."""
     if device is not None and devices:
         raise ValueError("pass either device or devices, not both")
     placement = [as_device(d) for d in (devices or [device or "cpu"])]
@@ -210,14 +197,17 @@ def _build_preset(spec: Any, num_layers: int | None, common: dict[str, Any]) -> 
 
 
 def _placed(model: nn.Module, placement: list[torch.device]) -> nn.Module:
-    if len(placement) == 1:
-        return _freeze(model.to(placement[0]))
-    return _freeze(place_on_devices(model, placement))
+    """``model`` on its device(s), frozen (eval mode, no gradients)."""
+    model = model.to(placement[0]) if len(placement) == 1 else place_on_devices(model, placement)
+    model.eval()
+    return model.requires_grad_(False)
 
 
 # -- loading only as deep as needed ----------------------------------------------------------------
 
-def _truncate_config(config: Any, num_layers: int) -> None:
+def _truncate_config(config: Any, num_layers: int, depth: int) -> None:
+    if num_layers > depth:
+        raise ValueError(f"num_layers={num_layers} but the target has only {depth} decoder layers")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     text.num_hidden_layers = num_layers
     layer_types = getattr(text, "layer_types", None)
@@ -225,27 +215,22 @@ def _truncate_config(config: Any, num_layers: int) -> None:
         text.layer_types = layer_types[:num_layers]
 
 
-def _check_depth(num_layers: int, depth: int) -> None:
-    if num_layers > depth:
-        raise ValueError(f"num_layers={num_layers} but the target has only {depth} decoder layers")
-
-
 def _drop_layers_above(model: nn.Module, num_layers: int | None) -> None:
     """Keep the first ``num_layers`` decoder layers of a built model (a preset: tiny and built whole)."""
     if num_layers is None:
         return
     depth = len(decoder_layers(model))
-    _check_depth(num_layers, depth)
+    _truncate_config(model.config, num_layers, depth)
     stack = backbone(model)
     stack.layers = nn.ModuleList(list(stack.layers)[:num_layers])
-    _truncate_config(model.config, num_layers)
-    setattr(model, DEPTH_ATTR, depth)
     _drop_output_head(model, num_layers, depth)
 
 
 def _drop_output_head(model: nn.Module, num_layers: int, depth: int) -> None:
-    """A target loaded only partway serves features: its final norm becomes an identity (the backbone still
-    runs to its end) and its LM head (the largest tensor) None, so a call for logits fails at once."""
+    """A target loaded only partway (its full ``depth`` kept in ``DEPTH_ATTR``) serves features: its final norm
+    becomes an identity (the backbone still runs to its end) and its LM head (the largest tensor) None, so a call
+    for logits fails at once."""
+    setattr(model, DEPTH_ATTR, depth)
     if num_layers >= depth:
         return
     stack = backbone(model)
@@ -261,10 +246,8 @@ def _from_pretrained(source: str | Path, config: Any, num_layers: int | None, **
     if num_layers is None:
         return AutoModelForCausalLM.from_pretrained(source, **kwargs)
     depth = num_hidden_layers(config)
-    _check_depth(num_layers, depth)
-    _truncate_config(config, num_layers)
+    _truncate_config(config, num_layers, depth)
     model = _skipping_layers_above(config, num_layers, depth).from_pretrained(source, config=config, **kwargs)
-    setattr(model, DEPTH_ATTR, depth)
     _drop_output_head(model, num_layers, depth)
     return model
 
@@ -388,12 +371,8 @@ def place_on_devices(model: nn.Module, devices: Sequence[str | torch.device]) ->
     stack = backbone(model)
     layers = list(stack.layers)
     plan = layer_devices(len(layers), len(devs))
-    runs: list[list[nn.Module]] = []
-    for i, layer in enumerate(layers):
-        if i and plan[i] == plan[i - 1]:
-            runs[-1].append(layer)
-        else:
-            runs.append([layer])
+    by_device = itertools.groupby(zip(plan, layers, strict=True), key=lambda t: t[0])
+    runs = [[layer for _, layer in run] for _, run in by_device]
     tails = [m for m in (getattr(stack, "norm", None), model.get_output_embeddings()) if isinstance(m, nn.Module)]
     for run in runs[1:] + [[m] for m in tails]:
         hook = _ToDevice(_module_device(run[0]), run[0], run[-1])
@@ -405,8 +384,5 @@ def place_on_devices(model: nn.Module, devices: Sequence[str | torch.device]) ->
 
 
 def _module_device(module: nn.Module) -> torch.device:
-    for p in module.parameters():
-        return p.device
-    for b in module.buffers():
-        return b.device
-    return torch.device("cpu")
+    t = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return t.device if t is not None else torch.device("cpu")

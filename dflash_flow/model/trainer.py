@@ -1,11 +1,11 @@
-"""The drafter's training loop: the DFlash loss per micro-batch, gradient accumulation, AdamW on fp32 masters
-under warmup + cosine, step reports, and the state that makes a resumed run continue bit for bit on the CPU
-(on CUDA the attention backward is not deterministic: docs/gpu.md). Also building the drafter it trains (fresh
-or ``init_from``), its parameter count on the meta device, the shape-dependent defaults (``gamma``, the mask)."""
+"""The drafter's training loop (the DFlash loss per micro-batch, accumulation, AdamW on fp32 masters, step
+reports; a resumed run continues bit for bit on the CPU, not on CUDA: docs/gpu.md), and building the drafter
+it trains (fresh or ``init_from``) with its shape-dependent defaults (``gamma``, the mask token)."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from pathlib import Path
@@ -32,12 +32,7 @@ from dflash_flow.model.optim import (
 )
 from dflash_flow.model.strategies import DrafterShape, TrainerConfig
 
-# DFlashObjective, DrafterShape, TrainerConfig: re-exported, the trainer is where its callers find them.
-__all__ = [
-    "DFlashObjective", "DrafterShape", "DrafterTrainer", "TrainerConfig", "build_drafter", "default_gamma",
-    "drafter_config", "parameter_count", "parameter_count_for", "resolve_mask_token_id",
-]
-
+log = logging.getLogger("dflash_flow")
 STATE_VERSION = 1
 TRAINER_STATE = StateVersion("trainer state", STATE_VERSION)
 
@@ -82,25 +77,6 @@ def drafter_config(target_config: Any, shape: DrafterShape, *, mask_token_id: in
         mask_token_id=mask_token_id, target_layer_ids=shape.target_layer_ids, layer_types=shape.layer_types,
         sliding_window=shape.sliding_window,
     )
-
-
-def parameter_count(target_config: Any, shape: DrafterShape, *, init_from: str | Path | None = None) -> int:
-    """Trainable parameters of the drafter ``build_drafter`` would make, counted on the meta device."""
-    from dflash_flow.model.export import load_drafter_config
-
-    config = load_drafter_config(init_from) if init_from else drafter_config(target_config, shape, mask_token_id=0)
-    with torch.device("meta"):
-        model = drafter_from_config(config)
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-def parameter_count_for(target: Any, shape: DrafterShape, *, trust_remote_code: bool = False,
-                        init_from: str | Path | None = None) -> int:
-    """``parameter_count`` of the drafter for ``target`` (its config read; not needed with ``init_from``)."""
-    from dflash_flow.model.target import load_target_config
-
-    target_config = None if init_from else load_target_config(target, trust_remote_code=trust_remote_code)
-    return parameter_count(target_config, shape, init_from=init_from)
 
 
 def build_drafter(target_config: Any, shape: DrafterShape, *, seed: int, device: str | torch.device,
@@ -210,9 +186,7 @@ class DrafterTrainer:
             if exact is not None and not self._planned:
                 self._planned = True
                 if exact != self.schedule.total_steps and exact > self.step:
-                    import logging
-
-                    logging.getLogger("dflash_flow").info(
+                    log.info(
                         "the learning-rate schedule now ends at step %d (was %d): %s", exact, self.schedule.total_steps,
                         "re-planned for the extended run" if self.extend else "the rest of the decay spread over the steps left")
                     self.schedule.retarget(exact, respan=not self.extend)
@@ -310,9 +284,7 @@ class DrafterTrainer:
                 f"non-finite {where}: the training diverged; the update was not applied. Lower lr "
                 f"(now {self.config.lr:g}) or max_grad_norm, check that batch's data, or set on_nonfinite: skip"
             )
-        import logging
-
-        logging.getLogger("dflash_flow").warning("skipping the update of non-finite %s (on_nonfinite: skip)", where)
+        log.warning("skipping the update of non-finite %s (on_nonfinite: skip)", where)
 
     def _optimizer_step(self) -> dict[str, float]:
         grad_norm, sums, pos_sums = self.sums.read(self.optimizer.prepare())

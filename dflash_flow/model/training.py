@@ -28,12 +28,6 @@ from dflash_flow.model.strategies import (
     variant_of,
 )
 
-__all__ = [
-    "KNOBS", "NOT_IN_STAGE", "DrafterRun", "HeldoutKnobs", "HeldoutSchedule", "RunKnobs", "ThreadKnobs", "ThreadPolicy",
-    "ThreadSwitchWatch", "Trained", "check_inside_output_dir", "drafter_problems", "drafter_shape", "include_knobs",
-    "parameter_count", "preload",
-]
-
 
 class ThreadSwitchWatch:
     """Whether a switch of torch's intra-op threads mid-run made steps slower (other work took the cores):
@@ -169,26 +163,6 @@ class HeldoutKnobs:
     )
 
 
-class HeldoutSchedule:
-    """When the held-out walk is measured: at the first step, every ``heldout_every_steps`` steps or
-    ``heldout_every_s`` seconds, and at the last step."""
-
-    def __init__(self, knobs: HeldoutKnobs) -> None:
-        self.knobs = knobs
-        self.last: tuple[int, float] | None = None  # (step, perf_counter) of the last measurement
-
-    def due(self, step: int, now: float, *, last: bool) -> bool:
-        if self.last is None or last:
-            return True
-        prev_step, prev_t = self.last
-        every_steps, every_s = self.knobs.heldout_every_steps, self.knobs.heldout_every_s
-        return (every_steps is not None and step - prev_step >= every_steps) or (
-            every_s is not None and now - prev_t >= every_s)
-
-    def measured(self, step: int) -> None:
-        self.last = (step, time.perf_counter())
-
-
 def check_inside_output_dir(field: str, value: str) -> None:
     """A stage's output path is relative to the run's output directory and must stay inside it."""
     p = PurePath(value)
@@ -249,12 +223,24 @@ def drafter_problems(conf: Any, spec: ModelSpec) -> list[tuple[str, str]]:
 def parameter_count(conf: Any, spec: ModelSpec | None) -> int:
     """Trainable parameters of the drafter ``conf`` builds with ``spec``, counted on the meta device (the
     application sizes a checkpoint's free space from it)."""
-    from dflash_flow.model.trainer import parameter_count_for
+    import torch
+
+    from dflash_flow.model.dflash2 import drafter_from_config
+    from dflash_flow.model.export import load_drafter_config
+    from dflash_flow.model.target import load_target_config
+    from dflash_flow.model.trainer import drafter_config
 
     spec = spec or ModelSpec()
     target = None if conf.init_from else spec.require_target("DrafterStep")
-    return parameter_count_for(target, drafter_shape(conf, spec), trust_remote_code=spec.trust_remote_code,
-                               init_from=conf.init_from)
+    shape = drafter_shape(conf, spec)
+    if conf.init_from:
+        config = load_drafter_config(conf.init_from)
+    else:
+        config = drafter_config(load_target_config(target, trust_remote_code=spec.trust_remote_code), shape,
+                                mask_token_id=0)
+    with torch.device("meta"):
+        model = drafter_from_config(config)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def drafter_shape(conf: Any, spec: Any) -> DrafterShape:
@@ -286,8 +272,9 @@ class DrafterRun:
         self.position = position or DataPosition()
         self.planned_total: int | None = None  # the plan's batches for this rank
         self.since_checkpoint = 0  # batches trained since the last checkpoint (this process)
-        self.probe: Any = None  # model.heldout.HeldoutProbe, when the held-out walk is measured
-        self.schedule = HeldoutSchedule(heldout)
+        self.probe: Any = None  # model.walk.HeldoutProbe, when the held-out walk is measured
+        self.heldout_knobs = heldout
+        self._last_walk: tuple[int, float] | None = None  # (step, perf_counter) of the last measurement
         self._t_start = time.perf_counter()
 
     @classmethod
@@ -310,7 +297,7 @@ class DrafterRun:
     def prepare_heldout(self, spec: Any, data: str, embedded: Any, *, device: str, who: str) -> None:
         """The held-out walk's fixed sample of ``data`` (a JSONL, or ``"embedded"``: the path ``embedded()``
         gives), measured from now on at the schedule's steps."""
-        from dflash_flow.model.heldout import prepare_probe
+        from dflash_flow.model.evaluation import prepare_probe
 
         if data == "embedded" and not spec.is_embedded:
             raise ValueError(f"{who}: heldout_data 'embedded' holds the embedded target's replies; with another "
@@ -318,7 +305,7 @@ class DrafterRun:
         if spec.tokenizer is None:
             raise ValueError(f"{who}: heldout_data needs a tokenizer (set model.tokenizer)")
         path = embedded() if data == "embedded" else Path(data)
-        self.probe = prepare_probe(self.schedule.knobs, path, target=spec.require_target("DrafterStep"),
+        self.probe = prepare_probe(self.heldout_knobs, path, target=spec.require_target("DrafterStep"),
                                    tokenizer_path=spec.tokenizer, trust_remote_code=spec.trust_remote_code,
                                    layer_ids=self.trainer.drafter.target_layer_ids, device=device,
                                    dtype=self.trainer.dtype)
@@ -337,15 +324,18 @@ class DrafterRun:
         return Trained(metrics, step_s, threads, warning)
 
     def heldout(self, *, last: bool, elapsed_before_s: float = 0.0) -> HeldoutWalk | None:
-        """The held-out walk now, when it is due; ``elapsed_s`` on the run's clock (``elapsed_before_s``: the
-        runs it resumes)."""
+        """The held-out walk when due: at the first and ``last`` step, every ``heldout_every_steps`` steps or
+        ``heldout_every_s`` seconds; ``elapsed_s`` on the run's clock (``elapsed_before_s``: the runs it resumes)."""
         if self.probe is None:
             return None
         step, now = self.trainer.step, time.perf_counter()
-        if not self.schedule.due(step, now, last=last):
-            return None
+        if self._last_walk is not None and not last:
+            (prev_step, prev_t), k = self._last_walk, self.heldout_knobs
+            if not ((k.heldout_every_steps is not None and step - prev_step >= k.heldout_every_steps)
+                    or (k.heldout_every_s is not None and now - prev_t >= k.heldout_every_s)):
+                return None
         r = self.probe.measure(self.trainer.drafter, self.trainer.head)
-        self.schedule.measured(step)
+        self._last_walk = (step, time.perf_counter())
         return HeldoutWalk(tau=r.tau, elapsed_s=elapsed_before_s + now - self._t_start, probe_s=r.seconds,
                            conversations=len(self.probe.inputs), horizon=self.probe.horizon)
 

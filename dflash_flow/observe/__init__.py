@@ -1,6 +1,4 @@
-"""Observability for dflash-flow pipelines: the metric schema (``schema``, docs/metrics.md), what the Monitor
-records (``sample``, ``record``), the bottleneck analysis over a window, the end-of-run report, plots and console
-output (``report``, ``plots``, ``progress``, ``console``), and MLflow tracking robust to an unreachable store
-(``tracking``, ``spool``, ``store``, ``runinfo``). Heavy dependencies (mlflow, matplotlib, psutil,
-rich) are imported inside functions, so importing this package costs nothing at ``dflash-flow --help`` time.
+"""Observability: the metric schema (docs/metrics.md), Monitor samples and the run record, the bottleneck
+analysis, the end-of-run report, plots and console output, and MLflow tracking robust to an unreachable store.
+Heavy dependencies (mlflow, matplotlib, psutil, rich) are imported inside functions, never at import time.
 """

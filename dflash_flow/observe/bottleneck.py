@@ -1,20 +1,8 @@
-"""Which stage is holding the others back, and how many replicas would fix it (pure functions), from the
-loads of one window of two runtime snapshots (``StageWindow``, the section at the end).
-
-Inputs are per-stage fractions of wall time over a window, averaged over the stage's replicas: ``busy``
-(running its own work), ``blocked_in`` (starved by upstream), ``blocked_out`` (back-pressured by downstream).
-
-Model. In steady state every stage passes the same items per second ``X``; a stage with ``r`` replicas and
-service time ``t`` is busy ``u = X * t / r``, so the busiest stage saturates first: it is the bottleneck.
-Stages upstream of it show ``blocked_out``, downstream ``blocked_in``. Busy fractions within
-``tie_tolerance`` are broken by that waiting (given the DAG ``edges``: the stage whose producers are blocked
-on output and consumers on input), then by the stage itself less blocked on output, then by a sink.
-
-Replicas needed: spread over ``r'`` replicas its busy fraction becomes ``r * u / r'``; it stops being the
-bottleneck at the next-busiest stage's ``u2``, so ``replicas_needed = max(r + 1, ceil(r * u / max(u2,
-min_util)))`` (``min_util`` keeps it finite; replicas are assumed to scale linearly). A stage in ``fixed``
-(a singleton, an ``ordered`` stage, a source that does not shard) keeps its count; the sentence names the
-lever that exists instead.
+"""Which stage holds the others back, and how many replicas would fix it (pure functions), from per-stage
+``busy``/``blocked_in``/``blocked_out`` fractions of one window (``StageWindow``). In steady state every stage
+passes the same items/s, so the busiest saturates first (ties: the waiting around it, then less blocked on
+output, then a sink); ``replicas_needed = max(r + 1, ceil(r * u / max(u2, min_util)))``, ``u2`` the
+next-busiest load. A stage in ``fixed`` keeps its count; the sentence names another lever.
 """
 
 from __future__ import annotations
@@ -64,13 +52,6 @@ def _clip(x: float) -> float:
     return 0.0 if math.isnan(x) else min(1.0, max(0.0, x))
 
 
-def to_loads(stages: Mapping[str, Mapping[str, float]]) -> dict[str, StageLoad]:
-    """``{stage: {"replicas", "busy", "blocked_in", "blocked_out"}}`` -> ``{stage: StageLoad}``."""
-    return {name: StageLoad(name, max(1, int(d.get("replicas", 1))), _clip(d.get("busy", 0.0)),
-                            _clip(d.get("blocked_in", 0.0)), _clip(d.get("blocked_out", 0.0)))
-            for name, d in stages.items()}
-
-
 def _waiting_evidence(name: str, loads: Mapping[str, StageLoad], edges: Mapping[str, Sequence[str]] | None) -> float:
     """How much its neighbours wait for ``name``: producers blocked on output + consumers blocked on input."""
     if not edges:
@@ -92,13 +73,14 @@ def find_bottleneck(stages: Mapping[str, Mapping[str, float]] | Mapping[str, Sta
                     sinks: Iterable[str] = (), *, edges: Mapping[str, Sequence[str]] | None = None,
                     tie_tolerance: float = 0.02, saturation: float = 0.8, min_util: float = 0.05,
                     fixed: Iterable[str] = ()) -> Bottleneck | None:
-    """Name the bottleneck stage, the replicas it needs to stop being one, and a sentence (None: no stages).
-    ``stages``: ``StageLoad`` values or ``{stage: {"replicas", "busy", ...}}``; ``sinks``: stages for which
-    being the bottleneck is the goal; ``edges``: ``{stage: [downstream stages]}``, tie-break evidence."""
+    """The bottleneck stage, the replicas it needs and a sentence (None: no stages). ``sinks``: stages meant
+    to be the bottleneck; ``edges``: ``{stage: [downstream]}``, for tie-breaks."""
     if not stages:
         return None
-    first = next(iter(stages.values()))
-    loads = dict(stages) if isinstance(first, StageLoad) else to_loads(stages)  # type: ignore[arg-type]
+    loads = dict(stages) if isinstance(next(iter(stages.values())), StageLoad) else {  # type: ignore[arg-type]
+        name: StageLoad(name, max(1, int(d.get("replicas", 1))), _clip(d.get("busy", 0.0)),
+                        _clip(d.get("blocked_in", 0.0)), _clip(d.get("blocked_out", 0.0)))
+        for name, d in stages.items()}
     sinks = set(sinks)
     top = max(ld.busy for ld in loads.values())
     contenders = [ld for ld in loads.values() if ld.busy >= top - tie_tolerance]
@@ -155,9 +137,8 @@ def _sentence(b: StageLoad, nxt: StageLoad | None, need: int, is_sink: bool, sat
 
 
 # ------------------------------------------------------------------------------------------ windows
-# One window of the runtime's cumulative readings, the one delta code of the Monitor (``observe.sample``),
-# the profiler (``app.profile_data``) and the analysis above: a window is the difference of two snapshots
-# (``prev=None``: from the start), read as seconds, items, counters and fractions of a span.
+# A window: the difference of two snapshots of the runtime's cumulative readings (``prev=None``: from the
+# start), the one delta code of the Monitor (``observe.sample``), the profiler and the analysis above.
 
 
 def number(value: object) -> float | None:
@@ -252,40 +233,21 @@ class StageWindow:
     def _mean(self, seconds: str) -> float:
         return sum(fraction(getattr(r, seconds), self.span_of(r)) for r in self.replicas) / max(1, len(self.replicas))
 
-    @property
-    def busy(self) -> float:
-        return self._mean("busy_s")
-
-    @property
-    def blocked_in(self) -> float:
-        return self._mean("blocked_in_s")
-
-    @property
-    def blocked_out(self) -> float:
-        return self._mean("blocked_out_s")
-
-    @property
-    def busy_s(self) -> float:
-        return sum(r.busy_s for r in self.replicas)
-
-    @property
-    def items_in(self) -> int:
-        return sum(r.items_in for r in self.replicas)
-
-    @property
-    def items_out(self) -> int:
-        return sum(r.items_out for r in self.replicas)
+    busy = property(lambda self: self._mean("busy_s"))
+    blocked_in = property(lambda self: self._mean("blocked_in_s"))
+    blocked_out = property(lambda self: self._mean("blocked_out_s"))
+    busy_s = property(lambda self: sum(r.busy_s for r in self.replicas))
+    items_in = property(lambda self: sum(r.items_in for r in self.replicas))
+    items_out = property(lambda self: sum(r.items_out for r in self.replicas))
 
     def handled(self, is_source: bool) -> int:
         return sum(r.handled(is_source) for r in self.replicas)
 
     def alive(self, window: float) -> float:
-        """The fraction of ``window`` its replicas were alive (started, not yet ended), mean over replicas:
-        ``alive_s`` stops growing when a replica ends."""
+        """The fraction of ``window`` its replicas were alive (started, not yet ended), mean over replicas."""
         if window <= 0 or not self.replicas:
             return 0.0
         return min(1.0, sum(r.alive_s for r in self.replicas) / len(self.replicas) / window)
 
     def load(self) -> StageLoad:
-        """What the bottleneck analysis reads of it."""
         return StageLoad(self.name, len(self.replicas), self.busy, self.blocked_in, self.blocked_out)

@@ -4,6 +4,7 @@ colour only on a real terminal, never Jupyter widgets; and streams whose reader 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import math
@@ -19,9 +20,8 @@ _GONE_ERRNOS = frozenset({errno.EPIPE, errno.ESHUTDOWN, errno.ECONNRESET, errno.
 
 
 class PipeSafeStream:
-    """A text stream whose writes never fail because its reader went away (``run ... | head``): the first
-    such write points its file descriptor at ``/dev/null`` (silencing every writer of it, the interpreter's
-    flush at exit included) and drops output from then on, so the run goes on and ends as it would have."""
+    """A text stream whose writes never fail because its reader went away (``run ... | head``): the first such
+    write points its descriptor at ``/dev/null`` (the interpreter's flush at exit included) and drops output."""
 
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
@@ -42,10 +42,8 @@ class PipeSafeStream:
                     os.close(null)
             except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
                 return  # no descriptor of its own (a StringIO, a closed file): dropping output is enough
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 self._stream.flush()  # what was buffered goes to /dev/null, not into the next write
-            except (OSError, ValueError):
-                pass
 
     def _guard(self, call, *args):
         if self.reader_gone:
@@ -106,8 +104,7 @@ def pct(x: float) -> str:
 
 
 def cell(v: Any) -> str:
-    """A value as table text: compact numbers (a whole number as an integer, ``1,010``), ``yes``/``no`` for
-    booleans, empty for None."""
+    """A value as table text: compact numbers (a whole float as a count, ``1,010``), yes/no, empty for None."""
     if v is None:
         return ""
     if isinstance(v, bool):
@@ -123,10 +120,6 @@ def cell(v: Any) -> str:
     if isinstance(v, int):
         return f"{v:,}"
     return str(v)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def table(rows: Sequence[Mapping[str, Any]] | Sequence[Sequence[Any]], columns: Sequence[str] | None = None,
@@ -148,7 +141,7 @@ def table(rows: Sequence[Mapping[str, Any]] | Sequence[Sequence[Any]], columns: 
     t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_header=bool(columns), show_edge=False, pad_edge=False)
     for i, h in enumerate(headers):
         values = [r[i] for r in body if i < len(r) and r[i] is not None]
-        numeric = bool(values) and all(_is_number(v) for v in values)
+        numeric = bool(values) and all(isinstance(v, (int, float)) and type(v) is not bool for v in values)
         t.add_column(h, justify="right" if numeric else "left", overflow="fold")
     for r in body:
         t.add_row(*[cell(v) for v in r] + [""] * (n - len(r)))

@@ -25,7 +25,7 @@ from typing import Any
 
 import attrs
 
-from .runinfo import redact_text, redact_uri, uri_secrets
+from .store import redact_text, redact_uri, uri_secrets
 
 SPEC_PREFIX = "vllm:spec_decode_"
 _COUNTERS = {"num_drafts": "drafts", "num_draft_tokens": "draft_tokens", "num_accepted_tokens": "accepted"}

@@ -1,10 +1,5 @@
-"""PNG plots of a run from its typed history (``observe.record.History``): loss, throughput, queue depths,
-bucket mix, stage load, held-out acceptance; and of the pipeline DAG (:func:`render_dag_png`, for machines
-without graphviz). ``<name>_figure(history)`` returns the figure (None without data), ``plot_<name>(history,
-path)`` writes it. Noisy curves are smoothed with the raw values faint behind; legends sit beside the axes;
-NaN points are dropped; window plots leave out the Monitor's closing whole-run sample. matplotlib is used
-through ``Figure`` and the Agg canvas, never pyplot: no display, no global state, safe off the main thread.
-"""
+"""PNG plots of a run from its typed history and of the pipeline DAG: ``<name>_figure(history)`` (None without
+data) and ``plot_<name>(history, path)``; matplotlib through ``Figure`` and Agg, never pyplot."""
 
 from __future__ import annotations
 
@@ -24,15 +19,8 @@ def _natural_key(s: str):
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
 
 
-def _finite_points(points: Sequence[tuple[float, float | None]]) -> list[tuple[float, float]]:
-    return [(s, v) for s, v in points if v is not None and math.isfinite(v)]
-
-
 def _windows(history: History):
     return [s for s in history.samples if not s.whole_run]
-
-
-# ----------------------------------------------------------------------------- series from history
 
 
 def loss_series(history: History) -> Series:
@@ -44,10 +32,6 @@ def loss_series(history: History) -> Series:
                 if k.endswith("loss") and math.isfinite(v):
                     out.setdefault(f"eval {eval_label(report)} {k}", []).append((point.step, v))
     return out
-
-
-def throughput_series(history: History) -> Series:
-    return {name: pts for name in ("tokens_per_s", "samples_per_s") if (pts := history.train.series(name))}
 
 
 def queue_depth_series(history: History) -> Series:
@@ -72,8 +56,7 @@ def stage_load_series(history: History) -> Series:
 
 def bucket_mix(history: History) -> tuple[list[float], dict[str, list[float]]]:
     """Per-window share of each bucket among the batches the Interleaver dispatched: ``(steps, {bucket:
-    [share]})``. Windows without a dispatch are left out, so the shares sum to 1 at every step shown. The
-    plot prefers :func:`trained_bucket_mix` (the whole run); this is its fallback."""
+    [share]})``, windows without a dispatch left out; the plot's fallback for :func:`trained_bucket_mix`."""
     windows = [s for s in _windows(history) if any(b.share is not None for b in s.buckets.values())]
     names = sorted({b for s in windows for b in s.buckets}, key=_natural_key)
     steps = [float(s.step) for s in windows]
@@ -82,10 +65,8 @@ def bucket_mix(history: History) -> tuple[list[float], dict[str, list[float]]]:
 
 
 def trained_bucket_mix(history: History, bins: int = 50) -> tuple[list[float], dict[int, list[float]]]:
-    """The share of each length bucket among the steps trained, over the whole run: the run's steps cut
-    into at most ``bins`` equal spans, ``(span starts, {bucket: [share per span]})`` (span ``i`` covers the
-    steps after its start up to the next one's); spans without a trained step are left out, so the shares
-    sum to 1 at every step shown."""
+    """The share of each length bucket among the steps trained, the run's steps cut into at most ``bins``
+    equal spans: ``(span starts, {bucket: [share per span]})``, spans without a trained step left out."""
     points = history.trained_buckets
     if not points:
         return [], {}
@@ -102,12 +83,6 @@ def trained_bucket_mix(history: History, bins: int = 50) -> tuple[list[float], d
     return starts, shares
 
 
-def bucket_label(bucket: int, ranges: dict[int, tuple[int, int]]) -> str:
-    """``bucket 2: 129-256 tokens`` (the lengths it holds, when known)."""
-    r = ranges.get(bucket)
-    return f"bucket {bucket}: {r[0]}-{r[1]} tokens" if r is not None else f"bucket {bucket}"
-
-
 def smoothed(ys: Sequence[float], span: int | None = None) -> list[float]:
     """An exponential moving average of ``ys``, bias-corrected at the start (it does not begin at 0), over
     about ``span`` points (default: a twentieth of the series, at least 1: no smoothing for short runs)."""
@@ -122,9 +97,6 @@ def smoothed(ys: Sequence[float], span: int | None = None) -> list[float]:
         weight = keep * weight + (1.0 - keep)
         out.append(avg / weight)
     return out
-
-
-# ----------------------------------------------------------------------------------------- drawing
 
 
 def _new_figure(**kwargs):
@@ -171,9 +143,8 @@ def _font():
 
 
 def label(name: str) -> str:
-    """A legend label the plot font can draw: a stage name in a script the font lacks (CJK, say)
-    would be a row of identical boxes -- two such stages indistinguishable -- so it is shown escaped
-    (``\\u6570\\u636e``) instead."""
+    """A legend label the plot font can draw: a name in a script the font lacks (CJK, say) is shown escaped
+    (``\\u6570\\u636e``), not as a row of boxes indistinguishable from another stage's."""
     font = _font()
     if all(font.get_char_index(ord(c)) for c in name):
         return name
@@ -183,7 +154,7 @@ def label(name: str) -> str:
 def _each(series: Series):
     """``(colour, legend label, finite points)`` of each series with data, in natural order."""
     for i, name in enumerate(sorted(series, key=_natural_key)):
-        if pts := _finite_points(series[name]):
+        if pts := [(s, v) for s, v in series[name] if v is not None and math.isfinite(v)]:
             yield f"C{i % 10}", label(name), pts
 
 
@@ -214,7 +185,7 @@ def loss_figure(history: History):
 
 def throughput_figure(history: History):
     """Tokens/s and samples/s (smoothed, raw faint behind), or None without data."""
-    series = throughput_series(history)
+    series = {name: pts for name in ("tokens_per_s", "samples_per_s") if (pts := history.train.series(name))}
     if not series:
         return None
     fig, ax = _figure("throughput")
@@ -260,7 +231,9 @@ def bucket_mix_figure(history: History):
     without trained steps, the Interleaver's dispatch windows. None without data."""
     steps, shares = trained_bucket_mix(history)
     if steps:
-        labels = [bucket_label(b, history.bucket_ranges) for b in shares]
+        ranges = history.bucket_ranges  # each bucket's lengths, when known: "bucket 2: 129-256 tokens"
+        labels = [f"bucket {b}: {r[0]}-{r[1]} tokens" if (r := ranges.get(b)) else f"bucket {b}"
+                  for b in shares]
         title = "bucket mix (share of the steps trained)"
         # Each span's shares hold until the next span; the last one until the run's last step.
         end = float(max(step for step, _ in history.trained_buckets))

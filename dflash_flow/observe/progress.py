@@ -1,11 +1,9 @@
 """Console progress on rich: :class:`ProgressPrinter` (the training line) and :class:`ProgressBar` (counted
-work), on one status line: a live line on a terminal, and a complete line every ``interval_s`` otherwise (in
-a log every redraw would be escape-code garbage). Output is rate-limited: ``update`` is cheap every step.
-:class:`LoadProgress`: a source's reading and tokenizing, as bars and `LoadPoint` metrics (``data/<stage>/``).
-"""
+work), live on a terminal, a line every ``interval_s`` in a log; :class:`LoadProgress`, a source's reading."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import threading
@@ -48,21 +46,18 @@ def format_rate(x: float | None) -> str:
     return f"{x:.1f}"
 
 
-def _isatty(stream: TextIO) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError):
-        return False
-
-
 class _StatusLine:
-    """One status line on ``stream``: a rich ``Live`` line on a terminal (redrawn at most every
-    ``tty_interval_s``), a printed line every ``interval_s`` otherwise. Messages go above the line."""
+    """One status line on ``stream`` (see the module docstring); messages go above it."""
 
     def __init__(self, stream: TextIO | None, *, tty: bool | None, width: int | None, interval_s: float,
                  tty_interval_s: float) -> None:
         self.stream = stream if stream is not None else sys.stderr
-        self.tty = _isatty(self.stream) if tty is None else bool(tty)
+        if tty is None:
+            try:
+                tty = bool(self.stream.isatty())
+            except (AttributeError, ValueError):
+                tty = False
+        self.tty = bool(tty)
         self.interval_s, self.tty_interval_s = float(interval_s), float(tty_interval_s)
         self.console = stream_console(self.stream, tty=self.tty, width=width)
         self.lock = threading.RLock()
@@ -125,24 +120,28 @@ def notice(text: str) -> None:
     on screen (a plain print would be drawn over at its next refresh). A console that is gone is ignored."""
     with _ON_SCREEN_LOCK:
         line = _ON_SCREEN[-1] if _ON_SCREEN else None
-    try:
+    with contextlib.suppress(OSError, ValueError):
         if line is not None:
             line.message(text)
         else:
             sys.stderr.write(text + "\n")
             sys.stderr.flush()
-    except (OSError, ValueError):
-        pass
 
 
 class _Shown:
     """What both kinds of progress share: their status line (``_line``), a context manager that closes it."""
 
     _line: _StatusLine
+    enabled = True
 
     @property
     def tty(self) -> bool:
         return self._line.tty
+
+    def message(self, text: str) -> None:
+        """Print a full line (a warning, an eval result) without mangling the progress line."""
+        if self.enabled:
+            self._line.message(text)
 
     def close(self) -> None:
         self._line.close()
@@ -155,8 +154,7 @@ class _Shown:
 
 
 class ProgressPrinter(_Shown):
-    """Training progress on ``stream`` (default stderr), redrawn at most every ``tty_interval_s`` on a
-    terminal, a line every ``interval_s`` otherwise; ETA from the step rate since the first update."""
+    """Training progress on ``stream`` (default stderr); ETA from the step rate since the first update."""
 
     def __init__(self, stream: TextIO | None = None, total_steps: int | None = None, interval_s: float = 30.0,
                  *, tty: bool | None = None, tty_interval_s: float = 0.2, width: int | None = None,
@@ -169,7 +167,6 @@ class ProgressPrinter(_Shown):
         self._t0: float | None = None
         self._step0 = 0
 
-    # ------------------------------------------------------------------ formatting
     def eta_s(self, step: int, now: float) -> float | None:
         if self.total_steps is None or self._t0 is None:
             return None
@@ -201,7 +198,6 @@ class ProgressPrinter(_Shown):
             line = f"[{format_duration(elapsed_s):>6}] {line}"  # log lines need a time; a live line does not
         return line
 
-    # ------------------------------------------------------------------ output
     def update(self, step: int, *, eta_s: float | None = None, force: bool = False, **fields: Any) -> bool:
         """Record progress; draw it if the interval elapsed (or ``force``). Returns whether it drew.
         ``fields``: :meth:`format_line`'s (epoch, tokens_per_s, samples_per_s, loss, bottleneck, extra)."""
@@ -219,8 +215,7 @@ class ProgressPrinter(_Shown):
             return True
 
     def show(self, text: str, *, force: bool = False) -> bool:
-        """Draw ``text`` as the progress line (work after training, which no step measures), rate-limited
-        like ``update``. Returns whether it drew."""
+        """Draw ``text`` as the progress line (work after training), rate-limited; whether it drew."""
         now = self._clock()
         with self._line.lock:
             if self._line.closed or not self._line.due(now, force):
@@ -230,15 +225,10 @@ class ProgressPrinter(_Shown):
             self._line.draw(text, now)
             return True
 
-    def message(self, text: str) -> None:
-        """Print a full line (a warning, an eval result) without mangling the progress line."""
-        self._line.message(text)
-
 
 class ProgressBar(_Shown):
-    """Counted work: ``done/total`` with a bar, the rate, further rates and the ETA. ``update(8, tok=4096)``
-    adds 8 units and 4096 of a further count (shown as ``tok/s``). ``done``: work done before this run (it
-    counts toward ``done/total``, not the rates). With ``enabled=False`` nothing is printed."""
+    """Counted work: ``done/total`` with a bar, rates and the ETA (``enabled=False``: silent). ``update(8,
+    tok=4096)`` adds 8 units and 4096 ``tok``; ``done``: work before this run (in ``done/total``, not rates)."""
 
     def __init__(self, total: int, label: str = "", unit: str = "items", *, done: int = 0,
                  stream: TextIO | None = None, interval_s: float = 5.0, tty: bool | None = None,
@@ -254,15 +244,11 @@ class ProgressBar(_Shown):
         self._line = _StatusLine(stream, tty=tty, width=width, interval_s=interval_s, tty_interval_s=tty_interval_s)
         self._shown_done: int | None = None
 
-    def _stats(self, now: float) -> tuple[float, float, float | None, dict[str, float]]:
+    def _tail(self, now: float) -> str:
         elapsed = max(now - self._t0, 0.0)
         rate = (self.done - self._done0) / elapsed if elapsed > 0 else 0.0
         eta = max(0, self.total - self.done) / rate if rate > 0 else None
         rates = {k: v / elapsed if elapsed > 0 else 0.0 for k, v in self._extra.items()}
-        return elapsed, rate, eta, rates
-
-    def _tail(self, now: float) -> str:
-        elapsed, rate, eta, rates = self._stats(now)
         parts = [f"{format_rate(rate)} {self.unit}/s"] + [f"{format_rate(r)} {k}/s" for k, r in rates.items()]
         return " | ".join(parts) + f" | {format_duration(elapsed)} elapsed, ETA {format_duration(eta)}"
 
@@ -313,13 +299,8 @@ class ProgressBar(_Shown):
         self._line.draw(self.format_line(now), now, self._renderable(now) if self._line.tty else None)
         self._shown_done = self.done
 
-    def message(self, text: str) -> None:
-        if self.enabled:
-            self._line.message(text)
-
     def close(self) -> None:
-        """Show the final state (a log gets a last line if it changed since the previous one) and end
-        the live line. Idempotent."""
+        """Show the final state (in a log, if it changed since the last line) and end the live line."""
         with self._line.lock:
             if self.enabled and not self._line.closed and self._shown_done != self.done:
                 self._show(self._clock())

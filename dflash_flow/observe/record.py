@@ -1,21 +1,27 @@
 """What a run has recorded so far, as typed objects: filled by the Monitor while the pipeline runs
-(``services.record``), read by the application's end of run (``observe.report``).
+(``services.record``), read by the application's end of run (``observe.report``); and the trained-batch log.
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import math
+import os
 import threading
 from array import array
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
 
 from dflash_flow.items import EvalReport
+from dflash_flow.util import refuse_outside
 
 from .bottleneck import Bottleneck
 from .names import eval_json, eval_label
+from .progress import format_duration, format_rate
 from .sample import EvalPoint, HeldoutPoint, MonitorSample, TrainPoint, data_quality
 
 
@@ -64,20 +70,19 @@ class History:
     samples: list[MonitorSample] = attrs.field(factory=list)
     evals: list[EvalPoint] = attrs.field(factory=list)
     heldout: list[HeldoutPoint] = attrs.field(factory=list)  # acceptance over time (the trainer's probe)
-    # The length bucket of every trained step, (step, bucket), and the lengths each bucket holds: the
-    # bucket mix over the whole run (the Interleaver's dispatch windows run ahead of training).
+    # (step, bucket) of every trained step, and each bucket's lengths: the whole run's bucket mix as trained.
     trained_buckets: list[tuple[int, int]] = attrs.field(factory=list)
     bucket_ranges: dict[int, tuple[int, int]] = attrs.field(factory=dict)
 
-    def __bool__(self) -> bool:
-        """Whether anything was recorded."""
+    def __bool__(self) -> bool:  # whether anything was recorded
         return bool(len(self.train) or self.samples or self.evals or self.heldout)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "schema": 1,
             "train": self.train.to_json(),
-            "samples": [jsonable(attrs.asdict(s, filter=_not_loads)) for s in self.samples],
+            # A verdict's ``loads`` copy the stage fractions the sample already holds.
+            "samples": [jsonable(attrs.asdict(s, filter=lambda a, _: a.name != "loads")) for s in self.samples],
             "evals": [{"step": e.step, "results": {eval_label(r): eval_json(r) for r in e.reports}} for e in self.evals],
             "heldout": [jsonable(attrs.asdict(h)) for h in self.heldout],
             "trained_buckets": [list(p) for p in self.trained_buckets],
@@ -87,8 +92,7 @@ class History:
 
 @attrs.frozen
 class PhaseProgress:
-    """Counted work of a phase after training (the evaluation): what the console's progress line shows
-    while no step advances."""
+    """Counted work of a phase after training (the evaluation), for the console's progress line."""
 
     label: str  # e.g. "evaluate: decoding and walking held-out data"
     done: int
@@ -98,8 +102,6 @@ class PhaseProgress:
     unit: str = "units"
 
     def line(self) -> str:
-        from .progress import format_duration, format_rate
-
         parts = [f"{self.label} {self.done}/{self.total} {self.unit}"]
         if self.elapsed_s > 0 and self.tokens:
             parts.append(f"{format_rate(self.tokens / self.elapsed_s)} tok/s")
@@ -114,12 +116,7 @@ class _Mean:
     count: int = 0
 
     def add(self, value: Any) -> None:
-        """Count ``value`` when it is a finite number."""
-        try:
-            x = float(value)
-        except (TypeError, ValueError):
-            return
-        if math.isfinite(x):
+        if (x := _finite(value)) is not None:
             self.total += x
             self.count += 1
 
@@ -140,8 +137,7 @@ class RunRecord:
     bottleneck: Bottleneck | None = None  # the latest verdict; after the Monitor's finish, the whole run's
     total_steps: int | None = None
     plots: bool = True  # whether the run asked for plots (the Monitor's ``plots`` option)
-    # Seconds the runs this one resumes had run (their checkpoint's clock): the run's elapsed time goes on
-    # from there on the progress lines and in summary.json.
+    # Seconds the resumed runs had run (their checkpoint's clock): the run's elapsed time goes on from there.
     elapsed_before_s: float = 0.0
     _epoch_means: dict[int, dict[str, _Mean]] = attrs.field(factory=dict, init=False, repr=False)
     _epoch_positions: dict[int, list[_Mean]] = attrs.field(factory=dict, init=False, repr=False)
@@ -209,8 +205,7 @@ class RunRecord:
                 m.add(v)
         acc = self._epoch_means.setdefault(epoch, {})
         for name, value in self.train.items():
-            if _finite(value) is not None:
-                acc.setdefault(name, _Mean()).add(value)
+            acc.setdefault(name, _Mean()).add(value)
 
     def add_eval(self, point: EvalPoint) -> None:
         for report in point.reports:
@@ -286,10 +281,6 @@ def _heldout_summary(points: list[HeldoutPoint]) -> dict[str, Any]:
     }
 
 
-def _not_loads(attribute: attrs.Attribute, value: Any) -> bool:
-    return attribute.name != "loads"  # a verdict's copy of the stage fractions the sample already holds
-
-
 def _finite(value: Any) -> float | None:
     try:
         x = float(value)
@@ -311,3 +302,36 @@ def jsonable(obj: Any) -> Any:
     if attrs.has(type(obj)):
         return jsonable(attrs.asdict(obj))
     return str(obj)
+
+
+class BatchLog:
+    """The trained-batch log (``record_batches``): a flushed JSON line per batch (epoch, index, sample ids) in
+    ``OUTPUT/batches.jsonl`` (``batches.rank<r>.jsonl`` under torchrun), never through a symlink. ``append``:
+    a resumed run continues it (lines after its checkpoint appear twice); a fresh run truncates it."""
+
+    def __init__(self, root: Path, *, rank: int, world_size: int, append: bool) -> None:
+        self.path = root / ("batches.jsonl" if world_size == 1 else f"batches.rank{rank}.jsonl")
+        refuse_outside(self.path.parent, root)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_APPEND if append else os.O_TRUNC)
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise PermissionError(errno.EACCES, "refusing to follow a symbolic link in output_dir",
+                                      str(self.path)) from None
+            raise
+        self._file: Any = os.fdopen(fd, "a" if append else "w")
+
+    def write(self, meta: Any) -> None:
+        """One trained batch (``items.BatchMeta``); a failed write names the file (a full disk's does not)."""
+        try:
+            self._file.write(json.dumps({"epoch": meta.epoch, "index": meta.index,
+                                         "sample_ids": list(meta.sample_ids)}) + "\n")
+            self._file.flush()
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -14,7 +14,7 @@ import attrs
 
 from dflash_flow.util import atomic_write_text
 
-from .console import pct
+from .console import pct, render, table
 from .names import eval_facts, horizon_name
 from .record import RunRecord
 from .sample import data_quality
@@ -38,9 +38,8 @@ def _write_json(path: Path, data: Any) -> Path:
 
 def write_run_report(record: RunRecord, *, output_dir: str | os.PathLike, tracker: Any = None,
                      plots: bool | None = None) -> RunReportFiles:
-    """Write ``monitor/summary.json``, ``monitor/history.json`` and (``plots``, default ``record.plots``) PNG
-    plots under ``monitor/plots/`` (a plot that fails is logged and skipped, never failing a finished run);
-    upload them through ``tracker`` (a Tracker) and tag the run with the bottleneck. Returns the paths written."""
+    """Write ``monitor/summary.json``, ``history.json`` and (``plots``, default ``record.plots``) PNG plots (a
+    failing plot is logged, never failing a finished run); upload them, tag the run with the bottleneck."""
     out = Path(output_dir) / "monitor"
     out.mkdir(parents=True, exist_ok=True)
     summary = _write_json(out / "summary.json", record.summary())
@@ -68,9 +67,8 @@ _TRAIN_SHOWN = ("loss", "accuracy", "sim_accept_len", "grad_norm", "lr", "tokens
 
 
 def _acceptance(record: RunRecord, mean: dict[str, float]) -> tuple[list[list[Any]], list[str]] | None:
-    """Every acceptance figure side by side: the trainer's simulated one (the last epoch's mean, not one
-    batch's), then each evaluation's ``tau`` and its ``tau`` at every horizon it measured (real decoding,
-    the walk), read from the typed reports."""
+    """Every acceptance figure side by side: the trainer's simulated one (the last epoch's mean), then each
+    evaluation's ``tau`` and its ``tau`` at every horizon it measured."""
     evals = {label: r for label, r in record.evals.items() if "tau" in r.metrics}
     horizons = sorted({h for r in evals.values() for h in r.horizons})
     rows: list[list[Any]] = []
@@ -81,20 +79,16 @@ def _acceptance(record: RunRecord, mean: dict[str, float]) -> tuple[list[list[An
 
 
 def _eval_shown(r: Any, tau_shown: bool) -> list[tuple[str, Any]]:
-    """An evaluation's rows of the summary: its facts and figures once each. The first horizon's figures are
-    ``metrics`` themselves (``tau`` is ``tau_h64``: not shown twice), and ``tau`` (at every horizon) is in the
-    acceptance table above when there is one (``tau_shown``)."""
+    """An evaluation's rows of the summary, each figure once: the first horizon's are ``metrics`` themselves,
+    and ``tau`` is in the acceptance table when there is one (``tau_shown``)."""
     out = list(eval_facts(r).items()) + [(k, v) for k, v in r.metrics.items() if not (k == "tau" and tau_shown)]
     return out + [(horizon_name(k, h), v) for h, figures in r.by_horizon.items() for k, v in figures.items()
                   if not ((h == r.max_new_tokens and r.metrics.get(k) == v) or (k == "tau" and tau_shown))]
 
 
 def summary_table(record: RunRecord, *, width: int = 100) -> str:
-    """The run summary as plain text, rendered with rich: trainer metrics (last step and mean over
-    the last epoch), evaluations, stage load, the bottleneck sentence and the artifacts."""
+    """The run summary as plain text: trainer metrics, evaluations, stage load, bottleneck and artifacts."""
     from rich.text import Text
-
-    from .console import render, table
 
     parts: list[Any] = []
     steps = f"{record.step}/{record.total_steps}" if record.total_steps else str(record.step)

@@ -1,7 +1,5 @@
-"""What the Monitor records: one :class:`MonitorSample` per sampling window, one :class:`TrainPoint` per
-optimizer step, one :class:`EvalPoint` per evaluation, as attrs objects with declared metric fields
-(``observe.schema``). :func:`take_sample` makes a sample from two runtime snapshots (``bottleneck.StageWindow``).
-"""
+"""What the Monitor records, as attrs objects with declared metric fields: a :class:`MonitorSample` per window
+(:func:`take_sample`), a :class:`TrainPoint` per step, an :class:`EvalPoint` per evaluation."""
 
 from __future__ import annotations
 
@@ -13,8 +11,8 @@ import attrs
 from dflash_flow.core.snapshot import RuntimeSnapshot, StageSnapshot
 from dflash_flow.items import EvalReport
 
-from .bottleneck import Bottleneck, StageLoad, StageWindow, counter_delta, find_bottleneck, number
-from .names import position_accuracy_name
+from .bottleneck import Bottleneck, StageWindow, counter_delta, find_bottleneck, number
+from .names import eval_label, eval_metrics, position_accuracy_name
 from .schema import metric, train_reduction
 
 
@@ -75,9 +73,6 @@ class StageSample:
     summaries: dict[str, SummaryStats] = metric("metric", factory=dict, doc="Summary count/mean/min/max")
     labeled: dict[str, dict[str, float]] = metric("metric", reduce="sum", factory=dict, doc="Counts per label")
 
-    def load(self) -> StageLoad:
-        return StageLoad(self.name, self.replicas, self.busy, self.blocked_in, self.blocked_out)
-
 
 @attrs.frozen
 class BucketSample:
@@ -109,8 +104,7 @@ class MonitorSample:
 
     @property
     def window_label(self) -> str:
-        """What the window covers, for tables: ``last 5 s``, ``whole run``, or the training steady state
-        (the closing sample's window when training ran)."""
+        """What the window covers, for tables: ``last 5 s``, ``whole run``, or the training steady state."""
         if not self.whole_run:
             return f"last {self.window_s:.0f} s"
         if self.window_s >= self.elapsed_s - 1e-6:
@@ -120,9 +114,8 @@ class MonitorSample:
 
 @attrs.frozen
 class TrainPoint:
-    """One optimizer step's report: ``metrics`` are logged every step; the per-position accuracies
-    (``positions``, block slot 1 first) only as their mean over each Monitor sample
-    (``MonitorSample.positions``), but they are part of the run's last and epoch-mean values."""
+    """One optimizer step's report: ``metrics`` are logged every step; ``positions`` (block slot 1 first) only
+    as their mean over each Monitor sample, but they are part of the run's last and epoch-mean values."""
 
     step: int
     epoch: int | None
@@ -169,8 +162,6 @@ class HeldoutPoint:
 
 
 def _eval_results(point: EvalPoint) -> dict[str, dict[str, float]]:
-    from .names import eval_label, eval_metrics
-
     return {eval_label(r): eval_metrics(r) for r in point.reports}
 
 
@@ -244,10 +235,8 @@ def take_sample(cur: RuntimeSnapshot, prev: RuntimeSnapshot | None, *, step: int
                 sinks: Iterable[str] = (), edges: Mapping[str, Sequence[str]] | None = None,
                 exclude: Iterable[str] = (), fixed: Iterable[str] = (), whole_run: bool | None = None,
                 min_alive: float = 0.5) -> MonitorSample:
-    """The window from ``prev`` to ``cur`` (``prev=None``: the whole run so far). The bottleneck analysis
-    (``sinks``/``edges``/``fixed``: ``find_bottleneck``'s) leaves out ``exclude`` (the Monitor) and stages alive
-    for less than ``min_alive`` of the window. ``whole_run`` (default: ``prev is None``) marks the run's
-    closing sample, whose verdict is the run's."""
+    """The window from ``prev`` to ``cur`` (``prev=None``: the whole run, whose verdict is the run's); the
+    bottleneck analysis leaves out ``exclude`` and stages alive under ``min_alive`` of it."""
     whole = prev is None
     window = cur.elapsed_s if whole else max(cur.time - prev.time, 1e-9)
     before = {} if whole else prev.stages

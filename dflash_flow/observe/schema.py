@@ -1,10 +1,6 @@
-"""The metric schema: metrics declared once, as typed attrs fields (:func:`metric`, with the reduction that
-combines a value across ranks), and exported to MLflow keys mechanically, only at the boundary
-(:func:`metric_points` / :func:`mlflow_metrics`); ``docs/metrics.md`` lists every key. Walking from the
-object passed in: an attrs instance adds ``/<key>`` per declared field, a mapping ``/<key_part(name)>`` per
-entry, a list/tuple ``/<position>`` per element; a number (a bool counts 0/1) is one point; None, NaN and
-infinities give none. Ranks: :func:`reduce_ranks` combines each rank's points by their declared reduction;
-``mlflow_metrics(obj, rank=r)`` logs a rank's own values under ``rank<r>/``.
+"""The metric schema: metrics declared once as typed attrs fields (:func:`metric`, with their reduction across
+ranks), exported to MLflow keys mechanically (:func:`mlflow_metrics`): ``/<key>`` per field,
+``/<key_part(name)>`` per mapping entry, ``/<position>`` per element; None, NaN and infinities give no point.
 """
 
 from __future__ import annotations
@@ -111,7 +107,5 @@ def reduce_ranks(per_rank: Sequence[Sequence[MetricPoint]]) -> dict[str, float]:
 
 
 def train_reduction(name: str) -> str:
-    """How a trainer metric combines over ranks, as ``items.TRAIN_METRIC_REDUCTIONS`` declares it: sums for
-    tokens and samples (and their rates), max for times (the slowest rank sets the step time), means for
-    the rest (loss, accuracies, acceptance length, learning rate, a variant's terms)."""
+    """How a trainer metric combines over ranks (``items.TRAIN_METRIC_REDUCTIONS``; else the mean)."""
     return TRAIN_METRIC_REDUCTIONS.get(name, "mean")

@@ -1,10 +1,6 @@
-"""The spool: a local JSONL outbox of the ops the tracking store has not accepted yet, and its replay
-(``dflash-flow import-spool``). ``spool-<run>.jsonl`` holds a header (``meta``, then ``run`` once the run
-exists) and the ops in order; ``spool-<run>-artifacts/<n>/`` the copies of artifacts logged while spooling,
-named relative to it (a moved run directory still imports). Replay uploads only files inside that directory
-(no symlink out of it), and every failure is one :class:`SpoolError` line naming the file.
-:class:`SpooledDelivery`, the Tracker's base class, sends its store writes in order, spooled from the first
-transient failure on and replayed with backoff (``tracking`` explains the design).
+"""The spool: a JSONL outbox of the ops the tracking store has not accepted yet (header, then the ops;
+artifact copies in ``spool-<run>-artifacts/``), its replay (``import-spool``, uploading only files in that
+directory) and :class:`SpooledDelivery`, the Tracker's delivery half.
 """
 
 from __future__ import annotations
@@ -21,19 +17,24 @@ from pathlib import Path
 from dflash_flow.core.stopping import controller as stop_controller
 from dflash_flow.util import atomic_write_text
 
-from .runinfo import MAX_METRICS_PER_BATCH, REDACTED, hide_mlflow_urls, redact_uri, redact_value, uri_secrets
 from .store import (
+    MAX_METRICS_PER_BATCH,
+    REDACTED,
     RUN_OPS,
     apply_op,
     bounded_http,
     check_tracking_uri,
     default_artifact_location,
     first_line,
+    hide_mlflow_urls,
     is_missing_resource,
     is_transient_error,
     quiet_store_errors,
+    redact_uri,
+    redact_value,
     resolve_tracking_uri,
     sqlite_path,
+    uri_secrets,
 )
 
 log = logging.getLogger(__name__)
@@ -90,14 +91,18 @@ class SpoolFile:
         atomic_write_text(self.path, "".join(self._line(rec) for rec in self._header() + pending))
 
     def stash(self, op: dict) -> dict:
-        """Copy a spooled artifact into the stash so the upload later sees today's file. Raises OSError."""
+        """Copy a spooled artifact into the stash so the upload later sees today's file (if it can)."""
         if op["op"] != "artifact" or op.get("stashed"):
             return op
         src = Path(op["path"])
         self._artifact_seq += 1
         dst = self.stash_dir / str(self._artifact_seq) / src.name
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        (shutil.copytree if src.is_dir() else shutil.copy2)(src, dst)
+        try:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            (shutil.copytree if src.is_dir() else shutil.copy2)(src, dst)
+        except OSError as exc:
+            _tracking_log.warning("could not stash artifact %s for later upload: %s", op.get("path"), exc)
+            return op
         return {**op, "path": str(dst), "stashed": True}
 
     @staticmethod
@@ -127,10 +132,6 @@ def read_spool(path: str | os.PathLike) -> list[dict]:
 # ------------------------------------------------------------------------------------------- import
 
 
-def _inside(root: Path, p: Path) -> bool:
-    return p == root or root in p.parents
-
-
 def _artifact_source(op: dict, spool: Path, stash_real: Path) -> Path:
     """The real path of an artifact op, refused unless it lies inside the spool's stash directory
     (the path itself and, for a directory, every symlink under it)."""
@@ -139,7 +140,7 @@ def _artifact_source(op: dict, spool: Path, stash_real: Path) -> Path:
     named = Path(op["path"])
     candidate = named if named.is_absolute() else stash_dir_for(spool) / named
     real = Path(os.path.realpath(candidate))
-    if not _inside(stash_real, real):
+    if not real.is_relative_to(stash_real):
         raise SpoolError(f"{spool}: refusing to upload {named}: only files inside the spool's artifact directory "
                          f"{stash_dir_for(spool)} are uploaded")
     if not real.exists():
@@ -148,7 +149,7 @@ def _artifact_source(op: dict, spool: Path, stash_real: Path) -> Path:
         for dirpath, dirnames, filenames in os.walk(real, followlinks=False):
             for name in dirnames + filenames:
                 entry = Path(dirpath) / name
-                if entry.is_symlink() and not _inside(stash_real, Path(os.path.realpath(entry))):
+                if entry.is_symlink() and not Path(os.path.realpath(entry)).is_relative_to(stash_real):
                     raise SpoolError(f"{spool}: refusing to upload {entry}: it links outside the spool's artifact directory")
     return real
 
@@ -163,14 +164,12 @@ def _keep_rest(spool: Path, meta: dict | None, run_id: str | None, rest: list[di
 
 
 def import_spool(path: str | os.PathLike, tracking_uri: str | os.PathLike | None = None) -> str:
-    """Replay a spool file into ``tracking_uri`` (default: the spool's, else mlflow's); the run id, or a
-    one-line :class:`SpoolError`. Nothing is sent until the whole spool checked out; the file is removed once
-    every op was applied, and after a failure midway keeps the ops not yet applied (no repeat, no loss)."""
+    """Replay a spool file into ``tracking_uri`` (default: the spool's); the run id, or a one-line
+    :class:`SpoolError`. Checked whole before sending; a failure midway keeps the ops not yet applied."""
     spool = Path(path)
     meta, body = _spooled_ops(spool)
     uri = _import_uri(spool, meta, body, tracking_uri)
-    # A run created offline against a server has no artifact location; in a sqlite store it gets the
-    # store's own (next to the .db file), not ./mlruns of whatever directory the import ran in.
+    # A run created offline has no artifact location: a sqlite store's own (by the .db), not ./mlruns.
     body = [{**o, "artifact_location": default_artifact_location(uri, o.get("experiment") or "")}
             if o["op"] == "create_run" and not o.get("artifact_location") else o for o in body]
     run_id = _replay(spool, meta, body, uri)
@@ -290,7 +289,6 @@ class SpooledDelivery:
             apply_op(self._client, op, self._state)
 
     def _enter_spool(self, ops: list[dict], exc: BaseException) -> None:
-        self._outages += 1
         self._retry_delay = self.retry_initial_s
         self._retry_at = time.monotonic() + self._retry_delay
         self._spool_append(ops)
@@ -300,9 +298,8 @@ class SpooledDelivery:
                     self.spool_path)
 
     def _drain(self, budget_s: float | None = None) -> None:
-        """Replay spooled ops from the oldest; stop at the first transient failure (then back off)
-        or when ``budget_s`` is spent (the rest goes out on the next flush, so a long backlog never
-        holds the Monitor for long). Consecutive metric ops are merged into batches of <= 1000."""
+        """Replay spooled ops from the oldest, consecutive metric ops merged into batches; stop at the first
+        transient failure (then back off) or when ``budget_s`` is spent (a backlog never holds the Monitor)."""
         sent = 0
         t_end = None if budget_s is None else time.monotonic() + budget_s
         try:
@@ -330,8 +327,11 @@ class SpooledDelivery:
                     SpoolFile.discard(self._pending.popleft())
                     sent += 1
         finally:
-            if sent:
-                self._rewrite_spool()
+            if sent and self._spool is not None:
+                try:
+                    self._spool.rewrite(self._pending)
+                except OSError as exc:
+                    self._warn_spool_write(self._spool.path, exc)
         _tracking_log.info("MLflow tracking at %s is back: replayed %d spooled operations.", self.display_uri, sent)
         self._retry_delay = self.retry_initial_s
 
@@ -364,32 +364,15 @@ class SpooledDelivery:
             return
         spool = self._spool_file()
         new = not spool.path.exists() or not self._pending
-        ops = [self._stash(spool, op) for op in ops]
+        ops = [spool.stash(op) for op in ops]
         self._pending.extend(ops)
         try:
             spool.append(ops, new=new)
         except OSError as exc:
-            # The ops are still held in memory and replayed from there; only the crash-safety of the
-            # file is lost. Say so once, never stop training over it.
+            # The ops are replayed from memory; only the file's crash-safety is lost: say so once, train on.
             self._warn_spool_write(spool.path, exc)
-
-    def _rewrite_spool(self) -> None:
-        if self._spool is None:
-            return
-        try:
-            self._spool.rewrite(self._pending)
-        except OSError as exc:
-            self._warn_spool_write(self._spool.path, exc)
 
     def _warn_spool_write(self, path: Path, exc: OSError) -> None:
         if not self._spool_write_failed:
             self._spool_write_failed = True
             _tracking_log.warning("cannot write the MLflow spool file %s (%s); spooling in memory only", path, exc)
-
-    @staticmethod
-    def _stash(spool: SpoolFile, op: dict) -> dict:
-        try:
-            return spool.stash(op)
-        except OSError as exc:
-            _tracking_log.warning("could not stash artifact %s for later upload: %s", op.get("path"), exc)
-            return op

@@ -1,24 +1,38 @@
 """The MLflow store: where a run goes (URI resolution, a fast pre-flight check), which errors mean "try again
-later", and the store writes: *ops*, small JSON-able dicts (``create_run``, ``run``, ``resume``, ``params``,
-``tags``, ``metrics``, ``artifact``, ``end``) sent now, spooled, or replayed later by ``import-spool``.
+later", the store writes (*ops*, small JSON-able dicts: ``create_run``, ``run``, ``resume``, ``params``,
+``tags``, ``metrics``, ``artifact``, ``end``; sent now, spooled, or replayed by ``import-spool``), and run
+metadata (params, the standard tags, MLflow's limits, ``core.redact``'s redaction); mlflow imported lazily.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
+import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from dflash_flow.util import nearest_existing, probe_write
+from dflash_flow.core.redact import REDACTED, redact_text, redact_uri, redact_value, uri_secrets  # noqa: F401
+from dflash_flow.util import config_hash, nearest_existing, probe_write
 
-from .runinfo import redact_text, redact_uri
+# mlflow's limits (mlflow.utils.validation); duplicated so that they are usable without importing mlflow.
+MAX_METRICS_PER_BATCH = 1000
+MAX_PARAMS_TAGS_PER_BATCH = 100
+MAX_PARAM_VAL_LENGTH = 6000
+MAX_TAG_VAL_LENGTH = 8000
+MAX_ENTITY_KEY_LENGTH = 250
+
+# mlflow accepts Unicode word characters, "-", ".", " " and "/" in a key everywhere (":" too, except on
+# Windows servers); anything else fails the whole log_batch request.
+_KEY_BAD_CHARS = re.compile(r"[^\w\-. /]")
+
 
 RUN_OPS = ("create_run", "run", "resume")  # ops that define which run the later ops go to
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*:")
@@ -34,13 +48,9 @@ def chunks(seq: list, n: int) -> Iterator[list]:
         yield seq[i : i + n]
 
 
-# ------------------------------------------------------------------------------------ where a run goes
-
-
 def resolve_tracking_uri(tracking_uri: str | os.PathLike | None) -> str:
-    """None -> mlflow's own default (``MLFLOW_TRACKING_URI`` or ``sqlite:///<cwd>/mlflow.db``);
-    a plain filesystem path -> ``sqlite:///<abs path>`` (a directory gets ``mlflow.db`` inside);
-    anything with a scheme (``sqlite:``, ``http:``, ``databricks``...) is passed through."""
+    """None -> mlflow's own default; a plain filesystem path -> ``sqlite:///<abs path>`` (a directory gets
+    ``mlflow.db`` inside); anything with a scheme (``sqlite:``, ``http:``, ``databricks``...) as it is."""
     if tracking_uri is None:
         import mlflow
 
@@ -64,28 +74,22 @@ def sqlite_path(uri: str) -> Path | None:
     return None if path in ("", ":memory:") else Path(path)
 
 
-def _probe_dir(directory: Path, target: Path) -> str | None:
-    """Create and remove a file in ``directory``: the only check that also holds for root, read-only
-    mounts and ACLs (``os.access`` answers yes to root on a read-only filesystem)."""
-    why = probe_write(directory)
-    return f"cannot write {target}: {directory} is not writable ({why})" if why else None
-
-
 def _check_new(target: Path, start: Path, what: str) -> str | None:
+    """Whether ``target`` can be made under ``start``: a probe file in the nearest existing directory (the only
+    check that also holds for root, read-only mounts and ACLs)."""
     base = nearest_existing(start)
     if not base.is_dir():
         return f"cannot create {what} {target}: {base} is not a directory"
-    return _probe_dir(base, target)
+    why = probe_write(base)
+    return f"cannot write {target}: {base} is not writable ({why})" if why else None
 
 
 def _check_file(db: Path) -> str | None:
-    if db.exists():
-        if db.is_dir():
-            return f"tracking database {db} is a directory"
-        if not os.access(db, os.W_OK):
-            return f"tracking database {db} is not writable"
-        return _probe_dir(db.parent, db)  # sqlite writes its journal next to the file
-    return _check_new(db, db.parent, "tracking database")
+    if db.is_dir():
+        return f"tracking database {db} is a directory"
+    if db.exists() and not os.access(db, os.W_OK):
+        return f"tracking database {db} is not writable"
+    return _check_new(db, db.parent, "tracking database")  # sqlite writes its journal next to the file
 
 
 def check_tracking_uri(tracking_uri: str | os.PathLike | None) -> str | None:
@@ -132,13 +136,9 @@ def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:
     return (db.absolute().parent / "mlartifacts" / slug).as_uri()
 
 
-# -------------------------------------------------------------------------------------------- errors
-
-
 def is_transient_error(exc: BaseException) -> bool:
-    """Whether an error from the store means "try again later" (spool) rather than "this op is bad": client
-    errors (HTTP 4xx but 429) are permanent, retrying would wedge the spool; connection failures, timeouts,
-    5xx, 429, local I/O and database locks are transient."""
+    """Whether a store error means "try again later" (spool), not "this op is bad": HTTP 4xx but 429 are
+    permanent (a retry would wedge the spool); connection failures, 5xx, 429, I/O and locks are transient."""
     from mlflow.exceptions import MlflowException
 
     if isinstance(exc, MlflowException):
@@ -156,8 +156,7 @@ def is_missing_resource(exc: BaseException) -> bool:
     return getattr(exc, "error_code", None) == "RESOURCE_DOES_NOT_EXIST"
 
 
-# SQLAlchemy's advice that precedes the database's own error in its messages ("(raised as a result of
-# Query-invoked autoflush; ...)"): a one-line report skips it and shows the error, "database or disk is full".
+# SQLAlchemy's advice before the database's own error ("database or disk is full"): a one-line report skips it.
 _SQLALCHEMY_PREAMBLE = ("(raised as a result of", "(Background on this error")
 
 
@@ -169,30 +168,24 @@ def first_line(exc: BaseException, limit: int = 300, secrets: tuple[str, ...] = 
     return f"{type(exc).__name__}: {text[0][:limit]}" if text else type(exc).__name__
 
 
-class _CaughtDatabaseError(logging.Filter):
+def _caught_database_error(record: logging.LogRecord) -> bool:
     """Drops mlflow's log of every database error it re-raises (traceback and SQL: screens of text per batch
     while a disk is full; the Tracker reports the error in one line), unless DEBUG is asked for."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if str(record.msg).startswith("SQLAlchemy database error"):
-            return logging.getLogger("dflash_flow").isEnabledFor(logging.DEBUG)
-        return True
-
-
-_FILTER = _CaughtDatabaseError()
+    if str(record.msg).startswith("SQLAlchemy database error"):
+        return logging.getLogger("dflash_flow").isEnabledFor(logging.DEBUG)
+    return True
 
 
 def quiet_store_errors() -> None:
     logger = logging.getLogger("mlflow.store.db.utils")
-    if _FILTER not in logger.filters:
-        logger.addFilter(_FILTER)
+    if _caught_database_error not in logger.filters:
+        logger.addFilter(_caught_database_error)
 
 
 @contextlib.contextmanager
 def bounded_http(uri: str, timeout_s: int, max_retries: int) -> Iterator[None]:
-    """Bound mlflow's HTTP retries/timeout (7 retries, 120 s by default) for the calls made inside: they are
-    environment variables read on every request, so a temporary override is the only per-call control.
-    Variables the user set are left alone."""
+    """Bound mlflow's HTTP retries/timeout (7 retries, 120 s by default) for the calls made inside, through the
+    environment variables it reads on every request (the only per-call control); the user's are left alone."""
     if not uri.startswith(("http://", "https://")):
         yield
         return
@@ -211,9 +204,6 @@ def bounded_http(uri: str, timeout_s: int, max_retries: int) -> Iterator[None]:
             for k, old in saved.items():
                 if old is None:
                     os.environ.pop(k, None)
-
-
-# ----------------------------------------------------------------------------------------------- ops
 
 
 @contextlib.contextmanager
@@ -239,12 +229,9 @@ def store_creation_lock(uri: str, timeout_s: float = 120.0) -> Iterator[None]:
                     raise TimeoutError(f"{lock_path}: another process has held the store's creation lock "
                                        f"for {timeout_s:.0f} s") from None
                 time.sleep(0.05)
-        try:
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+        yield
     finally:
-        os.close(fd)
+        os.close(fd)  # releases the lock
 
 
 def open_client(uri: str) -> Any:
@@ -275,16 +262,9 @@ def _ensure_experiment(client: Any, name: str, artifact_location: str | None) ->
         return exp.experiment_id
 
 
-def logged_steps(client: Any, run_id: str) -> dict[str, int]:
-    """The last step the run has of each of its metrics (what a resumed run must not log again)."""
-    return {key: max(steps) for key in client.get_run(run_id).data.metrics
-            if (steps := [m.step for m in client.get_metric_history(run_id, key)])}
-
-
 def new_metric_rows(rows: list, last_steps: dict[str, int]) -> list:
-    """Each (metric, step) goes to the store once: a row at a step the metric already has (a resumed run
-    training again past its checkpoint, a second sample at one step) is dropped; within ``rows`` the last
-    value of a (metric, step) wins. Rows are ``[key, value, timestamp, step]``; steps rise per metric."""
+    """``rows`` (``[key, value, timestamp, step]``) less those at a step the metric already has (a resumed
+    run); the last value of a (metric, step) wins."""
     latest: dict[tuple[str, int], list] = {}
     for row in rows:
         key, step = row[0], int(row[3])
@@ -317,8 +297,11 @@ def apply_op(client: Any, op: dict, state: dict) -> None:
         raise RuntimeError(f"spool op {kind!r} has no run (missing create_run/run record)")
     if kind == "resume":
         client.update_run(run_id, status="RUNNING")
-        state["last_steps"] = logged_steps(client, run_id)
-        state["params"] = dict(client.get_run(run_id).data.params)  # a param, once logged, cannot change
+        run = client.get_run(run_id)
+        # Each metric's last step (a resumed run must not log it again); a param, once logged, cannot change.
+        state["last_steps"] = {key: max(steps) for key in run.data.metrics
+                               if (steps := [m.step for m in client.get_metric_history(run_id, key)])}
+        state["params"] = dict(run.data.params)
     elif kind == "metrics":
         rows = new_metric_rows(op["metrics"], state.setdefault("last_steps", {}))
         if rows:
@@ -346,3 +329,101 @@ def apply_op(client: Any, op: dict, state: dict) -> None:
         client.set_terminated(run_id, status=op["status"], end_time=op.get("end_time"))
     else:
         raise ValueError(f"unknown spool op {kind!r}")
+
+
+def default_run_name(name: str, output_dir: str | os.PathLike | None) -> str:
+    """The MLflow run name when ``tracking.run_name`` is unset: ``<name>-<output dir leaf>``
+    (``dflash-cpu-short`` for ``runs/short``), or the leaf alone when it starts with the name."""
+    leaf = Path(output_dir).name if output_dir is not None else ""
+    if not leaf or leaf.startswith(name):
+        return leaf or name
+    return f"{name}-{leaf}"
+
+
+def sanitize_key(key: str) -> str:
+    """Make ``key`` acceptable to mlflow (word characters, ``-. /``; at most 250 characters): the last guard
+    before the store (``observe.schema``'s keys are already valid)."""
+    key = _KEY_BAD_CHARS.sub("_", str(key)).strip() or "_"
+    return key[:MAX_ENTITY_KEY_LENGTH]
+
+
+def truncate(value: str, limit: int) -> str:
+    if len(value) <= limit:
+        return value
+    marker = "...[truncated]"
+    return value[: limit - len(marker)] + marker
+
+
+def hide_mlflow_urls(uri: str | os.PathLike | None) -> None:
+    """When ``uri`` carries credentials, stop MLflow printing its own "View run NAME at: URL" lines (the URI
+    password and all) through its documented switch; our own lines name the run with the URI redacted."""
+    if uri is not None and uri_secrets(uri):
+        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
+
+
+def stringify(value: Any) -> str:
+    """A param or tag value as MLflow text, with every URL in it (strings inside lists and dicts too) without
+    its credentials (``core.redact``)."""
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        with contextlib.suppress(TypeError, ValueError):
+            return json.dumps(redact_value(list(value) if isinstance(value, (set, frozenset)) else value), default=str)
+    return redact_text(str(value))
+
+
+def tag_values(tags: Mapping[str, Any]) -> dict[str, str]:
+    return {sanitize_key(k): truncate(stringify(v), MAX_TAG_VAL_LENGTH) for k, v in tags.items()}
+
+
+def flatten_params(params: Mapping[str, Any] | None, *, prefix: str = "") -> dict[str, str]:
+    """A nested config as ``{"a.b.c": "value"}``: lists holding containers keyed by index (``stages.0.name``),
+    other lists JSON strings; values stringified (URLs redacted) and truncated, keys sanitized."""
+    out: dict[str, str] = {}
+
+    def walk(obj: Any, key: str) -> None:
+        nested = isinstance(obj, (list, tuple)) and any(isinstance(v, (Mapping, list, tuple)) for v in obj)
+        if isinstance(obj, Mapping) or nested:
+            if not obj and key:
+                out[sanitize_key(key)] = "{}"
+            for k, v in obj.items() if isinstance(obj, Mapping) else enumerate(obj):
+                walk(v, f"{key}.{k}" if key else str(k))
+        else:
+            out[sanitize_key(key or "value")] = truncate(stringify(obj), MAX_PARAM_VAL_LENGTH)
+
+    walk(params or {}, prefix)
+    return out
+
+
+def run_params(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A resolved pipeline mapping as the run's params, stages keyed by name with config fields beside spec
+    keys (``stages.drafter.lr``, as ``--set`` names them), whatever the stage order."""
+    stages = {str(stage["name"]): {**{k: v for k, v in stage.items() if k not in ("name", "config")},
+                                   **stage.get("config", {})} for stage in config.get("stages", [])}
+    return {**{k: v for k, v in config.items() if k != "stages"}, "stages": stages}
+
+
+def git_commit(cwd: str | os.PathLike | None = None) -> str | None:
+    """The current git commit (with ``-dirty`` when the tree has changes), or None outside git."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{sha}-dirty" if dirty else sha
+
+
+def run_tags(config: Mapping[str, Any] | None = None, *, world_size: int | None = None,
+             device_summary: str | None = None, cwd: str | os.PathLike | None = None) -> dict[str, str]:
+    """The standard tags of a run: git commit, config hash, world size, device summary."""
+    tags: dict[str, str] = {}
+    if commit := git_commit(cwd):
+        tags["git_commit"] = commit
+    if config is not None:
+        tags["config_hash"] = config_hash(config)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    tags["world_size"] = str(world_size)
+    if device_summary:
+        tags["device_summary"] = device_summary
+    return tags

@@ -1,16 +1,7 @@
-"""MLflow tracking for a pipeline run, robust to a tracking server that goes away: the :class:`Tracker`
-(helpers: ``runinfo`` params/tags/redaction, ``store`` URIs and ops, ``spool`` the outbox and its replay).
-
-- ``import mlflow`` happens inside methods only; a disabled tracker never imports it.
-- ``log_metrics`` only buffers; ``flush``/``flush_async`` send it in ``log_batch`` calls of at most 1000
-  metrics, ``flush_async`` on one writer thread so that a slow store never stalls the pipeline.
-- A transient store failure enters *spool mode*: that op and every later one go, in order, to a JSONL file
-  in ``spool_dir``, with ONE warning; later flushes replay the spool's head with exponential backoff.
-  Metric timestamps are fixed when logged, so a replay is idempotent on SQL stores. A spool left at exit
-  is replayed by ``dflash-flow import-spool PATH``.
-- Credentials never leave the process: warnings, params, tags and the spool carry ``redact_uri``.
-- ``end("FINISHED" | "FAILED" | "KILLED")``; as a context manager it follows the exception. A SIGKILLed
-  process leaves its run RUNNING. System metrics (``system/*``) are sampled with psutil at flush time.
+"""MLflow tracking for a pipeline run, robust to a store that goes away (:class:`Tracker`). ``log_metrics``
+only buffers; ``flush`` sends batches. A transient failure sends that op and every later one, in order, to a
+spool file with ONE warning; later flushes replay it with backoff (timestamps fixed when logged: idempotent),
+``dflash-flow import-spool`` one left at exit. Credentials never leave the process.
 """
 
 from __future__ import annotations
@@ -18,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import tempfile
+import queue
 import threading
 import uuid
 from collections import deque
@@ -28,26 +19,24 @@ from typing import Any
 
 import attrs
 
-from .runinfo import (
-    MAX_METRICS_PER_BATCH,
-    MAX_PARAMS_TAGS_PER_BATCH,
-    flatten_params,
-    hide_mlflow_urls,
-    redact_text,
-    redact_uri,
-    sanitize_key,
-    tag_values,
-    uri_secrets,
-)
 from .schema import metric, mlflow_metrics
 from .spool import SpooledDelivery, SpoolFile
 from .store import (
+    MAX_METRICS_PER_BATCH,
+    MAX_PARAMS_TAGS_PER_BATCH,
     check_tracking_uri,
     chunks,
     default_artifact_location,
     first_line,
+    flatten_params,
+    hide_mlflow_urls,
     now_ms,
+    open_client,
+    redact_uri,
     resolve_tracking_uri,
+    sanitize_key,
+    tag_values,
+    uri_secrets,
 )
 
 log = logging.getLogger(__name__)
@@ -79,16 +68,15 @@ def start_system_sampling() -> Any | None:
     return proc
 
 
-def sample_system(proc: Any | None) -> dict[str, float]:
-    """The host's load now, and ``proc``'s (a ``psutil.Process``; None: the host's only), as metrics."""
+def sample_system(proc: Any) -> dict[str, float]:
+    """The host's load now, and ``proc``'s (a ``psutil.Process``), as metrics."""
     import psutil
 
     vm = psutil.virtual_memory()
     rss = cpu = None
-    if proc is not None:
-        with contextlib.suppress(psutil.Error):
-            rss = proc.memory_info().rss / 2**30
-            cpu = proc.cpu_percent(interval=None)
+    with contextlib.suppress(psutil.Error):
+        rss = proc.memory_info().rss / 2**30
+        cpu = proc.cpu_percent(interval=None)
     return mlflow_metrics(SystemSample(psutil.cpu_percent(interval=None), vm.percent,
                                        (vm.total - vm.available) / 2**30, rss, cpu))
 
@@ -98,16 +86,14 @@ class TrackingError(Exception):
 
 
 class Tracker(SpooledDelivery):
-    """One MLflow run. Construct with :meth:`start`; ``Tracker(enabled=False)`` is a no-op tracker.
-    ``log_metrics`` may be called from any thread; store writes serialize on a second lock, so a slow store
-    never blocks it."""
+    """One MLflow run, made by :meth:`start` (``Tracker(enabled=False)``: a no-op). ``log_metrics`` may be
+    called from any thread; store writes serialize on a second lock, so a slow store never blocks it."""
 
     def __init__(self, enabled: bool = True, *, http_timeout_s: int = 5, http_max_retries: int = 0,
                  retry_initial_s: float = 1.0, retry_max_s: float = 30.0, artifact_timeout_s: int = 120,
                  drain_budget_s: float = 2.0) -> None:
         self.enabled, self.drain_budget_s = bool(enabled), float(drain_budget_s)
-        # A server may take a while to answer after receiving a large file (a checkpoint): uploads get
-        # a longer socket timeout than the small metric/param requests.
+        # A server may take a while to answer a large upload (a checkpoint): a longer timeout for uploads.
         self.http_timeout_s, self.artifact_timeout_s = int(http_timeout_s), int(artifact_timeout_s)
         self.http_max_retries = int(http_max_retries)
         self.retry_initial_s, self.retry_max_s = float(retry_initial_s), float(retry_max_s)
@@ -123,10 +109,8 @@ class Tracker(SpooledDelivery):
         self._spool: SpoolFile | None = None
         self._retry_at = 0.0
         self._retry_delay = self.retry_initial_s
-        self._outages = 0
         self._last_step = 0
-        self._system_metrics = False
-        self._proc: Any = None
+        self._proc: Any = None  # the psutil.Process of system metrics (None: none sampled)
         self._ended = False
         self._local_id = uuid.uuid4().hex[:12]
         self._writer: threading.Thread | None = None
@@ -136,36 +120,26 @@ class Tracker(SpooledDelivery):
         self._spool_write_failed = False
         self._secrets: tuple[str, ...] = ()
 
-    # ---------------------------------------------------------------- construction
     @classmethod
     def start(cls, *, tracking_uri: str | os.PathLike | None = None, experiment: str,
               run_name: str | None = None, params: Mapping[str, Any] | None = None,
               tags: Mapping[str, Any] | None = None, resume_run_id: str | None = None,
               system_metrics: bool = True, spool_dir: str | os.PathLike | None = None, enabled: bool = True,
               **options: Any) -> Tracker:
-        """Create (or resume) a run and log its params and tags (``options``: the constructor's timeouts).
-
-        ``tracking_uri``: None -> mlflow's default; a plain path -> sqlite file. ``spool_dir`` (default
-        ``<cwd>/mlflow-spool``) is only written while the store is unreachable (the run is then created
-        when it comes back). A local store that cannot be written at all raises :class:`TrackingError`.
-        """
+        """Create (or resume) a run and log its params and tags (``options``: the constructor's).
+        ``spool_dir`` (default ``<cwd>/mlflow-spool``) is written only while the store is unreachable."""
         self = cls(enabled, **options)
         if not self.enabled:
             return self
         if problem := check_tracking_uri(tracking_uri):
             raise TrackingError(problem)
-        from .store import open_client
-
         self.tracking_uri = resolve_tracking_uri(tracking_uri)
         self._secrets = uri_secrets(self.tracking_uri)
         hide_mlflow_urls(self.tracking_uri)  # MLflow's "View run at http://alice:PASSWORD@..." lines
         self.experiment = experiment
         self.spool_dir = Path(spool_dir) if spool_dir is not None else Path.cwd() / "mlflow-spool"
         self._client = open_client(self.tracking_uri)
-        self._system_metrics = bool(system_metrics)
-        if self._system_metrics:
-            self._proc = start_system_sampling()
-            self._system_metrics = self._proc is not None
+        self._proc = start_system_sampling() if system_metrics else None
 
         tags_ = tag_values(tags or {})
         if resume_run_id:
@@ -178,7 +152,6 @@ class Tracker(SpooledDelivery):
         self._submit(ops + _batched("params", flatten_params(params)))
         return self
 
-    # ---------------------------------------------------------------- properties
     @property
     def run_id(self) -> str | None:
         """The run id; None when disabled, or while the run could not yet be created."""
@@ -199,7 +172,6 @@ class Tracker(SpooledDelivery):
         """The tracking URI without credentials (what to print)."""
         return redact_uri(self.tracking_uri) if self.tracking_uri else None
 
-    # ---------------------------------------------------------------- logging
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Buffer metrics for ``step`` (no I/O). Non-numeric values are skipped."""
         if not self.enabled or self._ended:
@@ -215,7 +187,7 @@ class Tracker(SpooledDelivery):
                 self._last_step = step
 
     def _take_metric_ops(self) -> list[dict]:
-        if self._system_metrics and not self._ended:
+        if self._proc is not None and not self._ended:
             self.log_metrics(sample_system(self._proc), step=self._last_step)
         with self._buf_lock:
             rows, self._buf = self._buf, []
@@ -227,12 +199,12 @@ class Tracker(SpooledDelivery):
         if not self.enabled:
             return
         with self._order_lock:
-            self._wait_writer()
+            if self._writer is not None:
+                self._writes.join()
             self._submit(self._take_metric_ops())
 
     def flush_async(self) -> None:
-        """``flush`` on the tracker's writer thread (the Monitor's, so that a slow store never stalls the
-        pipeline); ``flush``/``end`` wait for the writer."""
+        """``flush`` on the writer thread (a slow store never stalls the Monitor); ``flush``/``end`` wait."""
         if not self.enabled or self._ended:
             return
         with self._order_lock:  # rows reach the store in the order they were taken (steps rise per metric)
@@ -241,8 +213,6 @@ class Tracker(SpooledDelivery):
                 return
             with self._writer_lock:
                 if self._writer is None:
-                    import queue
-
                     self._writes = queue.Queue()
                     self._writer = threading.Thread(target=self._writer_loop, name="mlflow-writer", daemon=False)
                     self._writer.start()
@@ -262,42 +232,15 @@ class Tracker(SpooledDelivery):
             finally:
                 self._writes.task_done()
 
-    def _wait_writer(self) -> None:
-        if self._writer is not None:
-            self._writes.join()
-
-    def _stop_writer(self) -> None:
-        with self._writer_lock:
-            writer, self._writer = self._writer, None
-        if writer is not None:
-            self._writes.put(None)
-            writer.join()
-
-    def log_params(self, params: Mapping[str, Any]) -> None:
-        """Log (nested) params, flattened, in batches of 100."""
-        if self.enabled and not self._ended:
-            self._submit(_batched("params", flatten_params(params)))
-
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         if self.enabled and not self._ended:
             self._submit(_batched("tags", tag_values(tags)))
 
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
-        """Upload a file or a directory (its contents) under ``artifact_path`` (while spooling, a copy of it
-        as it is now)."""
+        """Upload a file or a directory's contents under ``artifact_path`` (spooling: a copy of it now)."""
         if not self.enabled or self._ended:
             return
         self._submit([{"op": "artifact", "path": str(Path(path).absolute()), "artifact_path": artifact_path}])
-
-    def log_text(self, text: str, name: str) -> None:
-        """Store ``text`` as artifact ``name`` (e.g. ``"config/resolved.yaml"``)."""
-        if not self.enabled or self._ended:
-            return
-        parent, base = os.path.split(name)
-        with tempfile.TemporaryDirectory(prefix="dflash-artifact-") as tmp:
-            p = Path(tmp) / base
-            p.write_text(redact_text(text, self._secrets), encoding="utf-8")  # no credential in an artifact
-            self.log_artifact(p, parent or None)
 
     def end(self, status: str = "FINISHED") -> None:
         """Flush everything and set the final status (FINISHED, FAILED or KILLED). Idempotent. One last
@@ -308,7 +251,11 @@ class Tracker(SpooledDelivery):
         if status not in RUN_STATUSES:
             raise ValueError(f"status must be one of {RUN_STATUSES}, got {status!r}")
         self.flush()
-        self._stop_writer()
+        with self._writer_lock:
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            self._writes.put(None)
+            writer.join()
         self._ended = True
         with self._io_lock:
             self._submit([{"op": "end", "status": status, "end_time": now_ms()}], force_retry=True)
@@ -317,20 +264,7 @@ class Tracker(SpooledDelivery):
                             "operations are kept in %s. Import them later with: dflash-flow import-spool %s",
                             self.display_uri, len(self._pending), self.spool_path, self.spool_path)
 
-    def __enter__(self) -> Tracker:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self.end(status_for_exception(exc))
-
 
 def _batched(op: str, values: Mapping[str, str]) -> list[dict]:
     """``values`` as ``op`` ops of at most mlflow's 100 params or tags each."""
     return [{"op": op, op: dict(c)} for c in chunks(list(values.items()), MAX_PARAMS_TAGS_PER_BATCH)]
-
-
-def status_for_exception(exc: BaseException | None) -> str:
-    """FINISHED for no exception, KILLED for an interrupt (Ctrl-C, SIGTERM -> SystemExit), else FAILED."""
-    if exc is None or isinstance(exc, SystemExit) and exc.code in (0, None):
-        return "FINISHED"
-    return "KILLED" if isinstance(exc, (KeyboardInterrupt, SystemExit)) else "FAILED"

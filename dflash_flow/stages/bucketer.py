@@ -1,10 +1,4 @@
-"""Bucketer: collects the corpus, then packs each epoch's batches per length bucket (token budget).
-
-Takes the sources' `SampleTable`s (a whole corpus per item) and loose `Sample`s alike. With ``mixture``
-weights per source (the names of its input stages) each epoch draws its samples from the sources in those
-proportions (``data.corpus.draw_epoch``), deterministically from the seed: a resumed run redraws the
-same epoch, so the checkpoint holds no per-sample state.
-"""
+"""Bucketer: collects the corpus, then packs each epoch's batches per length bucket (optionally a mixture)."""
 
 from __future__ import annotations
 
@@ -13,10 +7,11 @@ import math
 from typing import Any, Optional
 
 import attrs
+import numpy as np
 
 from dflash_flow.core import Stage, StageContext, cfg, derive_seed
 from dflash_flow.core.metrics import Counter, Gauge, Labeled, stage_metric
-from dflash_flow.data.packing import plan_field
+from dflash_flow.data.packing import PlanConfig, bucket_boundaries, plan_field
 from dflash_flow.items import EpochBatches, Sample, SampleSet, SampleTable
 
 log = logging.getLogger(__name__)
@@ -46,8 +41,8 @@ class BucketerMetrics:
 
 @attrs.define(kw_only=True, eq=False)
 class Bucketer(Stage):
-    """Packs samples into length-bucketed batches under a padded-token budget, one item per epoch;
-    mixes several sources by weight."""
+    """Packs samples into length-bucketed batches under a padded-token budget, one item per epoch. Stateless: every
+    run re-packs from epoch 0 (a pure function of the samples) and the Interleaver skips what was consumed."""
 
     input_type = SampleSet
     output_type = EpochBatches
@@ -84,12 +79,9 @@ class Bucketer(Stage):
         else:
             self._samples.append(item)
             self._m.samples.inc()
-        return None
 
     def _corpus(self):
-        import numpy as np
-
-        from dflash_flow.data.corpus import Corpus
+        from dflash_flow.data.plan import Corpus
 
         # Arrival order can depend on thread timing upstream; the plan must not.
         corpus = Corpus(self._tables, self._samples)
@@ -117,11 +109,7 @@ class Bucketer(Stage):
                          "skipped or too long: see the source's report)")
 
     def finish(self):
-        import numpy as np
-
-        from dflash_flow.data.corpus import EpochView, describe_mixture, draw_epoch
-        from dflash_flow.data.packing import PlanConfig, bucket_boundaries
-        from dflash_flow.data.plan import BatchPlanner
+        from dflash_flow.data.plan import BatchPlanner, EpochView, describe_mixture, draw_epoch
 
         if self._ctx.stop_requested.is_set():
             return  # stopping: no epoch is packed for a run that ends now
@@ -149,9 +137,7 @@ class Bucketer(Stage):
             return (BatchPlanner(corpus.lengths[pos], config, seed=seed, sample_ids=corpus.sample_ids[pos]),
                     EpochView(corpus, pos), (pos, drawn))
 
-        # The batch count of every epoch, exactly (packing varies per epoch): the trainer's schedule and the
-        # progress total are the steps the run will take, not an estimate from the first epoch.
-        # (About half a second an epoch for a million samples; the first epoch's packing is kept.)
+        # Every epoch's exact batch count (packing varies) for the trainer's schedule; epoch 0's packing is kept.
         sizes: list[int] = []
         first: Any = None
         for epoch in range(self.epochs):
@@ -181,7 +167,3 @@ class Bucketer(Stage):
             self._m.epoch.set(epoch)
             yield EpochBatches(epoch=epoch, packed=packed, samples=samples, num_epochs=self.epochs,
                                epoch_sizes=tuple(sizes), max_tokens=self.max_tokens)
-
-    # Re-packing is cheap and a pure function of the samples, so every run packs from epoch 0 and the
-    # Interleaver skips what was consumed: no state that could disagree with the Interleaver's (the base
-    # class's empty one).

@@ -1,8 +1,4 @@
-"""Generic stages: a counting source, a fixed service time, a discarding sink.
-
-They are real stages (YAML-usable) for exercising the runtime: `Delay` sleeps, which releases the GIL like
-GPU kernels and I/O do, so pipelines of them measure the runtime's scheduling rather than Python speed.
-"""
+"""Generic stages for exercising the runtime: a counting source, a fixed (GIL-free) service time, a sink."""
 
 from __future__ import annotations
 
@@ -49,8 +45,7 @@ class Range(Source):
 
 @attrs.define(kw_only=True, eq=False)
 class Delay(Stage):
-    """Passes items through after `service_s` seconds of GIL-free work (a stand-in for a GPU kernel), each
-    item's time drawn uniformly from `service_s +- jitter_s` when `jitter_s` is set (seeded per replica)."""
+    """Passes items through after `service_s` +- `jitter_s` seconds of GIL-free work (a stand-in for a GPU kernel)."""
 
     service_s: float = cfg(0.0, ge=0, le=limits.MAX_SECONDS, result=False, doc="Seconds per item.")
     jitter_s: float = cfg(0.0, ge=0, le=limits.MAX_SECONDS, result=False,
@@ -90,7 +85,6 @@ class Discard(Stage):
     def process(self, item):
         self._count += 1
         self._m.items.inc()
-        return None
 
     def get_state(self) -> dict[str, Any]:
         return {"count": self._count}

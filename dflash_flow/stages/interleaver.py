@@ -1,5 +1,4 @@
-"""Interleaver: orders each epoch's batches into global steps (diversity-first) and deals this rank its
-batch of every step. A thin adapter over ``data.epoch`` (``order_packed``, ``resume_plan``)."""
+"""Interleaver: orders each epoch's batches into global steps and deals this rank its batch of each."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import attrs
 from dflash_flow.core import Stage, StageContext, cfg
 from dflash_flow.core.errors import SavedStateError
 from dflash_flow.core.metrics import Counter, Gauge, Labeled, stage_metric
-from dflash_flow.data.epoch import DataPosition
+from dflash_flow.data.epoch import DataPosition, order_packed, resume_plan
 from dflash_flow.data.packing import plan_field
 from dflash_flow.items import EpochBatches, PlannedBatch, RunPlan
 
@@ -40,12 +39,9 @@ class Interleaver(Stage):
     max_run: int = plan_field("max_run")
     repeat_penalty: float = plan_field("repeat_penalty")
     evenness: float = plan_field("evenness")
-    tail: Literal["filler", "drop"] = cfg(
-        "filler",
-        choices=("filler", "drop"),
-        doc="The last step of an epoch with fewer batches than ranks: filler batches (train nothing) for the "
-        "short ranks, or drop the step.",
-    )
+    tail: Literal["filler", "drop"] = cfg("filler", choices=("filler", "drop"), doc="The last step of an epoch with "
+                                          "fewer batches than ranks: filler batches (train nothing) for the short "
+                                          "ranks, or drop the step.")
     max_batches: int | None = cfg(None, ge=1, run_length=True, doc="Stop after this many batches (steps) in all, per rank; null: every epoch in full.")
 
     _epoch: int = attrs.field(default=0, init=False)
@@ -60,27 +56,22 @@ class Interleaver(Stage):
 
     def _plan(self, item: EpochBatches):
         """(plan, first global position) for this epoch, continuing a checkpoint's plan if there is one."""
-        from dflash_flow.data.epoch import order_packed, resume_plan
-
         world = self._ctx.world_size
         state = self._resume
         if state is not None and item.epoch == state["epoch"] and state.get("plan"):
-            # Rebuilt from the same data, config and seed (the fingerprint is checked), re-dealt if the
-            # number of ranks changed.
+            # Rebuilt from the same data, config and seed (fingerprint checked), re-dealt for a new rank count.
             try:
-                base = self._order(order_packed, item, world_size=int(state["plan"]["chain"][0][0]))
+                base = self._order(item, world_size=int(state["plan"]["chain"][0][0]))
                 return resume_plan(base, state["plan"], world)
             except (TypeError, ValueError, KeyError, IndexError) as exc:
                 # The checkpoint's data position does not fit the plan rebuilt from this data and config.
                 raise SavedStateError(f"the checkpoint's data position cannot continue this run's plan of epoch "
                                       f"{item.epoch}: {exc}") from exc
-        return self._order(order_packed, item, world_size=world), 0
+        return self._order(item, world_size=world), 0
 
-    def _order(self, order_packed, item: EpochBatches, *, world_size: int):
-        return order_packed(
-            item.packed, max_run=self.max_run, repeat_penalty=self.repeat_penalty, evenness=self.evenness,
-            world_size=world_size,
-        )
+    def _order(self, item: EpochBatches, *, world_size: int):
+        return order_packed(item.packed, max_run=self.max_run, repeat_penalty=self.repeat_penalty,
+                            evenness=self.evenness, world_size=world_size)
 
     def process(self, item: EpochBatches):
         ctx = self._ctx
@@ -93,11 +84,9 @@ class Interleaver(Stage):
         self._m.run_cap.set(plan.max_run)
         world = plan.world_size
         positions = plan.rank_positions(ctx.rank, start=start, tail=self.tail).tolist()
-        # The trainer's schedule and the progress need the run's length: the batches this rank takes in this
-        # epoch (from the resume point, re-dealt or not, with its tail rule) and in every later one, exactly
-        # (each epoch's global batch count comes from the Bucketer), max_batches applied.
+        # The trainer's schedule: the steps this rank takes in this and every later epoch, max_batches applied.
         cut = len(positions)
-        ahead = [cut, *(self.rank_steps(n, world) for n in self._later_sizes(item))]
+        ahead = [cut, *(-(-n // world) if self.tail == "filler" else n // world for n in self._later_sizes(item))]
         if self.max_batches is not None:
             budget = max(self.max_batches - self._emitted, 0)
             for i, n in enumerate(ahead):
@@ -114,7 +103,6 @@ class Interleaver(Stage):
             meta = plan.meta(pos)
             meta.rank = ctx.rank
             meta.step = first_step + s
-            meta.epoch_batches = first_step + epoch_steps
             meta.total_batches = total
             meta.batches_ahead = (epoch_steps - s, *ahead[1:])
             meta.last_of_epoch = s == cut - 1
@@ -128,10 +116,6 @@ class Interleaver(Stage):
             self._emitted += 1
             self._count(meta)
             yield PlannedBatch(meta=meta, samples=samples)
-
-    def rank_steps(self, global_batches: int, world_size: int) -> int:
-        """Steps (batches per rank) of a whole epoch of ``global_batches`` batches under this tail rule."""
-        return -(-global_batches // world_size) if self.tail == "filler" else global_batches // world_size
 
     @staticmethod
     def _later_sizes(item: EpochBatches) -> list[int]:
@@ -160,13 +144,7 @@ class Interleaver(Stage):
 
     @classmethod
     def resume_state_for(cls, position: DataPosition) -> dict[str, Any]:
-        """The state that continues right after what the trainer consumed.
-
-        The Interleaver runs ahead of the trainer by whatever sits in the queues; resuming from its own
-        state would skip those batches. ``position`` is the trainer's (``data.epoch.DataPosition``, at its
-        resume point): the epoch, the plan state of the last batch it trained (None at an epoch's start) and
-        the run's total of batches on this rank.
-        """
+        """The state that continues right after what the trainer consumed (its own would skip the queued batches)."""
         return {"version": cls.state_version, "epoch": position.epoch, "plan": position.plan,
                 "emitted": position.total}
 

@@ -1,11 +1,4 @@
-"""Monitor: samples the whole pipeline every `interval_s`, keeps the run's structured record, logs it to
-MLflow, shows progress and names the bottleneck.
-
-Sampling runs on the runtime's sampler, on the clock (a stall is sampled like any window); under torchrun the
-ranks sample together at the step reports where any rank's interval ran out. The record is flattened to MLflow
-keys only when logged (docs/metrics.md). At each epoch's end it also logs the epoch's mean of every trainer
-metric under ``train_epoch/<metric>``. The end of run (summary files, plots, the table) is the application's.
-"""
+"""Monitor: samples the pipeline every `interval_s` into the run's record, logs to MLflow, shows progress."""
 
 from __future__ import annotations
 
@@ -19,7 +12,19 @@ import attrs
 
 from dflash_flow.core import Stage, cfg, limits
 from dflash_flow.core.metrics import Counter, stage_metric
+from dflash_flow.core.registry import resolve
 from dflash_flow.items import EvalReport, StepReport
+from dflash_flow.observe.names import eval_label, eval_tags
+from dflash_flow.observe.progress import ProgressPrinter
+from dflash_flow.observe.sample import (
+    EpochPoint,
+    EvalPoint,
+    HeldoutPoint,
+    Throughput,
+    TrainPoint,
+    take_sample,
+)
+from dflash_flow.observe.schema import metric_points, mlflow_metrics, reduce_ranks
 from dflash_flow.services import services_of
 
 
@@ -49,12 +54,9 @@ class Monitor(Stage):
     _subscription: Any = attrs.field(default=None, init=False)
 
     def setup(self, ctx) -> None:
-        from dflash_flow.observe.progress import ProgressPrinter
-
         services = services_of(ctx)
         self._ctx = ctx
-        # Under torchrun every rank's Monitor reduces each step's metrics with the others (same steps, same
-        # order) and samples at the same steps; rank 0 logs and prints.
+        # Under torchrun every rank's Monitor reduces each step's metrics with the others; rank 0 logs and prints.
         self._dist = services.dist
         self._main = self._dist is None or self._dist.rank == 0
         self._tracker = services.tracker
@@ -69,10 +71,9 @@ class Monitor(Stage):
         self._open_epoch: tuple[int, int] | None = None  # (epoch, its last step) whose mean is not logged yet
         self._printer = None
         if self.progress and self._main:
-            self._printer = ProgressPrinter(sys.stderr, total_steps=self.total_steps, elapsed_before_s=self._record.elapsed_before_s,
-                                            interval_s=self.progress_interval_s or self.interval_s)
-        if self._printer is not None:
-            printer = self._printer
+            printer = self._printer = ProgressPrinter(sys.stderr, total_steps=self.total_steps,
+                                                      elapsed_before_s=self._record.elapsed_before_s,
+                                                      interval_s=self.progress_interval_s or self.interval_s)
             self._record.watch_phase(lambda p: printer.show(p.line(), force=p.done in (0, p.total)))
         graph = ctx.runtime.graph if ctx.runtime is not None else None
         self._edges: dict[str, list[str]] = {}
@@ -82,8 +83,6 @@ class Monitor(Stage):
         self._steady: list[Any] = [None, None]
         self._steady_at = 0.0
         if graph is not None:
-            from dflash_flow.core.registry import resolve
-
             for s in graph.stages:
                 for i in s.inputs:
                     self._edges.setdefault(i.stage, []).append(s.name)
@@ -121,13 +120,9 @@ class Monitor(Stage):
                                  samples_per_s=m.get("samples_per_s"), loss=m.get("loss"),
                                  bottleneck=r.bottleneck.stage if r.bottleneck is not None else None,
                                  extra=self._accept_extra())
-        return None
 
     def _on_step(self, item: StepReport, due: bool) -> bool:
         """Record one step report; returns whether to sample now (under torchrun: whether any rank wants to)."""
-        from dflash_flow.observe.sample import TrainPoint
-        from dflash_flow.observe.schema import mlflow_metrics
-
         if self._dist is not None:
             reduced, positions, due = self._dist.reduce_train(item.metrics, item.position_accuracy, due)
             item = attrs.evolve(item, metrics=reduced, position_accuracy=positions)
@@ -165,16 +160,12 @@ class Monitor(Stage):
         if (logged or windowed) and item.epoch is not None:
             self._open_epoch = (item.epoch, item.step)
         if item.final or (item.meta is not None and item.meta.last_of_epoch and (logged or windowed)):
-            # The epoch's last step: its means go out with it, before a checkpoint of that step commits (a
-            # run killed after such a checkpoint resumes in the next epoch and would never log them).
+            # Its means go out before a checkpoint of this step commits (a run resumed from it would not log them).
             self._log_epoch_mean()
         return due
 
     def _on_heldout(self, item: StepReport) -> None:
         """Acceptance over time: the trainer's held-out walk into the record, MLflow and the console."""
-        from dflash_flow.observe.sample import HeldoutPoint
-        from dflash_flow.observe.schema import mlflow_metrics
-
         point = HeldoutPoint.of(item.step, item.heldout)
         self._record.add_heldout(point)
         if self._tracker is not None:
@@ -185,23 +176,17 @@ class Monitor(Stage):
                                   f"over {point.conversations} conversations ({v.probe_s:.2f} s)")
 
     def _note_steady(self, item: StepReport, now: float) -> None:
-        """Keep the snapshots that bound the training steady state (the first step's, and the latest
-        step's at most every half second and always at the final report)."""
+        """Keep the snapshots that bound the training steady state (the first step's and the latest step's)."""
         runtime = self._ctx.runtime
         if runtime is None or (not item.metrics and not item.final):
             return
-        if self._steady[0] is None:
-            self._steady[0] = runtime.snapshot()
-            self._steady_at = now
-        elif item.final or now - self._steady_at >= 0.5:
-            self._steady[1] = runtime.snapshot()
+        first = self._steady[0] is None
+        if first or item.final or now - self._steady_at >= 0.5:
+            self._steady[0 if first else 1] = runtime.snapshot()
             self._steady_at = now
 
     def _log_epoch_mean(self) -> None:
         """Log the open epoch's means (once): ``train_epoch/<metric>`` at the epoch's last step."""
-        from dflash_flow.observe.sample import EpochPoint
-        from dflash_flow.observe.schema import mlflow_metrics
-
         if self._open_epoch is None:
             return
         epoch, step = self._open_epoch
@@ -220,10 +205,6 @@ class Monitor(Stage):
         return {"train accept (sim, epoch mean)": mean} if mean is not None else None
 
     def _on_eval(self, item: EvalReport) -> None:
-        from dflash_flow.observe.names import eval_label, eval_tags
-        from dflash_flow.observe.sample import EvalPoint
-        from dflash_flow.observe.schema import mlflow_metrics
-
         point = EvalPoint(step=self._record.step, reports=(item,))
         self._record.add_eval(point)
         if self._tracker is not None:
@@ -241,16 +222,12 @@ class Monitor(Stage):
 
     def _sample(self, now: float, whole_run: bool = False, snap: Any = None) -> None:
         """One sample of the whole pipeline into the record (and MLflow); the caller holds ``_lock``."""
-        from dflash_flow.observe.sample import Throughput, take_sample
-        from dflash_flow.observe.schema import metric_points, mlflow_metrics, reduce_ranks
-
         runtime = self._ctx.runtime
         if runtime is None:
             return
         prev = self._prev
         if whole_run:
-            # The closing verdict is the run's: over the steady state (first to last training step), not
-            # the loading before it or the evaluation after it; the whole run when there was none.
+            # The closing verdict covers the steady state (first to last training step), else the whole run.
             first, last = self._steady
             if first is not None and last is not None and last.time - first.time > 1e-3:
                 snap, prev = last, first
@@ -285,7 +262,6 @@ class Monitor(Stage):
         self._log_epoch_mean()
         with self._lock:
             self._sample(time.monotonic(), whole_run=True)
-        return None
 
     def _unsubscribe(self) -> None:
         if self._subscription is not None and self._ctx.runtime is not None:

@@ -26,7 +26,7 @@ class Padder(Stage):
 
     @classmethod
     def preload(cls) -> None:
-        import dflash_flow.data.collate  # noqa: F401
+        import dflash_flow.data.plan  # noqa: F401
 
     input_type = PlannedBatch
     output_type = PaddedBatch
@@ -36,19 +36,16 @@ class Padder(Stage):
 
     pad_id: int = cfg(0, ge=0, doc="Token id written into padding (masked out everywhere).")
     pad_to_multiple: int = cfg(1, ge=1, doc="Round padded length up to a multiple of this.")
-    pin_memory: Optional[bool] = cfg(
-        None, result=False, doc="Pin host memory for non-blocking device copies; null: when CUDA is available."
-    )
+    pin_memory: Optional[bool] = cfg(None, result=False, doc="Pin host memory for non-blocking device copies; null: "
+                                     "when CUDA is available.")
 
     def setup(self, ctx: StageContext) -> None:
         self._m = ctx.metrics.declare(PadderMetrics)
 
     def process(self, item: PlannedBatch):
-        from dflash_flow.data.collate import pad_batch
+        from dflash_flow.data.plan import pad_batch
 
-        out = pad_batch(
-            item, pad_id=self.pad_id, pad_to_multiple=self.pad_to_multiple, pin_memory=self.pin_memory
-        )
+        out = pad_batch(item, pad_id=self.pad_id, pad_to_multiple=self.pad_to_multiple, pin_memory=self.pin_memory)
         m = self._m
         for n in item.meta.lengths:
             m.seq_len.observe(n)

@@ -1,8 +1,4 @@
-"""Sources of training samples: chat records (rendered with a chat template) and pre-tokenized records, from
-JSONL (plain or compressed), Parquet, Arrow or `datasets` directories. Thin wrappers over `data.records`: each
-input is read into the token store (once per node; the other ranks map the result), and the source emits one
-`SampleTable` over all of its inputs.
-"""
+"""Sources of training samples: thin wrappers over `data.records`, each emitting one `SampleTable`."""
 
 from __future__ import annotations
 
@@ -50,11 +46,8 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def _api_key_env_problem(value: Any) -> str | None:
-    """Why ``regenerate.api_key_env`` cannot name an environment variable (the value is never repeated: it
-    may be the key itself, written there by mistake)."""
-    if value is None:
-        return None
-    if not isinstance(value, str) or not _ENV_NAME.fullmatch(value):
+    """Why ``regenerate.api_key_env`` is no variable name (never repeating the value: it may be the key itself)."""
+    if value is not None and not (isinstance(value, str) and _ENV_NAME.fullmatch(value)):
         return ("'regenerate.api_key_env' names the environment variable that holds the servers' API key (e.g. "
                 "OPENAI_API_KEY), never the key itself; this value is no variable name")
     return None
@@ -122,19 +115,13 @@ class _RecordSource(Source):
     on_bad_record: Literal["skip", "fail"] = cfg(
         "skip", choices=("skip", "fail"), doc="skip: count and report bad records (file:line); fail: raise at the first.")
     min_loss_tokens: int = cfg(1, ge=1, doc="Drop samples with fewer supervised tokens (after truncation).")
-    max_record_bytes: int = cfg(
-        64 * 2**20, ge=1024, le=2**31,
-        doc="Longest JSONL record (line) in bytes; a longer one is a bad record (read in bounded memory).",
-    )
-    cache_dir: Optional[str] = cfg(
-        "auto", result=False,
-        doc="Token store (memory-mapped, shared by the ranks of a node and by runs); 'auto' = "
-        "$DFLASH_FLOW_CACHE/tokenized or ~/.cache/dflash-flow/tokenized; empty or null: off (held in memory).",
-    )
-    num_workers: Optional[int] = cfg(
-        None, ge=0, le=1024, result=False,
-        doc="Tokenizing processes; null: every core, for inputs of a few MiB or more; 0: in this process.",
-    )
+    max_record_bytes: int = cfg(64 * 2**20, ge=1024, le=2**31, doc="Longest JSONL record (line) in bytes; a longer "
+                                "one is a bad record (read in bounded memory).")
+    cache_dir: Optional[str] = cfg("auto", result=False, doc="Token store (memory-mapped, shared by the ranks of a "
+                                   "node and by runs); 'auto' = $DFLASH_FLOW_CACHE/tokenized or "
+                                   "~/.cache/dflash-flow/tokenized; empty or null: off (held in memory).")
+    num_workers: Optional[int] = cfg(None, ge=0, le=1024, result=False, doc="Tokenizing processes; null: every core, "
+                                     "for inputs of a few MiB or more; 0: in this process.")
 
     def setup(self, ctx: StageContext) -> None:
         if not self.paths:
@@ -150,9 +137,6 @@ class _RecordSource(Source):
                            min_loss_tokens=self.min_loss_tokens, max_record_bytes=self.max_record_bytes,
                            cache_dir=_cache_dir(self.cache_dir), num_workers=self.num_workers, **self._extra_options())
 
-    def _extra_options(self) -> dict[str, Any]:
-        return {}
-
     def data_files(self) -> list[str]:
         return list(self.paths)
 
@@ -166,27 +150,20 @@ class _RecordSource(Source):
     def _read(self, path: str, options, **hooks):  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def _progress(self):
-        from dflash_flow.observe.progress import LoadProgress
-
-        services = services_of(self._ctx)
-        return LoadProgress(self._ctx.name, console=self._ctx.rank == 0 and self._ctx.replica == 0,
-                            tracker=services.tracker)
-
     def produce(self):
-        from dflash_flow.data.corpus import file_table
+        from dflash_flow.data.plan import file_table
         from dflash_flow.data.records import LoadReport, ReadCancelled, file_sha256
+        from dflash_flow.observe.progress import LoadProgress
 
         ctx = self._ctx
         options = self._options()
         report = LoadReport(from_cache=True)
         files, digests = [], []
-        view = self._progress()
+        view = LoadProgress(ctx.name, console=ctx.rank == 0 and ctx.replica == 0, tracker=services_of(ctx).tracker)
         seen: list[tuple] = [()]
 
         def progress(p) -> None:
-            # The watchdog hears of real progress only: while waiting, of the builder's (a builder that
-            # hangs is reported as a stall here too, naming what this source waits for).
+            # The watchdog hears of real progress only (while waiting: the builder's, so a hung builder stalls).
             mark = (p.path, p.state, p.records, p.done)
             if mark != seen[0]:
                 seen[0] = mark
@@ -202,10 +179,8 @@ class _RecordSource(Source):
                     return
                 rep = tf.report
                 report.merge(rep)
-                self._m.records.inc(rep.records)
-                self._m.truncated.inc(rep.truncated)
-                self._m.dropped_overlong.inc(rep.dropped_overlong)
-                self._m.too_few_supervised.inc(rep.too_few_supervised)
+                for counted in ("records", "truncated", "dropped_overlong", "too_few_supervised"):
+                    getattr(self._m, counted).inc(getattr(rep, counted))
                 for reason, n in rep.bad_by_reason.items():
                     self._m.bad_records.inc(reason, n)
                 if rep.from_cache:
@@ -228,8 +203,6 @@ class _RecordSource(Source):
         if not ctx.stop_requested.is_set():
             yield table
 
-    # Every run re-reads all samples: no state of its own (resume state lives in the Interleaver).
-
 
 @attrs.define(kw_only=True, eq=False)
 class ChatSource(_RecordSource):
@@ -237,7 +210,6 @@ class ChatSource(_RecordSource):
 
     @classmethod
     def preload(cls) -> None:
-        import transformers  # noqa: F401
         from transformers import AutoTokenizer  # noqa: F401
 
         import dflash_flow.data.records  # noqa: F401
@@ -245,12 +217,10 @@ class ChatSource(_RecordSource):
     # One home for the tokenizer: model.tokenizer, else the target's directory (model.target).
     moved_fields: ClassVar[dict[str, str]] = {"tokenizer": "model.tokenizer", "target": "model.target"}
 
-    chat_template: Optional[str] = cfg(
-        None, doc="Chat template text, or a path to a .jinja file; null: the tokenizer's own template."
-    )
-    template_kwargs: dict[str, Any] = cfg(
-        factory=dict, doc="Extra template variables, e.g. {enable_thinking: false}; must match serving."
-    )
+    chat_template: Optional[str] = cfg(None, doc="Chat template text, or a path to a .jinja file; null: the "
+                                       "tokenizer's own template.")
+    template_kwargs: dict[str, Any] = cfg(factory=dict, doc="Extra template variables, e.g. {enable_thinking: false}; "
+                                          "must match serving.")
 
     regenerate: Optional[dict[str, Any]] = attrs.field(
         default=None, validator=_regenerate_ok, kw_only=True,
@@ -274,13 +244,6 @@ class ChatSource(_RecordSource):
                                       "servers' API key): export it before the run, or drop api_key_env"))
         return out
 
-    def _api_key(self) -> str | None:
-        """The servers' API key: from ``regenerate.api_key_env``'s variable (which must be set), else from
-        $OPENAI_API_KEY when that is set, else none."""
-        from dflash_flow.engine.http import api_key_from_env
-
-        return api_key_from_env((self.regenerate or {}).get("api_key_env"), "regenerate.api_key_env")
-
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
         path = self._tokenizer_dir or model_of(ctx).tokenizer
@@ -298,10 +261,11 @@ class ChatSource(_RecordSource):
     def _regenerate_inputs(self, ctx: StageContext) -> dict[str, str]:
         """Each input answered by the servers (resumed), as a file in input order: {input: file to read}."""
         from dflash_flow.embedded.served import regenerate_served
+        from dflash_flow.engine.http import api_key_from_env
 
         r = dict(self.regenerate)
-        r.pop("api_key_env", None)
-        api_key = self._api_key()
+        # From api_key_env's variable (which must be set), else $OPENAI_API_KEY when set, else none.
+        api_key = api_key_from_env(r.pop("api_key_env", None), "regenerate.api_key_env")
         out_dir = Path(r.pop("out_dir")).expanduser()
         out_dir.mkdir(parents=True, exist_ok=True)
         if "thinking" not in r and "enable_thinking" in self.template_kwargs:
@@ -388,10 +352,9 @@ class EmbeddedChatSource(ChatSource):
     @classmethod
     def preload(cls) -> None:
         super().preload()
-        import dflash_flow.embedded.build  # noqa: F401
         import dflash_flow.embedded.regenerate  # noqa: F401
         import dflash_flow.embedded.train_target  # noqa: F401
-        import dflash_flow.model.speculative  # noqa: F401
+        import dflash_flow.model.evaluation  # noqa: F401
 
     n_train: int = cfg(1024, ge=1, doc="Training conversations to build.")
     n_eval: int = cfg(64, ge=0, doc="Held-out conversations to build beside them.")

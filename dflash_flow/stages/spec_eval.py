@@ -1,5 +1,4 @@
-"""SpecDecodeEval: after training, real speculative decoding on held-out prompts (greedy and sampled, at
-one or more horizons) and the teacher-forced walk on held-out conversations with the target's replies."""
+"""SpecDecodeEval: after training, speculative decoding on held-out prompts and the teacher-forced walk."""
 
 from __future__ import annotations
 
@@ -18,30 +17,25 @@ from dflash_flow.model.spec import UsesModel, model_of
 QUICK_PROMPTS, QUICK_WALKS = 8, 16
 
 
-def _each(check, what: str, nonempty: bool):
-    def validate(_inst: Any, _attribute: attrs.Attribute, value: list) -> None:
-        if nonempty and not value:
-            raise ValueError("must not be empty")
-        bad = [v for v in value if not check(v)]
-        if bad:
-            raise ValueError(f"every value must be {what}, got {bad[0]!r}")
-
-    return validate
-
-
 _NOT_EMBEDDED = ("walk_data 'embedded' holds the embedded target's replies; with another target, give a JSONL of "
                  "that target's own replies")
 
 
 def _list_field(default: list | None, check, what: str, doc: str, *, nonempty: bool = False) -> Any:
-    """A list config field whose every element is checked (``cfg`` bounds apply to scalars only);
-    ``default`` None makes it optional (null allowed, a given list must be non-empty)."""
+    """A list config field checking every element; ``default`` None: optional (a given list non-empty)."""
+
+    def validate(_inst: Any, _attribute: attrs.Attribute, value: list) -> None:
+        if (nonempty or default is None) and not value:
+            raise ValueError("must not be empty")
+        bad = [v for v in value if not check(v)]
+        if bad:
+            raise ValueError(f"every value must be {what}, got {bad[0]!r}")
+
     metadata = {"doc": f"{doc} (each {what})", "config": True, "bounds": {}, "choices": None, "finite": True}
     if default is None:
-        validator = attrs.validators.optional(_each(check, what, True))
-        return attrs.field(default=None, validator=validator, kw_only=True, metadata=metadata)
-    return attrs.field(factory=lambda: list(default), validator=_each(check, what, nonempty), kw_only=True,
-                       metadata=metadata)
+        return attrs.field(default=None, validator=attrs.validators.optional(validate), kw_only=True,
+                           metadata=metadata)
+    return attrs.field(factory=lambda: list(default), validator=validate, kw_only=True, metadata=metadata)
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -51,9 +45,7 @@ class SpecDecodeEval(Stage, UsesModel):
 
     @classmethod
     def preload(cls) -> None:
-        import dflash_flow.model.evaluation  # noqa: F401
-        import dflash_flow.model.speculative  # noqa: F401
-        import dflash_flow.model.walk  # noqa: F401
+        import dflash_flow.model.evaluation  # noqa: F401 (imports model.walk)
 
     input_type = StepReport
     output_type = EvalReport
@@ -100,8 +92,7 @@ class SpecDecodeEval(Stage, UsesModel):
             raise ValueError(f"stage '{ctx.name}': {_NOT_EMBEDDED}")
 
     def _progress_hook(self):
-        """Between units of the evaluation: the watchdog hears of progress, a stop abandons the rest, and the
-        console's progress line shows prompts, tokens/s and the ETA (``RunRecord.note_phase``)."""
+        """Between units of the evaluation: a heartbeat, a stop check and the console's progress line."""
         from dflash_flow.observe.record import PhaseProgress
         from dflash_flow.services import services_of
 
@@ -150,8 +141,6 @@ class SpecDecodeEval(Stage, UsesModel):
             torch.set_num_threads(self.torch_threads)
         # Evaluation builds models (target, drafters): hold the process-wide model lock.
         with MODEL_LOAD_LOCK:
-            results = evaluate_exported(progress=self._progress_hook(),
-                                        drafter_path=report.artifacts["drafter"],
-                                        seed=self._ctx.seed_for(0, "evaluation"), device=self._ctx.device,
-                                        **self.evaluation_settings(self._spec, self._ctx.output_dir))
-        return results
+            return evaluate_exported(progress=self._progress_hook(), drafter_path=report.artifacts["drafter"],
+                                     seed=self._ctx.seed_for(0, "evaluation"), device=self._ctx.device,
+                                     **self.evaluation_settings(self._spec, self._ctx.output_dir))

@@ -13,6 +13,7 @@ import attrs
 from dflash_flow.core import Stage, cfg
 from dflash_flow.core.metrics import Counter, Gauge, Summary, stage_metric
 from dflash_flow.items import PaddedBatch, TargetFeatures
+from dflash_flow.model.feature_cache import FeatureCache
 from dflash_flow.model.spec import UsesModel, model_of
 
 
@@ -21,12 +22,6 @@ def _absent_local_path(spec: Any) -> bool:
     from pathlib import Path
 
     return isinstance(spec, str) and spec.startswith(("/", ".", "~")) and not Path(spec).expanduser().exists()
-
-
-def _new_cache():
-    from dflash_flow.model.feature_cache import FeatureCache
-
-    return FeatureCache()
 
 
 @attrs.define
@@ -78,7 +73,7 @@ class TargetForward(Stage, UsesModel):
         doc="Memory the feature cache may hold (samples past it are computed again every epoch).",
     )
     # One cache for all replicas (they are deep copies of this stage, and a copy of a cache is the cache).
-    _cache: Any = attrs.field(factory=lambda: _new_cache(), init=False)
+    _cache: Any = attrs.field(factory=FeatureCache, init=False)
 
     def device_problems(self, replica_devices: list[list[str]]) -> list[tuple[str, str]]:
         """This machine's side (validation with device checks): a feature cache larger than its memory would

@@ -1,4 +1,4 @@
-"""CPU contention in the planner's model (`app.contention`): the processor-sharing wait on known cases,
+"""CPU contention in the planner's model (`app.splitplan`): the processor-sharing wait on known cases,
 the prediction on a hand-made profile, and real threads that outnumber the cores: GIL-free hashing
 stages, pinned to two cores, profiled with one replica and predicted, then run, with more."""
 
@@ -14,9 +14,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from common import hash_graph  # noqa: E402 - the bench's workload, one copy
 
-from dflash_flow.app.contention import wait_per_cpu_s, waits
 from dflash_flow.app.profile import Profile, StageProfile, profile
-from dflash_flow.app.splitplan import predict
+from dflash_flow.app.splitplan import predict, wait_per_cpu_s, waits
 from dflash_flow.core import validated
 
 

@@ -89,7 +89,6 @@ def test_evaluate_exported_figures_do_not_depend_on_the_batch(exported, temperat
 
 def test_batch_size_one_walks_every_conversation_alone(exported, monkeypatch):
     """Batch 1 is main's loop (the bench's "before"): no batched walk forwards, no batched drafts."""
-    import dflash_flow.model.batched as batched_walk
     import dflash_flow.model.walk as walk
     from dflash_flow.embedded import embedded_walk_data
     from dflash_flow.model.evaluation import evaluate_exported
@@ -98,7 +97,7 @@ def test_batch_size_one_walks_every_conversation_alone(exported, monkeypatch):
         raise AssertionError("a batched walk at batch_size 1")
 
     monkeypatch.setattr(walk, "walk_inputs", refuse)
-    monkeypatch.setattr(batched_walk, "walk_batch", refuse)
+    monkeypatch.setattr(walk, "walk_batch", refuse)
     drafter, prompts, target = exported
     reports = evaluate_exported(target=target, drafter_path=drafter, prompts_path=prompts, limit=2, max_new_tokens=[6],
                                 baseline=False, temperatures=[0.0, 1.0], walk_data=embedded_walk_data(), walk_limit=3,

@@ -118,7 +118,7 @@ def test_every_stage_thread_is_on_its_gpu_before_its_setup(monkeypatch):
     finding 8). torch's CUDA calls are recorded (no GPU here): a machine with two GPUs, as torch would see it."""
     import torch
 
-    import dflash_flow.app  # noqa: F401 - the application registers the thread setup (app.sections)
+    import dflash_flow.app  # noqa: F401 - the application registers the thread setup (dflash_flow.app)
 
     services: dict = {"bound": []}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

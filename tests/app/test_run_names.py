@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dflash_flow.app import run
-from dflash_flow.observe.runinfo import default_run_name
+from dflash_flow.observe.store import default_run_name
 
 PIPELINE = """
 name: quick

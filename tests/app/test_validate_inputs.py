@@ -111,7 +111,7 @@ stages:
 
 
 def test_huge_weights_keep_their_proportions():
-    from dflash_flow.data.corpus import draw_epoch, mixture_counts
+    from dflash_flow.data.plan import draw_epoch, mixture_counts
 
     assert mixture_counts([1e308, 1e308], 78) == [39, 39]
     assert mixture_counts([1e308, 1e308 / 3], 80) == [60, 20]

@@ -59,7 +59,7 @@ def test_every_stage_metrics_class_lists_its_metrics():
 
 
 def test_the_stages_command_lists_a_stage_metrics():
-    from dflash_flow.core.describe import describe_stage
+    from dflash_flow.core.graph import describe_stage
 
     text = describe_stage("DrafterStep")
     assert "metrics (in MLflow: stage/<stage>/metric/<name>" in text

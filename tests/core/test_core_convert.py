@@ -14,7 +14,7 @@ from dflash_flow.core import Graph, RuntimeOptions, Stage, cfg, load_graph_text,
 from dflash_flow.core import graph as core_sections
 from dflash_flow.core.convert import structure
 from dflash_flow.core.convert_types import describe_type
-from dflash_flow.core.describe import describe_stage
+from dflash_flow.core.graph import describe_stage
 
 
 @attrs.define(kw_only=True)

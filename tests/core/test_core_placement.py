@@ -6,7 +6,13 @@ import itertools
 
 import pytest
 
-from dflash_flow.core.devices import RankLayout, plan_placement
+from dflash_flow.core.devices import RankLayout, device_groups, plan_groups
+
+
+def plan_placement(devices, replicas, layout):
+    """plan_groups for a flat device list (one device per replica)."""
+    placed, problems, warning = plan_groups(device_groups(devices), replicas, layout)
+    return [g[0] for g in placed], problems, warning
 
 
 def test_two_ranks_per_8_gpu_node_own_disjoint_halves():
@@ -90,15 +96,15 @@ def test_device_lists_per_replica_map_each_device_into_the_ranks_slice():
 
 
 def test_flat_lists_and_strings_are_one_device_per_replica_as_before():
-    from dflash_flow.core.devices import device_groups, is_nested, place_replicas
+    from dflash_flow.core.devices import is_nested
 
     assert device_groups("cuda:1") == [["cuda:1"]]
     assert device_groups(["cuda:0", "cuda:1"]) == [["cuda:0"], ["cuda:1"]]
     assert device_groups([["cpu", "cpu"]]) == [["cpu", "cpu"]]
     assert not is_nested(["cuda:0", "cuda:1"]) and is_nested([["cuda:0"]])
     lay = RankLayout(visible=2)
-    assert place_replicas(["cuda:0", "cuda:1"], 3, lay) == ([["cuda:0"], ["cuda:1"], ["cuda:0"]], None)
-    assert place_replicas("auto", 2, RankLayout(visible=0))[0] == [["cpu"], ["cpu"]]
+    assert plan_groups(device_groups(["cuda:0", "cuda:1"]), 3, lay) == ([["cuda:0"], ["cuda:1"], ["cuda:0"]], [], None)
+    assert plan_groups(device_groups("auto"), 2, RankLayout(visible=0))[0] == [["cpu"], ["cpu"]]
 
 
 @pytest.mark.parametrize("groups,replicas,multi,expected", [
@@ -169,7 +175,7 @@ def test_a_replica_gets_all_its_devices_and_producers_see_the_consumers_first_de
 
 def test_graph_labels_show_each_replicas_devices():
     from dflash_flow.core import Graph
-    from dflash_flow.core.describe import to_dot, to_mermaid
+    from dflash_flow.core.graph import to_dot, to_mermaid
 
     g = Graph()
     g.add("src", "TestSource")

@@ -53,6 +53,7 @@ def _start(tmp_path: Path, service_s: float) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         cwd=tmp_path,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),  # the test itself may run under nohup
     )
     guard = threading.Timer(60, proc.kill)  # never hang the suite on a script that does not start
     guard.start()

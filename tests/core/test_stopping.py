@@ -192,7 +192,8 @@ with c.scope(announce=lambda reason, forced: print("ANNOUNCE", reason, forced, f
 def test_the_supervisor_announces_the_first_stop_at_once_and_the_second_forces():
     proc = subprocess.Popen([sys.executable, "-c", "import sys\nfrom dflash_flow.core.stopping import Phase, controller\n"
                              + PIPELINE.format(here=str(HERE))], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=ROOT)
+                            text=True, cwd=ROOT,  # SIGHUP as by default, though the test may run under nohup
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     try:
         assert proc.stdout.readline().strip() == "READY"
         proc.send_signal(signal.SIGHUP)

@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_flow.data.collate import pad_arrays, pad_batch, pad_samples
 from dflash_flow.data.packing import PlanConfig
-from dflash_flow.data.plan import BatchPlanner
+from dflash_flow.data.plan import BatchPlanner, pad_arrays, pad_batch, pad_samples
 from dflash_flow.items import PlannedBatch, Sample
 
 

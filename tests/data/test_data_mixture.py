@@ -10,7 +10,7 @@ import pytest
 
 from dflash_flow.core import Graph, StageContext
 from dflash_flow.core.validate import validate
-from dflash_flow.data.corpus import draw_epoch, mixture_counts
+from dflash_flow.data.plan import draw_epoch, mixture_counts
 from dflash_flow.stages.bucketer import Bucketer
 from dflash_flow.stages.interleaver import Interleaver
 from dflash_flow.stages.sources import TokenizedSource

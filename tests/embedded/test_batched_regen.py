@@ -12,7 +12,21 @@ from dflash_flow.data.chat import stop_token_ids
 from dflash_flow.embedded.corpus import make_split
 from dflash_flow.embedded.regenerate import regenerate
 from dflash_flow.model.generation import greedy_continuations
-from dflash_flow.model.slot_decoder import BLOCK, SlotDecoder, _block_attention, greedy_batched
+from dflash_flow.model.slot_decoder import BLOCK, SlotDecoder, _block_attention
+
+
+def greedy_batched(model, prompts, *, max_new_tokens: int, stop_ids=None, slots: int = 16) -> list[tuple[list[int], str]]:
+    """``greedy_continuations``' result for ``prompts`` through ``SlotDecoder`` (``slots`` rows at once, continuous)."""
+    dec = SlotDecoder(model, slots=slots, max_new_tokens=max_new_tokens, stop_ids=stop_ids or ())
+    out: dict[int, tuple[list[int], str]] = {}
+    todo = list(enumerate(prompts))[::-1]
+    while todo or dec.busy:
+        while todo and dec.free:
+            i, ids = todo.pop()
+            dec.add(i, ids)
+        for i, tokens, reason in dec.step():
+            out[i] = (tokens, reason)
+    return [out[i] for i in range(len(prompts))]
 
 
 def _prompt_ids(tok, n: int, seed: int) -> list[list[int]]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import time
 
-from dflash_flow.embedded.build import build_default_dataset
 from dflash_flow.embedded.corpus import split_of
 from dflash_flow.embedded.regen_io import OutputWriter
+from dflash_flow.embedded.regenerate import build_default_dataset
 
 
 def _read(path):

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dflash_flow.data.chat import stop_token_ids
-from dflash_flow.embedded.tokenizer import (
+from dflash_flow.embedded.train_target import (
     ENDOFTEXT,
     IM_END,
     IM_START,

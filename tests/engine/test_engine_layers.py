@@ -1,11 +1,11 @@
-"""The one layer-id mapping between our target_layer_ids and vLLM's (engine.command)."""
+"""The one layer-id mapping between our target_layer_ids and vLLM's (engine.config)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dflash_flow.engine.command import from_engine_layer_ids, to_engine_layer_ids
+from dflash_flow.engine.config import from_engine_layer_ids, to_engine_layer_ids
 
 
 def test_vllm_ids_are_ours_plus_one_and_back():

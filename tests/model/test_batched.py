@@ -15,15 +15,13 @@ import torch
 from model_testlib import MASK_ID, VOCAB, build_drafter, build_target, target_features
 
 from dflash_flow.model import batched
-from dflash_flow.model.batched import walk_batch
 from dflash_flow.model.block_drafter import BlockDrafter, draft_settings
 from dflash_flow.model.dflash2 import drafter_from_config, make_variant_config
-from dflash_flow.model.generation import greedy_generate, spec_generate
+from dflash_flow.model.evaluation import evaluate_drafter
+from dflash_flow.model.generation import Sampling, greedy_generate, spec_generate
 from dflash_flow.model.objective import dflash_loss
 from dflash_flow.model.optim import build_optimizer
-from dflash_flow.model.sampling import Sampling
-from dflash_flow.model.speculative import evaluate_drafter
-from dflash_flow.model.walk import WalkResult, _walk_horizons, evaluate_walk, walk_input
+from dflash_flow.model.walk import WalkResult, _walk_horizons, evaluate_walk, walk_batch, walk_input
 
 # The trained drafter takes ~10 s to train (one thread, quiet box): the tests that use it are slow; the fast set
 # keeps one check with an untrained drafter (acceptance about 1: every row's context one token a step).

@@ -9,13 +9,8 @@ import torch
 from model_testlib import MASK_ID, build_drafter, build_target
 
 from dflash_flow.model.block_attention import _BlockAttention, _SplitAttention
-from dflash_flow.model.objective import (
-    ColumnBounds,
-    block_attention_mask,
-    block_layouts,
-    group_spans,
-    plan_blocks,
-)
+from dflash_flow.model.layout import block_attention_mask
+from dflash_flow.model.objective import ColumnBounds, block_layouts, group_spans, plan_blocks
 
 
 def setup_case(layer_type, window, group_blocks, drop=False, seed=0, split=False):

@@ -12,9 +12,10 @@ import torch
 from model_testlib import build_drafter, build_target, target_features
 
 from dflash_flow.model import compile_plan as cp
+from dflash_flow.model.blockplan import sample_anchors
 from dflash_flow.model.compile_plan import CompilePlan, plan_steps
 from dflash_flow.model.head import SharedHead
-from dflash_flow.model.objective import dflash_loss, sample_anchors
+from dflash_flow.model.objective import dflash_loss
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,9 @@ import pytest
 import torch
 from model_testlib import build_drafter, build_target, target_features
 
+from dflash_flow.model.blockplan import sample_anchors
 from dflash_flow.model.head import SharedHead
-from dflash_flow.model.objective import dflash_loss, sample_anchors
+from dflash_flow.model.objective import dflash_loss
 from dflash_flow.model.trainer import DFlashObjective, TrainerConfig
 from dflash_flow.stages.drafter_step import DrafterStep
 

@@ -37,9 +37,8 @@ from dflash_flow.model.dflash2 import (
 )
 from dflash_flow.model.drafter import DFlashDrafter
 from dflash_flow.model.export import load_drafter, save_drafter
-from dflash_flow.model.generation import spec_generate
+from dflash_flow.model.generation import Sampling, spec_generate
 from dflash_flow.model.objective import dflash_loss, draft_block_hidden, plan_blocks
-from dflash_flow.model.sampling import Sampling
 from dflash_flow.model.strategies import DFlash2
 from dflash_flow.model.walk import teacher_forced_walk
 

@@ -65,7 +65,7 @@ def test_training_lowers_loss_and_raises_acceptance():
                     **common,
                 )
             drafter.train()
-            return out.loss.item(), out.acceptance_length
+            return out.loss.item(), out.metrics()["acceptance_length"]
 
         loss0, accept0 = evaluate()
         steps, batch = 160, 8

@@ -168,7 +168,8 @@ def test_the_gpu_path_masks_are_aligned_and_give_the_dense_attention(layer_type,
 def test_the_gpu_path_trains_with_the_cpu_paths_loss_and_gradients(monkeypatch):
     """A whole DFlash loss through the grouped SDPA path (forced on the CPU, sliding and full layers, block size
     8, chunks under a budget) equals the CPU kernels' loss and gradients."""
-    from dflash_flow.model.objective import dflash_loss, sample_anchors
+    from dflash_flow.model.blockplan import sample_anchors
+    from dflash_flow.model.objective import dflash_loss
 
     target = build_target()
     drafter = build_drafter(target, num_layers=2, layer_types=["sliding_attention", FULL_ATTENTION], sliding_window=6)

@@ -1,4 +1,4 @@
-"""Acceptance over time (model.heldout): the probe's walk on a fixed held-out sample is the final
+"""Acceptance over time (model.walk.HeldoutProbe): the probe's walk on a fixed held-out sample is the final
 evaluation's walk on the same conversations, at every point of training, and measuring it changes
 nothing about the training (same losses, same weights)."""
 
@@ -11,10 +11,9 @@ from dflash_flow.items import BatchMeta, TargetFeatures
 from dflash_flow.model.block_drafter import features
 from dflash_flow.model.generation import greedy_generate
 from dflash_flow.model.head import load_shared_head
-from dflash_flow.model.heldout import HeldoutProbe
 from dflash_flow.model.target import load_target, load_target_config
 from dflash_flow.model.trainer import DrafterShape, DrafterTrainer, TrainerConfig, build_drafter
-from dflash_flow.model.walk import evaluate_walk
+from dflash_flow.model.walk import HeldoutProbe, evaluate_walk
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")]

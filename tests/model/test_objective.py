@@ -12,19 +12,16 @@ import pytest
 import torch
 from model_testlib import MASK_ID, VOCAB, build_drafter, randomize, target_features
 
+from dflash_flow.model.blockplan import decay_weights, sample_anchors, valid_anchor_mask
 from dflash_flow.model.drafter_config import FULL_ATTENTION, SLIDING_ATTENTION
+from dflash_flow.model.layout import activation_bytes_per_block, block_attention_mask
 from dflash_flow.model.objective import (
     ColumnBounds,
-    activation_bytes_per_block,
     auto_chunk_blocks,
     auto_group_blocks,
-    block_attention_mask,
-    decay_weights,
     dflash_loss,
     draft_block_hidden,
     plan_blocks,
-    sample_anchors,
-    valid_anchor_mask,
 )
 
 
@@ -349,7 +346,8 @@ def test_chunked_loss_equals_unchunked(target):
         results.append((out, {k: p.grad.clone() for k, p in drafter.named_parameters()}))
     (a, ga), (b, gb) = results
     torch.testing.assert_close(a.loss, b.loss, atol=1e-6, rtol=1e-6)
-    assert a.accuracy == b.accuracy and a.acceptance_length == b.acceptance_length
+    ma, mb = a.metrics(), b.metrics()
+    assert ma["accuracy"] == mb["accuracy"] and ma["acceptance_length"] == mb["acceptance_length"]
     for k in ga:
         torch.testing.assert_close(ga[k], gb[k], atol=1e-6, rtol=1e-5)
 
@@ -401,17 +399,13 @@ def test_loss_value_and_metrics_match_manual_computation(target):
                 run += alive
             accept.append(1 + run)
     assert out.loss.item() == pytest.approx(manual_loss / wsum, rel=1e-5)
-    assert out.num_tokens == total
-    assert out.accuracy == pytest.approx(correct / total)
-    assert out.acceptance_length == pytest.approx(sum(accept) / len(accept))
-    assert len(out.position_accuracy) == 3
     m = out.metrics("train/")
     assert m["train/loss"] == pytest.approx(out.loss.item())
-    assert m["train/accuracy"] == pytest.approx(out.accuracy)
-    assert m["train/acceptance_length"] == pytest.approx(out.acceptance_length)
+    assert m["train/accuracy"] == pytest.approx(correct / total)
+    assert m["train/acceptance_length"] == pytest.approx(sum(accept) / len(accept))
     assert m["train/num_tokens"] == total and m["train/num_blocks"] == len(accept)
     assert not any("accuracy_pos" in k for k in m)  # the slots are a sequence of their own, not keys
-    assert list(out.values()[1]) == pytest.approx(out.position_accuracy)
+    assert len(out.values()[1]) == 3
 
 
 def test_no_valid_anchor_gives_zero_loss_with_graph(target):
@@ -429,7 +423,8 @@ def test_no_valid_anchor_gives_zero_loss_with_graph(target):
         block_size=8,
         **loss_modules(target),
     )
-    assert out.loss.item() == 0.0 and out.num_tokens == 0 and out.acceptance_length == 0.0
+    m = out.metrics()
+    assert out.loss.item() == 0.0 and m["num_tokens"] == 0 and m["acceptance_length"] == 0.0
     out.loss.backward()
     assert drafter.fc.weight.grad is not None
 
@@ -444,7 +439,7 @@ def test_pitfall_8_training_settings_must_match_the_drafter_config(target):
     with pytest.raises(ValueError, match="block_size"):
         dflash_loss(drafter, block_size=16, **kw)
     out = dflash_loss(drafter, **kw)  # both taken from the config
-    assert len(out.position_accuracy) == 7
+    assert len(out.values()[1]) == 7
     with pytest.raises(ValueError, match="target layers"):
         dflash_loss(drafter, **dict(kw, hidden_states=torch.cat([feats, feats], dim=-1)))
 

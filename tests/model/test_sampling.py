@@ -28,9 +28,8 @@ from test_speculative import make_drafter, prompt
 from transformers import Qwen3Config
 
 from dflash_flow.model import generation
-from dflash_flow.model.generation import spec_generate
-from dflash_flow.model.sampling import Sampling, sample_from, sampling_probs, verify_sampled
-from dflash_flow.model.speculative import evaluate_drafter
+from dflash_flow.model.evaluation import evaluate_drafter
+from dflash_flow.model.generation import Sampling, sample_from, sampling_probs, spec_generate, verify_sampled
 from dflash_flow.model.target import load_target
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")]

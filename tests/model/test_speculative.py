@@ -19,8 +19,8 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import Qwen3Config
 
+from dflash_flow.model.evaluation import evaluate_drafter
 from dflash_flow.model.generation import SpecResult, greedy_generate, spec_generate
-from dflash_flow.model.speculative import evaluate_drafter
 from dflash_flow.model.target import load_target
 
 VOCAB = 512

@@ -134,7 +134,7 @@ def test_features_equal_hf_hidden_states(family, layer_ids, request):
     ext = TargetFeatureExtractor(model, layer_ids)
     got = ext(ids)
     want = _hf_features(model, ids, layer_ids)
-    assert got.shape == (2, 17, 64 * len(layer_ids)) == (2, 17, ext.feature_dim)
+    assert got.shape == (2, 17, 64 * len(layer_ids))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
@@ -167,7 +167,6 @@ def test_extraction_stops_at_the_deepest_requested_layer(qwen):
         for h in handles:
             h.remove()
     assert calls == {"layer0": 1, "layer1": 1, "layer2": 1, "layer3": 1}
-    assert ext.layers_run == 4
     # Its own hooks are gone after the call.
     assert [len(layer._forward_hooks) for layer in layers] == hooks_before
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 
 from dflash_flow.items import EvalReport
-from dflash_flow.observe.bottleneck import find_bottleneck
+from dflash_flow.observe.bottleneck import StageLoad, find_bottleneck
 from dflash_flow.observe.record import History
 from dflash_flow.observe.sample import (
     BucketSample,
@@ -55,7 +55,7 @@ def full_sample(step: int = 7, names=("padder", "target")) -> MonitorSample:
         ),
         b: stage(b, replica(0, 0.4, depth=None)),
     }
-    loads = {n: s.load() for n, s in stages.items()}
+    loads = {n: StageLoad(n, s.replicas, s.busy, s.blocked_in, s.blocked_out) for n, s in stages.items()}
     return MonitorSample(
         step=step,
         elapsed_s=12.0,

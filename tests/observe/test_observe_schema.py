@@ -12,7 +12,6 @@ from samples_for_tests import full_sample
 
 from dflash_flow.items import EvalReport
 from dflash_flow.observe.progress import LoadPoint, SourceLoad
-from dflash_flow.observe.runinfo import sanitize_key
 from dflash_flow.observe.sample import (
     BucketSample,
     EpochPoint,
@@ -35,6 +34,7 @@ from dflash_flow.observe.schema import (
     reduce_ranks,
     train_reduction,
 )
+from dflash_flow.observe.store import sanitize_key
 from dflash_flow.observe.tracking import SystemSample
 
 REPO = Path(__file__).resolve().parents[2]

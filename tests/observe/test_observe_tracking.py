@@ -17,10 +17,16 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash_flow.cli import app
-from dflash_flow.observe.runinfo import MAX_PARAM_VAL_LENGTH, flatten_params, redact_uri, run_tags
 from dflash_flow.observe.spool import SpoolError, import_spool, read_spool
-from dflash_flow.observe.store import check_tracking_uri, resolve_tracking_uri
-from dflash_flow.observe.tracking import Tracker, TrackingError, status_for_exception
+from dflash_flow.observe.store import (
+    MAX_PARAM_VAL_LENGTH,
+    check_tracking_uri,
+    flatten_params,
+    redact_uri,
+    resolve_tracking_uri,
+    run_tags,
+)
+from dflash_flow.observe.tracking import Tracker, TrackingError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,17 +73,12 @@ def test_resolve_tracking_uri_plain_path_and_passthrough(tmp_path):
     assert resolve_tracking_uri("sqlite:///a.db") == "sqlite:///a.db"
 
 
-def test_run_tags_and_status_mapping():
+def test_run_tags():
     tags = run_tags(CONFIG, world_size=2, device_summary="cpu x2", cwd=REPO)
     assert tags["world_size"] == "2" and tags["device_summary"] == "cpu x2"
     assert len(tags["config_hash"]) == 16
     assert tags["config_hash"] == run_tags(json.loads(json.dumps(CONFIG)), cwd=REPO)["config_hash"]
     assert tags["git_commit"].split("-")[0].isalnum()
-    assert status_for_exception(None) == "FINISHED"
-    assert status_for_exception(RuntimeError()) == "FAILED"
-    assert status_for_exception(KeyboardInterrupt()) == "KILLED"
-    assert status_for_exception(SystemExit(143)) == "KILLED"
-    assert status_for_exception(SystemExit(0)) == "FINISHED"
 
 
 # ------------------------------------------------------------------ real sqlite store
@@ -102,7 +103,8 @@ def test_finished_run_params_metrics_artifacts(sqlite_uri, tmp_path):
         tr.log_metrics(metrics, step=step)
         if step % 10 == 9:
             tr.flush()
-    tr.log_text("run:\n  seed: 7\n", "config/resolved.yaml")
+    (tmp_path / "resolved.yaml").write_text("run:\n  seed: 7\n")
+    tr.log_artifact(tmp_path / "resolved.yaml", "config")
     tr.log_artifact(png, "plots")
     tr.end("FINISHED")
     assert tr.spool_path is None, "nothing should be spooled against a healthy store"
@@ -130,17 +132,16 @@ def test_finished_run_params_metrics_artifacts(sqlite_uri, tmp_path):
     )
 
 
-def test_failed_run_from_exception(sqlite_uri, tmp_path):
-    with pytest.raises(RuntimeError, match="boom"):
-        with Tracker.start(
-            tracking_uri=sqlite_uri,
-            experiment="observe-tests",
-            run_name="failed",
-            spool_dir=tmp_path,
-            system_metrics=False,
-        ) as tr:
-            tr.log_metrics({"loss": 1.0}, step=0)
-            raise RuntimeError("boom")
+def test_failed_run(sqlite_uri, tmp_path):
+    tr = Tracker.start(
+        tracking_uri=sqlite_uri,
+        experiment="observe-tests",
+        run_name="failed",
+        spool_dir=tmp_path,
+        system_metrics=False,
+    )
+    tr.log_metrics({"loss": 1.0}, step=0)
+    tr.end("FAILED")
     run = client_for(sqlite_uri).get_run(tr.run_id)
     assert run.info.status == "FAILED"
     assert [m.step for m in client_for(sqlite_uri).get_metric_history(tr.run_id, "loss")] == [0]
@@ -152,16 +153,20 @@ def test_interrupted_process_is_killed(sqlite_uri, tmp_path):
     script = textwrap.dedent(f"""
         import sys, time
         from dflash_flow.observe.tracking import Tracker
-        with Tracker.start(tracking_uri={sqlite_uri!r}, experiment="observe-tests", run_name="interrupted",
-                           spool_dir={str(tmp_path)!r}, system_metrics=False) as tr:
-            print("READY", tr.run_id, flush=True)
-            step = 0
+        tr = Tracker.start(tracking_uri={sqlite_uri!r}, experiment="observe-tests", run_name="interrupted",
+                           spool_dir={str(tmp_path)!r}, system_metrics=False)
+        print("READY", tr.run_id, flush=True)
+        step = 0
+        try:
             while True:
                 tr.log_metrics({{"loss": 1.0 / (step + 1)}}, step=step)
                 if step % 5 == 4:
                     tr.flush()
                 step += 1
                 time.sleep(0.01)
+        except KeyboardInterrupt:
+            tr.end("KILLED")
+            raise
     """)
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.Popen(
@@ -349,10 +354,10 @@ def test_disabled_tracking_is_a_noop_and_imports_nothing(tmp_path):
         from dflash_flow.observe.tracking import Tracker
         tr = Tracker.start(experiment="off", enabled=False, params={"a": 1}, tags={"t": 1})
         tr.log_metrics({"loss": 1.0}, step=0); tr.flush()
-        tr.log_text("x", "a.txt"); tr.log_artifact("missing.png")
+        tr.log_artifact("missing.png")
         tr.end("FINISHED")
-        with Tracker(enabled=False) as t2:
-            t2.log_metrics({"x": 1}, step=1)
+        t2 = Tracker(enabled=False)
+        t2.log_metrics({"x": 1}, step=1); t2.end()
         print("RESULT", tr.run_id, "mlflow" in sys.modules, "psutil" in sys.modules, sorted(os.listdir(".")))
     """)
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -514,7 +519,7 @@ def test_import_spool_uploads_only_files_inside_its_stash(sqlite_uri, tmp_path):
 
 def test_import_failing_midway_keeps_the_rest_and_the_run(sqlite_uri, tmp_path):
     tr, spool = _offline_spool(tmp_path, run_name="midway", params={"a": 1})
-    tr.log_params({"a": 2})  # MLflow refuses to change a param: the import stops there
+    tr._submit([{"op": "params", "params": {"a": "2"}}])  # MLflow refuses to change a param: the import stops there
     tr.log_metrics({"loss": 0.5}, step=2)
     tr.end("FINISHED")
     with pytest.raises(SpoolError, match="failed at the params op"):

@@ -53,7 +53,8 @@ def test_server_killed_mid_run_and_restarted_loses_nothing(tmp_path, caplog, mlf
 
     mlflow_servers.kill(server)
     worst_down = train_steps(20)
-    tr.log_text("written while the server was down", "notes/outage.txt")
+    (tmp_path / "outage.txt").write_text("written while the server was down")
+    tr.log_artifact(tmp_path / "outage.txt", "notes")
     assert tr.spooling, "metrics logged while the server is dead must be spooled"
     assert tr.spool_path is not None and tr.spool_path.exists()
     # Flushing against a dead server must not stall training (connection refused, 0 retries).

@@ -242,7 +242,7 @@ def test_the_run_lock_refuses_a_second_holder_and_is_released(tmp_path):
 
 
 def test_the_batch_log_is_never_written_through_a_link(tmp_path):
-    from dflash_flow.observe.batchlog import BatchLog
+    from dflash_flow.observe.record import BatchLog
 
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
@@ -271,7 +271,7 @@ def test_the_export_is_never_written_through_a_link_out_of_the_output_directory(
 def test_an_overlong_record_is_skipped_in_bounded_memory(tmp_path):
     import resource
 
-    from dflash_flow.data.records import DataError, ReadOptions, read_pretokenized_jsonl
+    from dflash_flow.data.records import DataError, ReadOptions, read_records
 
     path = tmp_path / "big.jsonl"
     good = json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}).encode()
@@ -281,7 +281,7 @@ def test_an_overlong_record_is_skipped_in_bounded_memory(tmp_path):
         f.seek(0, 2)
         f.write(b"\n" + good + b"\n")
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    tf = read_pretokenized_jsonl(path, ReadOptions(on_bad_record="skip", max_record_bytes=2**20))
+    tf = read_records(path, kind="tokens", options=ReadOptions(on_bad_record="skip", max_record_bytes=2**20))
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     assert len(tf) == 2 and tf.report.bad == 1
     assert str(tf.report.bad_records[0]) == (f"{path}:2: record of {512 * 2**20} bytes is longer than "
@@ -289,20 +289,20 @@ def test_an_overlong_record_is_skipped_in_bounded_memory(tmp_path):
     assert [int(x) for x in tf.lines] == [1, 3]
     assert grown_mib < 64, f"reading grew the process by {grown_mib:.0f} MiB"
     with pytest.raises(DataError, match=r"big.jsonl:2: record of 536870912 bytes is longer"):
-        read_pretokenized_jsonl(path, ReadOptions(on_bad_record="fail", max_record_bytes=2**20))
+        read_records(path, kind="tokens", options=ReadOptions(on_bad_record="fail", max_record_bytes=2**20))
 
 
 def test_arrow_ids_that_do_not_fit_int32_are_refused_not_wrapped(tmp_path):
     import pyarrow as pa
 
-    from dflash_flow.data.records import ReadOptions, read_pretokenized_arrow
+    from dflash_flow.data.records import ReadOptions, read_records
 
     table = pa.table({"input_ids": pa.array([[1, 2, 3], [4, 2**31 + 5, 6]], type=pa.list_(pa.int64())),
                       "loss_mask": pa.array([[0, 1, 1], [0, 1, 1]], type=pa.list_(pa.int8()))})
     path = tmp_path / "t.arrow"
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table)
-    tf = read_pretokenized_arrow(path, ReadOptions(on_bad_record="skip"))
+    tf = read_records(path, kind="tokens", options=ReadOptions(on_bad_record="skip"))
     assert len(tf) == 1 and int(tf.ids.max()) == 3
     assert "input_ids[1] = 2147483653 is not a token id" in str(tf.report.bad_records[0])
 

@@ -10,7 +10,7 @@ import shutil
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 import numpy as np
@@ -24,13 +24,16 @@ from dflash_flow.model.feature_store.format import (
     SUFFIX,
     Codec,
     FeatureStoreError,
+    Shard,
+    ShardWriter,
     StoreMismatch,
-    corpus_digest,
+    Write,
     estimate_bytes,
     token_digest,
 )
 from dflash_flow.model.feature_store.manifest import (
     StoreLock,
+    corpus_digest,
     merge_store,
     open_for_writing,
     read_manifest,
@@ -39,7 +42,6 @@ from dflash_flow.model.feature_store.manifest import (
     shard_names,
     write_json,
 )
-from dflash_flow.model.feature_store.shard import Shard, ShardWriter, Write
 
 log = logging.getLogger(__name__)
 
@@ -47,19 +49,8 @@ log = logging.getLogger(__name__)
 _BUILT_NAME = re.compile(r"^g(\d+)-r(\d+)-(\d+)\.dfs$")
 
 
-class Comm(Protocol):
-    """What the builder needs of a job's ranks (``app.distributed.Distributed`` is one)."""
-
-    rank: int
-    world_size: int
-
-    def all_gather_object(self, obj: Any) -> list[Any]: ...
-
-    def barrier(self) -> None: ...
-
-
 class LocalComm:
-    """One process is the whole job."""
+    """One process is the whole job: what the builder needs of a job's ranks (as ``app.distributed.Distributed``)."""
 
     rank = 0
     world_size = 1
@@ -146,11 +137,6 @@ def _cut_shards(lengths: np.ndarray, bytes_per_token: int, shard_bytes: int) -> 
     return out
 
 
-def _gen_of(name: str) -> int:
-    m = _BUILT_NAME.match(name)
-    return int(m.group(1)) if m else -1
-
-
 def free_bytes(path: Path) -> int:
     p = Path(path)
     while not p.exists():
@@ -159,20 +145,16 @@ def free_bytes(path: Path) -> int:
 
 
 def build_store(root: str | os.PathLike, *, identity: Mapping[str, Any], dtype: str, width: int, samples: SampleIndex,
-                compute: Compute, comm: Comm | None = None, shard_bytes: int = 2**30, margin_bytes: int = 2**30,
+                compute: Compute, comm: Any = None, shard_bytes: int = 2**30, margin_bytes: int = 2**30,
                 rows_per_call: int = 1, wait_s: float = 0.0, compute_dtype: str | None = None,
                 vocab_size: int | None = None, on_estimate: Callable[[int, int, int, int], None] | None = None,
                 on_wait: Callable[[str, float], None] | None = None,
                 progress: Callable[[BuildProgress], None] | None = None, should_stop: Callable[[], bool] | None = None,
                 write: Write | None = None) -> BuildResult:
-    """Compute and write the features of every sample the store lacks; resumable, several ranks at once.
+    """Compute and write the features of every sample the store lacks; resumable, every rank calls it alike.
 
-    ``identity``: what the features depend on (``tokens`` is filled in here). ``compute(batch)``: ``[(sid,
-    token ids)] -> [features [L, F]]``. Every rank calls this with the same arguments; rank 0 takes the lock
-    (``wait_s``), checks the manifest, removes damaged shards and leftovers, splits what is missing over the
-    ranks (contiguous, equal tokens), refuses a build that does not fit the free space with ``margin_bytes``
-    to spare (``on_estimate(need, free, tokens, samples)`` first) and at the end merges the shards. An error
-    on any rank ends the build on all of them, the finished shards kept.
+    ``compute(batch)``: ``[(sid, token ids)] -> [features [L, F]]``. Rank 0 takes the lock, plans (:func:`_plan`)
+    and at the end merges; an error on any rank ends the build on all of them, the finished shards kept.
     """
     comm = comm or LocalComm()
     root = Path(root)
@@ -209,8 +191,8 @@ def build_store(root: str | os.PathLike, *, identity: Mapping[str, Any], dtype: 
 def _plan(root: Path, identity: Mapping[str, Any], c: Codec, width: int, ids: np.ndarray, lengths: np.ndarray,
           samples: SampleIndex, *, margin_bytes: int, compute_dtype: str | None, vocab_size: int | None,
           on_estimate: Callable[[int, int, int, int], None] | None) -> dict[str, Any]:
-    """Rank 0, the lock held: the manifest checked (or created), leftovers and damaged shards removed, the
-    samples still missing and the space they need (refused when it does not fit)."""
+    """Rank 0, the lock held: the manifest checked, leftovers and damaged shards removed, the samples still
+    missing and the space they need (refused when it does not fit with ``margin_bytes`` to spare)."""
     digests = np.fromiter((token_digest(samples.fetch(i)) for i in range(len(ids))), dtype=np.uint64, count=len(ids))
     full_identity = {**identity, "tokens": corpus_digest(ids, lengths, digests)}
     m = open_for_writing(root, identity=full_identity, codec=c, width=width, expected_samples=int(ids.size),
@@ -236,7 +218,7 @@ def _plan(root: Path, identity: Mapping[str, Any], c: Codec, width: int, ids: np
             f"feature store {root} needs {_gb(need)} for {todo.size:,} samples ({int(todo_len.sum()):,} tokens x "
             f"{c.bytes_per_token(width):,} bytes per token, {c.name}) but its filesystem has {_gb(free)} free "
             f"({_gb(margin_bytes)} kept free): free space, use fp8/bf16, or build elsewhere")
-    gens = [_gen_of(n) for n in shard_names(root)]
+    gens = [int(g.group(1)) for n in shard_names(root) if (g := _BUILT_NAME.match(n))]
     return {"gen": max(gens, default=-1) + 1, "todo": todo.tolist(), "need": need, "free": free,
             "removed": removed + gone, "identity_digest": m["identity_digest"]}
 

@@ -1,5 +1,6 @@
 """The store directory: its lock, its manifest (created, checked against an identity, merged from the shards
-on disk) and the shards found there."""
+on disk), the shards found there, and the identity (what the features depend on: target, layers, tokenizer,
+template, the samples' tokens), compared field by field and digested."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,22 +31,19 @@ from dflash_flow.model.feature_store.format import (
     VERSION,
     Codec,
     FeatureStoreError,
+    Shard,
+    ShardInfo,
     StoreMismatch,
-    compare_identity,
-    fill_unknown,
     id_ranges,
-    identity_digest,
 )
-from dflash_flow.model.feature_store.shard import Shard, ShardInfo
-from dflash_flow.util import atomic_write_bytes, atomic_write_text, blake2b_file, fsync_dir
+from dflash_flow.util import atomic_write_bytes, atomic_write_text, blake2b_file, config_hash, fsync_dir
 
 log = logging.getLogger(__name__)
 
 
 class StoreLock:
-    """The store's ``flock``: exclusive for a build (one at a time), shared for hybrid writers (any number, and
-    never beside a build). The kernel drops it when its process dies (no stale locks); who holds it is in
-    ``.lock.owner``. Needs a filesystem with working flock (local disks; NFS v4)."""
+    """The store's ``flock``: exclusive for a build, shared for hybrid writers; the kernel drops it when its
+    process dies. Who holds it is in ``.lock.owner``."""
 
     def __init__(self, root: Path):
         self.root = Path(root)
@@ -65,8 +63,7 @@ class StoreLock:
 
     def acquire(self, *, exclusive: bool, wait_s: float = 0.0, what: str = "a build",
                 on_wait: Callable[[str, float], None] | None = None, poll_s: float = 0.5) -> None:
-        """Take the lock, waiting up to ``wait_s`` seconds (0: refuse at once; inf: wait for ever); raises
-        FeatureStoreError naming the holder."""
+        """Take the lock, waiting up to ``wait_s`` seconds; else FeatureStoreError naming the holder."""
         self.root.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
         start = time.monotonic()
@@ -140,8 +137,7 @@ def shard_names(root: Path) -> list[str]:
 
 
 def scan_shards(root: Path, digest: str | None, *, remove_damaged: bool) -> tuple[list[Shard], list[str]]:
-    """Every valid shard on disk (opened) and the damaged ones (removed when asked: their samples are then
-    computed again)."""
+    """Every valid shard on disk (opened) and the damaged ones (removed when asked)."""
     shards, damaged = [], []
     for name in shard_names(root):
         try:
@@ -182,8 +178,7 @@ def write_json(path: Path, obj: Any, durable: bool = True) -> None:
 def open_for_writing(root: Path, *, identity: Mapping[str, Any], codec: Codec, width: int,
                      expected_samples: int | None = None, expected_tokens: int | None = None,
                      compute_dtype: str | None = None, vocab_size: int | None = None) -> dict[str, Any]:
-    """The manifest of a store about to be written: created when there is none; else it must be the same
-    identity, dtype and width (refused naming the fields)."""
+    """The manifest of a store about to be written: created, or checked for the same identity, dtype and width."""
     root.mkdir(parents=True, exist_ok=True)
     (root / SHARDS).mkdir(exist_ok=True)
     (root / RANKS).mkdir(exist_ok=True)
@@ -207,7 +202,6 @@ def open_for_writing(root: Path, *, identity: Mapping[str, Any], codec: Codec, w
         fields.append(("width", m["width"], width))
     if fields:
         raise StoreMismatch(root, fields)
-    # Fields it did not record are recorded now (identity_digest, the shards' tie to the store, stays).
     fill_unknown(m["identity"], identity)
     if expected_samples is not None:
         m["expected_samples"], m["expected_tokens"] = expected_samples, expected_tokens
@@ -236,9 +230,8 @@ def first_of_each(parts: list[np.ndarray]) -> tuple[np.ndarray, int]:
 
 
 def merge_store(root: str | os.PathLike, *, expected: Iterable[int] | None = None) -> dict[str, Any]:
-    """Rank 0 at the end of a build (or anyone holding the lock): every valid shard on disk into the merged
-    index and the manifest, complete when every ``expected`` sample id is there (None: the manifest's
-    ``expected_samples`` count). Returns the manifest."""
+    """Every valid shard on disk into the merged index and the manifest (complete when every ``expected`` id,
+    or else ``expected_samples`` many, are there); returns the manifest. Needs the lock."""
     root = Path(root)
     m = read_manifest(root)
     if m is None:
@@ -283,3 +276,51 @@ def remove_leftovers(root: Path) -> int:
                     p.unlink(missing_ok=True)
                     n += 1
     return n
+
+
+def flatten_identity(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """An identity as dotted fields (``target.weights``); ``template_kwargs`` stays one field."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, Mapping) and k != "template_kwargs":
+            out.update(flatten_identity(v, name + "."))
+        else:
+            out[name] = v
+    return out
+
+
+def compare_identity(stored: Mapping[str, Any], expected: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(field, stored, expected) for every dotted field known on both sides (not None) whose values differ."""
+    s, e = flatten_identity(stored), flatten_identity(expected)
+    return [(k, s.get(k), v) for k, v in sorted(e.items())
+            if v is not None and s.get(k) is not None and _norm(s.get(k)) != _norm(v)]
+
+
+def fill_unknown(stored: dict[str, Any], expected: Mapping[str, Any]) -> bool:
+    """Record in ``stored`` the fields of ``expected`` it did not know; whether any was added."""
+    added = False
+    for k, v in expected.items():
+        if isinstance(v, Mapping) and k != "template_kwargs" and isinstance(stored.get(k), dict):
+            added |= fill_unknown(stored[k], v)
+        elif stored.get(k) is None and v is not None:
+            stored[k] = _norm(v)
+            added = True
+    return added
+
+
+def _norm(v: Any) -> Any:
+    return json.loads(json.dumps(v, sort_keys=True, default=str))
+
+
+def identity_digest(identity: Mapping[str, Any]) -> str:
+    return config_hash(_norm(identity))
+
+
+def corpus_digest(sample_ids: Sequence[int], lengths: Sequence[int], digests: Sequence[int]) -> str:
+    """The samples' identity: every (id, length, token digest), in id order."""
+    order = np.argsort(np.asarray(sample_ids, dtype=np.int64), kind="stable")
+    table = np.stack([np.asarray(sample_ids, dtype=np.int64)[order].astype("<u8"),
+                      np.asarray(lengths, dtype=np.int64)[order].astype("<u8"),
+                      np.asarray(digests, dtype=np.uint64)[order].astype("<u8")], axis=1)
+    return hashlib.blake2b(np.ascontiguousarray(table).tobytes(), digest_size=16).hexdigest()

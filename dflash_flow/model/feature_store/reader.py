@@ -21,6 +21,7 @@ from dflash_flow.model.feature_store.format import (
     REOPEN,
     SHARDS,
     FeatureStoreError,
+    Shard,
 )
 from dflash_flow.model.feature_store.manifest import (
     first_of_each,
@@ -28,18 +29,13 @@ from dflash_flow.model.feature_store.manifest import (
     read_manifest,
     shard_names,
 )
-from dflash_flow.model.feature_store.shard import Shard
 
 log = logging.getLogger(__name__)
 
 
 class FeatureStore:
-    """A store opened for reading: ``row(sid)``, ``read_into(out, sid)``, ``in``, ``len``. Thread-safe.
-
-    ``complete=True`` (offline training) wants a finished build: the manifest's shard list and merged index.
-    ``complete=False`` also opens a store being built or filled by hybrid training: its shards are found by
-    listing ``shards/`` (``refresh()`` looks again). Shards are opened when first read (at most
-    ``max_open`` at a time). Never writes: works on a read-only filesystem."""
+    """A store opened for reading (thread-safe, never writes). ``complete=True`` wants a finished build (the
+    merged index); ``complete=False`` also opens one being written, listing ``shards/`` (``refresh()``)."""
 
     def __init__(self, root: str | os.PathLike, *, complete: bool = True, max_open: int = 256):
         self.root = Path(root)
@@ -184,8 +180,7 @@ class FeatureStore:
         return self.codec.decode(payload, length, self.width, out_dtype or self.codec.default_out_dtype())
 
     def prefetch(self, sids: Iterable[int]) -> None:
-        """Ask the kernel to start reading these samples' rows now (``posix_fadvise(WILLNEED)``: asynchronous),
-        so a batch's rows are read side by side instead of one after another."""
+        """Ask the kernel to start reading these samples' rows now (a batch's rows read side by side)."""
         for sid in sids:
             loc = self.locate(int(sid))
             if loc is not None:
@@ -193,9 +188,8 @@ class FeatureStore:
                 shard.advise(offset, length)
 
     def read_into(self, out: torch.Tensor, sid: int, *, tokens: int | None = None) -> bool:
-        """Decode sample ``sid`` into ``out [L, F]`` (CPU); False when the store does not hold it. ``tokens``:
-        the row's token digest as the batch has it; a different one raises (other data, tokenizer or
-        template than the store was built from)."""
+        """Decode sample ``sid`` into ``out [L, F]`` (CPU); False when absent. ``tokens``: the batch's token
+        digest of the row; a different stored one raises."""
         loc = self.locate(sid)
         if loc is None:
             return False
