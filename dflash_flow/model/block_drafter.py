@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .decoding import crop_cache, new_cache, target_device
-from .dflash2 import is_dflash2_config, select_path
+from .dflash2 import is_dflash2_config, select_proposal
 from .drafter_config import draft_value
 
 
@@ -97,13 +97,8 @@ class BlockDrafter:
         logits = self._logits(hidden)
         if not self.selects:
             return logits.argmax(dim=-1), None
-        path, candidates, probs = select_path(self.drafter.candidate_selector, hidden, logits,
-                                              block[:, 0].to(hidden.device), temperature=temperature,
-                                              generator=generator)
-        if probs is None:
-            return path, None
-        full = torch.zeros(probs.shape[1], logits.shape[-1], dtype=torch.float32, device=probs.device)
-        return path, full.scatter_(-1, candidates[0], probs[0].float())
+        return select_proposal(self.drafter.candidate_selector, hidden, logits, block[:, 0].to(hidden.device),
+                               temperature=temperature, generator=generator)
 
     def greedy_drafts(self, block: torch.Tensor, context: torch.Tensor, start: int) -> torch.Tensor:
         """The greedy drafts ``[v - 1]`` of ``block`` (argmax, or a DFlash 2 drafter's selector walk)."""

@@ -318,6 +318,19 @@ def select_path(selector: nn.Module, hidden: torch.Tensor, logits: torch.Tensor,
     return torch.stack(path, dim=1), candidates, torch.stack(probs, dim=1) if probs else None
 
 
+
+def select_proposal(selector: nn.Module, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor, *,
+                    temperature: float = 0.0, generator: torch.Generator | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One block's :func:`select_path` (``[1, P]``) and, when sampled, its proposal over the whole vocabulary
+    ``[P, V]`` (float32, zero outside the candidates; else None)."""
+    path, candidates, probs = select_path(selector, hidden, logits, anchor_ids, temperature=temperature,
+                                          generator=generator)
+    if probs is None:
+        return path, None
+    full = torch.zeros(probs.shape[1], logits.shape[-1], dtype=torch.float32, device=probs.device)
+    return path, full.scatter_(-1, candidates[0], probs[0].float())
+
 def top_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.topk(logits, k, dim=-1)`` of ``[M, V]`` logits: the same values, descending, at the same
     indices (but for ties, which may come in another order), with the values' gradient

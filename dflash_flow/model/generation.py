@@ -17,7 +17,7 @@ from torch import nn
 
 from .block_drafter import BlockDrafter, DraftSettings, draft_settings, features
 from .decoding import cache_kwarg, crop_cache, prefill, reply_until_stop, target_device
-from .dflash2 import select_path
+from .dflash2 import select_proposal
 
 __all__ = ["Sampling", "SpecResult", "greedy_continuations", "greedy_generate", "propose", "sample_from",
            "sampling_probs", "spec_generate", "verify_sampled"]
@@ -224,13 +224,9 @@ def propose(drafter: nn.Module, selects: bool, hidden: torch.Tensor, logits: tor
             return logits.argmax(dim=-1).to(device), None
         probs = sampling_probs(logits.to(device)[0], sampling)
         return sample_from(probs, generator)[None], probs
-    path, candidates, probs = select_path(drafter.candidate_selector, hidden, logits, block[:, 0].to(hidden.device),
-                                          temperature=0.0 if sampling.greedy else sampling.temperature,
-                                          generator=generator)
-    if probs is None:
-        return path.to(device), None
-    full = torch.zeros(probs.shape[1], logits.shape[-1], dtype=torch.float32, device=probs.device)
-    return path.to(device), full.scatter_(-1, candidates[0], probs[0].float()).to(device)
+    path, probs = select_proposal(drafter.candidate_selector, hidden, logits, block[:, 0].to(hidden.device),
+                                  temperature=0.0 if sampling.greedy else sampling.temperature, generator=generator)
+    return path.to(device), None if probs is None else probs.to(device)
 
 
 def accept(logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None, sampling: Sampling,
